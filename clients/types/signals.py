@@ -1,0 +1,241 @@
+"""Wire types of the live loop: completion records, signal requests/responses, bus events.
+
+Field names follow the feedback gateways we studied (../shared/reference/peers.md §5):
+
+* ``POST /v1/feedback`` rates one served completion. ``rating`` is the boolean
+  thumbs label (Helicone's ``{rating: bool}``; TensorZero's boolean metric);
+  ``score`` an optional float (TensorZero float metric, Langfuse numeric score),
+  ``comment`` free text (TensorZero's reserved ``comment`` metric). One rating
+  per (completion, user), a later one replaces it (assistant-ui's upsert rule).
+* ``POST /v1/preferences`` gives a chosen/rejected pair (DPO naming), either as
+  two served completion ids or inline (``messages`` + ``chosen`` + ``rejected``).
+* ``POST /v1/demonstrations`` gives ``messages`` ending with the ideal
+  assistant reply (TensorZero's reserved ``demonstration`` metric).
+
+Accepted signals travel on the Redis signals stream as :data:`SignalEvent`
+values (JSON, discriminated by ``type``). Events are self-contained: a rating
+or completion-id preference copies the exact prompt/completion token ids from
+the completion record, so training never depends on the record still being in
+Redis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(_Strict):
+    """A plain-text chat message (the only kind the trainer can learn from)."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+# --------------------------------------------------------------------- records
+
+
+class CompletionRecord(_Strict):
+    """One served completion, as kept in the completion log (Redis, TTL = retention).
+
+    Attributes:
+        id: the completion id returned to the client (``chatcmpl-…`` / ``cmpl-…``), unique.
+        endpoint: the endpoint that served it (its lineage learns from the feedback).
+        model: the ``model`` string the client sent.
+        adapter: the adapter version name that generated it (``<lineage>@<n>``), ``None`` for the base model.
+        messages: the chat prompt (``None`` for ``/v1/completions``).
+        prompt: the text prompt (``None`` for chat).
+        prompt_token_ids: shape ``(P,)``, the exact tokens the engine saw.
+        completion_token_ids: shape ``(C,)``, the exact tokens generated (stop tokens excluded).
+        logprobs: shape ``(C,)``, sampler logprob of each completion token in nats, when recorded.
+        completion: the completion text returned.
+        finish_reason: ``stop`` or ``length``.
+        created: Unix time, seconds.
+        caller: the authenticated caller (API-key id) or ``None`` without auth.
+        user: the OpenAI ``user`` field of the request, if any.
+    """
+
+    id: str
+    endpoint: str
+    model: str
+    adapter: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float] | None = None
+    completion: str = ""
+    finish_reason: str | None = None
+    created: int
+    caller: str | None = None
+    user: str | None = None
+
+
+# -------------------------------------------------------------------- requests
+
+_User = Annotated[str | None, Field(default=None, min_length=1, max_length=256,
+                                    description="End user giving the signal; defaults to the caller.")]
+
+
+class FeedbackRequest(_Strict):
+    """Body of ``POST /v1/feedback``: one rating of one served completion."""
+
+    completion_id: str = Field(min_length=1, max_length=256, description="Id of a served completion.")
+    rating: bool = Field(description="Thumbs label: true = up (KTO desirable), false = down (undesirable).")
+    score: float | None = Field(default=None, description="Optional numeric score (finite).")
+    comment: str | None = Field(default=None, max_length=10_000, description="Optional free-text comment.")
+    user: _User = None
+
+    @field_validator("score")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("score must be a finite number")
+        return v
+
+
+class PreferenceRequest(_Strict):
+    """Body of ``POST /v1/preferences``: a chosen/rejected pair for the same prompt.
+
+    Exactly one form:
+
+    * ``chosen_completion_id`` + ``rejected_completion_id``: two completions served
+      by the same endpoint for the same prompt tokens;
+    * ``model`` + ``messages`` (the prompt, not ending with an assistant turn) +
+      ``chosen`` + ``rejected`` (assistant reply texts).
+    """
+
+    chosen_completion_id: str | None = Field(default=None, min_length=1, max_length=256)
+    rejected_completion_id: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(default=None, min_length=1, description="Endpoint (inline form).")
+    messages: list[ChatMessage] | None = Field(default=None, description="Prompt messages (inline form).")
+    chosen: str | None = Field(default=None, description="Preferred assistant reply (inline form).")
+    rejected: str | None = Field(default=None, description="Dispreferred assistant reply (inline form).")
+    user: _User = None
+
+
+class DemonstrationRequest(_Strict):
+    """Body of ``POST /v1/demonstrations``: a conversation ending with the ideal assistant reply."""
+
+    model: str = Field(min_length=1, description="Endpoint whose adapter should learn the demonstration.")
+    messages: list[ChatMessage] = Field(min_length=2)
+    user: _User = None
+
+
+# ------------------------------------------------------------------- responses
+
+
+class FeedbackResponse(_Strict):
+    """Answer to ``POST /v1/feedback`` (2xx only once the event is in Redis)."""
+
+    id: str
+    object: Literal["feedback"] = "feedback"
+    completion_id: str
+    endpoint: str
+    rating: bool
+    score: float | None = None
+    comment: str | None = None
+    user: str | None = None
+    replaces: str | None = Field(default=None, description="Id of this user's earlier rating it replaces.")
+    created: int
+
+
+class PreferenceResponse(_Strict):
+    """Answer to ``POST /v1/preferences``."""
+
+    id: str
+    object: Literal["preference"] = "preference"
+    endpoint: str
+    chosen_completion_id: str | None = None
+    rejected_completion_id: str | None = None
+    user: str | None = None
+    created: int
+
+
+class DemonstrationResponse(_Strict):
+    """Answer to ``POST /v1/demonstrations``."""
+
+    id: str
+    object: Literal["demonstration"] = "demonstration"
+    endpoint: str
+    user: str | None = None
+    created: int
+
+
+# ---------------------------------------------------------------------- events
+
+
+class _EventBase(_Strict):
+    id: str
+    endpoint: str
+    created: int
+    caller: str | None = None
+    user: str | None = None
+
+
+class RatingEvent(_EventBase):
+    """A thumbs rating on the bus. ``rating_key`` = ``{completion_id}:{user}``: the trainer keeps only the
+    latest event per key among those not yet trained (``replaces`` names the one superseded)."""
+
+    type: Literal["rating"] = "rating"
+    completion_id: str
+    adapter: str | None = None
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float] | None = None
+    rating: bool
+    score: float | None = None
+    comment: str | None = None
+    rating_key: str
+    replaces: str | None = None
+
+
+class PreferenceEvent(_EventBase):
+    """A preference pair on the bus: token ids (completion-id form) or messages + texts (inline form)."""
+
+    type: Literal["preference"] = "preference"
+    chosen_completion_id: str | None = None
+    rejected_completion_id: str | None = None
+    prompt_token_ids: list[int] | None = None
+    chosen_token_ids: list[int] | None = None
+    rejected_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    chosen: str | None = None
+    rejected: str | None = None
+
+
+class DemonstrationEvent(_EventBase):
+    """A demonstration on the bus: ``messages`` ending with the ideal assistant reply."""
+
+    type: Literal["demonstration"] = "demonstration"
+    messages: list[ChatMessage]
+
+
+SignalEvent = Annotated[RatingEvent | PreferenceEvent | DemonstrationEvent, Field(discriminator="type")]
+#: Parses any event JSON: ``SIGNAL_EVENT.validate_json(text)``.
+SIGNAL_EVENT: TypeAdapter[RatingEvent | PreferenceEvent | DemonstrationEvent] = TypeAdapter(SignalEvent)
+
+
+class VersionNotice(_Strict):
+    """Published on the notices channel when the trainer writes a version.
+
+    ``name`` is the engine name of the version (``<lineage>@<n>``), never reused
+    for other weights; ``sha256`` is the digest recorded in its manifest.
+    """
+
+    type: Literal["version_published"] = "version_published"
+    lineage: str
+    version: int
+    name: str
+    path: str
+    sha256: str
+    endpoint: str | None = None
+    parent: str | None = None
+    kind: str | None = None
+    created: int | None = None
