@@ -1,0 +1,261 @@
+"""The adapter store: lineages of immutable, numbered LoRA adapter versions.
+
+On-disk contract (the one place it is written down)::
+
+    LIVELORA_HOME/adapters/<lineage>/
+        .lock                       flock held while a version number is allocated
+        .next                       the next version number (JSON int); numbers are never reused
+        <n>/                        version n (n >= 1), immutable once visible
+            adapter_model.safetensors   PEFT LoRA weights, standard keys
+                                        ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``
+                                        (no adapter-name infix): loadable by ``PeftModel.from_pretrained``
+                                        and by vLLM's ``LoRARequest``
+            adapter_config.json         PEFT ``LoraConfig`` (peft_type LORA, r, lora_alpha, target_modules)
+            manifest.json               :class:`Manifest`
+            optimizer.pt                optional: ``torch.save`` of the AdamW state dict (read with
+                                        ``torch.load(weights_only=True)``)
+            trainer_state.json          optional: step and RNG states (written with optimizer.pt)
+
+A version directory is built in a hidden temporary sibling and renamed into
+place (:func:`livelora.adapters.atomic.atomic_dir`), so a process killed
+mid-save leaves earlier versions intact and no half-written version visible.
+Version numbers are allocated under the lineage's file lock *before* the write
+starts and the counter is advanced at once, so a crashed save burns its number
+and the next save gets a fresh one: a name ``<lineage>@<n>``, its path and its
+vLLM ``lora_int_id`` (= n) are never reused for other weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from livelora.adapters.atomic import atomic_dir, atomic_write_json, file_lock
+from livelora.clients.errors import BadRequestError, ConflictError, InternalError, NotFoundError
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+MANIFEST_FILE = "manifest.json"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_STATE_FILE = "trainer_state.json"
+
+_LINEAGE_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+
+
+class Manifest(BaseModel):
+    """What a version is: written once into ``manifest.json``, never changed."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    lineage: str
+    version: int = Field(ge=1)
+    name: str = Field(description="``<lineage>@<version>``: the engine-facing adapter name.")
+    base_model: str = Field(description="Base-model name the adapter was trained on.")
+    parent: int | None = Field(default=None, description="Version this one was trained from, if any.")
+    step: int = Field(default=0, ge=0, description="Optimizer steps taken when saved.")
+    created: float = Field(description="Unix time (seconds).")
+    sha256: str = Field(description="sha256 of adapter_model.safetensors (hex).")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    data_counts: dict[str, int] = Field(default_factory=dict, description="Examples/tokens trained on, by kind.")
+    has_optimizer: bool = False
+    rank: int | None = None
+    alpha: float | None = None
+
+
+def validate_lineage(name: str) -> str:
+    """Return ``name`` if it is a valid lineage name (``[a-z0-9][a-z0-9._-]{0,63}``, not ``.``-only).
+
+    Raises:
+        BadRequestError: anything else (including path-traversal attempts such as ``..`` or ``a/b``).
+    """
+    if not isinstance(name, str) or not _LINEAGE_RE.fullmatch(name) or set(name) <= {"."}:
+        raise BadRequestError(
+            f"invalid adapter lineage name {name!r}: use 1-64 characters of a-z, 0-9, '.', '_', '-', "
+            "starting with a letter or digit", param="lineage")
+    return name
+
+
+def parse_version_name(name: str) -> tuple[str, int]:
+    """Split ``<lineage>@<n>`` into ``(lineage, n)``.
+
+    Raises:
+        BadRequestError: malformed name.
+    """
+    lineage, sep, num = name.rpartition("@")
+    if not sep or not num.isdigit() or int(num) < 1:
+        raise BadRequestError(f"invalid adapter version name {name!r}: expected '<lineage>@<n>' with n >= 1",
+                              param="adapter")
+    return validate_lineage(lineage), int(num)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class AdapterStore:
+    """Lineages and immutable versions under ``<home>/adapters`` (see the module docstring for the layout).
+
+    Args:
+        home: ``LIVELORA_HOME``.
+    """
+
+    def __init__(self, home: Path | str):
+        self.home = Path(home)
+        self.root = self.home / "adapters"
+
+    # -- paths ---------------------------------------------------------------------------------------------
+    def lineage_dir(self, lineage: str) -> Path:
+        """Directory of a lineage (validated name)."""
+        return self.root / validate_lineage(lineage)
+
+    def version_dir(self, lineage: str, version: int) -> Path:
+        """Directory of version ``version`` (it may not exist)."""
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise BadRequestError(f"invalid adapter version {version!r}: must be an integer >= 1", param="version")
+        return self.lineage_dir(lineage) / str(version)
+
+    # -- writing -------------------------------------------------------------------------------------------
+    def allocate_version(self, lineage: str) -> int:
+        """Reserve the next version number of ``lineage`` (never reused, even if the save then fails)."""
+        ldir = self.lineage_dir(lineage)
+        ldir.mkdir(parents=True, exist_ok=True)
+        with file_lock(ldir / ".lock"):
+            counter = ldir / ".next"
+            n = json.loads(counter.read_text()) if counter.is_file() else 1
+            existing = [int(p.name) for p in ldir.iterdir() if p.name.isdigit()]
+            n = max([n, *(v + 1 for v in existing)])
+            atomic_write_json(counter, n + 1)
+        return n
+
+    def write_version(self, lineage: str, write: Callable[[Path], None], *, base_model: str,
+                      parent: int | None = None, step: int = 0, metrics: dict[str, float] | None = None,
+                      data_counts: dict[str, int] | None = None, rank: int | None = None,
+                      alpha: float | None = None) -> Manifest:
+        """Create a new version: allocate its number, let ``write(tmp_dir)`` fill a temporary directory with
+        ``adapter_model.safetensors`` + ``adapter_config.json`` (+ optionally ``optimizer.pt`` and
+        ``trainer_state.json``), add the manifest and rename it into place atomically.
+
+        Returns:
+            The new version's manifest.
+
+        Raises:
+            BadRequestError: invalid lineage name.
+            InternalError: ``write`` did not produce the weights or config file.
+            Any exception from ``write`` propagates; nothing becomes visible and the number is burnt.
+        """
+        version = self.allocate_version(lineage)
+        final = self.version_dir(lineage, version)
+        with atomic_dir(final) as tmp:
+            write(tmp)
+            for required in (WEIGHTS_FILE, CONFIG_FILE):
+                if not (tmp / required).is_file():
+                    raise InternalError(f"adapter save wrote no {required}")
+            has_opt = (tmp / OPTIMIZER_FILE).is_file()
+            manifest = Manifest(
+                lineage=lineage, version=version, name=f"{lineage}@{version}", base_model=base_model,
+                parent=parent, step=step, created=time.time(), sha256=sha256_file(tmp / WEIGHTS_FILE),
+                metrics=dict(metrics or {}), data_counts=dict(data_counts or {}), has_optimizer=has_opt,
+                rank=rank, alpha=alpha)
+            (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
+        return manifest
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def lineages(self) -> list[str]:
+        """Names of lineages with at least one directory entry, sorted."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _LINEAGE_RE.fullmatch(p.name))
+
+    def list(self, lineage: str) -> list[Manifest]:
+        """Visible versions of ``lineage``, oldest first (empty if the lineage does not exist)."""
+        ldir = self.lineage_dir(lineage)
+        if not ldir.is_dir():
+            return []
+        nums = sorted(int(p.name) for p in ldir.iterdir() if p.name.isdigit() and (p / MANIFEST_FILE).is_file())
+        return [self.get(lineage, n) for n in nums]
+
+    def get(self, lineage: str, version: int) -> Manifest:
+        """The manifest of one version.
+
+        Raises:
+            NotFoundError: no such version.
+        """
+        path = self.version_dir(lineage, version) / MANIFEST_FILE
+        if not path.is_file():
+            raise NotFoundError(f"adapter version {lineage}@{version} does not exist", param="adapter")
+        return Manifest.model_validate_json(path.read_text())
+
+    def resolve(self, name: str) -> Manifest:
+        """Manifest of ``<lineage>@<n>`` or, for a bare ``<lineage>``, of its latest version."""
+        if "@" in name:
+            return self.get(*parse_version_name(name))
+        return self.latest(name)
+
+    def latest(self, lineage: str) -> Manifest:
+        """The highest visible version.
+
+        Raises:
+            NotFoundError: the lineage has no versions.
+        """
+        versions = self.list(lineage)
+        if not versions:
+            raise NotFoundError(f"adapter lineage {lineage!r} has no versions", param="adapter")
+        return versions[-1]
+
+    def verify(self, lineage: str, version: int) -> bool:
+        """True if the weights file's sha256 equals the manifest's."""
+        manifest = self.get(lineage, version)
+        weights = self.version_dir(lineage, version) / WEIGHTS_FILE
+        return weights.is_file() and sha256_file(weights) == manifest.sha256
+
+    def load_trainer_state(self, lineage: str, version: int) -> dict[str, Any]:
+        """``trainer_state.json`` of a version (``{}`` if absent)."""
+        path = self.version_dir(lineage, version) / TRAINER_STATE_FILE
+        self.get(lineage, version)
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def load_optimizer(self, lineage: str, version: int) -> dict[str, Any]:
+        """The saved optimizer state dict, read with ``torch.load(weights_only=True)``.
+
+        Raises:
+            NotFoundError: the version has no optimizer state.
+        """
+        import torch
+
+        manifest = self.get(lineage, version)
+        path = self.version_dir(lineage, version) / OPTIMIZER_FILE
+        if not manifest.has_optimizer or not path.is_file():
+            raise NotFoundError(f"adapter version {manifest.name} was saved without optimizer state",
+                                param="adapter")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    # -- deleting ------------------------------------------------------------------------------------------
+    def delete(self, lineage: str, version: int) -> None:
+        """Remove a version (its number is not reused). The directory is first renamed to a hidden name so
+        readers never see a half-deleted version.
+
+        Raises:
+            NotFoundError: no such version.
+            ConflictError: the version could not be moved aside.
+        """
+        self.get(lineage, version)
+        vdir = self.version_dir(lineage, version)
+        trash = vdir.parent / f".{version}.deleted.{time.time_ns()}"
+        try:
+            vdir.rename(trash)
+        except OSError as exc:
+            raise ConflictError(f"cannot delete {lineage}@{version}: {exc}") from exc
+        shutil.rmtree(trash, ignore_errors=True)

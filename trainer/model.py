@@ -1,0 +1,383 @@
+"""The training model: a PEFT LoRA adapter over a base model, driven by Tinker-style operations.
+
+``TrainingModel`` does ``forward`` (logprobs + loss, no grad), ``forward_backward``
+(same, gradients **accumulate** across calls until ``optim_step``), ``optim_step``
+(AdamW) and versioned saves/loads through :class:`~livelora.adapters.store.AdapterStore`.
+
+Conventions (Tinker, ``shared/reference/tinker_protocol.md`` §3): position ``i`` of
+``model_input`` predicts token ``i+1``; every per-token ``loss_fn_inputs`` tensor has
+shape ``(N,)``; ``target_tokens[i]`` is the token after input ``i``. A batch is
+right-padded with an attention mask; padded positions are sliced away before the
+loss, so they contribute exactly nothing. Losses come from
+:mod:`livelora.trainer.losses` (token losses are sums; KTO/DPO means over examples).
+
+LoRA: rank ``r``, ``alpha`` (scale ``alpha/r``), dropout 0, peft's default init
+(``lora_A`` Kaiming-uniform from ``seed``, ``lora_B`` = 0, so a fresh adapter equals the
+base model). Targets: attention ``q,k,v,o_proj``, MLP ``gate,up,down_proj`` and the
+unembedding ``lm_head``. SmolLM2 ties ``lm_head`` to ``embed_tokens``: the LoRA on
+``lm_head`` changes only the output projection (the input embedding lookup is untouched);
+:mod:`livelora.trainer.export` unties the two before merging.
+
+Reference logprobs for ``kto``/``dpo`` come from the same weights with the adapter
+disabled (``peft_model.disable_adapter()``, no grad), i.e. the base model (TRL's choice for
+a LoRA policy; losses.md §1). Optimizer: ``torch.optim.AdamW`` (decoupled weight decay:
+``p ← p·(1 − lr·wd)`` before the Adam update), hyperparameters taken from each
+``optim_step``'s :class:`AdamParams`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from livelora.adapters.models import BaseModelRef, load_model
+from livelora.adapters.store import (CONFIG_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, WEIGHTS_FILE, AdapterStore,
+                                     Manifest)
+from livelora.clients.errors import BadRequestError, NotFoundError
+from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, TensorData
+from livelora.trainer.losses import LossOutput, compute_loss, kl_pair_order
+from livelora.trainer.validate import BatchSpec, validate_batch
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+ADAPTER = "default"
+DEFAULT_ALPHA = 32.0
+
+
+def target_modules(lora: LoraConfig) -> list[str]:
+    """Module names LoRA wraps for a :class:`LoraConfig` (attention, MLP, unembedding)."""
+    return [*(ATTN_MODULES if lora.train_attn else ()), *(MLP_MODULES if lora.train_mlp else ()),
+            *(UNEMBED_MODULES if lora.train_unembed else ())]
+
+
+class TrainingModel:
+    """A LoRA-adapted causal LM with Tinker semantics (see the module docstring).
+
+    Args:
+        base_ref: the resolved base model.
+        lora: rank, alpha (None = 32), seed (None = 0), which module groups to train.
+        device: torch device (``"cpu"`` or ``"cuda"``).
+        dtype: parameter dtype (float32 on CPU).
+        max_seq_len: longest accepted ``model_input`` in tokens (default: the model's
+            ``max_position_embeddings``).
+        base_model: an already loaded base model to wrap (it is modified in place by peft).
+
+    Raises:
+        BadRequestError: a target module group the architecture does not have.
+    """
+
+    def __init__(self, base_ref: BaseModelRef, lora: LoraConfig | None = None, *, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_seq_len: int | None = None, base_model: Any = None):
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        self.base_ref = base_ref
+        self.lora = lora or LoraConfig()
+        self.alpha = float(self.lora.alpha if self.lora.alpha is not None else DEFAULT_ALPHA)
+        self.seed = int(self.lora.seed if self.lora.seed is not None else 0)
+        self.device = torch.device(device)
+        model = base_model if base_model is not None else load_model(base_ref, dtype=dtype, device=device)
+        names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        targets = target_modules(self.lora)
+        absent = [t for t in targets if t not in names]
+        if absent:
+            raise BadRequestError(f"base model {base_ref.name} has no linear modules named {absent}; "
+                                  "turn off the corresponding train_* flag", param="lora_config")
+        self.peft_config = PeftLoraConfig(r=self.lora.rank, lora_alpha=self.alpha, lora_dropout=0.0,
+                                          target_modules=targets, bias="none", task_type="CAUSAL_LM")
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # handled, see module doc
+            warnings.filterwarnings("ignore", message=".*tied layer.*")
+            torch.manual_seed(self.seed)
+            self.peft_model = get_peft_model(model, self.peft_config)
+        self.peft_model.eval()  # no dropout anywhere; gradients still flow
+        config = self.peft_model.base_model.model.config
+        self.vocab_size = int(self.peft_model.get_input_embeddings().num_embeddings)
+        self.max_seq_len = int(max_seq_len or getattr(config, "max_position_embeddings", 2048))
+        self.pad_id = int(getattr(config, "pad_token_id", None) or 0)
+        #: LoRA parameters in a fixed order, keyed by their standard PEFT file key (no adapter-name infix).
+        self.lora_params: dict[str, torch.nn.Parameter] = {
+            n.replace(f".{ADAPTER}.", "."): p for n, p in self.peft_model.named_parameters() if p.requires_grad}
+        self.optimizer = self._new_optimizer()
+        self.step = 0
+        self.lineage: str | None = None
+        self.parent: int | None = None
+        self.data_counts: dict[str, int] = {"datums": 0, "tokens": 0}
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _new_optimizer(self) -> torch.optim.AdamW:
+        return torch.optim.AdamW(list(self.lora_params.values()), lr=0.0, foreach=False)
+
+    def _logprobs(self, inputs: list[list[int]], targets: list[Tensor], *, adapter: bool = True,
+                  grad: bool = False) -> list[Tensor]:
+        """Target logprobs of right-padded sequences: ``inputs[b]`` tokens (N_b), ``targets[b]`` (N_b,) or
+        (N_b, K) token ids → per sequence log p(target | prefix) of the same shape (nats)."""
+        lengths = [len(x) for x in inputs]
+        t_max, k_max = max(lengths), max(1 if t.ndim == 1 else t.shape[1] for t in targets)
+        ids_B_T = torch.full((len(inputs), t_max), self.pad_id, dtype=torch.long)
+        tgt_B_T_K = torch.zeros((len(inputs), t_max, k_max), dtype=torch.long)
+        mask_B_T = torch.zeros((len(inputs), t_max), dtype=torch.long)
+        for b, (x, t) in enumerate(zip(inputs, targets)):
+            ids_B_T[b, :len(x)] = torch.tensor(x, dtype=torch.long)
+            tgt = t.reshape(len(x), -1)
+            tgt_B_T_K[b, :len(x), :tgt.shape[1]] = tgt
+            mask_B_T[b, :len(x)] = 1
+        padded = any(n != t_max for n in lengths)
+        dev = self.device
+        ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
+        with ctx, torch.set_grad_enabled(grad):
+            logits_B_T_V = self.peft_model(input_ids=ids_B_T.to(dev), attention_mask=mask_B_T.to(dev) if padded
+                                           else None, use_cache=False).logits.float()
+            lse_B_T_1 = torch.logsumexp(logits_B_T_V, dim=-1, keepdim=True)
+            lp_B_T_K = logits_B_T_V.gather(-1, tgt_B_T_K.to(dev)) - lse_B_T_1
+        out = []
+        for b, (n, t) in enumerate(zip(lengths, targets)):
+            lp = lp_B_T_K[b, :n]
+            out.append(lp[:, 0] if t.ndim == 1 else lp[:, :t.shape[1]])
+        return out
+
+    @staticmethod
+    def _inputs(datum: Datum) -> dict[str, Tensor]:
+        return {k: v.to_torch() for k, v in datum.loss_fn_inputs.items()}
+
+    def _kl_logratios(self, data: list[Datum], inputs_D: list[dict[str, Tensor]]) -> Tensor:
+        """KTO's mismatched-pair log-ratios ``Σ_completion(lp − lp_ref)`` of ``(x_i, y_perm(i))`` (no grad).
+
+        Prompt of datum i = its tokens up to the first non-zero weight's position (inclusive);
+        completion = the targets from there to the last non-zero weight. ``perm`` from
+        :func:`livelora.trainer.losses.kl_pair_order` (a derangement). Pairs longer than
+        ``max_seq_len + 1`` tokens are cut at the end.
+        """
+        prompts, completions = [], []
+        for datum, x in zip(data, inputs_D):
+            tokens = datum.model_input.to_ints()
+            targets = x["target_tokens"].tolist()
+            nz = [j for j, w in enumerate(x["weights"].tolist()) if w != 0]
+            prompts.append(tokens[:nz[0] + 1])
+            completions.append(targets[nz[0]:nz[-1] + 1])
+        perm = kl_pair_order([tuple(p) for p in prompts])
+        seqs, spans = [], []
+        for i, j in enumerate(perm):
+            seq = (prompts[i] + completions[j])[:self.max_seq_len + 1]
+            seqs.append(seq)
+            spans.append((len(prompts[i]) - 1, len(seq) - 1))
+        ins = [s[:-1] for s in seqs]
+        tgts = [torch.tensor(s[1:], dtype=torch.long) for s in seqs]
+        policy = self._logprobs(ins, tgts, adapter=True)
+        ref = self._logprobs(ins, tgts, adapter=False)
+        return torch.stack([(p[a:b] - r[a:b]).sum() for p, r, (a, b) in zip(policy, ref, spans)])
+
+    def _run(self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
+             grad: bool) -> ForwardBackwardOutput:
+        spec: BatchSpec = validate_batch(data, loss_fn, loss_fn_config, vocab_size=self.vocab_size,
+                                         max_seq_len=self.max_seq_len)
+        inputs_D = [self._inputs(d) for d in data]
+        tokens_D = [d.model_input.to_ints() for d in data]
+        ref_D: list[Tensor] = []
+        if spec.needs_reference:
+            ref_D = [r.detach() for r in self._logprobs(tokens_D, [x["target_tokens"] for x in inputs_D],
+                                                        adapter=False)]
+            for x, r in zip(inputs_D, ref_D):
+                x["ref_logprobs"] = r
+            if loss_fn == "kto":
+                for x, kl in zip(inputs_D, self._kl_logratios(data, inputs_D)):
+                    x["kl_logratio"] = kl.reshape(1)
+        lp_D = self._logprobs(tokens_D, [x["target_tokens"] for x in inputs_D], grad=grad)
+        with torch.set_grad_enabled(grad):
+            out: LossOutput = compute_loss(loss_fn, lp_D, inputs_D, spec.config)
+        if grad:
+            out.loss.backward()
+            self.data_counts["datums"] += len(data)
+            self.data_counts["tokens"] += sum(len(t) for t in tokens_D)
+        outputs = []
+        for i, lp in enumerate(lp_D):
+            record = {"logprobs": TensorData.from_torch(lp.detach().float())}
+            if ref_D:
+                record["ref_logprobs"] = TensorData.from_torch(ref_D[i].float())
+            outputs.append(record)
+        metrics = {**out.metrics, "num_sequences:sum": float(len(data)),
+                   "num_tokens:sum": float(sum(len(t) for t in tokens_D))}
+        return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
+
+    # ------------------------------------------------------------------------------------------ operations
+    def forward(self, data: list[Datum], loss_fn: str = "cross_entropy",
+                loss_fn_config: dict[str, Any] | None = None) -> ForwardBackwardOutput:
+        """Per-datum target ``logprobs`` (float32 [N_i], nats) and the loss's metrics; no gradient, no state change.
+
+        Raises:
+            BadRequestError: the batch is invalid (see :func:`livelora.trainer.validate.validate_batch`).
+        """
+        return self._run(data, loss_fn, loss_fn_config, grad=False)
+
+    def forward_backward(self, data: list[Datum], loss_fn: str = "cross_entropy",
+                         loss_fn_config: dict[str, Any] | None = None) -> ForwardBackwardOutput:
+        """Like :meth:`forward`, then backpropagate the loss; gradients add up across calls until
+        :meth:`optim_step` (two calls on halves of a batch = one call on the whole batch for sum losses).
+
+        Raises:
+            BadRequestError: the batch is invalid; grads, optimizer and step are then unchanged.
+        """
+        return self._run(data, loss_fn, loss_fn_config, grad=True)
+
+    def has_gradients(self) -> bool:
+        """Whether any gradient has been accumulated since the last optimizer step."""
+        return any(p.grad is not None for p in self.lora_params.values())
+
+    def optim_step(self, params: AdamParams | None = None) -> dict[str, float]:
+        """Apply one AdamW step with the accumulated gradients, then zero them.
+
+        Returns:
+            ``{"grad_norm:mean"`` (global L2 norm before clipping), ``"update_norm:mean"`` (L2 norm of the
+            parameter change), ``"learning_rate:mean"``, ``"step:max"`` (steps taken, after this one)}.
+
+        Raises:
+            BadRequestError: no gradients were accumulated (call forward_backward first); nothing changes.
+        """
+        params = params or AdamParams()
+        if not self.has_gradients():
+            raise BadRequestError("optim_step: no gradients accumulated since the last step; "
+                                  "call forward_backward first", param="adam_params")
+        plist = list(self.lora_params.values())
+        for group in self.optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                         weight_decay=params.weight_decay)
+        grads = [p.grad for p in plist if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if params.grad_clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(plist, params.grad_clip_norm, grad_norm)
+        before = [p.detach().clone() for p in plist]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        update = math.sqrt(sum(float((p.detach() - b).double().pow(2).sum()) for p, b in zip(plist, before)))
+        self.step += 1
+        return {"grad_norm:mean": float(grad_norm), "update_norm:mean": update,
+                "learning_rate:mean": params.learning_rate, "step:max": float(self.step)}
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def adapter_state(self) -> dict[str, Tensor]:
+        """LoRA tensors under their standard PEFT file keys (``base_model.model.<module>.lora_A.weight``)."""
+        return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in self.lora_params.items()}
+
+    def save_weights(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None,
+                     with_optimizer: bool = False) -> Manifest:
+        """Write the adapter as a new immutable version of ``lineage`` (PEFT format, loadable by
+        ``PeftModel.from_pretrained`` and vLLM). With ``with_optimizer`` also ``optimizer.pt`` and
+        ``trainer_state.json`` (step, RNG state), which :meth:`load_state` restores bit for bit.
+
+        Raises:
+            BadRequestError: invalid lineage name.
+        """
+        from safetensors.torch import save_file
+
+        tensors = self.adapter_state()
+        opt_state = self.optimizer.state_dict() if with_optimizer else None
+        trainer_state = {"step": self.step, "data_counts": dict(self.data_counts), "seed": self.seed,
+                         "torch_rng_state": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+        cfg = self.peft_config.to_dict()
+        cfg.update(base_model_name_or_path=self.base_ref.name, inference_mode=True)
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+
+        def write(tmp: Path) -> None:
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=list))
+            if opt_state is not None:
+                torch.save(opt_state, tmp / OPTIMIZER_FILE)
+                (tmp / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+
+        parent = self.parent if self.lineage == lineage else None
+        manifest = store.write_version(lineage, write, base_model=self.base_ref.name, parent=parent,
+                                       step=self.step, metrics=metrics, data_counts=self.data_counts,
+                                       rank=self.lora.rank, alpha=self.alpha)
+        self.lineage, self.parent = lineage, manifest.version
+        return manifest
+
+    def save_state(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None) -> Manifest:
+        """:meth:`save_weights` plus optimizer state, step and RNG state (Tinker ``save_state``)."""
+        return self.save_weights(store, lineage, metrics=metrics, with_optimizer=True)
+
+    def load_state(self, store: AdapterStore, lineage: str, version: int, *, with_optimizer: bool) -> Manifest:
+        """Load a version's LoRA weights (and, with ``with_optimizer``, its AdamW state, step and RNG state).
+
+        Everything is read and checked before the model changes: sha256, base model, rank/alpha/targets,
+        tensor keys and shapes, optimizer state structure. Without the optimizer the optimizer is fresh
+        and gradients are dropped; the step counter is the version's.
+
+        Raises:
+            NotFoundError: no such version, or ``with_optimizer`` on a version saved without optimizer state.
+            BadRequestError: checksum mismatch or an adapter that does not fit this model.
+        """
+        from safetensors.torch import load_file
+
+        manifest = store.get(lineage, version)
+        vdir = store.version_dir(lineage, version)
+        if manifest.base_model != self.base_ref.name:
+            raise BadRequestError(f"{manifest.name} was trained on {manifest.base_model!r}, this model is "
+                                  f"{self.base_ref.name!r}", param="path")
+        if not store.verify(lineage, version):
+            raise BadRequestError(f"{manifest.name}: weights file does not match its sha256", param="path")
+        cfg = json.loads((vdir / CONFIG_FILE).read_text())
+        mine = (self.lora.rank, self.alpha, sorted(target_modules(self.lora)))
+        theirs = (cfg.get("r"), float(cfg.get("lora_alpha", 0)), sorted(cfg.get("target_modules") or []))
+        if mine != theirs:
+            raise BadRequestError(f"{manifest.name} has (rank, alpha, targets) {theirs}; this model has {mine}",
+                                  param="path")
+        tensors = load_file(str(vdir / WEIGHTS_FILE))
+        if set(tensors) != set(self.lora_params):
+            diff = sorted(set(tensors) ^ set(self.lora_params))[:3]
+            raise BadRequestError(f"{manifest.name}: tensor keys do not match this model (e.g. {diff})", param="path")
+        for k, t in tensors.items():
+            if t.shape != self.lora_params[k].shape:
+                raise BadRequestError(f"{manifest.name}: {k} has shape {list(t.shape)}, expected "
+                                      f"{list(self.lora_params[k].shape)}", param="path")
+        optimizer = self._new_optimizer()
+        state: dict[str, Any] = {}
+        if with_optimizer:
+            if not manifest.has_optimizer:
+                raise NotFoundError(f"{manifest.name} was saved without optimizer state (use save_state)",
+                                    param="path")
+            try:
+                optimizer.load_state_dict(store.load_optimizer(lineage, version))
+            except (ValueError, KeyError) as exc:
+                raise BadRequestError(f"{manifest.name}: optimizer state does not fit this model: {exc}",
+                                      param="path") from exc
+            state = store.load_trainer_state(lineage, version)
+        # ---- commit: nothing above changed the model
+        with torch.no_grad():
+            for k, p in self.lora_params.items():
+                p.copy_(tensors[k].to(p.device, p.dtype))
+        self.zero_grad()
+        self.optimizer = optimizer
+        self.step = int(state.get("step", manifest.step))
+        self.data_counts = {**{"datums": 0, "tokens": 0}, **manifest.data_counts}
+        if "torch_rng_state" in state:
+            rng = torch.frombuffer(bytearray(base64.b64decode(state["torch_rng_state"])), dtype=torch.uint8)
+            torch.set_rng_state(rng.clone())
+        self.lineage, self.parent = lineage, version
+        return manifest
+
+    @classmethod
+    def from_version(cls, base_ref: BaseModelRef, store: AdapterStore, lineage: str, version: int, *,
+                     with_optimizer: bool, device: str = "cpu", **kw: Any) -> TrainingModel:
+        """A new model shaped like a stored version (rank, alpha, targets), with its state loaded."""
+        manifest = store.get(lineage, version)
+        cfg = json.loads((store.version_dir(lineage, version) / CONFIG_FILE).read_text())
+        targets = set(cfg.get("target_modules") or [])
+        lora = LoraConfig(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
+                          train_attn=bool(targets & set(ATTN_MODULES)), train_mlp=bool(targets & set(MLP_MODULES)),
+                          train_unembed=bool(targets & set(UNEMBED_MODULES)))
+        model = cls(base_ref, lora, device=device, **kw)
+        model.load_state(store, lineage, manifest.version, with_optimizer=with_optimizer)
+        return model
