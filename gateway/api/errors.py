@@ -1,0 +1,126 @@
+"""The gateway's one error handler: every failure becomes an OpenAI error envelope.
+
+``{"error": {"message", "type", "param", "code"}}`` with all four keys, built
+only from :class:`~livelora.clients.errors.LiveloraError` (contract §1.4):
+
+* ``LiveloraError`` → its own status; ``Retry-After`` when it carries ``retry_after``.
+* ``RequestValidationError`` (bad field, missing field, malformed JSON) → 400,
+  never FastAPI's 422 ``{"detail": [...]}`` (SGLang PR #7487). The message is
+  built from the error's ``loc``/``msg`` strings only: ``ctx`` may hold
+  exception objects that are not JSON-serialisable (agno PR #9744).
+* Starlette ``HTTPException`` (unknown route 404, wrong method 405, ...) → same
+  status, envelope body.
+* Anything else → 500 ``internal_error`` with ``x-should-retry: false``.
+
+Streams that already sent their headers use :func:`error_event` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from livelora.clients.errors import (
+    BadRequestError,
+    InternalError,
+    LiveloraError,
+    NotFoundError,
+    UnsupportedParameterError,
+)
+
+log = logging.getLogger(__name__)
+
+
+def error_response(err: LiveloraError) -> JSONResponse:
+    """The HTTP response for ``err``: its status, the envelope, ``Retry-After`` if it has one."""
+    headers: dict[str, str] = {}
+    retry_after = getattr(err, "retry_after", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after)))
+    if err.status >= 500 and retry_after is None:
+        headers["x-should-retry"] = "false"
+    return JSONResponse({"error": err.to_dict()}, status_code=err.status, headers=headers)
+
+
+def error_event(err: BaseException) -> str:
+    """The one SSE data payload sent when a stream fails after its headers: ``{"error": {...}}``."""
+    if not isinstance(err, LiveloraError):
+        err = InternalError(f"generation failed: {type(err).__name__}: {err}")
+    return json.dumps({"error": err.to_dict()})
+
+
+def param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "messages", 0, "content")`` → ``"messages[0].content"``; ``None`` for the whole body."""
+    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    # pydantic adds union-member tags (``str``, ``list[int]``, ``function-after[...]``) to loc
+    parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool")))]
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> BadRequestError:
+    """Turn FastAPI's validation error into a 400 naming the first bad field."""
+    errors = exc.errors()
+    if not errors:
+        return BadRequestError("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error")
+        return BadRequestError(f"request body is not valid JSON: {detail!s}", code="invalid_json")
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        return BadRequestError("request body is missing; send a JSON object", code="invalid_json")
+    param = param_from_loc(tuple(first.get("loc", ())))
+    messages = []
+    for e in errors[:3]:
+        where = param_from_loc(tuple(e.get("loc", ()))) or "body"
+        messages.append(f"{where}: {e.get('msg', 'invalid value')}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    code = "integer_below_min_value" if first.get("type") in ("greater_than_equal", "greater_than") else None
+    return BadRequestError("invalid request: " + "; ".join(messages) + more, param=param,
+                           code=code or "invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers on ``app`` (called once by ``create_app``)."""
+
+    @app.exception_handler(LiveloraError)
+    async def _livelora(request: Request, exc: LiveloraError) -> JSONResponse:
+        if exc.status >= 500:
+            log.error("%s %s failed: %s", request.method, request.url.path, exc)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err: LiveloraError = NotFoundError(f"no route {request.method} {request.url.path}",
+                                               code="unknown_url")
+        elif exc.status_code == 405:
+            err = UnsupportedParameterError(f"method {request.method} is not allowed on {request.url.path}",
+                                            code="method_not_allowed")
+            err.status = 405
+        elif exc.status_code < 500:
+            err = BadRequestError(str(exc.detail), code=f"http_{exc.status_code}")
+            err.status = exc.status_code
+        else:
+            err = InternalError(str(exc.detail))
+        response = error_response(err)
+        for key, value in (exc.headers or {}).items():
+            response.headers[key] = value
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(InternalError(f"internal error: {type(exc).__name__}"))

@@ -1,0 +1,20 @@
+"""``GET /health``: readiness probe (200 once the engine is loaded) with load figures."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from livelora.gateway.api.deps import AdmissionDep, EngineDep, SettingsDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health")
+async def health(engine: EngineDep, settings: SettingsDep, admission: AdmissionDep) -> dict:
+    """``{"status": "ok", "model", "engine", "sequences", "max_sequences", "adapters"}``.
+
+    ``sequences`` counts sequences admitted by the gateway (running or waiting).
+    """
+    return {"status": "ok", "model": settings.model_id, "engine": settings.engine,
+            "sequences": admission.active, "max_sequences": admission.limit,
+            "adapters": engine.loaded_adapters()}

@@ -1,0 +1,122 @@
+"""Which weights serve a request, and how many sequences the gateway admits.
+
+:func:`resolve_target` is the **one place** that maps the request's ``model``
+field to the engine adapter and the version label reported to the client
+(``system_fingerprint`` and the ``X-Livelora-Adapter-Version`` header). Today
+it knows the base model and adapters loaded in the engine by name; the live
+loop extends it to endpoints (an endpoint name → its current adapter version,
+with a lease held for the request's lifetime).
+
+:class:`Admission` bounds the sequences in the gateway: up to
+``max_batch_size`` run in the engine batch and ``max_waiting`` more wait; a
+request that would exceed that gets 429 with ``Retry-After`` (contract §1.4:
+the SDK retries 429 and honours the header).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from livelora.clients.errors import BadRequestError, ModelNotFoundError, RateLimitError
+from livelora.clients.types.openai import Model
+from livelora.gateway.engines.base import Engine
+from livelora.gateway.settings import GatewaySettings
+
+#: Version label of the base model's weights.
+BASE_VERSION = "base"
+VERSION_HEADER = "X-Livelora-Adapter-Version"
+
+
+@dataclass(frozen=True)
+class ServingTarget:
+    """Resolved ``model`` field.
+
+    Attributes:
+        model: the name the client passed (echoed in responses).
+        adapter: engine adapter name, or ``None`` for the base model.
+        version: version label of the serving weights (``"base"`` or the adapter version name).
+    """
+
+    model: str
+    adapter: str | None
+    version: str
+
+    @property
+    def fingerprint(self) -> str:
+        """``system_fingerprint``: names the weights that produced the answer."""
+        return f"livelora-{self.version}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {VERSION_HEADER: self.version}
+
+
+def resolve_target(model: str, engine: Engine, settings: GatewaySettings) -> ServingTarget:
+    """Map a request's ``model`` to the weights that serve it.
+
+    Raises:
+        ModelNotFoundError: no base model or loaded adapter has that name (404 ``model_not_found``).
+    """
+    if model == settings.model_id:
+        return ServingTarget(model, None, BASE_VERSION)
+    if model in engine.loaded_adapters():
+        return ServingTarget(model, model, model)
+    known = ", ".join(m.id for m in list_models(engine, settings))
+    raise ModelNotFoundError(f"model {model!r} does not exist; served models: {known}", param="model")
+
+
+def context_length(engine: Engine, settings: GatewaySettings) -> int:
+    """Prompt + completion tokens allowed: the engine's window, capped by ``settings.max_model_len``."""
+    limit = int(engine.max_model_len)
+    return min(limit, settings.max_model_len) if settings.max_model_len else limit
+
+
+def list_models(engine: Engine, settings: GatewaySettings) -> list[Model]:
+    """The ``/v1/models`` entries: the base model, then loaded adapters (``parent`` = base)."""
+    created = int(getattr(engine, "created", None) or _STARTED)
+    base = settings.model_id
+    out = [Model(id=base, created=created, owned_by="livelora", root=base)]
+    out += [Model(id=name, created=created, owned_by="livelora", root=base, parent=base)
+            for name in engine.loaded_adapters()]
+    return out
+
+
+_STARTED = time.time()
+
+
+class Admission:
+    """Counts sequences admitted by the gateway (running + waiting). Event-loop confined."""
+
+    def __init__(self, settings: GatewaySettings):
+        self.limit = settings.max_sequences
+        self.retry_after = settings.retry_after_s
+        self.active = 0
+
+    def acquire(self, sequences: int, param: str = "n") -> Ticket:
+        """Reserve ``sequences`` slots until the returned ticket is released.
+
+        Raises:
+            BadRequestError: one request asks for more sequences than the gateway ever admits.
+            RateLimitError: not enough free slots now (429, ``Retry-After``).
+        """
+        if sequences > self.limit:
+            raise BadRequestError(f"this request needs {sequences} sequences but the server admits at most "
+                                  f"{self.limit} at once; lower {param}", param=param)
+        if self.active + sequences > self.limit:
+            raise RateLimitError(f"the server is busy ({self.active} of {self.limit} sequences queued or "
+                                 "running); retry later", retry_after=self.retry_after)
+        self.active += sequences
+        return Ticket(self, sequences)
+
+
+class Ticket:
+    """Admitted slots; :meth:`release` is idempotent."""
+
+    def __init__(self, admission: Admission, sequences: int):
+        self._admission = admission
+        self._sequences = sequences
+
+    def release(self) -> None:
+        self._admission.active -= self._sequences
+        self._sequences = 0
