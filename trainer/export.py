@@ -1,0 +1,85 @@
+"""Merge an adapter version into its base model and write a standalone Hugging Face model directory.
+
+The output (``config.json``, ``model.safetensors``, ``generation_config.json``, tokenizer files and
+``chat_template.jinja``, plus ``livelora_export.json`` naming the source version and its sha256) is
+built in a temporary sibling and renamed into place (:func:`livelora.adapters.atomic.atomic_dir`), so a
+crash never leaves a half-written model.
+
+Tied embeddings: SmolLM2 shares one matrix between ``embed_tokens`` and ``lm_head``. When the adapter
+has a LoRA on ``lm_head``, merging in place would also change the input embedding, so the two are untied
+first (``lm_head.weight`` becomes its own copy) and the exported config says ``tie_word_embeddings:
+false``. The merge uses peft's ``merge_and_unload(safe_merge=True)`` (which refuses non-finite results),
+computed in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from livelora.adapters.atomic import atomic_dir
+from livelora.adapters.models import BaseModelRef, load_model, load_tokenizer
+from livelora.adapters.store import CONFIG_FILE, AdapterStore
+from livelora.clients.errors import BadRequestError, ConflictError
+
+EXPORT_MANIFEST = "livelora_export.json"
+
+
+def export_merged(store: AdapterStore, lineage: str, version: int, base_ref: BaseModelRef, out_dir: Path | str,
+                  *, dtype: torch.dtype = torch.float32) -> Path:
+    """Write base + adapter ``<lineage>@<version>`` merged into one HF model at ``out_dir``.
+
+    Args:
+        store: the adapter store holding the version.
+        base_ref: the version's base model (its name must match the manifest).
+        out_dir: destination directory; must not exist yet.
+        dtype: dtype of the written weights (the merge itself runs in float32).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        NotFoundError: no such version.
+        BadRequestError: base model mismatch or a weights file failing its sha256 check.
+        ConflictError: ``out_dir`` already exists.
+    """
+    from peft import PeftModel
+
+    out = Path(out_dir)
+    manifest = store.get(lineage, version)
+    if manifest.base_model != base_ref.name:
+        raise BadRequestError(f"{manifest.name} was trained on {manifest.base_model!r}, not {base_ref.name!r}",
+                              param="base_model")
+    if not store.verify(lineage, version):
+        raise BadRequestError(f"{manifest.name}: weights file does not match its sha256", param="adapter")
+    if out.exists():
+        raise ConflictError(f"export destination {out} already exists")
+    vdir = store.version_dir(lineage, version)
+    targets = set(json.loads((vdir / CONFIG_FILE).read_text()).get("target_modules") or [])
+    model = load_model(base_ref, dtype=torch.float32)
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in targets:
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+        if hasattr(model.config, "get_text_config"):
+            model.config.get_text_config().tie_word_embeddings = False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tied layer.*")  # untied above
+        merged = PeftModel.from_pretrained(model, str(vdir)).merge_and_unload(safe_merge=True)
+    merged = merged.to(dtype)
+    tokenizer = load_tokenizer(base_ref)
+    with atomic_dir(out) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        template = Path(base_ref.path) / "chat_template.jinja"
+        if base_ref.is_local and template.is_file() and not (tmp / "chat_template.jinja").exists():
+            shutil.copy(template, tmp / "chat_template.jinja")
+        (tmp / EXPORT_MANIFEST).write_text(json.dumps(
+            {"adapter": manifest.name, "adapter_sha256": manifest.sha256, "base_model": base_ref.name,
+             "created": time.time(), "dtype": str(dtype).removeprefix("torch.")}, indent=2))
+    return out
