@@ -359,6 +359,15 @@ def test_kto_through_registry_from_per_token_datums():
     close(lp_D[0].grad[1:], [-0.00621838] * 3, 1e-8)  # every completion token gets d loss / d r
 
 
+def test_kto_micro_batches_add_up_when_every_datum_carries_the_batch_kl_mean():
+    """LossSpec note: chunk losses scaled by chunk_size / B, kl_logratio = batch mean → the full-batch loss."""
+    full = _kto(KTO_R, KTO_DESIRABLE, KTO_KL).loss.item()
+    kl_mean = [sum(KTO_KL) / 4] * 4
+    chunks = [_kto(KTO_R[a:b], KTO_DESIRABLE[a:b], kl_mean[a:b]).loss.item() * (b - a) / 4
+              for a, b in ((0, 1), (1, 4))]
+    assert sum(chunks) == pytest.approx(full, abs=1e-12)
+
+
 # ------------------------------------------------------------------------------------------------
 # §3.3 DPO
 # ------------------------------------------------------------------------------------------------
@@ -533,7 +542,7 @@ def test_custom_loss_surrogate_gradient_equals_autograd_of_the_user_loss():
     with torch.no_grad():                                              # pass 1: forward only
         pass1 = logprobs_D()
     result = run_custom_loss(user_loss, None, pass1)
-    assert result.loss == pytest.approx(float(direct), abs=1e-12)
+    assert result.loss == pytest.approx(direct.item(), abs=1e-12)
     assert result.metrics["loss:sum"] == result.loss and "custom/h:mean" in result.metrics
     datums = [{"target_tokens": tt, "weights": w} for tt, w in zip(targets, result.weights_D)]
     surrogate = compute_loss("cross_entropy", logprobs_D(), datums)    # pass 2: L_s = −Σ w·lp

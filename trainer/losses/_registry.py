@@ -71,6 +71,11 @@ class LossSpec:
         config_defaults: accepted ``loss_fn_config`` keys and their defaults.
         reduction: ``"sum"`` over tokens (Tinker) or ``"mean"`` over examples/pairs (KTO/DPO).
         datum_layout: how datums map to examples (documentation for callers).
+
+    Micro-batching: ``"sum"`` losses add up exactly over chunks of datums. A ``"mean"`` loss is the mean
+    over the datums of one call; to split a batch of B examples into chunks, scale each chunk's loss by
+    ``chunk_size / B`` (DPO: pairs, never split a pair) and, for KTO, give every datum the batch mean of
+    the mismatched-pair log-ratios as ``kl_logratio`` (z0 is the mean of the values in the call).
     """
 
     name: LossName
