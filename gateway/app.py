@@ -41,7 +41,15 @@ def build_engine(settings: GatewaySettings) -> Engine:
     """
     from livelora.gateway.engines import create_engine
 
-    return create_engine(settings)
+    device = settings.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kwargs = {"model": settings.model, "home": settings.home, "device": device, "dtype": settings.dtype,
+              "max_batch_size": settings.max_batch_size, "max_waiting": settings.max_waiting,
+              "max_model_len": settings.max_model_len}
+    return create_engine(settings.engine, **kwargs)
 
 
 def create_app(settings: GatewaySettings | None = None, engine: Engine | None = None) -> FastAPI:
