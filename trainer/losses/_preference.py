@@ -42,7 +42,7 @@ def kto(logratios_B: Tensor, desirable_B: Tensor, kl_logratios_B: Tensor, *, bet
         beta, desirable_weight, undesirable_weight: β > 0, λ_D, λ_U ≥ 0 (paper Eq. 8: choose so that
             ``λ_D·n_D / (λ_U·n_U) ∈ [1, 4/3]``).
 
-    Returns: ``loss:sum`` (= the mean, nats-free, in [0, max λ]), ``kto/z0:mean``, and the implied rewards
+    Returns: ``loss:sum`` (= the mean; unitless, in [0, max λ]), ``kto/z0:mean`` (nats), and the implied rewards
     ``β·r`` averaged per class (``kto/rewards_desirable:mean``, ``kto/rewards_undesirable:mean``, only for
     classes present).
     Raises: BadRequestError on an empty batch or mismatched shapes.
