@@ -1,0 +1,45 @@
+"""Inference engines: the :class:`~.base.Engine` interface and its implementations.
+
+Use :func:`create_engine` to build one by kind::
+
+    from livelora.gateway.engines import SamplingParams, create_engine
+
+    engine = create_engine("transformers", device="cpu", max_batch_size=16)
+    await engine.start()
+    async for chunk in engine.generate(prompt_ids, SamplingParams(max_tokens=32, temperature=0)):
+        ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from livelora.clients.errors import BadRequestError
+from livelora.gateway.engines.base import Engine, FinishReason, GenerationChunk, SamplingParams, TokenLogprob
+
+#: Engine kinds :func:`create_engine` knows.
+ENGINE_KINDS = ("transformers",)
+
+
+def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
+    """Build an (unstarted) engine of ``kind``; call ``await engine.start()`` before use.
+
+    Args:
+        kind: ``"transformers"`` (transformers + peft; CPU or one GPU).
+        **kwargs: passed to the engine's constructor, e.g. for ``transformers``:
+            ``model``, ``home``, ``device``, ``dtype``, ``max_batch_size``,
+            ``max_model_len``, ``num_threads`` (see
+            :class:`~.transformers_engine.TransformersEngine`).
+
+    Raises:
+        BadRequestError: unknown ``kind``.
+    """
+    if kind == "transformers":
+        from livelora.gateway.engines.transformers_engine import TransformersEngine
+
+        return TransformersEngine(**kwargs)
+    raise BadRequestError(f"unknown engine kind {kind!r}; available: {', '.join(ENGINE_KINDS)}", param="engine")
+
+
+__all__ = ["ENGINE_KINDS", "Engine", "FinishReason", "GenerationChunk", "SamplingParams", "TokenLogprob",
+           "create_engine"]

@@ -130,6 +130,11 @@ class Engine(abc.ABC):
         Raises:
             ContextLengthExceededError: prompt + max_tokens > :attr:`max_model_len`.
             ModelNotFoundError: ``adapter`` is not loaded.
+            BadRequestError: invalid parameters (``max_tokens < 1``, ``top_logprobs > 20``, ...).
+
+        Validation errors are raised no later than the first ``__anext__``
+        (the transformers engine raises them from the call itself), so a
+        streaming route should pull the first chunk before sending headers.
         """
 
     @abc.abstractmethod
@@ -165,3 +170,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def loaded_adapters(self) -> list[str]:
         """Names of the adapters currently loaded."""
+
+    @abc.abstractmethod
+    def num_unfinished_requests(self) -> int:
+        """Sequences queued or running; an aborted one stops counting by the next engine step."""

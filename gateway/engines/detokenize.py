@@ -1,0 +1,124 @@
+"""Incremental detokenization and stop-string matching for streamed generation.
+
+Two small state machines, one of each per sequence:
+
+* :class:`IncrementalDetokenizer` turns a growing list of token ids into text
+  deltas that never end in half a UTF-8 character (no U+FFFD for emoji or CJK
+  split across byte-level tokens). It decodes a short window of recent tokens
+  twice (with and without the newest ones) and emits the difference, the
+  method of Hugging Face text-generation-inference's ``decode_token`` and
+  vLLM's ``detokenize_incrementally`` (read for the idea only). The window keeps
+  tokenizers that strip a leading space (sentencepiece ``▁``) or merge bytes
+  across tokens consistent with one full ``decode``: the concatenation of every
+  delta plus :meth:`IncrementalDetokenizer.flush` equals
+  ``tokenizer.decode(all_ids, skip_special_tokens=...)``.
+* :class:`StopStringMatcher` finds stop strings in the decoded text, including
+  matches that span several deltas, and holds back any suffix that could still
+  grow into a stop string so that no part of a matched stop string is ever
+  emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Token-by-token text decoding that only emits complete characters.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``decode`` is the only method used).
+        skip_special_tokens: drop special tokens (``<|im_end|>`` ...) from the
+            text, as OpenAI-compatible servers do.
+    """
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = 0  # tokens before this index have been emitted as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly completed text (possibly ``""``)."""
+        self.token_ids.append(int(token_id))
+        window = self.token_ids[self._prefix_offset:]
+        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(window)
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
+            delta = new_text[len(prefix_text):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.token_ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Return any text still held back (an incomplete character decodes as U+FFFD here)."""
+        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+
+
+class StopStringMatcher:
+    """Cut streamed text at the first stop string, never leaking any part of it.
+
+    Feed text deltas with :meth:`feed`; it returns the text that is safe to emit
+    now and the matched stop string (or ``None``). Text whose suffix is a prefix
+    of some stop string is held back until it is disambiguated; call
+    :meth:`flush` when the sequence ends for another reason to release it.
+
+    Args:
+        stops: the stop strings (empty strings are ignored).
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._max_len = max((len(s) for s in self.stops), default=0)
+        self._text = ""
+        self._sent = 0  # characters of _text already emitted
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> tuple[str, str | None]:
+        """Add a text delta; return ``(text to emit, matched stop string or None)``."""
+        if self.matched is not None:
+            return "", self.matched
+        if not self.stops:
+            return delta, None
+        old_len = len(self._text)
+        self._text += delta
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            p = self._text.find(s, max(0, old_len - len(s) + 1))
+            if p >= 0 and (best is None or p < best[0]):
+                best = (p, s)
+        if best is not None:
+            p, s = best
+            out = self._text[self._sent:p] if p > self._sent else ""
+            self._sent = max(self._sent, p)
+            self.matched = s
+            return out, s
+        hold = 0
+        tail_room = min(self._max_len - 1, len(self._text) - self._sent)
+        for k in range(tail_room, 0, -1):
+            suffix = self._text[-k:]
+            if any(s.startswith(suffix) for s in self.stops):
+                hold = k
+                break
+        end = len(self._text) - hold
+        out = self._text[self._sent:end] if end > self._sent else ""
+        self._sent = max(self._sent, end)
+        return out, None
+
+    def flush(self) -> str:
+        """Release the held-back text (the sequence ended without a match)."""
+        if self.matched is not None:
+            return ""
+        out = self._text[self._sent:]
+        self._sent = len(self._text)
+        return out

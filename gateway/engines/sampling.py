@@ -1,0 +1,136 @@
+"""Batched next-token sampling with one random generator per sequence.
+
+One call handles every running sequence at once: logprobs, greedy argmax,
+temperature, top-k and top-p are computed as ``(B, V)`` tensor operations. The
+only per-sequence Python work is drawing one uniform number from that
+sequence's own ``torch.Generator`` (CPU, so a seed gives the same draws on any
+device), which makes a sequence's tokens independent of its batch companions.
+
+Sampling is inverse-CDF: token = first index whose cumulative probability
+exceeds ``u * total``. Filtering follows the order of Hugging Face's logits
+warpers and vLLM's sampler: temperature, then top-k, then top-p over the
+renormalized top-k distribution (top-p keeps the smallest set of most likely
+tokens whose mass reaches ``top_p``; the most likely token is always kept).
+
+Logprobs are ``log_softmax`` of the raw logits (before temperature/top-k/top-p),
+the convention of :mod:`.base`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Temperatures below this are treated as greedy (argmax), never as an error.
+GREEDY_EPS = 1e-5
+
+
+@dataclass
+class RowSampling:
+    """Sampling settings of one sequence (one row of the batch)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    generator: torch.Generator | None  # CPU generator; None only for greedy rows
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class StepSample:
+    """Result of sampling one step for a batch of ``B`` rows.
+
+    Attributes:
+        token_ids: ``B`` sampled token ids.
+        logprobs: ``B`` raw-model logprobs (nats) of the sampled tokens.
+        top: per row, up to ``top_logprobs`` ``(token_id, logprob)`` pairs, most likely first.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (or fresh OS entropy when ``None``)."""
+    g = torch.Generator(device="cpu")
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed) % (2**64))
+    return g
+
+
+def sample_batch(logits: torch.Tensor, rows: list[RowSampling]) -> StepSample:
+    """Sample one token per row.
+
+    Args:
+        logits: ``(B, V)`` next-token logits (any float dtype, any device).
+        rows: ``B`` per-row settings.
+
+    Returns:
+        :class:`StepSample` with Python lists (one device sync per call).
+    """
+    logits = logits.float()
+    bsz, vocab = logits.shape
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, r in enumerate(rows) if not r.greedy]
+    if sampled_rows:
+        idx = torch.tensor(sampled_rows, device=logits.device)
+        sub = [rows[i] for i in sampled_rows]
+        temps = torch.tensor([r.temperature for r in sub], device=logits.device)
+        scaled = logits.index_select(0, idx) / temps[:, None]
+        u = torch.tensor([torch.rand((), generator=r.generator).item() for r in sub], device=logits.device)
+        if any(r.top_k > 0 or r.top_p < 1.0 for r in sub):
+            sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            ks = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in sub], device=logits.device)
+            rank = torch.arange(vocab, device=logits.device)
+            probs = probs.masked_fill(rank[None, :] >= ks[:, None], 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            top_ps = torch.tensor([r.top_p if r.top_p < 1.0 else 2.0 for r in sub], device=logits.device)
+            mass_before = probs.cumsum(dim=-1) - probs
+            probs = probs.masked_fill(mass_before >= top_ps[:, None], 0.0)
+            cdf = probs.cumsum(dim=-1)
+            choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+            picked = sorted_ids.gather(1, choice).squeeze(1)
+        else:
+            cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
+            picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1).squeeze(1)
+        tokens = tokens.index_copy(0, idx, picked)
+    chosen_lp = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+    k_max = max((r.top_logprobs for r in rows), default=0)
+    top: list[list[tuple[int, float]]] = [[] for _ in range(bsz)]
+    if k_max > 0:
+        vals, ids = logprobs_all.topk(k_max, dim=-1)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+        for i, r in enumerate(rows):
+            if r.top_logprobs:
+                top[i] = list(zip(ids_l[i][:r.top_logprobs], vals_l[i][:r.top_logprobs]))
+    return StepSample(tokens.tolist(), chosen_lp.tolist(), top)
+
+
+def prompt_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int = 0
+                    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Logprobs of ``token_ids[1:]`` under ``logits[:-1]`` (teacher forcing).
+
+    Args:
+        logits: ``(T, V)`` logits of one sequence.
+        token_ids: ``(T,)`` the same sequence's tokens.
+        top_k: alternatives per position.
+
+    Returns:
+        ``T - 1`` logprobs and ``T - 1`` lists of top alternatives (empty when ``top_k == 0``).
+    """
+    lp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    chosen = lp.gather(1, token_ids[1:, None].to(lp.device)).squeeze(1).tolist()
+    if top_k <= 0:
+        return chosen, [[] for _ in chosen]
+    vals, ids = lp.topk(top_k, dim=-1)
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]

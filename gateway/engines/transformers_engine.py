@@ -1,0 +1,334 @@
+"""transformers + peft inference engine with continuous batching (CPU or one GPU).
+
+:class:`TransformersEngine` is the asyncio face; the model lives on one worker
+thread (:mod:`.hf_worker`) that steps every running sequence together:
+requests that arrive while others run are prefilled between decode steps and
+join the batch, finished or cancelled ones leave it. torch releases the GIL
+inside its kernels, so the event loop stays responsive while the worker runs.
+
+Guarantees (tested in ``tests/test_engine_contract.py``):
+
+* a sequence's tokens do not depend on its batch companions: greedy tokens
+  are the same alone or batched (left padding only changes float summation
+  order, which did not flip a greedy token on the test prompts), and each
+  sampled sequence draws from its own ``torch.Generator`` seeded by ``seed``;
+* logprobs are the raw model distribution (see :mod:`.base`);
+* streamed text never holds half a character nor any part of a stop string;
+* adapters load and unload between steps, without disturbing running sequences;
+  one batch may mix the base model and several adapters (peft ``adapter_names``).
+
+Validation errors (:class:`BadRequestError`, :class:`ContextLengthExceededError`,
+:class:`ModelNotFoundError`, :class:`RateLimitError` when the queue is full)
+are raised by :meth:`TransformersEngine.generate` itself, before iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from livelora.clients.errors import (BadRequestError, ConflictError, ContextLengthExceededError,
+                                     ModelNotFoundError, RateLimitError, UnavailableError)
+from livelora.gateway.engines.base import Engine, GenerationChunk, SamplingParams, TokenLogprob
+from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
+from livelora.gateway.engines.sampling import RowSampling, make_generator
+
+#: Most alternatives per position that ``top_logprobs`` may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+
+class TransformersEngine(Engine):
+    """Serve one base model (plus LoRA adapters) with transformers + peft.
+
+    Args:
+        model: base-model name (built-in, local directory or HF id), resolved by
+            :func:`livelora.adapters.models.resolve_base_model`.
+        home: ``LIVELORA_HOME`` (default: from the environment / settings).
+        device: ``"cpu"`` or ``"cuda"``/``"cuda:N"``.
+        dtype: torch dtype name; default ``float32`` on CPU, ``bfloat16`` on CUDA.
+        max_batch_size: sequences decoded together; further requests wait.
+        max_waiting: queued requests at most; beyond it :class:`RateLimitError`.
+        max_model_len: prompt + completion limit in tokens (default: the model
+            config's ``max_position_embeddings``; never above it).
+        max_prefill_tokens: padded prompt tokens per prefill forward pass.
+        num_threads: ``torch.set_num_threads`` value (process-wide); ``None`` keeps torch's default.
+    """
+
+    def __init__(self, model: str | None = None, *, home: str | Path | None = None, device: str = "cpu",
+                 dtype: str | None = None, max_batch_size: int = 16, max_waiting: int = 1024,
+                 max_model_len: int | None = None, max_prefill_tokens: int = 8192,
+                 num_threads: int | None = None):
+        from livelora.adapters.settings import BaseSettings
+
+        if max_batch_size < 1:
+            raise BadRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        settings = BaseSettings()
+        self.model_name = model or settings.model
+        self._home = Path(home) if home is not None else settings.home
+        self.device = device
+        self.dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self._max_model_len_arg = max_model_len
+        self.max_model_len = max_model_len or 0  # set by start() from the model config
+        self.max_prefill_tokens = max_prefill_tokens
+        self.num_threads = num_threads
+        self._tokenizer = None
+        self._worker = None
+        self._adapters: dict[str, str] = {}  # name -> path, loaded and servable
+        self._loading: set[str] = set()  # names whose load is in progress
+        self.vocab_size = 0
+
+    # ----- lifecycle -----------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            raise UnavailableError("the engine is not started")
+        return self._tokenizer
+
+    async def start(self) -> None:
+        """Load tokenizer and weights (in a thread) and start the worker. Idempotent."""
+        if self._worker is not None:
+            return
+        await asyncio.to_thread(self.start_sync)
+
+    def start_sync(self) -> None:
+        """Blocking version of :meth:`start` (for scripts and fixtures)."""
+        if self._worker is not None:
+            return
+        import torch
+
+        from livelora.adapters.models import load_model, load_tokenizer, resolve_base_model
+        from livelora.gateway.engines.hf_worker import Worker
+
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        ref = resolve_base_model(self.model_name, self._home)
+        tokenizer = load_tokenizer(ref)
+        model = load_model(ref, dtype=self.dtype, device=self.device)
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
+        if self._max_model_len_arg and self._max_model_len_arg > limit:
+            raise BadRequestError(f"max_model_len {self._max_model_len_arg} exceeds the model's "
+                                  f"max_position_embeddings {limit}", param="max_model_len")
+        self.max_model_len = self._max_model_len_arg or limit
+        self.vocab_size = int(model.config.vocab_size)
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos_ids)
+        worker = Worker(model, tokenizer, eos_ids=set(eos_ids), max_batch_size=self.max_batch_size,
+                        max_prefill_tokens=self.max_prefill_tokens, device=self.device)
+        worker.thread.start()
+        self._tokenizer, self._worker = tokenizer, worker
+
+    async def close(self) -> None:
+        """Abort every running or queued sequence and stop the worker thread."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            await asyncio.to_thread(worker.stop)
+
+    def _require_worker(self):
+        if self._worker is None:
+            raise UnavailableError("the engine is not started")
+        return self._worker
+
+    def num_unfinished_requests(self) -> int:
+        return 0 if self._worker is None else self._worker.num_unfinished()
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode steps run so far (all sequences together count one per step)."""
+        return 0 if self._worker is None else self._worker.steps
+
+    # ----- validation ----------------------------------------------------------------
+    def _check_tokens(self, token_ids: Sequence[int], param: str) -> list[int]:
+        try:
+            ids = [int(t) for t in token_ids]
+        except (TypeError, ValueError) as exc:
+            raise BadRequestError(f"{param} must be a list of token ids", param=param) from exc
+        if not ids:
+            raise BadRequestError(f"{param} is empty", param=param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
+        return ids
+
+    def _check_adapter(self, adapter: str | None) -> None:
+        if adapter is not None and adapter not in self._adapters:
+            raise ModelNotFoundError(f"adapter {adapter!r} is not loaded", param="model")
+
+    def _check_params(self, p: SamplingParams, prompt_len: int) -> None:
+        if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+            raise BadRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}", param="max_tokens",
+                                  code="integer_below_min_value")
+        if not (isinstance(p.temperature, (int, float)) and math.isfinite(p.temperature) and p.temperature >= 0):
+            raise BadRequestError(f"temperature must be >= 0, got {p.temperature!r}", param="temperature")
+        if not (isinstance(p.top_p, (int, float)) and 0 < p.top_p <= 1):
+            raise BadRequestError(f"top_p must be in (0, 1], got {p.top_p!r}", param="top_p")
+        if not isinstance(p.top_k, int) or p.top_k < 0:
+            raise BadRequestError(f"top_k must be an integer >= 0 (0 disables), got {p.top_k!r}", param="top_k")
+        if not isinstance(p.top_logprobs, int) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {p.top_logprobs!r}",
+                                  param="top_logprobs")
+        if p.top_logprobs and not p.logprobs:
+            raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if p.seed is not None and not isinstance(p.seed, int):
+            raise BadRequestError(f"seed must be an integer, got {p.seed!r}", param="seed")
+        if isinstance(p.stop, str) or any(not isinstance(s, str) or not s for s in p.stop):
+            raise BadRequestError("stop must be a sequence of non-empty strings", param="stop")
+        for t in p.stop_token_ids:
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise BadRequestError(f"stop token id {t!r} is outside the vocabulary", param="stop_token_ids")
+        if prompt_len + p.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + p.max_tokens} tokens ({prompt_len} in the messages, {p.max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion.")
+
+    # ----- generation ----------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 adapter: str | None = None, request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """See :meth:`Engine.generate`. Errors are raised here, before the first iteration.
+
+        Raises:
+            UnavailableError: the engine is not started.
+            BadRequestError: invalid parameters or token ids.
+            ContextLengthExceededError: ``len(prompt) + max_tokens > max_model_len``.
+            ModelNotFoundError: ``adapter`` is not loaded.
+            RateLimitError: ``max_waiting`` requests are already queued.
+        """
+        from livelora.gateway.engines.hf_worker import Sequence as _Seq
+
+        worker = self._require_worker()
+        prompt = self._check_tokens(prompt_token_ids, "prompt")
+        self._check_params(params, len(prompt))
+        self._check_adapter(adapter)
+        if len(worker.waiting) >= self.max_waiting:
+            raise RateLimitError(f"{len(worker.waiting)} requests are queued; retry later", retry_after=1.0)
+        sampling = RowSampling(float(params.temperature), float(params.top_p), int(params.top_k),
+                               make_generator(params.seed), int(params.top_logprobs))
+        seq = _Seq(request_id or uuid.uuid4().hex, prompt, params, adapter, sampling,
+                   IncrementalDetokenizer(self._tokenizer), StopStringMatcher(params.stop), deliver=_no_consumer)
+        return self._stream(worker, seq)
+
+    async def _stream(self, worker, seq) -> AsyncIterator[GenerationChunk]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def deliver(items: list[Any]) -> None:  # worker thread
+            loop.call_soon_threadsafe(_put_all, queue, items)
+
+        seq.deliver = deliver
+        worker.submit(seq)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not seq.finished:
+                seq.cancelled = True
+                worker.wake()
+
+    async def score(self, token_ids: Sequence[int], adapter: str | None = None,
+                    top_logprobs: int = 0) -> list[TokenLogprob | None]:
+        """See :meth:`Engine.score`. Runs on the worker between decode steps.
+
+        Raises:
+            BadRequestError: empty or out-of-vocabulary ``token_ids``; ``top_logprobs`` outside 0..20.
+            ContextLengthExceededError: more than :attr:`max_model_len` tokens.
+            ModelNotFoundError: ``adapter`` is not loaded.
+        """
+        worker = self._require_worker()
+        ids = self._check_tokens(token_ids, "token_ids")
+        if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
+        if len(ids) > self.max_model_len:
+            raise ContextLengthExceededError(f"This model's maximum context length is {self.max_model_len} "
+                                             f"tokens; {len(ids)} tokens were given to score.")
+        self._check_adapter(adapter)
+        return await self._on_worker(worker, lambda: worker.score(ids, adapter, top_logprobs))
+
+    async def _on_worker(self, worker, fn):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:  # worker thread
+            try:
+                result, exc = fn(), None
+            except BaseException as e:  # handed to the caller
+                result, exc = None, e
+            loop.call_soon_threadsafe(_settle, fut, result, exc)
+
+        worker.call(run)
+        return await fut
+
+    # ----- adapters ------------------------------------------------------------------
+    async def load_adapter(self, name: str, path: str) -> None:
+        """See :meth:`Engine.load_adapter`. The load runs on the worker between steps.
+
+        Raises:
+            BadRequestError: empty name, missing directory, not LoRA, or weights that do not fit.
+            ConflictError: ``name`` is loaded (names are never reloaded in place).
+        """
+        worker = self._require_worker()
+        if not isinstance(name, str) or not name.strip() or name == "__base__":
+            raise BadRequestError(f"invalid adapter name {name!r}", param="name")
+        if name in self._adapters or name in self._loading:
+            raise ConflictError(f"adapter {name!r} is already loaded; load new weights under a new name",
+                                param="name")
+        p = Path(path)
+        if not (p / "adapter_config.json").is_file():
+            raise BadRequestError(f"{path} is not a PEFT adapter directory (no adapter_config.json)", param="path")
+        self._loading.add(name)  # reserves the name; generate() rejects it until the load is done
+        try:
+            await self._on_worker(worker, lambda: worker.load_adapter(name, str(p)))
+            self._adapters[name] = str(p)
+        finally:
+            self._loading.discard(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        """See :meth:`Engine.unload_adapter`.
+
+        Raises:
+            ModelNotFoundError: ``name`` is not loaded.
+            ConflictError: a queued or running sequence still uses it (nothing changes).
+        """
+        worker = self._require_worker()
+        if name not in self._adapters:
+            raise ModelNotFoundError(f"adapter {name!r} is not loaded", param="model")
+        path = self._adapters.pop(name)  # new requests for it fail from now on
+        try:
+            await self._on_worker(worker, lambda: worker.unload_adapter(name))
+        except BaseException:
+            self._adapters[name] = path
+            raise
+
+    def loaded_adapters(self) -> list[str]:
+        return list(self._adapters)
+
+
+def _no_consumer(items: list[Any]) -> None:
+    raise RuntimeError("sequence has no consumer")
+
+
+def _put_all(queue: asyncio.Queue, items: list[Any]) -> None:
+    for item in items:
+        queue.put_nowait(item)
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
