@@ -11,7 +11,8 @@ Two small state machines, one of each per sequence:
   tokenizers that strip a leading space (sentencepiece ``▁``) or merge bytes
   across tokens consistent with one full ``decode``: the concatenation of every
   delta plus :meth:`IncrementalDetokenizer.flush` equals
-  ``tokenizer.decode(all_ids, skip_special_tokens=...)``.
+  ``tokenizer.decode(all_ids, skip_special_tokens=...)`` (less a trailing
+  incomplete character, which is dropped).
 * :class:`StopStringMatcher` finds stop strings in the decoded text, including
   matches that span several deltas, and holds back any suffix that could still
   grow into a stop string so that no part of a matched stop string is ever
@@ -58,11 +59,18 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Return any text still held back (an incomplete character decodes as U+FFFD here)."""
+        """Return the text still held back when the sequence ends.
+
+        A character left incomplete by the last token (the sequence was cut by
+        ``max_tokens`` inside a multi-byte character) is dropped rather than
+        emitted as U+FFFD, so the streamed text equals
+        ``tokenizer.decode(all_ids).rstrip("\ufffd")``.
+        """
         prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self.token_ids[self._prefix_offset:])
         self._prefix_offset = self._read_offset = len(self.token_ids)
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        return delta.rstrip(REPLACEMENT_CHAR)
 
 
 class StopStringMatcher:
