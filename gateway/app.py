@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from livelora.gateway.api import chat, completions, health, models
+from livelora.gateway.api import chat, completions, health, models, tinker
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.api.logprobs import TokenTexts
 from livelora.gateway.api.serving import Admission
@@ -71,9 +71,13 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
         app.state.admission = Admission(settings)
         app.state.token_texts = TokenTexts(served.tokenizer)
         log.info("serving %s with the %s engine", settings.model_id, settings.engine)
+        from livelora.gateway.sessions import start_sessions  # training sessions (Tinker API, op executor)
+
+        sessions = await start_sessions(app, settings, served, app.state.admission)
         try:
             yield
         finally:
+            await sessions.close()
             if own:
                 await served.close()
 
@@ -81,6 +85,6 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
                   description="OpenAI-compatible gateway whose LoRA adapter keeps learning while it serves.")
     app.state.settings = settings
     install_error_handlers(app)
-    for module in (health, models, chat, completions):
+    for module in (health, models, chat, completions, tinker):
         app.include_router(module.router)
     return app

@@ -234,3 +234,351 @@ class OptimStepResponse(LenientModel):
     """Result of ``optim_step``: ``metrics`` keys are ``name:reduction``."""
 
     metrics: dict[str, float] | None = None
+
+
+# ================================================================================================ sessions
+# Request/response bodies of the remaining ``/api/v1`` routes (tinker_protocol.md §2.4, JSON forms of SDK ≤0.24).
+
+class CreateSessionRequest(StrictModel):
+    """``POST /api/v1/create_session`` body."""
+
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+    type: Literal["create_session"] = "create_session"
+
+
+class CreateSessionResponse(LenientModel):
+    """Answer of ``create_session``."""
+
+    session_id: str
+    type: Literal["create_session"] = "create_session"
+    info_message: str | None = None
+    warning_message: str | None = None
+    error_message: str | None = None
+
+
+class SessionHeartbeatRequest(StrictModel):
+    """``POST /api/v1/session_heartbeat`` body (the SDK sends one every 10 s)."""
+
+    session_id: str
+    type: Literal["session_heartbeat"] = "session_heartbeat"
+
+
+class SessionHeartbeatResponse(LenientModel):
+    type: Literal["session_heartbeat"] = "session_heartbeat"
+
+
+class FinishReason(StrictModel):
+    type: Literal["success", "errored", "interrupted"] = "success"
+
+
+class SessionFinishRequest(StrictModel):
+    """``POST /api/v1/sessions/{session_id}/finish`` body: frees the session's models and samplers."""
+
+    reason: FinishReason = Field(default_factory=FinishReason)
+    detail: str | None = None
+
+
+class UntypedAPIFuture(LenientModel):
+    """What every asynchronous op answers at once; the result comes from ``retrieve_future``.
+
+    ``sample_sequence_ids``: one id per requested sample (``asample`` only; required by SDK ≥0.26).
+    """
+
+    request_id: str
+    model_id: str | None = None
+    sample_sequence_ids: list[str] | None = None
+
+
+class FutureRetrieveRequest(StrictModel):
+    """``POST /api/v1/retrieve_future`` body."""
+
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class TryAgainResponse(LenientModel):
+    """"Not done yet" (sent with HTTP 408 after the server's long-poll; the SDK re-polls at once)."""
+
+    type: Literal["try_again"] = "try_again"
+    request_id: str
+    queue_state: Literal["active", "paused_capacity", "paused_rate_limit"] = "active"
+
+
+class RequestFailedResponse(LenientModel):
+    """A failed op's future result (HTTP 200): ``{"error", "category"}`` plus livelora's error class fields.
+
+    ``category`` is ``"user"`` (fix the request), ``"server"`` or ``"unknown"``; ``class``/``code``/``param``
+    let livelora's SDK rebuild the exact :mod:`livelora.clients.errors` exception.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+    error: str
+    category: Literal["user", "server", "unknown"] = "unknown"
+    error_class: str | None = Field(default=None, alias="class")
+    code: str | None = None
+    param: str | None = None
+
+
+class GetInfoRequest(StrictModel):
+    model_id: str
+    type: Literal["get_info"] = "get_info"
+
+
+class ModelData(LenientModel):
+    """``arch``: HF architecture; ``model_name``: base-model name; ``tokenizer_id``: a path or HF id that
+    ``AutoTokenizer.from_pretrained`` accepts (the server's local model directory)."""
+
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+
+
+class GetInfoResponse(LenientModel):
+    """Answer of ``get_info``. ``lora_alpha`` is a livelora extension."""
+
+    type: Literal["get_info"] | None = "get_info"
+    model_data: ModelData
+    model_id: str
+    is_lora: bool | None = True
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    model_name: str | None = None
+
+
+class ForwardRequest(StrictModel):
+    """JSON ``POST /api/v1/forward`` body (SDK ≤0.24): like forward_backward, without the backward pass."""
+
+    forward_input: ForwardBackwardInput
+    model_id: str
+    seq_id: int | None = None
+    type: Literal["forward"] | None = None
+
+
+class SaveWeightsRequest(StrictModel):
+    """``POST /api/v1/save_weights``: weights **and** optimizer state under ``path`` (a name)."""
+
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, Any] | None = None
+    type: Literal["save_weights"] = "save_weights"
+
+
+class SaveWeightsResponse(LenientModel):
+    """``path``: ``tinker://<model_id>/weights/<name>``."""
+
+    path: str
+    type: Literal["save_weights"] | None = "save_weights"
+
+
+class SaveWeightsForSamplerRequest(StrictModel):
+    """``POST /api/v1/save_weights_for_sampler``: named (``path``) or ephemeral (``sampling_session_seq_id``)."""
+
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    kind: Literal["snapshot", "inflight"] | None = None
+    user_metadata: dict[str, Any] | None = None
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+
+
+class SaveWeightsForSamplerResponse(LenientModel):
+    """Named: ``path`` = ``tinker://<model_id>/sampler_weights/<name>``. Ephemeral: ``sampling_session_id``.
+
+    ``adapter`` (livelora extension): the engine adapter name of these weights, usable as ``model`` in
+    ``/v1/chat/completions``.
+    """
+
+    path: str | None = None
+    sampling_session_id: str | None = None
+    adapter: str | None = None
+    type: Literal["save_weights_for_sampler"] | None = "save_weights_for_sampler"
+
+
+class LoadWeightsRequest(StrictModel):
+    """``POST /api/v1/load_weights``: create-via-load (``session_id`` + ``model_seq_id``, implicit seq 0) or
+    legacy load into an existing model (``model_id`` + ``seq_id``)."""
+
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfig | None = None
+    path: str
+    optimizer: bool = False
+    weights_access_token: str | None = None
+    type: Literal["load_weights"] = "load_weights"
+
+
+class LoadWeightsResponse(LenientModel):
+    path: str | None = None
+    model_id: str | None = None
+    type: Literal["load_weights"] | None = "load_weights"
+
+
+class WeightsInfoRequest(StrictModel):
+    """``POST /api/v1/weights_info`` body."""
+
+    tinker_path: str
+
+
+class WeightsInfoResponse(LenientModel):
+    base_model: str
+    is_lora: bool = True
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
+
+
+class CreateSamplingSessionRequest(StrictModel):
+    """``POST /api/v1/create_sampling_session``: sample a sampler checkpoint (``model_path``) or the base model."""
+
+    session_id: str
+    sampling_session_seq_id: int = Field(ge=0)
+    base_model: str | None = None
+    model_path: str | None = None
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+
+
+class CreateSamplingSessionResponse(LenientModel):
+    sampling_session_id: str
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+
+
+class GetSamplerResponse(LenientModel):
+    """``GET /api/v1/samplers/{id}``. ``adapter``: engine adapter name (None = base model; livelora extension)."""
+
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+    adapter: str | None = None
+
+
+class SamplingParams(StrictModel):
+    """Tinker sampling parameters.
+
+    * ``max_tokens``: completion-token budget; None = up to the context length.
+    * ``stop``: a string, strings, or token ids ending a sample (the EOS tokens always stop too);
+      ``[]`` disables every stop including EOS.
+    * ``temperature`` (0 = greedy), ``top_k`` (-1 or 0 = off), ``top_p`` (1 = off), ``seed``.
+    """
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_k: int = Field(default=-1, ge=-1)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+
+
+class SampleRequest(StrictModel):
+    """``POST /api/v1/asample`` body. Address the weights by ``sampling_session_id`` (+ ``seq_id``) or, legacy,
+    by ``model_path`` / ``base_model``."""
+
+    num_samples: int = Field(default=1, ge=1)
+    prompt: ModelInput
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=20)
+    type: Literal["sample"] = "sample"
+
+
+class SampledSequence(LenientModel):
+    """One sample: ``tokens`` (completion token ids, a stop token included), ``logprobs`` (one per token, nats).
+
+    ``logprobs`` are of the **raw model distribution** of the sampling weights (log_softmax of the logits
+    before temperature, top-k and top-p): at temperature 1 with no top-k/top-p they are the sampling
+    distribution's and agree with ``compute_logprobs``; otherwise they are not the tempered probabilities.
+    """
+
+    stop_reason: Literal["stop", "length"]
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    sequence_id: str | None = None
+
+
+class SampleResponse(LenientModel):
+    """Result of ``asample``. ``prompt_logprobs[i]`` = log p(prompt_i | prompt_<i) (None at 0);
+    ``topk_prompt_logprobs[i]`` = the k most likely ``(token_id, logprob)`` at position i (None at 0)."""
+
+    sequences: list[SampledSequence]
+    type: Literal["sample"] = "sample"
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+class Checkpoint(LenientModel):
+    """A saved checkpoint: ``checkpoint_id`` = ``"weights/<name>"`` or ``"sampler_weights/<name>"``."""
+
+    checkpoint_id: str
+    checkpoint_type: Literal["training", "sampler"]
+    time: str
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+    adapter: str | None = None
+
+
+class Cursor(LenientModel):
+    offset: int = 0
+    limit: int = 0
+    total_count: int = 0
+
+
+class CheckpointsListResponse(LenientModel):
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+class TrainingRun(LenientModel):
+    training_run_id: str
+    base_model: str
+    model_owner: str = "local"
+    is_lora: bool = True
+    corrupted: bool = False
+    lora_rank: int | None = None
+    last_request_time: str | None = None
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class SupportedModel(LenientModel):
+    model_name: str
+    max_context_length: int | None = None
+    trainable: bool | None = True
+    sampleable: bool | None = True
+    tokenizer_id: str | None = None
+
+
+class GetServerCapabilitiesResponse(LenientModel):
+    supported_models: list[SupportedModel]
+
+
+__all__ += [
+    "CreateSessionRequest", "CreateSessionResponse", "SessionHeartbeatRequest", "SessionHeartbeatResponse",
+    "SessionFinishRequest", "UntypedAPIFuture", "FutureRetrieveRequest", "TryAgainResponse",
+    "RequestFailedResponse", "GetInfoRequest", "GetInfoResponse", "ModelData", "ForwardRequest",
+    "SaveWeightsRequest", "SaveWeightsResponse", "SaveWeightsForSamplerRequest", "SaveWeightsForSamplerResponse",
+    "LoadWeightsRequest", "LoadWeightsResponse", "WeightsInfoRequest", "WeightsInfoResponse",
+    "CreateSamplingSessionRequest", "CreateSamplingSessionResponse", "GetSamplerResponse", "SamplingParams",
+    "SampleRequest", "SampledSequence", "SampleResponse", "Checkpoint", "Cursor", "CheckpointsListResponse",
+    "TrainingRun", "SupportedModel", "GetServerCapabilitiesResponse",
+]

@@ -1,0 +1,232 @@
+"""The Tinker training-session API under ``/api/v1`` (JSON encoding of tinker SDK ≤0.24; protocol §2.4).
+
+Handlers only decode a JSON body into a :mod:`livelora.clients.types.tinker` model, call one
+:class:`~livelora.gateway.sessions.SessionService` method and encode its answer (:func:`encode`); the
+operations themselves know nothing about the wire. A protobuf codec (SDK ≥0.25) will add decoders and
+encoders here without touching the service.
+
+Errors: synchronous failures raise :mod:`livelora.clients.errors` classes and go through the gateway's one
+error handler; failures of queued ops are the future's ``{"error", "category"}`` (HTTP 200), as the
+protocol requires. ``retrieve_future`` answers 408 ``{"type": "try_again", ...}`` when the op is still
+running after the long-poll, and 410 for an unknown or expired request id.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from livelora.clients.errors import BadRequestError, UnavailableError
+from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSessionRequest, CreateSessionRequest,
+                                           ForwardBackwardRequest, ForwardRequest, FutureRetrieveRequest,
+                                           GetInfoRequest, LoadWeightsRequest, OptimStepRequest, SampleRequest,
+                                           SaveWeightsForSamplerRequest, SaveWeightsRequest, SessionFinishRequest,
+                                           SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
+                                           WeightsInfoRequest)
+from livelora.gateway.sessions import NotReady, SessionService
+
+router = APIRouter(prefix="/api/v1", tags=["training sessions"])
+M = TypeVar("M", bound=BaseModel)
+
+#: Flags for the tinker SDK's ``client/config``: create-from-checkpoint in one ``load_weights`` request,
+#: plain httpx transport, JSON bodies (no protobuf yet).
+CLIENT_CONFIG = {"create_model_via_load_weights": True, "use_pyqwest_transport": False,
+                 "proto_write_fwdbwd": False, "parallel_fwdbwd_chunks": True}
+
+
+def get_sessions(request: Request) -> SessionService:
+    service = getattr(request.app.state, "sessions", None)
+    if service is None:
+        raise UnavailableError("training sessions are not available (the gateway is starting or stopping)")
+    return service
+
+
+SessionsDep = Annotated[SessionService, Depends(get_sessions)]
+
+
+# ------------------------------------------------------------------------------------------------ JSON codec
+async def body_json(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object (an empty body is ``{}``).
+
+    Raises:
+        BadRequestError: not JSON, or not an object.
+    """
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequestError("request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def parse(model: type[M], data: dict[str, Any]) -> M:
+    """Validate ``data`` as ``model``; a bad or unknown field is a 400 naming it."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        msgs = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e.get('msg')}"
+                         for e in exc.errors()[:3])
+        raise BadRequestError(f"invalid {model.__name__}: {msgs}", param=loc or None, code="invalid_value") from None
+
+
+async def decode(request: Request, model: type[M]) -> M:
+    return parse(model, await body_json(request))
+
+
+def encode(obj: BaseModel | dict[str, Any], status_code: int = 200) -> Response:
+    """JSON response; ``None`` fields are left out (as the tinker SDK's own bodies)."""
+    data = obj.model_dump(mode="json", exclude_none=True, by_alias=True) if isinstance(obj, BaseModel) else obj
+    return JSONResponse(data, status_code=status_code)
+
+
+# ------------------------------------------------------------------------------------------------ client setup
+@router.post("/client/config")
+async def client_config() -> Response:
+    return encode(CLIENT_CONFIG)
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config() -> Response:
+    return encode({"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64})
+
+
+@router.get("/healthz")
+async def healthz() -> Response:
+    return encode({"status": "ok"})
+
+
+@router.post("/telemetry")
+async def telemetry(request: Request) -> Response:
+    await body_json(request)  # accepted and dropped: livelora keeps no client telemetry
+    return encode({"status": "accepted"})
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(sessions: SessionsDep) -> Response:
+    return encode(sessions.capabilities())
+
+
+# ------------------------------------------------------------------------------------------------ sessions
+@router.post("/create_session")
+async def create_session(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.create_session(await decode(request, CreateSessionRequest)))
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(request: Request, sessions: SessionsDep) -> Response:
+    await sessions.heartbeat((await decode(request, SessionHeartbeatRequest)).session_id)
+    return encode(SessionHeartbeatResponse())
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, request: Request, sessions: SessionsDep) -> Response:
+    await decode(request, SessionFinishRequest)
+    await sessions.finish_session(session_id)
+    return encode({"session_id": session_id, "status": "finished"})
+
+
+# ------------------------------------------------------------------------------------------------ training ops
+@router.post("/create_model")
+async def create_model(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.create_model(await decode(request, CreateModelRequest)))
+
+
+@router.post("/get_info")
+async def get_info(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.get_info((await decode(request, GetInfoRequest)).model_id))
+
+
+@router.post("/forward")
+async def forward(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.submit_op("forward", await body_json(request),
+                                           lambda d: ForwardRequest.model_validate(d)))
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.submit_op("forward_backward", await body_json(request),
+                                           lambda d: ForwardBackwardRequest.model_validate(d)))
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.submit_op("optim_step", await body_json(request),
+                                           lambda d: OptimStepRequest.model_validate(d)))
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.submit_op("save_weights", await body_json(request),
+                                           lambda d: SaveWeightsRequest.model_validate(d)))
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.submit_op("save_weights_for_sampler", await body_json(request),
+                                           lambda d: SaveWeightsForSamplerRequest.model_validate(d)))
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request, sessions: SessionsDep) -> Response:
+    data = await body_json(request)
+    if data.get("model_id") is not None or data.get("seq_id") is not None:  # load into an existing model
+        return encode(await sessions.submit_op("load_weights", data,
+                                               lambda d: LoadWeightsRequest.model_validate(d)))
+    return encode(await sessions.create_via_load(parse(LoadWeightsRequest, data)))
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request, sessions: SessionsDep) -> Response:
+    req = await decode(request, FutureRetrieveRequest)
+    result = await sessions.retrieve_future(req.request_id)
+    if isinstance(result, NotReady):
+        return encode(TryAgainResponse(request_id=req.request_id), status_code=408)
+    return encode(result)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+@router.post("/weights_info")
+async def weights_info(request: Request, sessions: SessionsDep) -> Response:
+    return encode(sessions.weights_info((await decode(request, WeightsInfoRequest)).tinker_path))
+
+
+@router.get("/training_runs/{model_id}")
+async def training_run(model_id: str, sessions: SessionsDep) -> Response:
+    return encode(sessions.training_run(model_id))
+
+
+@router.get("/training_runs/{model_id}/checkpoints")
+async def list_checkpoints(model_id: str, sessions: SessionsDep) -> Response:
+    return encode(sessions.list_checkpoints(model_id))
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(model_id: str, checkpoint_id: str, sessions: SessionsDep) -> Response:
+    sessions.delete_checkpoint(model_id, checkpoint_id)
+    return Response(status_code=204)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.create_sampling_session(await decode(request, CreateSamplingSessionRequest)))
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, sessions: SessionsDep) -> Response:
+    return encode(await sessions.get_sampler(sampler_id))
+
+
+@router.post("/asample")
+async def asample(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.asample(await decode(request, SampleRequest)))
