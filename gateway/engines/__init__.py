@@ -25,7 +25,9 @@ def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
     """Build an (unstarted) engine of ``kind``; call ``await engine.start()`` before use.
 
     Args:
-        kind: ``"transformers"`` (transformers + peft; CPU or one GPU).
+        kind: ``"transformers"`` (transformers + peft; CPU or one GPU) or ``"vllm"``
+            (vLLM's AsyncLLM with multi-LoRA; needs vLLM installed, see
+            :class:`~.vllm_engine.VLLMEngine`).
         **kwargs: passed to the engine's constructor, e.g. for ``transformers``:
             ``model``, ``home``, ``device``, ``dtype``, ``max_batch_size``,
             ``max_model_len``, ``num_threads`` (see
@@ -38,6 +40,10 @@ def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
         from livelora.gateway.engines.transformers_engine import TransformersEngine
 
         return TransformersEngine(**kwargs)
+    if kind == "vllm":  # vLLM is imported by the engine's start(), never here
+        from livelora.gateway.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(**kwargs)
     raise BadRequestError(f"unknown engine kind {kind!r}; available: {', '.join(ENGINE_KINDS)}", param="engine")
 
 

