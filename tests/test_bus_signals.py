@@ -15,7 +15,8 @@ from livelora.adapters.bus import Keys, connect_async, delete_prefix, ensure_gro
 from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.signals import CompletionRecord, RatingEvent
 from livelora.gateway.api.errors import install_error_handlers
-from livelora.gateway.api.signals import SignalService, parse_stream_event, router
+from livelora.clients.types.signals import parse_stream_event
+from livelora.gateway.api.signals import SignalService, router
 from livelora.gateway.completion_log import CompletionLog
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -239,3 +239,15 @@ class VersionNotice(_Strict):
     parent: str | None = None
     kind: str | None = None
     created: int | None = None
+
+
+def parse_stream_event(fields: dict[str, str]):
+    """Decode one signals-stream entry (fields ``event`` and ``replaces``) into a :data:`SignalEvent`.
+
+    Raises:
+        pydantic.ValidationError: the entry is not a valid event.
+    """
+    ev = SIGNAL_EVENT.validate_json(fields["event"])
+    if isinstance(ev, RatingEvent) and fields.get("replaces"):
+        ev = ev.model_copy(update={"replaces": fields["replaces"]})
+    return ev

@@ -39,7 +39,6 @@ from fastapi import APIRouter, Header, Request, Response
 from livelora.adapters.bus import DEFAULT_IDEMPOTENCY_TTL_S, Keys, dumps, redis_unavailable
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
 from livelora.clients.types.signals import (
-    SIGNAL_EVENT,
     CompletionRecord,
     DemonstrationEvent,
     DemonstrationRequest,
@@ -50,6 +49,7 @@ from livelora.clients.types.signals import (
     PreferenceRequest,
     PreferenceResponse,
     RatingEvent,
+    parse_stream_event,
 )
 from livelora.gateway.completion_log import CompletionLog
 
@@ -70,18 +70,6 @@ local stored = cjson.encode({fingerprint = ARGV[2], event = ARGV[1], replaces = 
 if KEYS[2] ~= '' then redis.call('SET', KEYS[2], stored, 'EX', ARGV[3]) end
 return {'new', stored}
 """
-
-
-def parse_stream_event(fields: dict[str, str]):
-    """Decode one signals-stream entry (fields ``event`` and ``replaces``) into a :data:`SignalEvent`.
-
-    Raises:
-        pydantic.ValidationError: the entry is not a valid event.
-    """
-    ev = SIGNAL_EVENT.validate_json(fields["event"])
-    if isinstance(ev, RatingEvent) and fields.get("replaces"):
-        ev = ev.model_copy(update={"replaces": fields["replaces"]})
-    return ev
 
 
 class SignalService:

@@ -1,0 +1,218 @@
+"""Trainer worker on real Redis and the real SmolLM2 model: dataset of record before ack, KTO/SFT/DPO steps,
+versions with parents, notices, and reclaim of events left pending by a killed worker."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import redis
+from safetensors.torch import load_file
+
+from livelora.adapters.bus import TRAINERS_GROUP, Keys, connect_sync, ensure_group
+from livelora.adapters.store import AdapterStore
+from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
+from livelora.trainer.online import OnlineConfig, OnlineTrainer
+from livelora.trainer.policy import OnlinePolicy, PolicyConfig, kto_class_weights
+from livelora.trainer.worker import TRAINED_FILE, TrainerWorker, dataset_dir, read_dataset
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def bus():
+    keys = Keys(f"livelora-test-{uuid.uuid4().hex}:")
+    client = connect_sync("redis://127.0.0.1:6379/0")
+    ensure_group(client, keys)
+    yield client, keys
+    for k in client.scan_iter(match=keys.prefix + "*"):
+        client.delete(k)
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def pair_tokens(tokenizer):
+    """Two real chat prompts and replies, tokenized with SmolLM2's template."""
+    def chat(q: str) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return [(chat("What is 2+2?"), tokenizer.encode(" 4.", add_special_tokens=False)),
+            (chat("Name a colour."), tokenizer.encode(" Blue", add_special_tokens=False))]
+
+
+def rating(endpoint: str, prompt, completion, up: bool, completion_id: str, user: str = "u") -> RatingEvent:
+    return RatingEvent(id=f"feedback-{uuid.uuid4().hex}", endpoint=endpoint, created=int(time.time()),
+                       completion_id=completion_id, prompt_token_ids=prompt, completion_token_ids=completion,
+                       rating=up, rating_key=f"{completion_id}:/{user}", user=user)
+
+
+def xadd(client: redis.Redis, keys: Keys, ev, replaces: str = "") -> str:
+    return client.xadd(keys.signals, {"event": ev.model_dump_json(), "replaces": replaces})
+
+
+def pending(client, keys) -> int:
+    return client.xpending(keys.signals, TRAINERS_GROUP)["pending"]
+
+
+def test_policy_batches_by_count_or_wait_and_balances_classes():
+    assert kto_class_weights(6, 2) == (pytest.approx(1 / 3), 1.0)
+    assert kto_class_weights(1, 4) == (1.0, 0.25)
+    assert kto_class_weights(5, 0) == (1.0, 1.0)
+    pol = OnlinePolicy(PolicyConfig(kto_min_batch=3, sft_min_batch=2, max_wait_s=10))
+    evs = [rating("ep", [1, 2], [3], up, f"c{i}") for i, up in enumerate([True, True, False])]
+    assert pol.add("lin", "1-0", evs[0], now=0) == []
+    assert pol.add("lin", "2-0", evs[1], now=1) == []
+    assert pol.due(now=5) == []                      # 2 < 3 and not waited
+    again = rating("ep", [1, 2], [3], False, "c0")    # same completion, same rater: replaces "1-0"
+    assert pol.add("lin", "3-0", again, now=6) == ["1-0"]
+    old = rating("ep", [1, 2], [3], True, "c0")       # an older redelivered entry never wins
+    assert pol.add("lin", "0-5", old, now=6) == ["0-5"]
+    assert len(pol) == 2
+    assert pol.due(now=9) == []
+    [batch] = pol.due(now=11)                        # oldest (t=1) waited 10 s, 2 >= KTO floor
+    assert batch.kind == "kto" and batch.stream_ids == ["2-0", "3-0"]
+    assert [e.rating for e in batch.events] == [True, False]
+    assert (batch.desirable_weight, batch.undesirable_weight) == (1.0, 1.0)
+    pol.add("lin", "4-0", evs[2], now=20)
+    assert pol.due(now=100) == []                    # one rating never makes a KTO step
+    demo = DemonstrationEvent(id="d", endpoint="ep", created=0, messages=[
+        ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content="a")])
+    pol.add("lin", "5-0", demo, now=100)
+    assert pol.due(now=100) == []
+    [sft] = pol.due(now=110)
+    assert sft.kind == "sft"
+
+
+def test_worker_records_before_ack_trains_kto_and_publishes(bus, base_ref, pair_tokens, tmp_path):
+    client, keys = bus
+    (p1, c1), (p2, c2) = pair_tokens
+    first = rating("live", p1, c1, True, "chatcmpl-1")
+    ids = [xadd(client, keys, first), xadd(client, keys, rating("live", p2, c2, False, "chatcmpl-2"))]
+    rerate = rating("live", p1, c1, False, "chatcmpl-1")               # the same user changes their mind
+    ids.append(xadd(client, keys, rerate, replaces=first.id))
+    sub = client.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(keys.notices)
+    backend = OnlineTrainer(base_ref, tmp_path, OnlineConfig(kto_lr=1e-3))
+    worker = TrainerWorker(client, keys, tmp_path, backend, OnlinePolicy(PolicyConfig(kto_min_batch=2)),
+                           consumer="w1", block_ms=100)
+    [notice] = worker.poll()
+    # dataset of record: every entry read, including the superseded rating
+    records = read_dataset(tmp_path)
+    assert [r["stream_id"] for r in records] == ids
+    assert records[2]["event"]["replaces"] == first.id
+    # the step trained on the latest rating per (completion, user): two undesirable examples
+    manifest = AdapterStore(tmp_path).get("live", 1)
+    assert notice.name == manifest.name == "live@1" and notice.sha256 == manifest.sha256
+    assert notice.path == str(tmp_path / "adapters" / "live" / "1") and notice.kind == "kto"
+    assert manifest.parent is None and manifest.metrics["events:sum"] == 2
+    # fresh adapter = reference, so r = 0, z0 = 0 and each KTO term is λ(1 − σ(0)) = 0.5
+    assert manifest.metrics["loss:sum"] == pytest.approx(0.5, abs=1e-5)
+    weights = load_file(str(tmp_path / "adapters" / "live" / "1" / "adapter_model.safetensors"))
+    assert any(float(t.abs().max()) > 0 for k, t in weights.items() if "lora_B" in k)
+    trained = [json.loads(x) for x in (dataset_dir(tmp_path) / TRAINED_FILE).read_text().splitlines()]
+    assert trained == [{"version": "live@1", "event_ids": [_id for _id in (records[1]["event"]["id"], rerate.id)],
+                        "stream_ids": [ids[1], ids[2]]}]
+    assert pending(client, keys) == 0
+    msg = None
+    for _ in range(50):
+        msg = sub.get_message(timeout=0.1)
+        if msg:
+            break
+    assert json.loads(msg["data"]) == notice.model_dump(mode="json")
+    # the next batch is version 2, child of version 1, with both classes balanced 1:1
+    xadd(client, keys, rating("live", p1, c1, True, "chatcmpl-3"))
+    xadd(client, keys, rating("live", p2, c2, True, "chatcmpl-4"))
+    xadd(client, keys, rating("live", p2, c2, False, "chatcmpl-5"))
+    worker.policy.config = PolicyConfig(kto_min_batch=3)
+    [n2] = worker.poll()
+    m2 = AdapterStore(tmp_path).get("live", 2)
+    assert n2.parent == "live@1" and m2.parent == 1 and m2.step == 2
+    assert m2.metrics["desirable_weight:mean"] == 0.5 and m2.metrics["undesirable_weight:mean"] == 1.0
+    sub.close()
+
+
+def test_dpo_then_sft_steps_on_one_lineage(bus, base_ref, pair_tokens, tmp_path):
+    client, keys = bus
+    (p1, c1), (_, c2) = pair_tokens
+    msgs = [ChatMessage(role="user", content="What is the capital of France?"),
+            ChatMessage(role="assistant", content="Paris.")]
+    xadd(client, keys, PreferenceEvent(id="preference-1", endpoint="ep", created=0, prompt_token_ids=p1,
+                                       chosen_token_ids=c1, rejected_token_ids=c2))
+    xadd(client, keys, DemonstrationEvent(id="demonstration-1", endpoint="ep", created=0, messages=msgs))
+    backend = OnlineTrainer(base_ref, tmp_path, OnlineConfig(sft_lr=1e-3))
+    worker = TrainerWorker(client, keys, tmp_path, backend,
+                           OnlinePolicy(PolicyConfig(sft_min_batch=1, dpo_min_batch=1)), consumer="w", block_ms=100)
+    notices = worker.poll()
+    assert [(n.kind, n.name, n.parent) for n in notices] == [("dpo", "ep@1", None), ("sft", "ep@2", "ep@1")]
+    store = AdapterStore(tmp_path)
+    assert store.get("ep", 1).metrics["loss:sum"] == pytest.approx(math.log(2), abs=1e-5)  # policy = reference
+    # SFT: the completion is the reply plus the template's end-of-turn tokens, and its NLL went down
+    prompt, completion = backend.chat_pair(msgs[:1], "Paris.")
+    assert backend.tokenizer.decode(completion) == "Paris.<|im_end|>\n"
+    from livelora.trainer.online import completion_datum
+    before = store.get("ep", 2).metrics["loss:sum"]
+    after = backend.model_for("ep").forward([completion_datum(prompt, completion)], "cross_entropy").metrics["loss:sum"]
+    assert before > 0 and after < before
+    assert pending(client, keys) == 0
+
+
+def test_killed_worker_events_are_reclaimed_and_trained(bus, base_ref, pair_tokens, tmp_path):
+    client, keys = bus
+    (p1, c1), (p2, c2) = pair_tokens
+    env = {**os.environ, "LIVELORA_HOME": str(tmp_path), "LIVELORA_MODEL": str(base_ref.path),
+           "LIVELORA_REDIS_PREFIX": keys.prefix, "LIVELORA_CONSUMER": "doomed", "LIVELORA_KTO_MIN_BATCH": "100",
+           "LIVELORA_MAX_WAIT_S": "100000"}
+    proc = subprocess.Popen([sys.executable, "-m", "livelora.trainer.worker"], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        ids = [xadd(client, keys, rating("crash", p1, c1, True, "c-a")),
+               xadd(client, keys, rating("crash", p2, c2, False, "c-b"))]
+        deadline = time.time() + 60
+        while time.time() < deadline and len(read_dataset(tmp_path)) < 2:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.1)
+        assert [r["stream_id"] for r in read_dataset(tmp_path)] == ids   # durable on disk ...
+        info = client.xpending_range(keys.signals, TRAINERS_GROUP, "-", "+", 10)
+        assert [(e["message_id"], e["consumer"]) for e in info] == [(i, "doomed") for i in ids]  # ... not acked
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    backend = OnlineTrainer(base_ref, tmp_path)
+    worker = TrainerWorker(client, keys, tmp_path, backend, OnlinePolicy(PolicyConfig(kto_min_batch=2)),
+                           consumer="rescuer", claim_idle_s=0.3, block_ms=50)
+    time.sleep(0.4)
+    [notice] = worker.poll()
+    assert notice.name == "crash@1" and notice.kind == "kto"
+    assert pending(client, keys) == 0
+    trained = json.loads((dataset_dir(tmp_path) / TRAINED_FILE).read_text().splitlines()[0])
+    assert trained["stream_ids"] == ids
+    assert len(read_dataset(tmp_path)) == 2      # re-appended lines dedupe by event id
+
+
+def test_trained_but_unacked_events_are_not_trained_twice(bus, base_ref, pair_tokens, tmp_path):
+    """A crash after the version is written but before XACK: the redelivered events are acked, not retrained."""
+    client, keys = bus
+    (p1, c1), (p2, c2) = pair_tokens
+    ids = [xadd(client, keys, rating("once", p1, c1, True, "c1")),
+           xadd(client, keys, rating("once", p2, c2, False, "c2"))]
+    backend = OnlineTrainer(base_ref, tmp_path)
+    w1 = TrainerWorker(client, keys, tmp_path, backend, OnlinePolicy(PolicyConfig(kto_min_batch=2)),
+                       consumer="same", block_ms=50)
+    w1._ack = lambda ids: None                 # the process dies right before its XACK
+    assert [n.name for n in w1.poll()] == ["once@1"]
+    assert pending(client, keys) == 2
+    w2 = TrainerWorker(client, keys, tmp_path, backend, OnlinePolicy(PolicyConfig(kto_min_batch=2)),
+                       consumer="same", block_ms=50)   # restarted under the same consumer name
+    assert w2.poll() == []
+    assert pending(client, keys) == 0
+    assert [m.version for m in AdapterStore(tmp_path).list("once")] == [1]
+    assert len(ids) == 2

@@ -1,0 +1,218 @@
+"""The online training backend: turns a policy batch into one optimizer step and one new adapter version.
+
+Per lineage one :class:`~livelora.trainer.model.TrainingModel` is kept in memory.
+It starts from the lineage's newest stored version (weights and, when saved,
+AdamW state) or, for a new lineage, from a fresh adapter (``lora_B = 0``, so
+version 1's parent is the base model). Each step is ``forward_backward`` +
+``optim_step`` + ``save_state``, so every update is a new immutable version
+``<lineage>@<n+1>`` whose manifest names its parent ``n``.
+
+Datums (Tinker alignment: input ``tokens[:-1]``, targets ``tokens[1:]``,
+``weights`` 1 on completion targets, 0 on the prompt):
+
+* rating → ``kto`` datum (``label`` 1 = thumbs up/desirable, 0 = down), built from the
+  **exact served token ids** in the event; ``loss_fn_config`` carries the batch's
+  class weights λ_D/λ_U and β. The reference model is the base model (adapter
+  disabled), computed by the TrainingModel (TRL's choice for a LoRA policy,
+  ../shared/reference/losses.md §1).
+* demonstration → ``cross_entropy`` datum: prompt = chat template of all but the
+  last message with the generation prompt; completion = the rest of the
+  template's rendering of the whole conversation (the reply and its end-of-turn
+  tokens), so the model also learns to stop.
+* preference → two ``dpo`` datums (chosen, rejected), from served token ids or
+  from the chat template for the inline form.
+
+Hyperparameters (:class:`OnlineConfig`) follow losses.md §5/§6: LoRA LR ≈ 10× the
+full-FT guidance, KTO/DPO β = 0.1.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from livelora.adapters.models import BaseModelRef, load_tokenizer
+from livelora.adapters.store import AdapterStore, Manifest
+from livelora.clients.errors import BadRequestError
+from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
+from livelora.clients.types.tinker import AdamParams, Datum, LoraConfig, ModelInput, TensorData
+from livelora.trainer.policy import Batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """Online-training hyperparameters.
+
+    Attributes:
+        lora: shape of new lineages' adapters (rank 8, alpha 32, attention + MLP; RL-style signals need
+            little rank, losses.md §6).
+        kto_lr / sft_lr / dpo_lr: AdamW learning rates per kind (LoRA values: KTO 5e-6…5e-5 at β=0.1,
+            DPO 1e-5 as tinker-cookbook, SFT 1e-4).
+        beta: KTO and DPO β.
+        grad_clip_norm: global L2 clip (0 = none).
+        save_optimizer: store AdamW state with each version (the trainer resumes exactly after restart).
+        device: torch device of the training models.
+    """
+
+    lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=8, alpha=32.0, train_unembed=False))
+    kto_lr: float = 5e-5
+    sft_lr: float = 1e-4
+    dpo_lr: float = 1e-5
+    beta: float = 0.1
+    grad_clip_norm: float = 1.0
+    save_optimizer: bool = True
+    device: str = "cpu"
+
+
+def completion_datum(prompt_ids: list[int], completion_ids: list[int],
+                     extra: dict[str, TensorData] | None = None) -> Datum:
+    """A datum over ``prompt + completion`` whose weights select the completion targets.
+
+    Shapes: ``model_input`` N = P + C − 1 tokens; ``target_tokens`` and ``weights`` (N,).
+
+    Raises:
+        BadRequestError: empty prompt or empty completion.
+    """
+    if not prompt_ids or not completion_ids:
+        raise BadRequestError("a training example needs a non-empty prompt and a non-empty completion",
+                              param="completion")
+    tokens = list(prompt_ids) + list(completion_ids)
+    n = len(tokens) - 1
+    weights = [0.0] * (len(prompt_ids) - 1) + [1.0] * len(completion_ids)
+    inputs = {"target_tokens": TensorData.from_list(tokens[1:], "int64"),
+              "weights": TensorData.from_list(weights, "float32")}
+    assert len(weights) == n
+    inputs.update(extra or {})
+    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+class OnlineTrainer:
+    """Implements :class:`~livelora.trainer.worker.TrainingBackend` with real TrainingModels.
+
+    Args:
+        base_ref: the base model every lineage is trained on.
+        home: ``LIVELORA_HOME`` (adapter store).
+        config: hyperparameters.
+    """
+
+    def __init__(self, base_ref: BaseModelRef, home: Path | str, config: OnlineConfig | None = None):
+        self.base_ref = base_ref
+        self.store = AdapterStore(home)
+        self.config = config or OnlineConfig()
+        self._tokenizer = None
+        self._models: dict[str, Any] = {}
+
+    @property
+    def tokenizer(self):
+        """The base model's tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.base_ref)
+        return self._tokenizer
+
+    def model_for(self, lineage: str):
+        """The lineage's TrainingModel, resumed from its newest version if any."""
+        from livelora.trainer.model import TrainingModel
+
+        model = self._models.get(lineage)
+        if model is None:
+            versions = self.store.list(lineage)
+            if versions:
+                latest = versions[-1]
+                model = TrainingModel.from_version(self.base_ref, self.store, lineage, latest.version,
+                                                   with_optimizer=latest.has_optimizer, device=self.config.device)
+            else:
+                model = TrainingModel(self.base_ref, self.config.lora, device=self.config.device)
+            self._models[lineage] = model
+        return model
+
+    # ------------------------------------------------------------------ tokenization
+
+    def _template(self, messages: list[ChatMessage], generation_prompt: bool) -> list[int]:
+        conv = [{"role": m.role, "content": m.content} for m in messages]
+        text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=generation_prompt, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat_pair(self, prompt: list[ChatMessage], reply: str) -> tuple[list[int], list[int]]:
+        """``(prompt_ids, completion_ids)`` of a reply to ``prompt`` under the chat template
+        (the completion includes the template's end-of-turn tokens)."""
+        prompt_ids = self._template(prompt, True)
+        full = self._template([*prompt, ChatMessage(role="assistant", content=reply)], False)
+        if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
+            return prompt_ids, full[len(prompt_ids):]
+        eos = self.tokenizer.eos_token_id
+        return prompt_ids, list(self.tokenizer.encode(reply, add_special_tokens=False)) + (
+            [eos] if eos is not None else [])
+
+    # ------------------------------------------------------------------ batches → datums
+
+    def datums(self, batch: Batch) -> tuple[list[Datum], str, dict[str, float], float]:
+        """``(datums, loss_fn, loss_fn_config, learning_rate)`` for one batch.
+
+        Raises:
+            BadRequestError: an event cannot become a training example (e.g. empty completion).
+        """
+        c = self.config
+        if batch.kind == "kto":
+            data = []
+            for ev in batch.events:
+                assert isinstance(ev, RatingEvent)
+                data.append(completion_datum(ev.prompt_token_ids, ev.completion_token_ids, {
+                    "label": TensorData.from_list([1.0 if ev.rating else 0.0], "float32")}))
+            cfg = {"beta": c.beta, "desirable_weight": batch.desirable_weight,
+                   "undesirable_weight": batch.undesirable_weight}
+            return data, "kto", cfg, c.kto_lr
+        if batch.kind == "sft":
+            data = []
+            for ev in batch.events:
+                assert isinstance(ev, DemonstrationEvent)
+                data.append(completion_datum(*self.chat_pair(ev.messages[:-1], ev.messages[-1].content)))
+            return data, "cross_entropy", {}, c.sft_lr
+        data = []
+        for ev in batch.events:
+            assert isinstance(ev, PreferenceEvent)
+            if ev.prompt_token_ids is not None:
+                prompt, chosen, rejected = ev.prompt_token_ids, ev.chosen_token_ids, ev.rejected_token_ids
+            else:
+                prompt, chosen = self.chat_pair(ev.messages, ev.chosen)
+                _, rejected = self.chat_pair(ev.messages, ev.rejected)
+            data += [completion_datum(prompt, chosen), completion_datum(prompt, rejected)]
+        return data, "dpo", {"beta": c.beta}, c.dpo_lr
+
+    # ------------------------------------------------------------------ one step
+
+    def train(self, batch: Batch) -> Manifest:
+        """One optimizer step on ``batch`` and one new version of ``batch.lineage``.
+
+        Returns:
+            The new version's manifest (``parent`` = the version trained from, ``metrics`` = the step's
+            loss metrics, ``grad_norm``, ``update_norm``, the class weights and the event count).
+
+        Raises:
+            BadRequestError: bad data (nothing changes in the model: validation runs before the step).
+        """
+        data, loss_fn, cfg, lr = self.datums(batch)
+        model = self.model_for(batch.lineage)
+        try:
+            out = model.forward_backward(data, loss_fn, cfg)
+            opt = model.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm,
+                                              eps=1e-8))
+        except BaseException:
+            model.zero_grad()
+            raise
+        metrics = {**out.metrics, **opt, "events:sum": float(len(batch.events))}
+        if loss_fn == "kto":
+            metrics.update({"desirable_weight:mean": batch.desirable_weight,
+                            "undesirable_weight:mean": batch.undesirable_weight})
+        save = model.save_state if self.config.save_optimizer else model.save_weights
+        manifest = save(self.store, batch.lineage, metrics=metrics)
+        log.info("%s: %s step on %d events, loss %.4f", manifest.name, loss_fn, len(batch.events),
+                 metrics.get("loss:sum", float("nan")))
+        return manifest
+
+    def path_of(self, manifest: Manifest) -> Path:
+        """Directory of a version."""
+        return self.store.version_dir(manifest.lineage, manifest.version)

@@ -1,0 +1,184 @@
+"""Online training policy: when the signals buffered for a lineage become a training step.
+
+Per lineage there are three queues, one per signal kind:
+
+* **ratings → KTO** (Ethayarajh et al. 2024, arXiv 2402.01306): thumbs up is
+  *desirable*, thumbs down *undesirable*. Only the latest rating per
+  ``rating_key`` (completion, rater) is kept: a re-rate replaces the queued one,
+  whose stream id is returned for acknowledgement (it is already on disk). A
+  step fires when ``kto_min_batch`` ratings are queued (8 by default, TRL's
+  per-step batch ≥ 4 rule with headroom, ../shared/reference/losses.md §5), or
+  when the oldest has waited ``max_wait_s`` and at least 2 are queued (the KL
+  reference point needs mismatched pairs, so KTO never runs on one example).
+  Class weights follow paper Eq. 8: λ_D·n_D / (λ_U·n_U) must lie in [1, 4/3];
+  :func:`kto_class_weights` sets the ratio to exactly 1 by down-weighting the
+  majority class (weights stay ≤ 1, so a lone minority example never gets a
+  huge weight).
+* **demonstrations → SFT** (cross-entropy on the assistant reply): fires at
+  ``sft_min_batch`` or after ``max_wait_s`` with ≥ 1.
+* **preference pairs → DPO** (Rafailov et al. 2023): fires at ``dpo_min_batch``
+  or after ``max_wait_s`` with ≥ 1.
+
+A batch holds at most ``max_batch`` events; the rest stay queued. The policy is
+pure bookkeeping (no Redis, no torch), so its decisions are unit-testable.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from livelora.clients.errors import BadRequestError
+from livelora.clients.types.signals import DemonstrationEvent, PreferenceEvent, RatingEvent
+
+Kind = Literal["kto", "sft", "dpo"]
+Event = RatingEvent | PreferenceEvent | DemonstrationEvent
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Batching thresholds (counts are events; times are seconds)."""
+
+    kto_min_batch: int = 8
+    sft_min_batch: int = 4
+    dpo_min_batch: int = 4
+    max_batch: int = 32
+    max_wait_s: float = 30.0
+
+    def __post_init__(self):
+        for name in ("kto_min_batch", "sft_min_batch", "dpo_min_batch", "max_batch"):
+            if getattr(self, name) < 1:
+                raise BadRequestError(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
+        if self.kto_min_batch < 2:
+            raise BadRequestError("kto_min_batch must be >= 2 (KTO's KL estimate needs mismatched pairs)",
+                                  param="kto_min_batch")
+        if self.max_batch < 2:
+            raise BadRequestError("max_batch must be >= 2 (a KTO step needs 2 examples)", param="max_batch")
+        if self.max_wait_s < 0:
+            raise BadRequestError(f"max_wait_s must be >= 0, got {self.max_wait_s}", param="max_wait_s")
+
+
+def kto_class_weights(n_desirable: int, n_undesirable: int) -> tuple[float, float]:
+    """``(λ_D, λ_U)`` with λ_D·n_D = λ_U·n_U (ratio 1, inside paper Eq. 8's [1, 4/3]); the minority class
+    gets weight 1 and the majority ``n_minority / n_majority``. With one class absent: ``(1, 1)``.
+
+    Example: 6 desirable, 2 undesirable → (1/3, 1).
+    """
+    if n_desirable <= 0 or n_undesirable <= 0:
+        return 1.0, 1.0
+    if n_desirable >= n_undesirable:
+        return n_undesirable / n_desirable, 1.0
+    return 1.0, n_desirable / n_undesirable
+
+
+@dataclass
+class Batch:
+    """One training step's worth of events of one lineage and kind.
+
+    Attributes:
+        stream_ids: the stream ids of ``events`` (acknowledged once the version is written).
+        desirable_weight / undesirable_weight: KTO λ_D, λ_U (1.0 for other kinds).
+    """
+
+    lineage: str
+    kind: Kind
+    events: list[Event]
+    stream_ids: list[str]
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint of the newest event (a lineage may serve several endpoints)."""
+        return self.events[-1].endpoint
+
+
+@dataclass
+class _Queue:
+    items: OrderedDict[str, tuple[str, Event, float]] = field(default_factory=OrderedDict)
+
+    def oldest(self) -> float:
+        return min(t for _, _, t in self.items.values())
+
+
+class OnlinePolicy:
+    """Queues events per (lineage, kind) and says which batches are due.
+
+    Args:
+        config: thresholds.
+    """
+
+    def __init__(self, config: PolicyConfig | None = None):
+        self.config = config or PolicyConfig()
+        self._queues: dict[tuple[str, Kind], _Queue] = {}
+
+    @staticmethod
+    def kind_of(event: Event) -> Kind:
+        """``kto`` for ratings, ``sft`` for demonstrations, ``dpo`` for preferences."""
+        return {"rating": "kto", "demonstration": "sft", "preference": "dpo"}[event.type]
+
+    def add(self, lineage: str, stream_id: str, event: Event, now: float) -> list[str]:
+        """Queue one event received at ``now`` (seconds). Returns the stream ids it supersedes (to acknowledge).
+
+        A rating replaces the queued rating with the same ``rating_key`` (the newer stream id wins, so a
+        redelivered older event never replaces a newer one). Re-adding a queued stream id changes nothing.
+        """
+        kind = self.kind_of(event)
+        q = self._queues.setdefault((lineage, kind), _Queue())
+        key = event.rating_key if isinstance(event, RatingEvent) else stream_id
+        old = q.items.get(key)
+        if old is not None:
+            if old[0] == stream_id or _sid_key(old[0]) > _sid_key(stream_id):
+                return [stream_id] if old[0] != stream_id else []
+            del q.items[key]
+            q.items[key] = (stream_id, event, now)
+            return [old[0]]
+        q.items[key] = (stream_id, event, now)
+        return []
+
+    def pending(self) -> list[str]:
+        """Stream ids of every queued event."""
+        return [sid for q in self._queues.values() for sid, _, _ in q.items.values()]
+
+    def __len__(self) -> int:
+        return sum(len(q.items) for q in self._queues.values())
+
+    def due(self, now: float) -> list[Batch]:
+        """Remove and return the batches ready at ``now`` (seconds, same clock as :meth:`add`)."""
+        c = self.config
+        out: list[Batch] = []
+        for (lineage, kind), q in self._queues.items():
+            n = len(q.items)
+            if n == 0:
+                continue
+            threshold = {"kto": c.kto_min_batch, "sft": c.sft_min_batch, "dpo": c.dpo_min_batch}[kind]
+            floor = 2 if kind == "kto" else 1
+            waited = now - q.oldest() >= c.max_wait_s
+            if not (n >= threshold or (waited and n >= floor)):
+                continue
+            taken = [q.items.popitem(last=False)[1] for _ in range(min(n, c.max_batch))]
+            events = [e for _, e, _ in taken]
+            batch = Batch(lineage, kind, events, [sid for sid, _, _ in taken])
+            if kind == "kto":
+                n_d = sum(1 for e in events if e.rating)
+                batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n_d, len(events) - n_d)
+            out.append(batch)
+        return out
+
+    def requeue(self, batch: Batch, now: float) -> None:
+        """Put a batch whose step failed back at the front of its queue (it is retried later)."""
+        q = self._queues.setdefault((batch.lineage, batch.kind), _Queue())
+        restored: OrderedDict[str, tuple[str, Event, float]] = OrderedDict()
+        for sid, ev in zip(batch.stream_ids, batch.events):
+            key = ev.rating_key if isinstance(ev, RatingEvent) else sid
+            restored[key] = (sid, ev, now)
+        for key, item in q.items.items():  # newer re-rates that arrived meanwhile win
+            restored.pop(key, None)
+            restored[key] = item
+        q.items = restored
+
+
+def _sid_key(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
