@@ -137,7 +137,8 @@ def test_same_seed_same_tokens_also_when_batched_and_seeds_differ(engine, run):
 
     async def batched():
         return await asyncio.gather(
-            collect(engine, chat(engine, "hello"), SamplingParams(max_tokens=10, temperature=1.0, seed=7)),
+            collect(engine, chat(engine, "hello"), SamplingParams(max_tokens=10, temperature=0.8, seed=7, top_p=0.9,
+                                                                  top_k=40)),
             collect(engine, prompt, params),
             collect(engine, prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=99, ignore_eos=True)))
 
@@ -287,3 +288,51 @@ def test_adapter_load_generate_score_unload(engine, run, paris, lora_dir, base_r
     with pytest.raises(ModelNotFoundError):
         run(engine.unload_adapter("test@1"))
     assert run(collect(engine, prompt, greedy(12)))[0] == base_tokens
+
+
+# ----- helpers of the transformers engine (no model needed) ---------------------------------------------------
+
+def test_stop_matcher_holds_back_possible_prefixes_and_cuts_at_the_earliest_match():
+    from livelora.gateway.engines.detokenize import StopStringMatcher
+
+    m = StopStringMatcher(["o w", "xyz"])
+    outs = [m.feed(d) for d in ("Hel", "lo", " wo", "rld")]
+    assert outs[:3] == [("Hel", None), ("l", None), ("", "o w")]  # "o" held until " w" proves the match
+    assert m.feed("more") == ("", "o w") and m.flush() == ""
+    m = StopStringMatcher(["xyz"])
+    assert m.feed("abx") == ("ab", None) and m.feed("y") == ("", None) and m.flush() == "xy"
+
+
+def test_incremental_detokenizer_matches_full_decode_on_emoji_and_cjk(tokenizer):
+    from livelora.gateway.engines.detokenize import IncrementalDetokenizer
+
+    text = "Emoji \U0001F600\U0001F389 and 中文字符, café — done."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push(t) for t in ids] + [detok.flush()]
+    assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == text
+    assert sum(1 for d in deltas[:-1] if d == "") >= 2, "multi-byte characters span several tokens here"
+
+
+def test_sampling_filters_follow_top_k_then_top_p():
+    from livelora.gateway.engines.sampling import RowSampling, make_generator, sample_batch
+
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    logits = probs.log()[None, :].repeat(3, 1)
+    rows = [RowSampling(1.0, 1.0, 2, make_generator(0)),  # top-k 2: tokens 1 and 3
+            RowSampling(1.0, 0.5, 0, make_generator(1)),  # top-p 0.5: 0.4 (token 1) then 0.3 (token 3) reaches it
+            RowSampling(0.0, 1.0, 0, None, top_logprobs=2)]  # greedy
+    seen: list[set[int]] = [set(), set(), set()]
+    for _ in range(200):
+        step = sample_batch(logits, rows)
+        for i, t in enumerate(step.token_ids):
+            seen[i].add(t)
+    assert seen == [{1, 3}, {1, 3}, {1}]
+    assert step.logprobs[2] == pytest.approx(float(torch.log(torch.tensor(0.4))), abs=1e-6)
+    assert [t for t, _ in step.top[2]] == [1, 3] and step.top[0] == []
+    # a seeded row draws the same tokens alone and next to greedy / top-p companions
+    g1, g2 = make_generator(42), make_generator(42)
+    draws1 = [sample_batch(logits[:1], [RowSampling(1.0, 1.0, 0, g1)]).token_ids[0] for _ in range(20)]
+    draws2 = [sample_batch(logits, [RowSampling(0.0, 1.0, 0, None), RowSampling(1.0, 1.0, 0, g2),
+                                    RowSampling(0.7, 0.9, 0, make_generator(3))]).token_ids[1] for _ in range(20)]
+    assert draws1 == draws2 and len(set(draws1)) > 1

@@ -80,30 +80,15 @@ def sample_batch(logits: torch.Tensor, rows: list[RowSampling]) -> StepSample:
     bsz, vocab = logits.shape
     logprobs_all = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
-    sampled_rows = [i for i, r in enumerate(rows) if not r.greedy]
-    if sampled_rows:
-        idx = torch.tensor(sampled_rows, device=logits.device)
-        sub = [rows[i] for i in sampled_rows]
-        temps = torch.tensor([r.temperature for r in sub], device=logits.device)
-        scaled = logits.index_select(0, idx) / temps[:, None]
-        u = torch.tensor([torch.rand((), generator=r.generator).item() for r in sub], device=logits.device)
-        if any(r.top_k > 0 or r.top_p < 1.0 for r in sub):
-            sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            ks = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in sub], device=logits.device)
-            rank = torch.arange(vocab, device=logits.device)
-            probs = probs.masked_fill(rank[None, :] >= ks[:, None], 0.0)
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-            top_ps = torch.tensor([r.top_p if r.top_p < 1.0 else 2.0 for r in sub], device=logits.device)
-            mass_before = probs.cumsum(dim=-1) - probs
-            probs = probs.masked_fill(mass_before >= top_ps[:, None], 0.0)
-            cdf = probs.cumsum(dim=-1)
-            choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
-            picked = sorted_ids.gather(1, choice).squeeze(1)
-        else:
-            cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
-            picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1).squeeze(1)
-        tokens = tokens.index_copy(0, idx, picked)
+    # Rows with and without top-k/top-p take different (sorted / unsorted) inverse-CDF paths; the split
+    # depends only on each row's own settings, so a seed's draws never depend on the batch companions.
+    filtered = [i for i, r in enumerate(rows) if not r.greedy and (r.top_k > 0 or r.top_p < 1.0)]
+    plain = [i for i, r in enumerate(rows) if not r.greedy and not (r.top_k > 0 or r.top_p < 1.0)]
+    for group, use_filters in ((filtered, True), (plain, False)):
+        if group:
+            idx = torch.tensor(group, device=logits.device)
+            picked = _sample_rows(logits.index_select(0, idx), [rows[i] for i in group], use_filters)
+            tokens = tokens.index_copy(0, idx, picked)
     chosen_lp = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     k_max = max((r.top_logprobs for r in rows), default=0)
     top: list[list[tuple[int, float]]] = [[] for _ in range(bsz)]
@@ -114,6 +99,27 @@ def sample_batch(logits: torch.Tensor, rows: list[RowSampling]) -> StepSample:
             if r.top_logprobs:
                 top[i] = list(zip(ids_l[i][:r.top_logprobs], vals_l[i][:r.top_logprobs]))
     return StepSample(tokens.tolist(), chosen_lp.tolist(), top)
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[RowSampling], use_filters: bool) -> torch.Tensor:
+    """Inverse-CDF sampling of ``(b, V)`` logits; returns ``(b,)`` token ids."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    scaled = logits / torch.tensor([r.temperature for r in rows], device=dev)[:, None]
+    u = torch.tensor([torch.rand((), generator=r.generator).item() for r in rows], device=dev)
+    if not use_filters:
+        cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
+        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1).squeeze(1)
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    ks = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=dev)
+    probs = probs.masked_fill(torch.arange(vocab, device=dev)[None, :] >= ks[:, None], 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    top_ps = torch.tensor([r.top_p if r.top_p < 1.0 else 2.0 for r in rows], device=dev)
+    probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_ps[:, None], 0.0)
+    cdf = probs.cumsum(dim=-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+    return sorted_ids.gather(1, choice).squeeze(1)
 
 
 def prompt_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int = 0
