@@ -167,7 +167,7 @@ def test_saved_adapter_is_standard_peft_and_gives_the_same_logprobs(trained, bas
         with torch.no_grad():
             logits = peft_model(input_ids=ids).logits[0]
         lp = torch.log_softmax(logits, -1).gather(-1, d.loss_fn_inputs["target_tokens"].to_torch()[:, None])[:, 0]
-        assert torch.allclose(lp, expected, atol=1e-5)
+        assert torch.allclose(lp, expected, atol=1e-4)  # batched+padded vs single sequence
 
 
 def test_resume_with_optimizer_is_bit_identical_and_without_it_is_a_cold_start(trained, base_ref):

@@ -27,7 +27,7 @@ def test_merged_export_matches_base_plus_adapter_and_unties_embeddings(base_ref,
         "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32")})
     for _ in range(2):
         m.forward_backward([datum])
-        m.optim_step(AdamParams(learning_rate=1e-2))
+        m.optim_step(AdamParams(learning_rate=5e-3))
     manifest = m.save_weights(store, "exported")
     out = export_merged(store, "exported", manifest.version, base_ref, tmp_path / "merged")
 

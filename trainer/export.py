@@ -9,7 +9,8 @@ Tied embeddings: SmolLM2 shares one matrix between ``embed_tokens`` and ``lm_hea
 has a LoRA on ``lm_head``, merging in place would also change the input embedding, so the two are untied
 first (``lm_head.weight`` becomes its own copy) and the exported config says ``tie_word_embeddings:
 false``. The merge uses peft's ``merge_and_unload(safe_merge=True)`` (which refuses non-finite results),
-computed in float32.
+computed on CPU in float64 and rounded once to ``dtype`` (the merged logits then differ from base+adapter
+only by float32 rounding: within 1e-4 for the tested adapters).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def export_merged(store: AdapterStore, lineage: str, version: int, base_ref: Bas
         store: the adapter store holding the version.
         base_ref: the version's base model (its name must match the manifest).
         out_dir: destination directory; must not exist yet.
-        dtype: dtype of the written weights (the merge itself runs in float32).
+        dtype: dtype of the written weights (the merge itself runs in float64).
 
     Returns:
         ``out_dir``.
@@ -61,7 +62,7 @@ def export_merged(store: AdapterStore, lineage: str, version: int, base_ref: Bas
         raise ConflictError(f"export destination {out} already exists")
     vdir = store.version_dir(lineage, version)
     targets = set(json.loads((vdir / CONFIG_FILE).read_text()).get("target_modules") or [])
-    model = load_model(base_ref, dtype=torch.float32)
+    model = load_model(base_ref, dtype=torch.float64)  # W + s·B·A rounded once, from float64
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in targets:
         head = model.get_output_embeddings()
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
