@@ -1,0 +1,369 @@
+"""Gateway-side adapter version bookkeeping: endpoints, leases, checked installs, drained unloads.
+
+* An **endpoint** is a served model name bound to an adapter lineage
+  (:mod:`livelora.adapters.endpoints`); its *current* version is the engine
+  adapter name ``<lineage>@<n>`` that new requests get, or ``None`` (the base
+  model) before the lineage has a version.
+* A request takes a **lease** on the endpoint's current version when it is
+  admitted (:meth:`AdapterRegistry.acquire` / :meth:`AdapterRegistry.lease`)
+  and keeps it until it finishes, so a request started on version k finishes
+  on k even if the endpoint moves meanwhile.
+* :meth:`AdapterRegistry.install` loads a version into the engine under its
+  never-reused name, checks it (the weights' sha256 against the manifest; a
+  forward pass on a few canary tokens whose logprobs must be finite and ≤ 0),
+  then moves the pointer of every ``follow`` endpoint of that lineage (a single
+  assignment, atomic on the event loop). A version failing a check is unloaded,
+  remembered as refused, and the endpoint stays where it was.
+* A version that is no longer current is **unloaded** once its last lease is
+  released (vLLM guidance, ../shared/reference/vllm_lora.md §1.6: retire only at
+  refcount 0).
+* Sources of truth: the store (``endpoints.json`` + adapter versions). On
+  :meth:`start` and every ``resync_s`` seconds the registry catches up from the
+  store; Redis notices (``version_published``) only make it move sooner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aredis
+
+from livelora.adapters.bus import Keys
+from livelora.adapters.endpoints import EndpointBinding, EndpointStore
+from livelora.adapters.store import AdapterStore, Manifest, parse_version_name
+from livelora.clients.errors import BadRequestError, LiveloraError, ModelNotFoundError, NotFoundError
+from livelora.gateway.engines.base import Engine
+
+log = logging.getLogger(__name__)
+
+#: Text whose tokens form the canary forward pass of every installed version.
+CANARY_TEXT = "The quick brown fox jumps over the lazy dog. 1 2 3"
+
+
+@dataclass
+class Lease:
+    """A request's hold on the weights serving it; :meth:`release` is idempotent.
+
+    Attributes:
+        endpoint: the endpoint name the request resolved to.
+        adapter: engine adapter name (``<lineage>@<n>``), or ``None`` for the base model.
+    """
+
+    endpoint: str
+    adapter: str | None
+    _registry: AdapterRegistry | None = None
+
+    @property
+    def version(self) -> str:
+        """Version label: the adapter name, or ``"base"``."""
+        return self.adapter or "base"
+
+    def release(self) -> None:
+        """Give the lease back; a drained old version is unloaded in the background."""
+        reg, self._registry = self._registry, None
+        if reg is not None and self.adapter is not None:
+            reg._release(self.adapter)
+
+
+class AdapterRegistry:
+    """Endpoint → current version, with leases and checked hot-swaps.
+
+    Args:
+        engine: the started inference engine.
+        home: ``LIVELORA_HOME`` (adapter store, ``endpoints.json``).
+        base_endpoint: the served base-model name; it is an endpoint (implicit lineage = its name).
+        client / keys: Redis for the notice subscriber (``None``: store polling only).
+        resync_s: seconds between catch-ups from the store (0 disables).
+    """
+
+    def __init__(self, engine: Engine, home: Path | str, base_endpoint: str, *,
+                 client: aredis.Redis | None = None, keys: Keys | None = None, resync_s: float = 30.0):
+        self.engine = engine
+        self.store = AdapterStore(home)
+        self.endpoint_store = EndpointStore(home)
+        self.base_endpoint = base_endpoint
+        self.client = client
+        self.keys = keys or Keys()
+        self.resync_s = resync_s
+        #: endpoint → current engine adapter name (``None`` = base model)
+        self.current: dict[str, str | None] = {}
+        self.bindings: dict[str, EndpointBinding] = {}
+        #: adapter name → version manifest, for every version loaded by the registry
+        self.loaded: dict[str, Manifest] = {}
+        #: adapter name → reason, for versions that failed their checks (never retried)
+        self.refused: dict[str, str] = {}
+        self.leases: Counter[str] = Counter()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._canary: list[int] | None = None
+        self.load_bindings()
+
+    def load_bindings(self) -> dict[str, EndpointBinding]:
+        """Re-read ``endpoints.json``: the base endpoint plus every explicit binding; new endpoints start on
+        the base model until a version is installed."""
+        bindings = {self.base_endpoint: self.endpoint_store.get(self.base_endpoint), **self.endpoint_store.all()}
+        self.bindings = bindings
+        for endpoint in bindings:
+            self.current.setdefault(endpoint, None)
+        return bindings
+
+    # ------------------------------------------------------------------ resolving and leasing
+
+    def endpoints(self) -> list[str]:
+        """Endpoint names, the base endpoint first."""
+        return list(self.current)
+
+    def endpoint_for(self, model: str) -> str:
+        """The endpoint a request's ``model`` names (an endpoint name, or a loaded version name's endpoint).
+
+        Raises:
+            ModelNotFoundError: unknown name.
+        """
+        if model in self.current:
+            return model
+        if model in self.loaded:
+            lineage = self.loaded[model].lineage
+            for ep, b in self.bindings.items():
+                if b.lineage == lineage:
+                    return ep
+        raise ModelNotFoundError(f"model {model!r} does not exist; served endpoints: "
+                                 f"{', '.join(self.current) or 'none'}", param="model")
+
+    def acquire(self, model: str) -> Lease:
+        """Lease the weights for a request naming ``model``: an endpoint (its current version) or a loaded
+        version name (that exact version). Synchronous, so no pointer move can interleave.
+
+        Raises:
+            ModelNotFoundError: unknown model name.
+        """
+        if model in self.current:
+            endpoint, adapter = model, self.current[model]
+        elif model in self.loaded and model not in self.refused:
+            endpoint, adapter = self.endpoint_for(model), model
+        else:
+            self.endpoint_for(model)  # raises ModelNotFoundError
+            raise AssertionError("unreachable")
+        if adapter is not None:
+            self.leases[adapter] += 1
+        return Lease(endpoint, adapter, self)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, model: str) -> AsyncIterator[Lease]:
+        """``async with registry.lease(model) as lease:`` — :meth:`acquire`, released on exit."""
+        held = self.acquire(model)
+        try:
+            yield held
+        finally:
+            held.release()
+
+    def _release(self, adapter: str) -> None:
+        self.leases[adapter] -= 1
+        if self.leases[adapter] <= 0:
+            del self.leases[adapter]
+            if self._retired(adapter):
+                self._spawn(self._unload(adapter))
+
+    def _retired(self, adapter: str) -> bool:
+        return adapter in self.loaded and adapter not in self.current.values() and not self.leases.get(adapter)
+
+    # ------------------------------------------------------------------ installing
+
+    def _lock(self, lineage: str) -> asyncio.Lock:
+        return self._locks.setdefault(lineage, asyncio.Lock())
+
+    def canary_tokens(self) -> list[int]:
+        """Token ids of :data:`CANARY_TEXT` under the engine's tokenizer (≥ 2 tokens)."""
+        if self._canary is None:
+            ids = list(self.engine.tokenizer.encode(CANARY_TEXT, add_special_tokens=False))
+            self._canary = ids[:16]
+        return self._canary
+
+    async def check(self, manifest: Manifest, path: Path) -> None:
+        """The checks a version must pass before it serves (it must already be loaded under ``manifest.name``).
+
+        Raises:
+            BadRequestError: sha256 mismatch, or non-finite / positive canary logprobs.
+        """
+        from livelora.adapters.store import WEIGHTS_FILE, sha256_file
+
+        digest = await asyncio.to_thread(sha256_file, path / WEIGHTS_FILE)
+        if digest != manifest.sha256:
+            raise BadRequestError(f"{manifest.name}: weights sha256 {digest[:12]}… does not match the manifest's "
+                                  f"{manifest.sha256[:12]}…", param="adapter")
+        scored = await self.engine.score(self.canary_tokens(), adapter=manifest.name)
+        values = [t.logprob for t in scored if t is not None]
+        if not values or not all(math.isfinite(v) and v <= 1e-6 for v in values):
+            raise BadRequestError(f"{manifest.name}: canary forward pass gave invalid logprobs "
+                                  f"{values[:4]}", param="adapter")
+
+    async def install(self, lineage: str, version: int, *, move: bool = True) -> Manifest:
+        """Load, check and (with ``move``) switch every ``follow`` endpoint of ``lineage`` to this version,
+        unless an endpoint already serves a newer one.
+
+        Returns:
+            The installed version's manifest.
+
+        Raises:
+            NotFoundError: no such version in the store.
+            BadRequestError: the version failed a check or the engine refused it (it is unloaded,
+                recorded in :attr:`refused`; endpoints keep their versions).
+        """
+        async with self._lock(lineage):
+            manifest = self.store.get(lineage, version)
+            name = manifest.name
+            if name in self.refused:
+                raise BadRequestError(f"{name} was refused earlier: {self.refused[name]}", param="adapter")
+            if name not in self.loaded:
+                path = self.store.version_dir(lineage, version)
+                try:
+                    if name not in self.engine.loaded_adapters():  # names are never reused: same weights
+                        await self.engine.load_adapter(name, str(path))
+                except LiveloraError as exc:
+                    self.refused[name] = f"engine refused it: {exc}"
+                    raise BadRequestError(f"{name}: the engine refused it: {exc}", param="adapter") from exc
+                try:
+                    await self.check(manifest, path)
+                except BaseException as exc:
+                    self.refused[name] = str(exc)
+                    with contextlib.suppress(LiveloraError):
+                        await self.engine.unload_adapter(name)
+                    raise
+                self.loaded[name] = manifest
+                log.info("loaded and checked %s", name)
+            if move:
+                self._move(lineage, manifest)
+            return manifest
+
+    def _move(self, lineage: str, manifest: Manifest) -> None:
+        for endpoint, binding in self.bindings.items():
+            if binding.lineage != lineage or binding.mode != "follow":
+                continue
+            old = self.current.get(endpoint)
+            if old is not None and self.loaded[old].version >= manifest.version:
+                continue
+            self.current[endpoint] = manifest.name  # the switch: one assignment
+            log.info("endpoint %s now serves %s (was %s)", endpoint, manifest.name, old or "base")
+            if old is not None and self._retired(old):
+                self._spawn(self._unload(old))
+
+    async def _unload(self, adapter: str) -> None:
+        async with self._lock(self.loaded[adapter].lineage if adapter in self.loaded else adapter):
+            if not self._retired(adapter):
+                return  # leased again or current again meanwhile
+            try:
+                await self.engine.unload_adapter(adapter)
+            except LiveloraError as exc:
+                log.warning("could not unload drained version %s: %s", adapter, exc)
+                return
+            self.loaded.pop(adapter, None)
+            log.info("unloaded drained version %s", adapter)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ catching up
+
+    async def sync_from_store(self) -> None:
+        """Re-read endpoint bindings and move every endpoint to the version the store says it should serve:
+        ``pinned`` → its version; ``follow`` → the newest version that passes the checks (falling back to
+        older ones; the base model if none)."""
+        bindings = self.load_bindings()
+        for endpoint, binding in bindings.items():
+            if binding.mode == "pinned":
+                try:
+                    manifest = await self.install(binding.lineage, binding.version, move=False)
+                except (NotFoundError, BadRequestError) as exc:
+                    log.error("endpoint %s is pinned to %s@%s which cannot serve: %s", endpoint,
+                              binding.lineage, binding.version, exc)
+                    continue
+                old = self.current.get(endpoint)
+                self.current[endpoint] = manifest.name
+                if old and old != manifest.name and self._retired(old):
+                    self._spawn(self._unload(old))
+                continue
+            current = self.current.get(endpoint)
+            have = self.loaded[current].version if current in self.loaded else 0
+            for manifest in reversed(self.store.list(binding.lineage)):
+                if manifest.version <= have:
+                    break
+                if manifest.name in self.refused:
+                    continue
+                try:
+                    await self.install(binding.lineage, manifest.version)
+                    break
+                except (NotFoundError, BadRequestError) as exc:
+                    log.error("version %s refused: %s", manifest.name, exc)
+
+    async def handle_notice(self, notice: dict) -> None:
+        """React to one notice from the notices channel (unknown types and lineages are ignored)."""
+        if notice.get("type") != "version_published":
+            return
+        lineage, version = notice.get("lineage"), notice.get("version")
+        if not any(b.lineage == lineage for b in self.bindings.values()):
+            return
+        try:
+            if notice.get("name"):
+                parse_version_name(notice["name"])
+            await self.install(lineage, int(version))
+        except (NotFoundError, BadRequestError, ValueError, TypeError) as exc:
+            log.error("announced version %s not installed: %s", notice.get("name"), exc)
+
+    async def _subscribe(self) -> None:
+        backoff = 0.5
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.keys.notices)
+                backoff = 0.5
+                await self.sync_from_store()  # whatever was published while we were not listening
+                async for msg in pubsub.listen():
+                    if msg.get("type") != "message":
+                        continue
+                    try:
+                        notice = json.loads(msg["data"])
+                    except (TypeError, ValueError):
+                        continue
+                    await self.handle_notice(notice)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis gone: retry, then catch up from the store
+                log.warning("notice subscription lost (%s); retrying in %.1f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def _resync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_s)
+            try:
+                await self.sync_from_store()
+            except Exception:
+                log.exception("catch-up from the store failed")
+
+    async def start(self) -> None:
+        """Catch up from the store, then start the notice subscriber and the periodic resync."""
+        await self.sync_from_store()
+        if self.client is not None:
+            self._spawn(self._subscribe())
+        if self.resync_s > 0:
+            self._spawn(self._resync_loop())
+
+    async def close(self) -> None:
+        """Stop background tasks (loaded versions stay in the engine, which the app closes)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
