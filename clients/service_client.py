@@ -48,10 +48,11 @@ class ServiceClient:
         base_url: server root (default ``$LIVELORA_BASE_URL``, else ``http://127.0.0.1:8000``).
         api_key: sent as ``X-API-Key`` (default ``$LIVELORA_API_KEY``, else ``tml-local``).
         user_metadata: stored with the session.
+        heartbeat_s: seconds between heartbeats (keep it well under the server's session TTL).
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 user_metadata: dict[str, str] | None = None):
+                 user_metadata: dict[str, str] | None = None, heartbeat_s: float = HEARTBEAT_S):
         base_url = base_url or os.environ.get("LIVELORA_BASE_URL") or "http://127.0.0.1:8000"
         api_key = api_key or os.environ.get("LIVELORA_API_KEY") or "tml-local"
         self.transport = Transport(base_url, api_key)
@@ -62,6 +63,7 @@ class ServiceClient:
         self._sampling_seq = SeqCounter(0)
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self.heartbeat_s = heartbeat_s
 
     # ------------------------------------------------------------------------------------------ session
     def _session(self) -> str:
@@ -75,7 +77,7 @@ class ServiceClient:
             return self.session_id
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(self.heartbeat_s):
             try:
                 self.transport.session_heartbeat(self.session_id)
             except Exception as exc:  # 410: the session ended; anything else: try again next beat

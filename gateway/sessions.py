@@ -644,7 +644,7 @@ class SessionsRuntime:
     async def close(self) -> None:
         await self.service.close()
         if self.executor is not None:
-            await asyncio.to_thread(self.executor.stop)
+            self.executor.stop(timeout_s=10.0)  # at most one op's duration; no thread pool at interpreter exit
             with contextlib.suppress(Exception):
                 self.executor.redis.close()
 

@@ -1,0 +1,87 @@
+"""The trainer's op executor on its own: seq order, buffering, dedupe, failed ops, session expiry (real Redis)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+import redis
+
+from _sessions_server import MODEL, delete_prefix
+from livelora.trainer.sessions import Op, OpExecutor, SessionKeys, SessionSettings, model_id_for
+
+URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture()
+def setup(livelora_home):
+    prefix = f"livelora-test-{uuid.uuid4().hex[:10]}:"
+    r = redis.Redis.from_url(URL, decode_responses=True)
+    keys = SessionKeys(prefix)
+    ex = OpExecutor(r, keys, livelora_home, MODEL, SessionSettings(session_ttl_s=2, gap_timeout_s=3), device="cpu")
+    yield r, keys, ex
+    for model_id in list(ex.slots):
+        ex.free(model_id, "test over")
+    delete_prefix(URL, prefix)
+
+
+def send(r, keys, model_id, op: Op) -> None:
+    r.sadd(keys.models, model_id)
+    r.set(keys.future(op.request_id), json.dumps({"state": "pending"}))
+    r.xadd(keys.ops(model_id), {"op": op.to_json()})
+
+
+def future(r, keys, rid) -> dict:
+    return json.loads(r.get(keys.future(rid)))
+
+
+def run_until(ex, cond, timeout_s=60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        ex.poll(block_ms=50)
+
+
+def test_executor_orders_buffers_dedupes_and_expires(setup, tokenizer):
+    r, keys, ex = setup
+    sid = uuid.uuid4().hex
+    r.set(keys.session(sid), "{}", px=60_000)
+    model_id = model_id_for(sid, 0)
+    ids = tokenizer.encode("Hello there, general Kenobi.")
+    datum = {"model_input": {"chunks": [{"tokens": ids[:-1], "type": "encoded_text"}]},
+             "loss_fn_inputs": {"target_tokens": {"data": ids[1:], "dtype": "int64"},
+                                "weights": {"data": [1.0] * (len(ids) - 1), "dtype": "float32"}}}
+    fb = {"input": {"data": [datum], "loss_fn": "cross_entropy"}}
+    # arrival order: optim (2), the gateway-failed marker (3), create (0), fb (1), a duplicate optim (2), fb (5)
+    send(r, keys, model_id, Op("optim_step", 2, "opt2", {"adam_params": {"learning_rate": 1e-3}}))
+    send(r, keys, model_id, Op("failed", 3, "bad3"))
+    send(r, keys, model_id, Op("create_model", 0, "create", {"session_id": sid, "model_seq_id": 0,
+                                                              "base_model": MODEL, "lora_config": {"rank": 2}}))
+    send(r, keys, model_id, Op("forward_backward", 1, "fb1", fb))
+    send(r, keys, model_id, Op("optim_step", 2, "opt2-dup", {"adam_params": {"learning_rate": 1e-3}}))
+    send(r, keys, model_id, Op("forward_backward", 5, "fb5", fb))
+    run_until(ex, lambda: future(r, keys, "opt2")["state"] != "pending")
+    assert future(r, keys, "create")["result"]["model_id"] == model_id
+    assert future(r, keys, "fb1")["result"]["metrics"]["loss:sum"] > 0
+    assert future(r, keys, "opt2")["result"]["metrics"]["step:max"] == 1.0
+    assert future(r, keys, "opt2-dup")["state"] == "pending"  # dropped: seq 2 already ran
+    assert ex.slots[model_id].model.step == 1
+    # seq 4 never arrives: fb5 waits, then fails after gap_timeout_s; nothing stays pending
+    ex.poll(block_ms=10)
+    assert future(r, keys, "fb5")["state"] == "pending"
+    run_until(ex, lambda: future(r, keys, "fb5")["state"] != "pending", timeout_s=15)
+    gap = future(r, keys, "fb5")
+    assert gap["state"] == "failed" and gap["category"] == "user" and "seq_id 4" in gap["error"]
+    # a failed op consumed its seq: seq 6 runs next
+    send(r, keys, model_id, Op("optim_step", 6, "opt6", {"adam_params": {}}))
+    run_until(ex, lambda: future(r, keys, "opt6")["state"] != "pending")
+    assert "no gradients" in future(r, keys, "opt6")["error"]
+    # the session expires (no heartbeat): the model is freed and buffered ops fail
+    send(r, keys, model_id, Op("forward", 9, "fwd9", fb))
+    r.pexpire(keys.session(sid), 200)
+    run_until(ex, lambda: model_id not in ex.slots, timeout_s=15)
+    expired = future(r, keys, "fwd9")
+    assert expired["state"] == "failed" and "ended" in expired["error"]
+    assert not r.exists(keys.model(model_id)) and not r.sismember(keys.models, model_id)
