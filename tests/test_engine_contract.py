@@ -10,6 +10,8 @@ plain peft model, never hard-coded completions.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
 import time
 
 import pytest
@@ -19,7 +21,20 @@ from livelora.clients.errors import (BadRequestError, ConflictError, ContextLeng
                                      ModelNotFoundError)
 from livelora.gateway.engines import ENGINE_KINDS, SamplingParams, create_engine
 
-ENGINE_KWARGS = {"transformers": {"device": "cpu", "max_batch_size": 8}}
+ENGINE_KWARGS = {"transformers": {"device": "cpu", "max_batch_size": 8},
+                 "vllm": {"device": "cuda" if torch.cuda.is_available() else "cpu", "max_batch_size": 8,
+                          "max_model_len": 1024}}
+
+
+def _engine_kinds_under_test() -> list[str]:
+    """``$LIVELORA_TEST_ENGINES`` (comma-separated kinds), else transformers plus vllm when it is installed."""
+    env = os.environ.get("LIVELORA_TEST_ENGINES", "").strip()
+    if env:
+        return [k.strip() for k in env.split(",") if k.strip()]
+    return [k for k in ENGINE_KINDS if k != "vllm" or importlib.util.find_spec("vllm") is not None]
+
+
+TEST_ENGINE_KINDS = _engine_kinds_under_test()
 QUESTION = "What is the capital of France?"
 
 
@@ -30,7 +45,7 @@ def loop():
     loop.close()
 
 
-@pytest.fixture(scope="module", params=ENGINE_KINDS)
+@pytest.fixture(scope="module", params=TEST_ENGINE_KINDS)
 def engine(request, base_ref, loop):
     eng = create_engine(request.param, model=base_ref.name, **ENGINE_KWARGS.get(request.param, {}))
     loop.run_until_complete(eng.start())

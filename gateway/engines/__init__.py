@@ -18,7 +18,7 @@ from livelora.clients.errors import BadRequestError
 from livelora.gateway.engines.base import Engine, FinishReason, GenerationChunk, SamplingParams, TokenLogprob
 
 #: Engine kinds :func:`create_engine` knows.
-ENGINE_KINDS = ("transformers",)
+ENGINE_KINDS = ("transformers", "vllm")
 
 
 def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:

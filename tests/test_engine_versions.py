@@ -1,0 +1,166 @@
+"""Engine contract, adapter versions: several live versions, leases, swap under load, drain-then-unload.
+
+Runs on every engine kind of the contract suite (``tests/test_engine_contract.py``:
+transformers always, vllm when installed or named in ``LIVELORA_TEST_ENGINES``). The
+expected values come from the engine's own ``score`` under each version (teacher-forced
+prompt logprobs), checked against a plain peft model once, never hard-coded.
+
+What is pinned down here (vllm_lora.md §1.5-1.6):
+* two versions serve side by side (``max_loras >= 2``); a stream that started on v1
+  keeps v1's weights to its last token while v2 is loaded and used;
+* an adapter with an unfinished request cannot be unloaded (nothing changes);
+* a name is never reloaded in place; a name loaded again after unload serves the new
+  weights (vLLM: new integer id and new path, not the cached old weights);
+* the engine does not depend on the store's copy after the load: rewriting or deleting
+  the source directory changes nothing (vLLM serves from its own immutable snapshot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from test_engine_contract import ENGINE_KWARGS, TEST_ENGINE_KINDS, chat, collect, greedy
+
+from livelora.clients.errors import ConflictError, ModelNotFoundError
+from livelora.gateway.engines import SamplingParams, create_engine
+
+LP_TOL = 1e-4  # nats; same weights, fp32, same engine
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def run(loop):
+    return loop.run_until_complete
+
+
+@pytest.fixture(scope="module", params=TEST_ENGINE_KINDS)
+def engine(request, base_ref, loop):
+    eng = create_engine(request.param, model=base_ref.name, **ENGINE_KWARGS.get(request.param, {}))
+    eng.kind = request.param
+    loop.run_until_complete(eng.start())
+    yield eng
+    loop.run_until_complete(eng.close())
+
+
+@pytest.fixture(scope="module")
+def versions(base_ref, tmp_path_factory):
+    """Two real rank-8 LoRA versions on SmolLM2 (attention + MLP), different non-zero lora_B."""
+    from peft import LoraConfig, get_peft_model
+
+    from livelora.adapters.models import load_model
+
+    model = get_peft_model(load_model(base_ref), LoraConfig(r=8, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    root = tmp_path_factory.mktemp("versions")
+    out = []
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.03)
+        model.save_pretrained(root / f"v{seed}")
+        out.append(root / f"v{seed}")
+    return out
+
+
+def _lps(chunks):
+    return [lp.logprob for c in chunks for lp in (c.logprobs or [])]
+
+
+def _max_diff(a, b):
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def test_a_stream_keeps_its_version_while_the_next_one_loads_and_serves(engine, run, versions):
+    v1, v2 = versions
+    prompt = chat(engine, "Write a long story about a dragon.")
+    run(engine.load_adapter("story@1", str(v1)))
+    n = 12
+
+    async def swap_under_load():
+        gen = engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, logprobs=True,
+                                                     ignore_eos=True), adapter="story@1")
+        head = [await gen.__anext__()]  # v1 is running ...
+        await engine.load_adapter("story@2", str(v2))  # ... while v2 loads
+        assert sorted(engine.loaded_adapters()) == ["story@1", "story@2"]
+        with pytest.raises(ConflictError):  # leased: refused, nothing changes
+            await engine.unload_adapter("story@1")
+        assert sorted(engine.loaded_adapters()) == ["story@1", "story@2"]
+        second = asyncio.ensure_future(collect(engine, prompt, SamplingParams(
+            max_tokens=n, temperature=0.0, logprobs=True, ignore_eos=True), adapter="story@2"))
+        tail = [c async for c in gen]
+        return head + tail, await second
+
+    chunks1, (tokens2, _, chunks2) = run(swap_under_load())
+    tokens1 = [t for c in chunks1 for t in c.token_ids]
+    assert len(tokens1) == n and len(tokens2) == n and chunks1[-1].finish_reason == "length"
+    s1 = [x.logprob for x in run(engine.score(prompt + tokens1, adapter="story@1"))[len(prompt):]]
+    s1_under_v2 = [x.logprob for x in run(engine.score(prompt + tokens1, adapter="story@2"))[len(prompt):]]
+    s2 = [x.logprob for x in run(engine.score(prompt + tokens2, adapter="story@2"))[len(prompt):]]
+    assert _lps(chunks1) == pytest.approx(s1, abs=LP_TOL), "the v1 stream changed weights mid-sequence"
+    assert _max_diff(_lps(chunks1), s1_under_v2) > 1e-2, "v1 and v2 must differ for this test to mean anything"
+    assert _lps(chunks2) == pytest.approx(s2, abs=LP_TOL)
+
+    # drained: now the old version unloads, the new one keeps serving
+    run(engine.unload_adapter("story@1"))
+    assert engine.loaded_adapters() == ["story@2"]
+    with pytest.raises(ModelNotFoundError):
+        engine.generate(prompt, greedy(2), adapter="story@1")
+    again = run(collect(engine, prompt, SamplingParams(max_tokens=n, temperature=0.0, logprobs=True,
+                                                       ignore_eos=True), adapter="story@2"))
+    assert again[0] == tokens2
+    if engine.kind == "vllm":
+        assert run(engine.vllm_loaded_ids()) == {engine.lora_int_id("story@2")}
+    run(engine.unload_adapter("story@2"))
+    assert engine.loaded_adapters() == [] and engine.num_unfinished_requests() == 0
+
+
+def test_store_copy_can_change_after_load_and_a_reused_name_serves_new_weights(engine, run, versions,
+                                                                               base_ref, tmp_path):
+    from peft import PeftModel
+
+    from livelora.adapters.models import load_model
+
+    v1, v2 = versions
+    prompt = chat(engine, "Name a color.")
+    tokens = prompt + run(collect(engine, prompt, greedy(6, ignore_eos=True)))[0]
+    src = tmp_path / "published"
+    shutil.copytree(v1, src)
+    run(engine.load_adapter("color@1", str(src)))
+    first = [x.logprob for x in run(engine.score(tokens, adapter="color@1"))[1:]]
+    with torch.no_grad():  # the reference: plain peft on the same weights
+        ref = PeftModel.from_pretrained(load_model(base_ref), str(v1)).eval()
+        ref_lp = torch.log_softmax(ref(input_ids=torch.tensor([tokens])).logits[0, :-1], -1)
+    assert first == pytest.approx(ref_lp.gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1).tolist(),
+                                  abs=LP_TOL)
+
+    # the store's directory is rewritten with other weights, then deleted: the engine does not notice
+    shutil.copyfile(v2 / "adapter_model.safetensors", src / "adapter_model.safetensors")
+    assert [x.logprob for x in run(engine.score(tokens, adapter="color@1"))[1:]] == pytest.approx(first, abs=LP_TOL)
+    shutil.rmtree(src)
+    assert [x.logprob for x in run(engine.score(tokens, adapter="color@1"))[1:]] == pytest.approx(first, abs=LP_TOL)
+    old_id = engine.lora_int_id("color@1") if engine.kind == "vllm" else None
+
+    # the same name after unload: the new weights are served, not a cached copy of the old ones
+    run(engine.unload_adapter("color@1"))
+    run(engine.load_adapter("color@1", str(v2)))
+    run(engine.load_adapter("color@2", str(v2)))
+    reused = [x.logprob for x in run(engine.score(tokens, adapter="color@1"))[1:]]
+    fresh = [x.logprob for x in run(engine.score(tokens, adapter="color@2"))[1:]]
+    assert reused == pytest.approx(fresh, abs=LP_TOL) and _max_diff(reused, first) > 1e-2
+    if engine.kind == "vllm":  # integer ids are never reused
+        ids = {engine.lora_int_id("color@1"), engine.lora_int_id("color@2")}
+        assert len(ids) == 2 and min(ids) > old_id
+    for name in ("color@1", "color@2"):
+        run(engine.unload_adapter(name))
+    assert engine.loaded_adapters() == []
