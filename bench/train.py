@@ -1,7 +1,8 @@
 """Training-step throughput: livelora's TrainingModel vs TRL's SFTTrainer and KTOTrainer on one identical batch.
 
 Batch: 8 sequences x 256 trained positions built from GSM8K (``shared/data/gsm8k/train.jsonl``), LoRA rank 16,
-alpha 32, dropout 0, on every linear layer including ``lm_head``; float32, no gradient checkpointing on either
+alpha 32, dropout 0, on every linear layer of the decoder (attention + MLP; not ``lm_head``: TRL 1.16's
+SFTTrainer refuses a LoRA on ``lm_head``, so livelora runs with ``train_unembed=False`` here); float32, no gradient checkpointing on either
 side (TRL defaults to checkpointing and bf16; both are turned off so the two do the same arithmetic);
 AdamW lr 1e-4, betas (0.9, 0.95), no clipping, no weight decay.
 
@@ -12,7 +13,8 @@ AdamW lr 1e-4, betas (0.9, 0.95), no clipping, no weight decay.
   mean over examples; both use the base model (adapter disabled) as reference and rotated KL pairs.
 
 Time per step = forward + backward + optimizer step (TRL: ``on_step_begin`` -> ``on_step_end``, so data
-loading and trainer set-up are excluded). tokens/s = trained positions / step seconds. Prints figures only.
+loading and trainer set-up are excluded), averaged over the steps after the first (warm-up); the printed
+losses are the first step's (same weights on both sides, so they must agree). tokens/s = trained positions / step seconds. Prints figures only.
 
 Usage: ``python bench/train.py [--steps 1] [--batch 8] [--seq-len 256] [--rank 16] [--skip-trl]``
 """
@@ -30,7 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT_TOKENS = 64
 
 
@@ -80,7 +82,7 @@ def run_ours(ref, data, loss_fn: str, steps: int, rank: int) -> tuple[float, flo
     from livelora.clients.types import AdamParams, LoraConfig
     from livelora.trainer.model import TrainingModel
 
-    model = TrainingModel(ref, LoraConfig(rank=rank, alpha=2.0 * rank, seed=0))
+    model = TrainingModel(ref, LoraConfig(rank=rank, alpha=2.0 * rank, seed=0, train_unembed=False))
     adam = AdamParams(learning_rate=1e-4, beta2=0.95)
     times, first_loss = [], None
     for _ in range(steps):
@@ -90,7 +92,8 @@ def run_ours(ref, data, loss_fn: str, steps: int, rank: int) -> tuple[float, flo
         times.append(time.perf_counter() - t0)
         first_loss = out.metrics["loss:sum"] if first_loss is None else first_loss
     del model
-    return sum(times) / len(times), float(first_loss)
+    timed = times[1:] if len(times) > 1 else times  # the first step warms up allocators and thread pools
+    return sum(timed) / len(timed), float(first_loss)
 
 
 def _trl_common(tmp: str, batch: int, steps: int) -> dict:
@@ -140,12 +143,14 @@ def run_trl(ref, tokenizer, kind: str, steps: int, rank: int, batch: int, seqs=N
                                  peft_config=peft_config, callbacks=[timer])
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return sum(timer.times) / len(timer.times), float(losses[0])
+    timed = timer.times[1:] if len(timer.times) > 1 else timer.times
+    return sum(timed) / len(timed), float(losses[0])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1, help="steps timed per configuration")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="steps run per configuration; with more than one, the first (warm-up) is not timed")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256, help="trained positions per sequence")
     parser.add_argument("--rank", type=int, default=16)

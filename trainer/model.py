@@ -50,6 +50,8 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 ADAPTER = "default"
+#: Causal-LM classes whose logits are exactly ``lm_head(model(...).last_hidden_state)``.
+PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 DEFAULT_ALPHA = 32.0
 
 
@@ -104,6 +106,11 @@ class TrainingModel:
         self.vocab_size = int(self.peft_model.get_input_embeddings().num_embeddings)
         self.max_seq_len = int(max_seq_len or getattr(config, "max_position_embeddings", 2048))
         self.pad_id = int(getattr(config, "pad_token_id", None) or 0)
+        causal_lm = self.peft_model.get_base_model()
+        #: Decoder + unembedding can be run separately (no logit scaling or soft-capping in these classes).
+        self._plain_head = (type(causal_lm).__name__ in PLAIN_HEAD_CLASSES and hasattr(causal_lm, "model")
+                            and not any(getattr(config, a, None) for a in
+                                        ("final_logit_softcapping", "logit_scale", "logits_scaling")))
         #: LoRA parameters in a fixed order, keyed by their standard PEFT file key (no adapter-name infix).
         self.lora_params: dict[str, torch.nn.Parameter] = {
             n.replace(f".{ADAPTER}.", "."): p for n, p in self.peft_model.named_parameters() if p.requires_grad}
@@ -118,32 +125,86 @@ class TrainingModel:
         return torch.optim.AdamW(list(self.lora_params.values()), lr=0.0, foreach=False)
 
     def _logprobs(self, inputs: list[list[int]], targets: list[Tensor], *, adapter: bool = True,
-                  grad: bool = False) -> list[Tensor]:
-        """Target logprobs of right-padded sequences: ``inputs[b]`` tokens (N_b), ``targets[b]`` (N_b,) or
-        (N_b, K) token ids → per sequence log p(target | prefix) of the same shape (nats)."""
+                  grad: bool = False, grad_pos: list[Tensor] | None = None,
+                  keep_pos: list[Tensor] | None = None) -> list[Tensor]:
+        """Target logprobs of right-padded sequences (nats).
+
+        Args:
+            inputs: per sequence, its N_b input token ids.
+            targets: per sequence, (N_b,) or (N_b, K) target ids.
+            adapter: False runs the base model (``disable_adapter``).
+            grad: build the autograd graph (only through ``grad_pos`` positions when given).
+            grad_pos: per sequence, bool (N_b,): positions whose logprob can carry gradient (the loss
+                multiplies every other position by exactly 0). The unembedding of the remaining positions
+                runs without autograd, which saves its backward; values are identical either way.
+            keep_pos: per sequence, bool (N_b,): positions needed at all; others are returned as 0.
+
+        Returns:
+            per sequence, logprobs shaped like its targets.
+        """
         lengths = [len(x) for x in inputs]
-        t_max, k_max = max(lengths), max(1 if t.ndim == 1 else t.shape[1] for t in targets)
-        ids_B_T = torch.full((len(inputs), t_max), self.pad_id, dtype=torch.long)
-        tgt_B_T_K = torch.zeros((len(inputs), t_max, k_max), dtype=torch.long)
-        mask_B_T = torch.zeros((len(inputs), t_max), dtype=torch.long)
+        b_n, t_max = len(inputs), max(lengths)
+        k_max = max(1 if t.ndim == 1 else t.shape[1] for t in targets)
+        ids_B_T = torch.full((b_n, t_max), self.pad_id, dtype=torch.long)
+        tgt_B_T_K = torch.zeros((b_n, t_max, k_max), dtype=torch.long)
+        valid_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
+        grad_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
+        keep_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
         for b, (x, t) in enumerate(zip(inputs, targets)):
-            ids_B_T[b, :len(x)] = torch.tensor(x, dtype=torch.long)
-            tgt = t.reshape(len(x), -1)
-            tgt_B_T_K[b, :len(x), :tgt.shape[1]] = tgt
-            mask_B_T[b, :len(x)] = 1
+            n = len(x)
+            ids_B_T[b, :n] = torch.tensor(x, dtype=torch.long)
+            tgt = t.reshape(n, -1)
+            tgt_B_T_K[b, :n, :tgt.shape[1]] = tgt
+            valid_B_T[b, :n] = True
+            keep_B_T[b, :n] = True if keep_pos is None else keep_pos[b]
+            grad_B_T[b, :n] = True if grad_pos is None else grad_pos[b]
+        grad_B_T &= keep_B_T
+        rest_B_T = keep_B_T & ~grad_B_T
         padded = any(n != t_max for n in lengths)
         dev = self.device
+        causal_lm = self.peft_model.get_base_model()
         ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
         with ctx, torch.set_grad_enabled(grad):
-            logits_B_T_V = self.peft_model(input_ids=ids_B_T.to(dev), attention_mask=mask_B_T.to(dev) if padded
-                                           else None, use_cache=False).logits.float()
-            lse_B_T_1 = torch.logsumexp(logits_B_T_V, dim=-1, keepdim=True)
-            lp_B_T_K = logits_B_T_V.gather(-1, tgt_B_T_K.to(dev)) - lse_B_T_1
+            if self._plain_head:
+                hidden_B_T_H = causal_lm.model(input_ids=ids_B_T.to(dev), use_cache=False,
+                                               attention_mask=valid_B_T.long().to(dev) if padded else None
+                                               ).last_hidden_state
+                head = causal_lm.get_output_embeddings()
+            else:  # models with logit scaling / soft-capping: use their own forward
+                hidden_B_T_H = self.peft_model(input_ids=ids_B_T.to(dev), use_cache=False,
+                                               attention_mask=valid_B_T.long().to(dev) if padded else None).logits
+                head = torch.nn.Identity()
+            tgt_B_T_K = tgt_B_T_K.to(dev)
+
+            def head_logprobs(sel_B_T: Tensor) -> Tensor:
+                sel = sel_B_T.to(dev)
+                logits_M_V = head(hidden_B_T_H[sel]).float()
+                return logits_M_V.gather(-1, tgt_B_T_K[sel]) - torch.logsumexp(logits_M_V, -1, keepdim=True)
+
+            lp_B_T_K = torch.zeros((b_n, t_max, k_max), dtype=torch.float32, device=dev)
+            if bool(grad_B_T.any()):
+                lp_B_T_K = lp_B_T_K.index_put((grad_B_T.to(dev),), head_logprobs(grad_B_T))
+            if bool(rest_B_T.any()):
+                with torch.no_grad():
+                    rest_M_K = head_logprobs(rest_B_T)
+                lp_B_T_K = lp_B_T_K.index_put((rest_B_T.to(dev),), rest_M_K)
         out = []
         for b, (n, t) in enumerate(zip(lengths, targets)):
             lp = lp_B_T_K[b, :n]
             out.append(lp[:, 0] if t.ndim == 1 else lp[:, :t.shape[1]])
         return out
+
+    @staticmethod
+    def _grad_positions(loss_fn: str, x: dict[str, Tensor]) -> Tensor:
+        """Bool (N,): positions whose logprob the loss does not multiply by exactly 0."""
+        if loss_fn in ("cross_entropy", "kto", "dpo"):
+            w = x["weights"]
+            return (w != 0) if w.ndim == 1 else (w != 0).any(-1)
+        if loss_fn in ("importance_sampling", "ppo", "cispo"):
+            pos = x["advantages"] != 0
+        else:  # dro's quadratic term has a gradient even where the advantage is 0
+            pos = torch.ones(x["target_tokens"].shape[0], dtype=torch.bool)
+        return pos & (x["mask"] != 0) if "mask" in x else pos
 
     @staticmethod
     def _inputs(datum: Datum) -> dict[str, Tensor]:
@@ -172,8 +233,9 @@ class TrainingModel:
             spans.append((len(prompts[i]) - 1, len(seq) - 1))
         ins = [s[:-1] for s in seqs]
         tgts = [torch.tensor(s[1:], dtype=torch.long) for s in seqs]
-        policy = self._logprobs(ins, tgts, adapter=True)
-        ref = self._logprobs(ins, tgts, adapter=False)
+        keep = [torch.arange(len(x)) >= a for x, (a, _b) in zip(ins, spans)]
+        policy = self._logprobs(ins, tgts, adapter=True, keep_pos=keep)
+        ref = self._logprobs(ins, tgts, adapter=False, keep_pos=keep)
         return torch.stack([(p[a:b] - r[a:b]).sum() for p, r, (a, b) in zip(policy, ref, spans)])
 
     def _run(self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
@@ -191,7 +253,8 @@ class TrainingModel:
             if loss_fn == "kto":
                 for x, kl in zip(inputs_D, self._kl_logratios(data, inputs_D)):
                     x["kl_logratio"] = kl.reshape(1)
-        lp_D = self._logprobs(tokens_D, [x["target_tokens"] for x in inputs_D], grad=grad)
+        lp_D = self._logprobs(tokens_D, [x["target_tokens"] for x in inputs_D], grad=grad,
+                              grad_pos=[self._grad_positions(loss_fn, x) for x in inputs_D])
         with torch.set_grad_enabled(grad):
             out: LossOutput = compute_loss(loss_fn, lp_D, inputs_D, spec.config)
         if grad:
