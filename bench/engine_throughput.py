@@ -81,6 +81,8 @@ async def main(args):
     from livelora.adapters.settings import BaseSettings
     from livelora.gateway.engines import create_engine
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     settings = BaseSettings()
     ref = resolve_base_model(settings.model, settings.home)
     tok = load_tokenizer(ref)
@@ -89,8 +91,8 @@ async def main(args):
     print(f"torch threads {torch.get_num_threads()}, {args.tokens} new tokens per request, "
           f"{args.streams} requests, device {args.device}")
     bench_generate(model, tok, prompts[:1], 4, 1)  # warm-up
-    seq = bench_generate(model, tok, prompts, args.tokens, 1)
-    print(f"model.generate sequential (batch 1): {seq:7.1f} tok/s")
+    seq = bench_generate(model, tok, prompts[:args.sequential_requests], args.tokens, 1)
+    print(f"model.generate sequential (batch 1): {seq:7.1f} tok/s  ({args.sequential_requests} requests)")
     batched = bench_generate(model, tok, prompts, args.tokens, args.streams)
     print(f"model.generate batch {args.streams}:            {batched:7.1f} tok/s")
 
@@ -124,5 +126,8 @@ if __name__ == "__main__":
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sequential-requests", type=int, default=2,
+                        help="requests timed for the sequential batch-1 baseline")
     parser.add_argument("--skip-adapters", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     asyncio.run(main(parser.parse_args()))

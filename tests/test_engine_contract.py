@@ -112,20 +112,21 @@ def test_max_tokens_gives_length_with_exact_count_and_concurrent_requests_stay_i
         assert sum(len(c.token_ids) for c in chunks) == n
 
 
-def test_stop_string_is_excluded_also_across_tokens(engine, run, paris):
+def test_stop_strings_and_stop_token_ids(engine, run, paris):
     prompt, tokens, text, _ = paris
     full = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-    for stop in ("Paris", "is Par", "France is"):  # one token, across two tokens, across a token boundary
-        got_tokens, got_text, chunks = run(collect(engine, prompt, greedy(12, stop=(stop, "zzqx"))))
-        assert got_text == full[:full.index(stop)], stop
-        assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop
-        assert got_tokens == tokens[:len(got_tokens)]
-
-
-def test_stop_token_ids(engine, run, paris):
-    prompt, tokens, _, _ = paris
+    stops = ("Paris", "is Par", "France is")  # one token, across two tokens, across a token boundary
     stop_id = tokens[3]
-    got, text, chunks = run(collect(engine, prompt, greedy(12, stop_token_ids=(stop_id,))))
+
+    async def all_at_once():
+        return await asyncio.gather(*[collect(engine, prompt, greedy(12, stop=(s, "zzqx"))) for s in stops],
+                                    collect(engine, prompt, greedy(12, stop_token_ids=(stop_id,))))
+
+    *by_string, (got, text, chunks) = run(all_at_once())
+    for stop, (got_tokens, got_text, s_chunks) in zip(stops, by_string):
+        assert got_text == full[:full.index(stop)], stop
+        assert s_chunks[-1].finish_reason == "stop" and s_chunks[-1].stop_reason == stop
+        assert got_tokens == tokens[:len(got_tokens)]
     assert got == tokens[:3]
     assert text == engine.tokenizer.decode(tokens[:3], skip_special_tokens=True)
     assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop_id
@@ -133,15 +134,17 @@ def test_stop_token_ids(engine, run, paris):
 
 def test_batched_greedy_equals_solo_greedy_including_late_joiners(engine, run, paris):
     prompts = [paris[0], chat(engine, "Write a haiku about the sea."), chat(engine, "hi")]
-    solo = [paris[1]] + [run(collect(engine, p, greedy(12)))[0] for p in prompts[1:]]
+    solo = [paris[1]] + [run(collect(engine, p, greedy(6)))[0] for p in prompts[1:]]
 
     async def staggered():
-        first = asyncio.ensure_future(collect(engine, prompts[1], greedy(12)))
-        await asyncio.sleep(0.3)  # the others join a running batch
-        rest = await asyncio.gather(collect(engine, prompts[0], greedy(12)), collect(engine, prompts[2], greedy(12)))
-        return [rest[0], await first, rest[1]]
+        gen = engine.generate(prompts[1], greedy(6))
+        head = await gen.__anext__()  # the haiku is running; the other two join its batch
+        rest = asyncio.gather(collect(engine, prompts[0], greedy(12)), collect(engine, prompts[2], greedy(6)))
+        tail = [c async for c in gen]
+        first, third = await rest
+        return [first[0], [t for c in [head, *tail] for t in c.token_ids], third[0]]
 
-    for (tokens, _, _), expected in zip(run(staggered()), solo):
+    for tokens, expected in zip(run(staggered()), solo):
         assert tokens == expected
 
 
@@ -183,8 +186,10 @@ def test_logprobs_match_score_and_top_logprobs_are_sorted(engine, run):
 
 def test_multibyte_text_never_streams_replacement_chars(engine, run):
     prompt = chat(engine, "Reply with three emoji: \U0001F600\U0001F389\U0001F680")
-    for n in (9, 8):  # 9 ends on a character boundary, 8 cuts the last emoji (its bytes are dropped)
-        tokens, text, chunks = run(collect(engine, prompt, greedy(n)))
+    async def both():  # 9 tokens end on a character boundary, 8 cut the last emoji (its bytes are dropped)
+        return await asyncio.gather(collect(engine, prompt, greedy(9)), collect(engine, prompt, greedy(8)))
+
+    for tokens, text, chunks in run(both()):
         decoded = engine.tokenizer.decode(tokens, skip_special_tokens=True)
         assert any(ord(ch) > 0xFFFF for ch in text), "the model answers with emoji (4-byte characters)"
         assert all("\ufffd" not in c.text for c in chunks)

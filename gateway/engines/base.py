@@ -99,6 +99,8 @@ class Engine(abc.ABC):
     model_name: str
     #: Maximum prompt + completion length in tokens.
     max_model_len: int
+    #: Vocabulary size: valid token ids are ``0 .. vocab_size - 1`` (set once started).
+    vocab_size: int
 
     @property
     @abc.abstractmethod
