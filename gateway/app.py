@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from livelora.gateway.api import chat, completions, health, models, tinker
+from livelora.gateway.api import chat, completions, health, models, signals, tinker
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.api.logprobs import TokenTexts
 from livelora.gateway.api.serving import Admission
@@ -47,7 +47,9 @@ def build_engine(settings: GatewaySettings) -> Engine:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs = {"model": settings.model, "home": settings.home, "device": device, "dtype": settings.dtype,
-              "max_batch_size": settings.max_batch_size, "max_waiting": settings.max_waiting,
+              "max_batch_size": settings.max_batch_size,
+              # the gateway's Admission bounds sequences (429); the engine's own queue must hold them all
+              "max_waiting": settings.max_sequences,
               "max_model_len": settings.max_model_len}
     return create_engine(settings.engine, **kwargs)
 
@@ -74,9 +76,13 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
         from livelora.gateway.sessions import start_sessions  # training sessions (Tinker API, op executor)
 
         sessions = await start_sessions(app, settings, served, app.state.admission)
+        from livelora.gateway.live import start_live_loop  # completion log, signal routes, adapter registry
+
+        live = await start_live_loop(app, settings, served)
         try:
             yield
         finally:
+            await live.close()
             await sessions.close()
             if own:
                 await served.close()
@@ -85,6 +91,6 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
                   description="OpenAI-compatible gateway whose LoRA adapter keeps learning while it serves.")
     app.state.settings = settings
     install_error_handlers(app)
-    for module in (health, models, chat, completions, tinker):
+    for module in (health, models, chat, completions, tinker, signals):
         app.include_router(module.router)
     return app

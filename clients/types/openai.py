@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -105,14 +105,15 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(None, ge=0, description="Extension: keep only the k most likely tokens (0 = off).")
     ignore_eos: bool | None = Field(None, description="Extension: keep generating past end-of-sequence tokens.")
 
-    @model_validator(mode="after")
-    def _stop_list(self) -> _SamplingFields:
-        if isinstance(self.stop, list):
-            if len(self.stop) > 4:
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list):
+            if len(stop) > 4:
                 raise ValueError("stop accepts at most 4 sequences")
-            if any(s == "" for s in self.stop):
+            if any(s == "" for s in stop):
                 raise ValueError("stop sequences must not be empty")
-        return self
+        return stop
 
     def stop_tuple(self) -> tuple[str, ...]:
         """``stop`` as a tuple of non-empty strings."""

@@ -1,0 +1,137 @@
+"""A live gateway for tests: uvicorn on a free ephemeral port, in a background thread.
+
+One server (and one loaded model) per test session, whichever test module asks
+first; later modules reuse it. Use it as a fixture::
+
+    from _server import live_server  # noqa: F401  (fixture)
+
+    def test_x(live_server):
+        httpx.get(live_server.url("/health"))
+
+The server runs in this process, so tests can read the engine's state
+(``live_server.engine.num_unfinished_requests()``) and the gateway's
+admission counter (``live_server.admission.active``).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+MODEL = "smollm2-135m-instruct"
+#: Settings of the shared test server: 8 sequences decode together, 8 more may wait (16 admitted).
+TEST_SETTINGS = {"max_batch_size": 8, "max_waiting": 8, "device": "cpu"}
+
+
+@dataclass
+class LiveServer:
+    """A running gateway: ``base_url`` is ``http://127.0.0.1:<port>``."""
+
+    base_url: str
+    app: object
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    @property
+    def engine(self):
+        return self.app.state.engine
+
+    @property
+    def admission(self):
+        return self.app.state.admission
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(settings=None, engine=None, ready_timeout_s: float = 300.0) -> LiveServer:
+    """Start ``create_app(settings, engine)`` on a free port and wait until ``/health`` answers 200.
+
+    Raises:
+        RuntimeError: the server thread died or did not become ready in time.
+    """
+    from livelora.gateway.app import create_app
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = create_app(settings, engine)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="livelora-test-server",
+                              daemon=True)
+    thread.start()
+    live = LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if not thread.is_alive():
+            raise RuntimeError("the test server exited during start-up (see the log above)")
+        try:
+            if httpx.get(live.url("/health"), timeout=2).status_code == 200:
+                return live
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    live.stop()
+    raise RuntimeError(f"the test server did not answer /health within {ready_timeout_s} s")
+
+
+_SHARED: LiveServer | None = None
+
+
+@pytest.fixture(scope="session")
+def live_server(livelora_home) -> Iterator[LiveServer]:
+    """The session's shared gateway on the real SmolLM2 model (stopped at the end of the session)."""
+    global _SHARED
+    started_here = _SHARED is None
+    if started_here:
+        from livelora.gateway.settings import GatewaySettings
+
+        _SHARED = start_server(GatewaySettings(model=MODEL, home=livelora_home, **TEST_SETTINGS))
+    yield _SHARED
+    if started_here:  # the fixture may be instantiated once per importing module; one owner stops it
+        _SHARED.stop()
+        _SHARED = None
+
+
+def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout_s`` passes; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking the exact framing on the way.
+
+    Raises:
+        AssertionError: a CR, a line that is neither ``data: ...`` nor a comment, or a missing blank line.
+    """
+    body = response.text
+    assert "\r" not in body, "SSE must use LF separators only"
+    out = []
+    for block in body.split("\n\n"):
+        if not block:
+            continue
+        lines = block.split("\n")
+        data = [line for line in lines if not line.startswith(":")]
+        assert len(data) <= 1, f"one data line per event expected: {block!r}"
+        if data:
+            assert data[0].startswith("data: "), data[0]
+            out.append(data[0][len("data: "):])
+    assert body.endswith("\n\n"), "every event ends with a blank line"
+    return out
