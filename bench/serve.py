@@ -1,0 +1,198 @@
+"""Serving benchmark: N concurrent streaming clients against the gateway vs sequential ``model.generate``.
+
+Prints requests/s, output tokens/s, time to first token (TTFT) p50/p99 and
+inter-token latency (ITL) p50 for the gateway, then runs the same prompts with
+the same ``max_tokens`` as sequential plain ``transformers`` ``model.generate``
+calls (greedy, ``min_new_tokens = max_new_tokens`` so both sides produce
+exactly ``max_tokens`` tokens; the gateway requests use ``ignore_eos``) and
+prints the throughput ratio.
+
+    python bench/serve.py --spawn                       # start a gateway itself (engine kind: --engine)
+    python bench/serve.py --url http://127.0.0.1:8000   # an already running gateway
+
+Token counts come from the server's ``usage`` (streamed with
+``stream_options.include_usage``); ITL is the gap between consecutive content
+chunks of one stream (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how rain forms.",
+    "List some tips for learning a new language.",
+    "Describe a busy market in the morning.",
+    "What makes a good friend?",
+    "Tell me about the history of bicycles.",
+    "Give advice to a new gardener.",
+    "Describe the ocean to someone who has never seen it.",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk["usage"]:
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+    return {"ttft": stamps[0] - start if stamps else float("nan"),
+            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens}
+
+
+async def run_gateway(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    """``requests`` streaming requests, at most ``concurrency`` in flight."""
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        await one_stream(client, model, "Hi", 2)  # warm-up
+        queue = list(range(requests))
+        results: list[dict] = []
+
+        async def worker() -> None:
+            while queue:
+                i = queue.pop()
+                results.append(await one_stream(client, model, PROMPTS[i % len(PROMPTS)], max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    return {"elapsed_s": elapsed, "requests_per_s": requests / elapsed, "tokens_per_s": tokens / elapsed,
+            "tokens": tokens, "ttft_p50_s": percentile([r["ttft"] for r in results], 0.5),
+            "ttft_p99_s": percentile([r["ttft"] for r in results], 0.99),
+            "itl_p50_s": percentile([x for r in results for x in r["itl"]], 0.5)}
+
+
+def run_baseline(model_name: str, requests: int, max_tokens: int, device: str) -> dict:
+    """The same prompts as sequential ``model.generate`` calls (greedy, exactly ``max_tokens`` new tokens)."""
+    import torch
+
+    from livelora.adapters.models import load_model, load_tokenizer, resolve_base_model
+    from livelora.adapters.settings import BaseSettings
+
+    ref = resolve_base_model(model_name, BaseSettings().home)
+    tokenizer = load_tokenizer(ref)
+    model = load_model(ref, device=device)
+
+    def generate(prompt: str, n: int) -> int:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)], device=device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        return out.shape[1] - ids.shape[1]
+
+    generate("Hi", 2)  # warm-up
+    start = time.perf_counter()
+    tokens = sum(generate(PROMPTS[i % len(PROMPTS)], max_tokens) for i in reversed(range(requests)))
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "requests_per_s": requests / elapsed, "tokens_per_s": tokens / elapsed,
+            "tokens": tokens}
+
+
+def spawn(engine: str, model: str, max_batch_size: int, device: str | None) -> tuple[subprocess.Popen, str]:
+    """Start ``livelora serve`` on a free port and wait for ``/health``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "livelora.clients.cli", "serve", "--port", str(port), "--engine", engine,
+           "--model", model, "--max-batch-size", str(max_batch_size), "--log-level", "warning"]
+    if device:
+        cmd += ["--device", device]
+    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("the server did not become ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="base URL of a running gateway (without /v1)")
+    where.add_argument("--spawn", action="store_true", help="start a gateway on a free port")
+    parser.add_argument("--engine", default="transformers", help="engine kind when spawning")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--device", default=None, help="torch device for the spawned server and the baseline")
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent streaming clients (N)")
+    parser.add_argument("--requests", type=int, default=16, help="total requests (M)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-batch-size", type=int, default=8, help="engine batch when spawning")
+    parser.add_argument("--no-baseline", action="store_true")
+    args = parser.parse_args()
+
+    proc = None
+    url = args.url
+    if args.spawn:
+        proc, url = spawn(args.engine, args.model, args.max_batch_size, args.device)
+    try:
+        gw = asyncio.run(run_gateway(url, args.model, args.concurrency, args.requests, args.max_tokens))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(f"gateway ({args.engine if args.spawn else url}): {args.concurrency} concurrent streams, "
+          f"{args.requests} requests x {args.max_tokens} tokens")
+    print(f"  requests/s        {gw['requests_per_s']:.2f}")
+    print(f"  output tokens/s   {gw['tokens_per_s']:.1f}  ({gw['tokens']} tokens in {gw['elapsed_s']:.1f} s)")
+    print(f"  TTFT p50 / p99    {gw['ttft_p50_s'] * 1000:.0f} ms / {gw['ttft_p99_s'] * 1000:.0f} ms")
+    print(f"  ITL p50           {gw['itl_p50_s'] * 1000:.1f} ms")
+    if args.no_baseline:
+        return
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    base = run_baseline(args.model, args.requests, args.max_tokens, device)
+    print(f"sequential model.generate ({device}): {args.requests} requests x {args.max_tokens} tokens")
+    print(f"  requests/s        {base['requests_per_s']:.2f}")
+    print(f"  output tokens/s   {base['tokens_per_s']:.1f}  ({base['tokens']} tokens in {base['elapsed_s']:.1f} s)")
+    print(f"ratio gateway / sequential (output tokens/s): {gw['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    main()

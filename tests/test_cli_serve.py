@@ -1,0 +1,62 @@
+"""``livelora serve`` (the README's first command) starts a working OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from typer.testing import CliRunner
+
+from livelora.clients.cli import app
+
+
+def test_help_lists_serve_and_its_flags():
+    result = CliRunner().invoke(app, ["serve", "--help"])
+    assert result.exit_code == 0
+    for flag in ("--model", "--host", "--port", "--home", "--engine"):
+        assert flag in result.output
+
+
+def test_invalid_flag_value_exits_with_a_message():
+    result = CliRunner().invoke(app, ["serve", "--port", "70000"])
+    assert result.exit_code == 2
+    assert "port" in result.output
+
+
+def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "livelora.clients.cli", "serve", "--port", str(port),
+                             "--home", str(livelora_home), "--max-batch-size", "2", "--log-level", "warning"],
+                            env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        ready = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                pass
+            if ready:
+                break
+            time.sleep(0.3)
+        assert ready, "server did not start"
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+            "model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert reply.status_code == 200 and "Paris" in reply.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+    assert f"http://127.0.0.1:{port}/v1" in output  # the start-up message names the URL
+    assert proc.returncode == 0
