@@ -2,7 +2,8 @@
 
 Example::
 
-    livelora serve                                   # built-in SmolLM2 on http://127.0.0.1:8000/v1
+    livelora serve                                   # built-in SmolLM2 on http://127.0.0.1:8000/v1, learning
+    livelora gateway & livelora trainer              # the same loop as two processes sharing Redis and the store
     livelora serve --model ./my-hf-model --port 9000 --home /data/livelora
 
 Flags override ``LIVELORA_*`` environment variables, which override defaults.
@@ -29,20 +30,74 @@ def _root() -> None:
     """livelora: serve, train and manage LoRA adapters."""
 
 
+_Model = Annotated[str | None, typer.Option(help="Base model: built-in name, HF id or local directory.")]
+_Host = Annotated[str | None, typer.Option(help="Interface to bind (default 127.0.0.1).")]
+_Port = Annotated[int | None, typer.Option(help="TCP port (default 8000).")]
+_Home = Annotated[Path | None, typer.Option(help="Store root, LIVELORA_HOME (models, adapters, data).")]
+_Engine = Annotated[str | None, typer.Option(help="Inference engine kind (default transformers).")]
+_Device = Annotated[str | None, typer.Option(help="Torch device, e.g. cpu or cuda (default: auto).")]
+_Batch = Annotated[int | None, typer.Option(help="Sequences decoded together (default 8).")]
+_Served = Annotated[str | None, typer.Option(help="Name clients pass as `model` (default: --model).")]
+_RedisUrl = Annotated[str | None, typer.Option(help="Redis URL of the bus (default redis://127.0.0.1:6379/0).")]
+_LogLevel = Annotated[str, typer.Option(help="uvicorn log level.")]
+
+
 @app.command()
-def serve(
-    model: Annotated[str | None, typer.Option(help="Base model: built-in name, HF id or local directory.")] = None,
-    host: Annotated[str | None, typer.Option(help="Interface to bind (default 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help="TCP port (default 8000).")] = None,
-    home: Annotated[Path | None, typer.Option(help="Store root, LIVELORA_HOME (models, adapters, data).")] = None,
-    engine: Annotated[str | None, typer.Option(help="Inference engine kind (default transformers).")] = None,
-    device: Annotated[str | None, typer.Option(help="Torch device, e.g. cpu or cuda (default: auto).")] = None,
-    max_batch_size: Annotated[int | None, typer.Option(help="Sequences decoded together (default 8).")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Name clients pass as `model` "
-                                                                "(default: --model).")] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+def serve(model: _Model = None, host: _Host = None, port: _Port = None, home: _Home = None, engine: _Engine = None,
+          device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
+          redis_url: _RedisUrl = None, log_level: _LogLevel = "info") -> None:
+    """Run the whole live loop in one process: the OpenAI-compatible gateway plus a trainer worker that
+    learns from /v1/feedback, /v1/preferences and /v1/demonstrations. Without a reachable Redis it starts
+    a private redis-server (not durable: queued signals are lost when it stops)."""
+    _run_gateway(locals(), whole_loop=True)
+
+
+@app.command()
+def gateway(model: _Model = None, host: _Host = None, port: _Port = None, home: _Home = None, engine: _Engine = None,
+            device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
+            redis_url: _RedisUrl = None, log_level: _LogLevel = "info") -> None:
+    """Start only the gateway (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, signal routes);
+    run ``livelora trainer`` beside it on the same Redis and store."""
+    _run_gateway(locals(), whole_loop=False)
+
+
+@app.command()
+def trainer(
+    model: _Model = None, home: _Home = None, redis_url: _RedisUrl = None,
+    device: Annotated[str | None, typer.Option(help="Torch device for training (default cpu).")] = None,
+    consumer: Annotated[str | None, typer.Option(help="Consumer name in the 'trainers' group (default "
+                                                      "host-pid); reuse it after a restart.")] = None,
+    kto_min_batch: Annotated[int | None, typer.Option(help="Ratings per KTO step (default 8).")] = None,
+    max_wait_s: Annotated[float | None, typer.Option(help="Seconds before a smaller batch trains "
+                                                          "(default 30).")] = None,
 ) -> None:
-    """Start the OpenAI-compatible server (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``)."""
+    """Run a trainer worker: consume the signals stream, train KTO/SFT/DPO steps, publish adapter versions."""
+    import logging
+
+    from pydantic import ValidationError
+
+    from livelora.trainer.settings import TrainerSettings
+    from livelora.trainer.worker import run_worker
+
+    if home is not None:
+        os.environ["LIVELORA_HOME"] = str(home)
+    overrides = {"model": model, "home": home, "redis_url": redis_url, "device": device, "consumer": consumer,
+                 "kto_min_batch": kto_min_batch, "max_wait_s": max_wait_s}
+    try:
+        settings = TrainerSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        for err in exc.errors():
+            console.print(f"[red]error[/]: {'.'.join(map(str, err['loc']))}: {err['msg']}")
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    console.print(f"[bold]livelora[/] trainer for [cyan]{settings.model}[/] on {settings.redis_url} "
+                  f"(store: {settings.home})")
+    run_worker(settings)
+
+
+def _run_gateway(options: dict, *, whole_loop: bool) -> None:
+    import threading
+
     import uvicorn
     from pydantic import ValidationError
 
@@ -50,24 +105,47 @@ def serve(
     from livelora.gateway.app import create_app
     from livelora.gateway.settings import GatewaySettings
 
-    if home is not None:
-        os.environ["LIVELORA_HOME"] = str(home)
-    overrides = {"model": model, "host": host, "port": port, "home": home, "engine": engine, "device": device,
-                 "max_batch_size": max_batch_size, "served_model_name": served_model_name}
+    log_level = options.pop("log_level")
+    if options.get("home") is not None:
+        os.environ["LIVELORA_HOME"] = str(options["home"])
     try:
-        settings = GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
+        settings = GatewaySettings(**{k: v for k, v in options.items() if v is not None})
     except ValidationError as exc:
         for err in exc.errors():
             console.print(f"[red]error[/]: {'.'.join(map(str, err['loc']))}: {err['msg']}")
         raise typer.Exit(2) from None
-    base_url = f"http://{settings.host}:{settings.port}/v1"
-    console.print(f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.engine} engine "
-                  f"on [green]{base_url}[/] (store: {settings.home})")
+    redis_proc, stop, worker_thread = None, threading.Event(), None
     try:
+        if whole_loop:
+            from livelora.gateway.live import embedded_redis, redis_reachable
+            from livelora.trainer.settings import TrainerSettings
+            from livelora.trainer.worker import build_worker
+
+            if not redis_reachable(settings.redis_url):
+                url, redis_proc = embedded_redis()
+                console.print(f"[yellow]warning[/]: no Redis at {settings.redis_url}; started an embedded "
+                              f"redis-server at {url}. It is NOT durable: signals not yet trained are lost "
+                              "when livelora stops. Run Redis and set LIVELORA_REDIS_URL for production.")
+                settings = settings.model_copy(update={"redis_url": url})
+            worker = build_worker(TrainerSettings(home=settings.home, model=settings.model,
+                                                  redis_url=settings.redis_url, redis_prefix=settings.redis_prefix))
+            worker_thread = threading.Thread(target=worker.run, args=(stop,), name="livelora-trainer", daemon=True)
+            worker_thread.start()
+        base_url = f"http://{settings.host}:{settings.port}/v1"
+        console.print(f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.engine} engine "
+                      f"on [green]{base_url}[/] (store: {settings.home}"
+                      f"{', trainer in-process' if whole_loop else ''})")
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
+    finally:
+        stop.set()
+        if worker_thread is not None:
+            worker_thread.join(timeout=30)
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(timeout=10)
 
 
 def main() -> None:

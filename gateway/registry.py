@@ -137,6 +137,26 @@ class AdapterRegistry:
         raise ModelNotFoundError(f"model {model!r} does not exist; served endpoints: "
                                  f"{', '.join(self.current) or 'none'}", param="model")
 
+    def resolve(self, model: str) -> tuple[str, str | None]:
+        """``(endpoint, adapter)`` that a request naming ``model`` gets now: an endpoint's current version,
+        or a loaded version name itself. Takes no lease (see :meth:`hold`).
+
+        Raises:
+            ModelNotFoundError: unknown model name.
+        """
+        if model in self.current:
+            return model, self.current[model]
+        if model in self.loaded and model not in self.refused:
+            return self.endpoint_for(model), model
+        self.endpoint_for(model)  # raises ModelNotFoundError
+        raise AssertionError("unreachable")
+
+    def hold(self, endpoint: str, adapter: str | None) -> Lease:
+        """Lease ``adapter`` (as returned by :meth:`resolve` with no ``await`` in between) until released."""
+        if adapter is not None:
+            self.leases[adapter] += 1
+        return Lease(endpoint, adapter, self)
+
     def acquire(self, model: str) -> Lease:
         """Lease the weights for a request naming ``model``: an endpoint (its current version) or a loaded
         version name (that exact version). Synchronous, so no pointer move can interleave.
@@ -144,16 +164,7 @@ class AdapterRegistry:
         Raises:
             ModelNotFoundError: unknown model name.
         """
-        if model in self.current:
-            endpoint, adapter = model, self.current[model]
-        elif model in self.loaded and model not in self.refused:
-            endpoint, adapter = self.endpoint_for(model), model
-        else:
-            self.endpoint_for(model)  # raises ModelNotFoundError
-            raise AssertionError("unreachable")
-        if adapter is not None:
-            self.leases[adapter] += 1
-        return Lease(endpoint, adapter, self)
+        return self.hold(*self.resolve(model))
 
     @contextlib.asynccontextmanager
     async def lease(self, model: str) -> AsyncIterator[Lease]:

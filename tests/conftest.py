@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Every gateway/trainer a test starts with default settings writes its Redis keys (completion log, signals,
+# sessions) under one prefix per test session, deleted at the end (see _redis_prefix_cleanup).
+os.environ.setdefault("LIVELORA_REDIS_PREFIX", f"livelora-test-{uuid.uuid4().hex[:12]}:")
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -37,3 +41,21 @@ def tokenizer(base_ref):
     from livelora.adapters.models import load_tokenizer
 
     return load_tokenizer(base_ref)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _redis_prefix_cleanup():
+    """Delete the session's Redis keys (prefix ``$LIVELORA_REDIS_PREFIX``) when the tests end."""
+    yield
+    prefix = os.environ["LIVELORA_REDIS_PREFIX"]
+    if not prefix.startswith("livelora-test-"):
+        return
+    import redis
+
+    try:
+        client = redis.Redis.from_url(os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0"))
+        for key in client.scan_iter(match=prefix + "*", count=500):
+            client.delete(key)
+        client.close()
+    except redis.exceptions.ConnectionError:
+        pass

@@ -315,6 +315,9 @@ class TrainerWorker:
             except UnavailableError as exc:
                 log.warning("Redis unavailable: %s", exc)
                 stop.wait(retry_s)
+            except Exception:  # a bug must not silently end the trainer: log, back off, go on
+                log.exception("trainer poll failed")
+                stop.wait(retry_s)
 
 
 def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> TrainerWorker:
@@ -339,17 +342,22 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
                          claim_interval_s=min(10.0, s.claim_idle_s / 2))
 
 
-def main() -> None:
-    """``python -m livelora.trainer.worker``: run one trainer worker from the environment until SIGINT/SIGTERM."""
+def run_worker(settings: Any = None) -> None:
+    """Run one trainer worker (blocking) until SIGINT/SIGTERM; ``settings`` default to the environment."""
     import signal
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    worker = build_worker()
+    worker = build_worker(settings)
     log.info("trainer worker %s consuming %s", worker.consumer, worker.keys.signals)
     worker.run(stop)
+
+
+def main() -> None:
+    """``python -m livelora.trainer.worker``: one trainer worker configured from the environment."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_worker()
 
 
 if __name__ == "__main__":

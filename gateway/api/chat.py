@@ -43,6 +43,7 @@ from livelora.gateway.api.logprobs import TokenTexts, chat_logprobs
 from livelora.gateway.api.serving import ServingTarget, Ticket, context_length, resolve_target
 from livelora.gateway.api.sse import DONE, sse_data, sse_response
 from livelora.gateway.chat_template import render_messages
+from livelora.gateway.live import CompletionRecorder, hold_version
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["chat"])
@@ -88,7 +89,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                  texts: TokenTextsDep) -> Response:
     """Create a chat completion with ``n`` choices, each its own generation in the engine batch."""
     log_ignored(body, "chat.completions")
-    target = resolve_target(body.model, engine, settings)
+    target = resolve_target(body.model, engine, settings, getattr(request.app.state, "registry", None))
     check_chat(body)
     prompt = render_messages(engine.tokenizer, body.messages)
     if body.max_completion_tokens is not None:
@@ -97,12 +98,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         requested, param = body.max_tokens, "max_tokens"
     max_tokens = budget(len(prompt), requested, param, context_length(engine, settings), "messages")
     top_n = body.top_logprobs or 0
-    jobs = [Job(prompt, sampling_params(body, max_tokens, i, logprobs=bool(body.logprobs), top_logprobs=top_n))
+    # logprobs are always computed: the completion log keeps them (responses only carry them on request)
+    jobs = [Job(prompt, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=top_n))
             for i in range(body.n)]
     ticket = admission.acquire(body.n)
+    hold_version(request.app, target, ticket)
     completion_id = new_id("chatcmpl")
     stream = ChoiceStream(engine, jobs, target.adapter, completion_id)
     meta = _Meta(completion_id, now(), target, len(prompt), body.n, top_n, bool(body.logprobs), texts)
+    meta.recorder = CompletionRecorder(
+        request, completion_id=completion_id, created=meta.created, target=target, prompt_ids=prompt, n=body.n,
+        messages=[m.model_dump(mode="json", exclude_none=True) for m in body.messages], user=body.user)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _stream(stream, ticket, meta, include_usage)
@@ -138,7 +144,8 @@ async def _complete(stream: ChoiceStream, ticket: Ticket, meta: _Meta, request: 
         async for index, chunk in stream:
             texts[index].append(chunk.text)
             tokens += len(chunk.token_ids)
-            if chunk.logprobs:
+            meta.recorder.add(index, chunk)
+            if chunk.logprobs and meta.logprobs:
                 logprobs[index] += chat_logprobs(meta.texts, chunk.logprobs, meta.top_n)
             if chunk.finish_reason is not None:
                 finish[index] = chunk.finish_reason
@@ -146,6 +153,7 @@ async def _complete(stream: ChoiceStream, ticket: Ticket, meta: _Meta, request: 
         watcher.cancel()
         stream.abort()
         ticket.release()
+    await meta.recorder.save()
     choices = [Choice(index=i, message=ChatCompletionMessage(content="".join(texts[i])),
                       finish_reason=finish[i] or "stop",
                       logprobs=ChoiceLogprobs(content=logprobs[i]) if meta.logprobs else None)
@@ -181,15 +189,17 @@ async def _stream(stream: ChoiceStream, ticket: Ticket, meta: _Meta, include_usa
                         break
                     index, chunk = item
                 tokens += len(chunk.token_ids)
-                if chunk.text or chunk.logprobs:
+                meta.recorder.add(index, chunk)
+                if chunk.text or (chunk.logprobs and meta.logprobs):
                     lp = (ChoiceLogprobs(content=chat_logprobs(meta.texts, chunk.logprobs, meta.top_n))
-                          if chunk.logprobs else None)
+                          if chunk.logprobs and meta.logprobs else None)
                     yield meta.chunk([ChunkChoice(index=index, delta=ChoiceDelta(content=chunk.text), logprobs=lp)])
                 if chunk.finish_reason is not None:
                     yield meta.chunk([ChunkChoice(index=index, delta=ChoiceDelta(),
                                                   finish_reason=chunk.finish_reason)])
             if include_usage:
                 yield meta.chunk([], usage=meta.usage(tokens))
+            await meta.recorder.save()
             yield DONE
         except asyncio.CancelledError:
             raise

@@ -42,6 +42,7 @@ from livelora.gateway.api.generation import (
 )
 from livelora.gateway.api.logprobs import TokenTexts, completion_logprobs
 from livelora.gateway.api.serving import ServingTarget, Ticket, context_length, resolve_target
+from livelora.gateway.live import hold_version
 from livelora.gateway.api.sse import DONE, sse_data, sse_response
 from livelora.gateway.engines.base import Engine, GenerationChunk, TokenLogprob
 
@@ -94,7 +95,7 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
                             admission: AdmissionDep, texts: TokenTextsDep) -> Response:
     """Complete each prompt ``n`` times; each choice is its own generation in the engine batch."""
     log_ignored(body, "completions")
-    target = resolve_target(body.model, engine, settings)
+    target = resolve_target(body.model, engine, settings, getattr(request.app.state, "registry", None))
     check_completion(body)
     prompts = prompt_token_ids(body, engine.tokenizer)
     max_len = context_length(engine, settings)
@@ -106,6 +107,7 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
         jobs += [Job(ids, sampling_params(body, max_tokens, i, logprobs=want_lp, top_logprobs=top_n))
                  for i in range(body.n)]
     ticket = admission.acquire(len(jobs))
+    hold_version(request.app, target, ticket)
     state = _State(new_id("cmpl"), now(), target, body, prompts, texts, want_lp, top_n)
     if body.echo:
         await state.load_echo(engine)

@@ -36,11 +36,13 @@ class ServingTarget:
         model: the name the client passed (echoed in responses).
         adapter: engine adapter name, or ``None`` for the base model.
         version: version label of the serving weights (``"base"`` or the adapter version name).
+        endpoint: the live-loop endpoint the model name resolved to (``None`` outside the registry).
     """
 
     model: str
     adapter: str | None
     version: str
+    endpoint: str | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -52,12 +54,22 @@ class ServingTarget:
         return {VERSION_HEADER: self.version}
 
 
-def resolve_target(model: str, engine: Engine, settings: GatewaySettings) -> ServingTarget:
+def resolve_target(model: str, engine: Engine, settings: GatewaySettings, registry=None) -> ServingTarget:
     """Map a request's ``model`` to the weights that serve it.
+
+    With the live loop's :class:`~livelora.gateway.registry.AdapterRegistry`, an endpoint name resolves to
+    its current version (lease it with :func:`livelora.gateway.live.hold_version` once admitted).
 
     Raises:
         ModelNotFoundError: no base model or loaded adapter has that name (404 ``model_not_found``).
     """
+    if registry is not None:
+        try:
+            endpoint, adapter = registry.resolve(model)
+        except ModelNotFoundError:
+            pass
+        else:
+            return ServingTarget(model, adapter, adapter or BASE_VERSION, endpoint)
     if model == settings.model_id:
         return ServingTarget(model, None, BASE_VERSION)
     if model in engine.loaded_adapters():
@@ -116,7 +128,15 @@ class Ticket:
     def __init__(self, admission: Admission, sequences: int):
         self._admission = admission
         self._sequences = sequences
+        self._also: list = []
+
+    def also_release(self, fn) -> None:
+        """Call ``fn()`` when the ticket is released (e.g. an adapter-version lease)."""
+        self._also.append(fn)
 
     def release(self) -> None:
         self._admission.active -= self._sequences
         self._sequences = 0
+        also, self._also = self._also, []
+        for fn in also:
+            fn()

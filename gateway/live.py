@@ -1,0 +1,199 @@
+"""Wires the live loop into a gateway process: Redis bus, completion log, signal routes, adapter registry.
+
+:func:`start_live_loop` is called from the app's lifespan. It never blocks
+serving on Redis: if Redis is unreachable at start, inference still works
+(endpoints catch up from the store by polling), completions are not logged and
+the signal routes answer 503 with ``Retry-After`` until Redis is back.
+
+:func:`record_completion` is what the OpenAI routes call when a completion is
+done; a Redis failure there is logged, never turned into a failed response.
+
+:func:`embedded_redis` starts a throw-away ``redis-server`` for ``livelora
+serve`` when no Redis is reachable (not durable: nothing is saved to disk).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import Field
+
+from livelora.adapters.bus import (DEFAULT_IDEMPOTENCY_TTL_S, DEFAULT_RETENTION_S, Keys, connect_async,
+                                   connect_sync, ensure_group_async)
+from livelora.adapters.settings import BaseSettings
+from livelora.clients.errors import InternalError, UnavailableError
+from livelora.clients.types.signals import CompletionRecord
+from livelora.gateway.api.signals import SignalService
+from livelora.gateway.completion_log import CompletionLog
+from livelora.gateway.registry import AdapterRegistry
+
+log = logging.getLogger(__name__)
+
+
+class LiveSettings(BaseSettings):
+    """Live-loop settings of a gateway (``LIVELORA_COMPLETION_RETENTION_S``, ...)."""
+
+    completion_retention_s: int = Field(DEFAULT_RETENTION_S, gt=0,
+                                        description="Seconds completions stay rateable (default 7 days).")
+    idempotency_ttl_s: int = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0, description="Lifetime of Idempotency-Keys.")
+    resync_s: float = Field(30.0, ge=0, description="Seconds between endpoint catch-ups from the store.")
+
+
+@dataclass
+class LiveLoop:
+    """The gateway's live-loop objects (on ``app.state``: ``signals``, ``registry``, ``completion_log``)."""
+
+    keys: Keys
+    client: Any
+    completions: CompletionLog
+    signals: SignalService
+    registry: AdapterRegistry
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    async def close(self) -> None:
+        await self.registry.close()
+        await self.client.aclose()
+
+
+async def start_live_loop(app, settings, engine) -> LiveLoop:
+    """Create the live loop for ``app`` and put its parts on ``app.state``.
+
+    Args:
+        settings: the gateway settings (``redis_url``, ``redis_prefix``, ``home``, ``model_id``).
+        engine: the started engine.
+    """
+    live = LiveSettings()
+    keys = Keys(settings.redis_prefix)
+    client = connect_async(settings.redis_url)
+    completions = CompletionLog(client, keys, retention_s=live.completion_retention_s)
+    registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
+                               resync_s=live.resync_s)
+    signals = SignalService(client, keys, completions, resolve_endpoint=registry.endpoint_for,
+                            idempotency_ttl_s=live.idempotency_ttl_s)
+    try:
+        await ensure_group_async(client, keys)
+    except UnavailableError as exc:
+        log.warning("Redis at %s is unreachable (%s): serving without the completion log and signal routes "
+                    "until it is back", settings.redis_url, exc)
+    await registry.start()
+    app.state.registry, app.state.signals, app.state.completion_log = registry, signals, completions
+    return LiveLoop(keys, client, completions, signals, registry)
+
+
+async def record_completion(app, record: CompletionRecord) -> bool:
+    """Put a served completion in the completion log; returns whether it was recorded.
+
+    A gateway without the live loop, or with Redis down, serves the completion anyway (it just cannot
+    be rated later); the failure is logged.
+    """
+    completions = getattr(app.state, "completion_log", None)
+    if completions is None:
+        return False
+    try:
+        await completions.record(record)
+        return True
+    except (UnavailableError, InternalError) as exc:
+        log.warning("completion %s not logged: %s", record.id, exc)
+        return False
+
+
+def redis_reachable(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether a Redis at ``url`` answers PING."""
+    client = connect_sync(url, timeout_s=timeout_s)
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
+    finally:
+        client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def embedded_redis(timeout_s: float = 10.0) -> tuple[str, subprocess.Popen]:
+    """Start a private, non-durable ``redis-server`` on a free local port; returns ``(url, process)``.
+
+    Raises:
+        UnavailableError: no ``redis-server`` binary on PATH, or it did not answer in ``timeout_s``.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise UnavailableError("no Redis is reachable and no redis-server binary is installed; start Redis "
+                               "(e.g. `docker compose up redis`) or set LIVELORA_REDIS_URL")
+    port = _free_port()
+    workdir = tempfile.mkdtemp(prefix="livelora-redis-")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if redis_reachable(url, 0.2):
+            return url, proc
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise UnavailableError(f"embedded redis-server did not start on port {port}")
+
+
+def hold_version(app, target, ticket) -> None:
+    """Lease the version a request was resolved to until its admission ``ticket`` is released.
+
+    Call right after the ticket is acquired, with no ``await`` since :func:`resolve_target`, so the
+    resolved version is still the endpoint's current one.
+    """
+    registry = getattr(app.state, "registry", None)
+    endpoint = getattr(target, "endpoint", None)
+    if registry is not None and endpoint is not None and target.adapter is not None:
+        ticket.also_release(registry.hold(endpoint, target.adapter).release)
+
+
+class CompletionRecorder:
+    """Collects one chat request's choices as they stream and logs them as :class:`CompletionRecord` s.
+
+    With ``n == 1`` the record's id is the response id; with ``n > 1`` choice ``i`` is logged as
+    ``{id}-{i}`` (rate it under that id).
+    """
+
+    def __init__(self, request, *, completion_id: str, created: int, target, prompt_ids: list[int], n: int,
+                 messages: list[dict] | None = None, prompt: str | None = None, user: str | None = None):
+        self.app = request.app
+        self.caller = getattr(request.state, "caller", None)
+        self.id, self.created, self.target, self.n = completion_id, created, target, n
+        self.prompt_ids, self.messages, self.prompt, self.user = list(prompt_ids), messages, prompt, user
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+
+    def add(self, index: int, chunk) -> None:
+        """Add one engine chunk of choice ``index``."""
+        self.tokens[index] += chunk.token_ids
+        if chunk.logprobs:
+            self.logprobs[index] += [t.logprob for t in chunk.logprobs]
+        self.texts[index].append(chunk.text)
+        if chunk.finish_reason is not None:
+            self.finish[index] = chunk.finish_reason
+
+    async def save(self) -> None:
+        """Log every choice (errors are logged, never raised)."""
+        endpoint = getattr(self.target, "endpoint", None) or self.target.model
+        for i in range(self.n):
+            lps = self.logprobs[i] if len(self.logprobs[i]) == len(self.tokens[i]) else None
+            await record_completion(self.app, CompletionRecord(
+                id=self.id if self.n == 1 else f"{self.id}-{i}", endpoint=endpoint, model=self.target.model,
+                adapter=self.target.adapter, messages=self.messages, prompt=self.prompt,
+                prompt_token_ids=self.prompt_ids, completion_token_ids=self.tokens[i], logprobs=lps,
+                completion="".join(self.texts[i]), finish_reason=self.finish[i] or "stop", created=self.created,
+                caller=self.caller, user=self.user))
