@@ -96,8 +96,8 @@ def test_install_lease_hot_swap_drain_and_refusals(engine, versions, loop, tmp_p
         assert await running == v1_alone
         lease.release()
         lease.release()                                              # idempotent
-        for _ in range(100):
-            if f"{EP}@1" not in engine.loaded_adapters():
+        for _ in range(600):                                         # the unload runs in the background
+            if f"{EP}@1" not in engine.loaded_adapters() and f"{EP}@1" not in reg.loaded:
                 break
             await asyncio.sleep(0.05)
         assert f"{EP}@1" not in engine.loaded_adapters() and f"{EP}@1" not in reg.loaded

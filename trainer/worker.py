@@ -15,10 +15,12 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    ratings it supersedes are acknowledged at once (they are on disk and will not
    be trained).
 5. For each due batch: the backend trains one step and writes a new adapter
-   version (parent = previous); then the batch's entries are ``XACK``-ed; then
-   a ``version_published`` notice goes out on the notices channel. A crash
-   before the ack leaves the entries pending, so they are reclaimed and trained
-   again (at-least-once training, never lost).
+   version (parent = previous); the event ids go to ``trained.jsonl`` (fsync);
+   then the batch's entries are ``XACK``-ed; then a ``version_published``
+   notice goes out on the notices channel. A crash before the version is
+   written leaves the entries pending, so they are reclaimed and trained
+   (never lost); a crash between version and ack makes the redelivered entries
+   be acknowledged without training them twice (``trained.jsonl``).
 
 While entries wait in the policy's queues the worker periodically re-claims
 them for itself (``XCLAIM … JUSTID``), which resets their idle time, so a live
@@ -113,8 +115,7 @@ class TrainerWorker:
         client: blocking Redis client (``decode_responses=True``).
         keys: key layout.
         home: ``LIVELORA_HOME`` (dataset of record, endpoints).
-        backend: trains batches and writes versions; may be ``None`` for a worker that only
-            records (then nothing is ever due... it is given a policy that never fires).
+        backend: trains batches and writes versions (:class:`~livelora.trainer.online.OnlineTrainer`).
         policy: batching policy.
         consumer: consumer name in the ``trainers`` group (default ``<host>-<pid>``); reuse the
             same name after a restart to pick up this worker's own pending entries at once.
