@@ -225,3 +225,21 @@ def test_dpo_starts_at_ln2_and_kto_dpo_steps_use_base_model_reference(base_ref, 
             ref = torch.log_softmax(base(input_ids=ids).logits[0], -1).gather(-1, tgt[:, None])[:, 0]
         assert torch.allclose(o["ref_logprobs"].to_torch(), ref, atol=1e-4)
         assert not torch.allclose(o["logprobs"].to_torch(), ref, atol=1e-4)  # the adapter did change the policy
+
+
+def test_two_dimensional_cross_entropy_scores_k_targets_per_position(model, texts):
+    t = texts[0]
+    n = len(t) - 1
+    alt = [(x + 1) % model.vocab_size for x in t[1:]]
+    pairs = [v for pair in zip(t[1:], alt) for v in pair]
+    weights = [v for _ in range(n) for v in (0.75, 0.25)]
+    soft = Datum(model_input=ModelInput.from_ints(t[:-1]), loss_fn_inputs={
+        "target_tokens": TensorData(data=pairs, dtype="int64", shape=[n, 2]),
+        "weights": TensorData(data=weights, dtype="float32", shape=[n, 2])})
+    out = model.forward([soft, sft_datum(t)])
+    lp2 = out.loss_fn_outputs[0]["logprobs"].to_torch()
+    lp1 = out.loss_fn_outputs[1]["logprobs"].to_torch()
+    assert lp2.shape == (n, 2) and lp1.shape == (n,)
+    assert torch.allclose(lp2[:, 0], lp1, atol=1e-5)
+    expected = float(-(0.75 * lp2[:, 0] + 0.25 * lp2[:, 1]).sum() - lp1.sum())
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
