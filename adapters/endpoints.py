@@ -3,12 +3,22 @@
 Stored at ``LIVELORA_HOME/endpoints.json`` (atomic writes under a file lock)::
 
     {"endpoints": {"<endpoint>": {"lineage": "<lineage>", "mode": "follow" | "pinned",
-                                   "version": <n> | null}}}
+                                   "version": <n> | null, "tenant": "<tenant>" | null,
+                                   "previous": [<n> | null, ...]}}}
 
 * ``follow``: the endpoint serves the newest version of its lineage that passes
   the gateway's checks; the trainer writes new versions, the gateway moves.
-* ``pinned``: the endpoint serves ``version`` until an operator changes it;
-  feedback still trains the lineage, the gateway does not move.
+* ``pinned``: the endpoint serves ``version`` (``null``: the base model) until an
+  operator promotes another version or rolls back; feedback still trains the
+  lineage, the gateway does not move.
+* ``tenant``: the owner; ``null`` marks a public endpoint (the base model's
+  served name) that every tenant may sample and only tenant ``default`` administers.
+* ``previous``: the versions served before each promotion, newest last
+  (``rollback`` pops it); at most :data:`MAX_PREVIOUS` are kept.
+
+Every change (create, promote, rollback) is appended to ``LIVELORA_HOME/history.jsonl``
+(:class:`HistoryEntry`: who, when, endpoint, from, to, reason) under the same
+file lock as the ``endpoints.json`` write.
 
 An endpoint that is not in the file is *implicit*: a served model name whose
 lineage is the same name (when that is a valid lineage name), mode ``follow``.
@@ -21,16 +31,21 @@ The file is the source of truth; Redis notices only make gateways move sooner.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from livelora.adapters.atomic import atomic_write_json, file_lock
-from livelora.adapters.store import validate_lineage
-from livelora.clients.errors import BadRequestError
+from livelora.adapters.atomic import append_line, atomic_write_json, file_lock
+from livelora.adapters.keys import DEFAULT_TENANT, validate_endpoint_name
+from livelora.adapters.store import AdapterStore, validate_lineage
+from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
 
 ENDPOINTS_FILE = "endpoints.json"
+HISTORY_FILE = "history.jsonl"
+#: Versions kept in an endpoint's rollback stack.
+MAX_PREVIOUS = 50
 
 
 class EndpointBinding(BaseModel):
@@ -40,7 +55,40 @@ class EndpointBinding(BaseModel):
 
     lineage: str
     mode: Literal["follow", "pinned"] = "follow"
-    version: int | None = Field(default=None, ge=1, description="Pinned version (mode 'pinned').")
+    version: int | None = Field(default=None, ge=1,
+                                description="Pinned version (mode 'pinned'; null = the base model).")
+    tenant: str | None = Field(default=None, description="Owner tenant; null = public (the base model's name).")
+    previous: list[int | None] = Field(default_factory=list,
+                                       description="Versions served before each promotion, newest last.")
+    created: float | None = Field(default=None, description="Unix time the endpoint was created.")
+
+    def visible_to(self, tenant: str) -> bool:
+        """Whether ``tenant`` may use (sample, list) this endpoint: its owner, or anyone if public."""
+        return self.tenant is None or self.tenant == tenant
+
+    def administered_by(self, tenant: str) -> bool:
+        """Whether ``tenant``'s admins may change it: its owner; public endpoints belong to ``default``."""
+        return (self.tenant or DEFAULT_TENANT) == tenant
+
+
+class HistoryEntry(BaseModel):
+    """One line of ``history.jsonl``. Versions are written ``<lineage>@<n>``, ``base`` or ``follow``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+    time: float = Field(description="Unix time (seconds).")
+    who: str = Field(description="Principal that made the change (tenant/key name).")
+    tenant: str | None
+    endpoint: str
+    action: Literal["create", "promote", "rollback"]
+    from_: str | None = Field(default=None, alias="from")
+    to: str
+    reason: str = ""
+
+
+def version_label(lineage: str, version: int | None) -> str:
+    """``<lineage>@<n>``, or ``base`` for ``None``."""
+    return "base" if version is None else f"{lineage}@{version}"
 
 
 def lineage_for_name(name: str) -> str:
@@ -56,10 +104,12 @@ def lineage_for_name(name: str) -> str:
 
 
 class EndpointStore:
-    """Read and change ``endpoints.json`` under ``home``."""
+    """Read and change ``endpoints.json`` (and append ``history.jsonl``) under ``home``."""
 
     def __init__(self, home: Path | str):
-        self.path = Path(home) / ENDPOINTS_FILE
+        self.home = Path(home)
+        self.path = self.home / ENDPOINTS_FILE
+        self.history_path = self.home / HISTORY_FILE
 
     def all(self) -> dict[str, EndpointBinding]:
         """Every explicit binding (empty when the file does not exist)."""
@@ -69,22 +119,171 @@ class EndpointStore:
         return {k: EndpointBinding.model_validate(v) for k, v in raw.get("endpoints", {}).items()}
 
     def get(self, endpoint: str) -> EndpointBinding:
-        """The binding of ``endpoint``: explicit, else implicit (lineage from the name, mode follow)."""
+        """The binding of ``endpoint``: explicit, else implicit (lineage from the name, mode follow, public)."""
         found = self.all().get(endpoint)
         return found if found is not None else EndpointBinding(lineage=lineage_for_name(endpoint))
 
+    def _check(self, endpoint: str, binding: EndpointBinding) -> None:
+        validate_endpoint_name(endpoint)
+        validate_lineage(binding.lineage)
+        if binding.mode == "follow" and binding.version is not None:
+            raise BadRequestError("a follow endpoint has no pinned version", param="version")
+
     def set(self, endpoint: str, binding: EndpointBinding) -> None:
-        """Create or replace an explicit binding (atomic, locked).
+        """Create or replace an explicit binding (atomic, locked; no history line).
 
         Raises:
-            BadRequestError: empty endpoint name, invalid lineage, or ``pinned`` without a version.
+            BadRequestError: invalid endpoint or lineage name, or ``follow`` with a version.
         """
-        if not endpoint:
-            raise BadRequestError("endpoint name must be non-empty", param="endpoint")
-        validate_lineage(binding.lineage)
-        if binding.mode == "pinned" and binding.version is None:
-            raise BadRequestError("a pinned endpoint needs a version", param="version")
+        self._check(endpoint, binding)
         with file_lock(self.path.with_suffix(".lock")):
             current = {k: v.model_dump() for k, v in self.all().items()}
             current[endpoint] = binding.model_dump()
             atomic_write_json(self.path, {"endpoints": current})
+
+    # ------------------------------------------------------------------ audited changes
+
+    def served_version(self, binding: EndpointBinding, store: AdapterStore | None = None) -> int | None:
+        """The version an endpoint targets now: its pin, or (follow) the lineage's newest version."""
+        if binding.mode == "pinned":
+            return binding.version
+        versions = (store or AdapterStore(self.home)).list(binding.lineage)
+        return versions[-1].version if versions else None
+
+    def _change(self, endpoint: str, update, *, who: str, action: str, reason: str,
+                tenant: str | None) -> tuple[EndpointBinding, HistoryEntry]:
+        """Apply ``update(old_or_None) -> new`` under the lock, write, append history."""
+        validate_endpoint_name(endpoint)
+        if len(reason) > 1000 or not reason.replace("\n", " ").isprintable():
+            raise BadRequestError("reason must be at most 1000 printable characters", param="reason")
+        store = AdapterStore(self.home)
+        with file_lock(self.path.with_suffix(".lock")):
+            bindings = self.all()
+            old = bindings.get(endpoint)
+            new = update(old)
+            self._check(endpoint, new)
+            before = None if old is None else version_label(old.lineage, self.served_version(old, store))
+            if old is not None and old.mode == "follow":
+                before = f"follow:{before}"
+            after = version_label(new.lineage, new.version) if new.mode == "pinned" else "follow"
+            entry = HistoryEntry(time=time.time(), who=who, tenant=tenant, endpoint=endpoint, action=action,
+                                 from_=before, to=after, reason=reason)
+            current = {k: v.model_dump() for k, v in bindings.items()}
+            current[endpoint] = new.model_dump()
+            atomic_write_json(self.path, {"endpoints": current})
+            append_line(self.history_path, entry.model_dump_json(by_alias=True))
+        return new, entry
+
+    def create(self, endpoint: str, lineage: str, *, tenant: str, who: str, mode: str = "follow",
+               version: int | None = None, reason: str = "") -> tuple[EndpointBinding, HistoryEntry]:
+        """Create an endpoint owned by ``tenant``.
+
+        Raises:
+            BadRequestError: invalid names, or a version given with mode follow.
+            ConflictError: the endpoint exists, or the lineage is bound by another tenant's endpoint.
+            NotFoundError: a pinned version that does not exist.
+        """
+        validate_lineage(lineage)
+        if mode not in ("follow", "pinned"):
+            raise BadRequestError(f"mode must be 'follow' or 'pinned', not {mode!r}", param="mode")
+        if version is not None:
+            AdapterStore(self.home).get(lineage, version)
+        others = [k for k, b in self.all().items() if b.lineage == lineage and not b.administered_by(tenant)]
+        if others:
+            raise ConflictError(f"lineage {lineage!r} is not available; choose another lineage name",
+                                param="lineage")
+
+        def update(old):
+            if old is not None:
+                raise ConflictError(f"endpoint {endpoint!r} already exists", param="endpoint")
+            return EndpointBinding(lineage=lineage, mode=mode, version=version if mode == "pinned" else None,
+                                   tenant=tenant, created=time.time())
+        return self._change(endpoint, update, who=who, action="create", reason=reason, tenant=tenant)
+
+    def promote(self, endpoint: str, version: int | None, *, tenant: str, who: str, reason: str = "",
+                follow: bool = False) -> tuple[EndpointBinding, HistoryEntry]:
+        """Pin ``endpoint`` to ``version`` of its lineage (``None``: the base model), or with ``follow``
+        let it follow the lineage's newest version again. What it served before is pushed on its
+        rollback stack.
+
+        Raises:
+            NotFoundError: unknown endpoint (or another tenant's), or no such version.
+        """
+        binding = self._visible(endpoint, tenant)
+        if version is not None:
+            AdapterStore(self.home).get(binding.lineage, version)
+        store = AdapterStore(self.home)
+
+        def update(old):
+            old = old or binding
+            served = self.served_version(old, store)
+            stack = [*old.previous, served][-MAX_PREVIOUS:]
+            if follow:
+                return old.model_copy(update={"mode": "follow", "version": None, "previous": stack})
+            return old.model_copy(update={"mode": "pinned", "version": version, "previous": stack})
+        return self._change(endpoint, update, who=who, action="promote", reason=reason, tenant=tenant)
+
+    def rollback(self, endpoint: str, *, tenant: str, who: str, reason: str = "") -> tuple[EndpointBinding,
+                                                                                          HistoryEntry]:
+        """Pin ``endpoint`` to the version it served before its last promotion (pops the rollback stack).
+
+        Raises:
+            NotFoundError: unknown endpoint, or the previous version was deleted since.
+            ConflictError: nothing to roll back to.
+        """
+        binding = self._visible(endpoint, tenant)
+        store = AdapterStore(self.home)
+
+        def update(old):
+            old = old or binding
+            if not old.previous:
+                raise ConflictError(f"endpoint {endpoint!r} has no earlier version to roll back to",
+                                    param="endpoint")
+            target = old.previous[-1]
+            if target is not None:
+                store.get(old.lineage, target)
+            return old.model_copy(update={"mode": "pinned", "version": target, "previous": old.previous[:-1]})
+        return self._change(endpoint, update, who=who, action="rollback", reason=reason, tenant=tenant)
+
+    def _visible(self, endpoint: str, tenant: str) -> EndpointBinding:
+        """The binding of an endpoint ``tenant`` administers (explicit, or the implicit public base one).
+
+        Raises:
+            NotFoundError: unknown, or administered by another tenant.
+        """
+        validate_endpoint_name(endpoint)
+        binding = self.all().get(endpoint)
+        if binding is None or not binding.administered_by(tenant):
+            raise NotFoundError(f"endpoint {endpoint!r} does not exist", param="endpoint")
+        return binding
+
+    def history(self, endpoint: str | None = None, tenant: str | None = None) -> list[HistoryEntry]:
+        """Audit entries, oldest first; filtered by endpoint and by the tenant that administers it."""
+        if not self.history_path.is_file():
+            return []
+        out = []
+        for line in self.history_path.read_text().splitlines():
+            try:
+                entry = HistoryEntry.model_validate_json(line)
+            except ValueError:
+                continue  # a torn last line after a crash
+            if endpoint is not None and entry.endpoint != endpoint:
+                continue
+            if tenant is not None and (entry.tenant or DEFAULT_TENANT) != tenant:
+                continue
+            out.append(entry)
+        return out
+
+    def targets(self, store: AdapterStore | None = None) -> dict[str, list[str]]:
+        """``<lineage>@<n>`` → endpoints whose current target it is (pins, and follow endpoints' newest)."""
+        store = store or AdapterStore(self.home)
+        out: dict[str, list[str]] = {}
+        for name, binding in self.all().items():
+            v = self.served_version(binding, store)
+            if v is not None:
+                out.setdefault(f"{binding.lineage}@{v}", []).append(name)
+        return out
+
+    def lineage_tenants(self, lineage: str) -> set[str]:
+        """Tenants administering endpoints bound to ``lineage`` (``default`` for public ones)."""
+        return {b.tenant or DEFAULT_TENANT for b in self.all().values() if b.lineage == lineage}

@@ -114,6 +114,13 @@ class ConflictError(LiveloraError):
     category = "user"
 
 
+class PayloadTooLargeError(BadRequestError):
+    """The request body exceeds the server's size limit (HTTP 413)."""
+
+    status = 413
+    default_code = "payload_too_large"
+
+
 class RateLimitError(LiveloraError):
     """Queue full or rate limit (HTTP 429, sent with ``Retry-After``)."""
 
@@ -185,7 +192,8 @@ def error_for_status(status: int, message: str, *, param: str | None = None,
     """The SDK's mapping from an HTTP status back to an exception class."""
     cls: type[LiveloraError] = {
         400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError,
-        404: NotFoundError, 409: ConflictError, 429: RateLimitError, 503: UnavailableError,
+        404: NotFoundError, 409: ConflictError, 413: PayloadTooLargeError, 429: RateLimitError,
+        503: UnavailableError,
     }.get(status, InternalError if status >= 500 else BadRequestError)
     if code == "model_not_found":
         cls = ModelNotFoundError

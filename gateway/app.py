@@ -22,10 +22,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from livelora.gateway.api import chat, completions, health, models, signals, tinker
+from livelora.adapters.keys import KeyStore
+from livelora.gateway.api import admin, chat, completions, health, models, signals, tinker
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.api.logprobs import TokenTexts
 from livelora.gateway.api.serving import Admission
+from livelora.gateway.auth import AuthMiddleware, check_bind
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.settings import GatewaySettings
 
@@ -90,7 +92,14 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
     app = FastAPI(title="livelora", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible gateway whose LoRA adapter keeps learning while it serves.")
     app.state.settings = settings
+    app.state.keys = KeyStore(settings.home)
+    # refuses a public bind without keys (BadRequestError) unless allow_open; see livelora.gateway.auth
+    app.state.auth_open = check_bind(settings.host, app.state.keys, settings.allow_open)
+    if app.state.auth_open:
+        log.warning("no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "
+                    "role); create one with `livelora keys create`", settings.home)
     install_error_handlers(app)
-    for module in (health, models, chat, completions, tinker, signals):
+    app.add_middleware(AuthMiddleware, fastapi_app=app, max_body_bytes=settings.max_body_bytes)
+    for module in (health, models, chat, completions, tinker, signals, admin):
         app.include_router(module.router)
     return app

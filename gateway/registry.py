@@ -127,23 +127,33 @@ class AdapterRegistry:
         Raises:
             ModelNotFoundError: unknown name.
         """
-        if model in self.current:
+        if model in self.current and self.visible(model):
             return model
         if model in self.loaded:
             lineage = self.loaded[model].lineage
             for ep, b in self.bindings.items():
-                if b.lineage == lineage:
+                if b.lineage == lineage and self.visible(ep):
                     return ep
+        shown = [ep for ep in self.current if self.visible(ep)]
         raise ModelNotFoundError(f"model {model!r} does not exist; served endpoints: "
-                                 f"{', '.join(self.current) or 'none'}", param="model")
+                                 f"{', '.join(shown) or 'none'}", param="model")
+
+    def visible(self, endpoint: str) -> bool:
+        """Whether the current request's tenant may use ``endpoint`` (always, outside requests or open mode)."""
+        from livelora.gateway.auth import current_principal
+
+        principal = current_principal.get()
+        binding = self.bindings.get(endpoint)
+        return principal is None or binding is None or binding.visible_to(principal.tenant)
 
     def resolve(self, model: str) -> tuple[str, str | None]:
         """``(endpoint, adapter)`` that a request naming ``model`` gets now: an endpoint's current version,
         or a loaded version name itself. Takes no lease (see :meth:`hold`).
 
         Raises:
-            ModelNotFoundError: unknown model name.
+            ModelNotFoundError: unknown model name, or another tenant's endpoint.
         """
+        self.endpoint_for(model)  # raises for unknown and other tenants' names
         if model in self.current:
             return model, self.current[model]
         if model in self.loaded and model not in self.refused:
@@ -290,6 +300,12 @@ class AdapterRegistry:
         older ones; the base model if none)."""
         bindings = self.load_bindings()
         for endpoint, binding in bindings.items():
+            if binding.mode == "pinned" and binding.version is None:  # pinned to the base model
+                old = self.current.get(endpoint)
+                self.current[endpoint] = None
+                if old and self._retired(old):
+                    self._spawn(self._unload(old))
+                continue
             if binding.mode == "pinned":
                 try:
                     manifest = await self.install(binding.lineage, binding.version, move=False)
@@ -317,6 +333,9 @@ class AdapterRegistry:
 
     async def handle_notice(self, notice: dict) -> None:
         """React to one notice from the notices channel (unknown types and lineages are ignored)."""
+        if notice.get("type") == "endpoint_changed":  # promotion / rollback / new endpoint: re-read the store
+            await self.sync_from_store()
+            return
         if notice.get("type") != "version_published":
             return
         lineage, version = notice.get("lineage"), notice.get("version")

@@ -31,6 +31,10 @@ class GatewaySettings(BaseSettings):
     served_model_name: str | None = Field(None, description="Name clients pass as `model` for the base model "
                                                            "(default: the --model name).")
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After (seconds) sent with 429 queue-full answers.")
+    allow_open: bool = Field(False, description="Serve without API keys on a non-loopback host (unsafe: anyone "
+                                                "who reaches it can use and retrain the model).")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (bytes); "
+                                                                      "larger ones get 413.")
 
     @property
     def max_sequences(self) -> int:

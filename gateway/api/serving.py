@@ -67,14 +67,15 @@ def resolve_target(model: str, engine: Engine, settings: GatewaySettings, regist
         try:
             endpoint, adapter = registry.resolve(model)
         except ModelNotFoundError:
-            pass
+            if tenant_scoped():  # with API keys only the registry's (tenant-checked) names serve
+                raise
         else:
             return ServingTarget(model, adapter, adapter or BASE_VERSION, endpoint)
     if model == settings.model_id:
         return ServingTarget(model, None, BASE_VERSION)
     if model in engine.loaded_adapters():
         return ServingTarget(model, model, model)
-    known = ", ".join(m.id for m in list_models(engine, settings))
+    known = ", ".join(m.id for m in list_models(engine, settings, registry))
     raise ModelNotFoundError(f"model {model!r} does not exist; served models: {known}", param="model")
 
 
@@ -84,13 +85,31 @@ def context_length(engine: Engine, settings: GatewaySettings) -> int:
     return min(limit, settings.max_model_len) if settings.max_model_len else limit
 
 
-def list_models(engine: Engine, settings: GatewaySettings) -> list[Model]:
-    """The ``/v1/models`` entries: the base model, then loaded adapters (``parent`` = base)."""
+def tenant_scoped() -> bool:
+    """Whether the current request comes with an API key (key mode): names are then tenant-checked."""
+    from livelora.gateway.auth import current_principal
+
+    principal = current_principal.get()
+    return principal is not None and principal.key_id is not None
+
+
+def list_models(engine: Engine, settings: GatewaySettings, registry=None) -> list[Model]:
+    """The ``/v1/models`` entries: the base model, then the endpoints the caller may use (``owned_by`` =
+    their tenant), then (open mode only) adapters loaded in the engine under their version names."""
     created = int(getattr(engine, "created", None) or _STARTED)
     base = settings.model_id
     out = [Model(id=base, created=created, owned_by="livelora", root=base)]
-    out += [Model(id=name, created=created, owned_by="livelora", root=base, parent=base)
-            for name in engine.loaded_adapters()]
+    seen = {base}
+    if registry is not None:
+        for endpoint in registry.endpoints():
+            if endpoint in seen or not registry.visible(endpoint):
+                continue
+            seen.add(endpoint)
+            tenant = getattr(registry.bindings.get(endpoint), "tenant", None)
+            out.append(Model(id=endpoint, created=created, owned_by=tenant or "livelora", root=base, parent=base))
+    if not tenant_scoped():
+        out += [Model(id=name, created=created, owned_by="livelora", root=base, parent=base)
+                for name in engine.loaded_adapters() if name not in seen]
     return out
 
 

@@ -1,0 +1,227 @@
+"""API keys, roles and tenants, stored hashed in the store; plus the name rules for endpoints and sessions.
+
+On-disk contract: ``LIVELORA_HOME/keys.json`` (atomic writes under ``keys.lock``)::
+
+    {"keys": {"<key id>": {"id", "name", "tenant", "roles": [...], "sha256", "created", "revoked"}}}
+
+A key is ``tml-<id>-<secret>`` (the ``tml-`` prefix lets the tinker SDK accept it unchanged; ``<secret>``
+is 32 random bytes, url-safe base64). Only the sha256 of the whole key is kept, so the key itself is
+shown exactly once, when it is created. A sha256 of a 256-bit random secret needs no salt or slow
+hash: there is no dictionary to attack.
+
+Roles (closed set :data:`ROLES`): ``inference`` (OpenAI routes), ``feedback`` (signal routes),
+``train`` (Tinker session API), ``admin`` (``/admin`` routes). Roles do not imply each other.
+
+Example::
+
+    store = KeyStore(home)
+    record, key = store.create(tenant="acme", roles=["inference", "feedback"], name="web")
+    assert store.verify(key).tenant == "acme"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from livelora.adapters.atomic import atomic_write_json, file_lock
+from livelora.clients.errors import BadRequestError, NotFoundError
+
+KEYS_FILE = "keys.json"
+Role = Literal["inference", "feedback", "train", "admin"]
+ROLES: tuple[str, ...] = ("inference", "feedback", "train", "admin")
+#: Tenant of the open-mode caller and owner of objects made without a key.
+DEFAULT_TENANT = "default"
+KEY_PREFIX = "tml-"
+
+_TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+_ENDPOINT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+_SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+def validate_tenant(name: str) -> str:
+    """Return ``name`` if it is a valid tenant (``[a-z0-9][a-z0-9_-]{0,63}``).
+
+    Raises:
+        BadRequestError: anything else.
+    """
+    if not isinstance(name, str) or not _TENANT_RE.fullmatch(name):
+        raise BadRequestError(f"invalid tenant {name!r}: use 1-64 characters of a-z, 0-9, '_', '-'",
+                              param="tenant")
+    return name
+
+
+def validate_endpoint_name(name: str, param: str = "endpoint") -> str:
+    """Return ``name`` if it is a valid endpoint name: 1-128 printable ASCII characters of
+    ``A-Za-z0-9._:/-`` starting with a letter or digit, with no empty, ``.`` or ``..`` path segment
+    (so ``HuggingFaceTB/SmolLM2-135M-Instruct`` is fine and ``a/../b``, ``a//b``, control characters are not).
+
+    Raises:
+        BadRequestError: anything else.
+    """
+    if (not isinstance(name, str) or not _ENDPOINT_RE.fullmatch(name)
+            or any(seg in ("", ".", "..") for seg in name.split("/"))):
+        raise BadRequestError(f"invalid endpoint name {name!r}: use 1-128 characters of A-Z, a-z, 0-9, "
+                              "'.', '_', ':', '/', '-', starting with a letter or digit, no '..' segments",
+                              param=param)
+    return name
+
+
+def validate_session_name(name: str, param: str = "session_id") -> str:
+    """Return ``name`` if it is a valid session / model / sampler / request id (``[A-Za-z0-9][A-Za-z0-9._:-]``,
+    at most 128 characters, no ``..``).
+
+    Raises:
+        BadRequestError: anything else (path separators, control characters, too long).
+    """
+    if not isinstance(name, str) or not _SESSION_RE.fullmatch(name) or ".." in name:
+        raise BadRequestError(f"invalid id {name!r}: use 1-128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'",
+                              param=param)
+    return name
+
+
+def validate_roles(roles: list[str] | tuple[str, ...]) -> list[str]:
+    """Sorted unique roles.
+
+    Raises:
+        BadRequestError: empty, or a role outside :data:`ROLES`.
+    """
+    roles = sorted(set(roles))
+    bad = [r for r in roles if r not in ROLES]
+    if not roles or bad:
+        raise BadRequestError(f"invalid roles {bad or roles!r}: choose from {', '.join(ROLES)}", param="roles")
+    return roles
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who makes a request.
+
+    Attributes:
+        tenant: the tenant whose objects the caller sees.
+        roles: granted roles.
+        key_id: id of the API key (``None`` in open mode or for local CLI use).
+        name: human label for audit logs (key name, or ``open`` / ``local:<user>``).
+    """
+
+    tenant: str
+    roles: frozenset[str] = field(default_factory=lambda: frozenset(ROLES))
+    key_id: str | None = None
+    name: str = "open"
+
+    @property
+    def who(self) -> str:
+        """Audit-log label: ``<tenant>/<name>`` (plus the key id when there is one)."""
+        return f"{self.tenant}/{self.name}" + (f" ({self.key_id})" if self.key_id else "")
+
+
+#: The caller in open mode (no keys configured): tenant ``default``, every role.
+OPEN_PRINCIPAL = Principal(DEFAULT_TENANT, frozenset(ROLES), None, "open")
+
+
+class KeyRecord(BaseModel):
+    """One stored key (never the key itself)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: str
+    name: str = ""
+    tenant: str
+    roles: list[str]
+    sha256: str = Field(description="hex sha256 of the whole key string")
+    created: float = Field(description="Unix time (seconds).")
+    revoked: float | None = Field(default=None, description="Unix time of revocation, if revoked.")
+
+    def principal(self) -> Principal:
+        return Principal(self.tenant, frozenset(self.roles), self.id, self.name or self.id)
+
+
+def hash_key(key: str) -> str:
+    """hex sha256 of the key string."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyStore:
+    """``keys.json`` under ``home``; re-read when the file changes (so revocations reach every process).
+
+    Args:
+        home: ``LIVELORA_HOME``.
+    """
+
+    def __init__(self, home: Path | str):
+        self.path = Path(home) / KEYS_FILE
+        self._cache: tuple[float, int, dict[str, KeyRecord]] | None = None
+
+    def all(self) -> dict[str, KeyRecord]:
+        """Every record (revoked ones too), by id."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return {}
+        if self._cache is not None and self._cache[:2] == (st.st_mtime, st.st_size):
+            return self._cache[2]
+        raw = json.loads(self.path.read_text())
+        records = {k: KeyRecord.model_validate(v) for k, v in raw.get("keys", {}).items()}
+        self._cache = (st.st_mtime, st.st_size, records)
+        return records
+
+    def active(self) -> list[KeyRecord]:
+        """Keys not revoked."""
+        return [r for r in self.all().values() if r.revoked is None]
+
+    def create(self, tenant: str, roles: list[str], name: str = "") -> tuple[KeyRecord, str]:
+        """Make a key. Returns ``(record, key)``; ``key`` is not stored anywhere and cannot be shown again.
+
+        Raises:
+            BadRequestError: invalid tenant, roles or name (at most 64 printable characters).
+        """
+        validate_tenant(tenant)
+        roles = validate_roles(roles)
+        if len(name) > 64 or not name.isprintable():
+            raise BadRequestError("key name must be at most 64 printable characters", param="name")
+        key_id = secrets.token_hex(6)
+        key = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
+        record = KeyRecord(id=key_id, name=name, tenant=tenant, roles=roles, sha256=hash_key(key),
+                           created=time.time())
+        with file_lock(self.path.with_suffix(".lock")):
+            current = {k: v.model_dump() for k, v in self.all().items()}
+            current[key_id] = record.model_dump()
+            atomic_write_json(self.path, {"keys": current})
+        return record, key
+
+    def revoke(self, key_id: str, tenant: str | None = None) -> KeyRecord:
+        """Revoke a key (idempotent). With ``tenant``, only that tenant's keys are visible.
+
+        Raises:
+            NotFoundError: no such key (or another tenant's).
+        """
+        with file_lock(self.path.with_suffix(".lock")):
+            records = self.all()
+            rec = records.get(key_id)
+            if rec is None or (tenant is not None and rec.tenant != tenant):
+                raise NotFoundError(f"API key {key_id!r} does not exist", param="key_id")
+            if rec.revoked is None:
+                rec = rec.model_copy(update={"revoked": time.time()})
+                current = {k: v.model_dump() for k, v in records.items()}
+                current[key_id] = rec.model_dump()
+                atomic_write_json(self.path, {"keys": current})
+            return rec
+
+    def verify(self, key: str | None) -> Principal | None:
+        """The principal of a valid, unrevoked key; ``None`` for a missing, unknown or revoked key."""
+        if not key:
+            return None
+        digest = hash_key(key)
+        for rec in self.all().values():
+            if hmac.compare_digest(rec.sha256, digest):
+                return rec.principal() if rec.revoked is None else None
+        return None

@@ -1,0 +1,53 @@
+"""Wire types of the ``/admin`` API (endpoints, promotion, adapter versions, exports, API keys).
+
+Requests forbid unknown fields; the CLI sends exactly these bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CreateEndpointRequest(_Request):
+    """``POST /admin/endpoints``."""
+
+    name: str = Field(description="Endpoint name: what clients pass as `model`.")
+    lineage: str = Field(description="Adapter lineage the endpoint serves and trains.")
+    mode: Literal["follow", "pinned"] = Field("follow", description="follow: newest version; pinned: only "
+                                                                     "promotions move it.")
+    version: str | int | None = Field(None, description="Pinned version: `<n>`, `<lineage>@<n>` or `base`.")
+    reason: str = Field("", max_length=1000, description="Audit-log note.")
+
+
+class PromoteRequest(_Request):
+    """``POST /admin/endpoints/{name}/promote``: pin a stored version (or `base`), or follow again."""
+
+    version: str | int | None = Field(None, description="`<n>`, `<lineage>@<n>` or `base`.")
+    follow: bool = Field(False, description="Follow the lineage's newest version instead of pinning one.")
+    reason: str = Field("", max_length=1000, description="Audit-log note.")
+
+
+class RollbackRequest(_Request):
+    """``POST /admin/endpoints/{name}/rollback``."""
+
+    reason: str = Field("", max_length=1000, description="Audit-log note.")
+
+
+class ExportRequest(_Request):
+    """``POST /admin/adapters/{name}/export``."""
+
+    format: Literal["peft", "merged"] = Field("peft", description="peft: adapter directory; merged: full "
+                                                                  "Hugging Face model with the adapter merged.")
+
+
+class CreateKeyRequest(_Request):
+    """``POST /admin/keys``: a key for the caller's tenant."""
+
+    roles: list[Literal["inference", "feedback", "train", "admin"]] = Field(min_length=1)
+    name: str = Field("", max_length=64, description="Label shown in `keys list` and the audit log.")

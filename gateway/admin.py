@@ -1,0 +1,289 @@
+"""Administration of endpoints, adapter versions and API keys: one service used by the ``/admin`` routes
+(over HTTP, scoped to the caller's tenant) and by the CLI's ``--home`` mode (directly on the store).
+
+Tenancy: endpoints carry their tenant; a lineage belongs to the tenants whose endpoints bind it
+(unbound lineages and public endpoints belong to ``default``). Whatever a tenant may not see answers
+404 exactly like a missing object.
+
+Exports are deterministic (versions are immutable): ``<home>/exports/<lineage>@<n>.peft`` (a PEFT
+adapter directory: ``adapter_model.safetensors`` + ``adapter_config.json`` + ``livelora_export.json``)
+and ``<home>/exports/<lineage>@<n>.merged`` (a full Hugging Face model, :mod:`livelora.trainer.export`);
+a second export of the same version returns the existing directory.
+
+Example::
+
+    admin = AdminService(home, tenant=None)          # local: every tenant
+    admin.create_endpoint("prod", "support", mode="pinned", version=3, who="local:alice")
+    admin.promote("prod", "4", who="local:alice", reason="better win-rate")
+    admin.rollback("prod", who="local:alice", reason="regression")
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from livelora.adapters.atomic import atomic_dir
+from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, version_label
+from livelora.adapters.keys import DEFAULT_TENANT, KeyStore, validate_endpoint_name
+from livelora.adapters.store import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterStore, Manifest,
+                                     parse_version_name, validate_lineage)
+from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
+
+ExportFormat = Literal["peft", "merged"]
+EXPORTS_DIR = "exports"
+
+
+def parse_version_ref(ref: str | int | None, lineage: str) -> int | None:
+    """``"base"``/``None`` → ``None``; ``"4"``/``4`` → 4; ``"<lineage>@4"`` → 4 (the lineage must match).
+
+    Raises:
+        BadRequestError: malformed, or another lineage's version.
+    """
+    if ref is None or ref == "base":
+        return None
+    if isinstance(ref, int) and not isinstance(ref, bool):
+        if ref < 1:
+            raise BadRequestError(f"invalid version {ref!r}", param="version")
+        return ref
+    ref = str(ref)
+    if ref.isdigit():
+        return parse_version_ref(int(ref), lineage)
+    other, n = parse_version_name(ref)
+    if other != lineage:
+        raise BadRequestError(f"{ref} is a version of lineage {other!r}, but the endpoint serves {lineage!r}",
+                              param="version")
+    return n
+
+
+class AdminService:
+    """Tenant-scoped administration.
+
+    Args:
+        home: ``LIVELORA_HOME``.
+        tenant: the caller's tenant; ``None`` = every tenant (local store access).
+    """
+
+    def __init__(self, home: Path | str, tenant: str | None):
+        self.home = Path(home)
+        self.tenant = tenant
+        self.endpoints = EndpointStore(home)
+        self.store = AdapterStore(home)
+        self.keys = KeyStore(home)
+
+    # ------------------------------------------------------------------ visibility
+
+    def _admin_tenant(self, binding: EndpointBinding) -> str:
+        return binding.tenant or DEFAULT_TENANT
+
+    def _sees_endpoint(self, binding: EndpointBinding) -> bool:
+        return self.tenant is None or binding.administered_by(self.tenant)
+
+    def _sees_lineage(self, lineage: str) -> bool:
+        if self.tenant is None:
+            return True
+        owners = self.endpoints.lineage_tenants(lineage)
+        return self.tenant in owners or (not owners and self.tenant == DEFAULT_TENANT)
+
+    def _acting_tenant(self, endpoint: str) -> str:
+        """The tenant a change to ``endpoint`` is made as (local access: the endpoint's own)."""
+        if self.tenant is not None:
+            return self.tenant
+        binding = self.endpoints.all().get(validate_endpoint_name(endpoint))
+        if binding is None:
+            raise NotFoundError(f"endpoint {endpoint!r} does not exist", param="endpoint")
+        return self._admin_tenant(binding)
+
+    def manifest(self, name: str) -> Manifest:
+        """The manifest of ``<lineage>@<n>`` if this tenant may see it.
+
+        Raises:
+            BadRequestError: malformed name. NotFoundError: missing or not visible.
+        """
+        lineage, n = parse_version_name(name)
+        if not self._sees_lineage(lineage):
+            raise NotFoundError(f"adapter version {name} does not exist", param="adapter")
+        return self.store.get(lineage, n)
+
+    # ------------------------------------------------------------------ endpoints
+
+    def endpoint_info(self, name: str, binding: EndpointBinding) -> dict[str, Any]:
+        served = self.endpoints.served_version(binding, self.store)
+        return {"name": name, "lineage": binding.lineage, "mode": binding.mode,
+                "serving": version_label(binding.lineage, served), "tenant": binding.tenant,
+                "rollback_to": (version_label(binding.lineage, binding.previous[-1]) if binding.previous
+                                else None), "created": binding.created}
+
+    def list_endpoints(self) -> list[dict[str, Any]]:
+        """Explicit endpoints this tenant administers, by name."""
+        return [self.endpoint_info(k, b) for k, b in sorted(self.endpoints.all().items())
+                if self._sees_endpoint(b)]
+
+    def get_endpoint(self, name: str) -> dict[str, Any]:
+        """One endpoint. Raises: NotFoundError (missing or another tenant's)."""
+        binding = self.endpoints.all().get(validate_endpoint_name(name))
+        if binding is None or not self._sees_endpoint(binding):
+            raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
+        return self.endpoint_info(name, binding)
+
+    def create_endpoint(self, name: str, lineage: str, *, who: str, mode: str = "follow",
+                        version: str | int | None = None, tenant: str | None = None,
+                        reason: str = "") -> dict[str, Any]:
+        """Create an endpoint (owned by the caller's tenant; local access may name ``tenant``).
+
+        Raises:
+            BadRequestError, ConflictError, NotFoundError: see :meth:`EndpointStore.create`.
+        """
+        validate_lineage(lineage)
+        owner = self.tenant or tenant or DEFAULT_TENANT
+        if self.tenant is not None and tenant not in (None, self.tenant):
+            raise BadRequestError("an endpoint is created in the caller's own tenant", param="tenant")
+        n = parse_version_ref(version, lineage)
+        if mode == "follow" and n is not None:
+            raise BadRequestError("a follow endpoint serves the newest version; give a version only with "
+                                  "mode 'pinned'", param="version")
+        binding, _ = self.endpoints.create(name, lineage, tenant=owner, who=who, mode=mode, version=n,
+                                           reason=reason)
+        return self.endpoint_info(name, binding)
+
+    def promote(self, name: str, version: str | int | None, *, who: str, reason: str = "",
+                follow: bool = False) -> HistoryEntry:
+        """Pin ``name`` to a stored version (``base``: the base model), or let it follow its lineage again.
+
+        Raises:
+            NotFoundError: unknown endpoint or version. BadRequestError: malformed version.
+        """
+        tenant = self._acting_tenant(name)
+        binding = self.endpoints.all().get(name)
+        if binding is None or not binding.administered_by(tenant):
+            raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
+        n = None if follow else parse_version_ref(version, binding.lineage)
+        _, entry = self.endpoints.promote(name, n, tenant=tenant, who=who, reason=reason, follow=follow)
+        return entry
+
+    def rollback(self, name: str, *, who: str, reason: str = "") -> HistoryEntry:
+        """Back to the version served before the last promotion. Raises: NotFoundError, ConflictError."""
+        _, entry = self.endpoints.rollback(name, tenant=self._acting_tenant(name), who=who, reason=reason)
+        return entry
+
+    def history(self, name: str | None = None) -> list[HistoryEntry]:
+        """Audit entries (oldest first) of this tenant's endpoints."""
+        if name is not None:
+            validate_endpoint_name(name)
+        return self.endpoints.history(name, tenant=self.tenant)
+
+    # ------------------------------------------------------------------ adapters
+
+    def list_adapters(self, lineage: str | None = None) -> list[dict[str, Any]]:
+        """Visible versions (oldest first per lineage), each with the endpoints currently serving it."""
+        lineages = [validate_lineage(lineage)] if lineage else self.store.lineages()
+        if lineage and not self._sees_lineage(lineage):
+            raise NotFoundError(f"adapter lineage {lineage!r} does not exist", param="lineage")
+        targets = self.endpoints.targets(self.store)
+        out = []
+        for name in lineages:
+            if not self._sees_lineage(name):
+                continue
+            for m in self.store.list(name):
+                out.append({**m.model_dump(mode="json"), "serving": sorted(targets.get(m.name, []))})
+        return out
+
+    def show_adapter(self, name: str) -> dict[str, Any]:
+        """One version's manifest, files, integrity and serving endpoints. Raises: NotFoundError."""
+        m = self.manifest(name)
+        vdir = self.store.version_dir(m.lineage, m.version)
+        files = {p.name: p.stat().st_size for p in sorted(vdir.iterdir()) if p.is_file()}
+        return {**m.model_dump(mode="json"), "files": files, "verified": self.store.verify(m.lineage, m.version),
+                "serving": sorted(self.endpoints.targets(self.store).get(m.name, []))}
+
+    def delete_adapter(self, name: str) -> None:
+        """Delete a version unless an endpoint targets it.
+
+        Raises:
+            NotFoundError: missing or not visible. ConflictError: an endpoint serves it (409).
+        """
+        m = self.manifest(name)
+        serving = self.endpoints.targets(self.store).get(m.name, [])
+        if serving:
+            raise ConflictError(f"{m.name} is the current target of endpoint(s) {', '.join(sorted(serving))}; "
+                                "promote another version there first", param="adapter", code="version_in_use")
+        self.store.delete(m.lineage, m.version)
+
+    def export(self, name: str, fmt: ExportFormat = "peft", out: Path | str | None = None) -> Path:
+        """Export a version as a PEFT adapter directory or a merged full model.
+
+        Args:
+            out: destination (must not exist); ``None`` = ``<home>/exports/<name>.<fmt>`` (reused if there).
+
+        Returns:
+            The directory written.
+
+        Raises:
+            NotFoundError: missing or not visible. BadRequestError: unknown format, bad weights.
+            ConflictError: ``out`` exists.
+        """
+        if fmt not in ("peft", "merged"):
+            raise BadRequestError(f"export format must be 'peft' or 'merged', not {fmt!r}", param="format")
+        m = self.manifest(name)
+        if out is None:
+            dest = self.export_dir(name, fmt)
+            if dest.is_dir():
+                return dest
+        else:
+            dest = Path(out)
+            if dest.exists():
+                raise ConflictError(f"export destination {dest} already exists", param="out")
+        if fmt == "merged":
+            from livelora.adapters.models import resolve_base_model
+            from livelora.trainer.export import export_merged
+
+            return export_merged(self.store, m.lineage, m.version, resolve_base_model(m.base_model, self.home), dest)
+        if not self.store.verify(m.lineage, m.version):
+            raise BadRequestError(f"{m.name}: weights file does not match its sha256", param="adapter")
+        vdir = self.store.version_dir(m.lineage, m.version)
+        with atomic_dir(dest) as tmp:
+            for f in (WEIGHTS_FILE, CONFIG_FILE):
+                shutil.copy2(vdir / f, tmp / f)
+            shutil.copy2(vdir / MANIFEST_FILE, tmp / "livelora_manifest.json")
+            (tmp / "livelora_export.json").write_text(json.dumps(
+                {"adapter": m.name, "adapter_sha256": m.sha256, "base_model": m.base_model,
+                 "created": time.time(), "format": "peft"}, indent=2))
+        return dest
+
+    def export_dir(self, name: str, fmt: str) -> Path:
+        """``<home>/exports/<lineage>@<n>.<fmt>`` (validated name)."""
+        lineage, n = parse_version_name(name)
+        if fmt not in ("peft", "merged"):
+            raise BadRequestError(f"export format must be 'peft' or 'merged', not {fmt!r}", param="format")
+        return self.home / EXPORTS_DIR / f"{lineage}@{n}.{fmt}"
+
+    # ------------------------------------------------------------------ keys
+
+    def create_key(self, roles: list[str], *, tenant: str | None = None, name: str = "") -> tuple[dict, str]:
+        """A new key for the caller's tenant (local access: any ``tenant``). Returns ``(record, key)``."""
+        if self.tenant is not None and tenant not in (None, self.tenant):
+            raise BadRequestError("keys are created in the caller's own tenant", param="tenant")
+        record, key = self.keys.create(self.tenant or tenant or DEFAULT_TENANT, roles, name)
+        return _key_info(record), key
+
+    def list_keys(self) -> list[dict]:
+        """The tenant's keys (hash never shown)."""
+        return [_key_info(r) for r in sorted(self.keys.all().values(), key=lambda r: r.created)
+                if self.tenant is None or r.tenant == self.tenant]
+
+    def revoke_key(self, key_id: str) -> dict:
+        """Revoke a key. Raises: NotFoundError (missing or another tenant's)."""
+        return _key_info(self.keys.revoke(key_id, tenant=self.tenant))
+
+
+def _key_info(record) -> dict:
+    return {"id": record.id, "name": record.name, "tenant": record.tenant, "roles": list(record.roles),
+            "created": record.created, "revoked": record.revoked}
+
+
+def endpoint_notice(endpoint: str) -> str:
+    """The notice (JSON) that makes every gateway re-read endpoint bindings now."""
+    return json.dumps({"type": "endpoint_changed", "endpoint": endpoint, "time": time.time()})

@@ -1,0 +1,311 @@
+"""Who may call what: API keys → principal (tenant + roles), the route policy, body-size limits.
+
+:class:`AuthMiddleware` (pure ASGI, installed by ``create_app``) runs before every route:
+
+1. **Body size.** A request whose ``Content-Length`` exceeds ``max_body_bytes``, or whose streamed body
+   grows past it, gets 413 in the OpenAI envelope (:class:`~livelora.clients.errors.PayloadTooLargeError`).
+2. **Key.** ``Authorization: Bearer <key>`` (OpenAI SDKs) or ``X-API-Key: <key>`` (tinker SDK,
+   tinker_protocol.md §2.1). In open mode (no key configured when the gateway started, see
+   :func:`check_bind`) every caller is :data:`~livelora.adapters.keys.OPEN_PRINCIPAL`; once any key exists
+   the gateway switches to key mode for good (it never falls back to open). Missing, unknown or revoked
+   key → 401.
+3. **Role.** :func:`required_role` maps each route to one role by path (the :data:`POLICY` table,
+   first match wins); a route not in the table needs ``admin``, so a new route can never be public
+   by accident. Lacking the role → 403.
+4. **Tenant.** The principal is put on ``request.state.principal`` and in :data:`current_principal`
+   (read by the registry to hide other tenants' endpoints); in key mode ``request.state.caller`` is
+   the tenant, which the completion log and the signal routes use to keep completions per tenant.
+5. **Training sessions.** Ids in Tinker requests (session, model, sampler and request ids all start
+   with ``<session_id>:``) are checked against the session's owner (Redis ``owner:session:<id>``,
+   written when ``create_session`` answers): another tenant's ids get 404.
+
+Errors answer in the OpenAI envelope through the app's one handler (:func:`error_response`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import re
+from contextvars import ContextVar
+from typing import Any
+
+from livelora.adapters.keys import OPEN_PRINCIPAL, KeyStore, Principal, validate_session_name
+from livelora.clients.errors import (AuthenticationError, BadRequestError, LiveloraError, NotFoundError,
+                                     PayloadTooLargeError, PermissionDeniedError)
+
+log = logging.getLogger(__name__)
+
+#: The principal of the request being handled (``None`` outside requests: no tenant filtering).
+current_principal: ContextVar[Principal | None] = ContextVar("livelora_principal", default=None)
+
+PUBLIC = "public"
+#: (method or "*", path regex) → role; first match wins; anything unmatched needs ``admin``.
+POLICY: list[tuple[str, re.Pattern[str], str]] = [
+    ("GET", re.compile(r"/health"), PUBLIC),
+    ("GET", re.compile(r"/api/v1/healthz"), PUBLIC),
+    ("GET", re.compile(r"/(docs|redoc|openapi\.json|docs/oauth2-redirect)"), PUBLIC),
+    ("*", re.compile(r"/v1/(chat/completions|completions|models(/.*)?)"), "inference"),
+    ("*", re.compile(r"/v1/(feedback|preferences|demonstrations)"), "feedback"),
+    ("*", re.compile(r"/api/v1/.*"), "train"),
+    ("*", re.compile(r"/admin(/.*)?"), "admin"),
+]
+
+#: Body fields of Tinker requests that carry ids starting with ``<session_id>:``.
+_SESSION_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id", "sampler_id")
+_TINKER_PATH = re.compile(r"tinker://([^/]+)")
+
+
+def required_role(method: str, path: str) -> str:
+    """The role a request needs (``"public"`` for none); unmatched paths need ``admin``."""
+    method = "GET" if method == "HEAD" else method
+    for m, pattern, role in POLICY:
+        if (m == "*" or m == method) and pattern.fullmatch(path):
+            return role
+    return "admin"
+
+
+def app_routes(app) -> list[tuple[str, str]]:
+    """Every ``(method, path template)`` the app serves, including routes of included routers (which
+    FastAPI keeps as lazily resolved entries)."""
+    out = []
+    stack = list(app.routes)
+    while stack:
+        route = stack.pop(0)
+        if hasattr(route, "effective_candidates"):
+            stack[:0] = list(route.effective_candidates())
+            continue
+        for method in sorted(getattr(route, "methods", None) or ()):
+            out.append((method, route.path))
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` binds only to the loopback interface (``localhost``, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, keys: KeyStore, allow_open: bool) -> bool:
+    """Decide the auth mode at start-up. Returns ``True`` for open mode (no keys).
+
+    Raises:
+        BadRequestError: no active key, a non-loopback ``host`` and not ``allow_open``.
+    """
+    if keys.active():
+        return False
+    if not is_loopback(host) and not allow_open:
+        raise BadRequestError(
+            f"refusing to serve on {host} without API keys: anyone who can reach it could use and retrain "
+            "the model. Create a key first (`livelora keys create --tenant default --roles "
+            "inference,feedback,train,admin --home <store>`), bind to 127.0.0.1, or pass --allow-open "
+            "(LIVELORA_ALLOW_OPEN=1) to run open on purpose.", param="host")
+    return True
+
+
+def bearer_key(headers: dict[str, str]) -> str | None:
+    """The key from ``Authorization: Bearer`` or ``X-API-Key`` (``None`` if neither)."""
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip() or None
+    return headers.get("x-api-key") or None
+
+
+def session_ids(data: Any) -> set[str]:
+    """Session ids named by a Tinker request body (ids ``<session>:...`` and ``tinker://<model>/...`` paths).
+
+    Raises:
+        BadRequestError: an id field that is not a valid id (path separators, control characters, too long).
+    """
+    out: set[str] = set()
+    if not isinstance(data, dict):
+        return out
+    for key in _SESSION_FIELDS:
+        value = data.get(key)
+        if isinstance(value, str) and value:
+            validate_session_name(value, param=key)
+            out.add(value.split(":", 1)[0])
+    for key in ("model_path", "path"):
+        value = data.get(key)
+        if isinstance(value, str):
+            m = _TINKER_PATH.match(value)
+            if m:
+                out.add(m.group(1).split(":", 1)[0])
+    return out
+
+
+class AuthMiddleware:
+    """ASGI middleware doing the five steps of the module docstring.
+
+    Args:
+        app: the inner ASGI app.
+        fastapi_app: the FastAPI app (its ``state`` holds ``keys``, ``auth_open``, ``redis`` parts).
+        max_body_bytes: request-body limit (bytes).
+    """
+
+    def __init__(self, app, fastapi_app, max_body_bytes: int):
+        self.app = app
+        self.fastapi_app = fastapi_app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            principal = self.authenticate(scope)
+        except LiveloraError as err:
+            return await _send_error(scope, send, err)
+        state = scope.setdefault("state", {})
+        state["principal"] = principal
+        if principal is not None and not getattr(self.fastapi_app.state, "auth_open", True):
+            state["caller"] = principal.tenant
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _send_error(scope, send, _too_large(self.max_body_bytes))
+        path = scope.get("path", "")
+        tinker = path.startswith("/api/v1/") and principal is not None
+        body = b""
+        if tinker or scope.get("method") in ("POST", "PUT", "PATCH"):
+            # read (and bound) the body here so a Tinker request can be checked for its session's owner
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > self.max_body_bytes:
+                    return await _send_error(scope, send, _too_large(self.max_body_bytes))
+            if tinker:
+                try:
+                    await self.check_sessions(path, body, principal)
+                except LiveloraError as err:
+                    return await _send_error(scope, send, err)
+            receive = _replay(body, receive)
+        if tinker and path == "/api/v1/create_session":
+            send = self._record_owner(send, principal)
+        token = current_principal.set(principal)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            current_principal.reset(token)
+
+    # -------------------------------------------------------------------------------- steps
+
+    def authenticate(self, scope) -> Principal | None:
+        """The request's principal (``None`` for public routes without a key).
+
+        Raises:
+            AuthenticationError: missing, unknown or revoked key (401).
+            PermissionDeniedError: the key lacks the route's role (403).
+        """
+        state = self.fastapi_app.state
+        keys: KeyStore = state.keys
+        if getattr(state, "auth_open", False) and keys.active():
+            state.auth_open = False  # a key was created: key mode from now on, never back
+            log.warning("API keys exist now: the gateway requires keys from here on")
+        role = required_role(scope.get("method", "GET"), scope.get("path", ""))
+        if getattr(state, "auth_open", False):
+            return OPEN_PRINCIPAL
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        key = bearer_key(headers)
+        principal = keys.verify(key)
+        if role == PUBLIC:
+            return principal
+        if principal is None:
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'" if not key
+                                      else "invalid or revoked API key")
+        if role not in principal.roles:
+            raise PermissionDeniedError(f"this key (tenant {principal.tenant!r}, roles "
+                                        f"{', '.join(sorted(principal.roles))}) lacks the {role!r} role needed "
+                                        f"for {scope.get('method')} {scope.get('path')}")
+        return principal
+
+    def _owner_key(self, session_id: str) -> str:
+        return f"{self.fastapi_app.state.settings.redis_prefix}owner:session:{session_id}"
+
+    async def _redis(self):
+        service = getattr(self.fastapi_app.state, "sessions", None)
+        return getattr(service, "redis", None)
+
+    async def check_sessions(self, path: str, body: bytes, principal: Principal) -> None:
+        """404 when the request names a session owned by another tenant.
+
+        Raises:
+            NotFoundError: another tenant's session, model, sampler or request id.
+            BadRequestError: a malformed id.
+        """
+        try:
+            data = json.loads(body) if body.strip() else {}
+        except ValueError:
+            return  # the route answers 400 for bad JSON
+        ids = session_ids(data)
+        parts = path.split("/")[3:]  # /api/v1/<route>/<id>/...
+        if len(parts) > 1 and parts[0] == "sessions":
+            ids.add(parts[1])
+        for part in parts:
+            if ":" in part:
+                ids.add(part.split(":", 1)[0])
+        redis = await self._redis()
+        if not ids or redis is None:
+            return
+        for sid in ids:
+            owner = await redis.get(self._owner_key(sid))
+            if owner is not None and (owner.decode() if isinstance(owner, bytes) else owner) != principal.tenant:
+                raise NotFoundError(f"{sid!r} does not exist", param="session_id")
+
+    def _record_owner(self, send, principal: Principal):
+        chunks: list[bytes] = []
+        status = {"code": 0}
+
+        async def wrapped(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            elif message["type"] == "http.response.body" and status["code"] == 200:
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    try:
+                        sid = json.loads(b"".join(chunks)).get("session_id")
+                        redis = await self._redis()
+                        if sid and redis is not None:
+                            ttl = 30 * 24 * 3600
+                            await redis.set(self._owner_key(sid), principal.tenant, ex=ttl)
+                    except Exception as exc:  # the session works; only its owner record is missing
+                        log.warning("could not record the owner of a new session: %s", exc)
+            await send(message)
+        return wrapped
+
+
+def _too_large(limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"request body is larger than the limit of {limit} bytes "
+                                "(LIVELORA_MAX_BODY_BYTES)")
+
+
+def _replay(body: bytes, receive):
+    sent = {"done": False}
+
+    async def replay():
+        if not sent["done"]:
+            sent["done"] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+async def _send_error(scope, send, err: LiveloraError) -> None:
+    from livelora.gateway.api.errors import error_response
+
+    response = error_response(err)
+    if isinstance(err, AuthenticationError):
+        response.headers["WWW-Authenticate"] = 'Bearer realm="livelora"'
+    await response(scope, _noop_receive, send)
+
+
+async def _noop_receive():
+    return {"type": "http.disconnect"}
