@@ -63,21 +63,22 @@ def _env(service) -> dict[str, str]:
 
 
 def _settings_classes():
-    """Every pydantic-settings class of livelora (subclasses of the shared BaseSettings, recursively)."""
+    """Every pydantic-settings class defined in livelora (``livelora.*`` modules), recursively."""
     import importlib
 
     for mod in ("livelora.gateway.settings", "livelora.trainer.settings", "livelora.gateway.engines.vllm_engine",
-                "livelora.trainer.sessions"):
+                "livelora.trainer.sessions", "livelora.gateway.live"):
         try:
             importlib.import_module(mod)
         except ImportError:
             pass
-    from livelora.adapters.settings import BaseSettings
+    from pydantic_settings import BaseSettings
 
-    found, todo = [], [BaseSettings]
+    found, todo = [], list(BaseSettings.__subclasses__())
     while todo:
         cls = todo.pop()
-        found.append(cls)
+        if cls.__module__.startswith("livelora."):
+            found.append(cls)
         todo.extend(cls.__subclasses__())
     return found
 

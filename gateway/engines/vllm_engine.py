@@ -75,6 +75,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field
+from pydantic_settings import BaseSettings as PydanticBaseSettings
+from pydantic_settings import SettingsConfigDict
 
 from livelora.adapters.settings import BaseSettings
 from livelora.clients.errors import (BadRequestError, ConflictError, ContextLengthExceededError, InternalError,
@@ -92,7 +94,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _UNSUPPORTED_ADAPTER_FIELDS = {"use_dora": "DoRA", "lora_bias": "lora_bias", "layer_replication": "layer_replication"}
 
 
-class VLLMSettings(BaseSettings):
+class VLLMSettings(PydanticBaseSettings):
     """vLLM-only knobs (``LIVELORA_VLLM_`` environment prefix); constructor arguments override them.
 
     Environment: ``LIVELORA_VLLM_GPU_MEMORY_UTILIZATION``, ``LIVELORA_VLLM_TENSOR_PARALLEL_SIZE``,
@@ -100,7 +102,7 @@ class VLLMSettings(BaseSettings):
     ``LIVELORA_VLLM_ENABLE_PREFIX_CACHING``, ``LIVELORA_VLLM_SNAPSHOT_DIR``.
     """
 
-    model_config = BaseSettings.model_config | {"env_prefix": "LIVELORA_VLLM_"}
+    model_config = SettingsConfigDict(env_prefix="LIVELORA_VLLM_", extra="ignore")
 
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may use "
                                                                        "(weights + KV cache).")
