@@ -270,12 +270,19 @@ class VLLMEngine(Engine):
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         kwargs.update(self._engine_args)
-        args = AsyncEngineArgs(**kwargs)
         log.info("starting vLLM %s on %s (%s, max_model_len %d, max_loras %d)", vllm.__version__,
                  "cpu" if self.on_cpu else "cuda", self.dtype, self.max_model_len, self.max_loras)
-        # Built on the event loop itself: AsyncLLM binds its ZMQ sockets and output handler to
-        # the running loop. The constructor blocks while the engine process starts.
-        self._llm = AsyncLLM.from_engine_args(args)
+        try:
+            args = AsyncEngineArgs(**kwargs)
+            # Built on the event loop itself: AsyncLLM binds its ZMQ sockets and output handler to
+            # the running loop. The constructor blocks while the engine process starts.
+            self._llm = AsyncLLM.from_engine_args(args)
+        except BaseException as exc:
+            shutil.rmtree(self._snapshots, ignore_errors=True)
+            self._snapshots = None
+            if isinstance(exc, (TypeError, ValueError)):
+                raise BadRequestError(f"vLLM rejected the engine settings: {exc}", param="engine") from exc
+            raise
         self._tokenizer = tokenizer
         self.vllm_version = vllm.__version__
 
