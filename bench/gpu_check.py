@@ -267,6 +267,18 @@ async def main(args) -> int:
     return 0 if all(ok for _, ok, _ in results) else 1
 
 
+async def run_check(args) -> int:
+    """:func:`main`, then remove the adapters it wrote (``livelora-gpu-check-*`` in the temp dir)."""
+    import shutil
+
+    before = set(Path(tempfile.gettempdir()).glob("livelora-gpu-check-*"))
+    try:
+        return await main(args)
+    finally:
+        for d in set(Path(tempfile.gettempdir()).glob("livelora-gpu-check-*")) - before:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 if __name__ == "__main__":  # vLLM spawns its engine process: the engine must be created under this guard
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -280,4 +292,4 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the engine must be
                         help="mean |Δ| streamed vs teacher-forced logprobs, same engine and adapter (nats)")
     parser.add_argument("--tol-mean", type=float, default=0.05, help="vLLM vs transformers, mean |Δ| (nats)")
     parser.add_argument("--tol-max", type=float, default=0.5, help="vLLM vs transformers, max |Δ| (nats)")
-    sys.exit(asyncio.run(main(parser.parse_args())))
+    sys.exit(asyncio.run(run_check(parser.parse_args())))
