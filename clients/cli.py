@@ -40,12 +40,14 @@ _Batch = Annotated[int | None, typer.Option(help="Sequences decoded together (de
 _Served = Annotated[str | None, typer.Option(help="Name clients pass as `model` (default: --model).")]
 _RedisUrl = Annotated[str | None, typer.Option(help="Redis URL of the bus (default redis://127.0.0.1:6379/0).")]
 _LogLevel = Annotated[str, typer.Option(help="uvicorn log level.")]
+_AllowOpen = Annotated[bool, typer.Option("--allow-open", help="Serve without API keys on a non-loopback "
+                                          "--host (unsafe; LIVELORA_ALLOW_OPEN).")]
 
 
 @app.command()
 def serve(model: _Model = None, host: _Host = None, port: _Port = None, home: _Home = None, engine: _Engine = None,
           device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
-          redis_url: _RedisUrl = None, log_level: _LogLevel = "info") -> None:
+          redis_url: _RedisUrl = None, log_level: _LogLevel = "info", allow_open: _AllowOpen = False) -> None:
     """Run the whole live loop in one process: the OpenAI-compatible gateway plus a trainer worker that
     learns from /v1/feedback, /v1/preferences and /v1/demonstrations. Without a reachable Redis it starts
     a private redis-server (not durable: queued signals are lost when it stops)."""
@@ -54,8 +56,8 @@ def serve(model: _Model = None, host: _Host = None, port: _Port = None, home: _H
 
 @app.command()
 def gateway(model: _Model = None, host: _Host = None, port: _Port = None, home: _Home = None, engine: _Engine = None,
-            device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
-            redis_url: _RedisUrl = None, log_level: _LogLevel = "info") -> None:
+          device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
+          redis_url: _RedisUrl = None, log_level: _LogLevel = "info", allow_open: _AllowOpen = False) -> None:
     """Start only the gateway (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, signal routes);
     run ``livelora trainer`` beside it on the same Redis and store."""
     _run_gateway(locals(), whole_loop=False)
@@ -106,6 +108,8 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     from livelora.gateway.settings import GatewaySettings
 
     log_level = options.pop("log_level")
+    if not options.get("allow_open"):
+        options.pop("allow_open", None)  # False: leave LIVELORA_ALLOW_OPEN in charge
     if options.get("home") is not None:
         os.environ["LIVELORA_HOME"] = str(options["home"])
     try:
@@ -135,7 +139,11 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         console.print(f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.engine} engine "
                       f"on [green]{base_url}[/] (store: {settings.home}"
                       f"{', trainer in-process' if whole_loop else ''})")
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+        gateway_app = create_app(settings)  # refuses a public bind without keys (unless --allow-open)
+        if gateway_app.state.auth_open:
+            console.print("[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
+                          "role). Create keys with `livelora keys create --home <store>`.")
+        uvicorn.run(gateway_app, host=settings.host, port=settings.port, log_level=log_level)
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
@@ -146,6 +154,11 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
+
+
+from livelora.clients.cli_admin import register as _register_admin  # noqa: E402  (endpoints/adapters/keys)
+
+_register_admin(app)
 
 
 def main() -> None:

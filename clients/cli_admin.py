@@ -1,0 +1,378 @@
+"""Admin sub-commands of ``livelora``: ``endpoints``, ``adapters`` and ``keys``.
+
+Two ways to reach the data, chosen per command:
+
+* **HTTP (default)**: the command calls the running gateway's ``/admin`` API at ``--url``
+  (``LIVELORA_URL``, default ``http://127.0.0.1:8000``) with ``--api-key`` (``LIVELORA_API_KEY``; a key
+  with the ``admin`` role; none needed when the server runs open). Changes take effect on every gateway
+  before the command returns (this one) or within a notice (the others).
+* **Store (``--home DIR``)**: the command works on the store directly, with no server, acting for every
+  tenant (whoever can write the store owns it anyway). This is how the first key is made
+  (``livelora keys create --home ...``). Endpoint changes also publish a notice on Redis
+  (``LIVELORA_REDIS_URL``) when it is reachable, so running gateways move at once; otherwise they catch
+  up at their next resync.
+
+Example::
+
+    livelora keys create --home /data/livelora --tenant default --roles inference,feedback,train,admin
+    export LIVELORA_API_KEY=tml-...
+    livelora endpoints create prod --lineage support --mode pinned --version 3
+    livelora endpoints promote prod 4 --reason "win-rate +6 %"
+    livelora endpoints rollback prod --reason "regression on refunds"
+    livelora endpoints history prod
+    livelora adapters export support@4 --format merged --out ./support-4
+"""
+
+from __future__ import annotations
+
+import getpass
+import io
+import tarfile
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+out = Console()
+err = Console(stderr=True)
+
+endpoints_app = typer.Typer(help="Named serving targets: list, create, promote, roll back, audit history.",
+                            no_args_is_help=True)
+adapters_app = typer.Typer(help="Stored adapter versions: list, show, export, delete.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys (stored hashed; each has a tenant and roles).", no_args_is_help=True)
+
+_Url = Annotated[str, typer.Option(envvar="LIVELORA_URL", help="Gateway base URL (HTTP mode).")]
+_Key = Annotated[str | None, typer.Option(envvar="LIVELORA_API_KEY", help="Admin API key (HTTP mode).")]
+_HomeOpt = Annotated[Path | None, typer.Option(help="Work on this store directly (no server needed).")]
+_Reason = Annotated[str, typer.Option(help="Why: written to the audit log.")]
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class Backend:
+    """The admin operations, over HTTP or on the store; every method returns JSON-like data."""
+
+    def __init__(self, url: str, api_key: str | None, home: Path | None):
+        self.url, self.api_key, self.home = url.rstrip("/"), api_key, home
+        if home is not None:
+            from livelora.gateway.admin import AdminService
+
+            self.local = AdminService(home, tenant=None)
+            self.who = f"local:{getpass.getuser()}"
+
+    # -------------------------------------------------------------- plumbing
+    def http(self, method: str, path: str, **kw) -> Any:
+        import httpx
+
+        from livelora.clients.errors import error_for_status
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            r = httpx.request(method, self.url + path, headers=headers, timeout=600, **kw)
+        except httpx.HTTPError as exc:
+            raise typer.BadParameter(f"cannot reach {self.url}: {exc} (start `livelora serve`, or pass --home "
+                                     "to work on the store directly)") from None
+        if r.status_code >= 400:
+            try:
+                e = r.json()["error"]
+            except Exception:
+                e = {"message": r.text[:300]}
+            raise error_for_status(r.status_code, e.get("message", ""), param=e.get("param"), code=e.get("code"))
+        return r.json() if r.headers.get("content-type", "").startswith("application/json") else r
+
+    def notify(self, endpoint: str) -> None:
+        """Tell running gateways (local mode) that ``endpoint`` changed; silent if Redis is unreachable."""
+        from livelora.adapters.bus import Keys, connect_sync
+        from livelora.adapters.settings import BaseSettings
+        from livelora.gateway.admin import endpoint_notice
+
+        settings = BaseSettings()
+        try:
+            client = connect_sync(settings.redis_url, timeout_s=1.0)
+            client.publish(Keys(settings.redis_prefix).notices, endpoint_notice(endpoint))
+            client.close()
+        except Exception:
+            err.print("[yellow]note[/]: Redis unreachable; running gateways pick the change up at their next "
+                      "resync from the store")
+
+    # -------------------------------------------------------------- endpoints
+    def list_endpoints(self) -> list[dict]:
+        return self.local.list_endpoints() if self.home else self.http("GET", "/admin/endpoints")["data"]
+
+    def create_endpoint(self, **body) -> dict:
+        if self.home:
+            info = self.local.create_endpoint(body.pop("name"), body.pop("lineage"), who=self.who, **body)
+            self.notify(info["name"])
+            return info
+        return self.http("POST", "/admin/endpoints", json=body)
+
+    def promote(self, name: str, version: str | None, follow: bool, reason: str) -> dict:
+        if self.home:
+            entry = self.local.promote(name, version, who=self.who, reason=reason, follow=follow)
+            self.notify(name)
+            return entry.model_dump(mode="json", by_alias=True)
+        return self.http("POST", f"/admin/endpoints/{name}/promote",
+                         json={"version": version, "follow": follow, "reason": reason})["history"]
+
+    def rollback(self, name: str, reason: str) -> dict:
+        if self.home:
+            entry = self.local.rollback(name, who=self.who, reason=reason)
+            self.notify(name)
+            return entry.model_dump(mode="json", by_alias=True)
+        return self.http("POST", f"/admin/endpoints/{name}/rollback", json={"reason": reason})["history"]
+
+    def history(self, name: str | None) -> list[dict]:
+        if self.home:
+            return [e.model_dump(mode="json", by_alias=True) for e in self.local.history(name)]
+        return self.http("GET", f"/admin/endpoints/{name}/history" if name else "/admin/history")["data"]
+
+    # -------------------------------------------------------------- adapters
+    def list_adapters(self, lineage: str | None) -> list[dict]:
+        if self.home:
+            return self.local.list_adapters(lineage)
+        return self.http("GET", "/admin/adapters", params={"lineage": lineage} if lineage else None)["data"]
+
+    def show_adapter(self, name: str) -> dict:
+        return self.local.show_adapter(name) if self.home else self.http("GET", f"/admin/adapters/{name}")
+
+    def delete_adapter(self, name: str) -> None:
+        if self.home:
+            self.local.delete_adapter(name)
+        else:
+            self.http("DELETE", f"/admin/adapters/{name}")
+
+    def export(self, name: str, fmt: str, dest: Path) -> Path:
+        if dest.exists():
+            raise typer.BadParameter(f"{dest} already exists")
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), console=err) as progress:
+            task = progress.add_task(f"exporting {name} ({fmt})", total=None)
+            if self.home:
+                path = self.local.export(name, fmt, dest)
+                progress.update(task, total=1, completed=1)
+                return path
+            self.http("POST", f"/admin/adapters/{name}/export", json={"format": fmt})
+            progress.update(task, description=f"downloading {name} ({fmt})")
+            import httpx
+
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            buf = io.BytesIO()
+            with httpx.stream("GET", f"{self.url}/admin/exports/{name}/{fmt}", headers=headers,
+                              timeout=600) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    self._raise(r)
+                progress.update(task, total=int(r.headers.get("content-length") or 0) or None)
+                for chunk in r.iter_bytes():
+                    buf.write(chunk)
+                    progress.update(task, advance=len(chunk))
+            buf.seek(0)
+            tmp = dest.with_name(f".{dest.name}.partial")
+            with tarfile.open(fileobj=buf, mode="r") as tar:
+                tar.extractall(tmp, filter="data")  # 'data' filter: no absolute paths, links or '..'
+            tmp.rename(dest)
+            return dest
+
+    def _raise(self, r) -> None:
+        from livelora.clients.errors import error_for_status
+
+        e = r.json().get("error", {})
+        raise error_for_status(r.status_code, e.get("message", ""), param=e.get("param"), code=e.get("code"))
+
+    # -------------------------------------------------------------- keys
+    def create_key(self, roles: list[str], tenant: str | None, name: str) -> dict:
+        if self.home:
+            info, key = self.local.create_key(roles, tenant=tenant, name=name)
+            return {**info, "key": key}
+        if tenant is not None:
+            raise typer.BadParameter("--tenant works with --home only; over HTTP a key is made in the "
+                                     "admin key's own tenant")
+        return self.http("POST", "/admin/keys", json={"roles": roles, "name": name})
+
+    def list_keys(self) -> list[dict]:
+        return self.local.list_keys() if self.home else self.http("GET", "/admin/keys")["data"]
+
+    def revoke_key(self, key_id: str) -> dict:
+        return self.local.revoke_key(key_id) if self.home else self.http("DELETE", f"/admin/keys/{key_id}")
+
+
+def _run(fn):
+    """Call ``fn()``; livelora errors become one red line and exit code 1."""
+    from livelora.clients.errors import LiveloraError
+
+    try:
+        return fn()
+    except LiveloraError as exc:
+        err.print(f"[red]error[/] ({exc.status}): {exc}")
+        raise typer.Exit(1) from None
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+# ====================================================================================== endpoints
+@endpoints_app.command("list")
+def endpoints_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+    """Endpoints with the version each serves now."""
+    rows = _run(lambda: Backend(url, api_key, home).list_endpoints())
+    table = Table(title="endpoints")
+    for col in ("endpoint", "lineage", "mode", "serving", "rollback to", "tenant"):
+        table.add_column(col)
+    for e in rows:
+        table.add_row(e["name"], e["lineage"], e["mode"], e["serving"], e["rollback_to"] or "-",
+                      e["tenant"] or "(public)")
+    out.print(table)
+
+
+@endpoints_app.command("create")
+def endpoints_create(
+    name: str, lineage: Annotated[str, typer.Option(help="Adapter lineage served (and trained).")],
+    mode: Annotated[str, typer.Option(help="follow (newest version) or pinned.")] = "follow",
+    version: Annotated[str | None, typer.Option(help="Pinned version: <n>, <lineage>@<n> or base.")] = None,
+    reason: _Reason = "", tenant: Annotated[str | None, typer.Option(help="Owner (--home only).")] = None,
+    url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+) -> None:
+    """Create an endpoint bound to a lineage."""
+    body: dict[str, Any] = {"name": name, "lineage": lineage, "mode": mode, "version": version, "reason": reason}
+    if tenant is not None:
+        if home is None:
+            raise typer.BadParameter("--tenant works with --home only")
+        body["tenant"] = tenant
+    e = _run(lambda: Backend(url, api_key, home).create_endpoint(**body))
+    out.print(f"created endpoint [bold]{e['name']}[/] → {e['lineage']} ({e['mode']}), serving {e['serving']}")
+
+
+def _print_change(entry: dict) -> None:
+    out.print(f"[bold]{entry['endpoint']}[/]: {entry['from']} → [green]{entry['to']}[/] "
+              f"({entry['action']} by {entry['who']}{', ' + repr(entry['reason']) if entry['reason'] else ''})")
+
+
+@endpoints_app.command("promote")
+def endpoints_promote(
+    name: str,
+    version: Annotated[str | None, typer.Argument(help="<n>, <lineage>@<n> or base.")] = None,
+    follow: Annotated[bool, typer.Option(help="Follow the lineage's newest version instead.")] = False,
+    reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+) -> None:
+    """Point an endpoint at a stored version (takes effect without restart or failed requests)."""
+    if version is None and not follow:
+        raise typer.BadParameter("give a VERSION (or --follow)")
+    _print_change(_run(lambda: Backend(url, api_key, home).promote(name, version, follow, reason)))
+
+
+@endpoints_app.command("rollback")
+def endpoints_rollback(name: str, reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None,
+                       home: _HomeOpt = None) -> None:
+    """Return an endpoint to the version it served before its last promotion."""
+    _print_change(_run(lambda: Backend(url, api_key, home).rollback(name, reason)))
+
+
+@endpoints_app.command("history")
+def endpoints_history(name: Annotated[str | None, typer.Argument(help="One endpoint (default: all).")] = None,
+                      url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+    """The audit log: who changed which endpoint, when, from what to what, and why."""
+    rows = _run(lambda: Backend(url, api_key, home).history(name))
+    table = Table(title="history")
+    for col in ("when", "who", "endpoint", "action", "from", "to", "reason"):
+        table.add_column(col)
+    for h in rows:
+        table.add_row(_when(h["time"]), h["who"], h["endpoint"], h["action"], h["from"] or "-", h["to"],
+                      h["reason"])
+    out.print(table)
+
+
+# ====================================================================================== adapters
+@adapters_app.command("list")
+def adapters_list(lineage: Annotated[str | None, typer.Option(help="Only this lineage.")] = None,
+                  url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+    """Stored versions, with the endpoints serving each."""
+    rows = _run(lambda: Backend(url, api_key, home).list_adapters(lineage))
+    table = Table(title="adapter versions")
+    for col in ("version", "parent", "step", "created", "data", "serving"):
+        table.add_column(col)
+    for m in rows:
+        data = ", ".join(f"{k}={v}" for k, v in (m.get("data_counts") or {}).items()) or "-"
+        table.add_row(m["name"], str(m["parent"] or "-"), str(m["step"]), _when(m["created"]), data,
+                      ", ".join(m["serving"]) or "-")
+    out.print(table)
+
+
+@adapters_app.command("show")
+def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+    """One version: manifest, files, sha256 check, serving endpoints."""
+    m = _run(lambda: Backend(url, api_key, home).show_adapter(name))
+    table = Table(title=m["name"], show_header=False)
+    for key in ("lineage", "version", "base_model", "parent", "step", "rank", "alpha", "sha256", "verified"):
+        table.add_row(key, str(m.get(key)))
+    table.add_row("created", _when(m["created"]))
+    table.add_row("metrics", ", ".join(f"{k}={v:.4g}" for k, v in m["metrics"].items()) or "-")
+    table.add_row("files", ", ".join(f"{k} ({v:,} B)" for k, v in m["files"].items()))
+    table.add_row("serving", ", ".join(m["serving"]) or "-")
+    out.print(table)
+
+
+@adapters_app.command("export")
+def adapters_export(
+    name: str, out_dir: Annotated[Path, typer.Option("--out", help="Destination directory (must not exist).")],
+    format: Annotated[str, typer.Option(help="peft (adapter directory) or merged (full HF model).")] = "peft",
+    url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+) -> None:
+    """Export a version as a PEFT adapter directory or a merged Hugging Face model."""
+    path = _run(lambda: Backend(url, api_key, home).export(name, format, out_dir))
+    size = sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
+    out.print(f"exported {name} ({format}) to [bold]{path}[/] ({size / 1e6:.1f} MB)")
+
+
+@adapters_app.command("delete")
+def adapters_delete(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+    """Delete a version (refused while an endpoint serves it)."""
+    _run(lambda: Backend(url, api_key, home).delete_adapter(name))
+    out.print(f"deleted {name}")
+
+
+# ====================================================================================== keys
+@keys_app.command("create")
+def keys_create(
+    roles: Annotated[str, typer.Option(help="Comma list of inference, feedback, train, admin.")] = "inference,feedback",
+    tenant: Annotated[str | None, typer.Option(help="Tenant (--home only; default 'default').")] = None,
+    name: Annotated[str, typer.Option(help="Label for lists and audit logs.")] = "",
+    url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+) -> None:
+    """Create a key; it is printed once and only its sha256 is stored."""
+    role_list = [r.strip() for r in roles.split(",") if r.strip()]
+    k = _run(lambda: Backend(url, api_key, home).create_key(role_list, tenant, name))
+    err.print(f"key [bold]{k['id']}[/] for tenant [cyan]{k['tenant']}[/], roles {', '.join(k['roles'])}. "
+              "Store it now: it cannot be shown again.")
+    typer.echo(k["key"])
+
+
+@keys_app.command("list")
+def keys_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+    """Keys (ids, tenants, roles; never the keys themselves)."""
+    rows = _run(lambda: Backend(url, api_key, home).list_keys())
+    table = Table(title="API keys")
+    for col in ("id", "name", "tenant", "roles", "created", "revoked"):
+        table.add_column(col)
+    for k in rows:
+        table.add_row(k["id"], k["name"] or "-", k["tenant"], ",".join(k["roles"]), _when(k["created"]),
+                      _when(k["revoked"]))
+    out.print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+    """Revoke a key (every gateway refuses it from its next request)."""
+    k = _run(lambda: Backend(url, api_key, home).revoke_key(key_id))
+    out.print(f"revoked {k['id']} (tenant {k['tenant']})")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``endpoints``, ``adapters`` and ``keys`` to the root ``livelora`` app."""
+    app.add_typer(endpoints_app, name="endpoints")
+    app.add_typer(adapters_app, name="adapters")
+    app.add_typer(keys_app, name="keys")
+

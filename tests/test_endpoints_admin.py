@@ -1,0 +1,383 @@
+"""Endpoints, promotion/rollback, API keys, tenants, input limits and exports, through one live gateway on the
+real SmolLM2 model and real Redis (its own store: API keys there switch that gateway to key mode, so it must
+not be the session's shared store)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import httpx
+import pytest
+import redis
+import torch
+from _server import start_server
+from typer.testing import CliRunner
+
+from livelora.adapters.bus import Keys
+from livelora.adapters.keys import ROLES, KeyStore
+from livelora.adapters.store import AdapterStore
+from livelora.clients.types.tinker import LoraConfig
+from livelora.gateway.auth import PUBLIC, app_routes, required_role
+
+LINEAGE = "support"
+PROMPT = [{"role": "user", "content": "Say something about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def home(livelora_home, base_ref, tmp_path_factory):
+    """A store with the cached model (symlinked), versions support@1..4, keys and endpoints of two tenants."""
+    from livelora.trainer.model import TrainingModel
+
+    home = tmp_path_factory.mktemp("admin-home")
+    (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
+    store = AdapterStore(home)
+    tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        with torch.no_grad():
+            for k, p in tm.lora_params.items():
+                if "lora_B" in k:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        tm.save_weights(store, LINEAGE)
+    return home
+
+
+def _cli(*args):
+    from livelora.clients.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def keys(home):
+    """Keys made offline with the CLI (``--home``), as an admin bootstraps a server."""
+    made = {}
+    for role in ROLES:
+        made[role] = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", role,
+                          "--name", f"acme-{role}").strip().splitlines()[-1]
+    made["acme"] = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", ",".join(ROLES),
+                        "--name", "acme-all").strip().splitlines()[-1]
+    made["beta"] = _cli("keys", "create", "--home", str(home), "--tenant", "beta", "--roles", ",".join(ROLES),
+                        "--name", "beta-all").strip().splitlines()[-1]
+    revoked = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", ",".join(ROLES))
+    made["revoked"] = revoked.strip().splitlines()[-1]
+    rid = KeyStore(home).verify(made["revoked"]).key_id
+    _cli("keys", "revoke", rid, "--home", str(home))
+    stored = (home / "keys.json").read_text()
+    assert all(k.startswith("tml-") and k not in stored for k in made.values())  # hashed only
+    _cli("endpoints", "create", "prod", "--lineage", LINEAGE, "--mode", "pinned", "--version", "1",
+         "--tenant", "acme", "--home", str(home))
+    _cli("endpoints", "create", "live", "--lineage", LINEAGE, "--tenant", "acme", "--home", str(home))
+    _cli("endpoints", "create", "beta-ep", "--lineage", "beta-l", "--mode", "pinned", "--version", "base",
+         "--tenant", "beta", "--home", str(home))
+    return made
+
+
+@pytest.fixture(scope="module")
+def server(home, keys):
+    from livelora.gateway.settings import GatewaySettings
+
+    live = start_server(GatewaySettings(model="smollm2-135m-instruct", home=home, device="cpu", max_batch_size=8,
+                                        max_waiting=16, max_body_bytes=64 * 1024))
+    yield live
+    live.stop()
+
+
+def client(server, key=None) -> httpx.Client:
+    return httpx.Client(base_url=server.base_url, timeout=120,
+                        headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+def chat(http, model="prod", max_tokens=2, **kw):
+    return http.post("/v1/chat/completions", json={"model": model, "messages": PROMPT, "max_tokens": max_tokens,
+                                                   "temperature": 0, **kw})
+
+
+def error_of(r, status):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+# ---------------------------------------------------------------------------------------------- roles
+
+
+def _fill(path: str) -> str:
+    out = path
+    for name, value in (("{model_id:path}", "prod"), ("{name:path}", "prod"), ("{name}", "support@1"),
+                        ("{fmt}", "peft"), ("{key_id}", "nokey"), ("{session_id}", "nosession"),
+                        ("{model_id}", "nosession:train:0"), ("{checkpoint_id:path}", "x"),
+                        ("{sampler_id}", "nosession:sample:0")):
+        out = out.replace(name, value)
+    assert "{" not in out, path
+    return out
+
+
+def test_every_route_answers_401_403_by_role(server, keys):
+    routes = [(m, p) for m, p in app_routes(server.app) if m != "HEAD"]
+    assert len(routes) > 40 and ("POST", "/admin/endpoints/{name:path}/promote") in routes
+    seen_roles = set()
+    for method, path in routes:
+        role = required_role(method, path)
+        seen_roles.add(role)
+        url = _fill(path)
+        body = {} if method in ("POST", "PUT", "PATCH") else None
+        if path == "/admin/keys" and method == "POST":
+            body = {"roles": []}  # a valid admin call would mint a key: an invalid body still proves access
+        if "promote" in path or "rollback" in path or path.endswith("/export"):
+            body = {"version": "nope"} if "promote" in path else {"format": "bogus"}
+        for who in ("none", "bad", "revoked", *ROLES):
+            key = {"none": None, "bad": "tml-000000000000-not-a-key"}.get(who, keys.get(who))
+            with client(server, key) as http:
+                if method == "DELETE" and "/adapters/" in path and who == "admin":
+                    url_used = url.replace("support@1", "support@99")
+                else:
+                    url_used = url
+                r = http.request(method, url_used, json=body)
+            if role == PUBLIC:
+                assert r.status_code not in (401, 403), (method, path, who, r.status_code)
+            elif who in ("none", "bad", "revoked"):
+                assert error_of(r, 401)["type"] == "authentication_error", (method, path, who)
+            elif who != role:
+                assert error_of(r, 403)["type"] == "permission_error", (method, path, who)
+            else:
+                assert r.status_code not in (401, 403), (method, path, who, r.status_code, r.text)
+    assert seen_roles == {PUBLIC, *ROLES}
+    assert required_role("GET", "/some/new/route") == "admin"  # unmatched routes are never public
+
+
+# ---------------------------------------------------------------------------------------------- tenants
+
+
+def test_cross_tenant_access_is_404(server, keys):
+    acme, beta = client(server, keys["acme"]), client(server, keys["beta"])
+    ok = chat(acme)
+    assert ok.status_code == 200 and ok.headers["x-livelora-adapter-version"] == "support@1"
+    cid = ok.json()["id"]
+    assert {m["id"] for m in acme.get("/v1/models").json()["data"]} >= {"smollm2-135m-instruct", "prod", "live"}
+    beta_models = {m["id"] for m in beta.get("/v1/models").json()["data"]}
+    assert "beta-ep" in beta_models and "smollm2-135m-instruct" in beta_models
+    assert not beta_models & {"prod", "live"} and not any("@" in m for m in beta_models)
+    assert error_of(chat(beta), 404)["code"] == "model_not_found"
+    assert error_of(chat(beta, model="support@1"), 404)["code"] == "model_not_found"
+    assert chat(beta, model="beta-ep").headers["x-livelora-adapter-version"] == "base"
+    error_of(chat(acme, model="beta-ep"), 404)
+    error_of(beta.get("/v1/models/prod"), 404)
+    # rating another tenant's completion
+    error_of(beta.post("/v1/feedback", json={"completion_id": cid, "rating": True}), 404)
+    assert acme.post("/v1/feedback", json={"completion_id": cid, "rating": True}).status_code in (200, 201, 202)
+    # admin objects
+    acme_key_id = KeyStore(server.app.state.settings.home).verify(keys["acme"]).key_id
+    for method, url, body in [
+        ("GET", "/admin/endpoints/prod", None), ("POST", "/admin/endpoints/prod/promote", {"version": 2}),
+        ("POST", "/admin/endpoints/prod/rollback", {}), ("GET", "/admin/endpoints/prod/history", None),
+        ("GET", "/admin/adapters/support@1", None), ("DELETE", "/admin/adapters/support@3", None),
+        ("POST", "/admin/adapters/support@1/export", {"format": "peft"}),
+        ("GET", "/admin/exports/support@1/peft", None), ("GET", "/admin/adapters?lineage=support", None),
+        ("DELETE", f"/admin/keys/{acme_key_id}", None),
+    ]:
+        error_of(beta.request(method, url, json=body), 404)
+    assert [e["name"] for e in beta.get("/admin/endpoints").json()["data"]] == ["beta-ep"]
+    assert beta.get("/admin/adapters").json()["data"] == []
+    assert {k["tenant"] for k in beta.get("/admin/keys").json()["data"]} == {"beta"}
+    assert all(h["endpoint"] == "beta-ep" for h in beta.get("/admin/history").json()["data"])
+    error_of(beta.post("/admin/endpoints", json={"name": "steal", "lineage": LINEAGE}), 409)
+    # training sessions: X-API-Key, as the tinker SDK sends it
+    s = httpx.post(server.url("/api/v1/create_session"), json={}, headers={"X-API-Key": keys["train"]})
+    assert s.status_code == 200, s.text
+    sid = s.json()["session_id"]
+    beta_hdr = {"X-API-Key": keys["beta"]}
+    error_of(httpx.post(server.url("/api/v1/session_heartbeat"), json={"session_id": sid}, headers=beta_hdr), 404)
+    error_of(httpx.post(server.url(f"/api/v1/sessions/{sid}/finish"), json={}, headers=beta_hdr), 404)
+    error_of(httpx.get(server.url(f"/api/v1/training_runs/{sid}:train:0"), headers=beta_hdr), 404)
+    assert httpx.post(server.url("/api/v1/session_heartbeat"), json={"session_id": sid},
+                      headers={"X-API-Key": keys["train"]}).status_code == 200
+    acme.close()
+    beta.close()
+
+
+def test_bad_names_and_oversize_bodies_are_rejected(server, keys):
+    with client(server, keys["acme"]) as http:
+        for name in ("../x", "a/../b", "a//b", "x\x01y", "x" * 200, "", "/abs", "a b"):
+            error_of(http.post("/admin/endpoints", json={"name": name, "lineage": "ok"}), 400)
+        for lineage in ("../etc", "a/b", "..", "A" * 70, "x\x00"):
+            error_of(http.post("/admin/endpoints", json={"name": "fine", "lineage": lineage}), 400)
+        for name in ("..%2F..%2Fetc@1", "support@0", "support@x", "UP@1"):
+            assert http.get(f"/admin/adapters/{name}").status_code in (400, 404)
+        error_of(http.post("/admin/endpoints/prod/promote", json={"version": "../../x@1"}), 400)
+        err = error_of(http.post("/v1/chat/completions", content=b"{" + b" " * (70 * 1024) + b"}",
+                                 headers={"content-type": "application/json"}), 413)
+        assert err["code"] == "payload_too_large"
+    for sid in ("../../etc", "a/b", "x\ny", "s" * 200):
+        r = httpx.post(server.url("/api/v1/session_heartbeat"), json={"session_id": sid},
+                       headers={"X-API-Key": keys["train"]})
+        assert r.status_code in (400, 404) and r.status_code != 200
+        if "/" in sid or "\n" in sid or len(sid) > 128:
+            assert r.status_code == 400, (sid, r.text)
+    assert not any(".." in p.name for p in (server.app.state.settings.home / "adapters").iterdir())
+
+
+def test_served_version_is_reported_by_redis_completion_log(server, keys):
+    """Completions are kept per tenant: the log's record carries the tenant as caller."""
+    with client(server, keys["acme"]) as http:
+        r = chat(http, model="live")
+    rec = redis.Redis.from_url(os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0")).get(
+        Keys(os.environ["LIVELORA_REDIS_PREFIX"]).completion(r.json()["id"]))
+    assert json.loads(rec)["caller"] == "acme" and json.loads(rec)["adapter"] == "support@4"
+
+
+# ---------------------------------------------------------------------------------------------- promotion
+
+
+def _streams(server, key, n, results, started, max_tokens=24):
+    def one(i):
+        try:
+            with httpx.Client(base_url=server.base_url, timeout=300,
+                              headers={"Authorization": f"Bearer {key}"}) as http, http.stream(
+                    "POST", "/v1/chat/completions", json={"model": "prod", "messages": PROMPT, "stream": True,
+                                                         "max_tokens": max_tokens, "temperature": 0}) as r:
+                version = r.headers.get("x-livelora-adapter-version")
+                fingerprints, ok = set(), r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        data = json.loads(line[6:])
+                        ok = ok and "error" not in data
+                        fingerprints.add(data.get("system_fingerprint"))
+                        started[i].set()
+                    elif line == "data: [DONE]":
+                        results[i] = (ok, version, fingerprints)
+        except Exception as exc:  # recorded as a failure
+            results[i] = (False, repr(exc), set())
+        finally:
+            started[i].set()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _change_under_load(server, keys, action, body, before, after):
+    n = 8
+    results: list = [None] * n
+    started = [threading.Event() for _ in range(n)]
+    threads = _streams(server, keys["acme"], n, results, started)
+    assert all(e.wait(120) for e in started)
+    with client(server, keys["admin"]) as admin:
+        r = admin.post(f"/admin/endpoints/prod/{action}", json=body)
+        assert r.status_code == 200, r.text
+        entry = r.json()["history"]
+        assert (entry["from"], entry["to"], entry["action"]) == (before, after, action)
+    for t in threads:
+        t.join(300)
+    assert all(res is not None and res[0] for res in results), results  # zero failed requests
+    for ok, version, fps in results:  # each stream names one version, the one it started on
+        assert version == before and fps == {f"livelora-{before}"}
+    after_results: list = [None] * n
+    threads = _streams(server, keys["acme"], n, after_results, [threading.Event() for _ in range(n)], 4)
+    for t in threads:
+        t.join(300)
+    assert all(ok and version == after and fps == {f"livelora-{after}"} for ok, version, fps in after_results)
+
+
+def test_promote_and_rollback_under_eight_streams(server, keys):
+    _change_under_load(server, keys, "promote", {"version": "support@2", "reason": "better"}, "support@1",
+                       "support@2")
+    _change_under_load(server, keys, "rollback", {"reason": "regression"}, "support@2", "support@1")
+    with client(server, keys["admin"]) as admin:
+        hist = admin.get("/admin/endpoints/prod/history").json()["data"]
+        assert [(h["action"], h["from"], h["to"], h["reason"]) for h in hist] == [
+            ("create", None, "support@1", ""), ("promote", "support@1", "support@2", "better"),
+            ("rollback", "support@2", "support@1", "regression")]
+        assert hist[1]["who"].startswith("acme/acme-admin") and hist[0]["who"].startswith("local:")
+        assert all(h["tenant"] == "acme" and h["time"] > 0 for h in hist)
+        # a version an endpoint targets cannot be deleted: prod pins @1, live follows the newest (@4)
+        for name in ("support@1", "support@4"):
+            assert error_of(admin.delete(f"/admin/adapters/{name}"), 409)["code"] == "version_in_use"
+        assert admin.delete("/admin/adapters/support@3").status_code == 200
+        error_of(admin.get("/admin/adapters/support@3"), 404)
+        error_of(admin.post("/admin/endpoints/prod/rollback", json={}), 409)  # nothing left to undo
+        listed = {a["name"]: a["serving"] for a in admin.get("/admin/adapters").json()["data"]}
+        assert listed == {"support@1": ["prod"], "support@2": [], "support@4": ["live"]}
+
+
+def test_bindings_survive_restart(server, keys, home):
+    with client(server, keys["admin"]) as admin:
+        assert admin.post("/admin/endpoints/prod/promote", json={"version": 2}).status_code == 200
+    server.stop()
+    from livelora.gateway.settings import GatewaySettings
+
+    again = start_server(GatewaySettings(model="smollm2-135m-instruct", home=home, device="cpu"))
+    try:
+        with client(again, keys["acme"]) as http:
+            assert chat(http).headers["x-livelora-adapter-version"] == "support@2"
+            assert chat(http, model="live").headers["x-livelora-adapter-version"] == "support@4"
+    finally:
+        again.stop()
+    # a fresh process (as a restarted trainer) reads the same bindings from the store
+    listed = _cli("endpoints", "list", "--home", str(home))
+    assert "prod" in listed and "support@2" in listed and "support@4" in listed
+    from livelora.adapters.endpoints import EndpointStore
+
+    assert EndpointStore(home).get("prod").lineage == LINEAGE  # what the trainer maps events with
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
+    """The PEFT export scores like the stored version; the merged model's logits match base+adapter."""
+    from peft import PeftModel
+
+    from livelora.adapters.models import load_model
+    from livelora.gateway.admin import AdminService
+
+    peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
+    _cli("adapters", "export", "support@2", "--format", "peft", "--out", str(peft_dir), "--home", str(home))
+    _cli("adapters", "export", "support@2", "--format", "merged", "--out", str(merged_dir), "--home", str(home))
+    stored = AdapterStore(home).version_dir(LINEAGE, 2)
+    assert (peft_dir / "adapter_model.safetensors").read_bytes() == (stored / "adapter_model.safetensors").read_bytes()
+    ids = torch.tensor([tokenizer("An exported adapter must say what the served one says.")["input_ids"]])
+    with torch.no_grad():
+        exported = PeftModel.from_pretrained(load_model(base_ref), str(peft_dir)).eval()
+        lp_exported = torch.log_softmax(exported(ids).logits.float(), -1)
+        served = PeftModel.from_pretrained(load_model(base_ref), str(stored)).eval()
+        lp_served = torch.log_softmax(served(ids).logits.float(), -1)
+        from transformers import AutoModelForCausalLM
+
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+        logits_merged = merged(ids).logits
+        logits_adapter = exported(ids).logits
+        # the exported weights themselves: both models evaluated in float64, so only the export's one
+        # rounding to float32 remains
+        exact = PeftModel.from_pretrained(load_model(base_ref, dtype=torch.float64), str(peft_dir)).eval()
+        diff64 = (merged.to(torch.float64)(ids).logits - exact(ids).logits).abs().max().item()
+    assert torch.equal(lp_exported, lp_served)
+    assert diff64 < 1e-4
+    # in float32 the two evaluation orders (W·x + B·A·x vs (W + B·A)·x) add rounding noise on logits of ~20
+    assert (logits_merged - logits_adapter).abs().max().item() < 1e-3
+    # the base model differs: the adapter really is in the merged weights
+    with torch.no_grad():
+        assert (load_model(base_ref)(ids).logits - logits_merged).abs().max().item() > 1e-3
+    # the API export path writes the same directory once (versions are immutable)
+    svc = AdminService(home, tenant="acme")
+    first = svc.export("support@2", "peft")
+    assert svc.export("support@2", "peft") == first and (first / "adapter_config.json").is_file()
+
+
+def test_open_mode_and_public_bind_rules(tmp_path):
+    from livelora.clients.errors import BadRequestError
+    from livelora.gateway.auth import check_bind
+
+    store = KeyStore(tmp_path)
+    assert check_bind("127.0.0.1", store, False) is True and check_bind("::1", store, False) is True
+    with pytest.raises(BadRequestError, match="--allow-open"):
+        check_bind("0.0.0.0", store, False)
+    assert check_bind("0.0.0.0", store, True) is True
+    store.create("default", ["admin"])
+    assert check_bind("0.0.0.0", store, False) is False
