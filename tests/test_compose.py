@@ -206,6 +206,9 @@ def test_ports_and_health_checks_hit_real_routes_of_the_app(services):
             continue
         port = env["LIVELORA_PORT"]
         assert env["LIVELORA_HOST"] == "0.0.0.0", f"{name}: must listen on all interfaces inside the container"
+        # a public bind needs an API key in the store or an explicit LIVELORA_ALLOW_OPEN (default: keys)
+        assert GatewaySettings(_env_file=None, host=env["LIVELORA_HOST"],
+                               allow_open=env["LIVELORA_ALLOW_OPEN"]).allow_open is False
         published = [p.split(":") for p in s["ports"]]
         assert [c for _, c in published] == [port], f"{name}: publishes {s['ports']} but listens on {port}"
         for profile in s.get("profiles", []):
