@@ -98,6 +98,22 @@ def test_gradients_accumulate_like_one_call_on_the_union_batch(model, texts):
     model.zero_grad()
 
 
+def test_all_zero_advantages_give_zero_gradients_not_an_error(model, texts):
+    """A GRPO group whose rewards are all equal has advantages 0 everywhere: loss 0, gradients exactly 0."""
+    t = texts[0]
+    n = len(t) - 1
+    datum = Datum(model_input=ModelInput.from_ints(t[:-1]),
+                  loss_fn_inputs={"target_tokens": TensorData.from_list(t[1:], "int64"),
+                                  "logprobs": TensorData.from_list([-1.0] * n, "float32"),
+                                  "advantages": TensorData.from_list([0.0] * n, "float32")})
+    model.zero_grad()
+    out = model.forward_backward([datum], "importance_sampling")
+    assert out.metrics["loss:sum"] == 0.0
+    assert model.has_gradients()
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in model.lora_params.values())
+    model.zero_grad()
+
+
 def test_optim_step_without_gradients_is_refused(model):
     model.zero_grad()
     before = snapshot(model)

@@ -258,7 +258,12 @@ class TrainingModel:
         with torch.set_grad_enabled(grad):
             out: LossOutput = compute_loss(loss_fn, lp_D, inputs_D, spec.config)
         if grad:
-            out.loss.backward()
+            if out.loss.requires_grad:
+                out.loss.backward()
+            else:  # every position has weight exactly 0 (e.g. a GRPO group with equal rewards): zero gradient
+                for p in self.lora_params.values():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
             self.data_counts["datums"] += len(data)
             self.data_counts["tokens"] += sum(len(t) for t in tokens_D)
         outputs = []
