@@ -11,7 +11,8 @@ Datums (Tinker alignment: input ``tokens[:-1]``, targets ``tokens[1:]``,
 ``weights`` 1 on completion targets, 0 on the prompt):
 
 * rating → ``kto`` datum (``label`` 1 = thumbs up/desirable, 0 = down), built from the
-  **exact served token ids** in the event; ``loss_fn_config`` carries the batch's
+  **exact served token ids** in the event (plus the end-of-turn token the engine sampled but does not
+  report, for replies that ended with ``stop``); ``loss_fn_config`` carries the batch's
   class weights λ_D/λ_U and β. The reference model is the base model (adapter
   disabled), computed by the TrainingModel (TRL's choice for a LoRA policy,
   ../shared/reference/losses.md §1).
@@ -149,6 +150,16 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ batches → datums
 
+    def rated_completion(self, ev: RatingEvent) -> list[int]:
+        """The completion ids a rating trains on: the served ids, plus the tokenizer's end-of-turn (EOS) id
+        when the reply ended with ``finish_reason == "stop"`` (the engine samples that token but does not
+        report it), so a rating also judges where the reply stopped; ``length`` replies stay as served."""
+        ids = list(ev.completion_token_ids)
+        eos = self.tokenizer.eos_token_id
+        if ev.finish_reason == "stop" and eos is not None and (not ids or ids[-1] != eos):
+            ids.append(int(eos))
+        return ids
+
     def datums(self, batch: Batch) -> tuple[list[Datum], str, dict[str, float], float]:
         """``(datums, loss_fn, loss_fn_config, learning_rate)`` for one batch.
 
@@ -160,7 +171,7 @@ class OnlineTrainer:
             data = []
             for ev in batch.events:
                 assert isinstance(ev, RatingEvent)
-                data.append(completion_datum(ev.prompt_token_ids, ev.completion_token_ids, {
+                data.append(completion_datum(ev.prompt_token_ids, self.rated_completion(ev), {
                     "label": TensorData.from_list([1.0 if ev.rating else 0.0], "float32")}))
             cfg = {"beta": c.beta, "desirable_weight": batch.desirable_weight,
                    "undesirable_weight": batch.undesirable_weight}

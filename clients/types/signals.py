@@ -181,7 +181,9 @@ class _EventBase(_Strict):
 
 class RatingEvent(_EventBase):
     """A thumbs rating on the bus. ``rating_key`` = ``{completion_id}:{user}``: the trainer keeps only the
-    latest event per key among those not yet trained (``replaces`` names the one superseded)."""
+    latest event per key among those not yet trained (``replaces`` names the one superseded).
+    ``finish_reason`` is the served completion's (``stop``: the model ended its turn, whose end-of-turn token
+    the completion ids exclude; the trainer appends it so the rating also covers where the reply stopped)."""
 
     type: Literal["rating"] = "rating"
     completion_id: str
@@ -189,6 +191,7 @@ class RatingEvent(_EventBase):
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
     logprobs: list[float] | None = None
+    finish_reason: str | None = None
     rating: bool
     score: float | None = None
     comment: str | None = None

@@ -146,7 +146,8 @@ class SignalService:
         event = RatingEvent(
             id=self._new_id("feedback"), endpoint=rec.endpoint, created=int(time.time()), caller=caller,
             user=req.user, completion_id=rec.id, adapter=rec.adapter, prompt_token_ids=rec.prompt_token_ids,
-            completion_token_ids=rec.completion_token_ids, logprobs=rec.logprobs, rating=req.rating,
+            completion_token_ids=rec.completion_token_ids, logprobs=rec.logprobs,
+            finish_reason=rec.finish_reason, rating=req.rating,
             score=req.score, comment=req.comment, rating_key=f"{rec.id}:{rater}")
         ev, replaces, replayed = await self._submit("feedback", event, req, caller, idempotency_key,
                                                     rating_key=self.keys.rating(rec.id, rater))
