@@ -16,9 +16,15 @@ distribution, so it agrees with :meth:`Engine.score` on the same tokens.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from livelora.clients.errors import BadRequestError, ContextLengthExceededError
+
+#: Most alternatives per position ``top_logprobs`` may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
 
 FinishReason = Literal["stop", "length"]
 
@@ -85,6 +91,59 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
+    """Token ids as ints, each in ``[0, vocab_size)``.
+
+    Raises:
+        BadRequestError: not integers, empty, or outside the vocabulary (names ``param``).
+    """
+    try:
+        ids = [int(t) for t in token_ids]
+    except (TypeError, ValueError) as exc:
+        raise BadRequestError(f"{param} must be a list of token ids", param=param) from exc
+    if not ids:
+        raise BadRequestError(f"{param} is empty", param=param)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
+    return ids
+
+
+def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int, max_model_len: int) -> None:
+    """Validate ``p`` for a prompt of ``prompt_len`` tokens; shared by every engine so they refuse the same inputs.
+
+    Raises:
+        BadRequestError: a parameter out of range (names it).
+        ContextLengthExceededError: ``prompt_len + max_tokens > max_model_len``.
+    """
+    if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+        raise BadRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}", param="max_tokens",
+                              code="integer_below_min_value")
+    if not (isinstance(p.temperature, (int, float)) and math.isfinite(p.temperature) and p.temperature >= 0):
+        raise BadRequestError(f"temperature must be >= 0, got {p.temperature!r}", param="temperature")
+    if not (isinstance(p.top_p, (int, float)) and 0 < p.top_p <= 1):
+        raise BadRequestError(f"top_p must be in (0, 1], got {p.top_p!r}", param="top_p")
+    if not isinstance(p.top_k, int) or p.top_k < 0:
+        raise BadRequestError(f"top_k must be an integer >= 0 (0 disables), got {p.top_k!r}", param="top_k")
+    if not isinstance(p.top_logprobs, int) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {p.top_logprobs!r}",
+                              param="top_logprobs")
+    if p.top_logprobs and not p.logprobs:
+        raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if p.seed is not None and not isinstance(p.seed, int):
+        raise BadRequestError(f"seed must be an integer, got {p.seed!r}", param="seed")
+    if isinstance(p.stop, str) or any(not isinstance(s, str) or not s for s in p.stop):
+        raise BadRequestError("stop must be a sequence of non-empty strings", param="stop")
+    for t in p.stop_token_ids:
+        if not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise BadRequestError(f"stop token id {t!r} is outside the vocabulary", param="stop_token_ids")
+    if prompt_len + p.max_tokens > max_model_len:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + p.max_tokens} tokens ({prompt_len} in the messages, {p.max_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion.")
 
 
 class Engine(abc.ABC):

@@ -115,7 +115,7 @@ class Worker:
             self.thread.join(timeout=30)
 
     def num_unfinished(self) -> int:
-        return sum(not s.cancelled for s in list(self.running) + list(self.waiting))
+        return sum(not (s.cancelled or s.finished) for s in list(self.running) + list(self.waiting))
 
     # ----- the loop -------------------------------------------------------------------
     def _run(self) -> None:
@@ -321,7 +321,8 @@ class Worker:
 
     def unload_adapter(self, name: str) -> None:
         """Remove adapter ``name``; :class:`ConflictError` while a live sequence uses it."""
-        users = [s for s in list(self.running) + list(self.waiting) if s.adapter == name and not s.cancelled]
+        users = [s for s in list(self.running) + list(self.waiting)
+                 if s.adapter == name and not (s.cancelled or s.finished)]
         if users:
             raise ConflictError(f"adapter {name!r} is in use by {len(users)} running or queued sequences",
                                 param="name")

@@ -25,7 +25,6 @@ are raised by :meth:`TransformersEngine.generate` itself, before iteration.
 from __future__ import annotations
 
 import asyncio
-import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -33,12 +32,12 @@ from typing import Any
 
 from livelora.clients.errors import (BadRequestError, ConflictError, ContextLengthExceededError,
                                      ModelNotFoundError, RateLimitError, UnavailableError)
-from livelora.gateway.engines.base import Engine, GenerationChunk, SamplingParams, TokenLogprob
+from livelora.gateway.engines.base import (MAX_TOP_LOGPROBS, Engine, GenerationChunk, SamplingParams, TokenLogprob,
+                                           check_sampling_params, check_token_ids)
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
 from livelora.gateway.engines.sampling import RowSampling, make_generator
 
 #: Most alternatives per position that ``top_logprobs`` may ask for (OpenAI's limit).
-MAX_TOP_LOGPROBS = 20
 
 
 class TransformersEngine(Engine):
@@ -147,48 +146,14 @@ class TransformersEngine(Engine):
 
     # ----- validation ----------------------------------------------------------------
     def _check_tokens(self, token_ids: Sequence[int], param: str) -> list[int]:
-        try:
-            ids = [int(t) for t in token_ids]
-        except (TypeError, ValueError) as exc:
-            raise BadRequestError(f"{param} must be a list of token ids", param=param) from exc
-        if not ids:
-            raise BadRequestError(f"{param} is empty", param=param)
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise BadRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
-        return ids
+        return check_token_ids(token_ids, self.vocab_size, param)
 
     def _check_adapter(self, adapter: str | None) -> None:
         if adapter is not None and adapter not in self._adapters:
             raise ModelNotFoundError(f"adapter {adapter!r} is not loaded", param="model")
 
     def _check_params(self, p: SamplingParams, prompt_len: int) -> None:
-        if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
-            raise BadRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}", param="max_tokens",
-                                  code="integer_below_min_value")
-        if not (isinstance(p.temperature, (int, float)) and math.isfinite(p.temperature) and p.temperature >= 0):
-            raise BadRequestError(f"temperature must be >= 0, got {p.temperature!r}", param="temperature")
-        if not (isinstance(p.top_p, (int, float)) and 0 < p.top_p <= 1):
-            raise BadRequestError(f"top_p must be in (0, 1], got {p.top_p!r}", param="top_p")
-        if not isinstance(p.top_k, int) or p.top_k < 0:
-            raise BadRequestError(f"top_k must be an integer >= 0 (0 disables), got {p.top_k!r}", param="top_k")
-        if not isinstance(p.top_logprobs, int) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {p.top_logprobs!r}",
-                                  param="top_logprobs")
-        if p.top_logprobs and not p.logprobs:
-            raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if p.seed is not None and not isinstance(p.seed, int):
-            raise BadRequestError(f"seed must be an integer, got {p.seed!r}", param="seed")
-        if isinstance(p.stop, str) or any(not isinstance(s, str) or not s for s in p.stop):
-            raise BadRequestError("stop must be a sequence of non-empty strings", param="stop")
-        for t in p.stop_token_ids:
-            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise BadRequestError(f"stop token id {t!r} is outside the vocabulary", param="stop_token_ids")
-        if prompt_len + p.max_tokens > self.max_model_len:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + p.max_tokens} tokens ({prompt_len} in the messages, {p.max_tokens} in the "
-                f"completion). Please reduce the length of the messages or completion.")
+        check_sampling_params(p, prompt_len, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
 
     # ----- generation ----------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
