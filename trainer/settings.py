@@ -25,7 +25,7 @@ class TrainerSettings(BaseSettings):
     max_wait_s: float = Field(30.0, ge=0, description="Seconds the oldest queued event waits before a smaller "
                                                       "batch is trained (KTO needs at least 2).")
     claim_idle_s: float = Field(120.0, gt=0, description="Events pending this long in a dead worker are reclaimed.")
-    kto_lr: float = Field(5e-5, gt=0, description="KTO learning rate (LoRA).")
+    kto_lr: float = Field(1e-3, gt=0, description="KTO learning rate (LoRA); 1e-3 found by experiment on SmolLM2 (bench/live_loop.py, README live loop).")
     sft_lr: float = Field(1e-4, gt=0, description="SFT learning rate (LoRA).")
     dpo_lr: float = Field(1e-5, gt=0, description="DPO learning rate (LoRA).")
     beta: float = Field(0.1, gt=0, description="KTO/DPO beta.")
