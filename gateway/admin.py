@@ -160,6 +160,11 @@ class AdminService:
         binding = self.endpoints.all().get(name)
         if binding is None or not binding.administered_by(tenant):
             raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
+        if version is None and not follow:
+            raise BadRequestError("give a version to pin (`<n>`, `<lineage>@<n>` or `base`) or follow=true",
+                                  param="version")
+        if version is not None and follow:
+            raise BadRequestError("give either a version or follow=true, not both", param="follow")
         n = None if follow else parse_version_ref(version, binding.lineage)
         _, entry = self.endpoints.promote(name, n, tenant=tenant, who=who, reason=reason, follow=follow)
         return entry

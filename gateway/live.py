@@ -76,7 +76,7 @@ async def start_live_loop(app, settings, engine) -> LiveLoop:
     registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
                                resync_s=live.resync_s)
     signals = SignalService(client, keys, completions, resolve_endpoint=registry.endpoint_for,
-                            idempotency_ttl_s=live.idempotency_ttl_s)
+                            idempotency_ttl_s=live.idempotency_ttl_s, check_trainable=registry.check_trainable)
     try:
         await ensure_group_async(client, keys)
     except UnavailableError as exc:

@@ -39,7 +39,7 @@ import redis.asyncio as aredis
 from livelora.adapters.bus import Keys
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore
 from livelora.adapters.store import AdapterStore, Manifest, parse_version_name
-from livelora.clients.errors import BadRequestError, LiveloraError, ModelNotFoundError, NotFoundError
+from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
 from livelora.gateway.engines.base import Engine
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class AdapterRegistry:
         if model in self.loaded:
             lineage = self.loaded[model].lineage
             for ep, b in self.bindings.items():
-                if b.lineage == lineage and self.visible(ep):
+                if b.lineage == lineage and self.visible(ep) and self.versions_visible(ep):
                     return ep
         shown = [ep for ep in self.current if self.visible(ep)]
         raise ModelNotFoundError(f"model {model!r} does not exist; served endpoints: "
@@ -146,6 +146,27 @@ class AdapterRegistry:
         binding = self.bindings.get(endpoint)
         return principal is None or binding is None or binding.visible_to(principal.tenant)
 
+    def versions_visible(self, endpoint: str) -> bool:
+        """Whether the current request's tenant may be served, and train, the trained versions of ``endpoint``'s
+        lineage: the tenant that administers it. A public endpoint (the base model's name) belongs to tenant
+        ``default``; other tenants may sample it but get the untouched base weights."""
+        from livelora.gateway.auth import current_principal
+
+        principal = current_principal.get()
+        binding = self.bindings.get(endpoint)
+        return principal is None or binding is None or binding.administered_by(principal.tenant)
+
+    def check_trainable(self, endpoint: str) -> None:
+        """Refuse a signal that would train ``endpoint``'s lineage for a tenant that does not own it.
+
+        Raises:
+            ConflictError: the endpoint is public (the shared base model) and the caller is not its owner.
+        """
+        if not self.versions_visible(endpoint):
+            raise ConflictError(f"{endpoint!r} is the shared base model: its feedback trains tenant 'default''s "
+                                f"lineage only. Create an endpoint of your own (livelora endpoints create) and "
+                                f"chat with it to train on your feedback", param="model", code="not_trainable")
+
     def resolve(self, model: str) -> tuple[str, str | None]:
         """``(endpoint, adapter)`` that a request naming ``model`` gets now: an endpoint's current version,
         or a loaded version name itself. Takes no lease (see :meth:`hold`).
@@ -155,7 +176,7 @@ class AdapterRegistry:
         """
         self.endpoint_for(model)  # raises for unknown and other tenants' names
         if model in self.current:
-            return model, self.current[model]
+            return model, (self.current[model] if self.versions_visible(model) else None)
         if model in self.loaded and model not in self.refused:
             return self.endpoint_for(model), model
         self.endpoint_for(model)  # raises ModelNotFoundError

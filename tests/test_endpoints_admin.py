@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ from livelora.clients.types.tinker import LoraConfig
 from livelora.gateway.auth import PUBLIC, app_routes, required_role
 
 LINEAGE = "support"
+BASE = "smollm2-135m-instruct"
 PROMPT = [{"role": "user", "content": "Say something about the sea."}]
 
 
@@ -41,6 +43,7 @@ def home(livelora_home, base_ref, tmp_path_factory):
                 if "lora_B" in k:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.05)
         tm.save_weights(store, LINEAGE)
+    tm.save_weights(store, BASE)  # the public base endpoint's lineage: trained by tenant 'default' only
     return home
 
 
@@ -199,6 +202,32 @@ def test_cross_tenant_access_is_404(server, keys):
                       headers={"X-API-Key": keys["train"]}).status_code == 200
     acme.close()
     beta.close()
+
+
+def test_shared_base_model_serves_other_tenants_untouched_base_weights(server, keys):
+    """The base model's name is public, but the versions its feedback trained belong to tenant 'default'."""
+    acme = client(server, keys["acme"])
+    deadline = time.monotonic() + 60  # the gateway installs BASE@1 at start-up (store catch-up)
+    while f"{BASE}@1" not in server.app.state.registry.loaded and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert f"{BASE}@1" in server.app.state.registry.loaded
+    r = chat(acme, model=BASE)
+    assert r.status_code == 200 and r.headers["x-livelora-adapter-version"] == "base"
+    assert r.json()["system_fingerprint"].endswith("base")
+    error_of(chat(acme, model=f"{BASE}@1"), 404)
+    err = error_of(acme.post("/v1/feedback", json={"completion_id": r.json()["id"], "rating": True}), 409)
+    assert err["code"] == "not_trainable" and err["param"] == "model"
+    demo = {"model": BASE, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi!"}]}
+    assert error_of(acme.post("/v1/demonstrations", json=demo), 409)["code"] == "not_trainable"
+    acme.close()
+
+
+def test_admin_promote_needs_a_version_or_follow(server, keys):
+    acme = client(server, keys["acme"])
+    assert error_of(acme.post("/admin/endpoints/prod/promote", json={}), 400)["param"] == "version"
+    assert error_of(acme.post("/admin/endpoints/prod/promote", json={"version": 2, "follow": True}),
+                    400)["param"] == "follow"
+    acme.close()
 
 
 def test_bad_names_and_oversize_bodies_are_rejected(server, keys):

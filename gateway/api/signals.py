@@ -82,15 +82,19 @@ class SignalService:
         resolve_endpoint: maps a request's ``model`` to an endpoint name; raises
             ``ModelNotFoundError`` for unknown names. ``None`` accepts any name as is.
         idempotency_ttl_s: lifetime of idempotency records (seconds).
+        check_trainable: raises (``ConflictError``) when the caller may not train an endpoint's lineage;
+            ``None`` allows every endpoint.
     """
 
     def __init__(self, client: aredis.Redis, keys: Keys, completions: CompletionLog,
                  resolve_endpoint: Callable[[str], str] | None = None,
-                 idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S):
+                 idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
+                 check_trainable: Callable[[str], None] | None = None):
         self.client = client
         self.keys = keys
         self.completions = completions
         self.resolve_endpoint = resolve_endpoint or (lambda name: name)
+        self.check_trainable = check_trainable or (lambda endpoint: None)
         self.idempotency_ttl_s = int(idempotency_ttl_s)
         self._accept = client.register_script(_ACCEPT_LUA)
 
@@ -142,6 +146,7 @@ class SignalService:
             UnavailableError: Redis unreachable (503); nothing accepted.
         """
         rec = await self._visible(req.completion_id, caller, "completion_id")
+        self.check_trainable(rec.endpoint)
         rater = f"{caller or ''}/{req.user or ''}"
         event = RatingEvent(
             id=self._new_id("feedback"), endpoint=rec.endpoint, created=int(time.time()), caller=caller,
@@ -168,8 +173,9 @@ class SignalService:
         by_id = req.chosen_completion_id is not None or req.rejected_completion_id is not None
         inline = any(v is not None for v in (req.model, req.messages, req.chosen, req.rejected))
         if by_id == inline:
+            which = "both forms were given" if by_id else "neither form was given"
             raise BadRequestError("Give either chosen_completion_id and rejected_completion_id, or model, "
-                                  "messages, chosen and rejected (not both forms)", param="chosen_completion_id")
+                                  f"messages, chosen and rejected ({which})", param="chosen_completion_id")
         now = int(time.time())
         if by_id:
             for name in ("chosen_completion_id", "rejected_completion_id"):
@@ -188,6 +194,7 @@ class SignalService:
                                       "the same prompt", param="rejected_completion_id")
             if c.completion_token_ids == r.completion_token_ids:
                 raise BadRequestError("chosen and rejected completions are identical", param="rejected_completion_id")
+            self.check_trainable(c.endpoint)
             event = PreferenceEvent(
                 id=self._new_id("preference"), endpoint=c.endpoint, created=now, caller=caller, user=req.user,
                 chosen_completion_id=c.id, rejected_completion_id=r.id, prompt_token_ids=c.prompt_token_ids,
@@ -204,6 +211,7 @@ class SignalService:
             if req.chosen == req.rejected:
                 raise BadRequestError("chosen and rejected are identical", param="rejected")
             endpoint = self.resolve_endpoint(req.model)
+            self.check_trainable(endpoint)
             event = PreferenceEvent(id=self._new_id("preference"), endpoint=endpoint, created=now, caller=caller,
                                     user=req.user, messages=req.messages, chosen=req.chosen, rejected=req.rejected)
         ev, _, replayed = await self._submit("preferences", event, req, caller, idempotency_key)
@@ -228,6 +236,7 @@ class SignalService:
             raise BadRequestError("A demonstration needs at least one user message before the reply",
                                   param="messages")
         endpoint = self.resolve_endpoint(req.model)
+        self.check_trainable(endpoint)
         event = DemonstrationEvent(id=self._new_id("demonstration"), endpoint=endpoint, created=int(time.time()),
                                    caller=caller, user=req.user, messages=req.messages)
         ev, _, replayed = await self._submit("demonstrations", event, req, caller, idempotency_key)
