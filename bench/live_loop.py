@@ -25,7 +25,7 @@ Usage::
     python bench/live_loop.py --kto-lr 1e-4 --beta 0.1 --kto-batch 8 --plot /tmp/curve.png
     python bench/live_loop.py --latency --requests 4
 
-Defaults: max_tokens 40, temperature 0.7 (0.8 gives SmolLM2 too much gibberish), taste 1–20 words, 48 train
+Defaults: max_tokens 40, temperature 0.7 (the low end: SmolLM2 drifts into gibberish on some prompts), taste 1–20 words, 48 train
 and 16 held-out prompts, 2 seeded samples per held-out prompt (32 per point), one KTO step per 8 ratings. The
 learning-rate experiment behind the trainer's KTO default (1e-3) and its curves are in the README's live-loop
 section.
