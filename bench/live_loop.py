@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -116,6 +117,7 @@ class Loop:
             "lora_rank": args.lora_rank if args.lora_rank is not None else d["lora_rank"].default,
             "lora_alpha": args.lora_alpha if args.lora_alpha is not None else d["lora_alpha"].default,
             "kto_min_batch": kto_min_batch, "max_batch": max_batch}
+        self.keep_store = args.keep_store
         self.home = Path(tempfile.mkdtemp(prefix="livelora-bench-loop-"))
         self.keys = Keys(f"livelora-bench-{uuid.uuid4().hex[:8]}:")
         self.server = start_server(GatewaySettings(
@@ -148,6 +150,8 @@ class Loop:
         for k in self.redis.scan_iter(match=self.keys.prefix + "*"):
             self.redis.delete(k)
         self.redis.close()
+        if not self.keep_store:  # 25 versions with optimizer state are ~280 MB
+            shutil.rmtree(self.home, ignore_errors=True)
 
 
 def chat(client: httpx.Client, url: str, content: str, *, max_tokens: int, temperature: float, seed: int,
@@ -319,6 +323,7 @@ if __name__ == "__main__":
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: trainer's)")
     ap.add_argument("--max-batch-size", type=int, default=16, help="engine decode batch")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt order and chat seeds")
+    ap.add_argument("--keep-store", action="store_true", help="keep the temporary store (adapters, dataset)")
     ap.add_argument("--plot", default=str(Path(__file__).resolve().parent / "out" / "live_loop.png"))
     a = ap.parse_args()
     if a.kto_batch is None:
