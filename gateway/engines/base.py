@@ -146,6 +146,23 @@ def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int
             f"completion). Please reduce the length of the messages or completion.")
 
 
+def check_score_request(token_ids: Sequence[int], top_logprobs: int, *, vocab_size: int,
+                        max_model_len: int) -> list[int]:
+    """Validate a :meth:`Engine.score` call; shared by every engine. Returns the token ids as ints.
+
+    Raises:
+        BadRequestError: empty or out-of-vocabulary ``token_ids``; ``top_logprobs`` outside 0..20.
+        ContextLengthExceededError: more than ``max_model_len`` tokens.
+    """
+    ids = check_token_ids(token_ids, vocab_size, "token_ids")
+    if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if len(ids) > max_model_len:
+        raise ContextLengthExceededError(f"This model's maximum context length is {max_model_len} "
+                                         f"tokens; {len(ids)} tokens were given to score.")
+    return ids
+
+
 class Engine(abc.ABC):
     """Async inference engine over one base model and its loaded adapters.
 

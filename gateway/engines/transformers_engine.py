@@ -30,10 +30,10 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from livelora.clients.errors import (BadRequestError, ConflictError, ContextLengthExceededError,
-                                     ModelNotFoundError, RateLimitError, UnavailableError)
-from livelora.gateway.engines.base import (MAX_TOP_LOGPROBS, Engine, GenerationChunk, SamplingParams, TokenLogprob,
-                                           check_sampling_params, check_token_ids)
+from livelora.clients.errors import (BadRequestError, ConflictError, ModelNotFoundError,
+                                     RateLimitError, UnavailableError)
+from livelora.gateway.engines.base import (Engine, GenerationChunk, SamplingParams, TokenLogprob,
+                                           check_sampling_params, check_score_request, check_token_ids)
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
 from livelora.gateway.engines.sampling import RowSampling, make_generator
 
@@ -213,12 +213,8 @@ class TransformersEngine(Engine):
             ModelNotFoundError: ``adapter`` is not loaded.
         """
         worker = self._require_worker()
-        ids = self._check_tokens(token_ids, "token_ids")
-        if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
-        if len(ids) > self.max_model_len:
-            raise ContextLengthExceededError(f"This model's maximum context length is {self.max_model_len} "
-                                             f"tokens; {len(ids)} tokens were given to score.")
+        ids = check_score_request(token_ids, top_logprobs, vocab_size=self.vocab_size,
+                                  max_model_len=self.max_model_len)
         self._check_adapter(adapter)
         return await self._on_worker(worker, lambda: worker.score(ids, adapter, top_logprobs))
 

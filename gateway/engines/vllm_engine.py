@@ -78,10 +78,10 @@ from pydantic_settings import BaseSettings as PydanticBaseSettings
 from pydantic_settings import SettingsConfigDict
 
 from livelora.adapters.settings import BaseSettings
-from livelora.clients.errors import (BadRequestError, ConflictError, ContextLengthExceededError, InternalError,
+from livelora.clients.errors import (BadRequestError, ConflictError, InternalError,
                                      ModelNotFoundError, RateLimitError, UnavailableError)
 from livelora.gateway.engines.base import (MAX_TOP_LOGPROBS, Engine, GenerationChunk, SamplingParams, TokenLogprob,
-                                           check_sampling_params, check_token_ids)
+                                           check_sampling_params, check_score_request, check_token_ids)
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -458,12 +458,8 @@ class VLLMEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._require()
-        ids = self._check_tokens(token_ids, "token_ids")
-        if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
-        if len(ids) > self.max_model_len:
-            raise ContextLengthExceededError(f"This model's maximum context length is {self.max_model_len} "
-                                             f"tokens; {len(ids)} tokens were given to score.")
+        ids = check_score_request(token_ids, top_logprobs, vocab_size=self.vocab_size,
+                                  max_model_len=self.max_model_len)
         self._check_adapter(adapter)
         if len(ids) == 1:
             return [None]
