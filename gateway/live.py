@@ -160,25 +160,51 @@ def hold_version(app, target, ticket) -> None:
 
 
 class CompletionRecorder:
-    """Collects one chat request's choices as they stream and logs them as :class:`CompletionRecord` s.
+    """Collects one request's choices as they stream and logs them as :class:`CompletionRecord` s.
 
-    With ``n == 1`` the record's id is the response id; with ``n > 1`` choice ``i`` is logged as
-    ``{id}-{i}`` (rate it under that id).
+    Used by chat (all choices share one prompt) and the legacy ``/v1/completions`` route (choice ``k`` is
+    ``prompt_index * choices_per_prompt + i`` and has its own prompt: pass ``choice_prompts``).
+    With one choice the record's id is the response id; with more, choice ``k`` is logged as ``{id}-{k}``
+    (rate it under that id).
+
+    Args:
+        request: the FastAPI request (its app holds the completion log; ``request.state.caller``, if any,
+            becomes the record's ``caller``).
+        completion_id: the response id.
+        created: Unix time, seconds.
+        target: the :class:`~livelora.gateway.api.serving.ServingTarget` (endpoint, model, adapter).
+        prompt_ids: shape ``(P,)``, the prompt every choice shares (with ``prompt``, its text).
+        n: number of choices.
+        messages: the chat prompt (``None`` for ``/v1/completions``).
+        prompt: the text prompt shared by every choice (``None`` for chat).
+        user: the request's OpenAI ``user`` field.
+        choice_prompts: instead of ``prompt_ids``/``prompt``: one ``(prompt_ids, prompt_text)`` per choice.
+
+    Raises:
+        InternalError: neither ``prompt_ids`` nor ``choice_prompts``, or ``len(choice_prompts) != n``.
     """
 
-    def __init__(self, request, *, completion_id: str, created: int, target, prompt_ids: list[int], n: int,
-                 messages: list[dict] | None = None, prompt: str | None = None, user: str | None = None):
+    def __init__(self, request, *, completion_id: str, created: int, target, prompt_ids: list[int] | None = None,
+                 n: int = 1, messages: list[dict] | None = None, prompt: str | None = None, user: str | None = None,
+                 choice_prompts: list[tuple[list[int], str | None]] | None = None):
+        if choice_prompts is None:
+            if prompt_ids is None:
+                raise InternalError("CompletionRecorder needs prompt_ids or choice_prompts")
+            choice_prompts = [(list(prompt_ids), prompt)] * n
+        if len(choice_prompts) != n:
+            raise InternalError(f"CompletionRecorder got {len(choice_prompts)} choice prompts for {n} choices")
         self.app = request.app
         self.caller = getattr(request.state, "caller", None)
         self.id, self.created, self.target, self.n = completion_id, created, target, n
-        self.prompt_ids, self.messages, self.prompt, self.user = list(prompt_ids), messages, prompt, user
+        self.prompts = [(list(ids), text) for ids, text in choice_prompts]
+        self.messages, self.user = messages, user
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list[float]] = [[] for _ in range(n)]
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
 
     def add(self, index: int, chunk) -> None:
-        """Add one engine chunk of choice ``index``."""
+        """Add one engine chunk of choice ``index`` (generated tokens only: never an echoed prompt)."""
         self.tokens[index] += chunk.token_ids
         if chunk.logprobs:
             self.logprobs[index] += [t.logprob for t in chunk.logprobs]
@@ -186,14 +212,19 @@ class CompletionRecorder:
         if chunk.finish_reason is not None:
             self.finish[index] = chunk.finish_reason
 
+    def record_id(self, index: int) -> str:
+        """The completion-log id of choice ``index``: the response id alone, else ``{id}-{index}``."""
+        return self.id if self.n == 1 else f"{self.id}-{index}"
+
     async def save(self) -> None:
         """Log every choice (errors are logged, never raised)."""
         endpoint = getattr(self.target, "endpoint", None) or self.target.model
         for i in range(self.n):
             lps = self.logprobs[i] if len(self.logprobs[i]) == len(self.tokens[i]) else None
+            prompt_ids, prompt = self.prompts[i]
             await record_completion(self.app, CompletionRecord(
-                id=self.id if self.n == 1 else f"{self.id}-{i}", endpoint=endpoint, model=self.target.model,
-                adapter=self.target.adapter, messages=self.messages, prompt=self.prompt,
-                prompt_token_ids=self.prompt_ids, completion_token_ids=self.tokens[i], logprobs=lps,
+                id=self.record_id(i), endpoint=endpoint, model=self.target.model,
+                adapter=self.target.adapter, messages=self.messages, prompt=prompt,
+                prompt_token_ids=prompt_ids, completion_token_ids=self.tokens[i], logprobs=lps,
                 completion="".join(self.texts[i]), finish_reason=self.finish[i] or "stop", created=self.created,
                 caller=self.caller, user=self.user))

@@ -9,6 +9,12 @@ legacy parallel-list layout. ``max_completion_tokens`` is not a parameter of
 this route and is rejected rather than silently ignored (vllm-ascend #15931);
 so are ``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``.
 Streamed chunks have the response's own shape (``object: "text_completion"``).
+
+Every choice served is recorded in the completion log (so it can be rated with
+``POST /v1/feedback``): the exact prompt and generated token ids (never the
+echoed prompt) and the generated tokens' logprobs, which are always computed
+and only returned when ``logprobs`` is set. A response with one choice is
+logged under its id; otherwise choice ``k`` is logged as ``{id}-{k}``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from livelora.gateway.api.generation import (
 )
 from livelora.gateway.api.logprobs import TokenTexts, completion_logprobs
 from livelora.gateway.api.serving import ServingTarget, Ticket, context_length, resolve_target
-from livelora.gateway.live import hold_version
+from livelora.gateway.live import CompletionRecorder, hold_version
 from livelora.gateway.api.sse import DONE, sse_data, sse_response
 from livelora.gateway.engines.base import Engine, GenerationChunk, TokenLogprob
 
@@ -104,11 +110,16 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
     jobs = []
     for ids in prompts:
         max_tokens = budget(len(ids), body.max_tokens, "max_tokens", max_len, "prompt")
-        jobs += [Job(ids, sampling_params(body, max_tokens, i, logprobs=want_lp, top_logprobs=top_n))
+        # logprobs are always computed: the completion log keeps them (responses only carry them on request)
+        jobs += [Job(ids, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=top_n))
                  for i in range(body.n)]
     ticket = admission.acquire(len(jobs))
     hold_version(request.app, target, ticket)
     state = _State(new_id("cmpl"), now(), target, body, prompts, texts, want_lp, top_n)
+    sources = prompt_texts(body, prompts, texts)
+    state.recorder = CompletionRecorder(
+        request, completion_id=state.id, created=state.created, target=target, n=len(jobs), user=body.user,
+        choice_prompts=[(ids, text) for ids, text in zip(prompts, sources) for _ in range(body.n)])
     if body.echo:
         await state.load_echo(engine)
     stream = ChoiceStream(engine, jobs, target.adapter, state.id)
@@ -118,8 +129,18 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
     return await _complete(stream, ticket, state, request)
 
 
+def prompt_texts(body: CompletionRequest, prompts: list[list[int]], texts: TokenTexts) -> list[str]:
+    """The text of each prompt of :func:`prompt_token_ids`: as sent for a text prompt, decoded from the
+    token ids (:func:`texts_decode`) for a token-id prompt. ``len(result) == len(prompts)``."""
+    raw = body.prompt
+    items = [raw] if isinstance(raw, str) or all(isinstance(x, int) for x in raw) else list(raw)
+    return [item if isinstance(item, str) else texts_decode(texts, ids) for item, ids in zip(items, prompts)]
+
+
 class _State:
-    """Per-request bookkeeping: echo text, text offsets, token counts."""
+    """Per-request bookkeeping: echo text, text offsets, token counts, the completion-log recorder."""
+
+    recorder: CompletionRecorder
 
     def __init__(self, completion_id: str, created: int, target: ServingTarget, body: CompletionRequest,
                  prompts: list[list[int]], texts: TokenTexts, want_lp: bool, top_n: int):
@@ -195,11 +216,13 @@ async def _complete(stream: ChoiceStream, ticket: Ticket, state: _State, request
     watcher = stream.abort_on_disconnect(request)
     try:
         async for index, chunk in stream:
+            state.recorder.add(index, chunk)
             parts[index].append(state.step(index, chunk))
     finally:
         watcher.cancel()
         stream.abort()
         ticket.release()
+    await state.recorder.save()
     choices = [_merge(p) if p else CompletionChoice(index=i, text="", finish_reason="stop")
                for i, p in enumerate(parts)]
     return JSONResponse(state.body(choices, state.usage()).model_dump(mode="json"), headers=state.target.headers)
@@ -230,12 +253,14 @@ async def _stream(stream: ChoiceStream, ticket: Ticket, state: _State, include_u
                 if item is None:
                     break
                 index, chunk = item
-                if chunk.text or chunk.logprobs or chunk.finish_reason:
+                state.recorder.add(index, chunk)
+                if chunk.text or (chunk.logprobs and state.want_lp) or chunk.finish_reason:
                     yield event(state.step(index, chunk))
                 else:
                     state.completion_tokens += len(chunk.token_ids)
             if include_usage:
                 yield sse_data(state.body([], state.usage()).model_dump(mode="json"))
+            await state.recorder.save()
             yield DONE
         except asyncio.CancelledError:
             raise
