@@ -9,8 +9,9 @@
   and keeps it until it finishes, so a request started on version k finishes
   on k even if the endpoint moves meanwhile.
 * :meth:`AdapterRegistry.install` loads a version into the engine under its
-  never-reused name, checks it (the weights' sha256 against the manifest; a
-  forward pass on a few canary tokens whose logprobs must be finite and ≤ 0),
+  never-reused name and checks it (:meth:`Engine.load_and_check`: the sha256 of
+  the weights as loaded against the manifest; a forward pass on a few canary
+  tokens whose logprobs must be finite and ≤ 0),
   then moves the pointer of every ``follow`` endpoint of that lineage (a single
   assignment, atomic on the event loop). A version failing a check is unloaded,
   remembered as refused, and the endpoint stays where it was.
@@ -29,6 +30,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,9 +40,9 @@ import redis.asyncio as aredis
 
 from livelora.adapters.bus import Keys
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore
-from livelora.adapters.store import AdapterStore, Manifest, parse_version_name
+from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, Manifest, parse_version_name, sha256_file
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
-from livelora.gateway.engines.base import Engine
+from livelora.gateway.engines.base import AdapterCheck, Engine
 
 log = logging.getLogger(__name__)
 
@@ -228,20 +230,20 @@ class AdapterRegistry:
             self._canary = ids[:16]
         return self._canary
 
-    async def check(self, manifest: Manifest, path: Path) -> None:
-        """The checks a version must pass before it serves (it must already be loaded under ``manifest.name``).
+    def check(self, manifest: Manifest, result: AdapterCheck) -> None:
+        """The checks a loaded version must pass before it serves.
+
+        Args:
+            result: what :meth:`Engine.load_and_check` found (sha256 of the weights as loaded, canary logprobs).
 
         Raises:
-            BadRequestError: sha256 mismatch, or non-finite / positive canary logprobs.
+            BadRequestError: sha256 differs from the manifest's, or canary logprobs that are missing,
+                non-finite or positive.
         """
-        from livelora.adapters.store import WEIGHTS_FILE, sha256_file
-
-        digest = await asyncio.to_thread(sha256_file, path / WEIGHTS_FILE)
-        if digest != manifest.sha256:
-            raise BadRequestError(f"{manifest.name}: weights sha256 {digest[:12]}… does not match the manifest's "
-                                  f"{manifest.sha256[:12]}…", param="adapter")
-        scored = await self.engine.score(self.canary_tokens(), adapter=manifest.name)
-        values = [t.logprob for t in scored if t is not None]
+        if result.sha256 != manifest.sha256:
+            raise BadRequestError(f"{manifest.name}: weights sha256 {result.sha256[:12]}… does not match the "
+                                  f"manifest's {manifest.sha256[:12]}…", param="adapter")
+        values = [t.logprob for t in result.canary if t is not None]
         if not values or not all(math.isfinite(v) and v <= 1e-6 for v in values):
             raise BadRequestError(f"{manifest.name}: canary forward pass gave invalid logprobs "
                                   f"{values[:4]}", param="adapter")
@@ -265,21 +267,27 @@ class AdapterRegistry:
                 raise BadRequestError(f"{name} was refused earlier: {self.refused[name]}", param="adapter")
             if name not in self.loaded:
                 path = self.store.version_dir(lineage, version)
+                t0 = time.perf_counter()
                 try:
-                    if name not in self.engine.loaded_adapters():  # names are never reused: same weights
-                        await self.engine.load_adapter(name, str(path))
-                except LiveloraError as exc:
-                    self.refused[name] = f"engine refused it: {exc}"
-                    raise BadRequestError(f"{name}: the engine refused it: {exc}", param="adapter") from exc
-                try:
-                    await self.check(manifest, path)
+                    if name in self.engine.loaded_adapters():  # loaded by someone else: check it as it is
+                        digest = await asyncio.to_thread(sha256_file, path / WEIGHTS_FILE)
+                        result = AdapterCheck(digest, await self.engine.score(self.canary_tokens(), adapter=name))
+                    else:
+                        result = await self.engine.load_and_check(name, str(path), self.canary_tokens())
+                    self.check(manifest, result)
                 except BaseException as exc:
-                    self.refused[name] = str(exc)
-                    with contextlib.suppress(LiveloraError):
-                        await self.engine.unload_adapter(name)
+                    if name in self.engine.loaded_adapters():
+                        with contextlib.suppress(LiveloraError):
+                            await self.engine.unload_adapter(name)
+                    if isinstance(exc, BadRequestError):
+                        self.refused[name] = str(exc)
+                        raise
+                    if isinstance(exc, (LiveloraError, OSError)):
+                        self.refused[name] = f"engine refused it: {exc}"
+                        raise BadRequestError(f"{name}: the engine refused it: {exc}", param="adapter") from exc
                     raise
                 self.loaded[name] = manifest
-                log.info("loaded and checked %s", name)
+                log.info("loaded and checked %s in %.3f s", name, time.perf_counter() - t0)
             if move:
                 self._move(lineage, manifest)
             return manifest

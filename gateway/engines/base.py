@@ -163,6 +163,19 @@ def check_score_request(token_ids: Sequence[int], top_logprobs: int, *, vocab_si
     return ids
 
 
+@dataclass(frozen=True)
+class AdapterCheck:
+    """What :meth:`Engine.load_and_check` found for a freshly loaded adapter version.
+
+    Attributes:
+        sha256: hex digest of the weights file as read for loading.
+        canary: :meth:`Engine.score` of the canary tokens on the new version (entry 0 is ``None``).
+    """
+
+    sha256: str
+    canary: list[TokenLogprob | None]
+
+
 class Engine(abc.ABC):
     """Async inference engine over one base model and its loaded adapters.
 
@@ -236,6 +249,33 @@ class Engine(abc.ABC):
             ConflictError: ``name`` is already loaded.
             BadRequestError: the directory is not a valid adapter for this base model.
         """
+
+    async def load_and_check(self, name: str, path: str, canary_token_ids: Sequence[int]) -> AdapterCheck:
+        """Load an adapter version and run the checks it must pass before it serves.
+
+        Hashes the weights file (sha256, to compare with the version's manifest), loads the directory
+        under ``name`` (:meth:`load_adapter`) and scores ``canary_token_ids`` on it (:meth:`score`).
+        Engines that can do better override it: the transformers engine hashes exactly the bytes it
+        loads and runs load and canary in one pause of its decode loop.
+
+        The adapter stays loaded whatever the returned values; the caller unloads it if a check fails.
+
+        Args:
+            path: a PEFT adapter directory holding ``adapter_model.safetensors``.
+            canary_token_ids: shape ``(T,)``, ``T >= 2``.
+
+        Raises:
+            The errors of :meth:`load_adapter` and :meth:`score` (a failed score leaves the adapter
+            loaded). ``OSError`` if the weights file cannot be read.
+        """
+        import asyncio
+        from pathlib import Path
+
+        from livelora.adapters.store import WEIGHTS_FILE, sha256_file
+
+        digest = await asyncio.to_thread(sha256_file, Path(path) / WEIGHTS_FILE)
+        await self.load_adapter(name, path)
+        return AdapterCheck(sha256=digest, canary=await self.score(canary_token_ids, adapter=name))
 
     @abc.abstractmethod
     async def unload_adapter(self, name: str) -> None:

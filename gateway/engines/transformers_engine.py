@@ -32,7 +32,7 @@ from typing import Any
 
 from livelora.clients.errors import (BadRequestError, ConflictError, ModelNotFoundError,
                                      RateLimitError, UnavailableError)
-from livelora.gateway.engines.base import (Engine, GenerationChunk, SamplingParams, TokenLogprob,
+from livelora.gateway.engines.base import (AdapterCheck, Engine, GenerationChunk, SamplingParams, TokenLogprob,
                                            check_sampling_params, check_score_request, check_token_ids)
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
 from livelora.gateway.engines.sampling import RowSampling, make_generator
@@ -234,12 +234,29 @@ class TransformersEngine(Engine):
 
     # ----- adapters ------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str) -> None:
-        """See :meth:`Engine.load_adapter`. The load runs on the worker between steps.
+        """See :meth:`Engine.load_adapter`. The files are read on a thread; the weights are installed on the
+        worker between decode steps (a copy into a free LoRA slot, see :mod:`.hf_worker`).
 
         Raises:
             BadRequestError: empty name, missing directory, not LoRA, or weights that do not fit.
             ConflictError: ``name`` is loaded (names are never reloaded in place).
         """
+        await self._load(name, path, None)
+
+    async def load_and_check(self, name: str, path: str, canary_token_ids: Sequence[int]) -> AdapterCheck:
+        """See :meth:`Engine.load_and_check`: the weights file is read once, and its sha256 is that of
+        exactly the bytes loaded; install and canary forward run in one pause of the decode loop.
+
+        Raises:
+            The errors of :meth:`load_adapter` and :meth:`score` (nothing stays loaded if the canary
+            request itself is invalid).
+        """
+        self._require_worker()
+        ids = check_score_request(canary_token_ids, 0, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        digest, canary = await self._load(name, path, ids)
+        return AdapterCheck(sha256=digest, canary=canary)
+
+    async def _load(self, name: str, path: str, canary: list[int] | None) -> tuple[str, Any]:
         worker = self._require_worker()
         if not isinstance(name, str) or not name.strip() or name == "__base__":
             raise BadRequestError(f"invalid adapter name {name!r}", param="name")
@@ -251,10 +268,12 @@ class TransformersEngine(Engine):
             raise BadRequestError(f"{path} is not a PEFT adapter directory (no adapter_config.json)", param="path")
         self._loading.add(name)  # reserves the name; generate() rejects it until the load is done
         try:
-            await self._on_worker(worker, lambda: worker.load_adapter(name, str(p)))
+            config, weights, digest = await asyncio.to_thread(_read_adapter, p, self.device)
+            result = await self._on_worker(worker, lambda: worker.load_adapter(name, config, weights, str(p), canary))
             self._adapters[name] = str(p)
         finally:
             self._loading.discard(name)
+        return digest, result
 
     async def unload_adapter(self, name: str) -> None:
         """See :meth:`Engine.unload_adapter`.
@@ -275,6 +294,37 @@ class TransformersEngine(Engine):
 
     def loaded_adapters(self) -> list[str]:
         return list(self._adapters)
+
+
+def _read_adapter(path: Path, device: str) -> tuple[Any, dict[str, Any], str]:
+    """Read a PEFT adapter directory: ``(LoraConfig, state dict on device, sha256 hex of the weights file)``.
+
+    ``adapter_model.safetensors`` is read once; the digest is of exactly the bytes parsed. A directory with
+    only ``adapter_model.bin`` is read by peft (digest of that file).
+
+    Raises:
+        BadRequestError: unreadable config or weights.
+    """
+    import hashlib
+
+    from peft import PeftConfig
+    from peft.utils import load_peft_weights
+
+    try:
+        config = PeftConfig.from_pretrained(str(path))
+        st = path / "adapter_model.safetensors"
+        if st.is_file():
+            from safetensors.torch import load as load_safetensors
+
+            data = st.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            weights = {k: v.to(device) for k, v in load_safetensors(data).items()}
+        else:
+            weights = load_peft_weights(str(path), device=device)
+            digest = hashlib.sha256((path / "adapter_model.bin").read_bytes()).hexdigest()
+    except Exception as exc:
+        raise BadRequestError(f"cannot read adapter at {path}: {exc}", param="path") from exc
+    return config, weights, digest
 
 
 def _no_consumer(items: list[Any]) -> None:

@@ -1,0 +1,168 @@
+"""Transformers engine: adapter versions are copied into reusable LoRA slots (gateway/engines/hf_worker.py).
+
+A hot-swap must not pay peft's ``add_adapter`` (about 0.2 s) on every version, so a version's
+weights are copied into a free slot of the same shape. What must hold:
+
+* a version loaded into a reused slot serves exactly its own weights (checked against a plain
+  peft model built from the same directory), never a trace of the slot's previous occupant;
+* slots are bounded: many load/unload cycles reuse them instead of growing the model;
+* ``load_and_check`` hashes the very bytes it loads and returns canary logprobs of the new version;
+* weights that do not fit (a tensor of the wrong shape) are refused, nothing stays loaded, and the
+  slot still serves the next good version correctly;
+* an adapter of another shape (other rank) gets its own slot and serves side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from livelora.clients.errors import BadRequestError
+from livelora.gateway.engines import create_engine
+
+LP_TOL = 1e-4  # nats, fp32
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(base_ref, loop):
+    eng = create_engine("transformers", model=base_ref.name, device="cpu", max_batch_size=4)
+    loop.run_until_complete(eng.start())
+    yield eng
+    loop.run_until_complete(eng.close())
+
+
+def _save_versions(base_ref, root, rank, seeds):
+    from peft import LoraConfig, get_peft_model
+
+    from livelora.adapters.models import load_model
+
+    model = get_peft_model(load_model(base_ref), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+    out = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * (0.03 if "lora_B" in name else 0.05))
+        model.save_pretrained(root / f"r{rank}-s{seed}")
+        out.append(root / f"r{rank}-s{seed}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def versions(base_ref, tmp_path_factory):
+    """Three rank-8 versions and one rank-4 version, all with random non-zero A and B."""
+    root = tmp_path_factory.mktemp("slots")
+    return _save_versions(base_ref, root, 8, (1, 2, 3)), _save_versions(base_ref, root, 4, (4,))[0]
+
+
+@pytest.fixture(scope="module")
+def tokens(engine):
+    return engine.tokenizer.encode("The lighthouse keeper counted the ships: one, two, three.",
+                                   add_special_tokens=False)
+
+
+def _peft_reference(base_ref, path, tokens):
+    """Logprobs of ``tokens[1:]`` under a plain peft model loaded from ``path`` (shape ``(T-1,)``)."""
+    from peft import PeftModel
+
+    from livelora.adapters.models import load_model
+
+    with torch.no_grad():
+        ref = PeftModel.from_pretrained(load_model(base_ref), str(path)).eval()
+        lp = torch.log_softmax(ref(input_ids=torch.tensor([tokens])).logits[0, :-1], -1)
+    return lp.gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1).tolist()
+
+
+def _score(loop, engine, tokens, name):
+    return [t.logprob for t in loop.run_until_complete(engine.score(tokens, adapter=name))[1:]]
+
+
+def _slots(loop, engine):
+    """(version → slot name, free slot names) once the worker's queued commands (spare slots) have run."""
+    worker = engine._worker
+    loop.run_until_complete(engine._on_worker(worker, lambda: None))
+    loop.run_until_complete(engine._on_worker(worker, lambda: None))
+    return {v: s.name for v, s in worker.versions.items()}, [s.name for s in worker.free_slots]
+
+
+def test_reused_slots_serve_exactly_the_new_weights_and_stay_bounded(engine, loop, versions, tokens, base_ref):
+    (v1, v2, v3), _ = versions
+    refs = {p: _peft_reference(base_ref, p, tokens) for p in (v1, v2, v3)}
+    assert max(abs(a - b) for a, b in zip(refs[v1], refs[v2])) > 1e-2  # versions are distinguishable
+
+    seen_slots = set()
+    cycle = [v1, v2, v3, v1, v2, v3, v1, v2]
+    previous = None
+    for i, path in enumerate(cycle, start=1):
+        name = f"cyc@{i}"
+        loop.run_until_complete(engine.load_adapter(name, str(path)))
+        assert _score(loop, engine, tokens, name) == pytest.approx(refs[path], abs=LP_TOL), name
+        if previous is not None:  # the old version still serves its own weights until it is unloaded
+            assert _score(loop, engine, tokens, previous[0]) == pytest.approx(refs[previous[1]], abs=LP_TOL)
+            loop.run_until_complete(engine.unload_adapter(previous[0]))
+        previous = (name, path)
+        mapping, free = _slots(loop, engine)
+        seen_slots.update(mapping.values())
+        seen_slots.update(free)
+        assert list(mapping) == [name] and len(free) <= 2
+    assert len(seen_slots) <= 3, f"slots were not reused: {sorted(seen_slots)}"
+    loop.run_until_complete(engine.unload_adapter(previous[0]))
+    mapping, free = _slots(loop, engine)
+    assert mapping == {} and free == [] and engine._worker.peft is None  # plain model again
+
+
+def test_load_and_check_hashes_the_loaded_bytes_and_scores_the_canary(engine, loop, versions, tokens, base_ref):
+    (v1, _, _), _ = versions
+    check = loop.run_until_complete(engine.load_and_check("chk@1", str(v1), tokens))
+    try:
+        digest = hashlib.sha256((v1 / "adapter_model.safetensors").read_bytes()).hexdigest()
+        assert check.sha256 == digest
+        assert check.canary[0] is None
+        assert [t.logprob for t in check.canary[1:]] == pytest.approx(_peft_reference(base_ref, v1, tokens),
+                                                                       abs=LP_TOL)
+    finally:
+        loop.run_until_complete(engine.unload_adapter("chk@1"))
+
+
+def test_misfit_weights_are_refused_and_the_slot_serves_the_next_version(engine, loop, versions, tokens,
+                                                                         base_ref, tmp_path):
+    (v1, v2, _), rank4 = versions
+    loop.run_until_complete(engine.load_adapter("fit@1", str(v1)))
+    _slots(loop, engine)  # a spare slot of rank 8 now exists
+    bad = tmp_path / "bad"
+    shutil.copytree(v2, bad)
+    weights = load_file(bad / "adapter_model.safetensors")
+    key = next(k for k in weights if "lora_A" in k)
+    weights[key] = weights[key][:1].contiguous()  # rank 1 where the config says 8: broadcastable, so dangerous
+    save_file(weights, bad / "adapter_model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(BadRequestError, match="shape"):
+        loop.run_until_complete(engine.load_adapter("fit@2", str(bad)))
+    assert engine.loaded_adapters() == ["fit@1"]
+
+    loop.run_until_complete(engine.load_adapter("fit@3", str(v2)))  # takes the slot the misfit scribbled on
+    assert _score(loop, engine, tokens, "fit@3") == pytest.approx(_peft_reference(base_ref, v2, tokens), abs=LP_TOL)
+    assert _score(loop, engine, tokens, "fit@1") == pytest.approx(_peft_reference(base_ref, v1, tokens), abs=LP_TOL)
+
+    # another rank: its own slot, served side by side with the rank-8 versions
+    loop.run_until_complete(engine.load_adapter("r4@1", str(rank4)))
+    mapping, _ = _slots(loop, engine)
+    assert len({mapping["r4@1"], mapping["fit@1"], mapping["fit@3"]}) == 3
+    assert _score(loop, engine, tokens, "r4@1") == pytest.approx(_peft_reference(base_ref, rank4, tokens),
+                                                                 abs=LP_TOL)
+    for name in ("fit@1", "fit@3", "r4@1"):
+        loop.run_until_complete(engine.unload_adapter(name))
+    assert engine.loaded_adapters() == []
