@@ -1,116 +1,373 @@
-"""Hot-swap cost on the transformers engine: how long a new adapter version takes to serve, and what the
-swap does to requests running at the same time.
+"""Hot-swap under load, end to end: publish adapter versions through the trainer's path while streams run.
 
-Setup: SmolLM2-135M-Instruct on CPU (or ``--device cuda``), LoRA rank ``--rank`` on attention + MLP, versions
-written by the TrainingModel into a temporary store. For each of ``--swaps`` versions it measures
-``AdapterRegistry.install`` split into engine load, sha256 check and canary forward pass, and the time the
-pointer switch itself takes. Meanwhile ``--clients`` greedy generations of ``--max-tokens`` tokens run in
-a loop on the endpoint; the script prints their latency with and without a concurrent install, and checks
-every request finished on the version it leased. Prints figures only.
+Setup: a real ``livelora gateway`` process (transformers engine, SmolLM2-135M-Instruct on CPU) on a fresh
+store and Redis key prefix, with the store catch-up disabled (``LIVELORA_RESYNC_S=0``) so only the Redis
+notices move it. This script is the trainer side and the clients:
 
-Usage: ``python bench/hotswap.py [--swaps 3] [--clients 4] [--max-tokens 16] [--rank 8] [--device cpu]``
+* ``--streams`` clients loop on streamed greedy chat completions (``--max-tokens`` tokens each, logprobs on)
+  for the whole run;
+* every ``--interval`` seconds (±25 % jitter) it writes a new LoRA version of the served endpoint's lineage
+  exactly as the trainer worker does (``TrainingModel.save_weights`` into the store, then a
+  ``version_published`` notice on Redis), ``--versions`` times; version k's weights are version k-1's with
+  fresh random ``lora_B``, so every version is distinguishable;
+* from each publish on, a probe client starts a 1-token streamed chat request every ``--probe-every``
+  seconds (0.1) until one reports the new version (``X-Livelora-Adapter-Version``).
+  **Publish-to-first-served** is the time from the notice to the first token of the earliest response
+  made by the new version: what a user sending a request right after the swap waits for, including the
+  request's admission and prefill (up to ``--probe-every`` late). The gateway's own log gives
+  **publish-to-switch** (the pointer move) and each install's duration.
+
+After the run the gateway is stopped and every stream is checked against the versions themselves: its
+prompt and completion token ids are read from the completion log, and the logprobs it streamed are
+compared with a plain peft model of the version its header named (teacher forcing). A stream is
+**mixed-version** if any chunk's ``system_fingerprint`` does not name its header's version or its logprobs do not
+match its version within ``--tol`` nats; the script also prints how far each stream is from the *other*
+versions (k-1, k+1), which shows the check would see a mid-stream swap. A request is **failed** if it got
+an HTTP error, an error event, or no ``[DONE]``.
+
+Targets (issue 4): publish-to-first-served p50 under 0.5 s on CPU; 0 failed requests; 0 mixed-version streams.
+
+Usage: ``python bench/hotswap.py [--versions 20] [--streams 8] [--max-tokens 48] [--interval 3] [--rank 16]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
+import httpx
 
-async def main(args) -> None:
+EP = "hotswap"
+PROMPTS = ["Write a short story about a lighthouse.", "Explain how rain forms.", "Describe a busy market.",
+           "Give advice to a new gardener.", "Tell me about the moon.", "Write a poem about trains.",
+           "Explain what a computer does.", "Describe your favourite season."]
+
+
+@dataclass
+class Request:
+    """One streamed request as the client saw it (times are ``time.time()`` seconds)."""
+
+    kind: str  # "stream" or "probe"
+    start: float
+    version: str | None = None
+    first_token: float | None = None
+    end: float | None = None
+    fingerprints: set[str] = field(default_factory=set)
+    logprobs: list[float] = field(default_factory=list)
+    completion_id: str | None = None
+    done: bool = False
+    error: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def stream_chat(client: httpx.AsyncClient, kind: str, prompt: str, max_tokens: int) -> Request:
+    """One streamed chat completion; never raises (errors are recorded on the result)."""
+    req = Request(kind, time.time())
+    body = {"model": EP, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "ignore_eos": True, "logprobs": kind == "stream"}
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            req.first_token = time.time()  # headers are sent once the first token exists
+            req.version = r.headers.get("x-livelora-adapter-version")
+            if r.status_code != 200:
+                req.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return req
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    req.done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    req.error = f"error event: {chunk['error']}"
+                    break
+                req.completion_id = chunk.get("id", req.completion_id)
+                if chunk.get("system_fingerprint"):
+                    req.fingerprints.add(chunk["system_fingerprint"])
+                for choice in chunk.get("choices", []):
+                    for lp in ((choice.get("logprobs") or {}).get("content") or []):
+                        req.logprobs.append(lp["logprob"])
+    except Exception as exc:  # counted as a failed request
+        req.error = f"{type(exc).__name__}: {exc}"
+    req.end = time.time()
+    if not req.done and req.error is None:
+        req.error = "stream ended without [DONE]"
+    return req
+
+
+class Publisher:
+    """Writes versions of lineage ``EP`` the way the trainer worker does, and announces them."""
+
+    def __init__(self, ref, home: Path, keys, redis_client, rank: int):
+        import torch
+
+        from livelora.adapters.store import AdapterStore
+        from livelora.clients.types.tinker import LoraConfig
+        from livelora.trainer.model import TrainingModel
+
+        self.store = AdapterStore(home)
+        self.keys, self.redis = keys, redis_client
+        self.tm = TrainingModel(ref, LoraConfig(rank=rank, train_unembed=False))
+        self.gen = torch.Generator().manual_seed(0)
+        self.parent: int | None = None
+
+    def publish(self) -> tuple[str, float, float]:
+        """Write the next version, publish its notice; returns ``(name, save seconds, publish time.time())``."""
+        import torch
+
+        from livelora.adapters.bus import publish_notice
+        from livelora.clients.types.signals import VersionNotice
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for key, p in self.tm.lora_params.items():
+                if "lora_B" in key:
+                    p.copy_(torch.randn(p.shape, generator=self.gen) * 0.02)
+        manifest = self.tm.save_weights(self.store, EP)
+        save_s = time.perf_counter() - t0
+        notice = VersionNotice(lineage=manifest.lineage, version=manifest.version, name=manifest.name,
+                               path=str(self.store.version_dir(EP, manifest.version)), sha256=manifest.sha256,
+                               endpoint=EP, parent=f"{EP}@{self.parent}" if self.parent else None, kind="bench",
+                               created=int(time.time()))
+        t_pub = time.time()
+        publish_notice(self.redis, self.keys, notice.model_dump(mode="json"))
+        self.parent = manifest.version
+        return manifest.name, save_s, t_pub
+
+
+def parse_gateway_log(path: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """``(version → install seconds, version → switch time.time())`` from the gateway's log lines."""
+    installs, switches = {}, {}
+    for line in path.read_text(errors="replace").splitlines():
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*loaded and checked (\S+) in ([\d.]+) s", line)
+        if m:
+            installs[m.group(2)] = float(m.group(3))
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*endpoint \S+ now serves (\S+)", line)
+        if m:
+            when = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            switches[m.group(2)] = when
+    return installs, switches
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def check_streams(ref, store, keys, redis_client, streams: list[Request], published: list[str], tol: float):
+    """Teacher-forced check of every finished stream against the version its header named.
+
+    Returns ``(mixed count, checked count, max |diff| to own version, min over streams of max |diff| to a
+    neighbour version)``.
+    """
     import torch
+    from peft import PeftModel
 
+    from livelora.adapters.models import load_model
+    from livelora.adapters.store import parse_version_name
+
+    names = sorted({n for n in published} | {s.version for s in streams if s.version and s.version != "base"},
+                   key=lambda n: parse_version_name(n)[1])
+    base = load_model(ref)
+    model = None
+    for name in names:
+        path = str(store.version_dir(*parse_version_name(name)))
+        if model is None:
+            model = PeftModel.from_pretrained(base, path, adapter_name=name).eval()
+        else:
+            model.load_adapter(path, adapter_name=name)
+    mixed, checked, own_max, neighbour_min = 0, 0, 0.0, float("inf")
+
+    def lps(tokens, n_prompt, adapter):
+        with torch.no_grad():
+            if adapter == "base":
+                with model.disable_adapter():
+                    logits = model(input_ids=torch.tensor([tokens])).logits[0]
+            else:
+                model.set_adapter(adapter)
+                logits = model(input_ids=torch.tensor([tokens])).logits[0]
+        lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+        return lp[n_prompt - 1:].tolist()
+
+    for s in streams:
+        if s.error or s.version is None:
+            continue
+        if s.fingerprints != {f"livelora-{s.version}"}:
+            mixed += 1
+            continue
+        raw = redis_client.get(keys.completion(s.completion_id))
+        if raw is None:
+            print(f"  completion {s.completion_id} missing from the log; not checked")
+            continue
+        rec = json.loads(raw)
+        tokens = rec["prompt_token_ids"] + rec["completion_token_ids"]
+        n_prompt = len(rec["prompt_token_ids"])
+        served = s.logprobs
+        own = lps(tokens, n_prompt, s.version)
+        diff = max(abs(a - b) for a, b in zip(served, own))
+        checked += 1
+        own_max = max(own_max, diff)
+        if diff > tol or len(served) != len(own):
+            mixed += 1
+        k = 0 if s.version == "base" else parse_version_name(s.version)[1]
+        others = [n for n in names if parse_version_name(n)[1] in (k - 1, k + 1)]
+        for other in others:
+            neighbour_min = min(neighbour_min, max(abs(a - b) for a, b in zip(served, lps(tokens, n_prompt, other))))
+    return mixed, checked, own_max, neighbour_min
+
+
+async def run(args) -> None:
+    import redis
+
+    from livelora.adapters.bus import Keys
     from livelora.adapters.models import resolve_base_model
     from livelora.adapters.settings import BaseSettings
-    from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, sha256_file
-    from livelora.clients.types.tinker import LoraConfig
-    from livelora.gateway.engines import create_engine
-    from livelora.gateway.engines.base import SamplingParams
-    from livelora.gateway.registry import AdapterRegistry
-    from livelora.trainer.model import TrainingModel
 
     settings = BaseSettings()
     ref = resolve_base_model(settings.model, settings.home)
     home = Path(tempfile.mkdtemp(prefix="livelora-hotswap-"))
-    store = AdapterStore(home)
-    tm = TrainingModel(ref, LoraConfig(rank=args.rank, train_unembed=False), device=args.device)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(args.swaps):
-        with torch.no_grad():
-            for k, p in tm.lora_params.items():
-                if "lora_B" in k:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        tm.save_weights(store, "bench")
-    del tm
-    size = (store.version_dir("bench", 1) / WEIGHTS_FILE).stat().st_size
-    engine = create_engine("transformers", model=settings.model, device=args.device, max_batch_size=args.clients)
-    await engine.start()
-    reg = AdapterRegistry(engine, home, "bench", resync_s=0)
-    prompt = engine.tokenizer.encode("Write one sentence about the sea.", add_special_tokens=False)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    latencies: dict[str, list[float]] = {"idle": [], "during_install": []}
-    mismatched = 0
-    installing = False
-    stop = False
-
-    async def client():
-        nonlocal mismatched
-        while not stop:
-            async with reg.lease("bench") as lease:
-                phase = "during_install" if installing else "idle"
-                t0 = time.perf_counter()
-                async for _ in engine.generate(prompt, params, adapter=lease.adapter):
+    keys = Keys(f"livelora-bench-hotswap-{uuid.uuid4().hex[:8]}:")
+    redis_client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    port = free_port()
+    log_path = home / "gateway.log"
+    env = {**os.environ, "LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": keys.prefix,
+           "LIVELORA_RESYNC_S": "0", "LIVELORA_REDIS_URL": settings.redis_url}
+    cmd = [sys.executable, "-m", "livelora.clients.cli", "gateway", "--model", str(ref.path),
+           "--served-model-name", EP, "--port", str(port), "--max-batch-size", str(args.streams + 4),
+           "--log-level", "info"]
+    with open(log_path, "w") as log_file:
+        gateway = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(120.0)) as client:
+            deadline = time.time() + 300
+            while True:
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
                     pass
-                latencies[phase].append(time.perf_counter() - t0)
-                if lease.adapter is not None and lease.adapter not in engine.loaded_adapters():
-                    mismatched += 1
+                if gateway.poll() is not None or time.time() > deadline:
+                    raise SystemExit(f"gateway did not start; see {log_path}:\n{log_path.read_text()[-2000:]}")
+                await asyncio.sleep(0.5)
+            publisher = Publisher(ref, home, keys, redis.Redis.from_url(settings.redis_url), args.rank)
+            for _ in range(2):  # warm-up: first forward passes, allocator
+                await stream_chat(client, "probe", PROMPTS[0], 4)
 
-    tasks = [asyncio.create_task(client()) for _ in range(args.clients)]
-    await asyncio.sleep(2.0)
-    rows = []
-    for v in range(1, args.swaps + 1):
-        manifest = store.get("bench", v)
-        path = store.version_dir("bench", v)
-        installing = True
-        t0 = time.perf_counter()
-        await engine.load_adapter(manifest.name, str(path))
-        t1 = time.perf_counter()
-        await asyncio.to_thread(sha256_file, path / WEIGHTS_FILE)
-        t2 = time.perf_counter()
-        await engine.score(reg.canary_tokens(), adapter=manifest.name)
-        t3 = time.perf_counter()
-        await engine.unload_adapter(manifest.name)  # measured once above; now the registry's own install
-        t4 = time.perf_counter()
-        await reg.install("bench", v)
-        t5 = time.perf_counter()
-        installing = False
-        rows.append((manifest.name, t1 - t0, t2 - t1, t3 - t2, t5 - t4))
-        await asyncio.sleep(2.0)
-    stop = True
-    await asyncio.gather(*tasks)
-    await engine.close()
+            requests: list[Request] = []
+            stop = asyncio.Event()
 
-    print(f"device={args.device} rank={args.rank} adapter file={size / 1e6:.2f} MB clients={args.clients} "
-          f"max_tokens={args.max_tokens}")
-    print(f"{'version':<10} {'load s':>8} {'sha256 s':>9} {'canary s':>9} {'install s':>10}")
-    for name, load, sha, canary, total in rows:
-        print(f"{name:<10} {load:8.3f} {sha:9.4f} {canary:9.3f} {total:10.3f}")
-    for phase, xs in latencies.items():
-        if xs:
-            print(f"request latency {phase:<15} n={len(xs):3d} median={statistics.median(xs):.3f} s "
-                  f"max={max(xs):.3f} s")
-    print(f"requests whose leased version was unloaded before they finished: {mismatched}")
+            async def stream_loop(i: int) -> None:
+                n = i
+                while not stop.is_set():
+                    requests.append(await stream_chat(client, "stream", PROMPTS[n % len(PROMPTS)],
+                                                      args.max_tokens))
+                    n += 1
+
+            tasks = [asyncio.create_task(stream_loop(i)) for i in range(args.streams)]
+            rng = random.Random(1)
+            await asyncio.sleep(args.interval)
+            rows = []
+            for _ in range(args.versions):
+                name, save_s, t_pub = await asyncio.to_thread(publisher.publish)
+                probes: set[asyncio.Task] = set()
+                served = []
+                while not served and time.time() - t_pub < 60:  # one probe every --probe-every s until served
+                    probes.add(asyncio.create_task(stream_chat(client, "probe", "Hi", 1)))
+                    await asyncio.sleep(args.probe_every)
+                    served = [t.result() for t in probes if t.done() and t.result().version == name]
+                finished = await asyncio.gather(*probes)
+                requests.extend(finished)
+                firsts = [p.first_token for p in finished if p.version == name and p.first_token]
+                rows.append((name, save_s, t_pub, min(firsts) if firsts else None, len(finished)))
+                await asyncio.sleep(args.interval * rng.uniform(0.75, 1.25))
+            stop.set()
+            await asyncio.gather(*tasks)
+    finally:
+        gateway.terminate()
+        try:
+            gateway.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            gateway.kill()
+
+    installs, switches = parse_gateway_log(log_path)
+    streams = [r for r in requests if r.kind == "stream"]
+    failed = [r for r in requests if r.error]
+    publish_to_served = [s - t for _, _, t, s, _ in rows if s is not None]
+    publish_to_switch = [switches[n] - t for n, _, t, _, _ in rows if n in switches]
+    spanning = sum(1 for s in streams if s.end and any(s.start < switches.get(n, 0) < s.end for n, *_ in rows))
+
+    from livelora.adapters.store import AdapterStore
+
+    mixed, checked, own_max, neighbour_min = check_streams(ref, AdapterStore(home), keys, redis_client, streams,
+                                                           [r[0] for r in rows], args.tol)
+
+    print(f"device=cpu rank={args.rank} streams={args.streams} max_tokens={args.max_tokens} "
+          f"versions={args.versions} interval≈{args.interval} s")
+    print(f"{'version':<14} {'save s':>7} {'install s':>9} {'→switch s':>10} {'→served s':>10} {'probes':>6}")
+    for name, save_s, t_pub, served_at, tries in rows:
+        inst = f"{installs[name]:.3f}" if name in installs else "-"
+        sw = f"{switches[name] - t_pub:.3f}" if name in switches else "-"
+        sv = f"{served_at - t_pub:.3f}" if served_at else "never"
+        print(f"{name:<14} {save_s:7.3f} {inst:>9} {sw:>10} {sv:>10} {tries:6d}")
+    if publish_to_served:
+        print(f"publish-to-first-served: p50 {statistics.median(publish_to_served):.3f} s, "
+              f"p99 {pct(publish_to_served, 99):.3f} s, max {max(publish_to_served):.3f} s "
+              f"({len(publish_to_served)}/{len(rows)} versions served)")
+    if publish_to_switch:
+        print(f"publish-to-switch (gateway log): p50 {statistics.median(publish_to_switch):.3f} s, "
+              f"p99 {pct(publish_to_switch, 99):.3f} s")
+    if installs:
+        xs = list(installs.values())
+        print(f"install (load + sha256 + canary): p50 {statistics.median(xs):.3f} s, max {max(xs):.3f} s")
+    done = [s for s in streams if s.done]
+    if done:
+        lat = [s.end - s.start for s in done]
+        print(f"streams: {len(streams)} requests, {len(done)} completed, {spanning} open across a swap, "
+              f"duration p50 {statistics.median(lat):.2f} s")
+    print(f"failed requests: {len(failed)} of {len(requests)}")
+    for r in failed[:5]:
+        print(f"  {r.kind}: {r.error}")
+    print(f"mixed-version streams: {mixed} of {checked} checked (|served - own version| max {own_max:.2e} nats, "
+          f"tol {args.tol:g}; nearest other version ≥ {neighbour_min:.2e} nats)")
+    for k in redis_client.scan_iter(match=keys.prefix + "*", count=500):
+        redis_client.delete(k)
+    if args.keep_store:
+        print(f"store kept at {home}")
+    else:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--swaps", type=int, default=3)
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--device", default="cpu")
-    asyncio.run(main(ap.parse_args()))
+    ap.add_argument("--versions", type=int, default=20)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--interval", type=float, default=3.0, help="seconds between publishes (±25 %% jitter)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--probe-every", type=float, default=0.1, help="seconds between probes after a publish")
+    ap.add_argument("--tol", type=float, default=1e-3, help="nats: served vs teacher-forced logprobs")
+    ap.add_argument("--keep-store", action="store_true")
+    asyncio.run(run(ap.parse_args()))

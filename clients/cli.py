@@ -108,6 +108,11 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     from livelora.gateway.settings import GatewaySettings
 
     log_level = options.pop("log_level")
+    import logging
+
+    # livelora's own messages (versions installed or refused, endpoints switched) on stderr at uvicorn's level
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.DEBUG),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not options.get("allow_open"):
         options.pop("allow_open", None)  # False: leave LIVELORA_ALLOW_OPEN in charge
     if options.get("home") is not None:

@@ -47,7 +47,7 @@ from livelora.clients.types.tinker import (Checkpoint, CheckpointsListResponse, 
                                            CreateSessionRequest, CreateSessionResponse, Cursor, ForwardBackwardInput,
                                            GetInfoResponse, GetSamplerResponse, GetServerCapabilitiesResponse,
                                            LoadWeightsRequest, ModelData, SampledSequence, SampleRequest,
-                                           SampleResponse, SaveWeightsForSamplerRequest, SaveWeightsRequest,
+                                           SampleResponse, SaveWeightsForSamplerRequest,
                                            SupportedModel, TrainingRun, UntypedAPIFuture, WeightsInfoResponse)
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.engines.base import SamplingParams as EngineParams

@@ -166,3 +166,42 @@ def test_misfit_weights_are_refused_and_the_slot_serves_the_next_version(engine,
     for name in ("fit@1", "fit@3", "r4@1"):
         loop.run_until_complete(engine.unload_adapter(name))
     assert engine.loaded_adapters() == []
+
+
+def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weights(engine, loop, versions,
+                                                                                      tokens):
+    """Rows on three versions (two shapes would fall back to peft; here one shape: the stacked pass)
+    plus a base row decode together; each row's logprobs equal its version scored alone."""
+    from livelora.gateway.engines import SamplingParams
+
+    (v1, v2, v3), _ = versions
+    names = ["mix@1", "mix@2", "mix@3"]
+    for name, path in zip(names, (v1, v2, v3)):
+        loop.run_until_complete(engine.load_adapter(name, str(path)))
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
+    prompt = tokens[:10]
+
+    async def one(adapter):
+        out, lps = [], []
+        async for chunk in engine.generate(prompt, params, adapter=adapter):
+            out += chunk.token_ids
+            lps += [t.logprob for t in chunk.logprobs or []]
+        return out, lps
+
+    async def together():
+        return await asyncio.gather(*(one(a) for a in names + [None]))
+
+    steps_before = engine.decode_steps
+    results = loop.run_until_complete(together())
+    assert engine.decode_steps - steps_before <= 8  # the four rows really decoded in one batch
+    worker = engine._worker
+    slot_names = tuple(worker.versions[n].name for n in names)
+    assert any(set(key) == set(slot_names) and stacks for key, stacks in worker.stacks.items()), \
+        "the stacked mixed-version pass (MixedRows) did not run"
+    for adapter, (out, lps) in zip(names + [None], results):
+        alone = loop.run_until_complete(engine.score(prompt + out, adapter=adapter))[len(prompt):]
+        assert lps == pytest.approx([t.logprob for t in alone], abs=LP_TOL), adapter
+    assert len({tuple(o) for o, _ in results}) > 1 or \
+        max(abs(a - b) for a, b in zip(results[0][1], results[3][1])) > 1e-2  # rows really differ
+    for name in names:
+        loop.run_until_complete(engine.unload_adapter(name))

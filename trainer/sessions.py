@@ -61,7 +61,7 @@ from livelora.adapters.store import AdapterStore, Manifest
 from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, LiveloraError, NotFoundError,
                                      UnsupportedParameterError, error_to_dict)
 from livelora.clients.types.tinker import (AdamParams, CreateModelRequest, ForwardBackwardInput, LoadWeightsRequest,
-                                           LoraConfig, SaveWeightsForSamplerRequest, SaveWeightsRequest)
+                                           SaveWeightsForSamplerRequest, SaveWeightsRequest)
 
 log = logging.getLogger(__name__)
 

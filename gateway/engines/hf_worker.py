@@ -12,9 +12,11 @@ One thread owns the model. Its loop, repeated while there is work:
    sample the next one for all rows at once (:func:`~.sampling.sample_batch`),
    stream the chunks, and drop finished rows.
 
-Adapters: rows of one batch may use different adapters. When any row uses an
-adapter the forward goes through peft with ``adapter_names=`` (one name per row,
-``"__base__"`` for base rows; peft's mixed-batch LoRA forward). When no row uses
+Adapters: rows of one batch may use different adapters. When rows use different
+versions (or some use the base model) the forward goes through peft with
+``adapter_names=`` (one name per row, ``"__base__"`` for base rows; peft's
+mixed-batch LoRA forward); when every row uses one version, that version is
+peft's active adapter and the plain LoRA forward runs. When no row uses
 an adapter the LoRA layers are switched off, so base-only batches run at base
 speed; with no adapter loaded at all the plain transformers model is called.
 
@@ -30,6 +32,7 @@ version's weights.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import threading
@@ -102,6 +105,11 @@ class Worker:
         self.versions: dict[str, LoraSlot] = {}
         self.free_slots: list[LoraSlot] = []
         self._slot_counter = 0
+        self.active_slot: str | None = None  # peft's active adapter, for single-version batches
+        self.mixed_rows: MixedRows | None = None  # set during a batched mixed-version forward
+        #: slot names of a mixed batch -> {id(LoRA module): (A, B) stacks}; see MixedRows
+        self.stacks: dict[tuple[str, ...], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.lora_linear_only = True  # every LoRA layer is a peft lora.Linear (else no batched path)
         self.steps = 0  # decode steps run (for tests and stats)
         self.thread = threading.Thread(target=self._run, name="livelora-engine", daemon=True)
 
@@ -195,8 +203,43 @@ class Worker:
             self._set_lora(False)
             return self.model(**kw).logits
         self._set_lora(True)
-        names = [self.versions[a].name if a is not None else BASE_ADAPTER for a in adapters]
+        used = set(adapters)
+        if len(used) == 1:  # one version for every row: peft's plain LoRA forward, about 25 % faster
+            self._activate(self.versions[adapters[0]].name)
+            return self.model(**kw).logits
+        slots = [self.versions[a] if a is not None else None for a in adapters]
+        rows = self._batched_rows(slots)
+        if rows is not None:  # one pass for all versions (see MixedRows)
+            self.mixed_rows = rows
+            try:
+                return self.model(**kw).logits
+            finally:
+                self.mixed_rows = None
+        names = [s.name if s is not None else BASE_ADAPTER for s in slots]
         return self.peft(adapter_names=names, **kw).logits
+
+    def _batched_rows(self, slots: list[LoraSlot | None]) -> MixedRows | None:
+        """The :class:`MixedRows` of a mixed batch, or ``None`` when peft's own mixed forward must run
+        (slots of different shapes, DoRA or LoRA bias, or LoRA on layers other than ``nn.Linear``)."""
+        used = list(dict.fromkeys(s for s in slots if s is not None))
+        if not self.lora_linear_only or not all(s.batchable for s in used) or \
+                len({s.signature for s in used}) != 1:
+            return None
+        key = tuple(s.name for s in used)
+        stacks = self.stacks.pop(key, None)
+        if stacks is None:
+            stacks = {}
+            while len(self.stacks) >= MAX_STACK_SETS:
+                self.stacks.pop(next(iter(self.stacks)))
+        self.stacks[key] = stacks  # most recently used last
+        position = {s.name: i for i, s in enumerate(used)}
+        return MixedRows(key, [position[s.name] if s is not None else -1 for s in slots], stacks)
+
+    def _activate(self, slot: str) -> None:
+        """Make ``slot`` peft's active adapter (used by forwards without ``adapter_names``)."""
+        if self.active_slot != slot:
+            self.peft.base_model.set_adapter(slot, inference_mode=True)
+            self.active_slot = slot
 
     def _admit(self) -> None:
         free = self.max_batch_size - len(self.running)
@@ -351,7 +394,24 @@ class Worker:
             raise BadRequestError(f"adapter at {source} does not fit this base model: {exc}", param="path") from exc
         self.lora_enabled = True
         self._set_lora(False)
+        self.active_slot = None  # peft may have changed its active adapter
+        slot.batchable = not getattr(config, "use_dora", False) and not getattr(config, "lora_bias", False)
+        self._patch_lora_layers()
+        self.stacks.clear()
         return slot
+
+    def _patch_lora_layers(self) -> None:
+        """Route every peft LoRA ``Linear`` through :func:`_lora_linear_forward` (once per layer)."""
+        from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in self.peft.modules():
+            if isinstance(module, LoraLinear):
+                if not getattr(module, "_livelora_patched", False):
+                    module.forward = functools.partial(_lora_linear_forward, self, module, module.forward)
+                    module._livelora_patched = True
+            elif isinstance(module, BaseTunerLayer):
+                self.lora_linear_only = False
 
     def _prepare_spare(self, config, signature: str) -> None:
         """Create one free slot of ``signature`` unless one is free already (runs between decode steps)."""
@@ -365,6 +425,8 @@ class Worker:
     def _fill(self, slot: LoraSlot, weights: dict[str, torch.Tensor], source: str) -> None:
         """Copy ``weights`` (keys as peft saves them, without the adapter name) into ``slot``'s tensors."""
         from peft.utils import set_peft_model_state_dict
+
+        self.stacks.clear()  # they hold copies of slot tensors
 
         if slot.params is None:
             marker = f".{slot.name}."
@@ -386,12 +448,15 @@ class Worker:
                                   f"e.g. {missing[0].replace(f'.{slot.name}.', '.')}", param="path")
 
     def _delete_slot(self, slot: LoraSlot) -> None:
+        self.active_slot = None  # peft may change its active adapter
+        self.stacks.clear()
         if self.peft is None or slot.name not in self.peft.peft_config:
             return
         if len(self.peft.peft_config) == 1:
             self.peft.base_model.unload()  # removes every LoRA layer; self.model is the plain model again
             self.peft = None
             self.lora_enabled = True
+            self.lora_linear_only = True
         else:
             with warnings.catch_warnings():  # "adapter ... was active which is now deleted": we never use active
                 warnings.simplefilter("ignore", UserWarning)
@@ -455,8 +520,78 @@ class LoraSlot:
         name: the peft adapter name (:data:`SLOT_PREFIX` + n); never exposed as a version name.
         signature: :func:`slot_signature` of the config it was created with.
         params: saved-key → parameter map for in-place copies, built on first fill.
+        batchable: plain LoRA (no DoRA, no LoRA bias), so :class:`MixedRows` can serve it.
     """
 
     name: str
     signature: str
     params: dict[str, torch.nn.Parameter] | None = None
+    batchable: bool = True  # plain LoRA (no DoRA, no LoRA bias): MixedRows can serve it
+
+
+#: Mixed-version stack sets kept (each holds a copy of the LoRA weights of the versions in one batch).
+MAX_STACK_SETS = 4
+
+
+class MixedRows:
+    """A batch whose rows use different versions (or the base model), served in one pass per LoRA layer.
+
+    peft's mixed-batch forward loops over the versions present in every layer (index the rows, two small
+    matmuls, scatter back: about 5 operations per version per layer). Here the U versions' factors are
+    concatenated along the rank, ``A = [A_1; …; A_U]`` of shape ``(Σr, d_in)`` and
+    ``B = [s_1 B_1ᵀ; …; s_U B_Uᵀ]`` of shape ``(Σr, d_out)`` (``s_u`` = the version's LoRA scaling), and a
+    0/1 mask ``M`` of shape ``(rows, 1, Σr)`` keeps each row's own block, so that for row b on version u
+
+        y_b = W x_b + ((x_b Aᵀ) ⊙ M_b) B = W x_b + s_u B_u A_u x_b,
+
+    the LoRA update of Hu et al. (2021), eq. 3; base rows have an all-zero mask. Two matmuls per layer
+    whatever U is (the idea of S-LoRA / Punica's batched LoRA kernels, in plain torch). Stacks are built
+    on first use per set of versions and dropped whenever a slot's weights change.
+
+    Attributes:
+        key: the slot names, in mask order.
+        rows: per batch row, the index of its version in ``key`` or -1 for the base model.
+        stacks: ``id(module) -> (A, B)`` for this ``key`` (shared across forwards, filled lazily).
+    """
+
+    def __init__(self, key: tuple[str, ...], rows: list[int], stacks: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        self.key, self.rows, self.stacks = key, rows, stacks
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def layer(self, module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(A, B, mask)`` of one LoRA layer for this batch, or ``None`` if no version adapts it."""
+        entry = self.stacks.get(id(module))
+        if entry is None:
+            if not all(name in module.lora_A for name in self.key):
+                return None
+            with torch.no_grad():
+                a = torch.cat([module.lora_A[n].weight for n in self.key], 0)
+                b = torch.cat([module.lora_B[n].weight.t() * module.scaling[n] for n in self.key], 0)
+            entry = self.stacks[id(module)] = (a, b)
+        widths = tuple(module.lora_A[n].weight.shape[0] for n in self.key)
+        mask = self._masks.get(widths)
+        if mask is None:
+            a = entry[0]
+            mask = torch.zeros(len(self.rows), 1, a.shape[0], dtype=a.dtype, device=a.device)
+            starts = [sum(widths[:i]) for i in range(len(widths))]
+            for row, u in enumerate(self.rows):
+                if u >= 0:
+                    mask[row, 0, starts[u]:starts[u] + widths[u]] = 1
+            self._masks[widths] = mask
+        return entry[0], entry[1], mask
+
+
+def _lora_linear_forward(worker: Worker, module, peft_forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Forward of a peft LoRA ``Linear``: peft's own, except during a :class:`MixedRows` pass.
+
+    Shapes: ``x`` ``(rows, T, d_in)`` → ``(rows, T, d_out)``.
+    """
+    rows = worker.mixed_rows
+    if rows is None:
+        return peft_forward(x, *args, **kwargs)
+    result = module.base_layer(x, *args, **kwargs)
+    layer = rows.layer(module)
+    if layer is None:
+        return result
+    a, b, mask = layer
+    return result + (((x.to(a.dtype) @ a.t()) * mask) @ b).to(result.dtype)
