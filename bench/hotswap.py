@@ -4,14 +4,15 @@ Setup: a real ``livelora gateway`` process (transformers engine, SmolLM2-135M-In
 store and Redis key prefix, with the store catch-up disabled (``LIVELORA_RESYNC_S=0``) so only the Redis
 notices move it. This script is the trainer side and the clients:
 
-* ``--streams`` clients loop on streamed greedy chat completions (``--max-tokens`` tokens each, logprobs on)
-  for the whole run;
+* ``--streams`` clients loop on streamed greedy chat completions (logprobs on) for the whole run, each of
+  ``--max-tokens``/2 to ``--max-tokens`` tokens, started 0.3 s apart so they do not end together;
 * every ``--interval`` seconds (±25 % jitter) it writes a new LoRA version of the served endpoint's lineage
   exactly as the trainer worker does (``TrainingModel.save_weights`` into the store, then a
   ``version_published`` notice on Redis), ``--versions`` times; version k's weights are version k-1's with
   fresh random ``lora_B``, so every version is distinguishable;
-* from each publish on, a probe client starts a 1-token streamed chat request every ``--probe-every``
-  seconds (0.1) until one reports the new version (``X-Livelora-Adapter-Version``).
+* from each publish on, a probe client starts a 1-token streamed ``/v1/completions`` request on a 1-token
+  prompt every ``--probe-every`` seconds (0.1) until one reports the new version
+  (``X-Livelora-Adapter-Version``).
   **Publish-to-first-served** is the time from the notice to the first token of the earliest response
   made by the new version: what a user sending a request right after the swap waits for, including the
   request's admission and prefill (up to ``--probe-every`` late). The gateway's own log gives
@@ -27,7 +28,7 @@ an HTTP error, an error event, or no ``[DONE]``.
 
 Targets (issue 4): publish-to-first-served p50 under 0.5 s on CPU; 0 failed requests; 0 mixed-version streams.
 
-Usage: ``python bench/hotswap.py [--versions 20] [--streams 8] [--max-tokens 48] [--interval 3] [--rank 16]``
+Usage: ``python bench/hotswap.py [--versions 20] [--streams 8] [--max-tokens 64] [--interval 3] [--rank 16]``
 """
 
 from __future__ import annotations
@@ -81,12 +82,19 @@ def free_port() -> int:
 
 
 async def stream_chat(client: httpx.AsyncClient, kind: str, prompt: str, max_tokens: int) -> Request:
-    """One streamed chat completion; never raises (errors are recorded on the result)."""
+    """One streamed completion; never raises (errors are recorded on the result).
+
+    Streams are chat completions with logprobs; probes are 1-token ``/v1/completions`` on a 1-token
+    prompt, so that a probe costs the server one tiny prefill.
+    """
     req = Request(kind, time.time())
-    body = {"model": EP, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "ignore_eos": True, "logprobs": kind == "stream"}
+    if kind == "stream":
+        route, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "logprobs": True}
+    else:
+        route, body = "/v1/completions", {"prompt": prompt}
+    body.update({"model": EP, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True})
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async with client.stream("POST", route, json=body) as r:
             req.first_token = time.time()  # headers are sent once the first token exists
             req.version = r.headers.get("x-livelora-adapter-version")
             if r.status_code != 200:
@@ -245,6 +253,9 @@ async def run(args) -> None:
     from livelora.adapters.models import resolve_base_model
     from livelora.adapters.settings import BaseSettings
 
+    import torch
+
+    torch.set_num_threads(1)  # this process is the clients and the trainer; leave the cores to the gateway
     settings = BaseSettings()
     ref = resolve_base_model(settings.model, settings.home)
     home = Path(tempfile.mkdtemp(prefix="livelora-hotswap-"))
@@ -253,8 +264,9 @@ async def run(args) -> None:
     port = free_port()
     log_path = home / "gateway.log"
     env = {**os.environ, "LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": keys.prefix,
-           "LIVELORA_RESYNC_S": "0", "LIVELORA_REDIS_URL": settings.redis_url}
-    cmd = [sys.executable, "-m", "livelora.clients.cli", "gateway", "--model", str(ref.path),
+           "LIVELORA_RESYNC_S": "0", "LIVELORA_REDIS_URL": settings.redis_url,
+           **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+    cmd = [sys.executable, "-c", os.environ.get("HS_PRE", "") + "from livelora.clients.cli import main; main()", "gateway", "--model", str(ref.path),
            "--served-model-name", EP, "--port", str(port), "--max-batch-size", str(args.streams + 4),
            "--log-level", "info"]
     with open(log_path, "w") as log_file:
@@ -280,10 +292,13 @@ async def run(args) -> None:
             stop = asyncio.Event()
 
             async def stream_loop(i: int) -> None:
-                n = i
+                # lengths vary (max_tokens/2 .. max_tokens) and starts are staggered, so the streams do not
+                # all end, and re-prefill, on the same step
+                n, lengths = i, random.Random(100 + i)
+                await asyncio.sleep(i * 0.3)
                 while not stop.is_set():
                     requests.append(await stream_chat(client, "stream", PROMPTS[n % len(PROMPTS)],
-                                                      args.max_tokens))
+                                                      lengths.randint(args.max_tokens // 2, args.max_tokens)))
                     n += 1
 
             tasks = [asyncio.create_task(stream_loop(i)) for i in range(args.streams)]
@@ -295,7 +310,7 @@ async def run(args) -> None:
                 probes: set[asyncio.Task] = set()
                 served = []
                 while not served and time.time() - t_pub < 60:  # one probe every --probe-every s until served
-                    probes.add(asyncio.create_task(stream_chat(client, "probe", "Hi", 1)))
+                    probes.add(asyncio.create_task(stream_chat(client, "probe", "Hello", 1)))
                     await asyncio.sleep(args.probe_every)
                     served = [t.result() for t in probes if t.done() and t.result().version == name]
                 finished = await asyncio.gather(*probes)
@@ -339,6 +354,10 @@ async def run(args) -> None:
     if publish_to_switch:
         print(f"publish-to-switch (gateway log): p50 {statistics.median(publish_to_switch):.3f} s, "
               f"p99 {pct(publish_to_switch, 99):.3f} s")
+    slots = [float(x) for x in re.findall(r"created LoRA slot \S+ in ([\d.]+) s", log_path.read_text(errors="replace"))]
+    if slots:
+        print(f"LoRA slots created: {len(slots)} (each a one-off pause of decoding: p50 "
+              f"{statistics.median(slots):.3f} s); later versions are copied into free slots")
     if installs:
         xs = list(installs.values())
         print(f"install (load + sha256 + canary): p50 {statistics.median(xs):.3f} s, max {max(xs):.3f} s")
@@ -347,6 +366,10 @@ async def run(args) -> None:
         lat = [s.end - s.start for s in done]
         print(f"streams: {len(streams)} requests, {len(done)} completed, {spanning} open across a swap, "
               f"duration p50 {statistics.median(lat):.2f} s")
+    probe_ttft = [r.first_token - r.start for r in requests if r.kind == "probe" and r.first_token and not r.error]
+    if probe_ttft:
+        print(f"probe time to first token (any version): p50 {statistics.median(probe_ttft):.3f} s, "
+              f"p90 {pct(probe_ttft, 90):.3f} s over {len(probe_ttft)} probes")
     print(f"failed requests: {len(failed)} of {len(requests)}")
     for r in failed[:5]:
         print(f"  {r.kind}: {r.error}")
@@ -364,9 +387,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--versions", type=int, default=20)
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--interval", type=float, default=3.0, help="seconds between publishes (±25 %% jitter)")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the gateway (0: inherit)")
     ap.add_argument("--probe-every", type=float, default=0.1, help="seconds between probes after a publish")
     ap.add_argument("--tol", type=float, default=1e-3, help="nats: served vs teacher-forced logprobs")
     ap.add_argument("--keep-store", action="store_true")

@@ -48,9 +48,9 @@ log = logging.getLogger(__name__)
 
 #: Text whose first :data:`CANARY_TOKENS` tokens form the canary forward pass of every installed version.
 CANARY_TEXT = "The quick brown fox jumps over the lazy dog. 1 2 3"
-#: Canary length in tokens: enough to run every layer on a few positions; each token costs a swap about
-#: 10 ms of CPU forward time on SmolLM2-135M, so it is kept short.
-CANARY_TOKENS = 8
+#: Canary length in tokens: enough to run every layer (attention included) on a few positions; each token
+#: adds about 10 ms of CPU forward time to a swap on SmolLM2-135M, so it is kept short.
+CANARY_TOKENS = 4
 
 
 @dataclass

@@ -205,3 +205,43 @@ def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weig
         max(abs(a - b) for a, b in zip(results[0][1], results[3][1])) > 1e-2  # rows really differ
     for name in names:
         loop.run_until_complete(engine.unload_adapter(name))
+
+
+def test_prefill_groups_bound_padding_and_put_short_prompts_first():
+    from types import SimpleNamespace
+
+    from livelora.gateway.engines.hf_worker import PAD_ALLOWANCE, PAD_SLACK, prefill_groups
+
+    seqs = [SimpleNamespace(prompt=[0] * n) for n in (30, 1, 31, 1, 120, 2, 29)]
+    groups = prefill_groups(seqs)
+    assert [[len(s.prompt) for s in g] for g in groups] == [[1, 1, 2], [29, 30, 31], [120]]
+    for g in groups:
+        lengths = [len(s.prompt) for s in g]
+        assert max(lengths) * len(lengths) <= PAD_SLACK * sum(lengths) + PAD_ALLOWANCE
+    assert sorted(id(s) for g in groups for s in g) == sorted(id(s) for s in seqs)  # each exactly once
+    assert prefill_groups([]) == []
+
+
+def test_a_version_is_not_unloaded_under_a_sequence_taken_for_prefill(engine, loop, versions):
+    """Between two prefill groups the worker runs commands; a sequence already taken from the queue but not
+    yet prefilled still counts as a user of its version."""
+    from types import SimpleNamespace
+
+    from livelora.clients.errors import ConflictError
+
+    (v1, _, _), _ = versions
+    loop.run_until_complete(engine.load_adapter("held@1", str(v1)))
+    worker = engine._worker
+    pending = SimpleNamespace(adapter="held@1", cancelled=False, finished=False)
+
+    def unload_while_admitting():
+        worker.admitting = [pending]
+        try:
+            worker.unload_adapter("held@1")
+        finally:
+            worker.admitting = []
+
+    with pytest.raises(ConflictError):
+        loop.run_until_complete(engine._on_worker(worker, unload_while_admitting))
+    assert engine.loaded_adapters() == ["held@1"]
+    loop.run_until_complete(engine.unload_adapter("held@1"))

@@ -2,23 +2,26 @@
 
 One thread owns the model. Its loop, repeated while there is work:
 
-1. run queued commands (adapter load/unload, :meth:`score`) *between* steps,
-   so they never disturb a forward pass of running sequences;
+1. run queued commands (adapter load/unload, :meth:`score`) *between* forward
+   passes (before admitting, between prefill groups, before decoding), so they
+   never disturb a forward pass of running sequences and wait at most one pass;
 2. drop cancelled sequences from the batch (their KV rows are freed);
-3. admit waiting sequences up to ``max_batch_size``: prefill them together
-   (left-padded, one forward), sample their first token, and merge their KV
-   cache rows into the running :class:`~.kv_batch.KVBatch`;
+3. admit waiting sequences up to ``max_batch_size``: prefill them in groups of
+   similar prompt length (left-padded, one forward per group, shortest first;
+   :func:`prefill_groups`), sample their first token, and merge their KV cache
+   rows into the running :class:`~.kv_batch.KVBatch`;
 4. one decode step for every running sequence: feed each row's last token,
    sample the next one for all rows at once (:func:`~.sampling.sample_batch`),
    stream the chunks, and drop finished rows.
 
-Adapters: rows of one batch may use different adapters. When rows use different
-versions (or some use the base model) the forward goes through peft with
-``adapter_names=`` (one name per row, ``"__base__"`` for base rows; peft's
-mixed-batch LoRA forward); when every row uses one version, that version is
-peft's active adapter and the plain LoRA forward runs. When no row uses
-an adapter the LoRA layers are switched off, so base-only batches run at base
-speed; with no adapter loaded at all the plain transformers model is called.
+Adapters: rows of one batch may use different adapters (or the base model).
+Every LoRA ``Linear`` layer computes each row's own update in one stacked pass
+(:class:`MixedRows`: two matmuls per layer whatever the number of versions;
+base rows get none), so a batch needs no peft state switch. peft's own
+forward (``adapter_names=``, active adapter, disabled layers) remains for what
+the stacked pass does not cover: DoRA, LoRA bias, LoRA on embeddings, or rows
+of versions with different LoRA shapes in one batch. With no adapter loaded at
+all the plain transformers model is called.
 
 Adapter versions live in **LoRA slots** (peft adapters named ``livelora_slot_<n>``).
 A version's name maps to its slot; unloading a version frees its slot, and the
@@ -36,6 +39,7 @@ import functools
 import json
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,6 +101,7 @@ class Worker:
         self.batch = KVBatch()
         self.running: list[Sequence] = []
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self.admitting: list[Sequence] = []  # taken from waiting, not yet prefilled
         self.commands: collections.deque[Callable[[], None]] = collections.deque()
         self.cond = threading.Condition()
         self.stopping = False
@@ -137,7 +142,7 @@ class Worker:
             self.thread.join(timeout=30)
 
     def num_unfinished(self) -> int:
-        return sum(not (s.cancelled or s.finished) for s in list(self.running) + list(self.waiting))
+        return sum(not (s.cancelled or s.finished) for s in list(self.running) + list(self.waiting) + self.admitting)
 
     # ----- the loop -------------------------------------------------------------------
     def _run(self) -> None:
@@ -147,24 +152,41 @@ class Worker:
                     self.cond.wait()
                 if self.stopping:
                     break
-                commands = list(self.commands)
-                self.commands.clear()
-            with torch.no_grad():  # not inference_mode: adapter loads create parameters
-                for fn in commands:
-                    fn()
+            self._run_commands()
+            groups: list[list[Sequence]] = []
             try:
                 with torch.inference_mode():
                     self._drop([s for s in self.running if s.cancelled])
-                    self._admit()
-                    if self.running:
+                    groups = self._admit()
+                self.admitting = [s for group in groups for s in group]
+                for group in groups:  # commands (a swap) may run between prefill groups and before decoding
+                    with torch.inference_mode():
+                        self._prefill(group)
+                    self.admitting = self.admitting[len(group):]
+                    self._run_commands()
+                if self.running:
+                    with torch.inference_mode():
                         self._decode_step()
             except Exception as exc:  # a fault of ours: fail every running sequence, keep serving
                 log.exception("engine step failed")
                 err = exc if isinstance(exc, LiveloraError) else InternalError(f"engine step failed: {exc}")
-                for s in self.running:
+                for s in self.running + [s for group in groups for s in group]:  # admitted ones too
                     self._finish_with_error(s, err)
-                self.running, self.batch = [], KVBatch()
+                self.running, self.batch, self.admitting = [], KVBatch(), []
         self._abort_all()
+
+    def _run_commands(self) -> int:
+        """Run the queued commands (adapter loads and unloads, scoring); returns how many ran."""
+        with self.cond:
+            commands = list(self.commands)
+            self.commands.clear()
+        with torch.no_grad():  # not inference_mode: adapter loads create parameters
+            for fn in commands:
+                try:
+                    fn()
+                except Exception:  # a command reports its own errors to its caller; this is a bug of ours
+                    log.exception("engine command failed")
+        return len(commands)
 
     def _abort_all(self) -> None:
         err = InternalError("the engine was closed")
@@ -199,31 +221,37 @@ class Worker:
         """One forward pass; returns logits ``(B, T_kept, V)``. ``adapters`` has one entry per row."""
         if self.peft is None:
             return self.model(**kw).logits
-        if all(a is None for a in adapters):
-            self._set_lora(False)
-            return self.model(**kw).logits
-        self._set_lora(True)
-        used = set(adapters)
-        if len(used) == 1:  # one version for every row: peft's plain LoRA forward, about 25 % faster
-            self._activate(self.versions[adapters[0]].name)
-            return self.model(**kw).logits
         slots = [self.versions[a] if a is not None else None for a in adapters]
         rows = self._batched_rows(slots)
-        if rows is not None:  # one pass for all versions (see MixedRows)
+        if rows is not None:  # every LoRA layer serves each row its own version (see MixedRows)
             self.mixed_rows = rows
             try:
                 return self.model(**kw).logits
             finally:
                 self.mixed_rows = None
+        # peft's own paths: DoRA, LoRA bias, LoRA on non-Linear layers, or versions of several shapes
+        if all(a is None for a in adapters):
+            self._set_lora(False)
+            return self.model(**kw).logits
+        self._set_lora(True)
+        if len(set(adapters)) == 1:
+            self._activate(slots[0].name)
+            return self.model(**kw).logits
         names = [s.name if s is not None else BASE_ADAPTER for s in slots]
         return self.peft(adapter_names=names, **kw).logits
 
+    def _activate(self, slot: str) -> None:
+        """Make ``slot`` peft's active adapter (used by forwards without ``adapter_names``)."""
+        if self.active_slot != slot:
+            self.peft.base_model.set_adapter(slot, inference_mode=True)
+            self.active_slot = slot
+
     def _batched_rows(self, slots: list[LoraSlot | None]) -> MixedRows | None:
-        """The :class:`MixedRows` of a mixed batch, or ``None`` when peft's own mixed forward must run
-        (slots of different shapes, DoRA or LoRA bias, or LoRA on layers other than ``nn.Linear``)."""
+        """The :class:`MixedRows` of a batch, or ``None`` when peft's own forward must run (versions of
+        different shapes, DoRA or LoRA bias, or LoRA on layers other than ``nn.Linear``)."""
         used = list(dict.fromkeys(s for s in slots if s is not None))
         if not self.lora_linear_only or not all(s.batchable for s in used) or \
-                len({s.signature for s in used}) != 1:
+                len({s.signature for s in used}) > 1:
             return None
         key = tuple(s.name for s in used)
         stacks = self.stacks.pop(key, None)
@@ -235,27 +263,26 @@ class Worker:
         position = {s.name: i for i, s in enumerate(used)}
         return MixedRows(key, [position[s.name] if s is not None else -1 for s in slots], stacks)
 
-    def _activate(self, slot: str) -> None:
-        """Make ``slot`` peft's active adapter (used by forwards without ``adapter_names``)."""
-        if self.active_slot != slot:
-            self.peft.base_model.set_adapter(slot, inference_mode=True)
-            self.active_slot = slot
-
-    def _admit(self) -> None:
+    def _admit(self) -> list[list[Sequence]]:
+        """Take waiting sequences (FIFO, up to ``max_batch_size`` running and ``max_prefill_tokens`` prompt
+        tokens per round) and return them in prefill groups of similar length (:func:`prefill_groups`),
+        shortest first, so a short prompt neither waits for nor is padded to a long one."""
         free = self.max_batch_size - len(self.running)
-        group: list[Sequence] = []
+        admitted: list[Sequence] = []
+        budget = self.max_prefill_tokens
         with self.cond:
-            while self.waiting and len(group) < free:
+            while self.waiting and len(admitted) < free:
                 seq = self.waiting[0]
                 if seq.cancelled:
                     self.waiting.popleft()
                     continue
-                longest = max([len(s.prompt) for s in group] + [len(seq.prompt)])
-                if group and longest * (len(group) + 1) > self.max_prefill_tokens:
+                if admitted and len(seq.prompt) > budget:
                     break
-                group.append(self.waiting.popleft())
-        if not group:
-            return
+                budget -= len(seq.prompt)
+                admitted.append(self.waiting.popleft())
+        return prefill_groups(admitted)
+
+    def _prefill(self, group: list[Sequence]) -> None:
         from transformers import DynamicCache
 
         ids, mask, pos = left_padded([s.prompt for s in group], self.pad_id, self.device)
@@ -339,8 +366,8 @@ class Worker:
 
         A free slot of the same shape (:func:`slot_signature`) has its tensors overwritten in place (a few
         milliseconds); otherwise a new slot is created with peft ``add_adapter`` (about 0.2 s on CPU for
-        SmolLM2 at rank 16 on every linear layer), and a spare one is prepared in a later pause so the
-        next version finds it free.
+        SmolLM2 at rank 16 on every linear layer), and a spare one is prepared :data:`SPARE_DELAY_S`
+        later so the next version finds it free.
 
         Returns:
             :meth:`score` of ``canary`` on the new version, or ``None`` without ``canary``.
@@ -367,8 +394,10 @@ class Worker:
                 raise
             raise BadRequestError(f"adapter at {source} does not fit this base model: {exc}", param="path") from exc
         self.versions[name] = slot
-        if not any(s.signature == signature for s in self.free_slots):
-            self.call(lambda: self._prepare_spare(config, signature))
+        if not any(s.signature == signature for s in self.free_slots):  # later: not while the swap is served
+            timer = threading.Timer(SPARE_DELAY_S, self.call, args=(lambda: self._prepare_spare(config, signature),))
+            timer.daemon = True
+            timer.start()
         if canary is None:
             return None
         try:
@@ -383,6 +412,7 @@ class Worker:
         slot = LoraSlot(f"{SLOT_PREFIX}{self._slot_counter}", signature)
         self._slot_counter += 1
         created = self.peft is None
+        t0 = time.perf_counter()
         try:
             if created:
                 self.peft = PeftModel(self.model, config, adapter_name=slot.name)
@@ -398,6 +428,8 @@ class Worker:
         slot.batchable = not getattr(config, "use_dora", False) and not getattr(config, "lora_bias", False)
         self._patch_lora_layers()
         self.stacks.clear()
+        log.info("created LoRA slot %s in %.3f s (%d slots, %d free)", slot.name, time.perf_counter() - t0,
+                 len(self.versions) + len(self.free_slots) + 1, len(self.free_slots))
         return slot
 
     def _patch_lora_layers(self) -> None:
@@ -426,7 +458,8 @@ class Worker:
         """Copy ``weights`` (keys as peft saves them, without the adapter name) into ``slot``'s tensors."""
         from peft.utils import set_peft_model_state_dict
 
-        self.stacks.clear()  # they hold copies of slot tensors
+        for key in [k for k in self.stacks if slot.name in k]:  # they hold copies of this slot's tensors
+            del self.stacks[key]
 
         if slot.params is None:
             marker = f".{slot.name}."
@@ -469,7 +502,7 @@ class Worker:
         free slots per shape are kept, and when no version is loaded at all the LoRA layers are removed
         (the plain model serves again at full speed).
         """
-        users = [s for s in list(self.running) + list(self.waiting)
+        users = [s for s in list(self.running) + list(self.waiting) + self.admitting
                  if s.adapter == name and not (s.cancelled or s.finished)]
         if users:
             raise ConflictError(f"adapter {name!r} is in use by {len(users)} running or queued sequences",
@@ -485,10 +518,41 @@ class Worker:
             self._delete_slot(s)
 
 
+#: A prefill group's padded tokens may exceed its real prompt tokens by this factor plus PAD_ALLOWANCE.
+PAD_SLACK = 1.25
+PAD_ALLOWANCE = 8
+
+
+def prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """Split sequences to prefill into groups of similar prompt length, shortest first.
+
+    A left-padded group of n prompts costs ``n * longest`` token positions; on a CPU, where a forward pass
+    is compute-bound, padding is pure waste, so a group is closed when adding the next (longer) prompt would
+    make its padded size exceed ``PAD_SLACK * real tokens + PAD_ALLOWANCE``.
+    """
+    groups: list[list[Sequence]] = []
+    current: list[Sequence] = []
+    real = 0
+    for seq in sorted(seqs, key=lambda s: len(s.prompt)):
+        n = len(seq.prompt)
+        if current and n * (len(current) + 1) > PAD_SLACK * (real + n) + PAD_ALLOWANCE:
+            groups.append(current)
+            current, real = [], 0
+        current.append(seq)
+        real += n
+    if current:
+        groups.append(current)
+    return groups
+
+
 #: peft adapter names of the worker's LoRA slots are this prefix plus a counter (never a version name).
 SLOT_PREFIX = "livelora_slot_"
-#: Free slots kept per shape for the next versions (a new slot costs a peft ``add_adapter``).
-MAX_FREE_SLOTS = 2
+#: Seconds after a load before a spare slot is created (a pause of decoding of ~0.2 s on CPU), so that it
+#: does not delay the first requests on the version just installed.
+SPARE_DELAY_S = 2.0
+#: Free slots kept per shape for the next versions (a new slot costs a peft ``add_adapter``, a slot of
+#: rank 16 on every linear layer of SmolLM2-135M holds 9 MB in float32).
+MAX_FREE_SLOTS = 4
 #: LoraConfig fields that do not change the LoRA modules' shapes or forward at inference.
 _SIGNATURE_IGNORES = {"base_model_name_or_path", "revision", "inference_mode", "init_lora_weights",
                       "lora_dropout", "peft_version", "auto_mapping", "task_type"}
@@ -529,15 +593,18 @@ class LoraSlot:
     batchable: bool = True  # plain LoRA (no DoRA, no LoRA bias): MixedRows can serve it
 
 
-#: Mixed-version stack sets kept (each holds a copy of the LoRA weights of the versions in one batch).
-MAX_STACK_SETS = 4
+#: Stack sets kept, one per set of versions seen together in a batch (each holds a copy of their LoRA
+#: weights: 9 MB per version of rank 16 on SmolLM2-135M).
+MAX_STACK_SETS = 8
 
 
 class MixedRows:
-    """A batch whose rows use different versions (or the base model), served in one pass per LoRA layer.
+    """A batch's rows and their versions (several, one, or only the base model), served in one pass per
+    LoRA layer.
 
     peft's mixed-batch forward loops over the versions present in every layer (index the rows, two small
-    matmuls, scatter back: about 5 operations per version per layer). Here the U versions' factors are
+    matmuls, scatter back: about 5 operations per version per layer), and switching its active adapter
+    or enabling/disabling its LoRA layers walks every module (20-25 ms on SmolLM2). Here the U versions' factors are
     concatenated along the rank, ``A = [A_1; …; A_U]`` of shape ``(Σr, d_in)`` and
     ``B = [s_1 B_1ᵀ; …; s_U B_Uᵀ]`` of shape ``(Σr, d_out)`` (``s_u`` = the version's LoRA scaling), and a
     0/1 mask ``M`` of shape ``(rows, 1, Σr)`` keeps each row's own block, so that for row b on version u
@@ -560,6 +627,8 @@ class MixedRows:
 
     def layer(self, module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(A, B, mask)`` of one LoRA layer for this batch, or ``None`` if no version adapts it."""
+        if not self.key:  # every row on the base model
+            return None
         entry = self.stacks.get(id(module))
         if entry is None:
             if not all(name in module.lora_A for name in self.key):
