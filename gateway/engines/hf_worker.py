@@ -157,13 +157,16 @@ class Worker:
             try:
                 with torch.inference_mode():
                     self._drop([s for s in self.running if s.cancelled])
+                for _ in range(ADMISSION_ROUNDS):  # arrivals during a prefill get theirs before the decode step
                     groups = self._admit()
-                self.admitting = [s for group in groups for s in group]
-                for group in groups:  # commands (a swap) may run between prefill groups and before decoding
-                    with torch.inference_mode():
-                        self._prefill(group)
-                    self.admitting = self.admitting[len(group):]
-                    self._run_commands()
+                    if not groups:
+                        break
+                    self.admitting = [s for group in groups for s in group]
+                    for group in groups:  # commands (a swap) may run between prefill groups and before decoding
+                        with torch.inference_mode():
+                            self._prefill(group)
+                        self.admitting = self.admitting[len(group):]
+                        self._run_commands()
                 if self.running:
                     with torch.inference_mode():
                         self._decode_step()
@@ -518,6 +521,9 @@ class Worker:
             self._delete_slot(s)
 
 
+#: Admission rounds per decode step: sequences that arrive while the first round prefills are admitted
+#: before the step instead of after it (shorter time to first token, one step's delay for the running ones).
+ADMISSION_ROUNDS = 2
 #: A prefill group's padded tokens may exceed its real prompt tokens by this factor plus PAD_ALLOWANCE.
 PAD_SLACK = 1.25
 PAD_ALLOWANCE = 8
