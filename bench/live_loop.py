@@ -128,6 +128,7 @@ class Loop:
         backend = OnlineTrainer(ref, self.home, OnlineConfig(
             lora=LoraConfig(rank=h["lora_rank"], alpha=h["lora_alpha"], train_unembed=False),
             kto_lr=h["kto_lr"], beta=h["beta"]))
+        backend.warm_up()  # as TrainerWorker.run() does in `livelora serve` / `livelora trainer`
         self.worker = TrainerWorker(self.redis, self.keys, self.home, backend, OnlinePolicy(PolicyConfig(
             kto_min_batch=kto_min_batch, max_batch=max_batch)), consumer="bench", block_ms=50)
         self.written: dict[str, float] = {}

@@ -94,3 +94,4 @@ def test_errors_leave_no_sequences_admitted(http, live_server):
     assert live_server.admission.active == 0
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["sequences"] == 0 and health["model"] == MODEL
+    assert isinstance(health["adapters_loaded"], int) and "adapters" not in health  # no names without a key

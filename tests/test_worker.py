@@ -101,9 +101,12 @@ def test_worker_records_before_ack_trains_kto_and_publishes(bus, base_ref, pair_
     sub = client.pubsub(ignore_subscribe_messages=True)
     sub.subscribe(keys.notices)
     backend = OnlineTrainer(base_ref, tmp_path, OnlineConfig(kto_lr=1e-3))
+    backend.warm_up()  # what TrainerWorker.run() does first: the model is built before any signal
+    warmed = backend._fresh
     worker = TrainerWorker(client, keys, tmp_path, backend, OnlinePolicy(PolicyConfig(kto_min_batch=2)),
                            consumer="w1", block_ms=100)
     [notice] = worker.poll()
+    assert backend.model_for("live") is warmed and backend._fresh is None  # the new lineage took it
     # dataset of record: every entry read, including the superseded rating
     records = read_dataset(tmp_path)
     assert [r["stream_id"] for r in records] == ids
@@ -216,3 +219,35 @@ def test_trained_but_unacked_events_are_not_trained_twice(bus, base_ref, pair_to
     assert pending(client, keys) == 0
     assert [m.version for m in AdapterStore(tmp_path).list("once")] == [1]
     assert len(ids) == 2
+
+
+def test_warm_model_resumes_a_stored_lineage_or_gives_way_to_its_shape(base_ref, tmp_path):
+    """After a restart the model built ahead takes the newest version's weights when the LoRA shapes agree; a
+    lineage of another rank gets a model of its own shape."""
+    import torch
+
+    from livelora.clients.types.tinker import LoraConfig
+    from livelora.trainer.model import TrainingModel
+
+    store = AdapterStore(tmp_path)
+    for lineage, rank in (("same", 8), ("other", 4)):
+        tm = TrainingModel(base_ref, LoraConfig(rank=rank, alpha=32, train_unembed=False))
+        with torch.no_grad():
+            for k, p in tm.lora_params.items():
+                if "lora_B" in k:
+                    p.normal_(0, 0.02)
+        tm.save_weights(store, lineage)
+        del tm
+    saved = load_file(str(store.version_dir("same", 1) / "adapter_model.safetensors"))
+
+    backend = OnlineTrainer(base_ref, tmp_path, OnlineConfig(lora=LoraConfig(rank=8, alpha=32, train_unembed=False)))
+    backend.warm_up()
+    warmed = backend._fresh
+    model = backend.model_for("same")
+    assert model is warmed and model.parent == 1
+    assert all(torch.equal(model.lora_params[k].detach(), saved[k]) for k in saved)
+
+    backend.warm_up()
+    warmed = backend._fresh
+    other = backend.model_for("other")
+    assert other is not warmed and other.lora.rank == 4 and other.parent == 1

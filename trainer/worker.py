@@ -309,7 +309,14 @@ class TrainerWorker:
         self._ack(batch.stream_ids)
 
     def run(self, stop: threading.Event, retry_s: float = 1.0) -> None:
-        """Poll until ``stop`` is set; Redis outages are logged and retried every ``retry_s`` seconds."""
+        """Poll until ``stop`` is set; Redis outages are logged and retried every ``retry_s`` seconds.
+        First the backend builds its model ahead (``warm_up``), so the first update is not slower."""
+        warm_up = getattr(self.backend, "warm_up", None)
+        if warm_up is not None:
+            try:
+                warm_up()
+            except Exception:  # only an optimisation: the first update builds what it needs
+                log.exception("trainer warm-up failed")
         while not stop.is_set():
             try:
                 self.poll()

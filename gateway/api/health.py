@@ -11,10 +11,11 @@ router = APIRouter(tags=["health"])
 
 @router.get("/health")
 async def health(engine: EngineDep, settings: SettingsDep, admission: AdmissionDep) -> dict:
-    """``{"status": "ok", "model", "engine", "sequences", "max_sequences", "adapters"}``.
+    """``{"status": "ok", "model", "engine", "sequences", "max_sequences", "adapters_loaded"}``.
 
-    ``sequences`` counts sequences admitted by the gateway (running or waiting).
+    ``sequences`` counts sequences admitted by the gateway (running or waiting). This route needs no key, so
+    it gives the number of loaded adapter versions, never their names (which name tenants' lineages).
     """
     return {"status": "ok", "model": settings.model_id, "engine": settings.engine,
             "sequences": admission.active, "max_sequences": admission.limit,
-            "adapters": engine.loaded_adapters()}
+            "adapters_loaded": len(engine.loaded_adapters())}
