@@ -138,6 +138,16 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
                 settings = settings.model_copy(update={"redis_url": url})
             worker = build_worker(TrainerSettings(home=settings.home, model=settings.model,
                                                   redis_url=settings.redis_url, redis_prefix=settings.redis_prefix))
+            # transformers' lazy modules are not safe to initialise from two threads at once (the trainer warms
+            # up while the gateway loads its engine): import what both use here first
+            import peft
+            import transformers
+
+            for module, names in ((transformers, ("AutoModelForCausalLM", "AutoTokenizer", "DynamicCache")),
+                                  (peft, ("PeftModel",))):
+                for name in names:
+                    getattr(module, name)
+
             worker_thread = threading.Thread(target=worker.run, args=(stop,), name="livelora-trainer", daemon=True)
             worker_thread.start()
         base_url = f"http://{settings.host}:{settings.port}/v1"
