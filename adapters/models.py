@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,39 @@ BUILTIN_GGUF: dict[str, tuple[str, str]] = {
 }
 
 MANIFEST = "livelora_model.json"
+
+#: Held while a thread builds modules: transformers' ``from_pretrained`` creates the model on the meta device by
+#: patching ``torch.nn.Module`` for the whole process while it loads (accelerate's ``init_empty_weights``), so a
+#: module built by another thread at that moment (a model, or peft's LoRA layers) gets meta tensors with no
+#: data. :func:`load_model`, the trainer's and the engine's LoRA injection and the exporter take it; one
+#: process runs gateway and trainer threads in ``livelora serve``. Re-entrant.
+MODEL_BUILD_LOCK = threading.RLock()
+_imported = False
+
+
+def import_model_libraries() -> None:
+    """Import transformers' lazily loaded classes and peft once, under :data:`MODEL_BUILD_LOCK`.
+
+    transformers resolves ``from transformers import X`` through a lazy module that is not safe to initialise
+    from two threads at once ("cannot import name 'AutoModel' from 'transformers'"); after this call every name
+    is resolved and later imports from any thread are plain dictionary look-ups. Idempotent, cheap after the
+    first call.
+    """
+    global _imported
+    if _imported:
+        return
+    with MODEL_BUILD_LOCK:
+        if _imported:
+            return
+        import peft
+        import transformers
+
+        for name in ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoTokenizer", "DynamicCache",
+                     "PreTrainedModel"):
+            getattr(transformers, name)
+        for name in ("PeftConfig", "PeftModel", "LoraConfig", "get_peft_model"):
+            getattr(peft, name)
+        _imported = True
 
 
 @dataclass(frozen=True)
@@ -93,18 +127,22 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     dequantized state dict is loaded into it.
     """
     from rich.console import Console
+
+    import_model_libraries()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     console = Console(stderr=True)
     console.print(f"[bold]livelora[/]: converting {gguf.name} to safetensors (once, about 30 s)")
     kw = {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kw)
+    with MODEL_BUILD_LOCK:
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kw)
     config = AutoConfig.from_pretrained(gguf.parent, **kw)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     config.dtype = "float32"
-    model = AutoModelForCausalLM.from_config(config)
+    with MODEL_BUILD_LOCK:
+        model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
@@ -157,6 +195,7 @@ def resolve_base_model(name: str, home: Path) -> BaseModelRef:
 
 def load_tokenizer(ref: BaseModelRef) -> PreTrainedTokenizerBase:
     """Load the tokenizer (with its chat template) of a resolved base model."""
+    import_model_libraries()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(ref.path)
@@ -169,9 +208,11 @@ def load_model(ref: BaseModelRef, *, dtype: str | torch.dtype = "float32", devic
     Args:
         dtype: ``"float32"`` (CPU default), ``"bfloat16"``, ``"float16"`` or a torch dtype.
     """
+    import_model_libraries()
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype, **kw)
-    model.to(device)
+    with MODEL_BUILD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype, **kw)
+        model.to(device)
     model.eval()
     return model

@@ -139,14 +139,10 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             worker = build_worker(TrainerSettings(home=settings.home, model=settings.model,
                                                   redis_url=settings.redis_url, redis_prefix=settings.redis_prefix))
             # transformers' lazy modules are not safe to initialise from two threads at once (the trainer warms
-            # up while the gateway loads its engine): import what both use here first
-            import peft
-            import transformers
+            # up while the gateway loads its engine): resolve them here first
+            from livelora.adapters.models import import_model_libraries
 
-            for module, names in ((transformers, ("AutoModelForCausalLM", "AutoTokenizer", "DynamicCache")),
-                                  (peft, ("PeftModel",))):
-                for name in names:
-                    getattr(module, name)
+            import_model_libraries()
 
             worker_thread = threading.Thread(target=worker.run, args=(stop,), name="livelora-trainer", daemon=True)
             worker_thread.start()

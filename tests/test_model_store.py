@@ -36,3 +36,35 @@ def test_local_directory_and_bad_names(base_ref, tmp_path, livelora_home):
         resolve_base_model(str(tmp_path), livelora_home)  # a directory without config.json
     with pytest.raises(BadRequestError):
         resolve_base_model(" ", livelora_home)
+
+
+def test_models_and_lora_layers_built_by_two_threads_at_once_hold_real_weights(base_ref):
+    """`livelora serve` loads the engine's model while the trainer thread builds its own; transformers builds
+    models on the meta device by patching torch.nn.Module process-wide, so unserialised builds can leave a
+    thread with data-less meta tensors (seen as 'Cannot copy out of meta tensor' at start-up)."""
+    import threading
+
+    from livelora.clients.types.tinker import LoraConfig
+    from livelora.trainer.model import TrainingModel
+
+    built, errors = [], []
+
+    def build(kind: str) -> None:
+        try:
+            for _ in range(2):
+                if kind == "engine":
+                    built.append(load_model(base_ref))
+                else:
+                    built.append(TrainingModel(base_ref, LoraConfig(rank=4, train_unembed=False)).peft_model)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build, args=(kind,)) for kind in ("engine", "trainer")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(built) == 4
+    for model in built:
+        assert not any(p.is_meta for p in model.parameters())

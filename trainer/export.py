@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from livelora.adapters.atomic import atomic_dir
-from livelora.adapters.models import BaseModelRef, load_model, load_tokenizer
+from livelora.adapters.models import MODEL_BUILD_LOCK, BaseModelRef, load_model, load_tokenizer
 from livelora.adapters.store import CONFIG_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError, ConflictError
 
@@ -69,7 +69,7 @@ def export_merged(store: AdapterStore, lineage: str, version: int, base_ref: Bas
         model.config.tie_word_embeddings = False
         if hasattr(model.config, "get_text_config"):
             model.config.get_text_config().tie_word_embeddings = False
-    with warnings.catch_warnings():
+    with MODEL_BUILD_LOCK, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*tied layer.*")  # untied above
         merged = PeftModel.from_pretrained(model, str(vdir)).merge_and_unload(safe_merge=True)
     merged = merged.to(dtype)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from livelora.adapters.models import BaseModelRef, load_model
+from livelora.adapters.models import MODEL_BUILD_LOCK, BaseModelRef, import_model_libraries, load_model
 from livelora.adapters.store import (CONFIG_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, WEIGHTS_FILE, AdapterStore,
                                      Manifest)
 from livelora.clients.errors import BadRequestError, NotFoundError
@@ -79,6 +79,7 @@ class TrainingModel:
 
     def __init__(self, base_ref: BaseModelRef, lora: LoraConfig | None = None, *, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, max_seq_len: int | None = None, base_model: Any = None):
+        import_model_libraries()
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
 
@@ -96,7 +97,7 @@ class TrainingModel:
                                   "turn off the corresponding train_* flag", param="lora_config")
         self.peft_config = PeftLoraConfig(r=self.lora.rank, lora_alpha=self.alpha, lora_dropout=0.0,
                                           target_modules=targets, bias="none", task_type="CAUSAL_LM")
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        with MODEL_BUILD_LOCK, torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # handled, see module doc
             warnings.filterwarnings("ignore", message=".*tied layer.*")
             torch.manual_seed(self.seed)

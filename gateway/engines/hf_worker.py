@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from livelora.adapters.models import MODEL_BUILD_LOCK
 from livelora.clients.errors import BadRequestError, ConflictError, InternalError, LiveloraError
 from livelora.gateway.engines.base import GenerationChunk, SamplingParams, TokenLogprob
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
@@ -417,11 +418,12 @@ class Worker:
         created = self.peft is None
         t0 = time.perf_counter()
         try:
-            if created:
-                self.peft = PeftModel(self.model, config, adapter_name=slot.name)
-                self.peft.eval()
-            else:
-                self.peft.add_adapter(slot.name, config)
+            with MODEL_BUILD_LOCK:  # another thread may be loading a model (see the lock's doc)
+                if created:
+                    self.peft = PeftModel(self.model, config, adapter_name=slot.name)
+                    self.peft.eval()
+                else:
+                    self.peft.add_adapter(slot.name, config)
         except Exception as exc:
             self._delete_slot(slot)
             raise BadRequestError(f"adapter at {source} does not fit this base model: {exc}", param="path") from exc
