@@ -142,7 +142,7 @@ def test_misfit_weights_are_refused_and_the_slot_serves_the_next_version(engine,
                                                                          base_ref, tmp_path):
     (v1, v2, _), rank4 = versions
     loop.run_until_complete(engine.load_adapter("fit@1", str(v1)))
-    _slots(loop, engine)  # a spare slot of rank 8 now exists
+    _slots(loop, engine)  # let queued worker commands run
     bad = tmp_path / "bad"
     shutil.copytree(v2, bad)
     weights = load_file(bad / "adapter_model.safetensors")

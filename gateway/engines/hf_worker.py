@@ -451,8 +451,10 @@ class Worker:
                 self.lora_linear_only = False
 
     def _prepare_spare(self, config, signature: str) -> None:
-        """Create one free slot of ``signature`` unless one is free already (runs between decode steps)."""
-        if any(s.signature == signature for s in self.free_slots):
+        """Create one free slot of ``signature`` unless one is free already or no loaded version has that shape
+        any more (runs between forward passes, :data:`SPARE_DELAY_S` after a load)."""
+        if any(s.signature == signature for s in self.free_slots) or \
+                not any(v.signature == signature for v in self.versions.values()):
             return
         try:
             self.free_slots.append(self._new_slot(config, signature, "spare slot"))
