@@ -150,6 +150,8 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         console.print(f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.engine} engine "
                       f"on [green]{base_url}[/] (store: {settings.home}"
                       f"{', trainer in-process' if whole_loop else ''})")
+        console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}"
+                      f"{'; embedded, not durable' if redis_proc is not None else ''})")
         gateway_app = create_app(settings)  # refuses a public bind without keys (unless --allow-open)
         if gateway_app.state.auth_open:
             console.print("[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "

@@ -115,7 +115,9 @@ async def test_feedback_unknown_completion_and_bad_input_change_nothing(env):
     await app.state.log.record(record("chatcmpl-2"))
     for body in ({"completion_id": "chatcmpl-2"},                                  # no rating
                  {"completion_id": "chatcmpl-2", "rating": True, "stars": 5},       # unknown field
-                 {"completion_id": "chatcmpl-2", "rating": "maybe"}):               # not a boolean
+                 {"completion_id": "chatcmpl-2", "rating": "maybe"},                # not a boolean
+                 {"completion_id": "chatcmpl-2", "rating": "yes"},                  # nor a look-alike
+                 {"completion_id": "chatcmpl-2", "rating": 1}):
         r = await http.post("/v1/feedback", json=body)
         assert r.status_code == 400, body
         assert r.json()["error"]["type"] == "invalid_request_error"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, TypeAdapter, field_validator
 
 
 class _Strict(BaseModel):
@@ -87,7 +87,8 @@ class FeedbackRequest(_Strict):
     """Body of ``POST /v1/feedback``: one rating of one served completion."""
 
     completion_id: str = Field(min_length=1, max_length=256, description="Id of a served completion.")
-    rating: bool = Field(description="Thumbs label: true = up (KTO desirable), false = down (undesirable).")
+    rating: StrictBool = Field(description="Thumbs label: JSON true = up (KTO desirable), false = down "
+                                           "(undesirable); \"yes\", 1 and other look-alikes are refused.")
     score: float | None = Field(default=None, description="Optional numeric score (finite).")
     comment: str | None = Field(default=None, max_length=10_000, description="Optional free-text comment.")
     user: _User = None
