@@ -266,7 +266,7 @@ async def run(args) -> None:
     env = {**os.environ, "LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": keys.prefix,
            "LIVELORA_RESYNC_S": "0", "LIVELORA_REDIS_URL": settings.redis_url,
            **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
-    cmd = [sys.executable, "-c", os.environ.get("HS_PRE", "") + "from livelora.clients.cli import main; main()", "gateway", "--model", str(ref.path),
+    cmd = [sys.executable, "-m", "livelora.clients.cli", "gateway", "--model", str(ref.path),
            "--served-model-name", EP, "--port", str(port), "--max-batch-size", str(args.streams + 4),
            "--log-level", "info"]
     with open(log_path, "w") as log_file:

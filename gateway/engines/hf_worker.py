@@ -179,8 +179,8 @@ class Worker:
                 self.running, self.batch, self.admitting = [], KVBatch(), []
         self._abort_all()
 
-    def _run_commands(self) -> int:
-        """Run the queued commands (adapter loads and unloads, scoring); returns how many ran."""
+    def _run_commands(self) -> None:
+        """Run the queued commands (adapter loads and unloads, scoring)."""
         with self.cond:
             commands = list(self.commands)
             self.commands.clear()
@@ -190,7 +190,6 @@ class Worker:
                     fn()
                 except Exception:  # a command reports its own errors to its caller; this is a bug of ours
                     log.exception("engine command failed")
-        return len(commands)
 
     def _abort_all(self) -> None:
         err = InternalError("the engine was closed")
