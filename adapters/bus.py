@@ -1,18 +1,6 @@
-"""Redis as the bus: key layout, connection helpers, error mapping.
+"""Redis as the bus: connections, consumer groups, notices, error mapping.
 
-Key layout (every key starts with the configured prefix, ``livelora:`` by
-default; see ../shared/design.md, "Suggested Redis keys"):
-
-=============================  ==========================  =====================================
-key                            type                        holds
-=============================  ==========================  =====================================
-``completion:{id}``            string (JSON), TTL          one served completion (CompletionRecord)
-``rating:{completion}:{user}`` string, TTL                 id of the latest rating by that user
-``signals``                    stream, group ``trainers``  ratings, preferences, demonstrations
-``idem:{scope}:{key}``         string (JSON), TTL, SET NX  first answer to an idempotent request
-``notices``                    pub/sub channel             version published, endpoint moved
-=============================  ==========================  =====================================
-
+Key names live in :class:`~livelora.adapters.redis_keys.KeyLayout` (one class for every key and channel).
 Each signals-stream entry has one field, ``event``, holding the event as JSON
 (see :mod:`livelora.clients.types.signals`).
 
@@ -27,51 +15,16 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
 
+from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import UnavailableError
 
-#: Consumer group of the trainer workers on the signals stream.
-TRAINERS_GROUP = "trainers"
-#: Default retention of completion records and rating keys: 7 days, in seconds.
-DEFAULT_RETENTION_S = 7 * 24 * 3600
-#: Default lifetime of idempotency keys: 24 hours, in seconds.
-DEFAULT_IDEMPOTENCY_TTL_S = 24 * 3600
 #: Seconds a client is told to wait (``Retry-After``) when Redis is unreachable.
 RETRY_AFTER_S = 1.0
-
-
-@dataclass(frozen=True)
-class Keys:
-    """The Redis key names under one prefix (``livelora:`` by default; tests use a unique one)."""
-
-    prefix: str = "livelora:"
-
-    def completion(self, completion_id: str) -> str:
-        """``{prefix}completion:{id}``: the completion record (JSON string, TTL = retention)."""
-        return f"{self.prefix}completion:{completion_id}"
-
-    def rating(self, completion_id: str, user: str) -> str:
-        """``{prefix}rating:{completion_id}:{user}``: id of the latest rating (replace-on-re-rate)."""
-        return f"{self.prefix}rating:{completion_id}:{user}"
-
-    @property
-    def signals(self) -> str:
-        """``{prefix}signals``: the stream of accepted signal events (group :data:`TRAINERS_GROUP`)."""
-        return f"{self.prefix}signals"
-
-    @property
-    def notices(self) -> str:
-        """``{prefix}notices``: pub/sub channel of version and endpoint notices."""
-        return f"{self.prefix}notices"
-
-    def idem(self, scope: str, key: str) -> str:
-        """``{prefix}idem:{scope}:{key}``: idempotency record (SET NX, TTL)."""
-        return f"{self.prefix}idem:{scope}:{key}"
 
 
 @contextlib.contextmanager
@@ -115,7 +68,7 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True)
 
 
-def ensure_group(client: redis.Redis, keys: Keys) -> None:
+def ensure_group(client: redis.Redis, keys: KeyLayout) -> None:
     """Create the signals stream and its ``trainers`` consumer group if missing (from the start, id 0).
 
     Raises:
@@ -129,7 +82,7 @@ def ensure_group(client: redis.Redis, keys: Keys) -> None:
                 raise
 
 
-async def ensure_group_async(client: aredis.Redis, keys: Keys) -> None:
+async def ensure_group_async(client: aredis.Redis, keys: KeyLayout) -> None:
     """Async twin of :func:`ensure_group`."""
     with redis_unavailable():
         try:
@@ -139,7 +92,7 @@ async def ensure_group_async(client: aredis.Redis, keys: Keys) -> None:
                 raise
 
 
-def publish_notice(client: redis.Redis, keys: Keys, notice: dict[str, Any]) -> int:
+def publish_notice(client: redis.Redis, keys: KeyLayout, notice: dict[str, Any]) -> int:
     """Publish a notice (JSON) on the notices channel; returns the number of subscribers reached.
 
     Notices are an optimisation: a gateway that misses one catches up from the

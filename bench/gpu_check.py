@@ -142,13 +142,13 @@ async def main(args) -> int:
     # vLLM takes this share of GPU memory; the rest is for the fp32 reference at the end.
     os.environ.setdefault("LIVELORA_VLLM_GPU_MEMORY_UTILIZATION", str(args.gpu_memory_utilization))
     from livelora.adapters.models import load_tokenizer, resolve_base_model
-    from livelora.adapters.settings import BaseSettings
+    from livelora.adapters.settings import CommonSettings
     from livelora.gateway.app import create_app
     from livelora.gateway.engines import create_engine
     from livelora.gateway.settings import GatewaySettings
 
     t_all = time.perf_counter()
-    base = BaseSettings()
+    base = CommonSettings()
     ref = resolve_base_model(base.model, base.home)
     tokenizer = load_tokenizer(ref)
     tmp = Path(tempfile.mkdtemp(prefix="livelora-gpu-check-"))

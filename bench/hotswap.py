@@ -248,25 +248,24 @@ def check_streams(ref, store, keys, redis_client, streams: list[Request], publis
 
 async def run(args) -> None:
     import redis
-
-    from livelora.adapters.bus import Keys
-    from livelora.adapters.models import resolve_base_model
-    from livelora.adapters.settings import BaseSettings
-
     import torch
 
+    from livelora.adapters.models import resolve_base_model
+    from livelora.adapters.redis_keys import KeyLayout
+    from livelora.adapters.settings import CommonSettings
+
     torch.set_num_threads(1)  # this process is the clients and the trainer; leave the cores to the gateway
-    settings = BaseSettings()
+    settings = CommonSettings()
     ref = resolve_base_model(settings.model, settings.home)
     home = Path(tempfile.mkdtemp(prefix="livelora-hotswap-"))
-    keys = Keys(f"livelora-bench-hotswap-{uuid.uuid4().hex[:8]}:")
+    keys = KeyLayout(f"livelora-bench-hotswap-{uuid.uuid4().hex[:8]}:")
     redis_client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     port = free_port()
     log_path = home / "gateway.log"
     env = {**os.environ, "LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": keys.prefix,
            "LIVELORA_RESYNC_S": "0", "LIVELORA_REDIS_URL": settings.redis_url,
            **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
-    cmd = [sys.executable, "-m", "livelora.clients.cli", "gateway", "--model", str(ref.path),
+    cmd = [sys.executable, "-m", "livelora.cli.main", "gateway", "--model", str(ref.path),
            "--served-model-name", EP, "--port", str(port), "--max-batch-size", str(args.streams + 4),
            "--log-level", "info"]
     with open(log_path, "w") as log_file:

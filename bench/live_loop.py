@@ -98,19 +98,19 @@ class Loop:
     def __init__(self, args, kto_min_batch: int, max_batch: int):
         from _server import start_server
 
-        from livelora.adapters.bus import Keys, connect_sync
+        from livelora.adapters.bus import connect_sync
         from livelora.adapters.models import resolve_base_model
-        from livelora.adapters.settings import BaseSettings
-        from livelora.clients.types.tinker import LoraConfig
+        from livelora.adapters.redis_keys import KeyLayout
+        from livelora.adapters.settings import CommonSettings
         from livelora.gateway.settings import GatewaySettings
-        from livelora.trainer.online import OnlineConfig, OnlineTrainer
-        from livelora.trainer.policy import OnlinePolicy, PolicyConfig
-        from livelora.trainer.settings import TrainerSettings
+        from livelora.trainer.online import OnlineTrainer
+        from livelora.trainer.scheduler import BatchScheduler
+        from livelora.trainer.settings import TrainingSection
         from livelora.trainer.worker import TrainerWorker
 
-        base = BaseSettings()
+        base = CommonSettings()
         ref = resolve_base_model(base.model, base.home)
-        d = TrainerSettings.model_fields
+        d = TrainingSection.model_fields
         self.hparams = {
             "kto_lr": args.kto_lr if args.kto_lr is not None else d["kto_lr"].default,
             "beta": args.beta if args.beta is not None else d["beta"].default,
@@ -119,17 +119,16 @@ class Loop:
             "kto_min_batch": kto_min_batch, "max_batch": max_batch}
         self.keep_store = args.keep_store
         self.home = Path(tempfile.mkdtemp(prefix="livelora-bench-loop-"))
-        self.keys = Keys(f"livelora-bench-{uuid.uuid4().hex[:8]}:")
+        self.keys = KeyLayout(f"livelora-bench-{uuid.uuid4().hex[:8]}:")
         self.server = start_server(GatewaySettings(
             model=str(ref.path), served_model_name=EP, home=self.home, redis_prefix=self.keys.prefix,
             max_batch_size=args.max_batch_size, max_waiting=64, device="cpu"))
         self.redis = connect_sync(base.redis_url)
         h = self.hparams
-        backend = OnlineTrainer(ref, self.home, OnlineConfig(
-            lora=LoraConfig(rank=h["lora_rank"], alpha=h["lora_alpha"], train_unembed=False),
-            kto_lr=h["kto_lr"], beta=h["beta"]))
+        backend = OnlineTrainer(ref, self.home, TrainingSection(
+            lora_rank=h["lora_rank"], lora_alpha=h["lora_alpha"], kto_lr=h["kto_lr"], beta=h["beta"]))
         backend.warm_up()  # as TrainerWorker.run() does in `livelora serve` / `livelora trainer`
-        self.worker = TrainerWorker(self.redis, self.keys, self.home, backend, OnlinePolicy(PolicyConfig(
+        self.worker = TrainerWorker(self.redis, self.keys, self.home, backend, BatchScheduler(TrainingSection(
             kto_min_batch=kto_min_batch, max_batch=max_batch)), consumer="bench", block_ms=50)
         self.written: dict[str, float] = {}
         self._stop = threading.Event()

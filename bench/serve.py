@@ -98,9 +98,9 @@ def run_baseline(model_name: str, requests: int, max_tokens: int, device: str) -
     import torch
 
     from livelora.adapters.models import load_model, load_tokenizer, resolve_base_model
-    from livelora.adapters.settings import BaseSettings
+    from livelora.adapters.settings import CommonSettings
 
-    ref = resolve_base_model(model_name, BaseSettings().home)
+    ref = resolve_base_model(model_name, CommonSettings().home)
     tokenizer = load_tokenizer(ref)
     model = load_model(ref, device=device)
 
@@ -126,7 +126,7 @@ def spawn(engine: str, model: str, max_batch_size: int, device: str | None) -> t
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "livelora.clients.cli", "serve", "--port", str(port), "--engine", engine,
+    cmd = [sys.executable, "-m", "livelora.cli.main", "serve", "--port", str(port), "--engine", engine,
            "--model", model, "--max-batch-size", str(max_batch_size), "--log-level", "warning"]
     if device:
         cmd += ["--device", device]

@@ -159,9 +159,9 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from livelora.adapters.models import load_tokenizer, resolve_base_model
-    from livelora.adapters.settings import BaseSettings
+    from livelora.adapters.settings import CommonSettings
 
-    settings = BaseSettings()
+    settings = CommonSettings()
     ref = resolve_base_model(settings.model, settings.home)
     tokenizer = load_tokenizer(ref)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device "

@@ -7,7 +7,7 @@ Tenancy: endpoints carry their tenant; a lineage belongs to the tenants whose en
 
 Exports are deterministic (versions are immutable): ``<home>/exports/<lineage>@<n>.peft`` (a PEFT
 adapter directory: ``adapter_model.safetensors`` + ``adapter_config.json`` + ``livelora_export.json``)
-and ``<home>/exports/<lineage>@<n>.merged`` (a full Hugging Face model, :mod:`livelora.trainer.export`);
+and ``<home>/exports/<lineage>@<n>.merged`` (a full Hugging Face model, :mod:`livelora.adapters.export`);
 a second export of the same version returns the existing directory.
 
 Example::
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from livelora.adapters.api_keys import DEFAULT_TENANT, KeyStore, validate_endpoint_name
 from livelora.adapters.atomic import atomic_dir
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, version_label
-from livelora.adapters.keys import DEFAULT_TENANT, KeyStore, validate_endpoint_name
 from livelora.adapters.store import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterStore, Manifest,
                                      parse_version_name, validate_lineage)
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
@@ -242,8 +242,8 @@ class AdminService:
             if dest.exists():
                 raise ConflictError(f"export destination {dest} already exists", param="out")
         if fmt == "merged":
+            from livelora.adapters.export import export_merged
             from livelora.adapters.models import resolve_base_model
-            from livelora.trainer.export import export_merged
 
             return export_merged(self.store, m.lineage, m.version, resolve_base_model(m.base_model, self.home), dest)
         if not self.store.verify(m.lineage, m.version):

@@ -12,17 +12,23 @@ Nothing is created at import: the engine is built and started in the app's
 lifespan (unless one is passed in), and closed when the app stops (only if the
 app created it). Routes read their resources from ``app.state`` through the
 aliases in :mod:`livelora.gateway.api.deps`.
+
+``components`` lets the process wiring (:mod:`livelora.cli.processes`) run other
+parts of the process for the app's lifetime without the gateway importing them:
+each is a callable ``component(app) -> async context manager``, entered after
+the engine and the gateway's services have started and exited before they stop
+(``livelora serve`` and ``livelora gateway`` start the op executor this way).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from livelora.adapters.keys import KeyStore
+from livelora.adapters.api_keys import KeyStore
 from livelora.gateway.api import admin, chat, completions, health, models, signals, tinker
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.api.logprobs import TokenTexts
@@ -35,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(settings: GatewaySettings) -> Engine:
-    """The engine of kind ``settings.engine`` for ``settings.model`` (not started).
+    """The engine of kind ``settings.inference.engine`` for ``settings.model`` (not started).
 
     Raises:
         BadRequestError: unknown engine kind (raised by the engine factory).
@@ -43,26 +49,35 @@ def build_engine(settings: GatewaySettings) -> Engine:
     """
     from livelora.gateway.engines import create_engine
 
-    device = settings.device
+    inference = settings.inference
+    device = inference.device
     if device is None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    kwargs = {"model": settings.model, "home": settings.home, "device": device, "dtype": settings.dtype,
-              "max_batch_size": settings.max_batch_size,
+    kwargs = {"model": settings.model, "home": settings.home, "device": device, "dtype": inference.dtype,
+              "max_batch_size": inference.max_batch_size,
               # the gateway's Admission bounds sequences (429); the engine's own queue must hold them all
-              "max_waiting": settings.max_sequences,
-              "max_model_len": settings.max_model_len}
-    return create_engine(settings.engine, **kwargs)
+              "max_waiting": inference.max_sequences,
+              "max_model_len": inference.max_model_len}
+    if inference.engine == "vllm":
+        kwargs["settings"] = settings.vllm
+    return create_engine(inference.engine, **kwargs)
 
 
-def create_app(settings: GatewaySettings | None = None, engine: Engine | None = None) -> FastAPI:
+#: A part of the process run for the app's lifetime: ``component(app)`` returns an async context manager.
+Component = Callable[[FastAPI], AbstractAsyncContextManager]
+
+
+def create_app(settings: GatewaySettings | None = None, engine: Engine | None = None,
+               components: Sequence[Component] = ()) -> FastAPI:
     """Build the gateway app.
 
     Args:
         settings: gateway settings (default: from the environment).
         engine: an engine to serve with (started in lifespan if needed, never closed by the
             app); ``None`` builds one from ``settings`` in lifespan and closes it on shutdown.
+        components: other parts of the process to run while the app runs (see the module docstring).
     """
     settings = settings or GatewaySettings()
 
@@ -74,15 +89,18 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
         app.state.engine = served
         app.state.admission = Admission(settings)
         app.state.token_texts = TokenTexts(served.tokenizer)
-        log.info("serving %s with the %s engine", settings.model_id, settings.engine)
-        from livelora.gateway.sessions import start_sessions  # training sessions (Tinker API, op executor)
+        log.info("serving %s with the %s engine", settings.model_id, settings.inference.engine)
+        from livelora.gateway.sessions import start_sessions  # training sessions (Tinker API)
 
         sessions = await start_sessions(app, settings, served, app.state.admission)
         from livelora.gateway.live import start_live_loop  # completion log, signal routes, adapter registry
 
         live = await start_live_loop(app, settings, served)
         try:
-            yield
+            async with AsyncExitStack() as stack:
+                for component in components:
+                    await stack.enter_async_context(component(app))
+                yield
         finally:
             await live.close()
             await sessions.close()
@@ -94,12 +112,12 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
     app.state.settings = settings
     app.state.keys = KeyStore(settings.home)
     # refuses a public bind without keys (BadRequestError) unless allow_open; see livelora.gateway.auth
-    app.state.auth_open = check_bind(settings.host, app.state.keys, settings.allow_open)
+    app.state.auth_open = check_bind(settings.server.host, app.state.keys, settings.server.allow_open)
     if app.state.auth_open:
         log.warning("no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "
                     "role); create one with `livelora keys create`", settings.home)
     install_error_handlers(app)
-    app.add_middleware(AuthMiddleware, fastapi_app=app, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, fastapi_app=app, max_body_bytes=settings.server.max_body_bytes)
     for module in (health, models, chat, completions, tinker, signals, admin):
         app.include_router(module.router)
     return app

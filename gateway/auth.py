@@ -6,7 +6,7 @@
    grows past it, gets 413 in the OpenAI envelope (:class:`~livelora.clients.errors.PayloadTooLargeError`).
 2. **Key.** ``Authorization: Bearer <key>`` (OpenAI SDKs) or ``X-API-Key: <key>`` (tinker SDK,
    tinker_protocol.md §2.1). In open mode (no key configured when the gateway started, see
-   :func:`check_bind`) every caller is :data:`~livelora.adapters.keys.OPEN_PRINCIPAL`; once any key exists
+   :func:`check_bind`) every caller is :data:`~livelora.adapters.api_keys.OPEN_PRINCIPAL`; once any key exists
    the gateway switches to key mode for good (it never falls back to open). Missing, unknown or revoked
    key → 401.
 3. **Role.** :func:`required_role` maps each route to one role by path (the :data:`POLICY` table,
@@ -31,7 +31,8 @@ import re
 from contextvars import ContextVar
 from typing import Any
 
-from livelora.adapters.keys import OPEN_PRINCIPAL, KeyStore, Principal, validate_session_name
+from livelora.adapters.api_keys import OPEN_PRINCIPAL, KeyStore, Principal, validate_session_name
+from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import (AuthenticationError, BadRequestError, LiveloraError, NotFoundError,
                                      PayloadTooLargeError, PermissionDeniedError)
 
@@ -228,7 +229,7 @@ class AuthMiddleware:
         return principal
 
     def _owner_key(self, session_id: str) -> str:
-        return f"{self.fastapi_app.state.settings.redis_prefix}owner:session:{session_id}"
+        return KeyLayout(self.fastapi_app.state.settings.redis_prefix).session_owner(session_id)
 
     async def _redis(self):
         service = getattr(self.fastapi_app.state, "sessions", None)

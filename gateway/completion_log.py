@@ -1,7 +1,7 @@
 """The completion log: every served completion, kept in Redis for a retention period.
 
 Each record is one JSON string at ``{prefix}completion:{id}`` with a TTL of
-``retention_s`` (default 7 days, :data:`~livelora.adapters.bus.DEFAULT_RETENTION_S`).
+``retention_s`` (default 7 days, :data:`~livelora.gateway.settings.DEFAULT_RETENTION_S`).
 Feedback on a completion looks its record up here; an expired or unknown id is
 a 404. Records hold the exact prompt and completion token ids, so training
 uses the tokens that were served, never a re-tokenization.
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import redis.asyncio as aredis
 
-from livelora.adapters.bus import DEFAULT_RETENTION_S, Keys, dumps, redis_unavailable
+from livelora.adapters.bus import dumps, redis_unavailable
+from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, InternalError, NotFoundError
 from livelora.clients.types.signals import CompletionRecord
+from livelora.gateway.settings import DEFAULT_RETENTION_S
 
 
 class CompletionLog:
@@ -25,7 +27,7 @@ class CompletionLog:
         retention_s: seconds a record is kept (> 0).
     """
 
-    def __init__(self, client: aredis.Redis, keys: Keys, retention_s: int = DEFAULT_RETENTION_S):
+    def __init__(self, client: aredis.Redis, keys: KeyLayout, retention_s: int = DEFAULT_RETENTION_S):
         if retention_s <= 0:
             raise BadRequestError(f"completion retention must be > 0 seconds, got {retention_s}",
                                   param="retention_s")

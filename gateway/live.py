@@ -8,26 +8,16 @@ the signal routes answer 503 with ``Retry-After`` until Redis is back.
 :func:`record_completion` is what the OpenAI routes call when a completion is
 done; a Redis failure there is logged, never turned into a failed response.
 
-:func:`embedded_redis` starts a throw-away ``redis-server`` for ``livelora
-serve`` when no Redis is reachable (not durable: nothing is saved to disk).
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import Field
-
-from livelora.adapters.bus import (DEFAULT_IDEMPOTENCY_TTL_S, DEFAULT_RETENTION_S, Keys, connect_async,
-                                   connect_sync, ensure_group_async)
-from livelora.adapters.settings import BaseSettings
+from livelora.adapters.bus import connect_async, ensure_group_async
+from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import InternalError, UnavailableError
 from livelora.clients.types.signals import CompletionRecord
 from livelora.gateway.api.signals import SignalService
@@ -37,20 +27,11 @@ from livelora.gateway.registry import AdapterRegistry
 log = logging.getLogger(__name__)
 
 
-class LiveSettings(BaseSettings):
-    """Live-loop settings of a gateway (``LIVELORA_COMPLETION_RETENTION_S``, ...)."""
-
-    completion_retention_s: int = Field(DEFAULT_RETENTION_S, gt=0,
-                                        description="Seconds completions stay rateable (default 7 days).")
-    idempotency_ttl_s: int = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0, description="Lifetime of Idempotency-Keys.")
-    resync_s: float = Field(30.0, ge=0, description="Seconds between endpoint catch-ups from the store.")
-
-
 @dataclass
 class LiveLoop:
     """The gateway's live-loop objects (on ``app.state``: ``signals``, ``registry``, ``completion_log``)."""
 
-    keys: Keys
+    keys: KeyLayout
     client: Any
     completions: CompletionLog
     signals: SignalService
@@ -66,11 +47,11 @@ async def start_live_loop(app, settings, engine) -> LiveLoop:
     """Create the live loop for ``app`` and put its parts on ``app.state``.
 
     Args:
-        settings: the gateway settings (``redis_url``, ``redis_prefix``, ``home``, ``model_id``).
+        settings: the gateway settings (``redis_url``, ``redis_prefix``, ``home``, ``model_id``, ``live``).
         engine: the started engine.
     """
-    live = LiveSettings()
-    keys = Keys(settings.redis_prefix)
+    live = settings.live
+    keys = KeyLayout(settings.redis_prefix)
     client = connect_async(settings.redis_url)
     completions = CompletionLog(client, keys, retention_s=live.completion_retention_s)
     registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
@@ -102,49 +83,6 @@ async def record_completion(app, record: CompletionRecord) -> bool:
     except (UnavailableError, InternalError) as exc:
         log.warning("completion %s not logged: %s", record.id, exc)
         return False
-
-
-def redis_reachable(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether a Redis at ``url`` answers PING."""
-    client = connect_sync(url, timeout_s=timeout_s)
-    try:
-        return bool(client.ping())
-    except Exception:
-        return False
-    finally:
-        client.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def embedded_redis(timeout_s: float = 10.0) -> tuple[str, subprocess.Popen]:
-    """Start a private, non-durable ``redis-server`` on a free local port; returns ``(url, process)``.
-
-    Raises:
-        UnavailableError: no ``redis-server`` binary on PATH, or it did not answer in ``timeout_s``.
-    """
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise UnavailableError("no Redis is reachable and no redis-server binary is installed; start Redis "
-                               "(e.g. `docker compose up redis`) or set LIVELORA_REDIS_URL")
-    port = _free_port()
-    workdir = tempfile.mkdtemp(prefix="livelora-redis-")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                             "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if redis_reachable(url, 0.2):
-            return url, proc
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise UnavailableError(f"embedded redis-server did not start on port {port}")
 
 
 def hold_version(app, target, ticket) -> None:

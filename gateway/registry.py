@@ -38,8 +38,8 @@ from pathlib import Path
 
 import redis.asyncio as aredis
 
-from livelora.adapters.bus import Keys
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore
+from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, Manifest, parse_version_name, sha256_file
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
 from livelora.gateway.engines.base import AdapterCheck, Engine
@@ -90,13 +90,13 @@ class AdapterRegistry:
     """
 
     def __init__(self, engine: Engine, home: Path | str, base_endpoint: str, *,
-                 client: aredis.Redis | None = None, keys: Keys | None = None, resync_s: float = 30.0):
+                 client: aredis.Redis | None = None, keys: KeyLayout | None = None, resync_s: float = 30.0):
         self.engine = engine
         self.store = AdapterStore(home)
         self.endpoint_store = EndpointStore(home)
         self.base_endpoint = base_endpoint
         self.client = client
-        self.keys = keys or Keys()
+        self.keys = keys or KeyLayout()
         self.resync_s = resync_s
         #: endpoint → current engine adapter name (``None`` = base model)
         self.current: dict[str, str | None] = {}

@@ -6,7 +6,7 @@ only adds a decoder/encoder pair.
 
 * **Training ops** (``forward``, ``forward_backward``, ``optim_step``, ``save_weights``,
   ``save_weights_for_sampler``, ``load_weights``, ``create_model``) are validated here and queued for the
-  trainer on ``ops:{model_id}`` (see :mod:`livelora.trainer.sessions` for keys and ordering). A retry with
+  op executor on ``ops:{model_id}`` (:mod:`livelora.adapters.session_protocol`: ids, ordering). A retry with
   a ``(model_id, seq_id)`` already seen gets the first request's id back and is not queued again (a
   different body under the same seq is a 409). An op that fails validation after its ``seq_id`` is known
   resolves its future with ``{"error", "category": "user"}`` and still consumes the seq (a ``failed``
@@ -39,21 +39,23 @@ from typing import Any
 import redis.asyncio as aredis
 
 from livelora.adapters.bus import redis_unavailable
+from livelora.adapters.redis_keys import KeyLayout
+from livelora.adapters.session_protocol import (CHECKPOINT_KINDS, CheckpointIndex, Op, future_failed, lineage_for,
+                                                model_id_for, new_request_id, parse_tinker_path, resolve_checkpoint,
+                                                session_of, tinker_path)
+from livelora.adapters.settings import SessionSection
 from livelora.adapters.store import AdapterStore
-from livelora.clients.errors import (BadRequestError, ConflictError, LiveloraError, ModelNotFoundError,
-                                     NotFoundError, UnsupportedParameterError)
+from livelora.clients.errors import (BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError,
+                                     UnsupportedParameterError)
 from livelora.clients.types.tinker import (Checkpoint, CheckpointsListResponse, CreateModelRequest,
                                            CreateSamplingSessionRequest, CreateSamplingSessionResponse,
                                            CreateSessionRequest, CreateSessionResponse, Cursor, ForwardBackwardInput,
                                            GetInfoResponse, GetSamplerResponse, GetServerCapabilitiesResponse,
                                            LoadWeightsRequest, ModelData, SampledSequence, SampleRequest,
-                                           SampleResponse, SaveWeightsForSamplerRequest,
-                                           SupportedModel, TrainingRun, UntypedAPIFuture, WeightsInfoResponse)
+                                           SampleResponse, SaveWeightsForSamplerRequest, SupportedModel, TrainingRun,
+                                           UntypedAPIFuture, WeightsInfoResponse)
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.engines.base import SamplingParams as EngineParams
-from livelora.trainer.sessions import (CHECKPOINT_KINDS, CheckpointIndex, Op, SessionKeys, SessionSettings,
-                                       future_failed, lineage_for, model_id_for, new_request_id,
-                                       parse_tinker_path, resolve_checkpoint, session_of, tinker_path)
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,8 @@ class SessionService:
         admission: the gateway's :class:`~livelora.gateway.api.serving.Admission` (bounds sampled sequences).
     """
 
-    def __init__(self, redis_client: aredis.Redis, keys: SessionKeys, engine: Engine, home: Path | str,
-                 base_model: str, settings: SessionSettings, *, base_aliases: tuple[str, ...] = (),
+    def __init__(self, redis_client: aredis.Redis, keys: KeyLayout, engine: Engine, home: Path | str,
+                 base_model: str, settings: SessionSection, *, base_aliases: tuple[str, ...] = (),
                  admission: Any = None, max_seq_len: int | None = None):
         self.redis = redis_client
         self.keys = keys
@@ -331,7 +333,7 @@ class SessionService:
             return await self._enqueue(model_id, seq_id, kind, body, error)
 
     def _validate(self, kind: str, req: Any) -> dict[str, Any]:
-        from livelora.trainer.validate import validate_batch
+        from livelora.trainer.validate import validate_batch  # TODO(layering): torch-free spec validation
 
         if kind in ("forward", "forward_backward"):
             fb: ForwardBackwardInput = req.forward_input if kind == "forward" else req.forward_backward_input
@@ -634,47 +636,21 @@ def checkpoint_model_id(path: str) -> str:
 __all__ = ["SessionService", "GoneError", "NotReady", "ModelNotFoundError"]
 
 
-class SessionsRuntime:
-    """What :func:`start_sessions` started: the service and, in process, the trainer's op executor."""
+async def start_sessions(app: Any, settings: Any, engine: Engine, admission: Any = None) -> SessionService:
+    """Build and start the session service for ``app`` (``app.state.sessions``); close it with ``close()``.
 
-    def __init__(self, service: SessionService, executor: Any = None):
-        self.service = service
-        self.executor = executor
-
-    async def close(self) -> None:
-        await self.service.close()
-        if self.executor is not None:
-            self.executor.stop(timeout_s=10.0)  # at most one op's duration; no thread pool at interpreter exit
-            with contextlib.suppress(Exception):
-                self.executor.redis.close()
-
-
-async def start_sessions(app: Any, settings: Any, engine: Engine, admission: Any = None) -> SessionsRuntime:
-    """Build the session service for ``app`` (``app.state.sessions``) and, when
-    ``LIVELORA_TRAINER_IN_PROCESS`` (default true), start the op executor in a thread of this process.
+    The ops it queues are run by an op executor (:mod:`livelora.trainer.executor`), which the process
+    wiring starts beside the gateway (:mod:`livelora.cli.processes`) or a ``livelora trainer`` runs.
 
     Args:
-        settings: the gateway's settings (``home``, ``model``, ``redis_url``, ``redis_prefix``, ``device``,
-            ``model_id``).
+        settings: the gateway's settings (``home``, ``redis_url``, ``redis_prefix``, ``model``, ``model_id``,
+            ``sessions``, ``inference.max_model_len``).
     """
-    import redis
-
-    from livelora.trainer.sessions import OpExecutor
-
-    session_settings = SessionSettings()
-    keys = SessionKeys(settings.redis_prefix)
+    keys = KeyLayout(settings.redis_prefix)
     aliases = tuple({settings.model, settings.model_id} - {settings.model_id})
     service = SessionService(aredis.from_url(settings.redis_url, decode_responses=True), keys, engine,
-                             settings.home, settings.model_id, session_settings, base_aliases=aliases,
-                             admission=admission, max_seq_len=settings.max_model_len)
-    executor = None
-    if session_settings.trainer_in_process:
-        device = getattr(engine, "device", None) or settings.device or "cpu"
-        executor = OpExecutor(redis.Redis.from_url(settings.redis_url, decode_responses=True), keys, settings.home,
-                              settings.model, session_settings, device=device,
-                              max_seq_len=settings.max_model_len or int(engine.max_model_len),
-                              served_name=settings.model_id)
-        executor.start()
+                             settings.home, settings.model_id, settings.sessions, base_aliases=aliases,
+                             admission=admission, max_seq_len=settings.inference.max_model_len)
     await service.start()
     app.state.sessions = service
-    return SessionsRuntime(service, executor)
+    return service

@@ -1,27 +1,49 @@
-"""Settings of a gateway process (``LIVELORA_`` environment prefix; CLI flags override).
+"""Settings of a gateway process: one :class:`GatewaySettings` object with nested sections.
+
+Environment variables keep their flat ``LIVELORA_*`` names (``LIVELORA_PORT`` → ``settings.server.port``,
+``LIVELORA_MAX_BATCH_SIZE`` → ``settings.inference.max_batch_size``, ``LIVELORA_VLLM_MAX_LORAS`` →
+``settings.vllm.max_loras``); see :mod:`livelora.adapters.settings`. CLI flags override them.
 
 Example::
 
-    settings = GatewaySettings(port=8001, max_batch_size=4)
+    settings = GatewaySettings(port=8001, max_batch_size=4)   # flat keywords go to their sections
+    settings.server.port, settings.inference.max_batch_size        # (8001, 4)
     app = create_app(settings)
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
-from livelora.adapters.settings import BaseSettings
+from livelora.adapters.settings import ENV_PREFIX, ProcessSettings, Section, SessionSection
+
+#: Default retention of completion records and rating keys: 7 days, in seconds.
+DEFAULT_RETENTION_S = 7 * 24 * 3600
+#: Default lifetime of idempotency keys: 24 hours, in seconds.
+DEFAULT_IDEMPOTENCY_TTL_S = 24 * 3600
+#: LoRA ranks vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-class GatewaySettings(BaseSettings):
-    """Fields of the OpenAI-compatible gateway.
-
-    Environment: ``LIVELORA_HOST``, ``LIVELORA_PORT``, ``LIVELORA_ENGINE``, ``LIVELORA_MAX_BATCH_SIZE``, ...
-    """
+class ServerSection(Section):
+    """HTTP server: ``LIVELORA_HOST``, ``LIVELORA_PORT``, ``LIVELORA_ALLOW_OPEN``, ``LIVELORA_MAX_BODY_BYTES``."""
 
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one).")
-    engine: str = Field("transformers", description="Inference engine kind: 'transformers' (later 'vllm').")
+    allow_open: bool = Field(False, description="Serve without API keys on a non-loopback host (unsafe: anyone "
+                                                "who reaches it can use and retrain the model).")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (bytes); "
+                                                                      "larger ones get 413.")
+
+
+class InferenceSection(Section):
+    """Inference: engine kind, device, batching and admission (``LIVELORA_ENGINE``, ``LIVELORA_DEVICE``,
+    ``LIVELORA_MAX_BATCH_SIZE``, ...)."""
+
+    engine: str = Field("transformers", description="Inference engine kind: 'transformers' or 'vllm'.")
     device: str | None = Field(None, description="Torch device for the engine (default: cuda if available, else cpu).")
     dtype: str | None = Field(None, description="Weights dtype for the engine (default: engine's choice).")
     max_batch_size: int = Field(8, ge=1, description="Sequences the engine decodes together in one step.")
@@ -31,18 +53,51 @@ class GatewaySettings(BaseSettings):
     served_model_name: str | None = Field(None, description="Name clients pass as `model` for the base model "
                                                            "(default: the --model name).")
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After (seconds) sent with 429 queue-full answers.")
-    allow_open: bool = Field(False, description="Serve without API keys on a non-loopback host (unsafe: anyone "
-                                                "who reaches it can use and retrain the model).")
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (bytes); "
-                                                                      "larger ones get 413.")
 
     @property
     def max_sequences(self) -> int:
         """Sequences admitted at once (running + waiting); beyond this requests get 429."""
         return self.max_batch_size + self.max_waiting
 
+
+class VLLMSection(Section):
+    """vLLM-only knobs (``LIVELORA_VLLM_`` environment prefix); engine constructor arguments override them."""
+
+    model_config = SettingsConfigDict(env_prefix=f"{ENV_PREFIX}VLLM_", extra="forbid")
+
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may use "
+                                                                       "(weights + KV cache).")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is sharded over (vLLM tensor "
+                                                           "parallelism).")
+    max_loras: int = Field(2, ge=2, description="Distinct adapters in one batch (old + new during a swap).")
+    max_lora_rank: int = Field(64, description=f"Largest adapter rank; one of {VLLM_LORA_RANKS}.")
+    enforce_eager: bool | None = Field(None, description="Disable CUDA graphs (default: on for CPU, off for GPU).")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    snapshot_dir: Path | None = Field(None, description="Where adapter snapshots live (default /dev/shm, "
+                                                        "else the temp dir).")
+
+
+class LiveSection(Section):
+    """The live loop in the gateway: ``LIVELORA_COMPLETION_RETENTION_S``, ``LIVELORA_IDEMPOTENCY_TTL_S``,
+    ``LIVELORA_RESYNC_S``."""
+
+    completion_retention_s: int = Field(DEFAULT_RETENTION_S, gt=0,
+                                        description="Seconds completions stay rateable (default 7 days).")
+    idempotency_ttl_s: int = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0, description="Lifetime of Idempotency-Keys.")
+    resync_s: float = Field(30.0, ge=0, description="Seconds between endpoint catch-ups from the store.")
+
+
+class GatewaySettings(ProcessSettings):
+    """The gateway process's settings: common fields plus ``server``, ``inference``, ``vllm``, ``live`` and
+    ``sessions`` sections."""
+
+    server: ServerSection = Field(default_factory=ServerSection)
+    inference: InferenceSection = Field(default_factory=InferenceSection)
+    vllm: VLLMSection = Field(default_factory=VLLMSection)
+    live: LiveSection = Field(default_factory=LiveSection)
+    sessions: SessionSection = Field(default_factory=SessionSection)
+
     @property
     def model_id(self) -> str:
         """The id listed by ``/v1/models`` for the base model."""
-        return self.served_model_name or self.model
-
+        return self.inference.served_model_name or self.model

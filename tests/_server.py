@@ -56,18 +56,23 @@ class LiveServer:
 
 
 def start_server(settings=None, engine=None, ready_timeout_s: float = 300.0) -> LiveServer:
-    """Start ``create_app(settings, engine)`` on a free port and wait until ``/health`` answers 200.
+    """Start the gateway app of a gateway process (:func:`livelora.cli.processes.gateway_app`: the app plus its
+    in-process op executor) on a free port and wait until ``/health`` answers 200.
 
     Raises:
         RuntimeError: the server thread died or did not become ready in time.
     """
-    from livelora.gateway.app import create_app
+    from livelora.cli.processes import gateway_app
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = create_app(settings, engine)
+    if settings is None:
+        from livelora.gateway.settings import GatewaySettings
+
+        settings = GatewaySettings()
+    app = gateway_app(settings, engine)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="livelora-test-server",
                               daemon=True)

@@ -11,11 +11,11 @@ import pytest
 import redis.asyncio as aredis
 from fastapi import FastAPI
 
-from livelora.adapters.bus import Keys, connect_async, delete_prefix, ensure_group_async, TRAINERS_GROUP
+from livelora.adapters.bus import connect_async, delete_prefix, ensure_group_async
+from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import ModelNotFoundError
-from livelora.clients.types.signals import CompletionRecord, RatingEvent
+from livelora.clients.types.signals import CompletionRecord, RatingEvent, parse_stream_event
 from livelora.gateway.api.errors import install_error_handlers
-from livelora.clients.types.signals import parse_stream_event
 from livelora.gateway.api.signals import SignalService, router
 from livelora.gateway.completion_log import CompletionLog
 
@@ -34,7 +34,7 @@ def resolve(name: str) -> str:
     return name
 
 
-def make_app(url: str, keys: Keys, retention_s: int = 3600) -> tuple[FastAPI, aredis.Redis]:
+def make_app(url: str, keys: KeyLayout, retention_s: int = 3600) -> tuple[FastAPI, aredis.Redis]:
     client = connect_async(url, timeout_s=0.5)
     log = CompletionLog(client, keys, retention_s=retention_s)
     app = FastAPI()
@@ -47,7 +47,7 @@ def make_app(url: str, keys: Keys, retention_s: int = 3600) -> tuple[FastAPI, ar
 
 @pytest.fixture
 async def env():
-    keys = Keys(f"livelora-test-{uuid.uuid4().hex}:")
+    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
     app, client = make_app(REDIS_URL, keys)
     await ensure_group_async(client, keys)
     transport = httpx.ASGITransport(app=app)
@@ -214,7 +214,7 @@ async def test_demonstrations(env):
 
 @pytest.mark.anyio
 async def test_redis_down_is_503_with_retry_after_and_accepts_nothing():
-    keys = Keys(f"livelora-test-{uuid.uuid4().hex}:")
+    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
     app, client = make_app("redis://127.0.0.1:1/0", keys)   # nothing listens on port 1
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         for path, body in [("/v1/feedback", {"completion_id": "c", "rating": True}),

@@ -12,7 +12,7 @@ import time
 import httpx
 from typer.testing import CliRunner
 
-from livelora.clients.cli import app
+from livelora.cli.main import app
 
 
 def test_help_lists_serve_and_its_flags():
@@ -32,7 +32,7 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "livelora.clients.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "livelora.cli.main", "serve", "--port", str(port),
                              "--home", str(livelora_home), "--max-batch-size", "2", "--log-level", "warning"],
                             env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -13,7 +13,7 @@ import pytest
 import redis
 from _server import MODEL, live_server, sse_events  # noqa: F401  (fixture)
 
-from livelora.adapters.bus import Keys
+from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.types.signals import RatingEvent, parse_stream_event
 from livelora.gateway.api.serving import VERSION_HEADER
 
@@ -26,7 +26,7 @@ def store():
     """``(redis client, keys)`` of the shared server's session prefix."""
     client = redis.Redis.from_url(os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0"),
                                   decode_responses=True)
-    yield client, Keys(os.environ["LIVELORA_REDIS_PREFIX"])
+    yield client, KeyLayout(os.environ["LIVELORA_REDIS_PREFIX"])
     client.close()
 
 
@@ -125,7 +125,7 @@ def test_streaming_completion_is_logged_and_its_rating_trains_on_the_exact_ids(l
 
     # the trainer builds its KTO datum from exactly these ids (the record has messages=None)
     from livelora.trainer.online import OnlineTrainer
-    from livelora.trainer.policy import Batch
+    from livelora.trainer.scheduler import Batch
 
     trainer = OnlineTrainer(base_ref, tmp_path)
     data, loss_fn, cfg, _ = trainer.datums(Batch(lineage=MODEL, kind="kto", events=[ev], stream_ids=["0-1"]))

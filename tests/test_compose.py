@@ -5,7 +5,7 @@ is not a ``livelora`` sub-command (or passes an option it does not have), a LIVE
 variable no settings class reads (ignored without a word) or whose value does not
 validate, volumes or ports that do not line up, a health check on a route the app does
 not serve, a build target the Dockerfile lacks. Everything is introspected: the typer app
-of ``clients/cli.py``, the pydantic-settings classes' fields, ``create_app``'s routes
+of ``livelora.cli.main``, each process's settings object (``livelora.cli.settings.PROCESS_SETTINGS``), ``create_app``'s routes
 (no model is loaded), the Dockerfile's ``FROM ... AS`` stages.
 """
 
@@ -62,30 +62,24 @@ def _env(service) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def _settings_classes():
-    """Every pydantic-settings class defined in livelora (``livelora.*`` modules), recursively."""
-    import importlib
+def _process_settings() -> dict:
+    """``{livelora sub-command: its process's settings class}`` (one settings object per process kind)."""
+    from livelora.cli.settings import PROCESS_SETTINGS, ServeSettings
+    from livelora.gateway.settings import GatewaySettings
+    from livelora.trainer.settings import TrainerSettings
 
-    for mod in ("livelora.gateway.settings", "livelora.trainer.settings", "livelora.gateway.engines.vllm_engine",
-                "livelora.trainer.sessions", "livelora.gateway.live"):
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            pass
-    from pydantic_settings import BaseSettings
-
-    found, todo = [], list(BaseSettings.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        if cls.__module__.startswith("livelora."):
-            found.append(cls)
-        todo.extend(cls.__subclasses__())
-    return found
+    assert set(PROCESS_SETTINGS) == {GatewaySettings, TrainerSettings, ServeSettings}
+    return {"gateway": GatewaySettings, "trainer": TrainerSettings, "serve": ServeSettings}
 
 
 def _env_names(cls) -> set[str]:
+    """Every environment variable a process settings class reads: its own fields and its sections' fields."""
     prefix = cls.model_config.get("env_prefix", "")
-    return {(prefix + name).upper() for name in cls.model_fields}
+    names = {(prefix + name).upper() for name in cls.model_fields if name not in cls.sections}
+    for section in cls.section_types().values():
+        sp = section.model_config.get("env_prefix", "")
+        names |= {(sp + name).upper() for name in section.model_fields}
+    return names
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +87,7 @@ def cli_commands() -> dict:
     """``{sub-command name: click command}`` of the ``livelora`` typer app."""
     import typer.main
 
-    from livelora.clients.cli import app
+    from livelora.cli.main import app
 
     return dict(typer.main.get_command(app).commands)
 
@@ -111,27 +105,24 @@ def test_every_service_command_is_a_real_livelora_subcommand_with_real_options(s
                 assert arg.split("=", 1)[0] in opts, f"{name}: {arg} is not an option of `livelora {argv[1]}`"
 
 
-def test_every_livelora_variable_is_read_by_a_settings_class_and_its_value_validates(services, monkeypatch):
-    classes = _settings_classes()
-    readers: dict[str, list] = {}
-    for cls in classes:
-        for env_name in _env_names(cls):
-            readers.setdefault(env_name, []).append(cls)
+def test_every_livelora_variable_is_read_by_its_process_settings_and_its_value_validates(services, monkeypatch):
+    kinds = _process_settings()
     used = set()
-    for name, service in services.items():
+    for name, service in _livelora_services(services).items():
+        cls = kinds[_argv(service)[1]]
+        readers = _env_names(cls)
         env = _env(service)
         for key in env:
             if key.startswith("LIVELORA_"):
-                assert key in readers, f"{name}: {key} is read by no settings class; known: {sorted(readers)}"
+                assert key in readers, f"{name}: {key} is read by no section of {cls.__name__}; known: {sorted(readers)}"
                 used.add(key)
-        # the values parse: build every settings class that reads one of them from exactly this environment
+        # the values parse: build the process's settings object from exactly this environment
         for key in list(os.environ):
             if key.startswith("LIVELORA_"):
                 monkeypatch.delenv(key)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        for cls in {c for key in env if key in readers for c in readers[key]}:
-            cls()  # raises pydantic's ValidationError on a bad value
+        cls()  # raises pydantic's ValidationError on a bad value in any section
         if env.get("LIVELORA_ENGINE"):
             from livelora.gateway.engines import create_engine
             create_engine(env["LIVELORA_ENGINE"], device=env.get("LIVELORA_DEVICE", "cpu"))  # known kind (unstarted)
@@ -208,7 +199,7 @@ def test_ports_and_health_checks_hit_real_routes_of_the_app(services):
         assert env["LIVELORA_HOST"] == "0.0.0.0", f"{name}: must listen on all interfaces inside the container"
         # a public bind needs an API key in the store or an explicit LIVELORA_ALLOW_OPEN (default: keys)
         assert GatewaySettings(_env_file=None, host=env["LIVELORA_HOST"],
-                               allow_open=env["LIVELORA_ALLOW_OPEN"]).allow_open is False
+                               allow_open=env["LIVELORA_ALLOW_OPEN"]).server.allow_open is False
         published = [p.split(":") for p in s["ports"]]
         assert [c for _, c in published] == [port], f"{name}: publishes {s['ports']} but listens on {port}"
         for profile in s.get("profiles", []):
@@ -237,3 +228,16 @@ def test_build_targets_exist_in_the_dockerfile_and_images_are_built_once(service
     for name, s in _livelora_services(services).items():
         assert s["image"] in built, f"{name}: image {s['image']} is built by no service"
         assert built[s["image"]] == ("gpu" if "gpu" in s["profiles"] else "cpu")
+
+
+def test_every_dockerfile_stage_copies_every_package_folder():
+    """``pip install .`` in an image needs every folder of pyproject's ``package-dir`` (a new package is easy to forget)."""
+    import tomllib
+
+    folders = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    text = (REPO / "Dockerfile").read_text()
+    stages = re.split(r"^FROM\s", text, flags=re.M)[1:]
+    assert stages
+    for stage in stages:
+        copied = set(re.findall(r"^COPY\s+(\S+)\s+\S+\s*$", stage, re.M))
+        assert folders <= copied, f"stage {stage.split()[2]} does not copy {sorted(folders - copied)}"

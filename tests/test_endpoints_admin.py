@@ -16,8 +16,8 @@ import torch
 from _server import start_server
 from typer.testing import CliRunner
 
-from livelora.adapters.bus import Keys
-from livelora.adapters.keys import ROLES, KeyStore
+from livelora.adapters.api_keys import ROLES, KeyStore
+from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
 from livelora.gateway.auth import PUBLIC, app_routes, required_role
@@ -48,7 +48,7 @@ def home(livelora_home, base_ref, tmp_path_factory):
 
 
 def _cli(*args):
-    from livelora.clients.cli import app
+    from livelora.cli.main import app
 
     result = CliRunner().invoke(app, list(args))
     assert result.exit_code == 0, result.output
@@ -256,7 +256,7 @@ def test_served_version_is_reported_by_redis_completion_log(server, keys):
     with client(server, keys["acme"]) as http:
         r = chat(http, model="live")
     rec = redis.Redis.from_url(os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0")).get(
-        Keys(os.environ["LIVELORA_REDIS_PREFIX"]).completion(r.json()["id"]))
+        KeyLayout(os.environ["LIVELORA_REDIS_PREFIX"]).completion(r.json()["id"]))
     assert json.loads(rec)["caller"] == "acme" and json.loads(rec)["adapter"] == "support@4"
 
 

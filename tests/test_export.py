@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from livelora.adapters.export import export_merged
 from livelora.adapters.store import AdapterStore
 from livelora.clients.errors import ConflictError
 from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
-from livelora.trainer.export import export_merged
 from livelora.trainer.model import TrainingModel
 
 

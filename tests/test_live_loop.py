@@ -8,13 +8,15 @@ import json
 import uuid
 
 import httpx
-
 from _server import start_server, wait_until
-from livelora.adapters.bus import Keys, connect_sync
+
+from livelora.adapters.bus import connect_sync
+from livelora.adapters.redis_keys import KeyLayout
 from livelora.gateway.api.serving import VERSION_HEADER
 from livelora.gateway.settings import GatewaySettings
-from livelora.trainer.online import OnlineConfig, OnlineTrainer
-from livelora.trainer.policy import OnlinePolicy, PolicyConfig
+from livelora.trainer.online import OnlineTrainer
+from livelora.trainer.scheduler import BatchScheduler
+from livelora.trainer.settings import TrainingSection
 from livelora.trainer.worker import TrainerWorker
 
 EP = "live-e2e"
@@ -26,7 +28,7 @@ def chat(server, content: str, **kw) -> httpx.Response:
 
 
 def test_feedback_trains_a_version_the_gateway_then_serves(base_ref, tmp_path):
-    keys = Keys(f"livelora-test-{uuid.uuid4().hex}:")
+    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
     settings = GatewaySettings(model=str(base_ref.path), served_model_name=EP, home=tmp_path,
                                redis_prefix=keys.prefix, max_batch_size=4, device="cpu")
     server = start_server(settings)
@@ -59,8 +61,8 @@ def test_feedback_trains_a_version_the_gateway_then_serves(base_ref, tmp_path):
         held = registry.acquire(EP)
         assert held.adapter is None
         # the trainer consumes the two ratings: one KTO step, version live-e2e@1, notice
-        worker = TrainerWorker(redis, keys, tmp_path, OnlineTrainer(base_ref, tmp_path, OnlineConfig(kto_lr=1e-3)),
-                               OnlinePolicy(PolicyConfig(kto_min_batch=2)), consumer="e2e", block_ms=200)
+        worker = TrainerWorker(redis, keys, tmp_path, OnlineTrainer(base_ref, tmp_path, TrainingSection(kto_lr=1e-3)),
+                               BatchScheduler(TrainingSection(kto_min_batch=2)), consumer="e2e", block_ms=200)
         [notice] = worker.poll()
         assert notice.name == f"{EP}@1" and notice.endpoint == EP
         assert wait_until(lambda: registry.current.get(EP) == f"{EP}@1", timeout_s=300)

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-
 from _server import LiveServer, start_server, wait_until
-from livelora.adapters.bus import TRAINERS_GROUP, Keys, connect_sync, publish_notice
+
+from livelora.adapters.bus import connect_sync, publish_notice
+from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.signals import RatingEvent, VersionNotice, parse_stream_event
 from livelora.clients.types.tinker import LoraConfig
@@ -30,20 +31,19 @@ EP = "multi-gw"           # served base name = endpoint = lineage of both gatewa
 
 
 @pytest.fixture(scope="module")
-def cluster(base_ref, tmp_path_factory) -> Iterator[tuple[LiveServer, LiveServer, Keys, object]]:
+def cluster(base_ref, tmp_path_factory) -> Iterator[tuple[LiveServer, LiveServer, KeyLayout, object]]:
     """Gateways A and B on one fresh store and one Redis key prefix (under the session's, so conftest's clean-up
     also covers it); yields ``(a, b, keys, sync_redis)`` and stops both gateways (closing their engines)."""
     home = tmp_path_factory.mktemp("multi-gateway-home")
-    keys = Keys(f"{os.environ['LIVELORA_REDIS_PREFIX']}multi-{uuid.uuid4().hex[:8]}:")
+    keys = KeyLayout(f"{os.environ['LIVELORA_REDIS_PREFIX']}multi-{uuid.uuid4().hex[:8]}:")
     settings = GatewaySettings(model=str(base_ref.path), served_model_name=EP, home=home,
-                               redis_prefix=keys.prefix, max_batch_size=2, device="cpu")
+                               redis_prefix=keys.prefix, max_batch_size=2, device="cpu",
+                               resync_s=0)  # endpoints read once at start-up: no catch-up loop, notices only
     servers: list[LiveServer] = []
     redis = connect_sync("redis://127.0.0.1:6379/0")
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("LIVELORA_RESYNC_S", "0")       # read once at start-up: no catch-up loop, notices only
-            for _ in range(2):
-                servers.append(start_server(settings))    # each app builds, starts and closes its own engine
+        for _ in range(2):
+            servers.append(start_server(settings))    # each app builds, starts and closes its own engine
         a, b = servers
         assert a.engine is not b.engine and a.app.state.registry is not b.app.state.registry
         assert a.app.state.registry.resync_s == b.app.state.registry.resync_s == 0
@@ -63,7 +63,7 @@ def chat(server: LiveServer, content: str, **kw) -> httpx.Response:
     return response
 
 
-def stream_event(redis, keys: Keys, event_id: str) -> RatingEvent:
+def stream_event(redis, keys: KeyLayout, event_id: str) -> RatingEvent:
     """The signals-stream entry whose event has id ``event_id`` (exactly one must exist)."""
     found = [parse_stream_event(fields) for _, fields in redis.xrange(keys.signals)
              if json.loads(fields["event"])["id"] == event_id]

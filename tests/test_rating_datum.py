@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from livelora.clients.types.signals import RatingEvent
 from livelora.trainer.online import OnlineTrainer
-from livelora.trainer.policy import Batch
+from livelora.trainer.scheduler import Batch
 
 
 def _rating(finish_reason, completion):

@@ -10,8 +10,9 @@ import uuid
 import pytest
 import torch
 
-from livelora.adapters.bus import Keys, connect_async, connect_sync, delete_prefix
+from livelora.adapters.bus import connect_async, connect_sync, delete_prefix
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore
+from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError, ModelNotFoundError
 from livelora.clients.types.tinker import LoraConfig
@@ -132,7 +133,7 @@ def test_notice_moves_endpoint(engine, base_ref, loop, tmp_path):
 
     store = AdapterStore(tmp_path)
     tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
-    keys = Keys(f"livelora-test-{uuid.uuid4().hex}:")
+    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
 
     async def body():
         client = connect_async("redis://127.0.0.1:6379/0")

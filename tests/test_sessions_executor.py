@@ -8,9 +8,12 @@ import uuid
 
 import pytest
 import redis
-
 from _sessions_server import MODEL, delete_prefix
-from livelora.trainer.sessions import Op, OpExecutor, SessionKeys, SessionSettings, model_id_for
+
+from livelora.adapters.redis_keys import KeyLayout
+from livelora.adapters.session_protocol import Op, model_id_for
+from livelora.adapters.settings import SessionSection
+from livelora.trainer.executor import OpExecutor
 
 URL = "redis://127.0.0.1:6379/0"
 
@@ -19,8 +22,8 @@ URL = "redis://127.0.0.1:6379/0"
 def setup(livelora_home):
     prefix = f"livelora-test-{uuid.uuid4().hex[:10]}:"
     r = redis.Redis.from_url(URL, decode_responses=True)
-    keys = SessionKeys(prefix)
-    ex = OpExecutor(r, keys, livelora_home, MODEL, SessionSettings(session_ttl_s=2, gap_timeout_s=3), device="cpu")
+    keys = KeyLayout(prefix)
+    ex = OpExecutor(r, keys, livelora_home, MODEL, SessionSection(session_ttl_s=2, gap_timeout_s=3), device="cpu")
     yield r, keys, ex
     for model_id in list(ex.slots):
         ex.free(model_id, "test over")

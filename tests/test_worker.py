@@ -16,11 +16,13 @@ import pytest
 import redis
 from safetensors.torch import load_file
 
-from livelora.adapters.bus import TRAINERS_GROUP, Keys, connect_sync, ensure_group
+from livelora.adapters.bus import connect_sync, ensure_group
+from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
-from livelora.trainer.online import OnlineConfig, OnlineTrainer
-from livelora.trainer.policy import OnlinePolicy, PolicyConfig, kto_class_weights
+from livelora.trainer.online import OnlineTrainer
+from livelora.trainer.scheduler import BatchScheduler, kto_class_weights
+from livelora.trainer.settings import TrainingSection
 from livelora.trainer.worker import TRAINED_FILE, TrainerWorker, dataset_dir, read_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def bus():
-    keys = Keys(f"livelora-test-{uuid.uuid4().hex}:")
+    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
     client = connect_sync("redis://127.0.0.1:6379/0")
     ensure_group(client, keys)
     yield client, keys
@@ -54,7 +56,7 @@ def rating(endpoint: str, prompt, completion, up: bool, completion_id: str, user
                        rating=up, rating_key=f"{completion_id}:/{user}", user=user)
 
 
-def xadd(client: redis.Redis, keys: Keys, ev, replaces: str = "") -> str:
+def xadd(client: redis.Redis, keys: KeyLayout, ev, replaces: str = "") -> str:
     return client.xadd(keys.signals, {"event": ev.model_dump_json(), "replaces": replaces})
 
 
@@ -66,7 +68,7 @@ def test_policy_batches_by_count_or_wait_and_balances_classes():
     assert kto_class_weights(6, 2) == (pytest.approx(1 / 3), 1.0)
     assert kto_class_weights(1, 4) == (1.0, 0.25)
     assert kto_class_weights(5, 0) == (1.0, 1.0)
-    pol = OnlinePolicy(PolicyConfig(kto_min_batch=3, sft_min_batch=2, max_wait_s=10))
+    pol = BatchScheduler(TrainingSection(kto_min_batch=3, sft_min_batch=2, max_wait_s=10))
     evs = [rating("ep", [1, 2], [3], up, f"c{i}") for i, up in enumerate([True, True, False])]
     assert pol.add("lin", "1-0", evs[0], now=0) == []
     assert pol.add("lin", "2-0", evs[1], now=1) == []
@@ -100,10 +102,10 @@ def test_worker_records_before_ack_trains_kto_and_publishes(bus, base_ref, pair_
     ids.append(xadd(client, keys, rerate, replaces=first.id))
     sub = client.pubsub(ignore_subscribe_messages=True)
     sub.subscribe(keys.notices)
-    backend = OnlineTrainer(base_ref, tmp_path, OnlineConfig(kto_lr=1e-3))
+    backend = OnlineTrainer(base_ref, tmp_path, TrainingSection(kto_lr=1e-3))
     backend.warm_up()  # what TrainerWorker.run() does first: the model is built before any signal
     warmed = backend._fresh
-    worker = TrainerWorker(client, keys, tmp_path, backend, OnlinePolicy(PolicyConfig(kto_min_batch=2)),
+    worker = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
                            consumer="w1", block_ms=100)
     [notice] = worker.poll()
     assert backend.model_for("live") is warmed and backend._fresh is None  # the new lineage took it
@@ -134,7 +136,7 @@ def test_worker_records_before_ack_trains_kto_and_publishes(bus, base_ref, pair_
     xadd(client, keys, rating("live", p1, c1, True, "chatcmpl-3"))
     xadd(client, keys, rating("live", p2, c2, True, "chatcmpl-4"))
     xadd(client, keys, rating("live", p2, c2, False, "chatcmpl-5"))
-    worker.policy.config = PolicyConfig(kto_min_batch=3)
+    worker.scheduler.config = TrainingSection(kto_min_batch=3)
     [n2] = worker.poll()
     m2 = AdapterStore(tmp_path).get("live", 2)
     assert n2.parent == "live@1" and m2.parent == 1 and m2.step == 2
@@ -150,9 +152,9 @@ def test_dpo_then_sft_steps_on_one_lineage(bus, base_ref, pair_tokens, tmp_path)
     xadd(client, keys, PreferenceEvent(id="preference-1", endpoint="ep", created=0, prompt_token_ids=p1,
                                        chosen_token_ids=c1, rejected_token_ids=c2))
     xadd(client, keys, DemonstrationEvent(id="demonstration-1", endpoint="ep", created=0, messages=msgs))
-    backend = OnlineTrainer(base_ref, tmp_path, OnlineConfig(sft_lr=1e-3))
+    backend = OnlineTrainer(base_ref, tmp_path, TrainingSection(sft_lr=1e-3))
     worker = TrainerWorker(client, keys, tmp_path, backend,
-                           OnlinePolicy(PolicyConfig(sft_min_batch=1, dpo_min_batch=1)), consumer="w", block_ms=100)
+                           BatchScheduler(TrainingSection(sft_min_batch=1, dpo_min_batch=1)), consumer="w", block_ms=100)
     notices = worker.poll()
     assert [(n.kind, n.name, n.parent) for n in notices] == [("dpo", "ep@1", None), ("sft", "ep@2", "ep@1")]
     store = AdapterStore(tmp_path)
@@ -190,7 +192,7 @@ def test_killed_worker_events_are_reclaimed_and_trained(bus, base_ref, pair_toke
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     backend = OnlineTrainer(base_ref, tmp_path)
-    worker = TrainerWorker(client, keys, tmp_path, backend, OnlinePolicy(PolicyConfig(kto_min_batch=2)),
+    worker = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
                            consumer="rescuer", claim_idle_s=0.3, block_ms=50)
     time.sleep(0.4)
     [notice] = worker.poll()
@@ -208,12 +210,12 @@ def test_trained_but_unacked_events_are_not_trained_twice(bus, base_ref, pair_to
     ids = [xadd(client, keys, rating("once", p1, c1, True, "c1")),
            xadd(client, keys, rating("once", p2, c2, False, "c2"))]
     backend = OnlineTrainer(base_ref, tmp_path)
-    w1 = TrainerWorker(client, keys, tmp_path, backend, OnlinePolicy(PolicyConfig(kto_min_batch=2)),
+    w1 = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
                        consumer="same", block_ms=50)
     w1._ack = lambda ids: None                 # the process dies right before its XACK
     assert [n.name for n in w1.poll()] == ["once@1"]
     assert pending(client, keys) == 2
-    w2 = TrainerWorker(client, keys, tmp_path, backend, OnlinePolicy(PolicyConfig(kto_min_batch=2)),
+    w2 = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
                        consumer="same", block_ms=50)   # restarted under the same consumer name
     assert w2.poll() == []
     assert pending(client, keys) == 0
@@ -240,7 +242,7 @@ def test_warm_model_resumes_a_stored_lineage_or_gives_way_to_its_shape(base_ref,
         del tm
     saved = load_file(str(store.version_dir("same", 1) / "adapter_model.safetensors"))
 
-    backend = OnlineTrainer(base_ref, tmp_path, OnlineConfig(lora=LoraConfig(rank=8, alpha=32, train_unembed=False)))
+    backend = OnlineTrainer(base_ref, tmp_path, TrainingSection(lora_rank=8, lora_alpha=32))
     backend.warm_up()
     warmed = backend._fresh
     model = backend.model_for("same")

@@ -16,7 +16,7 @@ LoRA: rank ``r``, ``alpha`` (scale ``alpha/r``), dropout 0, peft's default init
 base model). Targets: attention ``q,k,v,o_proj``, MLP ``gate,up,down_proj`` and the
 unembedding ``lm_head``. SmolLM2 ties ``lm_head`` to ``embed_tokens``: the LoRA on
 ``lm_head`` changes only the output projection (the input embedding lookup is untouched);
-:mod:`livelora.trainer.export` unties the two before merging.
+:mod:`livelora.adapters.export` unties the two before merging.
 
 Reference logprobs for ``kto``/``dpo`` come from the same weights with the adapter
 disabled (``peft_model.disable_adapter()``, no grad), i.e. the base model (TRL's choice for

@@ -1,4 +1,4 @@
-"""The online training backend: turns a policy batch into one optimizer step and one new adapter version.
+"""The online training backend: turns a scheduled batch into one optimizer step and one new adapter version.
 
 Per lineage one :class:`~livelora.trainer.model.TrainingModel` is kept in memory.
 It starts from the lineage's newest stored version (weights and, when saved,
@@ -23,14 +23,13 @@ Datums (Tinker alignment: input ``tokens[:-1]``, targets ``tokens[1:]``,
 * preference → two ``dpo`` datums (chosen, rejected), from served token ids or
   from the chat template for the inline form.
 
-Hyperparameters (:class:`OnlineConfig`) follow losses.md §5/§6: LoRA LR ≈ 10× the
-full-FT guidance, KTO/DPO β = 0.1.
+Hyperparameters are the trainer's :class:`~livelora.trainer.settings.TrainingSection` (losses.md §5/§6:
+LoRA LR ≈ 10× the full-FT guidance, KTO/DPO β = 0.1).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,37 +37,11 @@ from livelora.adapters.models import BaseModelRef, load_tokenizer
 from livelora.adapters.store import AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
-from livelora.clients.types.tinker import AdamParams, Datum, LoraConfig, ModelInput, TensorData
-from livelora.trainer.policy import Batch
+from livelora.clients.types.tinker import AdamParams, Datum, ModelInput, TensorData
+from livelora.trainer.scheduler import Batch
+from livelora.trainer.settings import TrainingSection
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OnlineConfig:
-    """Online-training hyperparameters.
-
-    Attributes:
-        lora: shape of new lineages' adapters (rank 8, alpha 32, attention + MLP; RL-style signals need
-            little rank, losses.md §6).
-        kto_lr / sft_lr / dpo_lr: AdamW learning rates per kind (LoRA values: KTO 1e-3 at β=0.1 and 8
-            ratings per step, found by experiment on SmolLM2 with ``bench/live_loop.py``: in 80 ratings the
-            held-out liked share goes from 9 % to 13 % at 5e-5, 25 % at 2e-4, 97 % at 1e-3; DPO 1e-5 as
-            tinker-cookbook, SFT 1e-4).
-        beta: KTO and DPO β.
-        grad_clip_norm: global L2 clip (0 = none).
-        save_optimizer: store AdamW state with each version (the trainer resumes exactly after restart).
-        device: torch device of the training models.
-    """
-
-    lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=8, alpha=32.0, train_unembed=False))
-    kto_lr: float = 1e-3
-    sft_lr: float = 1e-4
-    dpo_lr: float = 1e-5
-    beta: float = 0.1
-    grad_clip_norm: float = 1.0
-    save_optimizer: bool = True
-    device: str = "cpu"
 
 
 def completion_datum(prompt_ids: list[int], completion_ids: list[int],
@@ -99,13 +72,14 @@ class OnlineTrainer:
     Args:
         base_ref: the base model every lineage is trained on.
         home: ``LIVELORA_HOME`` (adapter store).
-        config: hyperparameters.
+        config: hyperparameters (``lora``, ``kto_lr``, ``sft_lr``, ``dpo_lr``, ``beta``, ``grad_clip_norm``,
+            ``save_optimizer``, ``device``); default: the environment's.
     """
 
-    def __init__(self, base_ref: BaseModelRef, home: Path | str, config: OnlineConfig | None = None):
+    def __init__(self, base_ref: BaseModelRef, home: Path | str, config: TrainingSection | None = None):
         self.base_ref = base_ref
         self.store = AdapterStore(home)
-        self.config = config or OnlineConfig()
+        self.config = config or TrainingSection()
         self._tokenizer = None
         self._models: dict[str, Any] = {}
         self._fresh = None  # a TrainingModel built ahead by warm_up(), taken by the next lineage model_for() needs

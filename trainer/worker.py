@@ -1,4 +1,4 @@
-"""The trainer worker: signals stream → dataset of record → policy → training step → version → notice.
+"""The trainer worker: signals stream → dataset of record → scheduler → training step → version → notice.
 
 One loop iteration (:meth:`TrainerWorker.poll`):
 
@@ -11,7 +11,7 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    and fsync, **before** anything is acknowledged. The dataset is at least once:
    an entry re-delivered after a crash is appended again; :func:`read_dataset`
    keeps the first line per event id.
-4. Queue the events in the :class:`~livelora.trainer.policy.OnlinePolicy`;
+4. Queue the events in the :class:`~livelora.trainer.scheduler.BatchScheduler`;
    ratings it supersedes are acknowledged at once (they are on disk and will not
    be trained).
 5. For each due batch: the backend trains one step and writes a new adapter
@@ -22,7 +22,7 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    (never lost); a crash between version and ack makes the redelivered entries
    be acknowledged without training them twice (``trained.jsonl``).
 
-While entries wait in the policy's queues the worker periodically re-claims
+While entries wait in the scheduler's queues the worker periodically re-claims
 them for itself (``XCLAIM … JUSTID``), which resets their idle time, so a live
 worker's queued entries are not stolen by a peer.
 """
@@ -42,11 +42,12 @@ from typing import Any, Protocol
 
 import redis
 
-from livelora.adapters.bus import TRAINERS_GROUP, Keys, ensure_group, publish_notice, redis_unavailable
+from livelora.adapters.bus import ensure_group, publish_notice, redis_unavailable
 from livelora.adapters.endpoints import EndpointStore
+from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
-from livelora.trainer.policy import Batch, OnlinePolicy
+from livelora.trainer.scheduler import Batch, BatchScheduler
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class TrainerWorker:
         keys: key layout.
         home: ``LIVELORA_HOME`` (dataset of record, endpoints).
         backend: trains batches and writes versions (:class:`~livelora.trainer.online.OnlineTrainer`).
-        policy: batching policy.
+        scheduler: batching scheduler (default: thresholds from the environment).
         consumer: consumer name in the ``trainers`` group (default ``<host>-<pid>``); reuse the
             same name after a restart to pick up this worker's own pending entries at once.
         claim_idle_s: entries pending longer than this (seconds) in *another* consumer are reclaimed.
@@ -127,15 +128,15 @@ class TrainerWorker:
         clock: time source (seconds); tests pass their own.
     """
 
-    def __init__(self, client: redis.Redis, keys: Keys, home: Path, backend: TrainingBackend,
-                 policy: OnlinePolicy | None = None, *, consumer: str | None = None,
+    def __init__(self, client: redis.Redis, keys: KeyLayout, home: Path, backend: TrainingBackend,
+                 scheduler: BatchScheduler | None = None, *, consumer: str | None = None,
                  claim_idle_s: float = 120.0, claim_interval_s: float = 10.0, block_ms: int = 1000,
                  read_count: int = 64, max_failures: int = 3, clock: Callable[[], float] = time.time):
         self.client = client
         self.keys = keys
         self.home = Path(home)
         self.backend = backend
-        self.policy = policy if policy is not None else OnlinePolicy()
+        self.scheduler = scheduler if scheduler is not None else BatchScheduler()
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.claim_idle_s = claim_idle_s
         self.claim_interval_s = claim_interval_s
@@ -192,7 +193,7 @@ class TrainerWorker:
 
     def _touch_queued(self) -> None:
         """Reset the idle time of entries queued here, so peers do not reclaim them."""
-        ids = self.policy.pending()
+        ids = self.scheduler.pending()
         if ids:
             with redis_unavailable():
                 self.client.xclaim(self.keys.signals, TRAINERS_GROUP, self.consumer, min_idle_time=0,
@@ -222,7 +223,7 @@ class TrainerWorker:
                 ack.append(sid)
                 continue
             lineage = self.endpoints.get(ev.endpoint).lineage
-            ack += self.policy.add(lineage, sid, ev, now)
+            ack += self.scheduler.add(lineage, sid, ev, now)
         if ack:
             self._ack(ack)
 
@@ -254,7 +255,7 @@ class TrainerWorker:
             self._last_touch = now
             self._touch_queued()
         out = []
-        for batch in self.policy.due(now):
+        for batch in self.scheduler.due(now):
             notice = self._train(batch)
             if notice is not None:
                 out.append(notice)
@@ -299,7 +300,7 @@ class TrainerWorker:
             self._failures.pop(key, None)
             self._dead_letter(batch, f"{type(exc).__name__}: {exc}")
         else:
-            self.policy.requeue(batch, self.clock())
+            self.scheduler.requeue(batch, self.clock())
         return None
 
     def _dead_letter(self, batch: Batch, reason: str) -> None:
@@ -333,21 +334,15 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
     real Redis client, the settings' base model, an :class:`~livelora.trainer.online.OnlineTrainer`."""
     from livelora.adapters.bus import connect_sync
     from livelora.adapters.models import resolve_base_model
-    from livelora.clients.types.tinker import LoraConfig
-    from livelora.trainer.online import OnlineConfig, OnlineTrainer
-    from livelora.trainer.policy import PolicyConfig
+    from livelora.trainer.online import OnlineTrainer
     from livelora.trainer.settings import TrainerSettings
 
     s = settings or TrainerSettings()
-    backend = OnlineTrainer(resolve_base_model(s.model, s.home), s.home, OnlineConfig(
-        lora=LoraConfig(rank=s.lora_rank, alpha=s.lora_alpha, train_unembed=False), kto_lr=s.kto_lr,
-        sft_lr=s.sft_lr, dpo_lr=s.dpo_lr, beta=s.beta, device=s.device))
-    policy = OnlinePolicy(PolicyConfig(kto_min_batch=s.kto_min_batch, sft_min_batch=s.sft_min_batch,
-                                       dpo_min_batch=s.dpo_min_batch, max_batch=s.max_batch,
-                                       max_wait_s=s.max_wait_s))
-    return TrainerWorker(client or connect_sync(s.redis_url), Keys(s.redis_prefix), s.home, backend, policy,
-                         consumer=s.consumer, claim_idle_s=s.claim_idle_s,
-                         claim_interval_s=min(10.0, s.claim_idle_s / 2))
+    t = s.training
+    backend = OnlineTrainer(resolve_base_model(s.model, s.home), s.home, t)
+    return TrainerWorker(client or connect_sync(s.redis_url), KeyLayout(s.redis_prefix), s.home, backend,
+                         BatchScheduler(t), consumer=t.consumer, claim_idle_s=t.claim_idle_s,
+                         claim_interval_s=min(10.0, t.claim_idle_s / 2))
 
 
 def run_worker(settings: Any = None) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from livelora.adapters.keys import OPEN_PRINCIPAL, Principal
+from livelora.adapters.api_keys import OPEN_PRINCIPAL, Principal
 from livelora.clients.types.admin import (CreateEndpointRequest, CreateKeyRequest, ExportRequest, PromoteRequest,
                                           RollbackRequest)
 from livelora.gateway.admin import AdminService, endpoint_notice

@@ -16,6 +16,6 @@ async def health(engine: EngineDep, settings: SettingsDep, admission: AdmissionD
     ``sequences`` counts sequences admitted by the gateway (running or waiting). This route needs no key, so
     it gives the number of loaded adapter versions, never their names (which name tenants' lineages).
     """
-    return {"status": "ok", "model": settings.model_id, "engine": settings.engine,
+    return {"status": "ok", "model": settings.model_id, "engine": settings.inference.engine,
             "sequences": admission.active, "max_sequences": admission.limit,
             "adapters_loaded": len(engine.loaded_adapters())}

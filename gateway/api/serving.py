@@ -80,9 +80,10 @@ def resolve_target(model: str, engine: Engine, settings: GatewaySettings, regist
 
 
 def context_length(engine: Engine, settings: GatewaySettings) -> int:
-    """Prompt + completion tokens allowed: the engine's window, capped by ``settings.max_model_len``."""
+    """Prompt + completion tokens allowed: the engine's window, capped by ``settings.inference.max_model_len``."""
     limit = int(engine.max_model_len)
-    return min(limit, settings.max_model_len) if settings.max_model_len else limit
+    cap = settings.inference.max_model_len
+    return min(limit, cap) if cap else limit
 
 
 def tenant_scoped() -> bool:
@@ -120,8 +121,8 @@ class Admission:
     """Counts sequences admitted by the gateway (running + waiting). Event-loop confined."""
 
     def __init__(self, settings: GatewaySettings):
-        self.limit = settings.max_sequences
-        self.retry_after = settings.retry_after_s
+        self.limit = settings.inference.max_sequences
+        self.retry_after = settings.inference.retry_after_s
         self.active = 0
 
     def acquire(self, sequences: int, param: str = "n") -> Ticket:

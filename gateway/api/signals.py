@@ -36,22 +36,14 @@ from typing import Any
 import redis.asyncio as aredis
 from fastapi import APIRouter, Header, Request, Response
 
-from livelora.adapters.bus import DEFAULT_IDEMPOTENCY_TTL_S, Keys, dumps, redis_unavailable
+from livelora.adapters.bus import dumps, redis_unavailable
+from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
-from livelora.clients.types.signals import (
-    CompletionRecord,
-    DemonstrationEvent,
-    DemonstrationRequest,
-    DemonstrationResponse,
-    FeedbackRequest,
-    FeedbackResponse,
-    PreferenceEvent,
-    PreferenceRequest,
-    PreferenceResponse,
-    RatingEvent,
-    parse_stream_event,
-)
+from livelora.clients.types.signals import (CompletionRecord, DemonstrationEvent, DemonstrationRequest,
+                                            DemonstrationResponse, FeedbackRequest, FeedbackResponse, PreferenceEvent,
+                                            PreferenceRequest, PreferenceResponse, RatingEvent, parse_stream_event)
 from livelora.gateway.completion_log import CompletionLog
+from livelora.gateway.settings import DEFAULT_IDEMPOTENCY_TTL_S
 
 # KEYS[1] signals stream, KEYS[2] idempotency key or "", KEYS[3] rating key or ""
 # ARGV[1] event JSON, ARGV[2] request fingerprint, ARGV[3] idem TTL s, ARGV[4] rating TTL s, ARGV[5] event id
@@ -86,7 +78,7 @@ class SignalService:
             ``None`` allows every endpoint.
     """
 
-    def __init__(self, client: aredis.Redis, keys: Keys, completions: CompletionLog,
+    def __init__(self, client: aredis.Redis, keys: KeyLayout, completions: CompletionLog,
                  resolve_endpoint: Callable[[str], str] | None = None,
                  idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
                  check_trainable: Callable[[str], None] | None = None):

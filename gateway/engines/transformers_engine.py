@@ -30,8 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from livelora.clients.errors import (BadRequestError, ConflictError, ModelNotFoundError,
-                                     RateLimitError, UnavailableError)
+from livelora.clients.errors import BadRequestError, ConflictError, ModelNotFoundError, RateLimitError, UnavailableError
 from livelora.gateway.engines.base import (AdapterCheck, Engine, GenerationChunk, SamplingParams, TokenLogprob,
                                            check_sampling_params, check_score_request, check_token_ids)
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
@@ -61,11 +60,11 @@ class TransformersEngine(Engine):
                  dtype: str | None = None, max_batch_size: int = 16, max_waiting: int = 1024,
                  max_model_len: int | None = None, max_prefill_tokens: int = 8192,
                  num_threads: int | None = None):
-        from livelora.adapters.settings import BaseSettings
+        from livelora.adapters.settings import CommonSettings
 
         if max_batch_size < 1:
             raise BadRequestError("max_batch_size must be >= 1", param="max_batch_size")
-        settings = BaseSettings()
+        settings = CommonSettings()
         self.model_name = model or settings.model
         self._home = Path(home) if home is not None else settings.home
         self.device = device

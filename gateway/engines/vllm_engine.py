@@ -73,46 +73,19 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings as PydanticBaseSettings
-from pydantic_settings import SettingsConfigDict
-
-from livelora.adapters.settings import BaseSettings
-from livelora.clients.errors import (BadRequestError, ConflictError, InternalError,
-                                     ModelNotFoundError, RateLimitError, UnavailableError)
+from livelora.adapters.settings import CommonSettings
+from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, ModelNotFoundError, RateLimitError,
+                                     UnavailableError)
 from livelora.gateway.engines.base import (MAX_TOP_LOGPROBS, Engine, GenerationChunk, SamplingParams, TokenLogprob,
                                            check_sampling_params, check_score_request, check_token_ids)
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
+from livelora.gateway.settings import VLLM_LORA_RANKS, VLLMSection
 
 log = logging.getLogger(__name__)
 
 #: Most alternatives per position that ``top_logprobs`` may ask for (OpenAI's limit; vLLM ``max_logprobs``).
-#: LoRA ranks vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: Adapter features vLLM refuses (vllm/lora/peft_helper.py); checked up front for a clear 400.
 _UNSUPPORTED_ADAPTER_FIELDS = {"use_dora": "DoRA", "lora_bias": "lora_bias", "layer_replication": "layer_replication"}
-
-
-class VLLMSettings(PydanticBaseSettings):
-    """vLLM-only knobs (``LIVELORA_VLLM_`` environment prefix); constructor arguments override them.
-
-    Environment: ``LIVELORA_VLLM_GPU_MEMORY_UTILIZATION``, ``LIVELORA_VLLM_TENSOR_PARALLEL_SIZE``,
-    ``LIVELORA_VLLM_MAX_LORAS``, ``LIVELORA_VLLM_MAX_LORA_RANK``, ``LIVELORA_VLLM_ENFORCE_EAGER``,
-    ``LIVELORA_VLLM_ENABLE_PREFIX_CACHING``, ``LIVELORA_VLLM_SNAPSHOT_DIR``.
-    """
-
-    model_config = SettingsConfigDict(env_prefix="LIVELORA_VLLM_", extra="ignore")
-
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may use "
-                                                                       "(weights + KV cache).")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is sharded over (vLLM tensor "
-                                                           "parallelism).")
-    max_loras: int = Field(2, ge=2, description="Distinct adapters in one batch (old + new during a swap).")
-    max_lora_rank: int = Field(64, description=f"Largest adapter rank; one of {VLLM_LORA_RANKS}.")
-    enforce_eager: bool | None = Field(None, description="Disable CUDA graphs (default: on for CPU, off for GPU).")
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
-    snapshot_dir: Path | None = Field(None, description="Where adapter snapshots live (default /dev/shm, "
-                                                        "else the temp dir).")
 
 
 class VLLMEngine(Engine):
@@ -129,7 +102,9 @@ class VLLMEngine(Engine):
         max_waiting: unfinished requests beyond ``max_batch_size`` allowed; more get :class:`RateLimitError`.
         max_model_len: prompt + completion limit in tokens (default 1024 on CPU, the model's on GPU).
         max_loras, max_lora_rank, gpu_memory_utilization, tensor_parallel_size, enforce_eager,
-            enable_prefix_caching, snapshot_dir: see :class:`VLLMSettings` (``None`` = from it).
+            enable_prefix_caching, snapshot_dir: see :class:`~livelora.gateway.settings.VLLMSection`
+            (``None`` = from ``settings``).
+        settings: the gateway's vLLM section (default: from the environment).
         kv_cache_space_gib: CPU only: ``VLLM_CPU_KVCACHE_SPACE`` if not already set (default 1).
         engine_args: extra ``AsyncEngineArgs`` fields (advanced; override everything above).
 
@@ -143,9 +118,9 @@ class VLLMEngine(Engine):
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int | None = None,
                  enforce_eager: bool | None = None, enable_prefix_caching: bool | None = None,
                  snapshot_dir: str | Path | None = None, kv_cache_space_gib: int = 1,
-                 engine_args: dict[str, Any] | None = None):
-        base = BaseSettings()
-        vs = VLLMSettings()
+                 engine_args: dict[str, Any] | None = None, settings: VLLMSection | None = None):
+        base = CommonSettings()
+        vs = settings or VLLMSection()
         self.model_name = model or base.model
         self._home = Path(home) if home is not None else base.home
         self.device = device or "cuda"

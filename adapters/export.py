@@ -20,26 +20,28 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from livelora.adapters.atomic import atomic_dir
 from livelora.adapters.models import MODEL_BUILD_LOCK, BaseModelRef, load_model, load_tokenizer
 from livelora.adapters.store import CONFIG_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError, ConflictError
 
+if TYPE_CHECKING:  # torch loads only when an export runs
+    import torch
+
 EXPORT_MANIFEST = "livelora_export.json"
 
 
 def export_merged(store: AdapterStore, lineage: str, version: int, base_ref: BaseModelRef, out_dir: Path | str,
-                  *, dtype: torch.dtype = torch.float32) -> Path:
+                  *, dtype: str | torch.dtype = "float32") -> Path:
     """Write base + adapter ``<lineage>@<version>`` merged into one HF model at ``out_dir``.
 
     Args:
         store: the adapter store holding the version.
         base_ref: the version's base model (its name must match the manifest).
         out_dir: destination directory; must not exist yet.
-        dtype: dtype of the written weights (the merge itself runs in float64).
+        dtype: dtype of the written weights, a torch dtype or its name (the merge itself runs in float64).
 
     Returns:
         ``out_dir``.
@@ -49,8 +51,11 @@ def export_merged(store: AdapterStore, lineage: str, version: int, base_ref: Bas
         BadRequestError: base model mismatch or a weights file failing its sha256 check.
         ConflictError: ``out_dir`` already exists.
     """
+    import torch
     from peft import PeftModel
 
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
     out = Path(out_dir)
     manifest = store.get(lineage, version)
     if manifest.base_model != base_ref.name:

@@ -1,4 +1,4 @@
-"""Online training policy: when the signals buffered for a lineage become a training step.
+"""The batching scheduler of the live loop: when the signals buffered for a lineage become a training step.
 
 Per lineage there are three queues, one per signal kind:
 
@@ -19,8 +19,9 @@ Per lineage there are three queues, one per signal kind:
 * **preference pairs → DPO** (Rafailov et al. 2023): fires at ``dpo_min_batch``
   or after ``max_wait_s`` with ≥ 1.
 
-A batch holds at most ``max_batch`` events; the rest stay queued. The policy is
-pure bookkeeping (no Redis, no torch), so its decisions are unit-testable.
+A batch holds at most ``max_batch`` events; the rest stay queued. The thresholds are the trainer's
+:class:`~livelora.trainer.settings.TrainingSection`. The scheduler is pure bookkeeping (no Redis, no torch),
+so its decisions are unit-testable.
 """
 
 from __future__ import annotations
@@ -29,34 +30,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from livelora.clients.errors import BadRequestError
 from livelora.clients.types.signals import DemonstrationEvent, PreferenceEvent, RatingEvent
+from livelora.trainer.settings import TrainingSection
 
 Kind = Literal["kto", "sft", "dpo"]
 Event = RatingEvent | PreferenceEvent | DemonstrationEvent
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Batching thresholds (counts are events; times are seconds)."""
-
-    kto_min_batch: int = 8
-    sft_min_batch: int = 4
-    dpo_min_batch: int = 4
-    max_batch: int = 32
-    max_wait_s: float = 30.0
-
-    def __post_init__(self):
-        for name in ("kto_min_batch", "sft_min_batch", "dpo_min_batch", "max_batch"):
-            if getattr(self, name) < 1:
-                raise BadRequestError(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
-        if self.kto_min_batch < 2:
-            raise BadRequestError("kto_min_batch must be >= 2 (KTO's KL estimate needs mismatched pairs)",
-                                  param="kto_min_batch")
-        if self.max_batch < 2:
-            raise BadRequestError("max_batch must be >= 2 (a KTO step needs 2 examples)", param="max_batch")
-        if self.max_wait_s < 0:
-            raise BadRequestError(f"max_wait_s must be >= 0, got {self.max_wait_s}", param="max_wait_s")
 
 
 def kto_class_weights(n_desirable: int, n_undesirable: int) -> tuple[float, float]:
@@ -102,15 +80,16 @@ class _Queue:
         return min(t for _, _, t in self.items.values())
 
 
-class OnlinePolicy:
+class BatchScheduler:
     """Queues events per (lineage, kind) and says which batches are due.
 
     Args:
-        config: thresholds.
+        config: thresholds (``kto_min_batch``, ``sft_min_batch``, ``dpo_min_batch``, ``max_batch``,
+            ``max_wait_s``); default: the environment's.
     """
 
-    def __init__(self, config: PolicyConfig | None = None):
-        self.config = config or PolicyConfig()
+    def __init__(self, config: TrainingSection | None = None):
+        self.config = config or TrainingSection()
         self._queues: dict[tuple[str, Kind], _Queue] = {}
 
     @staticmethod

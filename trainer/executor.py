@@ -1,26 +1,9 @@
-"""Training sessions, trainer side: the op executor, plus the Redis keys, ids and checkpoint index it shares
-with the gateway (:mod:`livelora.gateway.sessions`).
+"""The op executor: runs training-session ops from Redis on :class:`~livelora.trainer.model.TrainingModel` s.
 
-Flow of one training op (design.md "Training sessions"; tinker_protocol.md §2.5)::
-
-    gateway: validate → SET seq:{model}:{seq} NX (dedupe) → SET future:{rid} pending → XADD ops:{model}
-    trainer: XREAD ops:* → buffer by seq_id → run strictly in seq order → SET future:{rid} → PUBLISH futures
-
-Redis keys (all under the configured prefix):
-
-=============================  ==============  ====================================================
-key                            type            holds
-=============================  ==============  ====================================================
-``session:{sid}``              string, TTL     session record; TTL refreshed by heartbeats
-``model:{model_id}``           string (JSON)   model record: session, base model, LoRA shape, state
-``trainer:models``             set             model ids the trainer reads ``ops:`` streams of
-``ops:{model_id}``             stream          the model's ops, field ``op`` = JSON :class:`Op`
-``seq:{model_id}:{seq_id}``    string, TTL     ``{request_id, digest}`` of the first op with that seq
-``future:{request_id}``        string, TTL     ``{"state": "pending"|"done"|"failed", ...}``
-``sampler:{sampling_id}``      string, TTL     sampling session: base model, adapter name and path
-``futures``                    pub/sub         request ids whose future just resolved
-``sessions``                   pub/sub         ids of sessions that finished
-=============================  ==============  ====================================================
+The protocol it speaks (ids, ops, futures, checkpoint index) is :mod:`livelora.adapters.session_protocol`; the
+Redis keys are :class:`~livelora.adapters.redis_keys.KeyLayout`'s. The gateway validates and queues ops; this
+executor runs them. ``livelora serve`` and ``livelora gateway`` start one in a thread
+(:mod:`livelora.cli.processes`).
 
 Semantics the executor guarantees:
 
@@ -33,241 +16,30 @@ Semantics the executor guarantees:
   are freed and their buffered ops fail; buffered ops waiting for a seq_id that never arrives fail after
   ``gap_timeout_s``. Nothing stays pending forever.
 
-Checkpoints (tinker paths ``tinker://<model_id>/<weights|sampler_weights>/<name>``) are adapter-store
-versions of the lineage :func:`lineage_for` the model; the name → version map lives in
-``LIVELORA_HOME/sessions/<lineage>.json`` (:class:`CheckpointIndex`), written atomically under a lock.
-Ephemeral sampler saves are versions too; they are deleted when their model is freed.
+Ephemeral sampler saves are adapter versions too; they are deleted when their model is freed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import re
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-
-from livelora.adapters.atomic import atomic_write_json, file_lock
-from livelora.adapters.settings import BaseSettings
+from livelora.adapters.redis_keys import KeyLayout
+from livelora.adapters.session_protocol import (CheckpointIndex, Op, check_checkpoint_name, future_done, future_failed,
+                                                lineage_for, now_iso, resolve_checkpoint, session_of, tinker_path)
+from livelora.adapters.settings import SessionSection
 from livelora.adapters.store import AdapterStore, Manifest
-from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, LiveloraError, NotFoundError,
-                                     UnsupportedParameterError, error_to_dict)
+from livelora.clients.errors import (BadRequestError, ConflictError, LiveloraError, NotFoundError,
+                                     UnsupportedParameterError)
 from livelora.clients.types.tinker import (AdamParams, CreateModelRequest, ForwardBackwardInput, LoadWeightsRequest,
                                            SaveWeightsForSamplerRequest, SaveWeightsRequest)
 
 log = logging.getLogger(__name__)
-
-TINKER_SCHEME = "tinker://"
-CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-class SessionSettings(BaseSettings):
-    """Timing of training sessions (environment ``LIVELORA_SESSION_TTL_S``, ``LIVELORA_FUTURE_TTL_S``, ...)."""
-
-    session_ttl_s: float = Field(60.0, gt=0, description="A session expires this long after its last heartbeat "
-                                                        "(the SDKs beat every 10 s).")
-    future_ttl_s: int = Field(24 * 3600, ge=60, description="Futures and dedupe records live this long (s).")
-    long_poll_s: float = Field(30.0, gt=0, lt=45, description="retrieve_future waits at most this long before "
-                                                              "answering 408 try_again (the SDK times out at 45 s).")
-    gap_timeout_s: float = Field(600.0, gt=0, description="Buffered ops fail when the seq_id before them has not "
-                                                          "arrived for this long (s).")
-    trainer_in_process: bool = Field(True, description="Run the op executor in a thread of the gateway process.")
-
-
-# ============================================================================================ keys and ids
-@dataclass(frozen=True)
-class SessionKeys:
-    """Redis key names under one prefix (see the module docstring)."""
-
-    prefix: str = "livelora:"
-
-    def session(self, sid: str) -> str:
-        return f"{self.prefix}session:{sid}"
-
-    def model(self, model_id: str) -> str:
-        return f"{self.prefix}model:{model_id}"
-
-    @property
-    def models(self) -> str:
-        return f"{self.prefix}trainer:models"
-
-    def ops(self, model_id: str) -> str:
-        return f"{self.prefix}ops:{model_id}"
-
-    def seq(self, model_id: str, seq_id: int) -> str:
-        return f"{self.prefix}seq:{model_id}:{seq_id}"
-
-    def future(self, request_id: str) -> str:
-        return f"{self.prefix}future:{request_id}"
-
-    def sampler(self, sampling_session_id: str) -> str:
-        return f"{self.prefix}sampler:{sampling_session_id}"
-
-    @property
-    def futures_channel(self) -> str:
-        return f"{self.prefix}futures"
-
-    @property
-    def sessions_channel(self) -> str:
-        return f"{self.prefix}sessions"
-
-
-def model_id_for(session_id: str, model_seq_id: int) -> str:
-    """``{session_id}:train:{model_seq_id}`` (the id the tinker SDK computes for create-via-load)."""
-    return f"{session_id}:train:{model_seq_id}"
-
-
-def session_of(model_id: str) -> str:
-    """The session id part of a model id (everything before ``:train:``)."""
-    return model_id.split(":train:", 1)[0]
-
-
-def lineage_for(model_id: str) -> str:
-    """The adapter-store lineage of a model: its id lower-cased, characters outside ``[a-z0-9._-]`` → ``-``,
-    plus an 8-hex digest of the id when that was lossy or long (so two ids never share a lineage)."""
-    base = re.sub(r"[^a-z0-9._-]", "-", model_id.lower()).lstrip("._-") or "m"
-    if base == model_id.replace(":", "-") and len(base) <= 64:
-        return base
-    return f"{base[:55]}-{hashlib.sha256(model_id.encode()).hexdigest()[:8]}"
-
-
-def tinker_path(model_id: str, kind: str, name: str) -> str:
-    return f"{TINKER_SCHEME}{model_id}/{kind}/{name}"
-
-
-def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """Split ``tinker://<model_id>/<kind>/<name>`` into ``(model_id, kind, name)``.
-
-    Raises:
-        BadRequestError: not a tinker path, or a kind other than ``weights`` / ``sampler_weights``.
-    """
-    if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
-        raise BadRequestError(f"invalid checkpoint path {path!r}: expected tinker://<model_id>/weights/<name> or "
-                              "tinker://<model_id>/sampler_weights/<name>", param="path")
-    parts = path[len(TINKER_SCHEME):].split("/")
-    if len(parts) != 3 or not all(parts) or parts[1] not in CHECKPOINT_KINDS:
-        raise BadRequestError(f"invalid checkpoint path {path!r}: expected tinker://<model_id>/weights/<name> or "
-                              "tinker://<model_id>/sampler_weights/<name>", param="path")
-    return parts[0], parts[1], parts[2]
-
-
-def check_checkpoint_name(name: str | None) -> str:
-    """A checkpoint name: 1-128 of ``[A-Za-z0-9._-]``, starting with a letter or digit.
-
-    Raises:
-        BadRequestError: anything else (also ``None``).
-    """
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise BadRequestError(f"invalid checkpoint name {name!r}: use 1-128 characters of A-Z, a-z, 0-9, '.', "
-                              "'_', '-', starting with a letter or digit", param="path")
-    return name
-
-
-def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()
-
-
-# ============================================================================================ checkpoint index
-class CheckpointIndex:
-    """Name → adapter version map of one training run, in ``<home>/sessions/<lineage>.json``.
-
-    Layout: ``{"model_id", "base_model", "lora": {...}, "user_metadata", "created", "checkpoints":
-    {"weights/<name>": {"version", "time", "adapter"}, ...}}``. Updates hold ``<file>.lock``.
-    """
-
-    def __init__(self, home: Path | str, model_id: str):
-        self.model_id = model_id
-        self.lineage = lineage_for(model_id)
-        self.path = Path(home) / "sessions" / f"{self.lineage}.json"
-
-    def read(self) -> dict[str, Any]:
-        """The index (NotFoundError if the run has never been created)."""
-        if not self.path.is_file():
-            raise NotFoundError(f"training run {self.model_id!r} does not exist", param="model_id")
-        return json.loads(self.path.read_text())
-
-    def update(self, fn) -> dict[str, Any]:
-        """Apply ``fn(index_dict)`` (which mutates it) under the lock and write it atomically."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(self.path.with_suffix(".lock")):
-            data = json.loads(self.path.read_text()) if self.path.is_file() else {"checkpoints": {}}
-            fn(data)
-            atomic_write_json(self.path, data)
-        return data
-
-    def resolve(self, kind: str, name: str) -> int:
-        """Version number of checkpoint ``kind/name``.
-
-        Raises:
-            NotFoundError: unknown run or checkpoint.
-        """
-        entry = self.read().get("checkpoints", {}).get(f"{kind}/{name}")
-        if entry is None:
-            raise NotFoundError(f"checkpoint {tinker_path(self.model_id, kind, name)} does not exist", param="path")
-        return int(entry["version"])
-
-
-def resolve_checkpoint(home: Path | str, path: str, *, want: str | None = None) -> tuple[CheckpointIndex, str, int]:
-    """``(index, kind, version)`` of a tinker path; ``want`` = required kind (``weights``/``sampler_weights``).
-
-    Raises:
-        BadRequestError: malformed path, or the wrong kind (the message says which kind is needed).
-        NotFoundError: no such run or checkpoint.
-    """
-    model_id, kind, name = parse_tinker_path(path)
-    if want is not None and kind != want:
-        if want == "weights":
-            raise BadRequestError(f"{path} is a sampler checkpoint (weights only, no optimizer state); training "
-                                  "clients load training checkpoints saved with save_state "
-                                  "(tinker://<model_id>/weights/<name>)", param="path")
-        raise BadRequestError(f"{path} is a training checkpoint; sampling clients take sampler checkpoints saved "
-                              "with save_weights_for_sampler (tinker://<model_id>/sampler_weights/<name>)",
-                              param="path")
-    index = CheckpointIndex(home, model_id)
-    return index, kind, index.resolve(kind, name)
-
-
-# ============================================================================================ futures
-def future_done(result: dict[str, Any]) -> str:
-    return json.dumps({"state": "done", "result": result})
-
-
-def future_failed(err: BaseException) -> str:
-    """The future record of a failed op: ``{"error", "category", "class", "code", "param"}``."""
-    if not isinstance(err, LiveloraError):
-        err = InternalError(f"internal error: {type(err).__name__}: {err}")
-    d = error_to_dict(err)
-    return json.dumps({"state": "failed", "error": d["message"], "category": d["category"], "class": d["class"],
-                       "code": d["code"], "param": d["param"]})
-
-
-# ============================================================================================ the executor
-@dataclass
-class Op:
-    """One queued training op: ``kind`` (route name or ``failed``), ``seq_id``, ``request_id``, ``body`` (JSON)."""
-
-    kind: str
-    seq_id: int
-    request_id: str
-    body: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, "seq_id": self.seq_id, "request_id": self.request_id,
-                           "body": self.body})
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> Op:
-        d = json.loads(raw)
-        return cls(str(d["kind"]), int(d["seq_id"]), str(d["request_id"]), dict(d.get("body") or {}))
 
 
 @dataclass
@@ -297,8 +69,8 @@ class OpExecutor:
         base_model_aliases: other accepted base-model names; ``served_name``: the name reported in records.
     """
 
-    def __init__(self, redis_client, keys: SessionKeys, home: Path | str, base_model: str,
-                 settings: SessionSettings | None = None, *, device: str = "cpu", max_seq_len: int | None = None,
+    def __init__(self, redis_client, keys: KeyLayout, home: Path | str, base_model: str,
+                 settings: SessionSection | None = None, *, device: str = "cpu", max_seq_len: int | None = None,
                  base_model_aliases: tuple[str, ...] = (), served_name: str | None = None):
         from livelora.adapters.models import resolve_base_model
 
@@ -309,7 +81,7 @@ class OpExecutor:
         self.base_model = served_name or base_model
         self.base_names = {base_model, self.base_model, *base_model_aliases}
         self.base_ref = resolve_base_model(base_model, self.home)
-        self.settings = settings or SessionSettings()
+        self.settings = settings or SessionSection()
         self.device = device
         self.max_seq_len = max_seq_len
         self.slots: dict[str, _ModelSlot] = {}
@@ -454,7 +226,7 @@ class OpExecutor:
         self.redis.set(self.keys.model(slot.model_id), json.dumps(record))
         CheckpointIndex(self.home, slot.model_id).update(lambda d: d.update(
             model_id=slot.model_id, base_model=self.base_model, lora=record["lora"], user_metadata=user_metadata,
-            created=d.get("created") or _now_iso()))
+            created=d.get("created") or now_iso()))
         if op.kind == "create_model":
             return {"model_id": slot.model_id, "type": "create_model"}
         return {"model_id": slot.model_id, "path": LoadWeightsRequest.model_validate(op.body).path,
@@ -468,7 +240,7 @@ class OpExecutor:
             raise ConflictError(f"checkpoint {tinker_path(slot.model_id, kind, name)} exists; pass overwrite=True "
                                 "or use another name", param="path")
         manifest = slot.model.save_weights(self.store, index.lineage, with_optimizer=with_optimizer)
-        entry = {"version": manifest.version, "time": _now_iso(), "adapter": manifest.name}
+        entry = {"version": manifest.version, "time": now_iso(), "adapter": manifest.name}
         index.update(lambda d: d.setdefault("checkpoints", {}).__setitem__(key, entry))
         if old is not None:
             self._delete_version(index.lineage, int(old["version"]))
@@ -548,8 +320,3 @@ class OpExecutor:
             self._delete_version(lineage, version)
         slot.model = None
         log.info("freed training model %s: %s", model_id, reason)
-
-
-def new_request_id(scope: str) -> str:
-    """A fresh request id ``{scope}:{12 hex}``."""
-    return f"{scope}:{uuid.uuid4().hex[:12]}"

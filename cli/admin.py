@@ -85,14 +85,15 @@ class Backend:
 
     def notify(self, endpoint: str) -> None:
         """Tell running gateways (local mode) that ``endpoint`` changed; silent if Redis is unreachable."""
-        from livelora.adapters.bus import Keys, connect_sync
-        from livelora.adapters.settings import BaseSettings
+        from livelora.adapters.bus import connect_sync
+        from livelora.adapters.redis_keys import KeyLayout
+        from livelora.adapters.settings import CommonSettings
         from livelora.gateway.admin import endpoint_notice
 
-        settings = BaseSettings()
+        settings = CommonSettings()
         try:
             client = connect_sync(settings.redis_url, timeout_s=1.0)
-            client.publish(Keys(settings.redis_prefix).notices, endpoint_notice(endpoint))
+            client.publish(KeyLayout(settings.redis_prefix).notices, endpoint_notice(endpoint))
             client.close()
         except Exception:
             err.print("[yellow]note[/]: Redis unreachable; running gateways pick the change up at their next "

@@ -7,8 +7,9 @@ Example::
     livelora serve --model ./my-hf-model --port 9000 --home /data/livelora
 
 Flags override ``LIVELORA_*`` environment variables, which override defaults.
-Heavy imports (torch, the gateway) happen inside the commands, so ``livelora
---help`` stays fast and ``livelora.clients`` does not import the gateway.
+Heavy imports (torch, the gateway, the trainer) happen inside the commands, so
+``livelora --help`` stays fast. This package is the composition root
+(:mod:`livelora.cli`): the only one that imports both gateway and trainer.
 """
 
 from __future__ import annotations
@@ -76,8 +77,6 @@ def trainer(
     """Run a trainer worker: consume the signals stream, train KTO/SFT/DPO steps, publish adapter versions."""
     import logging
 
-    from pydantic import ValidationError
-
     from livelora.trainer.settings import TrainerSettings
     from livelora.trainer.worker import run_worker
 
@@ -85,31 +84,38 @@ def trainer(
         os.environ["LIVELORA_HOME"] = str(home)
     overrides = {"model": model, "home": home, "redis_url": redis_url, "device": device, "consumer": consumer,
                  "kto_min_batch": kto_min_batch, "max_wait_s": max_wait_s}
-    try:
-        settings = TrainerSettings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as exc:
-        for err in exc.errors():
-            console.print(f"[red]error[/]: {'.'.join(map(str, err['loc']))}: {err['msg']}")
-        raise typer.Exit(2) from None
+    settings = _settings(TrainerSettings, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     console.print(f"[bold]livelora[/] trainer for [cyan]{settings.model}[/] on {settings.redis_url} "
                   f"(store: {settings.home})")
     run_worker(settings)
 
 
+def _settings(cls, overrides: dict):
+    """``cls(**overrides)`` without the ``None`` values; a validation error is printed and exits with 2."""
+    from pydantic import ValidationError
+
+    try:
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(map(str, err["loc"]))
+            console.print(f"[red]error[/]: {loc + ': ' if loc else ''}{err['msg']}")
+        raise typer.Exit(2) from None
+
+
 def _run_gateway(options: dict, *, whole_loop: bool) -> None:
+    import logging
     import threading
 
     import uvicorn
-    from pydantic import ValidationError
 
+    from livelora.cli.processes import gateway_app, start_trainer_thread
+    from livelora.cli.settings import ServeSettings
     from livelora.clients.errors import LiveloraError
-    from livelora.gateway.app import create_app
     from livelora.gateway.settings import GatewaySettings
 
     log_level = options.pop("log_level")
-    import logging
-
     # livelora's own messages (versions installed or refused, endpoints switched) on stderr at uvicorn's level
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.DEBUG),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -117,18 +123,11 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         options.pop("allow_open", None)  # False: leave LIVELORA_ALLOW_OPEN in charge
     if options.get("home") is not None:
         os.environ["LIVELORA_HOME"] = str(options["home"])
-    try:
-        settings = GatewaySettings(**{k: v for k, v in options.items() if v is not None})
-    except ValidationError as exc:
-        for err in exc.errors():
-            console.print(f"[red]error[/]: {'.'.join(map(str, err['loc']))}: {err['msg']}")
-        raise typer.Exit(2) from None
+    settings = _settings(ServeSettings if whole_loop else GatewaySettings, options)
     redis_proc, stop, worker_thread = None, threading.Event(), None
     try:
         if whole_loop:
-            from livelora.gateway.live import embedded_redis, redis_reachable
-            from livelora.trainer.settings import TrainerSettings
-            from livelora.trainer.worker import build_worker
+            from livelora.cli.redis_server import embedded_redis, redis_reachable
 
             if not redis_reachable(settings.redis_url):
                 url, redis_proc = embedded_redis()
@@ -136,27 +135,19 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
                               f"redis-server at {url}. It is NOT durable: signals not yet trained are lost "
                               "when livelora stops. Run Redis and set LIVELORA_REDIS_URL for production.")
                 settings = settings.model_copy(update={"redis_url": url})
-            worker = build_worker(TrainerSettings(home=settings.home, model=settings.model,
-                                                  redis_url=settings.redis_url, redis_prefix=settings.redis_prefix))
-            # transformers' lazy modules are not safe to initialise from two threads at once (the trainer warms
-            # up while the gateway loads its engine): resolve them here first
-            from livelora.adapters.models import import_model_libraries
-
-            import_model_libraries()
-
-            worker_thread = threading.Thread(target=worker.run, args=(stop,), name="livelora-trainer", daemon=True)
-            worker_thread.start()
-        base_url = f"http://{settings.host}:{settings.port}/v1"
-        console.print(f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.engine} engine "
-                      f"on [green]{base_url}[/] (store: {settings.home}"
+            worker_thread = start_trainer_thread(settings.trainer_settings(), stop)
+        server = settings.server
+        base_url = f"http://{server.host}:{server.port}/v1"
+        console.print(f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.inference.engine} "
+                      f"engine on [green]{base_url}[/] (store: {settings.home}"
                       f"{', trainer in-process' if whole_loop else ''})")
         console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}"
                       f"{'; embedded, not durable' if redis_proc is not None else ''})")
-        gateway_app = create_app(settings)  # refuses a public bind without keys (unless --allow-open)
-        if gateway_app.state.auth_open:
+        app = gateway_app(settings)  # refuses a public bind without keys (unless --allow-open)
+        if app.state.auth_open:
             console.print("[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
                           "role). Create keys with `livelora keys create --home <store>`.")
-        uvicorn.run(gateway_app, host=settings.host, port=settings.port, log_level=log_level)
+        uvicorn.run(app, host=server.host, port=server.port, log_level=log_level)
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
@@ -169,13 +160,13 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             redis_proc.wait(timeout=10)
 
 
-from livelora.clients.cli_admin import register as _register_admin  # noqa: E402  (endpoints/adapters/keys)
+from livelora.cli.admin import register as _register_admin  # noqa: E402  (endpoints/adapters/keys)
 
 _register_admin(app)
 
 
 def main() -> None:
-    """Console-script entry point (``livelora = "livelora.clients.cli:main"``)."""
+    """Console-script entry point (``livelora = "livelora.cli.main:main"``)."""
     app()
 
 

@@ -1,0 +1,120 @@
+"""The Redis key layout: every key and channel livelora uses, in one class.
+
+Every key starts with the configured prefix (``LIVELORA_REDIS_PREFIX``, ``livelora:`` by default; tests use a
+unique one). Nothing else in livelora builds a Redis key by hand.
+
+Live loop (gateway ⇄ trainer workers):
+
+=================================  ==========================  ==============================================
+key                                type                        holds
+=================================  ==========================  ==============================================
+``completion:{id}``                string (JSON), TTL          one served completion (``CompletionRecord``)
+``rating:{completion}:{user}``     string, TTL                 id of the latest rating by that user
+``signals``                        stream, group ``trainers``  ratings, preferences, demonstrations
+``idem:{scope}:{key}``             string (JSON), TTL, SET NX  first answer to an idempotent request
+``notices``                        pub/sub channel             version published, endpoint moved
+=================================  ==========================  ==============================================
+
+Training sessions (gateway ⇄ op executor; :mod:`livelora.adapters.session_protocol`):
+
+=================================  ==============  ===================================================
+key                                type            holds
+=================================  ==============  ===================================================
+``session:{sid}``                  string, TTL     session record; TTL refreshed by heartbeats
+``owner:session:{sid}``            string, TTL     tenant that created the session
+``model:{model_id}``               string (JSON)   model record: session, base model, LoRA shape, state
+``trainer:models``                 set             model ids whose ``ops:`` streams are read
+``ops:{model_id}``                 stream          the model's ops, field ``op`` = JSON ``Op``
+``seq:{model_id}:{seq_id}``        string, TTL     ``{request_id, digest}`` of the first op with that seq
+``future:{request_id}``            string, TTL     ``{"state": "pending"|"done"|"failed", ...}``
+``sampler:{sampling_id}``          string, TTL     sampling session: base model, adapter name and path
+``futures``                        pub/sub         request ids whose future just resolved
+``sessions``                       pub/sub         ids of sessions that finished
+=================================  ==============  ===================================================
+
+Example::
+
+    keys = KeyLayout("livelora:")
+    keys.completion("chatcmpl-1")   # 'livelora:completion:chatcmpl-1'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Consumer group of the trainer workers on the signals stream.
+TRAINERS_GROUP = "trainers"
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """The Redis key and channel names under one prefix (see the module docstring for types and contents)."""
+
+    prefix: str = "livelora:"
+
+    # ------------------------------------------------------------------ live loop
+    def completion(self, completion_id: str) -> str:
+        """``{prefix}completion:{id}``: the completion record (JSON string, TTL = retention)."""
+        return f"{self.prefix}completion:{completion_id}"
+
+    def rating(self, completion_id: str, user: str) -> str:
+        """``{prefix}rating:{completion_id}:{user}``: id of the latest rating (replace-on-re-rate)."""
+        return f"{self.prefix}rating:{completion_id}:{user}"
+
+    @property
+    def signals(self) -> str:
+        """``{prefix}signals``: the stream of accepted signal events (group :data:`TRAINERS_GROUP`)."""
+        return f"{self.prefix}signals"
+
+    @property
+    def notices(self) -> str:
+        """``{prefix}notices``: pub/sub channel of version and endpoint notices."""
+        return f"{self.prefix}notices"
+
+    def idem(self, scope: str, key: str) -> str:
+        """``{prefix}idem:{scope}:{key}``: idempotency record (SET NX, TTL)."""
+        return f"{self.prefix}idem:{scope}:{key}"
+
+    # ------------------------------------------------------------------ training sessions
+    def session(self, sid: str) -> str:
+        """``{prefix}session:{sid}``: the session record; its TTL is the session's life."""
+        return f"{self.prefix}session:{sid}"
+
+    def session_owner(self, sid: str) -> str:
+        """``{prefix}owner:session:{sid}``: the tenant that created the session."""
+        return f"{self.prefix}owner:session:{sid}"
+
+    def model(self, model_id: str) -> str:
+        """``{prefix}model:{model_id}``: the training model's record (JSON)."""
+        return f"{self.prefix}model:{model_id}"
+
+    @property
+    def models(self) -> str:
+        """``{prefix}trainer:models``: set of training model ids whose op streams are read."""
+        return f"{self.prefix}trainer:models"
+
+    def ops(self, model_id: str) -> str:
+        """``{prefix}ops:{model_id}``: stream of the model's ops."""
+        return f"{self.prefix}ops:{model_id}"
+
+    def seq(self, model_id: str, seq_id: int) -> str:
+        """``{prefix}seq:{model_id}:{seq_id}``: the first request that used this seq id (dedupe)."""
+        return f"{self.prefix}seq:{model_id}:{seq_id}"
+
+    def future(self, request_id: str) -> str:
+        """``{prefix}future:{request_id}``: the op's state, result or error (JSON, TTL)."""
+        return f"{self.prefix}future:{request_id}"
+
+    def sampler(self, sampling_session_id: str) -> str:
+        """``{prefix}sampler:{id}``: a sampling session's record (JSON, TTL)."""
+        return f"{self.prefix}sampler:{sampling_session_id}"
+
+    @property
+    def futures_channel(self) -> str:
+        """``{prefix}futures``: pub/sub channel of request ids whose future just resolved."""
+        return f"{self.prefix}futures"
+
+    @property
+    def sessions_channel(self) -> str:
+        """``{prefix}sessions``: pub/sub channel of ids of sessions that finished."""
+        return f"{self.prefix}sessions"

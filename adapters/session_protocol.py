@@ -1,0 +1,191 @@
+"""The training-session protocol shared by the gateway (routes) and the op executor (trainer): ids, ``tinker://``
+paths, queued ops, future records and the checkpoint index. Redis key names are in
+:class:`~livelora.adapters.redis_keys.KeyLayout`. Torch-free.
+
+Flow of one training op (design.md "Training sessions"; tinker_protocol.md §2.5)::
+
+    gateway: validate → SET seq:{model}:{seq} NX (dedupe) → SET future:{rid} pending → XADD ops:{model}
+    executor: XREAD ops:* → buffer by seq_id → run strictly in seq order → SET future:{rid} → PUBLISH futures
+
+Ids: a training model is ``{session_id}:train:{model_seq_id}``, a sampling session
+``{session_id}:sample:{sampling_session_seq_id}``, a request ``{scope}:{12 hex}``.
+
+Checkpoints (tinker paths ``tinker://<model_id>/<weights|sampler_weights>/<name>``) are adapter-store
+versions of the lineage :func:`lineage_for` the model; the name → version map lives in
+``LIVELORA_HOME/sessions/<lineage>.json`` (:class:`CheckpointIndex`), written atomically under a lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from livelora.adapters.atomic import atomic_write_json, file_lock
+from livelora.clients.errors import BadRequestError, InternalError, LiveloraError, NotFoundError, error_to_dict
+
+TINKER_SCHEME = "tinker://"
+#: checkpoint kind in a tinker path → the checkpoint type the Tinker API reports
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+# ============================================================================================ ids and paths
+def model_id_for(session_id: str, model_seq_id: int) -> str:
+    """``{session_id}:train:{model_seq_id}`` (the id the tinker SDK computes for create-via-load)."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def session_of(model_id: str) -> str:
+    """The session id part of a model id (everything before ``:train:``)."""
+    return model_id.split(":train:", 1)[0]
+
+
+def lineage_for(model_id: str) -> str:
+    """The adapter-store lineage of a model: its id lower-cased, characters outside ``[a-z0-9._-]`` → ``-``,
+    plus an 8-hex digest of the id when that was lossy or long (so two ids never share a lineage)."""
+    base = re.sub(r"[^a-z0-9._-]", "-", model_id.lower()).lstrip("._-") or "m"
+    if base == model_id.replace(":", "-") and len(base) <= 64:
+        return base
+    return f"{base[:55]}-{hashlib.sha256(model_id.encode()).hexdigest()[:8]}"
+
+
+def tinker_path(model_id: str, kind: str, name: str) -> str:
+    return f"{TINKER_SCHEME}{model_id}/{kind}/{name}"
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """Split ``tinker://<model_id>/<kind>/<name>`` into ``(model_id, kind, name)``.
+
+    Raises:
+        BadRequestError: not a tinker path, or a kind other than ``weights`` / ``sampler_weights``.
+    """
+    if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
+        raise BadRequestError(f"invalid checkpoint path {path!r}: expected tinker://<model_id>/weights/<name> or "
+                              "tinker://<model_id>/sampler_weights/<name>", param="path")
+    parts = path[len(TINKER_SCHEME):].split("/")
+    if len(parts) != 3 or not all(parts) or parts[1] not in CHECKPOINT_KINDS:
+        raise BadRequestError(f"invalid checkpoint path {path!r}: expected tinker://<model_id>/weights/<name> or "
+                              "tinker://<model_id>/sampler_weights/<name>", param="path")
+    return parts[0], parts[1], parts[2]
+
+
+def check_checkpoint_name(name: str | None) -> str:
+    """A checkpoint name: 1-128 of ``[A-Za-z0-9._-]``, starting with a letter or digit.
+
+    Raises:
+        BadRequestError: anything else (also ``None``).
+    """
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise BadRequestError(f"invalid checkpoint name {name!r}: use 1-128 characters of A-Z, a-z, 0-9, '.', "
+                              "'_', '-', starting with a letter or digit", param="path")
+    return name
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+
+# ============================================================================================ checkpoint index
+class CheckpointIndex:
+    """Name → adapter version map of one training run, in ``<home>/sessions/<lineage>.json``.
+
+    Layout: ``{"model_id", "base_model", "lora": {...}, "user_metadata", "created", "checkpoints":
+    {"weights/<name>": {"version", "time", "adapter"}, ...}}``. Updates hold ``<file>.lock``.
+    """
+
+    def __init__(self, home: Path | str, model_id: str):
+        self.model_id = model_id
+        self.lineage = lineage_for(model_id)
+        self.path = Path(home) / "sessions" / f"{self.lineage}.json"
+
+    def read(self) -> dict[str, Any]:
+        """The index (NotFoundError if the run has never been created)."""
+        if not self.path.is_file():
+            raise NotFoundError(f"training run {self.model_id!r} does not exist", param="model_id")
+        return json.loads(self.path.read_text())
+
+    def update(self, fn) -> dict[str, Any]:
+        """Apply ``fn(index_dict)`` (which mutates it) under the lock and write it atomically."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.path.with_suffix(".lock")):
+            data = json.loads(self.path.read_text()) if self.path.is_file() else {"checkpoints": {}}
+            fn(data)
+            atomic_write_json(self.path, data)
+        return data
+
+    def resolve(self, kind: str, name: str) -> int:
+        """Version number of checkpoint ``kind/name``.
+
+        Raises:
+            NotFoundError: unknown run or checkpoint.
+        """
+        entry = self.read().get("checkpoints", {}).get(f"{kind}/{name}")
+        if entry is None:
+            raise NotFoundError(f"checkpoint {tinker_path(self.model_id, kind, name)} does not exist", param="path")
+        return int(entry["version"])
+
+
+def resolve_checkpoint(home: Path | str, path: str, *, want: str | None = None) -> tuple[CheckpointIndex, str, int]:
+    """``(index, kind, version)`` of a tinker path; ``want`` = required kind (``weights``/``sampler_weights``).
+
+    Raises:
+        BadRequestError: malformed path, or the wrong kind (the message says which kind is needed).
+        NotFoundError: no such run or checkpoint.
+    """
+    model_id, kind, name = parse_tinker_path(path)
+    if want is not None and kind != want:
+        if want == "weights":
+            raise BadRequestError(f"{path} is a sampler checkpoint (weights only, no optimizer state); training "
+                                  "clients load training checkpoints saved with save_state "
+                                  "(tinker://<model_id>/weights/<name>)", param="path")
+        raise BadRequestError(f"{path} is a training checkpoint; sampling clients take sampler checkpoints saved "
+                              "with save_weights_for_sampler (tinker://<model_id>/sampler_weights/<name>)",
+                              param="path")
+    index = CheckpointIndex(home, model_id)
+    return index, kind, index.resolve(kind, name)
+
+
+
+# ============================================================================================ futures and ops
+def future_done(result: dict[str, Any]) -> str:
+    return json.dumps({"state": "done", "result": result})
+
+
+def future_failed(err: BaseException) -> str:
+    """The future record of a failed op: ``{"error", "category", "class", "code", "param"}``."""
+    if not isinstance(err, LiveloraError):
+        err = InternalError(f"internal error: {type(err).__name__}: {err}")
+    d = error_to_dict(err)
+    return json.dumps({"state": "failed", "error": d["message"], "category": d["category"], "class": d["class"],
+                       "code": d["code"], "param": d["param"]})
+
+
+@dataclass
+class Op:
+    """One queued training op: ``kind`` (route name or ``failed``), ``seq_id``, ``request_id``, ``body`` (JSON)."""
+
+    kind: str
+    seq_id: int
+    request_id: str
+    body: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "seq_id": self.seq_id, "request_id": self.request_id,
+                           "body": self.body})
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Op:
+        d = json.loads(raw)
+        return cls(str(d["kind"]), int(d["seq_id"]), str(d["request_id"]), dict(d.get("body") or {}))
+
+
+def new_request_id(scope: str) -> str:
+    """A fresh request id ``{scope}:{12 hex}``."""
+    return f"{scope}:{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,24 @@
+"""The settings object of ``livelora serve`` (gateway and trainer in one process) and the list of every
+process kind's settings class (what ``docker-compose.yml``'s variables are checked against)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from livelora.gateway.settings import GatewaySettings
+from livelora.trainer.settings import TrainerSettings, TrainingSection
+
+
+class ServeSettings(GatewaySettings):
+    """``livelora serve``: the gateway's sections plus the trainer's ``training`` section (same variables)."""
+
+    training: TrainingSection = Field(default_factory=TrainingSection)
+
+    def trainer_settings(self) -> TrainerSettings:
+        """The settings of the in-process trainer worker: the same store, model, Redis and sections."""
+        return TrainerSettings(home=self.home, model=self.model, redis_url=self.redis_url,
+                               redis_prefix=self.redis_prefix, training=self.training, sessions=self.sessions)
+
+
+#: One settings class per process kind.
+PROCESS_SETTINGS = (GatewaySettings, TrainerSettings, ServeSettings)
