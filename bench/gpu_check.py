@@ -143,6 +143,7 @@ async def main(args) -> int:
     os.environ.setdefault("LIVELORA_VLLM_GPU_MEMORY_UTILIZATION", str(args.gpu_memory_utilization))
     from livelora.adapters.models import load_tokenizer, resolve_base_model
     from livelora.adapters.settings import CommonSettings
+    from livelora.gateway.api.deps import services_of
     from livelora.gateway.app import create_app
     from livelora.gateway.engines import create_engine
     from livelora.gateway.settings import GatewaySettings
@@ -173,7 +174,7 @@ async def main(args) -> int:
             except httpx.TransportError:
                 pass
             await asyncio.sleep(0.5)
-        engine = app.state.engine
+        engine = services_of(app).engine
         print(f"gateway up with vLLM {engine.vllm_version} on {args.device} ({engine.dtype}) in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
 

@@ -141,7 +141,7 @@ class Loop:
                 self.written[n.name] = time.perf_counter()
 
     def served(self) -> str | None:
-        return self.server.app.state.registry.current.get(EP)
+        return self.server.services.registry.current.get(EP)
 
     def close(self) -> None:
         self._stop.set()

@@ -58,7 +58,7 @@ class Backend:
     def __init__(self, url: str, api_key: str | None, home: Path | None):
         self.url, self.api_key, self.home = url.rstrip("/"), api_key, home
         if home is not None:
-            from livelora.gateway.admin import AdminService
+            from livelora.gateway.services.admin import AdminService
 
             self.local = AdminService(home, tenant=None)
             self.who = f"local:{getpass.getuser()}"
@@ -88,7 +88,7 @@ class Backend:
         from livelora.adapters.bus import connect_sync
         from livelora.adapters.redis_keys import KeyLayout
         from livelora.adapters.settings import CommonSettings
-        from livelora.gateway.admin import endpoint_notice
+        from livelora.gateway.services.admin import endpoint_notice
 
         settings = CommonSettings()
         try:

@@ -113,6 +113,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     from livelora.cli.processes import gateway_app, start_trainer_thread
     from livelora.cli.settings import ServeSettings
     from livelora.clients.errors import LiveloraError
+    from livelora.gateway.api.deps import services_of
     from livelora.gateway.settings import GatewaySettings
 
     log_level = options.pop("log_level")
@@ -144,7 +145,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}"
                       f"{'; embedded, not durable' if redis_proc is not None else ''})")
         app = gateway_app(settings)  # refuses a public bind without keys (unless --allow-open)
-        if app.state.auth_open:
+        if services_of(app).auth_open:
             console.print("[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
                           "role). Create keys with `livelora keys create --home <store>`.")
         uvicorn.run(app, host=server.host, port=server.port, log_level=log_level)

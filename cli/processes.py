@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from livelora.gateway.api.deps import GatewayServices
 from livelora.gateway.app import Component, create_app
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.settings import GatewaySettings
@@ -26,13 +27,13 @@ def op_executor_component(settings: GatewaySettings) -> Component:
     taken from the started engine)."""
 
     @contextlib.asynccontextmanager
-    async def run(app: FastAPI) -> AsyncIterator[object]:
+    async def run(services: GatewayServices) -> AsyncIterator[object]:
         import redis
 
         from livelora.adapters.redis_keys import KeyLayout
         from livelora.trainer.executor import OpExecutor
 
-        engine = app.state.engine
+        engine = services.engine
         device = getattr(engine, "device", None) or settings.inference.device or "cpu"
         executor = OpExecutor(redis.Redis.from_url(settings.redis_url, decode_responses=True),
                               KeyLayout(settings.redis_prefix), settings.home, settings.model, settings.sessions,

@@ -10,12 +10,18 @@ Example::
 
 Nothing is created at import: the engine is built and started in the app's
 lifespan (unless one is passed in), and closed when the app stops (only if the
-app created it). Routes read their resources from ``app.state`` through the
-aliases in :mod:`livelora.gateway.api.deps`.
+app created it). The lifespan builds the gateway's services
+(:mod:`livelora.gateway.services`) into one
+:class:`~livelora.gateway.api.deps.GatewayServices`, which routes reach through
+the typed dependencies of :mod:`livelora.gateway.api.deps`.
+
+Start-up order: engine → admission → live loop (completion log, signals,
+adapter registry) → serving → training sessions → components; shutdown runs
+the other way (components, live loop, sessions, then the engine it owns).
 
 ``components`` lets the process wiring (:mod:`livelora.cli.processes`) run other
 parts of the process for the app's lifetime without the gateway importing them:
-each is a callable ``component(app) -> async context manager``, entered after
+each is a callable ``component(services) -> async context manager``, entered after
 the engine and the gateway's services have started and exited before they stop
 (``livelora serve`` and ``livelora gateway`` start the op executor this way).
 """
@@ -30,11 +36,15 @@ from fastapi import FastAPI
 
 from livelora.adapters.api_keys import KeyStore
 from livelora.gateway.api import admin, chat, completions, health, models, signals, tinker
+from livelora.gateway.api.deps import GatewayServices, attach
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.api.logprobs import TokenTexts
-from livelora.gateway.api.serving import Admission
 from livelora.gateway.auth import AuthMiddleware, check_bind
 from livelora.gateway.engines.base import Engine
+from livelora.gateway.services.admission import Admission
+from livelora.gateway.services.live import start_live_loop
+from livelora.gateway.services.serving import Serving
+from livelora.gateway.services.sessions import start_sessions
 from livelora.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -65,8 +75,8 @@ def build_engine(settings: GatewaySettings) -> Engine:
     return create_engine(inference.engine, **kwargs)
 
 
-#: A part of the process run for the app's lifetime: ``component(app)`` returns an async context manager.
-Component = Callable[[FastAPI], AbstractAsyncContextManager]
+#: A part of the process run for the app's lifetime: ``component(services)`` returns an async context manager.
+Component = Callable[[GatewayServices], AbstractAsyncContextManager]
 
 
 def create_app(settings: GatewaySettings | None = None, engine: Engine | None = None,
@@ -81,25 +91,31 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
     """
     settings = settings or GatewaySettings()
 
+    keys = KeyStore(settings.home)
+    # refuses a public bind without keys (BadRequestError) unless allow_open; see livelora.gateway.auth
+    services = GatewayServices(settings, keys, check_bind(settings.server.host, keys, settings.server.allow_open))
+    if services.auth_open:
+        log.warning("no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "
+                    "role); create one with `livelora keys create`", settings.home)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = engine is None
         served = build_engine(settings) if own else engine
         await served.start()
-        app.state.engine = served
-        app.state.admission = Admission(settings)
-        app.state.token_texts = TokenTexts(served.tokenizer)
+        services.engine = served
+        services.admission = Admission(settings)
+        services.token_texts = TokenTexts(served.tokenizer)
         log.info("serving %s with the %s engine", settings.model_id, settings.inference.engine)
-        from livelora.gateway.sessions import start_sessions  # training sessions (Tinker API)
-
-        sessions = await start_sessions(app, settings, served, app.state.admission)
-        from livelora.gateway.live import start_live_loop  # completion log, signal routes, adapter registry
-
-        live = await start_live_loop(app, settings, served)
+        live = await start_live_loop(settings, served)  # completion log, signals, adapter registry
+        services.registry, services.completions, services.signals = live.registry, live.completions, live.signals
+        services.serving = Serving(served, settings, services.admission, live.registry, live.completions)
+        sessions = await start_sessions(settings, served, services.serving)  # training sessions (Tinker API)
+        services.sessions = sessions
         try:
             async with AsyncExitStack() as stack:
                 for component in components:
-                    await stack.enter_async_context(component(app))
+                    await stack.enter_async_context(component(services))
                 yield
         finally:
             await live.close()
@@ -109,15 +125,9 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
 
     app = FastAPI(title="livelora", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible gateway whose LoRA adapter keeps learning while it serves.")
-    app.state.settings = settings
-    app.state.keys = KeyStore(settings.home)
-    # refuses a public bind without keys (BadRequestError) unless allow_open; see livelora.gateway.auth
-    app.state.auth_open = check_bind(settings.server.host, app.state.keys, settings.server.allow_open)
-    if app.state.auth_open:
-        log.warning("no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "
-                    "role); create one with `livelora keys create`", settings.home)
+    attach(app, services)
     install_error_handlers(app)
-    app.add_middleware(AuthMiddleware, fastapi_app=app, max_body_bytes=settings.server.max_body_bytes)
+    app.add_middleware(AuthMiddleware, services=services, max_body_bytes=settings.server.max_body_bytes)
     for module in (health, models, chat, completions, tinker, signals, admin):
         app.include_router(module.router)
     return app

@@ -29,12 +29,15 @@ import json
 import logging
 import re
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from livelora.adapters.api_keys import OPEN_PRINCIPAL, KeyStore, Principal, validate_session_name
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import (AuthenticationError, BadRequestError, LiveloraError, NotFoundError,
                                      PayloadTooLargeError, PermissionDeniedError)
+
+if TYPE_CHECKING:
+    from livelora.gateway.api.deps import GatewayServices
 
 log = logging.getLogger(__name__)
 
@@ -145,13 +148,14 @@ class AuthMiddleware:
 
     Args:
         app: the inner ASGI app.
-        fastapi_app: the FastAPI app (its ``state`` holds ``keys``, ``auth_open``, ``redis`` parts).
+        services: the gateway's services (``keys``, ``auth_open``, ``settings``; ``sessions`` once started, whose
+            Redis client holds session owners).
         max_body_bytes: request-body limit (bytes).
     """
 
-    def __init__(self, app, fastapi_app, max_body_bytes: int):
+    def __init__(self, app, services: GatewayServices, max_body_bytes: int):
         self.app = app
-        self.fastapi_app = fastapi_app
+        self.services = services
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
@@ -163,7 +167,7 @@ class AuthMiddleware:
             return await _send_error(scope, send, err)
         state = scope.setdefault("state", {})
         state["principal"] = principal
-        if principal is not None and not getattr(self.fastapi_app.state, "auth_open", True):
+        if principal is not None and not self.services.auth_open:
             state["caller"] = principal.tenant
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         length = headers.get("content-length")
@@ -206,13 +210,13 @@ class AuthMiddleware:
             AuthenticationError: missing, unknown or revoked key (401).
             PermissionDeniedError: the key lacks the route's role (403).
         """
-        state = self.fastapi_app.state
-        keys: KeyStore = state.keys
-        if getattr(state, "auth_open", False) and keys.active():
-            state.auth_open = False  # a key was created: key mode from now on, never back
+        services = self.services
+        keys: KeyStore = services.keys
+        if services.auth_open and keys.active():
+            services.auth_open = False  # a key was created: key mode from now on, never back
             log.warning("API keys exist now: the gateway requires keys from here on")
         role = required_role(scope.get("method", "GET"), scope.get("path", ""))
-        if getattr(state, "auth_open", False):
+        if services.auth_open:
             return OPEN_PRINCIPAL
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         key = bearer_key(headers)
@@ -229,11 +233,10 @@ class AuthMiddleware:
         return principal
 
     def _owner_key(self, session_id: str) -> str:
-        return KeyLayout(self.fastapi_app.state.settings.redis_prefix).session_owner(session_id)
+        return KeyLayout(self.services.settings.redis_prefix).session_owner(session_id)
 
     async def _redis(self):
-        service = getattr(self.fastapi_app.state, "sessions", None)
-        return getattr(service, "redis", None)
+        return getattr(self.services.sessions, "redis", None)
 
     async def check_sessions(self, path: str, body: bytes, principal: Principal) -> None:
         """404 when the request names a session owned by another tenant.

@@ -43,12 +43,19 @@ class LiveServer:
         return self.base_url + path
 
     @property
+    def services(self):
+        """The app's :class:`~livelora.gateway.api.deps.GatewayServices` (registry, settings, engine, ...)."""
+        from livelora.gateway.api.deps import services_of
+
+        return services_of(self.app)
+
+    @property
     def engine(self):
-        return self.app.state.engine
+        return self.services.engine
 
     @property
     def admission(self):
-        return self.app.state.admission
+        return self.services.admission
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -15,9 +15,11 @@ from livelora.adapters.bus import connect_async, delete_prefix, ensure_group_asy
 from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.signals import CompletionRecord, RatingEvent, parse_stream_event
+from livelora.gateway.api.deps import get_signal_service
 from livelora.gateway.api.errors import install_error_handlers
-from livelora.gateway.api.signals import SignalService, router
-from livelora.gateway.completion_log import CompletionLog
+from livelora.gateway.api.signals import router
+from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.signals import SignalService
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 ENDPOINTS = {"default", "smollm2-135m-instruct"}
@@ -41,6 +43,7 @@ def make_app(url: str, keys: KeyLayout, retention_s: int = 3600) -> tuple[FastAP
     install_error_handlers(app)
     app.include_router(router)
     app.state.signals = SignalService(client, keys, log, resolve_endpoint=resolve)
+    app.dependency_overrides[get_signal_service] = lambda: app.state.signals
     app.state.log = log
     return app, client
 

@@ -15,7 +15,7 @@ from _server import MODEL, live_server, sse_events  # noqa: F401  (fixture)
 
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.types.signals import RatingEvent, parse_stream_event
-from livelora.gateway.api.serving import VERSION_HEADER
+from livelora.gateway.services.serving import VERSION_HEADER
 
 PROMPT = "The capital of France is"
 PROMPT2 = "Two plus two is"

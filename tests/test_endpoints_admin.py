@@ -175,7 +175,7 @@ def test_cross_tenant_access_is_404(server, keys):
     error_of(beta.post("/v1/feedback", json={"completion_id": cid, "rating": True}), 404)
     assert acme.post("/v1/feedback", json={"completion_id": cid, "rating": True}).status_code in (200, 201, 202)
     # admin objects
-    acme_key_id = KeyStore(server.app.state.settings.home).verify(keys["acme"]).key_id
+    acme_key_id = KeyStore(server.services.settings.home).verify(keys["acme"]).key_id
     for method, url, body in [
         ("GET", "/admin/endpoints/prod", None), ("POST", "/admin/endpoints/prod/promote", {"version": 2}),
         ("POST", "/admin/endpoints/prod/rollback", {}), ("GET", "/admin/endpoints/prod/history", None),
@@ -208,9 +208,9 @@ def test_shared_base_model_serves_other_tenants_untouched_base_weights(server, k
     """The base model's name is public, but the versions its feedback trained belong to tenant 'default'."""
     acme = client(server, keys["acme"])
     deadline = time.monotonic() + 60  # the gateway installs BASE@1 at start-up (store catch-up)
-    while f"{BASE}@1" not in server.app.state.registry.loaded and time.monotonic() < deadline:
+    while f"{BASE}@1" not in server.services.registry.loaded and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert f"{BASE}@1" in server.app.state.registry.loaded
+    assert f"{BASE}@1" in server.services.registry.loaded
     r = chat(acme, model=BASE)
     assert r.status_code == 200 and r.headers["x-livelora-adapter-version"] == "base"
     assert r.json()["system_fingerprint"].endswith("base")
@@ -248,7 +248,7 @@ def test_bad_names_and_oversize_bodies_are_rejected(server, keys):
         assert r.status_code in (400, 404) and r.status_code != 200
         if "/" in sid or "\n" in sid or len(sid) > 128:
             assert r.status_code == 400, (sid, r.text)
-    assert not any(".." in p.name for p in (server.app.state.settings.home / "adapters").iterdir())
+    assert not any(".." in p.name for p in (server.services.settings.home / "adapters").iterdir())
 
 
 def test_served_version_is_reported_by_redis_completion_log(server, keys):
@@ -364,7 +364,7 @@ def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
     from peft import PeftModel
 
     from livelora.adapters.models import load_model
-    from livelora.gateway.admin import AdminService
+    from livelora.gateway.services.admin import AdminService
 
     peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
     _cli("adapters", "export", "support@2", "--format", "peft", "--out", str(peft_dir), "--home", str(home))

@@ -12,7 +12,7 @@ from _server import start_server, wait_until
 
 from livelora.adapters.bus import connect_sync
 from livelora.adapters.redis_keys import KeyLayout
-from livelora.gateway.api.serving import VERSION_HEADER
+from livelora.gateway.services.serving import VERSION_HEADER
 from livelora.gateway.settings import GatewaySettings
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler
@@ -57,7 +57,7 @@ def test_feedback_trains_a_version_the_gateway_then_serves(base_ref, tmp_path):
         gone = httpx.post(server.url("/v1/feedback"), json={"completion_id": "chatcmpl-unknown", "rating": True})
         assert gone.status_code == 404 and gone.json()["error"]["param"] == "completion_id"
         # a request admitted now holds the base version through the swap
-        registry = server.app.state.registry
+        registry = server.services.registry
         held = registry.acquire(EP)
         assert held.adapter is None
         # the trainer consumes the two ratings: one KTO step, version live-e2e@1, notice

@@ -24,7 +24,7 @@ from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.signals import RatingEvent, VersionNotice, parse_stream_event
 from livelora.clients.types.tinker import LoraConfig
-from livelora.gateway.api.serving import VERSION_HEADER
+from livelora.gateway.services.serving import VERSION_HEADER
 from livelora.gateway.settings import GatewaySettings
 
 EP = "multi-gw"           # served base name = endpoint = lineage of both gateways
@@ -45,8 +45,8 @@ def cluster(base_ref, tmp_path_factory) -> Iterator[tuple[LiveServer, LiveServer
         for _ in range(2):
             servers.append(start_server(settings))    # each app builds, starts and closes its own engine
         a, b = servers
-        assert a.engine is not b.engine and a.app.state.registry is not b.app.state.registry
-        assert a.app.state.registry.resync_s == b.app.state.registry.resync_s == 0
+        assert a.engine is not b.engine and a.services.registry is not b.services.registry
+        assert a.services.registry.resync_s == b.services.registry.resync_s == 0
         yield a, b, keys, redis
     finally:
         for server in servers:
@@ -122,7 +122,7 @@ def test_one_notice_moves_both_gateways(cluster, base_ref):
     # both gateways listen on the notices channel before anything is announced
     assert wait_until(lambda: redis.pubsub_numsub(keys.notices)[0][1] == 2, timeout_s=30)
 
-    store = AdapterStore(a.app.state.settings.home)
+    store = AdapterStore(a.services.settings.home)
     tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -137,7 +137,7 @@ def test_one_notice_moves_both_gateways(cluster, base_ref):
     assert publish_notice(redis, keys, notice.model_dump(mode="json")) == 2      # announced once, both reached
 
     for server in (a, b):
-        registry = server.app.state.registry
+        registry = server.services.registry
         assert wait_until(lambda: registry.current.get(EP) == manifest.name, timeout_s=30), \
             f"{server.base_url} still serves {registry.current.get(EP)}"
     for server in (a, b):                                                  # same processes: no restart

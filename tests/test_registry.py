@@ -18,7 +18,7 @@ from livelora.clients.errors import BadRequestError, ModelNotFoundError
 from livelora.clients.types.tinker import LoraConfig
 from livelora.gateway.engines import create_engine
 from livelora.gateway.engines.base import SamplingParams
-from livelora.gateway.registry import AdapterRegistry
+from livelora.gateway.services.registry import AdapterRegistry
 
 EP = "smollm2-135m-instruct"          # the served base name is an endpoint; its lineage has the same name
 

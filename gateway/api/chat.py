@@ -1,19 +1,20 @@
 """``POST /v1/chat/completions``: chat completions, plain JSON or SSE (contract §1.1-1.3).
 
-Validation happens before the first byte and fails as a plain HTTP error;
-engine errors raised before the first token also do (the stream's first event
-is awaited before the response starts). Failures after that go out as one
-``data: {"error": {...}}`` event and the stream closes.
+The handler decodes the request into engine jobs (:func:`check_chat`, the chat template, the token budget),
+begins the served request (:meth:`~livelora.gateway.services.serving.Serving.begin`: target, admission,
+version lease, completion recorder) and answers through the shared lifecycle of
+:func:`~livelora.gateway.api.streaming.respond` with :class:`ChatEncoder`'s wire shapes. Validation happens
+before the first byte and fails as a plain HTTP error.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from livelora.clients.errors import BadRequestError, UnsupportedParameterError
 from livelora.clients.types.openai import (
@@ -27,23 +28,13 @@ from livelora.clients.types.openai import (
     ChunkChoice,
     CompletionUsage,
 )
-from livelora.gateway.api.deps import AdmissionDep, EngineDep, SettingsDep, TokenTextsDep
-from livelora.gateway.api.errors import error_event
-from livelora.gateway.api.generation import (
-    ChoiceStream,
-    Job,
-    budget,
-    check_common,
-    log_ignored,
-    new_id,
-    now,
-    sampling_params,
-)
+from livelora.gateway.api.deps import CallerDep, ServingDep, TokenTextsDep
 from livelora.gateway.api.logprobs import TokenTexts, chat_logprobs
-from livelora.gateway.api.serving import ServingTarget, Ticket, context_length, resolve_target
-from livelora.gateway.api.sse import DONE, sse_data, sse_response
+from livelora.gateway.api.streaming import respond, sse_data
 from livelora.gateway.chat_template import render_messages
-from livelora.gateway.live import CompletionRecorder, hold_version
+from livelora.gateway.engines.base import GenerationChunk
+from livelora.gateway.services.generation import Job, budget, check_common, log_ignored, sampling_params
+from livelora.gateway.services.serving import Recording, ServedRequest, Serving
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["chat"])
@@ -83,135 +74,97 @@ def check_chat(body: ChatCompletionRequest) -> None:
         raise UnsupportedParameterError("audio output is not supported", param="audio")
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, engine: EngineDep,
-                                 settings: SettingsDep, admission: AdmissionDep,
-                                 texts: TokenTextsDep) -> Response:
-    """Create a chat completion with ``n`` choices, each its own generation in the engine batch."""
-    log_ignored(body, "chat.completions")
-    target = resolve_target(body.model, engine, settings, getattr(request.app.state, "registry", None))
+def chat_jobs(body: ChatCompletionRequest, serving: Serving) -> list[Job]:
+    """The request's ``n`` engine jobs: one rendered prompt, one seed per choice (``seed + i``).
+
+    Raises:
+        BadRequestError, UnsupportedParameterError: see :func:`check_chat`.
+        ContextLengthExceededError: the prompt and the token budget do not fit the context window.
+    """
     check_chat(body)
-    prompt = render_messages(engine.tokenizer, body.messages)
+    prompt = render_messages(serving.tokenizer, body.messages)
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = body.max_tokens, "max_tokens"
-    max_tokens = budget(len(prompt), requested, param, context_length(engine, settings), "messages")
-    top_n = body.top_logprobs or 0
+    max_tokens = budget(len(prompt), requested, param, serving.context_length(), "messages")
     # logprobs are always computed: the completion log keeps them (responses only carry them on request)
-    jobs = [Job(prompt, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=top_n))
+    return [Job(prompt, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.top_logprobs or 0))
             for i in range(body.n)]
-    ticket = admission.acquire(body.n)
-    hold_version(request.app, target, ticket)
-    completion_id = new_id("chatcmpl")
-    stream = ChoiceStream(engine, jobs, target.adapter, completion_id)
-    meta = _Meta(completion_id, now(), target, len(prompt), body.n, top_n, bool(body.logprobs), texts)
-    meta.recorder = CompletionRecorder(
-        request, completion_id=completion_id, created=meta.created, target=target, prompt_ids=prompt, n=body.n,
-        messages=[m.model_dump(mode="json", exclude_none=True) for m in body.messages], user=body.user)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(stream, ticket, meta, include_usage)
-    return await _complete(stream, ticket, meta, request)
 
 
-class _Meta:
-    """What every chunk or response of one request repeats."""
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, serving: ServingDep,
+                                 texts: TokenTextsDep, caller: CallerDep) -> Response:
+    """Create a chat completion with ``n`` choices, each its own generation in the engine batch."""
+    log_ignored(body, "chat.completions")
+    messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
+    served = serving.begin(body.model, lambda: chat_jobs(body, serving), id_prefix="chatcmpl",
+                           recording=Recording(caller=caller, user=body.user, messages=messages))
+    return await respond(served, ChatEncoder(served, body, texts), request)
 
-    def __init__(self, completion_id: str, created: int, target: ServingTarget, prompt_tokens: int, n: int,
-                 top_n: int, logprobs: bool, texts: TokenTexts):
-        self.id, self.created, self.target = completion_id, created, target
-        self.prompt_tokens, self.n, self.texts = prompt_tokens, n, texts
-        self.top_n, self.logprobs = top_n, logprobs
+
+class ChatEncoder:
+    """Chat shapes of one request (:class:`~livelora.gateway.api.streaming.ChoiceEncoder`): ``chat.completion``
+    and ``chat.completion.chunk``; a choice's logprobs are returned only when the request asks for them."""
+
+    kind = "chat"
+
+    def __init__(self, served: ServedRequest, body: ChatCompletionRequest, texts: TokenTexts):
+        self.served, self.target, self.texts = served, served.target, texts
+        self.n = len(served.jobs)
+        self.prompt_tokens = len(served.jobs[0].prompt_ids)
+        self.top_n, self.logprobs = body.top_logprobs or 0, bool(body.logprobs)
+        self.stream = bool(body.stream)
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.tokens = 0
+        self.pieces: list[list[str]] = [[] for _ in range(self.n)]
+        self.choice_logprobs: list[list] = [[] for _ in range(self.n)]
+        self.finish: list[str | None] = [None] * self.n
+
+    async def prepare(self) -> None:
+        return None
 
     def chunk(self, choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
         return sse_data(ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.target.model, choices=choices, usage=usage,
+            id=self.served.id, created=self.served.created, model=self.target.model, choices=choices, usage=usage,
             system_fingerprint=self.target.fingerprint).model_dump(mode="json"))
 
-    def usage(self, completion_tokens: int) -> CompletionUsage:
-        return CompletionUsage(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
-                               total_tokens=self.prompt_tokens + completion_tokens)
+    def _usage(self) -> CompletionUsage:
+        return CompletionUsage(prompt_tokens=self.prompt_tokens, completion_tokens=self.tokens,
+                               total_tokens=self.prompt_tokens + self.tokens)
 
+    # ------------------------------------------------------------------ SSE
+    def head(self) -> Iterable[str]:
+        for i in range(self.n):
+            yield self.chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
 
-async def _complete(stream: ChoiceStream, ticket: Ticket, meta: _Meta, request: Request) -> JSONResponse:
-    texts: list[list[str]] = [[] for _ in range(meta.n)]
-    logprobs: list[list] = [[] for _ in range(meta.n)]
-    finish: list[str | None] = [None] * meta.n
-    tokens = 0
-    watcher = stream.abort_on_disconnect(request)
-    try:
-        async for index, chunk in stream:
-            texts[index].append(chunk.text)
-            tokens += len(chunk.token_ids)
-            meta.recorder.add(index, chunk)
-            if chunk.logprobs and meta.logprobs:
-                logprobs[index] += chat_logprobs(meta.texts, chunk.logprobs, meta.top_n)
-            if chunk.finish_reason is not None:
-                finish[index] = chunk.finish_reason
-    finally:
-        watcher.cancel()
-        stream.abort()
-        ticket.release()
-    await meta.recorder.save()
-    choices = [Choice(index=i, message=ChatCompletionMessage(content="".join(texts[i])),
-                      finish_reason=finish[i] or "stop",
-                      logprobs=ChoiceLogprobs(content=logprobs[i]) if meta.logprobs else None)
-               for i in range(meta.n)]
-    body = ChatCompletion(id=meta.id, created=meta.created, model=meta.target.model, choices=choices,
-                          usage=meta.usage(tokens), system_fingerprint=meta.target.fingerprint)
-    return JSONResponse(body.model_dump(mode="json"), headers=meta.target.headers)
+    def events(self, index: int, chunk: GenerationChunk) -> Iterable[str]:
+        self.tokens += len(chunk.token_ids)
+        if chunk.text or (chunk.logprobs and self.logprobs):
+            lp = (ChoiceLogprobs(content=chat_logprobs(self.texts, chunk.logprobs, self.top_n))
+                  if chunk.logprobs and self.logprobs else None)
+            yield self.chunk([ChunkChoice(index=index, delta=ChoiceDelta(content=chunk.text), logprobs=lp)])
+        if chunk.finish_reason is not None:
+            yield self.chunk([ChunkChoice(index=index, delta=ChoiceDelta(), finish_reason=chunk.finish_reason)])
 
+    def usage(self) -> str:
+        return self.chunk([], usage=self._usage())
 
-async def _stream(stream: ChoiceStream, ticket: Ticket, meta: _Meta, include_usage: bool) -> Response:
-    def cleanup() -> None:
-        stream.abort()
-        ticket.release()
+    # ------------------------------------------------------------------ JSON
+    def add(self, index: int, chunk: GenerationChunk) -> None:
+        self.pieces[index].append(chunk.text)
+        self.tokens += len(chunk.token_ids)
+        if chunk.logprobs and self.logprobs:
+            self.choice_logprobs[index] += chat_logprobs(self.texts, chunk.logprobs, self.top_n)
+        if chunk.finish_reason is not None:
+            self.finish[index] = chunk.finish_reason
 
-    try:  # errors before the first token are plain HTTP errors
-        first = await anext(stream, None)
-    except BaseException:
-        cleanup()
-        raise
-
-    async def events() -> AsyncIterator[str]:
-        tokens = 0
-        try:
-            for i in range(meta.n):
-                yield meta.chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    index, chunk = pending.pop()
-                else:
-                    item = await anext(stream, None)
-                    if item is None:
-                        break
-                    index, chunk = item
-                tokens += len(chunk.token_ids)
-                meta.recorder.add(index, chunk)
-                if chunk.text or (chunk.logprobs and meta.logprobs):
-                    lp = (ChoiceLogprobs(content=chat_logprobs(meta.texts, chunk.logprobs, meta.top_n))
-                          if chunk.logprobs and meta.logprobs else None)
-                    yield meta.chunk([ChunkChoice(index=index, delta=ChoiceDelta(content=chunk.text), logprobs=lp)])
-                if chunk.finish_reason is not None:
-                    yield meta.chunk([ChunkChoice(index=index, delta=ChoiceDelta(),
-                                                  finish_reason=chunk.finish_reason)])
-            if include_usage:
-                yield meta.chunk([], usage=meta.usage(tokens))
-            await meta.recorder.save()
-            yield DONE
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # after the headers: one error event, then close (contract A11)
-            log.exception("chat stream %s failed", meta.id)
-            yield error_event(exc)
-        finally:
-            cleanup()
-
-    async def on_disconnect(_message) -> None:
-        cleanup()
-
-    response = sse_response(events(), meta.target.headers)
-    response.client_close_handler_callable = on_disconnect
-    return response
+    def body(self) -> dict[str, Any]:
+        choices = [Choice(index=i, message=ChatCompletionMessage(content="".join(self.pieces[i])),
+                          finish_reason=self.finish[i] or "stop",
+                          logprobs=ChoiceLogprobs(content=self.choice_logprobs[i]) if self.logprobs else None)
+                   for i in range(self.n)]
+        return ChatCompletion(id=self.served.id, created=self.served.created, model=self.target.model,
+                              choices=choices, usage=self._usage(),
+                              system_fingerprint=self.target.fingerprint).model_dump(mode="json")

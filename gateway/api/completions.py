@@ -10,6 +10,11 @@ this route and is rejected rather than silently ignored (vllm-ascend #15931);
 so are ``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``.
 Streamed chunks have the response's own shape (``object: "text_completion"``).
 
+The handler decodes the request into engine jobs, begins the served request
+(:meth:`~livelora.gateway.services.serving.Serving.begin`) and answers through
+the shared lifecycle of :func:`~livelora.gateway.api.streaming.respond` with
+:class:`CompletionEncoder`'s wire shapes.
+
 Every choice served is recorded in the completion log (so it can be rated with
 ``POST /v1/feedback``): the exact prompt and generated token ids (never the
 echoed prompt) and the generated tokens' logprobs, which are always computed
@@ -19,12 +24,12 @@ logged under its id; otherwise choice ``k`` is logged as ``{id}-{k}``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from livelora.clients.errors import BadRequestError, UnsupportedParameterError
 from livelora.clients.types.openai import (
@@ -34,23 +39,12 @@ from livelora.clients.types.openai import (
     CompletionRequest,
     CompletionUsage,
 )
-from livelora.gateway.api.deps import AdmissionDep, EngineDep, SettingsDep, TokenTextsDep
-from livelora.gateway.api.errors import error_event
-from livelora.gateway.api.generation import (
-    ChoiceStream,
-    Job,
-    budget,
-    check_common,
-    log_ignored,
-    new_id,
-    now,
-    sampling_params,
-)
+from livelora.gateway.api.deps import CallerDep, ServingDep, TokenTextsDep
 from livelora.gateway.api.logprobs import TokenTexts, completion_logprobs
-from livelora.gateway.api.serving import ServingTarget, Ticket, context_length, resolve_target
-from livelora.gateway.live import CompletionRecorder, hold_version
-from livelora.gateway.api.sse import DONE, sse_data, sse_response
-from livelora.gateway.engines.base import Engine, GenerationChunk, TokenLogprob
+from livelora.gateway.api.streaming import respond, sse_data
+from livelora.gateway.engines.base import GenerationChunk, TokenLogprob
+from livelora.gateway.services.generation import Job, budget, check_common, log_ignored, sampling_params
+from livelora.gateway.services.serving import Recording, ServedRequest, Serving
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["completions"])
@@ -96,37 +90,34 @@ def prompt_token_ids(body: CompletionRequest, tokenizer) -> list[list[int]]:
     return prompts
 
 
-@router.post("/v1/completions", response_model=None)
-async def create_completion(body: CompletionRequest, request: Request, engine: EngineDep, settings: SettingsDep,
-                            admission: AdmissionDep, texts: TokenTextsDep) -> Response:
-    """Complete each prompt ``n`` times; each choice is its own generation in the engine batch."""
-    log_ignored(body, "completions")
-    target = resolve_target(body.model, engine, settings, getattr(request.app.state, "registry", None))
+def completion_jobs(body: CompletionRequest, serving: Serving, texts: TokenTexts) -> list[Job]:
+    """The request's engine jobs: ``n`` per prompt, choice ``k = prompt_index * n + i`` seeded ``seed + i``; each
+    job keeps its prompt's text for the completion log.
+
+    Raises:
+        BadRequestError, UnsupportedParameterError: see :func:`check_completion`, :func:`prompt_token_ids`.
+        ContextLengthExceededError: a prompt and the token budget do not fit the context window.
+    """
     check_completion(body)
-    prompts = prompt_token_ids(body, engine.tokenizer)
-    max_len = context_length(engine, settings)
-    want_lp = body.logprobs is not None
-    top_n = body.logprobs or 0
+    prompts = prompt_token_ids(body, serving.tokenizer)
+    max_len = serving.context_length()
     jobs = []
-    for ids in prompts:
+    for ids, text in zip(prompts, prompt_texts(body, prompts, texts)):
         max_tokens = budget(len(ids), body.max_tokens, "max_tokens", max_len, "prompt")
         # logprobs are always computed: the completion log keeps them (responses only carry them on request)
-        jobs += [Job(ids, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=top_n))
+        jobs += [Job(ids, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.logprobs or 0), text)
                  for i in range(body.n)]
-    ticket = admission.acquire(len(jobs))
-    hold_version(request.app, target, ticket)
-    state = _State(new_id("cmpl"), now(), target, body, prompts, texts, want_lp, top_n)
-    sources = prompt_texts(body, prompts, texts)
-    state.recorder = CompletionRecorder(
-        request, completion_id=state.id, created=state.created, target=target, n=len(jobs), user=body.user,
-        choice_prompts=[(ids, text) for ids, text in zip(prompts, sources) for _ in range(body.n)])
-    if body.echo:
-        await state.load_echo(engine)
-    stream = ChoiceStream(engine, jobs, target.adapter, state.id)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(stream, ticket, state, include_usage)
-    return await _complete(stream, ticket, state, request)
+    return jobs
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request, serving: ServingDep, texts: TokenTextsDep,
+                            caller: CallerDep) -> Response:
+    """Complete each prompt ``n`` times; each choice is its own generation in the engine batch."""
+    log_ignored(body, "completions")
+    served = serving.begin(body.model, lambda: completion_jobs(body, serving, texts), id_prefix="cmpl",
+                           recording=Recording(caller=caller, user=body.user))
+    return await respond(served, CompletionEncoder(served, body, texts), request)
 
 
 def prompt_texts(body: CompletionRequest, prompts: list[list[int]], texts: TokenTexts) -> list[str]:
@@ -137,25 +128,37 @@ def prompt_texts(body: CompletionRequest, prompts: list[list[int]], texts: Token
     return [item if isinstance(item, str) else texts_decode(texts, ids) for item, ids in zip(items, prompts)]
 
 
-class _State:
-    """Per-request bookkeeping: echo text, text offsets, token counts, the completion-log recorder."""
+def texts_decode(texts: TokenTexts, ids: list[int]) -> str:
+    """Exact text of ``ids`` from their bytes (a partial trailing character becomes U+FFFD)."""
+    return b"".join(bytes(texts.get(t)[1]) for t in ids).decode("utf-8", errors="replace")
 
-    recorder: CompletionRecorder
 
-    def __init__(self, completion_id: str, created: int, target: ServingTarget, body: CompletionRequest,
-                 prompts: list[list[int]], texts: TokenTexts, want_lp: bool, top_n: int):
-        self.id, self.created, self.target = completion_id, created, target
-        self.n, self.prompts, self.texts = body.n, prompts, texts
-        self.echo, self.want_lp, self.top_n = bool(body.echo), want_lp, top_n
-        self.prompt_texts = [texts_decode(texts, ids) for ids in prompts] if body.echo else []
+class CompletionEncoder:
+    """Legacy completion shapes of one request (:class:`~livelora.gateway.api.streaming.ChoiceEncoder`): echo
+    text, text offsets, token counts; streamed chunks have the response's own shape."""
+
+    kind = "completion"
+
+    def __init__(self, served: ServedRequest, body: CompletionRequest, texts: TokenTexts):
+        self.served, self.target, self.texts = served, served.target, texts
+        self.n = body.n
+        self.prompts = [list(job.prompt_ids) for job in served.jobs[::body.n]]
+        self.echo, self.want_lp, self.top_n = bool(body.echo), body.logprobs is not None, body.logprobs or 0
+        self.stream = bool(body.stream)
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.prompt_texts = [texts_decode(texts, ids) for ids in self.prompts] if body.echo else []
         self.prompt_logprobs: list[list[TokenLogprob | None]] = []
-        self.offsets = [0] * (len(prompts) * body.n)
+        self.offsets = [0] * len(served.jobs)
         self.completion_tokens = 0
+        self.parts: list[list[CompletionChoice]] = [[] for _ in self.offsets]
 
-    async def load_echo(self, engine: Engine) -> None:
-        if self.want_lp:
-            self.prompt_logprobs = [await engine.score(ids, self.target.adapter, top_logprobs=self.top_n)
-                                    for ids in self.prompts]
+    async def prepare(self) -> None:
+        """Score echoed prompts (when logprobs are asked for); without streaming, start each choice with its echo."""
+        if self.echo and self.want_lp:
+            self.prompt_logprobs = [await self.served.score(ids, self.top_n) for ids in self.prompts]
+        if self.echo and not self.stream:
+            for i in range(len(self.parts)):
+                self.parts[i].append(self.echo_choice(i))
 
     def echo_choice(self, index: int) -> CompletionChoice:
         """The prompt part of choice ``index`` (text and, with logprobs, the prompt's logprobs)."""
@@ -177,19 +180,38 @@ class _State:
         self.offsets[index] += len(chunk.text)
         return CompletionChoice(index=index, text=chunk.text, logprobs=lp, finish_reason=chunk.finish_reason)
 
-    def usage(self) -> CompletionUsage:
+    def _usage(self) -> CompletionUsage:
         prompt_tokens = sum(len(p) for p in self.prompts)
         return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
                                total_tokens=prompt_tokens + self.completion_tokens)
 
-    def body(self, choices: list[CompletionChoice], usage: CompletionUsage | None) -> Completion:
-        return Completion(id=self.id, created=self.created, model=self.target.model, choices=choices,
-                          usage=usage, system_fingerprint=self.target.fingerprint)
+    def _body(self, choices: list[CompletionChoice], usage: CompletionUsage | None) -> dict[str, Any]:
+        return Completion(id=self.served.id, created=self.served.created, model=self.target.model, choices=choices,
+                          usage=usage, system_fingerprint=self.target.fingerprint).model_dump(mode="json")
 
+    # ------------------------------------------------------------------ SSE
+    def head(self) -> Iterable[str]:
+        if self.echo:
+            for i in range(len(self.offsets)):
+                yield sse_data(self._body([self.echo_choice(i)], None))
 
-def texts_decode(texts: TokenTexts, ids: list[int]) -> str:
-    """Exact text of ``ids`` from their bytes (a partial trailing character becomes U+FFFD)."""
-    return b"".join(bytes(texts.get(t)[1]) for t in ids).decode("utf-8", errors="replace")
+    def events(self, index: int, chunk: GenerationChunk) -> Iterable[str]:
+        if chunk.text or (chunk.logprobs and self.want_lp) or chunk.finish_reason:
+            yield sse_data(self._body([self.step(index, chunk)], None))
+        else:
+            self.completion_tokens += len(chunk.token_ids)
+
+    def usage(self) -> str:
+        return sse_data(self._body([], self._usage()))
+
+    # ------------------------------------------------------------------ JSON
+    def add(self, index: int, chunk: GenerationChunk) -> None:
+        self.parts[index].append(self.step(index, chunk))
+
+    def body(self) -> dict[str, Any]:
+        choices = [_merge(p) if p else CompletionChoice(index=i, text="", finish_reason="stop")
+                   for i, p in enumerate(self.parts)]
+        return self._body(choices, self._usage())
 
 
 def _merge(parts: list[CompletionChoice]) -> CompletionChoice:
@@ -206,73 +228,3 @@ def _merge(parts: list[CompletionChoice]) -> CompletionChoice:
     finish = next((p.finish_reason for p in reversed(parts) if p.finish_reason), "stop")
     return CompletionChoice(index=parts[0].index, text="".join(p.text for p in parts), logprobs=lp,
                             finish_reason=finish)
-
-
-async def _complete(stream: ChoiceStream, ticket: Ticket, state: _State, request: Request) -> JSONResponse:
-    parts: list[list[CompletionChoice]] = [[] for _ in state.offsets]
-    if state.echo:
-        for i in range(len(parts)):
-            parts[i].append(state.echo_choice(i))
-    watcher = stream.abort_on_disconnect(request)
-    try:
-        async for index, chunk in stream:
-            state.recorder.add(index, chunk)
-            parts[index].append(state.step(index, chunk))
-    finally:
-        watcher.cancel()
-        stream.abort()
-        ticket.release()
-    await state.recorder.save()
-    choices = [_merge(p) if p else CompletionChoice(index=i, text="", finish_reason="stop")
-               for i, p in enumerate(parts)]
-    return JSONResponse(state.body(choices, state.usage()).model_dump(mode="json"), headers=state.target.headers)
-
-
-async def _stream(stream: ChoiceStream, ticket: Ticket, state: _State, include_usage: bool) -> Response:
-    def cleanup() -> None:
-        stream.abort()
-        ticket.release()
-
-    try:  # errors before the first token are plain HTTP errors
-        first = await anext(stream, None)
-    except BaseException:
-        cleanup()
-        raise
-
-    def event(choice: CompletionChoice) -> str:
-        return sse_data(state.body([choice], None).model_dump(mode="json"))
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            if state.echo:
-                for i in range(len(state.offsets)):
-                    yield event(state.echo_choice(i))
-            pending = [first] if first is not None else []
-            while True:
-                item = pending.pop() if pending else await anext(stream, None)
-                if item is None:
-                    break
-                index, chunk = item
-                state.recorder.add(index, chunk)
-                if chunk.text or (chunk.logprobs and state.want_lp) or chunk.finish_reason:
-                    yield event(state.step(index, chunk))
-                else:
-                    state.completion_tokens += len(chunk.token_ids)
-            if include_usage:
-                yield sse_data(state.body([], state.usage()).model_dump(mode="json"))
-            await state.recorder.save()
-            yield DONE
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # after the headers: one error event, then close
-            log.exception("completion stream %s failed", state.id)
-            yield error_event(exc)
-        finally:
-            cleanup()
-
-    async def on_disconnect(_message) -> None:
-        cleanup()
-
-    response = sse_response(events(), state.target.headers)
-    response.client_close_handler_callable = on_disconnect
-    return response

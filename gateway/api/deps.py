@@ -1,34 +1,154 @@
-"""``Annotated`` dependency aliases for route handlers; the objects live on ``app.state`` (made in lifespan)."""
+"""What the route handlers depend on: one :class:`GatewayServices` per app, and ``Annotated`` aliases for it.
+
+This is the only module that knows where the gateway keeps its services on the FastAPI app (``app.state``);
+handlers take typed dependencies (``serving: ServingDep``), the process wiring and tests use
+:func:`services_of`. ``create_app`` makes the services object with what exists before start-up (settings,
+key store, auth mode) and its lifespan fills in the rest (engine, serving, live loop, sessions), so nothing is
+created at import time.
+
+Example::
+
+    @router.get("/v1/models")
+    async def get_models(serving: ServingDep) -> ModelList:
+        return ModelList(data=serving.list_models())
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, FastAPI, Request
 
+from livelora.adapters.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
+from livelora.clients.errors import InternalError, UnavailableError
 from livelora.gateway.api.logprobs import TokenTexts
-from livelora.gateway.api.serving import Admission
 from livelora.gateway.engines.base import Engine
+from livelora.gateway.services.admin import GatewayAdmin
+from livelora.gateway.services.admission import Admission
+from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.registry import AdapterRegistry
+from livelora.gateway.services.serving import Serving
+from livelora.gateway.services.sessions import (Checkpoints, SamplingSessions, SessionService, TrainingOps)
+from livelora.gateway.services.signals import SignalService
 from livelora.gateway.settings import GatewaySettings
 
 
-def get_engine(request: Request) -> Engine:
-    return request.app.state.engine
+@dataclass
+class GatewayServices:
+    """Everything a gateway app serves with. ``settings``, ``keys`` and ``auth_open`` exist from
+    ``create_app`` on; the rest is set while the app runs (``None`` before start-up and without the live loop).
+
+    Attributes:
+        settings: the gateway settings.
+        keys: the API key store (``keys.json`` in the store).
+        auth_open: open mode (no keys yet: every caller is tenant ``default`` with every role); it turns
+            ``False`` for good once a key exists (:mod:`livelora.gateway.auth`).
+        engine: the started engine.
+        admission: the sequence bound (429 beyond it).
+        token_texts: token text and bytes for logprobs.
+        serving: target resolution, models, the start of every served request.
+        registry: endpoints → adapter versions (live loop).
+        completions: the completion log (live loop).
+        signals: ratings, preferences, demonstrations (live loop).
+        sessions: the Tinker training-session service.
+    """
+
+    settings: GatewaySettings
+    keys: KeyStore
+    auth_open: bool
+    engine: Engine | None = None
+    admission: Admission | None = None
+    token_texts: TokenTexts | None = None
+    serving: Serving | None = None
+    registry: AdapterRegistry | None = None
+    completions: CompletionLog | None = None
+    signals: SignalService | None = None
+    sessions: SessionService | None = None
 
 
-def get_settings(request: Request) -> GatewaySettings:
-    return request.app.state.settings
+def attach(app: FastAPI, services: GatewayServices) -> None:
+    """Give ``app`` its services (called once, by ``create_app``)."""
+    app.state.services = services
 
 
-def get_admission(request: Request) -> Admission:
-    return request.app.state.admission
+def services_of(app: FastAPI) -> GatewayServices:
+    """The services of an app made by ``create_app`` (for the process wiring and tests)."""
+    return app.state.services
 
 
-def get_token_texts(request: Request) -> TokenTexts:
-    return request.app.state.token_texts
+def get_services(request: Request) -> GatewayServices:
+    return services_of(request.app)
 
 
-EngineDep = Annotated[Engine, Depends(get_engine)]
+ServicesDep = Annotated[GatewayServices, Depends(get_services)]
+
+
+def get_settings(services: ServicesDep) -> GatewaySettings:
+    return services.settings
+
+
+def get_engine(services: ServicesDep) -> Engine:
+    return services.engine
+
+
+def get_serving(services: ServicesDep) -> Serving:
+    return services.serving
+
+
+def get_token_texts(services: ServicesDep) -> TokenTexts:
+    return services.token_texts
+
+
+def get_principal(request: Request) -> Principal:
+    """The caller, as auth identified it (open mode: :data:`~livelora.adapters.api_keys.OPEN_PRINCIPAL`)."""
+    return getattr(request.state, "principal", None) or OPEN_PRINCIPAL
+
+
+def get_caller(request: Request) -> str | None:
+    """The caller's tenant in key mode, ``None`` in open mode: completions and signals are kept per caller."""
+    return getattr(request.state, "caller", None)
+
+
+def get_signal_service(services: ServicesDep) -> SignalService:
+    if services.signals is None:  # wiring bug, not the client's fault
+        raise InternalError("signal routes are mounted without a signal service")
+    return services.signals
+
+
+def get_sessions(services: ServicesDep) -> SessionService:
+    if services.sessions is None:
+        raise UnavailableError("training sessions are not available (the gateway is starting or stopping)")
+    return services.sessions
+
+
+def get_training_ops(sessions: Annotated[SessionService, Depends(get_sessions)]) -> TrainingOps:
+    return sessions.ops
+
+
+def get_checkpoints(sessions: Annotated[SessionService, Depends(get_sessions)]) -> Checkpoints:
+    return sessions.checkpoints
+
+
+def get_sampling_sessions(sessions: Annotated[SessionService, Depends(get_sessions)]) -> SamplingSessions:
+    return sessions.sampling
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def get_admin(services: ServicesDep, principal: PrincipalDep) -> GatewayAdmin:
+    return GatewayAdmin(services.settings.home, principal, services.registry)
+
+
 SettingsDep = Annotated[GatewaySettings, Depends(get_settings)]
-AdmissionDep = Annotated[Admission, Depends(get_admission)]
+EngineDep = Annotated[Engine, Depends(get_engine)]
+ServingDep = Annotated[Serving, Depends(get_serving)]
 TokenTextsDep = Annotated[TokenTexts, Depends(get_token_texts)]
+CallerDep = Annotated[str | None, Depends(get_caller)]
+SignalsDep = Annotated[SignalService, Depends(get_signal_service)]
+SessionsDep = Annotated[SessionService, Depends(get_sessions)]
+TrainingOpsDep = Annotated[TrainingOps, Depends(get_training_ops)]
+CheckpointsDep = Annotated[Checkpoints, Depends(get_checkpoints)]
+SamplingDep = Annotated[SamplingSessions, Depends(get_sampling_sessions)]
+AdminDep = Annotated[GatewayAdmin, Depends(get_admin)]

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from livelora.gateway.api.deps import AdmissionDep, EngineDep, SettingsDep
+from livelora.gateway.api.deps import ServingDep
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/health")
-async def health(engine: EngineDep, settings: SettingsDep, admission: AdmissionDep) -> dict:
-    """``{"status": "ok", "model", "engine", "sequences", "max_sequences", "adapters_loaded"}``.
-
-    ``sequences`` counts sequences admitted by the gateway (running or waiting). This route needs no key, so
-    it gives the number of loaded adapter versions, never their names (which name tenants' lineages).
-    """
-    return {"status": "ok", "model": settings.model_id, "engine": settings.inference.engine,
-            "sequences": admission.active, "max_sequences": admission.limit,
-            "adapters_loaded": len(engine.loaded_adapters())}
+async def health(serving: ServingDep) -> dict:
+    """``{"status": "ok", "model", "engine", "sequences", "max_sequences", "adapters_loaded"}``
+    (:meth:`~livelora.gateway.services.serving.Serving.health`)."""
+    return serving.health()

@@ -1,258 +1,22 @@
 """Signal routes: ``POST /v1/feedback``, ``/v1/preferences``, ``/v1/demonstrations``.
 
-The gateway answers 2xx only once the event is in the Redis signals stream; if
-Redis is unreachable it answers 503 with ``Retry-After`` and nothing is
-accepted (every write of one request happens in one Lua script, so either all
-of it lands or none).
-
-Semantics:
-
-* **Replace on re-rate.** A rating is keyed by (completion, rater), rater =
-  (caller, ``user``). The key ``rating:{completion}:{rater}`` holds the id of the
-  latest rating; a new rating swaps it and its event names the old one in
-  ``replaces``. The trainer keeps only the latest rating per key among the
-  events it has not trained on yet, so a batch never holds two ratings of one
-  completion by one rater. (A rating already trained on cannot be untrained;
-  the replacement is then trained in a later batch.)
-* **Idempotency.** With an ``Idempotency-Key`` header the first accepted
-  request's event is stored at ``idem:{route}/{caller}:{key}`` (TTL 24 h) in the
-  same script; a retry with the same key and body gets the same answer (header
-  ``Idempotent-Replayed: true``) and adds nothing; the same key with a
-  different body is a 409.
-
-Wiring: the app sets ``app.state.signals`` to a :class:`SignalService`; the
-caller id (API key) is read from ``request.state.caller`` when auth sets it.
+Each handler decodes the body, calls one :class:`~livelora.gateway.services.signals.SignalService` method and
+marks a replayed answer (``Idempotent-Replayed: true``); the semantics (replace on re-rate, idempotency,
+503 while Redis is down) are the service's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import time
-import uuid
-from collections.abc import Callable
-from typing import Any
+from fastapi import APIRouter, Header, Response
 
-import redis.asyncio as aredis
-from fastapi import APIRouter, Header, Request, Response
-
-from livelora.adapters.bus import dumps, redis_unavailable
-from livelora.adapters.redis_keys import KeyLayout
-from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
-from livelora.clients.types.signals import (CompletionRecord, DemonstrationEvent, DemonstrationRequest,
-                                            DemonstrationResponse, FeedbackRequest, FeedbackResponse, PreferenceEvent,
-                                            PreferenceRequest, PreferenceResponse, RatingEvent, parse_stream_event)
-from livelora.gateway.completion_log import CompletionLog
-from livelora.gateway.settings import DEFAULT_IDEMPOTENCY_TTL_S
-
-# KEYS[1] signals stream, KEYS[2] idempotency key or "", KEYS[3] rating key or ""
-# ARGV[1] event JSON, ARGV[2] request fingerprint, ARGV[3] idem TTL s, ARGV[4] rating TTL s, ARGV[5] event id
-_ACCEPT_LUA = """
-if KEYS[2] ~= '' then
-  local prev = redis.call('GET', KEYS[2])
-  if prev then return {'replay', prev} end
-end
-local replaces = ''
-if KEYS[3] ~= '' then
-  replaces = redis.call('GET', KEYS[3]) or ''
-  redis.call('SET', KEYS[3], ARGV[5], 'EX', ARGV[4])
-end
-local sid = redis.call('XADD', KEYS[1], '*', 'event', ARGV[1], 'replaces', replaces)
-local stored = cjson.encode({fingerprint = ARGV[2], event = ARGV[1], replaces = replaces, stream_id = sid})
-if KEYS[2] ~= '' then redis.call('SET', KEYS[2], stored, 'EX', ARGV[3]) end
-return {'new', stored}
-"""
-
-
-class SignalService:
-    """Validates signals and puts them on the bus.
-
-    Args:
-        client: asyncio Redis client (``decode_responses=True``).
-        keys: key layout.
-        completions: the completion log (retention also bounds rating keys).
-        resolve_endpoint: maps a request's ``model`` to an endpoint name; raises
-            ``ModelNotFoundError`` for unknown names. ``None`` accepts any name as is.
-        idempotency_ttl_s: lifetime of idempotency records (seconds).
-        check_trainable: raises (``ConflictError``) when the caller may not train an endpoint's lineage;
-            ``None`` allows every endpoint.
-    """
-
-    def __init__(self, client: aredis.Redis, keys: KeyLayout, completions: CompletionLog,
-                 resolve_endpoint: Callable[[str], str] | None = None,
-                 idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
-                 check_trainable: Callable[[str], None] | None = None):
-        self.client = client
-        self.keys = keys
-        self.completions = completions
-        self.resolve_endpoint = resolve_endpoint or (lambda name: name)
-        self.check_trainable = check_trainable or (lambda endpoint: None)
-        self.idempotency_ttl_s = int(idempotency_ttl_s)
-        self._accept = client.register_script(_ACCEPT_LUA)
-
-    # ------------------------------------------------------------ internals
-
-    async def _visible(self, completion_id: str, caller: str | None, param: str) -> CompletionRecord:
-        try:
-            rec = await self.completions.get(completion_id)
-        except NotFoundError as exc:
-            raise NotFoundError(exc.message, param=param) from None
-        if rec.caller is not None and caller is not None and rec.caller != caller:
-            # another tenant's completion: indistinguishable from an unknown id
-            raise NotFoundError(f"No completion {completion_id!r}", param=param)
-        return rec
-
-    async def _submit(self, route: str, event: Any, body: Any, caller: str | None,
-                      idempotency_key: str | None, rating_key: str | None = None) -> tuple[Any, str, bool]:
-        """Run the accept script. Returns ``(event, replaces, replayed)`` where ``event`` is what the stream holds."""
-        fingerprint = hashlib.sha256(
-            (route + "\n" + dumps(body.model_dump(mode="json"))).encode()).hexdigest()
-        idem = self.keys.idem(f"{route}/{caller or '-'}", idempotency_key) if idempotency_key else ""
-        rkey = rating_key or ""
-        with redis_unavailable():
-            kind, stored = await self._accept(
-                keys=[self.keys.signals, idem, rkey],
-                args=[event.model_dump_json(), fingerprint, self.idempotency_ttl_s,
-                      self.completions.retention_s, event.id])
-        rec = json.loads(stored)
-        if kind == "replay" and rec["fingerprint"] != fingerprint:
-            raise ConflictError(f"Idempotency-Key {idempotency_key!r} was already used with a different "
-                                f"request to {route}; use a new key for a new request",
-                                param="Idempotency-Key", code="idempotency_key_reused")
-        ev = parse_stream_event({"event": rec["event"], "replaces": rec["replaces"]})
-        return ev, rec["replaces"] or None, kind == "replay"
-
-    @staticmethod
-    def _new_id(kind: str) -> str:
-        return f"{kind}-{uuid.uuid4().hex}"
-
-    # -------------------------------------------------------------- routes
-
-    async def feedback(self, req: FeedbackRequest, *, caller: str | None = None,
-                       idempotency_key: str | None = None) -> tuple[FeedbackResponse, bool]:
-        """Accept one rating; returns ``(response, replayed)``.
-
-        Raises:
-            NotFoundError: unknown, expired or not-visible completion id (404).
-            ConflictError: idempotency key reused with another body (409).
-            UnavailableError: Redis unreachable (503); nothing accepted.
-        """
-        rec = await self._visible(req.completion_id, caller, "completion_id")
-        self.check_trainable(rec.endpoint)
-        rater = f"{caller or ''}/{req.user or ''}"
-        event = RatingEvent(
-            id=self._new_id("feedback"), endpoint=rec.endpoint, created=int(time.time()), caller=caller,
-            user=req.user, completion_id=rec.id, adapter=rec.adapter, prompt_token_ids=rec.prompt_token_ids,
-            completion_token_ids=rec.completion_token_ids, logprobs=rec.logprobs,
-            finish_reason=rec.finish_reason, rating=req.rating,
-            score=req.score, comment=req.comment, rating_key=f"{rec.id}:{rater}")
-        ev, replaces, replayed = await self._submit("feedback", event, req, caller, idempotency_key,
-                                                    rating_key=self.keys.rating(rec.id, rater))
-        return FeedbackResponse(id=ev.id, completion_id=ev.completion_id, endpoint=ev.endpoint,
-                                rating=ev.rating, score=ev.score, comment=ev.comment, user=ev.user,
-                                replaces=replaces, created=ev.created), replayed
-
-    async def preference(self, req: PreferenceRequest, *, caller: str | None = None,
-                         idempotency_key: str | None = None) -> tuple[PreferenceResponse, bool]:
-        """Accept one chosen/rejected pair (completion-id form or inline form).
-
-        Raises:
-            BadRequestError: neither or both forms, missing fields, different prompts or
-                endpoints, identical chosen and rejected (400).
-            NotFoundError / ModelNotFoundError: unknown completion id or endpoint (404).
-            ConflictError, UnavailableError: as :meth:`feedback`.
-        """
-        by_id = req.chosen_completion_id is not None or req.rejected_completion_id is not None
-        inline = any(v is not None for v in (req.model, req.messages, req.chosen, req.rejected))
-        if by_id == inline:
-            which = "both forms were given" if by_id else "neither form was given"
-            raise BadRequestError("Give either chosen_completion_id and rejected_completion_id, or model, "
-                                  f"messages, chosen and rejected ({which})", param="chosen_completion_id")
-        now = int(time.time())
-        if by_id:
-            for name in ("chosen_completion_id", "rejected_completion_id"):
-                if getattr(req, name) is None:
-                    raise BadRequestError(f"{name} is required with the completion-id form", param=name)
-            if req.chosen_completion_id == req.rejected_completion_id:
-                raise BadRequestError("chosen and rejected are the same completion", param="rejected_completion_id")
-            c = await self._visible(req.chosen_completion_id, caller, "chosen_completion_id")
-            r = await self._visible(req.rejected_completion_id, caller, "rejected_completion_id")
-            if c.endpoint != r.endpoint:
-                raise BadRequestError(f"The completions come from different endpoints ({c.endpoint!r}, "
-                                      f"{r.endpoint!r}); a preference compares replies of one endpoint",
-                                      param="rejected_completion_id")
-            if c.prompt_token_ids != r.prompt_token_ids:
-                raise BadRequestError("The two completions answer different prompts; a preference pair needs "
-                                      "the same prompt", param="rejected_completion_id")
-            if c.completion_token_ids == r.completion_token_ids:
-                raise BadRequestError("chosen and rejected completions are identical", param="rejected_completion_id")
-            self.check_trainable(c.endpoint)
-            event = PreferenceEvent(
-                id=self._new_id("preference"), endpoint=c.endpoint, created=now, caller=caller, user=req.user,
-                chosen_completion_id=c.id, rejected_completion_id=r.id, prompt_token_ids=c.prompt_token_ids,
-                chosen_token_ids=c.completion_token_ids, rejected_token_ids=r.completion_token_ids)
-        else:
-            for name in ("model", "messages", "chosen", "rejected"):
-                if getattr(req, name) is None:
-                    raise BadRequestError(f"{name} is required with the inline form", param=name)
-            if not req.messages or req.messages[-1].role == "assistant":
-                raise BadRequestError("messages is the prompt: non-empty, not ending with an assistant message",
-                                      param="messages")
-            if not req.chosen or not req.rejected:
-                raise BadRequestError("chosen and rejected must be non-empty replies", param="chosen")
-            if req.chosen == req.rejected:
-                raise BadRequestError("chosen and rejected are identical", param="rejected")
-            endpoint = self.resolve_endpoint(req.model)
-            self.check_trainable(endpoint)
-            event = PreferenceEvent(id=self._new_id("preference"), endpoint=endpoint, created=now, caller=caller,
-                                    user=req.user, messages=req.messages, chosen=req.chosen, rejected=req.rejected)
-        ev, _, replayed = await self._submit("preferences", event, req, caller, idempotency_key)
-        return PreferenceResponse(id=ev.id, endpoint=ev.endpoint, chosen_completion_id=ev.chosen_completion_id,
-                                  rejected_completion_id=ev.rejected_completion_id, user=ev.user,
-                                  created=ev.created), replayed
-
-    async def demonstration(self, req: DemonstrationRequest, *, caller: str | None = None,
-                            idempotency_key: str | None = None) -> tuple[DemonstrationResponse, bool]:
-        """Accept one demonstration (messages ending with the ideal assistant reply).
-
-        Raises:
-            BadRequestError: last message not a non-empty assistant reply, or no user message (400).
-            ModelNotFoundError: unknown endpoint (404).
-            ConflictError, UnavailableError: as :meth:`feedback`.
-        """
-        last = req.messages[-1]
-        if last.role != "assistant" or not last.content:
-            raise BadRequestError("The last message must be the ideal assistant reply (role 'assistant', "
-                                  "non-empty content)", param="messages")
-        if not any(m.role == "user" for m in req.messages[:-1]):
-            raise BadRequestError("A demonstration needs at least one user message before the reply",
-                                  param="messages")
-        endpoint = self.resolve_endpoint(req.model)
-        self.check_trainable(endpoint)
-        event = DemonstrationEvent(id=self._new_id("demonstration"), endpoint=endpoint, created=int(time.time()),
-                                   caller=caller, user=req.user, messages=req.messages)
-        ev, _, replayed = await self._submit("demonstrations", event, req, caller, idempotency_key)
-        return DemonstrationResponse(id=ev.id, endpoint=ev.endpoint, user=ev.user, created=ev.created), replayed
-
-
-# ------------------------------------------------------------------- router
+from livelora.clients.types.signals import (DemonstrationRequest, DemonstrationResponse, FeedbackRequest,
+                                            FeedbackResponse, PreferenceRequest, PreferenceResponse)
+from livelora.gateway.api.deps import CallerDep, SignalsDep
 
 router = APIRouter(tags=["signals"])
 
 _IDEM_HEADER = Header(default=None, alias="Idempotency-Key", min_length=1, max_length=255,
                       description="Makes retries safe: the same key and body get the first answer.")
-
-
-def _service(request: Request) -> SignalService:
-    svc = getattr(request.app.state, "signals", None)
-    if svc is None:  # wiring bug, not the client's fault
-        from livelora.clients.errors import InternalError
-        raise InternalError("signal routes are mounted without app.state.signals")
-    return svc
-
-
-def _caller(request: Request) -> str | None:
-    return getattr(request.state, "caller", None)
 
 
 def _mark(response: Response, replayed: bool) -> None:
@@ -261,29 +25,27 @@ def _mark(response: Response, replayed: bool) -> None:
 
 
 @router.post("/v1/feedback", response_model=FeedbackResponse)
-async def post_feedback(body: FeedbackRequest, request: Request, response: Response,
+async def post_feedback(body: FeedbackRequest, signals: SignalsDep, caller: CallerDep, response: Response,
                         idempotency_key: str | None = _IDEM_HEADER) -> FeedbackResponse:
     """Rate one served completion (thumbs up/down, optional score and comment)."""
-    out, replayed = await _service(request).feedback(body, caller=_caller(request), idempotency_key=idempotency_key)
+    out, replayed = await signals.feedback(body, caller=caller, idempotency_key=idempotency_key)
     _mark(response, replayed)
     return out
 
 
 @router.post("/v1/preferences", response_model=PreferenceResponse)
-async def post_preference(body: PreferenceRequest, request: Request, response: Response,
+async def post_preference(body: PreferenceRequest, signals: SignalsDep, caller: CallerDep, response: Response,
                           idempotency_key: str | None = _IDEM_HEADER) -> PreferenceResponse:
     """Submit a chosen/rejected pair (two completion ids, or prompt + replies inline)."""
-    out, replayed = await _service(request).preference(body, caller=_caller(request),
-                                                        idempotency_key=idempotency_key)
+    out, replayed = await signals.preference(body, caller=caller, idempotency_key=idempotency_key)
     _mark(response, replayed)
     return out
 
 
 @router.post("/v1/demonstrations", response_model=DemonstrationResponse)
-async def post_demonstration(body: DemonstrationRequest, request: Request, response: Response,
-                             idempotency_key: str | None = _IDEM_HEADER) -> DemonstrationResponse:
+async def post_demonstration(body: DemonstrationRequest, signals: SignalsDep, caller: CallerDep,
+                             response: Response, idempotency_key: str | None = _IDEM_HEADER) -> DemonstrationResponse:
     """Submit a conversation ending with the ideal assistant reply."""
-    out, replayed = await _service(request).demonstration(body, caller=_caller(request),
-                                                           idempotency_key=idempotency_key)
+    out, replayed = await signals.demonstration(body, caller=caller, idempotency_key=idempotency_key)
     _mark(response, replayed)
     return out

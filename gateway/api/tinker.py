@@ -1,8 +1,8 @@
 """The Tinker training-session API under ``/api/v1`` (JSON encoding of tinker SDK ≤0.24; protocol §2.4).
 
-Handlers only decode a JSON body into a :mod:`livelora.clients.types.tinker` model, call one
-:class:`~livelora.gateway.sessions.SessionService` method and encode its answer (:func:`encode`); the
-operations themselves know nothing about the wire. A protobuf codec (SDK ≥0.25) will add decoders and
+Handlers only decode a JSON body into a :mod:`livelora.clients.types.tinker` model, call one method of a
+session service (:mod:`livelora.gateway.services.sessions`: sessions, training ops, checkpoints, sampling) and
+encode its answer (:func:`encode`); the operations themselves know nothing about the wire. A protobuf codec (SDK ≥0.25) will add decoders and
 encoders here without touching the service.
 
 Errors: synchronous failures raise :mod:`livelora.clients.errors` classes and go through the gateway's one
@@ -14,20 +14,21 @@ running after the long-poll, and 410 for an unknown or expired request id.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from livelora.clients.errors import BadRequestError, UnavailableError
+from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSessionRequest, CreateSessionRequest,
                                            ForwardBackwardRequest, ForwardRequest, FutureRetrieveRequest,
                                            GetInfoRequest, LoadWeightsRequest, OptimStepRequest, SampleRequest,
                                            SaveWeightsForSamplerRequest, SaveWeightsRequest, SessionFinishRequest,
                                            SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
                                            WeightsInfoRequest)
-from livelora.gateway.sessions import NotReady, SessionService
+from livelora.gateway.api.deps import CheckpointsDep, SamplingDep, SessionsDep, TrainingOpsDep
+from livelora.gateway.services.sessions import NotReady
 
 router = APIRouter(prefix="/api/v1", tags=["training sessions"])
 M = TypeVar("M", bound=BaseModel)
@@ -36,16 +37,6 @@ M = TypeVar("M", bound=BaseModel)
 #: plain httpx transport, JSON bodies (no protobuf yet).
 CLIENT_CONFIG = {"create_model_via_load_weights": True, "use_pyqwest_transport": False,
                  "proto_write_fwdbwd": False, "parallel_fwdbwd_chunks": True}
-
-
-def get_sessions(request: Request) -> SessionService:
-    service = getattr(request.app.state, "sessions", None)
-    if service is None:
-        raise UnavailableError("training sessions are not available (the gateway is starting or stopping)")
-    return service
-
-
-SessionsDep = Annotated[SessionService, Depends(get_sessions)]
 
 
 # ------------------------------------------------------------------------------------------------ JSON codec
@@ -112,8 +103,8 @@ async def telemetry(request: Request) -> Response:
 
 
 @router.get("/get_server_capabilities")
-async def get_server_capabilities(sessions: SessionsDep) -> Response:
-    return encode(sessions.capabilities())
+async def get_server_capabilities(ops: TrainingOpsDep) -> Response:
+    return encode(ops.capabilities())
 
 
 # ------------------------------------------------------------------------------------------------ sessions
@@ -137,52 +128,52 @@ async def finish_session(session_id: str, request: Request, sessions: SessionsDe
 
 # ------------------------------------------------------------------------------------------------ training ops
 @router.post("/create_model")
-async def create_model(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.create_model(await decode(request, CreateModelRequest)))
+async def create_model(request: Request, ops: TrainingOpsDep) -> Response:
+    return encode(await ops.create_model(await decode(request, CreateModelRequest)))
 
 
 @router.post("/get_info")
-async def get_info(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.get_info((await decode(request, GetInfoRequest)).model_id))
+async def get_info(request: Request, ops: TrainingOpsDep) -> Response:
+    return encode(await ops.get_info((await decode(request, GetInfoRequest)).model_id))
 
 
 @router.post("/forward")
-async def forward(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.submit_op("forward", await body_json(request),
+async def forward(request: Request, ops: TrainingOpsDep) -> Response:
+    return encode(await ops.submit_op("forward", await body_json(request),
                                            lambda d: ForwardRequest.model_validate(d)))
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.submit_op("forward_backward", await body_json(request),
+async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
+    return encode(await ops.submit_op("forward_backward", await body_json(request),
                                            lambda d: ForwardBackwardRequest.model_validate(d)))
 
 
 @router.post("/optim_step")
-async def optim_step(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.submit_op("optim_step", await body_json(request),
+async def optim_step(request: Request, ops: TrainingOpsDep) -> Response:
+    return encode(await ops.submit_op("optim_step", await body_json(request),
                                            lambda d: OptimStepRequest.model_validate(d)))
 
 
 @router.post("/save_weights")
-async def save_weights(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.submit_op("save_weights", await body_json(request),
+async def save_weights(request: Request, ops: TrainingOpsDep) -> Response:
+    return encode(await ops.submit_op("save_weights", await body_json(request),
                                            lambda d: SaveWeightsRequest.model_validate(d)))
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.submit_op("save_weights_for_sampler", await body_json(request),
+async def save_weights_for_sampler(request: Request, ops: TrainingOpsDep) -> Response:
+    return encode(await ops.submit_op("save_weights_for_sampler", await body_json(request),
                                            lambda d: SaveWeightsForSamplerRequest.model_validate(d)))
 
 
 @router.post("/load_weights")
-async def load_weights(request: Request, sessions: SessionsDep) -> Response:
+async def load_weights(request: Request, ops: TrainingOpsDep) -> Response:
     data = await body_json(request)
     if data.get("model_id") is not None or data.get("seq_id") is not None:  # load into an existing model
-        return encode(await sessions.submit_op("load_weights", data,
+        return encode(await ops.submit_op("load_weights", data,
                                                lambda d: LoadWeightsRequest.model_validate(d)))
-    return encode(await sessions.create_via_load(parse(LoadWeightsRequest, data)))
+    return encode(await ops.create_via_load(parse(LoadWeightsRequest, data)))
 
 
 @router.post("/retrieve_future")
@@ -196,37 +187,37 @@ async def retrieve_future(request: Request, sessions: SessionsDep) -> Response:
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 @router.post("/weights_info")
-async def weights_info(request: Request, sessions: SessionsDep) -> Response:
-    return encode(sessions.weights_info((await decode(request, WeightsInfoRequest)).tinker_path))
+async def weights_info(request: Request, checkpoints: CheckpointsDep) -> Response:
+    return encode(checkpoints.weights_info((await decode(request, WeightsInfoRequest)).tinker_path))
 
 
 @router.get("/training_runs/{model_id}")
-async def training_run(model_id: str, sessions: SessionsDep) -> Response:
-    return encode(sessions.training_run(model_id))
+async def training_run(model_id: str, checkpoints: CheckpointsDep) -> Response:
+    return encode(checkpoints.training_run(model_id))
 
 
 @router.get("/training_runs/{model_id}/checkpoints")
-async def list_checkpoints(model_id: str, sessions: SessionsDep) -> Response:
-    return encode(sessions.list_checkpoints(model_id))
+async def list_checkpoints(model_id: str, checkpoints: CheckpointsDep) -> Response:
+    return encode(checkpoints.list_checkpoints(model_id))
 
 
 @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(model_id: str, checkpoint_id: str, sessions: SessionsDep) -> Response:
-    sessions.delete_checkpoint(model_id, checkpoint_id)
+async def delete_checkpoint(model_id: str, checkpoint_id: str, checkpoints: CheckpointsDep) -> Response:
+    checkpoints.delete_checkpoint(model_id, checkpoint_id)
     return Response(status_code=204)
 
 
 # ------------------------------------------------------------------------------------------------ sampling
 @router.post("/create_sampling_session")
-async def create_sampling_session(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.create_sampling_session(await decode(request, CreateSamplingSessionRequest)))
+async def create_sampling_session(request: Request, sampling: SamplingDep) -> Response:
+    return encode(await sampling.create_sampling_session(await decode(request, CreateSamplingSessionRequest)))
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, sessions: SessionsDep) -> Response:
-    return encode(await sessions.get_sampler(sampler_id))
+async def get_sampler(sampler_id: str, sampling: SamplingDep) -> Response:
+    return encode(await sampling.get_sampler(sampler_id))
 
 
 @router.post("/asample")
-async def asample(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.asample(await decode(request, SampleRequest)))
+async def asample(request: Request, sampling: SamplingDep) -> Response:
+    return encode(await sampling.asample(await decode(request, SampleRequest)))

@@ -1,6 +1,11 @@
 """Administration of endpoints, adapter versions and API keys: one service used by the ``/admin`` routes
 (over HTTP, scoped to the caller's tenant) and by the CLI's ``--home`` mode (directly on the store).
 
+:class:`AdminService` works on the store alone (synchronous, no gateway needed); :class:`GatewayAdmin` is
+what the ``/admin`` routes call: it runs the store work off the event loop, applies an endpoint change to
+this gateway's registry before answering (so the next request here gets the new version) and announces it
+on the notices channel so every other gateway re-reads ``endpoints.json`` at once.
+
 Tenancy: endpoints carry their tenant; a lineage belongs to the tenants whose endpoints bind it
 (unbound lineages and public endpoints belong to ``default``). Whatever a tenant may not see answers
 404 exactly like a missing object.
@@ -20,18 +25,27 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
+import logging
 import shutil
+import tarfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from livelora.adapters.api_keys import DEFAULT_TENANT, KeyStore, validate_endpoint_name
+from livelora.adapters.api_keys import DEFAULT_TENANT, KeyStore, Principal, validate_endpoint_name
 from livelora.adapters.atomic import atomic_dir
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, version_label
 from livelora.adapters.store import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterStore, Manifest,
                                      parse_version_name, validate_lineage)
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
+
+if TYPE_CHECKING:
+    from livelora.gateway.services.registry import AdapterRegistry
+
+log = logging.getLogger(__name__)
 
 ExportFormat = Literal["peft", "merged"]
 EXPORTS_DIR = "exports"
@@ -292,3 +306,119 @@ def _key_info(record) -> dict:
 def endpoint_notice(endpoint: str) -> str:
     """The notice (JSON) that makes every gateway re-read endpoint bindings now."""
     return json.dumps({"type": "endpoint_changed", "endpoint": endpoint, "time": time.time()})
+
+
+class GatewayAdmin:
+    """The ``/admin`` operations of one request: :class:`AdminService` scoped to the caller's tenant, run off
+    the event loop where it touches files, with endpoint changes applied here and announced to other gateways.
+
+    Args:
+        home: ``LIVELORA_HOME``.
+        principal: the caller (its tenant scopes everything; ``who`` goes to the audit log).
+        registry: this gateway's adapter registry (``None``: no live loop, nothing to apply).
+    """
+
+    def __init__(self, home: Path | str, principal: Principal, registry: AdapterRegistry | None = None):
+        self.store = AdminService(home, principal.tenant)
+        self.who = principal.who
+        self.registry = registry
+
+    async def _apply(self, endpoint: str) -> None:
+        """Move this gateway now, then tell the others (a Redis failure only delays them until their resync)."""
+        registry = self.registry
+        if registry is None:
+            return
+        await registry.sync_from_store()
+        try:
+            await registry.client.publish(registry.keys.notices, endpoint_notice(endpoint))
+        except Exception as exc:
+            log.warning("endpoint %s changed but the notice was not published (%s); other gateways catch up "
+                        "from the store", endpoint, exc)
+
+    # ------------------------------------------------------------------ endpoints
+
+    def list_endpoints(self) -> list[dict[str, Any]]:
+        return self.store.list_endpoints()
+
+    def get_endpoint(self, name: str) -> dict[str, Any]:
+        return self.store.get_endpoint(name)
+
+    async def create_endpoint(self, name: str, lineage: str, *, mode: str, version: str | int | None,
+                              reason: str) -> dict[str, Any]:
+        """See :meth:`AdminService.create_endpoint`; this gateway serves it before the answer."""
+        info = await asyncio.to_thread(self.store.create_endpoint, name, lineage, mode=mode, version=version,
+                                       who=self.who, reason=reason)
+        await self._apply(name)
+        return info
+
+    async def promote(self, name: str, version: str | int | None, *, follow: bool,
+                      reason: str) -> tuple[HistoryEntry, dict[str, Any]]:
+        """See :meth:`AdminService.promote`; returns the audit entry and the endpoint as this gateway serves it."""
+        entry = await asyncio.to_thread(self.store.promote, name, version, follow=follow, who=self.who,
+                                        reason=reason)
+        await self._apply(name)
+        return entry, self.store.get_endpoint(name)
+
+    async def rollback(self, name: str, *, reason: str) -> tuple[HistoryEntry, dict[str, Any]]:
+        """See :meth:`AdminService.rollback`; returns the audit entry and the endpoint as this gateway serves it."""
+        entry = await asyncio.to_thread(self.store.rollback, name, who=self.who, reason=reason)
+        await self._apply(name)
+        return entry, self.store.get_endpoint(name)
+
+    def history(self, name: str | None = None) -> list[HistoryEntry]:
+        """Audit entries, oldest first (of one endpoint: 404 if missing or another tenant's)."""
+        if name is not None:
+            self.store.get_endpoint(name)
+        return self.store.history(name)
+
+    # ------------------------------------------------------------------ adapters
+
+    def list_adapters(self, lineage: str | None = None) -> list[dict[str, Any]]:
+        return self.store.list_adapters(lineage)
+
+    async def show_adapter(self, name: str) -> dict[str, Any]:
+        return await asyncio.to_thread(self.store.show_adapter, name)
+
+    async def delete_adapter(self, name: str) -> None:
+        await asyncio.to_thread(self.store.delete_adapter, name)
+
+    async def export(self, name: str, fmt: ExportFormat) -> tuple[Path, dict[str, int]]:
+        """Export into ``<home>/exports/<name>.<format>`` (reused when it exists); returns the directory and its
+        files' sizes (bytes)."""
+        path = await asyncio.to_thread(self.store.export, name, fmt)
+        files = {p.name: p.stat().st_size for p in sorted(Path(path).iterdir()) if p.is_file()}
+        return path, files
+
+    async def export_tar(self, name: str, fmt: str) -> tuple[bytes, str]:
+        """An export directory (made if missing) as an uncompressed tar; returns ``(bytes, file name)``.
+
+        Raises:
+            NotFoundError: another tenant's or a missing version. BadRequestError: unknown format.
+        """
+        self.store.manifest(name)  # 404 for other tenants' versions
+        path = self.store.export_dir(name, fmt)
+        if not path.is_dir():
+            path = await asyncio.to_thread(self.store.export, name, fmt)
+
+        def pack() -> bytes:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                for p in sorted(path.iterdir()):
+                    if p.is_file():
+                        tar.add(p, arcname=p.name)
+            return buf.getvalue()
+
+        return await asyncio.to_thread(pack), f"{path.name}.tar"
+
+    # ------------------------------------------------------------------ keys
+
+    def list_keys(self) -> list[dict]:
+        return self.store.list_keys()
+
+    def create_key(self, roles: list[str], name: str) -> dict:
+        """A new key for the caller's tenant, with ``key`` (shown in this answer only)."""
+        info, key = self.store.create_key(roles, name=name)
+        return {**info, "key": key}
+
+    def revoke_key(self, key_id: str) -> dict:
+        return self.store.revoke_key(key_id)

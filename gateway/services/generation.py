@@ -1,4 +1,4 @@
-"""Request → engine glue shared by the chat and legacy completion routes.
+"""OpenAI request → engine glue shared by the chat and legacy completion routes.
 
 * :func:`check_common` rejects parameters the engines cannot honour (400 naming
   ``param``; defaults such as ``0`` / ``null`` / ``{}`` are accepted).
@@ -10,7 +10,7 @@
   concurrently, and yields their chunks interleaved as ``(choice_index,
   chunk)``. :meth:`ChoiceStream.abort` cancels every generation (client
   disconnect, contract A12); it never awaits, so it is safe inside a cancelled
-  scope.
+  scope. :meth:`livelora.gateway.services.serving.ServedRequest.generate` starts one.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from fastapi import Request
 
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError, UnsupportedParameterError
 from livelora.clients.types.openai import _SamplingFields
@@ -110,10 +108,12 @@ def sampling_params(body: _SamplingFields, max_tokens: int, choice: int, *, logp
 
 @dataclass(frozen=True)
 class Job:
-    """One generation: prompt token ids, shape ``(T,)``, and its parameters."""
+    """One generation: prompt token ids, shape ``(T,)``, and its parameters; ``prompt_text`` is the prompt as
+    the completion log keeps it (``None`` for chat, whose log keeps the messages)."""
 
     prompt_ids: Sequence[int]
     params: SamplingParams
+    prompt_text: str | None = None
 
 
 _DONE = object()
@@ -173,16 +173,3 @@ class ChoiceStream:
         for task in self._tasks:
             if not task.done():
                 task.cancel()
-
-    def abort_on_disconnect(self, request: Request) -> asyncio.Task:
-        """Abort when the client of a non-streaming request goes away; cancel the returned task when done."""
-
-        async def watch() -> None:
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    log.info("client disconnected; aborting its generation")
-                    self.abort()
-                    return
-
-        return asyncio.create_task(watch())

@@ -1,0 +1,163 @@
+"""The completion log: every served completion, kept in Redis for a retention period.
+
+Each record is one JSON string at ``{prefix}completion:{id}`` with a TTL of
+``retention_s`` (default 7 days, :data:`~livelora.gateway.settings.DEFAULT_RETENTION_S`).
+Feedback on a completion looks its record up here; an expired or unknown id is
+a 404. Records hold the exact prompt and completion token ids, so training
+uses the tokens that were served, never a re-tokenization.
+
+:class:`CompletionRecorder` collects one served request's choices as they stream and logs them when it is
+done; a Redis failure there is logged, never turned into a failed response (:func:`record_completion`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import redis.asyncio as aredis
+
+from livelora.adapters.bus import dumps, redis_unavailable
+from livelora.adapters.redis_keys import KeyLayout
+from livelora.clients.errors import BadRequestError, InternalError, NotFoundError, UnavailableError
+from livelora.clients.types.signals import CompletionRecord
+from livelora.gateway.engines.base import GenerationChunk
+from livelora.gateway.settings import DEFAULT_RETENTION_S
+
+if TYPE_CHECKING:
+    from livelora.gateway.services.serving import ServingTarget
+
+log = logging.getLogger(__name__)
+
+
+class CompletionLog:
+    """Record and fetch :class:`CompletionRecord` values.
+
+    Args:
+        client: asyncio Redis client (``decode_responses=True``).
+        keys: the key layout (prefix).
+        retention_s: seconds a record is kept (> 0).
+    """
+
+    def __init__(self, client: aredis.Redis, keys: KeyLayout, retention_s: int = DEFAULT_RETENTION_S):
+        if retention_s <= 0:
+            raise BadRequestError(f"completion retention must be > 0 seconds, got {retention_s}",
+                                  param="retention_s")
+        self.client = client
+        self.keys = keys
+        self.retention_s = int(retention_s)
+
+    async def record(self, rec: CompletionRecord) -> None:
+        """Store ``rec`` under its id with TTL = retention. Ids are unique: an existing id is not overwritten.
+
+        Raises:
+            UnavailableError: Redis unreachable (the caller decides whether serving goes on).
+            InternalError: the id is already recorded (ids must be unique per completion).
+        """
+        with redis_unavailable():
+            ok = await self.client.set(self.keys.completion(rec.id), dumps(rec.model_dump(mode="json")),
+                                       ex=self.retention_s, nx=True)
+        if not ok:
+            raise InternalError(f"completion id {rec.id!r} is already recorded")
+
+    async def get(self, completion_id: str) -> CompletionRecord:
+        """The record of ``completion_id``.
+
+        Raises:
+            NotFoundError: unknown or expired id (``param='completion_id'``).
+            UnavailableError: Redis unreachable.
+        """
+        with redis_unavailable():
+            raw = await self.client.get(self.keys.completion(completion_id))
+        if raw is None:
+            raise NotFoundError(f"No completion {completion_id!r}: unknown id, or older than the "
+                                f"retention period ({self.retention_s} s)", param="completion_id")
+        return CompletionRecord.model_validate_json(raw)
+
+
+async def record_completion(completions: CompletionLog | None, record: CompletionRecord) -> bool:
+    """Put a served completion in the completion log; returns whether it was recorded.
+
+    A gateway without the live loop (``completions`` is ``None``), or with Redis down, serves the completion
+    anyway (it just cannot be rated later); the failure is logged.
+    """
+    if completions is None:
+        return False
+    try:
+        await completions.record(record)
+        return True
+    except (UnavailableError, InternalError) as exc:
+        log.warning("completion %s not logged: %s", record.id, exc)
+        return False
+
+
+class CompletionRecorder:
+    """Collects one request's choices as they stream and logs them as :class:`CompletionRecord` s.
+
+    Used by chat (all choices share one prompt) and the legacy ``/v1/completions`` route (choice ``k`` is
+    ``prompt_index * choices_per_prompt + i`` and has its own prompt: pass ``choice_prompts``).
+    With one choice the record's id is the response id; with more, choice ``k`` is logged as ``{id}-{k}``
+    (rate it under that id). :meth:`~livelora.gateway.services.serving.Serving.begin` makes one per request.
+
+    Args:
+        completions: the completion log (``None``: nothing is logged).
+        completion_id: the response id.
+        created: Unix time, seconds.
+        target: the :class:`~livelora.gateway.services.serving.ServingTarget` (endpoint, model, adapter).
+        caller: the tenant in key mode (becomes the record's ``caller``), ``None`` in open mode.
+        prompt_ids: shape ``(P,)``, the prompt every choice shares (with ``prompt``, its text).
+        n: number of choices.
+        messages: the chat prompt (``None`` for ``/v1/completions``).
+        prompt: the text prompt shared by every choice (``None`` for chat).
+        user: the request's OpenAI ``user`` field.
+        choice_prompts: instead of ``prompt_ids``/``prompt``: one ``(prompt_ids, prompt_text)`` per choice.
+
+    Raises:
+        InternalError: neither ``prompt_ids`` nor ``choice_prompts``, or ``len(choice_prompts) != n``.
+    """
+
+    def __init__(self, completions: CompletionLog | None, *, completion_id: str, created: int,
+                 target: ServingTarget, caller: str | None = None, prompt_ids: list[int] | None = None,
+                 n: int = 1, messages: list[dict] | None = None, prompt: str | None = None,
+                 user: str | None = None, choice_prompts: list[tuple[list[int], str | None]] | None = None):
+        if choice_prompts is None:
+            if prompt_ids is None:
+                raise InternalError("CompletionRecorder needs prompt_ids or choice_prompts")
+            choice_prompts = [(list(prompt_ids), prompt)] * n
+        if len(choice_prompts) != n:
+            raise InternalError(f"CompletionRecorder got {len(choice_prompts)} choice prompts for {n} choices")
+        self.completions = completions
+        self.caller = caller
+        self.id, self.created, self.target, self.n = completion_id, created, target, n
+        self.prompts = [(list(ids), text) for ids, text in choice_prompts]
+        self.messages, self.user = messages, user
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+
+    def add(self, index: int, chunk: GenerationChunk) -> None:
+        """Add one engine chunk of choice ``index`` (generated tokens only: never an echoed prompt)."""
+        self.tokens[index] += chunk.token_ids
+        if chunk.logprobs:
+            self.logprobs[index] += [t.logprob for t in chunk.logprobs]
+        self.texts[index].append(chunk.text)
+        if chunk.finish_reason is not None:
+            self.finish[index] = chunk.finish_reason
+
+    def record_id(self, index: int) -> str:
+        """The completion-log id of choice ``index``: the response id alone, else ``{id}-{index}``."""
+        return self.id if self.n == 1 else f"{self.id}-{index}"
+
+    async def save(self) -> None:
+        """Log every choice (errors are logged, never raised)."""
+        endpoint = getattr(self.target, "endpoint", None) or self.target.model
+        for i in range(self.n):
+            lps = self.logprobs[i] if len(self.logprobs[i]) == len(self.tokens[i]) else None
+            prompt_ids, prompt = self.prompts[i]
+            await record_completion(self.completions, CompletionRecord(
+                id=self.record_id(i), endpoint=endpoint, model=self.target.model,
+                adapter=self.target.adapter, messages=self.messages, prompt=prompt,
+                prompt_token_ids=prompt_ids, completion_token_ids=self.tokens[i], logprobs=lps,
+                completion="".join(self.texts[i]), finish_reason=self.finish[i] or "stop", created=self.created,
+                caller=self.caller, user=self.user))

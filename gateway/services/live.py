@@ -1,0 +1,62 @@
+"""Wires the live loop into a gateway process: Redis bus, completion log, signal service, adapter registry.
+
+:func:`start_live_loop` is called from the app's lifespan. It never blocks serving on Redis: if Redis is
+unreachable at start, inference still works (endpoints catch up from the store by polling), completions are
+not logged and the signal routes answer 503 with ``Retry-After`` until Redis is back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from livelora.adapters.bus import connect_async, ensure_group_async
+from livelora.adapters.redis_keys import KeyLayout
+from livelora.clients.errors import UnavailableError
+from livelora.gateway.engines.base import Engine
+from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.registry import AdapterRegistry
+from livelora.gateway.services.signals import SignalService
+from livelora.gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LiveLoop:
+    """The gateway's live-loop services, sharing one asyncio Redis client; :meth:`close` stops them."""
+
+    keys: KeyLayout
+    client: Any
+    completions: CompletionLog
+    signals: SignalService
+    registry: AdapterRegistry
+
+    async def close(self) -> None:
+        await self.registry.close()
+        await self.client.aclose()
+
+
+async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop:
+    """Create the live loop and start the registry (catch-up from the store, notice subscriber, resync).
+
+    Args:
+        settings: the gateway settings (``redis_url``, ``redis_prefix``, ``home``, ``model_id``, ``live``).
+        engine: the started engine.
+    """
+    live = settings.live
+    keys = KeyLayout(settings.redis_prefix)
+    client = connect_async(settings.redis_url)
+    completions = CompletionLog(client, keys, retention_s=live.completion_retention_s)
+    registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
+                               resync_s=live.resync_s)
+    signals = SignalService(client, keys, completions, resolve_endpoint=registry.endpoint_for,
+                            idempotency_ttl_s=live.idempotency_ttl_s, check_trainable=registry.check_trainable)
+    try:
+        await ensure_group_async(client, keys)
+    except UnavailableError as exc:
+        log.warning("Redis at %s is unreachable (%s): serving without the completion log and signal routes "
+                    "until it is back", settings.redis_url, exc)
+    await registry.start()
+    return LiveLoop(keys, client, completions, signals, registry)

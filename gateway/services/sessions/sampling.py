@@ -1,0 +1,265 @@
+"""Sampling sessions of Tinker clients: served by the gateway's engine, never by the trainer.
+
+A sampling session runs on a sampler checkpoint's adapter version, loaded into the engine under its version name
+(``<lineage>@<n>``, never reused). That name is also a served ``model`` for ``/v1/chat/completions``, because
+the OpenAI routes resolve any loaded adapter by name. Results are written to the same Redis futures as training
+ops. Every sample is admitted through :meth:`livelora.gateway.services.serving.Serving.begin` (429 beyond the
+gateway's sequence bound). Adapters of ended sessions are unloaded by a janitor.
+
+**Sampled logprobs** are those of the raw model distribution of the sampling weights (log_softmax of the logits
+before temperature / top-k / top-p; :mod:`livelora.gateway.engines.base`). At temperature 1 with no top-k/top-p
+they are the sampling distribution's and agree with ``compute_logprobs``; otherwise they are not the tempered
+probabilities. The stop token (EOS or a stop token id) is part of ``tokens`` and its logprob is scored with the
+same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from livelora.adapters.bus import redis_unavailable
+from livelora.adapters.session_protocol import future_failed, new_request_id, resolve_checkpoint
+from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotFoundError
+from livelora.clients.types.tinker import (CreateSamplingSessionRequest, CreateSamplingSessionResponse,
+                                           GetSamplerResponse, SampledSequence, SampleRequest, SampleResponse,
+                                           UntypedAPIFuture)
+from livelora.gateway.engines.base import SamplingParams as EngineParams
+from livelora.gateway.services.generation import Job
+from livelora.gateway.services.serving import BASE_VERSION, ServedRequest, Serving, ServingTarget
+from livelora.gateway.services.sessions.context import SessionContext
+from livelora.gateway.services.sessions.futures import Futures
+
+log = logging.getLogger(__name__)
+
+
+class SamplingSessions:
+    """Sampling sessions and ``asample`` on the gateway's engine.
+
+    Args:
+        ctx: the session services' shared context.
+        futures: where samples are delivered.
+        serving: admits every sample (:meth:`~livelora.gateway.services.serving.Serving.begin`).
+    """
+
+    def __init__(self, ctx: SessionContext, futures: Futures, serving: Serving):
+        self.ctx = ctx
+        self.futures = futures
+        self.serving = serving
+        self.redis = ctx.redis
+        self.keys = ctx.keys
+        self.settings = ctx.settings
+        self.engine = ctx.engine
+        self.home = ctx.home
+        self.store = ctx.store
+        self.base_model = ctx.base_model
+        self._tasks: set[asyncio.Task] = set()
+        self._loads: dict[str, asyncio.Lock] = {}
+        #: engine adapter name → session that loaded it (unloaded when the session ends)
+        self.adapters: dict[str, str] = {}
+        self._janitor: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Start the janitor (unloads ended sessions' adapters)."""
+        self._janitor = asyncio.create_task(self._janitor_loop())
+
+    async def close(self) -> None:
+        """Stop the janitor and every sampling task."""
+        tasks = [t for t in [self._janitor, *self._tasks] if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def _janitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(2.0, self.settings.session_ttl_s / 2))
+            try:
+                await self.unload_ended_sessions()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("session janitor: %s", exc)
+
+    async def unload_ended_sessions(self) -> None:
+        """Unload engine adapters whose session key is gone (finished or expired); retried while in use."""
+        for name, sid in list(self.adapters.items()):
+            if await self.redis.exists(self.keys.session(sid)):
+                continue
+            try:
+                if name in self.engine.loaded_adapters():
+                    await self.engine.unload_adapter(name)
+                self.adapters.pop(name, None)
+            except ConflictError:
+                pass  # still sampling; next round
+
+    async def create_sampling_session(self, req: CreateSamplingSessionRequest) -> CreateSamplingSessionResponse:
+        """A sampling session on a sampler checkpoint (``model_path``) or on the base model.
+
+        Raises:
+            NotFoundError: unknown session, base model or checkpoint. BadRequestError: a training checkpoint
+            path, or neither ``model_path`` nor ``base_model``.
+        """
+        await self.ctx.require_session(req.session_id)
+        self.ctx.check_base(req.base_model)
+        sampling_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+        record = await self._sampler_record_for_path(req.model_path, req.base_model, req.session_id, sampling_id)
+        with redis_unavailable():
+            await self.redis.set(self.keys.sampler(sampling_id), json.dumps(record), ex=self.settings.future_ttl_s)
+        await self._ensure_loaded(record)
+        return CreateSamplingSessionResponse(sampling_session_id=sampling_id)
+
+    async def _sampler_record_for_path(self, model_path: str | None, base_model: str | None, session_id: str | None,
+                                       sampling_id: str) -> dict[str, Any]:
+        record = {"sampler_id": sampling_id, "session_id": session_id, "base_model": self.base_model,
+                  "model_path": model_path, "adapter": None, "adapter_path": None}
+        if model_path is None:
+            if base_model is None:
+                raise BadRequestError("give model_path (a sampler checkpoint) or base_model", param="model_path")
+            return record
+        index, _, version = resolve_checkpoint(self.home, model_path, want="sampler_weights")
+        manifest = self.store.get(index.lineage, version)
+        record.update(adapter=manifest.name, adapter_path=str(self.store.version_dir(index.lineage, version)))
+        return record
+
+    async def _sampler_record(self, sampling_id: str) -> dict[str, Any]:
+        with redis_unavailable():
+            raw = await self.redis.get(self.keys.sampler(sampling_id))
+        if raw is None:
+            raise NotFoundError(f"sampling session {sampling_id!r} does not exist or has expired",
+                                param="sampling_session_id")
+        return json.loads(raw)
+
+    async def get_sampler(self, sampling_id: str) -> GetSamplerResponse:
+        record = await self._sampler_record(sampling_id)
+        return GetSamplerResponse(sampler_id=sampling_id, base_model=record["base_model"],
+                                  model_path=record.get("model_path"), adapter=record.get("adapter"))
+
+    async def ensure_sampler_loaded(self, sampling_id: str) -> None:
+        await self._ensure_loaded(await self._sampler_record(sampling_id))
+
+    async def _ensure_loaded(self, record: dict[str, Any]) -> None:
+        """Load the record's adapter version into the engine once (concurrent callers wait for one load)."""
+        name = record.get("adapter")
+        if name is None or name in self.engine.loaded_adapters():
+            return
+        lock = self._loads.setdefault(name, asyncio.Lock())
+        async with lock:
+            if name not in self.engine.loaded_adapters():
+                path = record.get("adapter_path")
+                if not path or not Path(path).is_dir():
+                    raise NotFoundError(f"the weights of adapter {name} were deleted (their session ended)",
+                                        param="sampling_session_id")
+                await self.engine.load_adapter(name, path)
+            if record.get("session_id"):
+                self.adapters[name] = record["session_id"]
+
+    def _engine_params(self, req: SampleRequest, prompt_len: int) -> EngineParams:
+        sp = req.sampling_params
+        eos = tuple(sorted(getattr(self.engine, "eos_token_ids", None)
+                           or {int(self.engine.tokenizer.eos_token_id)}))
+        stop_strings: tuple[str, ...] = ()
+        stop_ids: tuple[int, ...] = eos
+        if isinstance(sp.stop, str):
+            stop_strings = (sp.stop,)
+        elif sp.stop is not None and len(sp.stop) == 0:
+            stop_ids = ()
+        elif sp.stop is not None and all(isinstance(s, str) for s in sp.stop):
+            stop_strings = tuple(sp.stop)
+        elif sp.stop is not None:
+            stop_ids = tuple(sorted({*eos, *(int(t) for t in sp.stop)}))
+        limit = int(self.engine.max_model_len)
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else limit - prompt_len
+        if max_tokens < 1:
+            raise BadRequestError(f"the prompt ({prompt_len} tokens) leaves no room to sample in the context of "
+                                  f"{limit} tokens", param="prompt")
+        return EngineParams(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                            top_k=0 if sp.top_k in (-1, 0) else sp.top_k, seed=sp.seed, stop=stop_strings,
+                            stop_token_ids=stop_ids, ignore_eos=True, logprobs=True)
+
+    async def asample(self, req: SampleRequest) -> UntypedAPIFuture:
+        """Start sampling; the :class:`SampleResponse` arrives through ``retrieve_future``.
+
+        Raises:
+            NotFoundError: unknown sampling session / checkpoint. BadRequestError: invalid parameters.
+            RateLimitError: the gateway's sequence limit is reached (429, the SDK backs off and resubmits).
+        """
+        if req.sampling_session_id is not None:
+            record = await self._sampler_record(req.sampling_session_id)
+            scope = req.sampling_session_id
+        else:
+            self.ctx.check_base(req.base_model)
+            record = await self._sampler_record_for_path(req.model_path, req.base_model, None, "adhoc")
+            scope = "sample"
+        await self._ensure_loaded(record)
+        prompt = req.prompt.to_ints()
+        if not prompt:
+            raise BadRequestError("prompt has no tokens", param="prompt")
+        params = self._engine_params(req, len(prompt))
+        adapter = record.get("adapter")
+        served = self.serving.begin(ServingTarget(scope, adapter, adapter or BASE_VERSION),
+                                    lambda: [Job(prompt, params)] * req.num_samples, param="num_samples")
+        request_id = new_request_id(f"{scope}:{req.seq_id if req.seq_id is not None else 'x'}")
+        seq_ids = [f"{request_id}:{i}" for i in range(req.num_samples)]
+        try:
+            await self.futures.create(request_id)
+        except BaseException:
+            served.release()
+            raise
+        task = asyncio.create_task(self._sample(request_id, req, prompt, params, adapter, seq_ids, served))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return UntypedAPIFuture(request_id=request_id, sample_sequence_ids=seq_ids)
+
+    async def _sample(self, request_id: str, req: SampleRequest, prompt: list[int], params: EngineParams,
+                      adapter: str | None, seq_ids: list[str], served: ServedRequest) -> None:
+        try:
+            want_prompt_lp = bool(req.prompt_logprobs) or req.topk_prompt_logprobs > 0
+            scored = self.engine.score(prompt, adapter, req.topk_prompt_logprobs) if want_prompt_lp else None
+            samples = [self._one_sample(prompt, params, adapter, i, sid, f"{request_id}:{i}")
+                       for i, sid in enumerate(seq_ids)]
+            results = await asyncio.gather(*(samples if scored is None else [scored, *samples]))
+            seqs = results if scored is None else results[1:]
+            out = SampleResponse(sequences=seqs)
+            if scored is not None:
+                lps = results[0]
+                if req.prompt_logprobs:
+                    out = out.model_copy(update={"prompt_logprobs": [None if t is None else t.logprob for t in lps]})
+                if req.topk_prompt_logprobs:
+                    out = out.model_copy(update={"topk_prompt_logprobs": [
+                        None if t is None else [(int(a), float(b)) for a, b in t.top] for t in lps]})
+            record = json.dumps({"state": "done", "result": out.model_dump(mode="json", exclude_none=True)})
+        except Exception as exc:
+            if not isinstance(exc, LiveloraError):
+                log.exception("sampling %s failed", request_id)
+            record = future_failed(exc)
+        finally:
+            served.release()
+        with contextlib.suppress(Exception):
+            await self.futures.resolve(request_id, record)
+
+    async def _one_sample(self, prompt: list[int], params: EngineParams, adapter: str | None, index: int,
+                          sequence_id: str, engine_request_id: str) -> SampledSequence:
+        if params.seed is not None and index:
+            from dataclasses import replace
+
+            params = replace(params, seed=params.seed + index)  # distinct, reproducible samples
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        finish, stop_reason = "length", None
+        async for chunk in self.engine.generate(prompt, params, adapter=adapter, request_id=engine_request_id):
+            tokens += chunk.token_ids
+            logprobs += [lp.logprob for lp in chunk.logprobs or []]
+            if chunk.finish_reason is not None:
+                finish, stop_reason = chunk.finish_reason, chunk.stop_reason
+        if finish == "stop" and isinstance(stop_reason, int):  # the stop token: part of the sample, scored
+            tokens.append(stop_reason)
+            scored = await self.engine.score([*prompt, *tokens], adapter)
+            logprobs.append(float(scored[-1].logprob))
+        return SampledSequence(stop_reason="stop" if finish == "stop" else "length", tokens=tokens,
+                               logprobs=logprobs, sequence_id=sequence_id)

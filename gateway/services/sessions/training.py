@@ -1,0 +1,194 @@
+"""Training ops of Tinker sessions, gateway side: validated here, queued for the op executor.
+
+``forward``, ``forward_backward``, ``optim_step``, ``save_weights``, ``save_weights_for_sampler``,
+``load_weights`` and ``create_model`` are validated and queued on ``ops:{model_id}``
+(:mod:`livelora.adapters.session_protocol`: ids, ordering). A retry with a ``(model_id, seq_id)`` already
+seen gets the first request's id back and is not queued again (a different body under the same seq is a
+409). An op that fails validation after its ``seq_id`` is known resolves its future with
+``{"error", "category": "user"}`` and still consumes the seq (a ``failed`` marker is queued), so the model's
+later ops run. The op executor (:mod:`livelora.trainer.executor`, started beside the gateway by the process
+wiring, or a ``livelora trainer``) runs them and writes their results to the futures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from livelora.adapters.bus import redis_unavailable
+from livelora.adapters.session_protocol import (Op, future_failed, model_id_for, new_request_id, resolve_checkpoint,
+                                                session_of)
+from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotFoundError, UnsupportedParameterError
+from livelora.clients.types.tinker import (CreateModelRequest, ForwardBackwardInput, GetInfoResponse,
+                                           GetServerCapabilitiesResponse, LoadWeightsRequest, ModelData,
+                                           SaveWeightsForSamplerRequest, SupportedModel, UntypedAPIFuture)
+from livelora.gateway.services.sessions.context import SessionContext
+from livelora.gateway.services.sessions.futures import Futures
+
+
+class TrainingOps:
+    """Validate and queue training ops; model records and server capabilities.
+
+    Args:
+        ctx: the session services' shared context (Redis, engine, store, base model).
+        futures: where op results are awaited.
+    """
+
+    def __init__(self, ctx: SessionContext, futures: Futures):
+        self.ctx = ctx
+        self.futures = futures
+        self.redis = ctx.redis
+        self.keys = ctx.keys
+        self.settings = ctx.settings
+        self.engine = ctx.engine
+        self.home = ctx.home
+        self.base_model = ctx.base_model
+        self.max_seq_len = ctx.max_seq_len
+
+    async def create_model(self, req: CreateModelRequest) -> UntypedAPIFuture:
+        """Queue a new LoRA training model ``{session_id}:train:{model_seq_id}`` (op seq 0).
+
+        Raises:
+            NotFoundError: unknown session or base model. ConflictError: that model id exists.
+        """
+        await self.ctx.require_session(req.session_id)
+        self.ctx.check_base(req.base_model)
+        model_id = model_id_for(req.session_id, req.model_seq_id)
+        return await self._enqueue_new_model(model_id, "create_model", req.model_dump(mode="json"),
+                                             req.lora_config.model_dump())
+
+    async def _enqueue_new_model(self, model_id: str, kind: str, body: dict[str, Any],
+                                 lora: dict[str, Any] | None) -> UntypedAPIFuture:
+        record = {"model_id": model_id, "session_id": session_of(model_id), "base_model": self.base_model,
+                  "lora": lora, "state": "creating"}
+        with redis_unavailable():
+            if not await self.redis.set(self.keys.model(model_id), json.dumps(record), nx=True):
+                raise ConflictError(f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id")
+            return await self._enqueue(model_id, 0, kind, body)
+
+    async def _enqueue(self, model_id: str, seq_id: int, kind: str, body: dict[str, Any],
+                       error: LiveloraError | None = None) -> UntypedAPIFuture:
+        """Dedupe on (model_id, seq_id), create the future, XADD the op (or a ``failed`` marker + the error)."""
+        digest = hashlib.sha256(json.dumps([kind, body], sort_keys=True).encode()).hexdigest()
+        request_id = new_request_id(f"{model_id}:{seq_id}")
+        claim = json.dumps({"request_id": request_id, "digest": digest})
+        if not await self.redis.set(self.keys.seq(model_id, seq_id), claim, nx=True, ex=self.settings.future_ttl_s):
+            first = json.loads(await self.redis.get(self.keys.seq(model_id, seq_id)) or "{}")
+            if first.get("digest") not in (None, digest):
+                raise ConflictError(f"seq_id {seq_id} of model {model_id} was already used by a different request",
+                                    param="seq_id")
+            return UntypedAPIFuture(request_id=first["request_id"], model_id=model_id)
+        await self.futures.create(request_id)
+        if error is not None:
+            await self.futures.resolve(request_id, future_failed(error))
+            kind, body = "failed", {}
+        pipe = self.redis.pipeline()
+        pipe.sadd(self.keys.models, model_id)
+        pipe.xadd(self.keys.ops(model_id), {"op": Op(kind, seq_id, request_id, body).to_json()})
+        await pipe.execute()
+        return UntypedAPIFuture(request_id=request_id, model_id=model_id)
+
+    async def _model_record(self, model_id: str) -> dict[str, Any] | None:
+        with redis_unavailable():
+            raw = await self.redis.get(self.keys.model(model_id))
+        return json.loads(raw) if raw else None
+
+    async def submit_op(self, kind: str, raw: dict[str, Any], parse) -> UntypedAPIFuture:
+        """Validate and queue one training op given its raw JSON body.
+
+        ``parse(raw)`` builds the typed request (raising on bad fields). The model id and seq id are read
+        first, leniently, so that a body that fails validation still resolves its future with the error
+        and consumes its seq id.
+
+        Raises:
+            BadRequestError: no ``model_id`` / ``seq_id`` (nothing can be queued without them).
+        """
+        model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
+        if not isinstance(model_id, str) or not model_id:
+            raise BadRequestError("model_id is required", param="model_id")
+        if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
+            raise BadRequestError("seq_id is required: an integer >= 1, one per op of the model, in call order",
+                                  param="seq_id")
+        if await self._model_record(model_id) is None:
+            request_id = new_request_id(f"{model_id}:{seq_id}")
+            await self.futures.create(request_id)
+            await self.futures.resolve(request_id, future_failed(NotFoundError(
+                f"model {model_id!r} does not exist (never created, or its session ended)", param="model_id")))
+            return UntypedAPIFuture(request_id=request_id, model_id=model_id)
+        error: LiveloraError | None = None
+        body: dict[str, Any] = {}
+        try:
+            body = self._validate(kind, parse(raw))
+        except LiveloraError as exc:
+            error = exc
+        except ValueError as exc:  # pydantic.ValidationError
+            error = BadRequestError(f"invalid {kind} request: {_pydantic_message(exc)}")
+        with redis_unavailable():
+            return await self._enqueue(model_id, seq_id, kind, body, error)
+
+    def _validate(self, kind: str, req: Any) -> dict[str, Any]:
+        from livelora.trainer.validate import validate_batch  # TODO(layering): torch-free spec validation
+
+        if kind in ("forward", "forward_backward"):
+            fb: ForwardBackwardInput = req.forward_input if kind == "forward" else req.forward_backward_input
+            validate_batch(fb.data, fb.loss_fn, fb.loss_fn_config, vocab_size=int(self.engine.vocab_size),
+                           max_seq_len=int(self.max_seq_len or self.engine.max_model_len))
+            return {"input": fb.model_dump(mode="json")}
+        if kind in ("save_weights", "save_weights_for_sampler") and req.ttl_seconds is not None:
+            raise UnsupportedParameterError("ttl_seconds is not supported: checkpoints live until deleted",
+                                            param="ttl_seconds")
+        if kind == "save_weights_for_sampler":
+            req: SaveWeightsForSamplerRequest
+            if (req.path is None) == (req.sampling_session_seq_id is None):
+                raise BadRequestError("give exactly one of path (a named sampler checkpoint) and "
+                                      "sampling_session_seq_id (ephemeral weights for a sampling session)",
+                                      param="path")
+        if kind == "load_weights":
+            resolve_checkpoint(self.home, req.path, want="weights")
+        return req.model_dump(mode="json", exclude_none=True)
+
+    async def create_via_load(self, req: LoadWeightsRequest) -> UntypedAPIFuture:
+        """Create-via-load (``session_id`` + ``model_seq_id``; implicit seq 0): a model shaped like the
+        checkpoint, its weights (and optimizer state when ``optimizer``) loaded.
+
+        Raises:
+            NotFoundError: unknown session, checkpoint or base model. BadRequestError: a sampler checkpoint.
+        """
+        if req.session_id is None or req.model_seq_id is None:
+            raise BadRequestError("load_weights needs session_id and model_seq_id (create a model from a "
+                                  "checkpoint) or model_id and seq_id (load into an existing model)",
+                                  param="session_id")
+        await self.ctx.require_session(req.session_id)
+        self.ctx.check_base(req.base_model)
+        index, _, _ = resolve_checkpoint(self.home, req.path, want="weights")
+        lora = index.read().get("lora")
+        model_id = model_id_for(req.session_id, req.model_seq_id)
+        return await self._enqueue_new_model(model_id, "create_via_load", req.model_dump(mode="json"), lora)
+
+    async def get_info(self, model_id: str) -> GetInfoResponse:
+        """Raises: NotFoundError for an unknown model."""
+        record = await self._model_record(model_id)
+        if record is None:
+            raise NotFoundError(f"model {model_id!r} does not exist", param="model_id")
+        lora = record.get("lora") or {}
+        return GetInfoResponse(model_id=model_id, model_name=record["base_model"], is_lora=True,
+                               lora_rank=lora.get("rank"), lora_alpha=lora.get("alpha"),
+                               model_data=ModelData(arch=record.get("arch"), model_name=record["base_model"],
+                                                    tokenizer_id=record.get("tokenizer_id") or self.ctx.tokenizer_id()))
+
+    def capabilities(self) -> GetServerCapabilitiesResponse:
+        return GetServerCapabilitiesResponse(supported_models=[SupportedModel(
+            model_name=self.base_model, max_context_length=int(self.max_seq_len or self.engine.max_model_len),
+            tokenizer_id=self.ctx.tokenizer_id())])
+
+
+def _pydantic_message(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        parts = []
+        for e in errors()[:3]:
+            loc = ".".join(str(p) for p in e.get("loc", ()))
+            parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+        return "; ".join(parts)
+    return str(exc)
