@@ -1,4 +1,4 @@
-"""Transformers engine: adapter versions are copied into reusable LoRA slots (gateway/engines/hf_worker.py).
+"""Transformers engine: adapter versions are copied into reusable LoRA slots (gateway/engines/lora_slots.py).
 
 A hot-swap must not pay peft's ``add_adapter`` (about 0.2 s) on every version, so a version's
 weights are copied into a free slot of the same shape. What must hold:
@@ -96,7 +96,7 @@ def _slots(loop, engine):
     worker = engine._worker
     loop.run_until_complete(engine._on_worker(worker, lambda: None))
     loop.run_until_complete(engine._on_worker(worker, lambda: None))
-    return {v: s.name for v, s in worker.versions.items()}, [s.name for s in worker.free_slots]
+    return {v: s.name for v, s in worker.slots.versions.items()}, [s.name for s in worker.slots.free_slots]
 
 
 def test_reused_slots_serve_exactly_the_new_weights_and_stay_bounded(engine, loop, versions, tokens, base_ref):
@@ -122,7 +122,7 @@ def test_reused_slots_serve_exactly_the_new_weights_and_stay_bounded(engine, loo
     assert len(seen_slots) <= 3, f"slots were not reused: {sorted(seen_slots)}"
     loop.run_until_complete(engine.unload_adapter(previous[0]))
     mapping, free = _slots(loop, engine)
-    assert mapping == {} and free == [] and engine._worker.peft is None  # plain model again
+    assert mapping == {} and free == [] and engine._worker.slots.peft is None  # plain model again
 
 
 def test_load_and_check_hashes_the_loaded_bytes_and_scores_the_canary(engine, loop, versions, tokens, base_ref):
@@ -195,8 +195,8 @@ def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weig
     results = loop.run_until_complete(together())
     assert engine.decode_steps - steps_before <= 8  # the four rows really decoded in one batch
     worker = engine._worker
-    slot_names = tuple(worker.versions[n].name for n in names)
-    assert any(set(key) == set(slot_names) and stacks for key, stacks in worker.stacks.items()), \
+    slot_names = tuple(worker.slots.versions[n].name for n in names)
+    assert any(set(key) == set(slot_names) and stacks for key, stacks in worker.slots.stacks.items()), \
         "the stacked mixed-version pass (MixedRows) did not run"
     for adapter, (out, lps) in zip(names + [None], results):
         alone = loop.run_until_complete(engine.score(prompt + out, adapter=adapter))[len(prompt):]

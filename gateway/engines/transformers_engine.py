@@ -234,7 +234,7 @@ class TransformersEngine(Engine):
     # ----- adapters ------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str) -> None:
         """See :meth:`Engine.load_adapter`. The files are read on a thread; the weights are installed on the
-        worker between decode steps (a copy into a free LoRA slot, see :mod:`.hf_worker`).
+        worker between decode steps (a copy into a free LoRA slot, see :mod:`.lora_slots`).
 
         Raises:
             BadRequestError: empty name, missing directory, not LoRA, or weights that do not fit.
