@@ -53,6 +53,25 @@ CANARY_TEXT = "The quick brown fox jumps over the lazy dog. 1 2 3"
 CANARY_TOKENS = 4
 
 
+def check_version(manifest: Manifest, result: AdapterCheck) -> None:
+    """The checks a loaded version must pass before it serves (:meth:`AdapterRegistry.install`).
+
+    Args:
+        result: what :meth:`Engine.load_and_check` found (sha256 of the weights as loaded, canary logprobs).
+
+    Raises:
+        BadRequestError: sha256 differs from the manifest's, or canary logprobs that are missing,
+            non-finite or positive.
+    """
+    if result.sha256 != manifest.sha256:
+        raise BadRequestError(f"{manifest.name}: weights sha256 {result.sha256[:12]}… does not match the "
+                              f"manifest's {manifest.sha256[:12]}…", param="adapter")
+    values = [t.logprob for t in result.canary if t is not None]
+    if not values or not all(math.isfinite(v) and v <= 1e-6 for v in values):
+        raise BadRequestError(f"{manifest.name}: canary forward pass gave invalid logprobs "
+                              f"{values[:4]}", param="adapter")
+
+
 @dataclass
 class Lease:
     """A request's hold on the weights serving it; :meth:`release` is idempotent.
@@ -233,24 +252,6 @@ class AdapterRegistry:
             self._canary = ids[:CANARY_TOKENS]
         return self._canary
 
-    def check(self, manifest: Manifest, result: AdapterCheck) -> None:
-        """The checks a loaded version must pass before it serves.
-
-        Args:
-            result: what :meth:`Engine.load_and_check` found (sha256 of the weights as loaded, canary logprobs).
-
-        Raises:
-            BadRequestError: sha256 differs from the manifest's, or canary logprobs that are missing,
-                non-finite or positive.
-        """
-        if result.sha256 != manifest.sha256:
-            raise BadRequestError(f"{manifest.name}: weights sha256 {result.sha256[:12]}… does not match the "
-                                  f"manifest's {manifest.sha256[:12]}…", param="adapter")
-        values = [t.logprob for t in result.canary if t is not None]
-        if not values or not all(math.isfinite(v) and v <= 1e-6 for v in values):
-            raise BadRequestError(f"{manifest.name}: canary forward pass gave invalid logprobs "
-                                  f"{values[:4]}", param="adapter")
-
     async def install(self, lineage: str, version: int, *, move: bool = True) -> Manifest:
         """Load, check and (with ``move``) switch every ``follow`` endpoint of ``lineage`` to this version,
         unless an endpoint already serves a newer one.
@@ -277,7 +278,7 @@ class AdapterRegistry:
                         result = AdapterCheck(digest, await self.engine.score(self.canary_tokens(), adapter=name))
                     else:
                         result = await self.engine.load_and_check(name, str(path), self.canary_tokens())
-                    self.check(manifest, result)
+                    check_version(manifest, result)
                 except BaseException as exc:
                     if name in self.engine.loaded_adapters():
                         with contextlib.suppress(LiveloraError):
