@@ -29,7 +29,7 @@ from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.services.registry import AdapterRegistry
 from livelora.gateway.services.serving import Serving
-from livelora.gateway.services.sessions import (Checkpoints, SamplingSessions, SessionService, TrainingOps)
+from livelora.gateway.services.sessions import Checkpoints, SamplingSessions, SessionService, TrainingOps
 from livelora.gateway.services.signals import SignalService
 from livelora.gateway.settings import GatewaySettings
 
@@ -84,14 +84,6 @@ def get_services(request: Request) -> GatewayServices:
 ServicesDep = Annotated[GatewayServices, Depends(get_services)]
 
 
-def get_settings(services: ServicesDep) -> GatewaySettings:
-    return services.settings
-
-
-def get_engine(services: ServicesDep) -> Engine:
-    return services.engine
-
-
 def get_serving(services: ServicesDep) -> Serving:
     return services.serving
 
@@ -141,8 +133,6 @@ def get_admin(services: ServicesDep, principal: PrincipalDep) -> GatewayAdmin:
     return GatewayAdmin(services.settings.home, principal, services.registry)
 
 
-SettingsDep = Annotated[GatewaySettings, Depends(get_settings)]
-EngineDep = Annotated[Engine, Depends(get_engine)]
 ServingDep = Annotated[Serving, Depends(get_serving)]
 TokenTextsDep = Annotated[TokenTexts, Depends(get_token_texts)]
 CallerDep = Annotated[str | None, Depends(get_caller)]
