@@ -234,7 +234,10 @@ def test_a12_client_disconnect_aborts_generation(http, live_server):
     with http.stream("POST", CHAT, json=body) as response:
         assert response.status_code == 200
         data_lines = 0
-        for line in response.iter_lines():
+        # keep the line iterator referenced: a dropped httpx iterator is finalised at once and closes the
+        # connection, which races the next assertion (the server may have aborted already)
+        lines = response.iter_lines()
+        for line in lines:
             data_lines += line.startswith("data: ")
             if data_lines == 3:  # the role chunk and two content chunks
                 break
