@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import zstandard
+
 from livelora.clients.errors import BadRequestError, PayloadTooLargeError
 from livelora.clients.types.tinker import ForwardBackwardOutput, TensorData
 from livelora.clients.types.tinker_ext import PromptAltTokens, SampledSequenceV2, SampleResponseV2, WireTensorData
@@ -170,6 +171,14 @@ def test_content_encodings_round_trip_and_are_bounded():
         wire.decode_content(bomb, "zstd", max_bytes=1 << 20)
     with pytest.raises(wire.WireDecodeError, match="not valid zstd"):
         wire.decode_content(b"definitely not zstd", "zstd")
+    unsized = zstandard.ZstdCompressor(write_content_size=False)
+    assert wire.decode_content(unsized.compress(body), "zstd") == body
+    with pytest.raises(PayloadTooLargeError):
+        wire.decode_content(unsized.compress(b"\0" * (4 << 20)), "zstd", max_bytes=1 << 20)
+    for coding, packed in (("zstd", zstandard.ZstdCompressor().compress(body)), ("gzip", gzip.compress(body)),
+                           ("zstd", unsized.compress(body))):
+        with pytest.raises(wire.WireDecodeError, match="not valid"):  # truncated in transit
+            wire.decode_content(packed[:len(packed) // 2], coding)
     with pytest.raises(BadRequestError) as err:
         wire.decode_content(body, "br")
     assert err.value.code == "unsupported_content_encoding"
@@ -243,3 +252,19 @@ def test_forward_backward_output_encoding_groups_rectangular_runs():
     with pytest.raises(ValueError, match="fields"):
         wire.encode_forward_backward_output(ForwardBackwardOutput(loss_fn_outputs=[
             {"logprobs": TensorData.from_list([1.0], "float32")}, {}]))
+
+
+def test_ids_of_a_rejected_compressed_body():
+    """A body refused as a whole (too large after zstd, or corrupt after its head) still names its op."""
+    msg = _fb(seq_id=12)
+    d = msg.data.add()
+    _text(d, list(range(50_000)))
+    raw = msg.SerializeToString()
+    packed = zstandard.ZstdCompressor().compress(raw)
+    with pytest.raises(PayloadTooLargeError):
+        wire.decode_content(packed, "zstd", max_bytes=10_000)
+    assert wire.peek_body_ids(packed, "zstd") == ("s1:train:0", 12)
+    assert wire.peek_body_ids(gzip.compress(raw)[:200], "gzip") == ("s1:train:0", 12)  # truncated stream
+    assert wire.peek_body_ids(raw, None) == ("s1:train:0", 12)
+    assert wire.peek_body_ids(b"garbage", "zstd") == (None, None)
+    assert wire.peek_body_ids(raw, "br") == (None, None)

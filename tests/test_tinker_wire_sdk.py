@@ -19,12 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
+
 from livelora.clients.types import tinker as t
 from livelora.clients.types import tinker_ext as x
 from livelora.clients.types import tinker_rest as r
 from livelora.gateway.api import tinker_wire as wire
 from livelora.gateway.api.tinker_wire import schema
-from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
 ORACLE = Path(__file__).resolve().parent / "tinker_sdk_oracle.py"

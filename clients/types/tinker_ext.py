@@ -21,17 +21,10 @@ from __future__ import annotations
 import itertools
 from typing import Literal
 
-from livelora.clients.types.tinker import (
-    Datum,
-    ForwardBackwardInput,
-    LenientModel,
-    SampledSequence,
-    SampleRequest,
-    SampleResponse,
-    StrictModel,
-    TensorData,
-)
 from pydantic import Field, model_validator
+
+from livelora.clients.types.tinker import (Datum, ForwardBackwardInput, LenientModel, SampledSequence, SampleRequest,
+                                           SampleResponse, StrictModel, TensorData)
 
 __all__ = ["DatumV2", "ForwardBackwardInputV2", "ForwardBackwardRequestV2", "PromptAltTokens", "ProvenanceSpan",
            "SampleRequestV2", "SampleResponseV2", "SampledSequenceV2", "SaveWeightsExternalRequest",

@@ -35,8 +35,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from livelora.clients.types.tinker import Cursor, LenientModel, OptimizerConfig, StrictModel
 from pydantic import Field
+
+from livelora.clients.types.tinker import Cursor, LenientModel, OptimizerConfig, StrictModel
 
 __all__ = [
     "MAX_TTL_SECONDS",

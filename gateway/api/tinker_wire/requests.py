@@ -20,13 +20,14 @@ from typing import Any, Literal
 import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
+from pydantic import ValidationError
+
 from livelora.clients.errors import BadRequestError, PayloadTooLargeError
 from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, WireTensorData
 from livelora.gateway.api.tinker_wire import schema
-from pydantic import ValidationError
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "PROTO_MEDIA_TYPES", "WireDecodeError", "body_kind", "decode_content",
-           "decode_forward_backward", "peek_ids", "tensor_from_proto"]
+           "decode_forward_backward", "peek_body_ids", "peek_ids", "tensor_from_proto"]
 
 #: Media types read as protobuf (the SDK sends the first).
 PROTO_MEDIA_TYPES = frozenset({"application/x-protobuf", "application/protobuf", "application/vnd.google.protobuf"})
@@ -112,14 +113,27 @@ def decode_content(body: bytes, content_encoding: str | None, *,
 
 
 def _unzstd(body: bytes, max_bytes: int) -> bytes:
+    """Decompress zstd within ``max_bytes``. Frames that state their size (the SDK's do) are checked before
+    any work; others are fed in small slices so the output check runs before much memory is used."""
+    too_large = PayloadTooLargeError(f"decompressed request body exceeds {max_bytes} bytes", param="body")
     try:
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
-            data = reader.read(max_bytes + 1)
+        size = zstandard.frame_content_size(body)
+        if size >= 0:
+            if size > max_bytes:
+                raise too_large
+            return zstandard.ZstdDecompressor().decompress(body)
+        d = zstandard.ZstdDecompressor().decompressobj()
+        parts, total = [], 0
+        for i in range(0, len(body), 256):  # a 256-byte slice expands to at most ~11 MB
+            parts.append(d.decompress(body[i:i + 256]))
+            total += len(parts[-1])
+            if total > max_bytes:
+                raise too_large
+        if not getattr(d, "eof", True):
+            raise zstandard.ZstdError("the frame is truncated")
+        return b"".join(parts)
     except zstandard.ZstdError as exc:
         raise WireDecodeError(f"request body is not valid zstd: {exc}", param="body") from None
-    if len(data) > max_bytes:
-        raise PayloadTooLargeError(f"decompressed request body exceeds {max_bytes} bytes", param="body")
-    return data
 
 
 def _inflate(body: bytes, wbits: int, max_bytes: int, coding: str) -> bytes:
@@ -130,6 +144,8 @@ def _inflate(body: bytes, wbits: int, max_bytes: int, coding: str) -> bytes:
         raise WireDecodeError(f"request body is not valid {coding}: {exc}", param="body") from None
     if len(data) > max_bytes:
         raise PayloadTooLargeError(f"decompressed request body exceeds {max_bytes} bytes", param="body")
+    if not d.eof:
+        raise WireDecodeError(f"request body is not valid {coding}: the stream is truncated", param="body")
     return data
 
 
@@ -176,6 +192,34 @@ def peek_ids(raw: bytes) -> tuple[str | None, int | None]:
     except (ValueError, UnicodeDecodeError):
         pass
     return model_id or None, seq_id or None
+
+
+def peek_body_ids(body: bytes, content_encoding: str | None, *, head_bytes: int = 4096) -> tuple[str | None,
+                                                                                               int | None]:
+    """:func:`peek_ids` of a raw (possibly zstd/gzip-compressed) ``forward_backward`` body, decoding only its
+    first ``head_bytes``: the SDK writes fields in number order, so ``model_id`` and ``seq_id`` open the
+    message. For a body rejected as a whole (too large, corrupt after the head) this still names the op,
+    so its ``seq_id`` can be consumed. ``(None, None)`` when even the head cannot be read."""
+    try:
+        head = decode_content(body, content_encoding, max_bytes=head_bytes)
+    except (PayloadTooLargeError, WireDecodeError):  # too large, or damaged after the head
+        head = _head(body, content_encoding, head_bytes)
+    except BadRequestError:  # an encoding we do not know
+        return None, None
+    return peek_ids(head)
+
+
+def _head(body: bytes, content_encoding: str | None, n: int) -> bytes:
+    coding = (content_encoding or "identity").split(",")[-1].strip().lower()
+    try:
+        if coding == "zstd":
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+                return reader.read(n)
+        if coding in ("gzip", "x-gzip", "deflate"):
+            return zlib.decompressobj(31 if coding != "deflate" else 15).decompress(body, n)
+    except (zstandard.ZstdError, zlib.error):
+        return b""
+    return body[:n]
 
 
 # ------------------------------------------------------------------------------------------------ tensors

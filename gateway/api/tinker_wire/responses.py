@@ -13,6 +13,7 @@ import math
 from typing import Any, Literal
 
 import numpy as np
+
 from livelora.clients.types.tinker import ForwardBackwardOutput, SampleResponse, TensorData
 from livelora.clients.types.tinker_ext import SampleResponseV2, TopkRow, WireTensorData
 from livelora.gateway.api.tinker_wire import schema
