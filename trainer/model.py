@@ -8,8 +8,10 @@ Conventions (Tinker, ``shared/reference/tinker_protocol.md`` §3): position ``i`
 ``model_input`` predicts token ``i+1``; every per-token ``loss_fn_inputs`` tensor has
 shape ``(N,)``; ``target_tokens[i]`` is the token after input ``i``. A batch is
 right-padded with an attention mask; padded positions are sliced away before the
-loss, so they contribute exactly nothing. Losses come from
-:mod:`livelora.trainer.losses` (token losses are sums; KTO/DPO means over examples).
+loss, so they contribute exactly nothing. Every batch is checked by the shared
+:func:`livelora.adapters.losses.validate_batch` (the gateway's check) before anything runs; the loss's
+spec says which positions need gradients and which inputs the trainer adds, and the tensor function comes
+from :mod:`livelora.trainer.losses` (token losses are sums; KTO/DPO means over examples).
 
 LoRA: rank ``r``, ``alpha`` (scale ``alpha/r``), dropout 0, peft's default init
 (``lora_A`` Kaiming-uniform from ``seed``, ``lora_B`` = 0, so a fresh adapter equals the
@@ -38,13 +40,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from livelora.adapters.losses import LossSpec, ResolvedLoss, validate_batch
 from livelora.adapters.models import MODEL_BUILD_LOCK, BaseModelRef, import_model_libraries, load_model
 from livelora.adapters.store import (CONFIG_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, WEIGHTS_FILE, AdapterStore,
                                      Manifest)
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, TensorData
-from livelora.trainer.losses import LossOutput, compute_loss, kl_pair_order
-from livelora.trainer.validate import BatchSpec, validate_batch
+from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput, kl_pair_order
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -53,6 +55,9 @@ ADAPTER = "default"
 #: Causal-LM classes whose logits are exactly ``lm_head(model(...).last_hidden_state)``.
 PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 DEFAULT_ALPHA = 32.0
+#: Spec inputs with ``source="trainer"`` that :meth:`TrainingModel._run` computes (reference logprobs with the
+#: adapter disabled; KTO's mismatched-pair log-ratios). A spec naming another one needs code here.
+TRAINER_FILLED_INPUTS = frozenset({"ref_logprobs", "kl_logratio"})
 
 
 def target_modules(lora: LoraConfig) -> list[str]:
@@ -196,16 +201,18 @@ class TrainingModel:
         return out
 
     @staticmethod
-    def _grad_positions(loss_fn: str, x: dict[str, Tensor]) -> Tensor:
-        """Bool (N,): positions whose logprob the loss does not multiply by exactly 0."""
-        if loss_fn in ("cross_entropy", "kto", "dpo"):
-            w = x["weights"]
-            return (w != 0) if w.ndim == 1 else (w != 0).any(-1)
-        if loss_fn in ("importance_sampling", "ppo", "cispo"):
-            pos = x["advantages"] != 0
-        else:  # dro's quadratic term has a gradient even where the advantage is 0
+    def _grad_positions(spec: LossSpec, x: dict[str, Tensor]) -> Tensor:
+        """Bool (N,): positions whose logprob the loss does not multiply by exactly 0 (``spec.gradient``)."""
+        rule = spec.gradient
+        if rule.nonzero is None:
             pos = torch.ones(x["target_tokens"].shape[0], dtype=torch.bool)
-        return pos & (x["mask"] != 0) if "mask" in x else pos
+        else:
+            v = x[rule.nonzero]
+            pos = (v != 0) if v.ndim == 1 else (v != 0).any(-1)
+        for mask in rule.masks:
+            if mask in x:
+                pos = pos & (x[mask] != 0)
+        return pos
 
     @staticmethod
     def _inputs(datum: Datum) -> dict[str, Tensor]:
@@ -241,8 +248,9 @@ class TrainingModel:
 
     def _run(self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
              grad: bool) -> ForwardBackwardOutput:
-        spec: BatchSpec = validate_batch(data, loss_fn, loss_fn_config, vocab_size=self.vocab_size,
-                                         max_seq_len=self.max_seq_len)
+        resolved: ResolvedLoss = validate_batch(data, loss_fn, loss_fn_config, vocab_size=self.vocab_size,
+                                                max_seq_len=self.max_seq_len)  # the gateway's check, again here
+        spec = resolved.spec
         inputs_D = [self._inputs(d) for d in data]
         tokens_D = [d.model_input.to_ints() for d in data]
         ref_D: list[Tensor] = []
@@ -251,13 +259,13 @@ class TrainingModel:
                                                         adapter=False)]
             for x, r in zip(inputs_D, ref_D):
                 x["ref_logprobs"] = r
-            if loss_fn == "kto":
+            if "kl_logratio" in spec.trainer_inputs:
                 for x, kl in zip(inputs_D, self._kl_logratios(data, inputs_D)):
                     x["kl_logratio"] = kl.reshape(1)
         lp_D = self._logprobs(tokens_D, [x["target_tokens"] for x in inputs_D], grad=grad,
-                              grad_pos=[self._grad_positions(loss_fn, x) for x in inputs_D])
-        with torch.set_grad_enabled(grad):
-            out: LossOutput = compute_loss(loss_fn, lp_D, inputs_D, spec.config)
+                              grad_pos=[self._grad_positions(spec, x) for x in inputs_D])
+        with torch.set_grad_enabled(grad):  # inputs validated above; the trainer-filled ones are built here
+            out: LossOutput = LOSS_FUNCTIONS[spec.name](lp_D, inputs_D, resolved.config)
         if grad:
             if out.loss.requires_grad:
                 out.loss.backward()
@@ -283,7 +291,7 @@ class TrainingModel:
         """Per-datum target ``logprobs`` (float32 [N_i], nats) and the loss's metrics; no gradient, no state change.
 
         Raises:
-            BadRequestError: the batch is invalid (see :func:`livelora.trainer.validate.validate_batch`).
+            BadRequestError: the batch is invalid (see :func:`livelora.adapters.losses.validate_batch`).
         """
         return self._run(data, loss_fn, loss_fn_config, grad=False)
 
