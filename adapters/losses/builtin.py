@@ -7,8 +7,9 @@ logprobs the trainer computes from the base model (adapter disabled). Semantics,
 reference implementations behind every number: ``shared/reference/losses.md`` §2–§3 (pins in §8).
 
 References are pinned to released versions: TRL 1.16.0 and 0.26.2 (wheels), tinker-cookbook 0.6.1 (wheel),
-the Tinker losses documentation as of ``llms-full.txt`` at tinker-cookbook commit ``0f1c05da^`` and its
-tutorial ``202_loss_functions.py``.
+and the Tinker losses documentation as of ``llms-full.txt`` at commit ``0f1c05da^`` plus the tutorial
+``202_loss_functions.py`` (losses.md §8; Tinker's server code is not public, so its documented formulas are
+the reference).
 """
 
 from __future__ import annotations
