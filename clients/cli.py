@@ -13,7 +13,6 @@ Heavy imports (torch, the gateway) happen inside the commands, so ``livelora
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 from typing import Annotated
@@ -173,7 +172,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
 from livelora.clients.cli_admin import register as _register_admin  # noqa: E402  (endpoints/adapters/keys)
 
 _register_admin(app)
-app.add_typer(importlib.import_module("livelora.clients.recipes.cli").recipe_app, name="recipe")  # recipes (issue 18)
+app.add_typer(__import__("livelora.clients.recipes.cli", fromlist=["recipe_app"]).recipe_app, name="recipe")
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from livelora.clients.recipes.datasets import gsm8k, load_chat, read_jsonl
 from livelora.clients.recipes.datums import batch_indices, rl_datum, split
 from livelora.clients.recipes.loop import RecipeConfig, Run, Summary, sampled_batches
 from livelora.clients.recipes.renderers import ChatRenderer
-from livelora.clients.recipes.sdk import Sdk
+from livelora.clients.recipes.sdk import Sdk, gather
 
 CONCISE = "Answer in one short sentence."
 
@@ -82,13 +82,13 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             """(student prompt, sequence, teacher logprobs of its tokens) for n samples per prompt."""
             sp = [student_r.prompt_tokens(user(t)) for t in texts]
             params = lambda i: r.sdk.sampling_params(max_tokens=cfg.max_tokens, temperature=1.0, seed=seed + i)  # noqa: E731
-            futs = [sampler.sample(r.sdk.model_input(p), n, params(i)) for i, p in enumerate(sp)]
-            seqs = [(p, t, s) for p, t, f in zip(sp, texts, futs) for s in f.result().sequences if s.tokens]
-            scores = []
-            for p, t, s in seqs:
-                tp = teacher_r.prompt_tokens(user(t))
-                scores.append((tp, teacher.compute_logprobs(r.sdk.model_input(tp + list(s.tokens)))))
-            return [(p, s, list(f.result()[len(tp):])) for (p, _, s), (tp, f) in zip(seqs, scores)]
+            res = gather([lambda i=i, p=p: sampler.sample(r.sdk.model_input(p), n, params(i)) for i, p in enumerate(sp)],
+                         max_in_flight=max(1, 24 // n))
+            seqs = [(p, teacher_r.prompt_tokens(user(t)), s) for p, t, x in zip(sp, texts, res) for s in x.sequences
+                    if s.tokens]
+            scores = gather([lambda tp=tp, s=s: teacher.compute_logprobs(r.sdk.model_input(tp + list(s.tokens)))
+                             for _, tp, s in seqs])
+            return [(p, s, list(lp[len(tp):])) for (p, tp, s), lp in zip(seqs, scores)]
 
         def evaluate(step: int) -> dict[str, float]:
             sampler = r.tc.save_weights_and_get_sampling_client()

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from livelora.clients.recipes.datums import chunks, completion_datum
-from livelora.clients.recipes.sdk import tolist
+from livelora.clients.recipes.sdk import gather, tolist
 
 #: Datums per ``forward`` request in evaluation.
 EVAL_CHUNK = 16
@@ -85,10 +85,10 @@ def sampled_accuracy(sampler: Any, sdk: Any, prompts: Sequence[Sequence[int]], a
                      decode: Callable[[Sequence[int]], str], max_tokens: int, stop: list[int]) -> dict[str, float]:
     """Greedy (temperature 0) accuracy and format rate on held-out problems."""
     params = sdk.sampling_params(max_tokens=max_tokens, temperature=0.0, stop=stop or None)
-    futs = [sampler.sample(sdk.model_input(p), 1, params) for p in prompts]
+    results = gather([lambda p=p: sampler.sample(sdk.model_input(p), 1, params) for p in prompts])
     correct = fmt = 0
-    for fut, ans in zip(futs, answers):
-        seq = fut.result().sequences[0]
+    for res, ans in zip(results, answers):
+        seq = res.sequences[0]
         _, ok, f = math_reward(decode(seq.tokens), ans, seq.stop_reason == "stop")
         correct += ok
         fmt += f

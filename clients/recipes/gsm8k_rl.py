@@ -28,7 +28,7 @@ from livelora.clients.recipes.datums import batch_indices, rl_datum
 from livelora.clients.recipes.evaluation import math_reward, sampled_accuracy
 from livelora.clients.recipes.loop import RecipeConfig, Run, Summary, sampled_batches, sampler_kl
 from livelora.clients.recipes.renderers import ChatRenderer
-from livelora.clients.recipes.sdk import Sdk, tolist
+from livelora.clients.recipes.sdk import Sdk, gather, tolist
 
 INSTRUCTION = " End your reply with 'The answer is N.' where N is a number."
 
@@ -78,12 +78,12 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             t0 = time.monotonic()
             problems = [train[i] for i in batch_indices(len(train), cfg.problems_per_step, step, cfg.seed)]
             prompts = [prompt(p) for p in problems]
-            futs = [sampler.sample(r.sdk.model_input(pt), cfg.group_size, r.sdk.sampling_params(
+            results = gather([lambda i=i, pt=pt: sampler.sample(r.sdk.model_input(pt), cfg.group_size, r.sdk.sampling_params(
                 max_tokens=max_tokens, temperature=cfg.temperature, seed=cfg.seed * 100_003 + step * 1009 + i))
-                for i, pt in enumerate(prompts)]
+                for i, pt in enumerate(prompts)], max_in_flight=max(1, 24 // cfg.group_size))
             groups = []
-            for p, pt, fut in zip(problems, prompts, futs):
-                seqs = [s for s in fut.result().sequences if s.tokens]
+            for p, pt, res in zip(problems, prompts, results):
+                seqs = [s for s in res.sequences if s.tokens]
                 scored = [math_reward(renderer.decode(s.tokens), p.answer, s.stop_reason == "stop", cfg.format_coef)
                           for s in seqs]
                 groups.append((pt, seqs, scored))

@@ -25,7 +25,8 @@ from livelora.clients.recipes.datasets import load_ratings
 from livelora.clients.recipes.datums import batch_indices, check_length, completion_datum, split
 from livelora.clients.recipes.evaluation import completion_logprobs
 from livelora.clients.recipes.loop import RecipeConfig, Run, Summary
-from livelora.clients.recipes.preference import balanced_weights, kl_partner, kto_loss_fn, reference_logprobs
+from livelora.clients.recipes.preference import (balanced_weights, kl_partner, kto_loss_fn, kto_reference_point,
+                                                 reference_logprobs)
 from livelora.clients.recipes.renderers import ChatRenderer
 from livelora.clients.recipes.sdk import Sdk
 
@@ -78,7 +79,7 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             idx = batch_indices(len(train), cfg.batch_size, step, cfg.seed)
             kl_idx = [kl_index[i] for i in idx if i in kl_index]
             kl_lp = completion_logprobs(r.tc, r.sdk, [kl_pairs[k] for k in kl_idx])
-            z0 = max(0.0, sum(lp - ref["kl"][k] for lp, k in zip(kl_lp, kl_idx)) / len(kl_idx)) if kl_idx else 0.0
+            z0 = kto_reference_point(kl_lp, [ref["kl"][k] for k in kl_idx])
             batch = [train[i] for i in idx]
             data = [completion_datum(r.sdk, x.prompt, x.completion) for x in batch]
             loss_fn = kto_loss_fn([len(x.prompt) for x in batch], [ref["train"][i] for i in idx],

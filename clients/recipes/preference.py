@@ -100,6 +100,15 @@ def kto_loss_fn(prompt_lens: Sequence[int], ref: Sequence[float], desirable: Seq
     return loss_fn
 
 
+def kto_reference_point(kl_logprobs: Sequence[float], kl_ref_logprobs: Sequence[float]) -> float:
+    """KTO's z0 = ``max(0, mean_i(lp(y_j|x_i) − ref(y_j|x_i)))`` over the mismatched pairs (a constant: no
+    gradient flows through it). Empty input gives 0. Source: TRL ``kto_trainer.py`` (``kl.clamp(min=0)``);
+    losses.md §3.2 (ratios [0.4, 0.1, −0.5, 0.3] → 0.075)."""
+    if not kl_logprobs:
+        return 0.0
+    return max(0.0, sum(lp - rf for lp, rf in zip(kl_logprobs, kl_ref_logprobs)) / len(kl_logprobs))
+
+
 def kl_partner(prompts: Sequence[Sequence[int]], seed_offset: int = 1) -> list[int]:
     """For each example i, the index of a completion from a *different* prompt (the mismatched pair (x_i, y_j)
     of KTO's KL estimate): the next example in order whose prompt differs (a derangement even with duplicate

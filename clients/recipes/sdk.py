@@ -22,6 +22,8 @@ Example::
 from __future__ import annotations
 
 import os
+import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -107,6 +109,41 @@ def close_service(service: Any, status: str = "success") -> None:
             close(status)
         except TypeError:
             close()
+
+
+def _is_rate_limit(exc: BaseException) -> bool:
+    return getattr(exc, "status", None) == 429 or getattr(exc, "status_code", None) == 429
+
+
+def gather(submits: Sequence[Callable[[], Any]], max_in_flight: int = 24, max_wait_s: float = 600.0) -> list[Any]:
+    """Results of ``submit()`` futures, in order, with at most ``max_in_flight`` requests outstanding.
+
+    A full server answers 429 at submission (livelora: the engine's admission limit); those submissions are
+    retried after the server's ``Retry-After`` (or 1 s) while earlier requests finish, for up to
+    ``max_wait_s`` seconds in all. Other errors propagate.
+    """
+    results: list[Any] = [None] * len(submits)
+    pending: deque[tuple[int, Any]] = deque()
+    deadline = time.monotonic() + max_wait_s
+    for i, submit in enumerate(submits):
+        while True:
+            if len(pending) >= max_in_flight:
+                j, fut = pending.popleft()
+                results[j] = fut.result()
+            try:
+                pending.append((i, submit()))
+                break
+            except Exception as exc:
+                if not _is_rate_limit(exc) or time.monotonic() > deadline:
+                    raise
+                if pending:
+                    j, fut = pending.popleft()
+                    results[j] = fut.result()
+                else:
+                    time.sleep(float(getattr(exc, "retry_after", 1.0) or 1.0))
+    for j, fut in pending:
+        results[j] = fut.result()
+    return results
 
 
 def tolist(tensor_data: Any) -> list[float]:
