@@ -68,8 +68,11 @@ def dpo_loss_fn(prompt_lens: Sequence[int], ref_chosen: Sequence[float], ref_rej
         rr = seq[1::2] - torch.tensor(ref_rejected, dtype=seq.dtype)
         h = rc - rr
         loss = -F.logsigmoid(beta * h).mean()
-        return loss, {"dpo/loss": float(loss), "dpo/margin": float(h.mean()), "dpo/accuracy": float((h > 0).float().mean()),
-                      "dpo/reward_chosen": float(beta * rc.mean()), "dpo/reward_rejected": float(beta * rr.mean())}
+        hd = h.detach()
+        return loss, {"dpo/loss": float(loss.detach()), "dpo/margin": float(hd.mean()),
+                      "dpo/accuracy": float((hd > 0).float().mean()),
+                      "dpo/reward_chosen": float(beta * rc.detach().mean()),
+                      "dpo/reward_rejected": float(beta * rr.detach().mean())}
     return loss_fn
 
 
@@ -91,11 +94,11 @@ def kto_loss_fn(prompt_lens: Sequence[int], ref: Sequence[float], desirable: Seq
         per = torch.where(d, desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
                           undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))))
         loss = per.mean()
-        metrics = {"kto/loss": float(loss), "kto/z0": z0}
+        metrics = {"kto/loss": float(loss.detach()), "kto/z0": z0}
         if d.any():
-            metrics["kto/reward_desirable"] = float(beta * r[d].mean())
+            metrics["kto/reward_desirable"] = float(beta * r.detach()[d].mean())
         if (~d).any():
-            metrics["kto/reward_undesirable"] = float(beta * r[~d].mean())
+            metrics["kto/reward_undesirable"] = float(beta * r.detach()[~d].mean())
         return loss, metrics
     return loss_fn
 
