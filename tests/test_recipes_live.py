@@ -16,7 +16,7 @@ import pytest
 from _sessions_server import sessions_server  # noqa: F401  (fixture)
 from livelora.clients.recipes import chat_sft, distill, dpo, gsm8k_rl, kto_ratings
 from livelora.clients.recipes.checkpoints import last_checkpoint, read_jsonl_lenient
-from livelora.clients.recipes.datums import batch_indices, supervised_datum
+from livelora.clients.recipes.datums import batch_indices, split, supervised_datum
 from livelora.clients.recipes.metrics import mlflow_available, read_metrics
 from livelora.clients.recipes.renderers import ChatRenderer
 from livelora.clients.recipes.sdk import Sdk
@@ -80,13 +80,10 @@ def test_recipe_killed_and_restarted_continues_at_its_checkpoint_with_the_same_o
     sdk = Sdk.load("livelora", url)
     service = sdk.service()
     ckpt = next(c for c in read_jsonl_lenient(tmp_path / "b" / "checkpoints.jsonl") if c["step"] == 2)
+    train, _ = split([json.loads(line)["messages"] for line in data.read_text().splitlines()], 4, 0)
     tc_warm = service.create_training_client_from_state_with_optimizer(ckpt["state_path"])
     tc_cold = service.create_training_client_from_state(ckpt["state_path"])
     renderer = ChatRenderer(tc_warm.get_tokenizer())
-    convs = [json.loads(line)["messages"] for line in data.read_text().splitlines()]
-    from livelora.clients.recipes.datums import split
-
-    train, _ = split(convs, 4, 0)
 
     def batch(step):
         enc = [renderer.supervised(train[i]) for i in batch_indices(len(train), 2, step, 0)]
@@ -139,7 +136,7 @@ def _tiny_data(tmp: Path) -> dict[str, Path]:
 
 @pytest.mark.parametrize("recipe", ["chat-sft", "gsm8k-rl", "kto-ratings", "dpo", "distill"])
 def test_every_recipe_runs_unchanged_on_the_official_tinker_sdk(sessions_server, tmp_path, recipe):
-    tinker = pytest.importorskip("tinker", reason="the official tinker SDK is not installed (pip install tinker==0.24.1)")
+    tinker = pytest.importorskip("tinker", reason="the official tinker SDK is not installed (tinker==0.24.1)")
     d = _tiny_data(tmp_path)
     common = {"log_dir": tmp_path / "run", "steps": 1, "lora_rank": 4, "mlflow": False}
     module, cfg = {

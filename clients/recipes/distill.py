@@ -58,7 +58,8 @@ class Config(RecipeConfig):
 
 def _prompts(cfg: Config) -> tuple[list[str], list[str]]:
     if cfg.dataset == "gsm8k":
-        return [p.question for p in gsm8k(cfg.data, "train")], [p.question for p in gsm8k(cfg.data, "test")][:cfg.eval_size]
+        held = [p.question for p in gsm8k(cfg.data, "test")][:cfg.eval_size]
+        return [p.question for p in gsm8k(cfg.data, "train")], held
     if cfg.dataset == "messages":
         texts = [next(m["content"] for m in conv if m["role"] == "user") for conv in load_chat(cfg.data)]
     else:
@@ -81,11 +82,12 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
         def rollouts(sampler: Any, texts: list[str], n: int, seed: int) -> list[tuple[list[int], Any, list[float]]]:
             """(student prompt, sequence, teacher logprobs of its tokens) for n samples per prompt."""
             sp = [student_r.prompt_tokens(user(t)) for t in texts]
-            params = lambda i: r.sdk.sampling_params(max_tokens=cfg.max_tokens, temperature=1.0, seed=seed + i)  # noqa: E731
-            res = gather([lambda i=i, p=p: sampler.sample(r.sdk.model_input(p), n, params(i)) for i, p in enumerate(sp)],
-                         max_in_flight=max(1, 24 // n))
-            seqs = [(p, teacher_r.prompt_tokens(user(t)), s) for p, t, x in zip(sp, texts, res) for s in x.sequences
-                    if s.tokens]
+            params = lambda i: r.sdk.sampling_params(  # noqa: E731
+                max_tokens=cfg.max_tokens, temperature=1.0, seed=seed + i)
+            res = gather([lambda i=i, p=p: sampler.sample(r.sdk.model_input(p), n, params(i))
+                          for i, p in enumerate(sp)], max_in_flight=max(1, 24 // n))
+            seqs = [(p, teacher_r.prompt_tokens(user(t)), s) for p, t, x in zip(sp, texts, res)
+                    for s in x.sequences if s.tokens]
             scores = gather([lambda tp=tp, s=s: teacher.compute_logprobs(r.sdk.model_input(tp + list(s.tokens)))
                              for _, tp, s in seqs])
             return [(p, s, list(lp[len(tp):])) for (p, tp, s), lp in zip(seqs, scores)]

@@ -78,9 +78,10 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             t0 = time.monotonic()
             problems = [train[i] for i in batch_indices(len(train), cfg.problems_per_step, step, cfg.seed)]
             prompts = [prompt(p) for p in problems]
-            results = gather([lambda i=i, pt=pt: sampler.sample(r.sdk.model_input(pt), cfg.group_size, r.sdk.sampling_params(
-                max_tokens=max_tokens, temperature=cfg.temperature, seed=cfg.seed * 100_003 + step * 1009 + i))
-                for i, pt in enumerate(prompts)], max_in_flight=max(1, 24 // cfg.group_size))
+            params = lambda i: r.sdk.sampling_params(  # noqa: E731
+                max_tokens=max_tokens, temperature=cfg.temperature, seed=cfg.seed * 100_003 + step * 1009 + i)
+            results = gather([lambda i=i, pt=pt: sampler.sample(r.sdk.model_input(pt), cfg.group_size, params(i))
+                              for i, pt in enumerate(prompts)], max_in_flight=max(1, 24 // cfg.group_size))
             groups = []
             for p, pt, res in zip(problems, prompts, results):
                 seqs = [s for s in res.sequences if s.tokens]
