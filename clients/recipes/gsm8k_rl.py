@@ -39,14 +39,14 @@ class Config(RecipeConfig):
     max_value: int = Field(10, ge=2, description="Arithmetic operands are drawn from [0, max_value).")
     problems_per_step: int = Field(8, ge=1, description="Problems (groups) per step.")
     group_size: int = Field(4, ge=2, description="Samples per problem.")
-    max_tokens: int | None = Field(None, ge=1, description="Reply token budget (default 256 gsm8k, 16 arithmetic).")
+    max_tokens: int | None = Field(None, ge=1, description="Reply token budget (default 256 gsm8k, 24 arithmetic).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
     loss: Literal["importance_sampling", "ppo", "cispo"] = Field("importance_sampling", description="RL loss.")
     advantage: Estimator = Field("mean", description="mean (Dr. GRPO), mean_std (GRPO) or loo (RLOO).")
     format_coef: float = Field(0.1, ge=0, description="Penalty for a reply without 'The answer is N.' + stop.")
     max_staleness: int = Field(0, ge=0, description="Sample up to N steps ahead while training (0: synchronous).")
     eval_size: int = Field(100, ge=1, description="Held-out problems evaluated (fixed subset).")
-    learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate.")
+    learning_rate: float = Field(5e-4, gt=0, description="Adam learning rate.")
     steps: int = Field(20, ge=1, description="Optimizer steps.")
 
 
@@ -65,7 +65,7 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
     try:
         renderer = ChatRenderer(r.tokenizer)
         train, held = _problems(cfg)
-        max_tokens = cfg.max_tokens or (16 if cfg.task == "arithmetic" else 256)
+        max_tokens = cfg.max_tokens or (24 if cfg.task == "arithmetic" else 256)
         prompt = lambda p: renderer.prompt_tokens([{"role": "user", "content": p.question + INSTRUCTION}])  # noqa: E731
         held_prompts = [prompt(p) for p in held]
 
