@@ -278,3 +278,39 @@ def test_metrics_go_to_jsonl_and_to_an_mlflow_file_store(tmp_path):
     assert [(m.step, m.value) for m in client.get_metric_history(log.run_id, "train/loss")] == \
         [(1, 1.2), (1, 1.1), (2, 0.9)]
     assert [(m.step, m.value) for m in client.get_metric_history(log.run_id, "eval/nll")] == [(0, 1.5)]
+
+
+def test_chat_data_from_a_messages_file_or_a_clear_error_for_an_unreachable_hub(tmp_path, monkeypatch):
+    from livelora.clients.recipes.datasets import DataError, load_chat
+
+    f = tmp_path / "tulu.jsonl"  # the Tulu 3 SFT mixture / UltraChat row shape
+    f.write_text(json.dumps({"id": "x", "source": "s", "messages": [{"role": "user", "content": "Hi"},
+                                                                     {"role": "assistant", "content": "Hello"}]})
+                 + "\n" + json.dumps({"prompt": "p", "messages": []}) + "\n")
+    with pytest.raises(DataError, match="row 2 has no 'messages'"):
+        load_chat(str(f))
+    f.write_text(f.read_text().splitlines()[0] + "\n")
+    assert load_chat(str(f)) == [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match="not a local path and could not be loaded"):
+        load_chat("HuggingFaceH4/ultrachat_200k", "train_sft")
+
+
+def test_recipe_cli_lists_the_recipes_and_validates_flags(tmp_path):
+    from typer.testing import CliRunner
+
+    from livelora.clients.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["recipe", "--help"])
+    assert out.exit_code == 0
+    for name in ("chat-sft", "gsm8k-rl", "kto-ratings", "dpo", "distill"):
+        assert name in out.output
+    help_text = runner.invoke(app, ["recipe", "gsm8k-rl", "--help"]).output
+    assert "--max-staleness" in help_text and "--learning-rate" in help_text
+    bad = runner.invoke(app, ["recipe", "gsm8k-rl", "--steps", "0", "--loss", "reinforce",
+                              "--log-dir", str(tmp_path / "r")])
+    assert bad.exit_code == 2
+    assert "--steps" in bad.output and "--loss" in bad.output  # every error at once, before any request
+    assert not (tmp_path / "r").exists()
