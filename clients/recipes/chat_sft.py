@@ -5,8 +5,8 @@ as chat (question -> worked solution ending "The answer is N.") with ``dataset=g
 at a GSM8K folder (or ``openai/gsm8k`` on the hub). Loss: ``cross_entropy`` (token sum), weights 1 on
 assistant tokens. Metric: held-out mean NLL per assistant token, before / every ``eval_every`` / after.
 
-Defaults (SmolLM2-135M, CPU; README "Recipes"): LoRA rank 8, Adam lr 2e-4 (of 5e-5, 2e-4, 1e-3 tried),
-batch 8 conversations, 40 steps, max_length 512 tokens.
+Defaults (SmolLM2-135M, CPU; README "Recipes"): LoRA rank 8, Adam lr 2e-4, batch 8 conversations, 40 steps,
+max_length 512 tokens: GSM8K-as-chat held-out NLL 1.378 -> 1.078 nats/token (one learning rate measured).
 """
 
 from __future__ import annotations
