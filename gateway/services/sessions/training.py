@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from livelora.adapters.bus import redis_unavailable
+from livelora.adapters.losses import validate_batch
 from livelora.adapters.session_protocol import (Op, future_failed, model_id_for, new_request_id, resolve_checkpoint,
                                                 session_of)
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotFoundError, UnsupportedParameterError
@@ -128,8 +129,6 @@ class TrainingOps:
             return await self._enqueue(model_id, seq_id, kind, body, error)
 
     def _validate(self, kind: str, req: Any) -> dict[str, Any]:
-        from livelora.trainer.validate import validate_batch  # TODO(layering): torch-free spec validation
-
         if kind in ("forward", "forward_backward"):
             fb: ForwardBackwardInput = req.forward_input if kind == "forward" else req.forward_backward_input
             validate_batch(fb.data, fb.loss_fn, fb.loss_fn_config, vocab_size=int(self.engine.vocab_size),
