@@ -116,12 +116,14 @@ def test_take_over_restores_the_snapshot_and_refuses_lost_gradients(bus, livelor
     send(r, keys, model_id, Op("optim_step", 6, "opt6", adam))
     run_until(b, lambda: future(r, keys, "opt6")["state"] != "pending")
     assert future(r, keys, "opt6")["result"]["metrics"]["step:max"] == 2.0
-    # a, still running somewhere, is refused: its op is not committed and b's model is untouched
+    # a, still running somewhere, learns at its next renewal that it lost the model and drops it unwritten
     send(r, keys, model_id, Op("forward", 7, "f7", fb))
+    assert a.leases.renew_all() == [model_id]
     a.poll(block_ms=10)
     assert model_id not in a.slots
+    run_until(b, lambda: future(r, keys, "f7")["state"] != "pending")
     runs = r.hgetall(keys.op_runs(model_id))
-    assert {k: v for k, v in runs.items() if k != "applied"} == {str(s): "1" for s in range(7)}
+    assert {k: v for k, v in runs.items() if k != "applied"} == {str(s): "1" for s in range(8)}
     b.free(model_id, "test over")
     assert not (livelora_home / "sessions" / f"{CheckpointIndex(livelora_home, model_id).lineage}.recovery").exists()
     b.leases.stop()

@@ -88,6 +88,16 @@ if #mine > 0 then
 end
 return mine
 """
+# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] entry id, ARGV[4] event JSON, ARGV[5] replaces →
+# the new entry id ('' if the entry was no longer ours)
+_HANDOFF = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #p == 0 then return '' end
+local sid = redis.call('XADD', KEYS[1], '*', 'event', ARGV[4], 'replaces', ARGV[5])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return sid
+"""
 # KEYS[1] stream, KEYS[2] trained set, KEYS[3] retrained counter; ARGV[1] group, ARGV[2] consumer,
 # ARGV[3] number of event ids n, ARGV[4..3+n] event ids, then entry ids → events found already trained
 _COMMIT = """
@@ -172,6 +182,7 @@ class TrainerWorker:
         self._keeper: threading.Thread | None = None
         self._renew = client.register_script(_RENEW_MINE)
         self._commit_script = client.register_script(_COMMIT)
+        self._handoff = client.register_script(_HANDOFF)
         self._last_claim = float("-inf")
         self._started = False
 
@@ -331,6 +342,7 @@ class TrainerWorker:
                                          count=self.read_count,
                                          block=self.block_ms if block_ms is None else block_ms)
         self._ingest([(sid, f) for sid, f in (res[0][1] if res else []) if f])
+        self._hand_off_lonely()
         out = []
         for batch in self.scheduler.due(self.clock()):
             batch = self._screen(batch)
@@ -340,6 +352,18 @@ class TrainerWorker:
             if notice is not None:
                 out.append(notice)
         return out
+
+    def _hand_off_lonely(self) -> None:
+        """A rating alone in its KTO queue for ``2 × max_wait_s`` goes back to the group as a new entry (same
+        event, same id; one script adds it and acknowledges + deletes the old entry), so that with several
+        workers it can meet a partner in another worker's queue instead of waiting for the next rating here."""
+        max_wait = getattr(self.scheduler.config, "max_wait_s", 30.0)
+        for sid, ev in self.scheduler.take_lonely(self.clock(), 2 * max_wait):
+            with redis_unavailable():
+                new = self._handoff(keys=[self.keys.signals], args=[TRAINERS_GROUP, self.consumer, sid,
+                                                                     ev.model_dump_json(), ev.replaces or ""])
+            self._release([sid])
+            log.info("handed lonely rating %s back to the group (%s → %s)", ev.id, sid, new or "not ours")
 
     def _screen(self, batch: Batch) -> Batch | None:
         """Take out of a due batch the events trained meanwhile by any worker (acknowledged) and the entries
