@@ -12,8 +12,10 @@ key                                type                        holds
 ``rating:{completion}:{user}``     string, TTL                 id of the latest rating by that user
 ``signals``                        stream, group ``trainers``  ratings, preferences, demonstrations (entries are
                                                                deleted once acknowledged)
-``signals:trained``                set                         ids of events trained into a version (written
-                                                               before the XACK; ``trained.jsonl`` is the record)
+``signals:trained``                sorted set                  ids of events trained into a version, score =
+                                                               Unix s (written before the XACK; members older
+                                                               than 24 h are dropped: ``trained.jsonl`` is the
+                                                               full record)
 ``signals:retrained``              string (int)                events found already trained at commit (alarm: 0)
 ``idem:{scope}:{key}``             string (JSON), TTL, SET NX  first answer to an idempotent request
 ``notices``                        pub/sub channel             version published, endpoint moved
@@ -79,7 +81,7 @@ class KeyLayout:
 
     @property
     def signals_trained(self) -> str:
-        """``{prefix}signals:trained``: set of event ids trained into a version (shared by all workers)."""
+        """``{prefix}signals:trained``: sorted set of event ids trained into a version (score: Unix s)."""
         return f"{self.prefix}signals:trained"
 
     @property

@@ -15,7 +15,7 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    ratings it supersedes are acknowledged at once (they are on disk and will not
    be trained). Events already trained are acknowledged, not queued.
 5. For each due batch: events trained meanwhile by any worker (the shared Redis
-   set ``signals:trained`` and ``trained.jsonl``) and entries no longer claimed by
+   sorted set ``signals:trained`` and ``trained.jsonl``) and entries no longer claimed by
    this worker are taken out; the backend trains one step and writes a new
    adapter version (parent = previous); the event ids go to ``trained.jsonl``
    (fsync); then one Lua script adds them to ``signals:trained`` and acknowledges
@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 __all__ = ["TRAINED_FILE", "TrainerWorker", "TrainingBackend", "append_lines", "build_worker", "dataset_dir",
            "read_dataset", "run_worker"]
 
+#: Seconds an event id stays in the Redis trained set (a fast path; ``trained.jsonl`` is the full record).
+TRAINED_SET_WINDOW_S = 24 * 3600
+
 # KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids → the ids still pending for the consumer,
 # re-claimed (idle time reset)
 _RENEW_MINE = """
@@ -98,16 +101,18 @@ redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[3])
 return sid
 """
-# KEYS[1] stream, KEYS[2] trained set, KEYS[3] retrained counter; ARGV[1] group, ARGV[2] consumer,
-# ARGV[3] number of event ids n, ARGV[4..3+n] event ids, then entry ids → events found already trained
+# KEYS[1] stream, KEYS[2] trained sorted set, KEYS[3] retrained counter; ARGV[1] group, ARGV[2] consumer,
+# ARGV[3] number of event ids n, ARGV[4] now (s), ARGV[5] forget before (s), ARGV[6..5+n] event ids, then entry
+# ids → events found already trained
 _COMMIT = """
 local n = tonumber(ARGV[3])
 local dup = 0
-for i = 4, 3 + n do
-  if redis.call('SADD', KEYS[2], ARGV[i]) == 0 then dup = dup + 1 end
+for i = 6, 5 + n do
+  if redis.call('ZADD', KEYS[2], 'NX', ARGV[4], ARGV[i]) == 0 then dup = dup + 1 end
 end
 if dup > 0 then redis.call('INCRBY', KEYS[3], dup) end
-for i = 4 + n, #ARGV do
+if n > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[5]) end
+for i = 6 + n, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
   if #p > 0 then
     redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
@@ -189,13 +194,11 @@ class TrainerWorker:
     # ------------------------------------------------------------------ reading
 
     def start(self) -> None:
-        """Create the group if needed, publish ``trained.jsonl`` to the shared trained set, take back this
-        consumer's own pending entries and start the claim keeper thread."""
+        """Create the group if needed, read ``trained.jsonl``, take back this consumer's own pending entries and
+        start the claim keeper thread."""
         ensure_group(self.client, self.keys)
-        ids = sorted(self.trained.refresh())
+        self.trained.refresh()
         with redis_unavailable():
-            for i in range(0, len(ids), 1000):  # repairs a Redis that lost the set
-                self.client.sadd(self.keys.signals_trained, *ids[i:i + 1000])
             own = self.client.xreadgroup(TRAINERS_GROUP, self.consumer, {self.keys.signals: "0"},
                                          count=10_000)
         entries = own[0][1] if own else []
@@ -266,12 +269,13 @@ class TrainerWorker:
         return got
 
     def trained_ids(self, event_ids: list[str]) -> set[str]:
-        """Which of ``event_ids`` any worker has trained (shared Redis set, then ``trained.jsonl``)."""
+        """Which of ``event_ids`` any worker has trained: the shared Redis set (events of the last
+        :data:`TRAINED_SET_WINDOW_S`), then ``trained.jsonl`` (every event, read incrementally)."""
         if not event_ids:
             return set()
         with redis_unavailable():
-            flags = self.client.smismember(self.keys.signals_trained, event_ids)
-        done = {e for e, f in zip(event_ids, flags) if f}
+            scores = self.client.zmscore(self.keys.signals_trained, event_ids)
+        done = {e for e, f in zip(event_ids, scores) if f is not None}
         rest = [e for e in event_ids if e not in done]
         if rest:
             on_disk = self.trained.refresh()
@@ -316,10 +320,12 @@ class TrainerWorker:
     def _commit(self, event_ids: list[str], stream_ids: list[str]) -> int:
         """One script: add ``event_ids`` to the shared trained set, then XACK + XDEL the ``stream_ids`` still
         pending for this worker. Returns how many events were already in the set (should be 0)."""
+        now = time.time()
         with redis_unavailable():
             dup = int(self._commit_script(
                 keys=[self.keys.signals, self.keys.signals_trained, self.keys.signals_retrained],
-                args=[TRAINERS_GROUP, self.consumer, len(event_ids), *event_ids, *stream_ids]))
+                args=[TRAINERS_GROUP, self.consumer, len(event_ids), now, now - TRAINED_SET_WINDOW_S, *event_ids,
+                      *stream_ids]))
         self._release(stream_ids)
         return dup
 
