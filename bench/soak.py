@@ -210,6 +210,7 @@ class Soak:
         for t in threads:
             t.join(timeout=300)
         load_run = os.getloadavg()
+        self.workload_s = time.time() - self.t0
         print(f"[{time.time() - self.t0:6.1f} s] workload stopped; waiting for the trainers to drain", flush=True)
         accepted = set(self.stats.accepted)
         deadline = time.time() + self.args.drain_s
@@ -230,14 +231,23 @@ class Soak:
         info = r.info("memory")
         stream_len = r.xlen(self.c.prefix + "signals") if r.exists(self.c.prefix + "signals") else 0
         retrained = int(r.get(self.c.prefix + "signals:retrained") or 0)
+        runs = [r.hgetall(k) for k in keys if k.startswith(self.c.prefix + "opruns:")]
+        seqs = [(int(k), int(v)) for h in runs for k, v in h.items() if k != "applied"]
+        gaps = 0  # seq ids below a model's highest committed one that were never committed
+        for h in runs:
+            committed = [int(k) for k in h if k != "applied"]
+            gaps += (max(committed) + 1 - len(committed)) if committed else 0
         r.close()
         cut = [f for f in s.failed if self.cut_by_kill(*f[:3])]
         out = {
-            "duration_s": self.args.duration, "gateways": len(self.c.gateways), "trainers": len(self.c.trainers),
+            "duration_s": self.args.duration, "workload_stopped_after_s": round(self.workload_s, 1), "gateways": len(self.c.gateways), "trainers": len(self.c.trainers),
             "kills": [(n, round(k - self.t0, 1), round(rd - k, 1)) for n, k, rd in s.kills],
             "requests_served": s.served, "requests_failed": len(s.failed), "failed_cut_by_a_kill": len(cut),
             "failed_other": [f[3] for f in s.failed if f not in cut][:10],
             "sessions_started": s.sessions, "session_ops_done": s.ops_done,
+            "session_ops_committed_server_side": len(seqs),
+            "session_ops_committed_not_exactly_once": sum(1 for _, v in seqs if v != 1),
+            "session_seq_gaps": gaps,
             "session_steps_refused_trainer_lost": s.ops_lost,
             "signals_accepted": len(accepted), "signals_recorded": len(accepted & set(recorded)),
             "signals_trained": len(accepted & set(trained)), "signals_dead_lettered": len(accepted & dead),
