@@ -15,6 +15,7 @@ Needs Redis (``--redis-url``) and the built-in model converted in ``LIVELORA_HOM
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -67,6 +68,7 @@ class Soak:
         self.stop = threading.Event()
         self.down: set[str] = set()  # names of processes killed and not ready again
         self.rng = random.Random(args.seed)
+        self.phase = "start"
 
     @staticmethod
     def name(p: Proc) -> str:
@@ -136,7 +138,7 @@ class Soak:
                 time.sleep(0.5)
                 continue
             g = self.rng.choice(gws)
-            t0 = time.time()
+            t0, service = time.time(), None
             try:
                 service = ServiceClient(g.url)
                 training = service.create_lora_training_client(base_model=MODEL, rank=2)
@@ -145,12 +147,13 @@ class Soak:
                 while not self.stop.is_set():
                     data = [datum(f"Fact {n}.{i}: {self.rng.choice(TOPICS)} is worth a thought.") for i in range(4)]
                     t0 = time.time()
+                    self.phase = f"forward_backward/optim_step {n}"
                     fb = training.forward_backward(data, "cross_entropy")
                     opt = training.optim_step(AdamParams(learning_rate=1e-4))
                     try:
-                        fb.result(timeout=300)
+                        fb.result(timeout=self.args.op_timeout_s)
                         self.stats.add(ops_done=1)
-                        opt.result(timeout=300)
+                        opt.result(timeout=self.args.op_timeout_s)
                         self.stats.add(ops_done=1)
                     except LiveloraError as exc:
                         if exc.code != "trainer_lost":
@@ -159,16 +162,23 @@ class Soak:
                     n += 1
                     if n % 5 == 0:
                         t0 = time.time()
-                        path = training.save_weights_for_sampler(f"s{n}").result(timeout=300).path
+                        self.phase = f"save_weights_for_sampler {n}"
+                        path = training.save_weights_for_sampler(f"s{n}").result(timeout=self.args.op_timeout_s).path
                         self.stats.add(ops_done=1)
                         other = self.rng.choice(self.live_gateways() or [g])
-                        sampler = ServiceClient(other.url).create_sampling_client(model_path=path)
-                        sampler.sample(ModelInput.from_ints(tokenizer.encode("Coffee is")), 1,
-                                       SamplingParams(max_tokens=4)).result(timeout=300)
+                        self.phase = f"sample {n} on {self.name(other)}"
+                        with ServiceClient(other.url) as sampling_service:  # closed: its adapter is unloaded
+                            sampler = sampling_service.create_sampling_client(model_path=path)
+                            sampler.sample(ModelInput.from_ints(tokenizer.encode("Coffee is")), 1,
+                                           SamplingParams(max_tokens=4)).result(timeout=self.args.op_timeout_s)
                         self.stats.add(served=1)
             except Exception as exc:
-                self.stats.add(failed=(self.name(g), t0, time.time(), f"session: {type(exc).__name__}: {exc}"[:200]),
+                self.stats.add(failed=(self.name(g), t0, time.time(),
+                                       f"session ({self.phase}): {type(exc).__name__}: {exc}"[:200]),
                                ops_failed=f"{type(exc).__name__}: {exc}"[:200])
+                if service is not None:
+                    with contextlib.suppress(Exception):
+                        service.close("errored")
                 time.sleep(1)
 
     # ---------------------------------------------------------------- chaos
@@ -272,6 +282,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=2, help="concurrent chat+rating clients")
     ap.add_argument("--sessions", type=int, default=1, help="concurrent training sessions")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--op-timeout-s", type=float, default=120, help="a session op not done by then is a failure")
     ap.add_argument("--drain-s", type=float, default=240, help="wait this long for every signal to be trained")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--redis-url", default=os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0"))
