@@ -176,6 +176,10 @@ from livelora.cli.admin import register as _register_admin  # noqa: E402  (endpo
 
 _register_admin(app)
 
+from livelora.clients.recipes.cli import recipe_app  # noqa: E402  (livelora recipe NAME)
+
+app.add_typer(recipe_app, name="recipe")
+
 
 def main() -> None:
     """Console-script entry point (``livelora = "livelora.cli.main:main"``)."""

@@ -39,6 +39,7 @@ from typing import Any
 import redis.asyncio as aredis
 
 from livelora.adapters.bus import redis_unavailable
+from livelora.adapters.losses import validate_batch
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.session_protocol import (CHECKPOINT_KINDS, CheckpointIndex, Op, future_failed, lineage_for,
                                                 model_id_for, new_request_id, parse_tinker_path, resolve_checkpoint,
@@ -333,8 +334,6 @@ class SessionService:
             return await self._enqueue(model_id, seq_id, kind, body, error)
 
     def _validate(self, kind: str, req: Any) -> dict[str, Any]:
-        from livelora.trainer.validate import validate_batch  # TODO(layering): torch-free spec validation
-
         if kind in ("forward", "forward_backward"):
             fb: ForwardBackwardInput = req.forward_input if kind == "forward" else req.forward_backward_input
             validate_batch(fb.data, fb.loss_fn, fb.loss_fn_config, vocab_size=int(self.engine.vocab_size),

@@ -141,8 +141,6 @@ def test_every_package_folder_has_a_layer():
     assert set(package_dirs()) == set(ALLOWED), "a package declared in pyproject.toml needs a row in ALLOWED"
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/sessions.py still imports livelora.trainer.validate: the loss specs "
-                                      "and batch validation move to the shared layer in the next step")
 def test_every_module_keeps_the_import_direction_and_the_heavy_library_rules():
     found = []
     for rel, package, name, is_package, path in _modules():

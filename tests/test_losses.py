@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from livelora.adapters.losses import LOSS_SPECS as LOSSES
+from livelora.adapters.losses import SUPPORTED_LOSSES, LossName
 from livelora.clients.errors import BadRequestError
-from livelora.clients.types import SUPPORTED_LOSSES
 from livelora.trainer.losses import (
-    LOSSES, LossName, cispo, compute_loss, cross_entropy, dpo, dro, group_advantages, importance_sampling,
-    kl_pair_order, kto, ppo, run_custom_loss, sequence_logprobs, surrogate_weights, validate_loss_request,
+    cispo, compute_loss, cross_entropy, dpo, dro, group_advantages, importance_sampling, kl_pair_order, kto, ppo,
+    run_custom_loss, sequence_logprobs, surrogate_weights, validate_loss_request,
 )
 
 D = torch.float64

@@ -139,13 +139,29 @@ def test_bad_datums_fail_with_the_ops_ids(mutate, code, needle):
 
 @pytest.mark.parametrize("fields, needle", [
     ({"seq_id": 0}, "seq_id"),
-    ({"loss_fn": "not_a_loss"}, "loss_fn"),
     ({"model_id": ""}, "model_id"),
 ])
 def test_request_fields_are_validated(fields, needle):
     msg = _fb(**fields)
     with pytest.raises(wire.WireDecodeError, match=needle):
         wire.decode_forward_backward(msg.SerializeToString())
+
+
+def test_an_unknown_loss_decodes_and_the_shared_loss_specs_refuse_it_naming_loss_fn():
+    """The wire type leaves ``loss_fn`` a string; the server's one validation (the gateway calls it on every
+    decoded forward_backward) answers 400 naming ``loss_fn``."""
+    from livelora.adapters.losses import validate_batch
+
+    msg = _fb(loss_fn="not_a_loss")
+    d = msg.data.add()
+    _text(d, [1, 2, 3])
+    _dense(d, "target_tokens", [2, 3, 4], "int64")
+    req = wire.decode_forward_backward(msg.SerializeToString())
+    fb = req.forward_backward_input
+    assert fb.loss_fn == "not_a_loss"
+    with pytest.raises(BadRequestError, match="unknown loss_fn 'not_a_loss'") as err:
+        validate_batch(fb.data, fb.loss_fn, fb.loss_fn_config, vocab_size=100, max_seq_len=16)
+    assert (err.value.param, err.value.status) == ("loss_fn", 400)
 
 
 def test_provenance_must_tile_the_datum():

@@ -8,8 +8,10 @@ Conventions (Tinker, ``shared/reference/tinker_protocol.md`` §3): position ``i`
 ``model_input`` predicts token ``i+1``; every per-token ``loss_fn_inputs`` tensor has
 shape ``(N,)``; ``target_tokens[i]`` is the token after input ``i``. A batch is
 right-padded with an attention mask; padded positions are sliced away before the
-loss, so they contribute exactly nothing. Losses come from
-:mod:`livelora.trainer.losses` (token losses are sums; KTO/DPO means over examples).
+loss, so they contribute exactly nothing. Every batch is checked by the shared
+:func:`livelora.adapters.losses.validate_batch` (the gateway's check) before anything runs; the loss's
+spec says which positions need gradients and which inputs the trainer adds, and the tensor function comes
+from :mod:`livelora.trainer.losses` (token losses are sums; KTO/DPO means over examples).
 
 LoRA: rank ``r``, ``alpha`` (scale ``alpha/r``), dropout 0, peft's default init
 (``lora_A`` Kaiming-uniform from ``seed``, ``lora_B`` = 0, so a fresh adapter equals the
@@ -27,24 +29,22 @@ a LoRA policy; losses.md §1). Optimizer: ``torch.optim.AdamW`` (decoupled weigh
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import math
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from livelora.adapters.losses import LossSpec, ResolvedLoss, validate_batch
 from livelora.adapters.models import MODEL_BUILD_LOCK, BaseModelRef, import_model_libraries, load_model
-from livelora.adapters.store import (CONFIG_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, WEIGHTS_FILE, AdapterStore,
-                                     Manifest)
-from livelora.clients.errors import BadRequestError, NotFoundError
+from livelora.adapters.store import CONFIG_FILE, AdapterStore, Manifest
+from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, TensorData
-from livelora.trainer.losses import LossOutput, compute_loss, kl_pair_order
-from livelora.trainer.validate import BatchSpec, validate_batch
+from livelora.trainer.checkpoints import read_version, write_version
+from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput, kl_pair_order
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -53,6 +53,9 @@ ADAPTER = "default"
 #: Causal-LM classes whose logits are exactly ``lm_head(model(...).last_hidden_state)``.
 PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 DEFAULT_ALPHA = 32.0
+#: Spec inputs with ``source="trainer"`` that :meth:`TrainingModel._run` computes (reference logprobs with the
+#: adapter disabled; KTO's mismatched-pair log-ratios). A spec naming another one needs code here.
+TRAINER_FILLED_INPUTS = frozenset({"ref_logprobs", "kl_logratio"})
 
 
 def target_modules(lora: LoraConfig) -> list[str]:
@@ -115,14 +118,15 @@ class TrainingModel:
         #: LoRA parameters in a fixed order, keyed by their standard PEFT file key (no adapter-name infix).
         self.lora_params: dict[str, torch.nn.Parameter] = {
             n.replace(f".{ADAPTER}.", "."): p for n, p in self.peft_model.named_parameters() if p.requires_grad}
-        self.optimizer = self._new_optimizer()
+        self.optimizer = self.new_optimizer()
         self.step = 0
         self.lineage: str | None = None
         self.parent: int | None = None
         self.data_counts: dict[str, int] = {"datums": 0, "tokens": 0}
 
     # ------------------------------------------------------------------------------------------ internals
-    def _new_optimizer(self) -> torch.optim.AdamW:
+    def new_optimizer(self) -> torch.optim.AdamW:
+        """A fresh AdamW over the LoRA parameters (its hyperparameters are set by each :meth:`optim_step`)."""
         return torch.optim.AdamW(list(self.lora_params.values()), lr=0.0, foreach=False)
 
     def _logprobs(self, inputs: list[list[int]], targets: list[Tensor], *, adapter: bool = True,
@@ -196,16 +200,18 @@ class TrainingModel:
         return out
 
     @staticmethod
-    def _grad_positions(loss_fn: str, x: dict[str, Tensor]) -> Tensor:
-        """Bool (N,): positions whose logprob the loss does not multiply by exactly 0."""
-        if loss_fn in ("cross_entropy", "kto", "dpo"):
-            w = x["weights"]
-            return (w != 0) if w.ndim == 1 else (w != 0).any(-1)
-        if loss_fn in ("importance_sampling", "ppo", "cispo"):
-            pos = x["advantages"] != 0
-        else:  # dro's quadratic term has a gradient even where the advantage is 0
+    def _grad_positions(spec: LossSpec, x: dict[str, Tensor]) -> Tensor:
+        """Bool (N,): positions whose logprob the loss does not multiply by exactly 0 (``spec.gradient``)."""
+        rule = spec.gradient
+        if rule.nonzero is None:
             pos = torch.ones(x["target_tokens"].shape[0], dtype=torch.bool)
-        return pos & (x["mask"] != 0) if "mask" in x else pos
+        else:
+            v = x[rule.nonzero]
+            pos = (v != 0) if v.ndim == 1 else (v != 0).any(-1)
+        for mask in rule.masks:
+            if mask in x:
+                pos = pos & (x[mask] != 0)
+        return pos
 
     @staticmethod
     def _inputs(datum: Datum) -> dict[str, Tensor]:
@@ -241,8 +247,9 @@ class TrainingModel:
 
     def _run(self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
              grad: bool) -> ForwardBackwardOutput:
-        spec: BatchSpec = validate_batch(data, loss_fn, loss_fn_config, vocab_size=self.vocab_size,
-                                         max_seq_len=self.max_seq_len)
+        resolved: ResolvedLoss = validate_batch(data, loss_fn, loss_fn_config, vocab_size=self.vocab_size,
+                                                max_seq_len=self.max_seq_len)  # the gateway's check, again here
+        spec = resolved.spec
         inputs_D = [self._inputs(d) for d in data]
         tokens_D = [d.model_input.to_ints() for d in data]
         ref_D: list[Tensor] = []
@@ -251,13 +258,13 @@ class TrainingModel:
                                                         adapter=False)]
             for x, r in zip(inputs_D, ref_D):
                 x["ref_logprobs"] = r
-            if loss_fn == "kto":
+            if "kl_logratio" in spec.trainer_inputs:
                 for x, kl in zip(inputs_D, self._kl_logratios(data, inputs_D)):
                     x["kl_logratio"] = kl.reshape(1)
         lp_D = self._logprobs(tokens_D, [x["target_tokens"] for x in inputs_D], grad=grad,
-                              grad_pos=[self._grad_positions(loss_fn, x) for x in inputs_D])
-        with torch.set_grad_enabled(grad):
-            out: LossOutput = compute_loss(loss_fn, lp_D, inputs_D, spec.config)
+                              grad_pos=[self._grad_positions(spec, x) for x in inputs_D])
+        with torch.set_grad_enabled(grad):  # inputs validated above; the trainer-filled ones are built here
+            out: LossOutput = LOSS_FUNCTIONS[spec.name](lp_D, inputs_D, resolved.config)
         if grad:
             if out.loss.requires_grad:
                 out.loss.backward()
@@ -283,7 +290,7 @@ class TrainingModel:
         """Per-datum target ``logprobs`` (float32 [N_i], nats) and the loss's metrics; no gradient, no state change.
 
         Raises:
-            BadRequestError: the batch is invalid (see :func:`livelora.trainer.validate.validate_batch`).
+            BadRequestError: the batch is invalid (see :func:`livelora.adapters.losses.validate_batch`).
         """
         return self._run(data, loss_fn, loss_fn_config, grad=False)
 
@@ -345,33 +352,12 @@ class TrainingModel:
         """Write the adapter as a new immutable version of ``lineage`` (PEFT format, loadable by
         ``PeftModel.from_pretrained`` and vLLM). With ``with_optimizer`` also ``optimizer.pt`` and
         ``trainer_state.json`` (step, RNG state), which :meth:`load_state` restores bit for bit.
+        (:func:`livelora.trainer.checkpoints.write_version`.)
 
         Raises:
             BadRequestError: invalid lineage name.
         """
-        from safetensors.torch import save_file
-
-        tensors = self.adapter_state()
-        opt_state = self.optimizer.state_dict() if with_optimizer else None
-        trainer_state = {"step": self.step, "data_counts": dict(self.data_counts), "seed": self.seed,
-                         "torch_rng_state": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-        cfg = self.peft_config.to_dict()
-        cfg.update(base_model_name_or_path=self.base_ref.name, inference_mode=True)
-        cfg["target_modules"] = sorted(cfg["target_modules"])
-
-        def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-            (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=list))
-            if opt_state is not None:
-                torch.save(opt_state, tmp / OPTIMIZER_FILE)
-                (tmp / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
-
-        parent = self.parent if self.lineage == lineage else None
-        manifest = store.write_version(lineage, write, base_model=self.base_ref.name, parent=parent,
-                                       step=self.step, metrics=metrics, data_counts=self.data_counts,
-                                       rank=self.lora.rank, alpha=self.alpha)
-        self.lineage, self.parent = lineage, manifest.version
-        return manifest
+        return write_version(self, store, lineage, metrics=metrics, with_optimizer=with_optimizer)
 
     def save_state(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None) -> Manifest:
         """:meth:`save_weights` plus optimizer state, step and RNG state (Tinker ``save_state``)."""
@@ -383,59 +369,13 @@ class TrainingModel:
         Everything is read and checked before the model changes: sha256, base model, rank/alpha/targets,
         tensor keys and shapes, optimizer state structure. Without the optimizer the optimizer is fresh
         and gradients are dropped; the step counter is the version's.
+        (:func:`livelora.trainer.checkpoints.read_version`.)
 
         Raises:
             NotFoundError: no such version, or ``with_optimizer`` on a version saved without optimizer state.
             BadRequestError: checksum mismatch or an adapter that does not fit this model.
         """
-        from safetensors.torch import load_file
-
-        manifest = store.get(lineage, version)
-        vdir = store.version_dir(lineage, version)
-        if manifest.base_model != self.base_ref.name:
-            raise BadRequestError(f"{manifest.name} was trained on {manifest.base_model!r}, this model is "
-                                  f"{self.base_ref.name!r}", param="path")
-        if not store.verify(lineage, version):
-            raise BadRequestError(f"{manifest.name}: weights file does not match its sha256", param="path")
-        cfg = json.loads((vdir / CONFIG_FILE).read_text())
-        mine = (self.lora.rank, self.alpha, sorted(target_modules(self.lora)))
-        theirs = (cfg.get("r"), float(cfg.get("lora_alpha", 0)), sorted(cfg.get("target_modules") or []))
-        if mine != theirs:
-            raise BadRequestError(f"{manifest.name} has (rank, alpha, targets) {theirs}; this model has {mine}",
-                                  param="path")
-        tensors = load_file(str(vdir / WEIGHTS_FILE))
-        if set(tensors) != set(self.lora_params):
-            diff = sorted(set(tensors) ^ set(self.lora_params))[:3]
-            raise BadRequestError(f"{manifest.name}: tensor keys do not match this model (e.g. {diff})", param="path")
-        for k, t in tensors.items():
-            if t.shape != self.lora_params[k].shape:
-                raise BadRequestError(f"{manifest.name}: {k} has shape {list(t.shape)}, expected "
-                                      f"{list(self.lora_params[k].shape)}", param="path")
-        optimizer = self._new_optimizer()
-        state: dict[str, Any] = {}
-        if with_optimizer:
-            if not manifest.has_optimizer:
-                raise NotFoundError(f"{manifest.name} was saved without optimizer state (use save_state)",
-                                    param="path")
-            try:
-                optimizer.load_state_dict(store.load_optimizer(lineage, version))
-            except (ValueError, KeyError) as exc:
-                raise BadRequestError(f"{manifest.name}: optimizer state does not fit this model: {exc}",
-                                      param="path") from exc
-            state = store.load_trainer_state(lineage, version)
-        # ---- commit: nothing above changed the model
-        with torch.no_grad():
-            for k, p in self.lora_params.items():
-                p.copy_(tensors[k].to(p.device, p.dtype))
-        self.zero_grad()
-        self.optimizer = optimizer
-        self.step = int(state.get("step", manifest.step))
-        self.data_counts = {**{"datums": 0, "tokens": 0}, **manifest.data_counts}
-        if "torch_rng_state" in state:
-            rng = torch.frombuffer(bytearray(base64.b64decode(state["torch_rng_state"])), dtype=torch.uint8)
-            torch.set_rng_state(rng.clone())
-        self.lineage, self.parent = lineage, version
-        return manifest
+        return read_version(self, store, lineage, version, with_optimizer=with_optimizer)
 
     @classmethod
     def from_version(cls, base_ref: BaseModelRef, store: AdapterStore, lineage: str, version: int, *,

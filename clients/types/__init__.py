@@ -1,7 +1,6 @@
 """Wire types shared by the gateway and the SDK (pydantic v2; requests forbid unknown fields, responses ignore them)."""
 
 from livelora.clients.types.tinker import (
-    SUPPORTED_LOSSES,
     AdamParams,
     CreateModelRequest,
     CreateModelResponse,
@@ -20,7 +19,7 @@ from livelora.clients.types.tinker import (
 )
 
 __all__ = [
-    "SUPPORTED_LOSSES", "AdamParams", "CreateModelRequest", "CreateModelResponse", "Datum", "EncodedTextChunk",
+    "AdamParams", "CreateModelRequest", "CreateModelResponse", "Datum", "EncodedTextChunk",
     "ForwardBackwardInput", "ForwardBackwardOutput", "ForwardBackwardRequest", "LoraConfig", "LossFnType",
     "ModelInput", "OptimStepRequest", "OptimStepResponse", "OptimizerConfig", "TensorData",
 ]

@@ -25,16 +25,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 __all__ = [
     "AdamParams", "CreateModelRequest", "CreateModelResponse", "Datum", "EncodedTextChunk",
     "ForwardBackwardInput", "ForwardBackwardOutput", "ForwardBackwardRequest", "LoraConfig", "LossFnType",
-    "ModelInput", "OptimStepRequest", "OptimStepResponse", "OptimizerConfig", "SUPPORTED_LOSSES", "TensorData",
+    "ModelInput", "OptimStepRequest", "OptimStepResponse", "OptimizerConfig", "TensorData",
 ]
 
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
-                     "stable_reinforce", "custom", "kto", "dpo"]
-"""Loss names: Tinker's ``LossFnType`` plus livelora's ``kto`` and ``dpo`` (preference losses computed
-server-side with reference logprobs from the base model)."""
+LossFnType = str
+"""Name of a server-side loss (``ForwardBackwardInput.loss_fn``): a plain string on purpose.
 
-#: The losses the livelora trainer implements (``gspo``, ``stable_reinforce`` and ``custom`` are rejected).
-SUPPORTED_LOSSES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "kto", "dpo")
+The server owns the list: it checks the name against its loss specifications (``livelora.adapters.losses``,
+which this bottom layer does not import) and answers 400 naming ``loss_fn`` for an unknown one, so a new
+server-side loss needs no SDK release and an older SDK can use it. Built-in losses: ``cross_entropy``,
+``importance_sampling``, ``ppo``, ``cispo``, ``dro`` (Tinker's) and ``kto``, ``dpo`` (livelora's; reference
+logprobs from the base model). Tinker's ``gspo``, ``stable_reinforce`` and ``custom`` are refused with 400
+``unsupported_parameter`` (custom losses run client-side: ``TrainingClient.forward_backward_custom``).
+"""
 
 
 class StrictModel(BaseModel):
@@ -120,8 +123,10 @@ class Datum(StrictModel):
     """One training example: the model input and the per-token tensors the loss reads.
 
     ``loss_fn_inputs`` keys by loss: ``cross_entropy``: ``target_tokens`` (int64 [N]), ``weights`` (float32 [N]);
-    ``importance_sampling``/``ppo``/``cispo``/``dro``: ``target_tokens``, ``logprobs``, ``advantages``;
-    ``kto``/``dpo``: see :mod:`livelora.trainer.losses`.
+    ``importance_sampling``/``ppo``/``cispo``/``dro``: ``target_tokens``, ``logprobs``, ``advantages``
+    (optional ``mask``); ``kto``: ``target_tokens``, ``weights`` (completion mask), ``label`` (float32 [1]);
+    ``dpo``: ``target_tokens``, ``weights``, datums in (chosen, rejected) pairs. The server's loss
+    specifications (``livelora.adapters.losses``) are the authority and name any missing or extra key.
     """
 
     model_input: ModelInput
@@ -193,7 +198,10 @@ class CreateModelResponse(LenientModel):
 
 
 class ForwardBackwardInput(StrictModel):
-    """A batch and the loss to apply: ``{"data": [Datum], "loss_fn", "loss_fn_config"?}``."""
+    """A batch and the loss to apply: ``{"data": [Datum], "loss_fn", "loss_fn_config"?}``.
+
+    ``loss_fn`` is any string here (see :data:`LossFnType`); the server validates it with the batch.
+    """
 
     data: list[Datum]
     loss_fn: LossFnType

@@ -49,7 +49,8 @@ def cross_entropy(logprobs_T: Tensor, weights_T: Tensor, *, mask_T: Tensor | Non
 
     Returns: ``loss:sum`` in nats summed over tokens (no mean; the cookbook's ``mean_nll`` divides by Σw).
 
-    Source: tinker docs ``losses/cross-entropy``; losses.md §2.1, vector §3.1 (7.33250, 8.90000).
+    Source: tinker docs ``losses/cross-entropy`` (llms-full.txt at commit 0f1c05da^); tinker-cookbook 0.6.1
+    ``supervised/common.py::compute_mean_nll``; losses.md §2.1, vector §3.1 (7.33250, 8.90000).
     """
     lp, w = _masked(mask_T, logprobs_T, weights_T.to(logprobs_T))
     return _token_output(-(w * lp))
@@ -102,7 +103,7 @@ def cispo(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor,
 
     Args: as :func:`importance_sampling`, plus the two absolute thresholds.
     Returns: ``loss:sum``.
-    Source: MiniMax-M1 (arXiv 2506.13585) Eq. 4; TRL ``grpo_trainer.py`` ``loss_type="cispo"``;
+    Source: MiniMax-M1 (arXiv 2506.13585) Eq. 4; TRL 1.16.0 ``grpo_trainer.py`` L3109–3111 ``loss_type="cispo"``;
     losses.md §2.6, §3.4 (0.564551).
     """
     lp, q, adv = _masked(mask_T, logprobs_T, sampling_logprobs_T.to(logprobs_T), advantages_T.to(logprobs_T))

@@ -1,0 +1,43 @@
+"""Loss specifications and the one batch validation, shared by the gateway and the trainer. Torch-free.
+
+A loss is two things: a :class:`LossSpec` here (name, ``loss_fn_inputs`` with dtype and shape rule, who
+fills each, ``loss_fn_config`` keys with defaults and ranges, minimum batch, pairing, which positions get
+gradients, reduction, paper and reference implementation) and one tensor function registered under the
+same name in :mod:`livelora.trainer.losses`. The gateway validates a request with :func:`validate_batch`
+without importing torch code; the trainer calls the same function at ``TrainingModel.forward_backward``'s
+entry, takes gradient positions from ``spec.gradient`` and dispatches on ``spec.name``.
+
+Example::
+
+    from livelora.adapters.losses import LOSS_SPECS, validate_batch
+
+    LOSS_SPECS["ppo"].config_defaults          # {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    resolved = validate_batch(data, "ppo", {"clip_high_threshold": 1.28}, vocab_size=49152, max_seq_len=8192)
+    resolved.config                            # {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
+
+Adding a loss: a ``LossSpec`` in ``builtin.py`` (added to ``LOSS_SPECS``) and a tensor function registered
+with ``@register("<name>")`` in ``trainer/losses``; ``tests/test_loss_specs.py`` checks the two registries
+hold the same names. Custom losses need neither: ``forward_backward_custom`` runs the user's function in
+the client and trains with ``cross_entropy`` and surrogate weights (see ``REFUSED_LOSSES["custom"]``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from livelora.adapters.losses.builtin import LOSS_SPECS, REFUSED_LOSSES
+from livelora.adapters.losses.spec import ConfigKey, GradientPositions, LossInput, LossSpec
+from livelora.adapters.losses.validate import (ResolvedLoss, check_batch_size, get_spec, resolve_config,
+                                               validate_batch, validate_loss_inputs)
+
+#: The built-in loss names, in registry order.
+SUPPORTED_LOSSES: tuple[str, ...] = tuple(LOSS_SPECS)
+#: ``Literal[...]`` of the built-in names, built from the registry (for runtime checks; type checkers see it
+#: as an opaque alias).
+LossName = Literal[SUPPORTED_LOSSES]  # type: ignore[valid-type]
+
+__all__ = [
+    "LOSS_SPECS", "REFUSED_LOSSES", "SUPPORTED_LOSSES", "LossName", "ConfigKey", "GradientPositions", "LossInput",
+    "LossSpec", "ResolvedLoss", "check_batch_size", "get_spec", "resolve_config", "validate_batch",
+    "validate_loss_inputs",
+]

@@ -1,0 +1,125 @@
+"""``livelora recipe NAME``: one typer command per recipe, its flags generated from the recipe's ``Config``.
+
+Every config field is a flag (``--learning-rate``, ``--log-dir``, ...) whose help is the field's description;
+values are validated by the config model, and all errors are reported at once. A progress bar follows the
+steps; a summary table (each evaluation metric before and after, steps, wall time) closes the run.
+
+Example::
+
+    livelora recipe gsm8k-rl --data ../shared/data/gsm8k --task arithmetic --steps 20 --log-dir runs/arith
+    livelora recipe gsm8k-rl --data ../shared/data/gsm8k --task arithmetic --steps 30 --log-dir runs/arith  # resumes
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+#: recipe command -> module (each has ``Config`` and ``run(cfg, sdk=, on_step=)``).
+RECIPES = {
+    "chat-sft": "livelora.clients.recipes.chat_sft",
+    "gsm8k-rl": "livelora.clients.recipes.gsm8k_rl",
+    "kto-ratings": "livelora.clients.recipes.kto_ratings",
+    "dpo": "livelora.clients.recipes.dpo",
+    "distill": "livelora.clients.recipes.distill",
+}
+
+recipe_app = typer.Typer(help="Training recipes over the training-session API (chat SFT, GSM8K RL, KTO, DPO, "
+                              "distillation): metrics, checkpoints, exact resume.", no_args_is_help=True)
+console = Console(stderr=True)
+
+
+def _option_type(annotation: Any) -> Any:
+    """The click-friendly type of a config annotation (Optional[X] -> X, Literal -> str)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return _option_type(args[0])
+    if typing.get_origin(annotation) is typing.Literal:
+        return str
+    return annotation
+
+
+def _parameters(config_cls: type, recipe: str) -> list[inspect.Parameter]:
+    params = []
+    for name, field in config_cls.model_fields.items():
+        typ = _option_type(field.annotation)
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else ()
+        help_text = (field.description or "") + (f" [{'|'.join(map(str, choices))}]" if choices else "")
+        flag = "--" + name.replace("_", "-")
+        decls = [f"{flag}/--no-{name.replace('_', '-')}"] if typ is bool else [flag]
+        if name == "log_dir":
+            default: Any = Path("runs") / recipe
+        elif field.is_required():
+            default = ...
+        else:
+            default = field.default
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=Annotated[typ | None if default is None else typ,
+                                                             typer.Option(*decls, help=help_text)]))
+    return params
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def summary_table(summary: Any) -> Table:
+    """Rich table of a :class:`~livelora.clients.recipes.loop.Summary`: eval metrics before / after / change."""
+    table = Table(title=f"{summary.recipe}: {summary.steps} steps, {summary.wall_s:.0f} s, {summary.log_dir}")
+    for col in ("metric", "before", "after", "change"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for key in sorted(set(summary.before) | set(summary.after)):
+        b, a = summary.before.get(key), summary.after.get(key)
+        table.add_row(key, _fmt(b), _fmt(a), _fmt(a - b) if a is not None and b is not None else "-")
+    for key, value in sorted(summary.last_train.items()):
+        table.add_row(f"{key} (last step)", "", _fmt(value), "")
+    return table
+
+
+def _make_command(recipe: str, module_name: str):
+    module = importlib.import_module(module_name)
+    config_cls = module.Config
+
+    def command(**kwargs: Any) -> None:
+        from pydantic import ValidationError
+
+        try:
+            cfg = config_cls(**kwargs)
+        except ValidationError as exc:
+            for err in exc.errors():
+                console.print(f"[red]error[/]: --{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}")
+            raise typer.Exit(2) from None
+        with Progress(TextColumn(f"[bold]{recipe}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.description}"), console=console) as progress:
+            task = progress.add_task("starting", total=cfg.steps)
+
+            def on_step(done: int, metrics: dict[str, float]) -> None:
+                shown = {k: v for k, v in metrics.items() if k.startswith(("train/loss", "train/reward", "eval/"))}
+                progress.update(task, completed=done, description=" ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+
+            try:
+                summary = module.run(cfg, on_step=on_step)
+            except (ValueError, RuntimeError, ImportError, OSError) as exc:
+                progress.stop()
+                console.print(f"[red]error[/]: {exc}")
+                raise typer.Exit(1) from None
+        Console().print(summary_table(summary))
+
+    command.__signature__ = inspect.Signature(_parameters(config_cls, recipe))
+    paragraphs = inspect.cleandoc(module.__doc__ or recipe).split("\n\n")
+    command.__doc__ = "\n\n".join(" ".join(p.split()) for p in paragraphs)
+    command.__name__ = recipe.replace("-", "_")
+    return command
+
+
+for _name, _module in RECIPES.items():
+    recipe_app.command(_name)(_make_command(_name, _module))
