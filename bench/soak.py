@@ -216,6 +216,7 @@ class Soak:
             t.start()
         self.stop.wait(self.args.duration)
         self.stop.set()
+        self.phase_at_stop = self.phase
         killer.join(timeout=900)
         for t in threads:
             t.join(timeout=300)
@@ -254,6 +255,8 @@ class Soak:
             "kills": [(n, round(k - self.t0, 1), round(rd - k, 1)) for n, k, rd in s.kills],
             "requests_served": s.served, "requests_failed": len(s.failed), "failed_cut_by_a_kill": len(cut),
             "failed_other": [f[3] for f in s.failed if f not in cut][:10],
+            "failed_cut_by_a_kill_detail": [f"{f[0]} @{f[1] - self.t0:.0f}s: {f[3][:100]}" for f in cut][:10],
+            "session_phase_at_stop": self.phase_at_stop,
             "sessions_started": s.sessions, "session_ops_done": s.ops_done,
             "session_ops_committed_server_side": len(seqs),
             "session_ops_committed_not_exactly_once": sum(1 for _, v in seqs if v != 1),
