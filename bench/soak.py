@@ -240,18 +240,22 @@ class Soak:
         keys = list(r.scan_iter(match=self.c.prefix + "*", count=1000))
         prefix_bytes = sum(int(r.memory_usage(k) or 0) for k in keys)
         info = r.info("memory")
-        stream_len = r.xlen(self.c.prefix + "signals") if r.exists(self.c.prefix + "signals") else 0
         retrained = int(r.get(self.c.prefix + "signals:retrained") or 0)
+        stream_len = r.xlen(self.c.prefix + "signals") if r.exists(self.c.prefix + "signals") else 0
         runs = [r.hgetall(k) for k in keys if k.startswith(self.c.prefix + "opruns:")]
         seqs = [(int(k), int(v)) for h in runs for k, v in h.items() if k != "applied"]
         gaps = 0  # seq ids below a model's highest committed one that were never committed
         for h in runs:
             committed = [int(k) for k in h if k != "applied"]
             gaps += (max(committed) + 1 - len(committed)) if committed else 0
+        queued = {json.loads(f["event"])["id"] for _, f in r.xrange(self.c.prefix + "signals")} if stream_len else set()
         r.close()
+        lonely = accepted - set(trained) - dead
+        lonely = lonely if len(lonely) == 1 and lonely <= queued else set()  # a lone KTO rating waits for a partner
         cut = [f for f in s.failed if self.cut_by_kill(*f[:3])]
         out = {
-            "duration_s": self.args.duration, "workload_stopped_after_s": round(self.workload_s, 1), "gateways": len(self.c.gateways), "trainers": len(self.c.trainers),
+            "duration_s": self.args.duration, "workload_stopped_after_s": round(self.workload_s, 1),
+            "gateways": len(self.c.gateways), "trainers": len(self.c.trainers),
             "kills": [(n, round(k - self.t0, 1), round(rd - k, 1)) for n, k, rd in s.kills],
             "requests_served": s.served, "requests_failed": len(s.failed), "failed_cut_by_a_kill": len(cut),
             "failed_other": [f[3] for f in s.failed if f not in cut][:10],
@@ -264,8 +268,10 @@ class Soak:
             "session_steps_refused_trainer_lost": s.ops_lost,
             "signals_accepted": len(accepted), "signals_recorded": len(accepted & set(recorded)),
             "signals_trained": len(accepted & set(trained)), "signals_dead_lettered": len(accepted & dead),
-            "signals_lost": len(accepted - set(trained) - dead),
-            "signals_duplicated": sum(1 for v in trained.values() if v > 1) + sum(1 for v in recorded.values() if v > 1),
+            "signals_waiting_alone_for_a_kto_partner": len(lonely),
+            "signals_lost": len(accepted - set(trained) - dead - lonely),
+            "signals_duplicated": (sum(1 for v in trained.values() if v > 1)
+                                   + sum(1 for v in recorded.values() if v > 1)),
             "signals_retrained_counter": retrained, "signals_stream_len_at_end": stream_len,
             "versions_checked": checked, "corrupt_versions": len(bad),
             "redis_keys_of_prefix": len(keys), "redis_bytes_of_prefix": prefix_bytes,

@@ -117,9 +117,15 @@ def test_two_gateways_two_trainers_kill_the_owner(cluster, tokenizer):
     seqs = {int(k): int(v) for k, v in runs.items() if k != "applied"}
     assert seqs and set(seqs) == set(range(max(seqs) + 1)) and set(seqs.values()) == {1}, runs
     # every rating recorded once and trained exactly once (the killed trainer's claims reclaimed)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and set(trained_counts(cluster.home)) < set(accepted):
+    deadline, nudged = time.monotonic() + 240, False
+    while time.monotonic() < deadline and not set(accepted) <= set(trained_counts(cluster.home)):
         time.sleep(1)
+        waiting = set(accepted) - set(trained_counts(cluster.home))
+        if len(waiting) == 1 and not nudged and time.monotonic() > deadline - 200:
+            # KTO never trains one example: when batches left a single rating, it waits (in the stream, handed
+            # between workers) for a partner; the next rating is that partner
+            accepted.append(rate(g1.url, chat(g2.url, "One more, please.")["id"], True))
+            nudged = True
     trained, recorded = trained_counts(cluster.home), recorded_counts(cluster.home)
     assert set(accepted) <= set(trained), f"lost: {set(accepted) - set(trained)}\n{survivor.tail()}"
     assert set(trained.values()) == {1} and set(recorded.values()) == {1}
