@@ -10,9 +10,17 @@ key                                type                        holds
 =================================  ==========================  ==============================================
 ``completion:{id}``                string (JSON), TTL          one served completion (``CompletionRecord``)
 ``rating:{completion}:{user}``     string, TTL                 id of the latest rating by that user
-``signals``                        stream, group ``trainers``  ratings, preferences, demonstrations
+``signals``                        stream, group ``trainers``  ratings, preferences, demonstrations (entries are
+                                                               deleted once acknowledged)
+``signals:trained``                sorted set                  ids of events trained into a version, score =
+                                                               Unix s (written before the XACK; members older
+                                                               than 24 h are dropped: ``trained.jsonl`` is the
+                                                               full record)
+``signals:retrained``              string (int)                events found already trained at commit (alarm: 0)
 ``idem:{scope}:{key}``             string (JSON), TTL, SET NX  first answer to an idempotent request
 ``notices``                        pub/sub channel             version published, endpoint moved
+``store_id``                       string                      id of the store bound to this prefix (one
+                                                               install per prefix, :mod:`~livelora.adapters.install`)
 =================================  ==========================  ==============================================
 
 Training sessions (gateway ⇄ op executor; :mod:`livelora.adapters.session_protocol`):
@@ -24,7 +32,12 @@ key                                type            holds
 ``owner:session:{sid}``            string, TTL     tenant that created the session
 ``model:{model_id}``               string (JSON)   model record: session, base model, LoRA shape, state
 ``trainer:models``                 set             model ids whose ``ops:`` streams are read
-``ops:{model_id}``                 stream          the model's ops, field ``op`` = JSON ``Op``
+``ops:{model_id}``                 stream          the model's ops, field ``op`` = JSON ``Op``; entries stay
+                                                   until their effect is saved (the owner trims them)
+``lease:model:{model_id}``         string, PX TTL  ``{token}:{owner}``: the executor that owns the model
+``fence:model:{model_id}``         string (int)    INCR counter: fencing tokens of the model's owners
+``opruns:{model_id}``              hash, TTL       ``{seq}`` → times its result was committed (1), ``applied``
+                                                   → highest seq committed
 ``seq:{model_id}:{seq_id}``        string, TTL     ``{request_id, digest}`` of the first op with that seq
 ``future:{request_id}``            string, TTL     ``{"state": "pending"|"done"|"failed", ...}``
 ``sampler:{sampling_id}``          string, TTL     sampling session: base model, adapter name and path
@@ -67,6 +80,21 @@ class KeyLayout:
         return f"{self.prefix}signals"
 
     @property
+    def signals_trained(self) -> str:
+        """``{prefix}signals:trained``: sorted set of event ids trained into a version (score: Unix s)."""
+        return f"{self.prefix}signals:trained"
+
+    @property
+    def signals_retrained(self) -> str:
+        """``{prefix}signals:retrained``: counter of events a commit found already trained (should stay 0)."""
+        return f"{self.prefix}signals:retrained"
+
+    @property
+    def store_id(self) -> str:
+        """``{prefix}store_id``: the id of the store this prefix belongs to."""
+        return f"{self.prefix}store_id"
+
+    @property
     def notices(self) -> str:
         """``{prefix}notices``: pub/sub channel of version and endpoint notices."""
         return f"{self.prefix}notices"
@@ -96,6 +124,18 @@ class KeyLayout:
     def ops(self, model_id: str) -> str:
         """``{prefix}ops:{model_id}``: stream of the model's ops."""
         return f"{self.prefix}ops:{model_id}"
+
+    def model_lease(self, model_id: str) -> str:
+        """``{prefix}lease:model:{model_id}``: ``{token}:{owner}`` of the executor owning the model (PX TTL)."""
+        return f"{self.prefix}lease:model:{model_id}"
+
+    def model_fence(self, model_id: str) -> str:
+        """``{prefix}fence:model:{model_id}``: counter handing out fencing tokens (INCR, never decreases)."""
+        return f"{self.prefix}fence:model:{model_id}"
+
+    def op_runs(self, model_id: str) -> str:
+        """``{prefix}opruns:{model_id}``: hash ``seq`` → commits of that op's result, ``applied`` → highest seq."""
+        return f"{self.prefix}opruns:{model_id}"
 
     def seq(self, model_id: str, seq_id: int) -> str:
         """``{prefix}seq:{model_id}:{seq_id}``: the first request that used this seq id (dedupe)."""

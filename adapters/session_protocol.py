@@ -5,7 +5,12 @@ paths, queued ops, future records and the checkpoint index. Redis key names are 
 Flow of one training op (design.md "Training sessions"; tinker_protocol.md §2.5)::
 
     gateway: validate → SET seq:{model}:{seq} NX (dedupe) → SET future:{rid} pending → XADD ops:{model}
-    executor: XREAD ops:* → buffer by seq_id → run strictly in seq order → SET future:{rid} → PUBLISH futures
+    owner (the executor holding lease:model:{model}): XREAD ops:{model} → buffer by seq_id → run strictly in
+        seq order → fenced SET future:{rid} + PUBLISH futures → trim the entries whose effect is saved
+
+Ownership (:mod:`livelora.trainer.ownership`): exactly one executor owns a model at a time, by a Redis lease
+carrying a fencing token (INCR, never reused). Writes to the checkpoint index carry that token: the index
+records the highest token that wrote it (``fence``) and refuses a lower one (:class:`StaleOwnerError`).
 
 Ids: a training model is ``{session_id}:train:{model_seq_id}``, a sampling session
 ``{session_id}:sample:{sampling_session_seq_id}``, a request ``{scope}:{12 hex}``.
@@ -27,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from livelora.adapters.atomic import atomic_write_json, file_lock
-from livelora.clients.errors import BadRequestError, InternalError, LiveloraError, NotFoundError, error_to_dict
+from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, LiveloraError, NotFoundError,
+                                     error_to_dict)
 
 TINKER_SCHEME = "tinker://"
 #: checkpoint kind in a tinker path → the checkpoint type the Tinker API reports
@@ -93,11 +99,19 @@ def now_iso() -> str:
 
 
 # ============================================================================================ checkpoint index
+class StaleOwnerError(ConflictError):
+    """A write by an executor whose lease was taken over (its fencing token is lower than the index's)."""
+
+    default_code = "stale_owner"
+
+
 class CheckpointIndex:
     """Name → adapter version map of one training run, in ``<home>/sessions/<lineage>.json``.
 
-    Layout: ``{"model_id", "base_model", "lora": {...}, "user_metadata", "created", "checkpoints":
-    {"weights/<name>": {"version", "time", "adapter"}, ...}}``. Updates hold ``<file>.lock``.
+    Layout: ``{"model_id", "base_model", "lora": {...}, "user_metadata", "created", "fence", "recovery":
+    {"file", "seq", "fence"}, "checkpoints": {"weights/<name>": {"version", "time", "adapter", "request_id"},
+    ...}}``. Updates hold ``<file>.lock``; an update with a ``fence`` token is refused when the index already
+    holds a higher one, and raises the index's token to its own otherwise.
     """
 
     def __init__(self, home: Path | str, model_id: str):
@@ -111,14 +125,35 @@ class CheckpointIndex:
             raise NotFoundError(f"training run {self.model_id!r} does not exist", param="model_id")
         return json.loads(self.path.read_text())
 
-    def update(self, fn) -> dict[str, Any]:
-        """Apply ``fn(index_dict)`` (which mutates it) under the lock and write it atomically."""
+    def update(self, fn, *, fence: int | None = None) -> dict[str, Any]:
+        """Apply ``fn(index_dict)`` (which mutates it) under the lock and write it atomically.
+
+        Args:
+            fence: the writer's fencing token (training-model owners pass theirs; user actions such as
+                deleting a checkpoint pass none).
+
+        Raises:
+            StaleOwnerError: ``fence`` is lower than the token recorded in the index (nothing is written).
+        """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(self.path.with_suffix(".lock")):
             data = json.loads(self.path.read_text()) if self.path.is_file() else {"checkpoints": {}}
+            if fence is not None:
+                recorded = int(data.get("fence") or 0)
+                if fence < recorded:
+                    raise StaleOwnerError(f"training model {self.model_id}: write with fencing token {fence} "
+                                          f"refused, the model is owned under token {recorded}")
+                data["fence"] = fence
             fn(data)
             atomic_write_json(self.path, data)
         return data
+
+    def fence(self) -> int:
+        """The highest fencing token that wrote the index (0 when none or no index)."""
+        try:
+            return int(self.read().get("fence") or 0)
+        except NotFoundError:
+            return 0
 
     def resolve(self, kind: str, name: str) -> int:
         """Version number of checkpoint ``kind/name``.

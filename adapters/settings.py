@@ -67,8 +67,15 @@ class SessionSection(Section):
                                                               "answering 408 try_again (the SDK times out at 45 s).")
     gap_timeout_s: float = Field(600.0, gt=0, description="Buffered ops fail when the seq_id before them has not "
                                                           "arrived for this long (s).")
-    trainer_in_process: bool = Field(True, description="`livelora gateway` also runs the op executor (training "
-                                                       "sessions' ops) in a thread of its process.")
+    executor_in_process: bool = Field(False, description="`livelora gateway` also runs an op executor (training "
+                                                         "sessions' ops) in a thread of its process; `livelora "
+                                                         "trainer` and `livelora serve` always run one.")
+    lease_ttl_s: float = Field(10.0, gt=0, description="An op executor owns a training model by a Redis lease of "
+                                                       "this lifetime (s), renewed every third of it; when its "
+                                                       "process dies another executor takes the model over after "
+                                                       "at most this long.")
+    served_model_name: str | None = Field(None, description="Name the gateways serve the base model under "
+                                                            "(accepted as a session's base_model by the trainer).")
 
 
 class ProcessSettings(CommonSettings):

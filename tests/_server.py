@@ -27,7 +27,7 @@ import uvicorn
 
 MODEL = "smollm2-135m-instruct"
 #: Settings of the shared test server: 8 sequences decode together, 8 more may wait (16 admitted).
-TEST_SETTINGS = {"max_batch_size": 8, "max_waiting": 8, "device": "cpu"}
+TEST_SETTINGS = {"max_batch_size": 8, "max_waiting": 8, "device": "cpu", "executor_in_process": True}
 
 
 @dataclass

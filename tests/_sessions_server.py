@@ -37,7 +37,7 @@ def sessions_server(livelora_home) -> LiveServer:
     prefix = f"livelora-test-{uuid.uuid4().hex[:10]}:"
     os.environ["LIVELORA_SESSION_TTL_S"] = str(SESSION_TTL_S)
     settings = GatewaySettings(model=MODEL, home=livelora_home, device="cpu", redis_prefix=prefix,
-                               max_batch_size=8, max_waiting=16)
+                               max_batch_size=8, max_waiting=16, executor_in_process=True)
     try:
         live = start_server(settings)
     finally:

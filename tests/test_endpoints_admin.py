@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -25,6 +26,8 @@ from livelora.gateway.auth import PUBLIC, app_routes, required_role
 LINEAGE = "support"
 BASE = "smollm2-135m-instruct"
 PROMPT = [{"role": "user", "content": "Say something about the sea."}]
+#: this module's store is its own install: its own Redis prefix (under the session's, cleaned up with it)
+PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}admin-{uuid.uuid4().hex[:8]}:"
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,7 @@ def server(home, keys):
     from livelora.gateway.settings import GatewaySettings
 
     live = start_server(GatewaySettings(model="smollm2-135m-instruct", home=home, device="cpu", max_batch_size=8,
-                                        max_waiting=16, max_body_bytes=64 * 1024))
+                                        max_waiting=16, max_body_bytes=64 * 1024, redis_prefix=PREFIX))
     yield live
     live.stop()
 
@@ -256,7 +259,7 @@ def test_served_version_is_reported_by_redis_completion_log(server, keys):
     with client(server, keys["acme"]) as http:
         r = chat(http, model="live")
     rec = redis.Redis.from_url(os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0")).get(
-        KeyLayout(os.environ["LIVELORA_REDIS_PREFIX"]).completion(r.json()["id"]))
+        KeyLayout(PREFIX).completion(r.json()["id"]))
     assert json.loads(rec)["caller"] == "acme" and json.loads(rec)["adapter"] == "support@4"
 
 
@@ -341,7 +344,7 @@ def test_bindings_survive_restart(server, keys, home):
     server.stop()
     from livelora.gateway.settings import GatewaySettings
 
-    again = start_server(GatewaySettings(model="smollm2-135m-instruct", home=home, device="cpu"))
+    again = start_server(GatewaySettings(model="smollm2-135m-instruct", home=home, device="cpu", redis_prefix=PREFIX))
     try:
         with client(again, keys["acme"]) as http:
             assert chat(http).headers["x-livelora-adapter-version"] == "support@2"

@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import subprocess
+import threading
 import sys
 import time
 import uuid
@@ -212,7 +213,7 @@ def test_trained_but_unacked_events_are_not_trained_twice(bus, base_ref, pair_to
     backend = OnlineTrainer(base_ref, tmp_path)
     w1 = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
                        consumer="same", block_ms=50)
-    w1._ack = lambda ids: None                 # the process dies right before its XACK
+    w1._commit = lambda event_ids, stream_ids: 0   # the process dies after trained.jsonl, before its commit
     assert [n.name for n in w1.poll()] == ["once@1"]
     assert pending(client, keys) == 2
     w2 = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
@@ -253,3 +254,63 @@ def test_warm_model_resumes_a_stored_lineage_or_gives_way_to_its_shape(base_ref,
     warmed = backend._fresh
     other = backend.model_for("other")
     assert other is not warmed and other.lora.rank == 4 and other.parent == 1
+
+
+class _SlowBackend:
+    """Writes a real (tiny) adapter version per batch after ``delay_s``: the worker's bookkeeping under a step
+    longer than the claim idle time, without the cost of the model."""
+
+    def __init__(self, home, delay_s: float):
+        self.store = AdapterStore(home)
+        self.delay_s = delay_s
+        self.lock = threading.Lock()
+
+    def train(self, batch):
+        time.sleep(self.delay_s)
+
+        def write(tmp):
+            (tmp / "adapter_model.safetensors").write_bytes(json.dumps([e.id for e in batch.events]).encode())
+            (tmp / "adapter_config.json").write_text("{}")
+
+        with self.lock:
+            return self.store.write_version(batch.lineage, write, base_model="test")
+
+    def path_of(self, manifest):
+        return self.store.version_dir(manifest.lineage, manifest.version)
+
+
+def test_two_workers_slow_steps_train_every_event_once_and_trim_the_stream(bus, tmp_path):
+    """Steps 4x longer than claim_idle_s: claims are renewed (no worker reclaims entries a live worker holds,
+    not even its own), every event is recorded once and trained once, and acknowledged entries are deleted."""
+    client, keys = bus
+    ids = [xadd(client, keys, rating("slow", [1, 2, 3], [4, 5], i % 2 == 0, f"c{i}")) for i in range(12)]
+    sched = TrainingSection(kto_min_batch=2, max_wait_s=0.5)
+    workers = [TrainerWorker(client, keys, tmp_path, _SlowBackend(tmp_path, 1.2), BatchScheduler(sched),
+                             consumer=f"w{i}", claim_idle_s=0.3, claim_interval_s=0.1, block_ms=50, read_count=4)
+               for i in range(2)]
+    stop = threading.Event()
+    threads = [threading.Thread(target=w.run, args=(stop,), kwargs={"retry_s": 0.1}) for w in workers]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    try:
+        while time.time() < deadline and len(_trained_events(tmp_path)) < 12:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    events = _trained_events(tmp_path)
+    assert sorted(set(events)) == sorted(r["event"]["id"] for r in read_dataset(tmp_path)) and len(events) == 12
+    assert len(set(events)) == len(events)                       # trained exactly once
+    recorded = [json.loads(x)["event"]["id"] for p in dataset_dir(tmp_path).glob("[0-9]*.jsonl")
+                for x in p.read_text().splitlines()]
+    assert len(recorded) == len(set(recorded)) == 12               # the dataset of record holds each once
+    assert all(w.published for w in workers)                      # both workers trained
+    assert pending(client, keys) == 0 and client.xlen(keys.signals) == 0 and len(ids) == 12
+    assert int(client.get(keys.signals_retrained) or 0) == 0
+
+
+def _trained_events(home) -> list[str]:
+    path = dataset_dir(home) / TRAINED_FILE
+    return [e for x in path.read_text().splitlines() for e in json.loads(x)["event_ids"]] if path.exists() else []

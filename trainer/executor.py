@@ -1,22 +1,45 @@
 """The op executor: runs training-session ops from Redis on :class:`~livelora.trainer.model.TrainingModel` s.
 
 The protocol it speaks (ids, ops, futures, checkpoint index) is :mod:`livelora.adapters.session_protocol`; the
-Redis keys are :class:`~livelora.adapters.redis_keys.KeyLayout`'s. The gateway validates and queues ops; this
-executor runs them. ``livelora serve`` and ``livelora gateway`` start one in a thread
-(:mod:`livelora.cli.processes`).
+Redis keys are :class:`~livelora.adapters.redis_keys.KeyLayout`'s. The gateway validates and queues ops; an
+executor runs them. ``livelora trainer`` and ``livelora serve`` run one in a thread; ``livelora gateway`` only
+when ``LIVELORA_EXECUTOR_IN_PROCESS`` is true (:mod:`livelora.cli.processes`). Any number of executors may
+share one Redis prefix and one store.
 
 Semantics the executor guarantees:
 
+* **one owner per model**: an executor runs a model's ops only while it holds the model's lease
+  (:mod:`livelora.trainer.ownership`); every write it makes (futures, op counts, stream trims, checkpoint
+  index, recovery snapshot) is fenced by the lease's token, so a stale owner's write is refused;
 * a model's ops run strictly in ``seq_id`` order (create/create-via-load is seq 0, then 1, 2, ...);
   ops that arrive early wait in a buffer; an op whose seq already ran or is buffered is dropped (retries
   are deduplicated on ``(model_id, seq_id)``);
 * every op ends with its future resolved: the result, or ``{"error", "category"}``; a failed op still
   consumes its seq_id, so later ops run;
+* ops stay in the model's stream until their effect is saved: an op without lasting in-memory effect
+  (``forward``, the saves, a failed op) is trimmed once its result is committed; a ``forward_backward`` is
+  trimmed with the next recovery snapshot;
 * when a session's key expires (no heartbeat for ``session_ttl_s``) or the session finishes, its models
   are freed and their buffered ops fail; buffered ops waiting for a seq_id that never arrives fail after
   ``gap_timeout_s``. Nothing stays pending forever.
 
-Ephemeral sampler saves are adapter versions too; they are deleted when their model is freed.
+**Take-over** (the owner died; its lease expired after at most ``lease_ttl_s``): the next executor restores
+the model from its recovery snapshot (:mod:`livelora.trainer.recovery`, written after every ``create``,
+``optim_step`` and ``load_weights``: weights, AdamW state, step) and then, in seq order:
+
+* an op the dead owner had committed (``opruns``) is not run again;
+* an op it had not committed runs now; that includes the op it was running when it died (a
+  ``forward_backward`` recomputes its gradients; a ``save_weights`` that had reached the index is recognised
+  by its request id and not saved twice);
+* an ``optim_step`` whose gradients came, even in part, from ``forward_backward`` ops committed by the dead
+  owner fails with ``InternalError`` (code ``trainer_lost``) naming those seqs: an optimizer step is never
+  applied on lost gradients. The accumulated gradients are dropped, so the client repeats its
+  ``forward_backward`` ops and steps again;
+* a snapshot whose op's future was not yet written (the owner died in between) resolves that future from
+  the snapshot.
+
+Ephemeral sampler saves are adapter versions too; when a model is freed every version of its lineage that
+no named checkpoint references is deleted.
 """
 
 from __future__ import annotations
@@ -30,78 +53,101 @@ from pathlib import Path
 from typing import Any
 
 from livelora.adapters.redis_keys import KeyLayout
-from livelora.adapters.session_protocol import (CheckpointIndex, Op, check_checkpoint_name, future_done, future_failed,
-                                                lineage_for, now_iso, resolve_checkpoint, session_of, tinker_path)
+from livelora.adapters.session_protocol import (CheckpointIndex, Op, StaleOwnerError, future_done, future_failed,
+                                                session_of)
 from livelora.adapters.settings import SessionSection
-from livelora.adapters.store import AdapterStore, Manifest
-from livelora.clients.errors import (BadRequestError, ConflictError, LiveloraError, NotFoundError,
-                                     UnsupportedParameterError)
-from livelora.clients.types.tinker import (AdamParams, CreateModelRequest, ForwardBackwardInput, LoadWeightsRequest,
-                                           SaveWeightsForSamplerRequest, SaveWeightsRequest)
+from livelora.adapters.store import AdapterStore
+from livelora.clients.errors import BadRequestError, LiveloraError, NotFoundError
+from livelora.trainer.ownership import Leases
+from livelora.trainer.session_ops import SessionOps
 
 log = logging.getLogger(__name__)
+
+
+#: ops after which the model's state is snapshotted (they change weights, optimizer state or step)
+STATE_OPS = ("create_model", "create_via_load", "optim_step", "load_weights")
 
 
 @dataclass
 class _ModelSlot:
     model_id: str
     session_id: str
+    token: int = 0  # fencing token of our lease
     model: Any = None  # TrainingModel once created
     next_seq: int = 0
-    buffer: dict[int, Op] = field(default_factory=dict)
+    buffer: dict[int, tuple[str, Op]] = field(default_factory=dict)  # seq → (stream entry id, op)
     last_progress: float = field(default_factory=time.monotonic)
     last_stream_id: str = "0"
-    ephemeral: list[int] = field(default_factory=list)
     broken: str | None = None  # why the model could not be created
+    saved_seq: int = -1  # seq of the op the latest recovery snapshot follows
+    prev_applied: int = -1  # highest seq a previous owner committed
+    kept: list[str] = field(default_factory=list)  # entries of forward_backward ops since the snapshot
+    lost_grads: list[int] = field(default_factory=list)  # forward_backward seqs whose gradients died
 
 
-class OpExecutor:
-    """Runs training ops from Redis streams on :class:`~livelora.trainer.model.TrainingModel` s (one thread).
+class _Stale(Exception):
+    """Our lease was taken over while we worked on the model."""
+
+
+class OpExecutor(SessionOps):
+    """Runs training ops from Redis streams on the :class:`~livelora.trainer.model.TrainingModel` s it owns.
 
     Args:
         redis_client: a synchronous ``redis.Redis`` (``decode_responses=True``).
         keys: the key layout.
         home: ``LIVELORA_HOME`` (adapter store and checkpoint indexes).
         base_model: the base-model name served (the only one that can be trained).
-        settings: timings.
+        settings: timings (``lease_ttl_s``, ``gap_timeout_s``, ...).
         device: torch device of the training models.
         max_seq_len: longest ``model_input`` accepted (tokens).
         base_model_aliases: other accepted base-model names; ``served_name``: the name reported in records.
+        owner: this executor's id in leases (default ``{host}-{pid}-{4 hex}``).
     """
 
     def __init__(self, redis_client, keys: KeyLayout, home: Path | str, base_model: str,
                  settings: SessionSection | None = None, *, device: str = "cpu", max_seq_len: int | None = None,
-                 base_model_aliases: tuple[str, ...] = (), served_name: str | None = None):
+                 base_model_aliases: tuple[str, ...] = (), served_name: str | None = None, owner: str | None = None):
         from livelora.adapters.models import resolve_base_model
 
         self.redis = redis_client
         self.keys = keys
         self.home = Path(home)
         self.store = AdapterStore(self.home)
-        self.base_model = served_name or base_model
+        self.settings = settings or SessionSection()
+        self.base_model = served_name or self.settings.served_model_name or base_model
         self.base_names = {base_model, self.base_model, *base_model_aliases}
         self.base_ref = resolve_base_model(base_model, self.home)
-        self.settings = settings or SessionSection()
         self.device = device
         self.max_seq_len = max_seq_len
         self.slots: dict[str, _ModelSlot] = {}
+        self._lost: set[str] = set()
+        self._lost_lock = threading.Lock()
+        self.leases = Leases(redis_client, keys, self.settings.lease_ttl_s, owner, on_lost=self._mark_lost)
+        self._retry_at: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_housekeeping = 0.0
         self.ops_run = 0
 
+    @property
+    def owner(self) -> str:
+        return self.leases.owner
+
     # -------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Run :meth:`run_forever` in a daemon thread."""
+        """Run :meth:`run_forever` in a daemon thread (and renew leases in another)."""
         if self._thread is None:
+            self.leases.start()
             self._thread = threading.Thread(target=self.run_forever, name="livelora-op-executor", daemon=True)
             self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the current op and give the leases back (peers take the models over at once)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
             self._thread = None
+        self.leases.stop(release=True)
 
     def run_forever(self) -> None:
         while not self._stop.is_set():
@@ -111,212 +157,221 @@ class OpExecutor:
                 log.exception("op executor poll failed")
                 time.sleep(0.5)
 
+    def _mark_lost(self, model_id: str) -> None:
+        with self._lost_lock:
+            self._lost.add(model_id)
+
+    def _drop(self, model_id: str, why: str) -> None:
+        """Forget a model whose lease we lost: no write, no clean-up (the new owner has it)."""
+        slot = self.slots.pop(model_id, None)
+        self.leases.forget(model_id)
+        if slot is not None:
+            slot.model = None
+            log.warning("dropped training model %s (token %d): %s", model_id, slot.token, why)
+
     # -------------------------------------------------------------------------------- one iteration
     def poll(self, block_ms: int = 200) -> int:
-        """Read new ops, run every op that is next in its model's order, do housekeeping. Returns ops run."""
-        for model_id in self.redis.smembers(self.keys.models):
-            if model_id not in self.slots:
-                self.slots[model_id] = _ModelSlot(model_id, session_of(model_id))
+        """Take free models, read new ops, run every op that is next in its model's order, do housekeeping.
+        Returns the ops run."""
+        self.leases.start()  # idempotent: leases are renewed by a thread even when poll() is driven by hand
+        with self._lost_lock:
+            lost, self._lost = self._lost, set()
+        for model_id in lost:
+            self._drop(model_id, "lease lost")
+        self._claim_models()
         streams = {self.keys.ops(m): s.last_stream_id for m, s in self.slots.items()}
         if streams:
             for stream, entries in self.redis.xread(streams, count=256, block=block_ms) or []:
-                model_id = stream[len(self.keys.ops("")):]
-                slot = self.slots[model_id]
-                for entry_id, fields in entries:
-                    slot.last_stream_id = entry_id
-                    self._accept(slot, Op.from_json(fields["op"]))
-                self.redis.xdel(stream, *[e for e, _ in entries])
+                slot = self.slots.get(stream[len(self.keys.ops("")):])
+                try:
+                    for entry_id, fields in entries if slot is not None else ():
+                        slot.last_stream_id = entry_id
+                        self._accept(slot, entry_id, Op.from_json(fields["op"]))
+                except _Stale as exc:
+                    self._drop(slot.model_id, str(exc))
         elif block_ms:
             self._stop.wait(block_ms / 1000)
         ran = 0
         for slot in list(self.slots.values()):
-            while slot.next_seq in slot.buffer and slot.model_id in self.slots:
-                self._execute(slot, slot.buffer.pop(slot.next_seq))
+            while slot.next_seq in slot.buffer and self.slots.get(slot.model_id) is slot:
+                self._execute(slot, *slot.buffer.pop(slot.next_seq))
                 ran += 1
         if time.monotonic() - self._last_housekeeping > 1.0:
             self.housekeeping()
         return ran
 
-    def _accept(self, slot: _ModelSlot, op: Op) -> None:
-        if op.seq_id < slot.next_seq or op.seq_id in slot.buffer:
-            log.info("dropping duplicate op %s seq %d of %s", op.kind, op.seq_id, slot.model_id)
-            return
-        slot.buffer[op.seq_id] = op
+    def _claim_models(self) -> None:
+        now = time.monotonic()
+        for model_id in self.redis.smembers(self.keys.models):
+            if model_id in self.slots or self._retry_at.get(model_id, 0.0) > now:
+                continue
+            token = self.leases.acquire(model_id)
+            if token is None:
+                self._retry_at[model_id] = now + 0.5
+                continue
+            self._retry_at.pop(model_id, None)
+            try:
+                self._take(model_id, token)
+            except _Stale as exc:
+                self._drop(model_id, str(exc))
+            except Exception:
+                log.exception("taking over training model %s failed; giving it back", model_id)
+                self.slots.pop(model_id, None)
+                self.leases.release(model_id)
+                self._retry_at[model_id] = now + 5.0
 
-    def _execute(self, slot: _ModelSlot, op: Op) -> None:
+    def _take(self, model_id: str, token: int) -> None:
+        """Become the model's owner: restore it from its recovery snapshot when a previous owner left one."""
+        from livelora.trainer.recovery import read_snapshot, restore_model
+
+        index = CheckpointIndex(self.home, model_id)
+        recorded = index.fence()
+        if recorded >= token:  # Redis lost the fence counter (restarted without persistence): go above the index
+            self.leases.release(model_id)
+            token = self.leases.acquire(model_id, above=recorded)
+            if token is None:
+                raise _Stale("another executor took the model while its fence was raised")
+        slot = _ModelSlot(model_id, session_of(model_id), token=token)
+        self.slots[model_id] = slot
+        if not self.redis.exists(self.keys.session(slot.session_id)):
+            self.free(model_id, f"session {slot.session_id} ended")
+            return
+        runs = self.redis.hgetall(self.keys.op_runs(model_id))
+        slot.prev_applied = int(runs.get("applied", -1))
+        state = read_snapshot(index)
+        if state is not None:
+            slot.model = restore_model(state, self.base_ref, device=self.device, max_seq_len=self.max_seq_len)
+            slot.saved_seq = int(state["seq"])
+            if str(slot.saved_seq) not in runs:  # the old owner died between its snapshot and the future
+                self._commit(slot, state["request_id"], state["result"], slot.saved_seq)
+        elif slot.prev_applied >= 0:
+            slot.broken = "its creation failed"
+            slot.saved_seq = slot.prev_applied
+        slot.next_seq = max(slot.saved_seq, slot.prev_applied) + 1
+        if token > 1 or slot.prev_applied >= 0:
+            log.info("took over training model %s (token %d): restored after seq %d, %d op(s) committed before",
+                     model_id, token, slot.saved_seq, slot.prev_applied + 1)
+
+    def _accept(self, slot: _ModelSlot, entry_id: str, op: Op) -> None:
+        if op.seq_id < slot.next_seq or op.seq_id in slot.buffer:
+            if op.kind == "forward_backward" and slot.saved_seq < op.seq_id <= slot.prev_applied:
+                # committed by a dead owner after its last snapshot: its gradients died with it
+                if op.seq_id not in slot.lost_grads:
+                    slot.lost_grads.append(op.seq_id)
+                slot.kept.append(entry_id)
+                return
+            log.info("dropping duplicate op %s seq %d of %s", op.kind, op.seq_id, slot.model_id)
+            self._trim(slot, [entry_id])
+            return
+        slot.buffer[op.seq_id] = (entry_id, op)
+
+    def _execute(self, slot: _ModelSlot, entry_id: str, op: Op) -> None:
         slot.next_seq = op.seq_id + 1
         slot.last_progress = time.monotonic()
         self.ops_run += 1
-        if op.kind == "failed":  # the gateway rejected it and already resolved the future
-            return
         try:
-            result = self._run(slot, op)
-            record = future_done(result)
-        except Exception as exc:
-            if not isinstance(exc, LiveloraError):
-                log.exception("op %s seq %d of %s failed", op.kind, op.seq_id, slot.model_id)
-            record = future_failed(exc)
-        self._resolve(op.request_id, record)
-
-    def _resolve(self, request_id: str, record: str) -> None:
-        pipe = self.redis.pipeline()
-        pipe.set(self.keys.future(request_id), record, ex=self.settings.future_ttl_s)
-        pipe.publish(self.keys.futures_channel, request_id)
-        pipe.execute()
-
-    # -------------------------------------------------------------------------------- ops
-    def _run(self, slot: _ModelSlot, op: Op) -> dict[str, Any]:
-        if op.kind in ("create_model", "create_via_load"):
-            return self._create(slot, op)
-        if slot.model is None:
-            raise NotFoundError(f"model {slot.model_id} is not available: {slot.broken or 'it was never created'}",
-                                param="model_id")
-        model = slot.model
-        if op.kind in ("forward", "forward_backward"):
-            fb = ForwardBackwardInput.model_validate(op.body["input"])
-            fn = model.forward if op.kind == "forward" else model.forward_backward
-            return fn(fb.data, fb.loss_fn, fb.loss_fn_config).model_dump(mode="json")
-        if op.kind == "optim_step":
-            metrics = model.optim_step(AdamParams.model_validate(op.body.get("adam_params") or {}))
-            return {"metrics": metrics, "type": "optim_step"}
-        if op.kind == "save_weights":
-            return self._save_state(slot, SaveWeightsRequest.model_validate(op.body))
-        if op.kind == "save_weights_for_sampler":
-            return self._save_for_sampler(slot, SaveWeightsForSamplerRequest.model_validate(op.body))
-        if op.kind == "load_weights":
-            req = LoadWeightsRequest.model_validate(op.body)
-            index, _, version = resolve_checkpoint(self.home, req.path, want="weights")
-            model.load_state(self.store, index.lineage, version, with_optimizer=req.optimizer)
-            return {"path": req.path, "model_id": slot.model_id, "type": "load_weights"}
-        raise BadRequestError(f"unknown op {op.kind!r}")
-
-    def _check_base(self, name: str | None) -> None:
-        if name is not None and name not in self.base_names:
-            raise NotFoundError(f"base model {name!r} is not served here; this server trains {self.base_model!r}",
-                                param="base_model")
-
-    def _create(self, slot: _ModelSlot, op: Op) -> dict[str, Any]:
-        from livelora.trainer.model import TrainingModel
-
-        if slot.model is not None:
-            raise ConflictError(f"model {slot.model_id} already exists", param="model_seq_id")
-        kw = {"device": self.device, "max_seq_len": self.max_seq_len}
-        try:
-            if op.kind == "create_model":
-                req = CreateModelRequest.model_validate(op.body)
-                self._check_base(req.base_model)
-                model = TrainingModel(self.base_ref, req.lora_config, **kw)
-                user_metadata = req.user_metadata
+            if op.kind == "failed":  # the gateway rejected it and already resolved the future
+                self._commit(slot, op.request_id, None, op.seq_id)
+                self._trim(slot, [entry_id])
+                return
+            changed = False
+            try:
+                result = self._run(slot, op)
+                record = future_done(result)
+                changed = op.kind in STATE_OPS and slot.model is not None
+            except StaleOwnerError:
+                raise
+            except Exception as exc:
+                if not isinstance(exc, LiveloraError):
+                    log.exception("op %s seq %d of %s failed", op.kind, op.seq_id, slot.model_id)
+                record = future_failed(exc)
+                changed = getattr(exc, "code", None) == "trainer_lost"
+            if changed:
+                self._snapshot(slot, op, record)
+                trim, slot.kept = [*slot.kept, entry_id], []
+            elif op.kind == "forward_backward" and json.loads(record)["state"] == "done":
+                slot.kept.append(entry_id)
+                trim = []
             else:
-                req = LoadWeightsRequest.model_validate(op.body)
-                self._check_base(req.base_model)
-                index, _, version = resolve_checkpoint(self.home, req.path, want="weights")
-                model = TrainingModel.from_version(self.base_ref, self.store, index.lineage, version,
-                                                   with_optimizer=req.optimizer, **kw)
-                user_metadata = req.user_metadata
-        except LiveloraError as exc:
-            slot.broken = str(exc)
-            raise
-        slot.model = model
-        lora = model.lora
-        record = {"model_id": slot.model_id, "session_id": slot.session_id, "base_model": self.base_model,
-                  "lora": {**lora.model_dump(), "alpha": model.alpha}, "state": "ready",
-                  "arch": type(model.peft_model.base_model.model).__name__, "tokenizer_id": str(self.base_ref.path),
-                  "user_metadata": user_metadata}
-        self.redis.set(self.keys.model(slot.model_id), json.dumps(record))
-        CheckpointIndex(self.home, slot.model_id).update(lambda d: d.update(
-            model_id=slot.model_id, base_model=self.base_model, lora=record["lora"], user_metadata=user_metadata,
-            created=d.get("created") or now_iso()))
-        if op.kind == "create_model":
-            return {"model_id": slot.model_id, "type": "create_model"}
-        return {"model_id": slot.model_id, "path": LoadWeightsRequest.model_validate(op.body).path,
-                "type": "load_weights"}
+                trim = [entry_id]
+            self._commit(slot, op.request_id, record, op.seq_id)
+            self._trim(slot, trim)
+        except (_Stale, StaleOwnerError) as exc:
+            self._drop(slot.model_id, f"stale owner: {exc}")
 
-    def _save(self, slot: _ModelSlot, kind: str, name: str, overwrite: bool, with_optimizer: bool) -> Manifest:
-        index = CheckpointIndex(self.home, slot.model_id)
-        key = f"{kind}/{name}"
-        old = index.read().get("checkpoints", {}).get(key)
-        if old is not None and not overwrite:
-            raise ConflictError(f"checkpoint {tinker_path(slot.model_id, kind, name)} exists; pass overwrite=True "
-                                "or use another name", param="path")
-        manifest = slot.model.save_weights(self.store, index.lineage, with_optimizer=with_optimizer)
-        entry = {"version": manifest.version, "time": now_iso(), "adapter": manifest.name}
-        index.update(lambda d: d.setdefault("checkpoints", {}).__setitem__(key, entry))
-        if old is not None:
-            self._delete_version(index.lineage, int(old["version"]))
-        return manifest
+    def _snapshot(self, slot: _ModelSlot, op: Op, record: str) -> None:
+        from livelora.trainer.recovery import write_snapshot
 
-    def _delete_version(self, lineage: str, version: int) -> None:
-        try:
-            self.store.delete(lineage, version)
-        except LiveloraError as exc:
-            log.warning("could not delete %s@%d: %s", lineage, version, exc)
+        write_snapshot(CheckpointIndex(self.home, slot.model_id), slot.model, seq=op.seq_id, fence=slot.token,
+                       result=record, request_id=op.request_id)
+        slot.saved_seq = op.seq_id
+        slot.lost_grads.clear()
 
-    def _save_state(self, slot: _ModelSlot, req: SaveWeightsRequest) -> dict[str, Any]:
-        if req.ttl_seconds is not None:
-            raise UnsupportedParameterError("ttl_seconds is not supported: checkpoints live until deleted",
-                                            param="ttl_seconds")
-        name = check_checkpoint_name(req.path)
-        self._save(slot, "weights", name, req.overwrite, with_optimizer=True)
-        return {"path": tinker_path(slot.model_id, "weights", name), "type": "save_weights"}
+    def _commit(self, slot: _ModelSlot, request_id: str, record: str | None, seq: int | None) -> None:
+        """Write the op's future (``record``; None = the gateway already did) and count its seq, fenced."""
+        if not self.leases.resolve(slot.model_id, request_id, record, seq,
+                                   self.settings.future_ttl_s, self.keys.futures_channel):
+            raise _Stale(f"lease of {slot.model_id} lost before op {seq} was committed")
 
-    def _save_for_sampler(self, slot: _ModelSlot, req: SaveWeightsForSamplerRequest) -> dict[str, Any]:
-        if req.ttl_seconds is not None:
-            raise UnsupportedParameterError("ttl_seconds is not supported: checkpoints live until deleted",
-                                            param="ttl_seconds")
-        if req.kind == "inflight":
-            raise UnsupportedParameterError("kind='inflight' is not supported; use 'snapshot'", param="kind")
-        if (req.path is None) == (req.sampling_session_seq_id is None):
-            raise BadRequestError("give exactly one of path (a named sampler checkpoint) and sampling_session_seq_id "
-                                  "(ephemeral weights for a new sampling session)", param="path")
-        if req.path is not None:
-            name = check_checkpoint_name(req.path)
-            manifest = self._save(slot, "sampler_weights", name, True, with_optimizer=False)
-            return {"path": tinker_path(slot.model_id, "sampler_weights", name), "adapter": manifest.name,
-                    "type": "save_weights_for_sampler"}
-        manifest = slot.model.save_weights(self.store, lineage_for(slot.model_id))
-        slot.ephemeral.append(manifest.version)
-        sampling_id = f"{slot.session_id}:sample:{req.sampling_session_seq_id}"
-        record = {"sampler_id": sampling_id, "session_id": slot.session_id, "base_model": self.base_model,
-                  "model_path": None, "adapter": manifest.name,
-                  "adapter_path": str(self.store.version_dir(manifest.lineage, manifest.version))}
-        self.redis.set(self.keys.sampler(sampling_id), json.dumps(record), ex=self.settings.future_ttl_s)
-        return {"sampling_session_id": sampling_id, "path": None, "adapter": manifest.name,
-                "type": "save_weights_for_sampler"}
+    def _trim(self, slot: _ModelSlot, entry_ids: list[str]) -> None:
+        if entry_ids and not self.leases.trim(slot.model_id, entry_ids):
+            raise _Stale(f"lease of {slot.model_id} lost")
 
     # -------------------------------------------------------------------------------- housekeeping
     def housekeeping(self) -> None:
         """Free models of ended sessions; fail ops stuck behind a seq_id that never came."""
         self._last_housekeeping = time.monotonic()
         for slot in list(self.slots.values()):
-            if not self.redis.exists(self.keys.session(slot.session_id)):
-                self.free(slot.model_id, f"session {slot.session_id} ended (finished, or no heartbeat for "
-                                         f"{self.settings.session_ttl_s:g} s)")
-            elif slot.buffer and time.monotonic() - slot.last_progress > self.settings.gap_timeout_s:
-                missing = slot.next_seq
-                for seq in sorted(slot.buffer):
-                    op = slot.buffer.pop(seq)
-                    self._resolve(op.request_id, future_failed(BadRequestError(
-                        f"seq_id {missing} of model {slot.model_id} never arrived within "
-                        f"{self.settings.gap_timeout_s:g} s; ops after it cannot run in order", param="seq_id")))
-                    slot.next_seq = max(slot.next_seq, seq + 1)
-                slot.last_progress = time.monotonic()
+            try:
+                if not self.redis.exists(self.keys.session(slot.session_id)):
+                    self.free(slot.model_id, f"session {slot.session_id} ended (finished, or no heartbeat for "
+                                             f"{self.settings.session_ttl_s:g} s)")
+                elif slot.buffer and time.monotonic() - slot.last_progress > self.settings.gap_timeout_s:
+                    missing = slot.next_seq
+                    for seq in sorted(slot.buffer):
+                        entry_id, op = slot.buffer.pop(seq)
+                        self._commit(slot, op.request_id, future_failed(BadRequestError(
+                            f"seq_id {missing} of model {slot.model_id} never arrived within "
+                            f"{self.settings.gap_timeout_s:g} s; ops after it cannot run in order", param="seq_id")),
+                            seq)
+                        self._trim(slot, [entry_id])
+                        slot.next_seq = max(slot.next_seq, seq + 1)
+                    slot.last_progress = time.monotonic()
+            except _Stale as exc:
+                self._drop(slot.model_id, str(exc))
 
     def free(self, model_id: str, reason: str) -> None:
-        """Drop a model: fail its buffered ops, delete its stream, records and ephemeral sampler versions."""
+        """Drop a model we own: fail its buffered ops, delete its stream, records, recovery snapshots and the
+        versions of its lineage no named checkpoint references (ephemeral sampler saves); release the lease."""
+        from livelora.trainer.recovery import drop_snapshots
+
         slot = self.slots.pop(model_id, None)
         if slot is None:
             return
-        for seq in sorted(slot.buffer):
-            op = slot.buffer.pop(seq)
-            self._resolve(op.request_id, future_failed(NotFoundError(f"model {model_id} was freed: {reason}",
-                                                                     param="model_id")))
+        try:
+            for seq in sorted(slot.buffer):
+                _, op = slot.buffer.pop(seq)
+                self._commit(slot, op.request_id, future_failed(NotFoundError(f"model {model_id} was freed: {reason}",
+                                                                              param="model_id")), seq)
+        except _Stale as exc:
+            self._drop(model_id, str(exc))
+            return
         pipe = self.redis.pipeline()
         pipe.srem(self.keys.models, model_id)
         pipe.delete(self.keys.ops(model_id), self.keys.model(model_id))
         pipe.execute()
-        lineage = lineage_for(model_id)
-        for version in slot.ephemeral:
-            self._delete_version(lineage, version)
+        index = CheckpointIndex(self.home, model_id)
+        try:
+            keep = {int(e["version"]) for e in index.read().get("checkpoints", {}).values()}
+            drop_snapshots(index, fence=slot.token)
+        except NotFoundError:
+            keep = set()
+        except StaleOwnerError as exc:
+            self._drop(model_id, str(exc))
+            return
+        for manifest in self.store.list(index.lineage):
+            if manifest.version not in keep:
+                self._delete_version(index.lineage, manifest.version)
         slot.model = None
+        self.leases.release(model_id)
         log.info("freed training model %s: %s", model_id, reason)

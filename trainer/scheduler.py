@@ -145,6 +145,17 @@ class BatchScheduler:
             out.append(batch)
         return out
 
+    def take_lonely(self, now: float, min_age_s: float) -> list[tuple[str, Event]]:
+        """Remove and return ``(stream_id, event)`` of every KTO queue holding a single rating older than
+        ``min_age_s`` seconds: KTO never trains one example, and with several workers the rating that would
+        pair with it may sit in another worker; the worker hands it back to the group."""
+        out = []
+        for (_, kind), q in self._queues.items():
+            if kind == "kto" and len(q.items) == 1 and now - q.oldest() >= min_age_s:
+                sid, ev, _ = q.items.popitem(last=False)[1]
+                out.append((sid, ev))
+        return out
+
     def requeue(self, batch: Batch, now: float) -> None:
         """Put a batch whose step failed back at the front of its queue (it is retried later)."""
         q = self._queues.setdefault((batch.lineage, batch.kind), _Queue())

@@ -8,23 +8,39 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    re-reads its own pending entries (``XREADGROUP … 0``).
 2. ``XREADGROUP`` new entries (blocking up to ``block_ms``).
 3. Append every entry read to ``LIVELORA_HOME/data/signals/<UTC date>.jsonl``
-   and fsync, **before** anything is acknowledged. The dataset is at least once:
-   an entry re-delivered after a crash is appended again; :func:`read_dataset`
-   keeps the first line per event id.
+   and fsync, **before** anything is acknowledged, once per event id across all
+   workers (:class:`~livelora.trainer.dataset.DatasetOfRecord`: under a file
+   lock, after reading what peers appended).
 4. Queue the events in the :class:`~livelora.trainer.scheduler.BatchScheduler`;
    ratings it supersedes are acknowledged at once (they are on disk and will not
-   be trained).
-5. For each due batch: the backend trains one step and writes a new adapter
-   version (parent = previous); the event ids go to ``trained.jsonl`` (fsync);
-   then the batch's entries are ``XACK``-ed; then a ``version_published``
-   notice goes out on the notices channel. A crash before the version is
-   written leaves the entries pending, so they are reclaimed and trained
-   (never lost); a crash between version and ack makes the redelivered entries
-   be acknowledged without training them twice (``trained.jsonl``).
+   be trained). Events already trained are acknowledged, not queued.
+5. For each due batch: events trained meanwhile by any worker (the shared Redis
+   sorted set ``signals:trained`` and ``trained.jsonl``) and entries no longer claimed by
+   this worker are taken out; the backend trains one step and writes a new
+   adapter version (parent = previous); the event ids go to ``trained.jsonl``
+   (fsync); then one Lua script adds them to ``signals:trained`` and acknowledges
+   **and deletes** the batch's entries (``XACK`` + ``XDEL``, only those still
+   pending for this worker); then a ``version_published`` notice goes out. A
+   crash before the version is written leaves the entries pending, so they are
+   reclaimed and trained (never lost); a crash between version and commit makes
+   the redelivered entries be acknowledged without training them
+   (``trained.jsonl`` is read again at every batch).
 
-While entries wait in the scheduler's queues the worker periodically re-claims
-them for itself (``XCLAIM … JUSTID``), which resets their idle time, so a live
-worker's queued entries are not stolen by a peer.
+**Claims.** While this worker holds entries (queued in the scheduler or in the
+step being trained) a thread re-claims them every ``claim_idle_s / 3``
+(``XCLAIM … JUSTID`` of the entries still pending *for this consumer*, checked
+in a Lua script), which resets their idle time: neither a peer's ``XAUTOCLAIM``
+nor this worker's own takes them while it lives, however long a step runs.
+
+**Trimming.** Acknowledged entries are deleted one by one (``XACK`` + ``XDEL`` in
+one script). ``XTRIM MINID`` is not used: with several consumers, entries older
+than the newest acknowledged one may still be pending in a slower worker, and
+trimming by id would delete them before they are trained.
+
+No event is trained twice as long as a worker is not frozen for longer than
+``claim_idle_s`` (its claims then lapse and a peer takes its entries); a commit
+that finds events already in ``signals:trained`` counts them in
+``signals:retrained`` (it stays 0 in the tests and the soak bench).
 """
 
 from __future__ import annotations
@@ -35,7 +51,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,13 +63,64 @@ from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
-from livelora.trainer.scheduler import Batch, BatchScheduler
+from livelora.trainer.dataset import (TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset,
+                                      trained_log)
+from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
 
 log = logging.getLogger(__name__)
 
-#: Which events each version was trained on (``{"version", "event_ids", "stream_ids"}`` per line), written
-#: after the version and before the ack: events redelivered after a crash in between are not trained twice.
-TRAINED_FILE = "trained.jsonl"
+__all__ = ["TRAINED_FILE", "TrainerWorker", "TrainingBackend", "append_lines", "build_worker", "dataset_dir",
+           "read_dataset", "run_worker"]
+
+#: Seconds an event id stays in the Redis trained set (a fast path; ``trained.jsonl`` is the full record).
+TRAINED_SET_WINDOW_S = 24 * 3600
+
+# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids → the ids still pending for the consumer,
+# re-claimed (idle time reset)
+_RENEW_MINE = """
+local mine = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p > 0 then table.insert(mine, ARGV[i]) end
+end
+if #mine > 0 then
+  local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+  for _, id in ipairs(mine) do table.insert(args, id) end
+  table.insert(args, 'JUSTID')
+  redis.call(unpack(args))
+end
+return mine
+"""
+# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] entry id, ARGV[4] event JSON, ARGV[5] replaces →
+# the new entry id ('' if the entry was no longer ours)
+_HANDOFF = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #p == 0 then return '' end
+local sid = redis.call('XADD', KEYS[1], '*', 'event', ARGV[4], 'replaces', ARGV[5])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return sid
+"""
+# KEYS[1] stream, KEYS[2] trained sorted set, KEYS[3] retrained counter; ARGV[1] group, ARGV[2] consumer,
+# ARGV[3] number of event ids n, ARGV[4] now (s), ARGV[5] forget before (s), ARGV[6..5+n] event ids, then entry
+# ids → events found already trained
+_COMMIT = """
+local n = tonumber(ARGV[3])
+local dup = 0
+for i = 6, 5 + n do
+  if redis.call('ZADD', KEYS[2], 'NX', ARGV[4], ARGV[i]) == 0 then dup = dup + 1 end
+end
+if dup > 0 then redis.call('INCRBY', KEYS[3], dup) end
+if n > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[5]) end
+for i = 6 + n, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p > 0 then
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    redis.call('XDEL', KEYS[1], ARGV[i])
+  end
+end
+return dup
+"""
 
 
 class TrainingBackend(Protocol):
@@ -72,43 +139,6 @@ class TrainingBackend(Protocol):
         """Directory of the version ``manifest`` describes."""
 
 
-def dataset_dir(home: Path) -> Path:
-    """``LIVELORA_HOME/data/signals``: the dataset of record."""
-    return Path(home) / "data" / "signals"
-
-
-def append_lines(path: Path, lines: Iterable[str]) -> None:
-    """Append JSONL lines with one write and one fsync (the lines are durable when this returns)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(line.rstrip("\n") + "\n" for line in lines)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_dataset(home: Path) -> list[dict[str, Any]]:
-    """Every accepted event in the dataset of record, oldest file first, one record per event id.
-
-    Each record: ``{"stream_id", "received" (Unix s), "event" (the event as JSON object)}``.
-    A partial last line (the process died mid-write, before the fsync returned) is skipped.
-    """
-    out: dict[str, dict[str, Any]] = {}
-    d = dataset_dir(home)
-    if not d.is_dir():
-        return []
-    for path in sorted(d.glob("[0-9]*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            out.setdefault(rec["event"]["id"] if isinstance(rec.get("event"), dict) else rec["stream_id"], rec)
-    return list(out.values())
-
-
 class TrainerWorker:
     """Consumes the signals stream for one trainer process.
 
@@ -120,7 +150,8 @@ class TrainerWorker:
         scheduler: batching scheduler (default: thresholds from the environment).
         consumer: consumer name in the ``trainers`` group (default ``<host>-<pid>``); reuse the
             same name after a restart to pick up this worker's own pending entries at once.
-        claim_idle_s: entries pending longer than this (seconds) in *another* consumer are reclaimed.
+        claim_idle_s: entries pending longer than this (seconds) in another consumer are reclaimed; this
+            worker re-claims its own every third of it.
         claim_interval_s: how often to run ``XAUTOCLAIM`` (seconds).
         block_ms: ``XREADGROUP`` block time (milliseconds).
         read_count: entries per read.
@@ -145,35 +176,79 @@ class TrainerWorker:
         self.max_failures = max_failures
         self.clock = clock
         self.endpoints = EndpointStore(self.home)
+        self.dataset = DatasetOfRecord(self.home)
+        self.trained = trained_log(self.home)
         self.published: list[VersionNotice] = []
         self._failures: dict[str, int] = {}
-        self._trained: set[str] = self._load_trained()
+        self._held: set[str] = set()  # stream ids queued here or in the step being trained
+        self._lost: set[str] = set()  # held ids whose claim went to another consumer
+        self._held_lock = threading.Lock()
+        self._keeper_stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._renew = client.register_script(_RENEW_MINE)
+        self._commit_script = client.register_script(_COMMIT)
+        self._handoff = client.register_script(_HANDOFF)
         self._last_claim = float("-inf")
-        self._last_touch = clock()
         self._started = False
-
-    def _load_trained(self) -> set[str]:
-        path = dataset_dir(self.home) / TRAINED_FILE
-        ids: set[str] = set()
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    ids.update(json.loads(line)["event_ids"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a torn last line: its version's events are trained again
-        return ids
 
     # ------------------------------------------------------------------ reading
 
     def start(self) -> None:
-        """Create the group if needed and take back this consumer's own pending entries."""
+        """Create the group if needed, read ``trained.jsonl``, take back this consumer's own pending entries and
+        start the claim keeper thread."""
         ensure_group(self.client, self.keys)
+        self.trained.refresh()
         with redis_unavailable():
             own = self.client.xreadgroup(TRAINERS_GROUP, self.consumer, {self.keys.signals: "0"},
                                          count=10_000)
         entries = own[0][1] if own else []
         self._ingest([(sid, f) for sid, f in entries if f])
         self._started = True
+        if self._keeper is None:
+            self._keeper_stop.clear()
+            self._keeper = threading.Thread(target=self._keep_claims, name="livelora-claim-keeper", daemon=True)
+            self._keeper.start()
+
+    def close(self) -> None:
+        """Stop the claim keeper thread (entries still held are reclaimed by peers after ``claim_idle_s``)."""
+        self._keeper_stop.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=5)
+            self._keeper = None
+
+    def _keep_claims(self) -> None:
+        while not self._keeper_stop.wait(max(0.05, self.claim_idle_s / 3)):
+            try:
+                self.renew_claims()
+            except Exception as exc:  # Redis hiccup: the next round tries again
+                log.warning("renewing signal claims failed: %s", exc)
+
+    def renew_claims(self) -> set[str]:
+        """Reset the idle time of every entry this worker holds that is still pending for it; returns (and
+        remembers) the held ids that another consumer has taken."""
+        with self._held_lock:
+            held = sorted(self._held)
+        lost: set[str] = set()
+        for i in range(0, len(held), 500):
+            chunk = held[i:i + 500]
+            with redis_unavailable():
+                mine = set(self._renew(keys=[self.keys.signals], args=[TRAINERS_GROUP, self.consumer, *chunk]))
+            lost.update(set(chunk) - mine)
+        if lost:
+            with self._held_lock:
+                lost &= self._held
+                self._lost |= lost
+            log.warning("%d held signal(s) were claimed by another worker", len(lost))
+        return lost
+
+    def _hold(self, ids: list[str]) -> None:
+        with self._held_lock:
+            self._held.update(ids)
+
+    def _release(self, ids: list[str]) -> None:
+        with self._held_lock:
+            self._held.difference_update(ids)
+            self._lost.difference_update(ids)
 
     def _reclaim(self) -> list[tuple[str, dict[str, str]]]:
         got: list[tuple[str, dict[str, str]]] = []
@@ -187,49 +262,72 @@ class TrainerWorker:
                 got.extend((sid, f) for sid, f in entries if f)
                 if cursor in ("0-0", b"0-0"):
                     break
+        with self._held_lock:
+            got = [(sid, f) for sid, f in got if sid not in self._held]
         if got:
             log.info("reclaimed %d signal(s) left pending by a dead worker", len(got))
         return got
 
-    def _touch_queued(self) -> None:
-        """Reset the idle time of entries queued here, so peers do not reclaim them."""
-        ids = self.scheduler.pending()
-        if ids:
-            with redis_unavailable():
-                self.client.xclaim(self.keys.signals, TRAINERS_GROUP, self.consumer, min_idle_time=0,
-                                   message_ids=ids, justid=True)
+    def trained_ids(self, event_ids: list[str]) -> set[str]:
+        """Which of ``event_ids`` any worker has trained: the shared Redis set (events of the last
+        :data:`TRAINED_SET_WINDOW_S`), then ``trained.jsonl`` (every event, read incrementally)."""
+        if not event_ids:
+            return set()
+        with redis_unavailable():
+            scores = self.client.zmscore(self.keys.signals_trained, event_ids)
+        done = {e for e, f in zip(event_ids, scores) if f is not None}
+        rest = [e for e in event_ids if e not in done]
+        if rest:
+            on_disk = self.trained.refresh()
+            done.update(e for e in rest if e in on_disk)
+        return done
 
     def _ingest(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        with self._held_lock:
+            entries = [(sid, f) for sid, f in entries if sid not in self._held]
         if not entries:
             return
         now = self.clock()
         day = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d")
-        lines, parsed, bad = [], [], []
+        records, parsed, bad = [], [], []
         for sid, fields in entries:
             try:
                 ev = parse_stream_event(fields)
             except (ValueError, KeyError) as exc:
                 bad.append(sid)
-                lines.append(json.dumps({"stream_id": sid, "received": now, "invalid": str(exc)[:500],
-                                         "fields": fields}))
+                records.append((sid, {"stream_id": sid, "received": now, "invalid": str(exc)[:500],
+                                      "fields": fields}))
                 continue
             parsed.append((sid, ev))
-            lines.append(json.dumps({"stream_id": sid, "received": now,
-                                     "event": json.loads(ev.model_dump_json())}))
-        append_lines(dataset_dir(self.home) / f"{day}.jsonl", lines)  # durable BEFORE any ack
+            records.append((ev.id, {"stream_id": sid, "received": now, "event": json.loads(ev.model_dump_json())}))
+        self.dataset.append(day, records)  # durable BEFORE any ack; once per event id
         ack = list(bad)
+        done = self.trained_ids([ev.id for _, ev in parsed])
         for sid, ev in parsed:
-            if ev.id in self._trained:  # trained before a crash that came before its ack
+            if ev.id in done:  # trained before a crash that came before its ack, or by a peer
                 ack.append(sid)
                 continue
             lineage = self.endpoints.get(ev.endpoint).lineage
+            self._hold([sid])
             ack += self.scheduler.add(lineage, sid, ev, now)
         if ack:
             self._ack(ack)
 
     def _ack(self, ids: list[str]) -> None:
+        """Acknowledge and delete entries still pending for this worker (nothing is marked trained)."""
+        self._commit([], ids)
+
+    def _commit(self, event_ids: list[str], stream_ids: list[str]) -> int:
+        """One script: add ``event_ids`` to the shared trained set, then XACK + XDEL the ``stream_ids`` still
+        pending for this worker. Returns how many events were already in the set (should be 0)."""
+        now = time.time()
         with redis_unavailable():
-            self.client.xack(self.keys.signals, TRAINERS_GROUP, *ids)
+            dup = int(self._commit_script(
+                keys=[self.keys.signals, self.keys.signals_trained, self.keys.signals_retrained],
+                args=[TRAINERS_GROUP, self.consumer, len(event_ids), now, now - TRAINED_SET_WINDOW_S, *event_ids,
+                      *stream_ids]))
+        self._release(stream_ids)
+        return dup
 
     # ------------------------------------------------------------------ stepping
 
@@ -250,15 +348,53 @@ class TrainerWorker:
                                          count=self.read_count,
                                          block=self.block_ms if block_ms is None else block_ms)
         self._ingest([(sid, f) for sid, f in (res[0][1] if res else []) if f])
-        now = self.clock()
-        if now - self._last_touch >= self.claim_idle_s / 3:
-            self._last_touch = now
-            self._touch_queued()
+        self._hand_off_lonely()
         out = []
-        for batch in self.scheduler.due(now):
+        for batch in self.scheduler.due(self.clock()):
+            batch = self._screen(batch)
+            if batch is None:
+                continue
             notice = self._train(batch)
             if notice is not None:
                 out.append(notice)
+        return out
+
+    def _hand_off_lonely(self) -> None:
+        """A rating alone in its KTO queue for ``2 × max_wait_s`` goes back to the group as a new entry (same
+        event, same id; one script adds it and acknowledges + deletes the old entry), so that with several
+        workers it can meet a partner in another worker's queue instead of waiting for the next rating here."""
+        max_wait = getattr(self.scheduler.config, "max_wait_s", 30.0)
+        for sid, ev in self.scheduler.take_lonely(self.clock(), 2 * max_wait):
+            with redis_unavailable():
+                new = self._handoff(keys=[self.keys.signals], args=[TRAINERS_GROUP, self.consumer, sid,
+                                                                     ev.model_dump_json(), ev.replaces or ""])
+            self._release([sid])
+            log.info("handed lonely rating %s back to the group (%s → %s)", ev.id, sid, new or "not ours")
+
+    def _screen(self, batch: Batch) -> Batch | None:
+        """Take out of a due batch the events trained meanwhile by any worker (acknowledged) and the entries
+        another worker has claimed (forgotten); None when too few remain to train now (they are requeued)."""
+        with self._held_lock:
+            lost = self._lost & set(batch.stream_ids)
+        done = self.trained_ids([e.id for e in batch.events])
+        if done:
+            self._ack([sid for sid, e in zip(batch.stream_ids, batch.events) if e.id in done])
+        if lost:
+            self._release(list(lost))
+        keep = [(sid, e) for sid, e in zip(batch.stream_ids, batch.events) if sid not in lost and e.id not in done]
+        if len(keep) == len(batch.events):
+            return batch
+        log.info("batch for %s: %d event(s) already trained, %d claimed by another worker", batch.lineage,
+                 len(done), len(lost))
+        if not keep:
+            return None
+        out = Batch(batch.lineage, batch.kind, [e for _, e in keep], [sid for sid, _ in keep])
+        if out.kind == "kto":
+            if len(keep) < 2:  # KTO never runs on one example
+                self.scheduler.requeue(out, self.clock())
+                return None
+            n_d = sum(1 for e in out.events if e.rating)
+            out.desirable_weight, out.undesirable_weight = kto_class_weights(n_d, len(out.events) - n_d)
         return out
 
     def _train(self, batch: Batch) -> VersionNotice | None:
@@ -275,10 +411,12 @@ class TrainerWorker:
         except Exception as exc:  # a transient or internal fault: retry later
             return self._failed(batch, key, exc)
         self._failures.pop(key, None)
+        event_ids = [e.id for e in batch.events]
         append_lines(dataset_dir(self.home) / TRAINED_FILE, [json.dumps(
-            {"version": manifest.name, "event_ids": [e.id for e in batch.events], "stream_ids": batch.stream_ids})])
-        self._trained.update(e.id for e in batch.events)
-        self._ack(batch.stream_ids)
+            {"version": manifest.name, "event_ids": event_ids, "stream_ids": batch.stream_ids})])
+        dup = self._commit(event_ids, batch.stream_ids)
+        if dup:
+            log.error("%d event(s) of %s had already been trained by another worker", dup, manifest.name)
         notice = VersionNotice(lineage=manifest.lineage, version=manifest.version, name=manifest.name,
                                path=str(self.backend.path_of(manifest)), sha256=manifest.sha256,
                                endpoint=batch.endpoint,
@@ -318,15 +456,18 @@ class TrainerWorker:
                 warm_up()
             except Exception:  # only an optimisation: the first update builds what it needs
                 log.exception("trainer warm-up failed")
-        while not stop.is_set():
-            try:
-                self.poll()
-            except UnavailableError as exc:
-                log.warning("Redis unavailable: %s", exc)
-                stop.wait(retry_s)
-            except Exception:  # a bug must not silently end the trainer: log, back off, go on
-                log.exception("trainer poll failed")
-                stop.wait(retry_s)
+        try:
+            while not stop.is_set():
+                try:
+                    self.poll()
+                except UnavailableError as exc:
+                    log.warning("Redis unavailable: %s", exc)
+                    stop.wait(retry_s)
+                except Exception:  # a bug must not silently end the trainer: log, back off, go on
+                    log.exception("trainer poll failed")
+                    stop.wait(retry_s)
+        finally:
+            self.close()
 
 
 def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> TrainerWorker:
@@ -346,13 +487,20 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
 
 
 def run_worker(settings: Any = None) -> None:
-    """Run one trainer worker (blocking) until SIGINT/SIGTERM; ``settings`` default to the environment."""
+    """Run one trainer worker (blocking) until SIGINT/SIGTERM; ``settings`` default to the environment.
+
+    Raises:
+        InstallMismatchError: the store and the Redis prefix belong to different installs.
+    """
     import signal
+
+    from livelora.adapters.install import bind_install
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     worker = build_worker(settings)
+    bind_install(worker.client, worker.keys, worker.home)
     log.info("trainer worker %s consuming %s", worker.consumer, worker.keys.signals)
     worker.run(stop)
 

@@ -1,0 +1,158 @@
+"""The training ops themselves, as the op executor runs them on the model it owns (a mixin of
+:class:`~livelora.trainer.executor.OpExecutor`; the ordering, ownership and recovery live there)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from livelora.adapters.session_protocol import (CheckpointIndex, Op, check_checkpoint_name, lineage_for, now_iso,
+                                                resolve_checkpoint, tinker_path)
+from livelora.adapters.store import Manifest
+from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, LiveloraError, NotFoundError,
+                                     UnsupportedParameterError)
+from livelora.clients.types.tinker import (AdamParams, CreateModelRequest, ForwardBackwardInput, LoadWeightsRequest,
+                                           SaveWeightsForSamplerRequest, SaveWeightsRequest)
+
+log = __import__("logging").getLogger(__name__)
+
+
+class SessionOps:
+    """``create_model``, create-via-load, ``forward``, ``forward_backward``, ``optim_step``, ``save_weights``,
+    ``save_weights_for_sampler``, ``load_weights`` on one model slot. Expects the executor's attributes
+    (``home``, ``store``, ``base_ref``, ``base_names``, ``base_model``, ``device``, ``max_seq_len``, ``redis``,
+    ``keys``, ``settings``)."""
+
+    # -------------------------------------------------------------------------------- ops
+    def _run(self, slot: Any, op: Op) -> dict[str, Any]:
+        if op.kind in ("create_model", "create_via_load"):
+            return self._create(slot, op)
+        if slot.model is None:
+            raise NotFoundError(f"model {slot.model_id} is not available: {slot.broken or 'it was never created'}",
+                                param="model_id")
+        model = slot.model
+        if op.kind in ("forward", "forward_backward"):
+            fb = ForwardBackwardInput.model_validate(op.body["input"])
+            fn = model.forward if op.kind == "forward" else model.forward_backward
+            return fn(fb.data, fb.loss_fn, fb.loss_fn_config).model_dump(mode="json")
+        if op.kind == "optim_step":
+            if slot.lost_grads:
+                model.zero_grad()
+                seqs = ", ".join(map(str, sorted(slot.lost_grads)))
+                raise InternalError(
+                    f"optim_step seq {op.seq_id} of {slot.model_id} was not applied: the gradients of "
+                    f"forward_backward seq {seqs} were accumulated by a trainer process that died; another "
+                    f"trainer took the model over from its state after seq {slot.saved_seq}. No optimizer "
+                    "step is applied on lost gradients; the accumulated gradients were dropped: run "
+                    "forward_backward again, then optim_step.", code="trainer_lost")
+            metrics = model.optim_step(AdamParams.model_validate(op.body.get("adam_params") or {}))
+            return {"metrics": metrics, "type": "optim_step"}
+        if op.kind == "save_weights":
+            return self._save_state(slot, SaveWeightsRequest.model_validate(op.body), op.request_id)
+        if op.kind == "save_weights_for_sampler":
+            return self._save_for_sampler(slot, SaveWeightsForSamplerRequest.model_validate(op.body), op.request_id)
+        if op.kind == "load_weights":
+            req = LoadWeightsRequest.model_validate(op.body)
+            index, _, version = resolve_checkpoint(self.home, req.path, want="weights")
+            model.load_state(self.store, index.lineage, version, with_optimizer=req.optimizer)
+            slot.lost_grads.clear()  # load_state dropped every gradient
+            return {"path": req.path, "model_id": slot.model_id, "type": "load_weights"}
+        raise BadRequestError(f"unknown op {op.kind!r}")
+
+    def _check_base(self, name: str | None) -> None:
+        if name is not None and name not in self.base_names:
+            raise NotFoundError(f"base model {name!r} is not served here; this server trains {self.base_model!r}",
+                                param="base_model")
+
+    def _create(self, slot: Any, op: Op) -> dict[str, Any]:
+        from livelora.trainer.model import TrainingModel
+
+        if slot.model is not None:
+            raise ConflictError(f"model {slot.model_id} already exists", param="model_seq_id")
+        kw = {"device": self.device, "max_seq_len": self.max_seq_len}
+        try:
+            if op.kind == "create_model":
+                req = CreateModelRequest.model_validate(op.body)
+                self._check_base(req.base_model)
+                model = TrainingModel(self.base_ref, req.lora_config, **kw)
+                user_metadata = req.user_metadata
+            else:
+                req = LoadWeightsRequest.model_validate(op.body)
+                self._check_base(req.base_model)
+                index, _, version = resolve_checkpoint(self.home, req.path, want="weights")
+                model = TrainingModel.from_version(self.base_ref, self.store, index.lineage, version,
+                                                   with_optimizer=req.optimizer, **kw)
+                user_metadata = req.user_metadata
+        except LiveloraError as exc:
+            slot.broken = str(exc)
+            raise
+        slot.model = model
+        lora = model.lora
+        record = {"model_id": slot.model_id, "session_id": slot.session_id, "base_model": self.base_model,
+                  "lora": {**lora.model_dump(), "alpha": model.alpha}, "state": "ready",
+                  "arch": type(model.peft_model.base_model.model).__name__, "tokenizer_id": str(self.base_ref.path),
+                  "user_metadata": user_metadata}
+        self.redis.set(self.keys.model(slot.model_id), json.dumps(record))
+        CheckpointIndex(self.home, slot.model_id).update(lambda d: d.update(
+            model_id=slot.model_id, base_model=self.base_model, lora=record["lora"], user_metadata=user_metadata,
+            created=d.get("created") or now_iso()), fence=slot.token)
+        if op.kind == "create_model":
+            return {"model_id": slot.model_id, "type": "create_model"}
+        return {"model_id": slot.model_id, "path": LoadWeightsRequest.model_validate(op.body).path,
+                "type": "load_weights"}
+
+    def _save(self, slot: Any, kind: str, name: str, overwrite: bool, with_optimizer: bool,
+              request_id: str) -> Manifest:
+        index = CheckpointIndex(self.home, slot.model_id)
+        key = f"{kind}/{name}"
+        old = index.read().get("checkpoints", {}).get(key)
+        if old is not None and old.get("request_id") == request_id:  # this very op, run by an owner that died
+            return self.store.get(index.lineage, int(old["version"]))
+        if old is not None and not overwrite:
+            raise ConflictError(f"checkpoint {tinker_path(slot.model_id, kind, name)} exists; pass overwrite=True "
+                                "or use another name", param="path")
+        manifest = slot.model.save_weights(self.store, index.lineage, with_optimizer=with_optimizer)
+        entry = {"version": manifest.version, "time": now_iso(), "adapter": manifest.name, "request_id": request_id}
+        index.update(lambda d: d.setdefault("checkpoints", {}).__setitem__(key, entry), fence=slot.token)
+        if old is not None:
+            self._delete_version(index.lineage, int(old["version"]))
+        return manifest
+
+    def _delete_version(self, lineage: str, version: int) -> None:
+        try:
+            self.store.delete(lineage, version)
+        except LiveloraError as exc:
+            log.warning("could not delete %s@%d: %s", lineage, version, exc)
+
+    def _save_state(self, slot: Any, req: SaveWeightsRequest, request_id: str) -> dict[str, Any]:
+        if req.ttl_seconds is not None:
+            raise UnsupportedParameterError("ttl_seconds is not supported: checkpoints live until deleted",
+                                            param="ttl_seconds")
+        name = check_checkpoint_name(req.path)
+        self._save(slot, "weights", name, req.overwrite, with_optimizer=True, request_id=request_id)
+        return {"path": tinker_path(slot.model_id, "weights", name), "type": "save_weights"}
+
+    def _save_for_sampler(self, slot: Any, req: SaveWeightsForSamplerRequest,
+                          request_id: str) -> dict[str, Any]:
+        if req.ttl_seconds is not None:
+            raise UnsupportedParameterError("ttl_seconds is not supported: checkpoints live until deleted",
+                                            param="ttl_seconds")
+        if req.kind == "inflight":
+            raise UnsupportedParameterError("kind='inflight' is not supported; use 'snapshot'", param="kind")
+        if (req.path is None) == (req.sampling_session_seq_id is None):
+            raise BadRequestError("give exactly one of path (a named sampler checkpoint) and sampling_session_seq_id "
+                                  "(ephemeral weights for a new sampling session)", param="path")
+        if req.path is not None:
+            name = check_checkpoint_name(req.path)
+            manifest = self._save(slot, "sampler_weights", name, True, with_optimizer=False, request_id=request_id)
+            return {"path": tinker_path(slot.model_id, "sampler_weights", name), "adapter": manifest.name,
+                    "type": "save_weights_for_sampler"}
+        manifest = slot.model.save_weights(self.store, lineage_for(slot.model_id))  # deleted when the model is freed
+        sampling_id = f"{slot.session_id}:sample:{req.sampling_session_seq_id}"
+        record = {"sampler_id": sampling_id, "session_id": slot.session_id, "base_model": self.base_model,
+                  "model_path": None, "adapter": manifest.name,
+                  "adapter_path": str(self.store.version_dir(manifest.lineage, manifest.version))}
+        self.redis.set(self.keys.sampler(sampling_id), json.dumps(record), ex=self.settings.future_ttl_s)
+        return {"sampling_session_id": sampling_id, "path": None, "adapter": manifest.name,
+                "type": "save_weights_for_sampler"}
+
