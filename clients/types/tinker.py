@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from livelora.clients.types.nulls import NullMeansOmitted
+
 __all__ = [
     "AdamParams", "CreateModelRequest", "CreateModelResponse", "Datum", "EncodedTextChunk",
     "ForwardBackwardInput", "ForwardBackwardOutput", "ForwardBackwardRequest", "LoraConfig", "LossFnType",
@@ -37,8 +39,9 @@ server-side with reference logprobs from the base model)."""
 SUPPORTED_LOSSES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "kto", "dpo")
 
 
-class StrictModel(BaseModel):
-    """Base of request models: unknown fields are an error."""
+class StrictModel(NullMeansOmitted):
+    """Base of request models: unknown fields are an error; ``null`` for an optional field means "not given"
+    (:mod:`.nulls`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
