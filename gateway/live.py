@@ -57,7 +57,8 @@ async def start_live_loop(app, settings, engine) -> LiveLoop:
     registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
                                resync_s=live.resync_s)
     signals = SignalService(client, keys, completions, resolve_endpoint=registry.endpoint_for,
-                            idempotency_ttl_s=live.idempotency_ttl_s, check_trainable=registry.check_trainable)
+                            idempotency_ttl_s=live.idempotency_ttl_s, check_trainable=registry.check_trainable,
+                            check_event=signal_checker(settings, engine))
     try:
         await ensure_group_async(client, keys)
     except UnavailableError as exc:
@@ -66,6 +67,17 @@ async def start_live_loop(app, settings, engine) -> LiveLoop:
     await registry.start()
     app.state.registry, app.state.signals, app.state.completion_log = registry, signals, completions
     return LiveLoop(keys, client, completions, signals, registry)
+
+
+def signal_checker(settings, engine):
+    """The door check of signals (:class:`~livelora.gateway.signal_checks.SignalChecker`): the engine's tokenizer
+    and the trainer's context length for ``settings.model``."""
+    from livelora.adapters.chat_tokens import model_context_length
+    from livelora.adapters.models import resolve_base_model
+    from livelora.gateway.signal_checks import SignalChecker
+
+    limit = model_context_length(resolve_base_model(settings.model, settings.home))
+    return SignalChecker(engine.tokenizer, limit).check
 
 
 async def record_completion(app, record: CompletionRecord) -> bool:

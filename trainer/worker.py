@@ -20,7 +20,9 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    notice goes out on the notices channel. A crash before the version is
    written leaves the entries pending, so they are reclaimed and trained
    (never lost); a crash between version and ack makes the redelivered entries
-   be acknowledged without training them twice (``trained.jsonl``).
+   be acknowledged without training them twice (``trained.jsonl``). An event
+   that cannot be trained is dead-lettered alone (``rejected.jsonl``, then
+   acknowledged) while the rest of its batch trains (:mod:`.triage`).
 
 While entries wait in the scheduler's queues the worker periodically re-claims
 them for itself (``XCLAIM … JUSTID``), which resets their idle time, so a live
@@ -47,6 +49,7 @@ from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
+from livelora.trainer import triage
 from livelora.trainer.scheduler import Batch, BatchScheduler
 
 log = logging.getLogger(__name__)
@@ -64,8 +67,13 @@ class TrainingBackend(Protocol):
         (attributes ``lineage``, ``version``, ``name``, ``sha256``, ``parent``) plus ``path`` via :meth:`path_of`.
 
         Raises:
-            BadRequestError: the batch's data cannot be trained (the events are dead-lettered).
+            BadRequestError: the batch's data cannot be trained. When its ``param`` names a datum
+                (``data[i]...``) only that datum's event is dead-lettered and the rest is trained again;
+                otherwise the whole batch is dead-lettered.
             Any other exception: a transient fault (the batch is retried).
+
+        A backend may also have ``screen(batch) -> {event index: reason}``, called first: the events it names
+        are dead-lettered alone (``trainer/triage.py``).
         """
 
     def path_of(self, manifest: Any) -> Path:
@@ -264,9 +272,17 @@ class TrainerWorker:
     def _train(self, batch: Batch) -> VersionNotice | None:
         key = batch.stream_ids[0]
         try:
+            screen = getattr(self.backend, "screen", None)  # untrainable events go alone (trainer/triage.py)
+            batch = self._reject(batch, screen(batch) if screen is not None else {})
+            if batch is None:
+                return None
             manifest = self.backend.train(batch)
         except LiveloraError as exc:
             if exc.category == "user":
+                index = triage.culprit(batch, exc.param)
+                if index is not None and len(batch.events) > 1:
+                    rest = self._reject(batch, {index: str(exc)})
+                    return self._train(rest) if rest is not None else None
                 log.error("dropping a %s batch of %d event(s) for %s: %s", batch.kind, len(batch.events),
                           batch.lineage, exc)
                 self._dead_letter(batch, str(exc))
@@ -302,6 +318,21 @@ class TrainerWorker:
         else:
             self.scheduler.requeue(batch, self.clock())
         return None
+
+    def _reject(self, batch: Batch, reasons: dict[int, str]) -> Batch | None:
+        """Dead-letter the events at the indexes of ``reasons`` alone; return the rest of the batch, or ``None``
+        when nothing is left to train now (a lone KTO rating goes back to the queue to wait for more)."""
+        if not reasons:
+            return batch
+        log.error("dead-lettering %d of %d %s event(s) for %s: %s", len(reasons), len(batch.events), batch.kind,
+                  batch.lineage, "; ".join(reasons.values())[:500])
+        append_lines(dataset_dir(self.home) / "rejected.jsonl", triage.rejected_lines(batch, reasons))
+        self._ack([batch.stream_ids[i] for i in reasons])
+        rest = triage.without(batch, reasons)
+        if rest is not None and not triage.trainable(rest):
+            self.scheduler.requeue(rest, self.clock())
+            return None
+        return rest
 
     def _dead_letter(self, batch: Batch, reason: str) -> None:
         append_lines(dataset_dir(self.home) / "rejected.jsonl",
