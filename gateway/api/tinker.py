@@ -27,6 +27,7 @@ from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSes
                                            SaveWeightsForSamplerRequest, SaveWeightsRequest, SessionFinishRequest,
                                            SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
                                            WeightsInfoRequest)
+from livelora.gateway.api.errors import content_type_error
 from livelora.gateway.sessions import NotReady, SessionService
 
 router = APIRouter(prefix="/api/v1", tags=["training sessions"])
@@ -53,11 +54,13 @@ async def body_json(request: Request) -> dict[str, Any]:
     """The request body as a JSON object (an empty body is ``{}``).
 
     Raises:
-        BadRequestError: not JSON, or not an object.
+        BadRequestError: declared as another content-type than JSON, not JSON, or not an object.
     """
     raw = await request.body()
     if not raw.strip():
         return {}
+    if (wrong_type := content_type_error(request)) is not None:
+        raise wrong_type
     try:
         data = json.loads(raw)
     except ValueError as exc:
