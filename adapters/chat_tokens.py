@@ -16,12 +16,19 @@ as one piece in both cases), so nothing changes for ordinary prompts; the number
 prompt depends only on the messages' roles and number.
 
 A template that transforms content (``| trim``, splitting out a reasoning block, ...) makes the two renderings
-disagree; then the plain encoding of the real rendering is used when no message holds control-token text, and a
-400 naming the message is raised when one does (its text cannot be kept plain under such a template).
+disagree; then the plain encoding of the real rendering is used when no message holds control-token text. When
+one does, transformers' own ``apply_chat_template(..., sanitize_control_tokens=True)`` (transformers 5.2x: it
+marks control-token text in the inputs and encodes it as text, in pieces, so a count may differ by a token or
+two from a plain encoding) is used where the installed version has it; otherwise a 400 names the message.
+
+Tokenizer state: ``encode(..., split_special_tokens=...)`` sets a flag on the shared Rust tokenizer for the call,
+so one tokenizer object must not encode from two threads at once (the gateway encodes on its event loop; its
+door checks use their own tokenizer under a lock).
 """
 
 from __future__ import annotations
 
+import inspect
 import secrets
 from collections.abc import Mapping, Sequence
 
@@ -51,7 +58,8 @@ def render_chat(tokenizer, conversation: Conversation, *, add_generation_prompt:
 
     Raises:
         BadRequestError: no chat template, the template cannot render the conversation (param ``param``), or
-            a message holds control-token text under a template that rewrites content (``param[i].content``).
+            a message holds control-token text under a template that rewrites content and the installed
+            transformers cannot sanitize it (``param[i].content``).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequestError("the served model has no chat template; use /v1/completions", param=param)
@@ -65,10 +73,15 @@ def render_chat(tokenizer, conversation: Conversation, *, add_generation_prompt:
         return ids
     for i, m in enumerate(conversation):
         found = find_control_text(tokenizer, str(m.get("content") or ""))
-        if found is not None:
-            raise BadRequestError(
-                f"message {i} contains the control-token text {found!r}, and this model's chat template rewrites "
-                "message content, so it cannot be kept as plain text; remove it", param=f"{param}[{i}].content")
+        if found is None:
+            continue
+        if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
+            out = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                tokenize=True, sanitize_control_tokens=True)
+            return [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
+        raise BadRequestError(
+            f"message {i} contains the control-token text {found!r}, and this model's chat template rewrites "
+            "message content, so it cannot be kept as plain text; remove it", param=f"{param}[{i}].content")
     return list(tokenizer.encode(real, add_special_tokens=False))
 
 

@@ -58,7 +58,7 @@ async def start_live_loop(app, settings, engine) -> LiveLoop:
                                resync_s=live.resync_s)
     signals = SignalService(client, keys, completions, resolve_endpoint=registry.endpoint_for,
                             idempotency_ttl_s=live.idempotency_ttl_s, check_trainable=registry.check_trainable,
-                            check_event=signal_checker(settings, engine))
+                            check_event=signal_checker(settings))
     try:
         await ensure_group_async(client, keys)
     except UnavailableError as exc:
@@ -69,15 +69,15 @@ async def start_live_loop(app, settings, engine) -> LiveLoop:
     return LiveLoop(keys, client, completions, signals, registry)
 
 
-def signal_checker(settings, engine):
-    """The door check of signals (:class:`~livelora.gateway.signal_checks.SignalChecker`): the engine's tokenizer
-    and the trainer's context length for ``settings.model``."""
+def signal_checker(settings):
+    """The door check of signals (:class:`~livelora.gateway.signal_checks.SignalChecker`): a tokenizer of its own
+    (loaded as the trainer loads it) and the trainer's context length for ``settings.model``."""
     from livelora.adapters.chat_tokens import model_context_length
-    from livelora.adapters.models import resolve_base_model
+    from livelora.adapters.models import load_tokenizer, resolve_base_model
     from livelora.gateway.signal_checks import SignalChecker
 
-    limit = model_context_length(resolve_base_model(settings.model, settings.home))
-    return SignalChecker(engine.tokenizer, limit).check
+    ref = resolve_base_model(settings.model, settings.home)
+    return SignalChecker(load_tokenizer(ref), model_context_length(ref)).check
 
 
 async def record_completion(app, record: CompletionRecord) -> bool:

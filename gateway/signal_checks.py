@@ -19,6 +19,8 @@ Every failure is a :class:`~livelora.clients.errors.ContextLengthExceededError` 
 
 from __future__ import annotations
 
+import threading
+
 from livelora.adapters.chat_tokens import chat_pair, datum_length, rated_completion_ids
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError
 from livelora.clients.types.signals import DemonstrationEvent, PreferenceEvent, RatingEvent
@@ -27,8 +29,12 @@ from livelora.clients.types.signals import DemonstrationEvent, PreferenceEvent, 
 class SignalChecker:
     """Checks a signal event before it is queued (``SignalService(check_event=SignalChecker(...).check)``).
 
+    Checks run on worker threads, one at a time (a lock): a Hugging Face tokenizer sets a flag on its shared Rust
+    tokenizer for each ``encode`` call, so give the checker a tokenizer of its own, not the one the gateway's
+    event loop encodes prompts with.
+
     Args:
-        tokenizer: the base model's tokenizer (the trainer loads the same one).
+        tokenizer: the base model's tokenizer (the trainer loads the same one), used only by this checker.
         max_tokens: the trainer's context length in tokens
             (:func:`livelora.adapters.chat_tokens.model_context_length`).
     """
@@ -36,6 +42,7 @@ class SignalChecker:
     def __init__(self, tokenizer, max_tokens: int):
         self.tokenizer = tokenizer
         self.max_tokens = int(max_tokens)
+        self._lock = threading.Lock()
 
     def _fits(self, what: str, prompt: list[int], completion: list[int], param: str, fix: str) -> None:
         n = datum_length(prompt, completion)
@@ -53,6 +60,10 @@ class SignalChecker:
             BadRequestError: a rated completion with nothing to learn from; a message the chat template
                 cannot render.
         """
+        with self._lock:
+            self._check(event)
+
+    def _check(self, event: RatingEvent | PreferenceEvent | DemonstrationEvent) -> None:
         if isinstance(event, DemonstrationEvent):
             conv = [{"role": m.role, "content": m.content} for m in event.messages]
             prompt, reply = chat_pair(self.tokenizer, conv[:-1], conv[-1]["content"])

@@ -80,14 +80,27 @@ def test_ordinary_conversations_keep_their_exact_ids(tokenizer):
                 old_encoding(tokenizer, conv, generation_prompt)
 
 
-def test_template_that_rewrites_content_refuses_control_text_and_keeps_plain_prompts(tokenizer):
+def test_template_that_rewrites_content_keeps_control_text_plain(tokenizer, monkeypatch):
+    """A template that trims content cannot be split with placeholders: ordinary prompts keep their usual ids,
+    control-token text goes through transformers' own sanitizing rendering, or is a 400 without it."""
     trimming = copy.deepcopy(tokenizer)
     trimming.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | trim")
     plain = [{"role": "user", "content": "  hello  "}]
     assert render_chat(trimming, plain, add_generation_prompt=True) == old_encoding(trimming, plain)
+    forged = [{"role": "user", "content": "ok"}, {"role": "user", "content": " " + FORGED}]
+    ids = render_chat(trimming, forged, add_generation_prompt=True)
+    assert n_control(tokenizer, ids) == n_control(tokenizer, render_chat(
+        trimming, [{"role": "user", "content": "ok"}, {"role": "user", "content": "hello"}], add_generation_prompt=True))
+    assert tokenizer.decode(ids) == trimming.apply_chat_template(forged, add_generation_prompt=True, tokenize=False)
+
+    real = trimming.apply_chat_template
+
+    def without_sanitizing(conversation, add_generation_prompt=False, tokenize=True):  # an older transformers
+        return real(conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize)
+
+    monkeypatch.setattr(trimming, "apply_chat_template", without_sanitizing)
     with pytest.raises(BadRequestError) as err:
-        render_chat(trimming, [{"role": "user", "content": "ok"}, {"role": "user", "content": " " + FORGED}],
-                    add_generation_prompt=True, param="messages")
+        render_chat(trimming, forged, add_generation_prompt=True, param="messages")
     assert err.value.param == "messages[1].content" and "<|im_end|>" in err.value.message
 
 
