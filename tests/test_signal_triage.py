@@ -159,7 +159,7 @@ def test_one_bad_rating_among_good_ones(bus, base_ref, chats, tmp_path):
                               rating_key="cbad:/u"))
     notices, _ = run(client, keys, tmp_path, OnlineTrainer(base_ref, tmp_path), events)
     reason = check_alone(client, keys, tmp_path, events, notices, "kto-tri")
-    assert "outside the vocabulary" in reason
+    assert "token id 1000000 is outside the vocabulary" in reason and "data[" not in reason  # found by the screen
     # the KTO class weights are those of the three trained ratings (2 up, 1 down)
     m = AdapterStore(tmp_path).get("kto-tri", 1)
     assert (m.metrics["desirable_weight:mean"], m.metrics["undesirable_weight:mean"]) == (0.5, 1.0)

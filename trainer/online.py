@@ -173,7 +173,7 @@ class OnlineTrainer:
 
         Each event is checked alone, as the step would check it: its datums can be built, every datum's
         ``model_input`` fits the lineage model's context (``max_seq_len`` tokens, reason code
-        ``context_length_exceeded``) and its token ids lie in the vocabulary. The worker dead-letters these
+        ``context_length_exceeded``) and its input and target token ids lie in the vocabulary. The worker dead-letters these
         events alone and trains the rest of the batch.
         """
         model = self.model_for(batch.lineage)
@@ -186,7 +186,8 @@ class OnlineTrainer:
                     if len(tokens) > model.max_seq_len:
                         raise ContextLengthExceededError(
                             f"{len(tokens)} tokens exceed the trainer's context length of {model.max_seq_len}")
-                    out = next((t for t in tokens if not 0 <= t < model.vocab_size), None)
+                    targets = datum.loss_fn_inputs["target_tokens"].data
+                    out = next((t for t in (*tokens, *targets) if not 0 <= t < model.vocab_size), None)
                     if out is not None:
                         raise BadRequestError(f"token id {out} is outside the vocabulary [0, {model.vocab_size})")
             except LiveloraError as exc:
