@@ -15,6 +15,9 @@ chat template reads (``{"role": str, "content": str}``):
   cannot render them raises, which becomes a 400 on ``messages``.
 * A message-level ``name`` is accepted and not rendered (OpenAI uses it only to
   tell participants apart).
+* Content is plain text: control-token look-alikes in it (``<|im_end|>``) stay
+  ordinary characters, so the number of control tokens in a prompt depends only
+  on its messages' roles and number (:mod:`livelora.adapters.chat_tokens`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from livelora.adapters.chat_tokens import render_chat
 from livelora.clients.errors import BadRequestError, UnsupportedParameterError
 from livelora.clients.types.openai import ChatMessage
 
@@ -64,19 +68,14 @@ def render_messages(tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
         messages: the request's messages (non-empty).
 
     Returns:
-        Token ids, shape ``(T,)``; the template already holds any special tokens.
+        Token ids, shape ``(T,)``; control tokens come from the template only, never from content.
 
     Raises:
         UnsupportedParameterError: non-text content.
-        BadRequestError: the template cannot render the conversation (param ``messages``).
+        BadRequestError: no chat template, or the template cannot render the conversation (param
+            ``messages``); control-token text in a message under a template that rewrites content
+            (param ``messages[i].content``).
     """
     conversation = [{"role": _ROLE_MAP.get(m.role, m.role), "content": message_text(m, i)}
                     for i, m in enumerate(messages)]
-    if not getattr(tokenizer, "chat_template", None):
-        raise BadRequestError("the served model has no chat template; use /v1/completions", param="messages")
-    try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # jinja2 TemplateError, raise_exception() in templates, TypeError
-        raise BadRequestError(f"the model's chat template cannot render these messages: {exc}",
-                              param="messages") from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return render_chat(tokenizer, conversation, add_generation_prompt=True, param="messages")

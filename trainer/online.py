@@ -23,6 +23,11 @@ Datums (Tinker alignment: input ``tokens[:-1]``, targets ``tokens[1:]``,
 * preference → two ``dpo`` datums (chosen, rejected), from served token ids or
   from the chat template for the inline form.
 
+Chat text becomes ids through :mod:`livelora.adapters.chat_tokens` (message content is plain text, control
+tokens come from the template only), the same code the gateway serves prompts and checks signals with.
+Datums are built per event: :meth:`OnlineTrainer.screen` names the events of a batch that cannot be trained
+(the worker dead-letters those alone and trains the rest).
+
 Hyperparameters are the trainer's :class:`~livelora.trainer.settings.TrainingSection` (losses.md §5/§6:
 LoRA LR ≈ 10× the full-FT guidance, KTO/DPO β = 0.1).
 """
@@ -33,9 +38,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from livelora.adapters.chat_tokens import chat_pair, rated_completion_ids
 from livelora.adapters.models import BaseModelRef, load_tokenizer
 from livelora.adapters.store import AdapterStore, Manifest
-from livelora.clients.errors import BadRequestError
+from livelora.clients.errors import BadRequestError, ContextLengthExceededError, LiveloraError
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
 from livelora.clients.types.tinker import AdamParams, Datum, ModelInput, TensorData
 from livelora.trainer.scheduler import Batch
@@ -129,65 +135,82 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ tokenization
 
-    def _template(self, messages: list[ChatMessage], generation_prompt: bool) -> list[int]:
-        conv = [{"role": m.role, "content": m.content} for m in messages]
-        text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=generation_prompt, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
     def chat_pair(self, prompt: list[ChatMessage], reply: str) -> tuple[list[int], list[int]]:
         """``(prompt_ids, completion_ids)`` of a reply to ``prompt`` under the chat template
-        (the completion includes the template's end-of-turn tokens)."""
-        prompt_ids = self._template(prompt, True)
-        full = self._template([*prompt, ChatMessage(role="assistant", content=reply)], False)
-        if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
-            return prompt_ids, full[len(prompt_ids):]
-        eos = self.tokenizer.eos_token_id
-        return prompt_ids, list(self.tokenizer.encode(reply, add_special_tokens=False)) + (
-            [eos] if eos is not None else [])
+        (the completion includes the template's end-of-turn tokens; see
+        :func:`livelora.adapters.chat_tokens.chat_pair`)."""
+        return chat_pair(self.tokenizer, [{"role": m.role, "content": m.content} for m in prompt], reply)
 
     # ------------------------------------------------------------------ batches → datums
 
     def rated_completion(self, ev: RatingEvent) -> list[int]:
         """The completion ids a rating trains on: the served ids, plus the tokenizer's end-of-turn (EOS) id
-        when the reply ended with ``finish_reason == "stop"`` (the engine samples that token but does not
-        report it), so a rating also judges where the reply stopped; ``length`` replies stay as served."""
-        ids = list(ev.completion_token_ids)
-        eos = self.tokenizer.eos_token_id
-        if ev.finish_reason == "stop" and eos is not None and (not ids or ids[-1] != eos):
-            ids.append(int(eos))
-        return ids
+        when the reply ended with ``finish_reason == "stop"`` (:func:`livelora.adapters.chat_tokens.
+        rated_completion_ids`, which the gateway's door check uses too)."""
+        return rated_completion_ids(self.tokenizer, ev.completion_token_ids, ev.finish_reason)
+
+    def event_datums(self, ev: RatingEvent | DemonstrationEvent | PreferenceEvent) -> list[Datum]:
+        """The datums of one event: one for a rating (``kto``, with its ``label``) or a demonstration
+        (``cross_entropy``), two for a preference (chosen, rejected).
+
+        Raises:
+            BadRequestError: the event cannot become a training example (e.g. empty completion).
+        """
+        if isinstance(ev, RatingEvent):
+            return [completion_datum(ev.prompt_token_ids, self.rated_completion(ev), {
+                "label": TensorData.from_list([1.0 if ev.rating else 0.0], "float32")})]
+        if isinstance(ev, DemonstrationEvent):
+            return [completion_datum(*self.chat_pair(ev.messages[:-1], ev.messages[-1].content))]
+        if ev.prompt_token_ids is not None:
+            prompt, chosen, rejected = ev.prompt_token_ids, ev.chosen_token_ids, ev.rejected_token_ids
+        else:
+            prompt, chosen = self.chat_pair(ev.messages, ev.chosen)
+            _, rejected = self.chat_pair(ev.messages, ev.rejected)
+        return [completion_datum(prompt, chosen or []), completion_datum(prompt, rejected or [])]
+
+    def screen(self, batch: Batch) -> dict[int, str]:
+        """The events of ``batch`` that cannot be trained, as ``{index in batch.events: reason}``.
+
+        Each event is checked alone, as the step would check it: its datums can be built, every datum's
+        ``model_input`` fits the lineage model's context (``max_seq_len`` tokens, reason code
+        ``context_length_exceeded``) and its input and target token ids lie in the vocabulary. The worker dead-letters these
+        events alone and trains the rest of the batch.
+        """
+        model = self.model_for(batch.lineage)
+        bad: dict[int, str] = {}
+        for i, ev in enumerate(batch.events):
+            try:
+                data = self.event_datums(ev)
+                for datum in data:
+                    tokens = datum.model_input.to_ints()
+                    if len(tokens) > model.max_seq_len:
+                        raise ContextLengthExceededError(
+                            f"{len(tokens)} tokens exceed the trainer's context length of {model.max_seq_len}")
+                    targets = datum.loss_fn_inputs["target_tokens"].data
+                    out = next((t for t in (*tokens, *targets) if not 0 <= t < model.vocab_size), None)
+                    if out is not None:
+                        raise BadRequestError(f"token id {out} is outside the vocabulary [0, {model.vocab_size})")
+            except LiveloraError as exc:
+                if exc.category != "user":
+                    raise
+                bad[i] = f"{exc.code}: {exc.message}" if exc.code else exc.message
+        return bad
 
     def datums(self, batch: Batch) -> tuple[list[Datum], str, dict[str, float], float]:
-        """``(datums, loss_fn, loss_fn_config, learning_rate)`` for one batch.
+        """``(datums, loss_fn, loss_fn_config, learning_rate)`` for one batch (:meth:`event_datums` of each
+        event, in order: datum ``i`` of a KTO/SFT batch is event ``i``; datums ``2i, 2i+1`` of a DPO batch).
 
         Raises:
             BadRequestError: an event cannot become a training example (e.g. empty completion).
         """
         c = self.config
+        data = [d for ev in batch.events for d in self.event_datums(ev)]
         if batch.kind == "kto":
-            data = []
-            for ev in batch.events:
-                assert isinstance(ev, RatingEvent)
-                data.append(completion_datum(ev.prompt_token_ids, self.rated_completion(ev), {
-                    "label": TensorData.from_list([1.0 if ev.rating else 0.0], "float32")}))
             cfg = {"beta": c.beta, "desirable_weight": batch.desirable_weight,
                    "undesirable_weight": batch.undesirable_weight}
             return data, "kto", cfg, c.kto_lr
         if batch.kind == "sft":
-            data = []
-            for ev in batch.events:
-                assert isinstance(ev, DemonstrationEvent)
-                data.append(completion_datum(*self.chat_pair(ev.messages[:-1], ev.messages[-1].content)))
             return data, "cross_entropy", {}, c.sft_lr
-        data = []
-        for ev in batch.events:
-            assert isinstance(ev, PreferenceEvent)
-            if ev.prompt_token_ids is not None:
-                prompt, chosen, rejected = ev.prompt_token_ids, ev.chosen_token_ids, ev.rejected_token_ids
-            else:
-                prompt, chosen = self.chat_pair(ev.messages, ev.chosen)
-                _, rejected = self.chat_pair(ev.messages, ev.rejected)
-            data += [completion_datum(prompt, chosen), completion_datum(prompt, rejected)]
         return data, "dpo", {"beta": c.beta}, c.dpo_lr
 
     # ------------------------------------------------------------------ one step

@@ -24,7 +24,9 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    crash before the version is written leaves the entries pending, so they are
    reclaimed and trained (never lost); a crash between version and commit makes
    the redelivered entries be acknowledged without training them
-   (``trained.jsonl`` is read again at every batch).
+   (``trained.jsonl`` is read again at every batch). An event that cannot be
+   trained is dead-lettered alone (``rejected.jsonl``, then acknowledged) while
+   the rest of its batch trains (:mod:`.triage`).
 
 **Claims.** While this worker holds entries (queued in the scheduler or in the
 step being trained) a thread re-claims them every ``claim_idle_s / 3``
@@ -63,6 +65,7 @@ from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
+from livelora.trainer import triage
 from livelora.trainer.dataset import (TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset,
                                       trained_log)
 from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
@@ -131,8 +134,13 @@ class TrainingBackend(Protocol):
         (attributes ``lineage``, ``version``, ``name``, ``sha256``, ``parent``) plus ``path`` via :meth:`path_of`.
 
         Raises:
-            BadRequestError: the batch's data cannot be trained (the events are dead-lettered).
+            BadRequestError: the batch's data cannot be trained. When its ``param`` names a datum
+                (``data[i]...``) only that datum's event is dead-lettered and the rest is trained again;
+                otherwise the whole batch is dead-lettered.
             Any other exception: a transient fault (the batch is retried).
+
+        A backend may also have ``screen(batch) -> {event index: reason}``, called first: the events it names
+        are dead-lettered alone (``trainer/triage.py``).
         """
 
     def path_of(self, manifest: Any) -> Path:
@@ -400,9 +408,17 @@ class TrainerWorker:
     def _train(self, batch: Batch) -> VersionNotice | None:
         key = batch.stream_ids[0]
         try:
+            screen = getattr(self.backend, "screen", None)  # untrainable events go alone (trainer/triage.py)
+            batch = self._reject(batch, screen(batch) if screen is not None else {})
+            if batch is None:
+                return None
             manifest = self.backend.train(batch)
         except LiveloraError as exc:
             if exc.category == "user":
+                index = triage.culprit(batch, exc.param)
+                if index is not None and len(batch.events) > 1:
+                    rest = self._reject(batch, {index: str(exc)})
+                    return self._train(rest) if rest is not None else None
                 log.error("dropping a %s batch of %d event(s) for %s: %s", batch.kind, len(batch.events),
                           batch.lineage, exc)
                 self._dead_letter(batch, str(exc))
@@ -439,12 +455,25 @@ class TrainerWorker:
             self._dead_letter(batch, f"{type(exc).__name__}: {exc}")
         else:
             self.scheduler.requeue(batch, self.clock())
-        return None
+
+    def _reject(self, batch: Batch, reasons: dict[int, str]) -> Batch | None:
+        """Dead-letter the events at the indexes of ``reasons`` alone; return the rest of the batch, or ``None``
+        when nothing is left to train now (a lone KTO rating goes back to the queue to wait for more)."""
+        if not reasons:
+            return batch
+        log.error("dead-lettering %d of %d %s event(s) for %s: %s", len(reasons), len(batch.events), batch.kind,
+                  batch.lineage, "; ".join(reasons.values())[:500])
+        append_lines(dataset_dir(self.home) / "rejected.jsonl", triage.rejected_lines(batch, reasons))
+        self._ack([batch.stream_ids[i] for i in reasons])
+        rest = triage.without(batch, reasons)
+        if rest is not None and not triage.trainable(rest):
+            self.scheduler.requeue(rest, self.clock())
+            return None
+        return rest
 
     def _dead_letter(self, batch: Batch, reason: str) -> None:
-        append_lines(dataset_dir(self.home) / "rejected.jsonl",
-                     [json.dumps({"stream_id": sid, "event_id": ev.id, "kind": batch.kind, "reason": reason[:1000]})
-                      for sid, ev in zip(batch.stream_ids, batch.events)])
+        lines = triage.rejected_lines(batch, dict.fromkeys(range(len(batch.events)), reason))
+        append_lines(dataset_dir(self.home) / "rejected.jsonl", lines)
         self._ack(batch.stream_ids)
 
     def run(self, stop: threading.Event, retry_s: float = 1.0) -> None:

@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass
 
 from livelora.clients import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TensorData
+from livelora.clients.tokens import encode_text  # text is plain text: no control tokens from it
 
 
 @dataclass
@@ -51,7 +52,7 @@ def main(cfg: Config) -> None:
         for step in range(cfg.steps):
             sampler = tc.save_weights_and_get_sampling_client()
             problems = [(rng.randint(10, 49), rng.randint(10, 49)) for _ in range(cfg.problems)]
-            prompts = [tokenizer.encode(f"{a}+{b}=") for a, b in problems]
+            prompts = [encode_text(tokenizer, f"{a}+{b}=", add_special_tokens=True) for a, b in problems]
             params = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0)
             futures = [sampler.sample(ModelInput.from_ints(p), cfg.group_size, params) for p in prompts]
             data, all_rewards = [], []

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from livelora.clients import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TensorData
+from livelora.clients.tokens import encode_text  # text is plain text: no control tokens from it
 
 PAIRS = [("What is the capital of France?", " Paris."), ("What colour is the sky?", " Blue."),
          ("How many legs does a spider have?", " Eight."), ("What is 2+2?", " Four.")]
@@ -33,7 +34,7 @@ class Config:
 
 
 def make_datum(tokenizer, prompt: str, answer: str) -> Datum:
-    p, a = tokenizer.encode(prompt), tokenizer.encode(answer)
+    p, a = encode_text(tokenizer, prompt, add_special_tokens=True), encode_text(tokenizer, answer)
     tokens = p + a
     weights = [0.0] * (len(p) - 1) + [1.0] * len(a)
     return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
@@ -60,7 +61,7 @@ def main(cfg: Config) -> None:
         path = tc.save_state(f"sl-step-{int(metrics['step:max'])}", overwrite=True).result().path
         print(f"saved {path}")
         sampler = tc.save_weights_and_get_sampling_client()
-        prompt = ModelInput.from_ints(tokenizer.encode(PAIRS[0][0]))
+        prompt = ModelInput.from_ints(encode_text(tokenizer, PAIRS[0][0], add_special_tokens=True))
         out = sampler.sample(prompt, 1, SamplingParams(max_tokens=8, temperature=0.0)).result()
         print(f"{PAIRS[0][0]!r} -> {tokenizer.decode(out.sequences[0].tokens)!r} (model {sampler.adapter!r} is "
               "also served at /v1/chat/completions while this session lives)")

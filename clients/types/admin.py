@@ -7,10 +7,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from livelora.clients.types.nulls import NullMeansOmitted
 
 
-class _Request(BaseModel):
+class _Request(NullMeansOmitted):
+    """Base of admin request models: unknown fields are an error; ``null`` for an optional field means "not
+    given" (:mod:`.nulls`)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 

@@ -21,12 +21,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from livelora.clients.types.nulls import NullMeansOmitted
+
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
-class _Request(BaseModel):
-    """Base of request models: unknown fields are kept (``model_extra``), never an error."""
+class _Request(NullMeansOmitted):
+    """Base of request models: unknown fields are kept (``model_extra``), never an error; ``null`` for an
+    optional field means "not given" (:mod:`.nulls`)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 

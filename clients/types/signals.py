@@ -24,10 +24,15 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, TypeAdapter, field_validator
+from pydantic import ConfigDict, Field, StrictBool, TypeAdapter, field_validator
+
+from livelora.clients.types.nulls import NullMeansOmitted
 
 
-class _Strict(BaseModel):
+class _Strict(NullMeansOmitted):
+    """Base of the live loop's models: unknown fields are an error; ``null`` for an optional field means "not
+    given" (:mod:`.nulls`)."""
+
     model_config = ConfigDict(extra="forbid")
 
 

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from livelora.clients.types.nulls import NullMeansOmitted
+
 __all__ = [
     "AdamParams", "CreateModelRequest", "CreateModelResponse", "Datum", "EncodedTextChunk",
     "ForwardBackwardInput", "ForwardBackwardOutput", "ForwardBackwardRequest", "LoraConfig", "LossFnType",
@@ -40,8 +42,9 @@ logprobs from the base model). Tinker's ``gspo``, ``stable_reinforce`` and ``cus
 """
 
 
-class StrictModel(BaseModel):
-    """Base of request models: unknown fields are an error."""
+class StrictModel(NullMeansOmitted):
+    """Base of request models: unknown fields are an error; ``null`` for an optional field means "not given"
+    (:mod:`.nulls`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -2,8 +2,13 @@
 
 ``prompt`` is a string, a list of strings, a list of token ids or a list of
 token-id lists; each prompt gets ``n`` choices, indexed ``prompt_index * n + i``
-(as OpenAI does). ``max_tokens`` defaults to 16 (``null`` means what remains
-of the context window). ``echo`` prepends the prompt (with its logprobs from
+(as OpenAI does). ``max_tokens`` defaults to 16 (``null`` too, as for every
+optional field). A text prompt is the model's raw input, templates included:
+control-token text in it (``<|im_start|>``) becomes those control tokens, as
+vLLM and OpenAI's legacy route read it (OpenAI documents ``<|endoftext|>`` in a
+prompt as the document separator); the caller writes the whole prompt, so no
+turn boundary of anyone else can be forged. Chat message content, by contrast,
+is always plain text (``livelora.adapters.chat_tokens``). ``echo`` prepends the prompt (with its logprobs from
 :meth:`Engine.score` when ``logprobs`` is set). ``logprobs`` (0..5) uses the
 legacy parallel-list layout. ``max_completion_tokens`` is not a parameter of
 this route and is rejected rather than silently ignored (vllm-ascend #15931);
@@ -64,7 +69,8 @@ def check_completion(body: CompletionRequest) -> None:
 
 
 def prompt_token_ids(body: CompletionRequest, tokenizer) -> list[list[int]]:
-    """The request's prompts as token-id lists, each shape ``(T,)`` with ``T >= 1``.
+    """The request's prompts as token-id lists, each shape ``(T,)`` with ``T >= 1``. A text prompt is encoded
+    as the model's raw input (control-token text parsed, the tokenizer's BOS added if it adds one), as vLLM does.
 
     Raises:
         BadRequestError: an empty prompt or a token id outside the vocabulary (param ``prompt``).

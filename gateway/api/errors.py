@@ -4,7 +4,8 @@
 only from :class:`~livelora.clients.errors.LiveloraError` (contract §1.4):
 
 * ``LiveloraError`` → its own status; ``Retry-After`` when it carries ``retry_after``.
-* ``RequestValidationError`` (bad field, missing field, malformed JSON) → 400,
+* ``RequestValidationError`` (bad field, missing field, malformed JSON, a body
+  declared other than JSON: :func:`content_type_error`) → 400,
   never FastAPI's 422 ``{"detail": [...]}`` (SGLang PR #7487). The message is
   built from the error's ``loc``/``msg`` strings only: ``ctx`` may hold
   exception objects that are not JSON-serialisable (agno PR #9744).
@@ -66,8 +67,28 @@ def param_from_loc(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def validation_error(exc: RequestValidationError) -> BadRequestError:
-    """Turn FastAPI's validation error into a 400 naming the first bad field."""
+def content_type_error(request: Request) -> BadRequestError | None:
+    """A 400 for a body not declared as JSON (``application/json`` or ``*/*+json``), else ``None``.
+
+    FastAPI (0.165) reads a body as JSON only under a JSON content-type (none at all included) and hands anything
+    else to validation as raw bytes, which fails as "not a valid dictionary" with no field to name; this says what
+    is wrong instead (``curl -d`` sends ``application/x-www-form-urlencoded`` unless told otherwise). Call it for a
+    request that has a body.
+    """
+    declared = request.headers.get("content-type")
+    media = (declared or "").split(";", 1)[0].strip().lower()
+    if media == "application/json" or media.endswith("+json"):
+        return None
+    what = f"unsupported content-type {declared!r}" if declared else "no content-type header"
+    return BadRequestError(f"{what}: {request.url.path} takes a JSON body; send it with the header "
+                           "'content-type: application/json'", code="unsupported_content_type")
+
+
+def validation_error(exc: RequestValidationError, request: Request | None = None) -> BadRequestError:
+    """Turn FastAPI's validation error into a 400 naming the first bad field (or the body's content-type, when
+    it was not declared JSON: :func:`content_type_error`)."""
+    if request is not None and (err := content_type_error(request)) is not None:
+        return err
     errors = exc.errors()
     if not errors:
         return BadRequestError("invalid request body")
@@ -99,7 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc, request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -27,6 +27,7 @@ from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSes
                                            SaveWeightsForSamplerRequest, SaveWeightsRequest, SessionFinishRequest,
                                            SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
                                            WeightsInfoRequest)
+from livelora.gateway.api.errors import content_type_error
 from livelora.gateway.api.deps import CheckpointsDep, SamplingDep, SessionsDep, TrainingOpsDep
 from livelora.gateway.services.sessions import NotReady
 
@@ -44,11 +45,13 @@ async def body_json(request: Request) -> dict[str, Any]:
     """The request body as a JSON object (an empty body is ``{}``).
 
     Raises:
-        BadRequestError: not JSON, or not an object.
+        BadRequestError: declared as another content-type than JSON, not JSON, or not an object.
     """
     raw = await request.body()
     if not raw.strip():
         return {}
+    if (wrong_type := content_type_error(request)) is not None:
+        raise wrong_type
     try:
         data = json.loads(raw)
     except ValueError as exc:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError
+from livelora.clients.tokens import split_stop_strings
 
 #: Most alternatives per position ``top_logprobs`` may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -41,7 +42,8 @@ class SamplingParams:
         seed: seeds this sequence's own generator; the same seed, prompt and
             weights give the same tokens whatever else is in the batch.
         stop: stop strings; generation ends at the first match and the match is
-            not included in the returned text (finish_reason ``stop``).
+            not included in the returned text (finish_reason ``stop``). A string that is
+            exactly one control token's text stops at that token (:func:`resolve_stop_strings`).
         stop_token_ids: token ids that end generation (not included in text).
         ignore_eos: keep generating past the model's EOS tokens.
         logprobs: return the logprob of each sampled token.
@@ -144,6 +146,21 @@ def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + p.max_tokens} tokens ({prompt_len} in the messages, {p.max_tokens} in the "
             f"completion). Please reduce the length of the messages or completion.")
+
+
+def resolve_stop_strings(p: SamplingParams, tokenizer) -> SamplingParams:
+    """``p`` with every stop string that is exactly one control token's text (``"<|im_end|>"``) moved to
+    ``stop_token_ids``; shared by every engine, so a special-token stop ends generation the same way on every
+    route (:func:`livelora.clients.tokens.split_stop_strings`). Generated text never contains control tokens,
+    so such a string could never match as text.
+
+    Raises:
+        BadRequestError: a stop string mixing a control token with other text (param ``stop``).
+    """
+    texts, ids = split_stop_strings(tokenizer, p.stop)
+    if not ids and texts == tuple(p.stop):
+        return p
+    return replace(p, stop=texts, stop_token_ids=tuple(dict.fromkeys((*p.stop_token_ids, *ids))))
 
 
 def check_score_request(token_ids: Sequence[int], top_logprobs: int, *, vocab_size: int,

@@ -32,7 +32,8 @@ from typing import Any
 
 from livelora.clients.errors import BadRequestError, ConflictError, ModelNotFoundError, RateLimitError, UnavailableError
 from livelora.gateway.engines.base import (AdapterCheck, Engine, GenerationChunk, SamplingParams, TokenLogprob,
-                                           check_sampling_params, check_score_request, check_token_ids)
+                                           check_sampling_params, check_score_request, check_token_ids,
+                                           resolve_stop_strings)
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
 from livelora.gateway.engines.sampling import RowSampling, make_generator
 
@@ -151,8 +152,9 @@ class TransformersEngine(Engine):
         if adapter is not None and adapter not in self._adapters:
             raise ModelNotFoundError(f"adapter {adapter!r} is not loaded", param="model")
 
-    def _check_params(self, p: SamplingParams, prompt_len: int) -> None:
+    def _check_params(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
         check_sampling_params(p, prompt_len, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        return resolve_stop_strings(p, self._tokenizer)  # "<|im_end|>" as a stop string → its token id
 
     # ----- generation ----------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -170,7 +172,7 @@ class TransformersEngine(Engine):
 
         worker = self._require_worker()
         prompt = self._check_tokens(prompt_token_ids, "prompt")
-        self._check_params(params, len(prompt))
+        params = self._check_params(params, len(prompt))
         self._check_adapter(adapter)
         if len(worker.waiting) >= self.max_waiting:
             raise RateLimitError(f"{len(worker.waiting)} requests are queued; retry later", retry_after=1.0)

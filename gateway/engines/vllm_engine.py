@@ -63,7 +63,8 @@ from livelora.adapters.settings import CommonSettings
 from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, RateLimitError,
                                      UnavailableError)
 from livelora.gateway.engines.base import (MAX_TOP_LOGPROBS, Engine, GenerationChunk, SamplingParams, TokenLogprob,
-                                           check_sampling_params, check_score_request, check_token_ids)
+                                           check_sampling_params, check_score_request, check_token_ids,
+                                           resolve_stop_strings)
 from livelora.gateway.engines.vllm_adapters import VLLMAdapters
 from livelora.gateway.engines.vllm_outputs import DeltaChunks, token_logprob, vllm_sampling_params
 from livelora.gateway.settings import VLLM_LORA_RANKS, VLLMSection
@@ -263,8 +264,9 @@ class VLLMEngine(Engine):
     def _check_adapter(self, adapter: str | None) -> None:
         self._loras.check(adapter)
 
-    def _check_params(self, p: SamplingParams, prompt_len: int) -> None:
+    def _check_params(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
         check_sampling_params(p, prompt_len, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        return resolve_stop_strings(p, self._tokenizer)  # "<|im_end|>" as a stop string → its token id
 
     # ----- generation ----------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -280,7 +282,7 @@ class VLLMEngine(Engine):
         """
         llm = self._require()
         prompt = self._check_tokens(prompt_token_ids, "prompt")
-        self._check_params(params, len(prompt))
+        params = self._check_params(params, len(prompt))
         self._check_adapter(adapter)
         if self.num_unfinished_requests() >= self.max_batch_size + self.max_waiting:
             raise RateLimitError(f"{self.num_unfinished_requests()} requests are unfinished; retry later",

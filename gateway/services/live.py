@@ -52,7 +52,8 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
     registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
                                resync_s=live.resync_s)
     signals = SignalService(client, keys, completions, resolve_endpoint=registry.endpoint_for,
-                            idempotency_ttl_s=live.idempotency_ttl_s, check_trainable=registry.check_trainable)
+                            idempotency_ttl_s=live.idempotency_ttl_s, check_trainable=registry.check_trainable,
+                            check_event=signal_checker(settings))
     try:
         await ensure_group_async(client, keys)
     except UnavailableError as exc:
@@ -60,3 +61,14 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
                     "until it is back", settings.redis_url, exc)
     await registry.start()
     return LiveLoop(keys, client, completions, signals, registry)
+
+
+def signal_checker(settings):
+    """The door check of signals (:class:`~livelora.gateway.signal_checks.SignalChecker`): a tokenizer of its own
+    (loaded as the trainer loads it) and the trainer's context length for ``settings.model``."""
+    from livelora.adapters.chat_tokens import model_context_length
+    from livelora.adapters.models import load_tokenizer, resolve_base_model
+    from livelora.gateway.signal_checks import SignalChecker
+
+    ref = resolve_base_model(settings.model, settings.home)
+    return SignalChecker(load_tokenizer(ref), model_context_length(ref)).check

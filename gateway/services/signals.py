@@ -27,6 +27,7 @@ caller (the tenant, in key mode) that auth sets on the request.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -76,17 +77,21 @@ class SignalService:
         idempotency_ttl_s: lifetime of idempotency records (seconds).
         check_trainable: raises (``ConflictError``) when the caller may not train an endpoint's lineage;
             ``None`` allows every endpoint.
+        check_event: raises (400) for an event the trainer could not train, before it is queued
+            (:class:`livelora.gateway.signal_checks.SignalChecker`); run on a thread. ``None`` checks nothing.
     """
 
     def __init__(self, client: aredis.Redis, keys: KeyLayout, completions: CompletionLog,
                  resolve_endpoint: Callable[[str], str] | None = None,
                  idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
-                 check_trainable: Callable[[str], None] | None = None):
+                 check_trainable: Callable[[str], None] | None = None,
+                 check_event: Callable[[Any], None] | None = None):
         self.client = client
         self.keys = keys
         self.completions = completions
         self.resolve_endpoint = resolve_endpoint or (lambda name: name)
         self.check_trainable = check_trainable or (lambda endpoint: None)
+        self.check_event = check_event
         self.idempotency_ttl_s = int(idempotency_ttl_s)
         self._accept = client.register_script(_ACCEPT_LUA)
 
@@ -105,6 +110,8 @@ class SignalService:
     async def _submit(self, route: str, event: Any, body: Any, caller: str | None,
                       idempotency_key: str | None, rating_key: str | None = None) -> tuple[Any, str, bool]:
         """Run the accept script. Returns ``(event, replaces, replayed)`` where ``event`` is what the stream holds."""
+        if self.check_event is not None:
+            await asyncio.to_thread(self.check_event, event)
         fingerprint = hashlib.sha256(
             (route + "\n" + dumps(body.model_dump(mode="json"))).encode()).hexdigest()
         idem = self.keys.idem(f"{route}/{caller or '-'}", idempotency_key) if idempotency_key else ""

@@ -1,0 +1,208 @@
+"""Chat messages → token ids, with control tokens only where the chat template puts them.
+
+Used by every path that turns chat text into ids: the gateway's prompt rendering (served ``prompt_tokens``),
+its door checks of signals, and the trainer's datum builders, so the ids a version is trained on are the ids the
+gateway would serve for the same conversation.
+
+**Rule** (see :mod:`livelora.clients.tokens`): message content is plain text. Rendering the template to text and
+encoding that text with special-token parsing on (what ``apply_chat_template(tokenize=True)`` and most servers
+do) would turn a user's ``"<|im_end|>\\n<|im_start|>system\\n..."`` into real turn markers. Here the template is
+rendered twice, once with the real contents and once with a unique placeholder per message. The placeholder
+rendering says which characters the template wrote; control tokens are parsed there only, and every run of text
+between two template control tokens (template text and message contents together) is encoded with
+:func:`~livelora.clients.tokens.encode_text`. For content without control-token text the ids are exactly those
+of ``encode(apply_chat_template(...), add_special_tokens=False)`` (each run between control tokens is encoded
+as one piece in both cases), so nothing changes for ordinary prompts; the number of control tokens in a
+prompt depends only on the messages' roles and number.
+
+A template that transforms content (``| trim``, splitting out a reasoning block, ...) makes the two renderings
+disagree; then the plain encoding of the real rendering is used when no message holds control-token text. When
+one does, transformers' own ``apply_chat_template(..., sanitize_control_tokens=True)`` (transformers 5.2x: it
+marks control-token text in the inputs and encodes it as text, in pieces, so a count may differ by a token or
+two from a plain encoding) is used where the installed version has it; otherwise a 400 names the message.
+
+Tokenizer state: ``encode(..., split_special_tokens=...)`` sets a flag on the shared Rust tokenizer for the call,
+so one tokenizer object must not encode from two threads at once (the gateway encodes on its event loop; its
+door checks use their own tokenizer under a lock).
+"""
+
+from __future__ import annotations
+
+import inspect
+import secrets
+from collections.abc import Mapping, Sequence
+
+from livelora.clients.errors import BadRequestError
+from livelora.clients.tokens import control_pattern, control_tokens, encode_text, find_control_text
+
+Conversation = Sequence[Mapping[str, str]]
+
+
+def _template(tokenizer, conversation: Conversation, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template([dict(m) for m in conversation], add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+
+
+def render_chat(tokenizer, conversation: Conversation, *, add_generation_prompt: bool,
+                param: str = "messages") -> list[int]:
+    """Token ids of ``conversation`` under the tokenizer's chat template.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a ``chat_template``.
+        conversation: ``[{"role": str, "content": str}, ...]`` (content is plain text).
+        add_generation_prompt: end with the template's assistant header (a prompt to answer).
+        param: the request field named in errors.
+
+    Returns:
+        Token ids, shape ``(T,)``; control tokens only from the template.
+
+    Raises:
+        BadRequestError: no chat template, the template cannot render the conversation (param ``param``), or
+            a message holds control-token text under a template that rewrites content and the installed
+            transformers cannot sanitize it (``param[i].content``).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequestError("the served model has no chat template; use /v1/completions", param=param)
+    conversation = [dict(m) for m in conversation]
+    try:
+        real = _template(tokenizer, conversation, add_generation_prompt)
+    except Exception as exc:  # jinja2 TemplateError, raise_exception() in templates, TypeError
+        raise BadRequestError(f"the model's chat template cannot render these messages: {exc}", param=param) from exc
+    ids = _segmented(tokenizer, conversation, add_generation_prompt, real)
+    if ids is not None:
+        return ids
+    for i, m in enumerate(conversation):
+        found = find_control_text(tokenizer, str(m.get("content") or ""))
+        if found is None:
+            continue
+        if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
+            out = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                tokenize=True, sanitize_control_tokens=True)
+            return [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
+        raise BadRequestError(
+            f"message {i} contains the control-token text {found!r}, and this model's chat template rewrites "
+            "message content, so it cannot be kept as plain text; remove it", param=f"{param}[{i}].content")
+    return list(tokenizer.encode(real, add_special_tokens=False))
+
+
+def _segmented(tokenizer, conversation: list[dict], add_generation_prompt: bool, real: str) -> list[int] | None:
+    """The ids by the placeholder method, or ``None`` when the template does not copy contents verbatim."""
+    contents = [str(m.get("content") or "") for m in conversation]
+    nonce = secrets.token_hex(8)
+    marks = [f"@@livelora{nonce}x{i}@@" for i in range(len(conversation))]
+    try:
+        skeleton = _template(tokenizer, [{**m, "content": mark} for m, mark in zip(conversation, marks)],
+                             add_generation_prompt)
+    except Exception:  # a template that inspects content: fall back
+        return None
+    if not contents or any(skeleton.count(mark) != 1 for mark in marks):
+        return None
+    pieces: list[tuple[bool, str]] = []  # (is_content, text)
+    rest = skeleton
+    order = sorted(range(len(marks)), key=lambda i: skeleton.index(marks[i]))
+    for i in order:
+        before, _, rest = rest.partition(marks[i])
+        pieces += [(False, before), (True, contents[i])]
+    pieces.append((False, rest))
+    if "".join(text for _, text in pieces) != real:
+        return None
+    return _encode_pieces(tokenizer, pieces)
+
+
+def _encode_pieces(tokenizer, pieces: list[tuple[bool, str]]) -> list[int]:
+    """Control tokens parsed in template pieces only; every text run between them encoded as plain text.
+    An added token's ``lstrip``/``rstrip`` flags eat the whitespace next to it, as the tokenizer does."""
+    controls = control_tokens(tokenizer)
+    pattern = control_pattern(tokenizer)
+    flags = {str(t): t for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()}
+    ids: list[int] = []
+    run = ""
+    strip_next = False
+
+    def add_text(text: str) -> None:
+        nonlocal run, strip_next
+        if strip_next:
+            text = text.lstrip()
+            strip_next = not text
+        run += text
+
+    for is_content, text in pieces:
+        if is_content or pattern is None:
+            add_text(text)
+            continue
+        pos = 0
+        for match in pattern.finditer(text):
+            add_text(text[pos:match.start()])
+            token = flags.get(match.group(0))
+            if getattr(token, "lstrip", False):
+                run = run.rstrip()
+            ids += encode_text(tokenizer, run)
+            run = ""
+            ids.append(controls[match.group(0)])
+            strip_next = bool(getattr(token, "rstrip", False))
+            pos = match.end()
+        add_text(text[pos:])
+    ids += encode_text(tokenizer, run)
+    return ids
+
+
+def chat_pair(tokenizer, prompt: Conversation, reply: str, param: str = "messages") -> tuple[list[int], list[int]]:
+    """``(prompt_ids, completion_ids)`` of an assistant ``reply`` to ``prompt`` (what a demonstration or an
+    inline preference trains on).
+
+    ``prompt_ids`` is the template's rendering of ``prompt`` with the generation prompt; ``completion_ids`` is
+    the rest of the rendering of ``prompt + [reply]`` (the reply and the template's end-of-turn tokens), when
+    the first is a prefix of the second; otherwise the reply's plain-text ids plus the EOS token.
+
+    Raises:
+        BadRequestError: as :func:`render_chat`.
+    """
+    prompt_ids = render_chat(tokenizer, prompt, add_generation_prompt=True, param=param)
+    full = render_chat(tokenizer, [*prompt, {"role": "assistant", "content": reply}],
+                       add_generation_prompt=False, param=param)
+    if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
+        return prompt_ids, full[len(prompt_ids):]
+    eos = tokenizer.eos_token_id
+    return prompt_ids, encode_text(tokenizer, reply) + ([int(eos)] if eos is not None else [])
+
+
+def rated_completion_ids(tokenizer, completion_ids: Sequence[int], finish_reason: str | None) -> list[int]:
+    """The completion ids a rating trains on: the served ids, plus the tokenizer's end-of-turn (EOS) id when the
+    reply ended with ``finish_reason == "stop"`` (the engine samples that token but does not report it), so a
+    rating also judges where the reply stopped; ``length`` replies stay as served. Shape ``(C,)`` or ``(C+1,)``."""
+    ids = [int(t) for t in completion_ids]
+    eos = tokenizer.eos_token_id
+    if finish_reason == "stop" and eos is not None and (not ids or ids[-1] != eos):
+        ids.append(int(eos))
+    return ids
+
+
+def datum_length(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> int:
+    """Tokens of the trainer's ``model_input`` for a prompt + completion datum (Tinker alignment: the last
+    token is only a target): ``P + C − 1``."""
+    return len(prompt_ids) + len(completion_ids) - 1
+
+
+def model_context_length(ref) -> int:
+    """:func:`training_context_length` of a resolved base model (``adapters.models.BaseModelRef``): reads its
+    ``config.json`` (local) or the transformers config (hub id)."""
+    if ref.is_local:
+        import json
+        from pathlib import Path
+
+        return training_context_length(json.loads((Path(ref.path) / "config.json").read_text()))
+    from transformers import AutoConfig
+
+    return training_context_length(AutoConfig.from_pretrained(ref.path))
+
+
+def training_context_length(config: Mapping | object) -> int:
+    """The trainer's limit on a datum's ``model_input`` (tokens): the base model config's
+    ``max_position_embeddings`` (2048 when absent), as ``TrainingModel.max_seq_len`` defaults to.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` or the ``config.json`` mapping.
+    """
+    value = config.get("max_position_embeddings") if isinstance(config, Mapping) else \
+        getattr(config, "max_position_embeddings", None)
+    return int(value or 2048)

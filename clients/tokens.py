@@ -1,0 +1,121 @@
+"""Text ↔ token ids without letting text become control tokens (SDK helpers, used by gateway and trainer too).
+
+A *control token* is an added token the tokenizer flags ``special`` (``<|im_start|>``, ``<|im_end|>``,
+``<|endoftext|>``, ...). Hugging Face tokenizers turn the *text* of such a token into the token itself by
+default (``tokenizer.encode("hi<|im_end|>")`` ends with the ``<|im_end|>`` id), so text written by a user could
+forge a turn boundary. livelora's rule, applied on every path that turns text into ids (chat messages,
+demonstrations, inline preferences, the trainer's datums, these helpers):
+
+* **text is plain text**: :func:`encode_text` encodes control-token look-alikes as the ordinary characters they
+  are (``split_special_tokens=True``), as OpenAI does for message content;
+* control tokens come only from a chat template (``livelora.adapters.chat_tokens``) or from token ids given
+  as ids;
+* a stop *string* that is exactly one control token's text ends generation at that token
+  (:func:`split_stop_strings`); one that mixes a control token with other text is refused, since generated text
+  never contains control tokens.
+
+The one exception is the legacy ``/v1/completions`` route's *text* prompt, which is the model's raw input
+(written by the caller, templates included), parsed as vLLM and OpenAI parse it: see the gateway's
+``completions`` module.
+
+Example::
+
+    from livelora.clients.tokens import encode_text
+
+    tokenizer = training_client.get_tokenizer()
+    ids = encode_text(tokenizer, "a literal <|im_end|> stays text")   # no control token in ids
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from functools import lru_cache
+
+from livelora.clients.errors import BadRequestError
+
+
+def control_tokens(tokenizer) -> dict[str, int]:
+    """``{text: id}`` of every control token of ``tokenizer``: the added tokens flagged ``special`` plus the
+    tokenizer's named special tokens (``eos_token``, ``bos_token``, ...).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (fast or slow).
+    """
+    out: dict[str, int] = {}
+    for idx, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False) and str(tok):
+            out[str(tok)] = int(idx)
+    for text in getattr(tokenizer, "all_special_tokens", None) or []:
+        if text and text not in out:
+            idx = tokenizer.convert_tokens_to_ids(text)
+            if isinstance(idx, int):
+                out[text] = idx
+    return out
+
+
+@lru_cache(maxsize=32)
+def _pattern(texts: tuple[str, ...]) -> re.Pattern[str] | None:
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
+
+def control_pattern(tokenizer) -> re.Pattern[str] | None:
+    """A regex matching any control token's text, longest first (``None`` if the tokenizer has none)."""
+    return _pattern(tuple(sorted(control_tokens(tokenizer))))
+
+
+def find_control_text(tokenizer, text: str) -> str | None:
+    """The first control-token text found in ``text``, or ``None``."""
+    pattern = control_pattern(tokenizer)
+    match = pattern.search(text) if pattern is not None and text else None
+    return match.group(0) if match else None
+
+
+def encode_text(tokenizer, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text`` read as plain text: shape ``(T,)``; no control token comes from the text, whatever
+    it says (``"<|im_end|>"`` becomes the ids of ``<``, ``|``, ``im``, ...).
+
+    Args:
+        add_special_tokens: add what the tokenizer's ``encode`` adds around a text (a BOS for Llama-style
+            tokenizers, nothing for SmolLM2's); default ``False``, as inside a chat template.
+
+    Non-special added tokens are still matched (they are ordinary vocabulary).
+    """
+    if not text and not add_special_tokens:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
+
+
+def split_stop_strings(tokenizer, stops: Iterable[str], param: str = "stop") -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Sort stop strings into text stops and control-token stops.
+
+    A stop string equal to one control token's text (``"<|im_end|>"``) stops when that token is sampled,
+    like a stop token id: the token is not part of the returned text or ids, ``finish_reason`` is ``stop``.
+    Any other stop string is matched in the generated text.
+
+    Returns:
+        ``(text_stops, token_ids)``, each in the order given, without duplicates.
+
+    Raises:
+        BadRequestError: a stop string holds a control token's text plus other characters (param ``param``):
+            generated text never contains control tokens, so it could never match.
+    """
+    controls = control_tokens(tokenizer)
+    texts: list[str] = []
+    ids: list[int] = []
+    for s in stops:
+        if s in controls:
+            if controls[s] not in ids:
+                ids.append(controls[s])
+            continue
+        found = find_control_text(tokenizer, s)
+        if found is not None:
+            raise BadRequestError(
+                f"stop sequence {s!r} mixes the control token {found!r} with other text; a stop sequence is "
+                f"either exactly one control token (generation ends at that token) or plain text (matched in "
+                f"the generated text, which never contains control tokens)", param=param)
+        if s not in texts:
+            texts.append(s)
+    return tuple(texts), tuple(ids)

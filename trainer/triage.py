@@ -1,0 +1,60 @@
+"""One bad signal never takes good ones with it: split a batch into the events to dead-letter and the rest.
+
+The worker (:mod:`livelora.trainer.worker`) trains a due batch in three moves:
+
+1. the backend's ``screen(batch)`` names the events that cannot be trained, each checked alone (its datums
+   build, fit the context, use in-vocabulary ids: :meth:`livelora.trainer.online.OnlineTrainer.screen`);
+   they are dead-lettered (``rejected.jsonl``, acknowledged) and :func:`without` gives the batch of the rest;
+2. the rest trains; if the step still refuses the data (a user-category error) and the error names a datum
+   (``param`` ``data[i]...``, as :mod:`livelora.adapters.losses` does), :func:`culprit` maps it to its event,
+   which alone is dead-lettered, and the rest is tried again;
+3. only an error that names no datum dead-letters the whole batch, as before.
+
+A KTO remainder of a single rating is not trained (KTO pairs each prompt with another datum's completion) nor
+rejected: :func:`trainable` says so and the worker puts it back in the scheduler's queue to wait for more.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+
+from livelora.trainer.scheduler import Batch, kto_class_weights
+
+_DATUM = re.compile(r"^data\[(\d+)\]")
+
+
+def without(batch: Batch, drop: Mapping[int, object] | set[int]) -> Batch | None:
+    """``batch`` without the events at the indexes in ``drop``; KTO class weights are recomputed for the
+    events left. ``None`` when nothing is left."""
+    keep = [i for i in range(len(batch.events)) if i not in drop]
+    if not keep:
+        return None
+    rest = Batch(batch.lineage, batch.kind, [batch.events[i] for i in keep], [batch.stream_ids[i] for i in keep])
+    if rest.kind == "kto":
+        n_d = sum(1 for e in rest.events if e.rating)
+        rest.desirable_weight, rest.undesirable_weight = kto_class_weights(n_d, len(rest.events) - n_d)
+    return rest
+
+
+def trainable(batch: Batch) -> bool:
+    """Whether ``batch`` is big enough for its loss (KTO needs 2 ratings; SFT and DPO 1 event)."""
+    return len(batch.events) >= (2 if batch.kind == "kto" else 1)
+
+
+def culprit(batch: Batch, param: str | None) -> int | None:
+    """The index in ``batch.events`` of the event whose datum an error's ``param`` names (``data[5].x`` →
+    datum 5 → event 5, or event 2 of a DPO batch whose events have two datums), else ``None``."""
+    match = _DATUM.match(param or "")
+    if match is None:
+        return None
+    index = int(match.group(1)) // (2 if batch.kind == "dpo" else 1)
+    return index if index < len(batch.events) else None
+
+
+def rejected_lines(batch: Batch, reasons: Mapping[int, str]) -> list[str]:
+    """``rejected.jsonl`` lines (``{"stream_id", "event_id", "kind", "reason"}``) for the events at the indexes
+    of ``reasons``."""
+    return [json.dumps({"stream_id": batch.stream_ids[i], "event_id": batch.events[i].id, "kind": batch.kind,
+                        "reason": reason[:1000]}) for i, reason in sorted(reasons.items())]
