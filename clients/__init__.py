@@ -1,4 +1,5 @@
-"""livelora's client side: the training-session SDK, wire types, errors and the CLI.
+"""livelora's client side: the training-session SDK, wire types, errors and the recipes (the `livelora` command
+itself is the composition root, :mod:`livelora.cli`).
 
 Example (against ``livelora serve``)::
 

@@ -39,7 +39,7 @@ def test_trainer_context_is_the_models(base_ref):
 
 @pytest.fixture
 def door(live_server):
-    signals = live_server.app.state.signals
+    signals = live_server.services.signals
     client = redis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)
     yield live_server, client, signals.keys
     client.close()
