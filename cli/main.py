@@ -117,9 +117,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     import logging
     import threading
 
-    import uvicorn
-
-    from livelora.cli.processes import check_install, gateway_app, start_trainer_thread
+    from livelora.cli.processes import DrainingServer, check_install, gateway_app, start_trainer_thread
     from livelora.cli.settings import ServeSettings
     from livelora.clients.errors import LiveloraError
     from livelora.gateway.api.deps import services_of
@@ -161,7 +159,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         if services_of(app).auth_open:
             console.print("[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
                           "role). Create keys with `livelora keys create --home <store>`.")
-        uvicorn.run(app, host=server.host, port=server.port, log_level=log_level)
+        DrainingServer(app, server.host, server.port, log_level).run()  # SIGTERM/SIGINT: graceful drain
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None

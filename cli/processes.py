@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from livelora.adapters.settings import ProcessSettings, SessionSection
-from livelora.gateway.api.deps import GatewayServices
+from livelora.gateway.api.deps import GatewayServices, services_of
 from livelora.gateway.app import Component, create_app
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.settings import GatewaySettings
@@ -97,6 +97,53 @@ def gateway_app(settings: GatewaySettings, engine: Engine | None = None, *, exec
     run_executor = settings.sessions.executor_in_process if executor is None else executor
     components = [op_executor_component(settings)] if run_executor else []
     return create_app(settings, engine, components=components)
+
+
+class DrainingServer:
+    """Runs a gateway app under uvicorn; the first SIGTERM/SIGINT drains it (:mod:`livelora.gateway.services.drain`:
+    503 for new requests, ``/health`` draining, running requests get ``drain_grace_s``), then the server exits
+    once no admitted sequence is left or the grace period (plus 2 s to write the last events) is over. A second
+    signal exits at once.
+
+    Args:
+        app: a gateway app (``create_app`` / :func:`gateway_app`).
+        host, port: where to listen. log_level: uvicorn's.
+    """
+
+    #: seconds after the drain deadline before the server stops regardless (streams write their last events)
+    MARGIN_S = 2.0
+
+    def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "info"):
+        import uvicorn
+
+        services = services_of(app)
+        outer = self
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                if services.drain.draining or self.should_exit:
+                    return super().handle_exit(sig, frame)  # a second signal: stop now
+                services.drain.begin()  # not recorded as captured: no re-raise of the signal after a clean drain
+
+            async def on_tick(self, counter: int) -> bool:
+                if services.drain.draining and not self.should_exit and outer.drained():
+                    self.should_exit = True
+                return await super().on_tick(counter)
+
+        self.services = services
+        self.server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                             timeout_graceful_shutdown=5))
+
+    def drained(self) -> bool:
+        """Whether the drain may end: nothing admitted is left, or the grace period is over."""
+        drain, admission = self.services.drain, self.services.admission
+        if admission is None or admission.active == 0:
+            return True
+        return drain.clock() >= drain.deadline + self.MARGIN_S
+
+    def run(self) -> None:
+        """Serve until drained (blocking)."""
+        self.server.run()
 
 
 def start_trainer_thread(settings: TrainerSettings, stop: threading.Event) -> threading.Thread:

@@ -42,6 +42,7 @@ from livelora.gateway.api.logprobs import TokenTexts
 from livelora.gateway.auth import AuthMiddleware, check_bind
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admission import Admission
+from livelora.gateway.services.drain import Drain, DrainMiddleware
 from livelora.gateway.services.live import start_live_loop
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions import start_sessions
@@ -93,7 +94,8 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
 
     keys = KeyStore(settings.home)
     # refuses a public bind without keys (BadRequestError) unless allow_open; see livelora.gateway.auth
-    services = GatewayServices(settings, keys, check_bind(settings.server.host, keys, settings.server.allow_open))
+    services = GatewayServices(settings, keys, check_bind(settings.server.host, keys, settings.server.allow_open),
+                               drain=Drain(settings.server.drain_grace_s, settings.inference.retry_after_s))
     if services.auth_open:
         log.warning("no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "
                     "role); create one with `livelora keys create`", settings.home)
@@ -109,7 +111,8 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
         log.info("serving %s with the %s engine", settings.model_id, settings.inference.engine)
         live = await start_live_loop(settings, served)  # completion log, signals, adapter registry
         services.registry, services.completions, services.signals = live.registry, live.completions, live.signals
-        services.serving = Serving(served, settings, services.admission, live.registry, live.completions)
+        services.serving = Serving(served, settings, services.admission, live.registry, live.completions,
+                                   services.drain)
         sessions = await start_sessions(settings, served, services.serving)  # training sessions (Tinker API)
         services.sessions = sessions
         try:
@@ -128,6 +131,7 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
     attach(app, services)
     install_error_handlers(app)
     app.add_middleware(AuthMiddleware, services=services, max_body_bytes=settings.server.max_body_bytes)
+    app.add_middleware(DrainMiddleware, drain=services.drain)  # outermost: refuses before auth reads a body
     for module in (health, models, chat, completions, tinker, signals, admin):
         app.include_router(module.router)
     return app

@@ -37,6 +37,9 @@ class ServerSection(Section):
                                                 "who reaches it can use and retrain the model).")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (bytes); "
                                                                       "larger ones get 413.")
+    drain_grace_s: float = Field(20.0, ge=0, description="On SIGTERM/SIGINT: seconds running requests get to finish "
+                                                         "while new ones get 503; then open streams end with an "
+                                                         "error event and [DONE], and the process exits.")
 
 
 class InferenceSection(Section):

@@ -27,6 +27,7 @@ from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admin import GatewayAdmin
 from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.drain import Drain
 from livelora.gateway.services.registry import AdapterRegistry
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions import Checkpoints, SamplingSessions, SessionService, TrainingOps
@@ -52,6 +53,7 @@ class GatewayServices:
         completions: the completion log (live loop).
         signals: ratings, preferences, demonstrations (live loop).
         sessions: the Tinker training-session service.
+        drain: the graceful-drain state (set by the process wiring on SIGTERM/SIGINT).
     """
 
     settings: GatewaySettings
@@ -65,6 +67,7 @@ class GatewayServices:
     completions: CompletionLog | None = None
     signals: SignalService | None = None
     sessions: SessionService | None = None
+    drain: Drain | None = None
 
 
 def attach(app: FastAPI, services: GatewayServices) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
 from livelora.gateway.api.deps import ServingDep
 
@@ -10,7 +11,9 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/health")
-async def health(serving: ServingDep) -> dict:
+async def health(serving: ServingDep) -> JSONResponse:
     """``{"status": "ok", "model", "engine", "sequences", "max_sequences", "adapters_loaded"}``
-    (:meth:`~livelora.gateway.services.serving.Serving.health`)."""
-    return serving.health()
+    (:meth:`~livelora.gateway.services.serving.Serving.health`); 503 with ``"status": "draining"`` once the
+    gateway is shutting down (:mod:`livelora.gateway.services.drain`), so readiness probes stop routing to it."""
+    figures = serving.health()
+    return JSONResponse(figures, status_code=503 if figures["status"] == "draining" else 200)

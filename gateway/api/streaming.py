@@ -11,7 +11,9 @@ supplies only a :class:`ChoiceEncoder` (its wire shapes). Whatever the route:
 * every chunk goes to the completion-log recorder, which logs the choices once they are all done;
 * a client that goes away aborts the generations (contract A12), and the admission ticket (with the version
   lease) is released exactly once, whatever ends the request;
-* streams end with ``data: [DONE]``, after the usage chunk when ``stream_options.include_usage``.
+* streams end with ``data: [DONE]``, after the usage chunk when ``stream_options.include_usage``;
+* a gateway shutting down (:mod:`livelora.gateway.services.drain`) ends a request still running at the end of
+  its grace period: a stream with one error event and ``[DONE]``, a plain request with 503.
 
 SSE framing is exactly what OpenAI clients parse (contract §1.3, A06): every event is ``data: <json>\\n\\n``
 with LF separators, the JSON is ASCII-safe (``json.dumps`` default ``ensure_ascii=True``, so
@@ -34,6 +36,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from livelora.gateway.api.errors import error_event
 from livelora.gateway.engines.base import GenerationChunk
+from livelora.gateway.services.drain import DrainExpired
 from livelora.gateway.services.generation import ChoiceStream
 from livelora.gateway.services.serving import ServedRequest
 
@@ -106,6 +109,8 @@ async def _complete(served: ServedRequest, choices: ChoiceStream, encoder: Choic
     watcher = abort_on_disconnect(choices, request)
     try:
         async for index, chunk in choices:
+            if served.drain is not None:
+                served.drain.check_running()  # 503 once the gateway's grace period is over
             if served.recorder is not None:
                 served.recorder.add(index, chunk)
             encoder.add(index, chunk)
@@ -138,6 +143,8 @@ async def _stream(served: ServedRequest, choices: ChoiceStream, encoder: ChoiceE
                 item = pending.pop() if pending else await anext(choices, None)
                 if item is None:
                     break
+                if served.drain is not None:
+                    served.drain.check_running()  # the gateway is shutting down: past its grace period?
                 index, chunk = item
                 if served.recorder is not None:
                     served.recorder.add(index, chunk)
@@ -150,6 +157,9 @@ async def _stream(served: ServedRequest, choices: ChoiceStream, encoder: ChoiceE
             yield DONE
         except asyncio.CancelledError:
             raise
+        except DrainExpired as exc:  # shut down mid-stream: the error, then [DONE], so clients end cleanly
+            yield error_event(exc)
+            yield DONE
         except Exception as exc:  # after the headers: one error event, then close (contract A11)
             log.exception("%s stream %s failed", encoder.kind, served.id)
             yield error_event(exc)

@@ -24,6 +24,7 @@ from livelora.clients.types.openai import Model
 from livelora.gateway.engines.base import Engine, TokenLogprob
 from livelora.gateway.services.admission import Admission, Ticket
 from livelora.gateway.services.completion_log import CompletionLog, CompletionRecorder
+from livelora.gateway.services.drain import Drain
 from livelora.gateway.services.generation import ChoiceStream, Job, new_id, now
 from livelora.gateway.settings import GatewaySettings
 
@@ -151,6 +152,8 @@ class ServedRequest:
         ticket: its admission ticket (the version lease is released with it).
         engine: the engine that serves it.
         recorder: collects the choices for the completion log (``None``: not logged).
+        drain: the gateway's drain state (``None``: never drained); a running request calls
+            ``drain.check_running()`` between chunks.
     """
 
     id: str
@@ -160,6 +163,7 @@ class ServedRequest:
     ticket: Ticket
     engine: Engine
     recorder: CompletionRecorder | None = field(default=None)
+    drain: Drain | None = field(default=None)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -188,15 +192,18 @@ class Serving:
         admission: the gateway's sequence bound.
         registry: the live loop's adapter registry (``None``: base model and loaded adapters only).
         completions: the completion log recorders write to (``None``: completions are not logged).
+        drain: the gateway's drain state (``/health`` says ``draining``; requests end at its deadline).
     """
 
     def __init__(self, engine: Engine, settings: GatewaySettings, admission: Admission,
-                 registry: AdapterRegistry | None = None, completions: CompletionLog | None = None):
+                 registry: AdapterRegistry | None = None, completions: CompletionLog | None = None,
+                 drain: Drain | None = None):
         self.engine = engine
         self.settings = settings
         self.admission = admission
         self.registry = registry
         self.completions = completions
+        self.drain = drain
 
     @property
     def tokenizer(self) -> Any:
@@ -227,12 +234,13 @@ class Serving:
         raise ModelNotFoundError(f"model {model_id!r} does not exist", param="model")
 
     def health(self) -> dict[str, Any]:
-        """``{"status": "ok", "model", "engine", "sequences", "max_sequences", "adapters_loaded"}``.
+        """``{"status": "ok"|"draining", "model", "engine", "sequences", "max_sequences", "adapters_loaded"}``.
 
         ``sequences`` counts sequences admitted by the gateway (running or waiting). ``/health`` needs no key, so
         this gives the number of loaded adapter versions, never their names (which name tenants' lineages).
         """
-        return {"status": "ok", "model": self.settings.model_id, "engine": self.settings.inference.engine,
+        status = "draining" if self.drain is not None and self.drain.draining else "ok"
+        return {"status": status, "model": self.settings.model_id, "engine": self.settings.inference.engine,
                 "sequences": self.admission.active, "max_sequences": self.admission.limit,
                 "adapters_loaded": len(self.engine.loaded_adapters())}
 
@@ -267,4 +275,4 @@ class Serving:
                 self.completions, completion_id=request_id, created=created, target=target, n=len(jobs),
                 caller=recording.caller, user=recording.user, messages=recording.messages,
                 choice_prompts=[(list(job.prompt_ids), job.prompt_text) for job in jobs])
-        return ServedRequest(request_id, created, target, jobs, ticket, self.engine, recorder)
+        return ServedRequest(request_id, created, target, jobs, ticket, self.engine, recorder, self.drain)
