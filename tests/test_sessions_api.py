@@ -90,9 +90,12 @@ def test_retried_op_is_not_applied_twice(service, batch, sessions_server):
     opt = {"adam_params": {"learning_rate": 1e-3}, "model_id": tc.model_id, "seq_id": 2}
     step1 = post(sessions_server, "/optim_step", opt).json()
     assert post(sessions_server, "/optim_step", opt).json()["request_id"] == step1["request_id"]
-    # the same seq with a different body is a conflict, not a silent replay
+    # the same seq with a different body is a conflict, not a silent replay: a failed future (op routes never
+    # answer 409, which the SDK would retry)
     clash = post(sessions_server, "/optim_step", {**opt, "adam_params": {"learning_rate": 5e-3}})
-    assert clash.status_code == 409
+    assert clash.status_code == 200 and clash.json()["request_id"] != step1["request_id"]
+    failed = post(sessions_server, "/retrieve_future", {"request_id": clash.json()["request_id"]}).json()
+    assert failed["category"] == "user" and failed["code"] == "seq_conflict", failed
     assert result(sessions_server, step1["request_id"])["metrics"]["step:max"] == 1.0
     # the gradients were accumulated once: the applied step used the grad of one forward_backward
     fb1 = result(sessions_server, first["request_id"])

@@ -206,7 +206,7 @@ def test_body_kind_and_accept_negotiation():
     assert wire.body_kind(None) == "json"
     with pytest.raises(BadRequestError) as err:
         wire.body_kind("text/plain")
-    assert err.value.code == "unsupported_media_type"
+    assert err.value.code == "unsupported_content_type"
     assert wire.wants_proto("application/x-protobuf")
     assert wire.wants_proto("application/x-protobuf, application/json")
     assert not wire.wants_proto("application/json")

@@ -1,9 +1,12 @@
-"""The Tinker training-session API under ``/api/v1`` (JSON encoding of tinker SDK ≤0.24; protocol §2.4).
+"""The Tinker training-session API under ``/api/v1``: JSON of tinker SDK ≤0.24 and the protobuf + zstd of SDK
+≥0.25 (:mod:`livelora.gateway.api.tinker_wire`; protocol §2).
 
-Handlers only decode a JSON body into a :mod:`livelora.clients.types.tinker` model, call one method of a
-session service (:mod:`livelora.gateway.services.sessions`: sessions, training ops, checkpoints, sampling) and
-encode its answer (:func:`encode`); the operations themselves know nothing about the wire. A protobuf codec (SDK ≥0.25) will add decoders and
-encoders here without touching the service.
+Handlers only decode a body (JSON, or a protobuf ``forward_backward``) into a :mod:`livelora.clients.types`
+model, call one method of a session service (:mod:`livelora.gateway.services.sessions`: sessions, training
+ops, checkpoints, sampling) and encode its answer (:func:`encode`; ``SampleResponse`` and
+``ForwardBackwardOutput`` future results as protobuf when the client's ``Accept`` admits it); the operations
+themselves know nothing about the wire. A body that cannot be decoded is a 400 at once; when its
+``model_id``/``seq_id`` can still be read, that seq is consumed with the error so the model's later ops run.
 
 Errors: synchronous failures raise :mod:`livelora.clients.errors` classes and go through the gateway's one
 error handler; failures of queued ops are the future's ``{"error", "category"}`` (HTTP 200), as the
@@ -23,10 +26,12 @@ from pydantic import BaseModel, ValidationError
 from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSessionRequest, CreateSessionRequest,
                                            ForwardBackwardRequest, ForwardRequest, FutureRetrieveRequest,
-                                           GetInfoRequest, LoadWeightsRequest, OptimStepRequest, SampleRequest,
+                                           GetInfoRequest, LoadWeightsRequest, OptimStepRequest,
                                            SaveWeightsForSamplerRequest, SaveWeightsRequest, SessionFinishRequest,
                                            SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
                                            WeightsInfoRequest)
+from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, SampleRequestV2
+from livelora.gateway.api import tinker_wire as wire
 from livelora.gateway.api.errors import content_type_error
 from livelora.gateway.api.deps import CheckpointsDep, SamplingDep, SessionsDep, TrainingOpsDep
 from livelora.gateway.services.sessions import NotReady
@@ -35,9 +40,10 @@ router = APIRouter(prefix="/api/v1", tags=["training sessions"])
 M = TypeVar("M", bound=BaseModel)
 
 #: Flags for the tinker SDK's ``client/config``: create-from-checkpoint in one ``load_weights`` request,
-#: plain httpx transport, JSON bodies (no protobuf yet).
+#: plain httpx transport; SDK 0.20–0.24 keep their JSON ``forward_backward`` (``proto_write_fwdbwd`` off),
+#: SDK ≥0.25 always send protobuf, zstd-compressed (``proto_compress_fwdbwd``).
 CLIENT_CONFIG = {"create_model_via_load_weights": True, "use_pyqwest_transport": False,
-                 "proto_write_fwdbwd": False, "parallel_fwdbwd_chunks": True}
+                 "proto_write_fwdbwd": False, "proto_compress_fwdbwd": True, "parallel_fwdbwd_chunks": True}
 
 
 # ------------------------------------------------------------------------------------------------ JSON codec
@@ -148,8 +154,25 @@ async def forward(request: Request, ops: TrainingOpsDep) -> Response:
 
 @router.post("/forward_backward")
 async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
-    return encode(await ops.submit_op("forward_backward", await body_json(request),
-                                           lambda d: ForwardBackwardRequest.model_validate(d)))
+    """JSON (SDK ≤0.24) or protobuf, optionally zstd (SDK ≥0.25; ``forward_only`` is a forward pass)."""
+    raw = await request.body()
+    encoding = request.headers.get("content-encoding")
+    try:
+        if wire.body_kind(request.headers.get("content-type")) == "json":
+            return encode(await ops.submit_op("forward_backward", await body_json(request),
+                                              lambda d: ForwardBackwardRequest.model_validate(d)))
+        req = wire.decode_forward_backward(wire.decode_content(raw, encoding))
+    except wire.WireDecodeError as exc:
+        await ops.reject_undecodable(exc.model_id, exc.seq_id, exc)
+        raise
+    except BadRequestError as exc:  # unknown Content-Type/-Encoding, too large: name the op from the body's head
+        if exc.code in ("unsupported_content_type", "unsupported_content_encoding", "payload_too_large"):
+            model_id, seq_id = wire.peek_body_ids(raw, encoding)
+            await ops.reject_undecodable(model_id, seq_id, exc)
+        raise
+    kind = "forward" if req.forward_only else "forward_backward"
+    return encode(await ops.submit_op(kind, req.model_dump(mode="json", exclude_none=True),
+                                      lambda d: ForwardBackwardRequestV2.model_validate(d)))
 
 
 @router.post("/optim_step")
@@ -185,6 +208,8 @@ async def retrieve_future(request: Request, sessions: SessionsDep) -> Response:
     result = await sessions.retrieve_future(req.request_id)
     if isinstance(result, NotReady):
         return encode(TryAgainResponse(request_id=req.request_id), status_code=408)
+    if wire.wants_proto(request.headers.get("accept")) and (body := wire.encode_future_result(result)) is not None:
+        return Response(body, media_type=wire.PROTO_CONTENT_TYPE)
     return encode(result)
 
 
@@ -223,4 +248,4 @@ async def get_sampler(sampler_id: str, sampling: SamplingDep) -> Response:
 
 @router.post("/asample")
 async def asample(request: Request, sampling: SamplingDep) -> Response:
-    return encode(await sampling.asample(await decode(request, SampleRequest)))
+    return encode(await sampling.asample(await decode(request, SampleRequestV2)))

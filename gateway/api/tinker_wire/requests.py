@@ -7,7 +7,7 @@ codec is tested without a server. Errors are :mod:`livelora.clients.errors` clas
   ``seq_id`` recovered from the body when its top-level framing was intact (:func:`peek_ids`), so the caller
   can resolve that op's future with the error and consume its ``seq_id`` instead of leaving the model's
   later ops waiting for it;
-* ``BadRequestError`` with code ``unsupported_media_type`` / ``unsupported_content_encoding``;
+* ``BadRequestError`` with code ``unsupported_content_type`` / ``unsupported_content_encoding``;
 * ``PayloadTooLargeError`` (HTTP 413) when the decompressed body exceeds the limit.
 """
 
@@ -69,15 +69,15 @@ def body_kind(content_type: str | None) -> Literal["proto", "json"]:
     """``"proto"`` or ``"json"`` for a ``Content-Type`` header value (absent = JSON, as old clients send).
 
     Raises:
-        BadRequestError: any other media type (code ``unsupported_media_type``).
+        BadRequestError: any other media type (code ``unsupported_content_type``).
     """
     media = _media_type(content_type)
     if media in PROTO_MEDIA_TYPES:
         return "proto"
     if media in ("", "application/json") or (media.startswith("application/") and media.endswith("+json")):
         return "json"
-    raise BadRequestError(f"unsupported Content-Type {content_type!r}: send application/json or "
-                          "application/x-protobuf", param="Content-Type", code="unsupported_media_type")
+    raise BadRequestError(f"unsupported Content-Type {content_type!r}: send 'content-type: application/json' or "
+                          "'content-type: application/x-protobuf'", code="unsupported_content_type")
 
 
 def decode_content(body: bytes, content_encoding: str | None, *,

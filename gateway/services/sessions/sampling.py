@@ -24,10 +24,12 @@ from typing import Any
 
 from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.session_protocol import future_failed, new_request_id, resolve_checkpoint
-from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotFoundError
+from livelora.clients.errors import (BadRequestError, ConflictError, LiveloraError, NotFoundError,
+                                     UnsupportedParameterError)
 from livelora.clients.types.tinker import (CreateSamplingSessionRequest, CreateSamplingSessionResponse,
                                            GetSamplerResponse, SampledSequence, SampleRequest, SampleResponse,
                                            UntypedAPIFuture)
+from livelora.clients.types.tinker_ext import SampledSequenceV2, SampleRequestV2, SampleResponseV2
 from livelora.gateway.engines.base import SamplingParams as EngineParams
 from livelora.gateway.services.generation import Job
 from livelora.gateway.services.serving import BASE_VERSION, ServedRequest, Serving, ServingTarget
@@ -196,6 +198,7 @@ class SamplingSessions:
             self.ctx.check_base(req.base_model)
             record = await self._sampler_record_for_path(req.model_path, req.base_model, None, "adhoc")
             scope = "sample"
+        _refuse_unsupported(req)
         await self._ensure_loaded(record)
         prompt = req.prompt.to_ints()
         if not prompt:
@@ -221,13 +224,17 @@ class SamplingSessions:
         try:
             want_prompt_lp = bool(req.prompt_logprobs) or req.topk_prompt_logprobs > 0
             scored = self.engine.score(prompt, adapter, req.topk_prompt_logprobs) if want_prompt_lp else None
-            samples = [self._one_sample(prompt, params, adapter, i, sid, f"{request_id}:{i}")
+            topk_k = getattr(req, "topk_sample_logprobs", 0)
+            samples = [self._one_sample(prompt, params, adapter, i, sid, f"{request_id}:{i}", topk_k)
                        for i, sid in enumerate(seq_ids)]
             results = await asyncio.gather(*(samples if scored is None else [scored, *samples]))
             seqs = results if scored is None else results[1:]
-            out = SampleResponse(sequences=seqs)
+            out = SampleResponseV2(sequences=seqs) if topk_k else SampleResponse(sequences=seqs)
             if scored is not None:
                 lps = results[0]
+                last_n = getattr(req, "prompt_logprobs_last_n", None)
+                if last_n is not None:  # only the last N positions are scored; earlier entries are None
+                    lps = [None] * (len(lps) - last_n) + list(lps[len(lps) - last_n:])
                 if req.prompt_logprobs:
                     out = out.model_copy(update={"prompt_logprobs": [None if t is None else t.logprob for t in lps]})
                 if req.topk_prompt_logprobs:
@@ -244,7 +251,9 @@ class SamplingSessions:
             await self.futures.resolve(request_id, record)
 
     async def _one_sample(self, prompt: list[int], params: EngineParams, adapter: str | None, index: int,
-                          sequence_id: str, engine_request_id: str) -> SampledSequence:
+                          sequence_id: str, engine_request_id: str, topk: int = 0) -> SampledSequence:
+        """One sample; with ``topk`` > 0 also the ``topk`` most likely tokens (and their raw-model logprobs,
+        nats) at every sampled position, from one scoring pass over prompt + sample with the same weights."""
         if params.seed is not None and index:
             from dataclasses import replace
 
@@ -261,5 +270,33 @@ class SamplingSessions:
             tokens.append(stop_reason)
             scored = await self.engine.score([*prompt, *tokens], adapter)
             logprobs.append(float(scored[-1].logprob))
-        return SampledSequence(stop_reason="stop" if finish == "stop" else "length", tokens=tokens,
-                               logprobs=logprobs, sequence_id=sequence_id)
+        stop = "stop" if finish == "stop" else "length"
+        if topk and tokens:
+            rows = await self.engine.score([*prompt, *tokens], adapter, topk)
+            top = [None if r is None else [(int(a), float(b)) for a, b in r.top] for r in rows[len(prompt):]]
+            return SampledSequenceV2(stop_reason=stop, tokens=tokens, logprobs=logprobs, sequence_id=sequence_id,
+                                     topk_logprobs=top)
+        return SampledSequence(stop_reason=stop, tokens=tokens, logprobs=logprobs, sequence_id=sequence_id)
+
+
+def _refuse_unsupported(req: SampleRequest) -> None:
+    """Refuse the SDK 0.38 sample fields livelora does not compute (never silently ignored).
+
+    Raises:
+        UnsupportedParameterError: ``target_prompt_logprobs`` (the engine scores the top-k, not arbitrary ids),
+            ``prompt_alt_tokens_k`` > 0 (no draws at prompt positions), ``record_stability_info`` (only for
+            ``stable_reinforce``, whose objective is unpublished and refused).
+    """
+    if not isinstance(req, SampleRequestV2):
+        return
+    if req.target_prompt_logprobs is not None:
+        raise UnsupportedParameterError("target_prompt_logprobs is not supported: livelora scores the top-k prompt "
+                                        "tokens (topk_prompt_logprobs), not arbitrary token ids",
+                                        param="target_prompt_logprobs")
+    if req.prompt_alt_tokens_k:
+        raise UnsupportedParameterError("prompt_alt_tokens_k is not supported: livelora does not draw alternative "
+                                        "tokens at prompt positions; send 0", param="prompt_alt_tokens_k")
+    if req.record_stability_info:
+        raise UnsupportedParameterError("record_stability_info is not supported: it only feeds the stable_reinforce "
+                                        "loss, whose objective is unpublished and which livelora refuses; use "
+                                        "importance_sampling, ppo, cispo or gspo", param="record_stability_info")

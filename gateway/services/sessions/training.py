@@ -3,8 +3,10 @@
 ``forward``, ``forward_backward``, ``optim_step``, ``save_weights``, ``save_weights_for_sampler``,
 ``load_weights`` and ``create_model`` are validated and queued on ``ops:{model_id}``
 (:mod:`livelora.adapters.session_protocol`: ids, ordering). A retry with a ``(model_id, seq_id)`` already
-seen gets the first request's id back and is not queued again (a different body under the same seq is a
-409). An op that fails validation after its ``seq_id`` is known resolves its future with
+seen gets the first request's id back and is not queued again; a different body under the same seq gets a
+future already failed with a ``seq_conflict`` error (op routes never answer 409: the SDK would retry it). An
+op that fails validation after its ``seq_id`` is known (also a body that could not be decoded, whose ids were
+recovered from it: :meth:`TrainingOps.reject_undecodable`) resolves its future with
 ``{"error", "category": "user"}`` and still consumes the seq (a ``failed`` marker is queued), so the model's
 later ops run. The op executor (:mod:`livelora.trainer.executor`, started beside the gateway by the process
 wiring, or a ``livelora trainer``) runs them and writes their results to the futures.
@@ -65,8 +67,19 @@ class TrainingOps:
                   "lora": lora, "state": "creating"}
         with redis_unavailable():
             if not await self.redis.set(self.keys.model(model_id), json.dumps(record), nx=True):
-                raise ConflictError(f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id")
+                if await self.redis.get(self.keys.seq(model_id, 0)) is not None:  # a retry: the first one's future
+                    return await self._enqueue(model_id, 0, kind, body)
+                return await self._failed_future(model_id, 0, ConflictError(
+                    f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id",
+                    code="model_exists"))
             return await self._enqueue(model_id, 0, kind, body)
+
+    async def _failed_future(self, model_id: str, seq_id: int, error: LiveloraError) -> UntypedAPIFuture:
+        """A future already resolved with ``error``; nothing is queued (the seq belongs to another request)."""
+        request_id = new_request_id(f"{model_id}:{seq_id}")
+        await self.futures.create(request_id)
+        await self.futures.resolve(request_id, future_failed(error))
+        return UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
     async def _enqueue(self, model_id: str, seq_id: int, kind: str, body: dict[str, Any],
                        error: LiveloraError | None = None) -> UntypedAPIFuture:
@@ -77,8 +90,9 @@ class TrainingOps:
         if not await self.redis.set(self.keys.seq(model_id, seq_id), claim, nx=True, ex=self.settings.future_ttl_s):
             first = json.loads(await self.redis.get(self.keys.seq(model_id, seq_id)) or "{}")
             if first.get("digest") not in (None, digest):
-                raise ConflictError(f"seq_id {seq_id} of model {model_id} was already used by a different request",
-                                    param="seq_id")
+                return await self._failed_future(model_id, seq_id, ConflictError(
+                    f"seq_id {seq_id} of model {model_id} was already used by a different request (seq ids are "
+                    "one per op, in call order)", param="seq_id", code="seq_conflict"))
             return UntypedAPIFuture(request_id=first["request_id"], model_id=model_id)
         await self.futures.create(request_id)
         if error is not None:
@@ -94,6 +108,19 @@ class TrainingOps:
         with redis_unavailable():
             raw = await self.redis.get(self.keys.model(model_id))
         return json.loads(raw) if raw else None
+
+    async def reject_undecodable(self, model_id: str | None, seq_id: int | None, error: LiveloraError) -> None:
+        """Consume ``seq_id`` of ``model_id`` with ``error`` for a body that could not be decoded (the route
+        then answers the error itself), so the model's later ops do not wait for that seq. Does nothing when
+        the ids are unknown, the model does not exist, or the seq was already claimed (a retry)."""
+        if not model_id or not isinstance(seq_id, int) or seq_id < 1:
+            return
+        with redis_unavailable():
+            if await self._model_record(model_id) is None:
+                return
+            if await self.redis.exists(self.keys.seq(model_id, seq_id)):
+                return
+            await self._enqueue(model_id, seq_id, "failed", {"undecodable": str(error)}, error)
 
     async def submit_op(self, kind: str, raw: dict[str, Any], parse) -> UntypedAPIFuture:
         """Validate and queue one training op given its raw JSON body.
@@ -130,10 +157,13 @@ class TrainingOps:
 
     def _validate(self, kind: str, req: Any) -> dict[str, Any]:
         if kind in ("forward", "forward_backward"):
-            fb: ForwardBackwardInput = req.forward_input if kind == "forward" else req.forward_backward_input
+            fb: ForwardBackwardInput = getattr(req, "forward_input", None) or req.forward_backward_input
             validate_batch(fb.data, fb.loss_fn, fb.loss_fn_config, vocab_size=int(self.engine.vocab_size),
                            max_seq_len=int(self.max_seq_len or self.engine.max_model_len))
-            return {"input": fb.model_dump(mode="json")}
+            # provenance spans (SDK ≥0.26) were checked for tiling by the request model; only stable_reinforce
+            # (refused above) reads them, so the executor gets the plain datums
+            spans = {"model_input_spans", "loss_fn_input_spans"}
+            return {"input": fb.model_dump(mode="json", exclude={"data": {"__all__": spans}})}
         if kind in ("save_weights", "save_weights_for_sampler") and req.ttl_seconds is not None:
             raise UnsupportedParameterError("ttl_seconds is not supported: checkpoints live until deleted",
                                             param="ttl_seconds")

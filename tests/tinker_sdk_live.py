@@ -1,0 +1,121 @@
+"""Drive a live livelora gateway with the **official tinker SDK** of the running venv (0.38.x or 0.24.1).
+
+Run as ``<sdk venv>/bin/python tests/tinker_sdk_live.py`` with ``TINKER_BASE_URL`` / ``TINKER_API_KEY`` set and
+``{"base_model", "texts": [[token ids], ...], "prompt": [token ids]}`` (JSON) on stdin; prints one JSON object
+of what each public call returned (or the error it raised). Nothing here imports livelora: the SDK is used
+exactly as a user would. :mod:`tests.test_tinker_sdk_live` asserts on the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import traceback
+from typing import Any
+
+
+def _err(exc: BaseException) -> dict[str, Any]:
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def main() -> dict[str, Any]:
+    import tinker
+    from tinker import types
+
+    spec = json.load(sys.stdin)
+    out: dict[str, Any] = {"version": tinker.__version__}
+    v038 = not tinker.__version__.startswith("0.24")
+    service = tinker.ServiceClient()
+    tc = service.create_lora_training_client(base_model=spec["base_model"], rank=4)
+    out["model_id"] = tc.model_id
+    info = tc.get_info()
+    out["info"] = {"model_name": info.model_data.model_name, "tokenizer_id": info.model_data.tokenizer_id}
+    data = [types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+            for ids in spec["texts"]]
+
+    # pipelined forward_backward + optim_step (protobuf + zstd on 0.38), loss must fall
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward(data, "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=2e-3))
+        res = fb.result()
+        opt.result()
+        losses.append(res.metrics["loss:sum"])
+        out["fb_logprob_lens"] = [len(o["logprobs"].tolist()) for o in res.loss_fn_outputs]
+    out["losses"] = losses
+    out["forward_loss"] = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    # an importance_sampling batch: proto tensors of three dtypes
+    ids = spec["texts"][0]
+    n = len(ids) - 1
+    rl = [types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                      loss_fn_inputs={"target_tokens": ids[1:], "logprobs": [-1.0] * n, "advantages": [0.5] * n})]
+    out["is_metrics"] = tc.forward_backward(rl, "importance_sampling").result().metrics
+    if v038:  # a refused loss fails its future; the next op still runs (its seq is consumed)
+        try:
+            tc.forward_backward(rl, "stable_reinforce").result()
+            out["stable_reinforce"] = "accepted"
+        except Exception as exc:  # noqa: BLE001
+            out["stable_reinforce"] = _err(exc)
+    out["optim_after_refused"] = tc.optim_step(types.AdamParams(learning_rate=1e-4)).result().metrics is not None
+
+    # save with ttl, resume with optimizer: same forward loss
+    try:
+        path = tc.save_state("live-ckpt").result().path
+        out["save_state"] = path
+        resumed = service.create_training_client_from_state_with_optimizer(path)
+        out["resumed_forward_loss"] = resumed.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        out["forward_loss_again"] = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    except Exception as exc:  # noqa: BLE001
+        out["save_state"] = _err(exc)
+
+    # sampling: ephemeral sampler, sample_sequence_ids, top-k of the samples, prompt logprobs
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints(spec["prompt"])
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=0)
+    kw = {"topk_sample_logprobs": 3} if v038 else {}
+    res = sampler.sample(prompt=prompt, num_samples=2, sampling_params=params, include_prompt_logprobs=True, **kw).result()
+    out["samples"] = [{"tokens": list(s.tokens), "logprobs": list(s.logprobs), "stop_reason": s.stop_reason,
+                       "sequence_id": getattr(s, "sequence_id", None),
+                       "topk": [None if r is None else [list(p) for p in r] for r in (getattr(s, "topk_logprobs", None) or [])]}
+                      for s in res.sequences]
+    out["prompt_logprobs"] = res.prompt_logprobs
+    out["compute_logprobs"] = sampler.compute_logprobs(prompt).result()
+    if v038:
+        for field, value in (("target_prompt_logprobs", [[1] for _ in range(prompt.length - 1)]),
+                             ("prompt_alt_tokens_k", 2), ("record_stability_info", True)):
+            try:
+                if field == "record_stability_info":
+                    s2 = tc.save_weights_and_get_sampling_client(record_stability_info=True)
+                    s2.sample(prompt=prompt, num_samples=1, sampling_params=params).result()
+                else:
+                    arg = types.TensorData.from_numpy(__import__("numpy").asarray(value, dtype="int64")) \
+                        if field == "target_prompt_logprobs" else value
+                    sampler.sample(prompt=prompt, num_samples=1, sampling_params=params, **{field: arg}).result()
+                out[f"refused:{field}"] = "accepted"
+            except Exception as exc:  # noqa: BLE001
+                out[f"refused:{field}"] = _err(exc)
+
+    # async variants
+    async def run_async() -> dict[str, Any]:
+        fut = await tc.forward_backward_async(data, "cross_entropy")
+        r1 = await fut
+        r2 = await tc.optim_step(types.AdamParams(learning_rate=1e-4))
+        s = await sampler.sample_async(prompt=prompt, num_samples=1, sampling_params=params)
+        return {"fb": r1.metrics["loss:sum"], "optim": r2.metrics is not None, "sample": len(s.sequences)}
+
+    try:
+        out["async"] = asyncio.run(run_async())
+    except Exception as exc:  # noqa: BLE001
+        out["async"] = _err(exc)
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        result = main()
+    except Exception as exc:  # noqa: BLE001
+        result = {"fatal": _err(exc), "traceback": traceback.format_exc()[-4000:]}
+    print(json.dumps(result, default=str))
