@@ -20,7 +20,8 @@ from livelora.adapters.losses import LOSS_SPECS as LOSSES
 from livelora.adapters.losses import SUPPORTED_LOSSES, LossName
 from livelora.clients.errors import BadRequestError
 from livelora.trainer.losses import (
-    cispo, compute_loss, cross_entropy, dpo, dro, group_advantages, importance_sampling, kl_pair_order, kto, ppo,
+    cispo, compute_loss, cross_entropy, dpo, dro, group_advantages, gspo, importance_sampling, kl_pair_order, kto,
+    ppo,
     run_custom_loss, sequence_logprobs, surrogate_weights, validate_loss_request,
 )
 
@@ -67,6 +68,47 @@ RL_CASES = {
 # dro, beta 0.05, masked to the action tokens: -Σ m (lp·A − ½β(lp−q)²); grad = m(−A + β(lp − q))
 DRO_LOSS = -((-0.5 - 0.025 * 0.04) + (-0.1 - 0.025 * 0.09) + (-0.35) + (0.25 - 0.025 * 0.01) + (0.75 - 0.025 * 0.81))
 DRO_GRAD = [0, -0.49, -0.485, -0.5, 0, 0.495, 0.455, 0]
+
+
+# gspo on the §3.4 numbers, sequence_ratio_mask = MASK (the action tokens). Sequence ratios by hand:
+# datum 0: mean(lp − q) over positions 1..3 = (0.2 + 0.3 + 0.0) / 3 = 1/6 → s0 = e^(1/6) = 1.181360;
+# datum 1: over positions 1..2 = (−0.1 − 0.9) / 2 = −0.5 → s1 = e^−0.5 = 0.606531.
+# Every token of datum i has ratio value s_i and d r_t / d lp_t = s_i, so d L / d lp_t = −A_t·s_i where the
+# unclipped branch is the min and 0 where the clip binds (A > 0 & s > hi, A < 0 & s < lo).
+S0, S1 = e(1 / 6), e(-0.5)
+GSPO_CASES = {  # config → (loss, gradient row-major over the 2 x 4 positions)
+    "paper_defaults": ({}, -3 * 0.5 * (1 + 4e-4) + 2 * 0.5 * (1 - 3e-4), [0] * 8),  # both sequences clipped
+    "0.8_1.2": ({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, -1.5 * S0 + 2 * 0.5 * 0.8,
+                [0, -0.5 * S0, -0.5 * S0, -0.5 * S0, 0, 0, 0, 0]),  # s0 inside, s1 < 0.8 with A < 0: clipped
+    "0.5_1.5": ({"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}, -1.5 * S0 + 2 * 0.5 * S1,
+                [0, -0.5 * S0, -0.5 * S0, -0.5 * S0, 0, 0.5 * S1, 0.5 * S1, 0]),  # neither clipped
+}
+
+
+@pytest.mark.parametrize("case", sorted(GSPO_CASES))
+def test_gspo_sequence_ratio_value_and_gradient_by_hand(case):
+    config, loss, grad = GSPO_CASES[case]
+    assert S0 == pytest.approx(1.181360, abs=1e-6) and S1 == pytest.approx(0.606531, abs=1e-6)
+    lp_D = [t(LP[0], requires_grad=True), t(LP[1], requires_grad=True)]
+    datums = [{"target_tokens": torch.arange(4), "logprobs": t(Q[i]), "advantages": t(ADV[i]),
+               "sequence_ratio_mask": t(MASK[i])} for i in range(2)]
+    out = compute_loss("gspo", lp_D, datums, config or None)
+    out.loss.backward()
+    assert out.metrics["loss:sum"] == pytest.approx(loss, abs=1e-9)
+    close(torch.cat([lp_D[0].grad, lp_D[1].grad]), grad, 1e-9)
+    # the tensor function directly, same numbers
+    lp2 = [t(LP[0], requires_grad=True), t(LP[1], requires_grad=True)]
+    direct = gspo(lp2, [t(q) for q in Q], [t(a) for a in ADV], [t(m) for m in MASK], **config)
+    assert direct.loss.item() == pytest.approx(loss, abs=1e-9)
+
+
+def test_gspo_equals_ppo_when_each_sequence_has_one_sampled_token():
+    """With one masked position per datum the sequence ratio is that token's ratio: GSPO = PPO there."""
+    lp = [t([-0.3, -1.0], requires_grad=True), t([-2.0, -0.5], requires_grad=True)]
+    q, adv, m = [t([0.0, -1.2]), t([0.0, -0.4])], [t([0.0, 0.5]), t([0.0, -0.5])], [t([0.0, 1.0]), t([0.0, 1.0])]
+    g = gspo(lp, q, adv, m, clip_low_threshold=0.8, clip_high_threshold=1.2).loss
+    p = ppo(torch.cat([x.detach() for x in lp]), torch.cat(q), torch.cat(adv)).loss
+    assert g.item() == pytest.approx(p.item(), abs=1e-12)
 
 
 def test_rl_closed_forms_agree_with_printed_vectors():
@@ -568,7 +610,7 @@ def test_surrogate_weights_are_minus_the_gradient_and_zero_for_unused_datums():
 # ------------------------------------------------------------------------------------------------
 def test_registry_covers_tinker_loss_names_plus_kto_and_dpo():
     assert set(LOSSES) == set(typing.get_args(LossName)) == set(SUPPORTED_LOSSES)
-    assert {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "kto", "dpo"} == set(LOSSES)
+    assert {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "kto", "dpo"} == set(LOSSES)
     assert all(spec.name == name for name, spec in LOSSES.items())
 
 
@@ -577,7 +619,10 @@ def _ce_datum():
 
 
 @pytest.mark.parametrize("loss_fn,datums,config,param", [
-    ("gspo", [_ce_datum()], None, "loss_fn"),
+    ("gspo", [{"target_tokens": torch.tensor([1, 2]), "logprobs": t([0.0, -1.0]), "advantages": t([0.0, 1.0])}],
+     None, "loss_fn_inputs.sequence_ratio_mask"),
+    ("gspo", [{"target_tokens": torch.tensor([1, 2]), "logprobs": t([0.0, -1.0]), "advantages": t([0.0, 1.0]),
+               "sequence_ratio_mask": t([0.0, 0.0])}], None, "loss_fn_inputs.sequence_ratio_mask"),
     ("stable_reinforce", [_ce_datum()], None, "loss_fn"),
     ("cross_entropy", [], None, "data"),
     ("cross_entropy", [{"target_tokens": torch.tensor([1, 2])}], None, "loss_fn_inputs.weights"),

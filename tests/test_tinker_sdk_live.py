@@ -58,6 +58,7 @@ def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer):
     assert out["compute_logprobs"][1:] == pytest.approx(out["prompt_logprobs"][1:], abs=1e-4)
     assert out["async"]["sample"] == 1 and out["async"]["optim"] is True, out["async"]
     if version == "038":
+        assert out["gspo_metrics"]["loss:sum"] < 0, out["gspo_metrics"]  # A = 0.5 > 0 on every sampled token
         assert "stable_reinforce" in out["stable_reinforce"]["error"] and "unpublished" in out["stable_reinforce"]["error"]
         for s in out["samples"]:  # sample_sequence_ids stamped by the SDK; top-3 at every sampled token
             assert s["sequence_id"]

@@ -53,6 +53,14 @@ def main() -> dict[str, Any]:
     rl = [types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
                       loss_fn_inputs={"target_tokens": ids[1:], "logprobs": [-1.0] * n, "advantages": [0.5] * n})]
     out["is_metrics"] = tc.forward_backward(rl, "importance_sampling").result().metrics
+    if v038:  # gspo with the cookbook rl_loop's sequence_ratio_mask (1 on the sampled tokens)
+        gs = [types.Datum(model_input=rl[0].model_input, loss_fn_inputs={
+            **rl[0].loss_fn_inputs, "sequence_ratio_mask": [0.0] + [1.0] * (n - 1)})]
+        try:
+            out["gspo_metrics"] = tc.forward_backward(gs, "gspo", {"clip_low_threshold": 0.8,
+                                                                   "clip_high_threshold": 1.2}).result().metrics
+        except Exception as exc:  # noqa: BLE001
+            out["gspo_metrics"] = _err(exc)
     if v038:  # a refused loss fails its future; the next op still runs (its seq is consumed)
         try:
             tc.forward_backward(rl, "stable_reinforce").result()

@@ -1,7 +1,7 @@
 """The built-in losses' specifications: one :class:`~livelora.adapters.losses.spec.LossSpec` per ``loss_fn``.
 
-This is the one registry of loss names. Tinker's five server losses (``cross_entropy``,
-``importance_sampling``, ``ppo``, ``cispo``, ``dro``) keep Tinker's input names, defaults and ``loss:sum``
+This is the one registry of loss names. Tinker's six server losses (``cross_entropy``,
+``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``gspo``) keep Tinker's input names, defaults and ``loss:sum``
 reduction; ``kto`` and ``dpo`` are livelora's preference losses, means over examples/pairs with reference
 logprobs the trainer computes from the base model (adapter disabled). Semantics, test vectors and the
 reference implementations behind every number: ``shared/reference/losses.md`` §2–§3 (pins in §8).
@@ -101,6 +101,21 @@ DRO = LossSpec(
     reference="Richemond et al. 2024, arXiv 2405.19107 (DRO); Tinker docs losses.mdx; losses.md §2.6, vectors §3.4 "
               "(masked, β = 0.05)")
 
+SEQUENCE_RATIO_MASK = LossInput("sequence_ratio_mask", "float32", "tokens",
+                                "non-zero at the positions whose log-ratios (lp − q) the sequence ratio averages "
+                                "(the sampled tokens)",
+                                nonzero_reason="the sequence ratio is a mean over its non-zero positions")
+
+GSPO = LossSpec(
+    name="gspo",
+    summary="L = −Σ_t min(r_t·A_t, clip(r_t, lo, hi)·A_t), r_t = exp(mean_{m≠0}(sg(lp) − q) + lp_t − sg(lp_t)) per datum",
+    inputs=(TARGET_TOKENS, SAMPLER_LOGPROBS, ADVANTAGES, SEQUENCE_RATIO_MASK, RL_MASK), gradient=_FROM_ADVANTAGES,
+    config=(_clip_low(1.0 - 3e-4), _clip_high(1.0 + 4e-4)),
+    reference="Zheng et al. 2025, arXiv 2507.18071, Eq. 7, §4.3 (GSPO-token), §5.1 (clipping ranges 3e-4 / 4e-4 "
+              "as absolute bounds 0.9997 / 1.0004); Tinker docs losses/gspo (tinker_protocol.md §3.2); "
+              "tinker-cookbook 0.6.1 recipes/rl_loop.py (sequence_ratio_mask); the clip as PPO's, losses.md §2.5; "
+              "vectors by hand in tests/test_losses.py (losses.md has no GSPO section)")
+
 KTO = LossSpec(
     name="kto",
     summary="L = mean_B [λ_D·(1 − σ(β(r − z0))) if desirable else λ_U·(1 − σ(β(z0 − r)))], "
@@ -133,13 +148,13 @@ DPO = LossSpec(
                  "weights mark completion tokens; the trainer adds ref_logprobs")
 
 #: The one registry of loss names: ``loss_fn`` → spec. The trainer registers one tensor function per key.
-LOSS_SPECS: dict[str, LossSpec] = {s.name: s for s in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, KTO, DPO)}
+LOSS_SPECS: dict[str, LossSpec] = {s.name: s for s in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, GSPO,
+                                                         KTO, DPO)}
 
 #: Tinker loss names livelora refuses (400 ``unsupported_parameter``), with the reason given to the client.
 #: A custom loss needs no spec: ``forward_backward_custom`` runs it in the client and sends ``cross_entropy``
 #: with surrogate weights ``−∂loss/∂lp`` (tinker_protocol.md §3.4).
 REFUSED_LOSSES: dict[str, str] = {
-    "gspo": "gspo is not implemented by livelora; use ppo or cispo",
     "stable_reinforce": "stable_reinforce's objective is unpublished; use importance_sampling",
     "custom": "server-side custom losses are not supported; use forward_backward_custom on the client",
 }

@@ -36,8 +36,8 @@ LossFnType = str
 The server owns the list: it checks the name against its loss specifications (``livelora.adapters.losses``,
 which this bottom layer does not import) and answers 400 naming ``loss_fn`` for an unknown one, so a new
 server-side loss needs no SDK release and an older SDK can use it. Built-in losses: ``cross_entropy``,
-``importance_sampling``, ``ppo``, ``cispo``, ``dro`` (Tinker's) and ``kto``, ``dpo`` (livelora's; reference
-logprobs from the base model). Tinker's ``gspo``, ``stable_reinforce`` and ``custom`` are refused with 400
+``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``gspo`` (Tinker's) and ``kto``, ``dpo`` (livelora's;
+reference logprobs from the base model). Tinker's ``stable_reinforce`` and ``custom`` are refused with 400
 ``unsupported_parameter`` (custom losses run client-side: ``TrainingClient.forward_backward_custom``).
 """
 

@@ -2,7 +2,7 @@
 
 Two layers, each keyed by the name of a :class:`~livelora.adapters.losses.LossSpec`:
 
-* **Tensor functions** (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``kto``,
+* **Tensor functions** (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``gspo``, ``kto``,
   ``dpo``): pure functions of tensors with shape-suffixed arguments, the paper equation and a pinned
   reference implementation in each docstring; they return :class:`LossOutput` (a 0-d loss with grad + flat
   metrics). Token losses accept any shape (concatenated ``(T,)`` tokens or padded ``(D, T)``) plus an
@@ -34,11 +34,11 @@ from ._advantages import group_advantages
 from ._custom import CustomLossResult, run_custom_loss, surrogate_weights
 from ._preference import dpo, kl_pair_order, kto, sequence_logprobs
 from ._registry import LOSS_FUNCTIONS, DatumLossFn, compute_loss, register, validate_loss_request
-from ._token import LossOutput, cispo, cross_entropy, dro, importance_sampling, ppo
+from ._token import LossOutput, cispo, cross_entropy, dro, gspo, importance_sampling, ppo
 
 __all__ = [
     "LossOutput", "LOSS_FUNCTIONS", "register", "compute_loss", "validate_loss_request",
-    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "kto", "dpo",
+    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "kto", "dpo",
     "sequence_logprobs", "kl_pair_order", "group_advantages",
     "surrogate_weights", "CustomLossResult", "run_custom_loss", "DatumLossFn",
 ]

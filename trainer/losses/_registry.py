@@ -19,7 +19,7 @@ from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import TensorData
 
 from ._preference import dpo, kto, sequence_logprobs
-from ._token import LossOutput, cispo, cross_entropy, dro, importance_sampling, ppo
+from ._token import LossOutput, cispo, cross_entropy, dro, gspo, importance_sampling, ppo
 
 #: ``fn(target_logprobs_D, loss_fn_inputs_D, config) -> LossOutput``: per datum, log p_θ(target_tokens) with
 #: grad (shape of ``target_tokens``) and that datum's inputs as tensors (trainer-filled ones included);
@@ -63,6 +63,17 @@ def _datum_rl(fn):
 
 for _fn in (importance_sampling, ppo, cispo, dro):
     register(_fn.__name__)(_datum_rl(_fn))
+
+
+@register("gspo")
+def _datum_gspo(lp_D, inputs_D, cfg):
+    def col(key):
+        return [x[key].reshape(-1) for x in inputs_D]
+    mask = None
+    if any("mask" in x for x in inputs_D):
+        mask = [x["mask"].reshape(-1) if "mask" in x else torch.ones_like(lp) for x, lp in zip(inputs_D, lp_D)]
+    return gspo([lp.reshape(-1) for lp in lp_D], col("logprobs"), col("advantages"), col("sequence_ratio_mask"),
+                mask_D=mask, **cfg)
 
 
 def _datum_logratios(lp_D, inputs_D) -> Tensor:

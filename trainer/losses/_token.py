@@ -128,3 +128,43 @@ def dro(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor, *
     return _token_output(-(lp * adv - 0.5 * beta * (lp - q) ** 2))
 
 
+
+
+def gspo(logprobs_D: list[Tensor], sampling_logprobs_D: list[Tensor], advantages_D: list[Tensor],
+         ratio_mask_D: list[Tensor], *, clip_low_threshold: float = 1.0 - 3e-4, clip_high_threshold: float = 1.0 + 4e-4,
+         mask_D: list[Tensor] | None = None) -> LossOutput:
+    """Tinker ``gspo`` (GSPO-token): a PPO clip on one **sequence-level** ratio per datum.
+
+    Per datum ``i``: ``log s_i = mean_{t: m_t≠0} (sg(lp_t) − q_t)`` over its ``sequence_ratio_mask`` ``m``
+    (the sampled tokens), ``r_t = exp(log s_i + lp_t − sg(lp_t))`` (value ``s_i`` at every token, gradient
+    ``dr_t/dlp_t = s_i``), then ``L = −Σ_i Σ_t min(r_t·A_t, clip(r_t, lo, hi)·A_t)``. ``lo``/``hi`` are absolute
+    ratio bounds; the defaults are the GSPO paper's clipping ranges 3e-4 (left) / 4e-4 (right).
+
+    Args:
+        logprobs_D: per datum, trainer logprobs lp ``(N_i,)`` with grad.
+        sampling_logprobs_D: per datum, sampler logprobs q ``(N_i,)`` (Tinker input ``logprobs``).
+        advantages_D: per datum, A ``(N_i,)``; 0 on prompt positions.
+        ratio_mask_D: per datum ``(N_i,)``; non-zero at the positions the sequence ratio averages over
+            (at least one per datum: checked by the spec).
+        mask_D: optional exact mask per datum (positions where it is 0 contribute nothing to the loss).
+
+    Returns: ``loss:sum`` (summed over tokens and datums, as every Tinker token loss).
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071, Eq. 7 and §4.3
+    (GSPO-token) and §5.1 (clipping ranges 3e-4 / 4e-4); Tinker docs ``losses/gspo`` via
+    shared/reference/tinker_protocol.md §3.2 (``log_ratio = (tlp.detach() − slp)[mask≠0].mean()``); tinker-cookbook
+    0.6.1 ``recipes/rl_loop.py`` (``sequence_ratio_mask`` = 1 on sampled tokens). Vectors: tests/test_losses.py.
+    """
+    total = None
+    for i, lp in enumerate(logprobs_D):
+        q = sampling_logprobs_D[i].to(lp)
+        adv = advantages_D[i].to(lp)
+        keep = ratio_mask_D[i].to(device=lp.device) != 0
+        log_s = (lp.detach() - q)[keep].mean()
+        ratio = torch.exp(log_s + lp - lp.detach())
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(clip_low_threshold, clip_high_threshold) * adv)
+        if mask_D is not None:
+            (per_token,) = _masked(mask_D[i], per_token)
+        total = per_token.sum() if total is None else total + per_token.sum()
+    loss = total if total is not None else torch.zeros(())
+    return LossOutput(loss, {"loss:sum": float(loss.detach())})
