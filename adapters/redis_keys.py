@@ -121,6 +121,10 @@ class KeyLayout:
         """``{prefix}trainer:models``: set of training model ids whose op streams are read."""
         return f"{self.prefix}trainer:models"
 
+    def model_last_request(self, model_id: str) -> str:
+        """ISO time of the training model's last submitted op (``TrainingRun.last_request_time``)."""
+        return f"{self.prefix}lastreq:model:{model_id}"
+
     def ops(self, model_id: str) -> str:
         """``{prefix}ops:{model_id}``: stream of the model's ops."""
         return f"{self.prefix}ops:{model_id}"

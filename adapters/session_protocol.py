@@ -27,7 +27,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,19 @@ def check_checkpoint_name(name: str | None) -> str:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat()
+
+
+def expires_at(ttl_seconds: int | None) -> str | None:
+    """ISO time ``ttl_seconds`` from now (UTC), or None (no TTL: kept until deleted)."""
+    if ttl_seconds is None:
+        return None
+    return (datetime.now(timezone.utc) + timedelta(seconds=int(ttl_seconds))).isoformat()
+
+
+def is_expired(entry: dict[str, Any], now: datetime | None = None) -> bool:
+    """Whether a checkpoint-index entry's ``expires_at`` has passed."""
+    at = entry.get("expires_at")
+    return at is not None and datetime.fromisoformat(at) <= (now or datetime.now(timezone.utc))
 
 
 

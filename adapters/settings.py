@@ -65,6 +65,9 @@ class SessionSection(Section):
     future_ttl_s: int = Field(24 * 3600, ge=60, description="Futures and dedupe records live this long (s).")
     long_poll_s: float = Field(30.0, gt=0, lt=45, description="retrieve_future waits at most this long before "
                                                               "answering 408 try_again (the SDK times out at 45 s).")
+    checkpoint_sweep_s: float = Field(60.0, gt=0, description="Every this many seconds the gateway deletes "
+                                                              "checkpoints whose ttl_seconds has passed (never one "
+                                                              "loaded for serving or bound to an endpoint).")
     gap_timeout_s: float = Field(600.0, gt=0, description="Buffered ops fail when the seq_id before them has not "
                                                           "arrived for this long (s).")
     executor_in_process: bool = Field(False, description="`livelora gateway` also runs an op executor (training "

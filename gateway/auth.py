@@ -49,6 +49,7 @@ PUBLIC = "public"
 POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/health"), PUBLIC),
     ("GET", re.compile(r"/api/v1/healthz"), PUBLIC),
+    ("GET", re.compile(r"/api/v1/checkpoint_archives/[^/]+"), PUBLIC),  # signed URL (HMAC): its own credential
     ("GET", re.compile(r"/(docs|redoc|openapi\.json|docs/oauth2-redirect)"), PUBLIC),
     ("*", re.compile(r"/v1/(chat/completions|completions|models(/.*)?)"), "inference"),
     ("*", re.compile(r"/v1/(feedback|preferences|demonstrations)"), "feedback"),

@@ -51,6 +51,9 @@ def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer):
     assert out["resumed_forward_loss"] == pytest.approx(out["forward_loss_again"], rel=1e-5)
     assert out["save_state"].startswith(f"tinker://{out['model_id']}/weights/live-ckpt")
     assert len(out["samples"]) == 2
+    assert out["rest_run"]["id"] == out["model_id"] and out["rest_run"]["last_checkpoint"] == "weights/live-ckpt"
+    assert out["rest_checkpoints"][0][0] == "weights/live-ckpt" and out["rest_checkpoints"][0][1] != "None"
+    assert out["rest_user_checkpoints"] >= 1 and out["model_id"] in out["rest_runs"]
     for s in out["samples"]:
         assert 0 < len(s["tokens"]) <= 4 and len(s["logprobs"]) == len(s["tokens"])
     n = len(tokenizer.encode("The sky is"))
@@ -117,3 +120,65 @@ def test_undecodable_protobuf_fails_at_once_and_frees_its_seq(sessions_server):
     assert r.status_code == 200, r.text
     res = _retrieve(base, r.json()["request_id"]).json()
     assert res["category"] == "user" and res["code"] == "seq_conflict", res
+
+
+def _op(base: str, route: str, body: dict) -> dict:
+    r = httpx.post(f"{base}/api/v1/{route}", json=body)
+    assert r.status_code == 200, r.text
+    return _retrieve(base, r.json()["request_id"]).json()
+
+
+def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
+    """ttl_seconds sets expires_at; housekeeping deletes expired checkpoints, never one loaded for sampling."""
+    from datetime import UTC, datetime, timedelta
+
+    from livelora.gateway.api.deps import services_of
+
+    base = sessions_server.base_url
+    sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    model_id = _create_model(base, sid, 0)
+    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "t1",
+                                                     "ttl_seconds": 3600, "user_metadata": {"step": "1"}})
+    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 2, "path": "keep"})
+    res = _op(base, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 3, "path": "s1",
+                                                 "ttl_seconds": 3600})
+    assert res["path"] == f"tinker://{model_id}/sampler_weights/s1", res
+    bad = _op(base, "save_weights", {"model_id": model_id, "seq_id": 4, "path": "t2", "ttl_seconds": 5})
+    assert bad["category"] == "user" and "ttl_seconds" in bad["error"], bad
+    listed = httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    by_id = {c["checkpoint_id"]: c for c in listed}
+    assert set(by_id) == {"weights/t1", "weights/keep", "sampler_weights/s1"}
+    in_an_hour = datetime.now(UTC) + timedelta(hours=1)
+    for cid in ("weights/t1", "sampler_weights/s1"):
+        assert abs((datetime.fromisoformat(by_id[cid]["expires_at"]) - in_an_hour).total_seconds()) < 120
+    assert "expires_at" not in by_id["weights/keep"] and by_id["weights/t1"]["user_metadata"] == {"step": "1"}
+    # the sampler checkpoint is being served (a sampling session loaded it)
+    r = httpx.post(f"{base}/api/v1/create_sampling_session", json={
+        "session_id": sid, "sampling_session_seq_id": 0, "model_path": res["path"]})
+    assert r.status_code == 200, r.text
+    run = httpx.get(f"{base}/api/v1/training_runs/{model_id}").json()
+    assert run["last_request_time"] and run["last_checkpoint"]["checkpoint_id"] in ("weights/t1", "weights/keep")
+    checkpoints = services_of(sessions_server.app).sessions.checkpoints
+    assert checkpoints.expire_due() == []  # nothing has expired yet
+    deleted = checkpoints.expire_due(datetime.now(UTC) + timedelta(hours=2))  # (other runs' may go too)
+    assert [p for p in deleted if p.startswith(f"tinker://{model_id}/")] == [f"tinker://{model_id}/weights/t1"]
+    left = {c["checkpoint_id"] for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()[
+        "checkpoints"]}
+    assert left == {"weights/keep", "sampler_weights/s1"}
+    # TTL update, publish / unpublish, user checkpoint listing, training-run listing
+    path = f"{base}/api/v1/training_runs/{model_id}/checkpoints/weights/keep"
+    assert httpx.put(f"{path}/ttl", json={"ttl_seconds": 7200}).status_code == 204
+    assert httpx.post(f"{path}/publish").status_code == 204
+    mine = httpx.get(f"{base}/api/v1/checkpoints", params={"limit": 1000}).json()["checkpoints"]
+    keep = next(c for c in mine if c["tinker_path"] == f"tinker://{model_id}/weights/keep")
+    assert keep["public"] is True and keep["expires_at"]
+    assert httpx.delete(f"{path}/publish").status_code == 204
+    runs = httpx.get(f"{base}/api/v1/training_runs", params={"limit": 1000}).json()
+    assert model_id in [r["training_run_id"] for r in runs["training_runs"]]
+    # archive: a signed URL (no API key needed) of a tar with the adapter and checkpoint_complete
+    url = httpx.get(f"{path}/archive").json()["url"]
+    import io
+    import tarfile
+    tar = tarfile.open(fileobj=io.BytesIO(httpx.get(url).content))
+    assert set(tar.getnames()) == {"adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"}
+    assert httpx.get(url[:-4] + "0000").status_code == 404

@@ -71,13 +71,26 @@ def main() -> dict[str, Any]:
 
     # save with ttl, resume with optimizer: same forward loss
     try:
-        path = tc.save_state("live-ckpt").result().path
+        path = tc.save_state("live-ckpt", ttl_seconds=7200).result().path
         out["save_state"] = path
         resumed = service.create_training_client_from_state_with_optimizer(path)
         out["resumed_forward_loss"] = resumed.forward(data, "cross_entropy").result().metrics["loss:sum"]
         out["forward_loss_again"] = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
     except Exception as exc:  # noqa: BLE001
         out["save_state"] = _err(exc)
+
+    # RestClient
+    try:
+        rest = service.create_rest_client()
+        run = rest.get_training_run(tc.model_id).result()
+        out["rest_run"] = {"id": run.training_run_id, "last_request_time": str(run.last_request_time),
+                           "last_checkpoint": run.last_checkpoint.checkpoint_id if run.last_checkpoint else None}
+        ck = rest.list_checkpoints(tc.model_id).result().checkpoints
+        out["rest_checkpoints"] = [[c.checkpoint_id, str(c.expires_at)] for c in ck]
+        out["rest_user_checkpoints"] = len(rest.list_user_checkpoints().result().checkpoints)
+        out["rest_runs"] = [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
+    except Exception as exc:  # noqa: BLE001
+        out["rest_run"] = _err(exc)
 
     # sampling: ephemeral sampler, sample_sequence_ids, top-k of the samples, prompt logprobs
     sampler = tc.save_weights_and_get_sampling_client()

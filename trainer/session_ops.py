@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from livelora.adapters.session_protocol import (CheckpointIndex, Op, check_checkpoint_name, lineage_for, now_iso,
+from livelora.adapters.session_protocol import (CheckpointIndex, Op, check_checkpoint_name, expires_at, lineage_for, now_iso,
                                                 resolve_checkpoint, tinker_path)
 from livelora.adapters.store import Manifest
 from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, LiveloraError, NotFoundError,
@@ -102,7 +102,10 @@ class SessionOps:
                 "type": "load_weights"}
 
     def _save(self, slot: Any, kind: str, name: str, overwrite: bool, with_optimizer: bool,
-              request_id: str) -> Manifest:
+              request_id: str, ttl_seconds: int | None = None,
+              user_metadata: dict[str, Any] | None = None) -> Manifest:
+        """Save a named checkpoint; ``ttl_seconds`` sets its ``expires_at`` (housekeeping deletes it after
+        that, never while in use: :meth:`livelora.gateway.services.sessions.Checkpoints.expire_due`)."""
         index = CheckpointIndex(self.home, slot.model_id)
         key = f"{kind}/{name}"
         old = index.read().get("checkpoints", {}).get(key)
@@ -112,7 +115,8 @@ class SessionOps:
             raise ConflictError(f"checkpoint {tinker_path(slot.model_id, kind, name)} exists; pass overwrite=True "
                                 "or use another name", param="path")
         manifest = slot.model.save_weights(self.store, index.lineage, with_optimizer=with_optimizer)
-        entry = {"version": manifest.version, "time": now_iso(), "adapter": manifest.name, "request_id": request_id}
+        entry = {"version": manifest.version, "time": now_iso(), "adapter": manifest.name, "request_id": request_id,
+                 "expires_at": expires_at(ttl_seconds), "user_metadata": user_metadata}
         index.update(lambda d: d.setdefault("checkpoints", {}).__setitem__(key, entry), fence=slot.token)
         if old is not None:
             self._delete_version(index.lineage, int(old["version"]))
@@ -125,18 +129,16 @@ class SessionOps:
             log.warning("could not delete %s@%d: %s", lineage, version, exc)
 
     def _save_state(self, slot: Any, req: SaveWeightsRequest, request_id: str) -> dict[str, Any]:
-        if req.ttl_seconds is not None:
-            raise UnsupportedParameterError("ttl_seconds is not supported: checkpoints live until deleted",
-                                            param="ttl_seconds")
         name = check_checkpoint_name(req.path)
-        self._save(slot, "weights", name, req.overwrite, with_optimizer=True, request_id=request_id)
+        self._save(slot, "weights", name, req.overwrite, with_optimizer=True, request_id=request_id,
+                   ttl_seconds=req.ttl_seconds, user_metadata=req.user_metadata)
         return {"path": tinker_path(slot.model_id, "weights", name), "type": "save_weights"}
 
     def _save_for_sampler(self, slot: Any, req: SaveWeightsForSamplerRequest,
                           request_id: str) -> dict[str, Any]:
-        if req.ttl_seconds is not None:
-            raise UnsupportedParameterError("ttl_seconds is not supported: checkpoints live until deleted",
-                                            param="ttl_seconds")
+        if req.ttl_seconds is not None and req.path is None:
+            raise UnsupportedParameterError("ttl_seconds applies to named sampler checkpoints (path); ephemeral "
+                                            "sampler weights end with their session", param="ttl_seconds")
         if req.kind == "inflight":
             raise UnsupportedParameterError("kind='inflight' is not supported; use 'snapshot'", param="kind")
         if (req.path is None) == (req.sampling_session_seq_id is None):
@@ -144,7 +146,8 @@ class SessionOps:
                                   "(ephemeral weights for a new sampling session)", param="path")
         if req.path is not None:
             name = check_checkpoint_name(req.path)
-            manifest = self._save(slot, "sampler_weights", name, True, with_optimizer=False, request_id=request_id)
+            manifest = self._save(slot, "sampler_weights", name, True, with_optimizer=False, request_id=request_id,
+                                  ttl_seconds=req.ttl_seconds, user_metadata=req.user_metadata)
             return {"path": tinker_path(slot.model_id, "sampler_weights", name), "adapter": manifest.name,
                     "type": "save_weights_for_sampler"}
         manifest = slot.model.save_weights(self.store, lineage_for(slot.model_id))  # deleted when the model is freed

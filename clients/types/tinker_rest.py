@@ -89,6 +89,7 @@ class CheckpointV2(LenientModel):
     public: bool = False
     user_metadata: dict[str, str] | None = None
     expires_at: datetime | None = None
+    adapter: str | None = None  # livelora: the engine adapter name of this version (a servable ``model``)
 
 
 class CheckpointsListResponseV2(LenientModel):

@@ -31,6 +31,7 @@ from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSes
                                            SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
                                            WeightsInfoRequest)
 from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, SampleRequestV2
+from livelora.clients.types.tinker_rest import CheckpointTtlRequest
 from livelora.gateway.api import tinker_wire as wire
 from livelora.gateway.api.errors import content_type_error
 from livelora.gateway.api.deps import CheckpointsDep, SamplingDep, SessionsDep, TrainingOpsDep
@@ -219,14 +220,57 @@ async def weights_info(request: Request, checkpoints: CheckpointsDep) -> Respons
     return encode(checkpoints.weights_info((await decode(request, WeightsInfoRequest)).tinker_path))
 
 
+@router.get("/training_runs")
+async def list_training_runs(checkpoints: CheckpointsDep, limit: int = 20, offset: int = 0) -> Response:
+    return encode(await checkpoints.list_training_runs(limit, offset))
+
+
 @router.get("/training_runs/{model_id}")
 async def training_run(model_id: str, checkpoints: CheckpointsDep) -> Response:
-    return encode(checkpoints.training_run(model_id))
+    return encode(await checkpoints.training_run(model_id))
 
 
 @router.get("/training_runs/{model_id}/checkpoints")
 async def list_checkpoints(model_id: str, checkpoints: CheckpointsDep) -> Response:
     return encode(checkpoints.list_checkpoints(model_id))
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(checkpoints: CheckpointsDep, limit: int = 100, offset: int = 0) -> Response:
+    return encode(checkpoints.list_user_checkpoints(limit, offset))
+
+
+@router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive")
+async def checkpoint_archive_url(model_id: str, checkpoint_id: str, request: Request,
+                                 checkpoints: CheckpointsDep) -> Response:
+    return encode(checkpoints.archive_url(model_id, checkpoint_id, str(request.base_url)))
+
+
+@router.get("/checkpoint_archives/{name}")
+async def checkpoint_archive(name: str, checkpoints: CheckpointsDep) -> Response:
+    """The tar behind a signed archive URL (public route: the signature in ``name`` is the credential)."""
+    name, data = checkpoints.archive(name)
+    return Response(data, media_type="application/x-tar",
+                    headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+@router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+async def publish_checkpoint(model_id: str, checkpoint_id: str, checkpoints: CheckpointsDep) -> Response:
+    checkpoints.set_public(model_id, checkpoint_id, True)
+    return Response(status_code=204)
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+async def unpublish_checkpoint(model_id: str, checkpoint_id: str, checkpoints: CheckpointsDep) -> Response:
+    checkpoints.set_public(model_id, checkpoint_id, False)
+    return Response(status_code=204)
+
+
+@router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request,
+                             checkpoints: CheckpointsDep) -> Response:
+    checkpoints.set_ttl(model_id, checkpoint_id, (await decode(request, CheckpointTtlRequest)).ttl_seconds)
+    return Response(status_code=204)
 
 
 @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")

@@ -1,31 +1,63 @@
-"""Checkpoints of Tinker training runs: ``tinker://`` paths → adapter versions in the store.
+"""Checkpoints of Tinker training runs: ``tinker://`` paths → adapter versions in the store; the RestClient surface.
 
 Each training run keeps a checkpoint index (:class:`~livelora.adapters.session_protocol.CheckpointIndex`,
 ``sessions/<lineage>.json``) mapping checkpoint ids (``weights/<name>``, ``sampler_weights/<name>``) to store
-versions; the op executor writes it, these routes read it and delete entries (with their versions).
+versions plus ``time``, ``expires_at`` (from ``ttl_seconds``), ``public`` and ``user_metadata``; the op executor
+writes new entries, these methods read them, delete them (with their versions), publish/unpublish them and
+change their TTL.
+
+**Expiry** (:meth:`Checkpoints.expire_due`, run by the session service's housekeeping every
+``checkpoint_sweep_s``): an entry whose ``expires_at`` has passed is deleted with its version, unless the
+version is in use: loaded in this gateway's engine (a sampling session or an OpenAI request serves it) or
+bound to an endpoint (``livelora endpoints``); such an entry is retried at the next sweep.
+
+**Archive download** (tinker SDK ≤0.24 ``tinker checkpoint download``): ``GET …/archive`` answers a URL valid
+for :data:`ARCHIVE_URL_TTL_S` that carries its own HMAC-SHA256 signature (the CLI downloads it with plain
+``urllib``, without the API key); the URL serves a tar of the adapter files plus ``checkpoint_complete``.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
+import hmac
+import io
+import json
+import os
+import secrets
+import tarfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
-from livelora.adapters.session_protocol import (CHECKPOINT_KINDS, CheckpointIndex, lineage_for, resolve_checkpoint,
-                                                tinker_path)
+from livelora.adapters.endpoints import EndpointStore
+from livelora.adapters.session_protocol import (CHECKPOINT_KINDS, CheckpointIndex, expires_at, is_expired,
+                                                lineage_for, resolve_checkpoint, tinker_path)
 from livelora.clients.errors import BadRequestError, NotFoundError
-from livelora.clients.types.tinker import (Checkpoint, CheckpointsListResponse, Cursor, TrainingRun,
-                                           WeightsInfoResponse)
+from livelora.clients.types.tinker import Cursor, WeightsInfoResponse
+from livelora.clients.types.tinker_rest import (CheckpointArchiveUrlResponse, CheckpointsListResponseV2, CheckpointV2,
+                                                TrainingRunsResponse, TrainingRunV2)
 from livelora.gateway.services.sessions.context import SessionContext
+
+#: Lifetime of a signed archive URL (seconds).
+ARCHIVE_URL_TTL_S = 900
+#: Files of a checkpoint archive (the SDK ≤0.24 CLI checks the first two and ``checkpoint_complete``).
+ARCHIVE_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 class Checkpoints:
-    """Read and delete training runs' checkpoints (``weights_info``, ``training_runs``, ``checkpoints``)."""
+    """Read, list, delete, publish, expire and archive training runs' checkpoints."""
 
-    def __init__(self, ctx: SessionContext):
-        self.home = ctx.home
+    def __init__(self, ctx: SessionContext, engine: Any = None):
+        self.ctx = ctx
+        self.home = Path(ctx.home)
         self.store = ctx.store
         self.base_model = ctx.base_model
+        self.engine = engine if engine is not None else ctx.engine
 
+    # -------------------------------------------------------------------------------- reading
     def weights_info(self, path: str) -> WeightsInfoResponse:
         """Raises: BadRequestError (malformed path), NotFoundError (unknown checkpoint)."""
         index, _, _ = resolve_checkpoint(self.home, path)
@@ -35,29 +67,85 @@ class Checkpoints:
                                    lora_alpha=lora.get("alpha"), train_unembed=lora.get("train_unembed"),
                                    train_mlp=lora.get("train_mlp"), train_attn=lora.get("train_attn"))
 
-    def _checkpoint(self, model_id: str, ckpt_id: str, entry: dict[str, Any]) -> Checkpoint:
+    def _checkpoint(self, model_id: str, ckpt_id: str, entry: dict[str, Any]) -> CheckpointV2:
         kind, name = ckpt_id.split("/", 1)
-        lineage = lineage_for(model_id)
-        wfile = self.store.version_dir(lineage, int(entry["version"])) / "adapter_model.safetensors"
-        return Checkpoint(checkpoint_id=ckpt_id, checkpoint_type=CHECKPOINT_KINDS[kind], time=entry["time"],
-                          tinker_path=tinker_path(model_id, kind, name), adapter=entry.get("adapter"),
-                          size_bytes=wfile.stat().st_size if wfile.is_file() else None)
+        vdir = self.store.version_dir(lineage_for(model_id), int(entry["version"]))
+        size = sum(f.stat().st_size for f in vdir.iterdir() if f.is_file()) if vdir.is_dir() else None
+        return CheckpointV2(checkpoint_id=ckpt_id, checkpoint_type=CHECKPOINT_KINDS[kind], time=entry["time"],
+                            tinker_path=tinker_path(model_id, kind, name), adapter=entry.get("adapter"),
+                            size_bytes=size, public=bool(entry.get("public")), expires_at=entry.get("expires_at"),
+                            user_metadata=_str_dict(entry.get("user_metadata")))
 
-    def list_checkpoints(self, model_id: str) -> CheckpointsListResponse:
-        """Raises: NotFoundError for an unknown training run."""
+    def _entries(self, model_id: str) -> list[tuple[str, dict[str, Any]]]:
         entries = CheckpointIndex(self.home, model_id).read().get("checkpoints", {})
-        items = [self._checkpoint(model_id, k, v) for k, v in sorted(entries.items(), key=lambda kv: kv[1]["time"])]
-        return CheckpointsListResponse(checkpoints=items, cursor=Cursor(offset=0, limit=len(items),
-                                                                        total_count=len(items)))
+        return sorted(entries.items(), key=lambda kv: kv[1]["time"])
 
-    def training_run(self, model_id: str) -> TrainingRun:
+    def list_checkpoints(self, model_id: str) -> CheckpointsListResponseV2:
+        """Raises: NotFoundError for an unknown training run."""
+        items = [self._checkpoint(model_id, k, v) for k, v in self._entries(model_id)]
+        return CheckpointsListResponseV2(checkpoints=items, cursor=Cursor(offset=0, limit=len(items),
+                                                                          total_count=len(items)))
+
+    def _run_ids(self) -> list[str]:
+        """Every training run with an index, oldest first."""
+        runs = []
+        for f in (self.home / "sessions").glob("*.json"):
+            with contextlib.suppress(ValueError, OSError):
+                data = json.loads(f.read_text())
+                if data.get("model_id"):
+                    runs.append((data.get("created") or "", data["model_id"]))
+        return [m for _, m in sorted(runs)]
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponseV2:
+        """Every checkpoint of every training run, newest first (``limit``/``offset`` page them)."""
+        items = [self._checkpoint(m, k, v) for m in self._run_ids() for k, v in self._entries(m)]
+        items.sort(key=lambda c: c.time, reverse=True)
+        return CheckpointsListResponseV2(checkpoints=items[offset:offset + limit],
+                                         cursor=Cursor(offset=offset, limit=limit, total_count=len(items)))
+
+    async def training_run(self, model_id: str) -> TrainingRunV2:
+        """Raises: NotFoundError for an unknown training run."""
         data = CheckpointIndex(self.home, model_id).read()
         ckpts = self.list_checkpoints(model_id).checkpoints
         last = next((c for c in reversed(ckpts) if c.checkpoint_type == "training"), None)
         last_s = next((c for c in reversed(ckpts) if c.checkpoint_type == "sampler"), None)
-        return TrainingRun(training_run_id=model_id, base_model=data.get("base_model", self.base_model),
-                           lora_rank=(data.get("lora") or {}).get("rank"), last_checkpoint=last,
-                           last_sampler_checkpoint=last_s, user_metadata=data.get("user_metadata"))
+        last_request = await self.ctx.redis.get(self.ctx.keys.model_last_request(model_id))
+        times = [t for t in (last_request, *(c.time.isoformat() for c in ckpts), data.get("created")) if t]
+        when = max((_as_datetime(t) for t in times), default=datetime.now(timezone.utc))
+        return TrainingRunV2(training_run_id=model_id, base_model=data.get("base_model", self.base_model),
+                             model_owner="local", is_lora=True, lora_rank=(data.get("lora") or {}).get("rank"),
+                             last_request_time=when, last_checkpoint=last, last_sampler_checkpoint=last_s,
+                             user_metadata=_str_dict(data.get("user_metadata")))
+
+    async def list_training_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
+        """Training runs, most recent request first."""
+        runs = []
+        for model_id in self._run_ids():
+            with contextlib.suppress(NotFoundError):
+                runs.append(await self.training_run(model_id))
+        runs.sort(key=lambda r: r.last_request_time, reverse=True)
+        return TrainingRunsResponse(training_runs=runs[offset:offset + limit],
+                                    cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
+
+    # -------------------------------------------------------------------------------- changing
+    def _update_entry(self, model_id: str, checkpoint_id: str, fn) -> dict[str, Any]:
+        kind, _, name = checkpoint_id.partition("/")
+        if kind not in CHECKPOINT_KINDS or not name:
+            raise BadRequestError(f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name> or "
+                                  "sampler_weights/<name>", param="checkpoint_id")
+        index = CheckpointIndex(self.home, model_id)
+        index.read()
+        out: dict[str, Any] = {}
+
+        def change(data: dict[str, Any]) -> None:
+            entry = data.get("checkpoints", {}).get(checkpoint_id)
+            if entry is None:
+                raise NotFoundError(f"checkpoint {tinker_path(model_id, kind, name)} does not exist", param="path")
+            fn(data["checkpoints"], entry)
+            out.update(entry)
+
+        index.update(change)
+        return out
 
     def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
         """Delete a checkpoint (its adapter version too).
@@ -65,20 +153,99 @@ class Checkpoints:
         Raises:
             BadRequestError: malformed checkpoint id. NotFoundError: unknown run or checkpoint.
         """
+        removed = self._update_entry(model_id, checkpoint_id, lambda ckpts, entry: ckpts.pop(checkpoint_id))
+        with contextlib.suppress(NotFoundError):
+            self.store.delete(lineage_for(model_id), int(removed["version"]))
+
+    def set_public(self, model_id: str, checkpoint_id: str, public: bool) -> None:
+        """Publish or unpublish. livelora has one owner per store, so ``public`` is recorded and listed; every
+        caller with the ``train`` role can already read every checkpoint. Raises as :meth:`delete_checkpoint`."""
+        self._update_entry(model_id, checkpoint_id, lambda ckpts, entry: entry.__setitem__("public", public))
+
+    def set_ttl(self, model_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        """``expires_at`` = now + ``ttl_seconds`` (None: kept until deleted). Raises as :meth:`delete_checkpoint`."""
+        self._update_entry(model_id, checkpoint_id,
+                           lambda ckpts, entry: entry.__setitem__("expires_at", expires_at(ttl_seconds)))
+
+    # -------------------------------------------------------------------------------- expiry
+    def _in_use(self) -> tuple[set[str], set[str]]:
+        """(adapter names loaded in the engine, lineages bound to an endpoint)."""
+        loaded = set(self.engine.loaded_adapters()) if self.engine is not None else set()
+        bound = {b.lineage for b in EndpointStore(self.home).all().values()}
+        return loaded, bound
+
+    def expire_due(self, now: datetime | None = None) -> list[str]:
+        """Delete every checkpoint whose ``expires_at`` has passed and that is not in use (see the module
+        docstring); returns the deleted tinker paths."""
+        loaded, bound = self._in_use()
+        deleted: list[str] = []
+        for model_id in self._run_ids():
+            lineage = lineage_for(model_id)
+            for ckpt_id, entry in self._entries(model_id):
+                if not is_expired(entry, now) or entry.get("adapter") in loaded or lineage in bound:
+                    continue
+                with contextlib.suppress(NotFoundError):
+                    self.delete_checkpoint(model_id, ckpt_id)
+                    deleted.append(tinker_path(model_id, *ckpt_id.split("/", 1)))
+        return deleted
+
+    # -------------------------------------------------------------------------------- archives
+    def _secret(self) -> bytes:
+        path = self.home / "archive_secret"
+        if not path.is_file():
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(secrets.token_hex(32))
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)  # first writer wins; every process then signs with the same secret
+            tmp.unlink(missing_ok=True)
+        return path.read_text().strip().encode()
+
+    def archive_url(self, model_id: str, checkpoint_id: str, base_url: str) -> CheckpointArchiveUrlResponse:
+        """A signed URL of the checkpoint's tar, valid :data:`ARCHIVE_URL_TTL_S` seconds.
+
+        Raises: BadRequestError (malformed id), NotFoundError (unknown run or checkpoint).
+        """
         kind, _, name = checkpoint_id.partition("/")
         if kind not in CHECKPOINT_KINDS or not name:
-            raise BadRequestError(f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name> or "
-                                  "sampler_weights/<name>", param="checkpoint_id")
-        index = CheckpointIndex(self.home, model_id)
-        removed: dict[str, Any] = {}
+            raise BadRequestError(f"invalid checkpoint id {checkpoint_id!r}", param="checkpoint_id")
+        CheckpointIndex(self.home, model_id).resolve(kind, name)
+        expiry = int(time.time()) + ARCHIVE_URL_TTL_S
+        payload = base64.urlsafe_b64encode(json.dumps([model_id, checkpoint_id, expiry]).encode()).decode()
+        sig = hmac.new(self._secret(), payload.encode(), hashlib.sha256).hexdigest()
+        return CheckpointArchiveUrlResponse(url=f"{base_url.rstrip('/')}/api/v1/checkpoint_archives/{payload}.{sig}",
+                                            expires=datetime.fromtimestamp(expiry, timezone.utc))
 
-        def drop(data: dict[str, Any]) -> None:
-            entry = data.get("checkpoints", {}).pop(checkpoint_id, None)
-            if entry is None:
-                raise NotFoundError(f"checkpoint {tinker_path(model_id, kind, name)} does not exist", param="path")
-            removed.update(entry)
+    def archive(self, token: str) -> tuple[str, bytes]:
+        """``(file name, tar bytes)`` for a signed archive token.
 
-        index.read()
-        index.update(drop)
-        with contextlib.suppress(NotFoundError):
-            self.store.delete(index.lineage, int(removed["version"]))
+        Raises: NotFoundError (a bad signature, an expired URL, or a checkpoint deleted since: the route is
+        public, so a URL that does not verify is "not found").
+        """
+        payload, _, sig = token.rpartition(".")
+        good = hmac.new(self._secret(), payload.encode(), hashlib.sha256).hexdigest()
+        if not payload or not hmac.compare_digest(sig, good):
+            raise NotFoundError("unknown archive URL (its signature does not verify)", code="invalid_signature")
+        model_id, checkpoint_id, expiry = json.loads(base64.urlsafe_b64decode(payload.encode()))
+        if time.time() > expiry:
+            raise NotFoundError("this archive URL has expired; ask for a new one", code="expired_url")
+        kind, _, name = checkpoint_id.partition("/")
+        version = CheckpointIndex(self.home, model_id).resolve(kind, name)
+        vdir = self.store.version_dir(lineage_for(model_id), version)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for fname in ARCHIVE_FILES:
+                tar.add(vdir / fname, arcname=fname)
+            info = tarfile.TarInfo("checkpoint_complete")
+            tar.addfile(info, io.BytesIO(b""))
+        return f"{model_id}_{kind}_{name}.tar".replace(":", "_"), buf.getvalue()
+
+
+def _str_dict(d: Any) -> dict[str, str] | None:
+    return {str(k): str(v) for k, v in d.items()} if isinstance(d, dict) else None
+
+
+def _as_datetime(value: str) -> datetime:
+    dt = datetime.fromisoformat(value)
+    return dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)
+
+

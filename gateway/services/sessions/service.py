@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -20,6 +23,8 @@ from livelora.gateway.services.sessions.futures import Futures, GoneError, NotRe
 from livelora.gateway.services.sessions.sampling import SamplingSessions
 from livelora.gateway.services.sessions.training import TrainingOps
 from livelora.gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
 
 
 class SessionService:
@@ -48,11 +53,30 @@ class SessionService:
         self.sampling = SamplingSessions(ctx, self.futures, serving)
 
     async def start(self) -> None:
-        """Subscribe to future notifications and start the janitor (unloads ended sessions' adapters)."""
+        """Subscribe to future notifications, start the janitor (unloads ended sessions' adapters) and the
+        checkpoint housekeeping (deletes expired checkpoints every ``checkpoint_sweep_s``)."""
         await self.futures.start()
         await self.sampling.start()
+        self._sweeper = asyncio.create_task(self._sweep_loop())
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.checkpoint_sweep_s)
+            try:
+                deleted = await asyncio.to_thread(self.checkpoints.expire_due)
+                if deleted:
+                    log.info("deleted expired checkpoints: %s", ", ".join(deleted))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("checkpoint housekeeping: %s", exc)
 
     async def close(self) -> None:
+        sweeper = getattr(self, "_sweeper", None)
+        if sweeper is not None:
+            sweeper.cancel()
+            with contextlib.suppress(BaseException):
+                await sweeper
         await self.futures.close()
         await self.sampling.close()
         await self.redis.aclose()

@@ -20,9 +20,10 @@ from typing import Any
 
 from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.losses import validate_batch
-from livelora.adapters.session_protocol import (Op, future_failed, model_id_for, new_request_id, resolve_checkpoint,
-                                                session_of)
-from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotFoundError, UnsupportedParameterError
+from livelora.adapters.session_protocol import (Op, future_failed, model_id_for, new_request_id, now_iso,
+                                                resolve_checkpoint, session_of)
+from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotFoundError
+from livelora.clients.types.tinker_rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS
 from livelora.clients.types.tinker import (CreateModelRequest, ForwardBackwardInput, GetInfoResponse,
                                            GetServerCapabilitiesResponse, LoadWeightsRequest, ModelData,
                                            SaveWeightsForSamplerRequest, SupportedModel, UntypedAPIFuture)
@@ -144,6 +145,8 @@ class TrainingOps:
             await self.futures.resolve(request_id, future_failed(NotFoundError(
                 f"model {model_id!r} does not exist (never created, or its session ended)", param="model_id")))
             return UntypedAPIFuture(request_id=request_id, model_id=model_id)
+        with redis_unavailable():
+            await self.redis.set(self.keys.model_last_request(model_id), now_iso(), ex=self.settings.future_ttl_s)
         error: LiveloraError | None = None
         body: dict[str, Any] = {}
         try:
@@ -164,9 +167,11 @@ class TrainingOps:
             # (refused above) reads them, so the executor gets the plain datums
             spans = {"model_input_spans", "loss_fn_input_spans"}
             return {"input": fb.model_dump(mode="json", exclude={"data": {"__all__": spans}})}
-        if kind in ("save_weights", "save_weights_for_sampler") and req.ttl_seconds is not None:
-            raise UnsupportedParameterError("ttl_seconds is not supported: checkpoints live until deleted",
-                                            param="ttl_seconds")
+        if kind in ("save_weights", "save_weights_for_sampler") and req.ttl_seconds is not None and \
+                not MIN_TTL_SECONDS <= req.ttl_seconds <= MAX_TTL_SECONDS:
+            raise BadRequestError(f"ttl_seconds must be between {MIN_TTL_SECONDS} (1 hour) and {MAX_TTL_SECONDS} "
+                                  f"(10 years), or omitted to keep the checkpoint until deleted; got {req.ttl_seconds}",
+                                  param="ttl_seconds")
         if kind == "save_weights_for_sampler":
             req: SaveWeightsForSamplerRequest
             if (req.path is None) == (req.sampling_session_seq_id is None):
