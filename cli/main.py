@@ -171,6 +171,32 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             embedded.stop()
 
 
+@app.command("hf-cache")
+def hf_cache(model: _Model = None, home: _Home = None,
+             hub_id: Annotated[str | None, typer.Option(help="Id to place it under (default: the built-in model's "
+                                                           "canonical hub id).")] = None,
+             cache_dir: Annotated[Path | None, typer.Option(help="Hugging Face hub cache (default HF_HUB_CACHE).")]
+             = None) -> None:
+    """Make the base model's tokenizer resolvable offline under its hub id (for tinker SDK get_tokenizer() and
+    tinker-cookbook), by placing it in the local Hugging Face cache."""
+    from livelora.adapters.models import HUB_IDS, install_in_hf_cache, resolve_base_model
+    from livelora.adapters.settings import DEFAULT_MODEL, default_home
+    from livelora.clients.errors import LiveloraError
+
+    name = model or os.environ.get("LIVELORA_MODEL") or DEFAULT_MODEL
+    store = Path(home or os.environ.get("LIVELORA_HOME") or default_home())
+    target = hub_id or HUB_IDS.get(name)
+    if target is None:
+        console.print(f"[red]error[/]: {name} has no known hub id; pass --hub-id org/name")
+        raise typer.Exit(2)
+    try:
+        snapshot = install_in_hf_cache(resolve_base_model(name, store), target, cache_dir)
+    except LiveloraError as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(1) from None
+    print(f"{target} -> {snapshot}")
+
+
 from livelora.cli.admin import register as _register_admin  # noqa: E402  (endpoints/adapters/keys)
 
 _register_admin(app)

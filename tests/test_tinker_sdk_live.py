@@ -17,20 +17,21 @@ import pytest
 import zstandard
 
 from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
+from livelora.adapters.models import HUB_IDS, install_in_hf_cache
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from test_tinker_wire_sdk import sdk_python  # noqa: E402
 
 
-def run_live(version: str, base_url: str, tokenizer) -> dict:
+def run_live(version: str, base_url: str, tokenizer, hf_cache: Path) -> dict:
     python = sdk_python(version)
     if python is None:
         pytest.skip(f"no tinker SDK venv for {version}: run .ci/setup-tinker-sdks")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
     env.update(TINKER_BASE_URL=base_url, TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0", PYTHONPATH="",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    spec = {"base_model": MODEL, "texts": [tokenizer.encode(t) for t in ("The sky is blue.", "Grass is green.")],
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_CACHE=str(hf_cache))
+    spec = {"base_model": MODEL, "hub_id": HUB_IDS[MODEL], "texts": [tokenizer.encode(t) for t in ("The sky is blue.", "Grass is green.")],
             "prompt": tokenizer.encode("The sky is")}
     proc = subprocess.run([str(python), str(HERE / "tinker_sdk_live.py")], input=json.dumps(spec),
                           capture_output=True, text=True, timeout=900, env=env, check=False)
@@ -41,8 +42,15 @@ def run_live(version: str, base_url: str, tokenizer) -> dict:
 
 
 @pytest.mark.parametrize("version", ["038", "024"])
-def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer):
-    out = run_live(version, sessions_server.base_url, tokenizer)
+def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer, base_ref, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    install_in_hf_cache(base_ref, HUB_IDS[MODEL], tmp_path / "hub")  # what `livelora hf-cache` does
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # the gateway's (in-process) HF cache
+    out = run_live(version, sessions_server.base_url, tokenizer, tmp_path / "hub")
+    assert out["info"]["tokenizer_id"] == HUB_IDS[MODEL]
+    assert out["sdk_tokenizer"] == tokenizer.encode("The sky is blue."), out["sdk_tokenizer"]
+    assert out["hub_id_accepted"].endswith(":train:1")
     assert out["version"].startswith("0.38" if version == "038" else "0.24")
     assert out["fb_logprob_lens"] == [len(tokenizer.encode(t)) - 1 for t in ("The sky is blue.", "Grass is green.")]
     assert out["losses"][-1] < 0.7 * out["losses"][0], out["losses"]

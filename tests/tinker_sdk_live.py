@@ -28,9 +28,14 @@ def main() -> dict[str, Any]:
     v038 = not tinker.__version__.startswith("0.24")
     service = tinker.ServiceClient()
     tc = service.create_lora_training_client(base_model=spec["base_model"], rank=4)
+    out["hub_id_accepted"] = service.create_lora_training_client(base_model=spec["hub_id"], rank=2).model_id
     out["model_id"] = tc.model_id
     info = tc.get_info()
     out["info"] = {"model_name": info.model_data.model_name, "tokenizer_id": info.model_data.tokenizer_id}
+    try:  # resolved by the tokenizer_id the server reports (livelora hf-cache placed it in HF_HUB_CACHE)
+        out["sdk_tokenizer"] = tc.get_tokenizer().encode("The sky is blue.")
+    except Exception as exc:  # noqa: BLE001
+        out["sdk_tokenizer"] = _err(exc)
     data = [types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
                         loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
             for ids in spec["texts"]]

@@ -107,7 +107,7 @@ class OpExecutor(SessionOps):
     def __init__(self, redis_client, keys: KeyLayout, home: Path | str, base_model: str,
                  settings: SessionSection | None = None, *, device: str = "cpu", max_seq_len: int | None = None,
                  base_model_aliases: tuple[str, ...] = (), served_name: str | None = None, owner: str | None = None):
-        from livelora.adapters.models import resolve_base_model
+        from livelora.adapters.models import HUB_IDS, resolve_base_model
 
         self.redis = redis_client
         self.keys = keys
@@ -115,7 +115,8 @@ class OpExecutor(SessionOps):
         self.store = AdapterStore(self.home)
         self.settings = settings or SessionSection()
         self.base_model = served_name or self.settings.served_model_name or base_model
-        self.base_names = {base_model, self.base_model, *base_model_aliases}
+        self.base_names = {base_model, self.base_model, *base_model_aliases,
+                           *([HUB_IDS[base_model]] if base_model in HUB_IDS else [])}  # the canonical hub id
         self.base_ref = resolve_base_model(base_model, self.home)
         self.device = device
         self.max_seq_len = max_seq_len

@@ -61,5 +61,12 @@ class SessionContext:
                                     param="session_id")
 
     def tokenizer_id(self) -> str:
-        """The tokenizer's name (Tinker's ``tokenizer_id``)."""
+        """The tokenizer's name (Tinker's ``tokenizer_id``): the base model's hub id when this machine's Hugging
+        Face cache resolves it (``livelora hf-cache`` places it there; clients on this machine then load it by
+        that id, as tinker-cookbook does), else the tokenizer's own local path (what livelora's SDK loads)."""
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        for hub in sorted(n for n in self.base_names if n.count("/") == 1 and not n.startswith(("/", "."))):
+            if isinstance(try_to_load_from_cache(hub, "tokenizer_config.json", cache_dir=constants.HF_HUB_CACHE), str):
+                return hub
         return str(getattr(self.engine.tokenizer, "name_or_path", "") or self.base_model)

@@ -13,6 +13,7 @@ from typing import Any
 import redis.asyncio as aredis
 
 from livelora.adapters.bus import redis_unavailable
+from livelora.adapters.models import HUB_IDS
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.types.tinker import CreateSessionRequest, CreateSessionResponse
 from livelora.gateway.engines.base import Engine
@@ -137,7 +138,8 @@ async def start_sessions(settings: GatewaySettings, engine: Engine, serving: Ser
         engine: the started engine.
         serving: admits sampled sequences.
     """
-    aliases = {settings.model, settings.model_id} - {settings.model_id}
+    aliases = {settings.model, settings.model_id, *([HUB_IDS[settings.model]] if settings.model in HUB_IDS else [])}
+    aliases -= {settings.model_id}
     ctx = SessionContext(aredis.from_url(settings.redis_url, decode_responses=True), KeyLayout(settings.redis_prefix),
                          engine, settings.home, settings.model_id, {settings.model_id, *aliases}, settings.sessions,
                          max_seq_len=settings.inference.max_model_len)

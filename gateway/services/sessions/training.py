@@ -209,7 +209,7 @@ class TrainingOps:
         return GetInfoResponse(model_id=model_id, model_name=record["base_model"], is_lora=True,
                                lora_rank=lora.get("rank"), lora_alpha=lora.get("alpha"),
                                model_data=ModelData(arch=record.get("arch"), model_name=record["base_model"],
-                                                    tokenizer_id=record.get("tokenizer_id") or self.ctx.tokenizer_id()))
+                                                    tokenizer_id=self.ctx.tokenizer_id()))
 
     def capabilities(self) -> GetServerCapabilitiesResponse:
         return GetServerCapabilitiesResponse(supported_models=[SupportedModel(
