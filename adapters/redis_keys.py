@@ -149,6 +149,10 @@ class KeyLayout:
         """``{prefix}future:{request_id}``: the op's state, result or error (JSON, TTL)."""
         return f"{self.prefix}future:{request_id}"
 
+    def sampler_clients(self, sampling_session_id: str) -> str:
+        """Counter of a sampling session's joined clones (``join_sampling_session``)."""
+        return f"{self.prefix}samplerclients:{sampling_session_id}"
+
     def sampler(self, sampling_session_id: str) -> str:
         """``{prefix}sampler:{id}``: a sampling session's record (JSON, TTL)."""
         return f"{self.prefix}sampler:{sampling_session_id}"

@@ -190,3 +190,40 @@ def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
     tar = tarfile.open(fileobj=io.BytesIO(httpx.get(url).content))
     assert set(tar.getnames()) == {"adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"}
     assert httpx.get(url[:-4] + "0000").status_code == 404
+
+
+def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenizer):
+    base = sessions_server.base_url
+    sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    r = httpx.post(f"{base}/api/v1/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 0,
+                                                                    "base_model": MODEL})
+    sampler = r.json()["sampling_session_id"]
+    joins = [httpx.post(f"{base}/api/v1/join_sampling_session", json={"sampling_session_id": sampler}).json()
+             for _ in range(2)]
+    assert [j["client_counter"] for j in joins] == [1, 2]
+    assert httpx.post(f"{base}/api/v1/join_sampling_session",
+                      json={"sampling_session_id": "nosuch:sample:0"}).status_code == 404
+    # cancel a running sample: its future fails with code "cancelled"
+    sample = httpx.post(f"{base}/api/v1/asample", json={
+        "sampling_session_id": sampler, "seq_id": 1, "num_samples": 1, "prompt": {"chunks": [
+            {"type": "encoded_text", "tokens": tokenizer.encode("Tell me a long story.")}]},
+        "sampling_params": {"max_tokens": 400, "stop": []}}).json()
+    assert len(sample["sample_sequence_ids"]) == 1
+    c = httpx.post(f"{base}/api/v1/cancel_future", json={"request_id": sample["request_id"]}).json()
+    res = _retrieve(base, sample["request_id"]).json()
+    if c["cancelled"]:
+        assert res["code"] == "cancelled" and res["category"] == "user", res
+    else:  # it had already finished (a fast machine): a normal result
+        assert "sequences" in res
+    again = httpx.post(f"{base}/api/v1/cancel_future", json={"request_id": sample["request_id"]}).json()
+    assert again["cancelled"] is False
+    r = httpx.post(f"{base}/api/v1/cancel_future", json={"request_id": f"{sid}:train:0:1:abc"})
+    assert r.status_code == 400 and "cannot be cancelled" in r.json()["error"]["message"]
+    for route in ("save_weights_external", "create_custom_loss", "copy_weights"):
+        r = httpx.post(f"{base}/api/v1/{route}", json={})
+        assert r.status_code == 501 and r.json()["error"]["code"] == "not_implemented", (route, r.text)
+        assert r.headers.get("x-should-retry") == "false"
+    me = httpx.get(f"{base}/api/v1/auth/apikey/me").json()
+    assert isinstance(me["key_id"], int) and me["name"] and me["details"]["org_details"]["name"]
+    dyn = httpx.post(f"{base}/api/v1/client/dynamic_config", json={"sdk_version": "0.38.0"}).json()
+    assert dyn["sample_cancel_enabled"] is False and dyn["refresh_interval_sec"] == 300

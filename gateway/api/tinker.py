@@ -17,6 +17,7 @@ running after the long-poll, and 410 for an unknown or expired request id.
 from __future__ import annotations
 
 import json
+import zlib
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -31,10 +32,12 @@ from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSes
                                            SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
                                            WeightsInfoRequest)
 from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, SampleRequestV2
-from livelora.clients.types.tinker_rest import CheckpointTtlRequest
+from livelora.clients.errors import NotBuiltError
+from livelora.clients.types.tinker_rest import (CancelFutureRequest, CheckpointTtlRequest, JoinSamplingSessionRequest,
+                                                JoinSamplingSessionResponse, SelfApiKeyResponse)
 from livelora.gateway.api import tinker_wire as wire
 from livelora.gateway.api.errors import content_type_error
-from livelora.gateway.api.deps import CheckpointsDep, SamplingDep, SessionsDep, TrainingOpsDep
+from livelora.gateway.api.deps import CheckpointsDep, PrincipalDep, SamplingDep, SessionsDep, TrainingOpsDep
 from livelora.gateway.services.sessions import NotReady
 
 router = APIRouter(prefix="/api/v1", tags=["training sessions"])
@@ -293,3 +296,51 @@ async def get_sampler(sampler_id: str, sampling: SamplingDep) -> Response:
 @router.post("/asample")
 async def asample(request: Request, sampling: SamplingDep) -> Response:
     return encode(await sampling.asample(await decode(request, SampleRequestV2)))
+
+
+@router.post("/join_sampling_session")
+async def join_sampling_session(request: Request, sampling: SamplingDep) -> Response:
+    req = await decode(request, JoinSamplingSessionRequest)
+    return encode(JoinSamplingSessionResponse(client_counter=await sampling.join_sampling_session(
+        req.sampling_session_id)))
+
+
+@router.post("/cancel_future")
+async def cancel_future(request: Request, sampling: SamplingDep) -> Response:
+    req = await decode(request, CancelFutureRequest)
+    return encode({"request_id": req.request_id, "cancelled": await sampling.cancel_future(req.request_id)})
+
+
+# ------------------------------------------------------------------------------------------------ not built
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request) -> Response:
+    raise NotBuiltError("save_weights_external is not built: livelora exports adapters with `livelora adapters "
+                        "export` (PEFT or merged Hugging Face format) and serves them by name; for a checkpoint's "
+                        "files use GET /api/v1/training_runs/{id}/checkpoints/{ckpt}/archive")
+
+
+@router.post("/create_custom_loss")
+async def create_custom_loss(request: Request) -> Response:
+    raise NotBuiltError("server-side custom losses are not built (client/config leaves custom_loss_server_side "
+                        "off): forward_backward_custom runs the loss on the client, which needs no server support")
+
+
+@router.post("/copy_weights")
+async def copy_weights(request: Request) -> Response:
+    raise NotBuiltError("copy_weights is not built: livelora has one owner per store, so every session can "
+                        "already load any checkpoint by its tinker:// path; use that path directly")
+
+
+@router.get("/auth/apikey/me")
+async def apikey_me(principal: PrincipalDep) -> Response:
+    """The presented key's public metadata (``key_id`` is a stable number derived from livelora's key id)."""
+    key = principal.key_id or "open"
+    return encode(SelfApiKeyResponse(key_id=zlib.crc32(key.encode()), name=principal.name,
+                                     note=f"livelora key of tenant {principal.tenant}; roles "
+                                          f"{', '.join(sorted(principal.roles))}",
+                                     details={"org_details": {"name": principal.tenant}, "user_details": {}}))
+
+
+@router.delete("/auth/apikey/me")
+async def apikey_me_revoke() -> Response:
+    raise NotBuiltError("keys are revoked by an administrator: `livelora keys revoke KEY_ID`")

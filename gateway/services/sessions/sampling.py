@@ -60,6 +60,7 @@ class SamplingSessions:
         self.store = ctx.store
         self.base_model = ctx.base_model
         self._tasks: set[asyncio.Task] = set()
+        self._running: dict[str, asyncio.Task] = {}  # request id → its sampling task (cancel_future)
         self._loads: dict[str, asyncio.Lock] = {}
         #: engine adapter name → session that loaded it (unloaded when the session ends)
         self.adapters: dict[str, str] = {}
@@ -161,6 +162,39 @@ class SamplingSessions:
             if record.get("session_id"):
                 self.adapters[name] = record["session_id"]
 
+    async def join_sampling_session(self, sampling_id: str) -> int:
+        """A new clone number of a sampling session (1, 2, ...; 0 is the original client): an unpickled
+        SamplingClient numbers its sample ``seq_id`` from ``n * 10**9``, so clones never collide.
+
+        Raises: NotFoundError for an unknown or expired sampling session.
+        """
+        await self._sampler_record(sampling_id)
+        with redis_unavailable():
+            n = int(await self.redis.incr(self.keys.sampler_clients(sampling_id)))
+            await self.redis.expire(self.keys.sampler_clients(sampling_id), self.settings.future_ttl_s)
+        return n
+
+    async def cancel_future(self, request_id: str) -> bool:
+        """Cancel a running sample of this gateway: its future fails with ``cancelled`` (category user) and
+        its engine sequences stop. Returns whether a running sample was cancelled (False: already done, or not
+        a sample of this gateway). Training ops are never cancelled (their seq order is a contract).
+
+        Raises:
+            BadRequestError: ``request_id`` names a training op.
+        """
+        if ":train:" in request_id:
+            raise BadRequestError("training ops cannot be cancelled: every seq_id of a model runs in order",
+                                  param="request_id")
+        task = self._running.get(request_id)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        await self.futures.resolve(request_id, future_failed(BadRequestError(
+            "the sample was cancelled by the client (cancel_future)", code="cancelled")))
+        return True
+
     def _engine_params(self, req: SampleRequest, prompt_len: int) -> EngineParams:
         sp = req.sampling_params
         eos = tuple(sorted(getattr(self.engine, "eos_token_ids", None)
@@ -216,7 +250,9 @@ class SamplingSessions:
             raise
         task = asyncio.create_task(self._sample(request_id, req, prompt, params, adapter, seq_ids, served))
         self._tasks.add(task)
+        self._running[request_id] = task
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _t: self._running.pop(request_id, None))
         return UntypedAPIFuture(request_id=request_id, sample_sequence_ids=seq_ids)
 
     async def _sample(self, request_id: str, req: SampleRequest, prompt: list[int], params: EngineParams,
