@@ -156,13 +156,14 @@ class InternalError(LiveloraError, RuntimeError):
     category = "server"
 
 
-class NotBuiltError(LiveloraError):
-    """A route livelora knows but has not built (HTTP 501); the message says why and what to use instead."""
+class NotBuiltError(BadRequestError):
+    """A Tinker route or op livelora knows but has not built; the message says why and what to use instead.
 
-    status = 501
-    type = "invalid_request_error"
+    HTTP 400, not 501: the tinker SDK retries every 5xx for minutes (``lib/retry_handler.py``
+    ``is_retryable_status_code``), and a refusal must fail at once.
+    """
+
     default_code = "not_implemented"
-    category = "user"
 
 
 _CLASSES: dict[str, type[LiveloraError]] = {}
@@ -202,7 +203,7 @@ def error_for_status(status: int, message: str, *, param: str | None = None,
     cls: type[LiveloraError] = {
         400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError,
         404: NotFoundError, 409: ConflictError, 413: PayloadTooLargeError, 429: RateLimitError,
-        501: NotBuiltError, 503: UnavailableError,
+        503: UnavailableError,
     }.get(status, InternalError if status >= 500 else BadRequestError)
     if code == "model_not_found":
         cls = ModelNotFoundError

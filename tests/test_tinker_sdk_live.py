@@ -219,11 +219,48 @@ def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenize
     assert again["cancelled"] is False
     r = httpx.post(f"{base}/api/v1/cancel_future", json={"request_id": f"{sid}:train:0:1:abc"})
     assert r.status_code == 400 and "cannot be cancelled" in r.json()["error"]["message"]
-    for route in ("save_weights_external", "create_custom_loss", "copy_weights"):
+    for route in ("create_custom_loss", "copy_weights"):  # 400, not 501: the SDK retries every 5xx for minutes
         r = httpx.post(f"{base}/api/v1/{route}", json={})
-        assert r.status_code == 501 and r.json()["error"]["code"] == "not_implemented", (route, r.text)
-        assert r.headers.get("x-should-retry") == "false"
+        assert r.status_code == 400 and r.json()["error"]["code"] == "not_implemented", (route, r.text)
+    # save_weights_external is a training op: its future fails at once and its seq is consumed
+    model_id = _create_model(base, sid, 0)
+    res = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 1, "path": "x"})
+    assert res["code"] == "not_implemented" and res["category"] == "user", res
+    res = _op(base, "save_weights", {"model_id": model_id, "seq_id": 2, "path": "after-external"})
+    assert res["path"].endswith("/weights/after-external"), res
     me = httpx.get(f"{base}/api/v1/auth/apikey/me").json()
     assert isinstance(me["key_id"], int) and me["name"] and me["details"]["org_details"]["name"]
     dyn = httpx.post(f"{base}/api/v1/client/dynamic_config", json={"sdk_version": "0.38.0"}).json()
     assert dyn["sample_cancel_enabled"] is False and dyn["refresh_interval_sec"] == 300
+
+
+@pytest.mark.parametrize("version", ["038", "024"])
+def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_path):
+    """``python -m tinker.cli checkpoint list|download`` of the official SDKs (download: SDK ≤0.24's archive
+    path; SDK 0.38 exports through save_weights_external, which livelora answers with a clear 501)."""
+    python = sdk_python(version)
+    if python is None:
+        pytest.skip(f"no tinker SDK venv for {version}: run .ci/setup-tinker-sdks")
+    base = sessions_server.base_url
+    sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "x"}).json()["session_id"]
+    model_id = _create_model(base, sid, 0)
+    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "cli"})
+    path = f"tinker://{model_id}/weights/cli"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
+    env.update(TINKER_BASE_URL=base, TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0", PYTHONPATH="")
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(python), "-m", "tinker.cli", "--format", "json", "checkpoint", *args],
+                              capture_output=True, text=True, env=env, timeout=300, check=False, cwd=str(tmp_path))
+
+    listed = cli("list")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert path in [c["tinker_path"] for c in json.loads(listed.stdout)["checkpoints"]]
+    got = cli("download", path, "--output", str(tmp_path / "dl"))
+    if version == "024":
+        assert got.returncode == 0, got.stderr[-2000:]
+        (folder,) = (tmp_path / "dl").iterdir()
+        assert {f.name for f in folder.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                                       "checkpoint_complete"}
+    else:  # SDK 0.38 exports through save_weights_external: refused at once, not retried
+        assert got.returncode != 0 and "save_weights_external is not built" in got.stdout + got.stderr

@@ -31,7 +31,7 @@ from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSes
                                            SaveWeightsForSamplerRequest, SaveWeightsRequest, SessionFinishRequest,
                                            SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
                                            WeightsInfoRequest)
-from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, SampleRequestV2
+from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, SampleRequestV2, SaveWeightsExternalRequest
 from livelora.clients.errors import NotBuiltError
 from livelora.clients.types.tinker_rest import (CancelFutureRequest, CheckpointTtlRequest, JoinSamplingSessionRequest,
                                                 JoinSamplingSessionResponse, SelfApiKeyResponse)
@@ -313,10 +313,10 @@ async def cancel_future(request: Request, sampling: SamplingDep) -> Response:
 
 # ------------------------------------------------------------------------------------------------ not built
 @router.post("/save_weights_external")
-async def save_weights_external(request: Request) -> Response:
-    raise NotBuiltError("save_weights_external is not built: livelora exports adapters with `livelora adapters "
-                        "export` (PEFT or merged Hugging Face format) and serves them by name; for a checkpoint's "
-                        "files use GET /api/v1/training_runs/{id}/checkpoints/{ckpt}/archive")
+async def save_weights_external(request: Request, ops: TrainingOpsDep) -> Response:
+    """A training op (it has a ``seq_id``): its future fails with ``not_implemented`` and its seq is consumed."""
+    return encode(await ops.submit_op("save_weights_external", await body_json(request),
+                                      lambda d: SaveWeightsExternalRequest.model_validate(d)))
 
 
 @router.post("/create_custom_loss")

@@ -22,7 +22,7 @@ from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.losses import validate_batch
 from livelora.adapters.session_protocol import (Op, future_failed, model_id_for, new_request_id, now_iso,
                                                 resolve_checkpoint, session_of)
-from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotFoundError
+from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotBuiltError, NotFoundError
 from livelora.clients.types.tinker_rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS
 from livelora.clients.types.tinker import (CreateModelRequest, ForwardBackwardInput, GetInfoResponse,
                                            GetServerCapabilitiesResponse, LoadWeightsRequest, ModelData,
@@ -172,6 +172,10 @@ class TrainingOps:
             raise BadRequestError(f"ttl_seconds must be between {MIN_TTL_SECONDS} (1 hour) and {MAX_TTL_SECONDS} "
                                   f"(10 years), or omitted to keep the checkpoint until deleted; got {req.ttl_seconds}",
                                   param="ttl_seconds")
+        if kind == "save_weights_external":
+            raise NotBuiltError("save_weights_external is not built: export adapters with `livelora adapters "
+                                "export` (PEFT or merged Hugging Face format); a checkpoint's files come as a tar from "
+                                "GET /api/v1/training_runs/{id}/checkpoints/{ckpt}/archive", param="path")
         if kind == "save_weights_for_sampler":
             req: SaveWeightsForSamplerRequest
             if (req.path is None) == (req.sampling_session_seq_id is None):
