@@ -108,6 +108,11 @@ class KeyLayout:
         """``{prefix}session:{sid}``: the session record; its TTL is the session's life."""
         return f"{self.prefix}session:{sid}"
 
+    @property
+    def session_history(self) -> str:
+        """Hash session id → its summary (created, metadata, how it ended); outlives the session key."""
+        return f"{self.prefix}sessionhistory"
+
     def session_owner(self, sid: str) -> str:
         """``{prefix}owner:session:{sid}``: the tenant that created the session."""
         return f"{self.prefix}owner:session:{sid}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 import sys
 from pathlib import Path
 
@@ -264,3 +265,27 @@ def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_p
                                                        "checkpoint_complete"}
     else:  # SDK 0.38 exports through save_weights_external: refused at once, not retried
         assert got.returncode != 0 and "save_weights_external is not built" in got.stdout + got.stderr
+
+
+def test_sessions_get_list_search_outlive_the_session(sessions_server):
+    base = sessions_server.base_url
+    meta = {"run": uuid.uuid4().hex}
+    sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0", "display_name": "s1",
+                                                            "user_metadata": meta}).json()["session_id"]
+    model_id = _create_model(base, sid, 0)
+    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "a"})
+    httpx.post(f"{base}/api/v1/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 0,
+                                                                "base_model": MODEL}).raise_for_status()
+    got = httpx.get(f"{base}/api/v1/sessions/{sid}").json()
+    assert got["training_run_ids"] == [model_id] and got["sampler_ids"] == [f"{sid}:sample:0"], got
+    assert got["display_name"] == "s1" and got["user_metadata"] == meta
+    search = {"user_metadata": meta}
+    found = httpx.post(f"{base}/api/v1/sessions/search", json=search).json()["sessions"]
+    assert [(s["session_id"], s["status"]["type"], s["checkpoints_count"]) for s in found] == [(sid, "active", 1)]
+    r = httpx.post(f"{base}/api/v1/sessions/{sid}/finish", json={"reason": {"type": "interrupted"}})
+    assert r.status_code == 200, r.text
+    found = httpx.post(f"{base}/api/v1/sessions/search", json={**search, "statuses": [{"type": "client_finished"}]})
+    (summary,) = found.json()["sessions"]
+    assert summary["status"] == {"type": "client_finished", "reason": {"type": "interrupted"}, "detail": None}
+    assert sid in httpx.get(f"{base}/api/v1/sessions", params={"limit": 5}).json()["sessions"]
+    assert httpx.get(f"{base}/api/v1/sessions/nosuchsession").status_code == 404

@@ -34,7 +34,7 @@ from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSes
 from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, SampleRequestV2, SaveWeightsExternalRequest
 from livelora.clients.errors import NotBuiltError
 from livelora.clients.types.tinker_rest import (CancelFutureRequest, CheckpointTtlRequest, JoinSamplingSessionRequest,
-                                                JoinSamplingSessionResponse, SelfApiKeyResponse)
+                                                JoinSamplingSessionResponse, SelfApiKeyResponse, SessionSearchRequest)
 from livelora.gateway.api import tinker_wire as wire
 from livelora.gateway.api.errors import content_type_error
 from livelora.gateway.api.deps import CheckpointsDep, PrincipalDep, SamplingDep, SessionsDep, TrainingOpsDep
@@ -134,9 +134,24 @@ async def session_heartbeat(request: Request, sessions: SessionsDep) -> Response
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request, sessions: SessionsDep) -> Response:
-    await decode(request, SessionFinishRequest)
-    await sessions.finish_session(session_id)
+    req = await decode(request, SessionFinishRequest)
+    await sessions.finish_session(session_id, req.reason.type, req.detail)
     return encode({"session_id": session_id, "status": "finished"})
+
+
+@router.get("/sessions")
+async def list_sessions(sessions: SessionsDep, limit: int = 20, offset: int = 0) -> Response:
+    return encode(await sessions.list_sessions(limit, offset))
+
+
+@router.post("/sessions/search")
+async def search_sessions(request: Request, sessions: SessionsDep) -> Response:
+    return encode(await sessions.search_sessions(await decode(request, SessionSearchRequest)))
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, sessions: SessionsDep) -> Response:
+    return encode(await sessions.get_session(session_id))
 
 
 # ------------------------------------------------------------------------------------------------ training ops

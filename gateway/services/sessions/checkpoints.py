@@ -86,7 +86,7 @@ class Checkpoints:
         return CheckpointsListResponseV2(checkpoints=items, cursor=Cursor(offset=0, limit=len(items),
                                                                           total_count=len(items)))
 
-    def _run_ids(self) -> list[str]:
+    def run_ids(self) -> list[str]:
         """Every training run with an index, oldest first."""
         runs = []
         for f in (self.home / "sessions").glob("*.json"):
@@ -98,7 +98,7 @@ class Checkpoints:
 
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponseV2:
         """Every checkpoint of every training run, newest first (``limit``/``offset`` page them)."""
-        items = [self._checkpoint(m, k, v) for m in self._run_ids() for k, v in self._entries(m)]
+        items = [self._checkpoint(m, k, v) for m in self.run_ids() for k, v in self._entries(m)]
         items.sort(key=lambda c: c.time, reverse=True)
         return CheckpointsListResponseV2(checkpoints=items[offset:offset + limit],
                                          cursor=Cursor(offset=offset, limit=limit, total_count=len(items)))
@@ -120,7 +120,7 @@ class Checkpoints:
     async def list_training_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
         """Training runs, most recent request first."""
         runs = []
-        for model_id in self._run_ids():
+        for model_id in self.run_ids():
             with contextlib.suppress(NotFoundError):
                 runs.append(await self.training_run(model_id))
         runs.sort(key=lambda r: r.last_request_time, reverse=True)
@@ -179,7 +179,7 @@ class Checkpoints:
         docstring); returns the deleted tinker paths."""
         loaded, bound = self._in_use()
         deleted: list[str] = []
-        for model_id in self._run_ids():
+        for model_id in self.run_ids():
             lineage = lineage_for(model_id)
             for ckpt_id, entry in self._entries(model_id):
                 if not is_expired(entry, now) or entry.get("adapter") in loaded or lineage in bound:

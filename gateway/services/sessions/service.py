@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any
 
 import redis.asyncio as aredis
@@ -15,7 +16,10 @@ import redis.asyncio as aredis
 from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.models import HUB_IDS
 from livelora.adapters.redis_keys import KeyLayout
+from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.clients.types.tinker import CreateSessionRequest, CreateSessionResponse
+from livelora.clients.types.tinker_rest import (GetSessionResponse, ListSessionsResponse, SessionSearchCursor,
+                                                SessionSearchRequest, SessionSearchResponse, SessionSummary)
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions.checkpoints import Checkpoints
@@ -86,8 +90,10 @@ class SessionService:
         sid = uuid.uuid4().hex
         record = {"created": time.time(), "tags": req.tags, "user_metadata": req.user_metadata,
                   "sdk_version": req.sdk_version}
+        summary = {**record, "display_name": req.display_name, "project_id": req.project_id, "status": None}
         with redis_unavailable():
             await self.redis.set(self.keys.session(sid), json.dumps(record), px=self.ctx.ttl_ms())
+            await self.redis.hset(self.keys.session_history, sid, json.dumps(summary))
         return CreateSessionResponse(session_id=sid)
 
     async def heartbeat(self, session_id: str) -> None:
@@ -101,16 +107,85 @@ class SessionService:
                 raise GoneError(f"session {session_id} has ended (finished, or no heartbeat for "
                                 f"{self.settings.session_ttl_s:g} s)", param="session_id")
 
-    async def finish_session(self, session_id: str) -> None:
-        """End a session: its models are freed by the trainer and its sampler adapters unloaded.
+    async def finish_session(self, session_id: str, reason: str = "success", detail: str | None = None) -> None:
+        """End a session: its models are freed by the trainer and its sampler adapters unloaded; its summary
+        records ``client_finished`` with ``reason`` (success, errored, interrupted).
 
         Raises:
             NotFoundError: unknown session (already finished or expired sessions are fine: no-op).
         """
         with redis_unavailable():
+            raw = await self.redis.hget(self.keys.session_history, session_id)
+            if raw is not None:
+                summary = json.loads(raw)
+                summary["status"] = {"type": "client_finished", "reason": {"type": reason}, "detail": detail}
+                await self.redis.hset(self.keys.session_history, session_id, json.dumps(summary))
             await self.redis.delete(self.keys.session(session_id))
             await self.redis.publish(self.keys.sessions_channel, session_id)
         await self.sampling.unload_ended_sessions()
+
+    async def _summary(self, sid: str, raw: str) -> SessionSummary:
+        data = json.loads(raw)
+        status = data.get("status")
+        if status is None:
+            alive = await self.redis.exists(self.keys.session(sid))
+            status = {"type": "active"} if alive else {"type": "cancelled", "detail": "no heartbeat for "
+                                                       f"{self.settings.session_ttl_s:g} s"}
+        runs = [m for m in self.checkpoints.run_ids() if m.startswith(f"{sid}:")]
+        count = sum(len(self.checkpoints.list_checkpoints(m).checkpoints) for m in runs)
+        return SessionSummary(session_id=sid, created_at=datetime.fromtimestamp(data["created"], timezone.utc),
+                              owner="local", project_id=data.get("project_id") or "default", status=status,
+                              checkpoints_count=count, display_name=data.get("display_name"),
+                              user_metadata=data.get("user_metadata"))
+
+    async def get_session(self, sid: str) -> GetSessionResponse:
+        """Training runs and sampling sessions of a session (also after it ended).
+
+        Raises: NotFoundError for a session this store never had.
+        """
+        with redis_unavailable():
+            raw = await self.redis.hget(self.keys.session_history, sid)
+            if raw is None:
+                raise NotFoundError(f"session {sid!r} does not exist", param="session_id")
+            samplers = sorted([k.removeprefix(self.keys.sampler("")) async for k in
+                               self.redis.scan_iter(match=self.keys.sampler(f"{sid}:*"), count=1000)])
+        data = json.loads(raw)
+        return GetSessionResponse(training_run_ids=[m for m in self.checkpoints.run_ids() if m.startswith(f"{sid}:")],
+                                  sampler_ids=samplers, user_metadata=data.get("user_metadata"),
+                                  display_name=data.get("display_name"))
+
+    async def list_sessions(self, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
+        """Session ids, newest first."""
+        with redis_unavailable():
+            rows = await self.redis.hgetall(self.keys.session_history)
+        ids = [sid for sid, raw in sorted(rows.items(), key=lambda kv: -json.loads(kv[1])["created"])]
+        return ListSessionsResponse(sessions=ids[offset:offset + limit])
+
+    async def search_sessions(self, req: SessionSearchRequest) -> SessionSearchResponse:
+        """Sessions matching ``session_id``, ``display_name``, ``user_metadata`` (all pairs) and ``statuses``
+        (types), newest first, ``limit`` per page after ``cursor``.
+
+        Raises: BadRequestError for an owner filter other than own/accessible (one owner per store).
+        """
+        if req.owner.get("type") not in ("own", "accessible"):
+            raise BadRequestError("livelora has one owner per store: search with owner {'type': 'own'}",
+                                  param="owner")
+        with redis_unavailable():
+            rows = await self.redis.hgetall(self.keys.session_history)
+            found = [await self._summary(sid, raw) for sid, raw in rows.items()
+                     if req.session_id in (None, sid)]
+        wanted = {s.get("type") for s in req.statuses or ()}
+        found = [s for s in found if (req.display_name in (None, s.display_name))
+                 and all((s.user_metadata or {}).get(k) == v for k, v in req.user_metadata.items())
+                 and (not wanted or (s.status or {}).get("type") in wanted)]
+        found.sort(key=lambda s: (s.created_at, s.session_id), reverse=True)
+        if req.cursor is not None:
+            after = (req.cursor.last_created_at, req.cursor.last_session_id)
+            found = [s for s in found if (s.created_at, s.session_id) < after]
+        page = found[:req.limit]
+        more = len(found) > req.limit
+        return SessionSearchResponse(sessions=page, next_cursor=SessionSearchCursor(
+            last_created_at=page[-1].created_at, last_session_id=page[-1].session_id) if more else None)
 
     async def retrieve_future(self, request_id: str, wait_s: float | None = None) -> dict[str, Any] | NotReady:
         """The op's result dict, its ``{"error", "category", ...}`` dict, or :class:`NotReady` after waiting
