@@ -154,6 +154,10 @@ class KeyLayout:
         """``{prefix}future:{request_id}``: the op's state, result or error (JSON, TTL)."""
         return f"{self.prefix}future:{request_id}"
 
+    def sampler_completions(self, sampling_session_id: str) -> str:
+        """List of a sampling session's finished/failed samples, in completion order (``retrieve_futures``)."""
+        return f"{self.prefix}samplerdone:{sampling_session_id}"
+
     def sampler_clients(self, sampling_session_id: str) -> str:
         """Counter of a sampling session's joined clones (``join_sampling_session``)."""
         return f"{self.prefix}samplerclients:{sampling_session_id}"

@@ -289,3 +289,26 @@ def test_sessions_get_list_search_outlive_the_session(sessions_server):
     assert summary["status"] == {"type": "client_finished", "reason": {"type": "interrupted"}, "detail": None}
     assert sid in httpx.get(f"{base}/api/v1/sessions", params={"limit": 5}).json()["sessions"]
     assert httpx.get(f"{base}/api/v1/sessions/nosuchsession").status_code == 404
+
+
+def test_retrieve_futures_reports_a_sampling_sessions_completions(sessions_server, tokenizer):
+    base = sessions_server.base_url
+    sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    sampler = httpx.post(f"{base}/api/v1/create_sampling_session", json={
+        "session_id": sid, "sampling_session_seq_id": 0, "base_model": MODEL}).json()["sampling_session_id"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": tokenizer.encode("Hi")}]}
+    ids = [httpx.post(f"{base}/api/v1/asample", json={
+        "sampling_session_id": sampler, "seq_id": seq, "num_samples": 1, "prompt": prompt,
+        "sampling_params": {"max_tokens": 2}}).json()["request_id"] for seq in (1, 2)]
+    seen, cursor = [], 0
+    while len(seen) < 2:
+        r = httpx.post(f"{base}/api/v1/retrieve_futures", json={
+            "target": {"sampling_session_id": sampler}, "prev_cursor": cursor, "timeout": 10}, timeout=60).json()
+        seen += r["completions"]
+        cursor = r["cursor"]
+    assert sorted(c["request_id"] for c in seen) == sorted(ids) and all(c["state"] == "finished" for c in seen)
+    clone = httpx.post(f"{base}/api/v1/retrieve_futures", json={
+        "target": {"sampling_session_id": sampler, "cloned_sampler_id": 1}, "timeout": 0.1}).json()
+    assert clone["completions"] == [] and clone["cursor"] == 2
+    for rid in ids:
+        assert "sequences" in _retrieve(base, rid).json()

@@ -34,7 +34,8 @@ from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSes
 from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, SampleRequestV2, SaveWeightsExternalRequest
 from livelora.clients.errors import NotBuiltError
 from livelora.clients.types.tinker_rest import (CancelFutureRequest, CheckpointTtlRequest, JoinSamplingSessionRequest,
-                                                JoinSamplingSessionResponse, SelfApiKeyResponse, SessionSearchRequest)
+                                                JoinSamplingSessionResponse, SelfApiKeyResponse, SessionSearchRequest,
+                                                FuturesRetrieveRequest, FuturesRetrieveResponse)
 from livelora.gateway.api import tinker_wire as wire
 from livelora.gateway.api.errors import content_type_error
 from livelora.gateway.api.deps import CheckpointsDep, PrincipalDep, SamplingDep, SessionsDep, TrainingOpsDep
@@ -273,7 +274,9 @@ async def checkpoint_archive(name: str, checkpoints: CheckpointsDep) -> Response
 
 
 @router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
-async def publish_checkpoint(model_id: str, checkpoint_id: str, checkpoints: CheckpointsDep) -> Response:
+async def publish_checkpoint(model_id: str, checkpoint_id: str, request: Request,
+                             checkpoints: CheckpointsDep) -> Response:
+    await body_json(request)  # no body is needed; one that is sent must be JSON
     checkpoints.set_public(model_id, checkpoint_id, True)
     return Response(status_code=204)
 
@@ -320,6 +323,14 @@ async def join_sampling_session(request: Request, sampling: SamplingDep) -> Resp
         req.sampling_session_id)))
 
 
+@router.post("/retrieve_futures")
+async def retrieve_futures(request: Request, sampling: SamplingDep) -> Response:
+    req = await decode(request, FuturesRetrieveRequest)
+    done, cursor = await sampling.retrieve_futures(req.target.sampling_session_id, req.target.cloned_sampler_id,
+                                                   req.prev_cursor, req.timeout)
+    return encode(FuturesRetrieveResponse.model_validate({"completions": done, "cursor": cursor}))
+
+
 @router.post("/cancel_future")
 async def cancel_future(request: Request, sampling: SamplingDep) -> Response:
     req = await decode(request, CancelFutureRequest)
@@ -336,12 +347,14 @@ async def save_weights_external(request: Request, ops: TrainingOpsDep) -> Respon
 
 @router.post("/create_custom_loss")
 async def create_custom_loss(request: Request) -> Response:
+    await body_json(request)  # a body that is not JSON is named as such first
     raise NotBuiltError("server-side custom losses are not built (client/config leaves custom_loss_server_side "
                         "off): forward_backward_custom runs the loss on the client, which needs no server support")
 
 
 @router.post("/copy_weights")
 async def copy_weights(request: Request) -> Response:
+    await body_json(request)  # a body that is not JSON is named as such first
     raise NotBuiltError("copy_weights is not built: livelora has one owner per store, so every session can "
                         "already load any checkpoint by its tinker:// path; use that path directly")
 

@@ -174,6 +174,28 @@ class SamplingSessions:
             await self.redis.expire(self.keys.sampler_clients(sampling_id), self.settings.future_ttl_s)
         return n
 
+    async def retrieve_futures(self, sampling_id: str, clone: int, prev_cursor: int,
+                               timeout: float | None) -> tuple[list[dict[str, Any]], int]:
+        """Completions of a sampling session's samples after ``prev_cursor`` (a position in its completion list),
+        those of clone ``clone`` only (sample ``seq_id // 10**9``); waits up to ``timeout`` (at most
+        ``long_poll_s``) for one. Returns ``(completions, cursor)``.
+
+        Raises: NotFoundError for an unknown or expired sampling session.
+        """
+        await self._sampler_record(sampling_id)
+        key = self.keys.sampler_completions(sampling_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.settings.long_poll_s, timeout if timeout is not None else 30.0)
+        while True:
+            with redis_unavailable():
+                rows = [json.loads(x) for x in await self.redis.lrange(key, max(0, prev_cursor), -1)]
+            cursor = max(0, prev_cursor) + len(rows)
+            mine = [{k: v for k, v in r.items() if k != "seq_id"} for r in rows
+                    if ((r.get("seq_id") or 0) // 10**9) == clone]
+            if mine or loop.time() >= deadline:
+                return mine, cursor
+            await asyncio.sleep(0.25)
+
     async def cancel_future(self, request_id: str) -> bool:
         """Cancel a running sample of this gateway: its future fails with ``cancelled`` (category user) and
         its engine sequences stop. Returns whether a running sample was cancelled (False: already done, or not
@@ -285,6 +307,12 @@ class SamplingSessions:
             served.release()
         with contextlib.suppress(Exception):
             await self.futures.resolve(request_id, record)
+            if req.sampling_session_id is not None:
+                done = {"state": "failed" if '"state": "failed"' in record else "finished", "request_id": request_id,
+                        "seq_id": req.seq_id, "response_payload_uncompressed_size": len(record)}
+                key = self.keys.sampler_completions(req.sampling_session_id)
+                await self.redis.rpush(key, json.dumps(done))
+                await self.redis.expire(key, self.settings.future_ttl_s)
 
     async def _one_sample(self, prompt: list[int], params: EngineParams, adapter: str | None, index: int,
                           sequence_id: str, engine_request_id: str, topk: int = 0) -> SampledSequence:
