@@ -1,6 +1,7 @@
 """What runs in each process kind, and the start-up check every kind makes.
 
-* ``livelora serve``: gateway + op executor + signal worker (one process; the whole loop);
+* ``livelora serve``: the gateway, plus signal worker + op executor in a supervised child process at lower CPU
+  priority (:mod:`livelora.cli.trainer_process`; ``LIVELORA_TRAINER_PROCESS=false``: threads of this process);
 * ``livelora gateway``: gateway, plus an op executor only when ``LIVELORA_EXECUTOR_IN_PROCESS`` is true;
 * ``livelora trainer``: signal worker + op executor (:func:`run_trainer`).
 

@@ -73,6 +73,8 @@ def build_engine(settings: GatewaySettings) -> Engine:
               "max_model_len": inference.max_model_len}
     if inference.engine == "vllm":
         kwargs["settings"] = settings.vllm
+    elif inference.engine_threads:
+        kwargs["num_threads"] = inference.engine_threads
     return create_engine(inference.engine, **kwargs)
 
 

@@ -50,6 +50,8 @@ class InferenceSection(Section):
     device: str | None = Field(None, description="Torch device for the engine (default: cuda if available, else cpu).")
     dtype: str | None = Field(None, description="Weights dtype for the engine (default: engine's choice).")
     max_batch_size: int = Field(8, ge=1, description="Sequences the engine decodes together in one step.")
+    engine_threads: int | None = Field(None, ge=1, description="Torch threads of the transformers engine "
+                                                               "(process-wide; default: torch's, all cores).")
     max_waiting: int = Field(64, ge=0, description="Sequences allowed to wait for a batch slot; more get 429.")
     max_model_len: int | None = Field(None, ge=16, description="Cap on prompt + completion tokens "
                                                                "(default: the model's context length).")
