@@ -43,6 +43,19 @@ key                                type            holds
 ``sampler:{sampling_id}``          string, TTL     sampling session: base model, adapter name and path
 ``futures``                        pub/sub         request ids whose future just resolved
 ``sessions``                       pub/sub         ids of sessions that finished
+``owner:session:{sid}:key``        string, TTL     API key id that created the session (metering)
+=================================  ==============  ===================================================
+
+Usage metering (:mod:`livelora.adapters.metering`):
+
+=================================  ==============  ===================================================
+key                                type            holds
+=================================  ==============  ===================================================
+``usage:{hour}``                   hash            ``[tenant, key, subject, kind]`` (JSON) → tokens, for
+                                                   one UTC hour ``YYYYMMDDHH`` (HINCRBY)
+``usage:hours``                    set             hours with a live ``usage:{hour}`` hash
+``usage:rolling:{hour}:{id}``      hash            a ``usage:{hour}`` hash being written to the store
+``usage:pending``                  hash            rolling key → ``"{hour} {server ms}"``
 =================================  ==============  ===================================================
 
 Example::
@@ -158,3 +171,26 @@ class KeyLayout:
     def sessions_channel(self) -> str:
         """``{prefix}sessions``: pub/sub channel of ids of sessions that finished."""
         return f"{self.prefix}sessions"
+
+    def session_key(self, sid: str) -> str:
+        """``{prefix}owner:session:{sid}:key``: the API key id that created the session."""
+        return f"{self.prefix}owner:session:{sid}:key"
+
+    # ------------------------------------------------------------------ usage metering
+    def usage_hour(self, hour: str) -> str:
+        """``{prefix}usage:{hour}``: token counters of one UTC hour (``YYYYMMDDHH``; ``""`` gives the stem)."""
+        return f"{self.prefix}usage:{hour}"
+
+    @property
+    def usage_hours(self) -> str:
+        """``{prefix}usage:hours``: set of hours whose ``usage:{hour}`` hash is live."""
+        return f"{self.prefix}usage:hours"
+
+    def usage_rolling(self, hour: str, rid: str) -> str:
+        """``{prefix}usage:rolling:{hour}:{rid}``: an hour's counters being rolled up into the store."""
+        return f"{self.prefix}usage:rolling:{hour}:{rid}"
+
+    @property
+    def usage_pending(self) -> str:
+        """``{prefix}usage:pending``: hash rolling key → ``"{hour} {ms}"`` of rollups not finished yet."""
+        return f"{self.prefix}usage:pending"

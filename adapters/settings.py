@@ -78,6 +78,23 @@ class SessionSection(Section):
                                                             "(accepted as a session's base_model by the trainer).")
 
 
+class ObservabilitySection(Section):
+    """Usage metering, Prometheus metrics and logs; read by the gateway and the trainer. Environment
+    ``LIVELORA_METERING``, ``LIVELORA_USAGE_ROLLUP_S``, ``LIVELORA_METRICS``, ``LIVELORA_METRICS_REQUIRE_KEY``,
+    ``LIVELORA_LOG_FORMAT``."""
+
+    metering: bool = Field(True, description="Count the tokens of every model operation per tenant, key, "
+                                             "endpoint or session and kind (Redis counters; GET /admin/usage).")
+    usage_rollup_s: float = Field(3600.0, ge=0, description="A gateway moves the usage counters from Redis into "
+                                                            "the store this often (s; 0: only on shutdown).")
+    metrics: bool = Field(True, description="Serve Prometheus metrics at GET /metrics.")
+    metrics_require_key: bool = Field(False, description="GET /metrics needs an API key with the admin role "
+                                                         "(false: public, like /health).")
+    log_format: str = Field("text", pattern="^(text|json)$",
+                            description="Log lines as plain text or as JSON objects (one per line) carrying the "
+                                        "request id, completion id, tenant, endpoint and version.")
+
+
 class ProcessSettings(CommonSettings):
     """The settings object of one process kind: :class:`CommonSettings` plus nested :class:`Section` fields.
 

@@ -196,6 +196,10 @@ from livelora.cli.admin import register as _register_admin  # noqa: E402  (endpo
 
 _register_admin(app)
 
+from livelora.cli.usage import usage as _usage  # noqa: E402  (livelora usage)
+
+app.command("usage")(_usage)
+
 from livelora.clients.recipes.cli import recipe_app  # noqa: E402  (livelora recipe NAME)
 
 app.add_typer(recipe_app, name="recipe")

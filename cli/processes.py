@@ -55,12 +55,16 @@ def build_executor(settings: ProcessSettings, sessions: SessionSection, *, devic
     """An :class:`~livelora.trainer.executor.OpExecutor` on the settings' Redis, prefix and store (not started)."""
     import redis
 
+    from livelora.adapters.metering import Meter
     from livelora.adapters.redis_keys import KeyLayout
     from livelora.trainer.executor import OpExecutor
 
+    keys = KeyLayout(settings.redis_prefix)
+    observability = getattr(settings, "observability", None)
+    meter = Meter(keys, enabled=observability.metering if observability is not None else True)
     return OpExecutor(redis.Redis.from_url(settings.redis_url, decode_responses=True),
-                      KeyLayout(settings.redis_prefix), settings.home, settings.model, sessions, device=device,
-                      max_seq_len=max_seq_len, served_name=served_name)
+                      keys, settings.home, settings.model, sessions, device=device,
+                      max_seq_len=max_seq_len, served_name=served_name, meter=meter)
 
 
 def op_executor_component(settings: GatewaySettings) -> Component:

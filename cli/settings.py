@@ -35,7 +35,8 @@ class ServeSettings(GatewaySettings):
         """The settings of the in-process trainer worker: the same store, model, Redis and sections."""
         return TrainerSettings(home=self.home, model=self.model, redis_url=self.redis_url,
                                redis_prefix=self.redis_prefix, training=self.training,
-                               sessions=self.sessions.model_copy(update={"served_model_name": self.model_id}))
+                               sessions=self.sessions.model_copy(update={"served_model_name": self.model_id}),
+                               observability=self.observability)
 
 
 #: One settings class per process kind.

@@ -45,9 +45,12 @@ log = logging.getLogger(__name__)
 current_principal: ContextVar[Principal | None] = ContextVar("livelora_principal", default=None)
 
 PUBLIC = "public"
+#: Role of ``GET /metrics``: ``public``, or ``admin`` when ``LIVELORA_METRICS_REQUIRE_KEY`` is true.
+METRICS = "metrics"
 #: (method or "*", path regex) → role; first match wins; anything unmatched needs ``admin``.
 POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/health"), PUBLIC),
+    ("GET", re.compile(r"/metrics"), METRICS),
     ("GET", re.compile(r"/api/v1/healthz"), PUBLIC),
     ("GET", re.compile(r"/(docs|redoc|openapi\.json|docs/oauth2-redirect)"), PUBLIC),
     ("*", re.compile(r"/v1/(chat/completions|completions|models(/.*)?)"), "inference"),
@@ -61,11 +64,14 @@ _SESSION_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id"
 _TINKER_PATH = re.compile(r"tinker://([^/]+)")
 
 
-def required_role(method: str, path: str) -> str:
-    """The role a request needs (``"public"`` for none); unmatched paths need ``admin``."""
+def required_role(method: str, path: str, *, metrics_key: bool = False) -> str:
+    """The role a request needs (``"public"`` for none); unmatched paths need ``admin``; ``/metrics`` needs
+    ``admin`` only when ``metrics_key`` (``LIVELORA_METRICS_REQUIRE_KEY``)."""
     method = "GET" if method == "HEAD" else method
     for m, pattern, role in POLICY:
         if (m == "*" or m == method) and pattern.fullmatch(path):
+            if role == METRICS:
+                return "admin" if metrics_key else PUBLIC
             return role
     return "admin"
 
@@ -215,7 +221,8 @@ class AuthMiddleware:
         if services.auth_open and keys.active():
             services.auth_open = False  # a key was created: key mode from now on, never back
             log.warning("API keys exist now: the gateway requires keys from here on")
-        role = required_role(scope.get("method", "GET"), scope.get("path", ""))
+        role = required_role(scope.get("method", "GET"), scope.get("path", ""),
+                             metrics_key=services.settings.observability.metrics_require_key)
         if services.auth_open:
             return OPEN_PRINCIPAL
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -279,7 +286,12 @@ class AuthMiddleware:
                         redis = await self._redis()
                         if sid and redis is not None:
                             ttl = 30 * 24 * 3600
-                            await redis.set(self._owner_key(sid), principal.tenant, ex=ttl)
+                            pipe = redis.pipeline(transaction=True)
+                            pipe.set(self._owner_key(sid), principal.tenant, ex=ttl)
+                            if principal.key_id is not None:  # metering counts the session's ops for this key
+                                pipe.set(KeyLayout(self.services.settings.redis_prefix).session_key(sid),
+                                         principal.key_id, ex=ttl)
+                            await pipe.execute()
                     except Exception as exc:  # the session works; only its owner record is missing
                         log.warning("could not record the owner of a new session: %s", exc)
             await send(message)

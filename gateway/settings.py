@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from livelora.adapters.settings import ENV_PREFIX, ProcessSettings, Section, SessionSection
+from livelora.adapters.settings import ENV_PREFIX, ObservabilitySection, ProcessSettings, Section, SessionSection
 
 #: Default retention of completion records and rating keys: 7 days, in seconds.
 DEFAULT_RETENTION_S = 7 * 24 * 3600
@@ -101,6 +101,7 @@ class GatewaySettings(ProcessSettings):
     vllm: VLLMSection = Field(default_factory=VLLMSection)
     live: LiveSection = Field(default_factory=LiveSection)
     sessions: SessionSection = Field(default_factory=SessionSection)
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
 
     @property
     def model_id(self) -> str:

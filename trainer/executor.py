@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from livelora.adapters.metering import Meter, Usage
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.session_protocol import (CheckpointIndex, Op, StaleOwnerError, future_done, future_failed,
                                                 session_of)
@@ -83,6 +84,8 @@ class _ModelSlot:
     prev_applied: int = -1  # highest seq a previous owner committed
     kept: list[str] = field(default_factory=list)  # entries of forward_backward ops since the snapshot
     lost_grads: list[int] = field(default_factory=list)  # forward_backward seqs whose gradients died
+    op_tokens: int = 0  # model_input tokens of the forward/forward_backward op just run (metering)
+    payer: tuple[str, str | None] | None = None  # (tenant, API key id) of the session, read once
 
 
 class _Stale(Exception):
@@ -102,11 +105,14 @@ class OpExecutor(SessionOps):
         max_seq_len: longest ``model_input`` accepted (tokens).
         base_model_aliases: other accepted base-model names; ``served_name``: the name reported in records.
         owner: this executor's id in leases (default ``{host}-{pid}-{4 hex}``).
+        meter: counts the tokens of ``forward`` (kind ``forward``) and ``forward_backward`` (kind ``trained``)
+            ops that succeed, per session (default: a :class:`~livelora.adapters.metering.Meter` on ``keys``).
     """
 
     def __init__(self, redis_client, keys: KeyLayout, home: Path | str, base_model: str,
                  settings: SessionSection | None = None, *, device: str = "cpu", max_seq_len: int | None = None,
-                 base_model_aliases: tuple[str, ...] = (), served_name: str | None = None, owner: str | None = None):
+                 base_model_aliases: tuple[str, ...] = (), served_name: str | None = None, owner: str | None = None,
+                 meter: Meter | None = None):
         from livelora.adapters.models import resolve_base_model
 
         self.redis = redis_client
@@ -128,6 +134,7 @@ class OpExecutor(SessionOps):
         self._thread: threading.Thread | None = None
         self._last_housekeeping = 0.0
         self.ops_run = 0
+        self.meter = meter if meter is not None else Meter(keys)
 
     @property
     def owner(self) -> str:
@@ -296,8 +303,24 @@ class OpExecutor(SessionOps):
                 trim = [entry_id]
             self._commit(slot, op.request_id, record, op.seq_id)
             self._trim(slot, trim)
+            if op.kind in ("forward", "forward_backward") and json.loads(record)["state"] == "done":
+                self._meter(slot, op)
         except (_Stale, StaleOwnerError) as exc:
             self._drop(slot.model_id, f"stale owner: {exc}")
+
+    def _meter(self, slot: _ModelSlot, op: Op) -> None:
+        """Count a committed forward (``forward``) or forward_backward (``trained``) op's tokens for its session's
+        tenant and key (``owner:session:{sid}``, written by the gateway's auth; ``default`` when absent)."""
+        try:
+            if slot.payer is None:
+                tenant, key = self.redis.mget(self.keys.session_owner(slot.session_id),
+                                              self.keys.session_key(slot.session_id))
+                slot.payer = (tenant or "default", key)
+            kind = "forward" if op.kind == "forward" else "trained"
+            self.meter.record_sync(self.redis, Usage(slot.payer[0], slot.payer[1], slot.session_id,
+                                                     {kind: slot.op_tokens}))
+        except Exception as exc:  # noqa: BLE001 - the op is done; only its count is missing
+            log.warning("could not meter %s seq %d of %s: %s", op.kind, op.seq_id, slot.model_id, exc)
 
     def _snapshot(self, slot: _ModelSlot, op: Op, record: str) -> None:
         from livelora.trainer.recovery import write_snapshot

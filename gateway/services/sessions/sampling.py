@@ -221,7 +221,7 @@ class SamplingSessions:
         try:
             want_prompt_lp = bool(req.prompt_logprobs) or req.topk_prompt_logprobs > 0
             scored = self.engine.score(prompt, adapter, req.topk_prompt_logprobs) if want_prompt_lp else None
-            samples = [self._one_sample(prompt, params, adapter, i, sid, f"{request_id}:{i}")
+            samples = [self._one_sample(prompt, params, adapter, i, sid, f"{request_id}:{i}", served)
                        for i, sid in enumerate(seq_ids)]
             results = await asyncio.gather(*(samples if scored is None else [scored, *samples]))
             seqs = results if scored is None else results[1:]
@@ -234,6 +234,9 @@ class SamplingSessions:
                     out = out.model_copy(update={"topk_prompt_logprobs": [
                         None if t is None else [(int(a), float(b)) for a, b in t.top] for t in lps]})
             record = json.dumps({"state": "done", "result": out.model_dump(mode="json", exclude_none=True)})
+            subject = req.sampling_session_id.split(":", 1)[0] if req.sampling_session_id else "adhoc"
+            await served.account({"sample_prompt": len(prompt), "sampled": sum(len(q.tokens) for q in seqs),
+                                  "scored": len(prompt) if scored is not None else 0}, subject=subject)
         except Exception as exc:
             if not isinstance(exc, LiveloraError):
                 log.exception("sampling %s failed", request_id)
@@ -244,7 +247,8 @@ class SamplingSessions:
             await self.futures.resolve(request_id, record)
 
     async def _one_sample(self, prompt: list[int], params: EngineParams, adapter: str | None, index: int,
-                          sequence_id: str, engine_request_id: str) -> SampledSequence:
+                          sequence_id: str, engine_request_id: str, served: ServedRequest | None = None
+                          ) -> SampledSequence:
         if params.seed is not None and index:
             from dataclasses import replace
 
@@ -253,6 +257,8 @@ class SamplingSessions:
         logprobs: list[float] = []
         finish, stop_reason = "length", None
         async for chunk in self.engine.generate(prompt, params, adapter=adapter, request_id=engine_request_id):
+            if served is not None:
+                served.observe(index, chunk)
             tokens += chunk.token_ids
             logprobs += [lp.logprob for lp in chunk.logprobs or []]
             if chunk.finish_reason is not None:

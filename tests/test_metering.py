@@ -1,0 +1,229 @@
+"""Usage metering through one live gateway (real SmolLM2, real Redis, in-process op executor) in key mode with two
+tenants: metered counts equal the ``usage`` fields of chat and legacy completions (streamed or not) and the
+tokens of every session op kind; the hourly rollup moves counters into the store without changing a total and
+they survive the loss of Redis's counters; ``/admin/usage`` is scoped to the caller's tenant; ``livelora usage``."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import httpx
+import pytest
+import redis
+from _server import start_server, wait_until
+from livelora.adapters.api_keys import ROLES, KeyStore
+from livelora.adapters.metering import Meter, Usage, UsageStore
+from livelora.adapters.redis_keys import KeyLayout
+from livelora.clients import (
+    Datum,
+    ModelInput,
+    SamplingParams,
+    ServiceClient,
+    TensorData,
+)
+from typer.testing import CliRunner
+
+MODEL = "smollm2-135m-instruct"
+PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}meter-{uuid.uuid4().hex[:8]}:"
+CHAT = [{"role": "user", "content": "Name a color."}]
+
+
+@pytest.fixture(scope="module")
+def home(livelora_home, base_ref, tmp_path_factory):
+    home = tmp_path_factory.mktemp("metering-home")
+    (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
+    return home
+
+
+@pytest.fixture(scope="module")
+def keys(home):
+    store = KeyStore(home)
+    acme = store.create(tenant="acme", roles=list(ROLES), name="acme-all")
+    beta = store.create(tenant="beta", roles=list(ROLES), name="beta-all")
+    return {"acme": acme, "beta": beta}
+
+
+@pytest.fixture(scope="module")
+def server(home, keys):
+    from livelora.gateway.settings import GatewaySettings
+
+    live = start_server(GatewaySettings(model=MODEL, home=home, device="cpu", redis_prefix=PREFIX, max_batch_size=4,
+                                        max_waiting=8, executor_in_process=True, usage_rollup_s=0))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def r():
+    client = redis.Redis(decode_responses=True)
+    yield client
+    for key in client.scan_iter(f"{PREFIX}*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+def _key(keys, tenant: str) -> str:
+    return keys[tenant][1]
+
+
+def _key_id(keys, tenant: str) -> str:
+    return keys[tenant][0].id
+
+
+def usage(server, keys, tenant="acme", **params) -> list[dict]:
+    got = httpx.get(server.url("/admin/usage"), params=params, timeout=30,
+                    headers={"Authorization": f"Bearer {_key(keys, tenant)}"})
+    assert got.status_code == 200, got.text
+    return got.json()["data"]
+
+
+def totals(server, keys, tenant="acme", **filters) -> dict[str, int]:
+    """``{kind: tokens}`` for the filters (grouped by kind)."""
+    return {row["kind"]: row["tokens"] for row in usage(server, keys, tenant, group_by="kind", **filters)}
+
+
+def post(server, keys, path, body, tenant="acme") -> httpx.Response:
+    return httpx.post(server.url(path), json=body, timeout=120, headers={"Authorization": f"Bearer {_key(keys, tenant)}"})
+
+
+def test_served_tokens_equal_usage_fields(server, keys):
+    before = totals(server, keys, subject=MODEL)
+    chat = post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 7, "n": 2,
+                                                       "seed": 1})
+    assert chat.status_code == 200, chat.text
+    legacy = post(server, keys, "/v1/completions", {"model": MODEL, "prompt": ["Once upon", "The sea is"],
+                                                    "max_tokens": 5, "seed": 2})
+    assert legacy.status_code == 200, legacy.text
+    with httpx.stream("POST", server.url("/v1/chat/completions"), timeout=120,
+                      headers={"Authorization": f"Bearer {_key(keys, 'acme')}"},
+                      json={"model": MODEL, "messages": CHAT, "max_tokens": 6, "stream": True,
+                            "stream_options": {"include_usage": True}}) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    streamed = json.loads(events[-2])["usage"]
+    used = [chat.json()["usage"], legacy.json()["usage"], streamed]
+    after = totals(server, keys, subject=MODEL)
+    assert after.get("prompt", 0) - before.get("prompt", 0) == sum(u["prompt_tokens"] for u in used)
+    assert after.get("completion", 0) - before.get("completion", 0) == sum(u["completion_tokens"] for u in used)
+    assert sum(u["completion_tokens"] for u in used) > 0
+    # per key: the rows carry the key id that made the requests, and beta saw nothing of it
+    rows = usage(server, keys, group_by="tenant,key,subject,kind")
+    assert {(row["tenant"], row["key"], row["subject"]) for row in rows if row["kind"] == "prompt"} >= \
+        {("acme", _key_id(keys, "acme"), MODEL)}
+    assert totals(server, keys, "beta", subject=MODEL) == {}
+
+
+def test_tenant_admin_sees_only_its_tenant(server, keys):
+    post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2}, tenant="beta")
+    beta = usage(server, keys, "beta", group_by="tenant")
+    assert [row["tenant"] for row in beta] == ["beta"]
+    assert {row["tenant"] for row in usage(server, keys, "acme", group_by="tenant")} == {"acme"}
+    other = httpx.get(server.url("/admin/usage"), params={"tenant": "acme"}, timeout=30,
+                      headers={"Authorization": f"Bearer {_key(keys, 'beta')}"})
+    assert other.status_code == 403 and other.json()["error"]["param"] == "tenant"
+    bad = httpx.get(server.url("/admin/usage"), params={"group_by": "colour"}, timeout=30,
+                    headers={"Authorization": f"Bearer {_key(keys, 'beta')}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "group_by"
+
+
+def _datum(tokenizer, text: str) -> Datum:
+    ids = tokenizer.encode(text)
+    return Datum(model_input=ModelInput.from_ints(ids[:-1]),
+                 loss_fn_inputs={"target_tokens": TensorData.from_list(ids[1:], "int64"),
+                                 "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32")})
+
+
+def test_session_ops_are_metered_per_session(server, keys, tokenizer):
+    svc = ServiceClient(server.base_url, api_key=_key(keys, "acme"), heartbeat_s=2.0)
+    try:
+        tc = svc.create_lora_training_client(MODEL, rank=2, seed=0)
+        sid = svc.session_id
+        batch = [_datum(tokenizer, t) for t in ("The sky is blue.", "Grass is green and soft.")]
+        n = sum(d.model_input.length for d in batch)
+        tc.forward(batch[:1]).result(timeout=120)
+        tc.forward_backward(batch, "cross_entropy").result(timeout=120)
+        tc.forward_backward(batch[1:], "cross_entropy").result(timeout=120)
+        sc = tc.save_weights_and_get_sampling_client()
+        prompt = ModelInput.from_ints(tokenizer.encode("Colors:"))
+        sample = sc.sample(prompt, num_samples=2, sampling_params=SamplingParams(max_tokens=4, seed=3)).result(
+            timeout=120)
+        lps = sc.compute_logprobs(prompt).result(timeout=120)
+        assert len(lps) == prompt.length
+        expected = {"forward": batch[0].model_input.length, "trained": n + batch[1].model_input.length,
+                    "sample_prompt": 2 * prompt.length,
+                    "sampled": sum(len(s.tokens) for s in sample.sequences) + 1,  # compute_logprobs samples 1
+                    "scored": prompt.length}
+        assert wait_until(lambda: totals(server, keys, subject=sid) == expected, timeout_s=30), \
+            (totals(server, keys, subject=sid), expected)
+        rows = usage(server, keys, subject=sid, group_by="key")
+        assert rows == [{"key": _key_id(keys, "acme"), "tokens": sum(expected.values())}]
+    finally:
+        svc.close()
+
+
+def test_rollup_keeps_totals_and_survives_redis_losing_counters(server, keys, r, home):
+    before = usage(server, keys, group_by="tenant,key,subject,kind")
+    assert server.services.metering.store.rollup_sync(r) >= 1  # what the gateway's rollup task runs
+    assert not r.exists(KeyLayout(PREFIX).usage_pending)
+    assert usage(server, keys, group_by="tenant,key,subject,kind") == before
+    files = list((home / "usage").rglob("*.json"))
+    assert files
+    # Redis restarted: its counters are gone; the store still has every rolled-up count
+    for key in r.scan_iter(f"{PREFIX}usage:*"):
+        r.delete(key)
+    assert usage(server, keys, group_by="tenant,key,subject,kind") == before
+    # new usage after the restart adds to the rolled-up counts
+    post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1})
+    after = totals(server, keys, subject=MODEL)
+    was = {row["kind"]: row["tokens"] for row in before if row["subject"] == MODEL and row["kind"] == "prompt"}
+    assert after["prompt"] > was["prompt"]
+
+
+def test_rollup_is_exact_when_redis_dies_half_way(home, r):
+    """A rollup whose process died after renaming (or after writing the file) is finished by the next one,
+    without losing or doubling a count; reads during it see every count once."""
+    keys = KeyLayout(f"{PREFIX}half-{uuid.uuid4().hex[:6]}:")
+    store = UsageStore(home / "half", keys)
+    meter = Meter(keys, clock=lambda: 1_700_000_000.0)
+    meter.record_sync(r, Usage("t", "k", "ep", {"prompt": 5, "completion": 3}))
+    meter.record_sync(r, Usage("t", "k", "ep", {"prompt": 2}))
+    want = [row.to_dict() for row in store.query_sync(r)]
+    assert want == [{"tenant": "t", "key": "k", "subject": "ep", "kind": "completion", "tokens": 3},
+                    {"tenant": "t", "key": "k", "subject": "ep", "kind": "prompt", "tokens": 7}]
+    # step 1 only (rename into pending), as if the process died right after
+    from livelora.adapters.metering import _ROLL
+
+    hour = "2023111422"
+    r.eval(_ROLL, 4, keys.usage_hour(hour), keys.usage_rolling(hour, "dead1"), keys.usage_hours,
+           keys.usage_pending, hour)
+    assert [row.to_dict() for row in store.query_sync(r)] == want
+    # step 2 too (the file written), not step 3
+    note = r.hget(keys.usage_pending, keys.usage_rolling(hour, "dead1"))
+    stamp = int(note.split(" ")[1])
+    from livelora.adapters.atomic import atomic_write_json
+
+    atomic_write_json(store._file(hour, stamp, "dead1"),
+                      {"hour": hour, "stamp_ms": stamp, "counts": r.hgetall(keys.usage_rolling(hour, "dead1"))})
+    assert [row.to_dict() for row in store.query_sync(r)] == want
+    meter.record_sync(r, Usage("t", "k", "ep", {"prompt": 1}))
+    assert store.rollup_sync(r) == 1  # the dead rollup's file exists: only the new hash is written
+    got = {row.dims["kind"]: row.tokens for row in store.query_sync(r)}
+    assert got == {"completion": 3, "prompt": 8}
+    assert not r.exists(keys.usage_pending) and not r.exists(keys.usage_hours)
+    assert {row.dims["kind"]: row.tokens for row in store.query_sync(None)} == got  # the store alone
+
+
+def test_usage_cli_table_and_json(server, keys):
+    from livelora.cli.main import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["usage", "--url", server.base_url, "--api-key", _key(keys, "acme"), "--json",
+                              "--group-by", "tenant,kind"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)["data"]
+    assert rows == usage(server, keys, group_by="tenant,kind")
+    table = runner.invoke(app, ["usage", "--url", server.base_url, "--api-key", _key(keys, "acme"),
+                                "--group-by", "kind"])
+    assert table.exit_code == 0, table.output
+    assert "prompt" in table.output and str(rows[0]["tokens"]) in table.output
