@@ -24,7 +24,8 @@ kind                   tokens
 
 **Where the counts live.** An increment is one ``MULTI``: ``HINCRBY usage:{hour} <field> n`` plus
 ``SADD usage:hours {hour}`` (``hour`` = UTC ``YYYYMMDDHH``, ``field`` = the JSON list
-``[tenant, key, subject, kind]``). :meth:`UsageStore.rollup` moves every live hash into the store: one Lua
+``[tenant, key, subject, kind]``), plus ``HINCRBY usage:day:{day}:{tenant} <kind> n`` (what per-day quotas read;
+kept three days, never rolled up). :meth:`UsageStore.rollup` moves every live hash into the store: one Lua
 script renames it to ``usage:rolling:{hour}:{id}`` and notes it (with the Redis server time, ms) in the hash
 ``usage:pending``; its content is written to ``<home>/usage/<hour>/<ms>-<id>.json`` (atomic write, skipped if the
 file exists: a rollup that died half-way is finished by the next one without counting twice); then the rolling
@@ -65,6 +66,8 @@ GROUP_BY: tuple[str, ...] = ("tenant", "key", "subject", "kind", "hour", "day")
 #: ``key`` of usage made without an API key (open mode, live loop).
 NO_KEY = "-"
 USAGE_DIR = "usage"
+#: Lifetime of the per-day counters quotas read (s): three days, so a day's total outlives the day.
+DAY_TTL_S = 3 * 24 * 3600
 
 _ROLL = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
@@ -171,9 +174,12 @@ class Meter:
         if not fields:
             return False
         hour = hour_of(self.clock())
+        day = self.keys.usage_day(hour[:8], usage.tenant)
         for name, n in fields:
             pipe.hincrby(self.keys.usage_hour(hour), name, n)
+            pipe.hincrby(day, json.loads(name)[3], n)
         pipe.sadd(self.keys.usage_hours, hour)
+        pipe.expire(day, DAY_TTL_S)
         return True
 
     def record_sync(self, client, usage: Usage) -> None:

@@ -57,8 +57,9 @@ BATCH_SIZE = Histogram("livelora_engine_batch_size", "Sequences decoded together
 ADAPTER_VERSIONS = Gauge("livelora_loaded_adapter_versions", "Adapter versions loaded in the engine, by endpoint "
                          "(versions still leased by running requests count).", ["endpoint"],
                          multiprocess_mode="livesum")
-SWAP_LATENCY = Histogram("livelora_adapter_swap_seconds", "Time to load a new adapter version into the engine and "
-                         "move an endpoint to it (s).", ["endpoint"], buckets=_LATENCY)
+SWAP_LATENCY = Histogram("livelora_adapter_swap_seconds", "Time to load and check a new adapter version in the engine "
+                         "before the endpoints of its lineage move to it (s), by lineage.", ["lineage"],
+                         buckets=_LATENCY)
 # ------------------------------------------------------------------ live loop
 SIGNALS = Counter("livelora_signals_total", "Live-loop signals by stage: accepted (gateway), recorded (dataset of "
                   "record), trained (in a published version), dead_lettered; and by type.", ["stage", "type"])

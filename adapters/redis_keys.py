@@ -56,6 +56,9 @@ key                                type            holds
 ``usage:hours``                    set             hours with a live ``usage:{hour}`` hash
 ``usage:rolling:{hour}:{id}``      hash            a ``usage:{hour}`` hash being written to the store
 ``usage:pending``                  hash            rolling key → ``"{hour} {server ms}"``
+``usage:day:{day}:{tenant}``       hash, TTL 3 d   kind → tokens of one UTC day ``YYYYMMDD`` (quota checks)
+``quota:sessions:{tenant}``        set             ids of the tenant's sessions holding a slot (members
+                                                   whose ``session:{sid}`` is gone are dropped)
 =================================  ==============  ===================================================
 
 Example::
@@ -189,6 +192,14 @@ class KeyLayout:
     def usage_rolling(self, hour: str, rid: str) -> str:
         """``{prefix}usage:rolling:{hour}:{rid}``: an hour's counters being rolled up into the store."""
         return f"{self.prefix}usage:rolling:{hour}:{rid}"
+
+    def usage_day(self, day: str, tenant: str) -> str:
+        """``{prefix}usage:day:{day}:{tenant}``: the tenant's tokens per kind on one UTC day (``YYYYMMDD``)."""
+        return f"{self.prefix}usage:day:{day}:{tenant}"
+
+    def quota_sessions(self, tenant: str) -> str:
+        """``{prefix}quota:sessions:{tenant}``: ids of the tenant's sessions holding a concurrency slot."""
+        return f"{self.prefix}quota:sessions:{tenant}"
 
     @property
     def usage_pending(self) -> str:

@@ -82,6 +82,19 @@ class VLLMSection(Section):
                                                         "else the temp dir).")
 
 
+class QuotaSection(Section):
+    """Every tenant's default limits (``PUT /admin/quotas/{tenant}`` overrides them per tenant; unset:
+    unlimited). Environment ``LIVELORA_QUOTA_SESSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY`` (JSON object)."""
+
+    quota_sessions: int | None = Field(None, ge=0, description="Training sessions a tenant may have alive at once "
+                                                              "(a session frees its slot when finished or after "
+                                                              "LIVELORA_SESSION_TTL_S without a heartbeat).")
+    quota_tokens_per_day: dict[str, int] = Field(default_factory=dict, description="Tokens a tenant may use per UTC "
+                                                 "day, per metering kind, e.g. {\"completion\": 200000, "
+                                                 "\"trained\": 1000000}; over it requests answer 429 until "
+                                                 "00:00 UTC.")
+
+
 class LiveSection(Section):
     """The live loop in the gateway: ``LIVELORA_COMPLETION_RETENTION_S``, ``LIVELORA_IDEMPOTENCY_TTL_S``,
     ``LIVELORA_RESYNC_S``."""
@@ -102,6 +115,7 @@ class GatewaySettings(ProcessSettings):
     live: LiveSection = Field(default_factory=LiveSection)
     sessions: SessionSection = Field(default_factory=SessionSection)
     observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
+    quotas: QuotaSection = Field(default_factory=QuotaSection)
 
     @property
     def model_id(self) -> str:

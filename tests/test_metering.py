@@ -28,6 +28,8 @@ from typer.testing import CliRunner
 MODEL = "smollm2-135m-instruct"
 PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}meter-{uuid.uuid4().hex[:8]}:"
 CHAT = [{"role": "user", "content": "Name a color."}]
+#: a session without heartbeats expires (and frees its quota slot) this long after its last one
+SESSION_TTL_S = 6
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,8 @@ def keys(home):
     store = KeyStore(home)
     acme = store.create(tenant="acme", roles=list(ROLES), name="acme-all")
     beta = store.create(tenant="beta", roles=list(ROLES), name="beta-all")
-    return {"acme": acme, "beta": beta}
+    operator = store.create(tenant="default", roles=["admin"], name="operator")
+    return {"acme": acme, "beta": beta, "default": operator}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,8 @@ def server(home, keys):
     from livelora.gateway.settings import GatewaySettings
 
     live = start_server(GatewaySettings(model=MODEL, home=home, device="cpu", redis_prefix=PREFIX, max_batch_size=4,
-                                        max_waiting=8, executor_in_process=True, usage_rollup_s=0))
+                                        max_waiting=8, executor_in_process=True, usage_rollup_s=0,
+                                        session_ttl_s=SESSION_TTL_S))
     yield live
     live.stop()
 
@@ -227,3 +231,140 @@ def test_usage_cli_table_and_json(server, keys):
                                 "--group-by", "kind"])
     assert table.exit_code == 0, table.output
     assert "prompt" in table.output and str(rows[0]["tokens"]) in table.output
+
+
+# ---------------------------------------------------------------------------------------------- /metrics
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    """Every sample of ``GET /metrics`` (no key: public by default), parsed by prometheus_client's text parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = httpx.get(server.url("/metrics"), timeout=30)
+    assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(got.text) for s in fam.samples}
+
+
+def sample(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_parse_and_move_as_requests_are_served(server, keys):
+    before = scrape(server)
+    chat = post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4})
+    assert chat.status_code == 200
+    denied = httpx.post(server.url("/v1/chat/completions"), json={}, timeout=30)  # no key: 401
+    assert denied.status_code == 401
+    after = scrape(server)
+    route = {"method": "POST", "route": "/v1/chat/completions"}
+    assert sample(after, "livelora_http_requests_total", **route, status="200") == \
+        sample(before, "livelora_http_requests_total", **route, status="200") + 1
+    assert sample(after, "livelora_http_requests_total", method="POST", route="unmatched", status="401") == \
+        sample(before, "livelora_http_requests_total", method="POST", route="unmatched", status="401") + 1
+    assert sample(after, "livelora_http_request_duration_seconds_count", **route, status="200") == \
+        sample(before, "livelora_http_request_duration_seconds_count", **route, status="200") + 1
+    usage_ = chat.json()["usage"]
+    assert sample(after, "livelora_generated_tokens_total", kind="chat") - \
+        sample(before, "livelora_generated_tokens_total", kind="chat") == usage_["completion_tokens"]
+    assert sample(after, "livelora_prompt_tokens_total", kind="chat") - \
+        sample(before, "livelora_prompt_tokens_total", kind="chat") == usage_["prompt_tokens"]
+    assert sample(after, "livelora_time_to_first_token_seconds_count", kind="chat") == \
+        sample(before, "livelora_time_to_first_token_seconds_count", kind="chat") + 1
+    assert sample(after, "livelora_inter_token_latency_seconds_count", kind="chat") - \
+        sample(before, "livelora_inter_token_latency_seconds_count", kind="chat") == usage_["completion_tokens"] - 1
+    assert sample(after, "livelora_engine_batch_size_count") > sample(before, "livelora_engine_batch_size_count")
+    assert sample(after, "livelora_admission_sequences") == 0  # every admitted sequence was released
+    # session ops ran earlier in this module: their counters and queue times are there
+    assert sample(after, "livelora_session_ops_total", kind="forward_backward", outcome="done") >= 2
+    assert sample(after, "livelora_session_op_queue_seconds_count", kind="forward_backward") >= 2
+
+
+def test_metrics_key_setting():
+    from livelora.gateway.auth import PUBLIC, required_role
+
+    assert required_role("GET", "/metrics") == PUBLIC
+    assert required_role("GET", "/metrics", metrics_key=True) == "admin"
+    assert required_role("GET", "/admin/usage") == "admin"
+
+
+# ---------------------------------------------------------------------------------------------- quotas
+def put_limits(server, keys, tenant: str, body: dict, as_tenant: str = "default") -> httpx.Response:
+    return httpx.put(server.url(f"/admin/quotas/{tenant}"), json=body, timeout=30,
+                     headers={"Authorization": f"Bearer {_key(keys, as_tenant)}"})
+
+
+def quota_report(server, keys, tenant: str) -> dict:
+    got = httpx.get(server.url("/admin/quotas"), timeout=30, headers={"Authorization": f"Bearer {_key(keys, tenant)}"})
+    assert got.status_code == 200, got.text
+    return got.json()
+
+
+def create_session(server, keys, tenant="acme") -> httpx.Response:
+    return post(server, keys, "/api/v1/create_session", {"tags": [], "sdk_version": "test"}, tenant=tenant)
+
+
+def test_session_limit_answers_429_and_frees_on_finish_or_expiry(server, keys):
+    assert put_limits(server, keys, "beta", {"max_sessions": 5}, as_tenant="beta").status_code == 403
+    got = put_limits(server, keys, "acme", {"max_sessions": 1})
+    assert got.status_code == 200 and got.json()["max_sessions"] == 1
+    try:
+        first = create_session(server, keys)
+        assert first.status_code == 200, first.text
+        sid = first.json()["session_id"]
+        over = create_session(server, keys)
+        assert over.status_code == 429 and int(over.headers["Retry-After"]) >= 1
+        err = over.json()["error"]
+        assert err["param"] == "max_sessions" and err["code"] == "quota_exceeded" and "frees" in err["message"]
+        assert quota_report(server, keys, "acme")["sessions"] == 1  # the refused one was not created
+        # finishing frees the slot at once
+        done = post(server, keys, "/api/v1/session_heartbeat", {"session_id": sid})
+        assert done.status_code == 200
+        fin = post(server, keys, f"/api/v1/sessions/{sid}/finish", {})
+        assert fin.status_code == 200, fin.text
+        second = create_session(server, keys)
+        assert second.status_code == 200, second.text
+        # no heartbeat: the session expires after SESSION_TTL_S and its slot frees (each try in between is a 429
+        # that creates nothing)
+        assert wait_until(lambda: create_session(server, keys).status_code == 200, timeout_s=60, interval_s=1.0)
+        assert beta_can_still_create(server, keys)  # limits are per tenant
+    finally:
+        put_limits(server, keys, "acme", {"max_sessions": None})
+
+
+def beta_can_still_create(server, keys) -> bool:
+    return create_session(server, keys, tenant="beta").status_code == 200
+
+
+def test_daily_token_limit_answers_429_and_changes_nothing(server, keys, tokenizer):
+    post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2})
+    today = quota_report(server, keys, "acme")["tokens_today"]
+    assert today["completion"] > 0
+    assert put_limits(server, keys, "acme", {"tokens_per_day": {"completion": today["completion"],
+                                                                "forward": today.get("forward", 0)}}).status_code == 200
+    try:
+        before = totals(server, keys)
+        over = post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2})
+        assert over.status_code == 429, over.text
+        err = over.json()["error"]
+        assert err["param"] == "tokens_per_day.completion" and "UTC" in err["message"]
+        assert int(over.headers["Retry-After"]) <= 24 * 3600
+        streamed = post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                               "stream": True})
+        assert streamed.status_code == 429
+        # a session forward over the day's 'forward' limit: 429 before its seq is used
+        svc = ServiceClient(server.base_url, api_key=_key(keys, "acme"), heartbeat_s=2.0)
+        try:
+            tc = svc.create_lora_training_client(MODEL, rank=2, seed=0)
+            body = {"forward_input": {"data": [_datum(tokenizer, "Hello there.").model_dump(mode="json")],
+                                      "loss_fn": "cross_entropy"}, "model_id": tc.model_id, "seq_id": 1}
+            refused = post(server, keys, "/api/v1/forward", body)
+            assert refused.status_code == 429 and refused.json()["error"]["param"] == "tokens_per_day.forward"
+        finally:
+            svc.close()
+        assert totals(server, keys) == before  # nothing ran, nothing was counted
+        # another tenant is not limited
+        assert post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1},
+                    tenant="beta").status_code == 200
+    finally:
+        put_limits(server, keys, "acme", {"tokens_per_day": {"completion": 10 ** 12, "forward": 10 ** 12}})
+    assert post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT,
+                                                       "max_tokens": 1}).status_code == 200

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from livelora.adapters import metrics
 from livelora.adapters.metering import Meter, Usage
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.session_protocol import (CheckpointIndex, Op, StaleOwnerError, future_done, future_failed,
@@ -86,6 +87,16 @@ class _ModelSlot:
     lost_grads: list[int] = field(default_factory=list)  # forward_backward seqs whose gradients died
     op_tokens: int = 0  # model_input tokens of the forward/forward_backward op just run (metering)
     payer: tuple[str, str | None] | None = None  # (tenant, API key id) of the session, read once
+
+
+def _observe_queue(kind: str, entry_id: str) -> None:
+    """``livelora_session_op_queue_seconds``: now minus the op's stream entry time (the ms part of its id, Redis's
+    clock when the gateway queued it)."""
+    try:
+        queued_ms = int(entry_id.split("-", 1)[0])
+    except ValueError:
+        return
+    metrics.SESSION_OP_QUEUE.labels(kind).observe(max(time.time() - queued_ms / 1000.0, 0.0))
 
 
 class _Stale(Exception):
@@ -273,6 +284,7 @@ class OpExecutor(SessionOps):
         slot.buffer[op.seq_id] = (entry_id, op)
 
     def _execute(self, slot: _ModelSlot, entry_id: str, op: Op) -> None:
+        _observe_queue(op.kind, entry_id)
         slot.next_seq = op.seq_id + 1
         slot.last_progress = time.monotonic()
         self.ops_run += 1
@@ -303,7 +315,9 @@ class OpExecutor(SessionOps):
                 trim = [entry_id]
             self._commit(slot, op.request_id, record, op.seq_id)
             self._trim(slot, trim)
-            if op.kind in ("forward", "forward_backward") and json.loads(record)["state"] == "done":
+            done = json.loads(record)["state"] == "done"
+            metrics.SESSION_OPS.labels(op.kind, "done" if done else "failed").inc()
+            if op.kind in ("forward", "forward_backward") and done:
                 self._meter(slot, op)
         except (_Stale, StaleOwnerError) as exc:
             self._drop(slot.model_id, f"stale owner: {exc}")

@@ -1,5 +1,6 @@
-"""``GET /admin/usage`` (role ``admin``, scoped to the caller's tenant) and ``GET /metrics`` (Prometheus text;
-public unless ``LIVELORA_METRICS_REQUIRE_KEY``, see :mod:`livelora.gateway.auth`)."""
+"""``GET /admin/usage`` (role ``admin``, scoped to the caller's tenant), ``GET /admin/quotas`` and
+``PUT /admin/quotas/{tenant}`` (per-tenant limits), and ``GET /metrics`` (Prometheus text; public unless
+``LIVELORA_METRICS_REQUIRE_KEY``, see :mod:`livelora.gateway.auth`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from livelora.adapters import metrics
+from livelora.adapters.quotas import Limits
 from livelora.clients.errors import NotFoundError
 from livelora.gateway.api.deps import (
     AuthOpenDep,
@@ -32,6 +34,22 @@ async def usage(metering: MeteringDep, principal: PrincipalDep, open_mode: AuthO
     """
     return await metering.usage(principal, tenant=tenant, key=key, subject=subject, kind=kind, start=start,
                                 end=end, group_by=group_by, open_mode=open_mode)
+
+
+@router.get("/admin/quotas")
+async def get_quotas(metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep,
+                     tenant: str | None = None) -> dict:
+    """The caller's tenant's limits and what it holds now: ``{"tenant", "limits": {"max_sessions",
+    "tokens_per_day"}, "sessions", "tokens_today", "day"}`` (open mode: any ``tenant``, default ``default``)."""
+    return await metering.quotas.report(metering.scoped_tenant(principal, tenant, open_mode))
+
+
+@router.put("/admin/quotas/{tenant}")
+async def set_quotas(tenant: str, body: Limits, metering: MeteringDep, principal: PrincipalDep,
+                     open_mode: AuthOpenDep) -> dict:
+    """Set a tenant's limits (fields given override the settings' defaults; ``null`` = unlimited). Only the
+    operator (open mode, or an admin key of tenant ``default``) may; 403 otherwise."""
+    return metering.quotas.set_limits(principal, tenant, body, open_mode).model_dump()
 
 
 @router.get("/metrics")

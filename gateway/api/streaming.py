@@ -103,6 +103,8 @@ async def respond(served: ServedRequest, encoder: ChoiceEncoder, request: Reques
             released).
     """
     try:
+        if served.metering is not None:  # over a daily token limit: 429, nothing runs
+            await served.metering.quotas.check_tokens(served.payer[0], ("prompt", "completion"))
         await encoder.prepare()
         choices = served.generate()
     except BaseException:

@@ -22,6 +22,7 @@ from livelora.adapters.bus import connect_async, connect_sync
 from livelora.adapters.metering import GROUP_BY, Meter, Usage, UsageStore, parse_time
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import PermissionDeniedError, UnavailableError
+from livelora.gateway.services.quotas import QuotaService
 from livelora.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class MeteringService:
         self.meter = Meter(self.keys, enabled=self.enabled)
         self.store = UsageStore(settings.home, self.keys)
         self.redis = connect_async(settings.redis_url)
+        self.quotas = QuotaService(settings, self.redis)
         self._sync = None
         self._task: asyncio.Task | None = None
 
@@ -98,6 +100,20 @@ class MeteringService:
             metrics.REDIS_ERRORS.labels("metering").inc()
             log.warning("could not meter %s for %s/%s: %s", tokens, tenant, subject, exc)
 
+    @staticmethod
+    def scoped_tenant(principal: Principal, tenant: str | None, open_mode: bool) -> str:
+        """The tenant a caller may read: its own with a key (``tenant`` must be it or unset); any in open mode.
+
+        Raises:
+            PermissionDeniedError: ``tenant`` names another tenant (403).
+        """
+        if open_mode:
+            return tenant or principal.tenant
+        if tenant is not None and tenant != principal.tenant:
+            raise PermissionDeniedError(f"this key (tenant {principal.tenant!r}) may only read its own tenant",
+                                        param="tenant")
+        return principal.tenant
+
     async def usage(self, principal: Principal, *, tenant: str | None = None, key: str | None = None,
                     subject: str | None = None, kind: str | None = None, start: str | None = None,
                     end: str | None = None, group_by: str | None = None, open_mode: bool = False
@@ -115,10 +131,7 @@ class MeteringService:
             UnavailableError: Redis is unreachable (503).
         """
         if not open_mode:
-            if tenant is not None and tenant != principal.tenant:
-                raise PermissionDeniedError(f"this key (tenant {principal.tenant!r}) may only read its own "
-                                            "tenant's usage", param="tenant")
-            tenant = principal.tenant
+            tenant = self.scoped_tenant(principal, tenant, open_mode)
         dims = [g.strip() for g in group_by.split(",") if g.strip()] if group_by else list(GROUP_BY[:4])
         lo, hi = parse_time(start, "from"), parse_time(end, "to")
         try:

@@ -276,6 +276,14 @@ class Serving:
         """See :func:`context_length` (tokens)."""
         return context_length(self.engine, self.settings)
 
+    async def check_quota(self, kinds: tuple[str, ...]) -> None:
+        """Refuse (429) a request of the current caller's tenant that would use ``kinds`` over a daily limit
+        (:meth:`~livelora.gateway.services.quotas.QuotaService.check_tokens`). Raises: RateLimitError."""
+        if self.metering is not None:
+            from livelora.gateway.services.metering import payer
+
+            await self.metering.quotas.check_tokens(payer()[0], kinds)
+
     def list_models(self) -> list[Model]:
         """See :func:`list_models`."""
         return list_models(self.engine, self.settings, self.registry)

@@ -37,6 +37,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 
+from livelora.adapters import metrics
 from livelora.adapters.bus import dumps, redis_unavailable
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
@@ -127,6 +128,8 @@ class SignalService:
                                 f"request to {route}; use a new key for a new request",
                                 param="Idempotency-Key", code="idempotency_key_reused")
         ev = parse_stream_event({"event": rec["event"], "replaces": rec["replaces"]})
+        if kind != "replay":
+            metrics.SIGNALS.labels("accepted", ev.type).inc()
         return ev, rec["replaces"] or None, kind == "replay"
 
     @staticmethod

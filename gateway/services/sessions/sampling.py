@@ -201,6 +201,7 @@ class SamplingSessions:
         if not prompt:
             raise BadRequestError("prompt has no tokens", param="prompt")
         params = self._engine_params(req, len(prompt))
+        await self.serving.check_quota(("sample_prompt", "sampled", "scored"))
         adapter = record.get("adapter")
         served = self.serving.begin(ServingTarget(scope, adapter, adapter or BASE_VERSION),
                                     lambda: [Job(prompt, params)] * req.num_samples, param="num_samples")

@@ -58,11 +58,25 @@ class SessionService:
         await self.redis.aclose()
 
     async def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse:
+        """Create a session; it holds one of its tenant's ``max_sessions`` slots until finished or expired.
+
+        Raises:
+            RateLimitError: every slot of the tenant is held (429 naming the limit and when a slot frees).
+        """
+        from livelora.gateway.services.metering import payer
+
         sid = uuid.uuid4().hex
+        tenant = payer()[0]
         record = {"created": time.time(), "tags": req.tags, "user_metadata": req.user_metadata,
-                  "sdk_version": req.sdk_version}
+                  "sdk_version": req.sdk_version, "tenant": tenant}
         with redis_unavailable():
             await self.redis.set(self.keys.session(sid), json.dumps(record), px=self.ctx.ttl_ms())
+            if self.ctx.quotas is not None:
+                try:
+                    await self.ctx.quotas.acquire_session(tenant, sid)
+                except BaseException:
+                    await self.redis.delete(self.keys.session(sid))  # over the limit: nothing is created
+                    raise
         return CreateSessionResponse(session_id=sid)
 
     async def heartbeat(self, session_id: str) -> None:
@@ -82,9 +96,13 @@ class SessionService:
         Raises:
             NotFoundError: unknown session (already finished or expired sessions are fine: no-op).
         """
+        from livelora.gateway.services.metering import payer
+
         with redis_unavailable():
             await self.redis.delete(self.keys.session(session_id))
             await self.redis.publish(self.keys.sessions_channel, session_id)
+            if self.ctx.quotas is not None:
+                await self.ctx.quotas.release_session(payer()[0], session_id)
         await self.sampling.unload_ended_sessions()
 
     async def retrieve_future(self, request_id: str, wait_s: float | None = None) -> dict[str, Any] | NotReady:
@@ -116,7 +134,8 @@ async def start_sessions(settings: GatewaySettings, engine: Engine, serving: Ser
     aliases = {settings.model, settings.model_id} - {settings.model_id}
     ctx = SessionContext(aredis.from_url(settings.redis_url, decode_responses=True), KeyLayout(settings.redis_prefix),
                          engine, settings.home, settings.model_id, {settings.model_id, *aliases}, settings.sessions,
-                         max_seq_len=settings.inference.max_model_len)
+                         max_seq_len=settings.inference.max_model_len,
+                         quotas=serving.metering.quotas if serving.metering is not None else None)
     service = SessionService(ctx, serving)
     await service.start()
     return service

@@ -111,6 +111,11 @@ class TrainingOps:
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
             raise BadRequestError("seq_id is required: an integer >= 1, one per op of the model, in call order",
                                   param="seq_id")
+        if kind in ("forward", "forward_backward") and self.ctx.quotas is not None:  # 429 before any seq is used
+            from livelora.gateway.services.metering import payer
+
+            with redis_unavailable():
+                await self.ctx.quotas.check_tokens(payer()[0], ("forward",) if kind == "forward" else ("trained",))
         if await self._model_record(model_id) is None:
             request_id = new_request_id(f"{model_id}:{seq_id}")
             await self.futures.create(request_id)
