@@ -92,7 +92,9 @@ def trainer(
     overrides = {"model": model, "home": home, "redis_url": redis_url, "device": device, "consumer": consumer,
                  "kto_min_batch": kto_min_batch, "max_wait_s": max_wait_s, "served_model_name": served_model_name}
     settings = _settings(TrainerSettings, overrides)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from livelora.adapters.logs import configure_logging
+
+    configure_logging(settings.observability.log_format, logging.INFO)  # LIVELORA_LOG_FORMAT: text or json
     console.print(f"[bold]livelora[/] trainer for [cyan]{settings.model}[/] on {settings.redis_url} "
                   f"(key prefix {settings.redis_prefix!r}, store: {settings.home})")
     try:
@@ -134,6 +136,10 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     if options.get("home") is not None:
         os.environ["LIVELORA_HOME"] = str(options["home"])
     settings = _settings(ServeSettings if whole_loop else GatewaySettings, options)
+    if settings.observability.log_format == "json":  # LIVELORA_LOG_FORMAT=json: uvicorn's lines too
+        from livelora.adapters.logs import configure_logging
+
+        configure_logging("json", log_level)
     embedded, stop, worker_thread, trainer = None, threading.Event(), None, None
     try:
         redis_note = ""
@@ -170,7 +176,8 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         if services_of(app).auth_open:
             console.print("[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
                           "role). Create keys with `livelora keys create --home <store>`.")
-        DrainingServer(app, server.host, server.port, log_level).run()  # SIGTERM/SIGINT: graceful drain
+        DrainingServer(app, server.host, server.port, log_level,  # SIGTERM/SIGINT: graceful drain
+                       json_logs=settings.observability.log_format == "json").run()
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None

@@ -113,12 +113,13 @@ class DrainingServer:
     Args:
         app: a gateway app (``create_app`` / :func:`gateway_app`).
         host, port: where to listen. log_level: uvicorn's.
+        json_logs: leave logging to livelora's JSON handler (uvicorn's own log config would print plain lines).
     """
 
     #: seconds after the drain deadline before the server stops regardless (streams write their last events)
     MARGIN_S = 2.0
 
-    def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "info"):
+    def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "info", *, json_logs: bool = False):
         import uvicorn
 
         services = services_of(app)
@@ -136,8 +137,9 @@ class DrainingServer:
                 return await super().on_tick(counter)
 
         self.services = services
+        extra = {"log_config": None} if json_logs else {}
         self.server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                             timeout_graceful_shutdown=5))
+                                             timeout_graceful_shutdown=5, **extra))
 
     def drained(self) -> bool:
         """Whether the drain may end: nothing admitted is left, or the grace period is over."""

@@ -368,3 +368,44 @@ def test_daily_token_limit_answers_429_and_changes_nothing(server, keys, tokeniz
         put_limits(server, keys, "acme", {"tokens_per_day": {"completion": 10 ** 12, "forward": 10 ** 12}})
     assert post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT,
                                                        "max_tokens": 1}).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------- JSON logs
+def test_json_log_lines_carry_request_completion_tenant_endpoint_version(server, keys):
+    import io
+    import logging
+
+    from livelora.adapters.logs import ContextFilter, JsonFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    handler.addFilter(ContextFilter())
+    logger = logging.getLogger("livelora")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    made = post(server, keys, "/admin/endpoints", {"name": "acme-bot", "lineage": "acme-lineage"})
+    assert made.status_code == 201, made.text  # an endpoint of acme's own: its ratings train acme's lineage
+    try:
+        got = httpx.post(server.url("/v1/chat/completions"), timeout=120,
+                         headers={"Authorization": f"Bearer {_key(keys, 'acme')}", "X-Request-Id": "trace-123"},
+                         json={"model": "acme-bot", "messages": CHAT, "max_tokens": 2})
+        assert got.status_code == 200 and got.headers["x-request-id"] == "trace-123"
+        cid = got.json()["id"]
+        rated = post(server, keys, "/v1/feedback", {"completion_id": cid, "rating": True})
+        anon = httpx.get(server.url("/health"), timeout=30)
+        assert anon.headers["x-request-id"].startswith("req-")  # a new id when the client sent none
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    served = [x for x in lines if x["message"].startswith("served chat")]
+    assert served, lines
+    assert {k: served[0].get(k) for k in ("request_id", "completion_id", "tenant", "endpoint", "version")} == \
+        {"request_id": "trace-123", "completion_id": cid, "tenant": "acme", "endpoint": "acme-bot", "version": "base"}
+    assert {"time", "level", "logger"} <= set(served[0])
+    assert rated.status_code == 200, rated.text  # the rating's line names the completion it rates
+    [accepted] = [x for x in lines if x["message"].startswith("accepted rating")]
+    assert (accepted["completion_id"], accepted["tenant"], accepted["endpoint"]) == (cid, "acme", "acme-bot")
+    assert accepted["event_id"].startswith("feedback-") and accepted["request_id"] != "trace-123"

@@ -3,6 +3,7 @@ endpoint of each event and that endpoint's tenant, exactly (real SmolLM2 step, r
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -35,7 +36,8 @@ def chat_ids(tokenizer, q: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_live_loop_steps_are_metered_per_endpoint_and_tenant(bus, base_ref, tokenizer, tmp_path):
+def test_live_loop_steps_are_metered_per_endpoint_and_tenant(bus, base_ref, tokenizer, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="livelora.trainer.online")
     client, keys = bus
     EndpointStore(tmp_path).create("acme-bot", "acme-lineage", tenant="acme", who="test")
     p1, p2 = chat_ids(tokenizer, "What is 2+2?"), chat_ids(tokenizer, "Name a colour.")
@@ -62,3 +64,8 @@ def test_live_loop_steps_are_metered_per_endpoint_and_tenant(bus, base_ref, toke
     assert rows == {("acme", "-", "acme-bot", "live_trained"): kto,
                     ("default", "-", "public-bot", "live_trained"): dpo}
     assert kto == sum(d.model_input.length for ev in ratings for d in backend.event_datums(ev))
+    # the trainer's log line links the ratings' completions to the version they trained (traceable logs)
+    trained = {r.version: r for r in caplog.records if getattr(r, "version", None)}
+    kto_version = next(n.name for n in notices if n.kind == "kto")
+    assert trained[kto_version].completion_ids == ["c0", "c1"]
+    assert trained[kto_version].event_ids == ["feedback-0", "feedback-1"]

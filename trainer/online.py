@@ -253,6 +253,12 @@ class OnlineTrainer:
         save = model.save_state if self.config.save_optimizer else model.save_weights
         manifest = save(self.store, batch.lineage, metrics=metrics)
         self._observe(batch, data, time.monotonic() - started, metrics.get("loss:sum"))
+        completions = [c for ev in batch.events for c in (getattr(ev, "completion_id", None),
+                                                           getattr(ev, "chosen_completion_id", None),
+                                                           getattr(ev, "rejected_completion_id", None)) if c]
+        log.info("trained %s on %d %s event(s)", manifest.name, len(batch.events), loss_fn,
+                 extra={"version": manifest.name, "endpoint": batch.endpoint, "event_ids": [e.id for e in batch.events],
+                        "completion_ids": completions or None})
         log.info("%s: %s step on %d events, loss %.4f", manifest.name, loss_fn, len(batch.events),
                  metrics.get("loss:sum", float("nan")))
         return manifest

@@ -15,12 +15,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from livelora.adapters import metrics
+from livelora.adapters.logs import annotate
 from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.openai import Model
 from livelora.gateway.engines.base import Engine, TokenLogprob
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from livelora.gateway.engines.base import GenerationChunk
     from livelora.gateway.services.metering import MeteringService
     from livelora.gateway.services.registry import AdapterRegistry
+
+log = logging.getLogger(__name__)
 
 #: Version label of the base model's weights.
 BASE_VERSION = "base"
@@ -224,6 +228,9 @@ class ServedRequest:
         elapsed = time.monotonic() - self.started
         if done and elapsed > 0:
             metrics.TOKENS_PER_SECOND.labels(self.kind).observe(done / elapsed)
+        log.info("served %s %s: %s", self.kind, self.id or "-", tokens,
+                 extra={"completion_id": self.id or None, "tenant": self.payer[0], "version": self.target.version,
+                        "endpoint": subject or self.target.endpoint or self.target.model})
         if self.metering is not None:
             await self.metering.record(self.payer[0], self.payer[1],
                                        subject or self.target.endpoint or self.target.model, tokens)
@@ -347,5 +354,8 @@ class Serving:
         from livelora.gateway.services.metering import payer
 
         kind = kind or {"chatcmpl": "chat", "cmpl": "completion"}.get(id_prefix or "", "sample")
+        tenant_key = payer()
+        annotate(completion_id=request_id or None, tenant=tenant_key[0], endpoint=target.endpoint or target.model,
+                 version=target.version)
         return ServedRequest(request_id, created, target, jobs, ticket, self.engine, recorder, self.drain,
-                             payer=payer(), metering=self.metering, kind=kind)
+                             payer=tenant_key, metering=self.metering, kind=kind)
