@@ -218,7 +218,7 @@ def test_rollup_is_exact_when_redis_dies_half_way(home, r):
     assert {row.dims["kind"]: row.tokens for row in store.query_sync(None)} == got  # the store alone
 
 
-def test_usage_cli_table_and_json(server, keys):
+def test_usage_cli_table_and_json(server, keys, home, monkeypatch):
     from livelora.cli.main import app
 
     runner = CliRunner()
@@ -231,6 +231,13 @@ def test_usage_cli_table_and_json(server, keys):
                                 "--group-by", "kind"])
     assert table.exit_code == 0, table.output
     assert "prompt" in table.output and str(rows[0]["tokens"]) in table.output
+    # --home: the store's rolled-up counts plus Redis's live ones, every tenant, no server involved
+    monkeypatch.setenv("LIVELORA_REDIS_PREFIX", PREFIX)
+    local = runner.invoke(app, ["usage", "--home", str(home), "--json", "--group-by", "tenant,kind"])
+    assert local.exit_code == 0, local.output
+    everyone = json.loads(local.output)["data"]
+    assert {r["tenant"] for r in everyone} >= {"acme", "beta"}
+    assert [r for r in everyone if r["tenant"] == "acme"] == rows
 
 
 # ---------------------------------------------------------------------------------------------- /metrics
