@@ -2,7 +2,7 @@
 
 Limits come from the settings (``LIVELORA_QUOTA_SESSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY``: the defaults of
 every tenant) and from ``<home>/quotas.json`` (``{"<tenant>": {"max_sessions": n|null, "tokens_per_day":
-{kind: n}}}``, written atomically by ``PUT /admin/quotas/{tenant}``), whose fields override the defaults. A
+{kind: n}}}``, written atomically by ``PUT /admin/quotas``), whose fields override the defaults. A
 missing limit (``null`` / no kind) means unlimited.
 
 The gateway enforces them (:mod:`livelora.gateway.services.quotas`); the day's counts are the metering's
@@ -51,6 +51,17 @@ class Limits(BaseModel):
                       tokens_per_day={**self.tokens_per_day, **other.tokens_per_day})
 
 
+class QuotaUpdate(Limits):
+    """``PUT /admin/quotas`` body: the tenant and the limits to set (fields not given keep their current value)."""
+
+    tenant: str
+
+    def limits(self) -> Limits:
+        """The limits part, keeping which fields were given."""
+        given = self.model_fields_set - {"tenant"}
+        return Limits.model_validate(self.model_dump(include=given))
+
+
 class QuotaStore:
     """``<home>/quotas.json``: per-tenant overrides of the default limits.
 
@@ -70,8 +81,13 @@ class QuotaStore:
         return defaults if stored is None else defaults.over(Limits.model_validate(stored))
 
     def set(self, tenant: str, limits: Limits) -> None:
-        """Store ``limits``' given fields as the tenant's overrides (atomic write under a file lock)."""
+        """Merge ``limits``' given fields into the tenant's stored overrides (``tokens_per_day`` per kind; fields
+        not given keep their value); atomic write under a file lock."""
         with file_lock(self.path.with_suffix(".lock")):
             data = self._read()
-            data[tenant] = limits.model_dump(exclude_unset=True)
+            old = data.get(tenant, {})
+            new = limits.model_dump(exclude_unset=True)
+            if "tokens_per_day" in new:
+                new["tokens_per_day"] = {**old.get("tokens_per_day", {}), **new["tokens_per_day"]}
+            data[tenant] = {**old, **new}
             atomic_write_json(self.path, data)

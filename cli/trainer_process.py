@@ -60,7 +60,12 @@ def _trainer_main(settings: Any, nice: int, threads: int, parent_pid: int, log_l
     import torch
 
     torch.set_num_threads(threads)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s trainer %(name)s: %(message)s")
+    if getattr(getattr(settings, "observability", None), "log_format", "text") == "json":
+        from livelora.adapters.logs import configure_logging
+
+        configure_logging("json", log_level)  # LIVELORA_LOG_FORMAT=json: the trainer's lines too
+    else:
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s trainer %(name)s: %(message)s")
     from livelora.cli.processes import run_trainer
 
     run_trainer(settings)

@@ -83,7 +83,7 @@ class VLLMSection(Section):
 
 
 class QuotaSection(Section):
-    """Every tenant's default limits (``PUT /admin/quotas/{tenant}`` overrides them per tenant; unset:
+    """Every tenant's default limits (``PUT /admin/quotas`` overrides them per tenant; unset:
     unlimited). Environment ``LIVELORA_QUOTA_SESSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY`` (JSON object)."""
 
     quota_sessions: int | None = Field(None, ge=0, description="Training sessions a tenant may have alive at once "

@@ -295,7 +295,7 @@ def test_metrics_key_setting():
 
 # ---------------------------------------------------------------------------------------------- quotas
 def put_limits(server, keys, tenant: str, body: dict, as_tenant: str = "default") -> httpx.Response:
-    return httpx.put(server.url(f"/admin/quotas/{tenant}"), json=body, timeout=30,
+    return httpx.put(server.url("/admin/quotas"), json={"tenant": tenant, **body}, timeout=30,
                      headers={"Authorization": f"Bearer {_key(keys, as_tenant)}"})
 
 

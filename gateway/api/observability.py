@@ -1,5 +1,5 @@
 """``GET /admin/usage`` (role ``admin``, scoped to the caller's tenant), ``GET /admin/quotas`` and
-``PUT /admin/quotas/{tenant}`` (per-tenant limits), and ``GET /metrics`` (Prometheus text; public unless
+``PUT /admin/quotas`` (per-tenant limits), and ``GET /metrics`` (Prometheus text; public unless
 ``LIVELORA_METRICS_REQUIRE_KEY``, see :mod:`livelora.gateway.auth`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from livelora.adapters import metrics
-from livelora.adapters.quotas import Limits
+from livelora.adapters.quotas import QuotaUpdate
 from livelora.clients.errors import NotFoundError
 from livelora.gateway.api.deps import (
     AuthOpenDep,
@@ -44,12 +44,11 @@ async def get_quotas(metering: MeteringDep, principal: PrincipalDep, open_mode: 
     return await metering.quotas.report(metering.scoped_tenant(principal, tenant, open_mode))
 
 
-@router.put("/admin/quotas/{tenant}")
-async def set_quotas(tenant: str, body: Limits, metering: MeteringDep, principal: PrincipalDep,
-                     open_mode: AuthOpenDep) -> dict:
-    """Set a tenant's limits (fields given override the settings' defaults; ``null`` = unlimited). Only the
-    operator (open mode, or an admin key of tenant ``default``) may; 403 otherwise."""
-    return metering.quotas.set_limits(principal, tenant, body, open_mode).model_dump()
+@router.put("/admin/quotas")
+async def set_quotas(body: QuotaUpdate, metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep) -> dict:
+    """Set ``body.tenant``'s limits (fields given override the settings' defaults; ``null`` = unlimited) and answer
+    its effective limits. Only the operator (open mode, or an admin key of tenant ``default``) may; 403 otherwise."""
+    return metering.quotas.set_limits(principal, body.tenant, body.limits(), open_mode).model_dump()
 
 
 @router.get("/metrics")

@@ -88,7 +88,7 @@ class QuotaService:
             wait_s = int(wait_ms) / 1000.0
             raise RateLimitError(
                 f"tenant {tenant!r} has {limit} of its {limit} concurrent training sessions (limit max_sessions: "
-                f"LIVELORA_QUOTA_SESSIONS or PUT /admin/quotas/{tenant}); a slot frees when a session finishes, "
+                f"LIVELORA_QUOTA_SESSIONS or PUT /admin/quotas); a slot frees when a session finishes, "
                 f"or at the latest in {wait_s:.0f} s when the soonest-expiring one has had no heartbeat for "
                 f"{self.settings.sessions.session_ttl_s:g} s", param="max_sessions", code="quota_exceeded",
                 retry_after=max(wait_s, 1.0))
