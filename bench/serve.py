@@ -236,6 +236,32 @@ def metering_ab(args) -> None:
               f"ITL p50 {m['itl_p50_s'] * 1000:.1f} ms")
     change = med["on"]["tokens_per_s"] / med["off"]["tokens_per_s"] - 1
     print(f"  tokens/s on vs off: {change * 100:+.1f} %")
+    print(f"one metering write (MULTI of HINCRBYs on Redis), median of 500: {metering_write_ms():.3f} ms "
+          f"(load avg 1 min {os.getloadavg()[0]:.2f})")
+
+
+def metering_write_ms(n: int = 500) -> float:
+    """Median wall time (ms) of the write a served request adds: one ``Meter.record_sync`` of two kinds."""
+    import uuid
+
+    from livelora.adapters.bus import connect_sync
+    from livelora.adapters.metering import Meter, Usage
+    from livelora.adapters.redis_keys import KeyLayout
+    from livelora.adapters.settings import CommonSettings
+
+    keys = KeyLayout(f"livelora-bench-{uuid.uuid4().hex[:8]}:")
+    client = connect_sync(CommonSettings().redis_url)
+    meter, times = Meter(keys), []
+    try:
+        for _ in range(n):
+            start = time.perf_counter()
+            meter.record_sync(client, Usage("bench", "k", "ep", {"prompt": 20, "completion": 32}))
+            times.append((time.perf_counter() - start) * 1000)
+    finally:
+        for key in client.scan_iter(f"{keys.prefix}*"):
+            client.delete(key)
+        client.close()
+    return percentile(times, 0.5)
 
 
 def _cuda() -> bool:
