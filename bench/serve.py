@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--metering-ab", type=int, default=0, metavar="ROUNDS",
                         help="compare metering+metrics off vs on (two spawned gateways, alternating rounds)")
+    parser.add_argument("--ab-on-first", action="store_true", help="with --metering-ab: start and run 'on' first")
     args = parser.parse_args()
     if args.metering_ab:
         return metering_ab(args)
@@ -207,11 +208,13 @@ def metering_ab(args) -> None:
     off_env = {"LIVELORA_METERING": "false", "LIVELORA_METRICS": "false"}
     servers = {}
     try:
-        servers["off"] = spawn(args.engine, args.model, args.max_batch_size, args.device, off_env)
-        servers["on"] = spawn(args.engine, args.model, args.max_batch_size, args.device, {})
+        order = ("on", "off") if args.ab_on_first else ("off", "on")
+        for side in order:  # --ab-on-first swaps which gateway starts (and runs) first: a position bias shows
+            servers[side] = spawn(args.engine, args.model, args.max_batch_size, args.device,
+                                  off_env if side == "off" else {})
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         for r in range(args.metering_ab):
-            for side in ("off", "on"):
+            for side in order:
                 load = os.getloadavg()[0]
                 gw = asyncio.run(run_gateway(servers[side][1], args.model, args.concurrency, args.requests,
                                              args.max_tokens))
