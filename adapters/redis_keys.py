@@ -29,7 +29,7 @@ Training sessions (gateway ⇄ op executor; :mod:`livelora.adapters.session_prot
 key                                type            holds
 =================================  ==============  ===================================================
 ``session:{sid}``                  string, TTL     session record; TTL refreshed by heartbeats
-``owner:session:{sid}``            string, TTL     tenant that created the session
+``owner:request:{request_id}``     string, TTL     tenant of an ad-hoc sample's future (``sample:...``)
 ``model:{model_id}``               string (JSON)   model record: session, base model, LoRA shape, state
 ``trainer:models``                 set             model ids whose ``ops:`` streams are read
 ``ops:{model_id}``                 stream          the model's ops, field ``op`` = JSON ``Op``; entries stay
@@ -108,9 +108,10 @@ class KeyLayout:
         """``{prefix}session:{sid}``: the session record; its TTL is the session's life."""
         return f"{self.prefix}session:{sid}"
 
-    def session_owner(self, sid: str) -> str:
-        """``{prefix}owner:session:{sid}``: the tenant that created the session."""
-        return f"{self.prefix}owner:session:{sid}"
+    def request_owner(self, request_id: str) -> str:
+        """``{prefix}owner:request:{request_id}``: the tenant of an ad-hoc sample's future (sessions' own ids
+        are owned through their session's record, :mod:`livelora.adapters.owners`)."""
+        return f"{self.prefix}owner:request:{request_id}"
 
     def model(self, model_id: str) -> str:
         """``{prefix}model:{model_id}``: the training model's record (JSON)."""

@@ -10,8 +10,10 @@ from typing import Any
 import redis.asyncio as aredis
 
 from livelora.adapters.bus import redis_unavailable
+from livelora.adapters.owners import OwnerStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.types.tinker import CreateSessionRequest, CreateSessionResponse
+from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions.checkpoints import Checkpoints
@@ -61,6 +63,7 @@ class SessionService:
         sid = uuid.uuid4().hex
         record = {"created": time.time(), "tags": req.tags, "user_metadata": req.user_metadata,
                   "sdk_version": req.sdk_version}
+        OwnerStore(self.ctx.home).claim("session", sid, caller_tenant())  # before anyone can name it
         with redis_unavailable():
             await self.redis.set(self.keys.session(sid), json.dumps(record), px=self.ctx.ttl_ms())
         return CreateSessionResponse(session_id=sid)

@@ -18,12 +18,14 @@ from typing import Any
 
 from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.losses import validate_batch
-from livelora.adapters.session_protocol import (Op, future_failed, model_id_for, new_request_id, resolve_checkpoint,
-                                                session_of)
+from livelora.adapters.owners import OwnerStore
+from livelora.adapters.session_protocol import (Op, future_failed, lineage_for, model_id_for, new_request_id,
+                                                resolve_checkpoint, session_of)
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotFoundError, UnsupportedParameterError
 from livelora.clients.types.tinker import (CreateModelRequest, ForwardBackwardInput, GetInfoResponse,
                                            GetServerCapabilitiesResponse, LoadWeightsRequest, ModelData,
                                            SaveWeightsForSamplerRequest, SupportedModel, UntypedAPIFuture)
+from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
 
@@ -65,6 +67,10 @@ class TrainingOps:
                   "lora": lora, "state": "creating"}
         with redis_unavailable():
             if not await self.redis.set(self.keys.model(model_id), json.dumps(record), nx=True):
+                raise ConflictError(f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id")
+            tenant = caller_tenant()  # the session's owner: the auth middleware checked it
+            owners = OwnerStore(self.home)
+            if not (owners.claim("model", model_id, tenant) and owners.claim("lineage", lineage_for(model_id), tenant)):
                 raise ConflictError(f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id")
             return await self._enqueue(model_id, 0, kind, body)
 
