@@ -163,9 +163,9 @@ class AuthMiddleware:
                 if len(body) > self.max_body_bytes:
                     return await _send_error(scope, send, _too_large(self.max_body_bytes))
             try:
-                check_json_depth(body, MAX_JSON_DEPTH)
-                if tinker:
-                    await self.check_sessions(path, body, principal)
+                data = json_body(body, headers.get("content-type"))
+                if tinker and (data is not None or not body.strip()):  # else the route answers 400: not JSON
+                    await self.check_sessions(path, data, principal)
             except LiveloraError as err:
                 return await _send_error(scope, send, err)
             receive = _replay(body, receive)
@@ -206,7 +206,7 @@ class AuthMiddleware:
                                         f"for {scope.get('method')} {scope.get('path')}")
         return principal
 
-    async def check_sessions(self, path: str, body: bytes, principal: Principal) -> None:
+    async def check_sessions(self, path: str, data: object, principal: Principal) -> None:
         """Every id a Tinker request names (path parameters and body fields, :mod:`livelora.adapters.object_ids`)
         must be in its one spelling (else 400) and belong to the caller's tenant (else 404, the same as a
         missing object: :func:`check_owner`).
@@ -215,12 +215,6 @@ class AuthMiddleware:
             NotFoundError: a missing or another tenant's session (and so its models, samplers, requests, paths).
             BadRequestError: an id in another spelling; JSON nested too deeply.
         """
-        try:
-            data = json.loads(body) if body.strip() else {}
-        except RecursionError:
-            raise _too_deep() from None
-        except ValueError:
-            return  # the route answers 400 for bad JSON
         for ref in refs_of_request(path[len("/api/v1/"):], data):
             if ref.session is not None:
                 check_owner(self.services.settings.home, "session", ref.session, principal.tenant)
@@ -250,6 +244,27 @@ def check_owner(home, kind: str, name: str, tenant: str | None = None) -> None:
 
 #: Deepest nesting of objects/arrays a request body may have (Tinker bodies nest about 8 deep).
 MAX_JSON_DEPTH = 64
+
+
+def json_body(body: bytes, content_type: str | None) -> object:
+    """The decoded body of a request declared as JSON (``None`` for another or no content-type, which its route
+    answers; ``{}`` for an empty body), so that no route meets malformed or too deeply nested JSON.
+
+    Raises:
+        BadRequestError: not valid JSON, or nested deeper than :data:`MAX_JSON_DEPTH` (400, ``invalid_json``).
+    """
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if not (media == "application/json" or media.endswith("+json")):
+        return None
+    if not body.strip():
+        return {}
+    check_json_depth(body, MAX_JSON_DEPTH)
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
 def check_json_depth(body: bytes, limit: int) -> None:

@@ -56,7 +56,8 @@ def server(home, keys):
     from livelora.gateway.settings import GatewaySettings
 
     live = start_server(GatewaySettings(model=BASE, home=home, device="cpu", max_batch_size=4, max_waiting=8,
-                                        redis_prefix=PREFIX, executor_in_process=True))
+                                        redis_prefix=PREFIX, executor_in_process=True, max_datums_per_op=4,
+                                        max_tokens_per_op=64))
     yield live
     live.stop()
 
@@ -115,9 +116,23 @@ def objs(server, keys) -> dict[str, str]:
             "sid_b": sid_b}
 
 
+def _no_tokenizer_id(data) -> str:
+    """A response's JSON without ``tokenizer_id``: the one field that is a server path on purpose (the SDKs hand
+    it to ``AutoTokenizer.from_pretrained``, and the base model here is a locally converted directory)."""
+    if isinstance(data, dict):
+        return "{" + ",".join(f"{k}:{_no_tokenizer_id(v)}" for k, v in data.items() if k != "tokenizer_id") + "}"
+    if isinstance(data, list):
+        return "[" + ",".join(_no_tokenizer_id(v) for v in data) + "]"
+    return str(data)
+
+
 def snapshot(server, keys, o) -> dict:
     """What tenant acme sees of its objects (compared before and after the other tenants' tries)."""
     with http(server, keys["acme"]) as a:
+        info = a.post("/api/v1/get_info", json={"model_id": o["model"]})
+        caps = a.get("/api/v1/get_server_capabilities")
+        for r in (info, caps):  # the owner's own answers show no server file path either, except tokenizer_id
+            assert r.status_code == 200 and str(server.services.settings.home) not in _no_tokenizer_id(r.json())
         return {"endpoints": ok(a.get("/admin/endpoints")), "adapters": ok(a.get("/admin/adapters")),
                 "keys": ok(a.get("/admin/keys")), "run": ok(a.get(f"/api/v1/training_runs/{o['model']}")),
                 "checkpoints": ok(a.get(f"/api/v1/training_runs/{o['model']}/checkpoints")),
@@ -139,6 +154,7 @@ def test_a_tenant_cannot_take_the_base_lineage_and_default_keeps_it(server, keys
         assert [v["name"] for v in ok(d.get(f"/admin/adapters?lineage={BASE}"))["data"]] == [f"{BASE}@1"]
         exported = ok(d.post(f"/admin/adapters/{BASE}@1/export", json={"format": "peft"}))
         assert exported["adapter"] == f"{BASE}@1" and "adapter_model.safetensors" in exported["files"]
+        assert exported["path"] == f"exports/{BASE}@1.peft"  # relative to the store: no server file path
         # a lineage a tenant owns is not available to another one, whether it has versions or not
         error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": objs["lineage"]}), 409)
 
@@ -305,6 +321,8 @@ def test_another_tenant_gets_404_on_every_route(server, keys, objs, who):
                 r = c.request(method, _url(path, suffix), json=body)
                 where = (who, method, path, suffix, r.status_code, r.text[:300])
                 assert r.status_code < 500, where
+                shown = _no_tokenizer_id(r.json()) if "json" in r.headers.get("content-type", "") else r.text
+                assert str(server.services.settings.home) not in shown, where
                 if case.expect == "own":
                     asked = suffix + str(body)  # a name B gave may be echoed; no other of A's may appear
                     assert not any(s in r.text for s in secrets if s not in asked), where
@@ -345,3 +363,47 @@ def test_other_spellings_of_an_id_are_400(server, keys, objs):
                     assert r.status_code in (400, 404, 405) and r.status_code != 200, (method, url, bad_body, r.text)
                     if r.status_code != 405 and "%" not in url:
                         assert error_of(r, 400)["code"] in ("invalid_id", "invalid_value"), (method, url, bad_body)
+
+
+# ---------------------------------------------------------------------------------------------- bounded work
+
+
+def _datum(n: int) -> dict:
+    return {"model_input": {"chunks": [{"tokens": list(range(1, n + 1))}]},
+            "loss_fn_inputs": {"target_tokens": {"data": list(range(2, n + 2)), "dtype": "int64", "shape": [n]},
+                               "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]}}}
+
+
+def test_ops_over_the_datum_or_token_limit_are_413_and_later_ops_run(server, keys, objs):
+    """The isolation server allows 4 datums and 64 input tokens per op (LIVELORA_MAX_*_PER_OP)."""
+    with http(server, keys["acme"]) as a:
+        def fwd(seq, data):
+            return a.post("/api/v1/forward", json={"model_id": objs["model"], "seq_id": seq, "forward_input": {
+                "data": data, "loss_fn": "cross_entropy"}})
+
+        err = error_of(fwd(3, [_datum(2)] * 5), 413)
+        assert "limit of 4" in err["message"] and "LIVELORA_MAX_DATUMS_PER_OP" in err["message"]
+        assert err["code"] == "too_many_datums" and err["param"] == "data"
+        err = error_of(fwd(4, [_datum(40)] * 2), 413)
+        assert "80 input tokens" in err["message"] and "LIVELORA_MAX_TOKENS_PER_OP" in err["message"]
+        done = future(a, ok(fwd(5, [_datum(8)] * 4))["request_id"])  # the refused seqs did not block the model
+        assert done["loss_fn_outputs"] and "error" not in done
+
+
+def test_malformed_or_deeply_nested_json_is_400_on_every_route(server, keys):
+    bodies = {"malformed": b'{"model": [', "deep": b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+              "deep-in-strings-is-fine": None}
+    with http(server, keys["acme"]) as a:
+        for method, path in _routes(server.app):
+            if method not in ("POST", "PUT", "PATCH"):
+                continue
+            url = path.replace("{session_id}", "0" * 32).replace("{name:path}", "x")
+            url = url.replace("{name}", "x@1")
+            for what, raw in bodies.items():
+                if raw is None:
+                    continue
+                r = a.request(method, url, content=raw, headers={"content-type": "application/json"})
+                assert error_of(r, 400)["code"] == "invalid_json", (method, path, what, r.text)
+    from livelora.gateway.auth import check_json_depth
+
+    check_json_depth(b'{"a": "' + b"[" * 5000 + b'"}', 64)  # brackets inside strings do not count

@@ -21,7 +21,8 @@ from livelora.adapters.losses import validate_batch
 from livelora.adapters.owners import OwnerStore
 from livelora.adapters.session_protocol import (Op, future_failed, lineage_for, model_id_for, new_request_id,
                                                 resolve_checkpoint, session_of)
-from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotFoundError, UnsupportedParameterError
+from livelora.clients.errors import (BadRequestError, ConflictError, LiveloraError, NotFoundError,
+                                     PayloadTooLargeError, UnsupportedParameterError)
 from livelora.clients.types.tinker import (CreateModelRequest, ForwardBackwardInput, GetInfoResponse,
                                            GetServerCapabilitiesResponse, LoadWeightsRequest, ModelData,
                                            SaveWeightsForSamplerRequest, SupportedModel, UntypedAPIFuture)
@@ -126,13 +127,39 @@ class TrainingOps:
         error: LiveloraError | None = None
         body: dict[str, Any] = {}
         try:
-            body = self._validate(kind, parse(raw))
+            req = parse(raw)
+            self._check_limits(kind, req)
+            body = self._validate(kind, req)
+        except PayloadTooLargeError as exc:  # consumes the seq (later ops run) and answers 413 now
+            with redis_unavailable():
+                await self._enqueue(model_id, seq_id, kind, {}, exc)
+            raise
         except LiveloraError as exc:
             error = exc
         except ValueError as exc:  # pydantic.ValidationError
             error = BadRequestError(f"invalid {kind} request: {_pydantic_message(exc)}")
         with redis_unavailable():
             return await self._enqueue(model_id, seq_id, kind, body, error)
+
+    def _check_limits(self, kind: str, req: Any) -> None:
+        """Bounded work per op: at most ``max_datums_per_op`` datums and ``max_tokens_per_op`` input tokens.
+
+        Raises:
+            PayloadTooLargeError: over a limit (413; the message names the limit and its setting).
+        """
+        if kind not in ("forward", "forward_backward"):
+            return
+        data = (req.forward_input if kind == "forward" else req.forward_backward_input).data
+        limit = self.settings.max_datums_per_op
+        if len(data) > limit:
+            raise PayloadTooLargeError(f"{kind} carries {len(data)} datums, more than the limit of {limit} per op "
+                                       "(LIVELORA_MAX_DATUMS_PER_OP); split the batch", param="data",
+                                       code="too_many_datums")
+        tokens, limit = sum(d.model_input.length for d in data), self.settings.max_tokens_per_op
+        if tokens > limit:
+            raise PayloadTooLargeError(f"{kind} carries {tokens} input tokens, more than the limit of {limit} per "
+                                       "op (LIVELORA_MAX_TOKENS_PER_OP); split the batch", param="data",
+                                       code="too_many_tokens")
 
     def _validate(self, kind: str, req: Any) -> dict[str, Any]:
         if kind in ("forward", "forward_backward"):
