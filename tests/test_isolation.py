@@ -156,7 +156,13 @@ def test_a_tenant_cannot_take_the_base_lineage_and_default_keeps_it(server, keys
         assert exported["adapter"] == f"{BASE}@1" and "adapter_model.safetensors" in exported["files"]
         assert exported["path"] == f"exports/{BASE}@1.peft"  # relative to the store: no server file path
         # a lineage a tenant owns is not available to another one, whether it has versions or not
-        error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": objs["lineage"]}), 409)
+        taken = error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": objs["lineage"]}), 409)
+        assert taken["message"] == f"lineage {objs['lineage']!r} is not available; choose another lineage name"
+        # an endpoint name answers the same whether the caller or another tenant holds it
+        ok(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": "d-lineage"}), 201)
+        mine = error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": "d-lineage"}), 409)["message"]
+        theirs = error_of(d.post("/admin/endpoints", json={"name": "acme-ep", "lineage": "d-lineage"}), 409)
+        assert theirs["message"] == mine.replace("d-ep", "acme-ep") and theirs["param"] == "endpoint"
 
 
 def test_a_dash_spelled_model_id_reaches_nothing(server, keys, objs):
@@ -181,6 +187,33 @@ def test_a_dash_spelled_model_id_reaches_nothing(server, keys, objs):
                                                       "path": objs["wpath"], "optimizer": True}), 404)
         names = {c["checkpoint_id"] for c in ok(a.get(f"/api/v1/training_runs/{model}/checkpoints"))["checkpoints"]}
         assert names == {"weights/w1", "sampler_weights/s1"}
+
+
+def test_owner_records_are_claimed_once_and_deny_by_default(tmp_path):
+    """Eight tenants race for one name: exactly one record wins; a missing and a foreign object read the same."""
+    import threading
+
+    from livelora.adapters.owners import OwnerStore
+    from livelora.clients.errors import NotFoundError
+
+    owners, won = OwnerStore(tmp_path), []
+    threads = [threading.Thread(target=lambda t=t: won.append((t, owners.claim("lineage", "x", t))))
+               for t in (f"t{i}" for i in range(8))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [t for t, w in won if w]
+    assert len(winners) == 1 and owners.owner("lineage", "x") == winners[0]
+    assert owners.claim("lineage", "x", winners[0])  # idempotent for its owner
+    owners.check("lineage", "x", winners[0])
+    owners.check("lineage", "nobody", None)  # local store access sees everything
+    errors = []
+    for name, tenant in (("x", "t-other"), ("missing", winners[0]), ("missing", "default")):
+        with pytest.raises(NotFoundError) as e:
+            owners.check("lineage", name, tenant)
+        errors.append(str(e.value).replace("'missing'", "'x'"))
+    assert len(set(errors)) == 1 and not list((tmp_path / "owners" / "lineage").glob(".claim-*"))
 
 
 # ---------------------------------------------------------------------------------------------- every route
@@ -219,12 +252,13 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/health"): Case(_none, "own"),
     ("GET", "/v1/models"): Case(_none, "own"),
     ("GET", "/v1/models/{model_id:path}"): Case(lambda o: [(f"/v1/models/{o['endpoint']}", None),
-                                                           (f"/v1/models/{o['version']}", None)]),
+                                                           (f"/v1/models/{o['version']}", None),
+                                                           (f"/v1/models/{o['lineage']}@2", None)]),
     ("POST", "/v1/chat/completions"): Case(lambda o: [
         ("", {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
-        for m in (o["endpoint"], o["version"])]),
+        for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")]),  # @2: loaded by A's sampling session
     ("POST", "/v1/completions"): Case(lambda o: [("", {"model": m, "max_tokens": 1, "prompt": "x"})
-                                                 for m in (o["endpoint"], o["version"])]),
+                                                 for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")]),
     ("POST", "/api/v1/client/config"): Case(_none, "own"),
     ("POST", "/api/v1/client/dynamic_config"): Case(_none, "own"),
     ("GET", "/api/v1/healthz"): Case(_none, "own"),
