@@ -213,7 +213,7 @@ class AuthMiddleware:
 
         Raises:
             NotFoundError: a missing or another tenant's session (and so its models, samplers, requests, paths).
-            BadRequestError: an id in another spelling; JSON nested too deeply.
+            BadRequestError: an id in another spelling.
         """
         for ref in refs_of_request(path[len("/api/v1/"):], data):
             if ref.session is not None:

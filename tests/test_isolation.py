@@ -19,9 +19,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import torch
 from _server import start_server
-
 from livelora.adapters.api_keys import ROLES, KeyStore
 from livelora.adapters.session_protocol import lineage_for
 from livelora.adapters.store import AdapterStore

@@ -15,7 +15,6 @@ import pytest
 import schemathesis
 from _server import start_server
 from hypothesis import HealthCheck, settings
-
 from livelora.adapters.api_keys import ROLES, KeyStore
 
 EXAMPLES = 10
