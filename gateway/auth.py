@@ -164,7 +164,9 @@ class AuthMiddleware:
                     return await _send_error(scope, send, _too_large(self.max_body_bytes))
             try:
                 data = json_body(body, headers.get("content-type"))
-                if tinker and (data is not None or not body.strip()):  # else the route answers 400: not JSON
+                if tinker and data is None and body.strip():
+                    data = protobuf_ids(body, headers)  # None: neither JSON nor protobuf, the route answers 400
+                if tinker and (data is not None or not body.strip()):
                     await self.check_sessions(path, data, principal)
             except LiveloraError as err:
                 return await _send_error(scope, send, err)
@@ -244,6 +246,25 @@ def check_owner(home, kind: str, name: str, tenant: str | None = None) -> None:
 
 #: Deepest nesting of objects/arrays a request body may have (Tinker bodies nest about 8 deep).
 MAX_JSON_DEPTH = 64
+
+
+def protobuf_ids(body: bytes, headers: dict[str, str]) -> dict[str, object] | None:
+    """The ids a protobuf Tinker body (SDK ≥0.25 ``forward_backward``) names, read from its head, as a JSON-like
+    ``{"model_id", "seq_id"}`` for the owner check; ``None`` when the body is not declared as protobuf.
+
+    Raises:
+        BadRequestError: a protobuf body whose ``model_id`` cannot be read (nothing is let through unchecked).
+    """
+    from livelora.gateway.api.tinker_wire import requests as wire  # the codec lives with the Tinker routes
+
+    media = (headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    if media not in wire.PROTO_MEDIA_TYPES:
+        return None
+    model_id, seq_id = wire.peek_body_ids(body, headers.get("content-encoding"))
+    if not model_id:
+        raise BadRequestError("cannot read model_id from the protobuf request body", param="model_id",
+                              code="invalid_id")
+    return {"model_id": model_id, "seq_id": seq_id}
 
 
 def json_body(body: bytes, content_type: str | None) -> object:

@@ -439,3 +439,22 @@ def test_malformed_or_deeply_nested_json_is_400_on_every_route(server, keys):
     from livelora.gateway.auth import check_json_depth
 
     check_json_depth(b'{"a": "' + b"[" * 5000 + b'"}', 64)  # brackets inside strings do not count
+
+
+def test_protobuf_bodies_go_through_the_same_check(server, keys, objs):
+    """SDK ≥0.25 sends ``forward_backward`` as protobuf: its ``model_id`` is read from the body's head and checked
+    like a JSON one (another tenant's: 404; another spelling: 400; unreadable: 400)."""
+    from livelora.gateway.api.tinker_wire import schema
+
+    def proto(model_id: str) -> bytes:
+        return schema.ForwardBackwardRequest(model_id=model_id, seq_id=9, loss_fn="cross_entropy").SerializeToString()
+
+    headers = {"content-type": "application/x-protobuf"}
+    with http(server, keys["beta"]) as b, http(server, keys["acme"]) as a:
+        error_of(b.post("/api/v1/forward_backward", content=proto(objs["model"]), headers=headers), 404)
+        error_of(b.post("/api/v1/forward_backward", content=proto(objs["model"].replace(":", "-")),
+                        headers=headers), 400)
+        assert error_of(b.post("/api/v1/forward_backward", content=b"\xff\xfe", headers=headers),
+                        400)["param"] == "model_id"
+        r = a.post("/api/v1/forward_backward", content=proto(objs["model"]), headers=headers)
+        assert r.status_code != 404, r.text  # the owner passes the check (the route then answers for itself)
