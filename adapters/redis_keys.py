@@ -29,7 +29,7 @@ Training sessions (gateway ⇄ op executor; :mod:`livelora.adapters.session_prot
 key                                type            holds
 =================================  ==============  ===================================================
 ``session:{sid}``                  string, TTL     session record; TTL refreshed by heartbeats
-``owner:session:{sid}``            string, TTL     tenant that created the session
+``owner:request:{request_id}``     string, TTL     tenant of an ad-hoc sample's future (``sample:...``)
 ``model:{model_id}``               string (JSON)   model record: session, base model, LoRA shape, state
 ``trainer:models``                 set             model ids whose ``ops:`` streams are read
 ``ops:{model_id}``                 stream          the model's ops, field ``op`` = JSON ``Op``; entries stay
@@ -43,7 +43,6 @@ key                                type            holds
 ``sampler:{sampling_id}``          string, TTL     sampling session: base model, adapter name and path
 ``futures``                        pub/sub         request ids whose future just resolved
 ``sessions``                       pub/sub         ids of sessions that finished
-``owner:session:{sid}:key``        string, TTL     API key id that created the session (metering)
 =================================  ==============  ===================================================
 
 Usage metering (:mod:`livelora.adapters.metering`):
@@ -124,9 +123,10 @@ class KeyLayout:
         """``{prefix}session:{sid}``: the session record; its TTL is the session's life."""
         return f"{self.prefix}session:{sid}"
 
-    def session_owner(self, sid: str) -> str:
-        """``{prefix}owner:session:{sid}``: the tenant that created the session."""
-        return f"{self.prefix}owner:session:{sid}"
+    def request_owner(self, request_id: str) -> str:
+        """``{prefix}owner:request:{request_id}``: the tenant of an ad-hoc sample's future (sessions' own ids
+        are owned through their session's record, :mod:`livelora.adapters.owners`)."""
+        return f"{self.prefix}owner:request:{request_id}"
 
     def model(self, model_id: str) -> str:
         """``{prefix}model:{model_id}``: the training model's record (JSON)."""
@@ -174,10 +174,6 @@ class KeyLayout:
     def sessions_channel(self) -> str:
         """``{prefix}sessions``: pub/sub channel of ids of sessions that finished."""
         return f"{self.prefix}sessions"
-
-    def session_key(self, sid: str) -> str:
-        """``{prefix}owner:session:{sid}:key``: the API key id that created the session."""
-        return f"{self.prefix}owner:session:{sid}:key"
 
     # ------------------------------------------------------------------ usage metering
     def usage_hour(self, hour: str) -> str:

@@ -76,6 +76,12 @@ class SessionSection(Section):
                                                        "at most this long.")
     served_model_name: str | None = Field(None, description="Name the gateways serve the base model under "
                                                             "(accepted as a session's base_model by the trainer).")
+    max_datums_per_op: int = Field(256, ge=1, description="Most datums one forward / forward_backward op may "
+                                                          "carry (more: 413 before any work).")
+    max_tokens_per_op: int = Field(8192, ge=1, description="Most input tokens (summed over its datums) one forward "
+                                                           "/ forward_backward op may carry (more: 413 before any "
+                                                           "work); 8192 keeps the logits and their gradient of "
+                                                           "a 49k-vocabulary model under about 4 GB.")
 
 
 class ObservabilitySection(Section):

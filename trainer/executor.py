@@ -324,12 +324,12 @@ class OpExecutor(SessionOps):
 
     def _meter(self, slot: _ModelSlot, op: Op) -> None:
         """Count a committed forward (``forward``) or forward_backward (``trained``) op's tokens for its session's
-        tenant and key (``owner:session:{sid}``, written by the gateway's auth; ``default`` when absent)."""
+        tenant and key (``tenant``/``key_id`` of the session record the gateway wrote; ``default`` when absent)."""
         try:
             if slot.payer is None:
-                tenant, key = self.redis.mget(self.keys.session_owner(slot.session_id),
-                                              self.keys.session_key(slot.session_id))
-                slot.payer = (tenant or "default", key)
+                raw = self.redis.get(self.keys.session(slot.session_id))
+                record = json.loads(raw) if raw else {}
+                slot.payer = (record.get("tenant") or "default", record.get("key_id"))
             kind = "forward" if op.kind == "forward" else "trained"
             self.meter.record_sync(self.redis, Usage(slot.payer[0], slot.payer[1], slot.session_id,
                                                      {kind: slot.op_tokens}))

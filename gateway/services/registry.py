@@ -40,6 +40,7 @@ import redis.asyncio as aredis
 
 from livelora.adapters import metrics
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore
+from livelora.adapters.owners import record_install_owners
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, Manifest, parse_version_name, sha256_file
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
@@ -129,6 +130,7 @@ class AdapterRegistry:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._canary: list[int] | None = None
+        record_install_owners(home, self.endpoint_store.get(base_endpoint).lineage)
         self.load_bindings()
 
     def load_bindings(self) -> dict[str, EndpointBinding]:

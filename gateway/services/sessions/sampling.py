@@ -28,6 +28,7 @@ from livelora.clients.errors import BadRequestError, ConflictError, LiveloraErro
 from livelora.clients.types.tinker import (CreateSamplingSessionRequest, CreateSamplingSessionResponse,
                                            GetSamplerResponse, SampledSequence, SampleRequest, SampleResponse,
                                            UntypedAPIFuture)
+from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import SamplingParams as EngineParams
 from livelora.gateway.services.generation import Job
 from livelora.gateway.services.serving import BASE_VERSION, ServedRequest, Serving, ServingTarget
@@ -209,6 +210,9 @@ class SamplingSessions:
         seq_ids = [f"{request_id}:{i}" for i in range(req.num_samples)]
         try:
             await self.futures.create(request_id)
+            if req.sampling_session_id is None:  # an ad-hoc sample's future is owned by its own record
+                await self.redis.set(self.keys.request_owner(request_id), caller_tenant(),
+                                     ex=self.settings.future_ttl_s)
         except BaseException:
             served.release()
             raise

@@ -10,8 +10,10 @@ from typing import Any
 import redis.asyncio as aredis
 
 from livelora.adapters.bus import redis_unavailable
+from livelora.adapters.owners import OwnerStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.types.tinker import CreateSessionRequest, CreateSessionResponse
+from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions.checkpoints import Checkpoints
@@ -66,9 +68,9 @@ class SessionService:
         from livelora.gateway.services.metering import payer
 
         sid = uuid.uuid4().hex
-        tenant = payer()[0]
+        tenant, key_id = payer()  # the op executor meters the session's ops for them (``tenant``, ``key_id``)
         record = {"created": time.time(), "tags": req.tags, "user_metadata": req.user_metadata,
-                  "sdk_version": req.sdk_version, "tenant": tenant}
+                  "sdk_version": req.sdk_version, "tenant": tenant, "key_id": key_id}
         with redis_unavailable():
             await self.redis.set(self.keys.session(sid), json.dumps(record), px=self.ctx.ttl_ms())
             if self.ctx.quotas is not None:
@@ -77,6 +79,7 @@ class SessionService:
                 except BaseException:
                     await self.redis.delete(self.keys.session(sid))  # over the limit: nothing is created
                     raise
+        OwnerStore(self.ctx.home).claim("session", sid, caller_tenant())  # before its id leaves the server
         return CreateSessionResponse(session_id=sid)
 
     async def heartbeat(self, session_id: str) -> None:
