@@ -94,8 +94,9 @@ class ObservabilitySection(Section):
     usage_rollup_s: float = Field(3600.0, ge=0, description="A gateway moves the usage counters from Redis into "
                                                             "the store this often (s; 0: only on shutdown).")
     metrics: bool = Field(True, description="Serve Prometheus metrics at GET /metrics.")
-    metrics_require_key: bool = Field(False, description="GET /metrics needs an API key with the admin role "
-                                                         "(false: public, like /health).")
+    metrics_require_key: bool = Field(True, description="With API keys configured, GET /metrics needs a key with "
+                                                        "the operator role (its labels name every tenant's "
+                                                        "endpoints); false: public, like /health. Open mode: public.")
     log_format: str = Field("text", pattern="^(text|json)$",
                             description="Log lines as plain text or as JSON objects (one per line) carrying the "
                                         "request id, completion id, tenant, endpoint and version.")

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 current_principal: ContextVar[Principal | None] = ContextVar("livelora_principal", default=None)
 
 PUBLIC = "public"
-#: Role of ``GET /metrics``: ``public``, or ``admin`` when ``LIVELORA_METRICS_REQUIRE_KEY`` is true.
+#: Role of ``GET /metrics``: ``operator`` when ``LIVELORA_METRICS_REQUIRE_KEY`` is true (default), else public.
 METRICS = "metrics"
 #: (method or "*", path regex) → role; first match wins; anything unmatched needs ``admin``.
 POLICY: list[tuple[str, re.Pattern[str], str]] = [
@@ -64,12 +64,12 @@ POLICY: list[tuple[str, re.Pattern[str], str]] = [
 
 def required_role(method: str, path: str, *, metrics_key: bool = False) -> str:
     """The role a request needs (``"public"`` for none); unmatched paths need ``admin``; ``/metrics`` needs
-    ``admin`` only when ``metrics_key`` (``LIVELORA_METRICS_REQUIRE_KEY``)."""
+    ``operator`` when ``metrics_key`` (``LIVELORA_METRICS_REQUIRE_KEY``), else nothing."""
     method = "GET" if method == "HEAD" else method
     for m, pattern, role in POLICY:
         if (m == "*" or m == method) and pattern.fullmatch(path):
             if role == METRICS:
-                return "admin" if metrics_key else PUBLIC
+                return "operator" if metrics_key else PUBLIC
             return role
     return "admin"
 

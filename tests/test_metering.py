@@ -13,7 +13,9 @@ import httpx
 import pytest
 import redis
 from _server import start_server, wait_until
-from livelora.adapters.api_keys import ROLES, KeyStore
+from typer.testing import CliRunner
+
+from livelora.adapters.api_keys import TENANT_ROLES, KeyStore
 from livelora.adapters.metering import Meter, Usage, UsageStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients import (
@@ -23,7 +25,6 @@ from livelora.clients import (
     ServiceClient,
     TensorData,
 )
-from typer.testing import CliRunner
 
 MODEL = "smollm2-135m-instruct"
 PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}meter-{uuid.uuid4().hex[:8]}:"
@@ -42,9 +43,9 @@ def home(livelora_home, base_ref, tmp_path_factory):
 @pytest.fixture(scope="module")
 def keys(home):
     store = KeyStore(home)
-    acme = store.create(tenant="acme", roles=list(ROLES), name="acme-all")
-    beta = store.create(tenant="beta", roles=list(ROLES), name="beta-all")
-    operator = store.create(tenant="default", roles=["admin"], name="operator")
+    acme = store.create(tenant="acme", roles=list(TENANT_ROLES), name="acme-all")
+    beta = store.create(tenant="beta", roles=list(TENANT_ROLES), name="beta-all")
+    operator = store.create(tenant="default", roles=["admin", "operator"], name="operator")
     return {"acme": acme, "beta": beta, "default": operator}
 
 
@@ -241,11 +242,11 @@ def test_usage_cli_table_and_json(server, keys, home, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- /metrics
-def scrape(server) -> dict[tuple[str, tuple], float]:
-    """Every sample of ``GET /metrics`` (no key: public by default), parsed by prometheus_client's text parser."""
+def scrape(server, keys) -> dict[tuple[str, tuple], float]:
+    """Every sample of ``GET /metrics`` (the operator's key), parsed by prometheus_client's text parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    got = httpx.get(server.url("/metrics"), timeout=30)
+    got = httpx.get(server.url("/metrics"), timeout=30, headers={"Authorization": f"Bearer {_key(keys, 'default')}"})
     assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(got.text) for s in fam.samples}
@@ -256,12 +257,16 @@ def sample(samples, name: str, **labels) -> float:
 
 
 def test_metrics_parse_and_move_as_requests_are_served(server, keys):
-    before = scrape(server)
+    before = scrape(server, keys)
     chat = post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4})
     assert chat.status_code == 200
     denied = httpx.post(server.url("/v1/chat/completions"), json={}, timeout=30)  # no key: 401
     assert denied.status_code == 401
-    after = scrape(server)
+    after = scrape(server, keys)
+    # /metrics names every tenant's endpoints: with keys it needs the operator role, a tenant's admin gets 403
+    assert httpx.get(server.url("/metrics"), timeout=30).status_code == 401
+    assert httpx.get(server.url("/metrics"), timeout=30,
+                     headers={"Authorization": f"Bearer {_key(keys, 'acme')}"}).status_code == 403
     route = {"method": "POST", "route": "/v1/chat/completions"}
     assert sample(after, "livelora_http_requests_total", **route, status="200") == \
         sample(before, "livelora_http_requests_total", **route, status="200") + 1
@@ -289,7 +294,7 @@ def test_metrics_key_setting():
     from livelora.gateway.auth import PUBLIC, required_role
 
     assert required_role("GET", "/metrics") == PUBLIC
-    assert required_role("GET", "/metrics", metrics_key=True) == "admin"
+    assert required_role("GET", "/metrics", metrics_key=True) == "operator"
     assert required_role("GET", "/admin/usage") == "admin"
 
 

@@ -15,7 +15,8 @@ import pytest
 import schemathesis
 from _server import start_server
 from hypothesis import HealthCheck, settings
-from livelora.adapters.api_keys import ROLES, KeyStore
+
+from livelora.adapters.api_keys import TENANT_ROLES, KeyStore
 
 EXAMPLES = 10
 PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}fuzz-{uuid.uuid4().hex[:8]}:"
@@ -28,7 +29,7 @@ def fuzz_server(livelora_home, base_ref, tmp_path_factory):
 
     home = tmp_path_factory.mktemp("fuzz-home")
     (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
-    _, key = KeyStore(home).create("acme", list(ROLES), "fuzz")
+    _, key = KeyStore(home).create("acme", list(TENANT_ROLES), "fuzz")
     live = start_server(GatewaySettings(model="smollm2-135m-instruct", home=home, device="cpu", max_batch_size=4,
                                         max_waiting=8, redis_prefix=PREFIX, max_model_len=64,
                                         executor_in_process=True))

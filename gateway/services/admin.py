@@ -40,9 +40,16 @@ from livelora.adapters.api_keys import DEFAULT_TENANT, KeyStore, Principal, vali
 from livelora.adapters.atomic import atomic_dir
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, version_label
 from livelora.adapters.owners import OwnerStore
-from livelora.adapters.store import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterStore, Manifest,
-                                     parse_version_name, validate_lineage)
-from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
+from livelora.adapters.store import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    AdapterStore,
+    Manifest,
+    parse_version_name,
+    validate_lineage,
+)
+from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError, PermissionDeniedError
 
 if TYPE_CHECKING:
     from livelora.gateway.services.registry import AdapterRegistry
@@ -290,6 +297,9 @@ class AdminService:
         """A new key for the caller's tenant (local access: any ``tenant``). Returns ``(record, key)``."""
         if self.tenant is not None and tenant not in (None, self.tenant):
             raise BadRequestError("keys are created in the caller's own tenant", param="tenant")
+        if self.tenant is not None and "operator" in roles:
+            raise PermissionDeniedError("an operator key is created on the store only: livelora keys create "
+                                        "--home <store> --roles admin,operator", param="roles")
         record, key = self.keys.create(self.tenant or tenant or DEFAULT_TENANT, roles, name)
         return _key_info(record), key
 

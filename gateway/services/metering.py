@@ -102,12 +102,13 @@ class MeteringService:
 
     @staticmethod
     def scoped_tenant(principal: Principal, tenant: str | None, open_mode: bool) -> str:
-        """The tenant a caller may read: its own with a key (``tenant`` must be it or unset); any in open mode.
+        """The tenant a caller may read: its own with a key (``tenant`` must be it or unset); any in open mode or
+        with an ``operator`` key.
 
         Raises:
             PermissionDeniedError: ``tenant`` names another tenant (403).
         """
-        if open_mode:
+        if open_mode or "operator" in principal.roles:
             return tenant or principal.tenant
         if tenant is not None and tenant != principal.tenant:
             raise PermissionDeniedError(f"this key (tenant {principal.tenant!r}) may only read its own tenant",

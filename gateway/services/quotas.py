@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from livelora.adapters import metrics
-from livelora.adapters.api_keys import DEFAULT_TENANT, Principal, validate_tenant
+from livelora.adapters.api_keys import Principal, validate_tenant
 from livelora.adapters.quotas import Limits, QuotaStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import PermissionDeniedError, RateLimitError
@@ -140,16 +140,16 @@ class QuotaService:
                 "tokens_today": {k: int(v) for k, v in today.items()}, "day": day}
 
     def set_limits(self, principal: Principal, tenant: str, limits: Limits, open_mode: bool) -> Limits:
-        """Store ``tenant``'s limits (the operator's: open mode, or an admin key of tenant ``default``).
+        """Store ``tenant``'s limits (the operator's: open mode, or a key with the ``operator`` role).
 
         Raises:
             PermissionDeniedError: another tenant's admin key (tenants do not set their own limits).
             BadRequestError: an invalid tenant name.
         """
         validate_tenant(tenant)
-        if not open_mode and principal.tenant != DEFAULT_TENANT:
-            raise PermissionDeniedError("limits are set by the operator (an admin key of tenant 'default', or "
-                                        "`livelora` on the store); this key's tenant is "
-                                        f"{principal.tenant!r}", param="tenant")
+        if not open_mode and "operator" not in principal.roles:
+            raise PermissionDeniedError("limits are set by the operator: a key with the operator role (created "
+                                        "with livelora keys create --home <store> --roles admin,operator)",
+                                        param="tenant")
         self.store.set(tenant, limits)
         return self.limits(tenant)

@@ -42,9 +42,19 @@ from livelora.adapters import metrics
 from livelora.adapters.bus import dumps, redis_unavailable
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
-from livelora.clients.types.signals import (CompletionRecord, DemonstrationEvent, DemonstrationRequest,
-                                            DemonstrationResponse, FeedbackRequest, FeedbackResponse, PreferenceEvent,
-                                            PreferenceRequest, PreferenceResponse, RatingEvent, parse_stream_event)
+from livelora.clients.types.signals import (
+    CompletionRecord,
+    DemonstrationEvent,
+    DemonstrationRequest,
+    DemonstrationResponse,
+    FeedbackRequest,
+    FeedbackResponse,
+    PreferenceEvent,
+    PreferenceRequest,
+    PreferenceResponse,
+    RatingEvent,
+    parse_stream_event,
+)
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.settings import DEFAULT_IDEMPOTENCY_TTL_S
 
