@@ -10,7 +10,9 @@ shown exactly once, when it is created. A sha256 of a 256-bit random secret need
 hash: there is no dictionary to attack.
 
 Roles (closed set :data:`ROLES`): ``inference`` (OpenAI routes), ``feedback`` (signal routes),
-``train`` (Tinker session API), ``admin`` (``/admin`` routes). Roles do not imply each other.
+``train`` (Tinker session API), ``admin`` (``/admin`` routes), ``operator`` (the install's operator, across
+tenants: ``GET /metrics``, every tenant's usage, per-tenant limits; an operator key is created only on the
+store, ``livelora keys create --home``, never over HTTP). Roles do not imply each other.
 
 Example::
 
@@ -37,8 +39,10 @@ from livelora.adapters.atomic import atomic_write_json, file_lock
 from livelora.clients.errors import BadRequestError, NotFoundError
 
 KEYS_FILE = "keys.json"
-Role = Literal["inference", "feedback", "train", "admin"]
-ROLES: tuple[str, ...] = ("inference", "feedback", "train", "admin")
+Role = Literal["inference", "feedback", "train", "admin", "operator"]
+ROLES: tuple[str, ...] = ("inference", "feedback", "train", "admin", "operator")
+#: Every role a tenant's own key may have (all but ``operator``, which spans tenants).
+TENANT_ROLES: tuple[str, ...] = ("inference", "feedback", "train", "admin")
 #: Tenant of the open-mode caller and owner of objects made without a key.
 DEFAULT_TENANT = "default"
 KEY_PREFIX = "tml-"

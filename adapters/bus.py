@@ -43,6 +43,9 @@ def redis_unavailable(what: str = "Redis") -> Iterator[None]:
         yield
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
             redis.exceptions.ReadOnlyError, OSError) as exc:
+        from livelora.adapters import metrics
+
+        metrics.REDIS_ERRORS.labels(what).inc()
         raise UnavailableError(f"{what} is unreachable ({type(exc).__name__}: {exc}); retry later",
                                retry_after=RETRY_AFTER_S) from exc
 

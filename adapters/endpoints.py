@@ -195,7 +195,9 @@ class EndpointStore:
 
         def update(old):
             if old is not None:
-                raise ConflictError(f"endpoint {endpoint!r} already exists", param="endpoint")
+                # the same answer whoever holds the name: it does not tell that another tenant's endpoint exists
+                raise ConflictError(f"endpoint name {endpoint!r} is not available; choose another name",
+                                    param="endpoint")
             return EndpointBinding(lineage=lineage, mode=mode, version=version if mode == "pinned" else None,
                                    tenant=tenant, created=time.time())
         return self._change(endpoint, update, who=who, action="create", reason=reason, tenant=tenant)

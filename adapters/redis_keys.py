@@ -29,7 +29,7 @@ Training sessions (gateway ⇄ op executor; :mod:`livelora.adapters.session_prot
 key                                type            holds
 =================================  ==============  ===================================================
 ``session:{sid}``                  string, TTL     session record; TTL refreshed by heartbeats
-``owner:session:{sid}``            string, TTL     tenant that created the session
+``owner:request:{request_id}``     string, TTL     tenant of an ad-hoc sample's future (``sample:...``)
 ``model:{model_id}``               string (JSON)   model record: session, base model, LoRA shape, state
 ``trainer:models``                 set             model ids whose ``ops:`` streams are read
 ``ops:{model_id}``                 stream          the model's ops, field ``op`` = JSON ``Op``; entries stay
@@ -43,6 +43,21 @@ key                                type            holds
 ``sampler:{sampling_id}``          string, TTL     sampling session: base model, adapter name and path
 ``futures``                        pub/sub         request ids whose future just resolved
 ``sessions``                       pub/sub         ids of sessions that finished
+=================================  ==============  ===================================================
+
+Usage metering (:mod:`livelora.adapters.metering`):
+
+=================================  ==============  ===================================================
+key                                type            holds
+=================================  ==============  ===================================================
+``usage:{hour}``                   hash            ``[tenant, key, subject, kind]`` (JSON) → tokens, for
+                                                   one UTC hour ``YYYYMMDDHH`` (HINCRBY)
+``usage:hours``                    set             hours with a live ``usage:{hour}`` hash
+``usage:rolling:{hour}:{id}``      hash            a ``usage:{hour}`` hash being written to the store
+``usage:pending``                  hash            rolling key → ``"{hour} {server ms}"``
+``usage:day:{day}:{tenant}``       hash, TTL 3 d   kind → tokens of one UTC day ``YYYYMMDD`` (quota checks)
+``quota:sessions:{tenant}``        set             ids of the tenant's sessions holding a slot (members
+                                                   whose ``session:{sid}`` is gone are dropped)
 =================================  ==============  ===================================================
 
 Example::
@@ -113,9 +128,10 @@ class KeyLayout:
         """Hash session id → its summary (created, metadata, how it ended); outlives the session key."""
         return f"{self.prefix}sessionhistory"
 
-    def session_owner(self, sid: str) -> str:
-        """``{prefix}owner:session:{sid}``: the tenant that created the session."""
-        return f"{self.prefix}owner:session:{sid}"
+    def request_owner(self, request_id: str) -> str:
+        """``{prefix}owner:request:{request_id}``: the tenant of an ad-hoc sample's future (sessions' own ids
+        are owned through their session's record, :mod:`livelora.adapters.owners`)."""
+        return f"{self.prefix}owner:request:{request_id}"
 
     def model(self, model_id: str) -> str:
         """``{prefix}model:{model_id}``: the training model's record (JSON)."""
@@ -175,3 +191,30 @@ class KeyLayout:
     def sessions_channel(self) -> str:
         """``{prefix}sessions``: pub/sub channel of ids of sessions that finished."""
         return f"{self.prefix}sessions"
+
+    # ------------------------------------------------------------------ usage metering
+    def usage_hour(self, hour: str) -> str:
+        """``{prefix}usage:{hour}``: token counters of one UTC hour (``YYYYMMDDHH``; ``""`` gives the stem)."""
+        return f"{self.prefix}usage:{hour}"
+
+    @property
+    def usage_hours(self) -> str:
+        """``{prefix}usage:hours``: set of hours whose ``usage:{hour}`` hash is live."""
+        return f"{self.prefix}usage:hours"
+
+    def usage_rolling(self, hour: str, rid: str) -> str:
+        """``{prefix}usage:rolling:{hour}:{rid}``: an hour's counters being rolled up into the store."""
+        return f"{self.prefix}usage:rolling:{hour}:{rid}"
+
+    def usage_day(self, day: str, tenant: str) -> str:
+        """``{prefix}usage:day:{day}:{tenant}``: the tenant's tokens per kind on one UTC day (``YYYYMMDD``)."""
+        return f"{self.prefix}usage:day:{day}:{tenant}"
+
+    def quota_sessions(self, tenant: str) -> str:
+        """``{prefix}quota:sessions:{tenant}``: ids of the tenant's sessions holding a concurrency slot."""
+        return f"{self.prefix}quota:sessions:{tenant}"
+
+    @property
+    def usage_pending(self) -> str:
+        """``{prefix}usage:pending``: hash rolling key → ``"{hour} {ms}"`` of rollups not finished yet."""
+        return f"{self.prefix}usage:pending"

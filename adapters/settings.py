@@ -79,6 +79,30 @@ class SessionSection(Section):
                                                        "at most this long.")
     served_model_name: str | None = Field(None, description="Name the gateways serve the base model under "
                                                             "(accepted as a session's base_model by the trainer).")
+    max_datums_per_op: int = Field(256, ge=1, description="Most datums one forward / forward_backward op may "
+                                                          "carry (more: 413 before any work).")
+    max_tokens_per_op: int = Field(8192, ge=1, description="Most input tokens (summed over its datums) one forward "
+                                                           "/ forward_backward op may carry (more: 413 before any "
+                                                           "work); 8192 keeps the logits and their gradient of "
+                                                           "a 49k-vocabulary model under about 4 GB.")
+
+
+class ObservabilitySection(Section):
+    """Usage metering, Prometheus metrics and logs; read by the gateway and the trainer. Environment
+    ``LIVELORA_METERING``, ``LIVELORA_USAGE_ROLLUP_S``, ``LIVELORA_METRICS``, ``LIVELORA_METRICS_REQUIRE_KEY``,
+    ``LIVELORA_LOG_FORMAT``."""
+
+    metering: bool = Field(True, description="Count the tokens of every model operation per tenant, key, "
+                                             "endpoint or session and kind (Redis counters; GET /admin/usage).")
+    usage_rollup_s: float = Field(3600.0, ge=0, description="A gateway moves the usage counters from Redis into "
+                                                            "the store this often (s; 0: only on shutdown).")
+    metrics: bool = Field(True, description="Serve Prometheus metrics at GET /metrics.")
+    metrics_require_key: bool = Field(True, description="With API keys configured, GET /metrics needs a key with "
+                                                        "the operator role (its labels name every tenant's "
+                                                        "endpoints); false: public, like /health. Open mode: public.")
+    log_format: str = Field("text", pattern="^(text|json)$",
+                            description="Log lines as plain text or as JSON objects (one per line) carrying the "
+                                        "request id, completion id, tenant, endpoint and version.")
 
 
 class ProcessSettings(CommonSettings):

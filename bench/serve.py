@@ -9,6 +9,13 @@ prints the throughput ratio.
 
     python bench/serve.py --spawn                       # start a gateway itself (engine kind: --engine)
     python bench/serve.py --url http://127.0.0.1:8000   # an already running gateway
+    python bench/serve.py --metering-ab 3               # metering + /metrics on vs off, two gateways, same run
+
+``--metering-ab R`` starts two gateways at once, one with ``LIVELORA_METERING=false LIVELORA_METRICS=false``
+and one with both on (the defaults), and measures them in R alternating rounds (off, on, off, on, ...), so that
+both see the same machine load; it prints each round with the 1-minute load average, then the medians.
+(``LIVELORA_METRICS=false`` only closes ``/metrics``: the in-process counters are still updated on both sides,
+so the figure is the cost of the Redis metering writes plus serving a scrape, not of prometheus-client.)
 
 Token counts come from the server's ``usage`` (streamed with
 ``stream_options.include_usage``); ITL is the gap between consecutive content
@@ -121,8 +128,9 @@ def run_baseline(model_name: str, requests: int, max_tokens: int, device: str) -
             "tokens": tokens}
 
 
-def spawn(engine: str, model: str, max_batch_size: int, device: str | None) -> tuple[subprocess.Popen, str]:
-    """Start ``livelora serve`` on a free port and wait for ``/health``."""
+def spawn(engine: str, model: str, max_batch_size: int, device: str | None,
+          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``livelora serve`` on a free port (``env`` added to the environment) and wait for ``/health``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -130,7 +138,7 @@ def spawn(engine: str, model: str, max_batch_size: int, device: str | None) -> t
            "--model", model, "--max-batch-size", str(max_batch_size), "--log-level", "warning"]
     if device:
         cmd += ["--device", device]
-    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -148,7 +156,7 @@ def spawn(engine: str, model: str, max_batch_size: int, device: str | None) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = parser.add_mutually_exclusive_group(required=True)
+    where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="base URL of a running gateway (without /v1)")
     where.add_argument("--spawn", action="store_true", help="start a gateway on a free port")
     parser.add_argument("--engine", default="transformers", help="engine kind when spawning")
@@ -159,7 +167,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=8, help="engine batch when spawning")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--metering-ab", type=int, default=0, metavar="ROUNDS",
+                        help="compare metering+metrics off vs on (two spawned gateways, alternating rounds)")
+    parser.add_argument("--ab-on-first", action="store_true", help="with --metering-ab: start and run 'on' first")
     args = parser.parse_args()
+    if args.metering_ab:
+        return metering_ab(args)
+    if not (args.url or args.spawn):
+        parser.error("one of the arguments --url --spawn --metering-ab is required")
 
     proc = None
     url = args.url
@@ -185,6 +200,71 @@ def main() -> None:
     print(f"  requests/s        {base['requests_per_s']:.2f}")
     print(f"  output tokens/s   {base['tokens_per_s']:.1f}  ({base['tokens']} tokens in {base['elapsed_s']:.1f} s)")
     print(f"ratio gateway / sequential (output tokens/s): {gw['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+
+
+def metering_ab(args) -> None:
+    """Two gateways (metering and /metrics off, on), ``args.metering_ab`` alternating rounds; prints each round
+    with the load average and the medians of output tokens/s and TTFT p50."""
+    off_env = {"LIVELORA_METERING": "false", "LIVELORA_METRICS": "false"}
+    servers = {}
+    try:
+        order = ("on", "off") if args.ab_on_first else ("off", "on")
+        for side in order:  # --ab-on-first swaps which gateway starts (and runs) first: a position bias shows
+            servers[side] = spawn(args.engine, args.model, args.max_batch_size, args.device,
+                                  off_env if side == "off" else {})
+        runs: dict[str, list[dict]] = {"off": [], "on": []}
+        for r in range(args.metering_ab):
+            for side in order:
+                load = os.getloadavg()[0]
+                gw = asyncio.run(run_gateway(servers[side][1], args.model, args.concurrency, args.requests,
+                                             args.max_tokens))
+                if side == "on":  # a scrape per round, as Prometheus would
+                    httpx.get(servers[side][1] + "/metrics", timeout=30).raise_for_status()
+                gw["load"] = load
+                runs[side].append(gw)
+                print(f"round {r + 1} metering {side:3}: {gw['tokens_per_s']:.1f} tokens/s, TTFT p50 "
+                      f"{gw['ttft_p50_s'] * 1000:.0f} ms, ITL p50 {gw['itl_p50_s'] * 1000:.1f} ms "
+                      f"(load avg 1 min {load:.2f})", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=60)
+    med = {side: {k: percentile([g[k] for g in rs], 0.5) for k in ("tokens_per_s", "ttft_p50_s", "itl_p50_s")}
+           for side, rs in runs.items()}
+    print(f"median of {args.metering_ab} rounds, {args.concurrency} streams x {args.requests} requests x "
+          f"{args.max_tokens} tokens (load avg 1/5/15 min now {' / '.join(f'{x:.2f}' for x in os.getloadavg())}):")
+    for side in ("off", "on"):
+        m = med[side]
+        print(f"  metering {side:3}: {m['tokens_per_s']:.1f} tokens/s, TTFT p50 {m['ttft_p50_s'] * 1000:.0f} ms, "
+              f"ITL p50 {m['itl_p50_s'] * 1000:.1f} ms")
+    change = med["on"]["tokens_per_s"] / med["off"]["tokens_per_s"] - 1
+    print(f"  tokens/s on vs off: {change * 100:+.1f} %")
+    print(f"one metering write (MULTI of HINCRBYs on Redis), median of 500: {metering_write_ms():.3f} ms "
+          f"(load avg 1 min {os.getloadavg()[0]:.2f})")
+
+
+def metering_write_ms(n: int = 500) -> float:
+    """Median wall time (ms) of the write a served request adds: one ``Meter.record_sync`` of two kinds."""
+    import uuid
+
+    from livelora.adapters.bus import connect_sync
+    from livelora.adapters.metering import Meter, Usage
+    from livelora.adapters.redis_keys import KeyLayout
+    from livelora.adapters.settings import CommonSettings
+
+    keys = KeyLayout(f"livelora-bench-{uuid.uuid4().hex[:8]}:")
+    client = connect_sync(CommonSettings().redis_url)
+    meter, times = Meter(keys), []
+    try:
+        for _ in range(n):
+            start = time.perf_counter()
+            meter.record_sync(client, Usage("bench", "k", "ep", {"prompt": 20, "completion": 32}))
+            times.append((time.perf_counter() - start) * 1000)
+    finally:
+        for key in client.scan_iter(f"{keys.prefix}*"):
+            client.delete(key)
+        client.close()
+    return percentile(times, 0.5)
 
 
 def _cuda() -> bool:

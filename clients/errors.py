@@ -17,7 +17,18 @@ Rules (see ../shared/design.md, "Errors"):
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+#: An absolute file path under a usual file-system root (not a URL path such as ``/v1/models``: those roots are
+#: not in the list), or one under the home directory (``~/``).
+_FILE_PATH = re.compile(r"(?<![\w.:/])(?:/(?:tmp|root|home|work|usr|var|opt|etc|data|mnt|srv|proc|dev|run|"
+                        r"private|Users|app|cache|nix|media|scratch)(?=/|\b)|~/)[^\s'\"`,;:)\]}]*")
+
+
+def redact_paths(text: str) -> str:
+    """``text`` with absolute file paths replaced by ``<path>`` (``/tmp/x/adapters/a@1`` → ``<path>``)."""
+    return _FILE_PATH.sub("<path>", text) if "/" in text else text
 
 
 class LiveloraError(Exception):
@@ -48,8 +59,9 @@ class LiveloraError(Exception):
         return self.message
 
     def to_dict(self) -> dict[str, Any]:
-        """The OpenAI error object: ``{"message", "type", "param", "code"}``."""
-        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        """The OpenAI error object: ``{"message", "type", "param", "code"}`` (server file paths in the message
+        replaced by ``<path>``, :func:`redact_paths`: what goes over the wire never shows the server's files)."""
+        return {"message": redact_paths(self.message), "type": self.type, "param": self.param, "code": self.code}
 
 
 class BadRequestError(LiveloraError, ValueError):

@@ -35,7 +35,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from fastapi import FastAPI
 
 from livelora.adapters.api_keys import KeyStore
-from livelora.gateway.api import admin, chat, completions, health, models, signals, tinker
+from livelora.gateway.api import admin, chat, completions, health, models, observability, signals, tinker
 from livelora.gateway.api.deps import GatewayServices, attach
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.api.logprobs import TokenTexts
@@ -44,6 +44,8 @@ from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.drain import Drain, DrainMiddleware
 from livelora.gateway.services.live import start_live_loop
+from livelora.gateway.services.metering import MeteringService
+from livelora.gateway.services.observe import MetricsMiddleware
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions import start_sessions
 from livelora.gateway.settings import GatewaySettings
@@ -73,6 +75,8 @@ def build_engine(settings: GatewaySettings) -> Engine:
               "max_model_len": inference.max_model_len}
     if inference.engine == "vllm":
         kwargs["settings"] = settings.vllm
+    elif inference.engine_threads:
+        kwargs["num_threads"] = inference.engine_threads
     return create_engine(inference.engine, **kwargs)
 
 
@@ -111,8 +115,10 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
         log.info("serving %s with the %s engine", settings.model_id, settings.inference.engine)
         live = await start_live_loop(settings, served)  # completion log, signals, adapter registry
         services.registry, services.completions, services.signals = live.registry, live.completions, live.signals
+        services.metering = metering = MeteringService(settings)
+        await metering.start()
         services.serving = Serving(served, settings, services.admission, live.registry, live.completions,
-                                   services.drain)
+                                   services.drain, metering)
         sessions = await start_sessions(settings, served, services.serving)  # training sessions (Tinker API)
         services.sessions = sessions
         try:
@@ -123,6 +129,7 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
         finally:
             await live.close()
             await sessions.close()
+            await metering.close()
             if own:
                 await served.close()
 
@@ -131,7 +138,8 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
     attach(app, services)
     install_error_handlers(app)
     app.add_middleware(AuthMiddleware, services=services, max_body_bytes=settings.server.max_body_bytes)
-    app.add_middleware(DrainMiddleware, drain=services.drain)  # outermost: refuses before auth reads a body
-    for module in (health, models, chat, completions, tinker, signals, admin):
+    app.add_middleware(DrainMiddleware, drain=services.drain)  # refuses before auth reads a body
+    app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, 401s and 503s included
+    for module in (health, models, chat, completions, tinker, signals, admin, observability):
         app.include_router(module.router)
     return app

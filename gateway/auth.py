@@ -15,9 +15,10 @@
 4. **Tenant.** The principal is put on ``request.state.principal`` and in :data:`current_principal`
    (read by the registry to hide other tenants' endpoints); in key mode ``request.state.caller`` is
    the tenant, which the completion log and the signal routes use to keep completions per tenant.
-5. **Training sessions.** Ids in Tinker requests (session, model, sampler and request ids all start
-   with ``<session_id>:``) are checked against the session's owner (Redis ``owner:session:<id>``,
-   written when ``create_session`` answers): another tenant's ids get 404.
+5. **Training sessions.** Every id a Tinker request names (path parameters and the body fields of
+   :data:`~livelora.adapters.object_ids.BODY_FIELDS`) is parsed in its one spelling (else 400) and its
+   session's recorded owner (:mod:`livelora.adapters.owners`, written by ``create_session``) must be the
+   caller's tenant: a missing record or another tenant's answers the same 404 (:func:`check_owner`).
 
 Errors answer in the OpenAI envelope through the app's one handler (:func:`error_response`).
 """
@@ -29,9 +30,11 @@ import json
 import logging
 import re
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from livelora.adapters.api_keys import OPEN_PRINCIPAL, KeyStore, Principal, validate_session_name
+from livelora.adapters.api_keys import DEFAULT_TENANT, OPEN_PRINCIPAL, KeyStore, Principal
+from livelora.adapters.object_ids import refs_of_request
+from livelora.adapters.owners import OwnerStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import (AuthenticationError, BadRequestError, LiveloraError, NotFoundError,
                                      PayloadTooLargeError, PermissionDeniedError)
@@ -45,9 +48,12 @@ log = logging.getLogger(__name__)
 current_principal: ContextVar[Principal | None] = ContextVar("livelora_principal", default=None)
 
 PUBLIC = "public"
+#: Role of ``GET /metrics``: ``operator`` when ``LIVELORA_METRICS_REQUIRE_KEY`` is true (default), else public.
+METRICS = "metrics"
 #: (method or "*", path regex) → role; first match wins; anything unmatched needs ``admin``.
 POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/health"), PUBLIC),
+    ("GET", re.compile(r"/metrics"), METRICS),
     ("GET", re.compile(r"/api/v1/healthz"), PUBLIC),
     ("GET", re.compile(r"/api/v1/checkpoint_archives/[^/]+"), PUBLIC),  # signed URL (HMAC): its own credential
     ("GET", re.compile(r"/(docs|redoc|openapi\.json|docs/oauth2-redirect)"), PUBLIC),
@@ -57,16 +63,14 @@ POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("*", re.compile(r"/admin(/.*)?"), "admin"),
 ]
 
-#: Body fields of Tinker requests that carry ids starting with ``<session_id>:``.
-_SESSION_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id", "sampler_id")
-_TINKER_PATH = re.compile(r"tinker://([^/]+)")
-
-
-def required_role(method: str, path: str) -> str:
-    """The role a request needs (``"public"`` for none); unmatched paths need ``admin``."""
+def required_role(method: str, path: str, *, metrics_key: bool = False) -> str:
+    """The role a request needs (``"public"`` for none); unmatched paths need ``admin``; ``/metrics`` needs
+    ``operator`` when ``metrics_key`` (``LIVELORA_METRICS_REQUIRE_KEY``), else nothing."""
     method = "GET" if method == "HEAD" else method
     for m, pattern, role in POLICY:
         if (m == "*" or m == method) and pattern.fullmatch(path):
+            if role == METRICS:
+                return "operator" if metrics_key else PUBLIC
             return role
     return "admin"
 
@@ -121,29 +125,6 @@ def bearer_key(headers: dict[str, str]) -> str | None:
     return headers.get("x-api-key") or None
 
 
-def session_ids(data: Any) -> set[str]:
-    """Session ids named by a Tinker request body (ids ``<session>:...`` and ``tinker://<model>/...`` paths).
-
-    Raises:
-        BadRequestError: an id field that is not a valid id (path separators, control characters, too long).
-    """
-    out: set[str] = set()
-    if not isinstance(data, dict):
-        return out
-    for key in _SESSION_FIELDS:
-        value = data.get(key)
-        if isinstance(value, str) and value:
-            validate_session_name(value, param=key)
-            out.add(value.split(":", 1)[0])
-    for key in ("model_path", "path"):
-        value = data.get(key)
-        if isinstance(value, str):
-            m = _TINKER_PATH.match(value)
-            if m:
-                out.add(m.group(1).split(":", 1)[0])
-    return out
-
-
 class AuthMiddleware:
     """ASGI middleware doing the five steps of the module docstring.
 
@@ -188,14 +169,15 @@ class AuthMiddleware:
                 more = message.get("more_body", False)
                 if len(body) > self.max_body_bytes:
                     return await _send_error(scope, send, _too_large(self.max_body_bytes))
-            if tinker:
-                try:
-                    await self.check_sessions(path, body, principal)
-                except LiveloraError as err:
-                    return await _send_error(scope, send, err)
+            try:
+                data = json_body(body, headers.get("content-type"))
+                if tinker and data is None and body.strip():
+                    data = protobuf_ids(body, headers)  # None: neither JSON nor protobuf, the route answers 400
+                if tinker and (data is not None or not body.strip()):
+                    await self.check_sessions(path, data, principal)
+            except LiveloraError as err:
+                return await _send_error(scope, send, err)
             receive = _replay(body, receive)
-        if tinker and path == "/api/v1/create_session":
-            send = self._record_owner(send, principal)
         token = current_principal.set(principal)
         try:
             await self.app(scope, receive, send)
@@ -216,7 +198,8 @@ class AuthMiddleware:
         if services.auth_open and keys.active():
             services.auth_open = False  # a key was created: key mode from now on, never back
             log.warning("API keys exist now: the gateway requires keys from here on")
-        role = required_role(scope.get("method", "GET"), scope.get("path", ""))
+        role = required_role(scope.get("method", "GET"), scope.get("path", ""),
+                             metrics_key=services.settings.observability.metrics_require_key)
         if services.auth_open:
             return OPEN_PRINCIPAL
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -233,58 +216,110 @@ class AuthMiddleware:
                                         f"for {scope.get('method')} {scope.get('path')}")
         return principal
 
-    def _owner_key(self, session_id: str) -> str:
-        return KeyLayout(self.services.settings.redis_prefix).session_owner(session_id)
-
-    async def _redis(self):
-        return getattr(self.services.sessions, "redis", None)
-
-    async def check_sessions(self, path: str, body: bytes, principal: Principal) -> None:
-        """404 when the request names a session owned by another tenant.
+    async def check_sessions(self, path: str, data: object, principal: Principal) -> None:
+        """Every id a Tinker request names (path parameters and body fields, :mod:`livelora.adapters.object_ids`)
+        must be in its one spelling (else 400) and belong to the caller's tenant (else 404, the same as a
+        missing object: :func:`check_owner`).
 
         Raises:
-            NotFoundError: another tenant's session, model, sampler or request id.
-            BadRequestError: a malformed id.
+            NotFoundError: a missing or another tenant's session (and so its models, samplers, requests, paths).
+            BadRequestError: an id in another spelling.
         """
-        try:
-            data = json.loads(body) if body.strip() else {}
-        except ValueError:
-            return  # the route answers 400 for bad JSON
-        ids = session_ids(data)
-        parts = path.split("/")[3:]  # /api/v1/<route>/<id>/...
-        if len(parts) > 1 and parts[0] == "sessions":
-            ids.add(parts[1])
-        for part in parts:
-            if ":" in part:
-                ids.add(part.split(":", 1)[0])
-        redis = await self._redis()
-        if not ids or redis is None:
-            return
-        for sid in ids:
-            owner = await redis.get(self._owner_key(sid))
-            if owner is not None and (owner.decode() if isinstance(owner, bytes) else owner) != principal.tenant:
-                raise NotFoundError(f"{sid!r} does not exist", param="session_id")
+        for ref in refs_of_request(path[len("/api/v1/"):], data):
+            if ref.session is not None:
+                check_owner(self.services.settings.home, "session", ref.session, principal.tenant)
+            else:  # an ad-hoc sample's request id: the future's own owner record
+                redis = getattr(self.services.sessions, "redis", None)
+                key = KeyLayout(self.services.settings.redis_prefix).request_owner(ref.text)
+                owner = await redis.get(key) if redis is not None else None
+                if owner is None or (owner.decode() if isinstance(owner, bytes) else owner) != principal.tenant:
+                    raise NotFoundError(f"request {ref.text!r} does not exist", param="request_id")
 
-    def _record_owner(self, send, principal: Principal):
-        chunks: list[bytes] = []
-        status = {"code": 0}
 
-        async def wrapped(message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            elif message["type"] == "http.response.body" and status["code"] == 200:
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    try:
-                        sid = json.loads(b"".join(chunks)).get("session_id")
-                        redis = await self._redis()
-                        if sid and redis is not None:
-                            ttl = 30 * 24 * 3600
-                            await redis.set(self._owner_key(sid), principal.tenant, ex=ttl)
-                    except Exception as exc:  # the session works; only its owner record is missing
-                        log.warning("could not record the owner of a new session: %s", exc)
-            await send(message)
-        return wrapped
+def caller_tenant() -> str:
+    """The tenant of the request being handled (``default`` outside requests and in open mode)."""
+    principal = current_principal.get()
+    return principal.tenant if principal is not None else DEFAULT_TENANT
+
+
+def check_owner(home, kind: str, name: str, tenant: str | None = None) -> None:
+    """The one owner check of the gateway: ``tenant`` (default: the current request's) owns ``kind`` ``name``
+    (:meth:`livelora.adapters.owners.OwnerStore.check`: deny by default, one 404 for missing and foreign).
+
+    Raises:
+        NotFoundError: no owner record, or another tenant's.
+    """
+    OwnerStore(home).check(kind, name, caller_tenant() if tenant is None else tenant)
+
+
+#: Deepest nesting of objects/arrays a request body may have (Tinker bodies nest about 8 deep).
+MAX_JSON_DEPTH = 64
+
+
+def protobuf_ids(body: bytes, headers: dict[str, str]) -> dict[str, object] | None:
+    """The ids a protobuf Tinker body (SDK ≥0.25 ``forward_backward``) names, read from its head, as a JSON-like
+    ``{"model_id", "seq_id"}`` for the owner check; ``None`` when the body is not declared as protobuf.
+
+    Raises:
+        BadRequestError: a protobuf body whose ``model_id`` cannot be read (nothing is let through unchecked).
+    """
+    from livelora.gateway.api.tinker_wire import requests as wire  # the codec lives with the Tinker routes
+
+    media = (headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    if media not in wire.PROTO_MEDIA_TYPES:
+        return None
+    model_id, seq_id = wire.peek_body_ids(body, headers.get("content-encoding"))
+    if not model_id:
+        raise BadRequestError("cannot read model_id from the protobuf request body", param="model_id",
+                              code="invalid_id")
+    return {"model_id": model_id, "seq_id": seq_id}
+
+
+def json_body(body: bytes, content_type: str | None) -> object:
+    """The decoded body of a request declared as JSON (``None`` for another or no content-type, which its route
+    answers; ``{}`` for an empty body), so that no route meets malformed or too deeply nested JSON.
+
+    Raises:
+        BadRequestError: not valid JSON, or nested deeper than :data:`MAX_JSON_DEPTH` (400, ``invalid_json``).
+    """
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if not (media == "application/json" or media.endswith("+json")):
+        return None
+    if not body.strip():
+        return {}
+    check_json_depth(body, MAX_JSON_DEPTH)
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def check_json_depth(body: bytes, limit: int) -> None:
+    """Refuse a body whose JSON nests objects/arrays deeper than ``limit`` (counted on the raw bytes, outside
+    strings, before any parser recurses into it; a body that is not JSON is left to its route).
+
+    Raises:
+        BadRequestError: nested deeper than ``limit`` (400, code ``invalid_json``).
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return  # cannot nest deeper (the common case: no scan)
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)  # C-speed: strings, then non-brackets
+    depth = 0
+    for byte in brackets:
+        depth += 1 if byte in (0x5B, 0x7B) else -1
+        if depth > limit:
+            raise _too_deep(limit)
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _too_deep(limit: int = MAX_JSON_DEPTH) -> BadRequestError:
+    return BadRequestError(f"request body nests JSON objects/arrays deeper than the limit of {limit}",
+                           code="invalid_json")
 
 
 def _too_large(limit: int) -> PayloadTooLargeError:

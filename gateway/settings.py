@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from livelora.adapters.settings import ENV_PREFIX, ProcessSettings, Section, SessionSection
+from livelora.adapters.settings import ENV_PREFIX, ObservabilitySection, ProcessSettings, Section, SessionSection
 
 #: Default retention of completion records and rating keys: 7 days, in seconds.
 DEFAULT_RETENTION_S = 7 * 24 * 3600
@@ -50,6 +50,8 @@ class InferenceSection(Section):
     device: str | None = Field(None, description="Torch device for the engine (default: cuda if available, else cpu).")
     dtype: str | None = Field(None, description="Weights dtype for the engine (default: engine's choice).")
     max_batch_size: int = Field(8, ge=1, description="Sequences the engine decodes together in one step.")
+    engine_threads: int | None = Field(None, ge=1, description="Torch threads of the transformers engine "
+                                                               "(process-wide; default: torch's, all cores).")
     max_waiting: int = Field(64, ge=0, description="Sequences allowed to wait for a batch slot; more get 429.")
     max_model_len: int | None = Field(None, ge=16, description="Cap on prompt + completion tokens "
                                                                "(default: the model's context length).")
@@ -80,6 +82,19 @@ class VLLMSection(Section):
                                                         "else the temp dir).")
 
 
+class QuotaSection(Section):
+    """Every tenant's default limits (``PUT /admin/quotas`` overrides them per tenant; unset:
+    unlimited). Environment ``LIVELORA_QUOTA_SESSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY`` (JSON object)."""
+
+    quota_sessions: int | None = Field(None, ge=0, description="Training sessions a tenant may have alive at once "
+                                                              "(a session frees its slot when finished or after "
+                                                              "LIVELORA_SESSION_TTL_S without a heartbeat).")
+    quota_tokens_per_day: dict[str, int] = Field(default_factory=dict, description="Tokens a tenant may use per UTC "
+                                                 "day, per metering kind, e.g. {\"completion\": 200000, "
+                                                 "\"trained\": 1000000}; over it requests answer 429 until "
+                                                 "00:00 UTC.")
+
+
 class LiveSection(Section):
     """The live loop in the gateway: ``LIVELORA_COMPLETION_RETENTION_S``, ``LIVELORA_IDEMPOTENCY_TTL_S``,
     ``LIVELORA_RESYNC_S``."""
@@ -99,6 +114,8 @@ class GatewaySettings(ProcessSettings):
     vllm: VLLMSection = Field(default_factory=VLLMSection)
     live: LiveSection = Field(default_factory=LiveSection)
     sessions: SessionSection = Field(default_factory=SessionSection)
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
+    quotas: QuotaSection = Field(default_factory=QuotaSection)
 
     @property
     def model_id(self) -> str:

@@ -17,7 +17,7 @@ import torch
 from _server import start_server
 from typer.testing import CliRunner
 
-from livelora.adapters.api_keys import ROLES, KeyStore
+from livelora.adapters.api_keys import ROLES, TENANT_ROLES, KeyStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
@@ -65,11 +65,11 @@ def keys(home):
     for role in ROLES:
         made[role] = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", role,
                           "--name", f"acme-{role}").strip().splitlines()[-1]
-    made["acme"] = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", ",".join(ROLES),
+    made["acme"] = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", ",".join(TENANT_ROLES),
                         "--name", "acme-all").strip().splitlines()[-1]
-    made["beta"] = _cli("keys", "create", "--home", str(home), "--tenant", "beta", "--roles", ",".join(ROLES),
+    made["beta"] = _cli("keys", "create", "--home", str(home), "--tenant", "beta", "--roles", ",".join(TENANT_ROLES),
                         "--name", "beta-all").strip().splitlines()[-1]
-    revoked = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", ",".join(ROLES))
+    revoked = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", ",".join(TENANT_ROLES))
     made["revoked"] = revoked.strip().splitlines()[-1]
     rid = KeyStore(home).verify(made["revoked"]).key_id
     _cli("keys", "revoke", rid, "--home", str(home))
@@ -129,7 +129,7 @@ def test_every_route_answers_401_403_by_role(server, keys):
     assert len(routes) > 40 and ("POST", "/admin/endpoints/{name:path}/promote") in routes
     seen_roles = set()
     for method, path in routes:
-        role = required_role(method, path)
+        role = required_role(method, path, metrics_key=server.services.settings.observability.metrics_require_key)
         seen_roles.add(role)
         url = _fill(path)
         body = {} if method in ("POST", "PUT", "PATCH") else None
@@ -158,6 +158,13 @@ def test_every_route_answers_401_403_by_role(server, keys):
 
 
 # ---------------------------------------------------------------------------------------------- tenants
+
+
+def test_an_operator_key_is_made_on_the_store_only(server, keys):
+    with client(server, keys["admin"]) as http:
+        r = http.post("/admin/keys", json={"roles": ["admin", "operator"]})
+    assert error_of(r, 403)["param"] == "roles"
+    assert "--home" in r.json()["error"]["message"]
 
 
 def test_cross_tenant_access_is_404(server, keys):

@@ -111,13 +111,12 @@ def test_retried_op_is_not_applied_twice(service, batch, sessions_server):
 
 def test_bad_inputs_fail_the_future_and_later_ops_still_run(service, batch, sessions_server):
     tc = service.create_lora_training_client(MODEL, rank=2, seed=3)
-    # unknown model id
-    r = post(sessions_server, "/forward", {"forward_input": {"data": [batch[0].model_dump(mode="json")],
-                                                             "loss_fn": "cross_entropy"},
-                                           "model_id": "nosuchsession:train:0", "seq_id": 1})
-    assert r.status_code == 200
-    failed = result(sessions_server, r.json()["request_id"])
-    assert failed["category"] == "user" and "does not exist" in failed["error"]
+    # unknown model id: 404 at once (the same answer another tenant's gets); a malformed one: 400
+    fwd = {"forward_input": {"data": [batch[0].model_dump(mode="json")], "loss_fn": "cross_entropy"}, "seq_id": 1}
+    r = post(sessions_server, "/forward", {**fwd, "model_id": f"{'0' * 32}:train:0"})
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+    r = post(sessions_server, "/forward", {**fwd, "model_id": "nosuchsession:train:0"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model_id"
     # wrong tensor shape
     d = batch[0]
     short = Datum(model_input=d.model_input, loss_fn_inputs={

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from livelora.adapters import metrics
 from livelora.adapters.atomic import file_lock
 
 #: Which events each version was trained on (``{"version", "event_ids", "stream_ids"}`` per line), written
@@ -108,6 +109,8 @@ class DatasetOfRecord:
                     continue
                 seen.add(rid)
                 new.append(json.dumps(rec))
+                event_type = (rec.get("event") or {}).get("type", "invalid")
+                metrics.SIGNALS.labels("recorded", event_type).inc()
             if new:
                 append_lines(self.folder / f"{day}.jsonl", new)
                 known.update(seen)

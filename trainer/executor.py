@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from livelora.adapters import metrics
+from livelora.adapters.metering import Meter, Usage
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.session_protocol import (CheckpointIndex, Op, StaleOwnerError, future_done, future_failed,
                                                 session_of)
@@ -83,6 +85,18 @@ class _ModelSlot:
     prev_applied: int = -1  # highest seq a previous owner committed
     kept: list[str] = field(default_factory=list)  # entries of forward_backward ops since the snapshot
     lost_grads: list[int] = field(default_factory=list)  # forward_backward seqs whose gradients died
+    op_tokens: int = 0  # model_input tokens of the forward/forward_backward op just run (metering)
+    payer: tuple[str, str | None] | None = None  # (tenant, API key id) of the session, read once
+
+
+def _observe_queue(kind: str, entry_id: str) -> None:
+    """``livelora_session_op_queue_seconds``: now minus the op's stream entry time (the ms part of its id, Redis's
+    clock when the gateway queued it)."""
+    try:
+        queued_ms = int(entry_id.split("-", 1)[0])
+    except ValueError:
+        return
+    metrics.SESSION_OP_QUEUE.labels(kind).observe(max(time.time() - queued_ms / 1000.0, 0.0))
 
 
 class _Stale(Exception):
@@ -102,11 +116,14 @@ class OpExecutor(SessionOps):
         max_seq_len: longest ``model_input`` accepted (tokens).
         base_model_aliases: other accepted base-model names; ``served_name``: the name reported in records.
         owner: this executor's id in leases (default ``{host}-{pid}-{4 hex}``).
+        meter: counts the tokens of ``forward`` (kind ``forward``) and ``forward_backward`` (kind ``trained``)
+            ops that succeed, per session (default: a :class:`~livelora.adapters.metering.Meter` on ``keys``).
     """
 
     def __init__(self, redis_client, keys: KeyLayout, home: Path | str, base_model: str,
                  settings: SessionSection | None = None, *, device: str = "cpu", max_seq_len: int | None = None,
-                 base_model_aliases: tuple[str, ...] = (), served_name: str | None = None, owner: str | None = None):
+                 base_model_aliases: tuple[str, ...] = (), served_name: str | None = None, owner: str | None = None,
+                 meter: Meter | None = None):
         from livelora.adapters.models import HUB_IDS, resolve_base_model
 
         self.redis = redis_client
@@ -129,6 +146,7 @@ class OpExecutor(SessionOps):
         self._thread: threading.Thread | None = None
         self._last_housekeeping = 0.0
         self.ops_run = 0
+        self.meter = meter if meter is not None else Meter(keys)
 
     @property
     def owner(self) -> str:
@@ -267,6 +285,7 @@ class OpExecutor(SessionOps):
         slot.buffer[op.seq_id] = (entry_id, op)
 
     def _execute(self, slot: _ModelSlot, entry_id: str, op: Op) -> None:
+        _observe_queue(op.kind, entry_id)
         slot.next_seq = op.seq_id + 1
         slot.last_progress = time.monotonic()
         self.ops_run += 1
@@ -297,8 +316,26 @@ class OpExecutor(SessionOps):
                 trim = [entry_id]
             self._commit(slot, op.request_id, record, op.seq_id)
             self._trim(slot, trim)
+            done = json.loads(record)["state"] == "done"
+            metrics.SESSION_OPS.labels(op.kind, "done" if done else "failed").inc()
+            if op.kind in ("forward", "forward_backward") and done:
+                self._meter(slot, op)
         except (_Stale, StaleOwnerError) as exc:
             self._drop(slot.model_id, f"stale owner: {exc}")
+
+    def _meter(self, slot: _ModelSlot, op: Op) -> None:
+        """Count a committed forward (``forward``) or forward_backward (``trained``) op's tokens for its session's
+        tenant and key (``tenant``/``key_id`` of the session record the gateway wrote; ``default`` when absent)."""
+        try:
+            if slot.payer is None:
+                raw = self.redis.get(self.keys.session(slot.session_id))
+                record = json.loads(raw) if raw else {}
+                slot.payer = (record.get("tenant") or "default", record.get("key_id"))
+            kind = "forward" if op.kind == "forward" else "trained"
+            self.meter.record_sync(self.redis, Usage(slot.payer[0], slot.payer[1], slot.session_id,
+                                                     {kind: slot.op_tokens}))
+        except Exception as exc:  # noqa: BLE001 - the op is done; only its count is missing
+            log.warning("could not meter %s seq %d of %s: %s", op.kind, op.seq_id, slot.model_id, exc)
 
     def _snapshot(self, slot: _ModelSlot, op: Op, record: str) -> None:
         from livelora.trainer.recovery import write_snapshot

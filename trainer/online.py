@@ -35,8 +35,14 @@ LoRA LR ≈ 10× the full-FT guidance, KTO/DPO β = 0.1).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
+
+from livelora.adapters import metrics as prom
+from livelora.adapters.api_keys import DEFAULT_TENANT
+from livelora.adapters.endpoints import EndpointStore
+from livelora.adapters.metering import Meter, Usage
 
 from livelora.adapters.chat_tokens import chat_pair, rated_completion_ids
 from livelora.adapters.models import BaseModelRef, load_tokenizer
@@ -80,10 +86,15 @@ class OnlineTrainer:
         home: ``LIVELORA_HOME`` (adapter store).
         config: hyperparameters (``lora``, ``kto_lr``, ``sft_lr``, ``dpo_lr``, ``beta``, ``grad_clip_norm``,
             ``save_optimizer``, ``device``); default: the environment's.
+        meter, redis: count each step's ``model_input`` tokens (kind ``live_trained``) per endpoint of its events
+            for the endpoint's tenant (``None``: not metered).
     """
 
-    def __init__(self, base_ref: BaseModelRef, home: Path | str, config: TrainingSection | None = None):
+    def __init__(self, base_ref: BaseModelRef, home: Path | str, config: TrainingSection | None = None, *,
+                 meter: Meter | None = None, redis: Any = None):
         self.base_ref = base_ref
+        self.home = Path(home)
+        self.meter, self.redis = meter, redis
         self.store = AdapterStore(home)
         self.config = config or TrainingSection()
         self._tokenizer = None
@@ -226,6 +237,7 @@ class OnlineTrainer:
             BadRequestError: bad data (nothing changes in the model: validation runs before the step).
         """
         data, loss_fn, cfg, lr = self.datums(batch)
+        started = time.monotonic()
         model = self.model_for(batch.lineage)
         try:
             out = model.forward_backward(data, loss_fn, cfg)
@@ -240,9 +252,39 @@ class OnlineTrainer:
                             "undesirable_weight:mean": batch.undesirable_weight})
         save = model.save_state if self.config.save_optimizer else model.save_weights
         manifest = save(self.store, batch.lineage, metrics=metrics)
+        self._observe(batch, data, time.monotonic() - started, metrics.get("loss:sum"))
+        completions = [c for ev in batch.events for c in (getattr(ev, "completion_id", None),
+                                                           getattr(ev, "chosen_completion_id", None),
+                                                           getattr(ev, "rejected_completion_id", None)) if c]
+        log.info("trained %s on %d %s event(s)", manifest.name, len(batch.events), loss_fn,
+                 extra={"version": manifest.name, "endpoint": batch.endpoint, "event_ids": [e.id for e in batch.events],
+                        "completion_ids": completions or None})
         log.info("%s: %s step on %d events, loss %.4f", manifest.name, loss_fn, len(batch.events),
                  metrics.get("loss:sum", float("nan")))
         return manifest
+
+    def _observe(self, batch: Batch, data: list[Datum], seconds: float, loss: float | None) -> None:
+        """Metrics of a published step and its metered tokens: datum ``i`` (KTO, SFT) or ``2i, 2i+1`` (DPO)
+        belong to event ``i``, whose endpoint (and that endpoint's tenant) they are counted for."""
+        per = len(data) // max(len(batch.events), 1)
+        tokens: dict[str, int] = {}
+        for i, ev in enumerate(batch.events):
+            tokens[ev.endpoint] = tokens.get(ev.endpoint, 0) + sum(d.model_input.length
+                                                                   for d in data[i * per:(i + 1) * per])
+            prom.SIGNALS.labels("trained", ev.type).inc()
+        prom.TRAIN_STEP.labels(batch.endpoint).observe(seconds)
+        if loss is not None:
+            prom.TRAIN_LOSS.labels(batch.endpoint).set(loss)
+        if self.meter is None or self.redis is None:
+            return
+        endpoints = EndpointStore(self.home)
+        for endpoint, n in tokens.items():
+            try:
+                tenant = endpoints.get(endpoint).tenant or DEFAULT_TENANT
+                self.meter.record_sync(self.redis, Usage(tenant, None, endpoint, {"live_trained": n}))
+            except Exception as exc:  # noqa: BLE001 - the version is saved; only its count is missing
+                prom.REDIS_ERRORS.labels("metering").inc()
+                log.warning("could not meter %d live-loop tokens of %s: %s", n, endpoint, exc)
 
     def path_of(self, manifest: Manifest) -> Path:
         """Directory of a version."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from livelora.adapters.metering import datum_tokens
 from livelora.adapters.session_protocol import (CheckpointIndex, Op, check_checkpoint_name, expires_at, lineage_for, now_iso,
                                                 resolve_checkpoint, tinker_path)
 from livelora.adapters.store import Manifest
@@ -33,6 +34,7 @@ class SessionOps:
         model = slot.model
         if op.kind in ("forward", "forward_backward"):
             fb = ForwardBackwardInput.model_validate(op.body["input"])
+            slot.op_tokens = datum_tokens(fb.data)
             fn = model.forward if op.kind == "forward" else model.forward_backward
             return fn(fb.data, fb.loss_fn, fb.loss_fn_config).model_dump(mode="json")
         if op.kind == "optim_step":

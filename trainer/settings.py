@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from livelora.adapters.settings import ProcessSettings, Section, SessionSection
+from livelora.adapters.settings import ObservabilitySection, ProcessSettings, Section, SessionSection
 from livelora.clients.types.tinker import LoraConfig
 
 
@@ -65,3 +65,4 @@ class TrainerSettings(ProcessSettings):
 
     training: TrainingSection = Field(default_factory=TrainingSection)
     sessions: SessionSection = Field(default_factory=SessionSection)
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)

@@ -20,6 +20,7 @@ import json
 import re
 from collections.abc import Mapping
 
+from livelora.adapters import metrics
 from livelora.trainer.scheduler import Batch, kto_class_weights
 
 _DATUM = re.compile(r"^data\[(\d+)\]")
@@ -56,5 +57,7 @@ def culprit(batch: Batch, param: str | None) -> int | None:
 def rejected_lines(batch: Batch, reasons: Mapping[int, str]) -> list[str]:
     """``rejected.jsonl`` lines (``{"stream_id", "event_id", "kind", "reason"}``) for the events at the indexes
     of ``reasons``."""
+    for i in reasons:
+        metrics.SIGNALS.labels("dead_lettered", batch.events[i].type).inc()
     return [json.dumps({"stream_id": batch.stream_ids[i], "event_id": batch.events[i].id, "kind": batch.kind,
                         "reason": reason[:1000]}) for i, reason in sorted(reasons.items())]

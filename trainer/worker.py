@@ -503,14 +503,17 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
     """A worker wired from :class:`~livelora.trainer.settings.TrainerSettings` (environment by default):
     real Redis client, the settings' base model, an :class:`~livelora.trainer.online.OnlineTrainer`."""
     from livelora.adapters.bus import connect_sync
+    from livelora.adapters.metering import Meter
     from livelora.adapters.models import resolve_base_model
     from livelora.trainer.online import OnlineTrainer
     from livelora.trainer.settings import TrainerSettings
 
     s = settings or TrainerSettings()
     t = s.training
-    backend = OnlineTrainer(resolve_base_model(s.model, s.home), s.home, t)
-    return TrainerWorker(client or connect_sync(s.redis_url), KeyLayout(s.redis_prefix), s.home, backend,
+    client = client or connect_sync(s.redis_url)
+    meter = Meter(KeyLayout(s.redis_prefix), enabled=s.observability.metering)
+    backend = OnlineTrainer(resolve_base_model(s.model, s.home), s.home, t, meter=meter, redis=client)
+    return TrainerWorker(client, KeyLayout(s.redis_prefix), s.home, backend,
                          BatchScheduler(t), consumer=t.consumer, claim_idle_s=t.claim_idle_s,
                          claim_interval_s=min(10.0, t.claim_idle_s / 2))
 

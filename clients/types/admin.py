@@ -54,5 +54,5 @@ class ExportRequest(_Request):
 class CreateKeyRequest(_Request):
     """``POST /admin/keys``: a key for the caller's tenant."""
 
-    roles: list[Literal["inference", "feedback", "train", "admin"]] = Field(min_length=1)
+    roles: list[Literal["inference", "feedback", "train", "admin", "operator"]] = Field(min_length=1)
     name: str = Field("", max_length=64, description="Label shown in `keys list` and the audit log.")

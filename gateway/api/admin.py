@@ -86,10 +86,10 @@ async def delete_adapter(name: str, admin: AdminDep) -> dict:
 
 @router.post("/adapters/{name}/export")
 async def export_adapter(name: str, body: ExportRequest, admin: AdminDep) -> dict:
-    """Export into ``<home>/exports/<name>.<format>`` (reused when it exists); download it with
-    ``GET /admin/exports/{name}/{format}``."""
+    """Export into ``<home>/exports/<name>.<format>`` (reused when it exists; ``path`` is relative to the store,
+    never a server file path); download it with ``GET /admin/exports/{name}/{format}``."""
     path, files = await admin.export(name, body.format)
-    return {"adapter": name, "format": body.format, "path": str(path), "files": files,
+    return {"adapter": name, "format": body.format, "path": f"exports/{path.name}", "files": files,
             "download": f"/admin/exports/{name}/{body.format}"}
 
 

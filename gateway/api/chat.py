@@ -130,6 +130,10 @@ class ChatEncoder:
             id=self.served.id, created=self.served.created, model=self.target.model, choices=choices, usage=usage,
             system_fingerprint=self.target.fingerprint).model_dump(mode="json"))
 
+    def usage_totals(self) -> CompletionUsage:
+        """Tokens so far (what the ``usage`` field says; metered by :func:`~livelora.gateway.api.streaming.respond`)."""
+        return self._usage()
+
     def _usage(self) -> CompletionUsage:
         return CompletionUsage(prompt_tokens=self.prompt_tokens, completion_tokens=self.tokens,
                                total_tokens=self.prompt_tokens + self.tokens)

@@ -186,6 +186,10 @@ class CompletionEncoder:
         self.offsets[index] += len(chunk.text)
         return CompletionChoice(index=index, text=chunk.text, logprobs=lp, finish_reason=chunk.finish_reason)
 
+    def usage_totals(self) -> CompletionUsage:
+        """Tokens so far (what the ``usage`` field says; metered by :func:`~livelora.gateway.api.streaming.respond`)."""
+        return self._usage()
+
     def _usage(self) -> CompletionUsage:
         prompt_tokens = sum(len(p) for p in self.prompts)
         return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,

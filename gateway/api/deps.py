@@ -28,6 +28,7 @@ from livelora.gateway.services.admin import GatewayAdmin
 from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.services.drain import Drain
+from livelora.gateway.services.metering import MeteringService
 from livelora.gateway.services.registry import AdapterRegistry
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions import Checkpoints, SamplingSessions, SessionService, TrainingOps
@@ -54,6 +55,7 @@ class GatewayServices:
         signals: ratings, preferences, demonstrations (live loop).
         sessions: the Tinker training-session service.
         drain: the graceful-drain state (set by the process wiring on SIGTERM/SIGINT).
+        metering: token counters and the usage report.
     """
 
     settings: GatewaySettings
@@ -68,6 +70,7 @@ class GatewayServices:
     signals: SignalService | None = None
     sessions: SessionService | None = None
     drain: Drain | None = None
+    metering: MeteringService | None = None
 
 
 def attach(app: FastAPI, services: GatewayServices) -> None:
@@ -132,6 +135,17 @@ def get_sampling_sessions(sessions: Annotated[SessionService, Depends(get_sessio
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
+def get_metering(services: ServicesDep) -> MeteringService:
+    if services.metering is None:
+        raise UnavailableError("usage metering is not available (the gateway is starting or stopping)")
+    return services.metering
+
+
+def get_auth_open(services: ServicesDep) -> bool:
+    """Whether the gateway runs open (no API keys): every caller sees every tenant."""
+    return services.auth_open
+
+
 def get_admin(services: ServicesDep, principal: PrincipalDep) -> GatewayAdmin:
     return GatewayAdmin(services.settings.home, principal, services.registry)
 
@@ -145,3 +159,5 @@ TrainingOpsDep = Annotated[TrainingOps, Depends(get_training_ops)]
 CheckpointsDep = Annotated[Checkpoints, Depends(get_checkpoints)]
 SamplingDep = Annotated[SamplingSessions, Depends(get_sampling_sessions)]
 AdminDep = Annotated[GatewayAdmin, Depends(get_admin)]
+MeteringDep = Annotated[MeteringService, Depends(get_metering)]
+AuthOpenDep = Annotated[bool, Depends(get_auth_open)]

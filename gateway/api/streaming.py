@@ -34,6 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
+from livelora.clients.types.openai import CompletionUsage
 from livelora.gateway.api.errors import error_event
 from livelora.gateway.engines.base import GenerationChunk
 from livelora.gateway.services.drain import DrainExpired
@@ -85,6 +86,14 @@ class ChoiceEncoder(Protocol):
     def body(self) -> dict[str, Any]:
         """The JSON response body once every choice is done."""
 
+    def usage_totals(self) -> CompletionUsage:
+        """Tokens so far: what the ``usage`` field says (and what is metered)."""
+
+
+def _tokens(encoder: ChoiceEncoder) -> dict[str, int]:
+    usage = encoder.usage_totals()
+    return {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens}
+
 
 async def respond(served: ServedRequest, encoder: ChoiceEncoder, request: Request) -> Response:
     """Run ``served`` and answer with ``encoder``'s shapes: SSE when ``encoder.stream``, else one JSON body.
@@ -94,6 +103,8 @@ async def respond(served: ServedRequest, encoder: ChoiceEncoder, request: Reques
             released).
     """
     try:
+        if served.metering is not None:  # over a daily token limit: 429, nothing runs
+            await served.metering.quotas.check_tokens(served.payer[0], ("prompt", "completion"))
         await encoder.prepare()
         choices = served.generate()
     except BaseException:
@@ -113,11 +124,14 @@ async def _complete(served: ServedRequest, choices: ChoiceStream, encoder: Choic
                 served.drain.check_running()  # 503 once the gateway's grace period is over
             if served.recorder is not None:
                 served.recorder.add(index, chunk)
+            served.observe(index, chunk)
             encoder.add(index, chunk)
+        await served.account(_tokens(encoder))
     finally:
         watcher.cancel()
         choices.abort()
         served.release()
+        served.account_later(_tokens(encoder))  # aborted: what was generated so far
     if served.recorder is not None:
         await served.recorder.save()
     return JSONResponse(encoder.body(), headers=served.headers)
@@ -127,6 +141,7 @@ async def _stream(served: ServedRequest, choices: ChoiceStream, encoder: ChoiceE
     def cleanup() -> None:
         choices.abort()
         served.release()
+        served.account_later(_tokens(encoder))  # ended early: what was generated so far
 
     try:  # errors before the first token are plain HTTP errors
         first = await anext(choices, None)
@@ -148,10 +163,12 @@ async def _stream(served: ServedRequest, choices: ChoiceStream, encoder: ChoiceE
                 index, chunk = item
                 if served.recorder is not None:
                     served.recorder.add(index, chunk)
+                served.observe(index, chunk)
                 for data in encoder.events(index, chunk):
                     yield data
             if encoder.include_usage:
                 yield encoder.usage()
+            await served.account(_tokens(encoder))
             if served.recorder is not None:
                 await served.recorder.save()
             yield DONE

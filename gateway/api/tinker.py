@@ -94,6 +94,25 @@ def encode(obj: BaseModel | dict[str, Any], status_code: int = 200) -> Response:
     return JSONResponse(data, status_code=status_code)
 
 
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` publishing ``model`` as the route's JSON request body, so the OpenAPI document (and tools
+    driven by it, such as schemathesis) knows what the route takes although the handler decodes the body itself.
+    The model's ``$defs`` are inlined (the schema must stand alone inside the operation)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline({**defs[ref[len("#/$defs/"):]], **{k: v for k, v in node.items() if k != "$ref"}})
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 # ------------------------------------------------------------------------------------------------ client setup
 @router.post("/client/config")
 async def client_config() -> Response:
@@ -122,18 +141,18 @@ async def get_server_capabilities(ops: TrainingOpsDep) -> Response:
 
 
 # ------------------------------------------------------------------------------------------------ sessions
-@router.post("/create_session")
+@router.post("/create_session", openapi_extra=body_schema(CreateSessionRequest))
 async def create_session(request: Request, sessions: SessionsDep) -> Response:
     return encode(await sessions.create_session(await decode(request, CreateSessionRequest)))
 
 
-@router.post("/session_heartbeat")
+@router.post("/session_heartbeat", openapi_extra=body_schema(SessionHeartbeatRequest))
 async def session_heartbeat(request: Request, sessions: SessionsDep) -> Response:
     await sessions.heartbeat((await decode(request, SessionHeartbeatRequest)).session_id)
     return encode(SessionHeartbeatResponse())
 
 
-@router.post("/sessions/{session_id}/finish")
+@router.post("/sessions/{session_id}/finish", openapi_extra=body_schema(SessionFinishRequest))
 async def finish_session(session_id: str, request: Request, sessions: SessionsDep) -> Response:
     req = await decode(request, SessionFinishRequest)
     await sessions.finish_session(session_id, req.reason.type, req.detail)
@@ -156,23 +175,23 @@ async def get_session(session_id: str, sessions: SessionsDep) -> Response:
 
 
 # ------------------------------------------------------------------------------------------------ training ops
-@router.post("/create_model")
+@router.post("/create_model", openapi_extra=body_schema(CreateModelRequest))
 async def create_model(request: Request, ops: TrainingOpsDep) -> Response:
     return encode(await ops.create_model(await decode(request, CreateModelRequest)))
 
 
-@router.post("/get_info")
+@router.post("/get_info", openapi_extra=body_schema(GetInfoRequest))
 async def get_info(request: Request, ops: TrainingOpsDep) -> Response:
     return encode(await ops.get_info((await decode(request, GetInfoRequest)).model_id))
 
 
-@router.post("/forward")
+@router.post("/forward", openapi_extra=body_schema(ForwardRequest))
 async def forward(request: Request, ops: TrainingOpsDep) -> Response:
     return encode(await ops.submit_op("forward", await body_json(request),
                                            lambda d: ForwardRequest.model_validate(d)))
 
 
-@router.post("/forward_backward")
+@router.post("/forward_backward", openapi_extra=body_schema(ForwardBackwardRequest))
 async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
     """JSON (SDK ≤0.24) or protobuf, optionally zstd (SDK ≥0.25; ``forward_only`` is a forward pass)."""
     raw = await request.body()
@@ -195,25 +214,25 @@ async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
                                       lambda d: ForwardBackwardRequestV2.model_validate(d)))
 
 
-@router.post("/optim_step")
+@router.post("/optim_step", openapi_extra=body_schema(OptimStepRequest))
 async def optim_step(request: Request, ops: TrainingOpsDep) -> Response:
     return encode(await ops.submit_op("optim_step", await body_json(request),
                                            lambda d: OptimStepRequest.model_validate(d)))
 
 
-@router.post("/save_weights")
+@router.post("/save_weights", openapi_extra=body_schema(SaveWeightsRequest))
 async def save_weights(request: Request, ops: TrainingOpsDep) -> Response:
     return encode(await ops.submit_op("save_weights", await body_json(request),
                                            lambda d: SaveWeightsRequest.model_validate(d)))
 
 
-@router.post("/save_weights_for_sampler")
+@router.post("/save_weights_for_sampler", openapi_extra=body_schema(SaveWeightsForSamplerRequest))
 async def save_weights_for_sampler(request: Request, ops: TrainingOpsDep) -> Response:
     return encode(await ops.submit_op("save_weights_for_sampler", await body_json(request),
                                            lambda d: SaveWeightsForSamplerRequest.model_validate(d)))
 
 
-@router.post("/load_weights")
+@router.post("/load_weights", openapi_extra=body_schema(LoadWeightsRequest))
 async def load_weights(request: Request, ops: TrainingOpsDep) -> Response:
     data = await body_json(request)
     if data.get("model_id") is not None or data.get("seq_id") is not None:  # load into an existing model
@@ -222,7 +241,7 @@ async def load_weights(request: Request, ops: TrainingOpsDep) -> Response:
     return encode(await ops.create_via_load(parse(LoadWeightsRequest, data)))
 
 
-@router.post("/retrieve_future")
+@router.post("/retrieve_future", openapi_extra=body_schema(FutureRetrieveRequest))
 async def retrieve_future(request: Request, sessions: SessionsDep) -> Response:
     req = await decode(request, FutureRetrieveRequest)
     result = await sessions.retrieve_future(req.request_id)
@@ -234,7 +253,7 @@ async def retrieve_future(request: Request, sessions: SessionsDep) -> Response:
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-@router.post("/weights_info")
+@router.post("/weights_info", openapi_extra=body_schema(WeightsInfoRequest))
 async def weights_info(request: Request, checkpoints: CheckpointsDep) -> Response:
     return encode(checkpoints.weights_info((await decode(request, WeightsInfoRequest)).tinker_path))
 
@@ -301,7 +320,7 @@ async def delete_checkpoint(model_id: str, checkpoint_id: str, checkpoints: Chec
 
 
 # ------------------------------------------------------------------------------------------------ sampling
-@router.post("/create_sampling_session")
+@router.post("/create_sampling_session", openapi_extra=body_schema(CreateSamplingSessionRequest))
 async def create_sampling_session(request: Request, sampling: SamplingDep) -> Response:
     return encode(await sampling.create_sampling_session(await decode(request, CreateSamplingSessionRequest)))
 
@@ -311,7 +330,7 @@ async def get_sampler(sampler_id: str, sampling: SamplingDep) -> Response:
     return encode(await sampling.get_sampler(sampler_id))
 
 
-@router.post("/asample")
+@router.post("/asample", openapi_extra=body_schema(SampleRequestV2))
 async def asample(request: Request, sampling: SamplingDep) -> Response:
     return encode(await sampling.asample(await decode(request, SampleRequestV2)))
 

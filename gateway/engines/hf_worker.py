@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from livelora.adapters import metrics
 from livelora.clients.errors import ConflictError, InternalError, LiveloraError
 from livelora.gateway.engines.base import GenerationChunk, SamplingParams, TokenLogprob
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
@@ -232,6 +233,7 @@ class Worker:
         logits = self.forward([s.adapter for s in self.running], input_ids=ids, attention_mask=mask,
                               position_ids=pos, cache=self.batch.cache, use_cache=True)
         self.steps += 1
+        metrics.BATCH_SIZE.observe(len(self.running))
         self._sample_and_emit(self.running, logits[:, -1, :])
         self._drop([s for s in self.running if s.finished])
 

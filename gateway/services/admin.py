@@ -6,9 +6,10 @@ what the ``/admin`` routes call: it runs the store work off the event loop, appl
 this gateway's registry before answering (so the next request here gets the new version) and announces it
 on the notices channel so every other gateway re-reads ``endpoints.json`` at once.
 
-Tenancy: endpoints carry their tenant; a lineage belongs to the tenants whose endpoints bind it
-(unbound lineages and public endpoints belong to ``default``). Whatever a tenant may not see answers
-404 exactly like a missing object.
+Tenancy: endpoints carry their tenant; a lineage (with its versions and exports) belongs to the tenant of its
+recorded owner (:mod:`livelora.adapters.owners`), claimed by the first endpoint created on it or by the training
+model it was made for; the base model's lineage belongs to ``default``. No record: no tenant sees it. Whatever a
+tenant may not see answers 404 exactly like a missing object.
 
 Exports are deterministic (versions are immutable): ``<home>/exports/<lineage>@<n>.peft`` (a PEFT
 adapter directory: ``adapter_model.safetensors`` + ``adapter_config.json`` + ``livelora_export.json``)
@@ -38,9 +39,17 @@ from typing import TYPE_CHECKING, Any, Literal
 from livelora.adapters.api_keys import DEFAULT_TENANT, KeyStore, Principal, validate_endpoint_name
 from livelora.adapters.atomic import atomic_dir
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, version_label
-from livelora.adapters.store import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterStore, Manifest,
-                                     parse_version_name, validate_lineage)
-from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
+from livelora.adapters.owners import OwnerStore
+from livelora.adapters.store import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    AdapterStore,
+    Manifest,
+    parse_version_name,
+    validate_lineage,
+)
+from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError, PermissionDeniedError
 
 if TYPE_CHECKING:
     from livelora.gateway.services.registry import AdapterRegistry
@@ -87,6 +96,7 @@ class AdminService:
         self.endpoints = EndpointStore(home)
         self.store = AdapterStore(home)
         self.keys = KeyStore(home)
+        self.owners = OwnerStore(home)
 
     # ------------------------------------------------------------------ visibility
 
@@ -97,10 +107,9 @@ class AdminService:
         return self.tenant is None or binding.administered_by(self.tenant)
 
     def _sees_lineage(self, lineage: str) -> bool:
-        if self.tenant is None:
-            return True
-        owners = self.endpoints.lineage_tenants(lineage)
-        return self.tenant in owners or (not owners and self.tenant == DEFAULT_TENANT)
+        """Whether the caller's tenant owns ``lineage`` by its recorded owner (:mod:`livelora.adapters.owners`;
+        no record: nobody but local store access)."""
+        return self.owners.owns("lineage", lineage, self.tenant)
 
     def _acting_tenant(self, endpoint: str) -> str:
         """The tenant a change to ``endpoint`` is made as (local access: the endpoint's own)."""
@@ -159,6 +168,9 @@ class AdminService:
         if mode == "follow" and n is not None:
             raise BadRequestError("a follow endpoint serves the newest version; give a version only with "
                                   "mode 'pinned'", param="version")
+        if not self.owners.claim("lineage", lineage, owner):  # the one answer for every taken name
+            raise ConflictError(f"lineage {lineage!r} is not available; choose another lineage name",
+                                param="lineage")
         binding, _ = self.endpoints.create(name, lineage, tenant=owner, who=who, mode=mode, version=n,
                                            reason=reason)
         return self.endpoint_info(name, binding)
@@ -285,6 +297,9 @@ class AdminService:
         """A new key for the caller's tenant (local access: any ``tenant``). Returns ``(record, key)``."""
         if self.tenant is not None and tenant not in (None, self.tenant):
             raise BadRequestError("keys are created in the caller's own tenant", param="tenant")
+        if self.tenant is not None and "operator" in roles:
+            raise PermissionDeniedError("an operator key is created on the store only: livelora keys create "
+                                        "--home <store> --roles admin,operator", param="roles")
         record, key = self.keys.create(self.tenant or tenant or DEFAULT_TENANT, roles, name)
         return _key_info(record), key
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from livelora.adapters import metrics
 from livelora.clients.errors import BadRequestError, RateLimitError
 from livelora.gateway.settings import GatewaySettings
 
@@ -33,9 +34,11 @@ class Admission:
             raise BadRequestError(f"this request needs {sequences} sequences but the server admits at most "
                                   f"{self.limit} at once; lower {param}", param=param)
         if self.active + sequences > self.limit:
+            metrics.REJECTIONS.labels("busy").inc()
             raise RateLimitError(f"the server is busy ({self.active} of {self.limit} sequences queued or "
                                  "running); retry later", retry_after=self.retry_after)
         self.active += sequences
+        metrics.QUEUE_DEPTH.set(self.active)
         return Ticket(self, sequences)
 
 
@@ -53,6 +56,8 @@ class Ticket:
 
     def release(self) -> None:
         self._admission.active -= self._sequences
+        if self._sequences:
+            metrics.QUEUE_DEPTH.set(self._admission.active)
         self._sequences = 0
         also, self._also = self._also, []
         for fn in also:

@@ -38,7 +38,9 @@ from pathlib import Path
 
 import redis.asyncio as aredis
 
+from livelora.adapters import metrics
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore
+from livelora.adapters.owners import record_install_owners
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, Manifest, parse_version_name, sha256_file
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
@@ -128,6 +130,7 @@ class AdapterRegistry:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._canary: list[int] | None = None
+        record_install_owners(home, self.endpoint_store.get(base_endpoint).lineage)
         self.load_bindings()
 
     def load_bindings(self) -> dict[str, EndpointBinding]:
@@ -291,9 +294,11 @@ class AdapterRegistry:
                         raise BadRequestError(f"{name}: the engine refused it: {exc}", param="adapter") from exc
                     raise
                 self.loaded[name] = manifest
+                metrics.SWAP_LATENCY.labels(lineage).observe(time.perf_counter() - t0)
                 log.info("loaded and checked %s in %.3f s", name, time.perf_counter() - t0)
             if move:
                 self._move(lineage, manifest)
+            self._count_versions()
             return manifest
 
     def _move(self, lineage: str, manifest: Manifest) -> None:
@@ -318,7 +323,14 @@ class AdapterRegistry:
                 log.warning("could not unload drained version %s: %s", adapter, exc)
                 return
             self.loaded.pop(adapter, None)
+            self._count_versions()
             log.info("unloaded drained version %s", adapter)
+
+    def _count_versions(self) -> None:
+        """``livelora_loaded_adapter_versions{endpoint}``: versions of each endpoint's lineage loaded now."""
+        for endpoint, binding in self.bindings.items():
+            n = sum(1 for m in self.loaded.values() if m.lineage == binding.lineage)
+            metrics.ADAPTER_VERSIONS.labels(endpoint).set(n)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -14,11 +14,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from livelora.adapters import metrics
+from livelora.adapters.logs import annotate
 from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.openai import Model
 from livelora.gateway.engines.base import Engine, TokenLogprob
@@ -29,7 +33,11 @@ from livelora.gateway.services.generation import ChoiceStream, Job, new_id, now
 from livelora.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
+    from livelora.gateway.engines.base import GenerationChunk
+    from livelora.gateway.services.metering import MeteringService
     from livelora.gateway.services.registry import AdapterRegistry
+
+log = logging.getLogger(__name__)
 
 #: Version label of the base model's weights.
 BASE_VERSION = "base"
@@ -154,6 +162,9 @@ class ServedRequest:
         recorder: collects the choices for the completion log (``None``: not logged).
         drain: the gateway's drain state (``None``: never drained); a running request calls
             ``drain.check_running()`` between chunks.
+        payer: ``(tenant, API key id)`` the request's tokens are metered for.
+        metering: the gateway's token counters (``None``: not metered).
+        kind: ``chat`` / ``completion`` / ``sample``: the label of its latency and token metrics.
     """
 
     id: str
@@ -164,6 +175,12 @@ class ServedRequest:
     engine: Engine
     recorder: CompletionRecorder | None = field(default=None)
     drain: Drain | None = field(default=None)
+    payer: tuple[str, str | None] = ("default", None)
+    metering: MeteringService | None = field(default=None)
+    kind: str = "chat"
+    started: float = field(default_factory=time.monotonic)
+    _last: dict[int, float] = field(default_factory=dict)
+    _accounted: bool = False
 
     @property
     def headers(self) -> dict[str, str]:
@@ -182,6 +199,52 @@ class ServedRequest:
         """Give the admission slots and the version lease back (idempotent)."""
         self.ticket.release()
 
+    def observe(self, index: int, chunk: GenerationChunk) -> None:
+        """Latency metrics of one engine chunk of choice ``index``: time to first token (first chunk of the
+        request), inter-token latency (a chunk of k tokens counts its gap / k, k times), generated tokens."""
+        n = len(chunk.token_ids)
+        if not n:
+            return
+        t = time.monotonic()
+        if not self._last:
+            metrics.TTFT.labels(self.kind).observe(t - self.started)
+        prev = self._last.get(index)
+        if prev is not None:
+            gap = (t - prev) / n
+            for _ in range(n):
+                metrics.INTER_TOKEN.labels(self.kind).observe(gap)
+        self._last[index] = t
+        metrics.GENERATED_TOKENS.labels(self.kind).inc(n)
+
+    async def account(self, tokens: dict[str, int], subject: str | None = None) -> None:
+        """Meter the request's ``tokens`` (``{kind: n}``, :data:`~livelora.adapters.metering.KINDS`) once for
+        :attr:`payer` and ``subject`` (default: the endpoint, else the model name); later calls do nothing."""
+        if self._accounted:
+            return
+        self._accounted = True
+        if "prompt" in tokens:
+            metrics.PROMPT_TOKENS.labels(self.kind).inc(tokens["prompt"])
+        done = tokens.get("completion", tokens.get("sampled", 0))
+        elapsed = time.monotonic() - self.started
+        if done and elapsed > 0:
+            metrics.TOKENS_PER_SECOND.labels(self.kind).observe(done / elapsed)
+        log.info("served %s %s: %s", self.kind, self.id or "-", tokens,
+                 extra={"completion_id": self.id or None, "tenant": self.payer[0], "version": self.target.version,
+                        "endpoint": subject or self.target.endpoint or self.target.model})
+        if self.metering is not None:
+            await self.metering.record(self.payer[0], self.payer[1],
+                                       subject or self.target.endpoint or self.target.model, tokens)
+
+    def account_later(self, tokens: dict[str, int], subject: str | None = None) -> None:
+        """:meth:`account` from synchronous code (an aborted request): scheduled on the running loop."""
+        if not self._accounted:
+            task = asyncio.get_running_loop().create_task(self.account(tokens, subject))
+            _PENDING.add(task)
+            task.add_done_callback(_PENDING.discard)
+
+
+_PENDING: set[asyncio.Task] = set()
+
 
 class Serving:
     """The gateway's serving service: model names, the context window, and :meth:`begin`.
@@ -193,17 +256,19 @@ class Serving:
         registry: the live loop's adapter registry (``None``: base model and loaded adapters only).
         completions: the completion log recorders write to (``None``: completions are not logged).
         drain: the gateway's drain state (``/health`` says ``draining``; requests end at its deadline).
+        metering: the gateway's token counters (``None``: nothing is metered).
     """
 
     def __init__(self, engine: Engine, settings: GatewaySettings, admission: Admission,
                  registry: AdapterRegistry | None = None, completions: CompletionLog | None = None,
-                 drain: Drain | None = None):
+                 drain: Drain | None = None, metering: MeteringService | None = None):
         self.engine = engine
         self.settings = settings
         self.admission = admission
         self.registry = registry
         self.completions = completions
         self.drain = drain
+        self.metering = metering
 
     @property
     def tokenizer(self) -> Any:
@@ -217,6 +282,14 @@ class Serving:
     def context_length(self) -> int:
         """See :func:`context_length` (tokens)."""
         return context_length(self.engine, self.settings)
+
+    async def check_quota(self, kinds: tuple[str, ...]) -> None:
+        """Refuse (429) a request of the current caller's tenant that would use ``kinds`` over a daily limit
+        (:meth:`~livelora.gateway.services.quotas.QuotaService.check_tokens`). Raises: RateLimitError."""
+        if self.metering is not None:
+            from livelora.gateway.services.metering import payer
+
+            await self.metering.quotas.check_tokens(payer()[0], kinds)
 
     def list_models(self) -> list[Model]:
         """See :func:`list_models`."""
@@ -245,7 +318,8 @@ class Serving:
                 "adapters_loaded": len(self.engine.loaded_adapters())}
 
     def begin(self, model: str | ServingTarget, plan: Callable[[], Sequence[Job]], *, param: str = "n",
-              id_prefix: str | None = None, recording: Recording | None = None) -> ServedRequest:
+              id_prefix: str | None = None, recording: Recording | None = None, kind: str | None = None
+              ) -> ServedRequest:
         """Begin a served request: resolve ``model``, run ``plan``, admit its jobs, lease the version, make
         the recorder. Synchronous (no ``await``), so the version leased is the one resolved.
 
@@ -256,6 +330,8 @@ class Serving:
             param: the field named when the request asks for more sequences than the gateway admits.
             id_prefix: ``chatcmpl`` / ``cmpl``: a new response id ``<prefix>-<32 hex>`` (``None``: no id).
             recording: log the choices in the completion log on behalf of this caller (``None``: not logged).
+            kind: metrics label (default: ``chat`` for ``chatcmpl`` ids, ``completion`` for ``cmpl``, else
+                ``sample``).
 
         Raises:
             ModelNotFoundError: unknown ``model`` (404).
@@ -275,4 +351,11 @@ class Serving:
                 self.completions, completion_id=request_id, created=created, target=target, n=len(jobs),
                 caller=recording.caller, user=recording.user, messages=recording.messages,
                 choice_prompts=[(list(job.prompt_ids), job.prompt_text) for job in jobs])
-        return ServedRequest(request_id, created, target, jobs, ticket, self.engine, recorder, self.drain)
+        from livelora.gateway.services.metering import payer
+
+        kind = kind or {"chatcmpl": "chat", "cmpl": "completion"}.get(id_prefix or "", "sample")
+        tenant_key = payer()
+        annotate(completion_id=request_id or None, tenant=tenant_key[0], endpoint=target.endpoint or target.model,
+                 version=target.version)
+        return ServedRequest(request_id, created, target, jobs, ticket, self.engine, recorder, self.drain,
+                             payer=tenant_key, metering=self.metering, kind=kind)

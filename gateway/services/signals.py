@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -37,14 +38,27 @@ from typing import Any
 
 import redis.asyncio as aredis
 
+from livelora.adapters import metrics
 from livelora.adapters.bus import dumps, redis_unavailable
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
-from livelora.clients.types.signals import (CompletionRecord, DemonstrationEvent, DemonstrationRequest,
-                                            DemonstrationResponse, FeedbackRequest, FeedbackResponse, PreferenceEvent,
-                                            PreferenceRequest, PreferenceResponse, RatingEvent, parse_stream_event)
+from livelora.clients.types.signals import (
+    CompletionRecord,
+    DemonstrationEvent,
+    DemonstrationRequest,
+    DemonstrationResponse,
+    FeedbackRequest,
+    FeedbackResponse,
+    PreferenceEvent,
+    PreferenceRequest,
+    PreferenceResponse,
+    RatingEvent,
+    parse_stream_event,
+)
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.settings import DEFAULT_IDEMPOTENCY_TTL_S
+
+log = logging.getLogger(__name__)
 
 # KEYS[1] signals stream, KEYS[2] idempotency key or "", KEYS[3] rating key or ""
 # ARGV[1] event JSON, ARGV[2] request fingerprint, ARGV[3] idem TTL s, ARGV[4] rating TTL s, ARGV[5] event id
@@ -127,6 +141,13 @@ class SignalService:
                                 f"request to {route}; use a new key for a new request",
                                 param="Idempotency-Key", code="idempotency_key_reused")
         ev = parse_stream_event({"event": rec["event"], "replaces": rec["replaces"]})
+        if kind != "replay":
+            metrics.SIGNALS.labels("accepted", ev.type).inc()
+            log.info("accepted %s %s", ev.type, ev.id, extra={
+                "event_id": ev.id, "endpoint": ev.endpoint, "tenant": caller,
+                "completion_id": getattr(ev, "completion_id", None),
+                "completion_ids": [c for c in (getattr(ev, "chosen_completion_id", None),
+                                               getattr(ev, "rejected_completion_id", None)) if c] or None})
         return ev, rec["replaces"] or None, kind == "replay"
 
     @staticmethod

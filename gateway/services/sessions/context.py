@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import redis.asyncio as aredis
@@ -27,6 +28,7 @@ class SessionContext:
         base_model: the served base-model name; ``base_names`` holds it and the other accepted names.
         settings: session timings.
         max_seq_len: cap on a training sequence (tokens; ``None``: the engine's context window).
+        quotas: per-tenant limits (:class:`~livelora.gateway.services.quotas.QuotaService`; ``None``: none).
     """
 
     redis: aredis.Redis
@@ -37,6 +39,7 @@ class SessionContext:
     base_names: set[str]
     settings: SessionSection
     max_seq_len: int | None = None
+    quotas: Any = None
     store: AdapterStore = field(init=False)
 
     def __post_init__(self) -> None:

@@ -30,6 +30,7 @@ from livelora.clients.types.tinker import (CreateSamplingSessionRequest, CreateS
                                            GetSamplerResponse, SampledSequence, SampleRequest, SampleResponse,
                                            UntypedAPIFuture)
 from livelora.clients.types.tinker_ext import SampledSequenceV2, SampleRequestV2, SampleResponseV2
+from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import SamplingParams as EngineParams
 from livelora.gateway.services.generation import Job
 from livelora.gateway.services.serving import BASE_VERSION, ServedRequest, Serving, ServingTarget
@@ -260,6 +261,7 @@ class SamplingSessions:
         if not prompt:
             raise BadRequestError("prompt has no tokens", param="prompt")
         params = self._engine_params(req, len(prompt))
+        await self.serving.check_quota(("sample_prompt", "sampled", "scored"))
         adapter = record.get("adapter")
         served = self.serving.begin(ServingTarget(scope, adapter, adapter or BASE_VERSION),
                                     lambda: [Job(prompt, params)] * req.num_samples, param="num_samples")
@@ -267,6 +269,9 @@ class SamplingSessions:
         seq_ids = [f"{request_id}:{i}" for i in range(req.num_samples)]
         try:
             await self.futures.create(request_id)
+            if req.sampling_session_id is None:  # an ad-hoc sample's future is owned by its own record
+                await self.redis.set(self.keys.request_owner(request_id), caller_tenant(),
+                                     ex=self.settings.future_ttl_s)
         except BaseException:
             served.release()
             raise
@@ -283,7 +288,7 @@ class SamplingSessions:
             want_prompt_lp = bool(req.prompt_logprobs) or req.topk_prompt_logprobs > 0
             scored = self.engine.score(prompt, adapter, req.topk_prompt_logprobs) if want_prompt_lp else None
             topk_k = getattr(req, "topk_sample_logprobs", 0)
-            samples = [self._one_sample(prompt, params, adapter, i, sid, f"{request_id}:{i}", topk_k)
+            samples = [self._one_sample(prompt, params, adapter, i, sid, f"{request_id}:{i}", served, topk_k)
                        for i, sid in enumerate(seq_ids)]
             results = await asyncio.gather(*(samples if scored is None else [scored, *samples]))
             seqs = results if scored is None else results[1:]
@@ -299,6 +304,9 @@ class SamplingSessions:
                     out = out.model_copy(update={"topk_prompt_logprobs": [
                         None if t is None else [(int(a), float(b)) for a, b in t.top] for t in lps]})
             record = json.dumps({"state": "done", "result": out.model_dump(mode="json", exclude_none=True)})
+            subject = req.sampling_session_id.split(":", 1)[0] if req.sampling_session_id else "adhoc"
+            await served.account({"sample_prompt": len(prompt), "sampled": sum(len(q.tokens) for q in seqs),
+                                  "scored": len(prompt) if scored is not None else 0}, subject=subject)
         except Exception as exc:
             if not isinstance(exc, LiveloraError):
                 log.exception("sampling %s failed", request_id)
@@ -315,7 +323,8 @@ class SamplingSessions:
                 await self.redis.expire(key, self.settings.future_ttl_s)
 
     async def _one_sample(self, prompt: list[int], params: EngineParams, adapter: str | None, index: int,
-                          sequence_id: str, engine_request_id: str, topk: int = 0) -> SampledSequence:
+                          sequence_id: str, engine_request_id: str, served: ServedRequest | None = None,
+                          topk: int = 0) -> SampledSequence:
         """One sample; with ``topk`` > 0 also the ``topk`` most likely tokens (and their raw-model logprobs,
         nats) at every sampled position, from one scoring pass over prompt + sample with the same weights."""
         if params.seed is not None and index:
@@ -326,6 +335,8 @@ class SamplingSessions:
         logprobs: list[float] = []
         finish, stop_reason = "length", None
         async for chunk in self.engine.generate(prompt, params, adapter=adapter, request_id=engine_request_id):
+            if served is not None:
+                served.observe(index, chunk)
             tokens += chunk.token_ids
             logprobs += [lp.logprob for lp in chunk.logprobs or []]
             if chunk.finish_reason is not None:

@@ -15,11 +15,13 @@ import redis.asyncio as aredis
 
 from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.models import HUB_IDS
+from livelora.adapters.owners import OwnerStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.clients.types.tinker import CreateSessionRequest, CreateSessionResponse
 from livelora.clients.types.tinker_rest import (GetSessionResponse, ListSessionsResponse, SessionSearchCursor,
                                                 SessionSearchRequest, SessionSearchResponse, SessionSummary)
+from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions.checkpoints import Checkpoints
@@ -87,13 +89,28 @@ class SessionService:
         await self.redis.aclose()
 
     async def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse:
+        """Create a session; it holds one of its tenant's ``max_sessions`` slots until finished or expired.
+
+        Raises:
+            RateLimitError: every slot of the tenant is held (429 naming the limit and when a slot frees).
+        """
+        from livelora.gateway.services.metering import payer
+
         sid = uuid.uuid4().hex
+        tenant, key_id = payer()  # the op executor meters the session's ops for them (``tenant``, ``key_id``)
         record = {"created": time.time(), "tags": req.tags, "user_metadata": req.user_metadata,
-                  "sdk_version": req.sdk_version}
+                  "sdk_version": req.sdk_version, "tenant": tenant, "key_id": key_id}
         summary = {**record, "display_name": req.display_name, "project_id": req.project_id, "status": None}
         with redis_unavailable():
             await self.redis.set(self.keys.session(sid), json.dumps(record), px=self.ctx.ttl_ms())
+            if self.ctx.quotas is not None:
+                try:
+                    await self.ctx.quotas.acquire_session(tenant, sid)
+                except BaseException:
+                    await self.redis.delete(self.keys.session(sid))  # over the limit: nothing is created
+                    raise
             await self.redis.hset(self.keys.session_history, sid, json.dumps(summary))
+        OwnerStore(self.ctx.home).claim("session", sid, caller_tenant())  # before its id leaves the server
         return CreateSessionResponse(session_id=sid)
 
     async def heartbeat(self, session_id: str) -> None:
@@ -114,6 +131,8 @@ class SessionService:
         Raises:
             NotFoundError: unknown session (already finished or expired sessions are fine: no-op).
         """
+        from livelora.gateway.services.metering import payer
+
         with redis_unavailable():
             raw = await self.redis.hget(self.keys.session_history, session_id)
             if raw is not None:
@@ -122,6 +141,8 @@ class SessionService:
                 await self.redis.hset(self.keys.session_history, session_id, json.dumps(summary))
             await self.redis.delete(self.keys.session(session_id))
             await self.redis.publish(self.keys.sessions_channel, session_id)
+            if self.ctx.quotas is not None:
+                await self.ctx.quotas.release_session(payer()[0], session_id)
         await self.sampling.unload_ended_sessions()
 
     async def _summary(self, sid: str, raw: str) -> SessionSummary:
@@ -217,7 +238,8 @@ async def start_sessions(settings: GatewaySettings, engine: Engine, serving: Ser
     aliases -= {settings.model_id}
     ctx = SessionContext(aredis.from_url(settings.redis_url, decode_responses=True), KeyLayout(settings.redis_prefix),
                          engine, settings.home, settings.model_id, {settings.model_id, *aliases}, settings.sessions,
-                         max_seq_len=settings.inference.max_model_len)
+                         max_seq_len=settings.inference.max_model_len,
+                         quotas=serving.metering.quotas if serving.metering is not None else None)
     service = SessionService(ctx, serving)
     await service.start()
     return service

@@ -20,13 +20,16 @@ from typing import Any
 
 from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.losses import validate_batch
-from livelora.adapters.session_protocol import (Op, future_failed, model_id_for, new_request_id, now_iso,
+from livelora.adapters.owners import OwnerStore
+from livelora.adapters.session_protocol import (Op, future_failed, lineage_for, model_id_for, new_request_id, now_iso,
                                                 resolve_checkpoint, session_of)
-from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, NotBuiltError, NotFoundError
+from livelora.clients.errors import (BadRequestError, ConflictError, LiveloraError, NotBuiltError, NotFoundError,
+                                     PayloadTooLargeError)
 from livelora.clients.types.tinker_rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS
 from livelora.clients.types.tinker import (CreateModelRequest, ForwardBackwardInput, GetInfoResponse,
                                            GetServerCapabilitiesResponse, LoadWeightsRequest, ModelData,
                                            SaveWeightsForSamplerRequest, SupportedModel, UntypedAPIFuture)
+from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
 
@@ -70,6 +73,12 @@ class TrainingOps:
             if not await self.redis.set(self.keys.model(model_id), json.dumps(record), nx=True):
                 if await self.redis.get(self.keys.seq(model_id, 0)) is not None:  # a retry: the first one's future
                     return await self._enqueue(model_id, 0, kind, body)
+                return await self._failed_future(model_id, 0, ConflictError(
+                    f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id",
+                    code="model_exists"))
+            tenant = caller_tenant()  # the session's owner: the auth middleware checked it
+            owners = OwnerStore(self.home)
+            if not (owners.claim("model", model_id, tenant) and owners.claim("lineage", lineage_for(model_id), tenant)):
                 return await self._failed_future(model_id, 0, ConflictError(
                     f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id",
                     code="model_exists"))
@@ -139,6 +148,11 @@ class TrainingOps:
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
             raise BadRequestError("seq_id is required: an integer >= 1, one per op of the model, in call order",
                                   param="seq_id")
+        if kind in ("forward", "forward_backward") and self.ctx.quotas is not None:  # 429 before any seq is used
+            from livelora.gateway.services.metering import payer
+
+            with redis_unavailable():
+                await self.ctx.quotas.check_tokens(payer()[0], ("forward",) if kind == "forward" else ("trained",))
         if await self._model_record(model_id) is None:
             request_id = new_request_id(f"{model_id}:{seq_id}")
             await self.futures.create(request_id)
@@ -150,13 +164,39 @@ class TrainingOps:
         error: LiveloraError | None = None
         body: dict[str, Any] = {}
         try:
-            body = self._validate(kind, parse(raw))
+            req = parse(raw)
+            self._check_limits(kind, req)
+            body = self._validate(kind, req)
+        except PayloadTooLargeError as exc:  # consumes the seq (later ops run) and answers 413 now
+            with redis_unavailable():
+                await self._enqueue(model_id, seq_id, kind, {}, exc)
+            raise
         except LiveloraError as exc:
             error = exc
         except ValueError as exc:  # pydantic.ValidationError
             error = BadRequestError(f"invalid {kind} request: {_pydantic_message(exc)}")
         with redis_unavailable():
             return await self._enqueue(model_id, seq_id, kind, body, error)
+
+    def _check_limits(self, kind: str, req: Any) -> None:
+        """Bounded work per op: at most ``max_datums_per_op`` datums and ``max_tokens_per_op`` input tokens.
+
+        Raises:
+            PayloadTooLargeError: over a limit (413; the message names the limit and its setting).
+        """
+        if kind not in ("forward", "forward_backward"):
+            return
+        data = (req.forward_input if kind == "forward" else req.forward_backward_input).data
+        limit = self.settings.max_datums_per_op
+        if len(data) > limit:
+            raise PayloadTooLargeError(f"{kind} carries {len(data)} datums, more than the limit of {limit} per op "
+                                       "(LIVELORA_MAX_DATUMS_PER_OP); split the batch", param="data",
+                                       code="too_many_datums")
+        tokens, limit = sum(d.model_input.length for d in data), self.settings.max_tokens_per_op
+        if tokens > limit:
+            raise PayloadTooLargeError(f"{kind} carries {tokens} input tokens, more than the limit of {limit} per "
+                                       "op (LIVELORA_MAX_TOKENS_PER_OP); split the batch", param="data",
+                                       code="too_many_tokens")
 
     def _validate(self, kind: str, req: Any) -> dict[str, Any]:
         if kind in ("forward", "forward_backward"):

@@ -1,0 +1,136 @@
+"""Recorded ownership: which tenant owns each object, written once when the object is created.
+
+On-disk contract: ``LIVELORA_HOME/owners/<kind>/<sha256(name)[:32]>.json`` holding
+``{"kind", "name", "tenant", "created"}``. A record is claimed atomically (written to a temporary file, then
+hard-linked to its final name, which fails when the name is taken), so two creators of one name can never
+both win, and a record is never half written. Records are never rewritten; :meth:`OwnerStore.release`
+removes one when its object is deleted.
+
+Kinds (:data:`KINDS`) and what each record covers:
+
+* ``lineage``: an adapter lineage, with every version of it, its exports, and the checkpoints and sampler
+  weights stored in it (a training run's checkpoints are versions of the run's lineage). The built-in base
+  lineage is owned by tenant ``default`` from the gateway's first start.
+* ``endpoint``: a served model name (``endpoints.json`` binding).
+* ``session``: a Tinker training session; its training models (``<session>:train:<n>``), sampling sessions
+  (``<session>:sample:<n>``) and request ids are named under it (:mod:`livelora.adapters.session_protocol`).
+* ``model``: a Tinker training model / run (its lineage is claimed for the same tenant).
+
+Policy (:func:`OwnerStore.check`): deny by default. No record means no access for every tenant, ``default``
+included; another tenant's object and a missing object raise the same :class:`NotFoundError` with the same
+message, so a caller cannot tell them apart.
+
+Example::
+
+    owners = OwnerStore(home)
+    owners.claim("lineage", "support", "acme")        # True: acme owns it now
+    owners.claim("lineage", "support", "beta")        # False: taken (by someone; it does not say whom)
+    owners.check("lineage", "support", "acme")        # passes
+    owners.check("lineage", "support", "beta")        # NotFoundError("lineage 'support' does not exist")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from livelora.clients.errors import NotFoundError
+
+OWNERS_DIR = "owners"
+#: Object kinds with an owner record.
+KINDS = ("lineage", "endpoint", "session", "model")
+#: what the ``param`` of a 404 names, per kind
+_PARAM = {"lineage": "lineage", "endpoint": "endpoint", "session": "session_id", "model": "model_id"}
+
+
+class OwnerStore:
+    """Owner records under ``<home>/owners`` (see the module docstring).
+
+    Args:
+        home: ``LIVELORA_HOME``.
+    """
+
+    def __init__(self, home: Path | str):
+        self.root = Path(home) / OWNERS_DIR
+
+    def _path(self, kind: str, name: str) -> Path:
+        if kind not in KINDS:
+            raise ValueError(f"unknown owned kind {kind!r}; one of {', '.join(KINDS)}")
+        return self.root / kind / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.json"
+
+    def owner(self, kind: str, name: str) -> str | None:
+        """The tenant that owns ``kind`` ``name`` (``None``: no record)."""
+        path = self._path(kind, name)
+        try:
+            data = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return data.get("tenant") if data.get("name") == name else None
+
+    def claim(self, kind: str, name: str, tenant: str) -> bool:
+        """Record ``tenant`` as the owner of ``kind`` ``name`` unless a record exists.
+
+        Returns:
+            ``True`` when ``tenant`` owns it now (just claimed, or already its own); ``False`` when another
+            tenant holds it (the caller must answer without saying so).
+        """
+        path = self._path(kind, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".claim-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"kind": kind, "name": name, "tenant": tenant, "created": time.time()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # atomic create-if-absent of a complete file
+            except FileExistsError:
+                return self.owner(kind, name) == tenant
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def owns(self, kind: str, name: str, tenant: str | None) -> bool:
+        """Whether ``tenant`` owns ``kind`` ``name`` (``tenant=None``: local store access, every object)."""
+        return tenant is None or self.owner(kind, name) == tenant
+
+    def check(self, kind: str, name: str, tenant: str | None) -> None:
+        """The one owner check: pass when ``tenant`` owns the object (or is ``None``: local store access).
+
+        Raises:
+            NotFoundError: no record, or another tenant's object: one message for both,
+                ``<kind> '<name>' does not exist``.
+        """
+        if not self.owns(kind, name, tenant):
+            raise not_found(kind, name)
+
+    def release(self, kind: str, name: str) -> None:
+        """Remove the record of a deleted object (no-op when there is none)."""
+        with contextlib.suppress(FileNotFoundError):
+            self._path(kind, name).unlink()
+
+
+def not_found(kind: str, name: str, param: str | None = None) -> NotFoundError:
+    """The one 404 for a missing or another tenant's object of ``kind``."""
+    label = {"model": "training model"}.get(kind, kind)
+    return NotFoundError(f"{label} {name!r} does not exist", param=param or _PARAM.get(kind, kind))
+
+
+def record_install_owners(home: Path | str, base_lineage: str) -> None:
+    """At a gateway's start: the base model's lineage belongs to ``default`` (claimed before anything else can
+    claim it), then every endpoint binding's lineage not yet recorded goes to the binding's tenant (stores made
+    before owner records existed; a lineage taken already keeps its owner)."""
+    from livelora.adapters.api_keys import DEFAULT_TENANT
+    from livelora.adapters.endpoints import EndpointStore
+
+    owners = OwnerStore(home)
+    owners.claim("lineage", base_lineage, DEFAULT_TENANT)
+    for binding in EndpointStore(home).all().values():
+        if owners.owner("lineage", binding.lineage) is None:
+            owners.claim("lineage", binding.lineage, binding.tenant or DEFAULT_TENANT)

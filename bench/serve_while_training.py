@@ -1,0 +1,232 @@
+"""Serving speed while the model learns: the same load with and without training, in one run.
+
+For each placement of the trainer (``--modes``: ``process`` = ``livelora serve``'s default, the trainer in its
+own lower-priority process; ``thread`` = ``LIVELORA_TRAINER_PROCESS=false``, trainer threads inside the serving
+process) it starts a real ``livelora serve`` on a fresh store and Redis prefix and runs ``--concurrency``
+concurrent chat streams (temperature 0.7, ``--max-tokens`` tokens) for ``--duration`` seconds twice:
+
+1. **no ratings**: the trainer is idle;
+2. **every reply rated**: each finished reply gets a thumbs-up or -down (liked = at most 20 words, as in
+   ``bench/live_loop.py``), so KTO steps run all the time.
+
+It prints output tokens/s (server ``usage``, all streams, over the phase's wall time), inter-token latency
+p50/p99 (gaps between content chunks of one stream), time to first token p50, and, for phase 2, the update
+time of every version: the last rating of the version's batch (``trained.jsonl``) → first reply served by it
+(``system_fingerprint``), i.e. queue + train + save + swap. Figures only: nothing is asserted on time.
+
+    python bench/serve_while_training.py --duration 90                # both modes, ~7 minutes
+    python bench/serve_while_training.py --modes process --duration 60
+
+Needs Redis (``LIVELORA_REDIS_URL``) and the built-in model converted in ``LIVELORA_HOME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from live_loop import PROMPTS, liked  # noqa: E402
+from serve import percentile  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+
+
+def start_serve(home: Path, prefix: str, mode: str, max_batch_size: int) -> tuple[subprocess.Popen, str]:
+    """``livelora serve`` on a free port with the converted base model, store ``home``; waits for ``/health``."""
+    from livelora.adapters.models import resolve_base_model
+    from livelora.adapters.settings import CommonSettings
+
+    ref = resolve_base_model(MODEL, CommonSettings().home)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": prefix,
+           "LIVELORA_TRAINER_PROCESS": "true" if mode == "process" else "false"}
+    cmd = [sys.executable, "-m", "livelora.cli.main", "serve", "--port", str(port), "--model", str(ref.path),
+           "--served-model-name", MODEL, "--max-batch-size", str(max_batch_size), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"livelora serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("livelora serve did not become ready")
+
+
+async def one_chat(client: httpx.AsyncClient, prompt: str, max_tokens: int, seed: int) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.7, "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    text, tokens, cid, fingerprint = [], 0, None, None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            cid = chunk.get("id", cid)
+            fingerprint = chunk.get("system_fingerprint") or fingerprint
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+                text.append(chunk["choices"][0]["delta"]["content"])
+    return {"id": cid, "text": "".join(text), "tokens": tokens, "end": time.perf_counter(),
+            "version": (fingerprint or "").removeprefix("livelora-"),
+            "ttft": stamps[0] - start if stamps else float("nan"), "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
+
+
+async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, max_tokens: int,
+                seed: int) -> dict:
+    """``concurrency`` closed-loop streams for ``duration_s`` seconds; with ``rate`` every reply is rated."""
+    results: list[dict] = []
+    rated_at: dict[str, float] = {}  # feedback id -> time the rating was accepted
+    first_served: dict[str, float] = {}
+    failed = 0
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        stop_at = start + duration_s
+
+        async def worker(w: int) -> None:
+            nonlocal failed
+            i = w
+            while time.perf_counter() < stop_at:
+                try:
+                    r = await one_chat(client, PROMPTS[i % len(PROMPTS)], max_tokens, seed + i)
+                except (httpx.HTTPError, RuntimeError):
+                    failed += 1
+                    continue
+                finally:
+                    i += concurrency
+                results.append(r)
+                first_served.setdefault(r["version"], r["end"])
+                if rate:
+                    fb = await client.post("/v1/feedback", json={"completion_id": r["id"],
+                                                                 "rating": liked(r["text"], 20)})
+                    if fb.status_code == 200:
+                        rated_at[fb.json()["id"]] = time.perf_counter()
+                    else:
+                        failed += 1
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    itl = [x for r in results for x in r["itl"]]
+    return {"elapsed_s": elapsed, "requests": len(results), "failed": failed,
+            "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
+            "itl_p50_ms": 1000 * percentile(itl, 0.5), "itl_p99_ms": 1000 * percentile(itl, 0.99),
+            "ttft_p50_ms": 1000 * percentile([r["ttft"] for r in results], 0.5),
+            "rated": len(rated_at), "rated_at": rated_at, "first_served": first_served}
+
+
+def update_times(home: Path, rated_at: dict[str, float], first_served: dict[str, float]) -> list[float]:
+    """Per version in ``trained.jsonl``: first served − last rating of its batch (seconds), when both are known."""
+    path = home / "data" / "signals" / "trained.jsonl"
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        times = [rated_at[e] for e in rec["event_ids"] if e in rated_at]
+        served = first_served.get(rec["version"])
+        if times and served is not None and len(times) == len(rec["event_ids"]):
+            out.append(served - max(times))
+    return out
+
+
+def run_mode(mode: str, args) -> dict:
+    home = Path(tempfile.mkdtemp(prefix="livelora-bench-swt-"))
+    prefix = f"livelora-bench-{uuid.uuid4().hex[:8]}:"
+    proc, url = start_serve(home, prefix, mode, args.max_batch_size)
+    try:
+        # warm-up: one short request (first-call costs), then the two phases
+        asyncio.run(phase(url, rate=False, duration_s=1, concurrency=1, max_tokens=4, seed=0))
+        quiet = asyncio.run(phase(url, rate=False, duration_s=args.duration, concurrency=args.concurrency,
+                                  max_tokens=args.max_tokens, seed=1000))
+        load = os.getloadavg()[0]
+        busy = asyncio.run(phase(url, rate=True, duration_s=args.duration, concurrency=args.concurrency,
+                                 max_tokens=args.max_tokens, seed=5000))
+        time.sleep(1)
+        updates = update_times(home, busy["rated_at"], busy["first_served"])
+        versions = len([v for v in busy["first_served"] if v != "base"])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        import redis
+
+        r = redis.Redis.from_url(os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0"))
+        for k in r.scan_iter(match=prefix + "*"):
+            r.delete(k)
+        shutil.rmtree(home, ignore_errors=True)
+    return {"mode": mode, "quiet": quiet, "busy": busy, "updates": updates, "versions_served": versions,
+            "load": load}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="process,thread", help="comma-separated: process, thread")
+    ap.add_argument("--duration", type=float, default=90.0, help="seconds per phase")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
+    args = ap.parse_args()
+    print(f"{os.cpu_count()} cores; load average at start {os.getloadavg()[0]:.2f}; {args.concurrency} streams, "
+          f"{args.max_tokens} tokens, T=0.7, {args.duration:.0f} s per phase", flush=True)
+    rows = []
+    for mode in args.modes.split(","):
+        res = run_mode(mode.strip(), args)
+        rows.append(res)
+        q, b, u = res["quiet"], res["busy"], res["updates"]
+        print(f"\ntrainer placement: {res['mode']} (load average after phase 1: {res['load']:.2f})")
+        print("| | no ratings | every reply rated (KTO steps running) | ratio |")
+        print("|---|---|---|---|")
+        print(f"| output tokens/s | {q['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
+              f"{b['tokens_per_s'] / q['tokens_per_s']:.2f}x |")
+        print(f"| inter-token latency p50 / p99 (ms) | {q['itl_p50_ms']:.0f} / {q['itl_p99_ms']:.0f} | "
+              f"{b['itl_p50_ms']:.0f} / {b['itl_p99_ms']:.0f} | p99 {b['itl_p99_ms'] / q['itl_p99_ms']:.2f}x |")
+        print(f"| time to first token p50 (ms) | {q['ttft_p50_ms']:.0f} | {b['ttft_p50_ms']:.0f} | |")
+        print(f"| requests (failed) | {q['requests']} ({q['failed']}) | {b['requests']} ({b['failed']}) | |")
+        upd = (f"p50 {statistics.median(u):.1f} s, max {max(u):.1f} s over {len(u)} versions" if u
+               else "no version both trained and served within the phase")
+        print(f"ratings {b['rated']}, versions served {res['versions_served']}; update (last rating of the batch -> "
+              f"first reply by the version: queue + train + save + swap): {upd}", flush=True)
+    if args.json:
+        for r in rows:
+            for ph in ("quiet", "busy"):
+                r[ph] = {k: v for k, v in r[ph].items() if k not in ("rated_at", "first_served")}
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""``GET /admin/usage`` (role ``admin``, scoped to the caller's tenant), ``GET /admin/quotas`` and
+``PUT /admin/quotas`` (per-tenant limits), and ``GET /metrics`` (Prometheus text; public unless
+``LIVELORA_METRICS_REQUIRE_KEY``, see :mod:`livelora.gateway.auth`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import Response
+from livelora.adapters import metrics
+from livelora.adapters.quotas import QuotaUpdate
+from livelora.clients.errors import NotFoundError
+from livelora.gateway.api.deps import (
+    AuthOpenDep,
+    MeteringDep,
+    PrincipalDep,
+    ServicesDep,
+)
+
+router = APIRouter(tags=["observability"])
+
+
+@router.get("/admin/usage")
+async def usage(metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep,
+                tenant: str | None = None, key: str | None = None, subject: str | None = None,
+                kind: str | None = None, start: Annotated[str | None, Query(alias="from")] = None,
+                end: Annotated[str | None, Query(alias="to")] = None, group_by: str | None = None) -> dict:
+    """Tokens used, summed per group: ``{"data": [{<group_by dims>, "tokens"}], "group_by", "from", "to"}``.
+
+    Query: ``tenant``, ``key`` (API key id), ``subject`` (endpoint, model or session id), ``kind``, ``from`` /
+    ``to`` (Unix s or ISO 8601, UTC hours overlapping the range), ``group_by`` (comma-separated: tenant, key,
+    subject, kind, hour, day). A tenant's key sees only its tenant (403 for another).
+    """
+    return await metering.usage(principal, tenant=tenant, key=key, subject=subject, kind=kind, start=start,
+                                end=end, group_by=group_by, open_mode=open_mode)
+
+
+@router.get("/admin/quotas")
+async def get_quotas(metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep,
+                     tenant: str | None = None) -> dict:
+    """The caller's tenant's limits and what it holds now: ``{"tenant", "limits": {"max_sessions",
+    "tokens_per_day"}, "sessions", "tokens_today", "day"}`` (open mode: any ``tenant``, default ``default``)."""
+    return await metering.quotas.report(metering.scoped_tenant(principal, tenant, open_mode))
+
+
+@router.put("/admin/quotas")
+async def set_quotas(body: QuotaUpdate, metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep) -> dict:
+    """Set ``body.tenant``'s limits (fields given override the settings' defaults; ``null`` = unlimited) and answer
+    its effective limits. Only the operator (open mode, or an admin key of tenant ``default``) may; 403 otherwise."""
+    return metering.quotas.set_limits(principal, body.tenant, body.limits(), open_mode).model_dump()
+
+
+@router.get("/metrics")
+async def prometheus_metrics(services: ServicesDep) -> Response:
+    """Prometheus text exposition of this process (or of every process with ``PROMETHEUS_MULTIPROC_DIR``)."""
+    if not services.settings.observability.metrics:
+        raise NotFoundError("metrics are off (LIVELORA_METRICS=false)")
+    body, content_type = metrics.exposition()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,155 @@
+"""Enforcing the per-tenant limits of :mod:`livelora.adapters.quotas` in the gateway.
+
+* **Sessions.** :meth:`QuotaService.acquire_session` runs one Lua script: it drops from the tenant's set
+  ``quota:sessions:{tenant}`` every session whose ``session:{sid}`` key is gone (finished, or expired for lack of
+  heartbeats: the op executor frees its training models as it always did), then adds the new session if a slot is
+  free, else answers the milliseconds until the earliest live session expires (its ``PTTL``). Over the limit →
+  429 naming the limit and when a slot frees (``Retry-After``), and no session is created.
+  :meth:`~QuotaService.release_session` frees the slot at once when a session finishes.
+* **Tokens per day.** :meth:`QuotaService.check_tokens` reads the day's counters the metering keeps
+  (``usage:day:{day}:{tenant}``) before an operation starts: a tenant at or over a kind's limit gets 429 until
+  00:00 UTC, and nothing runs. An operation admitted below the limit runs to its end, so a day's total can pass
+  the limit by at most the operations admitted just before it was reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import redis
+
+from livelora.adapters import metrics
+from livelora.adapters.api_keys import Principal, validate_tenant
+from livelora.adapters.quotas import Limits, QuotaStore
+from livelora.adapters.redis_keys import KeyLayout
+from livelora.clients.errors import PermissionDeniedError, RateLimitError
+from livelora.gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+# KEYS[1] the tenant's session set; ARGV[1] session key stem, ARGV[2] new sid, ARGV[3] limit
+# → -1 when added, else ms until the earliest held slot frees
+_ACQUIRE = """
+local soonest = -1
+for _, sid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local ttl = redis.call('PTTL', ARGV[1] .. sid)
+  if ttl == -2 then
+    redis.call('SREM', KEYS[1], sid)
+  elseif ttl >= 0 and (soonest < 0 or ttl < soonest) then
+    soonest = ttl
+  end
+end
+if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('SADD', KEYS[1], ARGV[2])
+  return -1
+end
+if soonest < 0 then soonest = 0 end
+return soonest
+"""
+
+
+class QuotaService:
+    """Per-tenant limits of one gateway.
+
+    Args:
+        settings: the gateway settings (``quotas`` defaults, ``home``, ``redis_prefix``, ``sessions.session_ttl_s``).
+        redis: an asyncio Redis client (``decode_responses=True``).
+    """
+
+    def __init__(self, settings: GatewaySettings, redis: Any):
+        self.settings = settings
+        self.redis = redis
+        self.keys = KeyLayout(settings.redis_prefix)
+        self.store = QuotaStore(settings.home)
+        q = settings.quotas
+        self.defaults = Limits(max_sessions=q.quota_sessions, tokens_per_day=dict(q.quota_tokens_per_day))
+
+    def limits(self, tenant: str) -> Limits:
+        """The tenant's effective limits (settings, then ``quotas.json``)."""
+        return self.store.get(tenant, self.defaults)
+
+    # ------------------------------------------------------------------ sessions
+    async def acquire_session(self, tenant: str, sid: str) -> None:
+        """Take a concurrent-session slot for ``sid`` (call before the session exists).
+
+        Raises:
+            RateLimitError: the tenant's ``max_sessions`` slots are held (429, ``Retry-After`` = when one frees).
+        """
+        limit = self.limits(tenant).max_sessions
+        if limit is None:
+            return
+        wait_ms = await self.redis.eval(_ACQUIRE, 1, self.keys.quota_sessions(tenant), self.keys.session(""), sid,
+                                        limit)
+        if int(wait_ms) >= 0:
+            metrics.REJECTIONS.labels("quota_sessions").inc()
+            wait_s = int(wait_ms) / 1000.0
+            raise RateLimitError(
+                f"tenant {tenant!r} has {limit} of its {limit} concurrent training sessions (limit max_sessions: "
+                f"LIVELORA_QUOTA_SESSIONS or PUT /admin/quotas); a slot frees when a session finishes, "
+                f"or at the latest in {wait_s:.0f} s when the soonest-expiring one has had no heartbeat for "
+                f"{self.settings.sessions.session_ttl_s:g} s", param="max_sessions", code="quota_exceeded",
+                retry_after=max(wait_s, 1.0))
+
+    async def release_session(self, tenant: str, sid: str) -> None:
+        """Free ``sid``'s slot (a finished session)."""
+        await self.redis.srem(self.keys.quota_sessions(tenant), sid)
+
+    async def sessions_held(self, tenant: str) -> int:
+        """Slots the tenant holds now (sessions whose record still exists)."""
+        held = 0
+        for sid in await self.redis.smembers(self.keys.quota_sessions(tenant)):
+            held += int(await self.redis.exists(self.keys.session(sid)))
+        return held
+
+    # ------------------------------------------------------------------ tokens per day
+    async def check_tokens(self, tenant: str, kinds: tuple[str, ...]) -> None:
+        """Refuse an operation that would use ``kinds`` when the tenant reached a daily limit of one of them.
+
+        Raises:
+            RateLimitError: a kind's ``tokens_per_day`` is used up (429 until 00:00 UTC; nothing was run).
+        """
+        limits = {k: n for k, n in self.limits(tenant).tokens_per_day.items() if k in kinds}
+        if not limits:
+            return
+        now = datetime.now(UTC)
+        try:
+            used = await self.redis.hmget(self.keys.usage_day(now.strftime("%Y%m%d"), tenant), list(limits))
+        except (OSError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            metrics.REDIS_ERRORS.labels("quotas").inc()  # serving goes on without Redis: limits unchecked
+            log.warning("daily token limits of %s not checked, Redis is unreachable: %s", tenant, exc)
+            return
+        for (kind, limit), n in zip(limits.items(), used):
+            if int(n or 0) >= limit:
+                metrics.REJECTIONS.labels("quota_tokens").inc()
+                midnight = datetime(now.year, now.month, now.day, tzinfo=UTC) + timedelta(days=1)
+                wait_s = (midnight - now).total_seconds()
+                raise RateLimitError(
+                    f"tenant {tenant!r} used {int(n or 0)} of its {limit} {kind!r} tokens for today (limit "
+                    f"tokens_per_day.{kind}); it frees at {midnight:%Y-%m-%d %H:%M} UTC (in {wait_s:.0f} s)",
+                    param=f"tokens_per_day.{kind}", code="quota_exceeded", retry_after=wait_s)
+
+    # ------------------------------------------------------------------ admin
+    async def report(self, tenant: str) -> dict[str, Any]:
+        """``{"tenant", "limits", "sessions", "tokens_today": {kind: n}, "day"}`` of one tenant."""
+        day = time.strftime("%Y%m%d", time.gmtime())
+        today = await self.redis.hgetall(self.keys.usage_day(day, tenant))
+        return {"tenant": tenant, "limits": self.limits(tenant).model_dump(), "sessions": await self.sessions_held(tenant),
+                "tokens_today": {k: int(v) for k, v in today.items()}, "day": day}
+
+    def set_limits(self, principal: Principal, tenant: str, limits: Limits, open_mode: bool) -> Limits:
+        """Store ``tenant``'s limits (the operator's: open mode, or a key with the ``operator`` role).
+
+        Raises:
+            PermissionDeniedError: another tenant's admin key (tenants do not set their own limits).
+            BadRequestError: an invalid tenant name.
+        """
+        validate_tenant(tenant)
+        if not open_mode and "operator" not in principal.roles:
+            raise PermissionDeniedError("limits are set by the operator: a key with the operator role (created "
+                                        "with livelora keys create --home <store> --roles admin,operator)",
+                                        param="tenant")
+        self.store.set(tenant, limits)
+        return self.limits(tenant)

@@ -1,0 +1,465 @@
+"""Tenant isolation through one live gateway (real SmolLM2, real Redis, in-process op executor, its own store).
+
+Tenant ``acme`` (A) makes one object of every kind over HTTP: a training session, a training model with a
+training and a sampler checkpoint (adapter versions of the model's lineage), a sampling session, a request id,
+an endpoint on that lineage, a completion and an API key. Tenant ``beta`` (B, every role) and tenant ``default``'s
+admin then try every route of the app on them: each answers 404 (what B may not see does not exist), and A's
+objects are unchanged afterwards. Ids in any other spelling than their one form answer 400, also for A.
+
+:data:`CASES` has one entry per route of the app (read from its router): a route added without an entry fails
+:func:`test_every_route_has_an_isolation_case` with the line to add.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from _server import start_server
+
+from livelora.adapters.api_keys import TENANT_ROLES, KeyStore
+from livelora.adapters.session_protocol import lineage_for
+from livelora.adapters.store import AdapterStore
+from livelora.clients.types.tinker import LoraConfig
+from livelora.gateway.auth import app_routes
+
+BASE = "smollm2-135m-instruct"
+PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}iso-{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture(scope="module")
+def home(livelora_home, base_ref, tmp_path_factory):
+    """A store of its own (keys switch its gateway to key mode) with one trained version of the base lineage."""
+    from livelora.trainer.model import TrainingModel
+
+    home = tmp_path_factory.mktemp("iso-home")
+    (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
+    tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
+    tm.save_weights(AdapterStore(home), BASE)  # BASE@1: tenant default's, made by its feedback
+    return home
+
+
+@pytest.fixture(scope="module")
+def keys(home):
+    store = KeyStore(home)
+    return {name: store.create(tenant, list(TENANT_ROLES), name)[1]
+            for name, tenant in (("acme", "acme"), ("beta", "beta"), ("default", "default"))}
+
+
+@pytest.fixture(scope="module")
+def server(home, keys):
+    from livelora.gateway.settings import GatewaySettings
+
+    live = start_server(GatewaySettings(model=BASE, home=home, device="cpu", max_batch_size=4, max_waiting=8,
+                                        redis_prefix=PREFIX, executor_in_process=True, max_datums_per_op=4,
+                                        max_tokens_per_op=64))
+    yield live
+    live.stop()
+
+
+def http(server, key: str) -> httpx.Client:
+    return httpx.Client(base_url=server.base_url, timeout=120, headers={"X-API-Key": key})
+
+
+def ok(r: httpx.Response, status: int = 200) -> dict:
+    assert r.status_code == status, (r.request.method, str(r.request.url), r.status_code, r.text)
+    return r.json() if r.content else {}
+
+
+def future(c: httpx.Client, request_id: str) -> dict:
+    while True:
+        r = c.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        if r.status_code != 408:
+            return ok(r)
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.request.method, str(r.request.url), r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+@pytest.fixture(scope="module")
+def objs(server, keys) -> dict[str, str]:
+    """One object of every kind, made by tenant acme over HTTP; and a session of beta's own."""
+    with http(server, keys["acme"]) as a:
+        sid = ok(a.post("/api/v1/create_session", json={}))["session_id"]
+        created = ok(a.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE,
+                                                          "lora_config": {"rank": 2, "train_mlp": False}}))
+        model = created["model_id"]
+        assert future(a, created["request_id"])["model_id"] == model
+        saved = ok(a.post("/api/v1/save_weights", json={"model_id": model, "seq_id": 1, "path": "w1"}))
+        assert future(a, saved["request_id"])["path"] == f"tinker://{model}/weights/w1"
+        sampler_ckpt = ok(a.post("/api/v1/save_weights_for_sampler",
+                                 json={"model_id": model, "seq_id": 2, "path": "s1"}))
+        assert future(a, sampler_ckpt["request_id"])["path"] == f"tinker://{model}/sampler_weights/s1"
+        sampler = ok(a.post("/api/v1/create_sampling_session", json={
+            "session_id": sid, "sampling_session_seq_id": 0,
+            "model_path": f"tinker://{model}/sampler_weights/s1"}))["sampling_session_id"]
+        lineage = lineage_for(model)
+        ok(a.post("/admin/endpoints", json={"name": "acme-ep", "lineage": lineage, "mode": "pinned",
+                                            "version": 1}), 201)
+        cid, cid2 = (ok(a.post("/v1/chat/completions", json={"model": "acme-ep", "max_tokens": 1, "messages": [
+            {"role": "user", "content": "hi"}]}))["id"] for _ in range(2))
+        key_id = ok(a.post("/admin/keys", json={"roles": ["inference"], "name": "spare"}), 201)["id"]
+    with http(server, keys["beta"]) as b:
+        sid_b = ok(b.post("/api/v1/create_session", json={}))["session_id"]
+    return {"sid": sid, "model": model, "sampler": sampler, "request": saved["request_id"], "lineage": lineage,
+            "version": f"{lineage}@1", "wpath": f"tinker://{model}/weights/w1",
+            "spath": f"tinker://{model}/sampler_weights/s1", "endpoint": "acme-ep", "cid": cid, "cid2": cid2, "key_id": key_id,
+            "sid_b": sid_b}
+
+
+def _no_tokenizer_id(data) -> str:
+    """A response's JSON without ``tokenizer_id``: the one field that is a server path on purpose (the SDKs hand
+    it to ``AutoTokenizer.from_pretrained``, and the base model here is a locally converted directory)."""
+    if isinstance(data, dict):
+        return "{" + ",".join(f"{k}:{_no_tokenizer_id(v)}" for k, v in data.items() if k != "tokenizer_id") + "}"
+    if isinstance(data, list):
+        return "[" + ",".join(_no_tokenizer_id(v) for v in data) + "]"
+    return str(data)
+
+
+def snapshot(server, keys, o) -> dict:
+    """What tenant acme sees of its objects (compared before and after the other tenants' tries)."""
+    with http(server, keys["acme"]) as a:
+        info = a.post("/api/v1/get_info", json={"model_id": o["model"]})
+        caps = a.get("/api/v1/get_server_capabilities")
+        for r in (info, caps):  # the owner's own answers show no server file path either, except tokenizer_id
+            assert r.status_code == 200 and str(server.services.settings.home) not in _no_tokenizer_id(r.json())
+        return {"endpoints": ok(a.get("/admin/endpoints")), "adapters": ok(a.get("/admin/adapters")),
+                "keys": ok(a.get("/admin/keys")), "run": ok(a.get(f"/api/v1/training_runs/{o['model']}")),
+                "checkpoints": ok(a.get(f"/api/v1/training_runs/{o['model']}/checkpoints")),
+                "sampler": ok(a.get(f"/api/v1/samplers/{o['sampler']}")),
+                "session_alive": a.post("/api/v1/session_heartbeat", json={"session_id": o["sid"]}).status_code}
+
+
+# ---------------------------------------------------------------------------------------------- the two examples
+
+
+def test_a_tenant_cannot_take_the_base_lineage_and_default_keeps_it(server, keys, objs):
+    """Issue example 1: another tenant's admin binding an endpoint to the base model's lineage."""
+    with http(server, keys["acme"]) as a, http(server, keys["default"]) as d:
+        err = error_of(a.post("/admin/endpoints", json={"name": "mine", "lineage": BASE}), 409)
+        assert err["param"] == "lineage" and "not available" in err["message"]
+        assert "mine" not in {e["name"] for e in ok(a.get("/admin/endpoints"))["data"]}
+        error_of(a.get(f"/admin/adapters?lineage={BASE}"), 404)
+        error_of(a.post(f"/admin/adapters/{BASE}@1/export", json={"format": "peft"}), 404)
+        assert [v["name"] for v in ok(d.get(f"/admin/adapters?lineage={BASE}"))["data"]] == [f"{BASE}@1"]
+        exported = ok(d.post(f"/admin/adapters/{BASE}@1/export", json={"format": "peft"}))
+        assert exported["adapter"] == f"{BASE}@1" and "adapter_model.safetensors" in exported["files"]
+        assert exported["path"] == f"exports/{BASE}@1.peft"  # relative to the store: no server file path
+        # a lineage a tenant owns is not available to another one, whether it has versions or not
+        taken = error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": objs["lineage"]}), 409)
+        assert taken["message"] == f"lineage {objs['lineage']!r} is not available; choose another lineage name"
+        # an endpoint name answers the same whether the caller or another tenant holds it
+        ok(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": "d-lineage"}), 201)
+        mine = error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": "d-lineage"}), 409)["message"]
+        theirs = error_of(d.post("/admin/endpoints", json={"name": "acme-ep", "lineage": "d-lineage"}), 409)
+        assert theirs["message"] == mine.replace("d-ep", "acme-ep") and theirs["param"] == "endpoint"
+
+
+def test_a_dash_spelled_model_id_reaches_nothing(server, keys, objs):
+    """Issue example 2: ``<session>-train-0`` for ``<session>:train:0`` (same lineage, same checkpoint index)."""
+    model, dashed = objs["model"], objs["model"].replace(":", "-")
+    assert lineage_for(dashed) == lineage_for(model)  # why the dash spelling used to reach the run
+    with http(server, keys["beta"]) as b, http(server, keys["acme"]) as a:
+        for c in (b, a):  # one spelling only: even the owner gets 400 for the other one
+            assert error_of(c.get(f"/api/v1/training_runs/{dashed}/checkpoints"), 400)["param"] == "training_run_id"
+            error_of(c.delete(f"/api/v1/training_runs/{dashed}/checkpoints/weights/w1"), 400)
+            error_of(c.post("/api/v1/asample", json={"model_path": f"tinker://{dashed}/sampler_weights/s1",
+                                                     "prompt": {"chunks": [{"tokens": [1, 2]}]}}), 400)
+            error_of(c.post("/api/v1/load_weights", json={"session_id": objs["sid_b"], "model_seq_id": 3,
+                                                          "path": f"tinker://{dashed}/weights/w1",
+                                                          "optimizer": True}), 400)
+        # the canonical spelling: another tenant's run does not exist for beta
+        msg = error_of(b.get(f"/api/v1/training_runs/{model}/checkpoints"), 404)["message"]
+        missing = error_of(b.get(f"/api/v1/training_runs/{'0' * 32}:train:0/checkpoints"), 404)["message"]
+        assert msg.replace(objs["sid"], "X") == missing.replace("0" * 32, "X")  # the same 404 as a missing one
+        error_of(b.delete(f"/api/v1/training_runs/{model}/checkpoints/weights/w1"), 404)
+        error_of(b.post("/api/v1/load_weights", json={"session_id": objs["sid_b"], "model_seq_id": 3,
+                                                      "path": objs["wpath"], "optimizer": True}), 404)
+        names = {c["checkpoint_id"] for c in ok(a.get(f"/api/v1/training_runs/{model}/checkpoints"))["checkpoints"]}
+        assert names == {"weights/w1", "sampler_weights/s1"}
+
+
+def test_owner_records_are_claimed_once_and_deny_by_default(tmp_path):
+    """Eight tenants race for one name: exactly one record wins; a missing and a foreign object read the same."""
+    import threading
+
+    from livelora.adapters.owners import OwnerStore
+    from livelora.clients.errors import NotFoundError
+
+    owners, won = OwnerStore(tmp_path), []
+    threads = [threading.Thread(target=lambda t=t: won.append((t, owners.claim("lineage", "x", t))))
+               for t in (f"t{i}" for i in range(8))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [t for t, w in won if w]
+    assert len(winners) == 1 and owners.owner("lineage", "x") == winners[0]
+    assert owners.claim("lineage", "x", winners[0])  # idempotent for its owner
+    owners.check("lineage", "x", winners[0])
+    owners.check("lineage", "nobody", None)  # local store access sees everything
+    errors = []
+    for name, tenant in (("x", "t-other"), ("missing", winners[0]), ("missing", "default")):
+        with pytest.raises(NotFoundError) as e:
+            owners.check("lineage", name, tenant)
+        errors.append(str(e.value).replace("'missing'", "'x'"))
+    assert len(set(errors)) == 1 and not list((tmp_path / "owners" / "lineage").glob(".claim-*"))
+
+
+# ---------------------------------------------------------------------------------------------- every route
+
+
+@dataclass(frozen=True)
+class Case:
+    """What tenant B tries on one route and what it must get.
+
+    Attributes:
+        tries: ``objs -> [(url, json body or None), ...]`` naming tenant A's objects (empty: the route names none).
+        expect: ``404`` (A's object does not exist for B), ``409`` (a create on a name A holds, answered without
+            saying whose), or ``"own"`` (the route names no object: any answer but a 5xx, with none of A's names
+            in it).
+    """
+
+    tries: Callable[[dict[str, str]], list[tuple[str, dict | None]]]
+    expect: int | str = 404
+
+
+def _none(o):
+    return [("", None)]
+
+
+PROMPT = {"chunks": [{"tokens": [1, 2, 3]}]}
+FB = {"data": [{"model_input": PROMPT, "loss_fn_inputs": {"target_tokens": {"data": [2, 3, 4], "dtype": "int64",
+                                                                            "shape": [3]}}}],
+      "loss_fn": "cross_entropy"}
+
+#: (method, route path) → what B tries there. A new route needs an entry (see the module docstring).
+CASES: dict[tuple[str, str], Case] = {
+    ("GET", "/openapi.json"): Case(_none, "own"),
+    ("GET", "/docs"): Case(_none, "own"),
+    ("GET", "/docs/oauth2-redirect"): Case(_none, "own"),
+    ("GET", "/redoc"): Case(_none, "own"),
+    ("GET", "/health"): Case(_none, "own"),
+    ("GET", "/v1/models"): Case(_none, "own"),
+    ("GET", "/v1/models/{model_id:path}"): Case(lambda o: [(f"/v1/models/{o['endpoint']}", None),
+                                                           (f"/v1/models/{o['version']}", None),
+                                                           (f"/v1/models/{o['lineage']}@2", None)]),
+    ("POST", "/v1/chat/completions"): Case(lambda o: [
+        ("", {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+        for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")]),  # @2: loaded by A's sampling session
+    ("POST", "/v1/completions"): Case(lambda o: [("", {"model": m, "max_tokens": 1, "prompt": "x"})
+                                                 for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")]),
+    ("POST", "/api/v1/client/config"): Case(_none, "own"),
+    ("POST", "/api/v1/client/dynamic_config"): Case(_none, "own"),
+    ("GET", "/api/v1/healthz"): Case(_none, "own"),
+    ("POST", "/api/v1/telemetry"): Case(_none, "own"),
+    ("GET", "/api/v1/get_server_capabilities"): Case(_none, "own"),
+    ("POST", "/api/v1/create_session"): Case(_none, "own"),
+    ("POST", "/api/v1/session_heartbeat"): Case(lambda o: [("", {"session_id": o["sid"]})]),
+    ("POST", "/api/v1/sessions/{session_id}/finish"): Case(lambda o: [(f"/api/v1/sessions/{o['sid']}/finish", {})]),
+    ("POST", "/api/v1/create_model"): Case(lambda o: [("", {"session_id": o["sid"], "model_seq_id": 7,
+                                                            "base_model": BASE, "lora_config": {"rank": 2}})]),
+    ("POST", "/api/v1/get_info"): Case(lambda o: [("", {"model_id": o["model"]})]),
+    ("POST", "/api/v1/forward"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3, "forward_input": FB})]),
+    ("POST", "/api/v1/forward_backward"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3,
+                                                                "forward_backward_input": FB})]),
+    ("POST", "/api/v1/optim_step"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3,
+                                                          "adam_params": {"learning_rate": 1.0}})]),
+    ("POST", "/api/v1/save_weights"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3, "path": "x"})]),
+    ("POST", "/api/v1/save_weights_for_sampler"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3,
+                                                                        "path": "x"})]),
+    ("POST", "/api/v1/load_weights"): Case(lambda o: [
+        ("", {"model_id": o["model"], "seq_id": 3, "path": o["wpath"]}),
+        ("", {"session_id": o["sid_b"], "model_seq_id": 4, "path": o["wpath"], "optimizer": True})]),
+    ("POST", "/api/v1/retrieve_future"): Case(lambda o: [("", {"request_id": o["request"]})]),
+    ("POST", "/api/v1/weights_info"): Case(lambda o: [("", {"tinker_path": o["wpath"]}),
+                                                      ("", {"tinker_path": o["spath"]})]),
+    ("GET", "/api/v1/training_runs/{model_id}"): Case(lambda o: [(f"/api/v1/training_runs/{o['model']}", None)]),
+    ("GET", "/api/v1/training_runs/{model_id}/checkpoints"): Case(lambda o: [
+        (f"/api/v1/training_runs/{o['model']}/checkpoints", None)]),
+    ("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}"): Case(lambda o: [
+        (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1", None),
+        (f"/api/v1/training_runs/{o['model']}/checkpoints/sampler_weights/s1", None)]),
+    ("POST", "/api/v1/create_sampling_session"): Case(lambda o: [
+        ("", {"session_id": o["sid_b"], "sampling_session_seq_id": 5, "model_path": o["spath"]}),
+        ("", {"session_id": o["sid"], "sampling_session_seq_id": 5, "base_model": BASE})]),
+    ("GET", "/api/v1/samplers/{sampler_id}"): Case(lambda o: [(f"/api/v1/samplers/{o['sampler']}", None)]),
+    ("POST", "/api/v1/asample"): Case(lambda o: [("", {"sampling_session_id": o["sampler"], "prompt": PROMPT,
+                                                       "sampling_params": {"max_tokens": 1}}),
+                                                 ("", {"model_path": o["spath"], "prompt": PROMPT,
+                                                       "sampling_params": {"max_tokens": 1}})]),
+    ("POST", "/v1/feedback"): Case(lambda o: [("", {"completion_id": o["cid"], "rating": True})]),
+    ("POST", "/v1/preferences"): Case(lambda o: [("", {"chosen_completion_id": o["cid"],
+                                                       "rejected_completion_id": o["cid2"]})]),
+    ("POST", "/v1/demonstrations"): Case(lambda o: [("", {"model": o["endpoint"], "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi!"}]})]),
+    ("GET", "/admin/endpoints"): Case(_none, "own"),
+    ("POST", "/admin/endpoints"): Case(lambda o: [("", {"name": "b-ep", "lineage": o["lineage"]}),
+                                                  ("", {"name": o["endpoint"], "lineage": "b-own-lineage"})], 409),
+    ("GET", "/admin/endpoints/{name:path}/history"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/history",
+                                                                      None)]),
+    ("POST", "/admin/endpoints/{name:path}/promote"): Case(lambda o: [
+        (f"/admin/endpoints/{o['endpoint']}/promote", {"version": 2})]),
+    ("POST", "/admin/endpoints/{name:path}/rollback"): Case(lambda o: [
+        (f"/admin/endpoints/{o['endpoint']}/rollback", {})]),
+    ("GET", "/admin/endpoints/{name:path}"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}", None)]),
+    ("GET", "/admin/history"): Case(_none, "own"),
+    ("GET", "/admin/adapters"): Case(lambda o: [("", None), (f"?lineage={o['lineage']}", None)], "own"),
+    ("GET", "/admin/adapters/{name}"): Case(lambda o: [(f"/admin/adapters/{o['version']}", None)]),
+    ("DELETE", "/admin/adapters/{name}"): Case(lambda o: [(f"/admin/adapters/{o['lineage']}@2", None)]),
+    ("POST", "/admin/adapters/{name}/export"): Case(lambda o: [(f"/admin/adapters/{o['version']}/export",
+                                                                {"format": "peft"})]),
+    ("GET", "/admin/exports/{name}/{fmt}"): Case(lambda o: [(f"/admin/exports/{o['version']}/peft", None)]),
+    ("GET", "/admin/keys"): Case(_none, "own"),
+    ("POST", "/admin/keys"): Case(lambda o: [("", {"roles": ["bogus"]})], "own"),
+    ("DELETE", "/admin/keys/{key_id}"): Case(lambda o: [(f"/admin/keys/{o['key_id']}", None)]),
+    ("GET", "/admin/usage"): Case(lambda o: [("", None), ("?tenant=acme", None), ("?group_by=subject", None)], "own"),
+    ("GET", "/admin/quotas"): Case(lambda o: [("", None), ("?tenant=acme", None)], "own"),
+    ("PUT", "/admin/quotas"): Case(lambda o: [("", {"tenant": "nosuch", "max_sessions": 3})], "own"),
+    ("GET", "/metrics"): Case(_none, "own"),
+}
+
+
+def _routes(app) -> list[tuple[str, str]]:
+    return [(m, p) for m, p in app_routes(app) if m != "HEAD"]
+
+
+def test_every_route_has_an_isolation_case(server):
+    missing = [r for r in _routes(server.app) if r not in CASES]
+    assert not missing, "\n".join(
+        f"route {m} {p} has no isolation case: add ({m!r}, {p!r}): Case(...) to CASES in tests/test_isolation.py "
+        "(what tenant B tries there on tenant A's objects, and the answer it must get)" for m, p in missing)
+    stale = [r for r in CASES if r not in _routes(server.app)]
+    assert not stale, f"CASES names routes the app does not have: {stale}"
+
+
+def _url(path: str, suffix: str) -> str:
+    if suffix.startswith("/"):
+        return suffix
+    return path.split("{")[0].rstrip("/") + suffix if "{" in path else path + suffix
+
+
+@pytest.mark.parametrize("who", ["beta", "default"])
+def test_another_tenant_gets_404_on_every_route(server, keys, objs, who):
+    before = snapshot(server, keys, objs)
+    secrets = [objs[k] for k in ("sid", "model", "sampler", "lineage", "endpoint", "cid", "key_id")]
+    with http(server, keys[who]) as c:
+        for (method, path), case in CASES.items():
+            for suffix, body in case.tries(objs):
+                r = c.request(method, _url(path, suffix), json=body)
+                where = (who, method, path, suffix, r.status_code, r.text[:300])
+                assert r.status_code < 500, where
+                shown = _no_tokenizer_id(r.json()) if "json" in r.headers.get("content-type", "") else r.text
+                assert str(server.services.settings.home) not in shown, where
+                if case.expect == "own":
+                    asked = suffix + str(body)  # a name B gave may be echoed; no other of A's may appear
+                    assert not any(s in r.text for s in secrets if s not in asked), where
+                    assert r.status_code in (200, 201, 400, 403, 404, 409, 422), where
+                else:
+                    err = error_of(r, case.expect)
+                    assert not any(s in err["message"] for s in ("'acme'", "tenant", str(server.services.settings.home))), where
+    assert snapshot(server, keys, objs) == before
+
+
+# ---------------------------------------------------------------------------------------------- spellings
+
+
+def _variants(o) -> list[tuple[str, str]]:
+    """Other spellings of acme's ids: each must be refused (400), the owner's own requests included."""
+    sid, model = o["sid"], o["model"]
+    return [(model, model.replace(":", "-")), (model, model.upper()), (model, f"{sid}:train:00"),
+            (model, f"{sid}:TRAIN:0"), (model, f" {model}"), (sid, sid.upper()), (sid, sid + "-"),
+            ("tinker://", "TINKER://"), ("tinker://", "tinker:/"), (o["sampler"], o["sampler"].replace(":", "-"))]
+
+
+def test_other_spellings_of_an_id_are_400(server, keys, objs):
+    with http(server, keys["acme"]) as a:
+        for (method, path), case in CASES.items():
+            if case.expect != 404 or not path.startswith("/api/v1/"):
+                continue
+            for suffix, body in case.tries(objs):
+                for good, bad in _variants(objs):
+                    text = str(body) + suffix
+                    if good not in text:
+                        continue
+                    url = _url(path, suffix.replace(good, bad))
+                    bad_body = None if body is None else {k: v.replace(good, bad) if isinstance(v, str) else v
+                                                          for k, v in body.items()}
+                    if bad_body == body and url == _url(path, suffix):
+                        continue
+                    r = a.request(method, url, json=bad_body)
+                    assert r.status_code in (400, 404, 405) and r.status_code != 200, (method, url, bad_body, r.text)
+                    if r.status_code != 405 and "%" not in url:
+                        assert error_of(r, 400)["code"] in ("invalid_id", "invalid_value"), (method, url, bad_body)
+
+
+# ---------------------------------------------------------------------------------------------- bounded work
+
+
+def _datum(n: int) -> dict:
+    return {"model_input": {"chunks": [{"tokens": list(range(1, n + 1))}]},
+            "loss_fn_inputs": {"target_tokens": {"data": list(range(2, n + 2)), "dtype": "int64", "shape": [n]},
+                               "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]}}}
+
+
+def test_ops_over_the_datum_or_token_limit_are_413_and_later_ops_run(server, keys, objs):
+    """The isolation server allows 4 datums and 64 input tokens per op (LIVELORA_MAX_*_PER_OP)."""
+    with http(server, keys["acme"]) as a:
+        def fwd(seq, data):
+            return a.post("/api/v1/forward", json={"model_id": objs["model"], "seq_id": seq, "forward_input": {
+                "data": data, "loss_fn": "cross_entropy"}})
+
+        err = error_of(fwd(3, [_datum(2)] * 5), 413)
+        assert "limit of 4" in err["message"] and "LIVELORA_MAX_DATUMS_PER_OP" in err["message"]
+        assert err["code"] == "too_many_datums" and err["param"] == "data"
+        err = error_of(fwd(4, [_datum(40)] * 2), 413)
+        assert "80 input tokens" in err["message"] and "LIVELORA_MAX_TOKENS_PER_OP" in err["message"]
+        done = future(a, ok(fwd(5, [_datum(8)] * 4))["request_id"])  # the refused seqs did not block the model
+        assert done["loss_fn_outputs"] and "error" not in done
+
+
+def test_malformed_or_deeply_nested_json_is_400_on_every_route(server, keys):
+    bodies = {"malformed": b'{"model": [', "deep": b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+              "deep-in-strings-is-fine": None}
+    with http(server, keys["acme"]) as a:
+        for method, path in _routes(server.app):
+            if method not in ("POST", "PUT", "PATCH"):
+                continue
+            url = path.replace("{session_id}", "0" * 32).replace("{name:path}", "x")
+            url = url.replace("{name}", "x@1")
+            for what, raw in bodies.items():
+                if raw is None:
+                    continue
+                r = a.request(method, url, content=raw, headers={"content-type": "application/json"})
+                assert error_of(r, 400)["code"] == "invalid_json", (method, path, what, r.text)
+    from livelora.gateway.auth import check_json_depth
+
+    check_json_depth(b'{"a": "' + b"[" * 5000 + b'"}', 64)  # brackets inside strings do not count
+
+
+def test_protobuf_bodies_go_through_the_same_check(server, keys, objs):
+    """SDK ≥0.25 sends ``forward_backward`` as protobuf: its ``model_id`` is read from the body's head and checked
+    like a JSON one (another tenant's: 404; another spelling: 400; unreadable: 400)."""
+    from livelora.gateway.api.tinker_wire import schema
+
+    def proto(model_id: str) -> bytes:
+        return schema.ForwardBackwardRequest(model_id=model_id, seq_id=9, loss_fn="cross_entropy").SerializeToString()
+
+    headers = {"content-type": "application/x-protobuf"}
+    with http(server, keys["beta"]) as b, http(server, keys["acme"]) as a:
+        error_of(b.post("/api/v1/forward_backward", content=proto(objs["model"]), headers=headers), 404)
+        error_of(b.post("/api/v1/forward_backward", content=proto(objs["model"].replace(":", "-")),
+                        headers=headers), 400)
+        assert error_of(b.post("/api/v1/forward_backward", content=b"\xff\xfe", headers=headers),
+                        400)["param"] == "model_id"
+        r = a.post("/api/v1/forward_backward", content=proto(objs["model"]), headers=headers)
+        assert r.status_code != 404, r.text  # the owner passes the check (the route then answers for itself)
