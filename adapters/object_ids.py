@@ -100,10 +100,13 @@ BODY_FIELDS: dict[str, str] = {"session_id": "session", "model_id": "model", "sa
                                "path": "path", "tinker_path": "path"}
 #: first path segment under ``/api/v1`` → the form of the segment after it
 PATH_SEGMENTS: dict[str, str] = {"sessions": "session", "training_runs": "model", "samplers": "sampler"}
+#: routes whose second segment is a word, not an id (``POST /api/v1/sessions/search``)
+LITERAL_ROUTES: frozenset[tuple[str, str]] = frozenset({("sessions", "search")})
 
 
 def refs_of_request(api_path: str, body: object) -> list[ObjectRef]:
-    """Every object a Tinker request names: path parameters (``/api/v1/<segment>/<id>/...``) and body fields.
+    """Every object a Tinker request names: path parameters (``/api/v1/<segment>/<id>/...``) and body fields
+    (top level, and those of a ``target`` object, as in ``retrieve_futures``).
 
     Args:
         api_path: the URL path after ``/api/v1/``.
@@ -114,8 +117,10 @@ def refs_of_request(api_path: str, body: object) -> list[ObjectRef]:
     """
     out: list[ObjectRef] = []
     parts = api_path.split("/")
-    if len(parts) > 1 and parts[0] in PATH_SEGMENTS:
+    if len(parts) > 1 and parts[0] in PATH_SEGMENTS and tuple(parts[:2]) not in LITERAL_ROUTES:
         out.append(parse_ref(PATH_SEGMENTS[parts[0]], parts[1], param=parts[0][:-1] + "_id"))
+    if isinstance(body, dict) and isinstance(body.get("target"), dict):  # retrieve_futures names its sampler there
+        out += refs_of_request("", body["target"])
     if isinstance(body, dict):
         for field, kind in BODY_FIELDS.items():
             value = body.get(field)

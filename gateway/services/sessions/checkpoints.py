@@ -33,12 +33,26 @@ from pathlib import Path
 from typing import Any
 
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.session_protocol import (CHECKPOINT_KINDS, CheckpointIndex, expires_at, is_expired,
-                                                lineage_for, resolve_checkpoint, tinker_path)
+from livelora.adapters.owners import OwnerStore
+from livelora.adapters.session_protocol import (
+    CHECKPOINT_KINDS,
+    CheckpointIndex,
+    expires_at,
+    is_expired,
+    lineage_for,
+    resolve_checkpoint,
+    tinker_path,
+)
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.clients.types.tinker import Cursor, WeightsInfoResponse
-from livelora.clients.types.tinker_rest import (CheckpointArchiveUrlResponse, CheckpointsListResponseV2, CheckpointV2,
-                                                TrainingRunsResponse, TrainingRunV2)
+from livelora.clients.types.tinker_rest import (
+    CheckpointArchiveUrlResponse,
+    CheckpointsListResponseV2,
+    CheckpointV2,
+    TrainingRunsResponse,
+    TrainingRunV2,
+)
+from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 
 #: Lifetime of a signed archive URL (seconds).
@@ -86,19 +100,24 @@ class Checkpoints:
         return CheckpointsListResponseV2(checkpoints=items, cursor=Cursor(offset=0, limit=len(items),
                                                                           total_count=len(items)))
 
-    def run_ids(self) -> list[str]:
-        """Every training run with an index, oldest first."""
+    def run_ids(self, tenant: str | None = None) -> list[str]:
+        """Every training run with an index, oldest first; with ``tenant``, only those of its sessions (recorded
+        owners, :mod:`livelora.adapters.owners`)."""
         runs = []
         for f in (self.home / "sessions").glob("*.json"):
             with contextlib.suppress(ValueError, OSError):
                 data = json.loads(f.read_text())
                 if data.get("model_id"):
                     runs.append((data.get("created") or "", data["model_id"]))
-        return [m for _, m in sorted(runs)]
+        ids = [m for _, m in sorted(runs)]
+        if tenant is None:
+            return ids
+        owners = OwnerStore(self.home)
+        return [m for m in ids if owners.owns("session", m.split(":", 1)[0], tenant)]
 
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponseV2:
-        """Every checkpoint of every training run, newest first (``limit``/``offset`` page them)."""
-        items = [self._checkpoint(m, k, v) for m in self.run_ids() for k, v in self._entries(m)]
+        """Every checkpoint of the caller's tenant's training runs, newest first (``limit``/``offset`` page them)."""
+        items = [self._checkpoint(m, k, v) for m in self.run_ids(caller_tenant()) for k, v in self._entries(m)]
         items.sort(key=lambda c: c.time, reverse=True)
         return CheckpointsListResponseV2(checkpoints=items[offset:offset + limit],
                                          cursor=Cursor(offset=offset, limit=limit, total_count=len(items)))
@@ -118,9 +137,9 @@ class Checkpoints:
                              user_metadata=_str_dict(data.get("user_metadata")))
 
     async def list_training_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
-        """Training runs, most recent request first."""
+        """The caller's tenant's training runs, most recent request first."""
         runs = []
-        for model_id in self.run_ids():
+        for model_id in self.run_ids(caller_tenant()):
             with contextlib.suppress(NotFoundError):
                 runs.append(await self.training_run(model_id))
         runs.sort(key=lambda r: r.last_request_time, reverse=True)

@@ -24,11 +24,22 @@ from typing import Any
 
 from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.session_protocol import future_failed, new_request_id, resolve_checkpoint
-from livelora.clients.errors import (BadRequestError, ConflictError, LiveloraError, NotFoundError,
-                                     UnsupportedParameterError)
-from livelora.clients.types.tinker import (CreateSamplingSessionRequest, CreateSamplingSessionResponse,
-                                           GetSamplerResponse, SampledSequence, SampleRequest, SampleResponse,
-                                           UntypedAPIFuture)
+from livelora.clients.errors import (
+    BadRequestError,
+    ConflictError,
+    LiveloraError,
+    NotFoundError,
+    UnsupportedParameterError,
+)
+from livelora.clients.types.tinker import (
+    CreateSamplingSessionRequest,
+    CreateSamplingSessionResponse,
+    GetSamplerResponse,
+    SampledSequence,
+    SampleRequest,
+    SampleResponse,
+    UntypedAPIFuture,
+)
 from livelora.clients.types.tinker_ext import SampledSequenceV2, SampleRequestV2, SampleResponseV2
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import SamplingParams as EngineParams

@@ -19,8 +19,14 @@ from livelora.adapters.owners import OwnerStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.clients.types.tinker import CreateSessionRequest, CreateSessionResponse
-from livelora.clients.types.tinker_rest import (GetSessionResponse, ListSessionsResponse, SessionSearchCursor,
-                                                SessionSearchRequest, SessionSearchResponse, SessionSummary)
+from livelora.clients.types.tinker_rest import (
+    GetSessionResponse,
+    ListSessionsResponse,
+    SessionSearchCursor,
+    SessionSearchRequest,
+    SessionSearchResponse,
+    SessionSummary,
+)
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.serving import Serving
@@ -176,10 +182,12 @@ class SessionService:
                                   display_name=data.get("display_name"))
 
     async def list_sessions(self, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
-        """Session ids, newest first."""
+        """The caller's tenant's session ids, newest first."""
         with redis_unavailable():
             rows = await self.redis.hgetall(self.keys.session_history)
-        ids = [sid for sid, raw in sorted(rows.items(), key=lambda kv: -json.loads(kv[1])["created"])]
+        owners, tenant = OwnerStore(self.ctx.home), caller_tenant()
+        ids = [sid for sid, raw in sorted(rows.items(), key=lambda kv: -json.loads(kv[1])["created"])
+               if owners.owns("session", sid, tenant)]
         return ListSessionsResponse(sessions=ids[offset:offset + limit])
 
     async def search_sessions(self, req: SessionSearchRequest) -> SessionSearchResponse:
@@ -193,8 +201,9 @@ class SessionService:
                                   param="owner")
         with redis_unavailable():
             rows = await self.redis.hgetall(self.keys.session_history)
+            owners, tenant = OwnerStore(self.ctx.home), caller_tenant()
             found = [await self._summary(sid, raw) for sid, raw in rows.items()
-                     if req.session_id in (None, sid)]
+                     if req.session_id in (None, sid) and owners.owns("session", sid, tenant)]
         wanted = {s.get("type") for s in req.statuses or ()}
         found = [s for s in found if (req.display_name in (None, s.display_name))
                  and all((s.user_metadata or {}).get(k) == v for k, v in req.user_metadata.items())

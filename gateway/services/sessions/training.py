@@ -21,14 +21,36 @@ from typing import Any
 from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.losses import validate_batch
 from livelora.adapters.owners import OwnerStore
-from livelora.adapters.session_protocol import (Op, future_failed, lineage_for, model_id_for, new_request_id, now_iso,
-                                                resolve_checkpoint, session_of)
-from livelora.clients.errors import (BadRequestError, ConflictError, LiveloraError, NotBuiltError, NotFoundError,
-                                     PayloadTooLargeError)
+from livelora.adapters.session_protocol import (
+    Op,
+    future_failed,
+    lineage_for,
+    model_id_for,
+    new_request_id,
+    now_iso,
+    resolve_checkpoint,
+    session_of,
+)
+from livelora.clients.errors import (
+    BadRequestError,
+    ConflictError,
+    LiveloraError,
+    NotBuiltError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
+from livelora.clients.types.tinker import (
+    CreateModelRequest,
+    ForwardBackwardInput,
+    GetInfoResponse,
+    GetServerCapabilitiesResponse,
+    LoadWeightsRequest,
+    ModelData,
+    SaveWeightsForSamplerRequest,
+    SupportedModel,
+    UntypedAPIFuture,
+)
 from livelora.clients.types.tinker_rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS
-from livelora.clients.types.tinker import (CreateModelRequest, ForwardBackwardInput, GetInfoResponse,
-                                           GetServerCapabilitiesResponse, LoadWeightsRequest, ModelData,
-                                           SaveWeightsForSamplerRequest, SupportedModel, UntypedAPIFuture)
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
