@@ -208,7 +208,8 @@ class TrainingOps:
         """
         if kind not in ("forward", "forward_backward"):
             return
-        data = (req.forward_input if kind == "forward" else req.forward_backward_input).data
+        # a forward is a ForwardRequest (forward_input) or, from SDK >= 0.25, forward_backward with forward_only
+        data = (getattr(req, "forward_input", None) or req.forward_backward_input).data
         limit = self.settings.max_datums_per_op
         if len(data) > limit:
             raise PayloadTooLargeError(f"{kind} carries {len(data)} datums, more than the limit of {limit} per op "
