@@ -10,6 +10,7 @@ key                                type                        holds
 =================================  ==========================  ==============================================
 ``completion:{id}``                string (JSON), TTL          one served completion (``CompletionRecord``)
 ``rating:{completion}:{user}``     string, TTL                 id of the latest rating by that user
+``rater:{lineage}:{digest}``       sorted set, TTL             a rater's recent event ids by time (rate limit)
 ``signals``                        stream, group ``trainers``  ratings, preferences, demonstrations (entries are
                                                                deleted once acknowledged)
 ``signals:trained``                sorted set                  ids of events trained into a version, score =
@@ -73,6 +74,11 @@ class KeyLayout:
     def rating(self, completion_id: str, user: str) -> str:
         """``{prefix}rating:{completion_id}:{user}``: id of the latest rating (replace-on-re-rate)."""
         return f"{self.prefix}rating:{completion_id}:{user}"
+
+    def rater(self, lineage: str, rater_digest: str) -> str:
+        """``{prefix}rater:{lineage}:{sha256(rater)[:32]}``: sorted set of the rater's accepted event ids, scored
+        by receive time (s), for the per-rater rate limit (``trainer/governance.py``)."""
+        return f"{self.prefix}rater:{lineage}:{rater_digest}"
 
     @property
     def signals(self) -> str:

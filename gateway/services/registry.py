@@ -13,7 +13,9 @@
   the weights as loaded against the manifest; a forward pass on a few canary
   tokens whose logprobs must be finite and ≤ 0),
   then moves the pointer of every ``follow`` endpoint of that lineage (a single
-  assignment, atomic on the event loop). A version failing a check is unloaded,
+  assignment, atomic on the event loop) whose evaluation gate verdict in the
+  manifest allows it (:func:`livelora.adapters.rails.gate_allows`; a version the
+  gate rejected for every endpoint is not even loaded). A version failing a check is unloaded,
   remembered as refused, and the endpoint stays where it was.
 * A version that is no longer current is **unloaded** once its last lease is
   released (vLLM guidance, ../shared/reference/vllm_lora.md §1.6: retire only at
@@ -39,6 +41,7 @@ from pathlib import Path
 import redis.asyncio as aredis
 
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore
+from livelora.adapters.rails import gate_allows
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, Manifest, parse_version_name, sha256_file
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
@@ -300,6 +303,8 @@ class AdapterRegistry:
         for endpoint, binding in self.bindings.items():
             if binding.lineage != lineage or binding.mode != "follow":
                 continue
+            if not gate_allows(manifest.gate, endpoint):  # the evaluation gate rejected it for this endpoint
+                continue
             old = self.current.get(endpoint)
             if old is not None and self.loaded[old].version >= manifest.version:
                 continue
@@ -356,7 +361,7 @@ class AdapterRegistry:
             for manifest in reversed(self.store.list(binding.lineage)):
                 if manifest.version <= have:
                     break
-                if manifest.name in self.refused:
+                if manifest.name in self.refused or not gate_allows(manifest.gate, endpoint):
                     continue
                 try:
                     await self.install(binding.lineage, manifest.version)
@@ -377,6 +382,11 @@ class AdapterRegistry:
         try:
             if notice.get("name"):
                 parse_version_name(notice["name"])
+            gate = self.store.get(lineage, int(version)).gate
+            if not any(b.lineage == lineage and b.mode == "follow" and gate_allows(gate, ep)
+                       for ep, b in self.bindings.items()):
+                log.info("%s was rejected by the evaluation gate: not loaded", notice.get("name"))
+                return
             await self.install(lineage, int(version))
         except (NotFoundError, BadRequestError, ValueError, TypeError) as exc:
             log.error("announced version %s not installed: %s", notice.get("name"), exc)
