@@ -64,6 +64,8 @@ class EndpointBinding(BaseModel):
     created: float | None = Field(default=None, description="Unix time the endpoint was created.")
     gate: GateThresholds | None = Field(default=None, description="Evaluation-gate thresholds (null: the "
                                                                   "defaults of GateThresholds).")
+    blocked: list[int] = Field(default_factory=list, description="Versions a follow endpoint skips: rolled back "
+                                                                 "automatically (live statistics).")
 
     @property
     def thresholds(self) -> GateThresholds:
@@ -161,7 +163,7 @@ class EndpointStore:
         if binding.mode == "pinned":
             return binding.version
         versions = (store or AdapterStore(self.home)).list(binding.lineage)
-        allowed = [m for m in versions if gate_allows(m.gate, endpoint or "*")]
+        allowed = [m for m in versions if gate_allows(m.gate, endpoint or "*") and m.version not in binding.blocked]
         return allowed[-1].version if allowed else None
 
     def record(self, endpoint: str, action: str, *, who: str, to: str, from_: str | None = None,
@@ -171,6 +173,24 @@ class EndpointStore:
         entry = HistoryEntry(time=time.time(), who=who, tenant=tenant, endpoint=endpoint, action=action,
                              from_=from_, to=to, reason=reason[:1000], details=details)
         with file_lock(self.path.with_suffix(".lock")):
+            append_line(self.history_path, entry.model_dump_json(by_alias=True))
+        return entry
+
+    def block(self, endpoint: str, version: int, *, who: str, reason: str, to: str,
+              details: dict | None = None) -> HistoryEntry:
+        """Add ``version`` to a follow endpoint's ``blocked`` list (an implicit endpoint becomes explicit) and
+        append an ``auto_rollback`` history line (from the blocked version to ``to``) under one lock."""
+        validate_endpoint_name(endpoint)
+        with file_lock(self.path.with_suffix(".lock")):
+            bindings = self.all()
+            old = bindings.get(endpoint) or EndpointBinding(lineage=lineage_for_name(endpoint))
+            new = old.model_copy(update={"blocked": sorted({*old.blocked, version})})
+            current = {k: v.model_dump() for k, v in bindings.items()}
+            current[endpoint] = new.model_dump()
+            atomic_write_json(self.path, {"endpoints": current})
+            entry = HistoryEntry(time=time.time(), who=who, tenant=new.tenant, endpoint=endpoint,
+                                 action="auto_rollback", from_=version_label(new.lineage, version), to=to,
+                                 reason=reason[:1000], details=details)
             append_line(self.history_path, entry.model_dump_json(by_alias=True))
         return entry
 

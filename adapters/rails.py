@@ -152,3 +152,48 @@ def gate_allows(gate: dict[str, Any] | GateResult | None, endpoint: str) -> bool
     result = gate if isinstance(gate, GateResult) else GateResult.model_validate(gate)
     verdict = result.verdict(endpoint)
     return verdict is None or verdict.passed
+
+
+# ---------------------------------------------------------------------------- live statistics and rollback
+
+def wilson_interval(up: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """Wilson score interval of a thumbs-up rate (``z`` = 1.96: 95 %); None with no ratings.
+
+    Source: E. B. Wilson (1927), "Probable inference, the law of succession, and statistical inference".
+    """
+    if n <= 0:
+        return None
+    p = up / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def sprt_thumbs(up: int, n: int, p0: float, *, delta: float = 0.2, alpha: float = 0.05,
+                beta: float = 0.2) -> tuple[str, float]:
+    """Wald's sequential probability ratio test on the serving version's thumbs-up ratings.
+
+    H0: its thumbs-up rate equals ``p0`` (the predecessor's observed rate, taken as known);
+    H1: it is ``p0 − delta`` (worse). After ``n`` ratings with ``up`` thumbs up the log-likelihood ratio is
+    ``LLR = up·ln(p1/p0) + (n − up)·ln((1 − p1)/(1 − p0))``; the test answers ``"rollback"`` once
+    ``LLR ≥ ln((1 − β)/α)``, ``"keep"`` once ``LLR ≤ ln(β/(1 − α))``, else ``"continue"``.
+
+    Error rates (Wald 1945, "Sequential tests of statistical hypotheses"): the chance of rolling back a version
+    that is as good as its predecessor is at most about ``α`` (5 %; Wald's bound α/(1 − β) = 6.25 %), the chance
+    of keeping one whose rate is ``delta`` (20 points) lower is at most about ``β`` (20 %). ``p0`` is clamped to
+    [0.05, 0.95] so both hypotheses stay proper. Treating ``p0`` as known ignores its own sampling error: the
+    predecessor must have ``min_ratings`` ratings before the test runs (the caller's rule).
+
+    Returns:
+        ``(decision, llr)``.
+    """
+    import math
+
+    p0 = min(0.95, max(0.05, p0))
+    p1 = max(0.01, p0 - delta)
+    llr = up * math.log(p1 / p0) + (n - up) * math.log((1 - p1) / (1 - p0))
+    if llr >= math.log((1 - beta) / alpha):
+        return "rollback", llr
+    if llr <= math.log(beta / (1 - alpha)):
+        return "keep", llr
+    return "continue", llr

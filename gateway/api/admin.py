@@ -53,6 +53,12 @@ async def rollback(name: str, body: RollbackRequest, admin: AdminDep) -> dict:
     return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": endpoint}
 
 
+@router.get("/endpoints/{name:path}/stats")
+async def endpoint_stats(name: str, admin: AdminDep) -> dict:
+    """Per-version live statistics: requests, ratings, thumbs-up rate with its 95 % interval."""
+    return await admin.stats(name)
+
+
 @router.put("/endpoints/{name:path}/gate")
 async def set_gate(name: str, body: GateRequest, admin: AdminDep) -> dict:
     """Set the endpoint's evaluation-gate thresholds (null: the defaults)."""

@@ -428,6 +428,23 @@ class GatewayAdmin:
         await self._apply(name)
         return entry, self.store.get_endpoint(name)
 
+    async def stats(self, name: str) -> dict[str, Any]:
+        """Per-version live statistics of an endpoint this tenant administers (requests, ratings, thumbs-up
+        rate and its 95 % Wilson interval), plus the version serving now and the one before it.
+
+        Raises:
+            NotFoundError: unknown or another tenant's endpoint.
+        """
+        if not self.store._owns_endpoint(name) or (self.registry is not None and name not in self.registry.current
+                                                   and name not in self.store.endpoints.all()):
+            raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
+        reg = self.registry
+        if reg is None or reg.stats is None:
+            return {"endpoint": name, "serving": None, "predecessor": None, "versions": []}
+        return {"endpoint": name, "serving": reg.current.get(name) or "base",
+                "predecessor": (reg.predecessor.get(name) or "base") if name in reg.predecessor else None,
+                "versions": await reg.stats.endpoint(name)}
+
     def quarantine(self) -> list[dict[str, Any]]:
         return self.store.quarantine()
 

@@ -128,6 +128,8 @@ class AdapterRegistry:
         #: adapter name → reason, for versions that failed their checks (never retried)
         self.refused: dict[str, str] = {}
         self.leases: Counter[str] = Counter()
+        self.predecessor: dict[str, str | None] = {}  # endpoint → what it served before its last move
+        self.stats = None  # LiveStats (live_stats.py): per-version counts, automatic rollback
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._canary: list[int] | None = None
@@ -213,6 +215,8 @@ class AdapterRegistry:
         """Lease ``adapter`` (as returned by :meth:`resolve` with no ``await`` in between) until released."""
         if adapter is not None:
             self.leases[adapter] += 1
+        if self.stats is not None:
+            self._spawn(self.stats.count_request(endpoint, adapter))
         return Lease(endpoint, adapter, self)
 
     def acquire(self, model: str) -> Lease:
@@ -303,12 +307,12 @@ class AdapterRegistry:
         for endpoint, binding in self.bindings.items():
             if binding.lineage != lineage or binding.mode != "follow":
                 continue
-            if not gate_allows(manifest.gate, endpoint):  # the evaluation gate rejected it for this endpoint
-                continue
+            if not gate_allows(manifest.gate, endpoint) or manifest.version in binding.blocked:
+                continue  # the evaluation gate rejected it for this endpoint, or it was rolled back
             old = self.current.get(endpoint)
             if old is not None and self.loaded[old].version >= manifest.version:
                 continue
-            self.current[endpoint] = manifest.name  # the switch: one assignment
+            self.current[endpoint], self.predecessor[endpoint] = manifest.name, old  # the switch
             log.info("endpoint %s now serves %s (was %s)", endpoint, manifest.name, old or "base")
             if old is not None and self._retired(old):
                 self._spawn(self._unload(old))
@@ -361,7 +365,8 @@ class AdapterRegistry:
             for manifest in reversed(self.store.list(binding.lineage)):
                 if manifest.version <= have:
                     break
-                if manifest.name in self.refused or not gate_allows(manifest.gate, endpoint):
+                if (manifest.name in self.refused or not gate_allows(manifest.gate, endpoint)
+                        or manifest.version in binding.blocked):
                     continue
                 try:
                     await self.install(binding.lineage, manifest.version)

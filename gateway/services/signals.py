@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -45,6 +46,8 @@ from livelora.clients.types.signals import (CompletionRecord, DemonstrationEvent
                                             PreferenceRequest, PreferenceResponse, RatingEvent, parse_stream_event)
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.settings import DEFAULT_IDEMPOTENCY_TTL_S
+
+log = logging.getLogger(__name__)
 
 # KEYS[1] signals stream, KEYS[2] idempotency key or "", KEYS[3] rating key or ""
 # ARGV[1] event JSON, ARGV[2] request fingerprint, ARGV[3] idem TTL s, ARGV[4] rating TTL s, ARGV[5] event id
@@ -85,8 +88,9 @@ class SignalService:
                  resolve_endpoint: Callable[[str], str] | None = None,
                  idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
                  check_trainable: Callable[[str], None] | None = None,
-                 check_event: Callable[[Any], None] | None = None):
+                 check_event: Callable[[Any], None] | None = None, on_rating: Callable[..., Any] | None = None):
         self.client = client
+        self.on_rating = on_rating  # async (endpoint, adapter, rating_key, up): live statistics, rollback
         self.keys = keys
         self.completions = completions
         self.resolve_endpoint = resolve_endpoint or (lambda name: name)
@@ -155,6 +159,11 @@ class SignalService:
             score=req.score, comment=req.comment, rating_key=f"{rec.id}:{rater}")
         ev, replaces, replayed = await self._submit("feedback", event, req, caller, idempotency_key,
                                                     rating_key=self.keys.rating(rec.id, rater))
+        if self.on_rating is not None and not replayed:
+            try:  # accepted already: statistics and the rollback test never fail the rating
+                await self.on_rating(ev.endpoint, ev.adapter, ev.rating_key, ev.rating)
+            except Exception:
+                log.exception("live statistics of a rating failed")
         return FeedbackResponse(id=ev.id, completion_id=ev.completion_id, endpoint=ev.endpoint,
                                 rating=ev.rating, score=ev.score, comment=ev.comment, user=ev.user,
                                 replaces=replaces, created=ev.created), replayed
