@@ -134,7 +134,8 @@ class Backend:
             entry = self.local.set_gate(name, thresholds, who=self.who, reason=reason)
             self.notify(name)
             return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": self.local.get_endpoint(name)}
-        return self.http("PUT", f"/admin/endpoints/{name}/gate", json={"thresholds": thresholds, "reason": reason})
+        body = {"thresholds": thresholds, "reason": reason} if thresholds else {"reset": True, "reason": reason}
+        return self.http("PUT", f"/admin/endpoints/{name}/gate", json=body)
 
     def history(self, name: str | None) -> list[dict]:
         if self.home:

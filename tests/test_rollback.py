@@ -109,3 +109,63 @@ async def _generate(engine, adapter, prompt, n=6):
                                    adapter=adapter):
         toks += c.token_ids
     return toks
+
+
+def test_canary_serves_its_share_counted_and_completes_without_regression(base_ref, tmp_path):
+    import random
+
+    from livelora.trainer.model import TrainingModel
+
+    store = AdapterStore(tmp_path)
+    tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
+    g = torch.Generator().manual_seed(2)
+    for _ in (1, 2):
+        with torch.no_grad():
+            for k, p in tm.lora_params.items():
+                if "lora_B" in k:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        tm.save_weights(store, EP)
+    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
+    loop = asyncio.new_event_loop()
+    engine = create_engine("transformers", model=base_ref.name, max_batch_size=4)
+    v1, v2 = f"{EP}@1", f"{EP}@2"
+
+    async def body():
+        await engine.start()
+        client = connect_async("redis://127.0.0.1:6379/0")
+        try:
+            reg = AdapterRegistry(engine, tmp_path, EP, client=client, keys=keys, resync_s=0)
+            live = LiveSection(canary_share=0.25, canary_min_ratings=10, rollback_min_ratings=10)
+            await reg.install(EP, 1)                                     # served before canarying is switched on
+            reg.stats = stats = LiveStats(client, keys, live, home=tmp_path, rng=random.Random(0))
+            assert reg.current[EP] == v1
+            for i in range(20):
+                await stats.count_rating(EP, v1, f"c{i}:u", i % 5 != 0)   # v1: 80 % thumbs up
+            await reg.install(EP, 2)
+            assert reg.current[EP] == v1 and stats.canaries[EP]["version"] == v2   # canary, not switched
+            served = []
+            for _ in range(400):
+                lease = reg.acquire(EP)
+                served.append(lease.adapter)
+                lease.release()
+            n2 = served.count(v2)
+            assert 60 < n2 < 140 and served.count(v1) == 400 - n2       # ≈ 25 % of requests
+            shown = {v["version"]: v for v in await stats.endpoint(EP)}
+            assert shown[v1]["requests"] == 400 - n2 and shown[v2]["requests"] == n2     # counted
+            assert v2 in engine.loaded_adapters()                        # the canary stays loaded between requests
+            for i in range(10):                                          # the canary is liked as much
+                await stats.count_rating(EP, v2, f"k{i}:u", i % 5 != 0)
+                out = await stats.after_rating(reg, EP)
+                assert (out is None) == (i < 9)
+            assert out["state"] == "completed" and reg.current[EP] == v2 and EP not in stats.canaries
+            hist = [h for h in EndpointStore(tmp_path).history(EP) if h.action == "canary"]
+            assert [h.details["state"] for h in hist] == ["started", "completed"] and hist[1].to == v2
+            await stats.close()
+        finally:
+            async for k in client.scan_iter(match=keys.prefix + "*"):
+                await client.delete(k)
+            await client.aclose()
+            await engine.close()
+
+    loop.run_until_complete(body())
+    loop.close()

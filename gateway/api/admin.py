@@ -62,7 +62,7 @@ async def endpoint_stats(name: str, admin: AdminDep) -> dict:
 @router.put("/endpoints/{name:path}/gate")
 async def set_gate(name: str, body: GateRequest, admin: AdminDep) -> dict:
     """Set the endpoint's evaluation-gate thresholds (null: the defaults)."""
-    entry, endpoint = await admin.set_gate(name, body.thresholds, reason=body.reason)
+    entry, endpoint = await admin.set_gate(name, body.thresholds, reset=body.reset, reason=body.reason)
     return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": endpoint}
 
 
@@ -78,11 +78,11 @@ async def quarantine(admin: AdminDep) -> dict:
     return {"data": admin.quarantine()}
 
 
-@router.post("/users/{user}/forget")
-async def forget_user(user: str, body: ForgetRequest, admin: AdminDep) -> dict:
+@router.post("/users/{name}/forget")
+async def forget_user(name: str, body: ForgetRequest, admin: AdminDep) -> dict:
     """Delete a user's signals and completions on the caller's endpoints (right to be forgotten); later
     training batches exclude them."""
-    return await admin.forget_user(user, reason=body.reason)
+    return await admin.forget_user(name, reason=body.reason)
 
 
 @router.get("/history")

@@ -421,9 +421,15 @@ class GatewayAdmin:
         await self._apply(name)
         return entry, self.store.get_endpoint(name)
 
-    async def set_gate(self, name: str, thresholds: dict[str, Any] | None, *,
+    async def set_gate(self, name: str, thresholds: dict[str, Any] | None, *, reset: bool = False,
                        reason: str) -> tuple[HistoryEntry, dict[str, Any]]:
-        """See :meth:`AdminService.set_gate`; returns the audit entry and the endpoint."""
+        """See :meth:`AdminService.set_gate`; returns the audit entry and the endpoint.
+
+        Raises:
+            BadRequestError: neither ``thresholds`` nor ``reset`` given (or both).
+        """
+        if (thresholds is None) == (not reset):
+            raise BadRequestError("give either thresholds or reset: true", param="thresholds")
         entry = await asyncio.to_thread(self.store.set_gate, name, thresholds, who=self.who, reason=reason)
         await self._apply(name)
         return entry, self.store.get_endpoint(name)

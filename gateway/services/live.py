@@ -35,6 +35,8 @@ class LiveLoop:
     registry: AdapterRegistry
 
     async def close(self) -> None:
+        if self.registry.stats is not None:
+            await self.registry.stats.close()
         await self.registry.close()
         await self.client.aclose()
 
@@ -52,7 +54,7 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
     completions = CompletionLog(client, keys, retention_s=live.completion_retention_s)
     registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
                                resync_s=live.resync_s)
-    registry.stats = stats = LiveStats(client, keys, live)
+    registry.stats = stats = LiveStats(client, keys, live, home=settings.home)
 
     async def on_rating(endpoint: str, adapter: str | None, rating_key: str, up: bool) -> None:
         await stats.count_rating(endpoint, adapter, rating_key, up)

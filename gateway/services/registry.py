@@ -205,7 +205,8 @@ class AdapterRegistry:
         """
         self.endpoint_for(model)  # raises for unknown and other tenants' names
         if model in self.current:
-            return model, (self.current[model] if self.versions_visible(model) else None)
+            adapter = self.current[model] if self.versions_visible(model) else None
+            return model, (self.stats.route(model, adapter) if self.stats is not None else adapter)
         if model in self.loaded and model not in self.refused:
             return self.endpoint_for(model), model
         self.endpoint_for(model)  # raises ModelNotFoundError
@@ -216,7 +217,7 @@ class AdapterRegistry:
         if adapter is not None:
             self.leases[adapter] += 1
         if self.stats is not None:
-            self._spawn(self.stats.count_request(endpoint, adapter))
+            self.stats.note_request(endpoint, adapter)
         return Lease(endpoint, adapter, self)
 
     def acquire(self, model: str) -> Lease:
@@ -245,7 +246,8 @@ class AdapterRegistry:
                 self._spawn(self._unload(adapter))
 
     def _retired(self, adapter: str) -> bool:
-        return adapter in self.loaded and adapter not in self.current.values() and not self.leases.get(adapter)
+        return (adapter in self.loaded and adapter not in self.current.values() and not self.leases.get(adapter)
+                and not (self.stats is not None and self.stats.is_canary(adapter)))
 
     # ------------------------------------------------------------------ installing
 
@@ -312,6 +314,8 @@ class AdapterRegistry:
             old = self.current.get(endpoint)
             if old is not None and self.loaded[old].version >= manifest.version:
                 continue
+            if self.stats is not None and self.stats.start_canary(endpoint, manifest.name, old):
+                continue  # serves a share of the requests first (live_stats.py)
             self.current[endpoint], self.predecessor[endpoint] = manifest.name, old  # the switch
             log.info("endpoint %s now serves %s (was %s)", endpoint, manifest.name, old or "base")
             if old is not None and self._retired(old):
