@@ -93,6 +93,7 @@ def test_injected_regression_rolls_back_with_no_failed_request(base_ref, tmp_pat
             assert shown[f"{EP}@1"]["thumbs_up_rate"] == 0.8 and shown[f"{EP}@2"]["ratings"] == 4
             assert shown[f"{EP}@2"]["requests"] == 1 and shown[f"{EP}@1"]["requests"] >= 1
             assert shown[f"{EP}@1"]["ci95"][0] < 0.8 < shown[f"{EP}@1"]["ci95"][1]
+            await reg.close()
         finally:
             async for k in client.scan_iter(match=keys.prefix + "*"):
                 await client.delete(k)
@@ -161,6 +162,7 @@ def test_canary_serves_its_share_counted_and_completes_without_regression(base_r
             hist = [h for h in EndpointStore(tmp_path).history(EP) if h.action == "canary"]
             assert [h.details["state"] for h in hist] == ["started", "completed"] and hist[1].to == v2
             await stats.close()
+            await reg.close()
         finally:
             async for k in client.scan_iter(match=keys.prefix + "*"):
                 await client.delete(k)
