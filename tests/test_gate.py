@@ -177,3 +177,26 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
         loop.close()
     shown = json.loads((AdapterStore(home).version_dir(lineage, 2) / "manifest.json").read_text())["gate"]
     assert shown == g2
+
+
+def test_held_out_examples_are_read_back_after_a_restart(tokenizer, tmp_path):
+    import json as _json
+
+    from livelora.trainer.dataset import DatasetOfRecord
+    from livelora.trainer.gated import EvaluationGate
+
+    evs = [RatingEvent(id=f"feedback-{i}", endpoint="gated", created=1, completion_id=f"c{i}",
+                       prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5 + i], rating=i % 2 == 0,
+                       rating_key=f"c{i}:/u") for i in range(40)]
+    DatasetOfRecord(tmp_path).append("2026-12-01", [(e.id, {"stream_id": f"{i}-0", "received": 1,
+                                                            "event": _json.loads(e.model_dump_json())})
+                                                    for i, e in enumerate(evs)])
+    picked = [e for e in evs if held_out(e.id, 4)]
+    assert 3 <= len(picked) < 40
+    gate = EvaluationGate(tokenizer, tmp_path, None, holdout_every=4, heldout_max=100)
+    items = gate.items("gated")                                   # a fresh process: read back from the dataset
+    assert [i.key for i in items] == [e.id for e in picked]
+    assert [i.sign for i in items] == [1 if e.rating else -1 for e in picked]
+    assert items[0].completion[:2] == picked[0].completion_token_ids
+    assert gate.hold_out("gated", picked[0]) and len(gate.items("gated")) == len(picked)   # no duplicate
+    assert gate.items("other") == []

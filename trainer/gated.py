@@ -77,13 +77,46 @@ class EvaluationGate:
         except Exception as exc:  # an event we cannot score is trained normally (and screened there)
             log.warning("held-out event %s cannot be scored: %s", event.id, exc)
             return False
-        q = self.heldout.setdefault(lineage, deque(maxlen=2 * max(1, self.heldout_max)))
-        q.extend(items)
+        if lineage not in self.heldout:
+            self.reload(lineage)  # the event is in the dataset of record already: _add skips it then
+        self._add(self.heldout[lineage], items)
         return True
 
+    @staticmethod
+    def _add(q: deque[HeldOut], items: list[HeldOut]) -> None:
+        have = {i.key for i in q}
+        q.extend(i for i in items if i.key not in have)
+
     def items(self, lineage: str) -> list[HeldOut]:
-        """The held-out examples the signal check scores (newest ``heldout_max`` events' items)."""
+        """The held-out examples the signal check scores (newest ``heldout_max`` events' items); after a restart
+        they are first read back from the dataset of record (:meth:`reload`)."""
+        if lineage not in self.heldout:
+            self.reload(lineage)
         return list(self.heldout.get(lineage, ()))[-2 * self.heldout_max:] if self.heldout_max else []
+
+    def reload(self, lineage: str) -> int:
+        """Refill ``lineage``'s held-out examples from the dataset of record (the same id hash picks the same
+        events in every process); returns how many events were taken."""
+        import json
+
+        from livelora.clients.types.signals import parse_stream_event
+        from livelora.trainer.dataset import read_dataset
+
+        q = self.heldout.setdefault(lineage, deque(maxlen=2 * max(1, self.heldout_max)))
+        n = 0
+        for rec in read_dataset(self.endpoints.home):
+            raw = rec.get("event")
+            if not isinstance(raw, dict) or raw.get("type") not in ("rating", "preference"):
+                continue
+            if not held_out(raw["id"], self.holdout_every) or self.endpoints.get(raw["endpoint"]).lineage != lineage:
+                continue
+            try:
+                self._add(q, heldout_items(parse_stream_event({"event": json.dumps(raw)}), self.tokenizer,
+                                           self.chat_pair))
+                n += 1
+            except Exception as exc:  # an event that cannot be scored is skipped
+                log.warning("held-out event %s not reloaded: %s", raw.get("id"), exc)
+        return n
 
     # ------------------------------------------------------------------ around a step
     def base(self, model: Any) -> Measurement:
