@@ -63,7 +63,7 @@ def main() -> None:
     ref = resolve_base_model(DEFAULT_MODEL, args.home)
     for kind in ("normal", "bad"):
         cfg = TrainingSection(sft_lr=1e-3) if kind == "bad" else TrainingSection()
-        trainer = OnlineTrainer(ref, args.home, cfg, gate=GateSection(gate_holdout_every=0))
+        trainer = OnlineTrainer(ref, args.home, cfg, gate=GateSection(gate_enabled=True, gate_holdout_every=0))
         lineage = f"gate-bench-{kind}-{uuid.uuid4().hex[:6]}"
         for step in range(args.steps):
             if kind == "normal":
