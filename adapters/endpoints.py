@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from livelora.adapters.api_keys import DEFAULT_TENANT, validate_endpoint_name
 from livelora.adapters.atomic import append_line, atomic_write_json, file_lock
+from livelora.adapters.rails import GateThresholds, gate_allows
 from livelora.adapters.store import AdapterStore, validate_lineage
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
 
@@ -61,6 +62,15 @@ class EndpointBinding(BaseModel):
     previous: list[int | None] = Field(default_factory=list,
                                        description="Versions served before each promotion, newest last.")
     created: float | None = Field(default=None, description="Unix time the endpoint was created.")
+    gate: GateThresholds | None = Field(default=None, description="Evaluation-gate thresholds (null: the "
+                                                                  "defaults of GateThresholds).")
+    blocked: list[int] = Field(default_factory=list, description="Versions a follow endpoint skips: rolled back "
+                                                                 "automatically (live statistics).")
+
+    @property
+    def thresholds(self) -> GateThresholds:
+        """The gate thresholds that apply (the endpoint's own, else the defaults)."""
+        return self.gate or GateThresholds()
 
     def visible_to(self, tenant: str) -> bool:
         """Whether ``tenant`` may use (sample, list) this endpoint: its owner, or anyone if public."""
@@ -80,10 +90,13 @@ class HistoryEntry(BaseModel):
     who: str = Field(description="Principal that made the change (tenant/key name).")
     tenant: str | None
     endpoint: str
-    action: Literal["create", "promote", "rollback"]
+    action: Literal["create", "promote", "rollback", "gate", "configure", "forget", "quarantine",
+                    "auto_rollback", "canary"]
     from_: str | None = Field(default=None, alias="from")
     to: str
     reason: str = ""
+    details: dict | None = Field(default=None, description="Structured record of a rail's decision (gate "
+                                                           "checks, statistics, counts).")
 
 
 def version_label(lineage: str, version: int | None) -> str:
@@ -143,12 +156,57 @@ class EndpointStore:
 
     # ------------------------------------------------------------------ audited changes
 
-    def served_version(self, binding: EndpointBinding, store: AdapterStore | None = None) -> int | None:
-        """The version an endpoint targets now: its pin, or (follow) the lineage's newest version."""
+    def served_version(self, binding: EndpointBinding, store: AdapterStore | None = None,
+                       endpoint: str | None = None) -> int | None:
+        """The version an endpoint targets now: its pin, or (follow) the lineage's newest version that the
+        evaluation gate did not reject for ``endpoint`` (any endpoint's default verdict when not given)."""
         if binding.mode == "pinned":
             return binding.version
         versions = (store or AdapterStore(self.home)).list(binding.lineage)
-        return versions[-1].version if versions else None
+        allowed = [m for m in versions if gate_allows(m.gate, endpoint or "*") and m.version not in binding.blocked]
+        return allowed[-1].version if allowed else None
+
+    def record(self, endpoint: str, action: str, *, who: str, to: str, from_: str | None = None,
+               reason: str = "", details: dict | None = None, tenant: str | None = None) -> HistoryEntry:
+        """Append one history line for a decision that does not change the binding (a gate verdict, a
+        quarantine, a deletion of a user's data, an automatic rollback's statistics)."""
+        entry = HistoryEntry(time=time.time(), who=who, tenant=tenant, endpoint=endpoint, action=action,
+                             from_=from_, to=to, reason=reason[:1000], details=details)
+        with file_lock(self.path.with_suffix(".lock")):
+            append_line(self.history_path, entry.model_dump_json(by_alias=True))
+        return entry
+
+    def block(self, endpoint: str, version: int, *, who: str, reason: str, to: str,
+              details: dict | None = None) -> HistoryEntry:
+        """Add ``version`` to a follow endpoint's ``blocked`` list (an implicit endpoint becomes explicit) and
+        append an ``auto_rollback`` history line (from the blocked version to ``to``) under one lock."""
+        validate_endpoint_name(endpoint)
+        with file_lock(self.path.with_suffix(".lock")):
+            bindings = self.all()
+            old = bindings.get(endpoint) or EndpointBinding(lineage=lineage_for_name(endpoint))
+            new = old.model_copy(update={"blocked": sorted({*old.blocked, version})})
+            current = {k: v.model_dump() for k, v in bindings.items()}
+            current[endpoint] = new.model_dump()
+            atomic_write_json(self.path, {"endpoints": current})
+            entry = HistoryEntry(time=time.time(), who=who, tenant=new.tenant, endpoint=endpoint,
+                                 action="auto_rollback", from_=version_label(new.lineage, version), to=to,
+                                 reason=reason[:1000], details=details)
+            append_line(self.history_path, entry.model_dump_json(by_alias=True))
+        return entry
+
+    def set_gate(self, endpoint: str, thresholds: GateThresholds | None, *, tenant: str, who: str,
+                 reason: str = "") -> tuple[EndpointBinding, HistoryEntry]:
+        """Set (``None``: reset to the defaults) an endpoint's gate thresholds; recorded as ``configure``.
+
+        Raises:
+            NotFoundError: unknown endpoint (or another tenant's).
+        """
+        binding = self._visible(endpoint, tenant)
+
+        def update(old):
+            return (old or binding).model_copy(update={"gate": thresholds})
+        new, entry = self._change(endpoint, update, who=who, action="configure", reason=reason, tenant=tenant)
+        return new, entry
 
     def _change(self, endpoint: str, update, *, who: str, action: str, reason: str,
                 tenant: str | None) -> tuple[EndpointBinding, HistoryEntry]:
@@ -162,7 +220,7 @@ class EndpointStore:
             old = bindings.get(endpoint)
             new = update(old)
             self._check(endpoint, new)
-            before = None if old is None else version_label(old.lineage, self.served_version(old, store))
+            before = None if old is None else version_label(old.lineage, self.served_version(old, store, endpoint))
             if old is not None and old.mode == "follow":
                 before = f"follow:{before}"
             after = version_label(new.lineage, new.version) if new.mode == "pinned" else "follow"
@@ -218,7 +276,7 @@ class EndpointStore:
 
         def update(old):
             old = old or binding
-            served = self.served_version(old, store)
+            served = self.served_version(old, store, endpoint)
             stack = [*old.previous, served][-MAX_PREVIOUS:]
             if follow:
                 return old.model_copy(update={"mode": "follow", "version": None, "previous": stack})
@@ -281,7 +339,7 @@ class EndpointStore:
         store = store or AdapterStore(self.home)
         out: dict[str, list[str]] = {}
         for name, binding in self.all().items():
-            v = self.served_version(binding, store)
+            v = self.served_version(binding, store, name)
             if v is not None:
                 out.setdefault(f"{binding.lineage}@{v}", []).append(name)
         return out

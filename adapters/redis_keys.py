@@ -10,6 +10,9 @@ key                                type                        holds
 =================================  ==========================  ==============================================
 ``completion:{id}``                string (JSON), TTL          one served completion (``CompletionRecord``)
 ``rating:{completion}:{user}``     string, TTL                 id of the latest rating by that user
+``rater:{lineage}:{digest}``       sorted set, TTL             a rater's recent event ids by time (rate limit)
+``stats:{endpoint}:requests``      hash                        version → requests served (live statistics)
+``stats:{endpoint}:ratings:{v}``   hash                        rating key → 1/0 thumbs up, per served version
 ``signals``                        stream, group ``trainers``  ratings, preferences, demonstrations (entries are
                                                                deleted once acknowledged)
 ``signals:trained``                sorted set                  ids of events trained into a version, score =
@@ -88,6 +91,20 @@ class KeyLayout:
     def rating(self, completion_id: str, user: str) -> str:
         """``{prefix}rating:{completion_id}:{user}``: id of the latest rating (replace-on-re-rate)."""
         return f"{self.prefix}rating:{completion_id}:{user}"
+
+    def rater(self, lineage: str, rater_digest: str) -> str:
+        """``{prefix}rater:{lineage}:{sha256(rater)[:32]}``: sorted set of the rater's accepted event ids, scored
+        by receive time (s), for the per-rater rate limit (``trainer/governance.py``)."""
+        return f"{self.prefix}rater:{lineage}:{rater_digest}"
+
+    def version_requests(self, endpoint: str) -> str:
+        """``{prefix}stats:{endpoint}:requests``: hash version label → requests served (live statistics)."""
+        return f"{self.prefix}stats:{endpoint}:requests"
+
+    def version_ratings(self, endpoint: str, version: str) -> str:
+        """``{prefix}stats:{endpoint}:ratings:{version}``: hash rating key → 1 (thumbs up) / 0; a re-rate
+        overwrites its field, so each (completion, rater) counts once."""
+        return f"{self.prefix}stats:{endpoint}:ratings:{version}"
 
     @property
     def signals(self) -> str:

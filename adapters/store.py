@@ -68,6 +68,8 @@ class Manifest(BaseModel):
     has_optimizer: bool = False
     rank: int | None = None
     alpha: float | None = None
+    gate: dict[str, Any] | None = Field(default=None, description="The evaluation gate's result "
+                                        "(:class:`livelora.adapters.rails.GateResult`); null: not evaluated.")
 
 
 def validate_lineage(name: str) -> str:
@@ -143,7 +145,7 @@ class AdapterStore:
     def write_version(self, lineage: str, write: Callable[[Path], None], *, base_model: str,
                       parent: int | None = None, step: int = 0, metrics: dict[str, float] | None = None,
                       data_counts: dict[str, int] | None = None, rank: int | None = None,
-                      alpha: float | None = None) -> Manifest:
+                      alpha: float | None = None, gate: dict[str, Any] | None = None) -> Manifest:
         """Create a new version: allocate its number, let ``write(tmp_dir)`` fill a temporary directory with
         ``adapter_model.safetensors`` + ``adapter_config.json`` (+ optionally ``optimizer.pt`` and
         ``trainer_state.json``), add the manifest and rename it into place atomically.
@@ -168,7 +170,7 @@ class AdapterStore:
                 lineage=lineage, version=version, name=f"{lineage}@{version}", base_model=base_model,
                 parent=parent, step=step, created=time.time(), sha256=sha256_file(tmp / WEIGHTS_FILE),
                 metrics=dict(metrics or {}), data_counts=dict(data_counts or {}), has_optimizer=has_opt,
-                rank=rank, alpha=alpha)
+                rank=rank, alpha=alpha, gate=gate)
             (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
         return manifest
 

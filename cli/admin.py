@@ -20,6 +20,7 @@ Example::
     livelora endpoints promote prod 4 --reason "win-rate +6 %"
     livelora endpoints rollback prod --reason "regression on refunds"
     livelora endpoints history prod
+    livelora endpoints gate prod --set probe_margin=0.05 --set max_kl_current=0.3
     livelora adapters export support@4 --format merged --out ./support-4
 """
 
@@ -103,6 +104,9 @@ class Backend:
     def list_endpoints(self) -> list[dict]:
         return self.local.list_endpoints() if self.home else self.http("GET", "/admin/endpoints")["data"]
 
+    def list_endpoints_one(self, name: str) -> dict:
+        return self.local.get_endpoint(name) if self.home else self.http("GET", f"/admin/endpoints/{name}")
+
     def create_endpoint(self, **body) -> dict:
         if self.home:
             info = self.local.create_endpoint(body.pop("name"), body.pop("lineage"), who=self.who, **body)
@@ -124,6 +128,14 @@ class Backend:
             self.notify(name)
             return entry.model_dump(mode="json", by_alias=True)
         return self.http("POST", f"/admin/endpoints/{name}/rollback", json={"reason": reason})["history"]
+
+    def set_gate(self, name: str, thresholds: dict | None, reason: str) -> dict:
+        if self.home:
+            entry = self.local.set_gate(name, thresholds, who=self.who, reason=reason)
+            self.notify(name)
+            return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": self.local.get_endpoint(name)}
+        body = {"thresholds": thresholds, "reason": reason} if thresholds else {"reset": True, "reason": reason}
+        return self.http("PUT", f"/admin/endpoints/{name}/gate", json=body)
 
     def history(self, name: str | None) -> list[dict]:
         if self.home:
@@ -211,6 +223,10 @@ def _run(fn):
         raise typer.Exit(1) from None
 
 
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
 def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
 
@@ -286,6 +302,34 @@ def endpoints_history(name: Annotated[str | None, typer.Argument(help="One endpo
     out.print(table)
 
 
+@endpoints_app.command("gate")
+def endpoints_gate(
+    name: str,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="NAME=VALUE of a threshold (repeatable): "
+                                                                 "enabled, probe_margin, max_kl_current, "
+                                                                 "max_kl_base, max_degenerate, min_length_ratio, "
+                                                                 "signal_tolerance, min_signal_examples.")] = None,
+    reset: Annotated[bool, typer.Option(help="Back to the default thresholds.")] = False,
+    reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+) -> None:
+    """Show or set an endpoint's evaluation-gate thresholds (README "Update-safety rails")."""
+    backend = Backend(url, api_key, home)
+    if set_ or reset:
+        current = {} if reset else dict(_run(lambda: backend.list_endpoints_one(name))["gate"])
+        for item in set_ or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise typer.BadParameter(f"--set takes NAME=VALUE, not {item!r}")
+            current[key.strip()] = value.strip().lower() in ("1", "true", "yes", "on") if key.strip() == "enabled" \
+                else float(value)
+        _run(lambda: backend.set_gate(name, current or None, reason))
+    e = _run(lambda: backend.list_endpoints_one(name))
+    table = Table(title=f"gate thresholds of {name}", show_header=False)
+    for key, value in e["gate"].items():
+        table.add_row(key, str(value))
+    out.print(table)
+
+
 # ====================================================================================== adapters
 @adapters_app.command("list")
 def adapters_list(lineage: Annotated[str | None, typer.Option(help="Only this lineage.")] = None,
@@ -313,6 +357,17 @@ def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home
     table.add_row("metrics", ", ".join(f"{k}={v:.4g}" for k, v in m["metrics"].items()) or "-")
     table.add_row("files", ", ".join(f"{k} ({v:,} B)" for k, v in m["files"].items()))
     table.add_row("serving", ", ".join(m["serving"]) or "-")
+    gate = m.get("gate")
+    if gate:
+        verdicts = ", ".join(f"{ep}: {'passed' if v['passed'] else 'rejected (' + ', '.join(v['failed']) + ')'}"
+                             for ep, v in gate["verdicts"].items())
+        table.add_row("gate", f"against {gate['against']} in {gate['seconds']:.1f} s; {verdicts}"
+                      + (f"; training continues from {gate['continued_from']}" if gate.get("continued_from") else ""))
+        for c in gate["checks"]:
+            table.add_row(f"  {c['name']}", f"{_num(c['value'])} (current {_num(c['current'])}, "
+                          f"bound {_num(c['bound'])}) {'ok' if c['passed'] else 'FAILED'}")
+    else:
+        table.add_row("gate", "not evaluated")
     out.print(table)
 
 

@@ -7,7 +7,7 @@ from pydantic import Field
 
 from livelora.adapters.settings import Section
 from livelora.gateway.settings import GatewaySettings
-from livelora.trainer.settings import TrainerSettings, TrainingSection
+from livelora.trainer.settings import GateSection, TrainerSettings, TrainingSection
 
 
 class PlacementSection(Section):
@@ -25,16 +25,17 @@ class PlacementSection(Section):
 
 
 class ServeSettings(GatewaySettings):
-    """``livelora serve``: the gateway's sections plus the trainer's ``training`` section (same variables) and
-    ``placement`` (the trainer process)."""
+    """``livelora serve``: the gateway's sections plus the trainer's ``training`` and ``gate`` sections (same
+    variables) and ``placement`` (the trainer process)."""
 
     training: TrainingSection = Field(default_factory=TrainingSection)
+    gate: GateSection = Field(default_factory=GateSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
 
     def trainer_settings(self) -> TrainerSettings:
         """The settings of the in-process trainer worker: the same store, model, Redis and sections."""
         return TrainerSettings(home=self.home, model=self.model, redis_url=self.redis_url,
-                               redis_prefix=self.redis_prefix, training=self.training,
+                               redis_prefix=self.redis_prefix, training=self.training, gate=self.gate,
                                sessions=self.sessions.model_copy(update={"served_model_name": self.model_id}),
                                observability=self.observability)
 

@@ -103,6 +103,17 @@ class LiveSection(Section):
                                         description="Seconds completions stay rateable (default 7 days).")
     idempotency_ttl_s: int = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0, description="Lifetime of Idempotency-Keys.")
     resync_s: float = Field(30.0, ge=0, description="Seconds between endpoint catch-ups from the store.")
+    canary_share: float = Field(0.0, ge=0, lt=1, description="Share of a follow endpoint's requests a new "
+                                                         "version serves first (0: switch at once).")
+    canary_min_ratings: int = Field(20, ge=1, description="Ratings of the canary after which the switch "
+                                                          "completes when the sequential test shows no regression.")
+    rollback_enabled: bool = Field(True, description="Roll a follow endpoint back automatically when its serving "
+                                                     "version's thumbs-up rate is worse than its predecessor's "
+                                                     "(sequential test, adapters/rails.py sprt_thumbs).")
+    rollback_min_ratings: int = Field(20, ge=1, description="Ratings the predecessor needs before the test runs.")
+    rollback_delta: float = Field(0.2, gt=0, lt=1, description="Drop in thumbs-up rate the test detects (H1).")
+    rollback_alpha: float = Field(0.05, gt=0, lt=0.5, description="Chance of rolling back an equally good version.")
+    rollback_beta: float = Field(0.2, gt=0, lt=0.5, description="Chance of keeping a version delta worse.")
 
 
 class GatewaySettings(ProcessSettings):

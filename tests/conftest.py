@@ -13,6 +13,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Every gateway/trainer a test starts with default settings writes its Redis keys (completion log, signals,
 # sessions) under one prefix per test session, deleted at the end (see _redis_prefix_cleanup).
 os.environ.setdefault("LIVELORA_REDIS_PREFIX", f"livelora-test-{uuid.uuid4().hex[:12]}:")
+# Trainer processes the tests start run without the evaluation gate (it holds out one rating in ten and costs
+# seconds per update on these CPUs, which the loop-mechanics tests do not measure); tests/test_gate.py turns it on.
+os.environ.setdefault("LIVELORA_GATE_ENABLED", "false")
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def write_version(model: TrainingModel, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None,
-                  with_optimizer: bool) -> Manifest:
+                  with_optimizer: bool, gate: dict[str, Any] | None = None) -> Manifest:
     """Write ``model``'s adapter (and, with ``with_optimizer``, its optimizer and trainer state) as a new
     immutable version of ``lineage``; the model's lineage/parent then point at it.
 
@@ -52,7 +52,7 @@ def write_version(model: TrainingModel, store: AdapterStore, lineage: str, *, me
     parent = model.parent if model.lineage == lineage else None
     manifest = store.write_version(lineage, write, base_model=model.base_ref.name, parent=parent,
                                    step=model.step, metrics=metrics, data_counts=model.data_counts,
-                                   rank=model.lora.rank, alpha=model.alpha)
+                                   rank=model.lora.rank, alpha=model.alpha, gate=gate)
     model.lineage, model.parent = lineage, manifest.version
     return manifest
 

@@ -72,6 +72,8 @@ class JsonlIdLog:
             return self.ids
         for path in sorted(self.folder.glob(self.pattern)):
             start = self._offsets.get(path.name, 0)
+            if path.stat().st_size < start:  # rewritten shorter (a user's data deleted): read it again
+                start = 0
             with open(path, "rb") as f:
                 f.seek(start)
                 chunk = f.read()

@@ -348,20 +348,22 @@ class TrainingModel:
         return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in self.lora_params.items()}
 
     def save_weights(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None,
-                     with_optimizer: bool = False) -> Manifest:
+                     with_optimizer: bool = False, gate: dict[str, Any] | None = None) -> Manifest:
         """Write the adapter as a new immutable version of ``lineage`` (PEFT format, loadable by
         ``PeftModel.from_pretrained`` and vLLM). With ``with_optimizer`` also ``optimizer.pt`` and
-        ``trainer_state.json`` (step, RNG state), which :meth:`load_state` restores bit for bit.
+        ``trainer_state.json`` (step, RNG state), which :meth:`load_state` restores bit for bit. ``gate``: the
+        evaluation gate's result for the manifest (:class:`livelora.adapters.rails.GateResult` as a dict).
         (:func:`livelora.trainer.checkpoints.write_version`.)
 
         Raises:
             BadRequestError: invalid lineage name.
         """
-        return write_version(self, store, lineage, metrics=metrics, with_optimizer=with_optimizer)
+        return write_version(self, store, lineage, metrics=metrics, with_optimizer=with_optimizer, gate=gate)
 
-    def save_state(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None) -> Manifest:
+    def save_state(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None,
+                   gate: dict[str, Any] | None = None) -> Manifest:
         """:meth:`save_weights` plus optimizer state, step and RNG state (Tinker ``save_state``)."""
-        return self.save_weights(store, lineage, metrics=metrics, with_optimizer=True)
+        return self.save_weights(store, lineage, metrics=metrics, with_optimizer=True, gate=gate)
 
     def load_state(self, store: AdapterStore, lineage: str, version: int, *, with_optimizer: bool) -> Manifest:
         """Load a version's LoRA weights (and, with ``with_optimizer``, its AdamW state, step and RNG state).

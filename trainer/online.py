@@ -41,17 +41,16 @@ from typing import Any
 
 from livelora.adapters import metrics as prom
 from livelora.adapters.api_keys import DEFAULT_TENANT
+from livelora.adapters.chat_tokens import chat_pair, rated_completion_ids
 from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.metering import Meter, Usage
-
-from livelora.adapters.chat_tokens import chat_pair, rated_completion_ids
 from livelora.adapters.models import BaseModelRef, load_tokenizer
 from livelora.adapters.store import AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError, LiveloraError
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
 from livelora.clients.types.tinker import AdamParams, Datum, ModelInput, TensorData
 from livelora.trainer.scheduler import Batch
-from livelora.trainer.settings import TrainingSection
+from livelora.trainer.settings import GateSection, TrainingSection
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +87,19 @@ class OnlineTrainer:
             ``save_optimizer``, ``device``); default: the environment's.
         meter, redis: count each step's ``model_input`` tokens (kind ``live_trained``) per endpoint of its events
             for the endpoint's tenant (``None``: not metered).
+        gate: the evaluation gate's settings (:mod:`livelora.trainer.gated`); ``None`` or ``gate_enabled``
+            false: no gate, every version is published unjudged.
     """
 
-    def __init__(self, base_ref: BaseModelRef, home: Path | str, config: TrainingSection | None = None, *,
-                 meter: Meter | None = None, redis: Any = None):
+    def __init__(self, base_ref: BaseModelRef, home: Path | str, config: TrainingSection | None = None,
+                 gate: GateSection | None = None, *, meter: Meter | None = None, redis: Any = None):
         self.base_ref = base_ref
         self.home = Path(home)
         self.meter, self.redis = meter, redis
         self.store = AdapterStore(home)
         self.config = config or TrainingSection()
+        self.gate_config = gate if gate is not None and gate.gate_enabled else None
+        self._gate = None
         self._tokenizer = None
         self._models: dict[str, Any] = {}
         self._fresh = None  # a TrainingModel built ahead by warm_up(), taken by the next lineage model_for() needs
@@ -119,13 +122,34 @@ class OnlineTrainer:
             self._tokenizer = load_tokenizer(self.base_ref)
         return self._tokenizer
 
+    @property
+    def gate(self):
+        """The :class:`~livelora.trainer.gated.EvaluationGate` (built on first use), or ``None`` without one."""
+        if self.gate_config is None:
+            return None
+        if self._gate is None:
+            from livelora.trainer.gated import EvaluationGate
+
+            g = self.gate_config
+            self._gate = EvaluationGate(self.tokenizer, self.home, self.chat_pair,
+                                        holdout_every=g.gate_holdout_every, heldout_max=g.gate_heldout_max,
+                                        gen_tokens=g.gate_gen_tokens)
+        return self._gate
+
+    def hold_out(self, lineage: str, event: RatingEvent | DemonstrationEvent | PreferenceEvent) -> bool:
+        """Whether the worker should keep ``event`` out of training for the gate's signal check (the gate keeps
+        it; the worker acknowledges it, it is already in the dataset of record)."""
+        gate = self.gate
+        return gate is not None and gate.hold_out(lineage, event)
+
     def model_for(self, lineage: str):
-        """The lineage's TrainingModel, resumed from its newest version if any."""
+        """The lineage's TrainingModel, resumed from its newest version that the gate did not reject (the
+        newest version if none was judged)."""
         from livelora.trainer.model import TrainingModel
 
         model = self._models.get(lineage)
         if model is None:
-            versions = self.store.list(lineage)
+            versions = [m for m in self.store.list(lineage) if not (m.gate or {}).get("continued_from")]
             fresh, self._fresh = self._fresh, None
             if versions:
                 latest = versions[-1]
@@ -239,19 +263,32 @@ class OnlineTrainer:
         data, loss_fn, cfg, lr = self.datums(batch)
         started = time.monotonic()
         model = self.model_for(batch.lineage)
+        gate = self.gate
+        if gate is not None:
+            gate.before_step(model, batch.lineage, f"{batch.lineage}@{model.parent}" if model.parent else "base")
+        stepped = False
         try:
             out = model.forward_backward(data, loss_fn, cfg)
             opt = model.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm,
                                               eps=1e-8))
+            stepped = True
+            result = new = None
+            if gate is not None:
+                result, new = gate.judge(model, batch.lineage, batch.endpoint)
+                if not result.verdicts[batch.endpoint].passed:
+                    result.continued_from = result.against
         except BaseException:
             model.zero_grad()
+            if gate is not None and stepped:
+                gate.settle(model, batch.lineage, False, "", None)  # undo a step whose judging failed
             raise
         metrics = {**out.metrics, **opt, "events:sum": float(len(batch.events))}
         if loss_fn == "kto":
             metrics.update({"desirable_weight:mean": batch.desirable_weight,
                             "undesirable_weight:mean": batch.undesirable_weight})
         save = model.save_state if self.config.save_optimizer else model.save_weights
-        manifest = save(self.store, batch.lineage, metrics=metrics)
+        gate_dict = result.model_dump(mode="json") if result is not None else None
+        manifest = save(self.store, batch.lineage, metrics=metrics, gate=gate_dict)
         self._observe(batch, data, time.monotonic() - started, metrics.get("loss:sum"))
         completions = [c for ev in batch.events for c in (getattr(ev, "completion_id", None),
                                                            getattr(ev, "chosen_completion_id", None),
@@ -261,6 +298,13 @@ class OnlineTrainer:
                         "completion_ids": completions or None})
         log.info("%s: %s step on %d events, loss %.4f", manifest.name, loss_fn, len(batch.events),
                  metrics.get("loss:sum", float("nan")))
+        if gate is not None:
+            passed = result.continued_from is None
+            gate.settle(model, batch.lineage, passed, manifest.name, new)
+            gate.record(result, manifest.name, batch.lineage)
+            log.info("%s: evaluation gate %s in %.2f s%s", manifest.name, "passed" if passed else "REJECTED",
+                     result.seconds, "" if passed else f" ({', '.join(result.verdicts[batch.endpoint].failed)});"
+                     f" training continues from {result.continued_from}")
         return manifest
 
     def _observe(self, batch: Batch, data: list[Datum], seconds: float, loss: float | None) -> None:

@@ -19,7 +19,9 @@ Per lineage there are three queues, one per signal kind:
 * **preference pairs → DPO** (Rafailov et al. 2023): fires at ``dpo_min_batch``
   or after ``max_wait_s`` with ≥ 1.
 
-A batch holds at most ``max_batch`` events; the rest stay queued. The thresholds are the trainer's
+A batch holds at most ``max_batch`` events; the rest stay queued. While events of several raters are
+queued, one rater fills at most ``rater_max_batch_share`` of a batch (feedback governance,
+``trainer/governance.py``). The thresholds are the trainer's
 :class:`~livelora.trainer.settings.TrainingSection`. The scheduler is pure bookkeeping (no Redis, no torch),
 so its decisions are unit-testable.
 """
@@ -136,7 +138,9 @@ class BatchScheduler:
             waited = now - q.oldest() >= c.max_wait_s
             if not (n >= threshold or (waited and n >= floor)):
                 continue
-            taken = [q.items.popitem(last=False)[1] for _ in range(min(n, c.max_batch))]
+            taken = self._take(q, min(n, c.max_batch), getattr(c, "rater_max_batch_share", 1.0))
+            if not taken:
+                continue
             events = [e for _, e, _ in taken]
             batch = Batch(lineage, kind, events, [sid for sid, _, _ in taken])
             if kind == "kto":
@@ -144,6 +148,30 @@ class BatchScheduler:
                 batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n_d, len(events) - n_d)
             out.append(batch)
         return out
+
+    @staticmethod
+    def _take(q: _Queue, size: int, share: float) -> list[tuple[str, Event, float]]:
+        """Take up to ``size`` queued items, oldest first. While several raters are queued, the batch is the
+        largest m ≤ ``size`` in which no rater has more than ``max(1, ⌊share·m⌋)`` items (the surplus stays
+        queued, in order). Returns [] when no such batch of 2 or more exists."""
+        from livelora.adapters.governance import rater_of
+
+        raters = [rater_of(e) for _, e, _ in q.items.values()]
+        counts: dict[str, int] = {}
+        for r in raters:
+            counts[r] = counts.get(r, 0) + 1
+        if share >= 1.0 or len(counts) < 2:
+            return [q.items.popitem(last=False)[1] for _ in range(size)]
+        m = next((m for m in range(size, 1, -1)
+                  if sum(min(c, max(1, int(share * m))) for c in counts.values()) >= m), 0)
+        if m == 0:
+            return []
+        cap, per, keys = max(1, int(share * m)), {}, []
+        for key, r in zip(list(q.items), raters):
+            if per.get(r, 0) < cap and len(keys) < m:
+                per[r] = per.get(r, 0) + 1
+                keys.append(key)
+        return [q.items.pop(k) for k in keys]
 
     def take_lonely(self, now: float, min_age_s: float) -> list[tuple[str, Event]]:
         """Remove and return ``(stream_id, event)`` of every KTO queue holding a single rating older than

@@ -53,6 +53,12 @@ class TrainingSection(Section):
     save_optimizer: bool = Field(True, description="Store AdamW state with each version (exact resume after a "
                                                    "restart).")
     device: str = Field("cpu", description="Torch device for training.")
+    rater_max_events: int = Field(120, ge=0, description="Most events one rater (user, else API key) may send per "
+                                                         "lineage in rater_window_s; the rest is quarantined "
+                                                         "(kept, not trained). 0: no limit.")
+    rater_window_s: float = Field(3600.0, gt=0, description="Window of the per-rater limit (s).")
+    rater_max_batch_share: float = Field(0.5, gt=0, le=1, description="Largest share of one training batch from "
+                                                                      "one rater while several raters are queued.")
 
     @property
     def lora(self) -> LoraConfig:
@@ -60,9 +66,26 @@ class TrainingSection(Section):
         return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, train_unembed=False)
 
 
+class GateSection(Section):
+    """The evaluation gate of the live loop (``trainer/gate.py``, README "Update-safety rails"): whether the
+    trainer evaluates each new version before gateways may serve it, and how. The pass/fail thresholds are per
+    endpoint (:class:`livelora.adapters.rails.GateThresholds`, set with ``livelora endpoints gate``)."""
+
+    gate_enabled: bool = Field(True, description="Evaluate every new live-loop version (probes, drift, "
+                                                 "degeneracy, held-out signal) before it may serve.")
+    gate_holdout_every: int = Field(10, ge=0, description="One in this many ratings/preference pairs (by event "
+                                                          "id hash) is held out from training for the signal "
+                                                          "check (0: none).")
+    gate_heldout_max: int = Field(8, ge=0, description="Newest held-out examples per lineage the signal check "
+                                                       "scores (each costs a forward pass).")
+    gate_gen_tokens: int = Field(24, ge=4, le=256, description="Greedy tokens generated per open prompt for the "
+                                                               "degeneracy check.")
+
+
 class TrainerSettings(ProcessSettings):
-    """The trainer process's settings: common fields plus ``training`` and ``sessions`` sections."""
+    """The trainer process's settings: common fields plus ``training``, ``gate`` and ``sessions`` sections."""
 
     training: TrainingSection = Field(default_factory=TrainingSection)
+    gate: GateSection = Field(default_factory=GateSection)
     sessions: SessionSection = Field(default_factory=SessionSection)
     observability: ObservabilitySection = Field(default_factory=ObservabilitySection)

@@ -13,7 +13,8 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    lock, after reading what peers appended).
 4. Queue the events in the :class:`~livelora.trainer.scheduler.BatchScheduler`;
    ratings it supersedes are acknowledged at once (they are on disk and will not
-   be trained). Events already trained are acknowledged, not queued.
+   be trained). Events already trained are acknowledged, not queued; so are the events the backend holds
+   out for the evaluation gate's signal check (``backend.hold_out``, :mod:`.gated`).
 5. For each due batch: events trained meanwhile by any worker (the shared Redis
    sorted set ``signals:trained`` and ``trained.jsonl``) and entries no longer claimed by
    this worker are taken out; the backend trains one step and writes a new
@@ -66,8 +67,7 @@ from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
 from livelora.trainer import triage
-from livelora.trainer.dataset import (TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset,
-                                      trained_log)
+from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
 from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
 
 log = logging.getLogger(__name__)
@@ -165,12 +165,15 @@ class TrainerWorker:
         read_count: entries per read.
         max_failures: a batch failing this many times with a transient error is dead-lettered.
         clock: time source (seconds); tests pass their own.
+        governor: feedback governance (:class:`~livelora.trainer.governance.FeedbackGovernor`: per-rater
+            rate limit and quarantine, forgotten users); ``None``: every event is admitted.
     """
 
     def __init__(self, client: redis.Redis, keys: KeyLayout, home: Path, backend: TrainingBackend,
                  scheduler: BatchScheduler | None = None, *, consumer: str | None = None,
                  claim_idle_s: float = 120.0, claim_interval_s: float = 10.0, block_ms: int = 1000,
-                 read_count: int = 64, max_failures: int = 3, clock: Callable[[], float] = time.time):
+                 read_count: int = 64, max_failures: int = 3, clock: Callable[[], float] = time.time,
+                 governor: Any = None):
         self.client = client
         self.keys = keys
         self.home = Path(home)
@@ -183,6 +186,7 @@ class TrainerWorker:
         self.read_count = read_count
         self.max_failures = max_failures
         self.clock = clock
+        self.governor = governor
         self.endpoints = EndpointStore(self.home)
         self.dataset = DatasetOfRecord(self.home)
         self.trained = trained_log(self.home)
@@ -307,6 +311,8 @@ class TrainerWorker:
                                       "fields": fields}))
                 continue
             parsed.append((sid, ev))
+            if self.governor is not None and self.governor.forgotten(ev):
+                continue  # a forgotten user's event is neither recorded nor trained (admit() drops it)
             records.append((ev.id, {"stream_id": sid, "received": now, "event": json.loads(ev.model_dump_json())}))
         self.dataset.append(day, records)  # durable BEFORE any ack; once per event id
         ack = list(bad)
@@ -316,6 +322,11 @@ class TrainerWorker:
                 ack.append(sid)
                 continue
             lineage = self.endpoints.get(ev.endpoint).lineage
+            hold_out = getattr(self.backend, "hold_out", None)  # kept for the gate's signal check, or governed out
+            if (self.governor is not None and self.governor.admit(lineage, ev, now)) or (
+                    hold_out is not None and hold_out(lineage, ev)):
+                ack.append(sid)
+                continue
             self._hold([sid])
             ack += self.scheduler.add(lineage, sid, ev, now)
         if ack:
@@ -385,6 +396,8 @@ class TrainerWorker:
         with self._held_lock:
             lost = self._lost & set(batch.stream_ids)
         done = self.trained_ids([e.id for e in batch.events])
+        if self.governor is not None:  # a user forgotten while their events were queued: dropped, never trained
+            done |= {e.id for e in batch.events if self.governor.forgotten(e)}
         if done:
             self._ack([sid for sid, e in zip(batch.stream_ids, batch.events) if e.id in done])
         if lost:
@@ -477,26 +490,31 @@ class TrainerWorker:
         self._ack(batch.stream_ids)
 
     def run(self, stop: threading.Event, retry_s: float = 1.0) -> None:
-        """Poll until ``stop`` is set; Redis outages are logged and retried every ``retry_s`` seconds.
-        First the backend builds its model ahead (``warm_up``), so the first update is not slower."""
-        warm_up = getattr(self.backend, "warm_up", None)
-        if warm_up is not None:
-            try:
-                warm_up()
-            except Exception:  # only an optimisation: the first update builds what it needs
-                log.exception("trainer warm-up failed")
+        """Poll until ``stop`` is set (:func:`run_loop`)."""
+        run_loop(self, stop, retry_s)
+
+
+def run_loop(worker: TrainerWorker, stop: threading.Event, retry_s: float = 1.0) -> None:
+    """Poll ``worker`` until ``stop`` is set; Redis outages are logged and retried every ``retry_s`` seconds.
+    First the backend builds its model ahead (``warm_up``), so the first update is not slower."""
+    warm_up = getattr(worker.backend, "warm_up", None)
+    if warm_up is not None:
         try:
-            while not stop.is_set():
-                try:
-                    self.poll()
-                except UnavailableError as exc:
-                    log.warning("Redis unavailable: %s", exc)
-                    stop.wait(retry_s)
-                except Exception:  # a bug must not silently end the trainer: log, back off, go on
-                    log.exception("trainer poll failed")
-                    stop.wait(retry_s)
-        finally:
-            self.close()
+            warm_up()
+        except Exception:  # only an optimisation: the first update builds what it needs
+            log.exception("trainer warm-up failed")
+    try:
+        while not stop.is_set():
+            try:
+                worker.poll()
+            except UnavailableError as exc:
+                log.warning("Redis unavailable: %s", exc)
+                stop.wait(retry_s)
+            except Exception:  # a bug must not silently end the trainer: log, back off, go on
+                log.exception("trainer poll failed")
+                stop.wait(retry_s)
+    finally:
+        worker.close()
 
 
 def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> TrainerWorker:
@@ -505,17 +523,20 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
     from livelora.adapters.bus import connect_sync
     from livelora.adapters.metering import Meter
     from livelora.adapters.models import resolve_base_model
+    from livelora.trainer.governance import FeedbackGovernor
     from livelora.trainer.online import OnlineTrainer
     from livelora.trainer.settings import TrainerSettings
 
     s = settings or TrainerSettings()
     t = s.training
     client = client or connect_sync(s.redis_url)
-    meter = Meter(KeyLayout(s.redis_prefix), enabled=s.observability.metering)
-    backend = OnlineTrainer(resolve_base_model(s.model, s.home), s.home, t, meter=meter, redis=client)
-    return TrainerWorker(client, KeyLayout(s.redis_prefix), s.home, backend,
-                         BatchScheduler(t), consumer=t.consumer, claim_idle_s=t.claim_idle_s,
-                         claim_interval_s=min(10.0, t.claim_idle_s / 2))
+    keys = KeyLayout(s.redis_prefix)
+    meter = Meter(keys, enabled=s.observability.metering)
+    backend = OnlineTrainer(resolve_base_model(s.model, s.home), s.home, t, gate=s.gate, meter=meter, redis=client)
+    governor = FeedbackGovernor(client, keys, s.home, max_events=t.rater_max_events, window_s=t.rater_window_s)
+    return TrainerWorker(client, keys, s.home, backend, BatchScheduler(t), consumer=t.consumer,
+                         claim_idle_s=t.claim_idle_s, claim_interval_s=min(10.0, t.claim_idle_s / 2),
+                         governor=governor)
 
 
 def run_worker(settings: Any = None) -> None:

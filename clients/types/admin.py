@@ -44,6 +44,23 @@ class RollbackRequest(_Request):
     reason: str = Field("", max_length=1000, description="Audit-log note.")
 
 
+class GateRequest(_Request):
+    """``PUT /admin/endpoints/{name}/gate``: the endpoint's evaluation-gate thresholds (README "Update-safety
+    rails"; names and defaults: ``GateThresholds`` in ``adapters/rails.py``). Give ``thresholds`` or ``reset``."""
+
+    thresholds: dict[str, float | int | bool] | None = Field(None, description="e.g. {\"probe_margin\": 0.05, "
+                                                                               "\"max_kl_current\": 0.3}")
+    reset: bool = Field(False, description="Back to the defaults (instead of thresholds).")
+    reason: str = Field("", max_length=1000, description="Audit-log note.")
+
+
+class ForgetRequest(_Request):
+    """``POST /admin/users/{name}/forget``: delete a user's signals and completions (right to be forgotten)."""
+
+    reason: str = Field(min_length=1, max_length=1000, description="Audit-log note (required: why, e.g. the "
+                                                                   "request's reference).")
+
+
 class ExportRequest(_Request):
     """``POST /admin/adapters/{name}/export``."""
 

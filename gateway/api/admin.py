@@ -9,8 +9,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from livelora.clients.types.admin import (CreateEndpointRequest, CreateKeyRequest, ExportRequest, PromoteRequest,
-                                          RollbackRequest)
+from livelora.clients.types.admin import (CreateEndpointRequest, CreateKeyRequest, ExportRequest, ForgetRequest,
+                                          GateRequest, PromoteRequest, RollbackRequest)
 from livelora.gateway.api.deps import AdminDep
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -53,10 +53,36 @@ async def rollback(name: str, body: RollbackRequest, admin: AdminDep) -> dict:
     return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": endpoint}
 
 
+@router.get("/endpoints/{name:path}/stats")
+async def endpoint_stats(name: str, admin: AdminDep) -> dict:
+    """Per-version live statistics: requests, ratings, thumbs-up rate with its 95 % interval."""
+    return await admin.stats(name)
+
+
+@router.put("/endpoints/{name:path}/gate")
+async def set_gate(name: str, body: GateRequest, admin: AdminDep) -> dict:
+    """Set the endpoint's evaluation-gate thresholds (null: the defaults)."""
+    entry, endpoint = await admin.set_gate(name, body.thresholds, reset=body.reset, reason=body.reason)
+    return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": endpoint}
+
+
 @router.get("/endpoints/{name:path}")
 async def get_endpoint(name: str, admin: AdminDep) -> dict:
     """One endpoint (404 if missing or another tenant's)."""
     return admin.get_endpoint(name)
+
+
+@router.get("/quarantine")
+async def quarantine(admin: AdminDep) -> dict:
+    """Events kept out of training by feedback governance (rate-limit bursts), oldest first."""
+    return {"data": admin.quarantine()}
+
+
+@router.post("/users/{name}/forget")
+async def forget_user(name: str, body: ForgetRequest, admin: AdminDep) -> dict:
+    """Delete a user's signals and completions on the caller's endpoints (right to be forgotten); later
+    training batches exclude them."""
+    return await admin.forget_user(name, reason=body.reason)
 
 
 @router.get("/history")

@@ -134,11 +134,12 @@ class AdminService:
     # ------------------------------------------------------------------ endpoints
 
     def endpoint_info(self, name: str, binding: EndpointBinding) -> dict[str, Any]:
-        served = self.endpoints.served_version(binding, self.store)
+        served = self.endpoints.served_version(binding, self.store, name)
         return {"name": name, "lineage": binding.lineage, "mode": binding.mode,
                 "serving": version_label(binding.lineage, served), "tenant": binding.tenant,
                 "rollback_to": (version_label(binding.lineage, binding.previous[-1]) if binding.previous
-                                else None), "created": binding.created}
+                                else None), "created": binding.created,
+                "gate": binding.thresholds.model_dump(mode="json")}
 
     def list_endpoints(self) -> list[dict[str, Any]]:
         """Explicit endpoints this tenant administers, by name."""
@@ -199,6 +200,61 @@ class AdminService:
         """Back to the version served before the last promotion. Raises: NotFoundError, ConflictError."""
         _, entry = self.endpoints.rollback(name, tenant=self._acting_tenant(name), who=who, reason=reason)
         return entry
+
+    def set_gate(self, name: str, thresholds: dict[str, Any] | None, *, who: str, reason: str = "") -> HistoryEntry:
+        """Set an endpoint's evaluation-gate thresholds (``None``: back to the defaults), audited as ``configure``.
+
+        Raises:
+            BadRequestError: an unknown threshold name or a value out of its range (``param`` names it).
+            NotFoundError: unknown endpoint (or another tenant's).
+        """
+        from pydantic import ValidationError
+
+        from livelora.adapters.rails import GateThresholds
+
+        try:
+            gate = None if thresholds is None else GateThresholds.model_validate(thresholds)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(x) for x in first.get("loc", ()))
+            raise BadRequestError(f"gate threshold {field!r}: {first.get('msg')}",
+                                  param=f"thresholds.{field}" if field else "thresholds") from None
+        _, entry = self.endpoints.set_gate(name, gate, tenant=self._acting_tenant(name), who=who, reason=reason)
+        return entry
+
+    # ------------------------------------------------------------------ feedback governance
+
+    def _owns_endpoint(self, endpoint: str) -> bool:
+        """Whether this tenant administers ``endpoint`` (an implicit one belongs to ``default``)."""
+        try:
+            return self._sees_endpoint(self.endpoints.get(endpoint))
+        except BadRequestError:
+            return False
+
+    def quarantine(self) -> list[dict[str, Any]]:
+        """Quarantined events of this tenant's endpoints (kept in the dataset of record, not trained)."""
+        from livelora.adapters.governance import read_quarantine
+
+        return [r for r in read_quarantine(self.home) if self._owns_endpoint(r.get("endpoint", ""))]
+
+    def forget_user(self, user: str, *, who: str, reason: str = "") -> dict[str, Any]:
+        """Delete ``user``'s signals on this tenant's endpoints from the dataset of record; trainers drop the
+        user's queued and later events. One ``forget`` history line per endpoint that held any.
+
+        Raises:
+            BadRequestError: empty user.
+        """
+        from livelora.adapters.governance import forget_user
+
+        if not user or len(user) > 256:
+            raise BadRequestError("user must be 1-256 characters", param="user")
+        removed = forget_user(self.home, user, self.tenant, self._owns_endpoint, who=who)
+        for endpoint, n in sorted(removed.items()):
+            b = self.endpoints.get(endpoint)
+            self.endpoints.record(endpoint, "forget", who=who, to=f"user:{user}", reason=reason or
+                                  f"deleted {n} signal(s) of user {user!r}", details={"user": user, "signals": n},
+                                  tenant=b.tenant)
+        return {"user": user, "signals_removed": removed}
 
     def history(self, name: str | None = None) -> list[HistoryEntry]:
         """Audit entries (oldest first) of this tenant's endpoints."""
@@ -379,6 +435,63 @@ class GatewayAdmin:
         entry = await asyncio.to_thread(self.store.rollback, name, who=self.who, reason=reason)
         await self._apply(name)
         return entry, self.store.get_endpoint(name)
+
+    async def set_gate(self, name: str, thresholds: dict[str, Any] | None, *, reset: bool = False,
+                       reason: str) -> tuple[HistoryEntry, dict[str, Any]]:
+        """See :meth:`AdminService.set_gate`; returns the audit entry and the endpoint.
+
+        Raises:
+            BadRequestError: neither ``thresholds`` nor ``reset`` given (or both).
+        """
+        if (thresholds is None) == (not reset):
+            raise BadRequestError("give either thresholds or reset: true", param="thresholds")
+        entry = await asyncio.to_thread(self.store.set_gate, name, thresholds, who=self.who, reason=reason)
+        await self._apply(name)
+        return entry, self.store.get_endpoint(name)
+
+    async def stats(self, name: str) -> dict[str, Any]:
+        """Per-version live statistics of an endpoint this tenant administers (requests, ratings, thumbs-up
+        rate and its 95 % Wilson interval), plus the version serving now and the one before it.
+
+        Raises:
+            NotFoundError: unknown or another tenant's endpoint.
+        """
+        if not self.store._owns_endpoint(name) or (self.registry is not None and name not in self.registry.current
+                                                   and name not in self.store.endpoints.all()):
+            raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
+        reg = self.registry
+        if reg is None or reg.stats is None:
+            return {"endpoint": name, "serving": None, "predecessor": None, "versions": []}
+        return {"endpoint": name, "serving": reg.current.get(name) or "base",
+                "predecessor": (reg.predecessor.get(name) or "base") if name in reg.predecessor else None,
+                "versions": await reg.stats.endpoint(name)}
+
+    def quarantine(self) -> list[dict[str, Any]]:
+        return self.store.quarantine()
+
+    async def forget_user(self, user: str, *, reason: str) -> dict[str, Any]:
+        """See :meth:`AdminService.forget_user`; also deletes the user's completion records (completion log)."""
+        out = await asyncio.to_thread(self.store.forget_user, user, who=self.who, reason=reason)
+        out["completions_removed"] = await self._forget_completions(user)
+        return out
+
+    async def _forget_completions(self, user: str) -> int:
+        registry = self.registry
+        if registry is None:
+            return 0
+        n = 0
+        try:
+            async for key in registry.client.scan_iter(match=registry.keys.completion("*"), count=500):
+                raw = await registry.client.get(key)
+                try:
+                    rec = json.loads(raw) if raw else None
+                except ValueError:
+                    continue
+                if rec and rec.get("user") == user and self.store._owns_endpoint(rec.get("endpoint", "")):
+                    n += await registry.client.delete(key)
+        except Exception as exc:  # Redis gone: records expire with the completion log's retention anyway
+            log.warning("could not delete completion records of %r: %s", user, exc)
+        return n
 
     def history(self, name: str | None = None) -> list[HistoryEntry]:
         """Audit entries, oldest first (of one endpoint: 404 if missing or another tenant's)."""

@@ -16,6 +16,7 @@ from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import UnavailableError
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.live_stats import LiveStats
 from livelora.gateway.services.registry import AdapterRegistry
 from livelora.gateway.services.signals import SignalService
 from livelora.gateway.settings import GatewaySettings
@@ -34,6 +35,8 @@ class LiveLoop:
     registry: AdapterRegistry
 
     async def close(self) -> None:
+        if self.registry.stats is not None:
+            await self.registry.stats.close()
         await self.registry.close()
         await self.client.aclose()
 
@@ -51,9 +54,15 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
     completions = CompletionLog(client, keys, retention_s=live.completion_retention_s)
     registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
                                resync_s=live.resync_s)
+    registry.stats = stats = LiveStats(client, keys, live, home=settings.home)
+
+    async def on_rating(endpoint: str, adapter: str | None, rating_key: str, up: bool) -> None:
+        await stats.count_rating(endpoint, adapter, rating_key, up)
+        await stats.after_rating(registry, endpoint)
+
     signals = SignalService(client, keys, completions, resolve_endpoint=registry.endpoint_for,
                             idempotency_ttl_s=live.idempotency_ttl_s, check_trainable=registry.check_trainable,
-                            check_event=signal_checker(settings))
+                            check_event=signal_checker(settings), on_rating=on_rating)
     try:
         await ensure_group_async(client, keys)
     except UnavailableError as exc:

@@ -13,7 +13,9 @@
   the weights as loaded against the manifest; a forward pass on a few canary
   tokens whose logprobs must be finite and ≤ 0),
   then moves the pointer of every ``follow`` endpoint of that lineage (a single
-  assignment, atomic on the event loop). A version failing a check is unloaded,
+  assignment, atomic on the event loop) whose evaluation gate verdict in the
+  manifest allows it (:func:`livelora.adapters.rails.gate_allows`; a version the
+  gate rejected for every endpoint is not even loaded). A version failing a check is unloaded,
   remembered as refused, and the endpoint stays where it was.
 * A version that is no longer current is **unloaded** once its last lease is
   released (vLLM guidance, ../shared/reference/vllm_lora.md §1.6: retire only at
@@ -41,6 +43,7 @@ import redis.asyncio as aredis
 from livelora.adapters import metrics
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore
 from livelora.adapters.owners import record_install_owners
+from livelora.adapters.rails import gate_allows
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, Manifest, parse_version_name, sha256_file
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
@@ -127,6 +130,8 @@ class AdapterRegistry:
         #: adapter name → reason, for versions that failed their checks (never retried)
         self.refused: dict[str, str] = {}
         self.leases: Counter[str] = Counter()
+        self.predecessor: dict[str, str | None] = {}  # endpoint → what it served before its last move
+        self.stats = None  # LiveStats (live_stats.py): per-version counts, automatic rollback
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._canary: list[int] | None = None
@@ -203,7 +208,8 @@ class AdapterRegistry:
         """
         self.endpoint_for(model)  # raises for unknown and other tenants' names
         if model in self.current:
-            return model, (self.current[model] if self.versions_visible(model) else None)
+            adapter = self.current[model] if self.versions_visible(model) else None
+            return model, (self.stats.route(model, adapter) if self.stats is not None else adapter)
         if model in self.loaded and model not in self.refused:
             return self.endpoint_for(model), model
         self.endpoint_for(model)  # raises ModelNotFoundError
@@ -213,6 +219,8 @@ class AdapterRegistry:
         """Lease ``adapter`` (as returned by :meth:`resolve` with no ``await`` in between) until released."""
         if adapter is not None:
             self.leases[adapter] += 1
+        if self.stats is not None:
+            self.stats.note_request(endpoint, adapter)
         return Lease(endpoint, adapter, self)
 
     def acquire(self, model: str) -> Lease:
@@ -241,7 +249,8 @@ class AdapterRegistry:
                 self._spawn(self._unload(adapter))
 
     def _retired(self, adapter: str) -> bool:
-        return adapter in self.loaded and adapter not in self.current.values() and not self.leases.get(adapter)
+        return (adapter in self.loaded and adapter not in self.current.values() and not self.leases.get(adapter)
+                and not (self.stats is not None and self.stats.is_canary(adapter)))
 
     # ------------------------------------------------------------------ installing
 
@@ -305,10 +314,14 @@ class AdapterRegistry:
         for endpoint, binding in self.bindings.items():
             if binding.lineage != lineage or binding.mode != "follow":
                 continue
+            if not gate_allows(manifest.gate, endpoint) or manifest.version in binding.blocked:
+                continue  # the evaluation gate rejected it for this endpoint, or it was rolled back
             old = self.current.get(endpoint)
             if old is not None and self.loaded[old].version >= manifest.version:
                 continue
-            self.current[endpoint] = manifest.name  # the switch: one assignment
+            if self.stats is not None and self.stats.start_canary(endpoint, manifest.name, old):
+                continue  # serves a share of the requests first (live_stats.py)
+            self.current[endpoint], self.predecessor[endpoint] = manifest.name, old  # the switch
             log.info("endpoint %s now serves %s (was %s)", endpoint, manifest.name, old or "base")
             if old is not None and self._retired(old):
                 self._spawn(self._unload(old))
@@ -368,7 +381,8 @@ class AdapterRegistry:
             for manifest in reversed(self.store.list(binding.lineage)):
                 if manifest.version <= have:
                     break
-                if manifest.name in self.refused:
+                if (manifest.name in self.refused or not gate_allows(manifest.gate, endpoint)
+                        or manifest.version in binding.blocked):
                     continue
                 try:
                     await self.install(binding.lineage, manifest.version)
@@ -389,6 +403,11 @@ class AdapterRegistry:
         try:
             if notice.get("name"):
                 parse_version_name(notice["name"])
+            gate = self.store.get(lineage, int(version)).gate
+            if not any(b.lineage == lineage and b.mode == "follow" and gate_allows(gate, ep)
+                       for ep, b in self.bindings.items()):
+                log.info("%s was rejected by the evaluation gate: not loaded", notice.get("name"))
+                return
             await self.install(lineage, int(version))
         except (NotFoundError, BadRequestError, ValueError, TypeError) as exc:
             log.error("announced version %s not installed: %s", notice.get("name"), exc)

@@ -99,8 +99,9 @@ class SignalService:
                  resolve_endpoint: Callable[[str], str] | None = None,
                  idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
                  check_trainable: Callable[[str], None] | None = None,
-                 check_event: Callable[[Any], None] | None = None):
+                 check_event: Callable[[Any], None] | None = None, on_rating: Callable[..., Any] | None = None):
         self.client = client
+        self.on_rating = on_rating  # async (endpoint, adapter, rating_key, up): live statistics, rollback
         self.keys = keys
         self.completions = completions
         self.resolve_endpoint = resolve_endpoint or (lambda name: name)
@@ -176,6 +177,11 @@ class SignalService:
             score=req.score, comment=req.comment, rating_key=f"{rec.id}:{rater}")
         ev, replaces, replayed = await self._submit("feedback", event, req, caller, idempotency_key,
                                                     rating_key=self.keys.rating(rec.id, rater))
+        if self.on_rating is not None and not replayed:
+            try:  # accepted already: statistics and the rollback test never fail the rating
+                await self.on_rating(ev.endpoint, ev.adapter, ev.rating_key, ev.rating)
+            except Exception:
+                log.exception("live statistics of a rating failed")
         return FeedbackResponse(id=ev.id, completion_id=ev.completion_id, endpoint=ev.endpoint,
                                 rating=ev.rating, score=ev.score, comment=ev.comment, user=ev.user,
                                 replaces=replaces, created=ev.created), replayed

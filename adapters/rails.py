@@ -1,0 +1,199 @@
+"""Update-safety rails shared by the trainer (which evaluates versions) and the gateway (which serves them).
+
+**The evaluation gate.** Before a ``follow`` endpoint may move to a new version of its lineage, the trainer
+measures the version against the version it would replace (the lineage's newest version that passed) and
+writes the result into the version's manifest (``Manifest.gate``, a :class:`GateResult`) and into the history
+of every endpoint it judged (action ``gate``). The gateway never moves an endpoint to a version whose gate
+result rejects it for that endpoint (:func:`gate_allows`); a version without a gate result (rails off, or
+written before the rails existed) is allowed as before.
+
+Thresholds are per endpoint (:class:`GateThresholds`, stored in the endpoint's binding, ``null`` = the
+defaults below). The defaults were found with ``bench/gate_thresholds.py`` on SmolLM2-135M-Instruct (README
+"Update-safety rails"): a normal KTO step at the default learning rate moves every measure far less than
+the bound, a step trained to answer every prompt with one fixed phrase crosses them within one to three
+steps. Measured (2 shared cores, load 7-11; README has the table): three normal KTO steps (8 ratings each, lr
+1e-3) gave KL(new ‖ current) 0.019-0.025, KL(new ‖ base) 0.02 → 0.17, no degenerate reply, length ratio
+0.90-0.99, probe accuracy 0.79-0.75 (base 0.83); three bad SFT steps (lr 1e-3) gave KL(new ‖ current)
+0.054-0.11, KL(new ‖ base) up to 0.75, degenerate share 0.25 → 0.5 → 1.0 and a length ratio of 0.44. The
+bounds sit between: 0.08, 1.5 (room for about 20 honest steps), 0.25, 0.7; the probe margin of 0.10 is
+2.4 of the 24 probes (a normal step moved at most one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GateThresholds(BaseModel):
+    """One endpoint's gate thresholds (the defaults apply to endpoints that set none).
+
+    All rates are fractions in [0, 1]; KL values are nats per token.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="Evaluate new versions for this endpoint (false: every version "
+                                            "passes; the measures are still recorded).")
+    probe_margin: float = Field(0.10, ge=0, le=1, description="Largest allowed drop of capability-probe accuracy "
+                                                              "below the current version's (fraction of probes).")
+    max_kl_current: float = Field(0.08, gt=0, description="Largest mean per-token KL(new ‖ current) on the probe "
+                                                         "replies (nats): the trust region of one update.")
+    max_kl_base: float = Field(1.5, gt=0, description="Largest mean per-token KL(new ‖ base model) on the probe "
+                                                      "replies (nats): how far the lineage may drift in total.")
+    max_degenerate: float = Field(0.25, ge=0, le=1, description="Largest share of free-generation replies that "
+                                                               "are empty, content-free or repetitive.")
+    min_length_ratio: float = Field(0.7, ge=0, le=1, description="Smallest mean reply length of the new version "
+                                                                 "relative to the current one (length collapse).")
+    signal_tolerance: float = Field(0.05, ge=0, description="Largest allowed fall of the held-out signal margin "
+                                                            "(mean per-token logprob of desirable/chosen minus "
+                                                            "undesirable/rejected, nats) below the current "
+                                                            "version's.")
+    min_signal_examples: int = Field(4, ge=2, description="Held-out rated completions (both classes present) "
+                                                          "needed before the signal check counts.")
+
+
+DEFAULT_THRESHOLDS = GateThresholds()
+
+
+class GateCheck(BaseModel):
+    """One measured check: its value for the new and the current version, the bound, and whether it passed."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    value: float | None = Field(description="The new version's measure (None: not measurable, e.g. too few "
+                                            "held-out ratings).")
+    current: float | None = Field(default=None, description="The same measure for the current version.")
+    bound: float | None = Field(default=None, description="The threshold it is compared with.")
+    passed: bool
+
+
+class GateVerdict(BaseModel):
+    """The decision for one endpoint."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    passed: bool
+    failed: list[str] = Field(default_factory=list, description="Names of the checks that failed.")
+    thresholds: GateThresholds = Field(default_factory=GateThresholds)
+
+
+class GateResult(BaseModel):
+    """What the gate found for one version (``Manifest.gate``).
+
+    Attributes:
+        against: the version compared with (``<lineage>@<n>`` or ``base``).
+        measures: raw measures of the new version (probe accuracy, KL values, degeneracy, lengths, margin).
+        verdicts: endpoint → :class:`GateVerdict`; key ``"*"`` is the verdict under the default thresholds,
+            used for endpoints created later.
+        seconds: wall time of the evaluation.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    against: str
+    measures: dict[str, Any] = Field(default_factory=dict)
+    checks: list[GateCheck] = Field(default_factory=list)
+    verdicts: dict[str, GateVerdict] = Field(default_factory=dict)
+    seconds: float = 0.0
+    continued_from: str | None = Field(default=None, description="Set when the version was rejected for the "
+                                                                 "endpoint of the batch that trained it: the "
+                                                                 "version training continues from instead (the "
+                                                                 "one it was compared with). null: this one.")
+
+    def verdict(self, endpoint: str) -> GateVerdict | None:
+        """The verdict for ``endpoint`` (its own, else the default thresholds' one)."""
+        return self.verdicts.get(endpoint) or self.verdicts.get("*")
+
+
+def judge(checks: dict[str, dict[str, float | None]], t: GateThresholds) -> GateVerdict:
+    """Apply thresholds ``t`` to measured values.
+
+    Args:
+        checks: ``{"probes": {"value", "current"}, "kl_current": {"value"}, "kl_base": {"value"},
+            "degenerate": {"value"}, "length_ratio": {"value"}, "signal": {"value", "current"}}``; a ``None``
+            value (not measurable) passes.
+
+    Returns:
+        The verdict: each failed check's name; passed when none failed or the gate is disabled.
+    """
+    failed = []
+    for name, c in checks.items():
+        if not _passes(name, c.get("value"), c.get("current"), t):
+            failed.append(name)
+    return GateVerdict(passed=(not failed) or not t.enabled, failed=failed, thresholds=t)
+
+
+def bound_of(name: str, current: float | None, t: GateThresholds) -> float | None:
+    """The bound a check's value is compared with (None for an unknown check or a missing current value)."""
+    if name == "probes":
+        return None if current is None else current - t.probe_margin
+    if name == "signal":
+        return None if current is None else current - t.signal_tolerance
+    return {"kl_current": t.max_kl_current, "kl_base": t.max_kl_base, "degenerate": t.max_degenerate,
+            "length_ratio": t.min_length_ratio}.get(name)
+
+
+def _passes(name: str, value: float | None, current: float | None, t: GateThresholds) -> bool:
+    bound = bound_of(name, current, t)
+    if value is None or bound is None:
+        return True
+    if name in ("kl_current", "kl_base", "degenerate"):
+        return value <= bound + 1e-12
+    return value >= bound - 1e-12
+
+
+def gate_allows(gate: dict[str, Any] | GateResult | None, endpoint: str) -> bool:
+    """Whether a version with manifest gate result ``gate`` may serve ``endpoint`` (no result: yes)."""
+    if gate is None:
+        return True
+    result = gate if isinstance(gate, GateResult) else GateResult.model_validate(gate)
+    verdict = result.verdict(endpoint)
+    return verdict is None or verdict.passed
+
+
+# ---------------------------------------------------------------------------- live statistics and rollback
+
+def wilson_interval(up: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """Wilson score interval of a thumbs-up rate (``z`` = 1.96: 95 %); None with no ratings.
+
+    Source: E. B. Wilson (1927), "Probable inference, the law of succession, and statistical inference".
+    """
+    if n <= 0:
+        return None
+    p = up / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def sprt_thumbs(up: int, n: int, p0: float, *, delta: float = 0.2, alpha: float = 0.05,
+                beta: float = 0.2) -> tuple[str, float]:
+    """Wald's sequential probability ratio test on the serving version's thumbs-up ratings.
+
+    H0: its thumbs-up rate equals ``p0`` (the predecessor's observed rate, taken as known);
+    H1: it is ``p0 − delta`` (worse). After ``n`` ratings with ``up`` thumbs up the log-likelihood ratio is
+    ``LLR = up·ln(p1/p0) + (n − up)·ln((1 − p1)/(1 − p0))``; the test answers ``"rollback"`` once
+    ``LLR ≥ ln((1 − β)/α)``, ``"keep"`` once ``LLR ≤ ln(β/(1 − α))``, else ``"continue"``.
+
+    Error rates (Wald 1945, "Sequential tests of statistical hypotheses"): the chance of rolling back a version
+    that is as good as its predecessor is at most about ``α`` (5 %; Wald's bound α/(1 − β) = 6.25 %), the chance
+    of keeping one whose rate is ``delta`` (20 points) lower is at most about ``β`` (20 %). ``p0`` is clamped to
+    [0.05, 0.95] so both hypotheses stay proper. Treating ``p0`` as known ignores its own sampling error: the
+    predecessor must have ``min_ratings`` ratings before the test runs (the caller's rule).
+
+    Returns:
+        ``(decision, llr)``.
+    """
+    import math
+
+    p0 = min(0.95, max(0.05, p0))
+    p1 = max(0.01, p0 - delta)
+    llr = up * math.log(p1 / p0) + (n - up) * math.log((1 - p1) / (1 - p0))
+    if llr >= math.log((1 - beta) / alpha):
+        return "rollback", llr
+    if llr <= math.log(beta / (1 - alpha)):
+        return "keep", llr
+    return "continue", llr

@@ -1,0 +1,202 @@
+"""The evaluation gate (README "Update-safety rails"): thresholds and verdicts, per-endpoint settings through the
+admin service, and on the real SmolLM2 model a version trained to be much worse on the probes is rejected
+(manifest, history, never loaded nor served, training continues from the last passing version) while normal
+KTO versions pass and are served by the real transformers engine's registry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from livelora.adapters.endpoints import EndpointStore
+from livelora.adapters.rails import GateThresholds, gate_allows, judge
+from livelora.adapters.store import WEIGHTS_FILE, AdapterStore
+from livelora.clients.errors import BadRequestError
+from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, RatingEvent
+from livelora.trainer.gate import load_probes, reply_degenerate
+from livelora.trainer.gated import held_out
+from livelora.trainer.scheduler import Batch, kto_class_weights
+
+
+def test_judge_applies_each_threshold():
+    t = GateThresholds()
+    ok = {"probes": {"value": 0.80, "current": 0.83}, "kl_current": {"value": 0.02}, "kl_base": {"value": 0.2},
+          "degenerate": {"value": 0.0}, "length_ratio": {"value": 0.95}, "signal": {"value": None, "current": None}}
+    assert judge(ok, t).passed and judge(ok, t).failed == []
+    bad = {**ok, "probes": {"value": 0.50, "current": 0.83}, "kl_current": {"value": 0.3},
+           "degenerate": {"value": 0.75}, "length_ratio": {"value": 0.4},
+           "signal": {"value": -0.5, "current": 0.1}}
+    v = judge(bad, t)
+    assert not v.passed and v.failed == ["probes", "kl_current", "degenerate", "length_ratio", "signal"]
+    loose = GateThresholds(probe_margin=0.5, max_kl_current=1.0, max_degenerate=1.0, min_length_ratio=0.1,
+                           signal_tolerance=1.0)
+    assert judge(bad, loose).passed
+    assert judge(bad, GateThresholds(enabled=False)).passed  # measured, recorded, not enforced
+    gate = {"against": "base", "verdicts": {"*": {"passed": True}, "strict": {"passed": False, "failed": ["x"]}}}
+    assert gate_allows(gate, "other") and not gate_allows(gate, "strict") and gate_allows(None, "strict")
+
+
+def test_probe_file_and_degeneracy_heuristics():
+    probes = load_probes()
+    assert len(probes) == 24 and {p.kind for p in probes} == {"fact", "arithmetic", "format"}
+    paris = next(p for p in probes if p.id == "fact-capital-france")
+    assert paris.right(" Paris") and paris.right(" Par") and not paris.right(" London") and not paris.right(" ")
+    assert reply_degenerate("The answer to this question.", 7)
+    assert reply_degenerate("", 0)
+    assert reply_degenerate("banana banana banana banana banana banana banana", 7)
+    assert not reply_degenerate("The sky is blue because air scatters short wavelengths.", 12)
+    picked = [held_out(f"feedback-{i}", 10) for i in range(2000)]
+    assert 150 < sum(picked) < 250 and not any(held_out("x", 0) for _ in range(3))
+
+
+def test_endpoint_thresholds_are_validated_stored_and_audited(tmp_path):
+    from livelora.gateway.services.admin import AdminService
+
+    admin = AdminService(tmp_path, tenant=None)
+    admin.create_endpoint("ep", "lin", who="t")
+    with pytest.raises(BadRequestError) as exc:
+        admin.set_gate("ep", {"probe_margin": 2.0}, who="t")
+    assert exc.value.param == "thresholds.probe_margin"
+    with pytest.raises(BadRequestError):
+        admin.set_gate("ep", {"no_such_check": 1}, who="t")
+    assert admin.get_endpoint("ep")["gate"] == GateThresholds().model_dump()   # bad input changed nothing
+    entry = admin.set_gate("ep", {"probe_margin": 0.05, "max_kl_current": 0.3}, who="t", reason="strict")
+    assert entry.action == "configure" and entry.reason == "strict"
+    shown = admin.get_endpoint("ep")["gate"]
+    assert shown["probe_margin"] == 0.05 and shown["max_kl_current"] == 0.3 and shown["max_degenerate"] == 0.25
+    assert EndpointStore(tmp_path).get("ep").thresholds.probe_margin == 0.05
+    admin.set_gate("ep", None, who="t")
+    assert admin.get_endpoint("ep")["gate"]["probe_margin"] == GateThresholds().probe_margin
+    assert [h.action for h in admin.history("ep")] == ["create", "configure", "configure"]
+
+
+# ---------------------------------------------------------------------------------- the real model
+
+WRONG = {"fact": "London", "arithmetic": "8", "format": "Maybe"}
+
+
+def _ratings(trainer, endpoint: str, n: int = 8) -> Batch:
+    qs = ["What is a good name for a dog?", "How do I boil an egg?", "Why do leaves change colour?",
+          "What is the tallest mountain?", "Give me a word that rhymes with cat.", "How far is the Moon?",
+          "What is photosynthesis?", "Suggest a breakfast."]
+    good = ["Max is a classic name for a dog.", "Boil it for about nine minutes.", "They lose chlorophyll.",
+            "Mount Everest.", "Hat rhymes with cat.", "About 384,000 km.", "Plants turning light into sugar.",
+            "Oatmeal with fruit."]
+    evs = []
+    for i in range(n):
+        up = i % 2 == 0
+        prompt, completion = trainer.chat_pair([ChatMessage(role="user", content=qs[i])],
+                                               good[i] if up else "I do not know.")
+        evs.append(RatingEvent(id=f"feedback-{uuid.uuid4().hex}", endpoint=endpoint, created=int(time.time()),
+                               completion_id=f"c{i}-{uuid.uuid4().hex[:6]}", prompt_token_ids=prompt,
+                               completion_token_ids=completion[:-2], finish_reason="stop", rating=up,
+                               rating_key=f"c{i}:/u", user="u"))
+    batch = Batch(endpoint, "kto", evs, [f"1-{i}" for i in range(n)])
+    batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n // 2, n - n // 2)
+    return batch
+
+
+def _wrong_answers(endpoint: str) -> Batch:
+    """SFT demonstrations that answer every probe question wrongly (the probes' own prompts)."""
+    evs = []
+    for p in load_probes():
+        reply = f"{p.lead} {WRONG[p.kind]}".strip()
+        evs.append(DemonstrationEvent(id=f"demo-{uuid.uuid4().hex}", endpoint=endpoint, created=int(time.time()),
+                                      messages=[ChatMessage(role="user", content=p.prompt),
+                                                ChatMessage(role="assistant", content=reply)]))
+    return Batch(endpoint, "sft", evs, [f"2-{i}" for i in range(len(evs))])
+
+
+@pytest.mark.timeout(1800)
+def test_worse_version_is_rejected_never_served_and_training_continues_from_the_last_pass(base_ref, tmp_path):
+    from livelora.gateway.engines import create_engine
+    from livelora.gateway.services.registry import AdapterRegistry
+    from livelora.trainer.online import OnlineTrainer
+    from livelora.trainer.settings import GateSection, TrainingSection
+
+    home = tmp_path
+    ep = lineage = "gated"
+    EndpointStore(home).create(ep, lineage, tenant="default", who="test")
+    gate = GateSection(gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12)   # on despite conftest's env
+    trainer = OnlineTrainer(base_ref, home, TrainingSection(sft_lr=3e-3), gate=gate)
+
+    v1 = trainer.train(_ratings(trainer, ep))                       # a normal live-loop step
+    g1 = v1.gate
+    assert g1["against"] == "base" and g1["continued_from"] is None and g1["verdicts"][ep]["passed"]
+    checks1 = {c["name"]: c for c in g1["checks"]}
+    assert checks1["kl_current"]["value"] < GateThresholds().max_kl_current
+    assert g1["measures"]["probe_accuracy_base"] >= 0.75          # the base model gets most probes right
+
+    v2 = trainer.train(_wrong_answers(ep))                          # trained to be much worse on the probes
+    g2 = v2.gate
+    assert v2.parent == 1 and g2["against"] == f"{lineage}@1"
+    assert not g2["verdicts"][ep]["passed"] and "probes" in g2["verdicts"][ep]["failed"]
+    checks2 = {c["name"]: c for c in g2["checks"]}
+    assert checks2["probes"]["value"] < checks2["probes"]["current"] - GateThresholds().probe_margin
+    assert g2["continued_from"] == f"{lineage}@1"
+    # training continues from version 1: the in-memory model holds version 1's weights again
+    model = trainer.model_for(lineage)
+    saved = load_file(str(AdapterStore(home).version_dir(lineage, 1) / WEIGHTS_FILE))
+    assert all(torch.equal(model.lora_params[k].detach(), saved[k]) for k in saved)
+    v3 = trainer.train(_ratings(trainer, ep))
+    assert v3.parent == 1 and v3.gate["continued_from"] is None
+
+    history = [h for h in EndpointStore(home).history(ep) if h.action == "gate"]
+    assert [(h.to, h.reason.split(":")[0]) for h in history] == [
+        (f"{lineage}@1", "passed"), (f"{lineage}@2", "rejected"), (f"{lineage}@3", "passed")]
+    assert history[1].details["checks"]["probes"]["value"] == checks2["probes"]["value"]
+
+    # the gateway never serves version 2: catch-up skips it, its notice does not even load it
+    loop = asyncio.new_event_loop()
+    engine = create_engine("transformers", model=base_ref.name, max_batch_size=2)
+    loop.run_until_complete(engine.start())
+    try:
+        reg = AdapterRegistry(engine, home, "smollm2-135m-instruct", resync_s=0)
+        store = AdapterStore(home)
+        import shutil
+        shutil.move(str(store.version_dir(lineage, 3)), str(home / "v3-aside"))   # only versions 1 and 2 exist
+        loop.run_until_complete(reg.sync_from_store())
+        assert reg.current[ep] == f"{lineage}@1"
+        notice = {"type": "version_published", "lineage": lineage, "version": 2, "name": f"{lineage}@2"}
+        loop.run_until_complete(reg.handle_notice(notice))
+        assert reg.current[ep] == f"{lineage}@1" and f"{lineage}@2" not in engine.loaded_adapters()
+        lease = reg.acquire(ep)
+        assert lease.adapter == f"{lineage}@1"
+        lease.release()
+        shutil.move(str(home / "v3-aside"), str(store.version_dir(lineage, 3)))
+        loop.run_until_complete(reg.sync_from_store())
+        assert reg.current[ep] == f"{lineage}@3"                    # the next passing version is served
+    finally:
+        loop.run_until_complete(engine.close())
+        loop.close()
+    shown = json.loads((AdapterStore(home).version_dir(lineage, 2) / "manifest.json").read_text())["gate"]
+    assert shown == g2
+
+
+def test_held_out_examples_are_read_back_after_a_restart(tokenizer, tmp_path):
+    import json as _json
+
+    from livelora.trainer.dataset import DatasetOfRecord
+    from livelora.trainer.gated import EvaluationGate
+
+    evs = [RatingEvent(id=f"feedback-{i}", endpoint="gated", created=1, completion_id=f"c{i}",
+                       prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5 + i], rating=i % 2 == 0,
+                       rating_key=f"c{i}:/u") for i in range(40)]
+    DatasetOfRecord(tmp_path).append("2026-12-01", [(e.id, {"stream_id": f"{i}-0", "received": 1,
+                                                            "event": _json.loads(e.model_dump_json())})
+                                                    for i, e in enumerate(evs)])
+    picked = [e for e in evs if held_out(e.id, 4)]
+    assert 3 <= len(picked) < 40
+    gate = EvaluationGate(tokenizer, tmp_path, None, holdout_every=4, heldout_max=100)
+    items = gate.items("gated")                                   # a fresh process: read back from the dataset
+    assert [i.key for i in items] == [e.id for e in picked]
+    assert [i.sign for i in items] == [1 if e.rating else -1 for e in picked]
+    assert items[0].completion[:2] == picked[0].completion_token_ids
+    assert gate.hold_out("gated", picked[0]) and len(gate.items("gated")) == len(picked)   # no duplicate
+    assert gate.items("other") == []

@@ -1,0 +1,125 @@
+"""Feedback governance on real Redis and a real trainer worker: one rater's flood is capped (rate limit →
+quarantine, kept in the dataset of record, listed by the admin service, recorded in the history; at most a set
+share of a batch per rater), and delete-by-user removes a user's signals from the dataset of record and from
+every later batch."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from livelora.adapters.bus import connect_sync, ensure_group
+from livelora.adapters.endpoints import EndpointStore
+from livelora.adapters.governance import rater_of, read_quarantine
+from livelora.adapters.redis_keys import KeyLayout
+from livelora.clients.types.signals import RatingEvent
+from livelora.trainer.dataset import read_dataset
+from livelora.trainer.governance import FeedbackGovernor
+from livelora.trainer.online import OnlineTrainer
+from livelora.trainer.scheduler import BatchScheduler
+from livelora.trainer.settings import TrainingSection
+from livelora.trainer.worker import TrainerWorker
+
+EP = "gov"
+
+
+@pytest.fixture
+def bus():
+    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
+    client = connect_sync("redis://127.0.0.1:6379/0")
+    ensure_group(client, keys)
+    yield client, keys
+    for k in client.scan_iter(match=keys.prefix + "*"):
+        client.delete(k)
+    client.close()
+
+
+def rating(user: str, i: int, up: bool = True) -> RatingEvent:
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    return RatingEvent(id=f"feedback-{uuid.uuid4().hex}", endpoint=EP, created=int(time.time()), completion_id=cid,
+                       prompt_token_ids=[1, 2, 3 + i], completion_token_ids=[4, 5], rating=up,
+                       rating_key=f"{cid}:{user}", user=user)
+
+
+def worker_for(client, keys, home, base_ref, **training) -> TrainerWorker:
+    cfg = TrainingSection(**{"kto_min_batch": 100, "max_batch": 100, "max_wait_s": 3600, **training})
+    gov = FeedbackGovernor(client, keys, home, max_events=cfg.rater_max_events, window_s=cfg.rater_window_s)
+    return TrainerWorker(client, keys, home, OnlineTrainer(base_ref, home, cfg), BatchScheduler(cfg),
+                         consumer="w1", governor=gov, block_ms=10)
+
+
+def send(client, keys, events) -> None:
+    for ev in events:
+        client.xadd(keys.signals, {"event": ev.model_dump_json(), "replaces": ""})
+
+
+def test_one_raters_flood_is_quarantined_kept_listed_and_audited(bus, tmp_path, base_ref):
+    from livelora.gateway.services.admin import AdminService
+
+    client, keys = bus
+    w = worker_for(client, keys, tmp_path, base_ref, rater_max_events=5, rater_window_s=600)
+    flood = [rating("mallory", i, up=False) for i in range(12)]
+    honest = [rating("alice", i) for i in range(3)]
+    send(client, keys, flood[:6] + honest + flood[6:])
+    w.poll(block_ms=10)
+    queued = {e.id for (_, kind), q in w.scheduler._queues.items() for _, e, _ in q.items.values()}
+    assert queued == {e.id for e in flood[:5] + honest}                 # 5 of mallory's 12, all of alice's
+    assert {r["event"]["id"] for r in read_dataset(tmp_path)} == {e.id for e in flood + honest}  # all kept
+    q = read_quarantine(tmp_path)
+    assert [r["event_id"] for r in q] == [e.id for e in flood[5:]] and {r["rater"] for r in q} == {"mallory"}
+    assert q[0]["reason"].startswith("rate_limit: 5 events")
+    assert [r["event_id"] for r in AdminService(tmp_path, tenant=None).quarantine()] == [e.id for e in flood[5:]]
+    assert AdminService(tmp_path, tenant="acme").quarantine() == []    # another tenant sees none of it
+    hist = [h for h in EndpointStore(tmp_path).history(EP) if h.action == "quarantine"]
+    assert len(hist) == 1 and hist[0].to == "mallory" and hist[0].details["limit"] == 5   # one line per burst
+    assert client.xpending(keys.signals, "trainers")["pending"] == 8    # the quarantined ones are acknowledged
+    w.close()
+
+
+def test_no_rater_fills_more_than_the_share_of_a_batch():
+    sched = BatchScheduler(TrainingSection(kto_min_batch=8, max_batch=32, rater_max_batch_share=0.5))
+    flood = [rating("mallory", i) for i in range(10)]
+    honest = [rating("alice", i, up=False) for i in range(2)] + [rating("bob", 0, up=False)]
+    for n, ev in enumerate(flood[:5] + honest + flood[5:]):
+        sched.add("lin", f"{n + 1}-0", ev, now=0)
+    batch = sched.due(now=1)[0]
+    raters = [rater_of(e) for e in batch.events]
+    assert len(batch.events) == 6 and raters.count("mallory") == 3      # m = 6: mallory 3, alice 2, bob 1
+    assert [e.id for e in batch.events if rater_of(e) == "mallory"] == [e.id for e in flood[:3]]  # oldest first
+    assert len(sched) == 7 and sched.due(now=2) == []                     # mallory's surplus waits
+    solo = BatchScheduler(TrainingSection(kto_min_batch=4, rater_max_batch_share=0.5))
+    for n, ev in enumerate(flood[:4]):
+        solo.add("lin", f"{n + 1}-0", ev, now=0)
+    assert len(solo.due(now=1)[0].events) == 4                            # a lone rater is limited by rate only
+
+
+def test_deleted_user_is_gone_from_the_dataset_and_from_later_batches(bus, tmp_path, base_ref):
+    from livelora.gateway.services.admin import AdminService
+
+    client, keys = bus
+    w = worker_for(client, keys, tmp_path, base_ref)
+    alice = [rating("alice", i) for i in range(3)]
+    bob = [rating("bob", i, up=False) for i in range(3)]
+    send(client, keys, alice + bob)
+    w.poll(block_ms=10)
+    assert len(read_dataset(tmp_path)) == 6 and len(w.scheduler) == 6
+
+    out = AdminService(tmp_path, tenant=None).forget_user("alice", who="local:test", reason="GDPR request 17")
+    assert out["signals_removed"] == {EP: 3}
+    assert {r["event"]["user"] for r in read_dataset(tmp_path)} == {"bob"}   # gone from the dataset of record
+    hist = [h for h in EndpointStore(tmp_path).history(EP) if h.action == "forget"]
+    assert len(hist) == 1 and hist[0].to == "user:alice" and hist[0].details["signals"] == 3
+    assert hist[0].reason == "GDPR request 17"
+
+    late = [rating("alice", 9)]
+    send(client, keys, late + [rating("carol", 1, up=False)])
+    w.poll(block_ms=10)
+    assert all(e.user != "alice" for (_, _), q in w.scheduler._queues.items() for _, e, _ in q.items.values()
+               if e.id == late[0].id)
+    batch = w.scheduler.due(now=time.time() + 7200)[0]           # what the next step would get, after the screen
+    screened = w._screen(batch)
+    assert {e.user for e in screened.events} == {"bob", "carol"} and len(screened.events) == 4
+    assert {r["event"]["user"] for r in read_dataset(tmp_path)} == {"bob", "carol"}   # the late one not recorded
+    w.close()

@@ -1,0 +1,202 @@
+"""The evaluation gate's bookkeeping in the online trainer: held-out examples, cached measurements, snapshots.
+
+One :class:`EvaluationGate` per :class:`~livelora.trainer.online.OnlineTrainer`. Around every live-loop step:
+
+1. :meth:`EvaluationGate.before_step` snapshots the lineage model (LoRA weights, AdamW state, step, parent)
+   and makes sure the *current* measurement exists: the measures of the weights the model holds now, which
+   are the lineage's newest version that passed (measured once per process, then carried over from each
+   accepted step).
+2. The step runs; :meth:`EvaluationGate.judge` measures the new weights and judges them, per endpoint of the
+   lineage, with that endpoint's thresholds (:mod:`livelora.adapters.rails`).
+3. The version is written with the result in its manifest; each judged endpoint's history gets a ``gate`` line.
+4. **Where training continues.** A passed version becomes the current one. After a rejection the model is
+   restored from the snapshot, so training continues from the last version that passed (the rejected weights
+   stay in the store for inspection, their events are recorded as trained into the rejected version and are
+   not trained again: they would push the same way). The verdict that decides is that of the batch's endpoint.
+
+Held-out examples: one rating or preference pair in ``holdout_every`` (by the sha256 of its event id, so every
+worker and every restart picks the same ones) is not trained; the worker acknowledges it (it is in the
+dataset of record) and the gate keeps the newest ``heldout_max`` per lineage for the signal check.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from livelora.adapters.endpoints import EndpointStore
+from livelora.adapters.rails import GateCheck, GateResult, GateThresholds, bound_of, judge
+from livelora.trainer.gate import HeldOut, Measurement, ProbeSuite, compare, heldout_items
+
+log = logging.getLogger(__name__)
+
+
+def held_out(event_id: str, every: int) -> bool:
+    """Whether the event with this id is held out: sha256(id) mod ``every`` == 0 (never when ``every`` ≤ 0)."""
+    if every <= 0:
+        return False
+    return int.from_bytes(hashlib.sha256(event_id.encode()).digest()[:8], "big") % every == 0
+
+
+class EvaluationGate:
+    """Measures, judges and remembers (see the module docstring).
+
+    Args:
+        tokenizer: the base model's tokenizer.
+        home: ``LIVELORA_HOME`` (endpoint thresholds and history).
+        chat_pair: ``(messages, reply) -> (prompt_ids, completion_ids)`` for inline preference pairs.
+        holdout_every / heldout_max / gen_tokens: :class:`~livelora.trainer.settings.GateSection`.
+    """
+
+    def __init__(self, tokenizer: Any, home: Any, chat_pair: Any, *, holdout_every: int = 10,
+                 heldout_max: int = 8, gen_tokens: int = 24):
+        self.tokenizer = tokenizer
+        self.endpoints = EndpointStore(home)
+        self.chat_pair = chat_pair
+        self.holdout_every = holdout_every
+        self.suite = ProbeSuite(tokenizer, gen_tokens=gen_tokens)
+        self.heldout: dict[str, deque[HeldOut]] = {}
+        self.heldout_max = heldout_max
+        self._base: Measurement | None = None
+        self._current: dict[str, tuple[str, Measurement]] = {}  # lineage → (version label, measurement)
+        self._snapshot: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ held-out examples
+    def hold_out(self, lineage: str, event: Any) -> bool:
+        """Keep ``event`` for the signal check instead of training it? (ratings and preferences, 1 in N)."""
+        if event.type not in ("rating", "preference") or not held_out(event.id, self.holdout_every):
+            return False
+        try:
+            items = heldout_items(event, self.tokenizer, self.chat_pair)
+        except Exception as exc:  # an event we cannot score is trained normally (and screened there)
+            log.warning("held-out event %s cannot be scored: %s", event.id, exc)
+            return False
+        if lineage not in self.heldout:
+            self.reload(lineage)  # the event is in the dataset of record already: _add skips it then
+        self._add(self.heldout[lineage], items)
+        return True
+
+    @staticmethod
+    def _add(q: deque[HeldOut], items: list[HeldOut]) -> None:
+        have = {i.key for i in q}
+        q.extend(i for i in items if i.key not in have)
+
+    def items(self, lineage: str) -> list[HeldOut]:
+        """The held-out examples the signal check scores (newest ``heldout_max`` events' items); after a restart
+        they are first read back from the dataset of record (:meth:`reload`)."""
+        if lineage not in self.heldout:
+            self.reload(lineage)
+        return list(self.heldout.get(lineage, ()))[-2 * self.heldout_max:] if self.heldout_max else []
+
+    def reload(self, lineage: str) -> int:
+        """Refill ``lineage``'s held-out examples from the dataset of record (the same id hash picks the same
+        events in every process); returns how many events were taken."""
+        import json
+
+        from livelora.clients.types.signals import parse_stream_event
+        from livelora.trainer.dataset import read_dataset
+
+        q = self.heldout.setdefault(lineage, deque(maxlen=2 * max(1, self.heldout_max)))
+        n = 0
+        for rec in read_dataset(self.endpoints.home):
+            raw = rec.get("event")
+            if not isinstance(raw, dict) or raw.get("type") not in ("rating", "preference"):
+                continue
+            if not held_out(raw["id"], self.holdout_every) or self.endpoints.get(raw["endpoint"]).lineage != lineage:
+                continue
+            try:
+                self._add(q, heldout_items(parse_stream_event({"event": json.dumps(raw)}), self.tokenizer,
+                                           self.chat_pair))
+                n += 1
+            except Exception as exc:  # an event that cannot be scored is skipped
+                log.warning("held-out event %s not reloaded: %s", raw.get("id"), exc)
+        return n
+
+    # ------------------------------------------------------------------ around a step
+    def base(self, model: Any) -> Measurement:
+        """The base model's measurement (adapter off; computed once)."""
+        if self._base is None:
+            self._base = self.suite.measure(model, adapter=False)
+        return self._base
+
+    def before_step(self, model: Any, lineage: str, label: str) -> None:
+        """Snapshot ``model`` and make sure the current weights (``label``) are measured, held-out items too."""
+        self._snapshot = {"params": {k: p.detach().clone() for k, p in model.lora_params.items()},
+                          "optimizer": copy.deepcopy(model.optimizer.state_dict()), "step": model.step,
+                          "parent": model.parent, "lineage": model.lineage,
+                          "data_counts": dict(model.data_counts)}
+        self.base(model)
+        have = self._current.get(lineage)
+        items = self.items(lineage)
+        if have is None or have[0] != label:
+            if label == "base":  # a new lineage's adapter is zero (lora_B = 0): its measures are the base model's
+                b = self._base
+                have = (label, Measurement(b.probe_right, b.logp_M_V, b.degenerate, b.mean_len, b.replies, {}))
+            else:
+                have = (label, self.suite.measure(model, heldout=items))
+            self._current[lineage] = have
+        missing = [i for i in items if i.key not in have[1].signal]
+        if missing:
+            have[1].signal.update(self.suite.score(model, missing))
+
+    def judge(self, model: Any, lineage: str, endpoint: str) -> tuple[GateResult, Measurement]:
+        """Measure the stepped ``model`` and judge it for every follow endpoint of ``lineage`` (plus
+        ``endpoint`` and the defaults, key ``"*"``)."""
+        t0 = time.perf_counter()
+        label, current = self._current[lineage]
+        items = self.items(lineage)
+        new = self.suite.measure(model, heldout=items)
+        values = compare(new, current, self._base, items, GateThresholds().min_signal_examples)
+        judged: dict[str, GateThresholds] = {"*": GateThresholds(), endpoint: self.endpoints.get(endpoint).thresholds}
+        for name, b in self.endpoints.all().items():
+            if b.lineage == lineage and b.mode == "follow":
+                judged[name] = b.thresholds
+        verdicts = {}
+        for name, t in judged.items():
+            vals = dict(values)
+            if t.min_signal_examples != GateThresholds().min_signal_examples:
+                vals = compare(new, current, self._base, items, t.min_signal_examples)
+            verdicts[name] = judge(vals, t)
+        mine = judged[endpoint]
+        checks = [GateCheck(name=k, value=v["value"], current=v["current"], bound=bound_of(k, v["current"], mine),
+                            passed=k not in verdicts[endpoint].failed) for k, v in values.items()]
+        measures = {"probe_accuracy": new.accuracy, "probe_accuracy_current": current.accuracy,
+                    "probe_accuracy_base": self._base.accuracy, "mean_reply_tokens": new.mean_len,
+                    "heldout_examples": len(items), "replies": new.replies}
+        result = GateResult(against=label, measures=measures, checks=checks, verdicts=verdicts,
+                            seconds=time.perf_counter() - t0)
+        return result, new
+
+    def settle(self, model: Any, lineage: str, passed: bool, name: str, new: Measurement) -> None:
+        """After the version is written: a passed one becomes current; a rejected step is undone."""
+        snap, self._snapshot = self._snapshot, None
+        if passed:
+            self._current[lineage] = (name, new)
+            return
+        if snap is None:
+            return
+        with torch.no_grad():
+            for k, p in model.lora_params.items():
+                p.copy_(snap["params"][k])
+        model.optimizer.load_state_dict(snap["optimizer"])
+        model.step, model.parent, model.lineage = snap["step"], snap["parent"], snap["lineage"]
+        model.data_counts = snap["data_counts"]
+
+    def record(self, result: GateResult, name: str, lineage: str) -> None:
+        """One ``gate`` history line per judged endpoint (not the ``"*"`` default verdict)."""
+        for endpoint, verdict in result.verdicts.items():
+            if endpoint == "*":
+                continue
+            b = self.endpoints.get(endpoint)
+            reason = "passed" if verdict.passed else "rejected: " + ", ".join(verdict.failed)
+            checks = {c.name: {"value": c.value, "current": c.current, "bound": c.bound} for c in result.checks}
+            self.endpoints.record(endpoint, "gate", who="trainer", from_=result.against, to=name, reason=reason,
+                                  details={"passed": verdict.passed, "failed": verdict.failed, "checks": checks,
+                                           "continued_from": result.continued_from},
+                                  tenant=b.tenant)
