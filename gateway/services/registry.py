@@ -412,32 +412,6 @@ class AdapterRegistry:
         except (NotFoundError, BadRequestError, ValueError, TypeError) as exc:
             log.error("announced version %s not installed: %s", notice.get("name"), exc)
 
-    async def _subscribe(self) -> None:
-        backoff = 0.5
-        while True:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self.keys.notices)
-                backoff = 0.5
-                await self.sync_from_store()  # whatever was published while we were not listening
-                async for msg in pubsub.listen():
-                    if msg.get("type") != "message":
-                        continue
-                    try:
-                        notice = json.loads(msg["data"])
-                    except (TypeError, ValueError):
-                        continue
-                    await self.handle_notice(notice)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis gone: retry, then catch up from the store
-                log.warning("notice subscription lost (%s); retrying in %.1f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-
     async def _resync_loop(self) -> None:
         while True:
             await asyncio.sleep(self.resync_s)
@@ -450,7 +424,7 @@ class AdapterRegistry:
         """Catch up from the store, then start the notice subscriber and the periodic resync."""
         await self.sync_from_store()
         if self.client is not None:
-            self._spawn(self._subscribe())
+            self._spawn(follow_notices(self))
         if self.resync_s > 0:
             self._spawn(self._resync_loop())
 
@@ -461,3 +435,33 @@ class AdapterRegistry:
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
+
+
+async def follow_notices(registry: AdapterRegistry) -> None:
+    """Run ``registry``'s notice subscriber until cancelled: every notice goes to ``handle_notice``; after each
+    (re)subscription the registry first catches up from the store (what was published while it was not
+    listening); a lost Redis connection is retried with back-off (0.5 s doubling to 10 s)."""
+    backoff = 0.5
+    while True:
+        pubsub = registry.client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(registry.keys.notices)
+            backoff = 0.5
+            await registry.sync_from_store()  # whatever was published while we were not listening
+            async for msg in pubsub.listen():
+                if msg.get("type") != "message":
+                    continue
+                try:
+                    notice = json.loads(msg["data"])
+                except (TypeError, ValueError):
+                    continue
+                await registry.handle_notice(notice)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # Redis gone: retry, then catch up from the store
+            log.warning("notice subscription lost (%s); retrying in %.1f s", exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
