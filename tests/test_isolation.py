@@ -351,6 +351,12 @@ CASES: dict[tuple[str, str], Case] = {
     ("POST", "/api/v1/copy_weights"): Case(lambda o: [("", {"model_id": o["model"]})]),
     ("GET", "/api/v1/auth/apikey/me"): Case(_none, "own"),
     ("DELETE", "/api/v1/auth/apikey/me"): Case(_none, "own"),
+    # update-safety rails
+    ("GET", "/admin/endpoints/{name:path}/stats"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/stats", None)]),
+    ("PUT", "/admin/endpoints/{name:path}/gate"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/gate",
+                                                                   {"reset": True, "reason": "b"})]),
+    ("GET", "/admin/quarantine"): Case(_none, "own"),
+    ("POST", "/admin/users/{name}/forget"): Case(lambda o: [("/admin/users/someone/forget", {"reason": "b"})], "own"),
     ("GET", "/admin/usage"): Case(lambda o: [("", None), ("?tenant=acme", None), ("?group_by=subject", None)], "own"),
     ("GET", "/admin/quotas"): Case(lambda o: [("", None), ("?tenant=acme", None)], "own"),
     ("PUT", "/admin/quotas"): Case(lambda o: [("", {"tenant": "nosuch", "max_sessions": 3})], "own"),
