@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
 from livelora.adapters.atomic import atomic_write_json, file_lock
 from livelora.adapters.metering import KINDS
+from livelora.clients.types.admin import QuotaUpdateRequest
 
 QUOTAS_FILE = "quotas.json"
 
@@ -32,7 +34,7 @@ class Limits(BaseModel):
     """
 
     max_sessions: int | None = Field(None, ge=0)
-    tokens_per_day: dict[str, int] = Field(default_factory=dict)
+    tokens_per_day: dict[str, int | None] = Field(default_factory=dict)
 
     @field_validator("tokens_per_day")
     @classmethod
@@ -40,7 +42,7 @@ class Limits(BaseModel):
         bad = [k for k in value if k not in KINDS]
         if bad:
             raise ValueError(f"unknown kinds {bad}; kinds: {', '.join(KINDS)}")
-        if any(n < 0 for n in value.values()):
+        if any(n is not None and n < 0 for n in value.values()):
             raise ValueError("token limits must be >= 0")
         return value
 
@@ -51,15 +53,26 @@ class Limits(BaseModel):
                       tokens_per_day={**self.tokens_per_day, **other.tokens_per_day})
 
 
-class QuotaUpdate(Limits):
-    """``PUT /admin/quotas`` body: the tenant and the limits to set (fields not given keep their current value)."""
+def limits_of(update: QuotaUpdateRequest) -> Limits:
+    """The :class:`Limits` an update sets (only the fields it gives; lifted limits as ``None``).
 
-    tenant: str
-
-    def limits(self) -> Limits:
-        """The limits part, keeping which fields were given."""
-        given = self.model_fields_set - {"tenant"}
-        return Limits.model_validate(self.model_dump(include=given))
+    Raises:
+        pydantic.ValidationError: an unknown kind, a negative limit, or an unknown name in ``unlimited``.
+    """
+    fields: dict[str, Any] = {}
+    if update.max_sessions is not None:
+        fields["max_sessions"] = update.max_sessions
+    tokens: dict[str, int | None] = dict(update.tokens_per_day or {})
+    for name in update.unlimited:
+        if name == "max_sessions":
+            fields["max_sessions"] = None
+        elif name.startswith("tokens_per_day."):
+            tokens[name.removeprefix("tokens_per_day.")] = None
+        else:
+            raise ValueError(f"unlimited: unknown limit {name!r} (max_sessions or tokens_per_day.<kind>)")
+    if tokens:
+        fields["tokens_per_day"] = tokens
+    return Limits.model_validate(fields)
 
 
 class QuotaStore:

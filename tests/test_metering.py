@@ -339,7 +339,7 @@ def test_session_limit_answers_429_and_frees_on_finish_or_expiry(server, keys):
         assert wait_until(lambda: create_session(server, keys).status_code == 200, timeout_s=60, interval_s=1.0)
         assert beta_can_still_create(server, keys)  # limits are per tenant
     finally:
-        put_limits(server, keys, "acme", {"max_sessions": None})
+        put_limits(server, keys, "acme", {"unlimited": ["max_sessions"]})
 
 
 def beta_can_still_create(server, keys) -> bool:

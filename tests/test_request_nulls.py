@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from livelora.clients.types.nulls import NullMeansOmitted, optional_keys
 
 MODULES = ["livelora.clients.types.openai", "livelora.clients.types.signals", "livelora.clients.types.admin",
-           "livelora.clients.types.tinker"]
+           "livelora.clients.types.tinker", "livelora.clients.types.tinker_ext", "livelora.clients.types.tinker_rest"]
 #: Bodies for models whose validators need more than their schema says (cross-field rules), by (module, class);
 #: used for the model itself and wherever it is nested.
 HAND_MADE = {

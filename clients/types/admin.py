@@ -73,3 +73,15 @@ class CreateKeyRequest(_Request):
 
     roles: list[Literal["inference", "feedback", "train", "admin", "operator"]] = Field(min_length=1)
     name: str = Field("", max_length=64, description="Label shown in `keys list` and the audit log.")
+
+
+class QuotaUpdateRequest(_Request):
+    """``PUT /admin/quotas`` (the operator): change one tenant's limits. A limit left out (or null) keeps its
+    current value; ``unlimited`` lifts limits for this tenant, also above the settings' defaults (``max_sessions``
+    or ``tokens_per_day.<kind>``)."""
+
+    tenant: str = Field(min_length=1, max_length=64)
+    max_sessions: int | None = Field(None, ge=0, description="Training sessions alive at once (0: none).")
+    tokens_per_day: dict[str, int] | None = Field(None, description="{kind: tokens per UTC day}.")
+    unlimited: list[str] = Field(default_factory=list, description="Limits to lift: 'max_sessions' or "
+                                                                   "'tokens_per_day.<kind>'.")

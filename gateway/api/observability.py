@@ -8,9 +8,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
+from pydantic import ValidationError
+
 from livelora.adapters import metrics
-from livelora.adapters.quotas import QuotaUpdate
-from livelora.clients.errors import NotFoundError
+from livelora.adapters.quotas import limits_of
+from livelora.clients.errors import BadRequestError, NotFoundError
+from livelora.clients.types.admin import QuotaUpdateRequest
 from livelora.gateway.api.deps import (
     AuthOpenDep,
     MeteringDep,
@@ -45,10 +48,16 @@ async def get_quotas(metering: MeteringDep, principal: PrincipalDep, open_mode: 
 
 
 @router.put("/admin/quotas")
-async def set_quotas(body: QuotaUpdate, metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep) -> dict:
-    """Set ``body.tenant``'s limits (fields given override the settings' defaults; ``null`` = unlimited) and answer
-    its effective limits. Only the operator (open mode, or an admin key of tenant ``default``) may; 403 otherwise."""
-    return metering.quotas.set_limits(principal, body.tenant, body.limits(), open_mode).model_dump()
+async def set_quotas(body: QuotaUpdateRequest, metering: MeteringDep, principal: PrincipalDep,
+                     open_mode: AuthOpenDep) -> dict:
+    """Set ``body.tenant``'s limits (fields given override the settings' defaults; ``unlimited`` lifts them) and
+    answer its effective limits. Only the operator (open mode, or a key with the operator role) may; 403
+    otherwise."""
+    try:
+        limits = limits_of(body)
+    except (ValueError, ValidationError) as exc:
+        raise BadRequestError(f"invalid limits: {exc}", param="unlimited") from None
+    return metering.quotas.set_limits(principal, body.tenant, limits, open_mode).model_dump()
 
 
 @router.get("/metrics")

@@ -111,7 +111,7 @@ class QuotaService:
         Raises:
             RateLimitError: a kind's ``tokens_per_day`` is used up (429 until 00:00 UTC; nothing was run).
         """
-        limits = {k: n for k, n in self.limits(tenant).tokens_per_day.items() if k in kinds}
+        limits = {k: n for k, n in self.limits(tenant).tokens_per_day.items() if k in kinds and n is not None}
         if not limits:
             return
         now = datetime.now(UTC)
