@@ -75,8 +75,11 @@ def build_engine(settings: GatewaySettings) -> Engine:
               "max_model_len": inference.max_model_len}
     if inference.engine == "vllm":
         kwargs["settings"] = settings.vllm
-    elif inference.engine_threads:
-        kwargs["num_threads"] = inference.engine_threads
+    else:
+        if inference.engine_threads:
+            kwargs["num_threads"] = inference.engine_threads
+        if device == "cpu" and inference.engine_threads_while_training != 0:
+            kwargs.update(share_cores=True, threads_while_training=inference.engine_threads_while_training)
     return create_engine(inference.engine, **kwargs)
 
 

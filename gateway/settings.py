@@ -52,6 +52,10 @@ class InferenceSection(Section):
     max_batch_size: int = Field(8, ge=1, description="Sequences the engine decodes together in one step.")
     engine_threads: int | None = Field(None, ge=1, description="Torch threads of the transformers engine "
                                                                "(process-wide; default: torch's, all cores).")
+    engine_threads_while_training: int | None = Field(
+        None, ge=0, description="Torch threads of the transformers engine (CPU) while a training step runs on this "
+                                "machine (adapters/core_share.py); default half the engine's threads, at least 1; "
+                                "0: never change them.")
     max_waiting: int = Field(64, ge=0, description="Sequences allowed to wait for a batch slot; more get 429.")
     max_model_len: int | None = Field(None, ge=16, description="Cap on prompt + completion tokens "
                                                                "(default: the model's context length).")

@@ -44,6 +44,7 @@ no named checkpoint references is deleted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from livelora.adapters import metrics
+from livelora.adapters.core_share import TrainingFlag
 from livelora.adapters.metering import Meter, Usage
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.session_protocol import (CheckpointIndex, Op, StaleOwnerError, future_done, future_failed,
@@ -62,6 +64,9 @@ from livelora.adapters.store import AdapterStore
 from livelora.clients.errors import BadRequestError, LiveloraError, NotFoundError
 from livelora.trainer.ownership import Leases
 from livelora.trainer.session_ops import SessionOps
+
+#: op kinds that run a forward or backward pass on the CPU (they hold the machine's training flag)
+_STEP_KINDS = frozenset({"forward", "forward_backward", "optim_step", "create_model", "load_weights"})
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +135,7 @@ class OpExecutor(SessionOps):
         self.keys = keys
         self.home = Path(home)
         self.store = AdapterStore(self.home)
+        self.busy = TrainingFlag(self.home)  # the engine on this machine leaves a core to a step
         self.settings = settings or SessionSection()
         self.base_model = served_name or self.settings.served_model_name or base_model
         self.base_names = {base_model, self.base_model, *base_model_aliases,
@@ -296,7 +302,8 @@ class OpExecutor(SessionOps):
                 return
             changed = False
             try:
-                result = self._run(slot, op)
+                with self.busy.held() if op.kind in _STEP_KINDS else contextlib.nullcontext():
+                    result = self._run(slot, op)
                 record = future_done(result)
                 changed = op.kind in STATE_OPS and slot.model is not None
             except StaleOwnerError:

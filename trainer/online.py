@@ -42,6 +42,7 @@ from typing import Any
 from livelora.adapters import metrics as prom
 from livelora.adapters.api_keys import DEFAULT_TENANT
 from livelora.adapters.chat_tokens import chat_pair, rated_completion_ids
+from livelora.adapters.core_share import TrainingFlag
 from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.metering import Meter, Usage
 from livelora.adapters.models import BaseModelRef, load_tokenizer
@@ -97,6 +98,7 @@ class OnlineTrainer:
         self.home = Path(home)
         self.meter, self.redis = meter, redis
         self.store = AdapterStore(home)
+        self.busy = TrainingFlag(home)
         self.config = config or TrainingSection()
         self.gate_config = gate if gate is not None and gate.gate_enabled else None
         self._gate = None
@@ -266,22 +268,23 @@ class OnlineTrainer:
         gate = self.gate
         if gate is not None:
             gate.before_step(model, batch.lineage, f"{batch.lineage}@{model.parent}" if model.parent else "base")
-        stepped = False
-        try:
-            out = model.forward_backward(data, loss_fn, cfg)
-            opt = model.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm,
-                                              eps=1e-8))
-            stepped = True
-            result = new = None
-            if gate is not None:
-                result, new = gate.judge(model, batch.lineage, batch.endpoint)
-                if not result.verdicts[batch.endpoint].passed:
-                    result.continued_from = result.against
-        except BaseException:
-            model.zero_grad()
-            if gate is not None and stepped:
-                gate.settle(model, batch.lineage, False, "", None)  # undo a step whose judging failed
-            raise
+        with self.busy.held():  # the engine on this machine leaves a core to the step (core_share)
+            stepped = False
+            try:
+                out = model.forward_backward(data, loss_fn, cfg)
+                opt = model.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm,
+                                                  eps=1e-8))
+                stepped = True
+                result = new = None
+                if gate is not None:
+                    result, new = gate.judge(model, batch.lineage, batch.endpoint)
+                    if not result.verdicts[batch.endpoint].passed:
+                        result.continued_from = result.against
+            except BaseException:
+                model.zero_grad()
+                if gate is not None and stepped:
+                    gate.settle(model, batch.lineage, False, "", None)  # undo a step whose judging failed
+                raise
         metrics = {**out.metrics, **opt, "events:sum": float(len(batch.events))}
         if loss_fn == "kto":
             metrics.update({"desirable_weight:mean": batch.desirable_weight,

@@ -74,7 +74,7 @@ class Worker:
     """
 
     def __init__(self, model, tokenizer, *, eos_ids: set[int], max_batch_size: int,
-                 max_prefill_tokens: int, device: str):
+                 max_prefill_tokens: int, device: str, share: tuple[Any, int, int] | None = None):
         self.model = model  # the plain transformers model (LoRA layers are injected into it when adapters load)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -92,6 +92,9 @@ class Worker:
         #: adapter versions in LoRA slots, and the forward pass that serves each row its own version
         self.slots = LoraSlots(model, self.call)
         self.steps = 0  # decode steps run (for tests and stats)
+        #: ``(TrainingFlag, threads when idle, threads while a training step runs)`` or None (never changed)
+        self.share = share
+        self.threads = torch.get_num_threads()
         self.thread = threading.Thread(target=self._run, name="livelora-engine", daemon=True)
 
     # ----- called from other threads -------------------------------------------------
@@ -129,6 +132,7 @@ class Worker:
                 if self.stopping:
                     break
             self._run_commands()
+            self._share_cores()
             groups: list[list[Sequence]] = []
             try:
                 with torch.inference_mode():
@@ -153,6 +157,18 @@ class Worker:
                     self._finish_with_error(s, err)
                 self.running, self.batch, self.admitting = [], KVBatch(), []
         self._abort_all()
+
+    def _share_cores(self) -> None:
+        """Use fewer torch threads while a training step runs on this machine, all of them otherwise
+        (:mod:`livelora.adapters.core_share`: an OpenMP thread sharing its core with a step stalls every
+        parallel region of the engine)."""
+        if self.share is None:
+            return
+        flag, idle, busy = self.share
+        want = busy if flag.active() else idle
+        if want != self.threads:
+            torch.set_num_threads(want)  # this thread runs the engine's kernels
+            self.threads = torch.get_num_threads()
 
     def _run_commands(self) -> None:
         """Run the queued commands (adapter loads and unloads, scoring)."""

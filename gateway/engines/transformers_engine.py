@@ -55,12 +55,16 @@ class TransformersEngine(Engine):
             config's ``max_position_embeddings``; never above it).
         max_prefill_tokens: padded prompt tokens per prefill forward pass.
         num_threads: ``torch.set_num_threads`` value (process-wide); ``None`` keeps torch's default.
+        share_cores: share the cores with training steps on this machine (:mod:`livelora.adapters.core_share`):
+            while a step runs the engine uses ``threads_while_training`` threads (``None``: half of its threads,
+            at least 1), all of them otherwise.
     """
 
     def __init__(self, model: str | None = None, *, home: str | Path | None = None, device: str = "cpu",
                  dtype: str | None = None, max_batch_size: int = 16, max_waiting: int = 1024,
                  max_model_len: int | None = None, max_prefill_tokens: int = 8192,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, share_cores: bool = False,
+                 threads_while_training: int | None = None):
         from livelora.adapters.settings import CommonSettings
 
         if max_batch_size < 1:
@@ -76,6 +80,7 @@ class TransformersEngine(Engine):
         self.max_model_len = max_model_len or 0  # set by start() from the model config
         self.max_prefill_tokens = max_prefill_tokens
         self.num_threads = num_threads
+        self.share_cores, self.threads_while_training = share_cores, threads_while_training
         self._tokenizer = None
         self._worker = None
         self._adapters: dict[str, str] = {}  # name -> path, loaded and servable
@@ -120,8 +125,14 @@ class TransformersEngine(Engine):
         if tokenizer.eos_token_id is not None:
             eos_ids.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos_ids)
+        share = None
+        if self.share_cores:
+            from livelora.adapters.core_share import TrainingFlag
+
+            full = torch.get_num_threads()
+            share = (TrainingFlag(self._home), full, self.threads_while_training or max(1, full // 2))
         worker = Worker(model, tokenizer, eos_ids=set(eos_ids), max_batch_size=self.max_batch_size,
-                        max_prefill_tokens=self.max_prefill_tokens, device=self.device)
+                        max_prefill_tokens=self.max_prefill_tokens, device=self.device, share=share)
         worker.thread.start()
         self._tokenizer, self._worker = tokenizer, worker
 
