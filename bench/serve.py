@@ -129,8 +129,9 @@ def run_baseline(model_name: str, requests: int, max_tokens: int, device: str) -
 
 
 def spawn(engine: str, model: str, max_batch_size: int, device: str | None,
-          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """Start ``livelora serve`` on a free port (``env`` added to the environment) and wait for ``/health``."""
+          env: dict[str, str] | None = None, extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``livelora serve`` on a free port (``env`` added to the environment, ``extra`` to its flags) and wait
+    for ``/health``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -138,6 +139,7 @@ def spawn(engine: str, model: str, max_batch_size: int, device: str | None,
            "--model", model, "--max-batch-size", str(max_batch_size), "--log-level", "warning"]
     if device:
         cmd += ["--device", device]
+    cmd += extra or []
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_loop import PROMPTS, liked  # noqa: E402
-from serve import percentile  # noqa: E402
+from serve import percentile, spawn  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
@@ -51,27 +50,9 @@ def start_serve(home: Path, prefix: str, mode: str, max_batch_size: int) -> tupl
     from livelora.adapters.settings import CommonSettings
 
     ref = resolve_base_model(MODEL, CommonSettings().home)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": prefix,
+    env = {"LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": prefix,
            "LIVELORA_TRAINER_PROCESS": "true" if mode == "process" else "false"}
-    cmd = [sys.executable, "-m", "livelora.cli.main", "serve", "--port", str(port), "--model", str(ref.path),
-           "--served-model-name", MODEL, "--max-batch-size", str(max_batch_size), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"livelora serve exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("livelora serve did not become ready")
+    return spawn("transformers", str(ref.path), max_batch_size, None, env=env, extra=["--served-model-name", MODEL])
 
 
 async def one_chat(client: httpx.AsyncClient, prompt: str, max_tokens: int, seed: int) -> dict:

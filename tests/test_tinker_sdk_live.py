@@ -202,8 +202,11 @@ def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenize
     joins = [httpx.post(f"{base}/api/v1/join_sampling_session", json={"sampling_session_id": sampler}).json()
              for _ in range(2)]
     assert [j["client_counter"] for j in joins] == [1, 2]
+    missing = f"{'0' * 32}:sample:0"  # well spelled, never created (another spelling is 400: adapters/object_ids)
     assert httpx.post(f"{base}/api/v1/join_sampling_session",
-                      json={"sampling_session_id": "nosuch:sample:0"}).status_code == 404
+                      json={"sampling_session_id": missing}).status_code == 404
+    assert httpx.post(f"{base}/api/v1/join_sampling_session",
+                      json={"sampling_session_id": "nosuch:sample:0"}).status_code == 400
     # cancel a running sample: its future fails with code "cancelled"
     sample = httpx.post(f"{base}/api/v1/asample", json={
         "sampling_session_id": sampler, "seq_id": 1, "num_samples": 1, "prompt": {"chunks": [
@@ -218,7 +221,7 @@ def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenize
         assert "sequences" in res
     again = httpx.post(f"{base}/api/v1/cancel_future", json={"request_id": sample["request_id"]}).json()
     assert again["cancelled"] is False
-    r = httpx.post(f"{base}/api/v1/cancel_future", json={"request_id": f"{sid}:train:0:1:abc"})
+    r = httpx.post(f"{base}/api/v1/cancel_future", json={"request_id": f"{sid}:train:0:1:0123456789ab"})
     assert r.status_code == 400 and "cannot be cancelled" in r.json()["error"]["message"]
     for route in ("create_custom_loss", "copy_weights"):  # 400, not 501: the SDK retries every 5xx for minutes
         r = httpx.post(f"{base}/api/v1/{route}", json={})
@@ -288,7 +291,8 @@ def test_sessions_get_list_search_outlive_the_session(sessions_server):
     (summary,) = found.json()["sessions"]
     assert summary["status"] == {"type": "client_finished", "reason": {"type": "interrupted"}, "detail": None}
     assert sid in httpx.get(f"{base}/api/v1/sessions", params={"limit": 5}).json()["sessions"]
-    assert httpx.get(f"{base}/api/v1/sessions/nosuchsession").status_code == 404
+    assert httpx.get(f"{base}/api/v1/sessions/{'0' * 32}").status_code == 404
+    assert httpx.get(f"{base}/api/v1/sessions/nosuchsession").status_code == 400
 
 
 def test_retrieve_futures_reports_a_sampling_sessions_completions(sessions_server, tokenizer):
