@@ -91,7 +91,7 @@ class HistoryEntry(BaseModel):
     tenant: str | None
     endpoint: str
     action: Literal["create", "promote", "rollback", "gate", "configure", "forget", "quarantine",
-                    "auto_rollback", "canary"]
+                    "auto_rollback", "canary", "prune"]
     from_: str | None = Field(default=None, alias="from")
     to: str
     reason: str = ""

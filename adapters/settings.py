@@ -105,6 +105,26 @@ class ObservabilitySection(Section):
                                         "request id, completion id, tenant, endpoint and version.")
 
 
+class QuotaSection(Section):
+    """Every tenant's default limits (``PUT /admin/quotas`` overrides them per tenant; unset: unlimited); read by
+    the gateway (requests over a limit answer 429) and the trainer (the live loop's ``max_adapter_versions``).
+    Environment ``LIVELORA_QUOTA_SESSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY`` (JSON object),
+    ``LIVELORA_QUOTA_MAX_ADAPTER_VERSIONS``. :class:`livelora.adapters.quotas.Limits` reads them."""
+
+    quota_sessions: int | None = Field(None, ge=0, description="Training sessions a tenant may have alive at once "
+                                                              "(a session frees its slot when finished or after "
+                                                              "LIVELORA_SESSION_TTL_S without a heartbeat).")
+    quota_tokens_per_day: dict[str, int] = Field(default_factory=dict, description="Tokens a tenant may use per UTC "
+                                                 "day, per metering kind, e.g. {\"completion\": 200000, "
+                                                 "\"trained\": 1000000}; over it requests answer 429 until "
+                                                 "00:00 UTC.")
+    quota_max_adapter_versions: int | None = Field(None, ge=0, description="Adapter versions a tenant may keep in "
+                                                   "the store (versions of the lineages it owns; a session's "
+                                                   "ephemeral sampler weights do not count). Unset: unlimited. "
+                                                   "A save over it answers 429; the live loop first deletes the "
+                                                   "lineage's oldest versions no endpoint uses.")
+
+
 class ProcessSettings(CommonSettings):
     """The settings object of one process kind: :class:`CommonSettings` plus nested :class:`Section` fields.
 

@@ -183,11 +183,14 @@ class AdapterStore:
 
     def list(self, lineage: str) -> list[Manifest]:
         """Visible versions of ``lineage``, oldest first (empty if the lineage does not exist)."""
+        return [self.get(lineage, n) for n in self.version_numbers(lineage)]
+
+    def version_numbers(self, lineage: str) -> list[int]:
+        """Numbers of the visible versions of ``lineage``, ascending, without reading their manifests."""
         ldir = self.lineage_dir(lineage)
         if not ldir.is_dir():
             return []
-        nums = sorted(int(p.name) for p in ldir.iterdir() if p.name.isdigit() and (p / MANIFEST_FILE).is_file())
-        return [self.get(lineage, n) for n in nums]
+        return sorted(int(p.name) for p in ldir.iterdir() if p.name.isdigit() and (p / MANIFEST_FILE).is_file())
 
     def get(self, lineage: str, version: int) -> Manifest:
         """The manifest of one version.

@@ -37,7 +37,7 @@ class ServeSettings(GatewaySettings):
         return TrainerSettings(home=self.home, model=self.model, redis_url=self.redis_url,
                                redis_prefix=self.redis_prefix, training=self.training, gate=self.gate,
                                sessions=self.sessions.model_copy(update={"served_model_name": self.model_id}),
-                               observability=self.observability)
+                               observability=self.observability, quotas=self.quotas)
 
 
 #: One settings class per process kind.

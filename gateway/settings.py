@@ -18,7 +18,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from livelora.adapters.settings import ENV_PREFIX, ObservabilitySection, ProcessSettings, Section, SessionSection
+from livelora.adapters.settings import (ENV_PREFIX, ObservabilitySection, ProcessSettings, QuotaSection, Section,
+                                       SessionSection)
 
 #: Default retention of completion records and rating keys: 7 days, in seconds.
 DEFAULT_RETENTION_S = 7 * 24 * 3600
@@ -84,19 +85,6 @@ class VLLMSection(Section):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
     snapshot_dir: Path | None = Field(None, description="Where adapter snapshots live (default /dev/shm, "
                                                         "else the temp dir).")
-
-
-class QuotaSection(Section):
-    """Every tenant's default limits (``PUT /admin/quotas`` overrides them per tenant; unset:
-    unlimited). Environment ``LIVELORA_QUOTA_SESSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY`` (JSON object)."""
-
-    quota_sessions: int | None = Field(None, ge=0, description="Training sessions a tenant may have alive at once "
-                                                              "(a session frees its slot when finished or after "
-                                                              "LIVELORA_SESSION_TTL_S without a heartbeat).")
-    quota_tokens_per_day: dict[str, int] = Field(default_factory=dict, description="Tokens a tenant may use per UTC "
-                                                 "day, per metering kind, e.g. {\"completion\": 200000, "
-                                                 "\"trained\": 1000000}; over it requests answer 429 until "
-                                                 "00:00 UTC.")
 
 
 class LiveSection(Section):

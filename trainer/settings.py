@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from livelora.adapters.settings import ObservabilitySection, ProcessSettings, Section, SessionSection
+from livelora.adapters.settings import ObservabilitySection, ProcessSettings, QuotaSection, Section, SessionSection
 from livelora.clients.types.tinker import LoraConfig
 
 
@@ -57,6 +57,9 @@ class TrainingSection(Section):
                                                          "lineage in rater_window_s; the rest is quarantined "
                                                          "(kept, not trained). 0: no limit.")
     rater_window_s: float = Field(3600.0, gt=0, description="Window of the per-rater limit (s).")
+    quota_retry_s: float = Field(30.0, gt=0, description="A live-loop step held back by the tenant's "
+                                                         "max_adapter_versions (nothing could be freed) is tried "
+                                                         "again after this many seconds; its signals stay queued.")
     rater_max_batch_share: float = Field(0.5, gt=0, le=1, description="Largest share of one training batch from "
                                                                       "one rater while several raters are queued.")
 
@@ -83,9 +86,11 @@ class GateSection(Section):
 
 
 class TrainerSettings(ProcessSettings):
-    """The trainer process's settings: common fields plus ``training``, ``gate`` and ``sessions`` sections."""
+    """The trainer process's settings: common fields plus ``training``, ``gate``, ``sessions``, ``observability``
+    and ``quotas`` sections."""
 
     training: TrainingSection = Field(default_factory=TrainingSection)
     gate: GateSection = Field(default_factory=GateSection)
     sessions: SessionSection = Field(default_factory=SessionSection)
     observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
+    quotas: QuotaSection = Field(default_factory=QuotaSection)

@@ -77,11 +77,15 @@ class CreateKeyRequest(_Request):
 
 class QuotaUpdateRequest(_Request):
     """``PUT /admin/quotas`` (the operator): change one tenant's limits. A limit left out (or null) keeps its
-    current value; ``unlimited`` lifts limits for this tenant, also above the settings' defaults (``max_sessions``
-    or ``tokens_per_day.<kind>``)."""
+    current value; ``unlimited`` lifts limits for this tenant, also above the settings' defaults (``max_sessions``,
+    ``max_adapter_versions`` or ``tokens_per_day.<kind>``)."""
 
     tenant: str = Field(min_length=1, max_length=64)
     max_sessions: int | None = Field(None, ge=0, description="Training sessions alive at once (0: none).")
+    max_adapter_versions: int | None = Field(None, ge=0, description="Adapter versions kept in the store (versions "
+                                                                     "of the tenant's lineages; a session's "
+                                                                     "ephemeral sampler weights do not count).")
     tokens_per_day: dict[str, int] | None = Field(None, description="{kind: tokens per UTC day}.")
-    unlimited: list[str] = Field(default_factory=list, description="Limits to lift: 'max_sessions' or "
+    unlimited: list[str] = Field(default_factory=list, description="Limits to lift: 'max_sessions', "
+                                                                   "'max_adapter_versions' or "
                                                                    "'tokens_per_day.<kind>'.")

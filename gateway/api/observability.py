@@ -8,11 +8,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
-from pydantic import ValidationError
-
 from livelora.adapters import metrics
-from livelora.adapters.quotas import limits_of
-from livelora.clients.errors import BadRequestError, NotFoundError
+from livelora.adapters.quotas import Limits
+from livelora.clients.errors import NotFoundError
 from livelora.clients.types.admin import QuotaUpdateRequest
 from livelora.gateway.api.deps import (
     AuthOpenDep,
@@ -43,7 +41,8 @@ async def usage(metering: MeteringDep, principal: PrincipalDep, open_mode: AuthO
 async def get_quotas(metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep,
                      tenant: str | None = None) -> dict:
     """The caller's tenant's limits and what it holds now: ``{"tenant", "limits": {"max_sessions",
-    "tokens_per_day"}, "sessions", "tokens_today", "day"}`` (open mode: any ``tenant``, default ``default``)."""
+    "max_adapter_versions", "tokens_per_day"}, "sessions", "adapter_versions", "tokens_today", "day"}`` (open
+    mode: any ``tenant``, default ``default``)."""
     return await metering.quotas.report(metering.scoped_tenant(principal, tenant, open_mode))
 
 
@@ -52,12 +51,8 @@ async def set_quotas(body: QuotaUpdateRequest, metering: MeteringDep, principal:
                      open_mode: AuthOpenDep) -> dict:
     """Set ``body.tenant``'s limits (fields given override the settings' defaults; ``unlimited`` lifts them) and
     answer its effective limits. Only the operator (open mode, or a key with the operator role) may; 403
-    otherwise."""
-    try:
-        limits = limits_of(body)
-    except (ValueError, ValidationError) as exc:
-        raise BadRequestError(f"invalid limits: {exc}", param="unlimited") from None
-    return metering.quotas.set_limits(principal, body.tenant, limits, open_mode).model_dump()
+    otherwise; 400 for an unknown name in ``unlimited``, an unknown kind or a negative limit."""
+    return metering.quotas.set_limits(principal, body.tenant, Limits.from_update(body), open_mode).model_dump()
 
 
 @router.get("/metrics")

@@ -10,10 +10,16 @@
   (``usage:day:{day}:{tenant}``) before an operation starts: a tenant at or over a kind's limit gets 429 until
   00:00 UTC, and nothing runs. An operation admitted below the limit runs to its end, so a day's total can pass
   the limit by at most the operations admitted just before it was reached.
+* **Adapter versions kept.** :meth:`QuotaService.check_adapter_versions` counts the tenant's versions in the
+  store (:class:`~livelora.adapters.quotas.AdapterVersions`) before a session save is queued: a save that would
+  pass ``max_adapter_versions`` gets 429 naming the limit, the count and how to free it; nothing is queued, no
+  seq id is used, nothing is written. Saves queued together just below the limit may each pass the check.
+  Overwriting a named checkpoint keeps the count and is always allowed; ephemeral sampler weights do not count.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -23,7 +29,7 @@ import redis
 
 from livelora.adapters import metrics
 from livelora.adapters.api_keys import Principal, validate_tenant
-from livelora.adapters.quotas import Limits, QuotaStore
+from livelora.adapters.quotas import AdapterVersions, Limits, QuotaStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import PermissionDeniedError, RateLimitError
 from livelora.gateway.settings import GatewaySettings
@@ -64,8 +70,8 @@ class QuotaService:
         self.redis = redis
         self.keys = KeyLayout(settings.redis_prefix)
         self.store = QuotaStore(settings.home)
-        q = settings.quotas
-        self.defaults = Limits(max_sessions=q.quota_sessions, tokens_per_day=dict(q.quota_tokens_per_day))
+        self.defaults = Limits.from_settings(settings.quotas)
+        self.versions = AdapterVersions(settings.home, self.defaults)
 
     def limits(self, tenant: str) -> Limits:
         """The tenant's effective limits (settings, then ``quotas.json``)."""
@@ -78,7 +84,7 @@ class QuotaService:
         Raises:
             RateLimitError: the tenant's ``max_sessions`` slots are held (429, ``Retry-After`` = when one frees).
         """
-        limit = self.limits(tenant).max_sessions
+        limit = self.limits(tenant).limit("max_sessions")
         if limit is None:
             return
         wait_ms = await self.redis.eval(_ACQUIRE, 1, self.keys.quota_sessions(tenant), self.keys.session(""), sid,
@@ -111,7 +117,7 @@ class QuotaService:
         Raises:
             RateLimitError: a kind's ``tokens_per_day`` is used up (429 until 00:00 UTC; nothing was run).
         """
-        limits = {k: n for k, n in self.limits(tenant).tokens_per_day.items() if k in kinds and n is not None}
+        limits = self.limits(tenant).daily(kinds)
         if not limits:
             return
         now = datetime.now(UTC)
@@ -131,12 +137,31 @@ class QuotaService:
                     f"tokens_per_day.{kind}); it frees at {midnight:%Y-%m-%d %H:%M} UTC (in {wait_s:.0f} s)",
                     param=f"tokens_per_day.{kind}", code="quota_exceeded", retry_after=wait_s)
 
+    # ------------------------------------------------------------------ adapter versions kept
+    async def check_adapter_versions(self, tenant: str, adding: int = 1) -> None:
+        """Refuse a request that would write ``adding`` more counted adapter versions for ``tenant`` (call
+        before anything is queued or written).
+
+        Raises:
+            RateLimitError: ``max_adapter_versions`` would be passed (429 ``quota_exceeded``, ``param:
+                max_adapter_versions``; the message names the count and how to free room).
+        """
+        if self.limits(tenant).limit("max_adapter_versions") is None:
+            return
+        try:
+            await asyncio.to_thread(self.versions.check, tenant, adding)
+        except RateLimitError:
+            metrics.REJECTIONS.labels("quota_versions").inc()
+            raise
+
     # ------------------------------------------------------------------ admin
     async def report(self, tenant: str) -> dict[str, Any]:
-        """``{"tenant", "limits", "sessions", "tokens_today": {kind: n}, "day"}`` of one tenant."""
+        """``{"tenant", "limits", "sessions", "adapter_versions", "tokens_today": {kind: n}, "day"}`` of one
+        tenant (``adapter_versions``: the versions it keeps, as ``max_adapter_versions`` counts them)."""
         day = time.strftime("%Y%m%d", time.gmtime())
         today = await self.redis.hgetall(self.keys.usage_day(day, tenant))
         return {"tenant": tenant, "limits": self.limits(tenant).model_dump(), "sessions": await self.sessions_held(tenant),
+                "adapter_versions": await asyncio.to_thread(self.versions.count, tenant),
                 "tokens_today": {k: int(v) for k, v in today.items()}, "day": day}
 
     def set_limits(self, principal: Principal, tenant: str, limits: Limits, open_mode: bool) -> Limits:

@@ -22,6 +22,7 @@ from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.losses import validate_batch
 from livelora.adapters.owners import OwnerStore
 from livelora.adapters.session_protocol import (
+    CheckpointIndex,
     Op,
     future_failed,
     lineage_for,
@@ -181,6 +182,11 @@ class TrainingOps:
             await self.futures.resolve(request_id, future_failed(NotFoundError(
                 f"model {model_id!r} does not exist (never created, or its session ended)", param="model_id")))
             return UntypedAPIFuture(request_id=request_id, model_id=model_id)
+        if kind in ("save_weights", "save_weights_for_sampler") and self.ctx.quotas is not None:
+            from livelora.gateway.services.metering import payer
+
+            # 429 before anything is queued or written: a save past the tenant's max_adapter_versions
+            await self.ctx.quotas.check_adapter_versions(payer()[0], self._new_versions(kind, model_id, raw))
         with redis_unavailable():
             await self.redis.set(self.keys.model_last_request(model_id), now_iso(), ex=self.settings.future_ttl_s)
         error: LiveloraError | None = None
@@ -199,6 +205,19 @@ class TrainingOps:
             error = BadRequestError(f"invalid {kind} request: {_pydantic_message(exc)}")
         with redis_unavailable():
             return await self._enqueue(model_id, seq_id, kind, body, error)
+
+    def _new_versions(self, kind: str, model_id: str, raw: dict[str, Any]) -> int:
+        """Counted adapter versions a save adds (``max_adapter_versions``): 1 for a new named checkpoint; 0 for
+        ephemeral sampler weights (no ``path``; not counted), for a name that exists (an overwrite replaces its
+        version, a refused one writes nothing) and for an invalid name (refused by validation)."""
+        name = raw.get("path")
+        if name is None or not isinstance(name, str):
+            return 0 if kind == "save_weights_for_sampler" else 1
+        key = f"{'weights' if kind == 'save_weights' else 'sampler_weights'}/{name}"
+        try:
+            return 0 if key in CheckpointIndex(self.home, model_id).read().get("checkpoints", {}) else 1
+        except LiveloraError:
+            return 1
 
     def _check_limits(self, kind: str, req: Any) -> None:
         """Bounded work per op: at most ``max_datums_per_op`` datums and ``max_tokens_per_op`` input tokens.
