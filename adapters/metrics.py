@@ -67,6 +67,12 @@ TRAIN_STEP = Histogram("livelora_train_step_seconds", "Time of one live-loop tra
                        "saved version (s), by endpoint.", ["endpoint"], buckets=_STEP)
 TRAIN_LOSS = Gauge("livelora_train_loss", "Loss of the latest live-loop training step, by endpoint.", ["endpoint"],
                    multiprocess_mode="livemax")
+VERSIONS_PRUNED = Counter("livelora_adapter_versions_pruned_total", "Adapter versions the live loop deleted to stay "
+                          "within the tenant's max_adapter_versions (oldest versions no endpoint uses), by "
+                          "endpoint.", ["endpoint"])
+STEPS_HELD_BACK = Counter("livelora_live_steps_held_back_total", "Live-loop steps not run because the tenant is at "
+                          "its max_adapter_versions and no version of the lineage could be freed (the signals stay "
+                          "queued and the step is tried again), by endpoint.", ["endpoint"])
 # ------------------------------------------------------------------ training sessions
 SESSION_OPS = Counter("livelora_session_ops_total", "Training-session ops run by the op executor, by kind and "
                       "outcome (done, failed).", ["kind", "outcome"])

@@ -144,6 +144,12 @@ class OnlineTrainer:
         gate = self.gate
         return gate is not None and gate.hold_out(lineage, event)
 
+    def trains_from(self, lineage: str) -> int | None:
+        """The stored version the lineage's in-memory model was last saved as or loaded from (``None``: none yet);
+        the worker never prunes it."""
+        model = self._models.get(lineage)
+        return getattr(model, "parent", None) if model is not None and model.lineage == lineage else None
+
     def model_for(self, lineage: str):
         """The lineage's TrainingModel, resumed from its newest version that the gate did not reject (the
         newest version if none was judged)."""

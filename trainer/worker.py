@@ -61,6 +61,7 @@ from typing import Any, Protocol
 
 import redis
 
+from livelora.adapters import metrics as prom
 from livelora.adapters.bus import ensure_group, publish_notice, redis_unavailable
 from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
@@ -167,13 +168,18 @@ class TrainerWorker:
         clock: time source (seconds); tests pass their own.
         governor: feedback governance (:class:`~livelora.trainer.governance.FeedbackGovernor`: per-rater
             rate limit and quarantine, forgotten users); ``None``: every event is admitted.
+        versions: the ``max_adapter_versions`` limit (:class:`~livelora.adapters.quotas.AdapterVersions`): before
+            a step the worker makes room for its version (pruning the lineage's oldest versions no endpoint uses)
+            or, when nothing can be freed, holds the batch back for ``quota_retry_s`` seconds (its signals stay
+            queued and claimed); ``None``: no limit.
+        quota_retry_s: seconds before a held-back batch is tried again.
     """
 
     def __init__(self, client: redis.Redis, keys: KeyLayout, home: Path, backend: TrainingBackend,
                  scheduler: BatchScheduler | None = None, *, consumer: str | None = None,
                  claim_idle_s: float = 120.0, claim_interval_s: float = 10.0, block_ms: int = 1000,
                  read_count: int = 64, max_failures: int = 3, clock: Callable[[], float] = time.time,
-                 governor: Any = None):
+                 governor: Any = None, versions: Any = None, quota_retry_s: float = 30.0):
         self.client = client
         self.keys = keys
         self.home = Path(home)
@@ -187,6 +193,9 @@ class TrainerWorker:
         self.max_failures = max_failures
         self.clock = clock
         self.governor = governor
+        self.versions = versions
+        self.quota_retry_s = quota_retry_s
+        self._quota_wait: dict[str, float] = {}  # lineage → clock time before which its batches stay queued
         self.endpoints = EndpointStore(self.home)
         self.dataset = DatasetOfRecord(self.home)
         self.trained = trained_log(self.home)
@@ -370,8 +379,11 @@ class TrainerWorker:
         self._hand_off_lonely()
         out = []
         for batch in self.scheduler.due(self.clock()):
+            if self._quota_wait.get(batch.lineage, float("-inf")) > self.clock():
+                self.scheduler.requeue(batch, self.clock())  # held back by max_adapter_versions: not yet
+                continue
             batch = self._screen(batch)
-            if batch is None:
+            if batch is None or not self._make_room(batch):
                 continue
             notice = self._train(batch)
             if notice is not None:
@@ -417,6 +429,37 @@ class TrainerWorker:
             n_d = sum(1 for e in out.events if e.rating)
             out.desirable_weight, out.undesirable_weight = kto_class_weights(n_d, len(out.events) - n_d)
         return out
+
+    def _make_room(self, batch: Batch) -> bool:
+        """Whether the batch's version may be written under the tenant's ``max_adapter_versions``: room exists or
+        was made by deleting the lineage's oldest versions no endpoint uses (a ``prune`` history line). When
+        nothing can be freed (or the check fails) the batch goes back to its queue untrained, its signals stay
+        pending and claimed by this worker, the hold-back is logged and counted
+        (``livelora_live_steps_held_back_total``), and the lineage is tried again after ``quota_retry_s``."""
+        if self.versions is None:
+            return True
+        trains_from = getattr(self.backend, "trains_from", None)
+        keep = trains_from(batch.lineage) if trains_from is not None else None
+        try:
+            room = self.versions.make_room(batch.lineage, batch.endpoint, keep=(keep,) if keep else ())
+        except Exception:  # the store failed: hold the batch back, lose nothing
+            log.exception("could not check max_adapter_versions for %s", batch.lineage)
+            room = None
+        if room is not None and room.ok:
+            if room.pruned:
+                prom.VERSIONS_PRUNED.labels(batch.endpoint).inc(len(room.pruned))
+            return True
+        prom.STEPS_HELD_BACK.labels(batch.endpoint).inc()
+        self._quota_wait[batch.lineage] = self.clock() + self.quota_retry_s
+        self.scheduler.requeue(batch, self.clock())
+        if room is not None:
+            log.warning("not training %d %s event(s) for %s: tenant %r keeps %d adapter versions, its "
+                        "max_adapter_versions is %d, and no version of %s can be deleted (%s); the events stay "
+                        "queued, retry in %.0f s", len(batch.events), batch.kind, batch.endpoint, room.tenant,
+                        room.kept, room.limit, batch.lineage, "; ".join(f"{k}: {v}" for k, v in
+                                                                       room.protected.items()), self.quota_retry_s,
+                        extra={"endpoint": batch.endpoint})
+        return False
 
     def _train(self, batch: Batch) -> VersionNotice | None:
         key = batch.stream_ids[0]
@@ -523,6 +566,7 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
     from livelora.adapters.bus import connect_sync
     from livelora.adapters.metering import Meter
     from livelora.adapters.models import resolve_base_model
+    from livelora.adapters.quotas import AdapterVersions, Limits
     from livelora.trainer.governance import FeedbackGovernor
     from livelora.trainer.online import OnlineTrainer
     from livelora.trainer.settings import TrainerSettings
@@ -536,7 +580,8 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
     governor = FeedbackGovernor(client, keys, s.home, max_events=t.rater_max_events, window_s=t.rater_window_s)
     return TrainerWorker(client, keys, s.home, backend, BatchScheduler(t), consumer=t.consumer,
                          claim_idle_s=t.claim_idle_s, claim_interval_s=min(10.0, t.claim_idle_s / 2),
-                         governor=governor)
+                         governor=governor, versions=AdapterVersions(s.home, Limits.from_settings(s.quotas)),
+                         quota_retry_s=t.quota_retry_s)
 
 
 def run_worker(settings: Any = None) -> None:
