@@ -17,7 +17,8 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    out for the evaluation gate's signal check (``backend.hold_out``, :mod:`.gated`).
 5. For each due batch: events trained meanwhile by any worker (the shared Redis
    sorted set ``signals:trained`` and ``trained.jsonl``) and entries no longer claimed by
-   this worker are taken out; the backend trains one step and writes a new
+   this worker are taken out; under the tenant's ``max_adapter_versions`` room is made for the
+   version or the batch is held back (:mod:`.retention`); the backend trains one step and writes a new
    adapter version (parent = previous); the event ids go to ``trained.jsonl``
    (fsync); then one Lua script adds them to ``signals:trained`` and acknowledges
    **and deletes** the batch's entries (``XACK`` + ``XDEL``, only those still
@@ -61,7 +62,6 @@ from typing import Any, Protocol
 
 import redis
 
-from livelora.adapters import metrics as prom
 from livelora.adapters.bus import ensure_group, publish_notice, redis_unavailable
 from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
@@ -69,6 +69,7 @@ from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
 from livelora.trainer import triage
 from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
+from livelora.trainer.retention import VersionRoom
 from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
 
 log = logging.getLogger(__name__)
@@ -168,11 +169,8 @@ class TrainerWorker:
         clock: time source (seconds); tests pass their own.
         governor: feedback governance (:class:`~livelora.trainer.governance.FeedbackGovernor`: per-rater
             rate limit and quarantine, forgotten users); ``None``: every event is admitted.
-        versions: the ``max_adapter_versions`` limit (:class:`~livelora.adapters.quotas.AdapterVersions`): before
-            a step the worker makes room for its version (pruning the lineage's oldest versions no endpoint uses)
-            or, when nothing can be freed, holds the batch back for ``quota_retry_s`` seconds (its signals stay
-            queued and claimed); ``None``: no limit.
-        quota_retry_s: seconds before a held-back batch is tried again.
+        versions, quota_retry_s: the ``max_adapter_versions`` limit (:class:`~livelora.adapters.quotas.
+            AdapterVersions`; ``None``: none) and the wait of a held-back step (:mod:`livelora.trainer.retention`).
     """
 
     def __init__(self, client: redis.Redis, keys: KeyLayout, home: Path, backend: TrainingBackend,
@@ -193,9 +191,7 @@ class TrainerWorker:
         self.max_failures = max_failures
         self.clock = clock
         self.governor = governor
-        self.versions = versions
-        self.quota_retry_s = quota_retry_s
-        self._quota_wait: dict[str, float] = {}  # lineage → clock time before which its batches stay queued
+        self.room = VersionRoom(versions, self.scheduler, quota_retry_s) if versions is not None else None
         self.endpoints = EndpointStore(self.home)
         self.dataset = DatasetOfRecord(self.home)
         self.trained = trained_log(self.home)
@@ -379,11 +375,10 @@ class TrainerWorker:
         self._hand_off_lonely()
         out = []
         for batch in self.scheduler.due(self.clock()):
-            if self._quota_wait.get(batch.lineage, float("-inf")) > self.clock():
-                self.scheduler.requeue(batch, self.clock())  # held back by max_adapter_versions: not yet
-                continue
+            if self.room is not None and self.room.waiting(batch, self.clock()):
+                continue  # held back by max_adapter_versions (trainer/retention.py)
             batch = self._screen(batch)
-            if batch is None or not self._make_room(batch):
+            if batch is None or (self.room is not None and not self.room.admit(batch, self.clock(), self.backend)):
                 continue
             notice = self._train(batch)
             if notice is not None:
@@ -429,37 +424,6 @@ class TrainerWorker:
             n_d = sum(1 for e in out.events if e.rating)
             out.desirable_weight, out.undesirable_weight = kto_class_weights(n_d, len(out.events) - n_d)
         return out
-
-    def _make_room(self, batch: Batch) -> bool:
-        """Whether the batch's version may be written under the tenant's ``max_adapter_versions``: room exists or
-        was made by deleting the lineage's oldest versions no endpoint uses (a ``prune`` history line). When
-        nothing can be freed (or the check fails) the batch goes back to its queue untrained, its signals stay
-        pending and claimed by this worker, the hold-back is logged and counted
-        (``livelora_live_steps_held_back_total``), and the lineage is tried again after ``quota_retry_s``."""
-        if self.versions is None:
-            return True
-        trains_from = getattr(self.backend, "trains_from", None)
-        keep = trains_from(batch.lineage) if trains_from is not None else None
-        try:
-            room = self.versions.make_room(batch.lineage, batch.endpoint, keep=(keep,) if keep else ())
-        except Exception:  # the store failed: hold the batch back, lose nothing
-            log.exception("could not check max_adapter_versions for %s", batch.lineage)
-            room = None
-        if room is not None and room.ok:
-            if room.pruned:
-                prom.VERSIONS_PRUNED.labels(batch.endpoint).inc(len(room.pruned))
-            return True
-        prom.STEPS_HELD_BACK.labels(batch.endpoint).inc()
-        self._quota_wait[batch.lineage] = self.clock() + self.quota_retry_s
-        self.scheduler.requeue(batch, self.clock())
-        if room is not None:
-            log.warning("not training %d %s event(s) for %s: tenant %r keeps %d adapter versions, its "
-                        "max_adapter_versions is %d, and no version of %s can be deleted (%s); the events stay "
-                        "queued, retry in %.0f s", len(batch.events), batch.kind, batch.endpoint, room.tenant,
-                        room.kept, room.limit, batch.lineage, "; ".join(f"{k}: {v}" for k, v in
-                                                                       room.protected.items()), self.quota_retry_s,
-                        extra={"endpoint": batch.endpoint})
-        return False
 
     def _train(self, batch: Batch) -> VersionNotice | None:
         key = batch.stream_ids[0]
