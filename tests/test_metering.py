@@ -421,3 +421,73 @@ def test_json_log_lines_carry_request_completion_tenant_endpoint_version(server,
     [accepted] = [x for x in lines if x["message"].startswith("accepted rating")]
     assert (accepted["completion_id"], accepted["tenant"], accepted["endpoint"]) == (cid, "acme", "acme-bot")
     assert accepted["event_id"].startswith("feedback-") and accepted["request_id"] != "trace-123"
+
+
+def test_adapter_version_limit_answers_429_writes_nothing_and_frees_on_delete(server, keys, home):
+    from livelora.adapters.session_protocol import CheckpointIndex
+    from livelora.adapters.store import AdapterStore
+    from livelora.clients.futures import APIFuture
+
+    bad = put_limits(server, keys, "acme", {"unlimited": ["max_versions"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "unlimited"
+    svc = ServiceClient(server.base_url, api_key=_key(keys, "acme"), heartbeat_s=2.0)
+    try:
+        tc = svc.create_lora_training_client(MODEL, rank=2, seed=0)
+        tc.save_state("a").result()
+        lineage = CheckpointIndex(home, tc.model_id).lineage
+
+        def lineage_versions() -> list[int]:
+            return AdapterStore(home).version_numbers(lineage)
+
+        kept, before = quota_report(server, keys, "acme")["adapter_versions"], lineage_versions()
+        assert kept >= 1 and len(before) == 1
+        got = put_limits(server, keys, "acme", {"max_adapter_versions": kept})
+        assert got.status_code == 200 and got.json()["max_adapter_versions"] == kept
+        assert put_limits(server, keys, "beta", {"max_adapter_versions": 0}, as_tenant="beta").status_code == 403
+
+        def save(seq: int, **body) -> httpx.Response:
+            return post(server, keys, "/api/v1/save_weights", {"model_id": tc.model_id, "seq_id": seq, **body})
+
+        over = save(2, path="b", type="save_weights")
+        assert over.status_code == 429, over.text
+        err = over.json()["error"]
+        assert err["param"] == "max_adapter_versions" and err["code"] == "quota_exceeded"
+        assert f"keeps {kept} adapter versions" in err["message"] and f"is {kept}" in err["message"]
+        assert "DELETE /api/v1/training_runs" in err["message"]
+        assert int(over.headers["Retry-After"]) >= 1
+        assert over.status_code == post(server, keys, "/api/v1/save_weights_for_sampler", {
+            "model_id": tc.model_id, "seq_id": 2, "path": "s", "type": "save_weights_for_sampler"}).status_code
+        # nothing was written or queued: same versions, no checkpoint 'b', and seq 2 is still free
+        assert lineage_versions() == before
+        assert "weights/b" not in CheckpointIndex(home, tc.model_id).read()["checkpoints"]
+        assert quota_report(server, keys, "acme")["adapter_versions"] == kept
+        # overwriting 'a' keeps the count: allowed at the limit (seq 2 was not used by the refusals)
+        res = save(2, path="a", overwrite=True, type="save_weights")
+        assert res.status_code == 200, res.text
+        APIFuture.polling(svc.transport, res.json()["request_id"], dict).result()
+        assert quota_report(server, keys, "acme")["adapter_versions"] == kept
+        # ephemeral sampler weights (a sampling client's snapshot) do not count: allowed at the limit
+        snap = post(server, keys, "/api/v1/save_weights_for_sampler", {
+            "model_id": tc.model_id, "seq_id": 3, "sampling_session_seq_id": 900, "type": "save_weights_for_sampler"})
+        assert snap.status_code == 200, snap.text
+        assert APIFuture.polling(svc.transport, snap.json()["request_id"], dict).result()["sampling_session_id"]
+        assert len(lineage_versions()) == 2 and quota_report(server, keys, "acme")["adapter_versions"] == kept
+        # deleting a checkpoint frees room: the refused save now goes through
+        gone = httpx.delete(server.url(f"/api/v1/training_runs/{tc.model_id}/checkpoints/weights/a"), timeout=30,
+                            headers={"Authorization": f"Bearer {_key(keys, 'acme')}"})
+        assert gone.status_code in (200, 204), gone.text
+        assert quota_report(server, keys, "acme")["adapter_versions"] == kept - 1
+        res = save(4, path="b", type="save_weights")
+        assert res.status_code == 200, res.text
+        APIFuture.polling(svc.transport, res.json()["request_id"], dict).result()
+        assert quota_report(server, keys, "acme")["adapter_versions"] == kept
+        # lifted: saves past the old limit go through again
+        got = put_limits(server, keys, "acme", {"unlimited": ["max_adapter_versions"]})
+        assert got.status_code == 200 and got.json()["max_adapter_versions"] is None
+        res = save(5, path="c", type="save_weights")
+        assert res.status_code == 200, res.text
+        APIFuture.polling(svc.transport, res.json()["request_id"], dict).result()
+        assert quota_report(server, keys, "acme")["adapter_versions"] == kept + 1
+    finally:
+        put_limits(server, keys, "acme", {"unlimited": ["max_adapter_versions"]})
+        svc.close()
