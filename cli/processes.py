@@ -56,15 +56,18 @@ def build_executor(settings: ProcessSettings, sessions: SessionSection, *, devic
     import redis
 
     from livelora.adapters.metering import Meter
+    from livelora.adapters.quotas import AdapterVersions, Limits
     from livelora.adapters.redis_keys import KeyLayout
     from livelora.trainer.executor import OpExecutor
 
     keys = KeyLayout(settings.redis_prefix)
     observability = getattr(settings, "observability", None)
+    quotas = getattr(settings, "quotas", None)
     meter = Meter(keys, enabled=observability.metering if observability is not None else True)
     return OpExecutor(redis.Redis.from_url(settings.redis_url, decode_responses=True),
                       keys, settings.home, settings.model, sessions, device=device,
-                      max_seq_len=max_seq_len, served_name=served_name, meter=meter)
+                      max_seq_len=max_seq_len, served_name=served_name, meter=meter,
+                      versions=AdapterVersions(settings.home, Limits.from_settings(quotas)) if quotas else None)
 
 
 def op_executor_component(settings: GatewaySettings) -> Component:

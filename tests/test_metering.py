@@ -426,6 +426,7 @@ def test_json_log_lines_carry_request_completion_tenant_endpoint_version(server,
 def test_adapter_version_limit_answers_429_writes_nothing_and_frees_on_delete(server, keys, home):
     from livelora.adapters.session_protocol import CheckpointIndex
     from livelora.adapters.store import AdapterStore
+    from livelora.clients.errors import LiveloraError
     from livelora.clients.futures import APIFuture
 
     bad = put_limits(server, keys, "acme", {"unlimited": ["max_versions"]})
@@ -488,6 +489,18 @@ def test_adapter_version_limit_answers_429_writes_nothing_and_frees_on_delete(se
         assert res.status_code == 200, res.text
         APIFuture.polling(svc.transport, res.json()["request_id"], dict).result()
         assert quota_report(server, keys, "acme")["adapter_versions"] == kept + 1
+        # two saves queued with room for one: both pass the gateway's check (seq 7 is sent first and waits for
+        # seq 6, so neither has run), and the executor's check before writing refuses the second
+        assert put_limits(server, keys, "acme", {"max_adapter_versions": kept + 2}).status_code == 200
+        later = save(7, path="e", type="save_weights")
+        first = save(6, path="d", type="save_weights")
+        assert later.status_code == first.status_code == 200, (later.text, first.text)
+        APIFuture.polling(svc.transport, first.json()["request_id"], dict).result()
+        with pytest.raises(LiveloraError) as refused:
+            APIFuture.polling(svc.transport, later.json()["request_id"], dict).result()
+        assert refused.value.code == "quota_exceeded" and "max_adapter_versions" in refused.value.message
+        assert "weights/e" not in CheckpointIndex(home, tc.model_id).read()["checkpoints"]
+        assert quota_report(server, keys, "acme")["adapter_versions"] == kept + 2
     finally:
         put_limits(server, keys, "acme", {"unlimited": ["max_adapter_versions"]})
         svc.close()

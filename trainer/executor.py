@@ -123,12 +123,14 @@ class OpExecutor(SessionOps):
         owner: this executor's id in leases (default ``{host}-{pid}-{4 hex}``).
         meter: counts the tokens of ``forward`` (kind ``forward``) and ``forward_backward`` (kind ``trained``)
             ops that succeed, per session (default: a :class:`~livelora.adapters.metering.Meter` on ``keys``).
+        versions: the tenants' ``max_adapter_versions`` (:class:`~livelora.adapters.quotas.AdapterVersions`),
+            checked again before a named checkpoint is written (``None``: only the gateway's check).
     """
 
     def __init__(self, redis_client, keys: KeyLayout, home: Path | str, base_model: str,
                  settings: SessionSection | None = None, *, device: str = "cpu", max_seq_len: int | None = None,
                  base_model_aliases: tuple[str, ...] = (), served_name: str | None = None, owner: str | None = None,
-                 meter: Meter | None = None):
+                 meter: Meter | None = None, versions: Any = None):
         from livelora.adapters.models import HUB_IDS, resolve_base_model
 
         self.redis = redis_client
@@ -153,6 +155,7 @@ class OpExecutor(SessionOps):
         self._last_housekeeping = 0.0
         self.ops_run = 0
         self.meter = meter if meter is not None else Meter(keys)
+        self.versions = versions  # max_adapter_versions (adapters/quotas.AdapterVersions); None: not checked
 
     @property
     def owner(self) -> str:

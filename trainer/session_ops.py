@@ -107,7 +107,12 @@ class SessionOps:
               request_id: str, ttl_seconds: int | None = None,
               user_metadata: dict[str, Any] | None = None) -> Manifest:
         """Save a named checkpoint; ``ttl_seconds`` sets its ``expires_at`` (housekeeping deletes it after
-        that, never while in use: :meth:`livelora.gateway.services.sessions.Checkpoints.expire_due`)."""
+        that, never while in use: :meth:`livelora.gateway.services.sessions.Checkpoints.expire_due`).
+
+        Raises:
+            ConflictError: the name exists and not ``overwrite``.
+            RateLimitError: a new name past the tenant's ``max_adapter_versions`` (nothing is written).
+        """
         index = CheckpointIndex(self.home, slot.model_id)
         key = f"{kind}/{name}"
         old = index.read().get("checkpoints", {}).get(key)
@@ -116,6 +121,9 @@ class SessionOps:
         if old is not None and not overwrite:
             raise ConflictError(f"checkpoint {tinker_path(slot.model_id, kind, name)} exists; pass overwrite=True "
                                 "or use another name", param="path")
+        versions = getattr(self, "versions", None)  # max_adapter_versions, checked again here: saves queued
+        if old is None and versions is not None:     # together below the limit must not all pass it
+            versions.check(versions.tenant_of(index.lineage))
         manifest = slot.model.save_weights(self.store, index.lineage, with_optimizer=with_optimizer)
         entry = {"version": manifest.version, "time": now_iso(), "adapter": manifest.name, "request_id": request_id,
                  "expires_at": expires_at(ttl_seconds), "user_metadata": user_metadata}
