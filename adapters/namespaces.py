@@ -45,12 +45,17 @@ def namespace_of(name: str) -> str:
 
 
 def namespace_rule(tenant: str, kind: str) -> str:
-    """The rule for ``tenant``'s ``kind`` names (``endpoint`` or ``lineage``), as the 400 states it."""
+    """The rule for ``tenant``'s new ``kind`` names (``endpoint`` or ``lineage``): the one message of the 400."""
     if tenant == DEFAULT_TENANT:
-        return (f"tenant {DEFAULT_TENANT}'s {kind} names do not have the form '<tenant>.<rest>' (<tenant>: 1-64 "
+        rule = (f"tenant {DEFAULT_TENANT}'s {kind} names do not have the form '<tenant>.<rest>' (<tenant>: 1-64 "
                 "characters of a-z, 0-9, '_', '-'): such a name lies in that tenant's namespace")
-    return (f"tenant {tenant}'s {kind} names start with '{tenant}.': a name '<tenant>.<rest>' lies in that "
-            f"tenant's namespace, every other name in tenant {DEFAULT_TENANT}'s")
+    else:
+        rule = (f"tenant {tenant}'s {kind} names start with '{tenant}.': a name '<tenant>.<rest>' lies in that "
+                f"tenant's namespace, every other name in tenant {DEFAULT_TENANT}'s")
+    if kind == "lineage":
+        rule += ("; training runs' lineages '<session>-train-<n>' lie in no namespace; an endpoint may also bind a "
+                 "lineage its tenant already owns")
+    return rule
 
 
 def require_own_namespace(name: str, tenant: str, *, kind: str, param: str) -> str:
@@ -63,13 +68,10 @@ def require_own_namespace(name: str, tenant: str, *, kind: str, param: str) -> s
         param: the request field, for the error's ``param``.
 
     Raises:
-        BadRequestError: another namespace's name, or a training run's lineage form; the message depends only on
-            ``tenant``, ``kind`` and the form of ``name`` (never on whether it exists or who holds it).
+        BadRequestError: another namespace's name, or (``lineage``) a training run's lineage form; one message per
+            ``tenant`` and ``kind`` (:func:`namespace_rule`), never depending on the name, on whether it exists or
+            on who holds it, code ``name_not_in_namespace``.
     """
-    if kind == "lineage" and is_training_lineage(name):
-        raise BadRequestError("lineage names of the form '<session>-train-<n>' belong to training runs: only the "
-                              "run's own tenant binds an endpoint to one", param=param, code="name_not_in_namespace")
-    if namespace_of(name) != tenant:
-        extra = "; an endpoint may also bind a lineage its tenant already owns" if kind == "lineage" else ""
-        raise BadRequestError(namespace_rule(tenant, kind) + extra, param=param, code="name_not_in_namespace")
+    if (kind == "lineage" and is_training_lineage(name)) or namespace_of(name) != tenant:
+        raise BadRequestError(namespace_rule(tenant, kind), param=param, code="name_not_in_namespace")
     return name
