@@ -52,6 +52,11 @@ _ENDPOINT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
+def is_tenant_name(name: object) -> bool:
+    """Whether ``name`` is a valid tenant name (``[a-z0-9][a-z0-9_-]{0,63}``; so it contains no ``.``)."""
+    return isinstance(name, str) and _TENANT_RE.fullmatch(name) is not None
+
+
 def validate_tenant(name: str) -> str:
     """Return ``name`` if it is a valid tenant (``[a-z0-9][a-z0-9_-]{0,63}``).
 

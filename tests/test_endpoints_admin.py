@@ -23,7 +23,7 @@ from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
 from livelora.gateway.auth import PUBLIC, app_routes, required_role
 
-LINEAGE = "support"
+LINEAGE = "acme.support"
 BASE = "smollm2-135m-instruct"
 PROMPT = [{"role": "user", "content": "Say something about the sea."}]
 #: this module's store is its own install: its own Redis prefix (under the session's, cleaned up with it)
@@ -32,7 +32,8 @@ PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}admin-{uuid.uuid4().hex[:8]}:"
 
 @pytest.fixture(scope="module")
 def home(livelora_home, base_ref, tmp_path_factory):
-    """A store with the cached model (symlinked), versions support@1..4, keys and endpoints of two tenants."""
+    """A store with the cached model (symlinked), versions acme.support@1..4 (tenant
+    acme's namespace: ``acme.<rest>``), keys and endpoints of two tenants."""
     from livelora.trainer.model import TrainingModel
 
     home = tmp_path_factory.mktemp("admin-home")
@@ -75,10 +76,10 @@ def keys(home):
     _cli("keys", "revoke", rid, "--home", str(home))
     stored = (home / "keys.json").read_text()
     assert all(k.startswith("tml-") and k not in stored for k in made.values())  # hashed only
-    _cli("endpoints", "create", "prod", "--lineage", LINEAGE, "--mode", "pinned", "--version", "1",
+    _cli("endpoints", "create", "acme.prod", "--lineage", LINEAGE, "--mode", "pinned", "--version", "1",
          "--tenant", "acme", "--home", str(home))
-    _cli("endpoints", "create", "live", "--lineage", LINEAGE, "--tenant", "acme", "--home", str(home))
-    _cli("endpoints", "create", "beta-ep", "--lineage", "beta-l", "--mode", "pinned", "--version", "base",
+    _cli("endpoints", "create", "acme.live", "--lineage", LINEAGE, "--tenant", "acme", "--home", str(home))
+    _cli("endpoints", "create", "beta.ep", "--lineage", "beta.l", "--mode", "pinned", "--version", "base",
          "--tenant", "beta", "--home", str(home))
     return made
 
@@ -98,7 +99,7 @@ def client(server, key=None) -> httpx.Client:
                         headers={"Authorization": f"Bearer {key}"} if key else {})
 
 
-def chat(http, model="prod", max_tokens=2, **kw):
+def chat(http, model="acme.prod", max_tokens=2, **kw):
     return http.post("/v1/chat/completions", json={"model": model, "messages": PROMPT, "max_tokens": max_tokens,
                                                    "temperature": 0, **kw})
 
@@ -115,7 +116,8 @@ def error_of(r, status):
 
 def _fill(path: str) -> str:
     out = path
-    for name, value in (("{model_id:path}", "prod"), ("{name:path}", "prod"), ("{name}", "support@1"),
+    for name, value in (("{model_id:path}", "acme.prod"), ("{name:path}", "acme.prod"),
+                        ("{name}", "acme.support@1"),
                         ("{fmt}", "peft"), ("{key_id}", "nokey"), ("{session_id}", "nosession"),
                         ("{model_id}", "nosession:train:0"), ("{checkpoint_id:path}", "x"),
                         ("{sampler_id}", "nosession:sample:0")):
@@ -141,7 +143,7 @@ def test_every_route_answers_401_403_by_role(server, keys):
             key = {"none": None, "bad": "tml-000000000000-not-a-key"}.get(who, keys.get(who))
             with client(server, key) as http:
                 if method == "DELETE" and "/adapters/" in path and who == "admin":
-                    url_used = url.replace("support@1", "support@99")
+                    url_used = url.replace("acme.support@1", "acme.support@99")
                 else:
                     url_used = url
                 r = http.request(method, url_used, json=body)
@@ -170,36 +172,39 @@ def test_an_operator_key_is_made_on_the_store_only(server, keys):
 def test_cross_tenant_access_is_404(server, keys):
     acme, beta = client(server, keys["acme"]), client(server, keys["beta"])
     ok = chat(acme)
-    assert ok.status_code == 200 and ok.headers["x-livelora-adapter-version"] == "support@1"
+    assert ok.status_code == 200 and ok.headers["x-livelora-adapter-version"] == "acme.support@1"
     cid = ok.json()["id"]
-    assert {m["id"] for m in acme.get("/v1/models").json()["data"]} >= {"smollm2-135m-instruct", "prod", "live"}
+    assert {m["id"] for m in acme.get("/v1/models").json()["data"]} >= {"smollm2-135m-instruct", "acme.prod",
+                                                                        "acme.live"}
     beta_models = {m["id"] for m in beta.get("/v1/models").json()["data"]}
-    assert "beta-ep" in beta_models and "smollm2-135m-instruct" in beta_models
-    assert not beta_models & {"prod", "live"} and not any("@" in m for m in beta_models)
+    assert "beta.ep" in beta_models and "smollm2-135m-instruct" in beta_models
+    assert not beta_models & {"acme.prod", "acme.live"} and not any("@" in m for m in beta_models)
     assert error_of(chat(beta), 404)["code"] == "model_not_found"
-    assert error_of(chat(beta, model="support@1"), 404)["code"] == "model_not_found"
-    assert chat(beta, model="beta-ep").headers["x-livelora-adapter-version"] == "base"
-    error_of(chat(acme, model="beta-ep"), 404)
-    error_of(beta.get("/v1/models/prod"), 404)
+    assert error_of(chat(beta, model="acme.support@1"), 404)["code"] == "model_not_found"
+    assert chat(beta, model="beta.ep").headers["x-livelora-adapter-version"] == "base"
+    error_of(chat(acme, model="beta.ep"), 404)
+    error_of(beta.get("/v1/models/acme.prod"), 404)
     # rating another tenant's completion
     error_of(beta.post("/v1/feedback", json={"completion_id": cid, "rating": True}), 404)
     assert acme.post("/v1/feedback", json={"completion_id": cid, "rating": True}).status_code in (200, 201, 202)
     # admin objects
     acme_key_id = KeyStore(server.services.settings.home).verify(keys["acme"]).key_id
     for method, url, body in [
-        ("GET", "/admin/endpoints/prod", None), ("POST", "/admin/endpoints/prod/promote", {"version": 2}),
-        ("POST", "/admin/endpoints/prod/rollback", {}), ("GET", "/admin/endpoints/prod/history", None),
-        ("GET", "/admin/adapters/support@1", None), ("DELETE", "/admin/adapters/support@3", None),
-        ("POST", "/admin/adapters/support@1/export", {"format": "peft"}),
-        ("GET", "/admin/exports/support@1/peft", None), ("GET", "/admin/adapters?lineage=support", None),
+        ("GET", "/admin/endpoints/acme.prod", None), ("POST", "/admin/endpoints/acme.prod/promote", {"version": 2}),
+        ("POST", "/admin/endpoints/acme.prod/rollback", {}), ("GET", "/admin/endpoints/acme.prod/history", None),
+        ("GET", "/admin/adapters/acme.support@1", None), ("DELETE", "/admin/adapters/acme.support@3", None),
+        ("POST", "/admin/adapters/acme.support@1/export", {"format": "peft"}),
+        ("GET", "/admin/exports/acme.support@1/peft", None), ("GET", "/admin/adapters?lineage=acme.support", None),
         ("DELETE", f"/admin/keys/{acme_key_id}", None),
     ]:
         error_of(beta.request(method, url, json=body), 404)
-    assert [e["name"] for e in beta.get("/admin/endpoints").json()["data"]] == ["beta-ep"]
+    assert [e["name"] for e in beta.get("/admin/endpoints").json()["data"]] == ["beta.ep"]
     assert beta.get("/admin/adapters").json()["data"] == []
     assert {k["tenant"] for k in beta.get("/admin/keys").json()["data"]} == {"beta"}
-    assert all(h["endpoint"] == "beta-ep" for h in beta.get("/admin/history").json()["data"])
-    error_of(beta.post("/admin/endpoints", json={"name": "steal", "lineage": LINEAGE}), 409)
+    assert all(h["endpoint"] == "beta.ep" for h in beta.get("/admin/history").json()["data"])
+    # names are per tenant: acme's lineage lies in acme's namespace, so beta's try is the rule's 400
+    stolen = error_of(beta.post("/admin/endpoints", json={"name": "beta.steal", "lineage": LINEAGE}), 400)
+    assert stolen["param"] == "lineage" and stolen["code"] == "name_not_in_namespace"
     # training sessions: X-API-Key, as the tinker SDK sends it
     s = httpx.post(server.url("/api/v1/create_session"), json={}, headers={"X-API-Key": keys["train"]})
     assert s.status_code == 200, s.text
@@ -234,8 +239,8 @@ def test_shared_base_model_serves_other_tenants_untouched_base_weights(server, k
 
 def test_admin_promote_needs_a_version_or_follow(server, keys):
     acme = client(server, keys["acme"])
-    assert error_of(acme.post("/admin/endpoints/prod/promote", json={}), 400)["param"] == "version"
-    assert error_of(acme.post("/admin/endpoints/prod/promote", json={"version": 2, "follow": True}),
+    assert error_of(acme.post("/admin/endpoints/acme.prod/promote", json={}), 400)["param"] == "version"
+    assert error_of(acme.post("/admin/endpoints/acme.prod/promote", json={"version": 2, "follow": True}),
                     400)["param"] == "follow"
     acme.close()
 
@@ -243,12 +248,13 @@ def test_admin_promote_needs_a_version_or_follow(server, keys):
 def test_bad_names_and_oversize_bodies_are_rejected(server, keys):
     with client(server, keys["acme"]) as http:
         for name in ("../x", "a/../b", "a//b", "x\x01y", "x" * 200, "", "/abs", "a b"):
-            error_of(http.post("/admin/endpoints", json={"name": name, "lineage": "ok"}), 400)
+            error_of(http.post("/admin/endpoints", json={"name": name, "lineage": "acme.ok"}), 400)
         for lineage in ("../etc", "a/b", "..", "A" * 70, "x\x00"):
-            error_of(http.post("/admin/endpoints", json={"name": "fine", "lineage": lineage}), 400)
-        for name in ("..%2F..%2Fetc@1", "support@0", "support@x", "UP@1"):
+            assert error_of(http.post("/admin/endpoints", json={"name": "acme.fine", "lineage": lineage}),
+                            400)["param"] == "lineage"
+        for name in ("..%2F..%2Fetc@1", "acme.support@0", "acme.support@x", "UP@1"):
             assert http.get(f"/admin/adapters/{name}").status_code in (400, 404)
-        error_of(http.post("/admin/endpoints/prod/promote", json={"version": "../../x@1"}), 400)
+        error_of(http.post("/admin/endpoints/acme.prod/promote", json={"version": "../../x@1"}), 400)
         err = error_of(http.post("/v1/chat/completions", content=b"{" + b" " * (70 * 1024) + b"}",
                                  headers={"content-type": "application/json"}), 413)
         assert err["code"] == "payload_too_large"
@@ -264,10 +270,10 @@ def test_bad_names_and_oversize_bodies_are_rejected(server, keys):
 def test_served_version_is_reported_by_redis_completion_log(server, keys):
     """Completions are kept per tenant: the log's record carries the tenant as caller."""
     with client(server, keys["acme"]) as http:
-        r = chat(http, model="live")
+        r = chat(http, model="acme.live")
     rec = redis.Redis.from_url(os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0")).get(
         KeyLayout(PREFIX).completion(r.json()["id"]))
-    assert json.loads(rec)["caller"] == "acme" and json.loads(rec)["adapter"] == "support@4"
+    assert json.loads(rec)["caller"] == "acme" and json.loads(rec)["adapter"] == "acme.support@4"
 
 
 # ---------------------------------------------------------------------------------------------- promotion
@@ -278,7 +284,7 @@ def _streams(server, key, n, results, started, max_tokens=24):
         try:
             with httpx.Client(base_url=server.base_url, timeout=300,
                               headers={"Authorization": f"Bearer {key}"}) as http, http.stream(
-                    "POST", "/v1/chat/completions", json={"model": "prod", "messages": PROMPT, "stream": True,
+                    "POST", "/v1/chat/completions", json={"model": "acme.prod", "messages": PROMPT, "stream": True,
                                                          "max_tokens": max_tokens, "temperature": 0}) as r:
                 version = r.headers.get("x-livelora-adapter-version")
                 fingerprints, ok = set(), r.status_code == 200
@@ -308,7 +314,7 @@ def _change_under_load(server, keys, action, body, before, after):
     threads = _streams(server, keys["acme"], n, results, started)
     assert all(e.wait(120) for e in started)
     with client(server, keys["admin"]) as admin:
-        r = admin.post(f"/admin/endpoints/prod/{action}", json=body)
+        r = admin.post(f"/admin/endpoints/acme.prod/{action}", json=body)
         assert r.status_code == 200, r.text
         entry = r.json()["history"]
         assert (entry["from"], entry["to"], entry["action"]) == (before, after, action)
@@ -325,45 +331,45 @@ def _change_under_load(server, keys, action, body, before, after):
 
 
 def test_promote_and_rollback_under_eight_streams(server, keys):
-    _change_under_load(server, keys, "promote", {"version": "support@2", "reason": "better"}, "support@1",
-                       "support@2")
-    _change_under_load(server, keys, "rollback", {"reason": "regression"}, "support@2", "support@1")
+    _change_under_load(server, keys, "promote", {"version": "acme.support@2", "reason": "better"},
+                       "acme.support@1", "acme.support@2")
+    _change_under_load(server, keys, "rollback", {"reason": "regression"}, "acme.support@2", "acme.support@1")
     with client(server, keys["admin"]) as admin:
-        hist = admin.get("/admin/endpoints/prod/history").json()["data"]
+        hist = admin.get("/admin/endpoints/acme.prod/history").json()["data"]
         assert [(h["action"], h["from"], h["to"], h["reason"]) for h in hist] == [
-            ("create", None, "support@1", ""), ("promote", "support@1", "support@2", "better"),
-            ("rollback", "support@2", "support@1", "regression")]
+            ("create", None, "acme.support@1", ""), ("promote", "acme.support@1", "acme.support@2", "better"),
+            ("rollback", "acme.support@2", "acme.support@1", "regression")]
         assert hist[1]["who"].startswith("acme/acme-admin") and hist[0]["who"].startswith("local:")
         assert all(h["tenant"] == "acme" and h["time"] > 0 for h in hist)
         # a version an endpoint targets cannot be deleted: prod pins @1, live follows the newest (@4)
-        for name in ("support@1", "support@4"):
+        for name in ("acme.support@1", "acme.support@4"):
             assert error_of(admin.delete(f"/admin/adapters/{name}"), 409)["code"] == "version_in_use"
-        assert admin.delete("/admin/adapters/support@3").status_code == 200
-        error_of(admin.get("/admin/adapters/support@3"), 404)
-        error_of(admin.post("/admin/endpoints/prod/rollback", json={}), 409)  # nothing left to undo
+        assert admin.delete("/admin/adapters/acme.support@3").status_code == 200
+        error_of(admin.get("/admin/adapters/acme.support@3"), 404)
+        error_of(admin.post("/admin/endpoints/acme.prod/rollback", json={}), 409)  # nothing left to undo
         listed = {a["name"]: a["serving"] for a in admin.get("/admin/adapters").json()["data"]}
-        assert listed == {"support@1": ["prod"], "support@2": [], "support@4": ["live"]}
+        assert listed == {"acme.support@1": ["acme.prod"], "acme.support@2": [], "acme.support@4": ["acme.live"]}
 
 
 def test_bindings_survive_restart(server, keys, home):
     with client(server, keys["admin"]) as admin:
-        assert admin.post("/admin/endpoints/prod/promote", json={"version": 2}).status_code == 200
+        assert admin.post("/admin/endpoints/acme.prod/promote", json={"version": 2}).status_code == 200
     server.stop()
     from livelora.gateway.settings import GatewaySettings
 
     again = start_server(GatewaySettings(model="smollm2-135m-instruct", home=home, device="cpu", redis_prefix=PREFIX))
     try:
         with client(again, keys["acme"]) as http:
-            assert chat(http).headers["x-livelora-adapter-version"] == "support@2"
-            assert chat(http, model="live").headers["x-livelora-adapter-version"] == "support@4"
+            assert chat(http).headers["x-livelora-adapter-version"] == "acme.support@2"
+            assert chat(http, model="acme.live").headers["x-livelora-adapter-version"] == "acme.support@4"
     finally:
         again.stop()
     # a fresh process (as a restarted trainer) reads the same bindings from the store
     listed = _cli("endpoints", "list", "--home", str(home))
-    assert "prod" in listed and "support@2" in listed and "support@4" in listed
+    assert "acme.prod" in listed and "acme.support@2" in listed and "acme.support@4" in listed
     from livelora.adapters.endpoints import EndpointStore
 
-    assert EndpointStore(home).get("prod").lineage == LINEAGE  # what the trainer maps events with
+    assert EndpointStore(home).get("acme.prod").lineage == LINEAGE  # what the trainer maps events with
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -377,8 +383,8 @@ def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
     from livelora.gateway.services.admin import AdminService
 
     peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
-    _cli("adapters", "export", "support@2", "--format", "peft", "--out", str(peft_dir), "--home", str(home))
-    _cli("adapters", "export", "support@2", "--format", "merged", "--out", str(merged_dir), "--home", str(home))
+    _cli("adapters", "export", "acme.support@2", "--format", "peft", "--out", str(peft_dir), "--home", str(home))
+    _cli("adapters", "export", "acme.support@2", "--format", "merged", "--out", str(merged_dir), "--home", str(home))
     stored = AdapterStore(home).version_dir(LINEAGE, 2)
     assert (peft_dir / "adapter_model.safetensors").read_bytes() == (stored / "adapter_model.safetensors").read_bytes()
     ids = torch.tensor([tokenizer("An exported adapter must say what the served one says.")["input_ids"]])
@@ -405,8 +411,8 @@ def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
         assert (load_model(base_ref)(ids).logits - logits_merged).abs().max().item() > 1e-3
     # the API export path writes the same directory once (versions are immutable)
     svc = AdminService(home, tenant="acme")
-    first = svc.export("support@2", "peft")
-    assert svc.export("support@2", "peft") == first and (first / "adapter_config.json").is_file()
+    first = svc.export("acme.support@2", "peft")
+    assert svc.export("acme.support@2", "peft") == first and (first / "adapter_config.json").is_file()
 
 
 def test_open_mode_and_public_bind_rules(tmp_path):

@@ -102,16 +102,16 @@ def objs(server, keys) -> dict[str, str]:
             "session_id": sid, "sampling_session_seq_id": 0,
             "model_path": f"tinker://{model}/sampler_weights/s1"}))["sampling_session_id"]
         lineage = lineage_for(model)
-        ok(a.post("/admin/endpoints", json={"name": "acme-ep", "lineage": lineage, "mode": "pinned",
+        ok(a.post("/admin/endpoints", json={"name": "acme.ep", "lineage": lineage, "mode": "pinned",
                                             "version": 1}), 201)
-        cid, cid2 = (ok(a.post("/v1/chat/completions", json={"model": "acme-ep", "max_tokens": 1, "messages": [
+        cid, cid2 = (ok(a.post("/v1/chat/completions", json={"model": "acme.ep", "max_tokens": 1, "messages": [
             {"role": "user", "content": "hi"}]}))["id"] for _ in range(2))
         key_id = ok(a.post("/admin/keys", json={"roles": ["inference"], "name": "spare"}), 201)["id"]
     with http(server, keys["beta"]) as b:
         sid_b = ok(b.post("/api/v1/create_session", json={}))["session_id"]
     return {"sid": sid, "model": model, "sampler": sampler, "request": saved["request_id"], "lineage": lineage,
             "version": f"{lineage}@1", "wpath": f"tinker://{model}/weights/w1",
-            "spath": f"tinker://{model}/sampler_weights/s1", "endpoint": "acme-ep", "cid": cid, "cid2": cid2, "key_id": key_id,
+            "spath": f"tinker://{model}/sampler_weights/s1", "endpoint": "acme.ep", "cid": cid, "cid2": cid2, "key_id": key_id,
             "sid_b": sid_b}
 
 
@@ -145,23 +145,53 @@ def snapshot(server, keys, o) -> dict:
 def test_a_tenant_cannot_take_the_base_lineage_and_default_keeps_it(server, keys, objs):
     """Issue example 1: another tenant's admin binding an endpoint to the base model's lineage."""
     with http(server, keys["acme"]) as a, http(server, keys["default"]) as d:
-        err = error_of(a.post("/admin/endpoints", json={"name": "mine", "lineage": BASE}), 409)
-        assert err["param"] == "lineage" and "not available" in err["message"]
-        assert "mine" not in {e["name"] for e in ok(a.get("/admin/endpoints"))["data"]}
+        err = error_of(a.post("/admin/endpoints", json={"name": "acme.mine", "lineage": BASE}), 400)
+        assert err["param"] == "lineage" and err["code"] == "name_not_in_namespace"
+        assert "acme.mine" not in {e["name"] for e in ok(a.get("/admin/endpoints"))["data"]}
         error_of(a.get(f"/admin/adapters?lineage={BASE}"), 404)
         error_of(a.post(f"/admin/adapters/{BASE}@1/export", json={"format": "peft"}), 404)
         assert [v["name"] for v in ok(d.get(f"/admin/adapters?lineage={BASE}"))["data"]] == [f"{BASE}@1"]
         exported = ok(d.post(f"/admin/adapters/{BASE}@1/export", json={"format": "peft"}))
         assert exported["adapter"] == f"{BASE}@1" and "adapter_model.safetensors" in exported["files"]
         assert exported["path"] == f"exports/{BASE}@1.peft"  # relative to the store: no server file path
-        # a lineage a tenant owns is not available to another one, whether it has versions or not
-        taken = error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": objs["lineage"]}), 409)
-        assert taken["message"] == f"lineage {objs['lineage']!r} is not available; choose another lineage name"
-        # an endpoint name answers the same whether the caller or another tenant holds it
+        # a training run's lineage is bound only by the run's tenant, whether it exists or not
+        taken = error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": objs["lineage"]}), 400)
+        missing = error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": f"{'0' * 32}-train-0"}), 400)
+        assert taken == missing and taken["param"] == "lineage"
+        # a taken name of the caller's own namespace is 409
         ok(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": "d-lineage"}), 201)
-        mine = error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": "d-lineage"}), 409)["message"]
-        theirs = error_of(d.post("/admin/endpoints", json={"name": "acme-ep", "lineage": "d-lineage"}), 409)
-        assert theirs["message"] == mine.replace("d-ep", "acme-ep") and theirs["param"] == "endpoint"
+        mine = error_of(d.post("/admin/endpoints", json={"name": "d-ep", "lineage": "d-lineage"}), 409)
+        assert mine["message"] == "endpoint name 'd-ep' is not available; choose another name"
+
+
+def test_names_outside_the_callers_namespace_are_400_whether_they_exist_or_not(server, keys, objs):
+    """Per-tenant namespaces: ``acme.<rest>`` is tenant acme's, every other name tenant default's. Another
+    namespace's name answers one 400 whatever exists; the caller's own prefix is 201."""
+    with http(server, keys["acme"]) as a, http(server, keys["beta"]) as b, http(server, keys["default"]) as d:
+        ok(a.post("/admin/endpoints", json={"name": "acme.ns", "lineage": "acme.ns-lineage"}), 201)
+
+        def same_400(c, bodies, param):
+            errs = [error_of(c.post("/admin/endpoints", json=body), 400) for body in bodies]
+            assert all(e == errs[0] for e in errs), errs  # identical bodies: nothing tells which names exist
+            assert errs[0]["param"] == param and errs[0]["code"] == "name_not_in_namespace"
+            return errs[0]["message"]
+
+        # beta's plain names (default's namespace) and acme's prefix: held or free, one answer
+        msg = same_400(b, [{"name": n, "lineage": "beta.l"} for n in ("d-ep", "free-name", "acme.ep", "acme.nope")],
+                       "name")
+        assert msg.startswith("tenant beta's endpoint names start with 'beta.'") and "acme" not in msg
+        same_400(b, [{"name": "beta.ep", "lineage": n} for n in (
+            "acme.ns-lineage", "acme.none", objs["lineage"], f"{'1' * 32}-train-0", BASE, "d-lineage", "free")],
+            "lineage")
+        # default cannot create in acme's namespace either
+        msg = same_400(d, [{"name": n, "lineage": "d-l2"} for n in ("acme.ep", "acme.ns", "acme.x")], "name")
+        assert msg.startswith("tenant default's endpoint names do not have the form '<tenant>.<rest>'")
+        same_400(d, [{"name": "d-ep2", "lineage": n} for n in ("acme.ns-lineage", "acme.x")], "lineage")
+        # the caller's own prefix: 201, and acme's objects are untouched
+        made = ok(b.post("/admin/endpoints", json={"name": "beta.ep", "lineage": "beta.l"}), 201)
+        assert made["name"] == "beta.ep" and made["tenant"] == "beta"
+        assert {e["name"] for e in ok(a.get("/admin/endpoints"))["data"]} == {"acme.ep", "acme.ns"}
+        assert {e["name"] for e in ok(b.get("/admin/endpoints"))["data"]} == {"beta.ep"}
 
 
 def test_a_dash_spelled_model_id_reaches_nothing(server, keys, objs):
@@ -224,8 +254,8 @@ class Case:
 
     Attributes:
         tries: ``objs -> [(url, json body or None), ...]`` naming tenant A's objects (empty: the route names none).
-        expect: ``404`` (A's object does not exist for B), ``409`` (a create on a name A holds, answered without
-            saying whose), or ``"own"`` (the route names no object: any answer but a 5xx, with none of A's names
+        expect: ``404`` (A's object does not exist for B), ``400`` (a create naming a name of another tenant's
+            namespace, answered alike whether it exists or not), or ``"own"`` (the route names no object: any answer but a 5xx, with none of A's names
             in it).
     """
 
@@ -304,7 +334,7 @@ CASES: dict[tuple[str, str], Case] = {
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi!"}]})]),
     ("GET", "/admin/endpoints"): Case(_none, "own"),
     ("POST", "/admin/endpoints"): Case(lambda o: [("", {"name": "b-ep", "lineage": o["lineage"]}),
-                                                  ("", {"name": o["endpoint"], "lineage": "b-own-lineage"})], 409),
+                                                  ("", {"name": o["endpoint"], "lineage": "b-own-lineage"})], 400),
     ("GET", "/admin/endpoints/{name:path}/history"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/history",
                                                                       None)]),
     ("POST", "/admin/endpoints/{name:path}/promote"): Case(lambda o: [
@@ -401,7 +431,10 @@ def test_another_tenant_gets_404_on_every_route(server, keys, objs, who):
                     assert r.status_code in (200, 201, 400, 403, 404, 409, 422), where
                 else:
                     err = error_of(r, case.expect)
-                    assert not any(s in err["message"] for s in ("'acme'", "tenant", str(server.services.settings.home))), where
+                    banned = ("'acme'", "acme's", "tenant acme", str(server.services.settings.home))
+                    if case.expect == 404:
+                        banned += ("tenant",)  # a 400 of the namespace rule names the caller's own tenant
+                    assert not any(s in err["message"] for s in banned), where
     assert snapshot(server, keys, objs) == before
 
 

@@ -397,12 +397,12 @@ def test_json_log_lines_carry_request_completion_tenant_endpoint_version(server,
     old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    made = post(server, keys, "/admin/endpoints", {"name": "acme-bot", "lineage": "acme-lineage"})
+    made = post(server, keys, "/admin/endpoints", {"name": "acme.bot", "lineage": "acme.lineage"})
     assert made.status_code == 201, made.text  # an endpoint of acme's own: its ratings train acme's lineage
     try:
         got = httpx.post(server.url("/v1/chat/completions"), timeout=120,
                          headers={"Authorization": f"Bearer {_key(keys, 'acme')}", "X-Request-Id": "trace-123"},
-                         json={"model": "acme-bot", "messages": CHAT, "max_tokens": 2})
+                         json={"model": "acme.bot", "messages": CHAT, "max_tokens": 2})
         assert got.status_code == 200 and got.headers["x-request-id"] == "trace-123"
         cid = got.json()["id"]
         rated = post(server, keys, "/v1/feedback", {"completion_id": cid, "rating": True})
@@ -415,11 +415,11 @@ def test_json_log_lines_carry_request_completion_tenant_endpoint_version(server,
     served = [x for x in lines if x["message"].startswith("served chat")]
     assert served, lines
     assert {k: served[0].get(k) for k in ("request_id", "completion_id", "tenant", "endpoint", "version")} == \
-        {"request_id": "trace-123", "completion_id": cid, "tenant": "acme", "endpoint": "acme-bot", "version": "base"}
+        {"request_id": "trace-123", "completion_id": cid, "tenant": "acme", "endpoint": "acme.bot", "version": "base"}
     assert {"time", "level", "logger"} <= set(served[0])
     assert rated.status_code == 200, rated.text  # the rating's line names the completion it rates
     [accepted] = [x for x in lines if x["message"].startswith("accepted rating")]
-    assert (accepted["completion_id"], accepted["tenant"], accepted["endpoint"]) == (cid, "acme", "acme-bot")
+    assert (accepted["completion_id"], accepted["tenant"], accepted["endpoint"]) == (cid, "acme", "acme.bot")
     assert accepted["event_id"].startswith("feedback-") and accepted["request_id"] != "trace-123"
 
 

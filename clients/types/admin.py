@@ -22,8 +22,11 @@ class _Request(NullMeansOmitted):
 class CreateEndpointRequest(_Request):
     """``POST /admin/endpoints``."""
 
-    name: str = Field(description="Endpoint name: what clients pass as `model`.")
-    lineage: str = Field(description="Adapter lineage the endpoint serves and trains.")
+    name: str = Field(description="Endpoint name: what clients pass as `model`. In the caller's namespace: "
+                                  "`<tenant>.<rest>` for a tenant other than `default`; `default`'s names have no "
+                                  "`<tenant>.` prefix (else 400 `name_not_in_namespace`).")
+    lineage: str = Field(description="Adapter lineage the endpoint serves and trains: one in the caller's namespace "
+                                     "(same rule as `name`) or one its tenant already owns.")
     mode: Literal["follow", "pinned"] = Field("follow", description="follow: newest version; pinned: only "
                                                                      "promotions move it.")
     version: str | int | None = Field(None, description="Pinned version: `<n>`, `<lineage>@<n>` or `base`.")

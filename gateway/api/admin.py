@@ -28,7 +28,8 @@ async def list_endpoints(admin: AdminDep) -> dict:
 
 @router.post("/endpoints", status_code=201)
 async def create_endpoint(body: CreateEndpointRequest, admin: AdminDep) -> dict:
-    """Create an endpoint. 409 if it exists or the lineage is another tenant's."""
+    """Create an endpoint. 400 if a name is outside the caller's namespace (``<tenant>.<rest>``; ``default``: no
+    such prefix), 409 if a name of its own namespace is taken."""
     return await admin.create_endpoint(body.name, body.lineage, mode=body.mode, version=body.version,
                                        reason=body.reason)
 

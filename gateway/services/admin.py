@@ -9,7 +9,9 @@ on the notices channel so every other gateway re-reads ``endpoints.json`` at onc
 Tenancy: endpoints carry their tenant; a lineage (with its versions and exports) belongs to the tenant of its
 recorded owner (:mod:`livelora.adapters.owners`), claimed by the first endpoint created on it or by the training
 model it was made for; the base model's lineage belongs to ``default``. No record: no tenant sees it. Whatever a
-tenant may not see answers 404 exactly like a missing object.
+tenant may not see answers 404 exactly like a missing object. New endpoint and lineage names lie in the owner's
+namespace (:mod:`livelora.adapters.namespaces`: ``acme.<rest>`` for tenant ``acme``), so creating one never tells
+whether another tenant holds a name.
 
 Exports are deterministic (versions are immutable): ``<home>/exports/<lineage>@<n>.peft`` (a PEFT
 adapter directory: ``adapter_model.safetensors`` + ``adapter_config.json`` + ``livelora_export.json``)
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from livelora.adapters.api_keys import DEFAULT_TENANT, KeyStore, Principal, validate_endpoint_name
 from livelora.adapters.atomic import atomic_dir
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, version_label
+from livelora.adapters.namespaces import require_own_namespace
 from livelora.adapters.owners import OwnerStore
 from livelora.adapters.store import (
     CONFIG_FILE,
@@ -158,13 +161,25 @@ class AdminService:
                         reason: str = "") -> dict[str, Any]:
         """Create an endpoint (owned by the caller's tenant; local access may name ``tenant``).
 
+        Names are per-tenant (:mod:`livelora.adapters.namespaces`): ``name`` must lie in the owner's namespace,
+        and so must ``lineage`` unless the owner already owns it (its training run's lineage, or one made before
+        the rule). Both checks come before anything that depends on which names exist, so another namespace's
+        name answers the same 400 whether it exists or not; local store access follows the same rule.
+
         Raises:
-            BadRequestError, ConflictError, NotFoundError: see :meth:`EndpointStore.create`.
+            BadRequestError: invalid names, or a name outside the owner's namespace (``param`` ``name`` or
+                ``lineage``); see also :meth:`EndpointStore.create`.
+            ConflictError: the endpoint or the lineage is taken (only names of the owner's own namespace).
+            NotFoundError: a pinned version that does not exist.
         """
+        validate_endpoint_name(name, param="name")
         validate_lineage(lineage)
         owner = self.tenant or tenant or DEFAULT_TENANT
         if self.tenant is not None and tenant not in (None, self.tenant):
             raise BadRequestError("an endpoint is created in the caller's own tenant", param="tenant")
+        require_own_namespace(name, owner, kind="endpoint", param="name")
+        if not self.owners.owns("lineage", lineage, owner):
+            require_own_namespace(lineage, owner, kind="lineage", param="lineage")
         n = parse_version_ref(version, lineage)
         if mode == "follow" and n is not None:
             raise BadRequestError("a follow endpoint serves the newest version; give a version only with "
