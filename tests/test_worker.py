@@ -335,14 +335,14 @@ def test_live_loop_prunes_oldest_unused_versions_and_holds_back_when_none_can_go
 
     client, keys = bus
     store, endpoints, quotas = AdapterStore(tmp_path), EndpointStore(tmp_path), QuotaStore(tmp_path)
-    OwnerStore(tmp_path).claim("lineage", "qlin", "acme")
+    OwnerStore(tmp_path).claim("lineage", "acme.qlin", "acme")
     for i in range(1, 6):
-        _tiny_version(store, "qlin", f"v{i}")
-    endpoints.create("qep", "qlin", tenant="acme", who="test")                        # follow: serves @5
-    endpoints.create("qpin", "qlin", tenant="acme", who="test", mode="pinned", version=1)
-    endpoints.promote("qpin", 2, tenant="acme", who="test")                           # @1 is its rollback target
-    endpoints.record("qep", "canary", who="gateway", from_="qlin@3", to="qlin@5", tenant="acme",
-                     details={"state": "started"})                                      # an open canary from @3
+        _tiny_version(store, "acme.qlin", f"v{i}")
+    endpoints.create("acme.qep", "acme.qlin", tenant="acme", who="test")               # follow: serves @5
+    endpoints.create("acme.qpin", "acme.qlin", tenant="acme", who="test", mode="pinned", version=1)
+    endpoints.promote("acme.qpin", 2, tenant="acme", who="test")                      # @1 is its rollback target
+    endpoints.record("acme.qep", "canary", who="gateway", from_="acme.qlin@3", to="acme.qlin@5", tenant="acme",
+                     details={"state": "started"})                                   # an open canary from @3
     quotas.set("acme", Limits(max_adapter_versions=6))
     now = [1000.0]
     worker = TrainerWorker(client, keys, tmp_path, _SlowBackend(tmp_path, 0.0),
@@ -350,38 +350,39 @@ def test_live_loop_prunes_oldest_unused_versions_and_holds_back_when_none_can_go
                            clock=lambda: now[0], versions=AdapterVersions(tmp_path, Limits()), quota_retry_s=30)
 
     def held_back() -> float:
-        return REGISTRY.get_sample_value("livelora_live_steps_held_back_total", {"endpoint": "qep"}) or 0.0
+        return REGISTRY.get_sample_value("livelora_live_steps_held_back_total", {"endpoint": "acme.qep"}) or 0.0
 
     def rate_twice(tag: str) -> None:
         for i in range(2):
-            xadd(client, keys, rating("qep", [1, 2, 3], [4], i == 0, f"{tag}-{i}"))
+            xadd(client, keys, rating("acme.qep", [1, 2, 3], [4], i == 0, f"{tag}-{i}"))
 
     rate_twice("a")                                   # 5 kept, limit 6: room, nothing pruned
     [n6] = worker.poll()
-    assert n6.name == "qlin@6" and store.version_numbers("qlin") == [1, 2, 3, 4, 5, 6]
+    assert n6.name == "acme.qlin@6" and store.version_numbers("acme.qlin") == [1, 2, 3, 4, 5, 6]
     rate_twice("b")                                   # 6 kept: the oldest unused (@4) goes, @7 is written
     [n7] = worker.poll()
-    assert n7.name == "qlin@7" and store.version_numbers("qlin") == [1, 2, 3, 5, 6, 7]
-    [prune] = [h for h in endpoints.history("qep") if h.action == "prune"]
-    assert prune.details == {"deleted": ["qlin@4"], "kept": 6, "limit": 6} and prune.tenant == "acme"
+    assert n7.name == "acme.qlin@7" and store.version_numbers("acme.qlin") == [1, 2, 3, 5, 6, 7]
+    [prune] = [h for h in endpoints.history("acme.qep") if h.action == "prune"]
+    assert prune.details == {"deleted": ["acme.qlin@4"], "kept": 6, "limit": 6} and prune.tenant == "acme"
     # @1 rollback target, @2 pinned, @3 canary incumbent, @5 canary, @6 predecessor, @7 served: nothing can go
     before = held_back()
     rate_twice("c")
     assert worker.poll() == []
-    assert store.version_numbers("qlin") == [1, 2, 3, 5, 6, 7]          # nothing written, nothing deleted
+    assert store.version_numbers("acme.qlin") == [1, 2, 3, 5, 6, 7]          # nothing written, nothing deleted
     assert pending(client, keys) == 2 and held_back() == before + 1     # the signals are kept, the hold counted
     assert AdapterVersions(tmp_path, Limits()).count("acme") == 6
     # the canary ends: @3 and @5 are free again; before quota_retry_s the batch still waits
-    endpoints.record("qep", "canary", who="gateway", from_="qlin@3", to="qlin@5", tenant="acme",
+    endpoints.record("acme.qep", "canary", who="gateway", from_="acme.qlin@3", to="acme.qlin@5", tenant="acme",
                      details={"state": "completed"})
     assert worker.poll() == [] and pending(client, keys) == 2
     now[0] += 31
     [n8] = worker.poll()
-    assert n8.name == "qlin@8" and store.version_numbers("qlin") == [1, 2, 5, 6, 7, 8]  # the oldest free: @3
+    assert n8.name == "acme.qlin@8"
+    assert store.version_numbers("acme.qlin") == [1, 2, 5, 6, 7, 8]     # the oldest one free again: @3
     assert pending(client, keys) == 0
     # lifted: no pruning at all
     quotas.set("acme", Limits.model_validate({"max_adapter_versions": None}))
     rate_twice("d")
     [n9] = worker.poll()
-    assert n9.name == "qlin@9" and len(store.version_numbers("qlin")) == 7
+    assert n9.name == "acme.qlin@9" and len(store.version_numbers("acme.qlin")) == 7
     worker.close()

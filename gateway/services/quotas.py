@@ -14,7 +14,8 @@
   store (:class:`~livelora.adapters.quotas.AdapterVersions`) before a session save is queued: a save that would
   pass ``max_adapter_versions`` gets 429 naming the limit, the count and how to free it; nothing is queued, no
   seq id is used, nothing is written. The op executor checks again before it writes (saves queued together
-  just below the limit: the one that would pass it fails with the same error). Overwriting a named checkpoint keeps the count and is always allowed; ephemeral sampler weights do not count.
+  just below the limit: the one that would pass it fails with the same error). Overwriting a named checkpoint
+  keeps the count and is always allowed; ephemeral sampler weights do not count.
 """
 
 from __future__ import annotations
