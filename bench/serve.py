@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -66,12 +67,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
+async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, *,
+                     temperature: float = 0.0, seed: int | None = None, ignore_eos: bool = True) -> dict:
+    """One streamed chat completion (usage included). Returns its ``id``, ``text``, completion ``tokens`` (the
+    server's ``usage``), ``version`` (from ``system_fingerprint``), ``end`` (``perf_counter`` seconds), ``ttft``
+    (seconds to the first content chunk) and ``itl`` (seconds between content chunks). Raises: httpx errors for a
+    non-2xx answer, RuntimeError for an error event."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if seed is not None:
+        body["seed"] = seed
     start = time.perf_counter()
     stamps: list[float] = []
-    tokens = 0
+    text, tokens, cid, fingerprint = [], 0, None, None
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -80,12 +90,16 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tok
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if chunk["usage"]:
+            cid = chunk.get("id", cid)
+            fingerprint = chunk.get("system_fingerprint") or fingerprint
+            if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - start if stamps else float("nan"),
-            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens}
+                text.append(chunk["choices"][0]["delta"]["content"])
+    return {"id": cid, "text": "".join(text), "tokens": tokens, "end": time.perf_counter(),
+            "version": (fingerprint or "").removeprefix("livelora-"),
+            "ttft": stamps[0] - start if stamps else float("nan"), "itl": [b - a for a, b in itertools.pairwise(stamps)]}
 
 
 async def run_gateway(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
