@@ -265,20 +265,26 @@ def load_tokenizer(tokenizer_id: str, transport: Transport | None = None) -> Any
     Raises:
         OSError/ValueError: transformers' error when the id does not resolve and there is no server to ask.
         UnavailableError: neither the hub, nor the server, nor the SDK's cache has it.
+        NotFoundError: the id does not resolve and the server has no ``GET /api/v1/tokenizer`` (an older one).
     """
     from transformers import AutoTokenizer
 
-    from livelora.clients.errors import UnavailableError
+    from livelora.clients.errors import NotFoundError, UnavailableError
 
     try:
         return AutoTokenizer.from_pretrained(tokenizer_id)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
         if transport is None:
             raise
+        hub_error = f"{type(exc).__name__}: {str(exc)[:200]}"
     try:
         folder = fetch_tokenizer(transport, tokenizer_id)
     except UnavailableError:
         folder = cached_tokenizer_dir(tokenizer_id)
         if folder is None:
             raise
+    except NotFoundError as exc:  # a server without the route
+        raise NotFoundError(f"tokenizer {tokenizer_id!r} does not resolve here ({hub_error}) and the server "
+                            f"serves no tokenizer files (GET /api/v1/tokenizer: {exc})",
+                            param="tokenizer_id") from None
     return AutoTokenizer.from_pretrained(str(folder))

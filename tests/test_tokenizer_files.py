@@ -143,3 +143,17 @@ def test_hf_cache_url_places_the_servers_tokenizer_under_its_hub_id(sessions_ser
     code = ("import sys; from transformers import AutoTokenizer; "
             "print(AutoTokenizer.from_pretrained(sys.argv[1]).encode(sys.argv[2]))")
     assert run([sys.executable, "-c", code, HUB_ID, SAMPLE], env).strip() == str(tokenizer.encode(SAMPLE))
+
+
+def test_server_paths_are_scrubbed_and_tokenizer_id_is_never_a_path():
+    from livelora.adapters.models import canonical_tokenizer_id
+    from livelora.clients.tokenizer_files import scrub_paths
+
+    cfg = json.dumps({"_name_or_path": "/srv/models/secret", "model_type": "llama"}).encode()
+    assert json.loads(scrub_paths("config.json", cfg)) == {"model_type": "llama"}
+    kept = json.dumps({"name_or_path": "org/name", "model_type": "llama"}).encode()
+    assert scrub_paths("tokenizer_config.json", kept) == kept and scrub_paths("tokenizer.json", cfg) == cfg
+    assert canonical_tokenizer_id({MODEL, HUB_ID}, "/srv/models/smollm2", MODEL) == HUB_ID
+    assert canonical_tokenizer_id({"Qwen/Qwen3-0.6B"}, "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert canonical_tokenizer_id({"/srv/models/mine"}, "/srv/models/mine", "/srv/models/mine") == "mine"
+    assert canonical_tokenizer_id({"mine"}, "/srv/models/mine", "mine") == "mine"
