@@ -194,27 +194,55 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
 @app.command("hf-cache")
 def hf_cache(model: _Model = None, home: _Home = None,
              hub_id: Annotated[str | None, typer.Option(help="Id to place it under (default: the built-in model's "
-                                                           "canonical hub id).")] = None,
+                                                           "canonical hub id; with --url, the server's "
+                                                           "tokenizer_id).")] = None,
              cache_dir: Annotated[Path | None, typer.Option(help="Hugging Face hub cache (default HF_HUB_CACHE).")]
-             = None) -> None:
+             = None,
+             url: Annotated[str | None, typer.Option(help="Fetch the tokenizer from this livelora server "
+                                                          "(GET /api/v1/tokenizer) instead of the local store.")]
+             = None,
+             api_key: Annotated[str | None, typer.Option(help="Key for --url (default $LIVELORA_API_KEY, else "
+                                                              "$TINKER_API_KEY, else tml-local).")] = None) -> None:
     """Make the base model's tokenizer resolvable offline under its hub id (for tinker SDK get_tokenizer() and
-    tinker-cookbook), by placing it in the local Hugging Face cache."""
+    tinker-cookbook), by placing it in the local Hugging Face cache: from this machine's store, or with --url
+    from a remote server (for a client machine that reaches neither the hub nor the server's disk)."""
     from livelora.adapters.models import HUB_IDS, install_in_hf_cache, resolve_base_model
     from livelora.adapters.settings import DEFAULT_MODEL, default_home
     from livelora.clients.errors import LiveloraError
 
-    name = model or os.environ.get("LIVELORA_MODEL") or DEFAULT_MODEL
-    store = Path(home or os.environ.get("LIVELORA_HOME") or default_home())
-    target = hub_id or HUB_IDS.get(name)
-    if target is None:
-        console.print(f"[red]error[/]: {name} has no known hub id; pass --hub-id org/name")
-        raise typer.Exit(2)
     try:
-        snapshot = install_in_hf_cache(resolve_base_model(name, store), target, cache_dir)
+        if url is not None:
+            target, snapshot = _hf_cache_from_server(url, api_key, hub_id, cache_dir)
+        else:
+            name = model or os.environ.get("LIVELORA_MODEL") or DEFAULT_MODEL
+            store = Path(home or os.environ.get("LIVELORA_HOME") or default_home())
+            target = hub_id or HUB_IDS.get(name)
+            if target is None:
+                console.print(f"[red]error[/]: {name} has no known hub id; pass --hub-id org/name")
+                raise typer.Exit(2)
+            snapshot = install_in_hf_cache(resolve_base_model(name, store), target, cache_dir)
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
     print(f"{target} -> {snapshot}")
+
+
+def _hf_cache_from_server(url: str, api_key: str | None, hub_id: str | None,
+                          cache_dir: Path | None) -> tuple[str, Path]:
+    """``(hub id, snapshot)``: the server's tokenizer files placed in the HF cache under ``hub_id`` (default: the
+    server's ``tokenizer_id``). Raises: LiveloraError subclasses (unreachable server, bad key, bad id)."""
+    from livelora.clients._http import Transport
+    from livelora.clients.tokenizer_files import from_response, install_in_hub_cache
+    from livelora.clients.types.tinker_ext import TokenizerFilesResponse
+
+    key = api_key or os.environ.get("LIVELORA_API_KEY") or os.environ.get("TINKER_API_KEY") or "tml-local"
+    transport = Transport(url, key)
+    try:
+        res = TokenizerFilesResponse.model_validate(transport.tokenizer())
+    finally:
+        transport.close()
+    target = hub_id or res.tokenizer_id
+    return target, install_in_hub_cache(from_response(res), target, cache_dir)
 
 
 def _trainer_note(trainer, whole_loop: bool) -> str:

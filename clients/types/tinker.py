@@ -341,8 +341,9 @@ class GetInfoRequest(StrictModel):
 
 
 class ModelData(LenientModel):
-    """``arch``: HF architecture; ``model_name``: base-model name; ``tokenizer_id``: a path or HF id that
-    ``AutoTokenizer.from_pretrained`` accepts (the server's local model directory)."""
+    """``arch``: HF architecture; ``model_name``: base-model name; ``tokenizer_id``: the base model's Hugging Face
+    hub id when one is known, else the served model name (never a server path); the tokenizer files themselves
+    are served by ``GET /api/v1/tokenizer``."""
 
     arch: str | None = None
     model_name: str | None = None
