@@ -121,10 +121,8 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     import logging
     import threading
 
-    from livelora.cli.processes import DrainingServer, check_install, gateway_app, start_trainer_thread
     from livelora.cli.settings import ServeSettings
     from livelora.clients.errors import LiveloraError
-    from livelora.gateway.api.deps import services_of
     from livelora.gateway.settings import GatewaySettings
 
     log_level = options.pop("log_level")
@@ -136,6 +134,12 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     if options.get("home") is not None:
         os.environ["LIVELORA_HOME"] = str(options["home"])
     settings = _settings(ServeSettings if whole_loop else GatewaySettings, options)
+    metrics_dir = None
+    if whole_loop and settings.placement.trainer_process and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        metrics_dir = _shared_metrics_dir(settings.home)  # before prometheus_client is imported (below)
+    from livelora.cli.processes import DrainingServer, check_install, gateway_app, start_trainer_thread
+    from livelora.gateway.api.deps import services_of
+
     if settings.observability.log_format == "json":  # LIVELORA_LOG_FORMAT=json: uvicorn's lines too
         from livelora.adapters.logs import configure_logging
 
@@ -189,6 +193,24 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             trainer.stop()
         if embedded is not None:
             embedded.stop()
+        if metrics_dir is not None:
+            import shutil
+
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _shared_metrics_dir(home: Path) -> Path:
+    """A fresh ``PROMETHEUS_MULTIPROC_DIR`` for ``livelora serve`` and its trainer child
+    (``<home>/run/metrics-<pid>``, emptied first and removed at exit), set in this process's environment so that
+    the child inherits it and the gateway's ``/metrics`` shows the trainer's metrics too. Must run before
+    ``prometheus_client`` is imported: it picks its value store once, at import."""
+    import shutil
+
+    path = Path(home) / "run" / f"metrics-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return path
 
 
 @app.command("hf-cache")
