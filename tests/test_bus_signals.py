@@ -141,6 +141,21 @@ async def test_other_callers_completion_is_not_found(env):
     out, _ = await svc.feedback(FeedbackRequest(completion_id="chatcmpl-t", rating=True), caller="key-a")
     assert out.completion_id == "chatcmpl-t"
     assert await client.xlen(keys.signals) == 1
+    # one 404 for foreign and unknown ids (same message); a completion made in open mode (no caller) is tenant
+    # default's: a tenant's key created later cannot rate it, default's (or open mode) can
+    from livelora.clients.errors import NotFoundError
+    await app.state.log.record(record("chatcmpl-open", caller=None))
+    errors = []
+    for cid, caller in (("chatcmpl-t", "key-b"), ("chatcmpl-open", "acme"), ("chatcmpl-none", "acme")):
+        with pytest.raises(NotFoundError) as info:
+            await svc.feedback(FeedbackRequest(completion_id=cid, rating=True), caller=caller)
+        errors.append((info.value.message.replace(cid, "<id>"), info.value.param))
+    assert errors[0] == errors[1] == errors[2], errors
+    for caller in ("default", None):
+        out, _ = await svc.feedback(FeedbackRequest(completion_id="chatcmpl-open", rating=caller is None),
+                                    caller=caller)
+        assert out.completion_id == "chatcmpl-open"
+    assert await client.xlen(keys.signals) == 3
 
 
 @pytest.mark.anyio

@@ -70,9 +70,13 @@ class CompletionLog:
         with redis_unavailable():
             raw = await self.client.get(self.keys.completion(completion_id))
         if raw is None:
-            raise NotFoundError(f"No completion {completion_id!r}: unknown id, or older than the "
-                                f"retention period ({self.retention_s} s)", param="completion_id")
+            raise self.missing(completion_id)
         return CompletionRecord.model_validate_json(raw)
+
+    def missing(self, completion_id: str, param: str = "completion_id") -> NotFoundError:
+        """The one 404 for a completion id this caller cannot use: unknown, expired, or another tenant's."""
+        return NotFoundError(f"No completion {completion_id!r}: unknown id, or older than the retention period "
+                             f"({self.retention_s} s)", param=param)
 
 
 async def record_completion(completions: CompletionLog | None, record: CompletionRecord) -> bool:

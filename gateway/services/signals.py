@@ -39,6 +39,7 @@ from typing import Any
 import redis.asyncio as aredis
 
 from livelora.adapters import metrics
+from livelora.adapters.api_keys import DEFAULT_TENANT
 from livelora.adapters.bus import dumps, redis_unavailable
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
@@ -117,9 +118,10 @@ class SignalService:
             rec = await self.completions.get(completion_id)
         except NotFoundError as exc:
             raise NotFoundError(exc.message, param=param) from None
-        if rec.caller is not None and caller is not None and rec.caller != caller:
-            # another tenant's completion: indistinguishable from an unknown id
-            raise NotFoundError(f"No completion {completion_id!r}", param=param)
+        if (rec.caller or DEFAULT_TENANT) != (caller or DEFAULT_TENANT):
+            # another tenant's completion: indistinguishable from an unknown id. Open mode (no caller) is tenant
+            # 'default', also for completions recorded then: keys created later do not open them to others.
+            raise self.completions.missing(completion_id, param)
         return rec
 
     async def _submit(self, route: str, event: Any, body: Any, caller: str | None,
