@@ -100,7 +100,7 @@ class Run:
                                                                seed=cfg.seed)
             self.start_step = 0
         self.resumed = ckpt is not None
-        self.tokenizer = self.tc.get_tokenizer()
+        self.tokenizer = self.sdk.tokenizer(self.tc)
         earlier = read_metrics(self.log_dir).get(self.start_step, {})
         self._elapsed0 = float(earlier.get("time/elapsed_s", 0.0)) if self.resumed else 0.0
         self._t0 = time.monotonic()

@@ -45,6 +45,8 @@ class Sdk:
     name: str
     types: Any
     service_factory: Callable[[], Any]
+    base_url: str = "http://127.0.0.1:8000"
+    api_key: str = "tml-local"
 
     @classmethod
     def load(cls, name: SdkName = "livelora", base_url: str | None = None, api_key: str | None = None) -> Sdk:
@@ -64,7 +66,7 @@ class Sdk:
 
             types = SimpleNamespace(**{n: getattr(clients, n) for n in
                                        ("Datum", "ModelInput", "TensorData", "SamplingParams", "AdamParams")})
-            return cls("livelora", types, lambda: clients.ServiceClient(url, key))
+            return cls("livelora", types, lambda: clients.ServiceClient(url, key), url, key)
         if name == "tinker":
             try:
                 import tinker
@@ -72,12 +74,33 @@ class Sdk:
             except ImportError as exc:
                 raise ImportError("sdk='tinker' needs the official SDK: pip install tinker==0.24.1") from exc
             os.environ.setdefault("TINKER_TELEMETRY", "0")
-            return cls("tinker", ttypes, lambda: tinker.ServiceClient(base_url=url, api_key=key))
+            return cls("tinker", ttypes, lambda: tinker.ServiceClient(base_url=url, api_key=key), url, key)
         raise ValueError(f"unknown sdk {name!r}: use 'livelora' or 'tinker'")
 
     def service(self) -> Any:
         """A new service client (one session)."""
         return self.service_factory()
+
+    def tokenizer(self, training_client: Any) -> Any:
+        """The base model's tokenizer for ``training_client``: its ``get_tokenizer()``; for the official SDK, when
+        that cannot resolve the reported ``tokenizer_id`` (a hub id, offline and not in the Hugging Face cache),
+        the files the server serves (``GET /api/v1/tokenizer``, kept in livelora's tokenizer cache), so that a
+        recipe needs no ``livelora hf-cache`` first.
+
+        Raises:
+            the SDK's error when neither resolves (:func:`livelora.clients.tokenizer_files.load_tokenizer`).
+        """
+        if self.name == "livelora":
+            return training_client.get_tokenizer()  # it falls back to the server's files itself
+        try:
+            return training_client.get_tokenizer()
+        except (OSError, ValueError):
+            from livelora.clients._http import Transport
+            from livelora.clients.tokenizer_files import load_tokenizer
+
+            info = training_client.get_info()
+            tokenizer_id = getattr(info.model_data, "tokenizer_id", None) or info.model_name
+            return load_tokenizer(tokenizer_id, Transport(self.base_url, self.api_key))
 
     def model_input(self, tokens: Sequence[int]) -> Any:
         return self.types.ModelInput.from_ints(list(tokens))
