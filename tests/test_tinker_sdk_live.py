@@ -193,6 +193,114 @@ def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
     assert httpx.get(url[:-4] + "0000").status_code == 404
 
 
+def _train_step(base: str, model_id: str, seq: int, tokens: list[int]) -> None:
+    """forward_backward (seq) + optim_step (seq + 1) at a large learning rate: every LoRA ``B`` leaves zero."""
+    n = len(tokens) - 1
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+             "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [n]},
+                                "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]}}}
+    assert "error" not in _op(base, "forward_backward", {"model_id": model_id, "seq_id": seq,
+                                                         "forward_backward_input": {"data": [datum],
+                                                                                    "loss_fn": "cross_entropy"}})
+    assert "error" not in _op(base, "optim_step", {"model_id": model_id, "seq_id": seq + 1,
+                                                   "adam_params": {"learning_rate": 1e-2}})
+
+
+def _stored_files(home: Path, model_id: str, checkpoint_id: str) -> Path:
+    """The store's version directory behind a checkpoint."""
+    from livelora.adapters.session_protocol import CheckpointIndex
+    from livelora.adapters.store import AdapterStore
+
+    index = CheckpointIndex(home, model_id)
+    return AdapterStore(home).version_dir(index.lineage, index.resolve(*checkpoint_id.split("/")))
+
+
+def test_save_weights_external_signed_file_urls_ttl_and_delete(sessions_server, tokenizer, livelora_home):
+    """``save_weights_external`` writes a PEFT adapter directory as checkpoint ``external_weights/<name>``; its
+    files come from signed, expiring URLs that need no API key; it is listed, re-timed, expired and deleted like
+    any checkpoint; other kinds have no file URLs, and an export is not loadable as a training checkpoint."""
+    from datetime import UTC, datetime, timedelta
+
+    from safetensors.torch import load_file
+
+    from livelora.gateway.api.deps import services_of
+    from livelora.gateway.auth import PUBLIC, required_role
+
+    base = sessions_server.base_url
+    sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    model_id = _create_model(base, sid, 0)
+    _train_step(base, model_id, 1, tokenizer.encode("The sky is blue."))
+    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "w"})
+    res = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 4, "path": "export",
+                                              "ttl_seconds": 3600, "type": "save_weights_external"})
+    path = f"tinker://{model_id}/external_weights/export"
+    stored = _stored_files(livelora_home, model_id, "external_weights/export")
+    files = {"adapter_config.json", "adapter_model.safetensors"}
+    assert res == {"path": path, "size_bytes": sum((stored / f).stat().st_size for f in files),
+                   "type": "save_weights_external"}, res
+    # refused by name, each consuming its seq (the next op runs)
+    enc = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 5, "path": "e2",
+                                              "age_encryption_recipients": ["age1xyz"]})
+    assert enc["code"] == "unsupported_parameter" and enc["param"] == "age_encryption_recipients", enc
+    for seq, body in ((6, {"path": "../up"}), (7, {"path": "e3", "ttl_seconds": 60})):
+        bad = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": seq, **body})
+        assert bad["category"] == "user" and bad["param"] in ("path", "ttl_seconds"), bad
+    # listed with its type, TTL and size
+    listed = {c["checkpoint_id"]: c for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()[
+        "checkpoints"]}
+    assert set(listed) == {"weights/w", "external_weights/export"}
+    ext = listed["external_weights/export"]
+    assert ext["checkpoint_type"] == "external" and ext["tinker_path"] == path and ext["size_bytes"] == res["size_bytes"]
+    in_an_hour = datetime.now(UTC) + timedelta(hours=1)
+    assert abs((datetime.fromisoformat(ext["expires_at"]) - in_an_hour).total_seconds()) < 120
+    mine = httpx.get(f"{base}/api/v1/checkpoints", params={"limit": 1000}).json()["checkpoints"]
+    assert [c["checkpoint_type"] for c in mine if c["tinker_path"] == path] == ["external"]
+    assert httpx.post(f"{base}/api/v1/weights_info", json={"tinker_path": path}).json()["lora_rank"] == 4
+    # per-file signed URLs, fetched without any header; the bytes are the store's, the weights those of save_state
+    ckpt = f"{base}/api/v1/training_runs/{model_id}/checkpoints/external_weights/export"
+    got = httpx.get(f"{ckpt}/external_weights_urls").json()
+    assert set(got["urls"]) == files
+    assert 0 < (datetime.fromisoformat(got["expires"]) - datetime.now(UTC)).total_seconds() <= 900
+    for name, url in got["urls"].items():
+        assert required_role("GET", httpx.URL(url).path) == PUBLIC  # no key needed, also in key mode
+        r = httpx.get(url)
+        assert r.status_code == 200 and r.content == (stored / name).read_bytes(), (name, r.status_code)
+        assert int(r.headers["content-length"]) == len(r.content)
+    state_dir = _stored_files(livelora_home, model_id, "weights/w")
+    ext_w, state_w = (load_file(str(d / "adapter_model.safetensors")) for d in (stored, state_dir))
+    assert ext_w.keys() == state_w.keys() and all(ext_w[k].equal(state_w[k]) for k in ext_w)
+    assert any(ext_w[k].abs().sum() > 0 for k in ext_w if "lora_B" in k)
+    cfg = json.loads((stored / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == HUB_IDS[MODEL] and cfg["peft_type"] == "LORA" and cfg["r"] == 4
+    # a forged signature, or one file's token for another file, is 404
+    cfg_url = got["urls"]["adapter_config.json"]
+    assert httpx.get(cfg_url[:-len("adapter_config.json")] + "adapter_model.safetensors").status_code == 404
+    token_end = cfg_url.rindex("/")
+    assert httpx.get(cfg_url[:token_end - 4] + "0000" + cfg_url[token_end:]).status_code == 404
+    # only external_weights has file URLs; an export is not a training checkpoint
+    r = httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints/weights/w/external_weights_urls")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "checkpoint_id", r.text
+    r = httpx.post(f"{base}/api/v1/load_weights", json={"session_id": sid, "model_seq_id": 1, "path": path})
+    assert r.status_code == 400 and "external-weights export" in r.json()["error"]["message"], r.text
+    # TTL update, then delete: the version goes, the URLs and the listing follow
+    assert httpx.put(f"{ckpt}/ttl", json={"ttl_seconds": 7200}).status_code == 204
+    ext = next(c for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+               if c["checkpoint_id"] == "external_weights/export")
+    assert datetime.fromisoformat(ext["expires_at"]) > in_an_hour + timedelta(minutes=50)
+    assert httpx.delete(ckpt).status_code == 204
+    assert not stored.exists()
+    assert httpx.get(got["urls"]["adapter_config.json"]).status_code == 404
+    assert httpx.get(f"{ckpt}/external_weights_urls").status_code == 404
+    # housekeeping expires exports like other checkpoints
+    assert "error" not in _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 8, "path": "e4",
+                                                              "ttl_seconds": 3600})
+    deleted = services_of(sessions_server.app).sessions.checkpoints.expire_due(datetime.now(UTC) + timedelta(hours=2))
+    assert f"tinker://{model_id}/external_weights/e4" in deleted
+    left = {c["checkpoint_id"] for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()[
+        "checkpoints"]}
+    assert left == {"weights/w"}
+
+
 def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenizer):
     base = sessions_server.base_url
     sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
@@ -226,12 +334,6 @@ def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenize
     for route in ("create_custom_loss", "copy_weights"):  # 400, not 501: the SDK retries every 5xx for minutes
         r = httpx.post(f"{base}/api/v1/{route}", json={})
         assert r.status_code == 400 and r.json()["error"]["code"] == "not_implemented", (route, r.text)
-    # save_weights_external is a training op: its future fails at once and its seq is consumed
-    model_id = _create_model(base, sid, 0)
-    res = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 1, "path": "x"})
-    assert res["code"] == "not_implemented" and res["category"] == "user", res
-    res = _op(base, "save_weights", {"model_id": model_id, "seq_id": 2, "path": "after-external"})
-    assert res["path"].endswith("/weights/after-external"), res
     me = httpx.get(f"{base}/api/v1/auth/apikey/me").json()
     assert isinstance(me["key_id"], int) and me["name"] and me["details"]["org_details"]["name"]
     dyn = httpx.post(f"{base}/api/v1/client/dynamic_config", json={"sdk_version": "0.38.0"}).json()
