@@ -340,17 +340,42 @@ def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenize
     assert dyn["sample_cancel_enabled"] is False and dyn["refresh_interval_sec"] == 300
 
 
+def _peft_prompt_logprobs(base_ref, adapter_dir: Path, tokens: list[int]) -> tuple[list[float], list[float]]:
+    """Logprob of each prompt token after the first under base + the PEFT adapter in ``adapter_dir``, and under
+    the base model alone, computed here with plain transformers + peft (float32, CPU)."""
+    import torch
+    from peft import PeftModel
+
+    from livelora.adapters.models import load_model
+
+    model = PeftModel.from_pretrained(load_model(base_ref), str(adapter_dir)).eval()
+    ids, targets = torch.tensor([tokens]), torch.tensor(tokens[1:])[:, None]
+    with torch.no_grad():
+        tuned = model(ids).logits[0, :-1].float()
+        with model.disable_adapter():
+            plain = model(ids).logits[0, :-1].float()
+    return tuple(torch.log_softmax(x, -1).gather(1, targets)[:, 0].tolist() for x in (tuned, plain))
+
+
 @pytest.mark.parametrize("version", ["038", "024"])
-def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_path):
-    """``python -m tinker.cli checkpoint list|download`` of the official SDKs (download: SDK ≤0.24's archive
-    path; SDK 0.38 exports through save_weights_external, which livelora answers with a clear 501)."""
+def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_path, tokenizer, base_ref,
+                                                 livelora_home):
+    """``python -m tinker.cli checkpoint list|download`` of the official SDKs. Download: SDK ≤0.24 fetches a tar
+    from the archive URL; SDK 0.38 loads the checkpoint into a new training run, exports it with
+    ``save_weights_external``, fetches each file from its signed URL and deletes the export. The 0.38 download
+    is a PEFT adapter with the checkpoint's exact tensors, and base + adapter under peft gives the logprobs the
+    server computes for the same weights."""
     python = sdk_python(version)
     if python is None:
         pytest.skip(f"no tinker SDK venv for {version}: run .ci/setup-tinker-sdks")
     base = sessions_server.base_url
     sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "x"}).json()["session_id"]
     model_id = _create_model(base, sid, 0)
-    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "cli"})
+    _train_step(base, model_id, 1, tokenizer.encode("The sky is blue."))
+    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "cli"})
+    if version == "038":  # the same weights for the server's logprobs (saved now: the session expires unbeaten)
+        assert "error" not in _op(base, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 4,
+                                                                     "path": "cli-s"})
     path = f"tinker://{model_id}/weights/cli"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
     env.update(TINKER_BASE_URL=base, TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0", PYTHONPATH="")
@@ -363,13 +388,32 @@ def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_p
     assert listed.returncode == 0, listed.stderr[-2000:]
     assert path in [c["tinker_path"] for c in json.loads(listed.stdout)["checkpoints"]]
     got = cli("download", path, "--output", str(tmp_path / "dl"))
+    assert got.returncode == 0, (got.stdout + got.stderr)[-3000:]
+    (folder,) = (tmp_path / "dl").iterdir()
+    files = {f.name for f in folder.iterdir()}
     if version == "024":
-        assert got.returncode == 0, got.stderr[-2000:]
-        (folder,) = (tmp_path / "dl").iterdir()
-        assert {f.name for f in folder.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
-                                                       "checkpoint_complete"}
-    else:  # SDK 0.38 exports through save_weights_external: refused at once, not retried
-        assert got.returncode != 0 and "save_weights_external is not built" in got.stdout + got.stderr
+        assert files == {"adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"}
+        return
+    from safetensors.torch import load_file
+
+    assert files == {"adapter_config.json", "adapter_model.safetensors"}
+    assert json.loads(got.stdout)["destination"] == str(folder)
+    stored = load_file(str(_stored_files(livelora_home, model_id, "weights/cli") / "adapter_model.safetensors"))
+    downloaded = load_file(str(folder / "adapter_model.safetensors"))
+    assert downloaded.keys() == stored.keys() and all(downloaded[k].equal(stored[k]) for k in stored)
+    # the temporary export (tinker://<new run>/external_weights/download) was deleted by the CLI
+    mine = httpx.get(f"{base}/api/v1/checkpoints", params={"limit": 10000}).json()["checkpoints"]
+    assert not [c for c in mine if c["tinker_path"].endswith("/external_weights/download")]
+    # base + downloaded adapter under peft == the server's prompt logprobs for the same weights
+    prompt = tokenizer.encode("The sky is blue and the grass is green.")
+    served = httpx.post(f"{base}/api/v1/asample", json={
+        "model_path": f"tinker://{model_id}/sampler_weights/cli-s", "prompt": {"chunks": [
+            {"type": "encoded_text", "tokens": prompt}]}, "prompt_logprobs": True,
+        "sampling_params": {"max_tokens": 1}}).json()
+    served = _retrieve(base, served["request_id"]).json()["prompt_logprobs"]
+    local, base_only = _peft_prompt_logprobs(base_ref, folder, prompt)
+    assert served[0] is None and local == pytest.approx(served[1:], abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(local, base_only)) > 0.05  # the adapter moves them: a real comparison
 
 
 def test_sessions_get_list_search_outlive_the_session(sessions_server):
