@@ -8,7 +8,8 @@ before they start, the prometheus-client convention), every process writes its v
 :func:`exposition` aggregates all of them (``prometheus_client.multiprocess.MultiProcessCollector``): several
 uvicorn workers, or a trainer process beside the gateway, then show up in one scrape. Without it each process
 exposes its own registry (a separate ``livelora trainer`` process is then not visible at the gateway's
-``/metrics``). Gauges use ``multiprocess_mode="livesum"`` (the sum over live processes).
+``/metrics``; ``livelora serve`` sets up such a directory for itself and its trainer child). Gauges use
+``multiprocess_mode="livesum"`` (the sum over live processes).
 
 See the README's operators section for the table of names.
 """

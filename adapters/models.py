@@ -30,11 +30,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from livelora.adapters.atomic import atomic_dir, file_lock
 from livelora.adapters.settings import DEFAULT_MODEL
 from livelora.clients.errors import BadRequestError, ModelNotFoundError
+from livelora.clients.tokenizer_files import TOKENIZER_FILES as _TOKENIZER_FILES
+from livelora.clients.tokenizer_files import install_in_hub_cache, read_tokenizer_dir, scrub_paths
 
 if TYPE_CHECKING:  # heavy imports stay lazy
     import torch
@@ -51,9 +54,9 @@ BUILTIN_GGUF: dict[str, tuple[str, str]] = {
 #: reported as its ``tokenizer_id``, so ``get_tokenizer()`` and tinker-cookbook resolve it by that id).
 HUB_IDS: dict[str, str] = {DEFAULT_MODEL: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
-#: Tokenizer files copied into the Hugging Face cache by :func:`install_in_hf_cache` (those present).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "config.json", "generation_config.json")
+#: Tokenizer files served by ``GET /api/v1/tokenizer`` and copied into the Hugging Face cache by
+#: :func:`install_in_hf_cache` (those present; never weights).
+TOKENIZER_FILES = _TOKENIZER_FILES
 
 MANIFEST = "livelora_model.json"
 
@@ -226,14 +229,64 @@ def load_model(ref: BaseModelRef, *, dtype: str | torch.dtype = "float32", devic
     return model
 
 
+def tokenizer_files(source: str) -> dict[str, bytes]:
+    """The tokenizer files of a loaded tokenizer's source (its ``name_or_path``): read from the directory when
+    ``source`` is one, else from the Hugging Face cache of hub id ``source`` (where loading it put them).
+
+    Returns: ``{base name: bytes}`` of the :data:`TOKENIZER_FILES` present, absolute paths scrubbed from the
+    JSON configs (:func:`~livelora.clients.tokenizer_files.scrub_paths`).
+
+    Raises:
+        BadRequestError: no tokenizer files there.
+    """
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return read_tokenizer_dir(path)
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    files = {}
+    for name in TOKENIZER_FILES:
+        found = try_to_load_from_cache(source, name, cache_dir=constants.HF_HUB_CACHE)
+        if isinstance(found, str):
+            files[name] = scrub_paths(name, Path(found).read_bytes())
+    if "tokenizer.json" not in files and "tokenizer_config.json" not in files:
+        raise BadRequestError("the base model's tokenizer files are not in this server's Hugging Face cache",
+                              param="model")
+    return files
+
+
+def canonical_tokenizer_id(names: Iterable[str], source: str, served: str) -> str:
+    """The ``tokenizer_id`` to report for a base model (never a server path).
+
+    Args:
+        names: the base model's accepted names (the built-in name, aliases).
+        source: the loaded tokenizer's ``name_or_path`` (a local directory or a hub id).
+        served: the served base-model name.
+
+    Returns: the canonical hub id of a built-in model (:data:`HUB_IDS`); else ``source`` when it is a hub id (a
+    base model loaded from the hub); else ``served``, or its last path component when it is a file path.
+    """
+    for name in sorted(names):
+        if name in HUB_IDS:
+            return HUB_IDS[name]
+    local = Path(source).expanduser().exists() or source.startswith(("/", ".", "~"))
+    if source and not local and source.count("/") <= 1:
+        return source
+    if served.startswith(("/", ".", "~")) or Path(served).expanduser().exists():
+        return Path(served).expanduser().name or served.strip("/") or "base-model"
+    return served
+
+
 def install_in_hf_cache(ref: BaseModelRef, hub_id: str, cache_dir: Path | str | None = None) -> Path:
     """Make ``ref``'s tokenizer resolvable offline as ``hub_id`` (``AutoTokenizer.from_pretrained(hub_id)`` with
     ``HF_HUB_OFFLINE=1``), by writing it into the local Hugging Face hub cache.
 
     Layout (huggingface_hub's cache, ``HF_HUB_CACHE``): ``models--<org>--<name>/snapshots/<rev>/<files>`` and
-    ``refs/main`` = ``<rev>``, where ``<rev>`` is the sha1 of the copied files' bytes (so re-running with the
-    same tokenizer is a no-op and a changed tokenizer gets a new snapshot). Only :data:`TOKENIZER_FILES` are
-    placed (no weights: clients need the tokenizer, not the model). Files are written atomically.
+    ``refs/main`` = ``<rev>``, where ``<rev>`` is the sha1 of the copied files' names and bytes (so re-running
+    with the same tokenizer is a no-op and a changed tokenizer gets a new snapshot; a tokenizer fetched from a
+    server's ``GET /api/v1/tokenizer`` by ``livelora hf-cache --url`` gets the same one). Only
+    :data:`TOKENIZER_FILES` are placed (no weights: clients need the tokenizer, not the model). Files are
+    written atomically (:func:`~livelora.clients.tokenizer_files.install_in_hub_cache`).
 
     Args:
         ref: a resolved local base model (:func:`resolve_base_model`).
@@ -243,32 +296,9 @@ def install_in_hf_cache(ref: BaseModelRef, hub_id: str, cache_dir: Path | str | 
     Returns: the snapshot directory.
 
     Raises:
-        BadRequestError: ``ref`` is not a local directory, or ``hub_id`` is not ``org/name``.
+        BadRequestError: ``ref`` is not a local directory or holds no tokenizer, or ``hub_id`` is not a repo id.
     """
-    import hashlib
-
-    from huggingface_hub import constants
-
-    from livelora.adapters.atomic import atomic_write_bytes
-
     if not ref.is_local:
         raise BadRequestError(f"{ref.name} is not a local model directory; nothing to place in the cache",
                               param="model")
-    if hub_id.count("/") != 1 or not all(hub_id.split("/")):
-        raise BadRequestError(f"hub id {hub_id!r} is not 'org/name'", param="hub_id")
-    src = Path(ref.path)
-    files = {f: (src / f).read_bytes() for f in TOKENIZER_FILES if (src / f).is_file()}
-    if "tokenizer.json" not in files and "tokenizer_config.json" not in files:
-        raise BadRequestError(f"{src} holds no tokenizer files", param="model")
-    digest = hashlib.sha1()
-    for name in sorted(files):
-        digest.update(name.encode() + b"\0" + files[name])
-    rev = digest.hexdigest()
-    repo = Path(cache_dir or constants.HF_HUB_CACHE) / ("models--" + hub_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / rev
-    snapshot.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        atomic_write_bytes(snapshot / name, data)
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(repo / "refs" / "main", rev.encode())
-    return snapshot
+    return install_in_hub_cache(read_tokenizer_dir(ref.path), hub_id, cache_dir)

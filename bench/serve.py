@@ -10,6 +10,17 @@ prints the throughput ratio.
     python bench/serve.py --spawn                       # start a gateway itself (engine kind: --engine)
     python bench/serve.py --url http://127.0.0.1:8000   # an already running gateway
     python bench/serve.py --metering-ab 3               # metering + /metrics on vs off, two gateways, same run
+    python bench/serve.py --anchors                     # with an adapter on every request vs offline peft
+
+``--anchors`` (issue 16's comparison) starts a gateway on a fresh store (base models linked from
+``$LIVELORA_HOME``), writes one LoRA version of its endpoint's lineage the way the trainer does (rank
+``--rank``, attention + MLP, random ``lora_B`` so the adapter changes every token), waits until the gateway
+serves it, and then measures, in ``--rounds`` alternating rounds, with that adapter on every request:
+the gateway at ``--concurrency`` streams (``--requests`` requests) against the offline anchor of a static
+batch of ``--concurrency`` prompts through plain ``transformers`` ``generate`` on the same base model with the
+same adapter as a ``peft`` ``PeftModel`` (left-padded, greedy, exactly ``--max-tokens`` new tokens), and the
+gateway at 1 stream against ``generate`` at batch 1. It prints each round with the 1-minute load average,
+then the medians and the two ratios.
 
 ``--metering-ab R`` starts two gateways at once, one with ``LIVELORA_METERING=false LIVELORA_METRICS=false``
 and one with both on (the defaults), and measures them in R alternating rounds (off, on, off, on, ...), so that
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -55,12 +67,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
+async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, *,
+                     temperature: float = 0.0, seed: int | None = None, ignore_eos: bool = True) -> dict:
+    """One streamed chat completion (usage included). Returns its ``id``, ``text``, completion ``tokens`` (the
+    server's ``usage``), ``version`` (from ``system_fingerprint``), ``end`` (``perf_counter`` seconds), ``ttft``
+    (seconds to the first content chunk) and ``itl`` (seconds between content chunks). Raises: httpx errors for a
+    non-2xx answer, RuntimeError for an error event."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if seed is not None:
+        body["seed"] = seed
     start = time.perf_counter()
     stamps: list[float] = []
-    tokens = 0
+    text, tokens, cid, fingerprint = [], 0, None, None
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -69,12 +90,16 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tok
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if chunk["usage"]:
+            cid = chunk.get("id", cid)
+            fingerprint = chunk.get("system_fingerprint") or fingerprint
+            if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - start if stamps else float("nan"),
-            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens}
+                text.append(chunk["choices"][0]["delta"]["content"])
+    return {"id": cid, "text": "".join(text), "tokens": tokens, "end": time.perf_counter(),
+            "version": (fingerprint or "").removeprefix("livelora-"),
+            "ttft": stamps[0] - start if stamps else float("nan"), "itl": [b - a for a, b in itertools.pairwise(stamps)]}
 
 
 async def run_gateway(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
@@ -171,10 +196,15 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--metering-ab", type=int, default=0, metavar="ROUNDS",
                         help="compare metering+metrics off vs on (two spawned gateways, alternating rounds)")
+    parser.add_argument("--anchors", action="store_true", help="adapter on every request vs offline peft anchors")
+    parser.add_argument("--rounds", type=int, default=2, help="--anchors: alternating rounds")
+    parser.add_argument("--rank", type=int, default=16, help="--anchors: LoRA rank of the adapter")
     parser.add_argument("--ab-on-first", action="store_true", help="with --metering-ab: start and run 'on' first")
     args = parser.parse_args()
     if args.metering_ab:
         return metering_ab(args)
+    if args.anchors:
+        return anchors(args)
     if not (args.url or args.spawn):
         parser.error("one of the arguments --url --spawn --metering-ab is required")
 
@@ -202,6 +232,107 @@ def main() -> None:
     print(f"  requests/s        {base['requests_per_s']:.2f}")
     print(f"  output tokens/s   {base['tokens_per_s']:.1f}  ({base['tokens']} tokens in {base['elapsed_s']:.1f} s)")
     print(f"ratio gateway / sequential (output tokens/s): {gw['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+
+
+def offline_generate(model, tokenizer, prompts: list[str], max_tokens: int, batch: int) -> dict:
+    """``prompts`` through ``model.generate`` in static batches of ``batch`` (left-padded, greedy, exactly
+    ``max_tokens`` new tokens each); returns elapsed seconds, output tokens and tokens/s."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    tokens, start = 0, time.perf_counter()
+    for i in range(0, len(texts), batch):
+        enc = tokenizer(texts[i:i + batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        tokens += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed}
+
+
+def anchors(args) -> None:
+    """The gateway with an adapter on every request against offline ``generate`` with the same adapter (see the
+    module docstring): ``--rounds`` alternating rounds of gateway N streams, static batch N, gateway 1 stream,
+    batch 1; prints each and the medians."""
+    import tempfile
+    import uuid
+    from pathlib import Path
+
+    import redis
+    from peft import PeftModel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import hotswap  # the trainer-side publisher of bench/hotswap.py
+
+    from livelora.adapters.models import load_model, load_tokenizer, resolve_base_model
+    from livelora.adapters.redis_keys import KeyLayout
+    from livelora.adapters.settings import CommonSettings
+    from livelora.adapters.store import AdapterStore
+
+    settings = CommonSettings()
+    ref = resolve_base_model(args.model, settings.home)
+    home = Path(tempfile.mkdtemp(prefix="livelora-anchors-"))
+    (home / "models").symlink_to(Path(settings.home) / "models", target_is_directory=True)
+    keys = KeyLayout(f"livelora-bench-anchors-{uuid.uuid4().hex[:8]}:")
+    env = {"LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": keys.prefix, "LIVELORA_METERING": "false"}
+    proc, url = spawn(args.engine, args.model, args.max_batch_size, args.device, env,
+                      ["--served-model-name", hotswap.EP])
+    rows: dict[str, list[dict]] = {"gateway_n": [], "static_n": [], "gateway_1": [], "generate_1": []}
+    try:
+        publisher = hotswap.Publisher(ref, home, keys, redis.Redis.from_url(settings.redis_url), args.rank)
+        name, _, _ = publisher.publish()
+        del publisher
+
+        async def served() -> str | None:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                for _ in range(600):
+                    r = await hotswap.stream_chat(client, "probe", "Hello", 1)
+                    if r.version == name:
+                        return r.version
+                    await asyncio.sleep(0.1)
+            return None
+
+        if asyncio.run(served()) != name:
+            raise SystemExit(f"the gateway did not serve {name} within a minute")
+        tokenizer = load_tokenizer(ref)
+        model = PeftModel.from_pretrained(load_model(ref, device=args.device or "cpu"),
+                                          str(AdapterStore(home).version_dir(hotswap.EP, 1)))
+        model.eval()
+        offline_generate(model, tokenizer, PROMPTS[:2], 2, 2)  # warm-up
+        n = args.concurrency
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+        ones = max(2, args.requests // n)
+        for r in range(args.rounds):
+            for kind in rows:
+                load = os.getloadavg()[0]
+                if kind == "gateway_n":
+                    res = asyncio.run(run_gateway(url, hotswap.EP, n, args.requests, args.max_tokens))
+                elif kind == "gateway_1":
+                    res = asyncio.run(run_gateway(url, hotswap.EP, 1, ones, args.max_tokens))
+                elif kind == "static_n":
+                    res = offline_generate(model, tokenizer, prompts, args.max_tokens, n)
+                else:
+                    res = offline_generate(model, tokenizer, prompts[:ones], args.max_tokens, 1)
+                res["load"] = load
+                rows[kind].append(res)
+                print(f"round {r + 1} {kind:10}: {res['tokens_per_s']:.1f} tokens/s ({res['tokens']} tokens in "
+                      f"{res['elapsed_s']:.1f} s; load avg 1 min {load:.2f})", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    med = {k: percentile([x["tokens_per_s"] for x in v], 0.5) for k, v in rows.items()}
+    print(f"median of {args.rounds} rounds, adapter {name} (rank {args.rank}) on every request, "
+          f"{args.max_tokens} tokens per request (load avg 1/5/15 min now "
+          f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}):")
+    print(f"  gateway {n} streams {med['gateway_n']:.1f} tok/s vs static batch {n} {med['static_n']:.1f} tok/s: "
+          f"{med['gateway_n'] / med['static_n']:.2f}x")
+    print(f"  gateway 1 stream  {med['gateway_1']:.1f} tok/s vs generate batch 1 {med['generate_1']:.1f} tok/s: "
+          f"{med['gateway_1'] / med['generate_1']:.2f}x")
 
 
 def metering_ab(args) -> None:

@@ -39,7 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_loop import PROMPTS, liked  # noqa: E402
-from serve import percentile, spawn  # noqa: E402
+from serve import one_stream, percentile, spawn  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
@@ -53,32 +53,6 @@ def start_serve(home: Path, prefix: str, mode: str, max_batch_size: int) -> tupl
     env = {"LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": prefix,
            "LIVELORA_TRAINER_PROCESS": "true" if mode == "process" else "false"}
     return spawn("transformers", str(ref.path), max_batch_size, None, env=env, extra=["--served-model-name", MODEL])
-
-
-async def one_chat(client: httpx.AsyncClient, prompt: str, max_tokens: int, seed: int) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.7, "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    stamps: list[float] = []
-    text, tokens, cid, fingerprint = [], 0, None, None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            cid = chunk.get("id", cid)
-            fingerprint = chunk.get("system_fingerprint") or fingerprint
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                stamps.append(time.perf_counter())
-                text.append(chunk["choices"][0]["delta"]["content"])
-    return {"id": cid, "text": "".join(text), "tokens": tokens, "end": time.perf_counter(),
-            "version": (fingerprint or "").removeprefix("livelora-"),
-            "ttft": stamps[0] - start if stamps else float("nan"), "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
 async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, max_tokens: int,
@@ -98,7 +72,8 @@ async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, ma
             i = w
             while time.perf_counter() < stop_at:
                 try:
-                    r = await one_chat(client, PROMPTS[i % len(PROMPTS)], max_tokens, seed + i)
+                    r = await one_stream(client, MODEL, PROMPTS[i % len(PROMPTS)], max_tokens, temperature=0.7,
+                                         seed=seed + i, ignore_eos=False)
                 except (httpx.HTTPError, RuntimeError):
                     failed += 1
                     continue

@@ -121,10 +121,8 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     import logging
     import threading
 
-    from livelora.cli.processes import DrainingServer, check_install, gateway_app, start_trainer_thread
     from livelora.cli.settings import ServeSettings
     from livelora.clients.errors import LiveloraError
-    from livelora.gateway.api.deps import services_of
     from livelora.gateway.settings import GatewaySettings
 
     log_level = options.pop("log_level")
@@ -136,6 +134,12 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     if options.get("home") is not None:
         os.environ["LIVELORA_HOME"] = str(options["home"])
     settings = _settings(ServeSettings if whole_loop else GatewaySettings, options)
+    metrics_dir = None
+    if whole_loop and settings.placement.trainer_process and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        metrics_dir = _shared_metrics_dir(settings.home)  # before prometheus_client is imported (below)
+    from livelora.cli.processes import DrainingServer, check_install, gateway_app, start_trainer_thread
+    from livelora.gateway.api.deps import services_of
+
     if settings.observability.log_format == "json":  # LIVELORA_LOG_FORMAT=json: uvicorn's lines too
         from livelora.adapters.logs import configure_logging
 
@@ -189,32 +193,78 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             trainer.stop()
         if embedded is not None:
             embedded.stop()
+        if metrics_dir is not None:
+            import shutil
+
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _shared_metrics_dir(home: Path) -> Path:
+    """A fresh ``PROMETHEUS_MULTIPROC_DIR`` for ``livelora serve`` and its trainer child
+    (``<home>/run/metrics-<pid>``, emptied first and removed at exit), set in this process's environment so that
+    the child inherits it and the gateway's ``/metrics`` shows the trainer's metrics too. Must run before
+    ``prometheus_client`` is imported: it picks its value store once, at import."""
+    import shutil
+
+    path = Path(home) / "run" / f"metrics-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return path
 
 
 @app.command("hf-cache")
 def hf_cache(model: _Model = None, home: _Home = None,
              hub_id: Annotated[str | None, typer.Option(help="Id to place it under (default: the built-in model's "
-                                                           "canonical hub id).")] = None,
+                                                           "canonical hub id; with --url, the server's "
+                                                           "tokenizer_id).")] = None,
              cache_dir: Annotated[Path | None, typer.Option(help="Hugging Face hub cache (default HF_HUB_CACHE).")]
-             = None) -> None:
+             = None,
+             url: Annotated[str | None, typer.Option(help="Fetch the tokenizer from this livelora server "
+                                                          "(GET /api/v1/tokenizer) instead of the local store.")]
+             = None,
+             api_key: Annotated[str | None, typer.Option(help="Key for --url (default $LIVELORA_API_KEY, else "
+                                                              "$TINKER_API_KEY, else tml-local).")] = None) -> None:
     """Make the base model's tokenizer resolvable offline under its hub id (for tinker SDK get_tokenizer() and
-    tinker-cookbook), by placing it in the local Hugging Face cache."""
+    tinker-cookbook), by placing it in the local Hugging Face cache: from this machine's store, or with --url
+    from a remote server (for a client machine that reaches neither the hub nor the server's disk)."""
     from livelora.adapters.models import HUB_IDS, install_in_hf_cache, resolve_base_model
     from livelora.adapters.settings import DEFAULT_MODEL, default_home
     from livelora.clients.errors import LiveloraError
 
-    name = model or os.environ.get("LIVELORA_MODEL") or DEFAULT_MODEL
-    store = Path(home or os.environ.get("LIVELORA_HOME") or default_home())
-    target = hub_id or HUB_IDS.get(name)
-    if target is None:
-        console.print(f"[red]error[/]: {name} has no known hub id; pass --hub-id org/name")
-        raise typer.Exit(2)
     try:
-        snapshot = install_in_hf_cache(resolve_base_model(name, store), target, cache_dir)
+        if url is not None:
+            target, snapshot = _hf_cache_from_server(url, api_key, hub_id, cache_dir)
+        else:
+            name = model or os.environ.get("LIVELORA_MODEL") or DEFAULT_MODEL
+            store = Path(home or os.environ.get("LIVELORA_HOME") or default_home())
+            target = hub_id or HUB_IDS.get(name)
+            if target is None:
+                console.print(f"[red]error[/]: {name} has no known hub id; pass --hub-id org/name")
+                raise typer.Exit(2)
+            snapshot = install_in_hf_cache(resolve_base_model(name, store), target, cache_dir)
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
     print(f"{target} -> {snapshot}")
+
+
+def _hf_cache_from_server(url: str, api_key: str | None, hub_id: str | None,
+                          cache_dir: Path | None) -> tuple[str, Path]:
+    """``(hub id, snapshot)``: the server's tokenizer files placed in the HF cache under ``hub_id`` (default: the
+    server's ``tokenizer_id``). Raises: LiveloraError subclasses (unreachable server, bad key, bad id)."""
+    from livelora.clients._http import Transport
+    from livelora.clients.tokenizer_files import from_response, install_in_hub_cache
+    from livelora.clients.types.tinker_ext import TokenizerFilesResponse
+
+    key = api_key or os.environ.get("LIVELORA_API_KEY") or os.environ.get("TINKER_API_KEY") or "tml-local"
+    transport = Transport(url, key)
+    try:
+        res = TokenizerFilesResponse.model_validate(transport.tokenizer())
+    finally:
+        transport.close()
+    target = hub_id or res.tokenizer_id
+    return target, install_in_hub_cache(from_response(res), target, cache_dir)
 
 
 def _trainer_note(trainer, whole_loop: bool) -> str:

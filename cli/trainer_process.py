@@ -133,6 +133,7 @@ class TrainerProcess:
             if proc.is_alive() or self._stopping.is_set():
                 continue
             log.error("trainer process %d exited with %s; restarting in %.0f s", proc.pid, proc.exitcode, backoff)
+            _forget_metrics_of(proc.pid)
             if self._stopping.wait(backoff):
                 return
             with self._lock:
@@ -159,3 +160,12 @@ class TrainerProcess:
             proc.join(5)
         if self._watcher is not None:
             self._watcher.join(2)
+
+
+def _forget_metrics_of(pid: int) -> None:
+    """With ``PROMETHEUS_MULTIPROC_DIR`` (``livelora serve`` sets one up), drop a dead child's live gauges from the
+    aggregate (prometheus-client's ``mark_process_dead``); its counters stay counted."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)

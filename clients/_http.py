@@ -113,6 +113,20 @@ class Transport:
     def get_server_capabilities(self) -> dict[str, Any]:
         return self._call("GET", "/get_server_capabilities").json()
 
+    def tokenizer(self, revision: str | None = None) -> dict[str, Any] | None:
+        """The base model's tokenizer files (``GET /tokenizer``), or ``None`` when ``revision`` (sent as
+        ``If-None-Match``) is still the served one (304)."""
+        headers = {"If-None-Match": f'"{revision}"'} if revision else None
+        try:
+            response = self._client.get("/tokenizer", headers=headers)
+        except httpx.TransportError as exc:
+            raise UnavailableError(f"cannot reach {self.base_url}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code == 304:
+            return None
+        if response.status_code >= 400:
+            raise _status_error(response)
+        return response.json()
+
     def training_run(self, model_id: str) -> dict[str, Any]:
         return self._call("GET", f"/training_runs/{model_id}").json()
 

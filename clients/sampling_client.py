@@ -82,7 +82,7 @@ class SamplingClient:
 
         if self._tokenizer_id is None:
             self._tokenizer_id = self.service._tokenizer_id()
-        return load_tokenizer(self._tokenizer_id)
+        return load_tokenizer(self._tokenizer_id, self.service.transport)
 
     def get_base_model(self) -> str | None:
         return self.base_model

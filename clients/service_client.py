@@ -34,11 +34,18 @@ SDK_VERSION = "livelora-0.1.0"
 HEARTBEAT_S = 10.0
 
 
-def load_tokenizer(tokenizer_id: str):
-    """``AutoTokenizer.from_pretrained(tokenizer_id)`` (a local directory or a Hub id)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(tokenizer_id: str, transport: Transport | None = None):
+    """``AutoTokenizer.from_pretrained(tokenizer_id)`` (a Hub id, from the local HF cache or the hub); when that
+    fails (offline, not cached) and ``transport`` is given, the tokenizer files the server serves, kept in
+    ``~/.cache/livelora/tokenizers`` (:func:`livelora.clients.tokenizer_files.load_tokenizer`).
 
-    return AutoTokenizer.from_pretrained(tokenizer_id)
+    Raises:
+        OSError/ValueError: the id does not resolve and there is no server to ask. UnavailableError: neither
+        the hub, the server nor the local cache has it.
+    """
+    from livelora.clients.tokenizer_files import load_tokenizer as load
+
+    return load(tokenizer_id, transport)
 
 
 class ServiceClient:
@@ -180,6 +187,11 @@ class ServiceClient:
     def _tokenizer_id(self) -> str:
         caps = self.get_server_capabilities().supported_models
         return caps[0].tokenizer_id or caps[0].model_name
+
+    def get_tokenizer(self):
+        """The served base model's Hugging Face tokenizer, by the ``tokenizer_id`` the server reports (see
+        :func:`load_tokenizer`: the local HF cache or the hub, else the server's own files)."""
+        return load_tokenizer(self._tokenizer_id(), self.transport)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def list_checkpoints(self, model_id: str) -> list[dict[str, Any]]:

@@ -185,11 +185,16 @@ class TrainingClient:
         return self._info
 
     def get_tokenizer(self):
-        """The base model's Hugging Face tokenizer (``AutoTokenizer`` on ``model_data.tokenizer_id``: the
-        server's local model directory, so the client must share its filesystem, or a Hub id)."""
+        """The base model's Hugging Face tokenizer: ``AutoTokenizer`` on ``model_data.tokenizer_id`` (a hub id, from
+        the local HF cache or the hub), else the tokenizer files the server serves (``GET /api/v1/tokenizer``,
+        kept in ``~/.cache/livelora/tokenizers``), so it works offline on any machine that reaches the server.
+
+        Raises:
+            UnavailableError: neither the hub, the server nor the local cache has it.
+        """
         from livelora.clients.service_client import load_tokenizer
 
-        return load_tokenizer(self._info.model_data.tokenizer_id or self._info.model_name)
+        return load_tokenizer(self._info.model_data.tokenizer_id or self._info.model_name, self.service.transport)
 
 
 def _fb_input(data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -11,7 +11,7 @@
    key → 401.
 3. **Role.** :func:`required_role` maps each route to one role by path (the :data:`POLICY` table,
    first match wins); a route not in the table needs ``admin``, so a new route can never be public
-   by accident. Lacking the role → 403.
+   by accident. Lacking the role → 403. :data:`AUTHENTICATED` routes take any valid key.
 4. **Tenant.** The principal is put on ``request.state.principal`` and in :data:`current_principal`
    (read by the registry to hide other tenants' endpoints); in key mode ``request.state.caller`` is
    the tenant, which the completion log and the signal routes use to keep completions per tenant.
@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 current_principal: ContextVar[Principal | None] = ContextVar("livelora_principal", default=None)
 
 PUBLIC = "public"
+#: Role of routes any valid key may call, whatever its roles (``GET /api/v1/tokenizer``).
+AUTHENTICATED = "authenticated"
 #: Role of ``GET /metrics``: ``operator`` when ``LIVELORA_METRICS_REQUIRE_KEY`` is true (default), else public.
 METRICS = "metrics"
 #: (method or "*", path regex) → role; first match wins; anything unmatched needs ``admin``.
@@ -57,6 +59,7 @@ POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/api/v1/healthz"), PUBLIC),
     ("GET", re.compile(r"/api/v1/checkpoint_archives/[^/]+"), PUBLIC),  # signed URL (HMAC): its own credential
     ("GET", re.compile(r"/api/v1/external_weights_files/[^/]+/[^/]+"), PUBLIC),  # signed URL, as above
+    ("GET", re.compile(r"/api/v1/tokenizer"), AUTHENTICATED),
     ("GET", re.compile(r"/(docs|redoc|openapi\.json|docs/oauth2-redirect)"), PUBLIC),
     ("*", re.compile(r"/v1/(chat/completions|completions|models(/.*)?)"), "inference"),
     ("*", re.compile(r"/v1/(feedback|preferences|demonstrations)"), "feedback"),
@@ -65,8 +68,9 @@ POLICY: list[tuple[str, re.Pattern[str], str]] = [
 ]
 
 def required_role(method: str, path: str, *, metrics_key: bool = False) -> str:
-    """The role a request needs (``"public"`` for none); unmatched paths need ``admin``; ``/metrics`` needs
-    ``operator`` when ``metrics_key`` (``LIVELORA_METRICS_REQUIRE_KEY``), else nothing."""
+    """The role a request needs (``"public"`` for none, ``"authenticated"`` for any valid key); unmatched paths
+    need ``admin``; ``/metrics`` needs ``operator`` when ``metrics_key`` (``LIVELORA_METRICS_REQUIRE_KEY``), else
+    nothing."""
     method = "GET" if method == "HEAD" else method
     for m, pattern, role in POLICY:
         if (m == "*" or m == method) and pattern.fullmatch(path):
@@ -211,7 +215,7 @@ class AuthMiddleware:
         if principal is None:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'" if not key
                                       else "invalid or revoked API key")
-        if role not in principal.roles:
+        if role != AUTHENTICATED and role not in principal.roles:
             raise PermissionDeniedError(f"this key (tenant {principal.tenant!r}, roles "
                                         f"{', '.join(sorted(principal.roles))}) lacks the {role!r} role needed "
                                         f"for {scope.get('method')} {scope.get('path')}")

@@ -47,6 +47,15 @@ def tokenizer(base_ref):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _tokenizer_cache(tmp_path_factory):
+    """The SDK's tokenizer cache (files fetched from ``GET /api/v1/tokenizer``) in the test session's tmp dir, not
+    in ``~/.cache/livelora``."""
+    if "LIVELORA_TOKENIZER_CACHE" not in os.environ:
+        os.environ["LIVELORA_TOKENIZER_CACHE"] = str(tmp_path_factory.mktemp("tokenizer-cache"))
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _redis_prefix_cleanup():
     """Delete the session's Redis keys (prefix ``$LIVELORA_REDIS_PREFIX``) when the tests end."""
     yield

@@ -21,7 +21,7 @@ from livelora.adapters.api_keys import ROLES, TENANT_ROLES, KeyStore
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
-from livelora.gateway.auth import PUBLIC, app_routes, required_role
+from livelora.gateway.auth import AUTHENTICATED, PUBLIC, app_routes, required_role
 
 LINEAGE = "acme.support"
 BASE = "smollm2-135m-instruct"
@@ -120,7 +120,8 @@ def _fill(path: str) -> str:
                         ("{name}", "acme.support@1"),
                         ("{fmt}", "peft"), ("{key_id}", "nokey"), ("{session_id}", "nosession"),
                         ("{model_id}", "nosession:train:0"), ("{checkpoint_id:path}", "x"),
-                        ("{sampler_id}", "nosession:sample:0")):
+                        ("{sampler_id}", "nosession:sample:0"), ("{token}", "forged.0000"),
+                        ("{file_name}", "adapter_config.json")):
         out = out.replace(name, value)
     assert "{" not in out, path
     return out
@@ -151,11 +152,13 @@ def test_every_route_answers_401_403_by_role(server, keys):
                 assert r.status_code not in (401, 403), (method, path, who, r.status_code)
             elif who in ("none", "bad", "revoked"):
                 assert error_of(r, 401)["type"] == "authentication_error", (method, path, who)
+            elif role == AUTHENTICATED:  # any valid key, whatever its roles
+                assert r.status_code not in (401, 403), (method, path, who, r.status_code, r.text)
             elif who != role:
                 assert error_of(r, 403)["type"] == "permission_error", (method, path, who)
             else:
                 assert r.status_code not in (401, 403), (method, path, who, r.status_code, r.text)
-    assert seen_roles == {PUBLIC, *ROLES}
+    assert seen_roles == {PUBLIC, AUTHENTICATED, *ROLES}
     assert required_role("GET", "/some/new/route") == "admin"  # unmatched routes are never public
 
 

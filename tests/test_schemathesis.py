@@ -52,4 +52,4 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 def test_no_route_answers_5xx(case, fuzz_server):
     response = case.call(headers={"Authorization": f"Bearer {fuzz_server.key}"}, timeout=60)
     assert response.status_code < 500, (case.method, case.formatted_path, case.body, response.text[:500])
-    assert str(fuzz_server.services.settings.home) not in response.text or "tokenizer_id" in response.text
+    assert str(fuzz_server.services.settings.home) not in response.text  # tokenizer_id included: a hub id

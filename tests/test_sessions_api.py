@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 import torch
@@ -247,3 +249,25 @@ def test_sdk_futures_support_await_and_concurrent_futures(service, batch):
     assert out.metrics["loss:sum"] == fut.result().metrics["loss:sum"] > 0
     caps = service.get_server_capabilities()
     assert caps.supported_models[0].model_name == MODEL
+
+
+def test_user_metadata_values_are_strings_and_sessions_are_found_by_them(sessions_server):
+    """Tinker's session and run summaries carry ``user_metadata: dict[str, str]``: a non-string value is refused
+    when the object is created (400 naming the field; nothing is created), so a summary never fails to validate;
+    a string value is stored and found by ``sessions/search``."""
+    tag = uuid.uuid4().hex
+
+    def refused(r: httpx.Response) -> None:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and "user_metadata" in (err["param"] or "") + err["message"]
+
+    refused(post(sessions_server, "/create_session", {"user_metadata": {"tag": tag, "n": 3}}))
+    found = post(sessions_server, "/sessions/search", {"user_metadata": {"tag": tag}})
+    assert found.status_code == 200 and found.json()["sessions"] == []
+    sid = post(sessions_server, "/create_session", {"user_metadata": {"tag": tag}}).json()["session_id"]
+    found = post(sessions_server, "/sessions/search", {"user_metadata": {"tag": tag}})
+    assert found.status_code == 200, found.text
+    assert [(s["session_id"], s["user_metadata"]) for s in found.json()["sessions"]] == [(sid, {"tag": tag})]
+    refused(post(sessions_server, "/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
+                                                    "user_metadata": {"step": 1.5}}))

@@ -10,11 +10,18 @@ from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
 tinker = pytest.importorskip("tinker", reason="the official tinker SDK is not installed (pip install tinker==0.24.1)")
 
 
-def test_official_tinker_sdk_sft_and_sampling(sessions_server, monkeypatch):
+def test_official_tinker_sdk_sft_and_sampling(sessions_server, monkeypatch, tmp_path):
     monkeypatch.setenv("TINKER_BASE_URL", sessions_server.base_url)
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    from huggingface_hub import constants
     from tinker import types
+
+    from livelora.cli.main import hf_cache
+
+    # get_tokenizer() loads the reported hub id offline: `livelora hf-cache --url` puts the server's files there
+    hf_cache(url=sessions_server.base_url, cache_dir=tmp_path / "hub")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
     assert tinker.__version__ == "0.24.1"
     service = tinker.ServiceClient()

@@ -18,7 +18,7 @@ import pytest
 import zstandard
 
 from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
-from livelora.adapters.models import HUB_IDS, install_in_hf_cache
+from livelora.adapters.models import HUB_IDS
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -43,11 +43,11 @@ def run_live(version: str, base_url: str, tokenizer, hf_cache: Path) -> dict:
 
 
 @pytest.mark.parametrize("version", ["038", "024"])
-def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer, base_ref, tmp_path, monkeypatch):
-    from huggingface_hub import constants
+def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer, tmp_path):
+    from livelora.cli.main import hf_cache
 
-    install_in_hf_cache(base_ref, HUB_IDS[MODEL], tmp_path / "hub")  # what `livelora hf-cache` does
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # the gateway's (in-process) HF cache
+    # what `livelora hf-cache --url` does on a client machine: the server's tokenizer files, under the hub id
+    hf_cache(url=sessions_server.base_url, cache_dir=tmp_path / "hub")
     out = run_live(version, sessions_server.base_url, tokenizer, tmp_path / "hub")
     assert out["info"]["tokenizer_id"] == HUB_IDS[MODEL]
     assert out["sdk_tokenizer"] == tokenizer.encode("The sky is blue."), out["sdk_tokenizer"]

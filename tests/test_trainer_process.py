@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 from _cluster import MODEL, free_port, new_store
 from _server import wait_until
@@ -91,6 +92,18 @@ def test_serve_trains_in_a_lower_priority_child_that_is_restarted_after_a_kill(l
         _rate_two(url)
         assert wait_until(lambda: _served_version(url) == f"{MODEL}@1", timeout_s=400, interval_s=1), \
             log.read_text()[-3000:]
+
+        # the child's metrics reach the gateway's /metrics (serve shares a PROMETHEUS_MULTIPROC_DIR with it)
+        samples = [x for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+                   for x in f.samples]
+
+        def total(name: str, **labels: str) -> float:
+            return sum(x.value for x in samples if x.name == name and labels.items() <= x.labels.items())
+
+        assert total("livelora_train_step_seconds_count", endpoint=MODEL) == 1.0  # observed in the child
+        assert total("livelora_signals_total", stage="recorded") == 2.0  # the child's dataset of record
+        assert total("livelora_signals_total", stage="trained") == 2.0
+        assert total("livelora_signals_total", stage="accepted") == 2.0  # the gateway's own
 
         # killed: restarted (a new child) and it still trains
         os.kill(child, signal.SIGKILL)

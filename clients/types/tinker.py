@@ -187,7 +187,7 @@ class CreateModelRequest(StrictModel):
     session_id: str
     model_seq_id: int = Field(ge=0)
     base_model: str
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: dict[str, str] | None = None
     lora_config: LoraConfig = Field(default_factory=LoraConfig)
     optimizer_config: OptimizerConfig | None = None
     type: Literal["create_model"] = "create_model"
@@ -254,7 +254,7 @@ class CreateSessionRequest(StrictModel):
     """``POST /api/v1/create_session`` body."""
 
     tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: dict[str, str] | None = None
     sdk_version: str | None = None
     project_id: str | None = None
     display_name: str | None = None
@@ -341,8 +341,9 @@ class GetInfoRequest(StrictModel):
 
 
 class ModelData(LenientModel):
-    """``arch``: HF architecture; ``model_name``: base-model name; ``tokenizer_id``: a path or HF id that
-    ``AutoTokenizer.from_pretrained`` accepts (the server's local model directory)."""
+    """``arch``: HF architecture; ``model_name``: base-model name; ``tokenizer_id``: the base model's Hugging Face
+    hub id when one is known, else the served model name (never a server path); the tokenizer files themselves
+    are served by ``GET /api/v1/tokenizer``."""
 
     arch: str | None = None
     model_name: str | None = None
@@ -378,7 +379,7 @@ class SaveWeightsRequest(StrictModel):
     seq_id: int | None = None
     ttl_seconds: int | None = None
     overwrite: bool = False
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: dict[str, str] | None = None
     type: Literal["save_weights"] = "save_weights"
 
 
@@ -398,7 +399,7 @@ class SaveWeightsForSamplerRequest(StrictModel):
     seq_id: int | None = None
     ttl_seconds: int | None = None
     kind: Literal["snapshot", "inflight"] | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: dict[str, str] | None = None
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 
@@ -424,7 +425,7 @@ class LoadWeightsRequest(StrictModel):
     session_id: str | None = None
     model_seq_id: int | None = None
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: dict[str, str] | None = None
     optimizer_config: OptimizerConfig | None = None
     path: str
     optimizer: bool = False

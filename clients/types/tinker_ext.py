@@ -28,7 +28,7 @@ from livelora.clients.types.tinker import (Datum, ForwardBackwardInput, LenientM
 
 __all__ = ["DatumV2", "ForwardBackwardInputV2", "ForwardBackwardRequestV2", "PromptAltTokens", "ProvenanceSpan",
            "SampleRequestV2", "SampleResponseV2", "SampledSequenceV2", "SaveWeightsExternalRequest",
-           "SaveWeightsExternalResponse", "TopkRow", "WireTensorData"]
+           "SaveWeightsExternalResponse", "TokenizerFile", "TokenizerFilesResponse", "TopkRow", "WireTensorData"]
 
 #: One position's top-k: ``[(token_id, logprob), ...]`` best first, or None where nothing was computed.
 TopkRow = list[tuple[int, float]] | None
@@ -256,3 +256,34 @@ class SampleResponseV2(SampleResponse):
     target_prompt_logprobs: WireTensorData | None = None
     prompt_alt_tokens: PromptAltTokens | None = None
     prompt_cache_hit_tokens: int = 0
+
+
+class TokenizerFile(LenientModel):
+    """One tokenizer file of ``GET /api/v1/tokenizer`` (livelora extension).
+
+    Attributes:
+        name: the file's base name (``tokenizer.json``; never a directory or a server path).
+        encoding: ``utf-8`` (``content`` is the file's text) or ``base64`` (a binary file, e.g. a
+            sentencepiece ``tokenizer.model``).
+        content: the file's bytes in that encoding.
+    """
+
+    name: str
+    encoding: Literal["utf-8", "base64"] = "utf-8"
+    content: str
+
+
+class TokenizerFilesResponse(LenientModel):
+    """Answer of ``GET /api/v1/tokenizer`` (livelora extension): the served base model's tokenizer files.
+
+    Attributes:
+        tokenizer_id: the id ``get_server_capabilities``/``get_info`` report (a hub id or the served name).
+        revision: sha1 (40 hex digits) of the files' names and bytes; also the response's ``ETag``, and the
+            snapshot name ``livelora hf-cache`` gives them in the Hugging Face cache.
+        files: the files (tokenizer, chat template, vocabulary, the model config; never weights).
+    """
+
+    type: Literal["tokenizer"] | None = "tokenizer"
+    tokenizer_id: str
+    revision: str
+    files: list[TokenizerFile]

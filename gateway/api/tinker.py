@@ -31,7 +31,8 @@ from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSes
                                            SaveWeightsForSamplerRequest, SaveWeightsRequest, SessionFinishRequest,
                                            SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
                                            WeightsInfoRequest)
-from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, SampleRequestV2, SaveWeightsExternalRequest
+from livelora.clients.types.tinker_ext import (ForwardBackwardRequestV2, SampleRequestV2, SaveWeightsExternalRequest,
+                                               TokenizerFilesResponse)
 from livelora.clients.errors import NotBuiltError
 from livelora.clients.types.tinker_rest import (CancelFutureRequest, CheckpointTtlRequest, JoinSamplingSessionRequest,
                                                 JoinSamplingSessionResponse, SelfApiKeyResponse, SessionSearchRequest,
@@ -138,6 +139,19 @@ async def telemetry(request: Request) -> Response:
 @router.get("/get_server_capabilities")
 async def get_server_capabilities(ops: TrainingOpsDep) -> Response:
     return encode(ops.capabilities())
+
+
+@router.get("/tokenizer", response_model=TokenizerFilesResponse,
+            responses={304: {"description": "the revision named in If-None-Match is still the served one"}})
+async def get_tokenizer(request: Request, ops: TrainingOpsDep) -> Response:
+    """The served base model's tokenizer files (livelora extension; any valid key): tokenizer, chat template,
+    vocabulary and ``config.json``, by base name, never weights. ``ETag`` is the files' revision; a request whose
+    ``If-None-Match`` names it gets 304 and no body."""
+    revision, body = await ops.tokenizer_files()
+    etag = f'"{revision}"'
+    if etag in [t.strip() for t in request.headers.get("if-none-match", "").split(",")]:
+        return Response(status_code=304, headers={"ETag": etag})
+    return Response(body, media_type="application/json", headers={"ETag": etag})
 
 
 # ------------------------------------------------------------------------------------------------ sessions

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ class SessionContext:
     max_seq_len: int | None = None
     quotas: Any = None
     store: AdapterStore = field(init=False)
+    _tokenizer_id: str | None = field(default=None, init=False, repr=False)
+    _tokenizer_body: tuple[str, bytes] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.home = Path(self.home)
@@ -64,12 +67,33 @@ class SessionContext:
                                     param="session_id")
 
     def tokenizer_id(self) -> str:
-        """The tokenizer's name (Tinker's ``tokenizer_id``): the base model's hub id when this machine's Hugging
-        Face cache resolves it (``livelora hf-cache`` places it there; clients on this machine then load it by
-        that id, as tinker-cookbook does), else the tokenizer's own local path (what livelora's SDK loads)."""
-        from huggingface_hub import constants, try_to_load_from_cache
+        """The tokenizer's name (Tinker's ``tokenizer_id``), never a server path: the base model's canonical hub
+        id when one is known (a built-in model's, or the hub id it was loaded from), else the served base-model
+        name (:func:`~livelora.adapters.models.canonical_tokenizer_id`). Clients load it by that id from their
+        Hugging Face cache or the hub, and otherwise fetch the files from ``GET /api/v1/tokenizer``
+        (:meth:`tokenizer_files`)."""
+        from livelora.adapters.models import canonical_tokenizer_id
 
-        for hub in sorted(n for n in self.base_names if n.count("/") == 1 and not n.startswith(("/", "."))):
-            if isinstance(try_to_load_from_cache(hub, "tokenizer_config.json", cache_dir=constants.HF_HUB_CACHE), str):
-                return hub
-        return str(getattr(self.engine.tokenizer, "name_or_path", "") or self.base_model)
+        if self._tokenizer_id is None:
+            source = str(getattr(self.engine.tokenizer, "name_or_path", "") or "")
+            self._tokenizer_id = canonical_tokenizer_id(self.base_names, source, self.base_model)
+        return self._tokenizer_id
+
+    async def tokenizer_files(self) -> tuple[str, bytes]:
+        """The base model's tokenizer files as ``GET /api/v1/tokenizer`` answers them: ``(revision, JSON body of a
+        TokenizerFilesResponse)``; read once (in a thread) and kept, since the served base model does not change.
+
+        Raises:
+            BadRequestError: the tokenizer's source holds no tokenizer files.
+        """
+        if self._tokenizer_body is None:
+            self._tokenizer_body = await asyncio.to_thread(self._read_tokenizer_files)
+        return self._tokenizer_body
+
+    def _read_tokenizer_files(self) -> tuple[str, bytes]:
+        from livelora.adapters.models import tokenizer_files
+        from livelora.clients.tokenizer_files import to_response
+
+        source = str(getattr(self.engine.tokenizer, "name_or_path", "") or self.base_model)
+        res = to_response(self.tokenizer_id(), tokenizer_files(source))
+        return res.revision, res.model_dump_json().encode()

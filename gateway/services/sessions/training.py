@@ -305,6 +305,11 @@ class TrainingOps:
                                model_data=ModelData(arch=record.get("arch"), model_name=record["base_model"],
                                                     tokenizer_id=self.ctx.tokenizer_id()))
 
+    async def tokenizer_files(self) -> tuple[str, bytes]:
+        """``(revision, JSON body)`` of the base model's tokenizer files
+        (:meth:`~livelora.gateway.services.sessions.context.SessionContext.tokenizer_files`)."""
+        return await self.ctx.tokenizer_files()
+
     def capabilities(self) -> GetServerCapabilitiesResponse:
         return GetServerCapabilitiesResponse(supported_models=[SupportedModel(
             model_name=self.base_model, max_context_length=int(self.max_seq_len or self.engine.max_model_len),

@@ -1,0 +1,290 @@
+"""A base model's tokenizer as plain files: what ``GET /api/v1/tokenizer`` serves, and where clients put it.
+
+A client loads the tokenizer by the ``tokenizer_id`` the server reports (a Hugging Face hub id such as
+``HuggingFaceTB/SmolLM2-135M-Instruct``, else the served model name): from the local Hugging Face cache or the
+hub when it can (:func:`load_tokenizer`), else from the server, which serves the files themselves. The files
+then land in one of two local places:
+
+* the SDK's own cache (:func:`tokenizer_cache_root`, default ``~/.cache/livelora/tokenizers``)::
+
+      <root>/<id with / as -->/<revision>/<files>     one folder per revision, renamed into place whole
+      <root>/<id with / as -->/current                the latest revision fetched
+
+* the Hugging Face hub cache (:func:`install_in_hub_cache`, what ``livelora hf-cache`` writes), so that
+  ``AutoTokenizer.from_pretrained(hub_id)`` (the official tinker SDK's ``get_tokenizer()``, tinker-cookbook)
+  resolves the id offline::
+
+      <HF_HUB_CACHE>/models--<org>--<name>/snapshots/<revision>/<files>,  refs/main = <revision>
+
+``revision`` is the sha1 of the files' names and bytes (:func:`files_revision`), so fetching or placing the same
+tokenizer again changes nothing, and a changed tokenizer gets a new folder.
+
+Only :data:`TOKENIZER_FILES` travel: tokenizer, chat template, vocabulary and the model's ``config.json`` (which
+``AutoTokenizer`` reads to pick the tokenizer class when ``tokenizer_config.json`` names none); never weights.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from livelora.clients.errors import BadRequestError, InternalError
+from livelora.clients.types.tinker_ext import TokenizerFile, TokenizerFilesResponse
+
+if TYPE_CHECKING:
+    from livelora.clients._http import Transport
+
+#: The files a tokenizer may consist of (base names; those present are served and placed).
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+    "config.json")
+
+#: Keys of ``config.json``/``tokenizer_config.json`` that some savers fill with the directory they saved from;
+#: dropped when they hold an absolute path (loading never reads them).
+_PATH_KEYS = ("_name_or_path", "name_or_path")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def scrub_paths(name: str, data: bytes) -> bytes:
+    """``data`` (the bytes of file ``name``) without a ``name_or_path``/``_name_or_path`` holding an absolute file
+    path; any other file, or one without such a key, is returned unchanged."""
+    if name not in ("config.json", "tokenizer_config.json"):
+        return data
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(obj, dict):
+        return data
+    drop = [k for k in _PATH_KEYS if isinstance(obj.get(k), str)
+            and (os.path.isabs(obj[k]) or obj[k].startswith("~") or re.match(r"^[A-Za-z]:\\", obj[k]))]
+    if not drop:
+        return data
+    return (json.dumps({k: v for k, v in obj.items() if k not in drop}, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def read_tokenizer_dir(directory: Path | str) -> dict[str, bytes]:
+    """The :data:`TOKENIZER_FILES` present in ``directory`` (``{base name: bytes}``, paths scrubbed by
+    :func:`scrub_paths`).
+
+    Raises:
+        BadRequestError: neither ``tokenizer.json`` nor ``tokenizer_config.json`` is there.
+    """
+    src = Path(directory)
+    files = {f: scrub_paths(f, (src / f).read_bytes()) for f in TOKENIZER_FILES if (src / f).is_file()}
+    check_files(files)
+    return files
+
+
+def check_files(files: Mapping[str, bytes]) -> None:
+    """Raises: BadRequestError when a name is not one of :data:`TOKENIZER_FILES` (a path, a weights file) or
+    there is neither ``tokenizer.json`` nor ``tokenizer_config.json``."""
+    bad = sorted(n for n in files if n not in TOKENIZER_FILES)
+    if bad:
+        raise BadRequestError(f"not tokenizer files: {', '.join(bad)}", param="files")
+    if "tokenizer.json" not in files and "tokenizer_config.json" not in files:
+        raise BadRequestError("no tokenizer files (neither tokenizer.json nor tokenizer_config.json)",
+                              param="files")
+
+
+def files_revision(files: Mapping[str, bytes]) -> str:
+    """sha1 (40 hex digits) of the files' names and bytes, in name order."""
+    digest = hashlib.sha1()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name])
+    return digest.hexdigest()
+
+
+def to_response(tokenizer_id: str, files: Mapping[str, bytes]) -> TokenizerFilesResponse:
+    """The wire form of ``files``: text files as UTF-8, others as base64."""
+    out = []
+    for name in sorted(files):
+        try:
+            out.append(TokenizerFile(name=name, encoding="utf-8", content=files[name].decode("utf-8")))
+        except UnicodeDecodeError:
+            out.append(TokenizerFile(name=name, encoding="base64", content=base64.b64encode(files[name]).decode()))
+    return TokenizerFilesResponse(tokenizer_id=tokenizer_id, revision=files_revision(files), files=out)
+
+
+def from_response(res: TokenizerFilesResponse) -> dict[str, bytes]:
+    """``{base name: bytes}`` of a ``GET /api/v1/tokenizer`` answer.
+
+    Raises:
+        InternalError: a file name outside :data:`TOKENIZER_FILES`, no tokenizer file, or bytes that do not match
+            ``revision`` (a broken or tampered answer).
+    """
+    files = {f.name: f.content.encode("utf-8") if f.encoding == "utf-8" else base64.b64decode(f.content)
+             for f in res.files}
+    try:
+        check_files(files)
+    except BadRequestError as exc:
+        raise InternalError(f"the server's tokenizer answer is unusable: {exc}") from None
+    if files_revision(files) != res.revision:
+        raise InternalError(f"the server's tokenizer files do not match their revision {res.revision}")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_hub_id(hub_id: str) -> None:
+    """Raises: BadRequestError when ``hub_id`` is not a Hugging Face repo id (``org/name`` or ``name``)."""
+    if not _HUB_ID.fullmatch(hub_id or "") or ".." in hub_id or hub_id.endswith((".", "-")):
+        raise BadRequestError(f"hub id {hub_id!r} is not a Hugging Face repo id ('org/name')", param="hub_id")
+
+
+def install_in_hub_cache(files: Mapping[str, bytes], hub_id: str, cache_dir: Path | str | None = None) -> Path:
+    """Make ``files`` resolvable offline as ``hub_id`` (``AutoTokenizer.from_pretrained(hub_id)`` with
+    ``HF_HUB_OFFLINE=1``) by writing them into the Hugging Face hub cache (layout in the module docstring).
+    Each file is written atomically; re-running with the same files is a no-op.
+
+    Args:
+        files: ``{base name: bytes}`` (:data:`TOKENIZER_FILES` only).
+        hub_id: ``org/name`` (or a bare ``name``).
+        cache_dir: hub cache root (default ``huggingface_hub.constants.HF_HUB_CACHE``).
+
+    Returns: the snapshot directory.
+
+    Raises:
+        BadRequestError: a bad ``hub_id``, or ``files`` that are not a tokenizer (:func:`check_files`).
+    """
+    from huggingface_hub import constants
+
+    check_hub_id(hub_id)
+    check_files(files)
+    rev = files_revision(files)
+    repo = Path(cache_dir or constants.HF_HUB_CACHE) / ("models--" + hub_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / rev
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        _write_atomic(snapshot / name, data)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    _write_atomic(repo / "refs" / "main", rev.encode())
+    return snapshot
+
+
+def tokenizer_cache_root() -> Path:
+    """The SDK's tokenizer cache: ``$LIVELORA_TOKENIZER_CACHE``, else ``$XDG_CACHE_HOME/livelora/tokenizers``,
+    else ``~/.cache/livelora/tokenizers``."""
+    if os.environ.get("LIVELORA_TOKENIZER_CACHE"):
+        return Path(os.environ["LIVELORA_TOKENIZER_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "livelora" / "tokenizers"
+
+
+def _id_dir(tokenizer_id: str, root: Path | None) -> Path:
+    safe = re.sub(r"[^\w.-]", "_", tokenizer_id.replace("/", "--")).lstrip(".") or "tokenizer"
+    return (root or tokenizer_cache_root()) / safe
+
+
+def cached_tokenizer_dir(tokenizer_id: str, root: Path | None = None) -> Path | None:
+    """The folder of the latest revision of ``tokenizer_id`` in the SDK's cache (``None``: none cached)."""
+    base = _id_dir(tokenizer_id, root)
+    try:
+        rev = (base / "current").read_text().strip()
+    except OSError:
+        return None
+    folder = base / rev
+    return folder if re.fullmatch(r"[0-9a-f]{40}", rev) and folder.is_dir() else None
+
+
+def store_tokenizer(tokenizer_id: str, files: Mapping[str, bytes], root: Path | None = None) -> Path:
+    """Put ``files`` in the SDK's cache as the current revision of ``tokenizer_id``; returns their folder.
+
+    The folder is filled under a temporary name and renamed into place whole, so a reader (another process
+    loading the same id) sees a complete revision or none; then ``current`` is replaced atomically.
+
+    Raises:
+        BadRequestError: ``files`` are not a tokenizer (:func:`check_files`).
+    """
+    check_files(files)
+    base = _id_dir(tokenizer_id, root)
+    base.mkdir(parents=True, exist_ok=True)
+    rev = files_revision(files)
+    final = base / rev
+    if not final.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{rev}.", dir=base))
+        try:
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process renamed the same revision into place first
+                if not final.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _write_atomic(base / "current", rev.encode())
+    return final
+
+
+def fetch_tokenizer(transport: Transport, tokenizer_id: str | None = None, root: Path | None = None) -> Path:
+    """Fetch the served base model's tokenizer files (``GET /api/v1/tokenizer``) into the SDK's cache; returns
+    the folder ``AutoTokenizer.from_pretrained`` loads. A revision already cached is not downloaded again (the
+    request carries it as ``If-None-Match``; the server answers 304).
+
+    Args:
+        transport: the connection to the server.
+        tokenizer_id: the id the server reported (names the cache folder; default: the answer's).
+        root: cache root (default :func:`tokenizer_cache_root`).
+
+    Raises:
+        UnavailableError: the server cannot be reached; other errors as the route answers them.
+        InternalError: an unusable answer (:func:`from_response`).
+    """
+    cached = cached_tokenizer_dir(tokenizer_id, root) if tokenizer_id else None
+    answer = transport.tokenizer(cached.name if cached is not None else None)
+    if answer is None and cached is not None:
+        return cached
+    res = TokenizerFilesResponse.model_validate(answer)
+    return store_tokenizer(tokenizer_id or res.tokenizer_id, from_response(res), root)
+
+
+def load_tokenizer(tokenizer_id: str, transport: Transport | None = None) -> Any:
+    """The tokenizer named ``tokenizer_id``: ``AutoTokenizer.from_pretrained(tokenizer_id)`` (the local Hugging
+    Face cache, or the hub when reachable); when that fails and ``transport`` is given, the files the server
+    serves (:func:`fetch_tokenizer`); when the server cannot be reached either, the revision last fetched.
+
+    Raises:
+        OSError/ValueError: transformers' error when the id does not resolve and there is no server to ask.
+        UnavailableError: neither the hub, nor the server, nor the SDK's cache has it.
+        NotFoundError: the id does not resolve and the server has no ``GET /api/v1/tokenizer`` (an older one).
+    """
+    from transformers import AutoTokenizer
+
+    from livelora.clients.errors import NotFoundError, UnavailableError
+
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_id)
+    except (OSError, ValueError) as exc:
+        if transport is None:
+            raise
+        hub_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    try:
+        folder = fetch_tokenizer(transport, tokenizer_id)
+    except UnavailableError:
+        folder = cached_tokenizer_dir(tokenizer_id)
+        if folder is None:
+            raise
+    except NotFoundError as exc:  # a server without the route
+        raise NotFoundError(f"tokenizer {tokenizer_id!r} does not resolve here ({hub_error}) and the server "
+                            f"serves no tokenizer files (GET /api/v1/tokenizer: {exc})",
+                            param="tokenizer_id") from None
+    return AutoTokenizer.from_pretrained(str(folder))
