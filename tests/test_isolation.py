@@ -1,8 +1,8 @@
 """Tenant isolation through one live gateway (real SmolLM2, real Redis, in-process op executor, its own store).
 
 Tenant ``acme`` (A) makes one object of every kind over HTTP: a training session, a training model with a
-training and a sampler checkpoint (adapter versions of the model's lineage), a sampling session, a request id,
-an endpoint on that lineage, a completion and an API key. Tenant ``beta`` (B, every role) and tenant ``default``'s
+training and a sampler checkpoint and an external-weights export (adapter versions of the model's lineage), a
+sampling session, a request id, an endpoint on that lineage, a completion and an API key. Tenant ``beta`` (B, every role) and tenant ``default``'s
 admin then try every route of the app on them: each answers 404 (what B may not see does not exist), and A's
 objects are unchanged afterwards. Ids in any other spelling than their one form answer 400, also for A.
 
