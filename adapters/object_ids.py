@@ -12,8 +12,8 @@ sampling session id       ``<session>:sample:<n>``                            ``
 request id                ``<model id>:<seq>:<12 hex>``,                      ``session`` (ad-hoc samples: the
                           ``<sampling session id>:<seq|x>:<12 hex>`` or       future's own owner record)
                           ``sample:<seq|x>:<12 hex>`` (ad-hoc)
-checkpoint path           ``tinker://<model id>/<weights|sampler_weights>/    ``session``
-                          <name>``
+checkpoint path           ``tinker://<model id>/<weights|sampler_weights|     ``session``
+                          external_weights>/<name>``
 adapter version           ``<lineage>@<n>``                                   ``lineage``
 ========================  ==================================================  ==================================
 
@@ -44,14 +44,14 @@ _PATTERNS: dict[str, re.Pattern[str]] = {
     "request": re.compile(rf"(?:(?P<session>{_SESSION}):(?:train|sample):{_INT}:(?:{_INT}|x)|sample:(?:{_INT}|x))"
                           r":[0-9a-f]{12}"),
     "path": re.compile(rf"tinker://(?P<session>{_SESSION}):train:(?P<n>{_INT})"
-                       rf"/(?P<ckind>weights|sampler_weights)/(?P<name>{_NAME})"),
+                       rf"/(?P<ckind>weights|sampler_weights|external_weights)/(?P<name>{_NAME})"),
 }
 _SPELLING = {
     "session": "a session id as create_session answers it (32 lower-case hex digits)",
     "model": "<session_id>:train:<n>",
     "sampler": "<session_id>:sample:<n>",
     "request": "a request_id as the server answered it",
-    "path": "tinker://<session_id>:train:<n>/weights/<name> or tinker://<session_id>:train:<n>/sampler_weights/<name>",
+    "path": "tinker://<session_id>:train:<n>/<weights|sampler_weights|external_weights>/<name>",
 }
 
 

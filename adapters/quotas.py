@@ -14,8 +14,8 @@ on the store by :class:`AdapterVersions`, which the gateway asks before a sessio
 
 **What counts as a kept version.** Every version of every lineage the tenant owns (its recorded owner,
 :mod:`livelora.adapters.owners`): live-loop versions of its endpoints' lineages and named session checkpoints
-(``save_state`` / ``save_weights`` and ``save_weights_for_sampler`` with a ``path``), which stay until deleted or
-their ``ttl_seconds`` passes. A session's **ephemeral sampler weights** (``save_weights_for_sampler`` with a
+(``save_state`` / ``save_weights``, ``save_weights_for_sampler`` with a ``path``, and ``save_weights_external``
+exports), which stay until deleted or their ``ttl_seconds`` passes. A session's **ephemeral sampler weights** (``save_weights_for_sampler`` with a
 ``sampling_session_seq_id``, the version behind ``save_weights_and_get_sampling_client``) do not count: they are
 scratch copies for one sampling session that the op executor deletes with their training model (when the
 session finishes or expires, so the session limit bounds them), the Tinker API gives the user no way to delete

@@ -15,8 +15,9 @@ records the highest token that wrote it (``fence``) and refuses a lower one (:cl
 Ids: a training model is ``{session_id}:train:{model_seq_id}``, a sampling session
 ``{session_id}:sample:{sampling_session_seq_id}``, a request ``{scope}:{12 hex}``.
 
-Checkpoints (tinker paths ``tinker://<model_id>/<weights|sampler_weights>/<name>``) are adapter-store
-versions of the lineage :func:`lineage_for` the model; the name → version map lives in
+Checkpoints (tinker paths ``tinker://<model_id>/<weights|sampler_weights|external_weights>/<name>``) are
+adapter-store versions of the lineage :func:`lineage_for` the model (``external_weights``: a PEFT export for
+download, ``save_weights_external``); the name → version map lives in
 ``LIVELORA_HOME/sessions/<lineage>.json`` (:class:`CheckpointIndex`), written atomically under a lock.
 """
 
@@ -37,7 +38,10 @@ from livelora.clients.errors import (BadRequestError, ConflictError, InternalErr
 
 TINKER_SCHEME = "tinker://"
 #: checkpoint kind in a tinker path → the checkpoint type the Tinker API reports
-CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+#: the accepted path spellings, for error messages
+PATH_FORMS = ("tinker://<model_id>/weights/<name>, tinker://<model_id>/sampler_weights/<name> or "
+              "tinker://<model_id>/external_weights/<name>")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -69,15 +73,14 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     """Split ``tinker://<model_id>/<kind>/<name>`` into ``(model_id, kind, name)``.
 
     Raises:
-        BadRequestError: not a tinker path, or a kind other than ``weights`` / ``sampler_weights``.
+        BadRequestError: not a tinker path, or a kind other than ``weights`` / ``sampler_weights`` /
+            ``external_weights``.
     """
     if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
-        raise BadRequestError(f"invalid checkpoint path {path!r}: expected tinker://<model_id>/weights/<name> or "
-                              "tinker://<model_id>/sampler_weights/<name>", param="path")
+        raise BadRequestError(f"invalid checkpoint path {path!r}: expected {PATH_FORMS}", param="path")
     parts = path[len(TINKER_SCHEME):].split("/")
     if len(parts) != 3 or not all(parts) or parts[1] not in CHECKPOINT_KINDS:
-        raise BadRequestError(f"invalid checkpoint path {path!r}: expected tinker://<model_id>/weights/<name> or "
-                              "tinker://<model_id>/sampler_weights/<name>", param="path")
+        raise BadRequestError(f"invalid checkpoint path {path!r}: expected {PATH_FORMS}", param="path")
     return parts[0], parts[1], parts[2]
 
 
@@ -189,13 +192,14 @@ def resolve_checkpoint(home: Path | str, path: str, *, want: str | None = None) 
     """
     model_id, kind, name = parse_tinker_path(path)
     if want is not None and kind != want:
+        what = {"weights": "a sampler checkpoint (weights only, no optimizer state)",
+                "sampler_weights": "a training checkpoint",
+                "external_weights": "an external-weights export (for download only)"}[kind]
         if want == "weights":
-            raise BadRequestError(f"{path} is a sampler checkpoint (weights only, no optimizer state); training "
-                                  "clients load training checkpoints saved with save_state "
-                                  "(tinker://<model_id>/weights/<name>)", param="path")
-        raise BadRequestError(f"{path} is a training checkpoint; sampling clients take sampler checkpoints saved "
-                              "with save_weights_for_sampler (tinker://<model_id>/sampler_weights/<name>)",
-                              param="path")
+            raise BadRequestError(f"{path} is {what}; training clients load training checkpoints saved with "
+                                  "save_state (tinker://<model_id>/weights/<name>)", param="path")
+        raise BadRequestError(f"{path} is {what}; sampling clients take sampler checkpoints saved with "
+                              "save_weights_for_sampler (tinker://<model_id>/sampler_weights/<name>)", param="path")
     index = CheckpointIndex(home, model_id)
     return index, kind, index.resolve(kind, name)
 

@@ -58,6 +58,7 @@ POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/metrics"), METRICS),
     ("GET", re.compile(r"/api/v1/healthz"), PUBLIC),
     ("GET", re.compile(r"/api/v1/checkpoint_archives/[^/]+"), PUBLIC),  # signed URL (HMAC): its own credential
+    ("GET", re.compile(r"/api/v1/external_weights_files/[^/]+/[^/]+"), PUBLIC),  # signed URL, as above
     ("GET", re.compile(r"/api/v1/tokenizer"), AUTHENTICATED),
     ("GET", re.compile(r"/(docs|redoc|openapi\.json|docs/oauth2-redirect)"), PUBLIC),
     ("*", re.compile(r"/v1/(chat/completions|completions|models(/.*)?)"), "inference"),

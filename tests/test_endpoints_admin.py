@@ -120,7 +120,8 @@ def _fill(path: str) -> str:
                         ("{name}", "acme.support@1"),
                         ("{fmt}", "peft"), ("{key_id}", "nokey"), ("{session_id}", "nosession"),
                         ("{model_id}", "nosession:train:0"), ("{checkpoint_id:path}", "x"),
-                        ("{sampler_id}", "nosession:sample:0")):
+                        ("{sampler_id}", "nosession:sample:0"), ("{token}", "forged.0000"),
+                        ("{file_name}", "adapter_config.json")):
         out = out.replace(name, value)
     assert "{" not in out, path
     return out

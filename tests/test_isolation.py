@@ -1,8 +1,8 @@
 """Tenant isolation through one live gateway (real SmolLM2, real Redis, in-process op executor, its own store).
 
 Tenant ``acme`` (A) makes one object of every kind over HTTP: a training session, a training model with a
-training and a sampler checkpoint (adapter versions of the model's lineage), a sampling session, a request id,
-an endpoint on that lineage, a completion and an API key. Tenant ``beta`` (B, every role) and tenant ``default``'s
+training and a sampler checkpoint and an external-weights export (adapter versions of the model's lineage), a
+sampling session, a request id, an endpoint on that lineage, a completion and an API key. Tenant ``beta`` (B, every role) and tenant ``default``'s
 admin then try every route of the app on them: each answers 404 (what B may not see does not exist), and A's
 objects are unchanged afterwards. Ids in any other spelling than their one form answer 400, also for A.
 
@@ -98,6 +98,8 @@ def objs(server, keys) -> dict[str, str]:
         sampler_ckpt = ok(a.post("/api/v1/save_weights_for_sampler",
                                  json={"model_id": model, "seq_id": 2, "path": "s1"}))
         assert future(a, sampler_ckpt["request_id"])["path"] == f"tinker://{model}/sampler_weights/s1"
+        export = ok(a.post("/api/v1/save_weights_external", json={"model_id": model, "seq_id": 3, "path": "e1"}))
+        assert future(a, export["request_id"])["path"] == f"tinker://{model}/external_weights/e1"
         sampler = ok(a.post("/api/v1/create_sampling_session", json={
             "session_id": sid, "sampling_session_seq_id": 0,
             "model_path": f"tinker://{model}/sampler_weights/s1"}))["sampling_session_id"]
@@ -111,7 +113,8 @@ def objs(server, keys) -> dict[str, str]:
         sid_b = ok(b.post("/api/v1/create_session", json={}))["session_id"]
     return {"sid": sid, "model": model, "sampler": sampler, "request": saved["request_id"], "lineage": lineage,
             "version": f"{lineage}@1", "wpath": f"tinker://{model}/weights/w1",
-            "spath": f"tinker://{model}/sampler_weights/s1", "endpoint": "acme.ep", "cid": cid, "cid2": cid2, "key_id": key_id,
+            "spath": f"tinker://{model}/sampler_weights/s1", "epath": f"tinker://{model}/external_weights/e1",
+            "endpoint": "acme.ep", "cid": cid, "cid2": cid2, "key_id": key_id,
             "sid_b": sid_b}
 
 
@@ -205,7 +208,19 @@ def test_a_dash_spelled_model_id_reaches_nothing(server, keys, objs):
         error_of(b.post("/api/v1/load_weights", json={"session_id": objs["sid_b"], "model_seq_id": 3,
                                                       "path": objs["wpath"], "optimizer": True}), 404)
         names = {c["checkpoint_id"] for c in ok(a.get(f"/api/v1/training_runs/{model}/checkpoints"))["checkpoints"]}
-        assert names == {"weights/w1", "sampler_weights/s1"}
+        assert names == {"weights/w1", "sampler_weights/s1", "external_weights/e1"}
+
+
+def test_external_weights_urls_are_the_owners_and_need_no_key(server, keys, objs):
+    """An export's file URLs: only its run's tenant gets them; fetching one needs no key (the SDK uses urllib)."""
+    route = f"/api/v1/training_runs/{objs['model']}/checkpoints/external_weights/e1/external_weights_urls"
+    with http(server, keys["acme"]) as a, http(server, keys["beta"]) as b:
+        urls = ok(a.get(route))["urls"]
+        error_of(b.get(route), 404)
+    assert set(urls) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert httpx.get(f"{server.base_url}{route}").status_code == 401  # the URLs route itself needs a key
+    config = httpx.get(urls["adapter_config.json"])  # no key
+    assert config.status_code == 200 and config.json()["peft_type"] == "LORA"
 
 
 def test_owner_records_are_claimed_once_and_deny_by_default(tmp_path):
@@ -303,13 +318,15 @@ CASES: dict[tuple[str, str], Case] = {
         ("", {"session_id": o["sid_b"], "model_seq_id": 4, "path": o["wpath"], "optimizer": True})]),
     ("POST", "/api/v1/retrieve_future"): Case(lambda o: [("", {"request_id": o["request"]})]),
     ("POST", "/api/v1/weights_info"): Case(lambda o: [("", {"tinker_path": o["wpath"]}),
-                                                      ("", {"tinker_path": o["spath"]})]),
+                                                      ("", {"tinker_path": o["spath"]}),
+                                                      ("", {"tinker_path": o["epath"]})]),
     ("GET", "/api/v1/training_runs/{model_id}"): Case(lambda o: [(f"/api/v1/training_runs/{o['model']}", None)]),
     ("GET", "/api/v1/training_runs/{model_id}/checkpoints"): Case(lambda o: [
         (f"/api/v1/training_runs/{o['model']}/checkpoints", None)]),
     ("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}"): Case(lambda o: [
         (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1", None),
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/sampler_weights/s1", None)]),
+        (f"/api/v1/training_runs/{o['model']}/checkpoints/sampler_weights/s1", None),
+        (f"/api/v1/training_runs/{o['model']}/checkpoints/external_weights/e1", None)]),
     ("POST", "/api/v1/create_sampling_session"): Case(lambda o: [
         ("", {"session_id": o["sid_b"], "sampling_session_seq_id": 5, "model_path": o["spath"]}),
         ("", {"session_id": o["sid"], "sampling_session_seq_id": 5, "base_model": BASE})]),
@@ -360,7 +377,13 @@ CASES: dict[tuple[str, str], Case] = {
     ("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish"): Case(lambda o: [
         (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/publish", None)]),
     ("PUT", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl"): Case(lambda o: [
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/ttl", {"ttl_seconds": 3600})]),
+        (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/ttl", {"ttl_seconds": 3600}),
+        (f"/api/v1/training_runs/{o['model']}/checkpoints/external_weights/e1/ttl", {"ttl_seconds": 3600})]),
+    ("GET", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls"): Case(
+        lambda o: [(f"/api/v1/training_runs/{o['model']}/checkpoints/external_weights/e1/external_weights_urls",
+                    None)]),
+    ("GET", "/api/v1/external_weights_files/{token}/{file_name}"): Case(lambda o: [
+        ("/api/v1/external_weights_files/forged.0000/adapter_config.json", None)], "own"),
     ("POST", "/api/v1/join_sampling_session"): Case(lambda o: [("", {"sampling_session_id": o["sampler"]})]),
     ("POST", "/api/v1/retrieve_futures"): Case(lambda o: [("", {"target": {"type": "sampling_session",
                                                                             "sampling_session_id": o["sampler"]},
@@ -476,12 +499,12 @@ def test_ops_over_the_datum_or_token_limit_are_413_and_later_ops_run(server, key
             return a.post("/api/v1/forward", json={"model_id": objs["model"], "seq_id": seq, "forward_input": {
                 "data": data, "loss_fn": "cross_entropy"}})
 
-        err = error_of(fwd(3, [_datum(2)] * 5), 413)
+        err = error_of(fwd(4, [_datum(2)] * 5), 413)
         assert "limit of 4" in err["message"] and "LIVELORA_MAX_DATUMS_PER_OP" in err["message"]
         assert err["code"] == "too_many_datums" and err["param"] == "data"
-        err = error_of(fwd(4, [_datum(40)] * 2), 413)
+        err = error_of(fwd(5, [_datum(40)] * 2), 413)
         assert "80 input tokens" in err["message"] and "LIVELORA_MAX_TOKENS_PER_OP" in err["message"]
-        done = future(a, ok(fwd(5, [_datum(8)] * 4))["request_id"])  # the refused seqs did not block the model
+        done = future(a, ok(fwd(6, [_datum(8)] * 4))["request_id"])  # the refused seqs did not block the model
         assert done["loss_fn_outputs"] and "error" not in done
 
 

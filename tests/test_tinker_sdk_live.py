@@ -193,6 +193,114 @@ def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
     assert httpx.get(url[:-4] + "0000").status_code == 404
 
 
+def _train_step(base: str, model_id: str, seq: int, tokens: list[int]) -> None:
+    """forward_backward (seq) + optim_step (seq + 1) at a large learning rate: every LoRA ``B`` leaves zero."""
+    n = len(tokens) - 1
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+             "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [n]},
+                                "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]}}}
+    assert "error" not in _op(base, "forward_backward", {"model_id": model_id, "seq_id": seq,
+                                                         "forward_backward_input": {"data": [datum],
+                                                                                    "loss_fn": "cross_entropy"}})
+    assert "error" not in _op(base, "optim_step", {"model_id": model_id, "seq_id": seq + 1,
+                                                   "adam_params": {"learning_rate": 1e-2}})
+
+
+def _stored_files(home: Path, model_id: str, checkpoint_id: str) -> Path:
+    """The store's version directory behind a checkpoint."""
+    from livelora.adapters.session_protocol import CheckpointIndex
+    from livelora.adapters.store import AdapterStore
+
+    index = CheckpointIndex(home, model_id)
+    return AdapterStore(home).version_dir(index.lineage, index.resolve(*checkpoint_id.split("/")))
+
+
+def test_save_weights_external_signed_file_urls_ttl_and_delete(sessions_server, tokenizer, livelora_home):
+    """``save_weights_external`` writes a PEFT adapter directory as checkpoint ``external_weights/<name>``; its
+    files come from signed, expiring URLs that need no API key; it is listed, re-timed, expired and deleted like
+    any checkpoint; other kinds have no file URLs, and an export is not loadable as a training checkpoint."""
+    from datetime import UTC, datetime, timedelta
+
+    from safetensors.torch import load_file
+
+    from livelora.gateway.api.deps import services_of
+    from livelora.gateway.auth import PUBLIC, required_role
+
+    base = sessions_server.base_url
+    sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    model_id = _create_model(base, sid, 0)
+    _train_step(base, model_id, 1, tokenizer.encode("The sky is blue."))
+    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "w"})
+    res = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 4, "path": "export",
+                                              "ttl_seconds": 3600, "type": "save_weights_external"})
+    path = f"tinker://{model_id}/external_weights/export"
+    stored = _stored_files(livelora_home, model_id, "external_weights/export")
+    files = {"adapter_config.json", "adapter_model.safetensors"}
+    assert res == {"path": path, "size_bytes": sum((stored / f).stat().st_size for f in files),
+                   "type": "save_weights_external"}, res
+    # refused by name, each consuming its seq (the next op runs)
+    enc = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 5, "path": "e2",
+                                              "age_encryption_recipients": ["age1xyz"]})
+    assert enc["code"] == "unsupported_parameter" and enc["param"] == "age_encryption_recipients", enc
+    for seq, body in ((6, {"path": "../up"}), (7, {"path": "e3", "ttl_seconds": 60})):
+        bad = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": seq, **body})
+        assert bad["category"] == "user" and bad["param"] in ("path", "ttl_seconds"), bad
+    # listed with its type, TTL and size
+    listed = {c["checkpoint_id"]: c for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()[
+        "checkpoints"]}
+    assert set(listed) == {"weights/w", "external_weights/export"}
+    ext = listed["external_weights/export"]
+    assert ext["checkpoint_type"] == "external" and ext["tinker_path"] == path and ext["size_bytes"] == res["size_bytes"]
+    in_an_hour = datetime.now(UTC) + timedelta(hours=1)
+    assert abs((datetime.fromisoformat(ext["expires_at"]) - in_an_hour).total_seconds()) < 120
+    mine = httpx.get(f"{base}/api/v1/checkpoints", params={"limit": 1000}).json()["checkpoints"]
+    assert [c["checkpoint_type"] for c in mine if c["tinker_path"] == path] == ["external"]
+    assert httpx.post(f"{base}/api/v1/weights_info", json={"tinker_path": path}).json()["lora_rank"] == 4
+    # per-file signed URLs, fetched without any header; the bytes are the store's, the weights those of save_state
+    ckpt = f"{base}/api/v1/training_runs/{model_id}/checkpoints/external_weights/export"
+    got = httpx.get(f"{ckpt}/external_weights_urls").json()
+    assert set(got["urls"]) == files
+    assert 0 < (datetime.fromisoformat(got["expires"]) - datetime.now(UTC)).total_seconds() <= 900
+    for name, url in got["urls"].items():
+        assert required_role("GET", httpx.URL(url).path) == PUBLIC  # no key needed, also in key mode
+        r = httpx.get(url)
+        assert r.status_code == 200 and r.content == (stored / name).read_bytes(), (name, r.status_code)
+        assert int(r.headers["content-length"]) == len(r.content)
+    state_dir = _stored_files(livelora_home, model_id, "weights/w")
+    ext_w, state_w = (load_file(str(d / "adapter_model.safetensors")) for d in (stored, state_dir))
+    assert ext_w.keys() == state_w.keys() and all(ext_w[k].equal(state_w[k]) for k in ext_w)
+    assert any(ext_w[k].abs().sum() > 0 for k in ext_w if "lora_B" in k)
+    cfg = json.loads((stored / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == HUB_IDS[MODEL] and cfg["peft_type"] == "LORA" and cfg["r"] == 4
+    # a forged signature, or one file's token for another file, is 404
+    cfg_url = got["urls"]["adapter_config.json"]
+    assert httpx.get(cfg_url[:-len("adapter_config.json")] + "adapter_model.safetensors").status_code == 404
+    token_end = cfg_url.rindex("/")
+    assert httpx.get(cfg_url[:token_end - 4] + "0000" + cfg_url[token_end:]).status_code == 404
+    # only external_weights has file URLs; an export is not a training checkpoint
+    r = httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints/weights/w/external_weights_urls")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "checkpoint_id", r.text
+    r = httpx.post(f"{base}/api/v1/load_weights", json={"session_id": sid, "model_seq_id": 1, "path": path})
+    assert r.status_code == 400 and "external-weights export" in r.json()["error"]["message"], r.text
+    # TTL update, then delete: the version goes, the URLs and the listing follow
+    assert httpx.put(f"{ckpt}/ttl", json={"ttl_seconds": 7200}).status_code == 204
+    ext = next(c for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+               if c["checkpoint_id"] == "external_weights/export")
+    assert datetime.fromisoformat(ext["expires_at"]) > in_an_hour + timedelta(minutes=50)
+    assert httpx.delete(ckpt).status_code == 204
+    assert not stored.exists()
+    assert httpx.get(got["urls"]["adapter_config.json"]).status_code == 404
+    assert httpx.get(f"{ckpt}/external_weights_urls").status_code == 404
+    # housekeeping expires exports like other checkpoints
+    assert "error" not in _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 8, "path": "e4",
+                                                              "ttl_seconds": 3600})
+    deleted = services_of(sessions_server.app).sessions.checkpoints.expire_due(datetime.now(UTC) + timedelta(hours=2))
+    assert f"tinker://{model_id}/external_weights/e4" in deleted
+    left = {c["checkpoint_id"] for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()[
+        "checkpoints"]}
+    assert left == {"weights/w"}
+
+
 def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenizer):
     base = sessions_server.base_url
     sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
@@ -226,29 +334,48 @@ def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenize
     for route in ("create_custom_loss", "copy_weights"):  # 400, not 501: the SDK retries every 5xx for minutes
         r = httpx.post(f"{base}/api/v1/{route}", json={})
         assert r.status_code == 400 and r.json()["error"]["code"] == "not_implemented", (route, r.text)
-    # save_weights_external is a training op: its future fails at once and its seq is consumed
-    model_id = _create_model(base, sid, 0)
-    res = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 1, "path": "x"})
-    assert res["code"] == "not_implemented" and res["category"] == "user", res
-    res = _op(base, "save_weights", {"model_id": model_id, "seq_id": 2, "path": "after-external"})
-    assert res["path"].endswith("/weights/after-external"), res
     me = httpx.get(f"{base}/api/v1/auth/apikey/me").json()
     assert isinstance(me["key_id"], int) and me["name"] and me["details"]["org_details"]["name"]
     dyn = httpx.post(f"{base}/api/v1/client/dynamic_config", json={"sdk_version": "0.38.0"}).json()
     assert dyn["sample_cancel_enabled"] is False and dyn["refresh_interval_sec"] == 300
 
 
+def _peft_prompt_logprobs(base_ref, adapter_dir: Path, tokens: list[int]) -> tuple[list[float], list[float]]:
+    """Logprob of each prompt token after the first under base + the PEFT adapter in ``adapter_dir``, and under
+    the base model alone, computed here with plain transformers + peft (float32, CPU)."""
+    import torch
+    from peft import PeftModel
+
+    from livelora.adapters.models import load_model
+
+    model = PeftModel.from_pretrained(load_model(base_ref), str(adapter_dir)).eval()
+    ids, targets = torch.tensor([tokens]), torch.tensor(tokens[1:])[:, None]
+    with torch.no_grad():
+        tuned = model(ids).logits[0, :-1].float()
+        with model.disable_adapter():
+            plain = model(ids).logits[0, :-1].float()
+    return tuple(torch.log_softmax(x, -1).gather(1, targets)[:, 0].tolist() for x in (tuned, plain))
+
+
 @pytest.mark.parametrize("version", ["038", "024"])
-def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_path):
-    """``python -m tinker.cli checkpoint list|download`` of the official SDKs (download: SDK ≤0.24's archive
-    path; SDK 0.38 exports through save_weights_external, which livelora answers with a clear 501)."""
+def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_path, tokenizer, base_ref,
+                                                 livelora_home):
+    """``python -m tinker.cli checkpoint list|download`` of the official SDKs. Download: SDK ≤0.24 fetches a tar
+    from the archive URL; SDK 0.38 loads the checkpoint into a new training run, exports it with
+    ``save_weights_external``, fetches each file from its signed URL and deletes the export. The 0.38 download
+    is a PEFT adapter with the checkpoint's exact tensors, and base + adapter under peft gives the logprobs the
+    server computes for the same weights."""
     python = sdk_python(version)
     if python is None:
         pytest.skip(f"no tinker SDK venv for {version}: run .ci/setup-tinker-sdks")
     base = sessions_server.base_url
     sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "x"}).json()["session_id"]
     model_id = _create_model(base, sid, 0)
-    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "cli"})
+    _train_step(base, model_id, 1, tokenizer.encode("The sky is blue."))
+    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "cli"})
+    if version == "038":  # the same weights for the server's logprobs (saved now: the session expires unbeaten)
+        assert "error" not in _op(base, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 4,
+                                                                     "path": "cli-s"})
     path = f"tinker://{model_id}/weights/cli"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
     env.update(TINKER_BASE_URL=base, TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0", PYTHONPATH="")
@@ -261,13 +388,32 @@ def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_p
     assert listed.returncode == 0, listed.stderr[-2000:]
     assert path in [c["tinker_path"] for c in json.loads(listed.stdout)["checkpoints"]]
     got = cli("download", path, "--output", str(tmp_path / "dl"))
+    assert got.returncode == 0, (got.stdout + got.stderr)[-3000:]
+    (folder,) = (tmp_path / "dl").iterdir()
+    files = {f.name for f in folder.iterdir()}
     if version == "024":
-        assert got.returncode == 0, got.stderr[-2000:]
-        (folder,) = (tmp_path / "dl").iterdir()
-        assert {f.name for f in folder.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
-                                                       "checkpoint_complete"}
-    else:  # SDK 0.38 exports through save_weights_external: refused at once, not retried
-        assert got.returncode != 0 and "save_weights_external is not built" in got.stdout + got.stderr
+        assert files == {"adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"}
+        return
+    from safetensors.torch import load_file
+
+    assert files == {"adapter_config.json", "adapter_model.safetensors"}
+    assert json.loads(got.stdout)["destination"] == str(folder)
+    stored = load_file(str(_stored_files(livelora_home, model_id, "weights/cli") / "adapter_model.safetensors"))
+    downloaded = load_file(str(folder / "adapter_model.safetensors"))
+    assert downloaded.keys() == stored.keys() and all(downloaded[k].equal(stored[k]) for k in stored)
+    # the temporary export (tinker://<new run>/external_weights/download) was deleted by the CLI
+    mine = httpx.get(f"{base}/api/v1/checkpoints", params={"limit": 10000}).json()["checkpoints"]
+    assert not [c for c in mine if c["tinker_path"].endswith("/external_weights/download")]
+    # base + downloaded adapter under peft == the server's prompt logprobs for the same weights
+    prompt = tokenizer.encode("The sky is blue and the grass is green.")
+    served = httpx.post(f"{base}/api/v1/asample", json={
+        "model_path": f"tinker://{model_id}/sampler_weights/cli-s", "prompt": {"chunks": [
+            {"type": "encoded_text", "tokens": prompt}]}, "prompt_logprobs": True,
+        "sampling_params": {"max_tokens": 1}}).json()
+    served = _retrieve(base, served["request_id"]).json()["prompt_logprobs"]
+    local, base_only = _peft_prompt_logprobs(base_ref, folder, prompt)
+    assert served[0] is None and local == pytest.approx(served[1:], abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(local, base_only)) > 0.05  # the adapter moves them: a real comparison
 
 
 def test_sessions_get_list_search_outlive_the_session(sessions_server):

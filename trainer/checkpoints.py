@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 
 
 def write_version(model: TrainingModel, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None,
-                  with_optimizer: bool, gate: dict[str, Any] | None = None) -> Manifest:
+                  with_optimizer: bool, gate: dict[str, Any] | None = None,
+                  base_model_name_or_path: str | None = None) -> Manifest:
     """Write ``model``'s adapter (and, with ``with_optimizer``, its optimizer and trainer state) as a new
-    immutable version of ``lineage``; the model's lineage/parent then point at it.
+    immutable version of ``lineage``; the model's lineage/parent then point at it. ``adapter_config.json`` names
+    ``base_model_name_or_path`` as the base (default: the base model's name; the manifest always has the name).
 
     Raises:
         BadRequestError: invalid lineage name.
@@ -39,7 +41,7 @@ def write_version(model: TrainingModel, store: AdapterStore, lineage: str, *, me
     trainer_state = {"step": model.step, "data_counts": dict(model.data_counts), "seed": model.seed,
                      "torch_rng_state": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     cfg = model.peft_config.to_dict()
-    cfg.update(base_model_name_or_path=model.base_ref.name, inference_mode=True)
+    cfg.update(base_model_name_or_path=base_model_name_or_path or model.base_ref.name, inference_mode=True)
     cfg["target_modules"] = sorted(cfg["target_modules"])
 
     def write(tmp: Path) -> None:

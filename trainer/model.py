@@ -348,17 +348,20 @@ class TrainingModel:
         return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in self.lora_params.items()}
 
     def save_weights(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None,
-                     with_optimizer: bool = False, gate: dict[str, Any] | None = None) -> Manifest:
+                     with_optimizer: bool = False, gate: dict[str, Any] | None = None,
+                     base_model_name_or_path: str | None = None) -> Manifest:
         """Write the adapter as a new immutable version of ``lineage`` (PEFT format, loadable by
         ``PeftModel.from_pretrained`` and vLLM). With ``with_optimizer`` also ``optimizer.pt`` and
         ``trainer_state.json`` (step, RNG state), which :meth:`load_state` restores bit for bit. ``gate``: the
         evaluation gate's result for the manifest (:class:`livelora.adapters.rails.GateResult` as a dict).
+        ``base_model_name_or_path``: the base named in ``adapter_config.json`` (default: the base model's name).
         (:func:`livelora.trainer.checkpoints.write_version`.)
 
         Raises:
             BadRequestError: invalid lineage name.
         """
-        return write_version(self, store, lineage, metrics=metrics, with_optimizer=with_optimizer, gate=gate)
+        return write_version(self, store, lineage, metrics=metrics, with_optimizer=with_optimizer, gate=gate,
+                             base_model_name_or_path=base_model_name_or_path)
 
     def save_state(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None,
                    gate: dict[str, Any] | None = None) -> Manifest:

@@ -14,15 +14,16 @@ from livelora.clients.errors import (BadRequestError, ConflictError, InternalErr
                                      UnsupportedParameterError)
 from livelora.clients.types.tinker import (AdamParams, CreateModelRequest, ForwardBackwardInput, LoadWeightsRequest,
                                            SaveWeightsForSamplerRequest, SaveWeightsRequest)
+from livelora.clients.types.tinker_ext import SaveWeightsExternalRequest
 
 log = __import__("logging").getLogger(__name__)
 
 
 class SessionOps:
     """``create_model``, create-via-load, ``forward``, ``forward_backward``, ``optim_step``, ``save_weights``,
-    ``save_weights_for_sampler``, ``load_weights`` on one model slot. Expects the executor's attributes
-    (``home``, ``store``, ``base_ref``, ``base_names``, ``base_model``, ``device``, ``max_seq_len``, ``redis``,
-    ``keys``, ``settings``)."""
+    ``save_weights_for_sampler``, ``save_weights_external``, ``load_weights`` on one model slot. Expects the
+    executor's attributes (``home``, ``store``, ``base_ref``, ``base_names``, ``base_model``, ``device``,
+    ``max_seq_len``, ``redis``, ``keys``, ``settings``)."""
 
     # -------------------------------------------------------------------------------- ops
     def _run(self, slot: Any, op: Op) -> dict[str, Any]:
@@ -53,6 +54,8 @@ class SessionOps:
             return self._save_state(slot, SaveWeightsRequest.model_validate(op.body), op.request_id)
         if op.kind == "save_weights_for_sampler":
             return self._save_for_sampler(slot, SaveWeightsForSamplerRequest.model_validate(op.body), op.request_id)
+        if op.kind == "save_weights_external":
+            return self._save_external(slot, SaveWeightsExternalRequest.model_validate(op.body), op.request_id)
         if op.kind == "load_weights":
             req = LoadWeightsRequest.model_validate(op.body)
             index, _, version = resolve_checkpoint(self.home, req.path, want="weights")
@@ -105,9 +108,11 @@ class SessionOps:
 
     def _save(self, slot: Any, kind: str, name: str, overwrite: bool, with_optimizer: bool,
               request_id: str, ttl_seconds: int | None = None,
-              user_metadata: dict[str, Any] | None = None) -> Manifest:
+              user_metadata: dict[str, Any] | None = None, base_model_name_or_path: str | None = None) -> Manifest:
         """Save a named checkpoint; ``ttl_seconds`` sets its ``expires_at`` (housekeeping deletes it after
         that, never while in use: :meth:`livelora.gateway.services.sessions.Checkpoints.expire_due`).
+        ``base_model_name_or_path``: what the version's ``adapter_config.json`` names as its base (default: the
+        served base-model name).
 
         Raises:
             ConflictError: the name exists and not ``overwrite``.
@@ -124,7 +129,8 @@ class SessionOps:
         versions = getattr(self, "versions", None)  # max_adapter_versions, checked again here: saves queued
         if old is None and versions is not None:     # together below the limit must not all pass it
             versions.check(versions.tenant_of(index.lineage))
-        manifest = slot.model.save_weights(self.store, index.lineage, with_optimizer=with_optimizer)
+        manifest = slot.model.save_weights(self.store, index.lineage, with_optimizer=with_optimizer,
+                                           base_model_name_or_path=base_model_name_or_path)
         entry = {"version": manifest.version, "time": now_iso(), "adapter": manifest.name, "request_id": request_id,
                  "expires_at": expires_at(ttl_seconds), "user_metadata": user_metadata}
         index.update(lambda d: d.setdefault("checkpoints", {}).__setitem__(key, entry), fence=slot.token)
@@ -143,6 +149,34 @@ class SessionOps:
         self._save(slot, "weights", name, req.overwrite, with_optimizer=True, request_id=request_id,
                    ttl_seconds=req.ttl_seconds, user_metadata=req.user_metadata)
         return {"path": tinker_path(slot.model_id, "weights", name), "type": "save_weights"}
+
+    def _save_external(self, slot: Any, req: SaveWeightsExternalRequest, request_id: str) -> dict[str, Any]:
+        """``save_weights_external``: the LoRA weights (no optimizer state) as a PEFT adapter directory,
+        checkpoint ``external_weights/<path>`` (an existing one is replaced). Its ``adapter_config.json`` names the
+        base model by its Hugging Face hub id where livelora knows one, so ``AutoPeftModelForCausalLM`` finds it.
+
+        Returns:
+            ``{"path": "tinker://<model_id>/external_weights/<path>", "size_bytes": bytes of the exported files,
+            "type": "save_weights_external"}``.
+
+        Raises:
+            BadRequestError: invalid name; UnsupportedParameterError: ``age_encryption_recipients`` (the gateway
+            refuses both before queueing; checked again for ops queued by an older gateway).
+        """
+        from livelora.adapters.models import HUB_IDS
+        from livelora.adapters.store import CONFIG_FILE, WEIGHTS_FILE
+
+        name = check_checkpoint_name(req.path)
+        if req.age_encryption_recipients:
+            raise UnsupportedParameterError("age_encryption_recipients is not supported",
+                                            param="age_encryption_recipients")
+        hub_id = next((HUB_IDS[n] for n in (self.base_ref.name, self.base_model) if n in HUB_IDS), None)
+        manifest = self._save(slot, "external_weights", name, True, with_optimizer=False, request_id=request_id,
+                              ttl_seconds=req.ttl_seconds, base_model_name_or_path=hub_id)
+        vdir = self.store.version_dir(manifest.lineage, manifest.version)
+        size = sum((vdir / f).stat().st_size for f in (WEIGHTS_FILE, CONFIG_FILE))
+        return {"path": tinker_path(slot.model_id, "external_weights", name), "size_bytes": size,
+                "type": "save_weights_external"}
 
     def _save_for_sampler(self, slot: Any, req: SaveWeightsForSamplerRequest,
                           request_id: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import zlib
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from livelora.clients.errors import BadRequestError
@@ -246,6 +246,14 @@ async def save_weights_for_sampler(request: Request, ops: TrainingOpsDep) -> Res
                                            lambda d: SaveWeightsForSamplerRequest.model_validate(d)))
 
 
+@router.post("/save_weights_external", openapi_extra=body_schema(SaveWeightsExternalRequest))
+async def save_weights_external(request: Request, ops: TrainingOpsDep) -> Response:
+    """The run's current LoRA weights as a PEFT adapter directory, ``tinker://<model_id>/external_weights/<path>``
+    (its files: ``…/checkpoints/external_weights/<path>/external_weights_urls``)."""
+    return encode(await ops.submit_op("save_weights_external", await body_json(request),
+                                      lambda d: SaveWeightsExternalRequest.model_validate(d)))
+
+
 @router.post("/load_weights", openapi_extra=body_schema(LoadWeightsRequest))
 async def load_weights(request: Request, ops: TrainingOpsDep) -> Response:
     data = await body_json(request)
@@ -304,6 +312,23 @@ async def checkpoint_archive(name: str, checkpoints: CheckpointsDep) -> Response
     name, data = checkpoints.archive(name)
     return Response(data, media_type="application/x-tar",
                     headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+@router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request,
+                                checkpoints: CheckpointsDep) -> Response:
+    """Signed URLs, one per file, of an ``external_weights/<name>`` checkpoint (SDK 0.38 ``tinker checkpoint
+    download``, ``RestClient.get_external_weights_urls``)."""
+    return encode(checkpoints.external_weights_urls(model_id, checkpoint_id, str(request.base_url)))
+
+
+@router.get("/external_weights_files/{token}/{file_name}")
+async def external_weights_file(token: str, file_name: str, checkpoints: CheckpointsDep) -> Response:
+    """One file behind a signed external-weights URL (public route: the signature in ``token`` is the credential;
+    the SDK fetches it with plain ``urllib``)."""
+    path = checkpoints.external_file(token, file_name)
+    media = "application/json" if file_name.endswith(".json") else "application/octet-stream"
+    return FileResponse(path, media_type=media, filename=file_name)
 
 
 @router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
@@ -371,13 +396,6 @@ async def cancel_future(request: Request, sampling: SamplingDep) -> Response:
 
 
 # ------------------------------------------------------------------------------------------------ not built
-@router.post("/save_weights_external")
-async def save_weights_external(request: Request, ops: TrainingOpsDep) -> Response:
-    """A training op (it has a ``seq_id``): its future fails with ``not_implemented`` and its seq is consumed."""
-    return encode(await ops.submit_op("save_weights_external", await body_json(request),
-                                      lambda d: SaveWeightsExternalRequest.model_validate(d)))
-
-
 @router.post("/create_custom_loss")
 async def create_custom_loss(request: Request) -> Response:
     await body_json(request)  # a body that is not JSON is named as such first

@@ -1,10 +1,10 @@
 """Checkpoints of Tinker training runs: ``tinker://`` paths → adapter versions in the store; the RestClient surface.
 
 Each training run keeps a checkpoint index (:class:`~livelora.adapters.session_protocol.CheckpointIndex`,
-``sessions/<lineage>.json``) mapping checkpoint ids (``weights/<name>``, ``sampler_weights/<name>``) to store
-versions plus ``time``, ``expires_at`` (from ``ttl_seconds``), ``public`` and ``user_metadata``; the op executor
-writes new entries, these methods read them, delete them (with their versions), publish/unpublish them and
-change their TTL.
+``sessions/<lineage>.json``) mapping checkpoint ids (``weights/<name>``, ``sampler_weights/<name>``,
+``external_weights/<name>``) to store versions plus ``time``, ``expires_at`` (from ``ttl_seconds``), ``public``
+and ``user_metadata``; the op executor writes new entries, these methods read them, delete them (with their
+versions), publish/unpublish them and change their TTL.
 
 **Expiry** (:meth:`Checkpoints.expire_due`, run by the session service's housekeeping every
 ``checkpoint_sweep_s``): an entry whose ``expires_at`` has passed is deleted with its version, unless the
@@ -12,8 +12,16 @@ version is in use: loaded in this gateway's engine (a sampling session or an Ope
 bound to an endpoint (``livelora endpoints``); such an entry is retried at the next sweep.
 
 **Archive download** (tinker SDK ≤0.24 ``tinker checkpoint download``): ``GET …/archive`` answers a URL valid
-for :data:`ARCHIVE_URL_TTL_S` that carries its own HMAC-SHA256 signature (the CLI downloads it with plain
+for :data:`SIGNED_URL_TTL_S` that carries its own HMAC-SHA256 signature (the CLI downloads it with plain
 ``urllib``, without the API key); the URL serves a tar of the adapter files plus ``checkpoint_complete``.
+
+**External weights** (tinker SDK 0.38 ``tinker checkpoint download``, ``RestClient.get_external_weights_urls``):
+``save_weights_external`` (an op of the executor) writes the run's LoRA weights as an adapter version without
+optimizer state, indexed as ``external_weights/<name>``; ``GET …/external_weights/<name>/external_weights_urls``
+answers one signed URL per file of :data:`EXPORT_FILES` (a standard PEFT adapter directory), valid
+:data:`SIGNED_URL_TTL_S`, each serving that file's bytes with no API key. Exports are listed, re-timed, deleted
+and expired like every other checkpoint. A signature binds its purpose (``archive`` or ``file``), so one kind
+of URL cannot be replayed as the other.
 """
 
 from __future__ import annotations
@@ -49,16 +57,19 @@ from livelora.clients.types.tinker_rest import (
     CheckpointArchiveUrlResponse,
     CheckpointsListResponseV2,
     CheckpointV2,
+    ExternalWeightsUrlsResponse,
     TrainingRunsResponse,
     TrainingRunV2,
 )
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 
-#: Lifetime of a signed archive URL (seconds).
-ARCHIVE_URL_TTL_S = 900
-#: Files of a checkpoint archive (the SDK ≤0.24 CLI checks the first two and ``checkpoint_complete``).
+#: Lifetime of a signed archive or external-weights file URL (seconds).
+SIGNED_URL_TTL_S = 900
+#: Files of a checkpoint archive (the SDK ≤0.24 CLI checks the first two and ``checkpoint_complete``) and of an
+#: external-weights export: a PEFT adapter directory (``PeftModel.from_pretrained(base, dir)`` loads it).
 ARCHIVE_FILES = ("adapter_config.json", "adapter_model.safetensors")
+EXPORT_FILES = ARCHIVE_FILES
 
 
 class Checkpoints:
@@ -84,7 +95,9 @@ class Checkpoints:
     def _checkpoint(self, model_id: str, ckpt_id: str, entry: dict[str, Any]) -> CheckpointV2:
         kind, name = ckpt_id.split("/", 1)
         vdir = self.store.version_dir(lineage_for(model_id), int(entry["version"]))
-        size = sum(f.stat().st_size for f in vdir.iterdir() if f.is_file()) if vdir.is_dir() else None
+        files = [vdir / f for f in EXPORT_FILES] if kind == "external_weights" else \
+            (list(vdir.iterdir()) if vdir.is_dir() else [])
+        size = sum(f.stat().st_size for f in files if f.is_file()) if vdir.is_dir() else None
         return CheckpointV2(checkpoint_id=ckpt_id, checkpoint_type=CHECKPOINT_KINDS[kind], time=entry["time"],
                             tinker_path=tinker_path(model_id, kind, name), adapter=entry.get("adapter"),
                             size_bytes=size, public=bool(entry.get("public")), expires_at=entry.get("expires_at"),
@@ -148,10 +161,7 @@ class Checkpoints:
 
     # -------------------------------------------------------------------------------- changing
     def _update_entry(self, model_id: str, checkpoint_id: str, fn) -> dict[str, Any]:
-        kind, _, name = checkpoint_id.partition("/")
-        if kind not in CHECKPOINT_KINDS or not name:
-            raise BadRequestError(f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name> or "
-                                  "sampler_weights/<name>", param="checkpoint_id")
+        kind, name = _split_id(checkpoint_id)
         index = CheckpointIndex(self.home, model_id)
         index.read()
         out: dict[str, Any] = {}
@@ -208,7 +218,7 @@ class Checkpoints:
                     deleted.append(tinker_path(model_id, *ckpt_id.split("/", 1)))
         return deleted
 
-    # -------------------------------------------------------------------------------- archives
+    # -------------------------------------------------------------------------------- signed URLs
     def _secret(self) -> bytes:
         path = self.home / "archive_secret"
         if not path.is_file():
@@ -219,34 +229,47 @@ class Checkpoints:
             tmp.unlink(missing_ok=True)
         return path.read_text().strip().encode()
 
+    def _sign(self, purpose: str, fields: list[Any]) -> tuple[str, datetime]:
+        """``(token, expiry)``: ``fields`` plus an expiry :data:`SIGNED_URL_TTL_S` from now, as URL-safe base64,
+        ``.``, and the hex HMAC-SHA256 of ``purpose:payload`` under the store's secret."""
+        expiry = int(time.time()) + SIGNED_URL_TTL_S
+        payload = base64.urlsafe_b64encode(json.dumps([*fields, expiry]).encode()).decode()
+        sig = hmac.new(self._secret(), f"{purpose}:{payload}".encode(), hashlib.sha256).hexdigest()
+        return f"{payload}.{sig}", datetime.fromtimestamp(expiry, timezone.utc)
+
+    def _verify(self, purpose: str, token: str) -> list[Any]:
+        """The signed fields of a token :meth:`_sign` made for ``purpose`` (the expiry removed).
+
+        Raises: NotFoundError (a bad signature, another purpose's token, or an expired one: the routes that take
+        tokens are public, so a URL that does not verify is "not found").
+        """
+        payload, _, sig = token.rpartition(".")
+        good = hmac.new(self._secret(), f"{purpose}:{payload}".encode(), hashlib.sha256).hexdigest()
+        if not payload or not hmac.compare_digest(sig, good):
+            raise NotFoundError("unknown download URL (its signature does not verify)", code="invalid_signature")
+        *fields, expiry = json.loads(base64.urlsafe_b64decode(payload.encode()))
+        if time.time() > expiry:
+            raise NotFoundError("this download URL has expired; ask for a new one", code="expired_url")
+        return fields
+
+    # -------------------------------------------------------------------------------- archives
     def archive_url(self, model_id: str, checkpoint_id: str, base_url: str) -> CheckpointArchiveUrlResponse:
-        """A signed URL of the checkpoint's tar, valid :data:`ARCHIVE_URL_TTL_S` seconds.
+        """A signed URL of the checkpoint's tar, valid :data:`SIGNED_URL_TTL_S` seconds.
 
         Raises: BadRequestError (malformed id), NotFoundError (unknown run or checkpoint).
         """
-        kind, _, name = checkpoint_id.partition("/")
-        if kind not in CHECKPOINT_KINDS or not name:
-            raise BadRequestError(f"invalid checkpoint id {checkpoint_id!r}", param="checkpoint_id")
+        kind, name = _split_id(checkpoint_id)
         CheckpointIndex(self.home, model_id).resolve(kind, name)
-        expiry = int(time.time()) + ARCHIVE_URL_TTL_S
-        payload = base64.urlsafe_b64encode(json.dumps([model_id, checkpoint_id, expiry]).encode()).decode()
-        sig = hmac.new(self._secret(), payload.encode(), hashlib.sha256).hexdigest()
-        return CheckpointArchiveUrlResponse(url=f"{base_url.rstrip('/')}/api/v1/checkpoint_archives/{payload}.{sig}",
-                                            expires=datetime.fromtimestamp(expiry, timezone.utc))
+        token, expires = self._sign("archive", [model_id, checkpoint_id])
+        return CheckpointArchiveUrlResponse(url=f"{base_url.rstrip('/')}/api/v1/checkpoint_archives/{token}",
+                                            expires=expires)
 
     def archive(self, token: str) -> tuple[str, bytes]:
         """``(file name, tar bytes)`` for a signed archive token.
 
-        Raises: NotFoundError (a bad signature, an expired URL, or a checkpoint deleted since: the route is
-        public, so a URL that does not verify is "not found").
+        Raises: NotFoundError (a bad signature, an expired URL, or a checkpoint deleted since).
         """
-        payload, _, sig = token.rpartition(".")
-        good = hmac.new(self._secret(), payload.encode(), hashlib.sha256).hexdigest()
-        if not payload or not hmac.compare_digest(sig, good):
-            raise NotFoundError("unknown archive URL (its signature does not verify)", code="invalid_signature")
-        model_id, checkpoint_id, expiry = json.loads(base64.urlsafe_b64decode(payload.encode()))
-        if time.time() > expiry:
-            raise NotFoundError("this archive URL has expired; ask for a new one", code="expired_url")
+        model_id, checkpoint_id = self._verify("archive", token)
         kind, _, name = checkpoint_id.partition("/")
         version = CheckpointIndex(self.home, model_id).resolve(kind, name)
         vdir = self.store.version_dir(lineage_for(model_id), version)
@@ -257,6 +280,57 @@ class Checkpoints:
             info = tarfile.TarInfo("checkpoint_complete")
             tar.addfile(info, io.BytesIO(b""))
         return f"{model_id}_{kind}_{name}.tar".replace(":", "_"), buf.getvalue()
+
+    # -------------------------------------------------------------------------------- external weights
+    def external_weights_urls(self, model_id: str, checkpoint_id: str, base_url: str) -> ExternalWeightsUrlsResponse:
+        """One signed URL per file of an external-weights export (:data:`EXPORT_FILES`), all valid
+        :data:`SIGNED_URL_TTL_S` seconds; each serves the file's bytes without an API key
+        (``GET /api/v1/external_weights_files/<token>/<file>``).
+
+        Raises:
+            BadRequestError: a malformed id, or a checkpoint of another kind (only ``external_weights/<name>``
+                has file URLs). NotFoundError: unknown run or checkpoint.
+        """
+        kind, name = _split_id(checkpoint_id)
+        if kind != "external_weights":
+            raise BadRequestError(f"{tinker_path(model_id, kind, name)} is not an external-weights checkpoint: only "
+                                  "tinker://<model_id>/external_weights/<name> (made by save_weights_external) has "
+                                  "file URLs; a training checkpoint downloads as a tar from …/archive",
+                                  param="checkpoint_id")
+        CheckpointIndex(self.home, model_id).resolve(kind, name)
+        urls, expires = {}, None
+        for fname in EXPORT_FILES:
+            token, expires = self._sign("file", [model_id, checkpoint_id, fname])
+            urls[fname] = f"{base_url.rstrip('/')}/api/v1/external_weights_files/{token}/{fname}"
+        return ExternalWeightsUrlsResponse(urls=urls, expires=expires)
+
+    def external_file(self, token: str, fname: str) -> Path:
+        """The file a signed external-weights URL names.
+
+        Raises: NotFoundError (a bad signature, a file name other than the signed one, an expired URL, or an
+        export deleted since).
+        """
+        model_id, checkpoint_id, signed_name = self._verify("file", token)
+        if fname != signed_name:
+            raise NotFoundError("unknown download URL (its signature does not verify)", code="invalid_signature")
+        kind, _, name = checkpoint_id.partition("/")
+        version = CheckpointIndex(self.home, model_id).resolve(kind, name)
+        path = self.store.version_dir(lineage_for(model_id), version) / fname
+        if not path.is_file():
+            raise NotFoundError(f"checkpoint {tinker_path(model_id, kind, name)} has no file {fname}", param="path")
+        return path
+
+
+def _split_id(checkpoint_id: str) -> tuple[str, str]:
+    """``(kind, name)`` of a checkpoint id ``<kind>/<name>``.
+
+    Raises: BadRequestError: another form, or an unknown kind.
+    """
+    kind, _, name = checkpoint_id.partition("/")
+    if kind not in CHECKPOINT_KINDS or not name:
+        raise BadRequestError(f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name>, "
+                              "sampler_weights/<name> or external_weights/<name>", param="checkpoint_id")
+    return kind, name
 
 
 def _str_dict(d: Any) -> dict[str, str] | None:

@@ -1,7 +1,7 @@
 """Training ops of Tinker sessions, gateway side: validated here, queued for the op executor.
 
 ``forward``, ``forward_backward``, ``optim_step``, ``save_weights``, ``save_weights_for_sampler``,
-``load_weights`` and ``create_model`` are validated and queued on ``ops:{model_id}``
+``save_weights_external``, ``load_weights`` and ``create_model`` are validated and queued on ``ops:{model_id}``
 (:mod:`livelora.adapters.session_protocol`: ids, ordering). A retry with a ``(model_id, seq_id)`` already
 seen gets the first request's id back and is not queued again; a different body under the same seq gets a
 future already failed with a ``seq_conflict`` error (op routes never answer 409: the SDK would retry it). An
@@ -24,6 +24,7 @@ from livelora.adapters.owners import OwnerStore
 from livelora.adapters.session_protocol import (
     CheckpointIndex,
     Op,
+    check_checkpoint_name,
     future_failed,
     lineage_for,
     model_id_for,
@@ -36,9 +37,9 @@ from livelora.clients.errors import (
     BadRequestError,
     ConflictError,
     LiveloraError,
-    NotBuiltError,
     NotFoundError,
     PayloadTooLargeError,
+    UnsupportedParameterError,
 )
 from livelora.clients.types.tinker import (
     CreateModelRequest,
@@ -55,6 +56,10 @@ from livelora.clients.types.tinker_rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
+
+#: save op → the kind of checkpoint it writes
+SAVE_KINDS = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights",
+              "save_weights_external": "external_weights"}
 
 
 class TrainingOps:
@@ -182,7 +187,7 @@ class TrainingOps:
             await self.futures.resolve(request_id, future_failed(NotFoundError(
                 f"model {model_id!r} does not exist (never created, or its session ended)", param="model_id")))
             return UntypedAPIFuture(request_id=request_id, model_id=model_id)
-        if kind in ("save_weights", "save_weights_for_sampler") and self.ctx.quotas is not None:
+        if kind in SAVE_KINDS and self.ctx.quotas is not None:
             from livelora.gateway.services.metering import payer
 
             # 429 before anything is queued or written: a save past the tenant's max_adapter_versions
@@ -213,7 +218,7 @@ class TrainingOps:
         name = raw.get("path")
         if name is None or not isinstance(name, str):
             return 0 if kind == "save_weights_for_sampler" else 1
-        key = f"{'weights' if kind == 'save_weights' else 'sampler_weights'}/{name}"
+        key = f"{SAVE_KINDS[kind]}/{name}"
         try:
             return 0 if key in CheckpointIndex(self.home, model_id).read().get("checkpoints", {}) else 1
         except LiveloraError:
@@ -249,15 +254,18 @@ class TrainingOps:
             # (refused above) reads them, so the executor gets the plain datums
             spans = {"model_input_spans", "loss_fn_input_spans"}
             return {"input": fb.model_dump(mode="json", exclude={"data": {"__all__": spans}})}
-        if kind in ("save_weights", "save_weights_for_sampler") and req.ttl_seconds is not None and \
+        if kind in SAVE_KINDS and req.ttl_seconds is not None and \
                 not MIN_TTL_SECONDS <= req.ttl_seconds <= MAX_TTL_SECONDS:
             raise BadRequestError(f"ttl_seconds must be between {MIN_TTL_SECONDS} (1 hour) and {MAX_TTL_SECONDS} "
                                   f"(10 years), or omitted to keep the checkpoint until deleted; got {req.ttl_seconds}",
                                   param="ttl_seconds")
         if kind == "save_weights_external":
-            raise NotBuiltError("save_weights_external is not built: export adapters with `livelora adapters "
-                                "export` (PEFT or merged Hugging Face format); a checkpoint's files come as a tar from "
-                                "GET /api/v1/training_runs/{id}/checkpoints/{ckpt}/archive", param="path")
+            check_checkpoint_name(req.path)
+            if req.age_encryption_recipients:
+                raise UnsupportedParameterError(
+                    "age_encryption_recipients is not supported: livelora stores and serves external weights "
+                    "unencrypted (behind signed URLs); omit it, or encrypt the downloaded files yourself with `age`",
+                    param="age_encryption_recipients")
         if kind == "save_weights_for_sampler":
             req: SaveWeightsForSamplerRequest
             if (req.path is None) == (req.sampling_session_seq_id is None):
