@@ -119,10 +119,20 @@ def lineage_for_name(name: str) -> str:
 class EndpointStore:
     """Read and change ``endpoints.json`` (and append ``history.jsonl``) under ``home``."""
 
-    def __init__(self, home: Path | str):
+    def __init__(self, home: Path | str, implicit: tuple[str, ...] | list[str] = ()):
         self.home = Path(home)
         self.path = self.home / ENDPOINTS_FILE
         self.history_path = self.home / HISTORY_FILE
+        #: served base-model names whose implicit endpoints administration shows and may change (a change makes
+        #: one explicit); names that are not valid endpoint names are left out
+        self.implicit = tuple(n for n in implicit if _valid_implicit(n))
+
+    def bindings(self) -> dict[str, EndpointBinding]:
+        """Every explicit binding plus the implicit ones of :attr:`implicit` (lineage from the name, follow,
+        public) that are not explicit."""
+        explicit = self.all()
+        return {**{n: EndpointBinding(lineage=lineage_for_name(n)) for n in self.implicit if n not in explicit},
+                **explicit}
 
     def all(self) -> dict[str, EndpointBinding]:
         """Every explicit binding (empty when the file does not exist)."""
@@ -220,8 +230,10 @@ class EndpointStore:
             old = bindings.get(endpoint)
             new = update(old)
             self._check(endpoint, new)
-            before = None if old is None else version_label(old.lineage, self.served_version(old, store, endpoint))
-            if old is not None and old.mode == "follow":
+            was = old if old is not None or endpoint not in self.implicit else \
+                EndpointBinding(lineage=lineage_for_name(endpoint))  # an implicit endpoint made explicit now
+            before = None if was is None else version_label(was.lineage, self.served_version(was, store, endpoint))
+            if was is not None and was.mode == "follow":
                 before = f"follow:{before}"
             after = version_label(new.lineage, new.version) if new.mode == "pinned" else "follow"
             entry = HistoryEntry(time=time.time(), who=who, tenant=tenant, endpoint=endpoint, action=action,
@@ -312,7 +324,7 @@ class EndpointStore:
             NotFoundError: unknown, or administered by another tenant.
         """
         validate_endpoint_name(endpoint)
-        binding = self.all().get(endpoint)
+        binding = self.bindings().get(endpoint)
         if binding is None or not binding.administered_by(tenant):
             raise NotFoundError(f"endpoint {endpoint!r} does not exist", param="endpoint")
         return binding
@@ -338,7 +350,7 @@ class EndpointStore:
         """``<lineage>@<n>`` → endpoints whose current target it is (pins, and follow endpoints' newest)."""
         store = store or AdapterStore(self.home)
         out: dict[str, list[str]] = {}
-        for name, binding in self.all().items():
+        for name, binding in self.bindings().items():
             v = self.served_version(binding, store, name)
             if v is not None:
                 out.setdefault(f"{binding.lineage}@{v}", []).append(name)
@@ -347,3 +359,13 @@ class EndpointStore:
     def lineage_tenants(self, lineage: str) -> set[str]:
         """Tenants administering endpoints bound to ``lineage`` (``default`` for public ones)."""
         return {b.tenant or DEFAULT_TENANT for b in self.all().values() if b.lineage == lineage}
+
+
+def _valid_implicit(name: str) -> bool:
+    """Whether ``name`` can be an implicit endpoint (a valid endpoint name with a valid implicit lineage)."""
+    try:
+        validate_endpoint_name(name)
+        lineage_for_name(name)
+    except BadRequestError:
+        return False
+    return True

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import getpass
 import io
+import os
 import tarfile
 import time
 from pathlib import Path
@@ -61,7 +62,11 @@ class Backend:
         if home is not None:
             from livelora.gateway.services.admin import AdminService
 
-            self.local = AdminService(home, tenant=None)
+            from livelora.adapters.settings import CommonSettings
+
+            # the served base model's own endpoint (implicit unless changed) is shown like the explicit ones
+            served = os.environ.get("LIVELORA_SERVED_MODEL_NAME") or CommonSettings().model
+            self.local = AdminService(home, tenant=None, base_endpoints=(served,))
             self.who = f"local:{getpass.getuser()}"
 
     # -------------------------------------------------------------- plumbing
@@ -238,7 +243,7 @@ def endpoints_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt
     rows = _run(lambda: Backend(url, api_key, home).list_endpoints())
     table = Table(title="endpoints")
     for col in ("endpoint", "lineage", "mode", "serving", "rollback to", "tenant"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # names wrap, never cut: they tell the rows apart
     for e in rows:
         table.add_row(e["name"], e["lineage"], e["mode"], e["serving"], e["rollback_to"] or "-",
                       e["tenant"] or "(public)")

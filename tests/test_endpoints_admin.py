@@ -369,7 +369,12 @@ def test_bindings_survive_restart(server, keys, home):
         again.stop()
     # a fresh process (as a restarted trainer) reads the same bindings from the store
     listed = _cli("endpoints", "list", "--home", str(home))
-    assert "acme.prod" in listed and "acme.support@2" in listed and "acme.support@4" in listed
+    assert "acme.prod" in listed and "(public)" in listed  # the base model's own endpoint is listed too
+    from livelora.cli.admin import Backend
+
+    serving = {e["name"]: e["serving"] for e in Backend("http://unused", None, home).list_endpoints()}
+    assert serving["acme.prod"] == "acme.support@2" and serving["acme.live"] == "acme.support@4"
+    assert "smollm2-135m-instruct" in serving
     from livelora.adapters.endpoints import EndpointStore
 
     assert EndpointStore(home).get("acme.prod").lineage == LINEAGE  # what the trainer maps events with
@@ -429,3 +434,37 @@ def test_open_mode_and_public_bind_rules(tmp_path):
     assert check_bind("0.0.0.0", store, True) is True
     store.create("default", ["admin"])
     assert check_bind("0.0.0.0", store, False) is False
+
+
+def test_the_served_base_models_own_endpoint_is_administered_like_the_others(base_ref, tmp_path):
+    """The base model's served name is an implicit endpoint (it follows the lineage of the same name): admin
+    lists it with the version it serves, shows its history, marks its version as served, and may promote and
+    roll it back (a change makes it explicit); it belongs to tenant default, so another tenant sees none of it."""
+    from livelora.adapters.owners import record_install_owners
+    from livelora.clients.errors import NotFoundError
+    from livelora.gateway.services.admin import AdminService
+    from livelora.trainer.model import TrainingModel
+
+    base = "smollm2-135m-instruct"
+    record_install_owners(tmp_path, base)
+    tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
+    for _ in (1, 2):
+        tm.save_weights(AdapterStore(tmp_path), base)
+    svc = AdminService(tmp_path, tenant="default", base_endpoints=(base,))
+    [shown] = svc.list_endpoints()
+    assert (shown["name"], shown["lineage"], shown["mode"], shown["serving"]) == (base, base, "follow", f"{base}@2")
+    assert svc.get_endpoint(base)["serving"] == f"{base}@2"
+    assert [(a["name"], a["serving"]) for a in svc.list_adapters(base)] == [(f"{base}@1", []), (f"{base}@2", [base])]
+    entry = svc.promote(base, "1", who="key:test", reason="pin the first")
+    assert (entry.action, entry.from_, entry.to) == ("promote", f"follow:{base}@2", f"{base}@1")
+    assert svc.get_endpoint(base)["serving"] == f"{base}@1"
+    assert svc.rollback(base, who="key:test").to == f"{base}@2"
+    assert [h.action for h in svc.history(base)] == ["promote", "rollback"]
+    other = AdminService(tmp_path, tenant="acme", base_endpoints=(base,))
+    assert other.list_endpoints() == [] and other.history(base) == []
+    with pytest.raises(NotFoundError):
+        other.get_endpoint(base)
+    with pytest.raises(NotFoundError):
+        other.promote(base, "1", who="key:acme")
+    # without the served name (another store's admin view) nothing implicit is shown
+    assert [e["name"] for e in AdminService(tmp_path, tenant="default").list_endpoints()] == [base]  # now explicit

@@ -93,10 +93,10 @@ class AdminService:
         tenant: the caller's tenant; ``None`` = every tenant (local store access).
     """
 
-    def __init__(self, home: Path | str, tenant: str | None):
+    def __init__(self, home: Path | str, tenant: str | None, base_endpoints: tuple[str, ...] | list[str] = ()):
         self.home = Path(home)
         self.tenant = tenant
-        self.endpoints = EndpointStore(home)
+        self.endpoints = EndpointStore(home, implicit=base_endpoints)
         self.store = AdapterStore(home)
         self.keys = KeyStore(home)
         self.owners = OwnerStore(home)
@@ -118,7 +118,7 @@ class AdminService:
         """The tenant a change to ``endpoint`` is made as (local access: the endpoint's own)."""
         if self.tenant is not None:
             return self.tenant
-        binding = self.endpoints.all().get(validate_endpoint_name(endpoint))
+        binding = self.endpoints.bindings().get(validate_endpoint_name(endpoint))
         if binding is None:
             raise NotFoundError(f"endpoint {endpoint!r} does not exist", param="endpoint")
         return self._admin_tenant(binding)
@@ -145,13 +145,13 @@ class AdminService:
                 "gate": binding.thresholds.model_dump(mode="json")}
 
     def list_endpoints(self) -> list[dict[str, Any]]:
-        """Explicit endpoints this tenant administers, by name."""
-        return [self.endpoint_info(k, b) for k, b in sorted(self.endpoints.all().items())
+        """Endpoints this tenant administers, by name: the explicit ones and the served base model's own."""
+        return [self.endpoint_info(k, b) for k, b in sorted(self.endpoints.bindings().items())
                 if self._sees_endpoint(b)]
 
     def get_endpoint(self, name: str) -> dict[str, Any]:
         """One endpoint. Raises: NotFoundError (missing or another tenant's)."""
-        binding = self.endpoints.all().get(validate_endpoint_name(name))
+        binding = self.endpoints.bindings().get(validate_endpoint_name(name))
         if binding is None or not self._sees_endpoint(binding):
             raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
         return self.endpoint_info(name, binding)
@@ -199,7 +199,7 @@ class AdminService:
             NotFoundError: unknown endpoint or version. BadRequestError: malformed version.
         """
         tenant = self._acting_tenant(name)
-        binding = self.endpoints.all().get(name)
+        binding = self.endpoints.bindings().get(name)
         if binding is None or not binding.administered_by(tenant):
             raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
         if version is None and not follow:
@@ -405,7 +405,8 @@ class GatewayAdmin:
     """
 
     def __init__(self, home: Path | str, principal: Principal, registry: AdapterRegistry | None = None):
-        self.store = AdminService(home, principal.tenant)
+        self.store = AdminService(home, principal.tenant,
+                                  base_endpoints=(registry.base_endpoint,) if registry is not None else ())
         self.who = principal.who
         self.registry = registry
 
@@ -472,7 +473,7 @@ class GatewayAdmin:
             NotFoundError: unknown or another tenant's endpoint.
         """
         if not self.store._owns_endpoint(name) or (self.registry is not None and name not in self.registry.current
-                                                   and name not in self.store.endpoints.all()):
+                                                   and name not in self.store.endpoints.bindings()):
             raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
         reg = self.registry
         if reg is None or reg.stats is None:
