@@ -131,8 +131,11 @@ class EndpointStore:
         """Every explicit binding plus the implicit ones of :attr:`implicit` (lineage from the name, follow,
         public) that are not explicit."""
         explicit = self.all()
-        return {**{n: EndpointBinding(lineage=lineage_for_name(n)) for n in self.implicit if n not in explicit},
-                **explicit}
+        return {**{n: self._implicit_binding(n) for n in self.implicit if n not in explicit}, **explicit}
+
+    def _implicit_binding(self, name: str) -> EndpointBinding | None:
+        """The implicit binding of a served base-model name of :attr:`implicit` (``None`` for other names)."""
+        return EndpointBinding(lineage=lineage_for_name(name)) if name in self.implicit else None
 
     def all(self) -> dict[str, EndpointBinding]:
         """Every explicit binding (empty when the file does not exist)."""
@@ -230,8 +233,7 @@ class EndpointStore:
             old = bindings.get(endpoint)
             new = update(old)
             self._check(endpoint, new)
-            was = old if old is not None or endpoint not in self.implicit else \
-                EndpointBinding(lineage=lineage_for_name(endpoint))  # an implicit endpoint made explicit now
+            was = old if old is not None else self._implicit_binding(endpoint)  # implicit: made explicit now
             before = None if was is None else version_label(was.lineage, self.served_version(was, store, endpoint))
             if was is not None and was.mode == "follow":
                 before = f"follow:{before}"
