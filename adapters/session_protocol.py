@@ -192,8 +192,8 @@ def resolve_checkpoint(home: Path | str, path: str, *, want: str | None = None) 
     """
     model_id, kind, name = parse_tinker_path(path)
     if want is not None and kind != want:
-        what = {"weights": "a sampler checkpoint (weights only, no optimizer state)",
-                "sampler_weights": "a training checkpoint",
+        what = {"weights": "a training checkpoint",
+                "sampler_weights": "a sampler checkpoint (weights only, no optimizer state)",
                 "external_weights": "an external-weights export (for download only)"}[kind]
         if want == "weights":
             raise BadRequestError(f"{path} is {what}; training clients load training checkpoints saved with "
