@@ -279,6 +279,27 @@ def test_served_version_is_reported_by_redis_completion_log(server, keys):
     assert json.loads(rec)["caller"] == "acme" and json.loads(rec)["adapter"] == "acme.support@4"
 
 
+def test_rating_the_bare_id_of_an_n2_response_names_its_choice_ids(server, keys):
+    """Choice k of an n>1 response is logged as ``{id}-k``: rating the bare id is a 404 that says so (to the tenant
+    that made it; another tenant gets the plain unknown-id answer), and ``{id}-1`` is accepted."""
+    with client(server, keys["acme"]) as http:
+        r = chat(http, model="acme.live", n=2)
+        assert r.status_code == 200, r.text
+        cid = r.json()["id"]
+        assert len(r.json()["choices"]) == 2
+        err = error_of(http.post("/v1/feedback", json={"completion_id": cid, "rating": True}), 404)
+        assert err["param"] == "completion_id"
+        assert "had 2 choices" in err["message"] and f"'{cid}-0' to '{cid}-1'" in err["message"], err
+        ok = http.post("/v1/feedback", json={"completion_id": f"{cid}-1", "rating": True})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["completion_id"] == f"{cid}-1"
+    with client(server, keys["beta"]) as http:
+        err = error_of(http.post("/v1/feedback", json={"completion_id": cid, "rating": True}), 404)
+        unknown = error_of(http.post("/v1/feedback", json={"completion_id": "chatcmpl-nosuch", "rating": True}), 404)
+        assert "choices" not in err["message"]
+        assert err["message"].replace(cid, "X") == unknown["message"].replace("chatcmpl-nosuch", "X")
+
+
 # ---------------------------------------------------------------------------------------------- promotion
 
 
