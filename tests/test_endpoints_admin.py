@@ -300,6 +300,28 @@ def test_rating_the_bare_id_of_an_n2_response_names_its_choice_ids(server, keys)
         assert err["message"].replace(cid, "X") == unknown["message"].replace("chatcmpl-nosuch", "X")
 
 
+def test_sdk_without_a_key_says_none_was_configured(server, keys, monkeypatch):
+    """livelora's SDK with no key configured sends the open-server placeholder; a server with keys refuses it, and
+    the error says that no key was configured and which variables to set (a wrong key keeps the server's answer)."""
+    from livelora.clients import ServiceClient
+    from livelora.clients.errors import AuthenticationError
+
+    for var in ("LIVELORA_API_KEY", "TINKER_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(AuthenticationError) as info:
+        ServiceClient(server.base_url).get_server_capabilities()
+    message = str(info.value)
+    assert message.startswith("no API key configured") and "'tml-local'" in message
+    assert "LIVELORA_API_KEY or TINKER_API_KEY" in message and "invalid or revoked API key" in message
+    monkeypatch.setenv("TINKER_API_KEY", "tml-wrong")
+    with pytest.raises(AuthenticationError) as info:
+        ServiceClient(server.base_url).get_server_capabilities()
+    assert str(info.value) == "invalid or revoked API key"
+    monkeypatch.setenv("LIVELORA_API_KEY", keys["acme"])  # read first
+    caps = ServiceClient(server.base_url).get_server_capabilities()
+    assert caps.supported_models[0].model_name == BASE
+
+
 # ---------------------------------------------------------------------------------------------- promotion
 
 
