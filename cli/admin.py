@@ -38,6 +38,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
+from livelora.adapters.api_keys import ROLES
+
 out = Console()
 err = Console(stderr=True)
 
@@ -200,10 +202,10 @@ class Backend:
         if self.home:
             info, key = self.local.create_key(roles, tenant=tenant, name=name)
             return {**info, "key": key}
-        if tenant is not None:
-            raise typer.BadParameter("--tenant works with --home only; over HTTP a key is made in the "
-                                     "admin key's own tenant")
-        return self.http("POST", "/admin/keys", json={"roles": roles, "name": name})
+        body: dict[str, Any] = {"roles": roles, "name": name}
+        if tenant is not None:  # the server accepts the admin key's own tenant only
+            body["tenant"] = tenant
+        return self.http("POST", "/admin/keys", json=body)
 
     def list_keys(self) -> list[dict]:
         return self.local.list_keys() if self.home else self.http("GET", "/admin/keys")["data"]
@@ -393,8 +395,10 @@ def adapters_delete(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, ho
 # ====================================================================================== keys
 @keys_app.command("create")
 def keys_create(
-    roles: Annotated[str, typer.Option(help="Comma list of inference, feedback, train, admin.")] = "inference,feedback",
-    tenant: Annotated[str | None, typer.Option(help="Tenant (--home only; default 'default').")] = None,
+    roles: Annotated[str, typer.Option(help=f"Comma list of {', '.join(ROLES)} (operator: with --home "
+                                            "only).")] = "inference,feedback",
+    tenant: Annotated[str | None, typer.Option(help="Tenant (with --home any, default 'default'; over HTTP the "
+                                                    "admin key's own tenant, the default).")] = None,
     name: Annotated[str, typer.Option(help="Label for lists and audit logs.")] = "",
     url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
 ) -> None:

@@ -172,6 +172,22 @@ def test_an_operator_key_is_made_on_the_store_only(server, keys):
     assert "--home" in r.json()["error"]["message"]
 
 
+def test_cli_keys_create_over_http_takes_the_callers_own_tenant(server, keys):
+    """``livelora keys create --tenant T`` over HTTP: T = the admin key's tenant makes a key there; another tenant
+    is refused (400 naming ``tenant``) and nothing is made."""
+    from livelora.cli.main import app
+
+    before = len(KeyStore(server.services.settings.home).all())
+    common = ["--url", server.base_url, "--api-key", keys["admin"], "--roles", "inference"]
+    made = CliRunner().invoke(app, ["keys", "create", "--tenant", "acme", "--name", "own", *common])
+    assert made.exit_code == 0, made.output
+    assert "for tenant acme, roles inference" in made.output
+    assert KeyStore(server.services.settings.home).verify(made.output.strip().splitlines()[-1]).tenant == "acme"
+    other = CliRunner().invoke(app, ["keys", "create", "--tenant", "beta", *common])
+    assert other.exit_code == 1 and "error (400)" in other.output and "tenant acme" in other.output, other.output
+    assert len(KeyStore(server.services.settings.home).all()) == before + 1
+
+
 def test_cross_tenant_access_is_404(server, keys):
     acme, beta = client(server, keys["acme"]), client(server, keys["beta"])
     ok = chat(acme)
