@@ -339,8 +339,9 @@ def adapters_list(lineage: Annotated[str | None, typer.Option(help="Only this li
     """Stored versions, with the endpoints serving each."""
     rows = _run(lambda: Backend(url, api_key, home).list_adapters(lineage))
     table = Table(title="adapter versions")
-    for col in ("version", "parent", "step", "created", "data", "serving"):
-        table.add_column(col)
+    table.add_column("version", no_wrap=True)  # the one column that tells rows apart: never shortened
+    for col in ("parent", "step", "created", "data", "serving"):
+        table.add_column(col, overflow="fold")  # narrow terminals wrap these instead of cutting them
     for m in rows:
         data = ", ".join(f"{k}={v}" for k, v in (m.get("data_counts") or {}).items()) or "-"
         table.add_row(m["name"], str(m["parent"] or "-"), str(m["step"]), _when(m["created"]), data,

@@ -429,6 +429,8 @@ def test_bindings_survive_restart(server, keys, home):
     # a fresh process (as a restarted trainer) reads the same bindings from the store
     listed = _cli("endpoints", "list", "--home", str(home))
     assert "acme.prod" in listed and "acme.support@2" in listed and "acme.support@4" in listed
+    versions = _cli("adapters", "list", "--home", str(home))  # 80 columns: version names are never shortened
+    assert max(map(len, versions.splitlines())) <= 80 and "│ smollm2-135m-instruct@1 │" in versions, versions
     from livelora.adapters.endpoints import EndpointStore
 
     assert EndpointStore(home).get("acme.prod").lineage == LINEAGE  # what the trainer maps events with
