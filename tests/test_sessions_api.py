@@ -284,7 +284,8 @@ def test_readme_training_snippet_runs_as_written(sessions_server, capsys):
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     assert "http://127.0.0.1:8000" in code
     ns: dict = {}
-    exec(compile(code.replace("http://127.0.0.1:8000", sessions_server.base_url), "README.md", "exec"), ns)  # noqa: S102  (the README's own code)
+    program = compile(code.replace("http://127.0.0.1:8000", sessions_server.base_url), "README.md", "exec")
+    exec(program, ns)  # noqa: S102  (the README's own code)
     assert ns["fwd"].result().metrics["loss:sum"] > 0
     assert ns["opt"].result().metrics["step:max"] == 1
     assert len(ns["out"].sequences[0].tokens) > 0

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Choice records checked per Redis round trip when a miss counts a response's choices (:meth:`CompletionLog.choices_of`).
+#: Choice records checked per Redis round trip when a miss counts a response's choices
+#: (:meth:`CompletionLog.choices_of`).
 CHOICE_BATCH = 128
 
 
