@@ -60,6 +60,7 @@ def _explain_empty(client, home: Path, prefix: str, redis_url: str) -> None:
     another store or to none, that it is probably not the one the gateway used (``LIVELORA_REDIS_PREFIX``)."""
     from livelora.adapters.install import STORE_ID_FILE
     from livelora.adapters.redis_keys import KeyLayout
+    from redis.exceptions import RedisError
 
     where = f"in the store {home}" + (f" and under Redis prefix {prefix!r} at {redis_url}" if client else "")
     note = f"[yellow]note[/]: no usage found {where}"
@@ -68,7 +69,7 @@ def _explain_empty(client, home: Path, prefix: str, redis_url: str) -> None:
         mine = id_file.read_text().strip() if id_file.is_file() else None
         try:
             bound = client.get(KeyLayout(prefix).store_id)
-        except Exception:
+        except (OSError, RedisError):  # Redis went away since the query: say what was read, nothing more
             bound = None
         if isinstance(bound, bytes):
             bound = bound.decode()
