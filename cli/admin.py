@@ -39,6 +39,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
+from livelora.adapters.api_keys import ROLES
+
 out = Console()
 err = Console(stderr=True)
 
@@ -205,10 +207,10 @@ class Backend:
         if self.home:
             info, key = self.local.create_key(roles, tenant=tenant, name=name)
             return {**info, "key": key}
-        if tenant is not None:
-            raise typer.BadParameter("--tenant works with --home only; over HTTP a key is made in the "
-                                     "admin key's own tenant")
-        return self.http("POST", "/admin/keys", json={"roles": roles, "name": name})
+        body: dict[str, Any] = {"roles": roles, "name": name}
+        if tenant is not None:  # the server accepts the admin key's own tenant only
+            body["tenant"] = tenant
+        return self.http("POST", "/admin/keys", json=body)
 
     def list_keys(self) -> list[dict]:
         return self.local.list_keys() if self.home else self.http("GET", "/admin/keys")["data"]
@@ -342,8 +344,9 @@ def adapters_list(lineage: Annotated[str | None, typer.Option(help="Only this li
     """Stored versions, with the endpoints serving each."""
     rows = _run(lambda: Backend(url, api_key, home).list_adapters(lineage))
     table = Table(title="adapter versions")
-    for col in ("version", "parent", "step", "created", "data", "serving"):
-        table.add_column(col)
+    table.add_column("version", no_wrap=True)  # the one column that tells rows apart: never shortened
+    for col in ("parent", "step", "created", "data", "serving"):
+        table.add_column(col, overflow="fold")  # narrow terminals wrap these instead of cutting them
     for m in rows:
         data = ", ".join(f"{k}={v}" for k, v in (m.get("data_counts") or {}).items()) or "-"
         table.add_row(m["name"], str(m["parent"] or "-"), str(m["step"]), _when(m["created"]), data,
@@ -398,8 +401,10 @@ def adapters_delete(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, ho
 # ====================================================================================== keys
 @keys_app.command("create")
 def keys_create(
-    roles: Annotated[str, typer.Option(help="Comma list of inference, feedback, train, admin.")] = "inference,feedback",
-    tenant: Annotated[str | None, typer.Option(help="Tenant (--home only; default 'default').")] = None,
+    roles: Annotated[str, typer.Option(help=f"Comma list of {', '.join(ROLES)} (operator: with --home "
+                                            "only).")] = "inference,feedback",
+    tenant: Annotated[str | None, typer.Option(help="Tenant (with --home any, default 'default'; over HTTP the "
+                                                    "admin key's own tenant, the default).")] = None,
     name: Annotated[str, typer.Option(help="Label for lists and audit logs.")] = "",
     url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
 ) -> None:

@@ -253,12 +253,11 @@ def _hf_cache_from_server(url: str, api_key: str | None, hub_id: str | None,
                           cache_dir: Path | None) -> tuple[str, Path]:
     """``(hub id, snapshot)``: the server's tokenizer files placed in the HF cache under ``hub_id`` (default: the
     server's ``tokenizer_id``). Raises: LiveloraError subclasses (unreachable server, bad key, bad id)."""
-    from livelora.clients._http import Transport
+    from livelora.clients._http import Transport, configured_api_key
     from livelora.clients.tokenizer_files import from_response, install_in_hub_cache
     from livelora.clients.types.tinker_ext import TokenizerFilesResponse
 
-    key = api_key or os.environ.get("LIVELORA_API_KEY") or os.environ.get("TINKER_API_KEY") or "tml-local"
-    transport = Transport(url, key)
+    transport = Transport(url, configured_api_key(api_key))
     try:
         res = TokenizerFilesResponse.model_validate(transport.tokenizer())
     finally:

@@ -50,7 +50,36 @@ def read_usage(url: str, api_key: str | None, home: Path | None, params: dict[st
     lo, hi = parse_time(params.get("from"), "from"), parse_time(params.get("to"), "to")
     rows = store.query_sync(client, tenant=params.get("tenant"), key=params.get("key"),
                             subject=params.get("subject"), kind=params.get("kind"), start=lo, end=hi, group_by=dims)
+    if not rows:
+        _explain_empty(client, home, settings.redis_prefix, settings.redis_url)
     return {"data": [r.to_dict() for r in rows], "group_by": dims, "from": lo, "to": hi}
+
+
+def _explain_empty(client, home: Path, prefix: str, redis_url: str) -> None:
+    """A note on stderr for an empty ``--home`` answer: which Redis prefix was read and, when that prefix is bound to
+    another store or to none, that it is probably not the one the gateway used (``LIVELORA_REDIS_PREFIX``)."""
+    from livelora.adapters.install import STORE_ID_FILE
+    from livelora.adapters.redis_keys import KeyLayout
+    from redis.exceptions import RedisError
+
+    where = f"in the store {home}" + (f" and under Redis prefix {prefix!r} at {redis_url}" if client else "")
+    note = f"[yellow]note[/]: no usage found {where}"
+    if client is not None:
+        id_file = Path(home) / STORE_ID_FILE
+        mine = id_file.read_text().strip() if id_file.is_file() else None
+        try:
+            bound = client.get(KeyLayout(prefix).store_id)
+        except (OSError, RedisError):  # Redis went away since the query: say what was read, nothing more
+            bound = None
+        if isinstance(bound, bytes):
+            bound = bound.decode()
+        if bound != mine or mine is None:
+            owner = "no store" if bound is None else "another store"
+            note += (f"; that prefix belongs to {owner}, not this one: set LIVELORA_REDIS_PREFIX to the prefix the "
+                     "gateway ran with (its start-up line names it)")
+        else:
+            note += " (LIVELORA_REDIS_PREFIX)"
+    err.print(note, soft_wrap=True)
 
 
 def usage(

@@ -7,6 +7,7 @@ answer becomes the :mod:`livelora.clients.errors` class of its status (:func:`er
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import httpx
@@ -15,6 +16,16 @@ from livelora.clients.errors import UnavailableError, error_for_status
 
 #: Seconds one ``retrieve_future`` long-poll may take (the server answers within 30 s by default).
 POLL_TIMEOUT_S = 45.0
+#: Environment variables read for the API key, in this order.
+API_KEY_ENV = ("LIVELORA_API_KEY", "TINKER_API_KEY")
+#: The key sent when none is configured: a placeholder an open livelora server (one with no keys) accepts.
+OPEN_SERVER_KEY = "tml-local"
+
+
+def configured_api_key(api_key: str | None = None) -> str | None:
+    """``api_key``, else ``$LIVELORA_API_KEY``, else ``$TINKER_API_KEY``; ``None`` when none is set (empty values
+    count as unset)."""
+    return api_key or next((os.environ[v] for v in API_KEY_ENV if os.environ.get(v)), None)
 
 
 class Transport:
@@ -22,14 +33,18 @@ class Transport:
 
     Args:
         base_url: server root, e.g. ``http://127.0.0.1:8000`` (routes are under ``/api/v1``).
-        api_key: sent as ``X-API-Key``.
+        api_key: sent as ``X-API-Key``; ``None`` (no key configured) sends :data:`OPEN_SERVER_KEY`, which an open
+            server accepts; a server with keys answers it 401, and the :class:`AuthenticationError` then says that
+            no key was configured and names :data:`API_KEY_ENV`.
         timeout_s: timeout of ordinary calls (seconds).
     """
 
-    def __init__(self, base_url: str, api_key: str, timeout_s: float = 60.0):
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 60.0):
         self.base_url = base_url.rstrip("/")
+        self.key_configured = api_key is not None
         self._client = httpx.Client(base_url=self.base_url + "/api/v1", timeout=timeout_s,
-                                    headers={"X-API-Key": api_key, "Accept": "application/json"})
+                                    headers={"X-API-Key": api_key if api_key is not None else OPEN_SERVER_KEY,
+                                             "Accept": "application/json"})
 
     def close(self) -> None:
         self._client.close()
@@ -45,8 +60,18 @@ class Transport:
         except httpx.TransportError as exc:
             raise UnavailableError(f"cannot reach {self.base_url}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400 and response.status_code not in ok:
-            raise _status_error(response)
+            raise self._error(response)
         return response
+
+    def _error(self, response: httpx.Response):
+        """:func:`_status_error`, with a 401 to an unconfigured key explained (the server only saw the placeholder)."""
+        exc = _status_error(response)
+        if response.status_code == 401 and not self.key_configured:
+            exc.message = (f"no API key configured: the SDK sent the open-server placeholder {OPEN_SERVER_KEY!r}, and "
+                           f"{self.base_url} requires a key ({exc.message}); pass api_key= or set "
+                           f"{' or '.join(API_KEY_ENV)}")
+            exc.args = (exc.message,)
+        return exc
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", path, body).json()
@@ -124,7 +149,7 @@ class Transport:
         if response.status_code == 304:
             return None
         if response.status_code >= 400:
-            raise _status_error(response)
+            raise self._error(response)
         return response.json()
 
     def training_run(self, model_id: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any
 
-from livelora.clients._http import Transport
+from livelora.clients._http import Transport, configured_api_key
 from livelora.clients.errors import BadRequestError
 from livelora.clients.futures import SeqCounter
 from livelora.clients.sampling_client import SamplingClient
@@ -53,8 +53,9 @@ class ServiceClient:
 
     Args:
         base_url: server root (default ``$LIVELORA_BASE_URL``, else ``http://127.0.0.1:8000``).
-        api_key: sent as ``X-API-Key`` (default ``$LIVELORA_API_KEY``, else ``$TINKER_API_KEY``, else
-            ``tml-local``, which an open server accepts).
+        api_key: sent as ``X-API-Key`` (default ``$LIVELORA_API_KEY``, else ``$TINKER_API_KEY``; with none of
+            them the placeholder ``tml-local`` is sent, which an open server accepts, and a server with keys
+            answers :class:`~livelora.clients.errors.AuthenticationError` saying no key was configured).
         user_metadata: stored with the session.
         heartbeat_s: seconds between heartbeats (keep it well under the server's session TTL).
     """
@@ -62,8 +63,7 @@ class ServiceClient:
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
                  user_metadata: dict[str, str] | None = None, heartbeat_s: float = HEARTBEAT_S):
         base_url = base_url or os.environ.get("LIVELORA_BASE_URL") or "http://127.0.0.1:8000"
-        api_key = api_key or os.environ.get("LIVELORA_API_KEY") or os.environ.get("TINKER_API_KEY") or "tml-local"
-        self.transport = Transport(base_url, api_key)
+        self.transport = Transport(base_url, configured_api_key(api_key))
         self.user_metadata = user_metadata
         self.session_id: str | None = None
         self._lock = threading.Lock()

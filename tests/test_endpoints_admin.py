@@ -172,6 +172,22 @@ def test_an_operator_key_is_made_on_the_store_only(server, keys):
     assert "--home" in r.json()["error"]["message"]
 
 
+def test_cli_keys_create_over_http_takes_the_callers_own_tenant(server, keys):
+    """``livelora keys create --tenant T`` over HTTP: T = the admin key's tenant makes a key there; another tenant
+    is refused (400 naming ``tenant``) and nothing is made."""
+    from livelora.cli.main import app
+
+    before = len(KeyStore(server.services.settings.home).all())
+    common = ["--url", server.base_url, "--api-key", keys["admin"], "--roles", "inference"]
+    made = CliRunner().invoke(app, ["keys", "create", "--tenant", "acme", "--name", "own", *common])
+    assert made.exit_code == 0, made.output
+    assert "for tenant acme, roles inference" in made.output
+    assert KeyStore(server.services.settings.home).verify(made.output.strip().splitlines()[-1]).tenant == "acme"
+    other = CliRunner().invoke(app, ["keys", "create", "--tenant", "beta", *common])
+    assert other.exit_code == 1 and "error (400)" in other.output and "tenant acme" in other.output, other.output
+    assert len(KeyStore(server.services.settings.home).all()) == before + 1
+
+
 def test_cross_tenant_access_is_404(server, keys):
     acme, beta = client(server, keys["acme"]), client(server, keys["beta"])
     ok = chat(acme)
@@ -279,6 +295,49 @@ def test_served_version_is_reported_by_redis_completion_log(server, keys):
     assert json.loads(rec)["caller"] == "acme" and json.loads(rec)["adapter"] == "acme.support@4"
 
 
+def test_rating_the_bare_id_of_an_n2_response_names_its_choice_ids(server, keys):
+    """Choice k of an n>1 response is logged as ``{id}-k``: rating the bare id is a 404 that says so (to the tenant
+    that made it; another tenant gets the plain unknown-id answer), and ``{id}-1`` is accepted."""
+    with client(server, keys["acme"]) as http:
+        r = chat(http, model="acme.live", n=2)
+        assert r.status_code == 200, r.text
+        cid = r.json()["id"]
+        assert len(r.json()["choices"]) == 2
+        err = error_of(http.post("/v1/feedback", json={"completion_id": cid, "rating": True}), 404)
+        assert err["param"] == "completion_id"
+        assert "had 2 choices" in err["message"] and f"'{cid}-0' to '{cid}-1'" in err["message"], err
+        ok = http.post("/v1/feedback", json={"completion_id": f"{cid}-1", "rating": True})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["completion_id"] == f"{cid}-1"
+    with client(server, keys["beta"]) as http:
+        err = error_of(http.post("/v1/feedback", json={"completion_id": cid, "rating": True}), 404)
+        unknown = error_of(http.post("/v1/feedback", json={"completion_id": "chatcmpl-nosuch", "rating": True}), 404)
+        assert "choices" not in err["message"]
+        assert err["message"].replace(cid, "X") == unknown["message"].replace("chatcmpl-nosuch", "X")
+
+
+def test_sdk_without_a_key_says_none_was_configured(server, keys, monkeypatch):
+    """livelora's SDK with no key configured sends the open-server placeholder; a server with keys refuses it, and
+    the error says that no key was configured and which variables to set (a wrong key keeps the server's answer)."""
+    from livelora.clients import ServiceClient
+    from livelora.clients.errors import AuthenticationError
+
+    for var in ("LIVELORA_API_KEY", "TINKER_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(AuthenticationError) as info:
+        ServiceClient(server.base_url).get_server_capabilities()
+    message = str(info.value)
+    assert message.startswith("no API key configured") and "'tml-local'" in message
+    assert "LIVELORA_API_KEY or TINKER_API_KEY" in message and "invalid or revoked API key" in message
+    monkeypatch.setenv("TINKER_API_KEY", "tml-wrong")
+    with pytest.raises(AuthenticationError) as info:
+        ServiceClient(server.base_url).get_server_capabilities()
+    assert str(info.value) == "invalid or revoked API key"
+    monkeypatch.setenv("LIVELORA_API_KEY", keys["acme"])  # read first
+    caps = ServiceClient(server.base_url).get_server_capabilities()
+    assert caps.supported_models[0].model_name == BASE
+
+
 # ---------------------------------------------------------------------------------------------- promotion
 
 
@@ -375,6 +434,8 @@ def test_bindings_survive_restart(server, keys, home):
     serving = {e["name"]: e["serving"] for e in Backend("http://unused", None, home).list_endpoints()}
     assert serving["acme.prod"] == "acme.support@2" and serving["acme.live"] == "acme.support@4"
     assert "smollm2-135m-instruct" in serving
+    versions = _cli("adapters", "list", "--home", str(home))  # 80 columns: version names are never shortened
+    assert max(map(len, versions.splitlines())) <= 80 and "│ smollm2-135m-instruct@1 │" in versions, versions
     from livelora.adapters.endpoints import EndpointStore
 
     assert EndpointStore(home).get("acme.prod").lineage == LINEAGE  # what the trainer maps events with

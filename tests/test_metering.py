@@ -239,6 +239,14 @@ def test_usage_cli_table_and_json(server, keys, home, monkeypatch):
     everyone = json.loads(local.output)["data"]
     assert {r["tenant"] for r in everyone} >= {"acme", "beta"}
     assert [r for r in everyone if r["tenant"] == "acme"] == rows
+    # an empty answer says which prefix it read, and when that prefix is not this store's, what to set
+    none = runner.invoke(app, ["usage", "--home", str(home), "--tenant", "nosuch"])
+    assert none.exit_code == 0 and f"no usage found in the store {home} and under Redis prefix {PREFIX!r}" in \
+        none.output and "belongs to" not in none.output, none.output
+    monkeypatch.setenv("LIVELORA_REDIS_PREFIX", f"{PREFIX}other:")
+    wrong = runner.invoke(app, ["usage", "--home", str(home), "--tenant", "nosuch"])
+    assert wrong.exit_code == 0 and f"Redis prefix {PREFIX + 'other:'!r}" in wrong.output, wrong.output
+    assert "belongs to no store, not this one: set LIVELORA_REDIS_PREFIX" in wrong.output
 
 
 # ---------------------------------------------------------------------------------------------- /metrics

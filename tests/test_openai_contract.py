@@ -168,8 +168,9 @@ def test_a09_logprobs_without_top_logprobs_and_limits(http):
     assert all(set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["top_logprobs"] == [] for e in content)
     two = http.post(CHAT, json={**body, "top_logprobs": 2}).json()["choices"][0]["logprobs"]["content"]
     assert all(len(e["top_logprobs"]) == 2 for e in two)
-    assert_error(http.post(CHAT, json={**body, "top_logprobs": 21}), 400, "invalid_value", "top_logprobs")
-    assert_error(http.post(CHAT, json={**body, "logprobs": False, "top_logprobs": 2}), 400, None, "top_logprobs")
+    assert_error(http.post(CHAT, json={**body, "top_logprobs": 21}), 400, "integer_above_max_value", "top_logprobs")
+    assert_error(http.post(CHAT, json={**body, "logprobs": False, "top_logprobs": 2}), 400,
+                 "invalid_parameter_combination", "top_logprobs")
 
 
 def test_a10_tools_are_rejected_before_the_stream_with_param_tools(http):
@@ -288,7 +289,7 @@ def test_a13_queue_full_answers_429_with_retry_after(http, live_server):
         error = assert_error(refused, 429, "rate_limit_exceeded", None)
         assert error["type"] == "rate_limit_error"
         assert int(refused.headers["retry-after"]) >= 1
-    assert_error(http.post(CHAT, json={**body, "n": limit + 1}), 400, None, "n")
+    assert_error(http.post(CHAT, json={**body, "n": limit + 1}), 400, "integer_above_max_value", "n")
     assert wait_until(lambda: live_server.engine.num_unfinished_requests() == 0, 60)
 
 

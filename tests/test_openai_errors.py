@@ -44,6 +44,21 @@ def test_missing_and_mistyped_fields_are_400_naming_param_not_422(http):
     assert envelope(http.post(CHAT, content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
 
 
+@pytest.mark.parametrize("extra,param,code", [
+    ({"temperature": -1}, "temperature", "decimal_below_min_value"),
+    ({"temperature": 5}, "temperature", "decimal_above_max_value"),
+    ({"top_p": 2}, "top_p", "decimal_above_max_value"),
+    ({"n": 0}, "n", "integer_below_min_value"),
+    ({"n": 500}, "n", "integer_above_max_value"),  # above the schema's bound
+    ({"n": 100}, "n", "integer_above_max_value"),  # within it, above what this server admits at once (16)
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "invalid_parameter_combination"),
+])
+def test_out_of_range_values_have_openais_codes(http, extra, param, code):
+    """Range errors say the bound's side and whether the field is an integer or a decimal, as OpenAI's codes do."""
+    error = envelope(http.post(CHAT, json={"model": MODEL, "messages": HI, "max_tokens": 1, **extra}), 400)
+    assert (error["param"], error["code"]) == (param, code), error
+
+
 def test_unknown_route_is_404_envelope_and_wrong_method_405(http):
     error = envelope(http.get("/v1/nothing-here"), 404)
     assert error["code"] == "unknown_url"

@@ -61,6 +61,8 @@ def test_recipe_killed_and_restarted_continues_at_its_checkpoint_with_the_same_o
     out = proc.communicate(timeout=30)[0].decode(errors="replace")
     assert proc.returncode == -signal.SIGKILL, out
     assert last_checkpoint(tmp_path / "b")["step"] == 2, out
+    # its output is a pipe, not a terminal: one progress line per step instead of a bar
+    assert "chat-sft: starting, 8 steps" in out and "chat-sft: step 1/8 " in out and "train/loss=" in out, out
 
     # restart (steps may change on resume: 4, like A): it continues at step 3
     done = []

@@ -271,3 +271,23 @@ def test_user_metadata_values_are_strings_and_sessions_are_found_by_them(session
     assert [(s["session_id"], s["user_metadata"]) for s in found.json()["sessions"]] == [(sid, {"tag": tag})]
     refused(post(sessions_server, "/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
                                                     "user_metadata": {"step": 1.5}}))
+
+
+def test_readme_training_snippet_runs_as_written(sessions_server, capsys):
+    """The README's "Training sessions" code block is complete: run as printed (only the URL changed), it trains one
+    step on the datum it builds and samples the saved weights."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Training sessions"):]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    assert "http://127.0.0.1:8000" in code
+    ns: dict = {}
+    program = compile(code.replace("http://127.0.0.1:8000", sessions_server.base_url), "README.md", "exec")
+    exec(program, ns)  # noqa: S102  (the README's own code)
+    assert ns["fwd"].result().metrics["loss:sum"] > 0
+    assert ns["opt"].result().metrics["step:max"] == 1
+    assert len(ns["out"].sequences[0].tokens) > 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("{'loss:sum': ") and printed[-1].strip()

@@ -2,7 +2,8 @@
 
 Every config field is a flag (``--learning-rate``, ``--log-dir``, ...) whose help is the field's description;
 values are validated by the config model, and all errors are reported at once. A progress bar follows the
-steps; a summary table (each evaluation metric before and after, steps, wall time) closes the run.
+steps (when stderr is not a terminal, one line per step instead); a summary table (each evaluation metric before
+and after, steps, wall time) closes the run.
 
 Example::
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import time
 import types
 import typing
 from pathlib import Path
@@ -98,13 +100,22 @@ def _make_command(recipe: str, module_name: str):
             for err in exc.errors():
                 console.print(f"[red]error[/]: --{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}")
             raise typer.Exit(2) from None
+        # a terminal gets a live bar; a log file or pipe (nohup, CI) gets one plain line per step instead
+        lines = not console.is_terminal
+        started = time.monotonic()
         with Progress(TextColumn(f"[bold]{recipe}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.description}"), console=console) as progress:
+                      TextColumn("{task.description}"), console=console, disable=lines) as progress:
             task = progress.add_task("starting", total=cfg.steps)
+            if lines:
+                console.print(f"{recipe}: starting, {cfg.steps} steps", soft_wrap=True)
 
             def on_step(done: int, metrics: dict[str, float]) -> None:
                 shown = {k: v for k, v in metrics.items() if k.startswith(("train/loss", "train/reward", "eval/"))}
-                progress.update(task, completed=done, description=" ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+                text = " ".join(f"{k}={v:.4g}" for k, v in shown.items())
+                progress.update(task, completed=done, description=text)
+                if lines:
+                    console.print(f"{recipe}: step {done}/{cfg.steps} {time.monotonic() - started:.0f}s {text}",
+                                  soft_wrap=True, highlight=False)
 
             try:
                 summary = module.run(cfg, on_step=on_step)

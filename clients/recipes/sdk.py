@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from livelora.clients._http import OPEN_SERVER_KEY, configured_api_key
+
 SdkName = Literal["livelora", "tinker"]
 
 
@@ -46,7 +48,7 @@ class Sdk:
     types: Any
     service_factory: Callable[[], Any]
     base_url: str = "http://127.0.0.1:8000"
-    api_key: str = "tml-local"
+    api_key: str | None = None  # None: no key configured (the open-server placeholder is sent)
 
     @classmethod
     def load(cls, name: SdkName = "livelora", base_url: str | None = None, api_key: str | None = None) -> Sdk:
@@ -60,7 +62,7 @@ class Sdk:
         """
         url = base_url or os.environ.get("LIVELORA_BASE_URL") or os.environ.get("TINKER_BASE_URL") \
             or "http://127.0.0.1:8000"
-        key = api_key or os.environ.get("LIVELORA_API_KEY") or os.environ.get("TINKER_API_KEY") or "tml-local"
+        key = configured_api_key(api_key)  # None: livelora's SDK sends the open-server placeholder and explains a 401
         if name == "livelora":
             from livelora import clients
 
@@ -74,7 +76,8 @@ class Sdk:
             except ImportError as exc:
                 raise ImportError("sdk='tinker' needs the official SDK: pip install tinker==0.24.1") from exc
             os.environ.setdefault("TINKER_TELEMETRY", "0")
-            return cls("tinker", ttypes, lambda: tinker.ServiceClient(base_url=url, api_key=key), url, key)
+            return cls("tinker", ttypes, lambda: tinker.ServiceClient(base_url=url, api_key=key or OPEN_SERVER_KEY),
+                       url, key)
         raise ValueError(f"unknown sdk {name!r}: use 'livelora' or 'tinker'")
 
     def service(self) -> Any:

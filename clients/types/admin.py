@@ -76,6 +76,8 @@ class CreateKeyRequest(_Request):
 
     roles: list[Literal["inference", "feedback", "train", "admin", "operator"]] = Field(min_length=1)
     name: str = Field("", max_length=64, description="Label shown in `keys list` and the audit log.")
+    tenant: str | None = Field(None, min_length=1, max_length=64,
+                               description="The key's tenant: the caller's own (the default); any other is a 400.")
 
 
 class QuotaUpdateRequest(_Request):

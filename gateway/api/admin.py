@@ -137,7 +137,7 @@ async def list_keys(admin: AdminDep) -> dict:
 @router.post("/keys", status_code=201)
 async def create_key(body: CreateKeyRequest, admin: AdminDep) -> dict:
     """A new key for the caller's tenant; ``key`` is shown in this answer only."""
-    return admin.create_key(list(body.roles), name=body.name)
+    return admin.create_key(list(body.roles), name=body.name, tenant=body.tenant)
 
 
 @router.delete("/keys/{key_id}")

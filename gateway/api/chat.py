@@ -66,7 +66,8 @@ def check_chat(body: ChatCompletionRequest) -> None:
                                         "output cannot be constrained to JSON; use type 'text'",
                                         param="response_format")
     if body.top_logprobs and not body.logprobs:
-        raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs",
+                              code="invalid_parameter_combination")
     extra = body.model_extra or {}
     if any(m != "text" for m in extra.get("modalities") or []):
         raise UnsupportedParameterError("only the 'text' modality is supported", param="modalities")

@@ -104,9 +104,23 @@ def validation_error(exc: RequestValidationError, request: Request | None = None
         where = param_from_loc(tuple(e.get("loc", ()))) or "body"
         messages.append(f"{where}: {e.get('msg', 'invalid value')}")
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    code = "integer_below_min_value" if first.get("type") in ("greater_than_equal", "greater_than") else None
-    return BadRequestError("invalid request: " + "; ".join(messages) + more, param=param,
-                           code=code or "invalid_value")
+    return BadRequestError("invalid request: " + "; ".join(messages) + more, param=param, code=_range_code(first))
+
+
+#: pydantic's range error types -> the side of OpenAI's ``{integer|decimal}_{below_min|above_max}_value`` codes.
+_RANGE_SIDES = {"greater_than_equal": "below_min", "greater_than": "below_min", "less_than_equal": "above_max",
+                "less_than": "above_max"}
+
+
+def _range_code(error: dict) -> str:
+    """OpenAI's code for one pydantic error: a bound violated on an int field is ``integer_below_min_value`` /
+    ``integer_above_max_value``, on a float field ``decimal_...`` (the bound in ``ctx`` has the field's type);
+    anything else is ``invalid_value``."""
+    side = _RANGE_SIDES.get(error.get("type", ""))
+    bounds = list((error.get("ctx") or {}).values())
+    if side is None or not bounds:
+        return "invalid_value"
+    return f"{'decimal' if isinstance(bounds[0], float) else 'integer'}_{side}_value"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -124,7 +124,8 @@ def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int
         raise BadRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}", param="max_tokens",
                               code="integer_below_min_value")
     if not (isinstance(p.temperature, (int, float)) and math.isfinite(p.temperature) and p.temperature >= 0):
-        raise BadRequestError(f"temperature must be >= 0, got {p.temperature!r}", param="temperature")
+        raise BadRequestError(f"temperature must be >= 0, got {p.temperature!r}", param="temperature",
+                              code="decimal_below_min_value")
     if not (isinstance(p.top_p, (int, float)) and 0 < p.top_p <= 1):
         raise BadRequestError(f"top_p must be in (0, 1], got {p.top_p!r}", param="top_p")
     if not isinstance(p.top_k, int) or p.top_k < 0:
@@ -133,7 +134,8 @@ def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int
         raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {p.top_logprobs!r}",
                               param="top_logprobs")
     if p.top_logprobs and not p.logprobs:
-        raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs",
+                              code="invalid_parameter_combination")
     if p.seed is not None and not isinstance(p.seed, int):
         raise BadRequestError(f"seed must be an integer, got {p.seed!r}", param="seed")
     if isinstance(p.stop, str) or any(not isinstance(s, str) or not s for s in p.stop):

@@ -367,7 +367,9 @@ class AdminService:
     def create_key(self, roles: list[str], *, tenant: str | None = None, name: str = "") -> tuple[dict, str]:
         """A new key for the caller's tenant (local access: any ``tenant``). Returns ``(record, key)``."""
         if self.tenant is not None and tenant not in (None, self.tenant):
-            raise BadRequestError("keys are created in the caller's own tenant", param="tenant")
+            raise BadRequestError(f"this admin key belongs to tenant {self.tenant}: it creates keys in that tenant "
+                                  "only (a key of another tenant is made on the store: livelora keys create --home "
+                                  "<store> --tenant <tenant>)", param="tenant")
         if self.tenant is not None and "operator" in roles:
             raise PermissionDeniedError("an operator key is created on the store only: livelora keys create "
                                         "--home <store> --roles admin,operator", param="roles")
@@ -559,9 +561,14 @@ class GatewayAdmin:
     def list_keys(self) -> list[dict]:
         return self.store.list_keys()
 
-    def create_key(self, roles: list[str], name: str) -> dict:
-        """A new key for the caller's tenant, with ``key`` (shown in this answer only)."""
-        info, key = self.store.create_key(roles, name=name)
+    def create_key(self, roles: list[str], name: str, tenant: str | None = None) -> dict:
+        """A new key for the caller's tenant, with ``key`` (shown in this answer only).
+
+        Raises:
+            BadRequestError: ``tenant`` names another tenant than the caller's (``param='tenant'``).
+            PermissionDeniedError: the ``operator`` role (made on the store only).
+        """
+        info, key = self.store.create_key(roles, name=name, tenant=tenant)
         return {**info, "key": key}
 
     def revoke_key(self, key_id: str) -> dict:

@@ -32,7 +32,8 @@ class Admission:
         """
         if sequences > self.limit:
             raise BadRequestError(f"this request needs {sequences} sequences but the server admits at most "
-                                  f"{self.limit} at once; lower {param}", param=param)
+                                  f"{self.limit} at once; lower {param}", param=param,
+                                  code="integer_above_max_value")
         if self.active + sequences > self.limit:
             metrics.REJECTIONS.labels("busy").inc()
             raise RateLimitError(f"the server is busy ({self.active} of {self.limit} sequences queued or "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import redis.asyncio as aredis
 
+from livelora.adapters.api_keys import DEFAULT_TENANT
 from livelora.adapters.bus import dumps, redis_unavailable
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, InternalError, NotFoundError, UnavailableError
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
     from livelora.gateway.services.serving import ServingTarget
 
 log = logging.getLogger(__name__)
+
+#: Choice records checked per Redis round trip when a miss counts a response's choices
+#: (:meth:`CompletionLog.choices_of`).
+CHOICE_BATCH = 128
 
 
 class CompletionLog:
@@ -60,8 +65,15 @@ class CompletionLog:
         if not ok:
             raise InternalError(f"completion id {rec.id!r} is already recorded")
 
-    async def get(self, completion_id: str) -> CompletionRecord:
+    async def get(self, completion_id: str, *, caller: str | None = None) -> CompletionRecord:
         """The record of ``completion_id``.
+
+        Args:
+            completion_id: a record id: a response id, or ``{id}-{k}`` for choice ``k`` of a response with
+                several choices.
+            caller: the asking tenant (``None``: open mode or local access). Only used for the message of a
+                miss: when ``completion_id`` is the bare id of a response with several choices that ``caller``
+                may see, the 404 says how many and which ids to use.
 
         Raises:
             NotFoundError: unknown or expired id (``param='completion_id'``).
@@ -70,6 +82,11 @@ class CompletionLog:
         with redis_unavailable():
             raw = await self.client.get(self.keys.completion(completion_id))
         if raw is None:
+            choices = await self.choices_of(completion_id, caller=caller)
+            if choices:
+                raise NotFoundError(f"No completion {completion_id!r}: that response had {choices} choices, each "
+                                    f"rated by its own id: '{completion_id}-0' to '{completion_id}-{choices - 1}'",
+                                    param="completion_id")
             raise self.missing(completion_id)
         return CompletionRecord.model_validate_json(raw)
 
@@ -77,6 +94,33 @@ class CompletionLog:
         """The one 404 for a completion id this caller cannot use: unknown, expired, or another tenant's."""
         return NotFoundError(f"No completion {completion_id!r}: unknown id, or older than the retention period "
                              f"({self.retention_s} s)", param=param)
+
+    async def choices_of(self, response_id: str, *, caller: str | None = None) -> int:
+        """How many choice records ``{response_id}-0``, ``-1``, ... are logged (consecutive from 0), or 0 when
+        there are none or choice 0 belongs to another tenant than ``caller`` (``None`` and a record without a
+        caller are tenant ``default``, as for rating; so a miss reveals nothing of other tenants). Reads Redis in
+        batches of :data:`CHOICE_BATCH` ``EXISTS`` calls.
+
+        Raises:
+            UnavailableError: Redis unreachable.
+        """
+        with redis_unavailable():
+            first = await self.client.get(self.keys.completion(f"{response_id}-0"))
+        if first is None:
+            return 0
+        if (CompletionRecord.model_validate_json(first).caller or DEFAULT_TENANT) != (caller or DEFAULT_TENANT):
+            return 0
+        count = 1
+        while True:
+            with redis_unavailable():
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for k in range(count, count + CHOICE_BATCH):
+                        pipe.exists(self.keys.completion(f"{response_id}-{k}"))
+                    found = await pipe.execute()
+            for hit in found:
+                if not hit:
+                    return count
+                count += 1
 
 
 async def record_completion(completions: CompletionLog | None, record: CompletionRecord) -> bool:

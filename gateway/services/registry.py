@@ -195,8 +195,8 @@ class AdapterRegistry:
             ConflictError: the endpoint is public (the shared base model) and the caller is not its owner.
         """
         if not self.versions_visible(endpoint):
-            raise ConflictError(f"{endpoint!r} is the shared base model: its feedback trains tenant 'default''s "
-                                f"lineage only. Create an endpoint of your own (livelora endpoints create) and "
+            raise ConflictError(f"{endpoint!r} is the shared base model: its feedback trains the lineage of "
+                                f"tenant default only. Create an endpoint of your own (livelora endpoints create) and "
                                 f"chat with it to train on your feedback", param="model", code="not_trainable")
 
     def resolve(self, model: str) -> tuple[str, str | None]:

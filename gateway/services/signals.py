@@ -115,7 +115,7 @@ class SignalService:
 
     async def _visible(self, completion_id: str, caller: str | None, param: str) -> CompletionRecord:
         try:
-            rec = await self.completions.get(completion_id)
+            rec = await self.completions.get(completion_id, caller=caller)
         except NotFoundError as exc:
             raise NotFoundError(exc.message, param=param) from None
         if (rec.caller or DEFAULT_TENANT) != (caller or DEFAULT_TENANT):
