@@ -44,7 +44,7 @@ served version = train step + gate + save (timed around ``OnlineTrainer.train``)
   own chats after it). (2) The trainer pauses while the serving version collects ``--d-predecessor-ratings``
   (24) honest ratings (the rollback test needs 20 for the predecessor); then it trains them as one batch into
   the next version, which passes the gate and serves; the trainer pauses again and the users now like each of its replies only with
-  probability ``--d-dislike-up-rate`` (0.3): a regression the gate cannot see, injected through the users'
+  probability ``--d-dislike-up-rate`` (0.2): a regression the gate cannot see, injected through the users'
   verdicts. Prints N, the ratings of that version until the gateway's sequential test rolls it back.
 
 Each scenario prints its figures and writes ``live_loop_<x>.png`` and ``.json`` next to ``--plot``.
@@ -180,9 +180,15 @@ class Loop:
         self.trained: dict[str, tuple[float, float]] = {}
         train = backend.train
 
+        self.busy, self.last_active = False, time.perf_counter()
+
         def timed(batch):
             t0 = time.perf_counter()
-            m = train(batch)
+            self.busy = True
+            try:
+                m = train(batch)
+            finally:
+                self.busy, self.last_active = False, time.perf_counter()
             self.trained[m.name] = (t0, time.perf_counter())
             return m
         backend.train = timed
@@ -221,12 +227,22 @@ class Loop:
 
         return gate_allows(self.manifest(name).gate, EP)
 
-    def drain(self, timeout_s: float = 900) -> None:
-        """Wait until the worker has taken every signal sent so far (trained, held out or quarantined)."""
+    def drain(self, since: float, timeout_s: float = 900) -> None:
+        """Wait until the worker has taken every signal sent up to ``since`` (``perf_counter``): trained, held
+        out or quarantined, or left queued because no batch can form (a lone rating, a rater's surplus beyond
+        its batch share): then nothing has trained for ``max_wait_s`` + 2 s. Such leftovers train with the next
+        round's ratings."""
         from _server import wait_until
 
+        quiet = self.config.max_wait_s + 2.0
+
         def idle() -> bool:
-            return self.redis.xlen(self.keys.signals) == 0 and len(self.worker.scheduler) == 0
+            if self.busy:
+                return False
+            queued, unread = len(self.worker.scheduler), self.redis.xlen(self.keys.signals)
+            if queued == 0 and unread == 0:
+                return True
+            return unread <= queued and time.perf_counter() - max(since, self.last_active) >= quiet
 
         if not wait_until(idle, timeout_s=timeout_s, interval_s=0.02):
             raise RuntimeError(f"the trainer did not take the signals within {timeout_s} s")
@@ -377,7 +393,7 @@ class Session:
         before = set(self.loop.written)
         post_ratings(self.client, self.fb_url, ratings, self.pool)
         rated = time.perf_counter()
-        self.loop.drain()
+        self.loop.drain(rated)
         ups = self.loop.settle(before)
         for u in ups:
             u["rated"] = rated
@@ -589,7 +605,7 @@ def scenario_d(args) -> dict:
                 "model": EP, "user": "user", "messages": [{"role": "user", "content": q},
                                                          {"role": "assistant", "content": BAD_REPLY}]})
             assert r.status_code == 200, r.text
-        loop.drain()
+        loop.drain(time.perf_counter())
         bad = s.loop.settle(before)
         s.updates += [{"version": u["version"], "passed": u["passed"]} for u in bad]
         bad_names = [u["version"] for u in bad]
@@ -607,9 +623,9 @@ def scenario_d(args) -> dict:
         # 2. a version that passes the gate but users dislike. The trainer pauses while the serving version (the
         # predecessor) collects its ratings; then it trains them as one batch (max_batch 32) into the next version.
         pred, disliked = loop.served(), None
-        for _ in range(3):
+        for attempt in range(3):
             loop.paused.set()
-            n_rate = args.d_predecessor_ratings if disliked is None and pred == loop.served() else args.kto_batch
+            n_rate = args.d_predecessor_ratings if attempt == 0 else args.kto_batch
             prompts, seeds = s.next_prompts(n_rate)
             outs = s.chats(prompts, seeds)
             before = set(loop.written)
@@ -617,10 +633,15 @@ def scenario_d(args) -> dict:
                                                               args.max_words), "user") for o in outs], s.pool)
             rated = time.perf_counter()
             loop.paused.clear()
-            loop.drain()
+            loop.drain(rated)
             ups = loop.settle(before)
             s.updates += [{"version": u["version"], "passed": u["passed"],
                            "rating_to_served_s": u.get("served", rated) - rated} for u in ups]
+            for u in ups:
+                gate = loop.manifest(u["version"]).gate or {}
+                print(f"  [d] {u['version']} trained on {n_rate} ratings of {pred}: "
+                      + ("passed" if u["passed"] else f"REJECTED {gate.get('verdicts', {}).get(EP, {}).get('failed')}"),
+                      flush=True)
             if ups and ups[-1]["passed"] and loop.served() == ups[-1]["version"]:
                 disliked = ups[-1]["version"]
                 break
@@ -824,10 +845,10 @@ if __name__ == "__main__":
     ap.add_argument("--arms", default="off,on", help="(b) which runs: off, on or both (off,on)")
     ap.add_argument("--b-rails-on-from", default=None,
                     help="(b) take the rails-on run from scenario (a)'s JSON instead of running it again")
-    ap.add_argument("--d-warmup-rounds", type=int, default=6, help="(d) honest rounds before the bad version")
+    ap.add_argument("--d-warmup-rounds", type=int, default=3, help="(d) honest rounds before the bad version")
     ap.add_argument("--d-predecessor-ratings", type=int, default=24,
                     help="(d) ratings the predecessor collects before the disliked version (rollback needs 20)")
-    ap.add_argument("--d-dislike-up-rate", type=float, default=0.3,
+    ap.add_argument("--d-dislike-up-rate", type=float, default=0.2,
                     help="(d) chance that a user likes a reply of the disliked version")
     ap.add_argument("--d-bad-lr", type=float, default=1e-2,
                     help="(d) SFT learning rate of the bad version (the default SFT rate is 1e-4)")
