@@ -49,6 +49,15 @@ served version = train step + gate + save (timed around ``OnlineTrainer.train``)
 
 Each scenario prints its figures and writes ``live_loop_<x>.png`` and ``.json`` next to ``--plot``.
 
+Results (2026-12-01, 2 shared cores at load average 4–10 from other sessions and a second scenario; README
+"Update-safety rails" has the discussion): (a) liked share 9.4 % → 100 % (+90.6 points; 62.5 % at 40, 93.8 % at
+80); 80 of the 200 ratings quarantined by the rate limit, one version rejected (signal). (b) probe accuracy
+(base 83.3 %): rails off 83.3/87.5/79.2/83.3/66.7/58.3 % at 0/40/…/200 ratings, rails on 83.3/87.5/75.0/79.2/
+79.2/79.2 %: within 5 points except at 80 ratings (−8.3). (c) honest liked share 9.4 % → 100 % at 288 ratings
+(+90.6 points), adversary weight 0.00 from the first batch on. (d) the bad version was rejected by five checks and
+served 0 requests; the disliked version was rolled back after N = 56 ratings (predecessor 8/24 thumbs up).
+Update time (train + gate + save + swap) p50 40.0 s in (a), 48.0 s in (c), 19.4 s without the rails (b).
+
 **Latency run** (``--latency``): the earlier measurement — ``--requests`` greedy completions, alternating
 ratings, one KTO batch; prints feedback-accept latency and rating → served time.
 
@@ -759,7 +768,7 @@ def plot_d(out: dict, path: Path) -> None:
     verdict = "rejected" if not any(v[0] for v in (b.get("verdicts") or {}).values()) else "NOT all rejected"
     fate = (f"rolled back after N = {d.get('ratings_to_rollback')} ratings" if d.get("rolled_back")
             else "NOT rolled back")
-    ax.set_title(f"(d) bad version {b.get('versions')} {verdict}, served {b.get('requests_served')} requests; "
+    ax.set_title(f"(d) bad version {b.get('versions')} {verdict}, served {b.get('requests_served')} requests;\n"
                  f"disliked {d.get('version')} {fate}", fontsize=8)
     ax.set_xlabel("ratings of the disliked version")
     ax.set_ylabel("count")
