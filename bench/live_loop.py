@@ -57,6 +57,9 @@ Results (2026-12-01, 2 shared cores at load average 4–10 from other sessions a
 (+90.6 points), adversary weight 0.00 from the first batch on. (d) the bad version was rejected by five checks and
 served 0 requests; the disliked version was rolled back after N = 56 ratings (predecessor 8/24 thumbs up).
 Update time (train + gate + save + swap) p50 40.0 s in (a), 48.0 s in (c), 19.4 s without the rails (b).
+(a) again with ``--rater-max-events 0`` at load average 1.3–1.7: update p50 14.54 s (max 17.95 s); the gate
+rejected all 19 versions after the 6th (18 for ``length_ratio``), so the liked share stopped at 75.0 % (+65.6
+points) with probe accuracy 87.5 %.
 
 **Latency run** (``--latency``): the earlier measurement — ``--requests`` greedy completions, alternating
 ratings, one KTO batch; prints feedback-accept latency and rating → served time.
