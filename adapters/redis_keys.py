@@ -11,6 +11,8 @@ key                                type                        holds
 ``completion:{id}``                string (JSON), TTL          one served completion (``CompletionRecord``)
 ``rating:{completion}:{user}``     string, TTL                 id of the latest rating by that user
 ``rater:{lineage}:{digest}``       sorted set, TTL             a rater's recent event ids by time (rate limit)
+``raters:{lineage}:labels``        hash                        json([item, rater]) → 1/0 label (agreement)
+``raters:{lineage}:order``         sorted set                  those fields by time (window of the newest)
 ``stats:{endpoint}:requests``      hash                        version → requests served (live statistics)
 ``stats:{endpoint}:ratings:{v}``   hash                        rating key → 1/0 thumbs up, per served version
 ``signals``                        stream, group ``trainers``  ratings, preferences, demonstrations (entries are
@@ -96,6 +98,17 @@ class KeyLayout:
         """``{prefix}rater:{lineage}:{sha256(rater)[:32]}``: sorted set of the rater's accepted event ids, scored
         by receive time (s), for the per-rater rate limit (``trainer/governance.py``)."""
         return f"{self.prefix}rater:{lineage}:{rater_digest}"
+
+    def rater_labels(self, lineage: str) -> str:
+        """``{prefix}raters:{lineage}:labels``: hash ``json([item, rater])`` → ``"1"``/``"0"``, the newest label each
+        rater gave each rated completion or preference pair of the lineage (rater agreement weighting,
+        :mod:`livelora.adapters.governance`)."""
+        return f"{self.prefix}raters:{lineage}:labels"
+
+    def rater_labels_order(self, lineage: str) -> str:
+        """``{prefix}raters:{lineage}:order``: sorted set of the fields of :meth:`rater_labels`, scored by receive
+        time (s); the oldest beyond the window are dropped from both."""
+        return f"{self.prefix}raters:{lineage}:order"
 
     def version_requests(self, endpoint: str) -> str:
         """``{prefix}stats:{endpoint}:requests``: hash version label → requests served (live statistics)."""

@@ -16,6 +16,51 @@ per prompt at the serving temperature, fixed seeds, never rated). Prints the cur
 their p50/max, writes the curve as a PNG (``--plot``, default ``bench/out/live_loop.png``) and the figures as
 JSON next to it.
 
+**Rails scenarios** (``--scenario a|b|c|d``; issue 15, README "Update-safety rails"). "Rails on" means the
+trainer's evaluation gate (``GateSection`` defaults: probes, drift, degeneracy, held-out signal; one rating in ten
+held out), feedback governance (rate limit ``--rater-max-events`` per rater and hour, default 120; batch share
+0.5; rater agreement weighting) and the gateway's automatic rollback; "rails off" means none of them. A round's
+ratings form one batch (``max_wait_s`` 3 s, so a round short of the ones held out still trains at once); the
+bench waits until the trainer has taken them and the newest version that passed serves. Update time per
+served version = train step + gate + save (timed around ``OnlineTrainer.train``) + swap (written → served).
+
+* ``a``: the taste run with the rails on (one honest user): target, liked share +30 points within 200 ratings.
+  Also records the probe accuracy of the served version at each point.
+* ``b``: the blunt taste at the default learning rate, rails off and on (``--arms``; ``--b-rails-on-from
+  live_loop_a.json`` reuses scenario a's run as the rails-on arm): liked share and capability-probe accuracy
+  (the gate's 24 probes, measured by the bench on the served version) at each point; target, probe accuracy
+  within 5 points of the base model's with the rails on.
+* ``c``: four honest users (same taste) and one adversary. Per round: 8 honest chats, each rated by its
+  owner, half of them also by a second honest user (12 honest ratings); the adversary rates all 8 with the
+  inverted label and 4 chats of its own inverted too (12 ratings): half of all ratings are inverted, and the
+  adversary's labels contradict two honest users on 4 completions a round, which is what agreement weighting
+  can see. Target: honest liked share +30 points within 300 ratings. Prints the rater weights (``GET
+  /admin/raters``) after every round; ``--rails-off`` for the comparison.
+* ``d``: (1) after ``--d-warmup-rounds`` honest rounds, 8 demonstrations answering every prompt with "The
+  answer to this question." are sent through ``POST /v1/demonstrations`` with the SFT rate at 100× its
+  default (``--d-bad-lr`` 1e-2; at 1e-3, after one honest round, that step moved KL(new ‖ current) by 0.025 and
+  the reply length to 0.80 of the current version's, inside the bounds: it was not bad enough to be
+  rejected, nor to be disliked): the gate must reject that version, and it must serve 0 requests (gateway statistics and the bench's
+  own chats after it). (2) The trainer pauses while the serving version collects ``--d-predecessor-ratings``
+  (24) honest ratings (the rollback test needs 20 for the predecessor); then it trains them as one batch into
+  the next version, which passes the gate and serves; the trainer pauses again and the users now like each of its replies only with
+  probability ``--d-dislike-up-rate`` (0.2): a regression the gate cannot see, injected through the users'
+  verdicts. Prints N, the ratings of that version until the gateway's sequential test rolls it back.
+
+Each scenario prints its figures and writes ``live_loop_<x>.png`` and ``.json`` next to ``--plot``.
+
+Results (2026-12-01, 2 shared cores at load average 4–10 from other sessions and a second scenario; README
+"Update-safety rails" has the discussion): (a) liked share 9.4 % → 100 % (+90.6 points; 62.5 % at 40, 93.8 % at
+80); 80 of the 200 ratings quarantined by the rate limit, one version rejected (signal). (b) probe accuracy
+(base 83.3 %): rails off 83.3/87.5/79.2/83.3/66.7/58.3 % at 0/40/…/200 ratings, rails on 83.3/87.5/75.0/79.2/
+79.2/79.2 %: within 5 points except at 80 ratings (−8.3). (c) honest liked share 9.4 % → 100 % at 288 ratings
+(+90.6 points), adversary weight 0.00 from the first batch on. (d) the bad version was rejected by five checks and
+served 0 requests; the disliked version was rolled back after N = 56 ratings (predecessor 8/24 thumbs up).
+Update time (train + gate + save + swap) p50 40.0 s in (a), 48.0 s in (c), 19.4 s without the rails (b).
+(a) again with ``--rater-max-events 0`` at load average 1.3–1.7: update p50 14.54 s (max 17.95 s); the gate
+rejected all 19 versions after the 6th (18 for ``length_ratio``), so the liked share stopped at 75.0 % (+65.6
+points) with probe accuracy 87.5 %.
+
 **Latency run** (``--latency``): the earlier measurement — ``--requests`` greedy completions, alternating
 ratings, one KTO batch; prints feedback-accept latency and rating → served time.
 
@@ -24,6 +69,8 @@ Usage::
     python bench/live_loop.py                      # taste run with the trainer defaults
     python bench/live_loop.py --kto-lr 1e-4 --beta 0.1 --kto-batch 8 --plot /tmp/curve.png
     python bench/live_loop.py --latency --requests 4
+    python bench/live_loop.py --scenario a          # then b --arms off --b-rails-on-from bench/out/live_loop_a.json
+    python bench/live_loop.py --scenario c          # or d
 
 Defaults: max_tokens 40, temperature 0.7 (the low end: SmolLM2 drifts into gibberish on some prompts),
 taste 1–20 words, 48 train and 16 held-out prompts, 2 seeded samples per held-out prompt (32 per point), one
@@ -44,6 +91,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,9 +141,18 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 class Loop:
-    """A gateway + trainer worker thread on a fresh store and Redis prefix (``close()`` removes the keys)."""
+    """A gateway + trainer worker thread on a fresh store and Redis prefix (``close()`` removes the keys).
 
-    def __init__(self, args, kto_min_batch: int, max_batch: int):
+    With ``rails`` the trainer runs the evaluation gate (:class:`~livelora.trainer.settings.GateSection`
+    defaults) and feedback governance (:class:`~livelora.trainer.governance.FeedbackGovernor`: rate limit
+    ``--rater-max-events`` per hour, batch share, rater agreement weighting) and the gateway its automatic
+    rollback; without, none of them (the loop of earlier rounds). ``training`` overrides trainer settings
+    (e.g. ``sft_lr``). The worker thread's polling can be paused (:attr:`paused`); every step's train + gate +
+    save time is recorded in :attr:`trained` (version name → (start, end), ``perf_counter`` seconds).
+    """
+
+    def __init__(self, args, kto_min_batch: int, max_batch: int, *, rails: bool = False, max_wait_s: float = 30.0,
+                 **training):
         from _server import start_server
 
         from livelora.adapters.bus import connect_sync
@@ -103,45 +160,140 @@ class Loop:
         from livelora.adapters.redis_keys import KeyLayout
         from livelora.adapters.settings import CommonSettings
         from livelora.gateway.settings import GatewaySettings
+        from livelora.trainer.governance import FeedbackGovernor
         from livelora.trainer.online import OnlineTrainer
         from livelora.trainer.scheduler import BatchScheduler
-        from livelora.trainer.settings import TrainingSection
+        from livelora.trainer.settings import GateSection, TrainingSection
         from livelora.trainer.worker import TrainerWorker
 
         base = CommonSettings()
-        ref = resolve_base_model(base.model, base.home)
+        self.ref = ref = resolve_base_model(base.model, base.home)
         d = TrainingSection.model_fields
+        self.rails = rails
         self.hparams = {
             "kto_lr": args.kto_lr if args.kto_lr is not None else d["kto_lr"].default,
             "beta": args.beta if args.beta is not None else d["beta"].default,
             "lora_rank": args.lora_rank if args.lora_rank is not None else d["lora_rank"].default,
             "lora_alpha": args.lora_alpha if args.lora_alpha is not None else d["lora_alpha"].default,
-            "kto_min_batch": kto_min_batch, "max_batch": max_batch}
+            "kto_min_batch": kto_min_batch, "max_batch": max_batch, "rails": rails, **training}
         self.keep_store = args.keep_store
         self.home = Path(tempfile.mkdtemp(prefix="livelora-bench-loop-"))
         self.keys = KeyLayout(f"livelora-bench-{uuid.uuid4().hex[:8]}:")
         self.server = start_server(GatewaySettings(
             model=str(ref.path), served_model_name=EP, home=self.home, redis_prefix=self.keys.prefix,
-            max_batch_size=args.max_batch_size, max_waiting=64, device="cpu"))
+            max_batch_size=args.max_batch_size, max_waiting=64, device="cpu", rollback_enabled=rails))
         self.redis = connect_sync(base.redis_url)
         h = self.hparams
-        backend = OnlineTrainer(ref, self.home, TrainingSection(
-            lora_rank=h["lora_rank"], lora_alpha=h["lora_alpha"], kto_lr=h["kto_lr"], beta=h["beta"]))
+        self.config = TrainingSection(lora_rank=h["lora_rank"], lora_alpha=h["lora_alpha"], kto_lr=h["kto_lr"],
+                                      beta=h["beta"], kto_min_batch=kto_min_batch, max_batch=max_batch,
+                                      max_wait_s=max_wait_s, rater_max_events=args.rater_max_events, **training)
+        self.backend = backend = OnlineTrainer(ref, self.home, self.config, GateSection(gate_enabled=rails))
         backend.warm_up()  # as TrainerWorker.run() does in `livelora serve` / `livelora trainer`
-        self.worker = TrainerWorker(self.redis, self.keys, self.home, backend, BatchScheduler(TrainingSection(
-            kto_min_batch=kto_min_batch, max_batch=max_batch)), consumer="bench", block_ms=50)
+        self.trained: dict[str, tuple[float, float]] = {}
+        train = backend.train
+
+        self.busy, self.last_active = False, time.perf_counter()
+
+        def timed(batch):
+            t0 = time.perf_counter()
+            self.busy = True
+            try:
+                m = train(batch)
+            finally:
+                self.busy, self.last_active = False, time.perf_counter()
+            self.trained[m.name] = (t0, time.perf_counter())
+            return m
+        backend.train = timed
+        c = self.config
+        self.governor = FeedbackGovernor(self.redis, self.keys, self.home, max_events=c.rater_max_events,
+                                         window_s=c.rater_window_s) if rails else None
+        self.worker = TrainerWorker(self.redis, self.keys, self.home, backend, BatchScheduler(c), consumer="bench",
+                                    block_ms=50, governor=self.governor)
         self.written: dict[str, float] = {}
+        self.polls = 0
+        self.paused = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self.paused.is_set():
+                time.sleep(0.02)
+                continue
             for n in self.worker.poll():
                 self.written[n.name] = time.perf_counter()
+            self.polls += 1
 
     def served(self) -> str | None:
         return self.server.services.registry.current.get(EP)
+
+    def manifest(self, name: str):
+        from livelora.adapters.store import AdapterStore
+
+        return AdapterStore(self.home).get(EP, int(name.rsplit("@", 1)[1]))
+
+    def passed(self, name: str) -> bool:
+        """Whether the gate let ``name`` serve the endpoint (True without a gate)."""
+        from livelora.adapters.rails import gate_allows
+
+        return gate_allows(self.manifest(name).gate, EP)
+
+    def drain(self, since: float, timeout_s: float = 900) -> None:
+        """Wait until the worker has taken every signal sent up to ``since`` (``perf_counter``): trained, held
+        out or quarantined, or left queued because no batch can form (a lone rating, a rater's surplus beyond
+        its batch share): then nothing has trained for ``max_wait_s`` + 2 s. Such leftovers train with the next
+        round's ratings."""
+        from _server import wait_until
+
+        quiet = self.config.max_wait_s + 2.0
+
+        def idle() -> bool:
+            if self.busy:
+                return False
+            queued, unread = len(self.worker.scheduler), self.redis.xlen(self.keys.signals)
+            if queued == 0 and unread == 0:
+                return True
+            return unread <= queued and time.perf_counter() - max(since, self.last_active) >= quiet
+
+        if not wait_until(idle, timeout_s=timeout_s, interval_s=0.02):
+            raise RuntimeError(f"the trainer did not take the signals within {timeout_s} s")
+        n = self.polls
+        wait_until(lambda: self.polls >= n + 2 or self.paused.is_set(), timeout_s=60, interval_s=0.01)
+
+    def settle(self, before: set[str], timeout_s: float = 600) -> list[dict]:
+        """After :meth:`drain`: the versions written since ``before`` (names), each with its verdict, and once
+        the newest that passed is served (or rolled back), when."""
+        from _server import wait_until
+
+        new = sorted((n for n in self.written if n not in before), key=lambda n: int(n.rsplit("@", 1)[1]))
+        out = [{"version": n, "passed": self.passed(n), "written": self.written[n],
+                "train": self.trained.get(n)} for n in new]
+        ok = [u for u in out if u["passed"]]
+        if ok:
+            last = ok[-1]
+            if not wait_until(lambda: self.served() == last["version"] or last["version"] in self.blocked(),
+                              timeout_s=timeout_s,
+                              interval_s=0.01):
+                raise RuntimeError(f"{last['version']} was not served within {timeout_s} s")
+            last["served"] = time.perf_counter()
+        return out
+
+    def blocked(self) -> list[str]:
+        from livelora.adapters.endpoints import EndpointStore
+
+        b = EndpointStore(self.home).get(EP)
+        return [f"{EP}@{v}" for v in (getattr(b, "blocked", None) or [])]
+
+    def stats(self) -> dict:
+        return httpx.get(self.server.url(f"/admin/endpoints/{EP}/stats"), timeout=60).json()
+
+    def history(self, action: str) -> list[dict]:
+        r = httpx.get(self.server.url(f"/admin/endpoints/{EP}/history"), timeout=60).json()
+        return [h for h in r.get("data", r if isinstance(r, list) else []) if h.get("action") == action]
+
+    def raters(self) -> list[dict]:
+        return httpx.get(self.server.url("/admin/raters"), timeout=60).json()["data"]
 
     def close(self) -> None:
         self._stop.set()
@@ -154,6 +306,33 @@ class Loop:
             shutil.rmtree(self.home, ignore_errors=True)
 
 
+class ProbeMeter:
+    """Capability-probe accuracy (the gate's probes, ``trainer/rails/probes.jsonl``) of stored versions, on a
+    model of its own in the bench process (one forward pass of the 24 probes per version)."""
+
+    def __init__(self, loop: Loop):
+        from livelora.trainer.gate import ProbeSuite
+        from livelora.trainer.model import TrainingModel
+
+        self.loop = loop
+        self.model = TrainingModel(loop.ref, loop.config.lora, device="cpu")
+        self.suite = ProbeSuite(loop.backend.tokenizer)
+        self.cache: dict[str, float] = {}
+
+    def accuracy(self, version: str) -> float:
+        from livelora.adapters.store import AdapterStore
+
+        if version not in self.cache:
+            if version == "base":
+                right, _ = self.suite.probe_logprobs(self.model, adapter=False)
+            else:
+                self.model.load_state(AdapterStore(self.loop.home), EP, int(version.rsplit("@", 1)[1]),
+                                      with_optimizer=False)
+                right, _ = self.suite.probe_logprobs(self.model)
+            self.cache[version] = sum(right) / len(right)
+        return self.cache[version]
+
+
 def chat(client: httpx.Client, url: str, content: str, *, max_tokens: int, temperature: float, seed: int,
          n: int = 1) -> dict:
     r = client.post(url, json={"model": EP, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
@@ -162,114 +341,462 @@ def chat(client: httpx.Client, url: str, content: str, *, max_tokens: int, tempe
     return r.json()
 
 
-def taste_run(args) -> dict:
-    from _server import wait_until
+def post_ratings(client: httpx.Client, url: str, items: list[tuple[str, bool, str]], pool) -> None:
+    """Send ``(completion_id, thumbs_up, user)`` ratings concurrently (one round arrives within a moment)."""
+    def one(it):
+        r = client.post(url, json={"completion_id": it[0], "rating": it[1], "user": it[2]})
+        assert r.status_code == 200, r.text
+    list(pool.map(one, items))
 
-    loop = Loop(args, kto_min_batch=args.kto_batch, max_batch=args.kto_batch)
-    train, held = PROMPTS[:TRAIN_SIZE], PROMPTS[TRAIN_SIZE:]
-    rng = random.Random(args.seed)
-    chat_url, fb_url = loop.server.url("/v1/chat/completions"), loop.server.url("/v1/feedback")
-    pool = ThreadPoolExecutor(max_workers=max(len(held), args.kto_batch))
-    client = httpx.Client(timeout=600)
-    t_start = time.perf_counter()
-    curve: list[dict] = []
-    updates: list[dict] = []
 
-    def evaluate(events: int) -> None:
+class Session:
+    """One scenario run's loop, HTTP client, thread pool and measurements (liked share, probes, updates)."""
+
+    def __init__(self, args, loop: Loop, label: str, probes: bool = False):
+        self.args, self.loop, self.label = args, loop, label
+        self.pool = ThreadPoolExecutor(max_workers=32)
+        self.client = httpx.Client(timeout=600)
+        self.chat_url, self.fb_url = loop.server.url("/v1/chat/completions"), loop.server.url("/v1/feedback")
+        self.curve: list[dict] = []
+        self.updates: list[dict] = []
+        self.probes = ProbeMeter(loop) if probes else None
+        self.rng = random.Random(args.seed)
+        self.order: list[str] = []
+        self.fingerprints: Counter[str] = Counter()
+
+    def chats(self, prompts: list[str], seeds: list[int]) -> list[dict]:
+        outs = list(self.pool.map(lambda ps: chat(self.client, self.chat_url, ps[0], max_tokens=self.args.max_tokens,
+                                                  temperature=self.args.temperature, seed=ps[1]),
+                                  zip(prompts, seeds)))
+        self.fingerprints.update(o["system_fingerprint"].removeprefix("livelora-") for o in outs)
+        return outs
+
+    def next_prompts(self, n: int) -> tuple[list[str], list[int]]:
+        train = PROMPTS[:TRAIN_SIZE]
+        while len(self.order) < n:
+            self.order += self.rng.sample(train, len(train))
+        prompts, self.order = self.order[:n], self.order[n:]
+        return prompts, [self.rng.randrange(1 << 30) for _ in prompts]
+
+    def evaluate(self, events: int) -> None:
+        args, held = self.args, PROMPTS[TRAIN_SIZE:]
         t0 = time.perf_counter()
-        outs = list(pool.map(lambda ip: chat(client, chat_url, ip[1], max_tokens=args.max_tokens,
-                                             temperature=args.temperature, seed=10_000 + 100 * ip[0],
-                                             n=args.eval_samples), enumerate(held)))
+        outs = list(self.pool.map(lambda ip: chat(self.client, self.chat_url, ip[1], max_tokens=args.max_tokens,
+                                                  temperature=args.temperature, seed=10_000 + 100 * ip[0],
+                                                  n=args.eval_samples), enumerate(held)))
         texts = [c["message"]["content"] for o in outs for c in o["choices"]]
         words = [len(t.split()) for t in texts]
         share = sum(liked(t, args.max_words) for t in texts) / len(texts)
         version = outs[0]["system_fingerprint"].removeprefix("livelora-")
-        curve.append({"events": events, "liked": share, "samples": len(texts), "version": version,
-                      "median_words": statistics.median(words), "eval_s": time.perf_counter() - t0,
-                      "example": texts[0]})
-        print(f"events={events:4d} version={version:16s} liked={share:6.1%} ({len(texts)} samples) "
-              f"median words={statistics.median(words):5.1f} eval {time.perf_counter() - t0:5.1f} s | "
-              f"{texts[0][:70]!r}", flush=True)
+        point = {"events": events, "liked": share, "samples": len(texts), "version": version,
+                 "median_words": statistics.median(words), "example": texts[0]}
+        if self.probes is not None:
+            point["probe_accuracy"] = self.probes.accuracy(version)
+        point["eval_s"] = time.perf_counter() - t0
+        self.curve.append(point)
+        probe = f" probes={point['probe_accuracy']:6.1%}" if "probe_accuracy" in point else ""
+        print(f"[{self.label}] events={events:4d} version={version:16s} liked={share:6.1%} ({len(texts)} samples)"
+              f"{probe} median words={statistics.median(words):5.1f} eval {point['eval_s']:5.1f} s | "
+              f"{texts[0][:60]!r}", flush=True)
 
+    def round(self, ratings: list[tuple[str, bool, str]]) -> list[dict]:
+        """Send one round's ratings, wait until the trainer took them and the newest passing version serves;
+        records and prints each version written."""
+        before = set(self.loop.written)
+        post_ratings(self.client, self.fb_url, ratings, self.pool)
+        rated = time.perf_counter()
+        self.loop.drain(rated)
+        ups = self.loop.settle(before)
+        for u in ups:
+            u["rated"] = rated
+            t0, t1 = u["train"] or (u["written"], u["written"])
+            u["train_gate_save_s"] = t1 - t0
+            if "served" in u:
+                u["swap_s"] = u["served"] - u["written"]
+                u["update_s"] = u["train_gate_save_s"] + u["swap_s"]
+                u["rating_to_served_s"] = u["served"] - rated
+            gate = self.loop.manifest(u["version"]).gate or {}
+            u["gate_s"] = gate.get("seconds")
+            verdict = (gate.get("verdicts") or {}).get(EP) or (gate.get("verdicts") or {}).get("*") or {}
+            u["failed"] = verdict.get("failed", [])
+            u["probe_accuracy_gate"] = (gate.get("measures") or {}).get("probe_accuracy")
+            print(f"  [{self.label}] {u['version']}: {'passed' if u['passed'] else 'REJECTED ' + str(u['failed'])}"
+                  f"; train+gate+save {u['train_gate_save_s']:.2f} s"
+                  + (f" (gate {u['gate_s']:.2f} s)" if u["gate_s"] else "")
+                  + (f", swap {u['swap_s']:.2f} s, update {u['update_s']:.2f} s" if "swap_s" in u else ""), flush=True)
+        self.updates += [{k: v for k, v in u.items() if k not in ("written", "rated", "served", "train")}
+                         for u in ups]
+        return ups
+
+    def update_summary(self) -> dict:
+        done = [u["update_s"] for u in self.updates if "update_s" in u]
+        if not done:
+            return {}
+        return {"p50": percentile(done, 50), "max": max(done), "n": len(done),
+                "train_gate_save_p50": statistics.median(u["train_gate_save_s"] for u in self.updates),
+                "swap_p50": statistics.median(u["swap_s"] for u in self.updates if "swap_s" in u),
+                "rejected": sum(1 for u in self.updates if not u["passed"])}
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.client.close()
+        self.loop.close()
+
+
+def load_line() -> str:
+    """The machine's load averages (1, 5, 15 min) and core count, for the record."""
+    import os
+
+    la = os.getloadavg()
+    return f"load average {la[0]:.1f} / {la[1]:.1f} / {la[2]:.1f} on {os.cpu_count()} cores"
+
+
+def taste(args, *, rails: bool, label: str, probes: bool = False) -> dict:
+    """The honest user of the taste run (one rater, ``--kto-batch`` ratings per round, ``--events`` in all),
+    with or without the rails. Returns the curve, the updates and their summary."""
+    loop = Loop(args, kto_min_batch=args.kto_batch, max_batch=args.kto_batch, rails=rails, max_wait_s=3.0)
+    s = Session(args, loop, label, probes=probes)
+    t0 = time.perf_counter()
     try:
-        evaluate(0)
-        events, version, order = 0, 0, []
+        s.evaluate(0)
+        events = 0
         while events < args.events:
-            if len(order) < args.kto_batch:
-                order += rng.sample(train, len(train))
-            prompts, order = order[:args.kto_batch], order[args.kto_batch:]
-            seeds = [rng.randrange(1 << 30) for _ in prompts]
-            outs = list(pool.map(lambda ps: chat(client, chat_url, ps[0], max_tokens=args.max_tokens,
-                                                 temperature=args.temperature, seed=ps[1]), zip(prompts, seeds)))
-            ratings = [liked(o["choices"][0]["message"]["content"], args.max_words) for o in outs]
-            for o, rating in zip(outs, ratings):
-                r = client.post(fb_url, json={"completion_id": o["id"], "rating": rating})
-                assert r.status_code == 200, r.text
-            rated = time.perf_counter()
-            events += len(outs)
-            version += 1
-            name = f"{EP}@{version}"
-            if not wait_until(lambda: loop.served() == name, timeout_s=600, interval_s=0.01):
-                raise RuntimeError(f"{name} was not served within 600 s")
-            served = time.perf_counter()
-            written = loop.written.get(name, served)
-            updates.append({"version": name, "liked_in_batch": sum(ratings), "batch": len(ratings),
-                            "train_save_s": written - rated, "swap_s": served - written, "total_s": served - rated})
-            u = updates[-1]
-            print(f"  update {name}: {sum(ratings)}/{len(ratings)} liked; rating -> written {u['train_save_s']:.2f} s,"
-                  f" written -> served {u['swap_s']:.2f} s, total {u['total_s']:.2f} s", flush=True)
+            prompts, seeds = s.next_prompts(args.kto_batch)
+            outs = s.chats(prompts, seeds)
+            ratings = [(o["id"], liked(o["choices"][0]["message"]["content"], args.max_words), "user") for o in outs]
+            s.round(ratings)
+            events += len(ratings)
             if events % args.eval_every == 0 or events >= args.events:
-                evaluate(events)
+                s.evaluate(events)
+        quarantined = len(httpx.get(loop.server.url("/admin/quarantine"), timeout=60).json()["data"])
     finally:
-        pool.shutdown()
-        client.close()
-        loop.close()
-    total = time.perf_counter() - t_start
-    totals = [u["total_s"] for u in updates]
-    result = {"settings": {**loop.hparams, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                           "max_words": args.max_words, "eval_samples": args.eval_samples,
-                           "held_out_prompts": len(PROMPTS) - TRAIN_SIZE, "seed": args.seed},
-              "curve": curve, "updates": updates, "total_s": total,
-              "update_total_s": {"p50": statistics.median(totals), "max": max(totals)},
-              "gain_pp": 100 * (max(c["liked"] for c in curve[1:]) - curve[0]["liked"]) if len(curve) > 1 else 0.0}
-    print("\nsettings: " + ", ".join(f"{k}={v}" for k, v in result["settings"].items()))
-    print("curve (feedback events -> liked share on held-out prompts):")
-    for c in curve:
-        print(f"  {c['events']:4d}  {c['liked']:6.1%}  (median {c['median_words']:.1f} words, {c['version']})")
-    print(f"liked share: {curve[0]['liked']:.1%} at 0 events -> {curve[-1]['liked']:.1%} at {curve[-1]['events']}"
-          f" ({100 * (curve[-1]['liked'] - curve[0]['liked']):+.1f} pp; best {result['gain_pp']:+.1f} pp)")
-    print(f"update (train step + save + swap): p50 {percentile(totals, 50):.2f} s, max {max(totals):.2f} s over "
-          f"{len(totals)} updates; train+save p50 {statistics.median(u['train_save_s'] for u in updates):.2f} s, "
-          f"swap p50 {statistics.median(u['swap_s'] for u in updates):.2f} s")
-    print(f"total time {total:.0f} s")
-    plot(result, Path(args.plot))
-    return result
+        s.close()
+    return {"label": label, "rails": rails, "settings": loop.hparams, "curve": s.curve, "updates": s.updates,
+            "update": s.update_summary(), "quarantined": quarantined, "total_s": time.perf_counter() - t0,
+            "gain_pp": 100 * (max(c["liked"] for c in s.curve[1:]) - s.curve[0]["liked"]) if len(s.curve) > 1 else 0.0}
 
 
-def plot(result: dict, path: Path) -> None:
-    """Write the curve as a PNG at ``path`` and the figures as ``path.with_suffix('.json')``."""
+def print_update(r: dict) -> None:
+    u = r["update"]
+    if u:
+        print(f"[{r['label']}] update (train + {'gate + ' if r['rails'] else ''}save + swap): p50 {u['p50']:.2f} s, "
+              f"max {u['max']:.2f} s over {u['n']} served updates (train+gate+save p50 {u['train_gate_save_p50']:.2f}"
+              f" s, swap p50 {u['swap_p50']:.2f} s); {u['rejected']} version(s) rejected by the gate")
+
+
+def scenario_a(args) -> dict:
+    """(a) The honest user with the rails on: the liked share must still rise by ≥ 30 points within 200 ratings."""
+    r = taste(args, rails=True, label="a rails on", probes=True)
+    c = r["curve"]
+    within = [p for p in c if p["events"] <= 200]
+    gain = 100 * (max(p["liked"] for p in within) - c[0]["liked"])
+    print(f"\n(a) liked share {c[0]['liked']:.1%} -> " + ", ".join(f"{p['liked']:.1%}@{p['events']}" for p in c[1:])
+          + f"; best gain within 200 ratings {gain:+.1f} pp (target +30): {'MET' if gain >= 30 else 'NOT MET'}")
+    print_update(r)
+    print(f"quarantined ratings: {r['quarantined']}; {load_line()}")
+    out = {"scenario": "a", "run": r, "gain_within_200_pp": gain, "met": gain >= 30, "load": load_line()}
+    plot_curves(out, [r], Path(args.plot).with_name("live_loop_a.png"), "(a) honest user, rails on")
+    return out
+
+
+def scenario_b(args) -> dict:
+    """(b) The blunt taste at the default rate, rails off vs on: liked share and probe accuracy per point."""
+    runs = []
+    for arm in args.arms.split(","):
+        if arm == "on" and args.b_rails_on_from:  # the rails-on arm is scenario (a)'s run: reuse its figures
+            runs.append(json.loads(Path(args.b_rails_on_from).read_text())["run"] | {"label": "b rails on"})
+            continue
+        runs.append(taste(args, rails=arm == "on", label=f"b rails {arm}", probes=True))
+    print("\n(b) ratings -> liked share / probe accuracy per run (" + " | ".join(r["label"] for r in runs) + ")")
+    for points in zip(*(r["curve"] for r in runs)):
+        print(f"  {points[0]['events']:4d}  " + "  |  ".join(f"{p['liked']:6.1%} / {p['probe_accuracy']:6.1%}"
+                                                          for p in points))
+    base = runs[0]["curve"][0]["probe_accuracy"]
+    out = {"scenario": "b", "runs": runs, "probe_base": base, "load": load_line()}
+    for r in runs:
+        worst = min(p["probe_accuracy"] for p in r["curve"])
+        r["probe_worst"], r["probe_within_5pp"] = worst, 100 * (base - worst) <= 5 + 1e-9
+        print(f"[{r['label']}] probe accuracy: base {base:.1%}, lowest served {worst:.1%} "
+              f"({100 * (worst - base):+.1f} pp; within 5 points: {'yes' if r['probe_within_5pp'] else 'NO'}); "
+              f"liked share best {max(p['liked'] for p in r['curve']):.1%}")
+        print_update(r)
+    for r in runs:
+        gain = 100 * (max(p["liked"] for p in r["curve"] if p["events"] <= 200) - r["curve"][0]["liked"])
+        r["gain_within_200_pp"] = gain
+        print(f"[{r['label']}] liked share gain within 200 ratings {gain:+.1f} pp")
+    print(load_line())
+    plot_curves(out, runs, Path(args.plot).with_name("live_loop_b.png"), "(b) blunt taste, rails off vs on",
+                probes=True)
+    return out
+
+
+def scenario_c(args) -> dict:
+    """(c) An adversarial rater sending half of all ratings with inverted labels (see the module docstring)."""
+    honest = [f"user{i}" for i in range(4)]
+    n_h, n_double, n_own = args.kto_batch, args.kto_batch // 2, args.kto_batch // 2
+    per_round = n_h + n_double + n_h + n_own
+    loop = Loop(args, kto_min_batch=per_round, max_batch=per_round, rails=not args.rails_off, max_wait_s=3.0)
+    s = Session(args, loop, "c rails " + ("off" if args.rails_off else "on"))
+    t0 = time.perf_counter()
+    adversary_ratings = honest_ratings = 0
+    weights: list[dict] = []
+    try:
+        s.evaluate(0)
+        events, k = 0, 0
+        while events < args.events:
+            prompts, seeds = s.next_prompts(n_h + n_own)
+            outs = s.chats(prompts, seeds)
+            mine, theirs = outs[:n_h], outs[n_h:]
+            ratings = []
+            for i, o in enumerate(mine):
+                good = liked(o["choices"][0]["message"]["content"], args.max_words)
+                owner = honest[(k + i) % len(honest)]
+                ratings.append((o["id"], good, owner))
+                if i < n_double:                      # a second honest user rates half of them too
+                    ratings.append((o["id"], good, honest[(k + i + 1) % len(honest)]))
+                ratings.append((o["id"], not good, "adversary"))
+            for o in theirs:                          # and the adversary's own chats, inverted
+                ratings.append((o["id"], not liked(o["choices"][0]["message"]["content"], args.max_words),
+                                "adversary"))
+            k += 1
+            adversary_ratings += sum(1 for r in ratings if r[2] == "adversary")
+            honest_ratings += sum(1 for r in ratings if r[2] != "adversary")
+            s.round(ratings)
+            events += len(ratings)
+            if loop.rails:
+                w = {r["rater"]: r["weight"] for r in loop.raters()}
+                weights.append({"events": events, **w})
+                print("  rater weights: " + ", ".join(f"{r}={x:.2f}" for r, x in sorted(w.items())), flush=True)
+            if k % args.eval_rounds == 0 or events >= args.events:
+                s.evaluate(events)
+        quarantined = len(httpx.get(loop.server.url("/admin/quarantine"), timeout=60).json()["data"])
+    finally:
+        s.close()
+    c = s.curve
+    within = [p for p in c if p["events"] <= 300]
+    gain = 100 * (max(p["liked"] for p in within) - c[0]["liked"])
+    r = {"label": s.label, "rails": loop.rails, "settings": loop.hparams, "curve": c, "updates": s.updates,
+         "update": s.update_summary(), "quarantined": quarantined, "total_s": time.perf_counter() - t0}
+    print(f"\n(c) {s.label}: {honest_ratings} honest and {adversary_ratings} inverted ratings "
+          f"({100 * adversary_ratings / max(1, honest_ratings + adversary_ratings):.0f} % adversarial); "
+          f"{quarantined} quarantined")
+    print(f"(c) honest users' liked share {c[0]['liked']:.1%} -> " + ", ".join(f"{p['liked']:.1%}@{p['events']}"
+                                                                           for p in c[1:])
+          + f"; best gain within 300 ratings {gain:+.1f} pp (target +30): {'MET' if gain >= 30 else 'NOT MET'}")
+    if weights:
+        print(f"(c) final rater weights: {weights[-1]}")
+    print_update(r)
+    print(load_line())
+    out = {"scenario": "c", "run": r, "weights": weights, "gain_within_300_pp": gain, "met": gain >= 30,
+           "honest_ratings": honest_ratings, "adversary_ratings": adversary_ratings, "load": load_line()}
+    plot_curves(out, [r], Path(args.plot).with_name("live_loop_c.png"),
+                f"(c) adversary inverts half of all ratings, {s.label}", weights=weights)
+    return out
+
+
+def scenario_d(args) -> dict:
+    """(d) A deliberately bad version published into the loop, and a version users dislike (module docstring)."""
+    from _server import wait_until
+
+    loop = Loop(args, kto_min_batch=args.kto_batch, max_batch=32, rails=True, max_wait_s=3.0,
+                sft_lr=args.d_bad_lr, sft_min_batch=args.kto_batch)
+    s = Session(args, loop, "d")
+    t0 = time.perf_counter()
+    out: dict = {"scenario": "d"}
+    try:
+        for _ in range(args.d_warmup_rounds):            # the honest loop first
+            prompts, seeds = s.next_prompts(args.kto_batch)
+            outs = s.chats(prompts, seeds)
+            s.round([(o["id"], liked(o["choices"][0]["message"]["content"], args.max_words), "user") for o in outs])
+        good = loop.served()
+        # 1. a deliberately bad version: SFT at --d-bad-lr (100x the default) on one content-free phrase
+        before = set(loop.written)
+        prompts, _ = s.next_prompts(args.kto_batch)
+        for q in prompts:
+            r = s.client.post(loop.server.url("/v1/demonstrations"), json={
+                "model": EP, "user": "user", "messages": [{"role": "user", "content": q},
+                                                         {"role": "assistant", "content": BAD_REPLY}]})
+            assert r.status_code == 200, r.text
+        loop.drain(time.perf_counter())
+        bad = s.loop.settle(before)
+        s.updates += [{"version": u["version"], "passed": u["passed"]} for u in bad]
+        bad_names = [u["version"] for u in bad]
+        verdicts = {u["version"]: (u["passed"], (loop.manifest(u["version"]).gate or {}).get("verdicts", {}).get(EP, {})
+                                   .get("failed")) for u in bad}
+        prompts, seeds = s.next_prompts(2 * args.kto_batch)   # users keep chatting
+        after = s.chats(prompts, seeds)
+        requests = {v["version"]: v["requests"] for v in loop.stats()["versions"]}
+        served_bad = sum(requests.get(n, 0) for n in bad_names) + sum(s.fingerprints.get(n, 0) for n in bad_names)
+        print(f"\n(d1) bad version(s) {bad_names}: gate verdicts {verdicts}; serving {loop.served()} (was {good}); "
+              f"requests served by the bad version(s): {served_bad} (gateway statistics {requests})", flush=True)
+        out["bad"] = {"versions": bad_names, "verdicts": {k: list(v) for k, v in verdicts.items()},
+                      "requests_served": served_bad, "serving_after": loop.served(), "serving_before": good,
+                      "stats_requests": requests, "chats_after": len(after)}
+        # 2. a version that passes the gate but users dislike. The trainer pauses while the serving version (the
+        # predecessor) collects its ratings; then it trains them as one batch (max_batch 32) into the next version.
+        pred, disliked = loop.served(), None
+        for attempt in range(3):
+            loop.paused.set()
+            n_rate = args.d_predecessor_ratings if attempt == 0 else args.kto_batch
+            prompts, seeds = s.next_prompts(n_rate)
+            outs = s.chats(prompts, seeds)
+            before = set(loop.written)
+            post_ratings(s.client, s.fb_url, [(o["id"], liked(o["choices"][0]["message"]["content"],
+                                                              args.max_words), "user") for o in outs], s.pool)
+            rated = time.perf_counter()
+            loop.paused.clear()
+            loop.drain(rated)
+            ups = loop.settle(before)
+            s.updates += [{"version": u["version"], "passed": u["passed"],
+                           "rating_to_served_s": u.get("served", rated) - rated} for u in ups]
+            for u in ups:
+                gate = loop.manifest(u["version"]).gate or {}
+                print(f"  [d] {u['version']} trained on {n_rate} ratings of {pred}: "
+                      + ("passed" if u["passed"] else f"REJECTED {gate.get('verdicts', {}).get(EP, {}).get('failed')}"),
+                      flush=True)
+            if ups and ups[-1]["passed"] and loop.served() == ups[-1]["version"]:
+                disliked = ups[-1]["version"]
+                break
+        loop.paused.set()                                  # the trainer waits: the version under test keeps serving
+        if disliked is None:
+            raise RuntimeError("no version passed the gate to test the rollback with")
+        pred_stats = {v["version"]: v for v in loop.stats()["versions"]}.get(loop.server.services.registry
+                                                                             .predecessor.get(EP) or "base", {})
+        rng = random.Random(args.seed + 1)
+        n, llr, trace = 0, None, []
+        while loop.served() == disliked and n < args.d_max_ratings:
+            prompts, seeds = s.next_prompts(1)
+            o = s.chats(prompts, seeds)[0]
+            up = rng.random() < args.d_dislike_up_rate
+            post_ratings(s.client, s.fb_url, [(o["id"], up, "user")], s.pool)
+            n += 1
+            wait_until(lambda: loop.served() != disliked, timeout_s=0.5, interval_s=0.01)
+            v = {x["version"]: x for x in loop.stats()["versions"]}.get(disliked, {})
+            trace.append({"n": n, "up": up, "thumbs_up": v.get("thumbs_up"), "ratings": v.get("ratings")})
+        rolled = loop.served() != disliked
+        hist = loop.history("auto_rollback")
+        if hist:
+            llr = (hist[-1].get("details") or {}).get("llr")
+        print(f"(d2) {disliked} passed the gate and served; predecessor {pred} had "
+              f"{pred_stats.get('thumbs_up')}/{pred_stats.get('ratings')} thumbs up; users then liked each of its "
+              f"replies with probability {args.d_dislike_up_rate:.0%}: "
+              + (f"rolled back to {loop.served()} after N = {n} ratings (LLR {llr:.2f})" if rolled and llr is not None
+                 else f"rolled back after N = {n} ratings" if rolled else f"NOT rolled back within {n} ratings"),
+              flush=True)
+        out["dislike"] = {"version": disliked, "predecessor": pred, "predecessor_stats": pred_stats,
+                          "rolled_back": rolled, "ratings_to_rollback": n if rolled else None, "llr": llr,
+                          "trace": trace, "serving_after": loop.served(), "up_rate": args.d_dislike_up_rate}
+        loop.paused.clear()
+    finally:
+        s.close()
+    out["updates"], out["total_s"], out["load"] = s.updates, time.perf_counter() - t0, load_line()
+    print(load_line())
+    plot_d(out, Path(args.plot).with_name("live_loop_d.png"))
+    return out
+
+
+BAD_REPLY = "The answer to this question."
+
+
+def plot_curves(out: dict, runs: list[dict], path: Path, title: str, *, probes: bool = False,
+                weights: list[dict] | None = None) -> None:
+    """Liked share per run (and probe accuracy, and rater weights when given) as a PNG at ``path``; the
+    figures as JSON next to it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    s = result["settings"]
-    xs = [c["events"] for c in result["curve"]]
-    ys = [100 * c["liked"] for c in result["curve"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, ys, marker="o")
+    panels = 1 + bool(probes) + bool(weights)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    for r in runs:
+        ax.plot([c["events"] for c in r["curve"]], [100 * c["liked"] for c in r["curve"]], marker="o",
+                label=r["label"])
     ax.set_xlabel("feedback events")
-    ax.set_ylabel(f"liked share on held-out prompts (%), ≤ {s['max_words']} words")
+    ax.set_ylabel("liked share on held-out prompts (%)")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    ax.set_title(f"KTO lr={s['kto_lr']:g} β={s['beta']:g} batch={s['kto_min_batch']} "
-                 f"r={s['lora_rank']} α={s['lora_alpha']:g}", fontsize=9)
+    ax.legend(fontsize=8)
+    i = 1
+    if probes:
+        ax = axes[0][i]
+        i += 1
+        for r in runs:
+            ax.plot([c["events"] for c in r["curve"]], [100 * c["probe_accuracy"] for c in r["curve"]], marker="o",
+                    label=r["label"])
+        base = 100 * out["probe_base"]
+        ax.axhspan(base - 5, base + 5, color="green", alpha=0.1, label="base ± 5 points")
+        ax.set_xlabel("feedback events")
+        ax.set_ylabel("capability-probe accuracy of the served version (%)")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if weights:
+        ax = axes[0][i]
+        raters = sorted({k for w in weights for k in w if k != "events"})
+        for rater in raters:
+            ax.plot([w["events"] for w in weights], [w.get(rater, 1.0) for w in weights], marker=".", label=rater)
+        ax.set_xlabel("feedback events")
+        ax.set_ylabel("rater agreement weight")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    path.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
     print(f"plot: {path}  figures: {path.with_suffix('.json')}")
+
+
+def plot_d(out: dict, path: Path) -> None:
+    """Scenario (d): the disliked version's thumbs-up count per rating until the rollback."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    d = out.get("dislike") or {}
+    trace = d.get("trace") or []
+    ax.step([t["n"] for t in trace], [t["n"] - (t["thumbs_up"] or 0) for t in trace], where="post",
+            label=f"thumbs down of {d.get('version')}")
+    ax.step([t["n"] for t in trace], [t["thumbs_up"] or 0 for t in trace], where="post", label="thumbs up")
+    if d.get("rolled_back"):
+        ax.axvline(d["ratings_to_rollback"], color="red", ls="--", label=f"rolled back (N = {d['ratings_to_rollback']})")
+    b = out.get("bad") or {}
+    verdict = "rejected" if not any(v[0] for v in (b.get("verdicts") or {}).values()) else "NOT all rejected"
+    fate = (f"rolled back after N = {d.get('ratings_to_rollback')} ratings" if d.get("rolled_back")
+            else "NOT rolled back")
+    ax.set_title(f"(d) bad version {b.get('versions')} {verdict}, served {b.get('requests_served')} requests;\n"
+                 f"disliked {d.get('version')} {fate}", fontsize=8)
+    ax.set_xlabel("ratings of the disliked version")
+    ax.set_ylabel("count")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
+    print(f"plot: {path}  figures: {path.with_suffix('.json')}")
+
+
+def taste_run(args) -> dict:
+    """The taste run of earlier rounds (rails off): the curve and per-update times, plotted."""
+    r = taste(args, rails=False, label="taste")
+    c = r["curve"]
+    print("\ncurve (feedback events -> liked share on held-out prompts):")
+    for p in c:
+        print(f"  {p['events']:4d}  {p['liked']:6.1%}  (median {p['median_words']:.1f} words, {p['version']})")
+    print(f"liked share: {c[0]['liked']:.1%} at 0 events -> {c[-1]['liked']:.1%} at {c[-1]['events']} "
+          f"(best {r['gain_pp']:+.1f} pp)")
+    print_update(r)
+    print(f"total time {r['total_s']:.0f} s; {load_line()}")
+    plot_curves({"scenario": "taste", "run": r}, [r], Path(args.plot), "taste run (rails off)")
+    return r
 
 
 def latency_run(args) -> None:
@@ -308,31 +835,53 @@ def latency_run(args) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", choices=["a", "b", "c", "d"], default=None,
+                    help="one of the rails scenarios (module docstring); default: the plain taste run")
     ap.add_argument("--latency", action="store_true", help="only the rating -> served latency measurement")
     ap.add_argument("--requests", type=int, default=4, help="--latency: completions rated (one KTO batch)")
     ap.add_argument("--max-tokens", type=int, default=None, help="reply length cap (taste run 40, latency run 8)")
     ap.add_argument("--temperature", type=float, default=0.7, help="serving temperature of chats and evaluations")
     ap.add_argument("--max-words", type=int, default=20, help="the user likes replies of at most this many words")
-    ap.add_argument("--events", type=int, default=200, help="feedback events (one per reply)")
+    ap.add_argument("--events", type=int, default=None, help="feedback events (taste, a, b: 200; c: 300)")
     ap.add_argument("--eval-every", type=int, default=40, help="evaluate after every this many events")
+    ap.add_argument("--eval-rounds", type=int, default=2, help="(c) evaluate after every this many rounds")
     ap.add_argument("--eval-samples", type=int, default=2, help="seeded samples per held-out prompt")
     ap.add_argument("--kto-batch", type=int, default=None, help="ratings per KTO step (default: trainer's)")
     ap.add_argument("--kto-lr", type=float, default=None, help="KTO learning rate (default: trainer's)")
     ap.add_argument("--beta", type=float, default=None, help="KTO beta (default: trainer's)")
     ap.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: trainer's)")
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: trainer's)")
+    ap.add_argument("--rater-max-events", type=int, default=None,
+                    help="rails on: events per rater and hour before quarantine (default: trainer's)")
+    ap.add_argument("--rails-off", action="store_true", help="(c) run without the rails, for comparison")
+    ap.add_argument("--arms", default="off,on", help="(b) which runs: off, on or both (off,on)")
+    ap.add_argument("--b-rails-on-from", default=None,
+                    help="(b) take the rails-on run from scenario (a)'s JSON instead of running it again")
+    ap.add_argument("--d-warmup-rounds", type=int, default=3, help="(d) honest rounds before the bad version")
+    ap.add_argument("--d-predecessor-ratings", type=int, default=24,
+                    help="(d) ratings the predecessor collects before the disliked version (rollback needs 20)")
+    ap.add_argument("--d-dislike-up-rate", type=float, default=0.2,
+                    help="(d) chance that a user likes a reply of the disliked version")
+    ap.add_argument("--d-bad-lr", type=float, default=1e-2,
+                    help="(d) SFT learning rate of the bad version (the default SFT rate is 1e-4)")
+    ap.add_argument("--d-max-ratings", type=int, default=60, help="(d) most ratings of the disliked version")
     ap.add_argument("--max-batch-size", type=int, default=16, help="engine decode batch")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt order and chat seeds")
     ap.add_argument("--keep-store", action="store_true", help="keep the temporary store (adapters, dataset)")
-    ap.add_argument("--plot", default=str(Path(__file__).resolve().parent / "out" / "live_loop.png"))
+    ap.add_argument("--plot", default=str(Path(__file__).resolve().parent / "out" / "live_loop.png"),
+                    help="PNG of the taste run; scenario X writes live_loop_X.png in the same folder")
     a = ap.parse_args()
-    if a.kto_batch is None:
-        from livelora.trainer.settings import TrainerSettings
+    from livelora.trainer.settings import TrainingSection
 
-        a.kto_batch = TrainerSettings.model_fields["kto_min_batch"].default
+    if a.kto_batch is None:
+        a.kto_batch = TrainingSection.model_fields["kto_min_batch"].default
+    if a.rater_max_events is None:
+        a.rater_max_events = TrainingSection.model_fields["rater_max_events"].default
+    if a.events is None:
+        a.events = 300 if a.scenario == "c" else 200
     if a.latency:
         a.max_tokens = a.max_tokens or 8
         latency_run(a)
     else:
         a.max_tokens = a.max_tokens or 40
-        taste_run(a)
+        {"a": scenario_a, "b": scenario_b, "c": scenario_c, "d": scenario_d, None: taste_run}[a.scenario](a)

@@ -1,6 +1,7 @@
 """Feedback governance on real Redis and a real trainer worker: one rater's flood is capped (rate limit →
 quarantine, kept in the dataset of record, listed by the admin service, recorded in the history; at most a set
-share of a batch per rater), and delete-by-user removes a user's signals from the dataset of record and from
+share of a batch per rater), a rater contradicting the others on the same completions gets a lower weight in
+the loss (rater agreement), and delete-by-user removes a user's signals from the dataset of record and from
 every later batch."""
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import pytest
 
 from livelora.adapters.bus import connect_sync, ensure_group
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.governance import rater_of, read_quarantine
+from livelora.adapters.governance import agreement_weights, rater_of, read_quarantine
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.types.signals import RatingEvent
+from livelora.clients.types.tinker import TensorData
 from livelora.trainer.dataset import read_dataset
 from livelora.trainer.governance import FeedbackGovernor
 from livelora.trainer.online import OnlineTrainer
@@ -36,8 +38,8 @@ def bus():
     client.close()
 
 
-def rating(user: str, i: int, up: bool = True) -> RatingEvent:
-    cid = f"chatcmpl-{uuid.uuid4().hex}"
+def rating(user: str, i: int, up: bool = True, cid: str | None = None) -> RatingEvent:
+    cid = cid or f"chatcmpl-{uuid.uuid4().hex}"
     return RatingEvent(id=f"feedback-{uuid.uuid4().hex}", endpoint=EP, created=int(time.time()), completion_id=cid,
                        prompt_token_ids=[1, 2, 3 + i], completion_token_ids=[4, 5], rating=up,
                        rating_key=f"{cid}:{user}", user=user)
@@ -93,6 +95,66 @@ def test_no_rater_fills_more_than_the_share_of_a_batch():
     for n, ev in enumerate(flood[:4]):
         solo.add("lin", f"{n + 1}-0", ev, now=0)
     assert len(solo.due(now=1)[0].events) == 4                            # a lone rater is limited by rate only
+
+
+def test_agreement_weight_formula_values():
+    # alice and bob agree on three completions, mallory contradicts both each time
+    three = {f"c{i}": {"alice": 1, "bob": 1, "mallory": 0} for i in range(3)}
+    one_pass = agreement_weights(three, iterations=1)
+    # pass 1, every p = p0 = 0.9 (logit l0 = ln 9): alice's others are bob (+l0) and mallory (−l0): P = σ(0) = ½;
+    # mallory's others both say the opposite: P = σ(−2·l0) = 1/82. p = (4·0.9 + 3·P) / (4 + 3), w = (2p − 1)/0.8
+    p_a, p_m = (3.6 + 1.5) / 7, (3.6 + 3 / 82) / 7
+    assert one_pass["alice"]["weight"] == pytest.approx((2 * p_a - 1) / 0.8)          # 0.5714
+    assert one_pass["mallory"]["weight"] == pytest.approx((2 * p_m - 1) / 0.8)        # 0.0488
+    w = agreement_weights(three)                                                      # the fixed point
+    assert w["alice"]["weight"] == w["bob"]["weight"] == pytest.approx(0.985, abs=1e-3)
+    assert w["mallory"]["weight"] == pytest.approx(0.051, abs=1e-3) and w["mallory"]["compared"] == 3
+    assert [round(agreement_weights({f"c{i}": {"a": 1, "b": 1, "m": 0} for i in range(n)})["m"]["weight"], 2)
+            for n in (1, 2, 4)] == [0.56, 0.27, 0.0]
+    lone = agreement_weights({"c0": {"carol": 1}, "c1": {"carol": 0}})               # never compared: weight 1
+    assert lone["carol"] == {"weight": 1.0, "agreement": 0.9, "compared": 0.0}
+    duel = agreement_weights({f"c{i}": {"h": 1, "x": 0} for i in range(10)})         # symmetric: both fall alike
+    assert duel["h"]["weight"] == duel["x"]["weight"] < 0.2
+
+
+def test_contradicting_rater_counts_less_in_the_loss(bus, tmp_path, base_ref):
+    client, keys = bus
+    cfg = TrainingSection(kto_min_batch=100, max_batch=100, max_wait_s=3600)
+    gov = FeedbackGovernor(client, keys, tmp_path, max_events=0, window_s=60)
+    w = TrainerWorker(client, keys, tmp_path, OnlineTrainer(base_ref, tmp_path, cfg), BatchScheduler(cfg),
+                      consumer="w1", governor=gov, block_ms=10)
+    cids = [f"chatcmpl-{uuid.uuid4().hex}" for _ in range(2)]
+    events = [rating(u, i, up=(u != "mallory"), cid=c) for i, c in enumerate(cids) for u in ("alice", "bob", "mallory")]
+    send(client, keys, events)
+    w.poll(block_ms=10)
+    lineage = EndpointStore(tmp_path).get(EP).lineage
+    assert len(client.hgetall(keys.rater_labels(lineage))) == 6         # shared by every worker, in Redis
+    weights = gov.weights(lineage)
+    assert weights == agreement_weights({c: {"alice": 1, "bob": 1, "mallory": 0} for c in cids})
+    assert weights["mallory"]["weight"] == pytest.approx(0.268, abs=1e-3)   # contradicted on 2 completions
+    assert weights["alice"]["weight"] == pytest.approx(0.929, abs=1e-3)
+
+    batch = gov.weigh(w.scheduler.due(now=time.time() + 7200)[0])
+    a = {rater_of(e): x for e, x in zip(batch.events, batch.example_weights)}
+    assert a == {r: weights[r]["weight"] for r in ("alice", "bob", "mallory")}
+    n_d, n_u = 4 * a["alice"], 2 * a["mallory"]                         # class weights balance weighted counts
+    assert (batch.desirable_weight, batch.undesirable_weight) == pytest.approx((n_u / n_d, 1.0))
+    # the loss is mean_i a_i·ℓ_i: L(a) = L(honest at a, mallory at 0) + a_mallory · L(mallory at 1, honest at 0)
+    backend = w.backend
+    data, loss_fn, lcfg, _ = backend.datums(batch)
+    model = backend.model_for(lineage)
+    assert [d.loss_fn_inputs["example_weight"].data for d in data] == [[x] for x in batch.example_weights]
+    loss = model.forward(data, loss_fn, lcfg).metrics["loss:sum"]
+
+    def loss_with(honest: float, mallory: float) -> float:
+        for d, e in zip(data, batch.events):
+            d.loss_fn_inputs["example_weight"] = TensorData.from_list([mallory if e.user == "mallory" else honest],
+                                                                      "float32")
+        return model.forward(data, loss_fn, lcfg).metrics["loss:sum"]
+    honest_part, mallory_part = loss_with(a["alice"], 0.0), loss_with(0.0, 1.0)
+    assert mallory_part > 0.1 * honest_part                             # mallory's terms are not negligible at 1
+    assert loss == pytest.approx(honest_part + a["mallory"] * mallory_part, rel=1e-5)
+    w.close()
 
 
 def test_deleted_user_is_gone_from_the_dataset_and_from_later_batches(bus, tmp_path, base_ref):

@@ -400,6 +400,7 @@ CASES: dict[tuple[str, str], Case] = {
     ("PUT", "/admin/endpoints/{name:path}/gate"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/gate",
                                                                    {"reset": True, "reason": "b"})]),
     ("GET", "/admin/quarantine"): Case(_none, "own"),
+    ("GET", "/admin/raters"): Case(_none, "own"),
     ("POST", "/admin/users/{name}/forget"): Case(lambda o: [("/admin/users/someone/forget", {"reason": "b"})], "own"),
     ("GET", "/admin/usage"): Case(lambda o: [("", None), ("?tenant=acme", None), ("?group_by=subject", None)], "own"),
     ("GET", "/admin/quotas"): Case(lambda o: [("", None), ("?tenant=acme", None)], "own"),

@@ -8,12 +8,15 @@ import json
 import uuid
 
 import httpx
+import pytest
 from _server import start_server, wait_until
 
 from livelora.adapters.bus import connect_sync
 from livelora.adapters.redis_keys import KeyLayout
+from livelora.adapters.store import AdapterStore
 from livelora.gateway.services.serving import VERSION_HEADER
 from livelora.gateway.settings import GatewaySettings
+from livelora.trainer.governance import FeedbackGovernor
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler
 from livelora.trainer.settings import TrainingSection
@@ -54,6 +57,9 @@ def test_feedback_trains_a_version_the_gateway_then_serves(base_ref, tmp_path):
         up = httpx.post(server.url("/v1/feedback"), json={"completion_id": cid1, "rating": True})
         down = httpx.post(server.url("/v1/feedback"), json={"completion_id": cid2, "rating": False})
         assert up.status_code == down.status_code == 200 and up.json()["endpoint"] == EP
+        for user, rating in (("bob", True), ("mallory", False)):   # two more raters of the first completion
+            r = httpx.post(server.url("/v1/feedback"), json={"completion_id": cid1, "rating": rating, "user": user})
+            assert r.status_code == 200, r.text
         gone = httpx.post(server.url("/v1/feedback"), json={"completion_id": "chatcmpl-unknown", "rating": True})
         assert gone.status_code == 404 and gone.json()["error"]["param"] == "completion_id"
         # a request admitted now holds the base version through the swap
@@ -62,9 +68,17 @@ def test_feedback_trains_a_version_the_gateway_then_serves(base_ref, tmp_path):
         assert held.adapter is None
         # the trainer consumes the two ratings: one KTO step, version live-e2e@1, notice
         worker = TrainerWorker(redis, keys, tmp_path, OnlineTrainer(base_ref, tmp_path, TrainingSection(kto_lr=1e-3)),
-                               BatchScheduler(TrainingSection(kto_min_batch=2)), consumer="e2e", block_ms=200)
+                               BatchScheduler(TrainingSection(kto_min_batch=2)), consumer="e2e", block_ms=200,
+                               governor=FeedbackGovernor(redis, keys, tmp_path, max_events=0, window_s=60))
         [notice] = worker.poll()
         assert notice.name == f"{EP}@1" and notice.endpoint == EP
+        # rater agreement: mallory contradicted the two others on the first completion (formula: 0.563 vs 0.90)
+        raters = httpx.get(server.url("/admin/raters"), timeout=30).json()["data"]
+        assert [(r["rater"], round(r["weight"], 3), r["compared"]) for r in raters] == [
+            ("mallory", 0.563, 1), ("(anonymous)", 0.9, 1), ("bob", 0.9, 1)]
+        assert raters[0]["endpoints"] == [EP]
+        assert worker.published and AdapterStore(tmp_path).get(EP, 1).metrics["example_weight:mean"] == (
+            pytest.approx((3 * 0.9 + 0.563) / 4, abs=2e-3))
         assert wait_until(lambda: registry.current.get(EP) == f"{EP}@1", timeout_s=300)
         after = chat(server, "What is 2+2?")
         assert after.headers[VERSION_HEADER] == f"{EP}@1"

@@ -123,20 +123,25 @@ def kl_mean(p_logp_M_V: torch.Tensor, q_logp_M_V: torch.Tensor) -> float:
 
 @dataclass
 class HeldOut:
-    """One held-out scored completion: ``sign`` +1 for desirable/chosen, −1 for undesirable/rejected."""
+    """One held-out scored completion: ``sign`` +1 for desirable/chosen, −1 for undesirable/rejected; ``rater``
+    who labelled it (:func:`~livelora.adapters.governance.rater_of`)."""
 
     key: str
     prompt: list[int]
     completion: list[int]
     sign: int
+    rater: str = ""
 
 
 def heldout_items(ev: Any, tokenizer: Any, chat_pair: Any) -> list[HeldOut]:
     """The scored completions of a held-out rating (one) or preference pair (two)."""
+    from livelora.adapters.governance import rater_of
+
+    rater = rater_of(ev)
     if ev.type == "rating":
         return [HeldOut(ev.id, list(ev.prompt_token_ids),
                         rated_completion_ids(tokenizer, ev.completion_token_ids, ev.finish_reason),
-                        1 if ev.rating else -1)]
+                        1 if ev.rating else -1, rater)]
     if ev.type != "preference":
         return []
     if ev.prompt_token_ids is not None:
@@ -144,8 +149,8 @@ def heldout_items(ev: Any, tokenizer: Any, chat_pair: Any) -> list[HeldOut]:
     else:
         prompt, chosen = chat_pair(ev.messages, ev.chosen)
         _, rejected = chat_pair(ev.messages, ev.rejected)
-    return [HeldOut(f"{ev.id}:c", list(prompt), list(chosen or []), 1),
-            HeldOut(f"{ev.id}:r", list(prompt), list(rejected or []), -1)]
+    return [HeldOut(f"{ev.id}:c", list(prompt), list(chosen or []), 1, rater),
+            HeldOut(f"{ev.id}:r", list(prompt), list(rejected or []), -1, rater)]
 
 
 def signal_margin(scores: dict[str, float], items: Sequence[HeldOut], min_examples: int) -> float | None:

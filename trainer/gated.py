@@ -16,7 +16,9 @@ One :class:`EvaluationGate` per :class:`~livelora.trainer.online.OnlineTrainer`.
 
 Held-out examples: one rating or preference pair in ``holdout_every`` (by the sha256 of its event id, so every
 worker and every restart picks the same ones) is not trained; the worker acknowledges it (it is in the
-dataset of record) and the gate keeps the newest ``heldout_max`` per lineage for the signal check.
+dataset of record) and the gate keeps the newest ``heldout_max`` per lineage for the signal check. Examples of
+raters whose agreement weight is below ½ for the batch being judged (:attr:`EvaluationGate.distrusted`, set
+from ``Batch.example_weights``) are left out of the signal check.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class EvaluationGate:
         self._base: Measurement | None = None
         self._current: dict[str, tuple[str, Measurement]] = {}  # lineage → (version label, measurement)
         self._snapshot: dict[str, Any] | None = None
+        #: raters whose agreement weight is below ½ for the step being judged (their held-out labels are left out
+        #: of the signal check: a contradicting rater's inverted labels would veto the honest raters' steps)
+        self.distrusted: set[str] = set()
 
     # ------------------------------------------------------------------ held-out examples
     def hold_out(self, lineage: str, event: Any) -> bool:
@@ -92,7 +97,8 @@ class EvaluationGate:
         they are first read back from the dataset of record (:meth:`reload`)."""
         if lineage not in self.heldout:
             self.reload(lineage)
-        return list(self.heldout.get(lineage, ()))[-2 * self.heldout_max:] if self.heldout_max else []
+        trusted = [i for i in self.heldout.get(lineage, ()) if i.rater not in self.distrusted]
+        return trusted[-2 * self.heldout_max:] if self.heldout_max else []
 
     def reload(self, lineage: str) -> int:
         """Refill ``lineage``'s held-out examples from the dataset of record (the same id hash picks the same

@@ -11,6 +11,13 @@
 * **Share of a batch.** At most ``rater_max_batch_share`` of any training batch comes from one rater when the
   queue holds events of several raters (:class:`~livelora.trainer.scheduler.BatchScheduler`); a rater's
   surplus waits for the next batch.
+* **Rater agreement.** Each admitted rating (and served preference pair) also records its rater's label of
+  that completion (pair) in Redis (``KeyLayout.rater_labels``, shared by every worker; the newest
+  ``rater_agreement_window`` labels per lineage). Before a batch trains, :meth:`FeedbackGovernor.weigh` reads
+  them, computes each rater's weight (:func:`~livelora.adapters.governance.agreement_weights`: agreement with the
+  other raters of the same completions, Beta-smoothed; 1 for a rater never compared) and gives every example
+  of the batch its rater's weight (``Batch.example_weights``): the KTO and DPO losses weight each example's term
+  by it (``trainer/losses/_preference.py``) and the KTO class weights balance the weighted counts.
 * **Forgotten users.** After ``POST /admin/users/{user}/forget`` the user's events on the named endpoints are
   dropped when read and when a queued batch is about to train (``forgotten.jsonl``, re-read when it changes).
 """
@@ -26,7 +33,9 @@ import redis
 
 from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.governance import FORGOTTEN_FILE, forgotten, rater_of, record_quarantine, signals_dir
+from livelora.adapters.governance import (FORGOTTEN_FILE, RECORD_LABEL_SCRIPT, agreement_item, agreement_weights,
+                                          forgotten, label_field, labels_from_hash, rater_of, record_quarantine,
+                                          signals_dir)
 from livelora.adapters.redis_keys import KeyLayout
 
 log = logging.getLogger(__name__)
@@ -51,12 +60,17 @@ class FeedbackGovernor:
         client / keys: Redis (the shared per-rater windows).
         home: ``LIVELORA_HOME``.
         max_events / window_s: the rate limit (``max_events`` ≤ 0 disables it).
+        agreement: record labels and weight examples by rater agreement (False: every weight is 1).
+        agreement_window: labels kept per lineage (the newest).
     """
 
-    def __init__(self, client: redis.Redis, keys: KeyLayout, home: Path, *, max_events: int, window_s: float):
+    def __init__(self, client: redis.Redis, keys: KeyLayout, home: Path, *, max_events: int, window_s: float,
+                 agreement: bool = True, agreement_window: int = 2000):
         self.client, self.keys, self.home = client, keys, Path(home)
         self.max_events, self.window_s = max_events, window_s
+        self.agreement, self.agreement_window = agreement, agreement_window
         self._admit = client.register_script(_ADMIT)
+        self._record_label = client.register_script(RECORD_LABEL_SCRIPT)
         self._forgotten: dict[str, set[str]] = {}
         self._forgotten_mtime = -1.0
         self._bursting: set[tuple[str, str]] = set()
@@ -84,6 +98,7 @@ class FeedbackGovernor:
         if self.forgotten(event):
             return "forgotten"
         if self.max_events <= 0:
+            self.record_label(lineage, event, now)
             return None
         rater = rater_of(event)
         digest = hashlib.sha256(rater.encode()).hexdigest()[:32]
@@ -93,6 +108,7 @@ class FeedbackGovernor:
                                       int(self.window_s) + 60])
         if int(ok):
             self._bursting.discard((lineage, rater))
+            self.record_label(lineage, event, now)
             return None
         record_quarantine(self.home, [{"event_id": event.id, "endpoint": event.endpoint, "lineage": lineage,
                                        "rater": rater, "type": event.type, "time": now,
@@ -108,3 +124,55 @@ class FeedbackGovernor:
                                                      "window_s": self.window_s}, tenant=b.tenant)
         log.warning("quarantined %s from rater %r (rate limit)", event.id, rater)
         return "rate_limit"
+
+    # ------------------------------------------------------------------ rater agreement
+    def record_label(self, lineage: str, event: Any, now: float) -> None:
+        """Record ``event``'s rater's label of its completion (or served preference pair) for agreement
+        weighting; nothing for other events or with agreement off.
+
+        Raises:
+            UnavailableError: Redis unreachable.
+        """
+        item = agreement_item(event) if self.agreement else None
+        if item is None:
+            return
+        with redis_unavailable():
+            self._record_label(keys=[self.keys.rater_labels(lineage), self.keys.rater_labels_order(lineage)],
+                               args=[label_field(item[0], rater_of(event)), item[1], now, self.agreement_window])
+
+    def weights(self, lineage: str) -> dict[str, dict[str, float]]:
+        """``rater → {"weight", "agreement", "compared"}`` for ``lineage`` now (see
+        :func:`~livelora.adapters.governance.agreement_weights`).
+
+        Raises:
+            UnavailableError: Redis unreachable.
+        """
+        with redis_unavailable():
+            raw = self.client.hgetall(self.keys.rater_labels(lineage))
+        return agreement_weights(labels_from_hash(raw))
+
+    def weigh(self, batch: Any) -> Any:
+        """Give every example of ``batch`` its rater's agreement weight (``batch.example_weights``, one per
+        event, in [0, 1]) and, for KTO, class weights that balance the weighted counts of desirable and
+        undesirable examples (:func:`~livelora.trainer.scheduler.kto_class_weights`). Returns the batch
+        (changed in place); unchanged with agreement off.
+
+        Raises:
+            UnavailableError: Redis unreachable (the batch is retried).
+        """
+        if not self.agreement or batch.kind not in ("kto", "dpo"):
+            return batch
+        from livelora.trainer.scheduler import kto_class_weights
+
+        w = self.weights(batch.lineage)
+        batch.example_weights = [w.get(rater_of(e), {}).get("weight", 1.0) for e in batch.events]
+        batch.rater_weights = {r: v["weight"] for r, v in w.items()}
+        if batch.kind == "kto":
+            n_d = sum(a for a, e in zip(batch.example_weights, batch.events) if e.rating)
+            n_u = sum(a for a, e in zip(batch.example_weights, batch.events) if not e.rating)
+            batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n_d, n_u)
+        low = {rater_of(e): a for a, e in zip(batch.example_weights, batch.events) if a < 1.0}
+        if low:
+            log.info("batch of %s: rater weights below 1: %s", batch.lineage,
+                     ", ".join(f"{r}={a:.2f}" for r, a in sorted(low.items())))
+        return batch

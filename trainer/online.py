@@ -242,12 +242,19 @@ class OnlineTrainer:
     def datums(self, batch: Batch) -> tuple[list[Datum], str, dict[str, float], float]:
         """``(datums, loss_fn, loss_fn_config, learning_rate)`` for one batch (:meth:`event_datums` of each
         event, in order: datum ``i`` of a KTO/SFT batch is event ``i``; datums ``2i, 2i+1`` of a DPO batch).
+        With ``batch.example_weights`` each KTO/DPO datum carries its event's weight as ``example_weight``.
 
         Raises:
             BadRequestError: an event cannot become a training example (e.g. empty completion).
         """
         c = self.config
         data = [d for ev in batch.events for d in self.event_datums(ev)]
+        weights = getattr(batch, "example_weights", None)
+        if weights is not None and batch.kind in ("kto", "dpo"):  # rater agreement (trainer/governance.py)
+            per = len(data) // max(len(batch.events), 1)
+            for i, a in enumerate(weights):
+                for d in data[i * per:(i + 1) * per]:
+                    d.loss_fn_inputs["example_weight"] = TensorData.from_list([float(a)], "float32")
         if batch.kind == "kto":
             cfg = {"beta": c.beta, "desirable_weight": batch.desirable_weight,
                    "undesirable_weight": batch.undesirable_weight}
@@ -273,6 +280,7 @@ class OnlineTrainer:
         model = self.model_for(batch.lineage)
         gate = self.gate
         if gate is not None:
+            gate.distrusted = {r for r, a in (getattr(batch, "rater_weights", None) or {}).items() if a < 0.5}
             gate.before_step(model, batch.lineage, f"{batch.lineage}@{model.parent}" if model.parent else "base")
         with self.busy.held():  # the engine on this machine leaves a core to the step (core_share)
             stepped = False
@@ -295,6 +303,8 @@ class OnlineTrainer:
         if loss_fn == "kto":
             metrics.update({"desirable_weight:mean": batch.desirable_weight,
                             "undesirable_weight:mean": batch.undesirable_weight})
+        if getattr(batch, "example_weights", None) is not None:
+            metrics["example_weight:mean"] = sum(batch.example_weights) / max(len(batch.example_weights), 1)
         save = model.save_state if self.config.save_optimizer else model.save_weights
         gate_dict = result.model_dump(mode="json") if result is not None else None
         manifest = save(self.store, batch.lineage, metrics=metrics, gate=gate_dict)

@@ -39,9 +39,10 @@ Kind = Literal["kto", "sft", "dpo"]
 Event = RatingEvent | PreferenceEvent | DemonstrationEvent
 
 
-def kto_class_weights(n_desirable: int, n_undesirable: int) -> tuple[float, float]:
+def kto_class_weights(n_desirable: float, n_undesirable: float) -> tuple[float, float]:
     """``(λ_D, λ_U)`` with λ_D·n_D = λ_U·n_U (ratio 1, inside paper Eq. 8's [1, 4/3]); the minority class
-    gets weight 1 and the majority ``n_minority / n_majority``. With one class absent: ``(1, 1)``.
+    gets weight 1 and the majority ``n_minority / n_majority``. With one class absent: ``(1, 1)``. The counts
+    may be sums of example weights (rater agreement, :meth:`~livelora.trainer.governance.FeedbackGovernor.weigh`).
 
     Example: 6 desirable, 2 undesirable → (1/3, 1).
     """
@@ -59,6 +60,10 @@ class Batch:
     Attributes:
         stream_ids: the stream ids of ``events`` (acknowledged once the version is written).
         desirable_weight / undesirable_weight: KTO λ_D, λ_U (1.0 for other kinds).
+        example_weights: per event, the weight of its loss term in [0, 1] (its rater's agreement weight, set
+            by :meth:`~livelora.trainer.governance.FeedbackGovernor.weigh`); ``None``: all 1.
+        rater_weights: every known rater of the lineage → its weight when the batch was weighed (the gate leaves
+            raters below ½ out of its signal check); ``None``: not weighed.
     """
 
     lineage: str
@@ -67,6 +72,8 @@ class Batch:
     stream_ids: list[str]
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    example_weights: list[float] | None = None
+    rater_weights: dict[str, float] | None = None
 
     @property
     def endpoint(self) -> str:

@@ -62,6 +62,11 @@ class TrainingSection(Section):
                                                          "again after this many seconds; its signals stay queued.")
     rater_max_batch_share: float = Field(0.5, gt=0, le=1, description="Largest share of one training batch from "
                                                                       "one rater while several raters are queued.")
+    rater_agreement: bool = Field(True, description="Weight each rater's KTO/DPO examples by its agreement with "
+                                                    "the other raters of the same completions (trainer/governance.py)."
+                                  )
+    rater_agreement_window: int = Field(2000, ge=2, description="Newest labels per lineage the agreement weights "
+                                                                "are computed from.")
 
     @property
     def lora(self) -> LoraConfig:

@@ -17,8 +17,9 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    out for the evaluation gate's signal check (``backend.hold_out``, :mod:`.gated`).
 5. For each due batch: events trained meanwhile by any worker (the shared Redis
    sorted set ``signals:trained`` and ``trained.jsonl``) and entries no longer claimed by
-   this worker are taken out; under the tenant's ``max_adapter_versions`` room is made for the
-   version or the batch is held back (:mod:`.retention`); the backend trains one step and writes a new
+   this worker are taken out; each example gets its rater's agreement weight
+   (``governor.weigh``, :mod:`.governance`); under the tenant's ``max_adapter_versions`` room is made for
+   the version or the batch is held back (:mod:`.retention`); the backend trains one step and writes a new
    adapter version (parent = previous); the event ids go to ``trained.jsonl``
    (fsync); then one Lua script adds them to ``signals:trained`` and acknowledges
    **and deletes** the batch's entries (``XACK`` + ``XDEL``, only those still
@@ -432,6 +433,8 @@ class TrainerWorker:
             batch = self._reject(batch, screen(batch) if screen is not None else {})
             if batch is None:
                 return None
+            if self.governor is not None and hasattr(self.governor, "weigh"):  # rater agreement weights
+                batch = self.governor.weigh(batch)
             manifest = self.backend.train(batch)
         except LiveloraError as exc:
             if exc.category == "user":
@@ -541,7 +544,8 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
     keys = KeyLayout(s.redis_prefix)
     meter = Meter(keys, enabled=s.observability.metering)
     backend = OnlineTrainer(resolve_base_model(s.model, s.home), s.home, t, gate=s.gate, meter=meter, redis=client)
-    governor = FeedbackGovernor(client, keys, s.home, max_events=t.rater_max_events, window_s=t.rater_window_s)
+    governor = FeedbackGovernor(client, keys, s.home, max_events=t.rater_max_events, window_s=t.rater_window_s,
+                                agreement=t.rater_agreement, agreement_window=t.rater_agreement_window)
     return TrainerWorker(client, keys, s.home, backend, BatchScheduler(t), consumer=t.consumer,
                          claim_idle_s=t.claim_idle_s, claim_interval_s=min(10.0, t.claim_idle_s / 2),
                          governor=governor, versions=AdapterVersions(s.home, Limits.from_settings(s.quotas)),

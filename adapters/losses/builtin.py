@@ -35,6 +35,9 @@ KTO_LABEL = LossInput("label", "float32", "datum", "1 = desirable (thumbs up), 0
 KL_LOGRATIO = LossInput("kl_logratio", "float32", "datum",
                         "Σ_completion(lp − lp_ref) of this prompt with another datum's completion (nats), computed "
                         "by the trainer without grad", source="trainer")
+EXAMPLE_WEIGHT = LossInput("example_weight", "float32", "datum",
+                           "optional weight ≥ 0 of this example's loss term (default 1; the live loop sets its rater's "
+                           "agreement weight); the loss stays the mean over examples", required=False)
 
 _RL_INPUTS = (TARGET_TOKENS, SAMPLER_LOGPROBS, ADVANTAGES, RL_MASK)
 
@@ -118,9 +121,9 @@ GSPO = LossSpec(
 
 KTO = LossSpec(
     name="kto",
-    summary="L = mean_B [λ_D·(1 − σ(β(r − z0))) if desirable else λ_U·(1 − σ(β(z0 − r)))], "
-            "r = Σ_completion(lp − lp_ref), z0 = max(0, mean kl_logratio) detached",
-    inputs=(TARGET_TOKENS, COMPLETION_WEIGHTS, KTO_LABEL, REF_LOGPROBS, KL_LOGRATIO),
+    summary="L = mean_B a·[λ_D·(1 − σ(β(r − z0))) if desirable else λ_U·(1 − σ(β(z0 − r)))], "
+            "r = Σ_completion(lp − lp_ref), z0 = max(0, mean kl_logratio) detached, a = example_weight (1)",
+    inputs=(TARGET_TOKENS, COMPLETION_WEIGHTS, KTO_LABEL, REF_LOGPROBS, KL_LOGRATIO, EXAMPLE_WEIGHT),
     gradient=_FROM_WEIGHTS,
     config=(_beta(0.1, "β: scale of the implied reward β·r"),
             ConfigKey("desirable_weight", 1.0, "λ_D (paper Eq. 8: λ_D·n_D / (λ_U·n_U) in [1, 4/3])", minimum=0.0),
@@ -135,8 +138,9 @@ KTO = LossSpec(
 
 DPO = LossSpec(
     name="dpo",
-    summary="L = mean_pairs −log σ(β·[(lp_c − ref_c) − (lp_r − ref_r)]), each term a masked sum over completion tokens",
-    inputs=(TARGET_TOKENS, COMPLETION_WEIGHTS, REF_LOGPROBS),
+    summary="L = mean_pairs a·(−log σ(β·[(lp_c − ref_c) − (lp_r − ref_r)])), each term a masked sum over completion "
+            "tokens, a = the chosen datum's example_weight (1)",
+    inputs=(TARGET_TOKENS, COMPLETION_WEIGHTS, REF_LOGPROBS, EXAMPLE_WEIGHT),
     gradient=_FROM_WEIGHTS,
     config=(_beta(0.1, "β: scale of the implied reward β·(lp − ref)"),),
     reduction="mean", min_batch=2, pairing="chosen_rejected",

@@ -79,6 +79,13 @@ async def quarantine(admin: AdminDep) -> dict:
     return {"data": admin.quarantine()}
 
 
+@router.get("/raters")
+async def raters(admin: AdminDep) -> dict:
+    """Rater agreement weights on the caller's lineages (weight each rater's examples get in training),
+    lowest first."""
+    return {"data": await admin.raters()}
+
+
 @router.post("/users/{name}/forget")
 async def forget_user(name: str, body: ForgetRequest, admin: AdminDep) -> dict:
     """Delete a user's signals and completions on the caller's endpoints (right to be forgotten); later

@@ -487,11 +487,58 @@ class GatewayAdmin:
     def quarantine(self) -> list[dict[str, Any]]:
         return self.store.quarantine()
 
+    def _own_lineages(self) -> dict[str, list[str]]:
+        """lineage → this tenant's endpoints on it (bound endpoints and those this gateway serves)."""
+        names = set(self.store.endpoints.all()) | set(self.registry.current if self.registry is not None else ())
+        out: dict[str, list[str]] = {}
+        for name in sorted(names):
+            if self.store._owns_endpoint(name):
+                out.setdefault(self.store.endpoints.get(name).lineage, []).append(name)
+        return out
+
+    async def raters(self) -> list[dict[str, Any]]:
+        """Rater agreement weights on this tenant's lineages: one row per (lineage, rater) with ``weight`` (the
+        factor its KTO/DPO examples get in the loss, in [0, 1]), ``agreement`` (smoothed agreement rate with the
+        other raters of the same completions) and ``compared`` (completions it shares with another rater), lowest
+        weight first (:func:`livelora.adapters.governance.agreement_weights`). Empty without Redis."""
+        from livelora.adapters.governance import agreement_weights, labels_from_hash
+
+        reg = self.registry
+        if reg is None:
+            return []
+        rows = []
+        for lineage, endpoints in self._own_lineages().items():
+            raw = await reg.client.hgetall(reg.keys.rater_labels(lineage))
+            for rater, w in agreement_weights(labels_from_hash(raw)).items():
+                rows.append({"lineage": lineage, "endpoints": endpoints, "rater": rater, "weight": w["weight"],
+                             "agreement": w["agreement"], "compared": int(w["compared"])})
+        return sorted(rows, key=lambda r: (r["weight"], r["lineage"], r["rater"]))
+
     async def forget_user(self, user: str, *, reason: str) -> dict[str, Any]:
-        """See :meth:`AdminService.forget_user`; also deletes the user's completion records (completion log)."""
+        """See :meth:`AdminService.forget_user`; also deletes the user's completion records (completion log) and
+        their labels from the rater agreement records of this tenant's lineages."""
         out = await asyncio.to_thread(self.store.forget_user, user, who=self.who, reason=reason)
         out["completions_removed"] = await self._forget_completions(user)
+        out["labels_removed"] = await self._forget_labels(user)
         return out
+
+    async def _forget_labels(self, user: str) -> int:
+        import json as _json
+
+        reg = self.registry
+        if reg is None:
+            return 0
+        n = 0
+        try:
+            for lineage in self._own_lineages():
+                fields = [f for f in await reg.client.hkeys(reg.keys.rater_labels(lineage))
+                          if _json.loads(f)[1:] == [user]]
+                if fields:
+                    n += await reg.client.hdel(reg.keys.rater_labels(lineage), *fields)
+                    await reg.client.zrem(reg.keys.rater_labels_order(lineage), *fields)
+        except Exception as exc:  # noqa: BLE001 - Redis gone: the labels age out of the agreement window
+            log.warning("could not delete rater labels of %r: %s", user, exc)
+        return n
 
     async def _forget_completions(self, user: str) -> int:
         registry = self.registry

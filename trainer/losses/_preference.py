@@ -26,7 +26,8 @@ def sequence_logprobs(logprobs_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
 
 
 def kto(logratios_B: Tensor, desirable_B: Tensor, kl_logratios_B: Tensor, *, beta: float = 0.1,
-        desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> LossOutput:
+        desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+        example_weights_B: Tensor | None = None) -> LossOutput:
     """KTO loss (Ethayarajh et al. 2024, arXiv 2402.01306, Eq. 7), mean over examples.
 
     ``z0 = max(0, mean_B kl_logratios)`` (detached);
@@ -41,6 +42,9 @@ def kto(logratios_B: Tensor, desirable_B: Tensor, kl_logratios_B: Tensor, *, bet
             used, detached: no gradient flows into it.
         beta, desirable_weight, undesirable_weight: β > 0, λ_D, λ_U ≥ 0 (paper Eq. 8: choose so that
             ``λ_D·n_D / (λ_U·n_U) ∈ [1, 4/3]``).
+        example_weights_B: optional per-example weights a_i ≥ 0 (rater agreement): the loss is
+            ``mean_B a_i·ℓ_i`` (still divided by B, so a down-weighted rater's examples lose their share instead
+            of raising everyone else's); ``None``: all 1.
 
     Returns: ``loss:sum`` (= the mean; unitless, in [0, max λ]), ``kto/z0:mean`` (nats), and the implied rewards
     ``β·r`` averaged per class (``kto/rewards_desirable:mean``, ``kto/rewards_undesirable:mean``, only for
@@ -59,7 +63,12 @@ def kto(logratios_B: Tensor, desirable_B: Tensor, kl_logratios_B: Tensor, *, bet
     desirable_B = desirable_B.to(device=logratios_B.device).bool()
     loss_desirable_B = desirable_weight * (1 - torch.sigmoid(beta * (logratios_B - z0)))
     loss_undesirable_B = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratios_B)))
-    loss = torch.where(desirable_B, loss_desirable_B, loss_undesirable_B).mean()
+    loss_B = torch.where(desirable_B, loss_desirable_B, loss_undesirable_B)
+    if example_weights_B is not None:
+        if example_weights_B.shape != logratios_B.shape:
+            raise BadRequestError("kto example weights must have one entry per example", param="example_weight")
+        loss_B = loss_B * example_weights_B.to(loss_B)
+    loss = loss_B.mean()
     rewards_B = beta * logratios_B.detach()
     metrics = {"loss:sum": float(loss.detach()), "kto/z0:mean": float(z0)}
     if desirable_B.any():
@@ -69,7 +78,8 @@ def kto(logratios_B: Tensor, desirable_B: Tensor, kl_logratios_B: Tensor, *, bet
     return LossOutput(loss, metrics)
 
 
-def dpo(chosen_logratios_B: Tensor, rejected_logratios_B: Tensor, *, beta: float = 0.1) -> LossOutput:
+def dpo(chosen_logratios_B: Tensor, rejected_logratios_B: Tensor, *, beta: float = 0.1,
+        example_weights_B: Tensor | None = None) -> LossOutput:
     """DPO sigmoid loss (Rafailov et al. 2023, arXiv 2305.18290, Eq. 7), mean over pairs.
 
     ``h = (lp_c − ref_c) − (lp_r − ref_r)``; per pair ``−log σ(β·h)``; at init (policy = ref) = ln 2.
@@ -79,6 +89,8 @@ def dpo(chosen_logratios_B: Tensor, rejected_logratios_B: Tensor, *, beta: float
             sequence, with grad); use :func:`sequence_logprobs` so padding is masked.
         rejected_logratios_B: the same for the rejected completion of the same pair.
         beta: β > 0.
+        example_weights_B: optional per-pair weights a_k ≥ 0 (rater agreement): loss ``mean_k a_k·ℓ_k``;
+            ``None``: all 1.
 
     Returns: ``loss:sum`` (= mean over pairs), ``dpo/rewards_chosen:mean``, ``dpo/rewards_rejected:mean``
     (implied rewards β·(lp − ref)), ``dpo/margin:mean`` (β·h) and ``dpo/accuracy:mean`` (h > 0).
@@ -91,7 +103,12 @@ def dpo(chosen_logratios_B: Tensor, rejected_logratios_B: Tensor, *, beta: float
     if rejected_logratios_B.shape != chosen_logratios_B.shape:
         raise BadRequestError("dpo needs one rejected completion per chosen completion", param="rejected")
     margin_B = beta * (chosen_logratios_B - rejected_logratios_B)
-    loss = -F.logsigmoid(margin_B).mean()
+    loss_B = -F.logsigmoid(margin_B)
+    if example_weights_B is not None:
+        if example_weights_B.shape != margin_B.shape:
+            raise BadRequestError("dpo example weights must have one entry per pair", param="example_weight")
+        loss_B = loss_B * example_weights_B.to(loss_B)
+    loss = loss_B.mean()
     return LossOutput(loss, {
         "loss:sum": float(loss.detach()),
         "dpo/rewards_chosen:mean": float(beta * chosen_logratios_B.detach().mean()),

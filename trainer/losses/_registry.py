@@ -83,18 +83,28 @@ def _datum_logratios(lp_D, inputs_D) -> Tensor:
         for lp, x in zip(lp_D, inputs_D)])
 
 
+def _example_weights(inputs_D, like: Tensor) -> Tensor | None:
+    """Per-datum ``example_weight`` (absent: 1) as a (D,) tensor; None when no datum has one."""
+    if not any("example_weight" in x for x in inputs_D):
+        return None
+    return torch.stack([x["example_weight"].reshape(-1)[0].to(like) if "example_weight" in x
+                        else torch.ones((), dtype=like.dtype, device=like.device) for x in inputs_D])
+
+
 @register("kto")
 def _datum_kto(lp_D, inputs_D, cfg):
     labels = [float(x["label"].reshape(-1)[0]) for x in inputs_D]
     desirable_B = torch.tensor([lab == 1.0 for lab in labels])
     kl_B = torch.stack([x["kl_logratio"].reshape(-1)[0].to(lp_D[0]) for x in inputs_D])
-    return kto(_datum_logratios(lp_D, inputs_D), desirable_B, kl_B, **cfg)
+    return kto(_datum_logratios(lp_D, inputs_D), desirable_B, kl_B, example_weights_B=_example_weights(
+        inputs_D, lp_D[0]), **cfg)
 
 
 @register("dpo")
 def _datum_dpo(lp_D, inputs_D, cfg):
     logratios = _datum_logratios(lp_D, inputs_D)
-    return dpo(logratios[0::2], logratios[1::2], **cfg)
+    a = _example_weights(inputs_D, lp_D[0])
+    return dpo(logratios[0::2], logratios[1::2], example_weights_B=None if a is None else a[0::2], **cfg)
 
 
 def validate_loss_request(loss_fn: str, loss_fn_inputs_D: Sequence[Mapping[str, Any]],
