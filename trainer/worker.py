@@ -185,12 +185,8 @@ class TrainerWorker:
         self.backend = backend
         self.scheduler = scheduler if scheduler is not None else BatchScheduler()
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
-        self.claim_idle_s = claim_idle_s
-        self.claim_interval_s = claim_interval_s
-        self.block_ms = block_ms
-        self.read_count = read_count
-        self.max_failures = max_failures
-        self.clock = clock
+        self.claim_idle_s, self.claim_interval_s, self.block_ms = claim_idle_s, claim_interval_s, block_ms
+        self.read_count, self.max_failures, self.clock = read_count, max_failures, clock
         self.governor = governor
         self.room = VersionRoom(versions, self.scheduler, quota_retry_s) if versions is not None else None
         self.endpoints = EndpointStore(self.home)
@@ -433,8 +429,8 @@ class TrainerWorker:
             batch = self._reject(batch, screen(batch) if screen is not None else {})
             if batch is None:
                 return None
-            if self.governor is not None and hasattr(self.governor, "weigh"):  # rater agreement weights
-                batch = self.governor.weigh(batch)
+            if self.governor is not None:
+                batch = self.governor.weigh(batch)  # rater agreement weights
             manifest = self.backend.train(batch)
         except LiveloraError as exc:
             if exc.category == "user":

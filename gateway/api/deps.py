@@ -24,7 +24,7 @@ from livelora.adapters.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
 from livelora.clients.errors import InternalError, UnavailableError
 from livelora.gateway.api.logprobs import TokenTexts
 from livelora.gateway.engines.base import Engine
-from livelora.gateway.services.admin import GatewayAdmin
+from livelora.gateway.services.gateway_admin import GatewayAdmin
 from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.services.drain import Drain
