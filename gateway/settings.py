@@ -57,6 +57,10 @@ class InferenceSection(Section):
         None, ge=0, description="Torch threads of the transformers engine (CPU) while a training step runs on this "
                                 "machine (adapters/core_share.py); default half the engine's threads, at least 1; "
                                 "0: never change them.")
+    engine_merge_lora: bool = Field(True, description="Transformers engine: serve an adapter version that every "
+                                                      "row of the batch uses from merged weights (one copy of "
+                                                      "the adapted layers: 425 MB for SmolLM2-135M in float32; "
+                                                      "gateway/engines/lora_slots.py).")
     max_waiting: int = Field(64, ge=0, description="Sequences allowed to wait for a batch slot; more get 429.")
     max_model_len: int | None = Field(None, ge=16, description="Cap on prompt + completion tokens "
                                                                "(default: the model's context length).")

@@ -207,6 +207,39 @@ def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weig
         loop.run_until_complete(engine.unload_adapter(name))
 
 
+def test_a_version_every_row_uses_is_served_from_merged_weights_equal_to_its_own(engine, loop, versions, tokens,
+                                                                                 base_ref):
+    """After MERGE_AFTER_STEPS passes with every row on one version, the layers run on merged weights
+    W + s·B A; the tokens' logprobs still equal a plain peft model's, and when the slot takes the next
+    version the merged copy is dropped and rebuilt from the new weights (no stale update is served)."""
+    from livelora.gateway.engines import SamplingParams
+    from livelora.gateway.engines.lora_slots import MERGE_AFTER_STEPS
+
+    (v1, v2, _), _ = versions
+    slots = engine._worker.slots
+    params = SamplingParams(max_tokens=MERGE_AFTER_STEPS + 6, temperature=0.0, logprobs=True, ignore_eos=True)
+    prompt = tokens[:8]
+
+    async def generate(name):
+        out, lps = [], []
+        async for chunk in engine.generate(prompt, params, adapter=name):
+            out += chunk.token_ids
+            lps += [t.logprob for t in chunk.logprobs or []]
+        return out, lps
+
+    for name, path in (("solo@1", v1), ("solo@2", v2)):
+        loop.run_until_complete(engine.load_adapter(name, str(path)))
+        slot = slots.versions[name]
+        assert slots.merged is None or slots.merged.slot is not slot  # a fresh version starts stacked
+        out, lps = loop.run_until_complete(generate(name))
+        assert slots.merged is not None and slots.merged.slot is slot, "the merged pass did not run"
+        assert len(slots.merged.weights) == 30 * len(TARGETS)  # every adapted layer of SmolLM2's 30 blocks
+        reference = _peft_reference(base_ref, path, prompt + out)[len(prompt) - 1:]
+        assert lps == pytest.approx(reference, abs=LP_TOL), name
+        loop.run_until_complete(engine.unload_adapter(name))
+        assert slots.merged is None or slots.merged.slot is None  # the slot is free: its merge is stale
+
+
 def test_prefill_groups_bound_padding_and_put_short_prompts_first():
     from types import SimpleNamespace
 

@@ -71,10 +71,12 @@ class Worker:
         eos_ids: token ids that end a sequence unless ``ignore_eos``.
         max_batch_size: running sequences at most; more wait in the queue.
         max_prefill_tokens: padded prompt tokens per prefill forward (at least one prompt is admitted).
+        merge_lora: serve a version that every row uses from merged weights (:class:`~.lora_slots.MergedVersion`).
     """
 
     def __init__(self, model, tokenizer, *, eos_ids: set[int], max_batch_size: int,
-                 max_prefill_tokens: int, device: str, share: tuple[Any, int, int] | None = None):
+                 max_prefill_tokens: int, device: str, share: tuple[Any, int, int] | None = None,
+                 merge_lora: bool = True):
         self.model = model  # the plain transformers model (LoRA layers are injected into it when adapters load)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -90,7 +92,7 @@ class Worker:
         self.cond = threading.Condition()
         self.stopping = False
         #: adapter versions in LoRA slots, and the forward pass that serves each row its own version
-        self.slots = LoraSlots(model, self.call)
+        self.slots = LoraSlots(model, self.call, merge=merge_lora)
         self.steps = 0  # decode steps run (for tests and stats)
         #: ``(TrainingFlag, threads when idle, threads while a training step runs)`` or None (never changed)
         self.share = share

@@ -58,13 +58,15 @@ class TransformersEngine(Engine):
         share_cores: share the cores with training steps on this machine (:mod:`livelora.adapters.core_share`):
             while a step runs the engine uses ``threads_while_training`` threads (``None``: half of its threads,
             at least 1), all of them otherwise.
+        merge_lora: serve an adapter version that every row of a batch uses from merged weights
+            (:class:`~.lora_slots.MergedVersion`; ``LIVELORA_ENGINE_MERGE_LORA``).
     """
 
     def __init__(self, model: str | None = None, *, home: str | Path | None = None, device: str = "cpu",
                  dtype: str | None = None, max_batch_size: int = 16, max_waiting: int = 1024,
                  max_model_len: int | None = None, max_prefill_tokens: int = 8192,
                  num_threads: int | None = None, share_cores: bool = False,
-                 threads_while_training: int | None = None):
+                 threads_while_training: int | None = None, merge_lora: bool = True):
         from livelora.adapters.settings import CommonSettings
 
         if max_batch_size < 1:
@@ -81,6 +83,7 @@ class TransformersEngine(Engine):
         self.max_prefill_tokens = max_prefill_tokens
         self.num_threads = num_threads
         self.share_cores, self.threads_while_training = share_cores, threads_while_training
+        self.merge_lora = merge_lora
         self._tokenizer = None
         self._worker = None
         self._adapters: dict[str, str] = {}  # name -> path, loaded and servable
@@ -132,7 +135,8 @@ class TransformersEngine(Engine):
             full = torch.get_num_threads()
             share = (TrainingFlag(self._home), full, self.threads_while_training or max(1, full // 2))
         worker = Worker(model, tokenizer, eos_ids=set(eos_ids), max_batch_size=self.max_batch_size,
-                        max_prefill_tokens=self.max_prefill_tokens, device=self.device, share=share)
+                        max_prefill_tokens=self.max_prefill_tokens, device=self.device, share=share,
+                        merge_lora=self.merge_lora)
         worker.thread.start()
         self._tokenizer, self._worker = tokenizer, worker
 
