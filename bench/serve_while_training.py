@@ -12,7 +12,8 @@ concurrent chat streams (temperature 0.7, ``--max-tokens`` tokens) for ``--durat
 It prints output tokens/s (server ``usage``, all streams, over the phase's wall time), inter-token latency
 p50/p99 (gaps between content chunks of one stream), time to first token p50, and, for phase 2, the update
 time of every version: the last rating of the version's batch (``trained.jsonl``) → first reply served by it
-(``system_fingerprint``), i.e. queue + train + save + swap. Figures only: nothing is asserted on time.
+(``system_fingerprint``), and its parts: wait (queue and batching, until the worker took the batch), train +
+gate + save (``trained.jsonl``'s ``written_at − started_at``) and swap. Figures only: nothing is asserted on time.
 
     python bench/serve_while_training.py --duration 90                # both modes, ~7 minutes
     python bench/serve_while_training.py --modes process --duration 60
@@ -99,8 +100,12 @@ async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, ma
             "rated": len(rated_at), "rated_at": rated_at, "first_served": first_served}
 
 
-def update_times(home: Path, rated_at: dict[str, float], first_served: dict[str, float]) -> list[float]:
-    """Per version in ``trained.jsonl``: first served − last rating of its batch (seconds), when both are known."""
+def update_times(home: Path, rated_at: dict[str, float], first_served: dict[str, float],
+                 wall_offset: float) -> list[dict[str, float]]:
+    """Per version in ``trained.jsonl`` whose batch was rated and which was served within the phase: ``total`` =
+    first served − last rating of its batch, split into ``wait`` (→ the worker took the batch: queue and the
+    scheduler's batching), ``work`` (train + gate + save, ``written_at − started_at``) and ``swap`` (written →
+    first reply by it). Seconds; ``wall_offset`` turns the bench's ``perf_counter`` stamps into Unix time."""
     path = home / "data" / "signals" / "trained.jsonl"
     out = []
     if not path.exists():
@@ -113,7 +118,9 @@ def update_times(home: Path, rated_at: dict[str, float], first_served: dict[str,
         times = [rated_at[e] for e in rec["event_ids"] if e in rated_at]
         served = first_served.get(rec["version"])
         if times and served is not None and len(times) == len(rec["event_ids"]):
-            out.append(served - max(times))
+            last, served = max(times) + wall_offset, served + wall_offset
+            out.append({"total": served - last, "wait": rec["started_at"] - last,
+                        "work": rec["written_at"] - rec["started_at"], "swap": served - rec["written_at"]})
     return out
 
 
@@ -127,10 +134,11 @@ def run_mode(mode: str, args) -> dict:
         quiet = asyncio.run(phase(url, rate=False, duration_s=args.duration, concurrency=args.concurrency,
                                   max_tokens=args.max_tokens, seed=1000))
         load = os.getloadavg()[0]
+        wall_offset = time.time() - time.perf_counter()
         busy = asyncio.run(phase(url, rate=True, duration_s=args.duration, concurrency=args.concurrency,
                                  max_tokens=args.max_tokens, seed=5000))
         time.sleep(1)
-        updates = update_times(home, busy["rated_at"], busy["first_served"])
+        updates = update_times(home, busy["rated_at"], busy["first_served"], wall_offset)
         versions = len([v for v in busy["first_served"] if v != "base"])
     finally:
         proc.terminate()
@@ -173,10 +181,16 @@ def main() -> None:
               f"{b['itl_p50_ms']:.0f} / {b['itl_p99_ms']:.0f} | p99 {b['itl_p99_ms'] / q['itl_p99_ms']:.2f}x |")
         print(f"| time to first token p50 (ms) | {q['ttft_p50_ms']:.0f} | {b['ttft_p50_ms']:.0f} | |")
         print(f"| requests (failed) | {q['requests']} ({q['failed']}) | {b['requests']} ({b['failed']}) | |")
-        upd = (f"p50 {statistics.median(u):.1f} s, max {max(u):.1f} s over {len(u)} versions" if u
-               else "no version both trained and served within the phase")
+        if u:
+            def p50(key: str, u: list[dict] = u) -> float:
+                return statistics.median(x[key] for x in u)
+            upd = (f"p50 {p50('total'):.1f} s, max {max(x['total'] for x in u):.1f} s over {len(u)} versions; "
+                   f"of it p50 wait {p50('wait'):.1f} s, train + gate + save {p50('work'):.1f} s, "
+                   f"swap {p50('swap'):.2f} s")
+        else:
+            upd = "no version both trained and served within the phase"
         print(f"ratings {b['rated']}, versions served {res['versions_served']}; update (last rating of the batch -> "
-              f"first reply by the version: queue + train + save + swap): {upd}", flush=True)
+              f"first reply by the version): {upd}", flush=True)
     if args.json:
         for r in rows:
             for ph in ("quiet", "busy"):

@@ -123,9 +123,11 @@ def test_worker_records_before_ack_trains_kto_and_publishes(bus, base_ref, pair_
     assert manifest.metrics["loss:sum"] == pytest.approx(0.5, abs=1e-5)
     weights = load_file(str(tmp_path / "adapters" / "live" / "1" / "adapter_model.safetensors"))
     assert any(float(t.abs().max()) > 0 for k, t in weights.items() if "lora_B" in k)
-    trained = [json.loads(x) for x in (dataset_dir(tmp_path) / TRAINED_FILE).read_text().splitlines()]
-    assert trained == [{"version": "live@1", "event_ids": [_id for _id in (records[1]["event"]["id"], rerate.id)],
-                        "stream_ids": [ids[1], ids[2]]}]
+    [trained] = [json.loads(x) for x in (dataset_dir(tmp_path) / TRAINED_FILE).read_text().splitlines()]
+    started, written = trained.pop("started_at"), trained.pop("written_at")
+    assert trained == {"version": "live@1", "event_ids": [_id for _id in (records[1]["event"]["id"], rerate.id)],
+                       "stream_ids": [ids[1], ids[2]]}
+    assert time.time() - 600 < started <= written <= time.time()  # the step's wall time, Unix seconds
     assert pending(client, keys) == 0
     msg = None
     for _ in range(50):

@@ -424,6 +424,7 @@ class TrainerWorker:
 
     def _train(self, batch: Batch) -> VersionNotice | None:
         key = batch.stream_ids[0]
+        started_at = self.clock()
         try:
             screen = getattr(self.backend, "screen", None)  # untrainable events go alone (trainer/triage.py)
             batch = self._reject(batch, screen(batch) if screen is not None else {})
@@ -448,7 +449,8 @@ class TrainerWorker:
         self._failures.pop(key, None)
         event_ids = [e.id for e in batch.events]
         append_lines(dataset_dir(self.home) / TRAINED_FILE, [json.dumps(
-            {"version": manifest.name, "event_ids": event_ids, "stream_ids": batch.stream_ids})])
+            {"version": manifest.name, "event_ids": event_ids, "stream_ids": batch.stream_ids,
+             "started_at": round(started_at, 3), "written_at": round(self.clock(), 3)})])
         dup = self._commit(event_ids, batch.stream_ids)
         if dup:
             log.error("%d event(s) of %s had already been trained by another worker", dup, manifest.name)
