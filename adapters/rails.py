@@ -17,6 +17,17 @@ steps. Measured (2 shared cores, load 7-11; README has the table): three normal 
 0.054-0.11, KL(new ‖ base) up to 0.75, degenerate share 0.25 → 0.5 → 1.0 and a length ratio of 0.44. The
 bounds sit between: 0.08, 1.5 (room for about 20 honest steps), 0.25, 0.7; the probe margin of 0.10 is
 2.4 of the 24 probes (a normal step moved at most one).
+
+The probe margin is relative to the current version, so a chain of steps, each within it, can lose more in
+total: ``bench/live_loop.py`` scenario (b) served a version 8.3 points below the base model after 80 ratings. The
+second probe bound, ``probe_base_margin`` (check ``probes_base``), is relative to the base model (the adapter
+switched off): new accuracy ≥ base accuracy − 0.05. Its default is issue 15's target (probe accuracy within 5
+points of the base model's), not a measured gap: with 24 probes (4.17 points each) it allows one probe lost
+against the base model (base 20/24: 19/24 passes, 18/24 is rejected). The third normal KTO step of the threshold
+bench above (0.75 against base 0.83, two probes lost) would fail it; training then continues from the version
+before, like after any other rejection. The thresholds' names: ``enabled``, ``probe_margin``,
+``probe_base_margin``, ``max_kl_current``, ``max_kl_base``, ``max_degenerate``, ``min_length_ratio``,
+``signal_tolerance``, ``min_signal_examples``.
 """
 
 from __future__ import annotations
@@ -38,6 +49,11 @@ class GateThresholds(BaseModel):
                                             "passes; the measures are still recorded).")
     probe_margin: float = Field(0.10, ge=0, le=1, description="Largest allowed drop of capability-probe accuracy "
                                                               "below the current version's (fraction of probes).")
+    probe_base_margin: float = Field(0.05, ge=0, le=1, description="Largest allowed drop of capability-probe "
+                                                                   "accuracy below the base model's (fraction of "
+                                                                   "probes; 0.05 of 24 probes allows one lost): "
+                                                                   "bounds what a chain of steps, each within "
+                                                                   "probe_margin, may lose in total.")
     max_kl_current: float = Field(0.08, gt=0, description="Largest mean per-token KL(new ‖ current) on the probe "
                                                          "replies (nats): the trust region of one update.")
     max_kl_base: float = Field(1.5, gt=0, description="Largest mean per-token KL(new ‖ base model) on the probe "
@@ -112,32 +128,41 @@ def judge(checks: dict[str, dict[str, float | None]], t: GateThresholds) -> Gate
     """Apply thresholds ``t`` to measured values.
 
     Args:
-        checks: ``{"probes": {"value", "current"}, "kl_current": {"value"}, "kl_base": {"value"},
-            "degenerate": {"value"}, "length_ratio": {"value"}, "signal": {"value", "current"}}``; a ``None``
-            value (not measurable) passes.
+        checks: ``{"probes": {"value", "current"}, "probes_base": {"value", "current", "base"},
+            "kl_current": {"value"}, "kl_base": {"value"}, "degenerate": {"value"}, "length_ratio": {"value"},
+            "signal": {"value", "current"}}`` (probe accuracies are fractions of the probes, ``base`` is the base
+            model's); a ``None`` value (not measurable) passes, and so does a check whose bound needs a missing
+            ``current`` or ``base``.
 
     Returns:
         The verdict: each failed check's name; passed when none failed or the gate is disabled.
     """
     failed = []
     for name, c in checks.items():
-        if not _passes(name, c.get("value"), c.get("current"), t):
+        if not _passes(name, c.get("value"), c.get("current"), t, c.get("base")):
             failed.append(name)
     return GateVerdict(passed=(not failed) or not t.enabled, failed=failed, thresholds=t)
 
 
-def bound_of(name: str, current: float | None, t: GateThresholds) -> float | None:
-    """The bound a check's value is compared with (None for an unknown check or a missing current value)."""
+def bound_of(name: str, current: float | None, t: GateThresholds, base: float | None = None) -> float | None:
+    """The bound a check's value is compared with (None for an unknown check or a missing reference value).
+
+    ``probes`` and ``signal`` are relative to the current version's value ``current``; ``probes_base`` to the base
+    model's probe accuracy ``base`` (``base − probe_base_margin``); the others are absolute thresholds.
+    """
     if name == "probes":
         return None if current is None else current - t.probe_margin
+    if name == "probes_base":
+        return None if base is None else base - t.probe_base_margin
     if name == "signal":
         return None if current is None else current - t.signal_tolerance
     return {"kl_current": t.max_kl_current, "kl_base": t.max_kl_base, "degenerate": t.max_degenerate,
             "length_ratio": t.min_length_ratio}.get(name)
 
 
-def _passes(name: str, value: float | None, current: float | None, t: GateThresholds) -> bool:
-    bound = bound_of(name, current, t)
+def _passes(name: str, value: float | None, current: float | None, t: GateThresholds,
+            base: float | None = None) -> bool:
+    bound = bound_of(name, current, t, base)
     if value is None or bound is None:
         return True
     if name in ("kl_current", "kl_base", "degenerate"):

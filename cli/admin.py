@@ -313,9 +313,10 @@ def endpoints_history(name: Annotated[str | None, typer.Argument(help="One endpo
 def endpoints_gate(
     name: str,
     set_: Annotated[list[str] | None, typer.Option("--set", help="NAME=VALUE of a threshold (repeatable): "
-                                                                 "enabled, probe_margin, max_kl_current, "
-                                                                 "max_kl_base, max_degenerate, min_length_ratio, "
-                                                                 "signal_tolerance, min_signal_examples.")] = None,
+                                                                 "enabled, probe_margin, probe_base_margin, "
+                                                                 "max_kl_current, max_kl_base, max_degenerate, "
+                                                                 "min_length_ratio, signal_tolerance, "
+                                                                 "min_signal_examples.")] = None,
     reset: Annotated[bool, typer.Option(help="Back to the default thresholds.")] = False,
     reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
 ) -> None:

@@ -13,13 +13,14 @@ import uuid
 import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.rails import GateThresholds, gate_allows, judge
+from livelora.adapters.rails import GateThresholds, bound_of, gate_allows, judge
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, RatingEvent
-from livelora.trainer.gate import load_probes, reply_degenerate
+from livelora.trainer.gate import Measurement, compare, load_probes, reply_degenerate
 from livelora.trainer.gated import held_out
 from livelora.trainer.scheduler import Batch, kto_class_weights
 
@@ -40,6 +41,53 @@ def test_judge_applies_each_threshold():
     assert judge(bad, GateThresholds(enabled=False)).passed  # measured, recorded, not enforced
     gate = {"against": "base", "verdicts": {"*": {"passed": True}, "strict": {"passed": False, "failed": ["x"]}}}
     assert gate_allows(gate, "other") and not gate_allows(gate, "strict") and gate_allows(None, "strict")
+
+
+def test_probes_base_bounds_the_loss_against_the_base_model():
+    """Each step within ``probe_margin`` of the current version, yet the chain below the base model: the
+    ``probes_base`` check (``probe_base_margin`` 0.05 against the base model) rejects it."""
+    t = GateThresholds()
+    base, current = 20 / 24, 19 / 24          # SmolLM2 gets 20 of the 24 probes; the current version lost one
+    rest = {"kl_current": {"value": 0.02}, "kl_base": {"value": 0.2}, "degenerate": {"value": 0.0},
+            "length_ratio": {"value": 0.95}}
+
+    def checks(new: float, base_acc: float | None = base) -> dict:
+        return {"probes": {"value": new, "current": current},
+                "probes_base": {"value": new, "current": current, "base": base_acc}, **rest}
+
+    lost_two = judge(checks(18 / 24), t)       # 0.75 >= 0.7917 - 0.10 (probes), 0.75 < 0.8333 - 0.05
+    assert not lost_two.passed and lost_two.failed == ["probes_base"]
+    assert bound_of("probes", current, t) == pytest.approx(0.691667, abs=1e-6)
+    assert bound_of("probes_base", current, t, base) == pytest.approx(0.783333, abs=1e-6)
+    assert bound_of("probes_base", current, t) is None      # no base measurement: no bound, the check passes
+    assert judge(checks(18 / 24, None), t).passed
+    assert judge(checks(19 / 24), t).passed                 # one probe lost against the base model: allowed
+    assert judge(checks(base - 0.05), t).passed             # exactly at the bound
+    assert judge(checks(base - 0.05 - 1e-6), t).failed == ["probes_base"]
+    one_probe = GateThresholds(probe_base_margin=1 / 24)    # 20/24 − 1/24 is 19/24 up to rounding
+    assert judge(checks(19 / 24), one_probe).passed and not judge(checks(18 / 24), one_probe).passed
+    assert judge(checks(18 / 24), GateThresholds(probe_base_margin=0.1)).passed
+    disabled = judge(checks(18 / 24), GateThresholds(enabled=False))
+    assert disabled.passed and disabled.failed == ["probes_base"]  # measured and named, not enforced
+
+
+def test_compare_reports_both_probe_checks():
+    """compare() on three measurements: ``probes`` against the current version, ``probes_base`` against the base."""
+    torch.manual_seed(0)
+
+    def measurement(right: int, logits_M_V: torch.Tensor) -> Measurement:
+        return Measurement([True] * right + [False] * (24 - right), torch.log_softmax(logits_M_V, -1), 0.0, 20.0,
+                           ["a reply"] * 4)
+
+    logits = torch.randn(30, 50)
+    base, current = measurement(20, logits), measurement(19, logits + 0.1 * torch.randn(30, 50))
+    new = measurement(18, logits + 0.2 * torch.randn(30, 50))
+    values = compare(new, current, base, [], 4)
+    assert values["probes"] == {"value": 0.75, "current": 19 / 24}
+    assert values["probes_base"] == {"value": 0.75, "current": 19 / 24, "base": 20 / 24}
+    assert values["kl_base"]["value"] > 0 and values["length_ratio"]["value"] == 1.0
+    v = judge(values, GateThresholds())
+    assert v.failed == ["probes_base"]
 
 
 def test_probe_file_and_degeneracy_heuristics():
@@ -71,9 +119,27 @@ def test_endpoint_thresholds_are_validated_stored_and_audited(tmp_path):
     shown = admin.get_endpoint("ep")["gate"]
     assert shown["probe_margin"] == 0.05 and shown["max_kl_current"] == 0.3 and shown["max_degenerate"] == 0.25
     assert EndpointStore(tmp_path).get("ep").thresholds.probe_margin == 0.05
+    assert shown["probe_base_margin"] == 0.05                     # not set: the default
+    with pytest.raises(BadRequestError) as exc:
+        admin.set_gate("ep", {"probe_base_margin": -0.1}, who="t")
+    assert exc.value.param == "thresholds.probe_base_margin"
     admin.set_gate("ep", None, who="t")
     assert admin.get_endpoint("ep")["gate"]["probe_margin"] == GateThresholds().probe_margin
     assert [h.action for h in admin.history("ep")] == ["create", "configure", "configure"]
+
+    # the CLI on the store: --set probe_base_margin keeps the other thresholds, the table lists it
+    from livelora.cli.main import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["endpoints", "gate", "ep", "--set", "probe_base_margin=0.0834", "--set",
+                              "probe_margin=0.2", "--reason", "two probes", "--home", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "probe_base_margin" in res.output and "0.0834" in res.output
+    stored = EndpointStore(tmp_path).get("ep").thresholds
+    assert stored.probe_base_margin == 0.0834 and stored.probe_margin == 0.2 and stored.max_kl_current == 0.08
+    bad = runner.invoke(app, ["endpoints", "gate", "ep", "--set", "probe_base_margin=1.5", "--home", str(tmp_path)])
+    assert bad.exit_code != 0 and EndpointStore(tmp_path).get("ep").thresholds.probe_base_margin == 0.0834
+    assert admin.history("ep")[-1].reason == "two probes"
 
 
 # ---------------------------------------------------------------------------------- the real model
@@ -131,14 +197,26 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
     assert g1["against"] == "base" and g1["continued_from"] is None and g1["verdicts"][ep]["passed"]
     checks1 = {c["name"]: c for c in g1["checks"]}
     assert checks1["kl_current"]["value"] < GateThresholds().max_kl_current
-    assert g1["measures"]["probe_accuracy_base"] >= 0.75          # the base model gets most probes right
+    base_acc = g1["measures"]["probe_accuracy_base"]
+    assert base_acc >= 0.75                                         # the base model gets most probes right
+    assert checks1["probes_base"]["passed"] and checks1["probes_base"]["value"] == g1["measures"]["probe_accuracy"]
+    assert checks1["probes_base"]["bound"] == pytest.approx(base_acc - GateThresholds().probe_base_margin)
 
+    # every check but probes_base loosened for this endpoint: the rejection below is probes_base's alone, and
+    # training must continue from the version compared with, as after any other check's rejection
+    loose = GateThresholds(probe_margin=1.0, max_kl_current=100.0, max_kl_base=100.0, max_degenerate=1.0,
+                           min_length_ratio=0.0, signal_tolerance=100.0)
+    EndpointStore(home).set_gate(ep, loose, tenant="default", who="test", reason="probes_base only")
     v2 = trainer.train(_wrong_answers(ep))                          # trained to be much worse on the probes
     g2 = v2.gate
     assert v2.parent == 1 and g2["against"] == f"{lineage}@1"
-    assert not g2["verdicts"][ep]["passed"] and "probes" in g2["verdicts"][ep]["failed"]
+    assert not g2["verdicts"][ep]["passed"] and g2["verdicts"][ep]["failed"] == ["probes_base"]
+    assert "probes" in g2["verdicts"]["*"]["failed"] and "probes_base" in g2["verdicts"]["*"]["failed"]
     checks2 = {c["name"]: c for c in g2["checks"]}
     assert checks2["probes"]["value"] < checks2["probes"]["current"] - GateThresholds().probe_margin
+    assert checks2["probes"]["passed"] and not checks2["probes_base"]["passed"]     # under the endpoint's thresholds
+    assert checks2["probes_base"]["value"] < checks2["probes_base"]["bound"] == pytest.approx(
+        base_acc - loose.probe_base_margin)
     assert g2["continued_from"] == f"{lineage}@1"
     # training continues from version 1: the in-memory model holds version 1's weights again
     model = trainer.model_for(lineage)
@@ -146,11 +224,24 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
     assert all(torch.equal(model.lora_params[k].detach(), saved[k]) for k in saved)
     v3 = trainer.train(_ratings(trainer, ep))
     assert v3.parent == 1 and v3.gate["continued_from"] is None
+    assert {c["name"]: c for c in v3.gate["checks"]}["probes_base"]["passed"]
 
     history = [h for h in EndpointStore(home).history(ep) if h.action == "gate"]
-    assert [(h.to, h.reason.split(":")[0]) for h in history] == [
-        (f"{lineage}@1", "passed"), (f"{lineage}@2", "rejected"), (f"{lineage}@3", "passed")]
+    assert [(h.to, h.reason) for h in history] == [
+        (f"{lineage}@1", "passed"), (f"{lineage}@2", "rejected: probes_base"), (f"{lineage}@3", "passed")]
     assert history[1].details["checks"]["probes"]["value"] == checks2["probes"]["value"]
+    assert history[1].details["checks"]["probes_base"] == {k: checks2["probes_base"][k]
+                                                           for k in ("value", "current", "bound")}
+
+    # what the admin API (GET /admin/adapters/{name}) and the CLI show
+    from livelora.cli.main import app
+    from livelora.gateway.services.admin import AdminService
+
+    shown2 = {c["name"]: c for c in AdminService(home, tenant=None).show_adapter(f"{lineage}@2")["gate"]["checks"]}
+    assert shown2["probes_base"] == checks2["probes_base"]
+    cli = CliRunner().invoke(app, ["adapters", "show", f"{lineage}@2", "--home", str(home)])
+    assert cli.exit_code == 0, cli.output
+    assert "probes_base" in cli.output and "FAILED" in cli.output
 
     # the gateway never serves version 2: catch-up skips it, its notice does not even load it
     loop = asyncio.new_event_loop()

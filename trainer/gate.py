@@ -13,6 +13,8 @@ Measures (``measure`` → :class:`Measurement`; thresholds and verdicts in :mod:
   arithmetic and format instructions, each rendered with the chat template (system message "Answer briefly.")
   plus the start of the assistant reply (``lead``); a probe is right when the greedy next token begins one of
   its accepted answers. SmolLM2-135M-Instruct gets 20 of the 24 right (README). One forward pass.
+  Checked twice: against the current version (``probes``) and against the base model (``probes_base``), so
+  that steps each within the first margin cannot add up to a larger loss.
 * **drift**: mean per-token KL(new ‖ current) and KL(new ‖ base), Σ_v p_new(v)·(log p_new(v) − log p_ref(v)),
   over the reply positions of the probes (the positions predicting ``lead`` and the answer token).
 * **degeneracy**: greedy replies (``gen_tokens`` tokens) to a few open prompts: the share that is empty,
@@ -277,10 +279,16 @@ class _null:
 
 def compare(new: Measurement, current: Measurement, base: Measurement, items: Sequence[HeldOut],
             min_signal_examples: int) -> dict[str, dict[str, float | None]]:
-    """The check values :func:`livelora.adapters.rails.judge` takes, from three measurements."""
+    """The check values :func:`livelora.adapters.rails.judge` takes, from three measurements.
+
+    ``new``, ``current`` and ``base``: the stepped weights, the version they would replace, the base model
+    (adapter off). ``probes`` compares the probe accuracy with the current version's, ``probes_base`` (same
+    value and current) with the base model's (``base``).
+    """
     cur_len = max(current.mean_len, 1e-9)
     return {
         "probes": {"value": new.accuracy, "current": current.accuracy},
+        "probes_base": {"value": new.accuracy, "current": current.accuracy, "base": base.accuracy},
         "kl_current": {"value": kl_mean(new.logp_M_V, current.logp_M_V), "current": None},
         "kl_base": {"value": kl_mean(new.logp_M_V, base.logp_M_V),
                     "current": kl_mean(current.logp_M_V, base.logp_M_V)},

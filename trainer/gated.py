@@ -170,7 +170,8 @@ class EvaluationGate:
                 vals = compare(new, current, self._base, items, t.min_signal_examples)
             verdicts[name] = judge(vals, t)
         mine = judged[endpoint]
-        checks = [GateCheck(name=k, value=v["value"], current=v["current"], bound=bound_of(k, v["current"], mine),
+        checks = [GateCheck(name=k, value=v["value"], current=v["current"],
+                            bound=bound_of(k, v["current"], mine, v.get("base")),
                             passed=k not in verdicts[endpoint].failed) for k, v in values.items()]
         measures = {"probe_accuracy": new.accuracy, "probe_accuracy_current": current.accuracy,
                     "probe_accuracy_base": self._base.accuracy, "mean_reply_tokens": new.mean_len,

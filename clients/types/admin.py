@@ -51,8 +51,11 @@ class GateRequest(_Request):
     """``PUT /admin/endpoints/{name}/gate``: the endpoint's evaluation-gate thresholds (README "Update-safety
     rails"; names and defaults: ``GateThresholds`` in ``adapters/rails.py``). Give ``thresholds`` or ``reset``."""
 
-    thresholds: dict[str, float | int | bool] | None = Field(None, description="e.g. {\"probe_margin\": 0.05, "
-                                                                               "\"max_kl_current\": 0.3}")
+    thresholds: dict[str, float | int | bool] | None = Field(
+        None, description="Names: enabled, probe_margin, probe_base_margin, max_kl_current, max_kl_base, "
+                          "max_degenerate, min_length_ratio, signal_tolerance, min_signal_examples (an omitted "
+                          "one takes its default); e.g. {\"probe_margin\": 0.05, \"probe_base_margin\": 0.1, "
+                          "\"max_kl_current\": 0.3}")
     reset: bool = Field(False, description="Back to the defaults (instead of thresholds).")
     reason: str = Field("", max_length=1000, description="Audit-log note.")
 
