@@ -148,12 +148,15 @@ def bound_of(name: str, current: float | None, t: GateThresholds, base: float | 
     """The bound a check's value is compared with (None for an unknown check or a missing reference value).
 
     ``probes`` and ``signal`` are relative to the current version's value ``current``; ``probes_base`` to the base
-    model's probe accuracy ``base`` (``base − probe_base_margin``); the others are absolute thresholds.
+    model's probe accuracy ``base``: ``min(base − probe_base_margin, current)``, so that a lineage whose current
+    version is already below ``base − probe_base_margin`` (trained before the check existed, or after the margin
+    was tightened) is not stalled: its next version may not lose more, and may climb back; the others are
+    absolute thresholds.
     """
     if name == "probes":
         return None if current is None else current - t.probe_margin
-    if name == "probes_base":
-        return None if base is None else base - t.probe_base_margin
+    if name == "probes_base":  # a lineage already below the bound may still step, if it loses nothing more
+        return None if base is None else min(base - t.probe_base_margin, current if current is not None else 1.0)
     if name == "signal":
         return None if current is None else current - t.signal_tolerance
     return {"kl_current": t.max_kl_current, "kl_base": t.max_kl_base, "degenerate": t.max_degenerate,

@@ -69,6 +69,15 @@ def test_probes_base_bounds_the_loss_against_the_base_model():
     assert judge(checks(18 / 24), GateThresholds(probe_base_margin=0.1)).passed
     disabled = judge(checks(18 / 24), GateThresholds(enabled=False))
     assert disabled.passed and disabled.failed == ["probes_base"]  # measured and named, not enforced
+    # a lineage already below the bound (trained before the check, or a tightened margin) is not stalled: its
+    # next version may not lose more than it has (bound min(base − margin, current)) and may climb back
+    below = 17 / 24
+    stalled = {"probes": {"value": below, "current": below},
+               "probes_base": {"value": below, "current": below, "base": base}, **rest}
+    assert bound_of("probes_base", below, t, base) == pytest.approx(below)
+    assert judge(stalled, t).passed
+    stalled["probes_base"]["value"] = stalled["probes"]["value"] = 16 / 24
+    assert judge(stalled, t).failed == ["probes_base"]
 
 
 def test_compare_reports_both_probe_checks():
