@@ -70,8 +70,8 @@ def percentile(values: list[float], q: float) -> float:
 async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, *,
                      temperature: float = 0.0, seed: int | None = None, ignore_eos: bool = True) -> dict:
     """One streamed chat completion (usage included). Returns its ``id``, ``text``, completion ``tokens`` (the
-    server's ``usage``), ``version`` (from ``system_fingerprint``), ``end`` (``perf_counter`` seconds), ``ttft``
-    (seconds to the first content chunk) and ``itl`` (seconds between content chunks). Raises: httpx errors for a
+    server's ``usage``), ``version`` (from ``system_fingerprint``), ``end`` and ``first`` (``perf_counter``
+    seconds of the last chunk and of the first content chunk), ``ttft`` (seconds to the first content chunk) and ``itl`` (seconds between content chunks). Raises: httpx errors for a
     non-2xx answer, RuntimeError for an error event."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
@@ -98,6 +98,7 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tok
                 stamps.append(time.perf_counter())
                 text.append(chunk["choices"][0]["delta"]["content"])
     return {"id": cid, "text": "".join(text), "tokens": tokens, "end": time.perf_counter(),
+            "first": stamps[0] if stamps else float("nan"),
             "version": (fingerprint or "").removeprefix("livelora-"),
             "ttft": stamps[0] - start if stamps else float("nan"), "itl": [b - a for a, b in itertools.pairwise(stamps)]}
 

@@ -3,7 +3,9 @@
 For each placement of the trainer (``--modes``: ``process`` = ``livelora serve``'s default, the trainer in its
 own lower-priority process; ``thread`` = ``LIVELORA_TRAINER_PROCESS=false``, trainer threads inside the serving
 process) it starts a real ``livelora serve`` on a fresh store and Redis prefix and runs ``--concurrency``
-concurrent chat streams (temperature 0.7, ``--max-tokens`` tokens) for ``--duration`` seconds twice:
+concurrent chat streams (temperature 0.7, ``--max-tokens`` tokens) for ``--duration`` seconds twice, after a
+rated warm-up that ends when the first version is served (the trainer's one-off start costs are not an update,
+and both phases are served by an adapter version, as a live endpoint is):
 
 1. **no ratings**: the trainer is idle;
 2. **every reply rated**: each finished reply gets a thumbs-up or -down (liked = at most 20 words, as in
@@ -12,7 +14,7 @@ concurrent chat streams (temperature 0.7, ``--max-tokens`` tokens) for ``--durat
 It prints output tokens/s (server ``usage``, all streams, over the phase's wall time), inter-token latency
 p50/p99 (gaps between content chunks of one stream), time to first token p50, and, for phase 2, the update
 time of every version: the last rating of the version's batch (``trained.jsonl``) → first reply served by it
-(``system_fingerprint``), and its parts: wait (queue and batching, until the worker took the batch), train +
+(``system_fingerprint``; its first token), and its parts: wait (queue and batching, until the worker took the batch), train +
 gate + save (``trained.jsonl``'s ``written_at − started_at``) and swap. Figures only: nothing is asserted on time.
 
     python bench/serve_while_training.py --duration 90                # both modes, ~7 minutes
@@ -57,8 +59,9 @@ def start_serve(home: Path, prefix: str, mode: str, max_batch_size: int) -> tupl
 
 
 async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, max_tokens: int,
-                seed: int) -> dict:
-    """``concurrency`` closed-loop streams for ``duration_s`` seconds; with ``rate`` every reply is rated."""
+                seed: int, max_ratings: int | None = None) -> dict:
+    """``concurrency`` closed-loop streams for ``duration_s`` seconds; with ``rate`` every reply is rated (the
+    first ``max_ratings`` replies only, when given)."""
     results: list[dict] = []
     rated_at: dict[str, float] = {}  # feedback id -> time the rating was accepted
     first_served: dict[str, float] = {}
@@ -81,8 +84,9 @@ async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, ma
                 finally:
                     i += concurrency
                 results.append(r)
-                first_served.setdefault(r["version"], r["end"])
-                if rate:
+                first = r["first"] if r["first"] == r["first"] else r["end"]  # NaN: no content chunk
+                first_served[r["version"]] = min(first, first_served.get(r["version"], first))
+                if rate and (max_ratings is None or len(rated_at) < max_ratings):
                     fb = await client.post("/v1/feedback", json={"completion_id": r["id"],
                                                                  "rating": liked(r["text"], 20)})
                     if fb.status_code == 200:
@@ -129,8 +133,19 @@ def run_mode(mode: str, args) -> dict:
     prefix = f"livelora-bench-{uuid.uuid4().hex[:8]}:"
     proc, url = start_serve(home, prefix, mode, args.max_batch_size)
     try:
-        # warm-up: one short request (first-call costs), then the two phases
+        # warm-up: one short request (first-call costs); then rated requests until the first version is served,
+        # so that the trainer's one-off costs (building its model, measuring the base model for the gate) are
+        # not counted as an update, and both phases are served by an adapter version as a live endpoint is
         asyncio.run(phase(url, rate=False, duration_s=1, concurrency=1, max_tokens=4, seed=0))
+        warm_until, rated = time.perf_counter() + args.warmup_s, 0
+        while time.perf_counter() < warm_until:  # 10 ratings: one batch (kto_min_batch 8, one may be held out)
+            warm = asyncio.run(phase(url, rate=rated < 10, duration_s=10, concurrency=args.concurrency,
+                                     max_tokens=args.max_tokens, seed=90000 + rated, max_ratings=10 - rated))
+            rated += warm["rated"]
+            if any(v != "base" for v in warm["first_served"]):
+                break
+        else:
+            print(f"warning: no version was served within the {args.warmup_s:.0f} s warm-up", flush=True)
         quiet = asyncio.run(phase(url, rate=False, duration_s=args.duration, concurrency=args.concurrency,
                                   max_tokens=args.max_tokens, seed=1000))
         load = os.getloadavg()[0]
@@ -163,6 +178,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--warmup-s", type=float, default=180.0,
+                    help="rated warm-up until the first version is served, at most this long")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
     print(f"{os.cpu_count()} cores; load average at start {os.getloadavg()[0]:.2f}; {args.concurrency} streams, "
