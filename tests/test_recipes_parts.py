@@ -314,3 +314,13 @@ def test_recipe_cli_lists_the_recipes_and_validates_flags(tmp_path):
     assert bad.exit_code == 2
     assert "--steps" in bad.output and "--loss" in bad.output  # every error at once, before any request
     assert not (tmp_path / "r").exists()
+    # a flag the chosen task would leave unused is refused, not ignored (--task arithmetic generates its problems)
+    unused = runner.invoke(app, ["recipe", "gsm8k-rl", "--task", "arithmetic", "--data", "../shared/data/gsm8k",
+                                 "--log-dir", str(tmp_path / "r")])
+    assert unused.exit_code == 2 and "error: data='../shared/data/gsm8k' is not used by task 'arithmetic'" in \
+        " ".join(unused.output.split())
+    assert not (tmp_path / "r").exists()
+    from livelora.clients.recipes import gsm8k_rl
+
+    assert gsm8k_rl.Config(log_dir=tmp_path / "c").data == "openai/gsm8k"
+    assert gsm8k_rl.Config(log_dir=tmp_path / "c", task="arithmetic").data is None

@@ -22,7 +22,7 @@ Example::
 
     from livelora.clients.recipes import gsm8k_rl
 
-    summary = gsm8k_rl.run(gsm8k_rl.Config(log_dir="runs/arith", data="path/to/gsm8k", task="arithmetic",
+    summary = gsm8k_rl.run(gsm8k_rl.Config(log_dir="runs/arith", task="arithmetic",
                                            steps=20))
     print(summary.before, summary.after)
 """

@@ -7,8 +7,8 @@ and after, steps, wall time) closes the run.
 
 Example::
 
-    livelora recipe gsm8k-rl --data ../shared/data/gsm8k --task arithmetic --steps 20 --log-dir runs/arith
-    livelora recipe gsm8k-rl --data ../shared/data/gsm8k --task arithmetic --steps 30 --log-dir runs/arith  # resumes
+    livelora recipe gsm8k-rl --task arithmetic --steps 20 --log-dir runs/arith
+    livelora recipe gsm8k-rl --task arithmetic --steps 30 --log-dir runs/arith  # resumes
 """
 
 from __future__ import annotations
@@ -97,8 +97,9 @@ def _make_command(recipe: str, module_name: str):
         try:
             cfg = config_cls(**kwargs)
         except ValidationError as exc:
-            for err in exc.errors():
-                console.print(f"[red]error[/]: --{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}")
+            for err in exc.errors():  # a field's error names its flag; a rule across fields says it itself
+                where = f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: " if err["loc"] else ""
+                console.print(f"[red]error[/]: {where}{err['msg'].removeprefix('Value error, ')}")
             raise typer.Exit(2) from None
         # a terminal gets a live bar; a log file or pipe (nohup, CI) gets one plain line per step instead
         lines = not console.is_terminal

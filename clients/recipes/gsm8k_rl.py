@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from livelora.clients.recipes.advantages import Estimator, group_advantages
 from livelora.clients.recipes.datasets import arithmetic, gsm8k
@@ -34,7 +34,9 @@ INSTRUCTION = " End your reply with 'The answer is N.' where N is a number."
 
 
 class Config(RecipeConfig):
-    data: str = Field("openai/gsm8k", description="GSM8K folder (train.jsonl, test.jsonl) or hub name.")
+    data: str | None = Field(None, description="GSM8K folder (train.jsonl, test.jsonl) or hub name (default "
+                                               "openai/gsm8k; --task gsm8k only: arithmetic problems are "
+                                               "generated).")
     task: Literal["gsm8k", "arithmetic"] = Field("gsm8k", description="gsm8k or the easier arithmetic split.")
     max_value: int = Field(10, ge=2, description="Arithmetic operands are drawn from [0, max_value).")
     problems_per_step: int = Field(8, ge=1, description="Problems (groups) per step.")
@@ -48,6 +50,17 @@ class Config(RecipeConfig):
     eval_size: int = Field(100, ge=1, description="Held-out problems evaluated (fixed subset).")
     learning_rate: float = Field(5e-4, gt=0, description="Adam learning rate.")
     steps: int = Field(20, ge=1, description="Optimizer steps.")
+
+    @model_validator(mode="after")
+    def _data_for_the_task(self) -> Config:
+        """``data`` defaults to ``openai/gsm8k`` for the gsm8k task; the arithmetic task generates its problems, so
+        a ``data`` given with it would be silently unused: refused (ValueError, reported by the CLI)."""
+        if self.task == "arithmetic" and self.data is not None:
+            raise ValueError(f"data={self.data!r} is not used by task 'arithmetic' (its problems are generated "
+                             "from --max-value and --seed); leave --data out, or use --task gsm8k")
+        if self.task == "gsm8k" and self.data is None:
+            self.data = "openai/gsm8k"
+        return self
 
 
 def _problems(cfg: Config) -> tuple[list, list]:
