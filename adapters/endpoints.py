@@ -237,7 +237,8 @@ class EndpointStore:
             before = None if was is None else version_label(was.lineage, self.served_version(was, store, endpoint))
             if was is not None and was.mode == "follow":
                 before = f"follow:{before}"
-            after = version_label(new.lineage, new.version) if new.mode == "pinned" else "follow"
+            after = version_label(new.lineage, new.version) if new.mode == "pinned" else \
+                f"follow:{version_label(new.lineage, self.served_version(new, store, endpoint))}"
             entry = HistoryEntry(time=time.time(), who=who, tenant=tenant, endpoint=endpoint, action=action,
                                  from_=before, to=after, reason=reason)
             current = {k: v.model_dump() for k, v in bindings.items()}
