@@ -180,6 +180,16 @@ def test_a_gate_rejected_or_deleted_version_says_why(server, keys):
     assert "acme.solo@2" not in server.engine.loaded_adapters()
 
 
+def test_feedback_on_a_version_trains_its_endpoint_or_is_refused_without_one(server, keys):
+    with http(server, keys["acme"]) as a:
+        bound = chat(a, "acme.bot@1").json()["id"]
+        r = a.post("/v1/feedback", json={"completion_id": bound, "rating": True})
+        assert r.status_code == 200 and r.json()["endpoint"] == "acme.bot", r.text
+        unbound = chat(a, "acme.solo@1").json()["id"]
+        err = error_of(a.post("/v1/feedback", json={"completion_id": unbound, "rating": True}), 409)
+        assert err["code"] == "not_trainable" and "no endpoint serves" in err["message"]
+
+
 def test_eviction_takes_the_least_recently_used_idle_version_never_one_in_use(server, keys):
     registry, engine = server.services.registry, server.engine
     with http(server, keys["acme"]) as a:

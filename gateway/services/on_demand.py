@@ -115,6 +115,21 @@ class OnDemandVersions:
         except (BadRequestError, NotFoundError, ValueError):
             return None
 
+    @staticmethod
+    def check_trainable(endpoint: str) -> None:
+        """Refuse a signal on a reply of a version that no endpoint serves (its completions are counted under the
+        version name, :meth:`target`): such feedback would train no lineage.
+
+        Raises:
+            ConflictError: ``endpoint`` is a version name (endpoint names never contain ``@``), 409
+                ``not_trainable``.
+        """
+        if "@" in endpoint:
+            raise ConflictError(f"{endpoint!r} is a stored adapter version that no endpoint serves: feedback on its "
+                                "replies would train no lineage. Bind an endpoint to its lineage (livelora endpoints "
+                                "create NAME --lineage LINEAGE) and rate that endpoint's replies", param="model",
+                                code="not_trainable")
+
     # ------------------------------------------------------------------ loading
 
     async def ensure(self, model: str) -> None:

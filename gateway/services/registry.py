@@ -138,7 +138,6 @@ class AdapterRegistry:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._canary: list[int] | None = None
-        #: stored versions loaded because a request named them (bounded, least recently used evicted)
         self.on_demand = OnDemandVersions(self, max_on_demand)
         record_install_owners(home, self.endpoint_store.get(base_endpoint).lineage)
         self.load_bindings()
@@ -197,8 +196,10 @@ class AdapterRegistry:
         """Refuse a signal that would train ``endpoint``'s lineage for a tenant that does not own it.
 
         Raises:
-            ConflictError: the endpoint is public (the shared base model) and the caller is not its owner.
+            ConflictError: the endpoint is public (the shared base model) and the caller is not its owner, or it is
+                a version no endpoint serves (:meth:`.OnDemandVersions.check_trainable`).
         """
+        self.on_demand.check_trainable(endpoint)
         if not self.versions_visible(endpoint):
             raise ConflictError(f"{endpoint!r} is the shared base model: its feedback trains the lineage of "
                                 f"tenant default only. Create an endpoint of your own (livelora endpoints create) and "
