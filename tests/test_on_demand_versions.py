@@ -177,6 +177,11 @@ def test_a_gate_rejected_or_deleted_version_says_why(server, keys):
         err = error_of(chat(a, "acme.solo@3"), 404)
         assert err["code"] == "model_not_found" and "was deleted" in err["message"]
         assert "acme.solo@1" in err["message"]  # what is stored instead
+        legacy = {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
+        assert error_of(a.post("/v1/completions", json={"model": "acme.solo@2", **legacy}), 409)["code"] == \
+            "version_rejected"
+        r = a.post("/v1/completions", json={"model": "acme.solo@1", **legacy})  # the legacy route loads too
+        assert r.status_code == 200 and r.json()["system_fingerprint"] == "livelora-acme.solo@1", r.text
     assert "acme.solo@2" not in server.engine.loaded_adapters()
 
 
