@@ -220,6 +220,16 @@ class AdapterStore:
             raise NotFoundError(f"adapter lineage {lineage!r} has no versions", param="adapter")
         return versions[-1]
 
+    def was_allocated(self, lineage: str, version: int) -> bool:
+        """Whether number ``version`` of ``lineage`` was ever handed out (``.next`` is past it). A number that
+        was handed out but is not visible (:meth:`get` raises) belonged to a version that was deleted, or whose
+        save never completed; numbers are never reused."""
+        counter = self.lineage_dir(lineage) / ".next"
+        try:
+            return 1 <= version < int(json.loads(counter.read_text()))
+        except (OSError, ValueError, TypeError):
+            return False
+
     def verify(self, lineage: str, version: int) -> bool:
         """True if the weights file's sha256 equals the manifest's."""
         manifest = self.get(lineage, version)

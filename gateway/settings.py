@@ -93,12 +93,16 @@ class VLLMSection(Section):
 
 class LiveSection(Section):
     """The live loop in the gateway: ``LIVELORA_COMPLETION_RETENTION_S``, ``LIVELORA_IDEMPOTENCY_TTL_S``,
-    ``LIVELORA_RESYNC_S``."""
+    ``LIVELORA_RESYNC_S``, ``LIVELORA_MAX_ON_DEMAND_VERSIONS``, ..."""
 
     completion_retention_s: int = Field(DEFAULT_RETENTION_S, gt=0,
                                         description="Seconds completions stay rateable (default 7 days).")
     idempotency_ttl_s: int = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0, description="Lifetime of Idempotency-Keys.")
     resync_s: float = Field(30.0, ge=0, description="Seconds between endpoint catch-ups from the store.")
+    max_on_demand_versions: int = Field(4, ge=1, description="Stored adapter versions (<lineage>@<n>) held in the "
+                                                            "engine because requests named them; loading one more "
+                                                            "unloads the least recently used idle one "
+                                                            "(gateway/services/on_demand.py).")
     canary_share: float = Field(0.0, ge=0, lt=1, description="Share of a follow endpoint's requests a new "
                                                          "version serves first (0: switch at once).")
     canary_min_ratings: int = Field(20, ge=1, description="Ratings of the canary after which the switch "

@@ -100,6 +100,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     """Create a chat completion with ``n`` choices, each its own generation in the engine batch."""
     log_ignored(body, "chat.completions")
     messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
+    await serving.load_on_demand(body.model)  # a stored <lineage>@<n> not loaded yet; then no await until begin
     served = serving.begin(body.model, lambda: chat_jobs(body, serving), id_prefix="chatcmpl",
                            recording=Recording(caller=caller, user=body.user, messages=messages))
     return await respond(served, ChatEncoder(served, body, texts), request)

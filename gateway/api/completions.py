@@ -121,6 +121,7 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
                             caller: CallerDep) -> Response:
     """Complete each prompt ``n`` times; each choice is its own generation in the engine batch."""
     log_ignored(body, "completions")
+    await serving.load_on_demand(body.model)  # a stored <lineage>@<n> not loaded yet; then no await until begin
     served = serving.begin(body.model, lambda: completion_jobs(body, serving, texts), id_prefix="cmpl",
                            recording=Recording(caller=caller, user=body.user))
     return await respond(served, CompletionEncoder(served, body, texts), request)

@@ -18,7 +18,8 @@ async def get_models(serving: ServingDep) -> ModelList:
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, serving: ServingDep) -> Model:
-    """One model by id.
+    """One model by id: a listed one, or a stored ``<lineage>@<n>`` the caller may name (the list leaves those
+    out; a request naming one loads it, gateway/services/on_demand.py).
 
     Raises:
         ModelNotFoundError: unknown id (404 ``model_not_found``).

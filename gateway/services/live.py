@@ -53,7 +53,7 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
     client = connect_async(settings.redis_url)
     completions = CompletionLog(client, keys, retention_s=live.completion_retention_s)
     registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
-                               resync_s=live.resync_s)
+                               resync_s=live.resync_s, max_on_demand=live.max_on_demand_versions)
     registry.stats = stats = LiveStats(client, keys, live, home=settings.home)
 
     async def on_rating(endpoint: str, adapter: str | None, rating_key: str, up: bool) -> None:

@@ -48,6 +48,7 @@ from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, Manifest, parse_version_name, sha256_file
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
 from livelora.gateway.engines.base import AdapterCheck, Engine
+from livelora.gateway.services.on_demand import DEFAULT_MAX_ON_DEMAND, OnDemandVersions
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +112,12 @@ class AdapterRegistry:
         base_endpoint: the served base-model name; it is an endpoint (implicit lineage = its name).
         client / keys: Redis for the notice subscriber (``None``: store polling only).
         resync_s: seconds between catch-ups from the store (0 disables).
+        max_on_demand: stored versions held because requests named them (:mod:`.on_demand`).
     """
 
     def __init__(self, engine: Engine, home: Path | str, base_endpoint: str, *,
-                 client: aredis.Redis | None = None, keys: KeyLayout | None = None, resync_s: float = 30.0):
+                 client: aredis.Redis | None = None, keys: KeyLayout | None = None, resync_s: float = 30.0,
+                 max_on_demand: int = DEFAULT_MAX_ON_DEMAND):
         self.engine = engine
         self.store = AdapterStore(home)
         self.endpoint_store = EndpointStore(home)
@@ -135,6 +138,7 @@ class AdapterRegistry:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._canary: list[int] | None = None
+        self.on_demand = OnDemandVersions(self, max_on_demand)
         record_install_owners(home, self.endpoint_store.get(base_endpoint).lineage)
         self.load_bindings()
 
@@ -192,8 +196,10 @@ class AdapterRegistry:
         """Refuse a signal that would train ``endpoint``'s lineage for a tenant that does not own it.
 
         Raises:
-            ConflictError: the endpoint is public (the shared base model) and the caller is not its owner.
+            ConflictError: the endpoint is public (the shared base model) and the caller is not its owner, or it is
+                a version no endpoint serves (:meth:`.OnDemandVersions.check_trainable`).
         """
+        self.on_demand.check_trainable(endpoint)
         if not self.versions_visible(endpoint):
             raise ConflictError(f"{endpoint!r} is the shared base model: its feedback trains the lineage of "
                                 f"tenant default only. Create an endpoint of your own (livelora endpoints create) and "
@@ -201,11 +207,15 @@ class AdapterRegistry:
 
     def resolve(self, model: str) -> tuple[str, str | None]:
         """``(endpoint, adapter)`` that a request naming ``model`` gets now: an endpoint's current version,
-        or a loaded version name itself. Takes no lease (see :meth:`hold`).
+        or a loaded version name itself (one the caller may use, :meth:`.OnDemandVersions.target`; a stored one
+        is loaded first by :meth:`.OnDemandVersions.ensure`). Takes no lease (see :meth:`hold`).
 
         Raises:
-            ModelNotFoundError: unknown model name, or another tenant's endpoint.
+            ModelNotFoundError: unknown model name, or another tenant's endpoint or version.
         """
+        held = None if model in self.current else self.on_demand.target(model)
+        if held is not None:
+            return held
         self.endpoint_for(model)  # raises for unknown and other tenants' names
         if model in self.current:
             adapter = self.current[model] if self.versions_visible(model) else None
@@ -219,7 +229,7 @@ class AdapterRegistry:
         """Lease ``adapter`` (as returned by :meth:`resolve` with no ``await`` in between) until released."""
         if adapter is not None:
             self.leases[adapter] += 1
-        if self.stats is not None:
+        if self.stats is not None and endpoint in self.bindings:  # (a version of a lineage no endpoint binds: not)
             self.stats.note_request(endpoint, adapter)
         return Lease(endpoint, adapter, self)
 
@@ -250,7 +260,7 @@ class AdapterRegistry:
 
     def _retired(self, adapter: str) -> bool:
         return (adapter in self.loaded and adapter not in self.current.values() and not self.leases.get(adapter)
-                and not (self.stats is not None and self.stats.is_canary(adapter)))
+                and adapter not in self.on_demand and not (self.stats is not None and self.stats.is_canary(adapter)))
 
     # ------------------------------------------------------------------ installing
 

@@ -279,6 +279,18 @@ class Serving:
         """See :func:`resolve_target`. Raises: ModelNotFoundError (404)."""
         return resolve_target(model, self.engine, self.settings, self.registry)
 
+    async def load_on_demand(self, model: str) -> None:
+        """Load a stored ``<lineage>@<n>`` that ``model`` names and the caller may use, if it is not loaded
+        (:meth:`~livelora.gateway.services.on_demand.OnDemandVersions.ensure`); call it before :meth:`begin`,
+        with no ``await`` in between. Other names: nothing to do (:meth:`resolve` answers them).
+
+        Raises:
+            ModelNotFoundError: the caller's version was deleted (404). ConflictError: the gate rejected the version
+            or it failed its load checks (409). RateLimitError: every version held on demand is in use (429).
+        """
+        if self.registry is not None:
+            await self.registry.on_demand.ensure(model)
+
     def context_length(self) -> int:
         """See :func:`context_length` (tokens)."""
         return context_length(self.engine, self.settings)
@@ -296,7 +308,8 @@ class Serving:
         return list_models(self.engine, self.settings, self.registry)
 
     def get_model(self, model_id: str) -> Model:
-        """One ``/v1/models`` entry by id.
+        """One ``/v1/models`` entry by id: a listed one, or a stored ``<lineage>@<n>`` the caller may name
+        (not listed: :mod:`~livelora.gateway.services.on_demand` loads it when a request names it).
 
         Raises:
             ModelNotFoundError: unknown id (404 ``model_not_found``).
@@ -304,6 +317,12 @@ class Serving:
         for model in self.list_models():
             if model.id == model_id:
                 return model
+        manifest = self.registry.on_demand.stored(model_id) if self.registry is not None else None
+        if manifest is not None:  # a stored version the caller may name (loaded on demand)
+            from livelora.gateway.auth import caller_tenant
+
+            return Model(id=model_id, created=int(manifest.created), owned_by=caller_tenant(),
+                         root=self.settings.model_id, parent=self.settings.model_id)
         raise ModelNotFoundError(f"model {model_id!r} does not exist", param="model")
 
     def health(self) -> dict[str, Any]:
