@@ -11,12 +11,21 @@ step: :class:`TrainingFlag` ``held()`` writes it for the duration of a step (the
 reads it (the engine, once per scheduler iteration, about 10 µs). A flag whose pid no longer runs (a trainer
 killed mid-step) counts as absent, so a crash never leaves the engine throttled.
 
+The other way round, a trainer process has a thread budget of its own (``trainer_threads``, half the cores) so
+that serving keeps the rest; when no request is being served on the machine the budget only slows the update
+down. So the transformers engine beats a second file, ``<home>/run/serving-<hostname>`` (:class:`ServingFlag`:
+its mtime, renewed at most every half second while the engine has running or waiting sequences), and a trainer
+process configured with :func:`configure_step_threads` starts each step with all of ``idle`` threads when the
+engine has been idle for :data:`SERVING_WINDOW_S` and with its ``busy`` budget otherwise (:func:`apply_step_threads`).
+
 Example::
 
     flag = TrainingFlag(home)
     with flag.held():        # trainer: around forward_backward + optim_step
         ...
     flag.active()            # engine: True while a step runs on this machine
+    ServingFlag(home).beat() # engine: once per scheduler iteration with work (cheap: at most 2 writes/s)
+    apply_step_threads()     # trainer process: before a step
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,3 +80,99 @@ class TrainingFlag:
         except PermissionError:  # alive, another user's
             return True
         return True
+
+
+#: Seconds since the engine's last beat during which it counts as serving (it beats at least every
+#: :data:`BEAT_EVERY_S` while it has work; a gap between two requests shorter than this counts as busy).
+SERVING_WINDOW_S = 2.0
+BEAT_EVERY_S = 0.5
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+class ServingFlag:
+    """The "an engine on this machine is serving requests" heartbeat of store ``home`` (see the module docstring).
+
+    Args:
+        home: the store root (``LIVELORA_HOME``); the file is ``<home>/run/serving-<hostname>``.
+    """
+
+    def __init__(self, home: Path | str):
+        self.path = Path(home) / "run" / f"serving-{socket.gethostname()}"
+        self._last = 0.0
+
+    def beat(self) -> None:
+        """Renew the heartbeat (this process's pid in the file, its mtime now); at most every :data:`BEAT_EVERY_S`
+        seconds, so calling it on every engine iteration costs a clock read. Never raises (it only steers
+        thread counts)."""
+        now = time.monotonic()
+        if now - self._last < BEAT_EVERY_S:
+            return
+        self._last = now
+        with contextlib.suppress(OSError):
+            try:
+                if self.path.read_text().strip() == str(os.getpid()):
+                    os.utime(self.path)
+                    return
+            except (OSError, ValueError):
+                pass
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            tmp.write_text(str(os.getpid()))
+            os.replace(tmp, self.path)
+
+    def busy(self, within_s: float = SERVING_WINDOW_S) -> bool:
+        """Whether a live engine beat within the last ``within_s`` seconds (no file, an old one, or a dead pid:
+        ``False``)."""
+        try:
+            age = time.time() - self.path.stat().st_mtime
+            pid = int(self.path.read_text().strip())
+        except (OSError, ValueError):
+            return False
+        return age <= within_s and _alive(pid)
+
+
+class StepThreads:
+    """Torch threads for a trainer process's next step: ``idle`` while no engine on this machine serves, ``busy``
+    otherwise (see the module docstring).
+
+    Args:
+        home: the store root. busy: threads while serving (the process's budget). idle: threads otherwise.
+    """
+
+    def __init__(self, home: Path | str, busy: int, idle: int):
+        self.serving, self.busy, self.idle = ServingFlag(home), max(1, busy), max(1, idle)
+
+    def apply(self) -> int:
+        """Set torch's thread count for the step about to run (process-wide); returns it."""
+        import torch  # not at module level: adapters/ is imported by processes without torch
+
+        want = self.busy if self.serving.busy() else self.idle
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+        return want
+
+
+_step_threads: StepThreads | None = None
+
+
+def configure_step_threads(home: Path | str, busy: int, idle: int) -> None:
+    """Make :func:`apply_step_threads` choose between ``busy`` and ``idle`` threads in this process (a trainer
+    process: ``livelora serve``'s child sets it; a trainer in the serving process's threads never does, since
+    torch's thread count is process-wide there)."""
+    global _step_threads
+    _step_threads = StepThreads(home, busy, idle) if idle != busy else None
+
+
+def apply_step_threads() -> int | None:
+    """Before a training step: the configured :class:`StepThreads` choice (``None`` when not configured: the
+    thread count is left as it is)."""
+    return _step_threads.apply() if _step_threads is not None else None

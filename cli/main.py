@@ -161,10 +161,12 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             check_install(settings)
             placement = settings.placement
             if placement.trainer_process:  # serving first: its own process, lower priority, own threads
-                from livelora.cli.trainer_process import TrainerProcess, default_trainer_threads
+                from livelora.cli.trainer_process import TrainerProcess, available_cores, default_trainer_threads
 
+                idle = placement.trainer_threads_idle
                 trainer = TrainerProcess(settings.trainer_settings(), nice=placement.trainer_nice,
                                          threads=placement.trainer_threads or default_trainer_threads(),
+                                         idle_threads=available_cores() if idle is None else idle,
                                          log_level=logging.getLogger().getEffectiveLevel())
                 trainer.start()
             else:
@@ -271,7 +273,8 @@ def _trainer_note(trainer, whole_loop: bool) -> str:
         return ""
     if trainer is None:
         return ", trainer and op executor in-process"
-    return f", trainer and op executor in process {trainer.pid} (nice +{trainer.nice}, {trainer.threads} threads)"
+    idle = f", {trainer.idle_threads} while nothing is served" if trainer.idle_threads not in (0, trainer.threads) else ""
+    return f", trainer and op executor in process {trainer.pid} (nice +{trainer.nice}, {trainer.threads} threads{idle})"
 
 
 from livelora.cli.admin import register as _register_admin  # noqa: E402  (endpoints/adapters/keys)

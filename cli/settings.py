@@ -13,7 +13,7 @@ from livelora.trainer.settings import GateSection, TrainerSettings, TrainingSect
 class PlacementSection(Section):
     """Where ``livelora serve`` runs its trainer, and with what share of the machine (serving first:
     :mod:`livelora.cli.trainer_process`). Environment ``LIVELORA_TRAINER_PROCESS``, ``LIVELORA_TRAINER_NICE``,
-    ``LIVELORA_TRAINER_THREADS``."""
+    ``LIVELORA_TRAINER_THREADS``, ``LIVELORA_TRAINER_THREADS_IDLE``."""
 
     trainer_process: bool = Field(True, description="Run the trainer (signal worker + op executor) in a supervised "
                                                     "child process with lower CPU priority; false runs it in "
@@ -22,6 +22,10 @@ class PlacementSection(Section):
                                                            "decode steps are scheduled before training steps.")
     trainer_threads: int | None = Field(None, ge=1, description="Torch threads of the trainer process (default: "
                                                                 "half the cores, at least 1).")
+    trainer_threads_idle: int | None = Field(None, ge=0, description="Torch threads of the trainer process for a "
+                                                                     "step that starts while no request has been "
+                                                                     "served on this machine for 2 s (default: all "
+                                                                     "cores; 0: always trainer_threads).")
 
 
 class ServeSettings(GatewaySettings):

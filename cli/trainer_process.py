@@ -33,12 +33,15 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def available_cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_trainer_threads(cores: int | None = None) -> int:
     """Torch threads of the trainer process when ``LIVELORA_TRAINER_THREADS`` is unset: half the cores (at least
     one), leaving the rest to the engine. ``cores`` defaults to the CPUs this process may run on."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // 2)
+    return max(1, (available_cores() if cores is None else cores) // 2)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -51,7 +54,8 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _trainer_main(settings: Any, nice: int, threads: int, parent_pid: int, log_level: int) -> None:
+def _trainer_main(settings: Any, nice: int, threads: int, parent_pid: int, log_level: int,
+                  idle_threads: int = 0) -> None:
     """Entry point of the child process (spawned): priority, threads, logging, then
     :func:`~livelora.cli.processes.run_trainer` until SIGTERM/SIGINT."""
     _die_with_parent(parent_pid)
@@ -60,6 +64,10 @@ def _trainer_main(settings: Any, nice: int, threads: int, parent_pid: int, log_l
     import torch
 
     torch.set_num_threads(threads)
+    if idle_threads:  # steps that start while nothing is served take every core (adapters/core_share.py)
+        from livelora.adapters.core_share import configure_step_threads
+
+        configure_step_threads(settings.home, busy=threads, idle=idle_threads)
     if getattr(getattr(settings, "observability", None), "log_format", "text") == "json":
         from livelora.adapters.logs import configure_logging
 
@@ -79,6 +87,8 @@ class TrainerProcess:
             re-read the environment). A missing ``training.consumer`` is fixed to ``<host>-serve-<pid>`` so a
             restarted child resumes the pending signals of the one before it.
         nice: added to the child's nice value (0-19). threads: the child's torch threads (>= 1).
+        idle_threads: torch threads of a step that starts while no request is being served on this machine
+            (:func:`~livelora.adapters.core_share.configure_step_threads`; 0: always ``threads``).
         log_level: the child's logging level.
 
     Example::
@@ -93,11 +103,13 @@ class TrainerProcess:
     BACKOFF_S = 1.0
     MAX_BACKOFF_S = 30.0
 
-    def __init__(self, settings: Any, *, nice: int, threads: int, log_level: int = logging.INFO):
+    def __init__(self, settings: Any, *, nice: int, threads: int, idle_threads: int = 0,
+                 log_level: int = logging.INFO):
         if settings.training.consumer is None:
             training = settings.training.model_copy(update={"consumer": f"{socket.gethostname()}-serve-{os.getpid()}"})
             settings = settings.model_copy(update={"training": training})
         self.settings, self.nice, self.threads, self.log_level = settings, nice, threads, log_level
+        self.idle_threads = idle_threads
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process with torch and server threads
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -113,10 +125,12 @@ class TrainerProcess:
 
     def _spawn(self) -> None:
         proc = self._ctx.Process(target=_trainer_main, name="livelora-trainer",
-                                 args=(self.settings, self.nice, self.threads, os.getpid(), self.log_level))
+                                 args=(self.settings, self.nice, self.threads, os.getpid(), self.log_level,
+                                       self.idle_threads))
         proc.start()
         self.process = proc
-        log.info("trainer process %d started (nice +%d, %d torch threads)", proc.pid, self.nice, self.threads)
+        log.info("trainer process %d started (nice +%d, %d torch threads, %s while nothing is served)", proc.pid,
+                 self.nice, self.threads, self.idle_threads or self.threads)
 
     def start(self) -> None:
         """Spawn the child and the thread that restarts it when it dies."""

@@ -1,16 +1,21 @@
 """Cores shared between the engine and training steps on one machine (livelora.adapters.core_share): the
 trainer's flag is held exactly while a step runs, a dead holder counts as absent, and the transformers engine
-decodes with fewer torch threads while the flag is held and with all of them otherwise."""
+decodes with fewer torch threads while the flag is held and with all of them otherwise; the other way round,
+the engine beats a serving flag while it has work, and a trainer process's steps take every core only while
+nothing has been served for SERVING_WINDOW_S."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+import time
 
 import torch
 
-from livelora.adapters.core_share import TrainingFlag
+from livelora.adapters import core_share
+from livelora.adapters.core_share import SERVING_WINDOW_S, ServingFlag, StepThreads, TrainingFlag
 from livelora.gateway.engines import SamplingParams, create_engine
 
 
@@ -31,6 +36,36 @@ def test_flag_is_held_only_inside_the_block_and_a_dead_holder_counts_as_absent(t
     flag.path.parent.mkdir(parents=True, exist_ok=True)
     flag.path.write_text(dead.stdout.strip())  # a trainer killed mid-step left its flag behind
     assert not flag.active()
+
+
+def test_serving_flag_counts_recent_beats_of_a_live_engine_and_steps_take_all_cores_only_when_idle(tmp_path):
+    flag = ServingFlag(tmp_path)
+    assert not flag.busy()
+    flag.beat()
+    assert flag.busy() and ServingFlag(tmp_path).busy()      # another process (the trainer) reads it
+    first = flag.path.stat().st_mtime_ns
+    flag.beat()                                               # within BEAT_EVERY_S: no write
+    assert flag.path.stat().st_mtime_ns == first
+    past = time.time() - SERVING_WINDOW_S - 1
+    os.utime(flag.path, (past, past))                         # the engine has been idle for longer than the window
+    assert not flag.busy()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    flag.path.write_text(dead.stdout.strip())                 # a killed engine's fresh file
+    assert not flag.busy()
+
+    full = torch.get_num_threads()
+    try:
+        threads = StepThreads(tmp_path, busy=1, idle=2)
+        assert threads.apply() == 2 and torch.get_num_threads() == 2   # nothing served: every core
+        ServingFlag(tmp_path).beat()
+        assert threads.apply() == 1 and torch.get_num_threads() == 1   # serving: the budget
+        core_share.configure_step_threads(tmp_path, busy=1, idle=1)    # equal: nothing to choose
+        assert core_share.apply_step_threads() is None
+        core_share.configure_step_threads(tmp_path, busy=1, idle=2)
+        assert core_share.apply_step_threads() == 1
+    finally:
+        core_share.configure_step_threads(tmp_path, busy=1, idle=1)
+        torch.set_num_threads(full)
 
 
 def test_engine_uses_fewer_threads_while_a_step_runs(base_ref, tmp_path):
@@ -54,6 +89,7 @@ def test_engine_uses_fewer_threads_while_a_step_runs(base_ref, tmp_path):
             assert engine._worker.threads == 1  # read back by the engine's own thread
         assert loop.run_until_complete(generate()) == 3
         assert engine._worker.threads == 2
+        assert ServingFlag(engine._home).busy()  # it beat while it had sequences to run
     finally:
         loop.run_until_complete(engine.close())
         loop.close()

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from livelora.adapters import metrics
-from livelora.adapters.core_share import TrainingFlag
+from livelora.adapters.core_share import TrainingFlag, apply_step_threads
 from livelora.adapters.metering import Meter, Usage
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.session_protocol import (CheckpointIndex, Op, StaleOwnerError, future_done, future_failed,
@@ -305,6 +305,8 @@ class OpExecutor(SessionOps):
                 return
             changed = False
             try:
+                if op.kind in _STEP_KINDS:
+                    apply_step_threads()  # a trainer process: all cores while nothing is served (core_share)
                 with self.busy.held() if op.kind in _STEP_KINDS else contextlib.nullcontext():
                     result = self._run(slot, op)
                 record = future_done(result)

@@ -72,11 +72,13 @@ class Worker:
         max_batch_size: running sequences at most; more wait in the queue.
         max_prefill_tokens: padded prompt tokens per prefill forward (at least one prompt is admitted).
         merge_lora: serve a version that every row uses from merged weights (:class:`~.lora_slots.MergedVersion`).
+        serving: a :class:`~livelora.adapters.core_share.ServingFlag` beaten while sequences run or wait (a trainer
+            process on this machine then keeps to its thread budget), or ``None``.
     """
 
     def __init__(self, model, tokenizer, *, eos_ids: set[int], max_batch_size: int,
                  max_prefill_tokens: int, device: str, share: tuple[Any, int, int] | None = None,
-                 merge_lora: bool = True):
+                 merge_lora: bool = True, serving: Any = None):
         self.model = model  # the plain transformers model (LoRA layers are injected into it when adapters load)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -96,6 +98,7 @@ class Worker:
         self.steps = 0  # decode steps run (for tests and stats)
         #: ``(TrainingFlag, threads when idle, threads while a training step runs)`` or None (never changed)
         self.share = share
+        self.serving = serving
         self.threads = torch.get_num_threads()
         self.thread = threading.Thread(target=self._run, name="livelora-engine", daemon=True)
 
@@ -135,6 +138,8 @@ class Worker:
                     break
             self._run_commands()
             self._share_cores()
+            if self.serving is not None and (self.running or self.waiting):
+                self.serving.beat()
             groups: list[list[Sequence]] = []
             try:
                 with torch.inference_mode():
