@@ -57,8 +57,9 @@ class TransformersEngine(Engine):
         num_threads: ``torch.set_num_threads`` value (process-wide); ``None`` keeps torch's default.
         share_cores: share the cores with training steps on this machine (:mod:`livelora.adapters.core_share`):
             while a step runs the engine uses ``threads_while_training`` threads (``None``: half of its threads,
-            at least 1), all of them otherwise; and while it serves it beats the machine's
-            :class:`~livelora.adapters.core_share.ServingFlag` (a trainer process keeps to its thread budget).
+            at least 1), all of them otherwise. On the CPU the engine also beats the machine's
+            :class:`~livelora.adapters.core_share.ServingFlag` while it serves (a trainer process then keeps to its
+            thread budget).
         merge_lora: serve an adapter version that every row of a batch uses from merged weights
             (:class:`~.lora_slots.MergedVersion`; ``LIVELORA_ENGINE_MERGE_LORA``).
     """
@@ -129,13 +130,15 @@ class TransformersEngine(Engine):
         if tokenizer.eos_token_id is not None:
             eos_ids.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos_ids)
-        share = serving = None
-        if self.share_cores:
-            from livelora.adapters.core_share import ServingFlag, TrainingFlag
+        from livelora.adapters.core_share import ServingFlag, TrainingFlag
 
+        share = None
+        if self.share_cores:
             full = torch.get_num_threads()
             share = (TrainingFlag(self._home), full, self.threads_while_training or max(1, full // 2))
-            serving = ServingFlag(self._home)
+        # beaten whenever the engine runs on the CPU, so that a trainer process on this machine keeps to its
+        # thread budget while requests are served (also when the engine never changes its own thread count)
+        serving = ServingFlag(self._home) if self.device == "cpu" else None
         worker = Worker(model, tokenizer, eos_ids=set(eos_ids), max_batch_size=self.max_batch_size,
                         max_prefill_tokens=self.max_prefill_tokens, device=self.device, share=share,
                         merge_lora=self.merge_lora, serving=serving)
