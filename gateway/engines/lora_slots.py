@@ -397,7 +397,9 @@ class MergedVersion:
 
         old = reuse.weights if reuse is not None else {}
         weights: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
+        # always in inference mode: the buffers are inference tensors (built during a decode step or a scoring
+        # command alike), and an inference tensor may only be written in place inside inference mode
+        with torch.inference_mode():
             for module in peft.modules():
                 if not isinstance(module, LoraLinear) or slot.name not in module.lora_A:
                     continue
