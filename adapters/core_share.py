@@ -161,18 +161,70 @@ class StepThreads:
         return want
 
 
+class StepPacer:
+    """Keeps a trainer's share of wall time in training steps at most ``duty`` while an engine on this machine
+    serves: before a step it sleeps until the last step's time is at most ``duty`` of the time since that step
+    began (``pause = active·(1 − duty)/duty − idle so far``, at most ``max_pause_s``). The signals of the paused
+    step wait in their queue (none is lost); the next batch may hold more of them.
+
+    Args:
+        home: the store root. duty: largest share of time in steps while serving, in (0, 1] (1: never pause).
+        max_pause_s: longest pause before one step (seconds).
+    """
+
+    def __init__(self, home: Path | str, duty: float, max_pause_s: float = 60.0):
+        self.serving, self.duty, self.max_pause_s = ServingFlag(home), duty, max_pause_s
+        self.last_active = 0.0  # seconds the last step ran
+        self.last_end = 0.0     # time.monotonic() when it ended
+        self.paused_s = 0.0     # total pause (seconds), for logs and tests
+
+    def pause_before_step(self) -> float:
+        """Sleep as needed (see the class docstring); returns the seconds slept."""
+        if self.duty >= 1.0 or self.last_active <= 0 or not self.serving.busy():
+            return 0.0
+        wait = self.last_active * (1.0 - self.duty) / self.duty - (time.monotonic() - self.last_end)
+        wait = min(max(wait, 0.0), self.max_pause_s)
+        if wait > 0:
+            time.sleep(wait)
+            self.paused_s += wait
+        return wait
+
+    def record(self, seconds: float) -> None:
+        """The step that just ended ran ``seconds``."""
+        self.last_active, self.last_end = seconds, time.monotonic()
+
+
 _step_threads: StepThreads | None = None
+_pacer: StepPacer | None = None
 
 
-def configure_step_threads(home: Path | str, busy: int, idle: int) -> None:
-    """Make :func:`apply_step_threads` choose between ``busy`` and ``idle`` threads in this process (a trainer
-    process: ``livelora serve``'s child sets it; a trainer in the serving process's threads never does, since
-    torch's thread count is process-wide there)."""
-    global _step_threads
+def configure_step_threads(home: Path | str, busy: int, idle: int, duty: float = 1.0) -> None:
+    """Make :func:`training_step` choose between ``busy`` and ``idle`` threads in this process and keep its share
+    of time in steps at most ``duty`` while requests are served (:class:`StepPacer`). A trainer process sets it
+    (``livelora serve``'s child); a trainer in the serving process's threads never does, since torch's thread
+    count is process-wide there and the engine's own threads must not sleep."""
+    global _step_threads, _pacer
     _step_threads = StepThreads(home, busy, idle) if idle != busy else None
+    _pacer = StepPacer(home, duty) if duty < 1.0 else None
 
 
 def apply_step_threads() -> int | None:
     """Before a training step: the configured :class:`StepThreads` choice (``None`` when not configured: the
     thread count is left as it is)."""
     return _step_threads.apply() if _step_threads is not None else None
+
+
+@contextlib.contextmanager
+def training_step() -> Iterator[None]:
+    """Around one training step of a trainer process: the configured pause (:class:`StepPacer`), then the
+    thread choice (:class:`StepThreads`), then the step; its duration is recorded for the next pause. Without
+    :func:`configure_step_threads` it does nothing."""
+    if _pacer is not None:
+        _pacer.pause_before_step()
+    apply_step_threads()
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        if _pacer is not None:
+            _pacer.record(time.monotonic() - started)

@@ -167,6 +167,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
                 trainer = TrainerProcess(settings.trainer_settings(), nice=placement.trainer_nice,
                                          threads=placement.trainer_threads or default_trainer_threads(),
                                          idle_threads=available_cores() if idle is None else idle,
+                                         duty=placement.trainer_duty_while_serving,
                                          log_level=logging.getLogger().getEffectiveLevel())
                 trainer.start()
             else:

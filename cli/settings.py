@@ -13,7 +13,7 @@ from livelora.trainer.settings import GateSection, TrainerSettings, TrainingSect
 class PlacementSection(Section):
     """Where ``livelora serve`` runs its trainer, and with what share of the machine (serving first:
     :mod:`livelora.cli.trainer_process`). Environment ``LIVELORA_TRAINER_PROCESS``, ``LIVELORA_TRAINER_NICE``,
-    ``LIVELORA_TRAINER_THREADS``, ``LIVELORA_TRAINER_THREADS_IDLE``."""
+    ``LIVELORA_TRAINER_THREADS``, ``LIVELORA_TRAINER_THREADS_IDLE``, ``LIVELORA_TRAINER_DUTY_WHILE_SERVING``."""
 
     trainer_process: bool = Field(True, description="Run the trainer (signal worker + op executor) in a supervised "
                                                     "child process with lower CPU priority; false runs it in "
@@ -26,6 +26,11 @@ class PlacementSection(Section):
                                                                      "step that starts while no request has been "
                                                                      "served on this machine for 2 s (default: all "
                                                                      "cores; 0: always trainer_threads).")
+    trainer_duty_while_serving: float = Field(1.0, gt=0, le=1, description="Largest share of wall time the trainer "
+                                                                          "process spends in training steps while "
+                                                                          "requests are served on this machine "
+                                                                          "(it pauses before a step; 1: never "
+                                                                          "pauses).")
 
 
 class ServeSettings(GatewaySettings):

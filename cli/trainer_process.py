@@ -55,7 +55,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _trainer_main(settings: Any, nice: int, threads: int, parent_pid: int, log_level: int,
-                  idle_threads: int = 0) -> None:
+                  idle_threads: int = 0, duty: float = 1.0) -> None:
     """Entry point of the child process (spawned): priority, threads, logging, then
     :func:`~livelora.cli.processes.run_trainer` until SIGTERM/SIGINT."""
     _die_with_parent(parent_pid)
@@ -64,10 +64,10 @@ def _trainer_main(settings: Any, nice: int, threads: int, parent_pid: int, log_l
     import torch
 
     torch.set_num_threads(threads)
-    if idle_threads:  # steps that start while nothing is served take every core (adapters/core_share.py)
+    if idle_threads or duty < 1.0:  # steps while nothing is served take every core; the duty while serving
         from livelora.adapters.core_share import configure_step_threads
 
-        configure_step_threads(settings.home, busy=threads, idle=idle_threads)
+        configure_step_threads(settings.home, busy=threads, idle=idle_threads or threads, duty=duty)
     if getattr(getattr(settings, "observability", None), "log_format", "text") == "json":
         from livelora.adapters.logs import configure_logging
 
@@ -89,6 +89,8 @@ class TrainerProcess:
         nice: added to the child's nice value (0-19). threads: the child's torch threads (>= 1).
         idle_threads: torch threads of a step that starts while no request is being served on this machine
             (:func:`~livelora.adapters.core_share.configure_step_threads`; 0: always ``threads``).
+        duty: largest share of wall time in training steps while requests are served (1: never pauses;
+            :class:`~livelora.adapters.core_share.StepPacer`).
         log_level: the child's logging level.
 
     Example::
@@ -103,13 +105,13 @@ class TrainerProcess:
     BACKOFF_S = 1.0
     MAX_BACKOFF_S = 30.0
 
-    def __init__(self, settings: Any, *, nice: int, threads: int, idle_threads: int = 0,
+    def __init__(self, settings: Any, *, nice: int, threads: int, idle_threads: int = 0, duty: float = 1.0,
                  log_level: int = logging.INFO):
         if settings.training.consumer is None:
             training = settings.training.model_copy(update={"consumer": f"{socket.gethostname()}-serve-{os.getpid()}"})
             settings = settings.model_copy(update={"training": training})
         self.settings, self.nice, self.threads, self.log_level = settings, nice, threads, log_level
-        self.idle_threads = idle_threads
+        self.idle_threads, self.duty = idle_threads, duty
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process with torch and server threads
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -126,7 +128,7 @@ class TrainerProcess:
     def _spawn(self) -> None:
         proc = self._ctx.Process(target=_trainer_main, name="livelora-trainer",
                                  args=(self.settings, self.nice, self.threads, os.getpid(), self.log_level,
-                                       self.idle_threads))
+                                       self.idle_threads, self.duty))
         proc.start()
         self.process = proc
         log.info("trainer process %d started (nice +%d, %d torch threads, %s while nothing is served)", proc.pid,

@@ -12,10 +12,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from livelora.adapters import core_share
-from livelora.adapters.core_share import SERVING_WINDOW_S, ServingFlag, StepThreads, TrainingFlag
+from livelora.adapters.core_share import SERVING_WINDOW_S, ServingFlag, StepPacer, StepThreads, TrainingFlag
 from livelora.gateway.engines import SamplingParams, create_engine
 
 
@@ -66,6 +67,43 @@ def test_serving_flag_counts_recent_beats_of_a_live_engine_and_steps_take_all_co
     finally:
         core_share.configure_step_threads(tmp_path, busy=1, idle=1)
         torch.set_num_threads(full)
+
+
+def test_pacer_keeps_the_steps_share_of_time_at_its_duty_only_while_serving(tmp_path, monkeypatch):
+    clock = {"now": 1000.0}
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock["now"] += seconds
+
+    monkeypatch.setattr(core_share.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(core_share.time, "sleep", sleep)
+    pacer = StepPacer(tmp_path, duty=0.25, max_pause_s=60.0)
+    assert pacer.pause_before_step() == 0.0          # no step yet
+    pacer.record(4.0)                                 # a 4 s step just ended; nothing is served
+    assert pacer.pause_before_step() == 0.0 and slept == []
+    ServingFlag(tmp_path).beat()                      # an engine serves: duty ¼ → 4·(1 − ¼)/¼ = 12 s of pause
+    assert pacer.pause_before_step() == pytest.approx(12.0) and slept == [pytest.approx(12.0)]
+    pacer.record(4.0)
+    clock["now"] += 5.0                               # 5 s already passed since the step (e.g. waiting for a batch)
+    assert pacer.pause_before_step() == pytest.approx(7.0)
+    pacer.record(40.0)
+    assert pacer.pause_before_step() == pytest.approx(60.0)  # capped at max_pause_s
+    assert pacer.paused_s == pytest.approx(79.0)
+    assert StepPacer(tmp_path, duty=1.0).pause_before_step() == 0.0
+
+    core_share.configure_step_threads(tmp_path, busy=1, idle=1, duty=0.5)
+    try:
+        with core_share.training_step():              # no step before: no pause; its time is recorded
+            clock["now"] += 3.0
+        assert core_share._pacer.last_active == pytest.approx(3.0)
+        with core_share.training_step():              # serving: paused as long as the last step ran (duty ½)
+            pass
+        assert slept[-1] == pytest.approx(3.0)
+    finally:
+        core_share.configure_step_threads(tmp_path, busy=1, idle=1)
+    assert core_share._pacer is None
 
 
 def test_engine_uses_fewer_threads_while_a_step_runs(base_ref, tmp_path):

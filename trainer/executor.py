@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from livelora.adapters import metrics
-from livelora.adapters.core_share import TrainingFlag, apply_step_threads
+from livelora.adapters.core_share import TrainingFlag, training_step
 from livelora.adapters.metering import Meter, Usage
 from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.session_protocol import (CheckpointIndex, Op, StaleOwnerError, future_done, future_failed,
@@ -305,9 +305,9 @@ class OpExecutor(SessionOps):
                 return
             changed = False
             try:
-                if op.kind in _STEP_KINDS:
-                    apply_step_threads()  # a trainer process: all cores while nothing is served (core_share)
-                with self.busy.held() if op.kind in _STEP_KINDS else contextlib.nullcontext():
+                step = op.kind in _STEP_KINDS  # a trainer process: duty and threads (core_share), flag held
+                with training_step() if step else contextlib.nullcontext(), \
+                        self.busy.held() if step else contextlib.nullcontext():
                     result = self._run(slot, op)
                 record = future_done(result)
                 changed = op.kind in STATE_OPS and slot.model is not None

@@ -42,7 +42,7 @@ from typing import Any
 from livelora.adapters import metrics as prom
 from livelora.adapters.api_keys import DEFAULT_TENANT
 from livelora.adapters.chat_tokens import chat_pair, rated_completion_ids
-from livelora.adapters.core_share import TrainingFlag, apply_step_threads
+from livelora.adapters.core_share import TrainingFlag, training_step
 from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.metering import Meter, Usage
 from livelora.adapters.models import BaseModelRef, load_tokenizer
@@ -282,8 +282,9 @@ class OnlineTrainer:
         if gate is not None:
             gate.distrusted = {r for r, a in (getattr(batch, "rater_weights", None) or {}).items() if a < 0.5}
             gate.before_step(model, batch.lineage, f"{batch.lineage}@{model.parent}" if model.parent else "base")
-        apply_step_threads()  # a trainer process: all cores while nothing is served, its budget otherwise
-        with self.busy.held():  # the engine on this machine leaves a core to the step (core_share)
+        # a trainer process: its duty while serving, all cores while nothing is served (core_share); the engine on
+        # this machine leaves a core to the step while the flag is held
+        with training_step(), self.busy.held():
             stepped = False
             try:
                 out = model.forward_backward(data, loss_fn, cfg)
