@@ -85,6 +85,9 @@ def validate_lineage(name: str) -> str:
     return name
 
 
+_VERSION_RE = re.compile(r"[1-9][0-9]{0,17}")
+
+
 def parse_version_name(name: str) -> tuple[str, int]:
     """Split ``<lineage>@<n>`` into ``(lineage, n)``.
 
@@ -92,9 +95,9 @@ def parse_version_name(name: str) -> tuple[str, int]:
         BadRequestError: malformed name.
     """
     lineage, sep, num = name.rpartition("@")
-    if not sep or not num.isdigit() or int(num) < 1:
-        raise BadRequestError(f"invalid adapter version name {name!r}: expected '<lineage>@<n>' with n >= 1",
-                              param="adapter")
+    if not sep or not _VERSION_RE.fullmatch(num):  # one spelling per version: no leading zeros, ASCII digits only
+        raise BadRequestError(f"invalid adapter version name {name!r}: expected '<lineage>@<n>' with n >= 1 "
+                              "written without leading zeros", param="adapter")
     return validate_lineage(lineage), int(num)
 
 

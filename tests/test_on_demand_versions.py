@@ -169,6 +169,20 @@ def test_a_missing_and_another_tenants_version_get_the_same_404(server, keys):
     assert "acme.solo@1" not in server.engine.loaded_adapters()
 
 
+def test_another_spelling_of_a_version_number_is_unknown_and_loads_nothing(server, keys):
+    """One spelling per version: ``@01``, ``@001``, a non-ASCII digit are not ``@1`` (a lenient parse once loaded
+    the version behind a 404 and evicted another held one)."""
+    registry = server.services.registry
+    with http(server, keys["acme"]) as a:
+        held_before, loaded_before = list(registry.on_demand.held), set(server.engine.loaded_adapters())
+        for model in ("acme.solo@01", "acme.solo@001", "acme.solo@\u0661"):
+            err = error_of(chat(a, model), 404)
+            assert err["code"] == "model_not_found" and repr(model) in err["message"], model
+            assert error_of(a.get(f"/v1/models/{model}"), 404)["code"] == "model_not_found"
+        assert list(registry.on_demand.held) == held_before
+        assert set(server.engine.loaded_adapters()) == loaded_before and "acme.solo@1" not in loaded_before
+
+
 def test_a_gate_rejected_or_deleted_version_says_why(server, keys):
     with http(server, keys["acme"]) as a:
         err = error_of(chat(a, "acme.solo@2"), 409)
