@@ -251,6 +251,11 @@ def test_checkpoint_log_survives_a_torn_line_and_configs_must_match(tmp_path):
         f.write('{"step": 6, "name": "step-0000')  # killed mid-write
     assert last_checkpoint(tmp_path)["state_path"] == "tinker://m/weights/step-000004"
     assert last_checkpoint(tmp_path / "fresh") is None
+    failed = tmp_path / "failed"  # a run that failed before its first checkpoint holds nothing to resume
+    failed.mkdir()
+    save_config(failed, {"data": "/nonexistent", "steps": 10}, frozenset({"steps"}))
+    save_config(failed, {"data": "openai/gsm8k", "steps": 10}, frozenset({"steps"}))
+    assert json.loads((failed / "config.json").read_text())["data"] == "openai/gsm8k"
     save_config(tmp_path, {"lr": 1e-4, "steps": 10}, frozenset({"steps"}))
     save_config(tmp_path, {"lr": 1e-4, "steps": 20}, frozenset({"steps"}))  # steps may grow on resume
     assert json.loads((tmp_path / "config.json").read_text())["steps"] == 20
@@ -295,6 +300,13 @@ def test_chat_data_from_a_messages_file_or_a_clear_error_for_an_unreachable_hub(
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataError, match="not a local path and could not be loaded"):
         load_chat("HuggingFaceH4/ultrachat_200k", "train_sft")
+    from livelora.clients.recipes.datasets import gsm8k
+
+    for missing in (str(tmp_path / "nonexistent"), "./gsm8k"):  # a local path, not a hub name: said so
+        with pytest.raises(DataError, match="no such file or folder"):
+            gsm8k(missing, "train")
+    with pytest.raises(DataError, match="no such file or folder"):
+        load_chat(str(tmp_path / "chats.jsonl"))
 
 
 def test_recipe_cli_lists_the_recipes_and_validates_flags(tmp_path):

@@ -75,15 +75,16 @@ def save_config(log_dir: Path, config: dict[str, Any], resumable: frozenset[str]
     """Write ``config.json``, or check it against the one already there.
 
     ``resumable`` names fields that may change between a run and its resume (e.g. ``steps``, ``base_url``);
-    the file keeps the latest values.
+    the file keeps the latest values. A run that never recorded a checkpoint (it failed before its first one,
+    e.g. on a missing data set) holds nothing to resume: its config is replaced.
 
-    Raises: ConfigMismatchError listing every other field that differs.
+    Raises: ConfigMismatchError listing every other field that differs, when the run has a checkpoint.
     """
     path = log_dir / CONFIG
     if path.is_file():
         old = json.loads(path.read_text())
         diff = sorted(k for k in set(old) | set(config) if k not in resumable and old.get(k) != config.get(k))
-        if diff:
+        if diff and last_checkpoint(log_dir) is not None:
             changes = ", ".join(f"{k}: {old.get(k)!r} -> {config.get(k)!r}" for k in diff)
             raise ConfigMismatchError(f"{log_dir} holds a run with another config ({changes}); "
                                       "pass a new log_dir, or the same settings to resume it")

@@ -53,6 +53,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _hub(name: str, split: str, config: str | None = None) -> list[dict[str, Any]]:
+    if name.startswith(("/", "./", "../", "~")) or Path(name).suffix in (".jsonl", ".json"):
+        raise DataError(f"{name!r}: no such file or folder (a local path; hub data set names look like "
+                        "'org/name')")
     try:
         import datasets
     except ImportError as exc:
