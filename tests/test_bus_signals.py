@@ -120,7 +120,9 @@ async def test_feedback_unknown_completion_and_bad_input_change_nothing(env):
                  {"completion_id": "chatcmpl-2", "rating": True, "stars": 5},       # unknown field
                  {"completion_id": "chatcmpl-2", "rating": "maybe"},                # not a boolean
                  {"completion_id": "chatcmpl-2", "rating": "yes"},                  # nor a look-alike
-                 {"completion_id": "chatcmpl-2", "rating": 1}):
+                 {"completion_id": "chatcmpl-2", "rating": 1},
+                 {"completion_id": "chatcmpl-2", "rating": True, "score": True},    # a score is a number
+                 {"completion_id": "chatcmpl-2", "rating": True, "score": "2.5"}):
         r = await http.post("/v1/feedback", json=body)
         assert r.status_code == 400, body
         assert r.json()["error"]["type"] == "invalid_request_error"

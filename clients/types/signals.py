@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StrictBool, TypeAdapter, field_validator
+from pydantic import ConfigDict, Field, Strict, StrictBool, TypeAdapter, field_validator
 
 from livelora.clients.types.nulls import NullMeansOmitted
 
@@ -94,7 +94,9 @@ class FeedbackRequest(_Strict):
     completion_id: str = Field(min_length=1, max_length=256, description="Id of a served completion.")
     rating: StrictBool = Field(description="Thumbs label: JSON true = up (KTO desirable), false = down "
                                            "(undesirable); \"yes\", 1 and other look-alikes are refused.")
-    score: float | None = Field(default=None, description="Optional numeric score (finite).")
+    score: Annotated[float, Strict()] | None = Field(
+        default=None, description="Optional numeric score (a finite JSON number; true/false and numeric strings are "
+                                  "refused). Kept in the dataset of record; training uses `rating`.")
     comment: str | None = Field(default=None, max_length=10_000, description="Optional free-text comment.")
     user: _User = None
 
