@@ -368,12 +368,18 @@ def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home
     table.add_row("serving", ", ".join(m["serving"]) or "-")
     gate = m.get("gate")
     if gate:
-        verdicts = ", ".join(f"{ep}: {'passed' if v['passed'] else 'rejected (' + ', '.join(v['failed']) + ')'}"
+        verdicts = ", ".join(f"{'other endpoints (default thresholds)' if ep == '*' else ep}: "
+                             f"{'passed' if v['passed'] else 'rejected (' + ', '.join(v['failed']) + ')'}"
                              for ep, v in gate["verdicts"].items())
         table.add_row("gate", f"against {gate['against']} in {gate['seconds']:.1f} s; {verdicts}"
                       + (f"; training continues from {gate['continued_from']}" if gate.get("continued_from") else ""))
+        base = (gate.get("measures") or {}).get("probe_accuracy_base")
         for c in gate["checks"]:
-            table.add_row(f"  {c['name']}", f"{_num(c['value'])} (current {_num(c['current'])}, "
+            if c["value"] is None:  # e.g. the signal check before enough held-out ratings: it did not count
+                table.add_row(f"  {c['name']}", "not measured (passes)")
+                continue
+            extra = f", base model {_num(base)}" if c["name"] == "probes_base" and base is not None else ""
+            table.add_row(f"  {c['name']}", f"{_num(c['value'])} (current {_num(c['current'])}{extra}, "
                           f"bound {_num(c['bound'])}) {'ok' if c['passed'] else 'FAILED'}")
     else:
         table.add_row("gate", "not evaluated")

@@ -251,6 +251,9 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
     cli = CliRunner().invoke(app, ["adapters", "show", f"{lineage}@2", "--home", str(home)])
     assert cli.exit_code == 0, cli.output
     assert "probes_base" in cli.output and "FAILED" in cli.output
+    shown = " ".join(cli.output.split())
+    assert "base model 0.8333" in shown  # the base accuracy its bound comes from (20 of 24 probes)
+    assert "│ signal │ not measured (passes) │" in shown  # no held-out ratings here: the check did not count
 
     # the gateway never serves version 2: catch-up skips it, its notice does not even load it
     loop = asyncio.new_event_loop()
