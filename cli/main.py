@@ -111,9 +111,11 @@ def _settings(cls, overrides: dict):
     try:
         return cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        for err in exc.errors():
-            loc = ".".join(map(str, err["loc"]))
-            console.print(f"[red]error[/]: {loc + ': ' if loc else ''}{err['msg']}")
+        for err in exc.errors():  # named by the variable a user sets (flat LIVELORA_* names; vLLM's own prefix)
+            loc = [str(x) for x in err["loc"]]
+            env = ("LIVELORA_VLLM_" if loc[:1] == ["vllm"] else "LIVELORA_") + loc[-1].upper() if loc else ""
+            where = f"{env} ({'.'.join(loc)}): " if loc else ""
+            console.print(f"[red]error[/]: {where}{err['msg']}")
         raise typer.Exit(2) from None
 
 

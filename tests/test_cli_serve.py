@@ -22,10 +22,15 @@ def test_help_lists_serve_and_its_flags():
         assert flag in result.output
 
 
-def test_invalid_flag_value_exits_with_a_message():
+def test_invalid_flag_value_exits_with_a_message(monkeypatch):
     result = CliRunner().invoke(app, ["serve", "--port", "70000"])
     assert result.exit_code == 2
-    assert "port" in result.output
+    assert "LIVELORA_PORT" in result.output and "port" in result.output
+    # a bad environment variable is named as the user wrote it, with the field it sets
+    monkeypatch.setenv("LIVELORA_ENGINE_MERGE_LORA", "maybe")
+    result = CliRunner().invoke(app, ["serve"])
+    assert result.exit_code == 2
+    assert "LIVELORA_ENGINE_MERGE_LORA (engine_merge_lora)" in " ".join(result.output.split())
 
 
 def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
