@@ -392,7 +392,9 @@ class TrainerWorker:
                 new = self._handoff(keys=[self.keys.signals], args=[TRAINERS_GROUP, self.consumer, sid,
                                                                      ev.model_dump_json(), ev.replaces or ""])
             self._release([sid])
-            log.info("handed lonely rating %s back to the group (%s → %s)", ev.id, sid, new or "not ours")
+            log.info("rating %s has been alone in its queue for %.0f s (a KTO step needs at least two ratings of "
+                     "one endpoint): handed back to the group (%s → %s) to meet a partner in any worker's queue; "
+                     "it trains with the next rating", ev.id, 2 * max_wait, sid, new or "not ours")
 
     def _screen(self, batch: Batch) -> Batch | None:
         """Take out of a due batch the events trained meanwhile by any worker (acknowledged) and the entries
