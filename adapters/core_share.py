@@ -38,6 +38,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _write_pid(path: Path) -> None:
+    """Write this process's pid to ``path`` whole (temporary file + rename). Raises: OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, path)
+
+
 class TrainingFlag:
     """The "a training step runs on this machine" flag of store ``home``.
 
@@ -54,10 +73,7 @@ class TrainingFlag:
         the body raises. Never raises for a file-system error (the flag only steers thread counts)."""
         wrote = False
         with contextlib.suppress(OSError):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-            tmp.write_text(str(os.getpid()))
-            os.replace(tmp, self.path)
+            _write_pid(self.path)
             wrote = True
         try:
             yield
@@ -73,29 +89,13 @@ class TrainingFlag:
             pid = int(self.path.read_text().strip())
         except (OSError, ValueError):
             return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # alive, another user's
-            return True
-        return True
+        return _alive(pid)
 
 
 #: Seconds since the engine's last beat during which it counts as serving (it beats at least every
 #: :data:`BEAT_EVERY_S` while it has work; a gap between two requests shorter than this counts as busy).
 SERVING_WINDOW_S = 2.0
 BEAT_EVERY_S = 0.5
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 class ServingFlag:
@@ -124,10 +124,7 @@ class ServingFlag:
                     return
             except (OSError, ValueError):
                 pass
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-            tmp.write_text(str(os.getpid()))
-            os.replace(tmp, self.path)
+            _write_pid(self.path)
 
     def busy(self, within_s: float = SERVING_WINDOW_S) -> bool:
         """Whether a live engine beat within the last ``within_s`` seconds (no file, an old one, or a dead pid:

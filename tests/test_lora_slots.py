@@ -91,6 +91,15 @@ def _score(loop, engine, tokens, name):
     return [t.logprob for t in loop.run_until_complete(engine.score(tokens, adapter=name))[1:]]
 
 
+async def _generate(engine, prompt, params, adapter):
+    """One generation: ``(token ids, their logprobs)``."""
+    out, lps = [], []
+    async for chunk in engine.generate(prompt, params, adapter=adapter):
+        out += chunk.token_ids
+        lps += [t.logprob for t in chunk.logprobs or []]
+    return out, lps
+
+
 def _slots(loop, engine):
     """(version → slot name, free slot names) once the worker's queued commands (spare slots) have run."""
     worker = engine._worker
@@ -181,15 +190,8 @@ def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weig
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
     prompt = tokens[:10]
 
-    async def one(adapter):
-        out, lps = [], []
-        async for chunk in engine.generate(prompt, params, adapter=adapter):
-            out += chunk.token_ids
-            lps += [t.logprob for t in chunk.logprobs or []]
-        return out, lps
-
     async def together():
-        return await asyncio.gather(*(one(a) for a in names + [None]))
+        return await asyncio.gather(*(_generate(engine, prompt, params, a) for a in names + [None]))
 
     steps_before = engine.decode_steps
     results = loop.run_until_complete(together())
@@ -220,18 +222,11 @@ def test_a_version_every_row_uses_is_served_from_merged_weights_equal_to_its_own
     params = SamplingParams(max_tokens=MERGE_AFTER_STEPS + 6, temperature=0.0, logprobs=True, ignore_eos=True)
     prompt = tokens[:8]
 
-    async def generate(name):
-        out, lps = [], []
-        async for chunk in engine.generate(prompt, params, adapter=name):
-            out += chunk.token_ids
-            lps += [t.logprob for t in chunk.logprobs or []]
-        return out, lps
-
     for name, path in (("solo@1", v1), ("solo@2", v2)):
         loop.run_until_complete(engine.load_adapter(name, str(path)))
         slot = slots.versions[name]
         assert slots.merged is None or slots.merged.slot is not slot  # a fresh version starts stacked
-        out, lps = loop.run_until_complete(generate(name))
+        out, lps = loop.run_until_complete(_generate(engine, prompt, params, name))
         assert slots.merged is not None and slots.merged.slot is slot, "the merged pass did not run"
         assert len(slots.merged.weights) == 30 * len(TARGETS)  # every adapted layer of SmolLM2's 30 blocks
         reference = _peft_reference(base_ref, path, prompt + out)[len(prompt) - 1:]
