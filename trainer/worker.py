@@ -392,9 +392,8 @@ class TrainerWorker:
                 new = self._handoff(keys=[self.keys.signals], args=[TRAINERS_GROUP, self.consumer, sid,
                                                                      ev.model_dump_json(), ev.replaces or ""])
             self._release([sid])
-            log.info("rating %s has been alone in its queue for %.0f s (a KTO step needs at least two ratings of "
-                     "one endpoint): handed back to the group (%s → %s) to meet a partner in any worker's queue; "
-                     "it trains with the next rating", ev.id, 2 * max_wait, sid, new or "not ours")
+            log.info("lone rating %s handed back to the group (%s → %s): a KTO step needs two ratings of one "
+                     "endpoint, so it trains with the next one", ev.id, sid, new or "not ours")
 
     def _screen(self, batch: Batch) -> Batch | None:
         """Take out of a due batch the events trained meanwhile by any worker (acknowledged) and the entries
@@ -425,8 +424,7 @@ class TrainerWorker:
         return out
 
     def _train(self, batch: Batch) -> VersionNotice | None:
-        key = batch.stream_ids[0]
-        started_at = self.clock()
+        key, started_at = batch.stream_ids[0], self.clock()
         try:
             screen = getattr(self.backend, "screen", None)  # untrainable events go alone (trainer/triage.py)
             batch = self._reject(batch, screen(batch) if screen is not None else {})
