@@ -235,6 +235,39 @@ def test_a_version_every_row_uses_is_served_from_merged_weights_equal_to_its_own
         assert slots.merged is None or slots.merged.slot is None  # the slot is free: its merge is stale
 
 
+def test_a_version_that_cannot_be_merged_leaves_the_served_merge_intact(engine, loop, versions, tokens, base_ref):
+    """A version with a layer MergedVersion cannot merge (here: one layer flagged ``fan_in_fan_out``) is served by
+    the stacked pass, and trying to merge it writes nothing into the buffers of the version merged before."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from livelora.gateway.engines import SamplingParams
+    from livelora.gateway.engines.lora_slots import MERGE_AFTER_STEPS
+
+    (v1, v2, _), _ = versions
+    slots = engine._worker.slots
+    params = SamplingParams(max_tokens=MERGE_AFTER_STEPS + 4, temperature=0.0, logprobs=True, ignore_eos=True)
+    prompt = tokens[:8]
+    loop.run_until_complete(engine.load_adapter("keep@1", str(v1)))
+    loop.run_until_complete(_generate(engine, prompt, params, "keep@1"))
+    kept = slots.merged
+    assert kept is not None and kept.slot is slots.versions["keep@1"]
+    before = {k: w.clone() for k, w in kept.weights.items()}
+    loop.run_until_complete(engine.load_adapter("flat@1", str(v2)))
+    last = [m for m in slots.peft.modules() if isinstance(m, LoraLinear)][-1]  # merged last: the others first
+    last.fan_in_fan_out = True
+    try:
+        out, lps = loop.run_until_complete(_generate(engine, prompt, params, "flat@1"))
+    finally:
+        last.fan_in_fan_out = False
+    assert not slots.versions["flat@1"].mergeable and slots.merged is kept
+    assert all(torch.equal(before[k], w) for k, w in kept.weights.items())  # not a value overwritten
+    assert lps == pytest.approx(_peft_reference(base_ref, v2, prompt + out)[len(prompt) - 1:], abs=LP_TOL)
+    out, lps = loop.run_until_complete(_generate(engine, prompt, params, "keep@1"))  # served merged, still v1's
+    assert lps == pytest.approx(_peft_reference(base_ref, v1, prompt + out)[len(prompt) - 1:], abs=LP_TOL)
+    for name in ("keep@1", "flat@1"):
+        loop.run_until_complete(engine.unload_adapter(name))
+
+
 def test_prefill_groups_bound_padding_and_put_short_prompts_first():
     from types import SimpleNamespace
 

@@ -395,17 +395,17 @@ class MergedVersion:
         SmolLM2-135M at rank 16 on every linear layer on 2 CPU cores)."""
         from peft.tuners.lora.layer import Linear as LoraLinear
 
+        layers = [m for m in peft.modules() if isinstance(m, LoraLinear) and slot.name in m.lora_A]
+        # checked before any buffer is written: the buffers may still hold the merged version being served
+        if any(not isinstance(m.base_layer, torch.nn.Linear) or getattr(m, "fan_in_fan_out", False) for m in layers):
+            return cls(None, {})
         old = reuse.weights if reuse is not None else {}
         weights: dict[int, torch.Tensor] = {}
         # always in inference mode: the buffers are inference tensors (built during a decode step or a scoring
         # command alike), and an inference tensor may only be written in place inside inference mode
         with torch.inference_mode():
-            for module in peft.modules():
-                if not isinstance(module, LoraLinear) or slot.name not in module.lora_A:
-                    continue
+            for module in layers:
                 base = module.base_layer
-                if not isinstance(base, torch.nn.Linear) or getattr(module, "fan_in_fan_out", False):
-                    return cls(None, {})
                 a, b = module.lora_A[slot.name].weight, module.lora_B[slot.name].weight
                 out = old.get(id(module))
                 if out is None or out.shape != base.weight.shape or out.dtype != base.weight.dtype:
