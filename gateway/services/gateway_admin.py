@@ -150,8 +150,6 @@ class GatewayAdmin:
         return out
 
     async def _forget_labels(self, user: str) -> int:
-        import json as _json
-
         reg = self.registry
         if reg is None:
             return 0
@@ -159,7 +157,7 @@ class GatewayAdmin:
         try:
             for lineage in self._own_lineages():
                 fields = [f for f in await reg.client.hkeys(reg.keys.rater_labels(lineage))
-                          if _json.loads(f)[1:] == [user]]
+                          if json.loads(f)[1:] == [user]]
                 if fields:
                     n += await reg.client.hdel(reg.keys.rater_labels(lineage), *fields)
                     await reg.client.zrem(reg.keys.rater_labels_order(lineage), *fields)
