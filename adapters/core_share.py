@@ -15,7 +15,7 @@ The other way round, a trainer process has a thread budget of its own (``trainer
 that serving keeps the rest; when no request is being served on the machine the budget only slows the update
 down. So the transformers engine beats a second file, ``<home>/run/serving-<hostname>`` (:class:`ServingFlag`:
 its mtime, renewed at most every half second while the engine has running or waiting sequences), and a trainer
-process configured with :func:`configure_step_threads` starts each step with all of ``idle`` threads when the
+process configured with :func:`configure_training_steps` starts each step with all of ``idle`` threads when the
 engine has been idle for :data:`SERVING_WINDOW_S` and with its ``busy`` budget otherwise (:func:`apply_step_threads`).
 
 Example::
@@ -195,7 +195,7 @@ _step_threads: StepThreads | None = None
 _pacer: StepPacer | None = None
 
 
-def configure_step_threads(home: Path | str, busy: int, idle: int, duty: float = 1.0) -> None:
+def configure_training_steps(home: Path | str, busy: int, idle: int, duty: float = 1.0) -> None:
     """Make :func:`training_step` choose between ``busy`` and ``idle`` threads in this process and keep its share
     of time in steps at most ``duty`` while requests are served (:class:`StepPacer`). A trainer process sets it
     (``livelora serve``'s child); a trainer in the serving process's threads never does, since torch's thread
@@ -215,7 +215,7 @@ def apply_step_threads() -> int | None:
 def training_step() -> Iterator[None]:
     """Around one training step of a trainer process: the configured pause (:class:`StepPacer`), then the
     thread choice (:class:`StepThreads`), then the step; its duration is recorded for the next pause. Without
-    :func:`configure_step_threads` it does nothing."""
+    :func:`configure_training_steps` it does nothing."""
     if _pacer is not None:
         _pacer.pause_before_step()
     apply_step_threads()

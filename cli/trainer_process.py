@@ -65,9 +65,9 @@ def _trainer_main(settings: Any, nice: int, threads: int, parent_pid: int, log_l
 
     torch.set_num_threads(threads)
     if idle_threads or duty < 1.0:  # steps while nothing is served take every core; the duty while serving
-        from livelora.adapters.core_share import configure_step_threads
+        from livelora.adapters.core_share import configure_training_steps
 
-        configure_step_threads(settings.home, busy=threads, idle=idle_threads or threads, duty=duty)
+        configure_training_steps(settings.home, busy=threads, idle=idle_threads or threads, duty=duty)
     if getattr(getattr(settings, "observability", None), "log_format", "text") == "json":
         from livelora.adapters.logs import configure_logging
 
@@ -88,7 +88,7 @@ class TrainerProcess:
             restarted child resumes the pending signals of the one before it.
         nice: added to the child's nice value (0-19). threads: the child's torch threads (>= 1).
         idle_threads: torch threads of a step that starts while no request is being served on this machine
-            (:func:`~livelora.adapters.core_share.configure_step_threads`; 0: always ``threads``).
+            (:func:`~livelora.adapters.core_share.configure_training_steps`; 0: always ``threads``).
         duty: largest share of wall time in training steps while requests are served (1: never pauses;
             :class:`~livelora.adapters.core_share.StepPacer`).
         log_level: the child's logging level.

@@ -60,12 +60,12 @@ def test_serving_flag_counts_recent_beats_of_a_live_engine_and_steps_take_all_co
         assert threads.apply() == 2 and torch.get_num_threads() == 2   # nothing served: every core
         ServingFlag(tmp_path).beat()
         assert threads.apply() == 1 and torch.get_num_threads() == 1   # serving: the budget
-        core_share.configure_step_threads(tmp_path, busy=1, idle=1)    # equal: nothing to choose
+        core_share.configure_training_steps(tmp_path, busy=1, idle=1)    # equal: nothing to choose
         assert core_share.apply_step_threads() is None
-        core_share.configure_step_threads(tmp_path, busy=1, idle=2)
+        core_share.configure_training_steps(tmp_path, busy=1, idle=2)
         assert core_share.apply_step_threads() == 1
     finally:
-        core_share.configure_step_threads(tmp_path, busy=1, idle=1)
+        core_share.configure_training_steps(tmp_path, busy=1, idle=1)
         torch.set_num_threads(full)
 
 
@@ -93,7 +93,7 @@ def test_pacer_keeps_the_steps_share_of_time_at_its_duty_only_while_serving(tmp_
     assert pacer.paused_s == pytest.approx(79.0)
     assert StepPacer(tmp_path, duty=1.0).pause_before_step() == 0.0
 
-    core_share.configure_step_threads(tmp_path, busy=1, idle=1, duty=0.5)
+    core_share.configure_training_steps(tmp_path, busy=1, idle=1, duty=0.5)
     try:
         with core_share.training_step():              # no step before: no pause; its time is recorded
             clock["now"] += 3.0
@@ -102,7 +102,7 @@ def test_pacer_keeps_the_steps_share_of_time_at_its_duty_only_while_serving(tmp_
             pass
         assert slept[-1] == pytest.approx(3.0)
     finally:
-        core_share.configure_step_threads(tmp_path, busy=1, idle=1)
+        core_share.configure_training_steps(tmp_path, busy=1, idle=1)
     assert core_share._pacer is None
 
 
