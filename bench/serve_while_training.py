@@ -123,7 +123,7 @@ def update_times(home: Path, rated_at: dict[str, float], first_served: dict[str,
         served = first_served.get(rec["version"])
         if times and served is not None and len(times) == len(rec["event_ids"]):
             last, served = max(times) + wall_offset, served + wall_offset
-            out.append({"total": served - last, "wait": rec["started_at"] - last,
+            out.append({"total": served - last, "wait": rec["started_at"] - last, "events": len(rec["event_ids"]),
                         "work": rec["written_at"] - rec["started_at"], "swap": served - rec["written_at"]})
     return out
 
@@ -203,7 +203,7 @@ def main() -> None:
                 return statistics.median(x[key] for x in u)
             upd = (f"p50 {p50('total'):.1f} s, max {max(x['total'] for x in u):.1f} s over {len(u)} versions; "
                    f"of it p50 wait {p50('wait'):.1f} s, train + gate + save {p50('work'):.1f} s, "
-                   f"swap {p50('swap'):.2f} s")
+                   f"swap {p50('swap'):.2f} s; events per version p50 {p50('events'):.0f}")
         else:
             upd = "no version both trained and served within the phase"
         print(f"ratings {b['rated']}, versions served {res['versions_served']}; update (last rating of the batch -> "

@@ -45,6 +45,7 @@ from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, TensorData
 from livelora.trainer.checkpoints import read_version, write_version
 from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput, kl_pair_order
+from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, PromptKV, cache_of, kv_bytes
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -130,8 +131,8 @@ class TrainingModel:
         return torch.optim.AdamW(list(self.lora_params.values()), lr=0.0, foreach=False)
 
     def _logprobs(self, inputs: list[list[int]], targets: list[Tensor], *, adapter: bool = True,
-                  grad: bool = False, grad_pos: list[Tensor] | None = None,
-                  keep_pos: list[Tensor] | None = None) -> list[Tensor]:
+                  grad: bool = False, grad_pos: list[Tensor] | None = None, keep_pos: list[Tensor] | None = None,
+                  share_prefix: list[int] | None = None, prefix_kv: PromptKV | None = None) -> Any:
         """Target logprobs of right-padded sequences (nats).
 
         Args:
@@ -143,9 +144,13 @@ class TrainingModel:
                 multiplies every other position by exactly 0). The unembedding of the remaining positions
                 runs without autograd, which saves its backward; values are identical either way.
             keep_pos: per sequence, bool (N_b,): positions needed at all; others are returned as 0.
+            share_prefix: per sequence, how many leading positions' keys/values to keep
+                (:meth:`PromptKV.capture <livelora.trainer.prompt_kv.PromptKV.capture>`).
+            prefix_kv: continue from these keys/values: ``inputs[b]`` follows the first ``prefix_kv.prefix[b]``
+                positions of row ``b`` of the pass that captured them.
 
         Returns:
-            per sequence, logprobs shaped like its targets.
+            per sequence, logprobs shaped like its targets; with ``share_prefix``, ``(logprobs, PromptKV)``.
         """
         lengths = [len(x) for x in inputs]
         b_n, t_max = len(inputs), max(lengths)
@@ -169,16 +174,19 @@ class TrainingModel:
         dev = self.device
         causal_lm = self.peft_model.get_base_model()
         ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
+        if prefix_kv is not None:
+            kw = prefix_kv.continuation(lengths, dev, causal_lm.config)
+        else:
+            kw = {"use_cache": share_prefix is not None,
+                  "attention_mask": valid_B_T.long().to(dev) if padded else None}
         with ctx, torch.set_grad_enabled(grad):
             if self._plain_head:
-                hidden_B_T_H = causal_lm.model(input_ids=ids_B_T.to(dev), use_cache=False,
-                                               attention_mask=valid_B_T.long().to(dev) if padded else None
-                                               ).last_hidden_state
-                head = causal_lm.get_output_embeddings()
+                res = causal_lm.model(input_ids=ids_B_T.to(dev), **kw)
+                hidden_B_T_H, head = res.last_hidden_state, causal_lm.get_output_embeddings()
             else:  # models with logit scaling / soft-capping: use their own forward
-                hidden_B_T_H = self.peft_model(input_ids=ids_B_T.to(dev), use_cache=False,
-                                               attention_mask=valid_B_T.long().to(dev) if padded else None).logits
-                head = torch.nn.Identity()
+                res = self.peft_model(input_ids=ids_B_T.to(dev), **kw)
+                hidden_B_T_H, head = res.logits, torch.nn.Identity()
+            kv = PromptKV.capture(cache_of(res), share_prefix) if share_prefix is not None else None
             tgt_B_T_K = tgt_B_T_K.to(dev)
 
             def head_logprobs(sel_B_T: Tensor) -> Tensor:
@@ -197,7 +205,7 @@ class TrainingModel:
         for b, (n, t) in enumerate(zip(lengths, targets)):
             lp = lp_B_T_K[b, :n]
             out.append(lp[:, 0] if t.ndim == 1 else lp[:, :t.shape[1]])
-        return out
+        return (out, kv) if share_prefix is not None else out
 
     @staticmethod
     def _grad_positions(spec: LossSpec, x: dict[str, Tensor]) -> Tensor:
@@ -217,13 +225,16 @@ class TrainingModel:
     def _inputs(datum: Datum) -> dict[str, Tensor]:
         return {k: v.to_torch() for k, v in datum.loss_fn_inputs.items()}
 
-    def _kl_logratios(self, data: list[Datum], inputs_D: list[dict[str, Tensor]]) -> Tensor:
+    def _kl_logratios(self, data: list[Datum], inputs_D: list[dict[str, Tensor]],
+                      kv: tuple[PromptKV, PromptKV] | None = None) -> Tensor:
         """KTO's mismatched-pair log-ratios ``Σ_completion(lp − lp_ref)`` of ``(x_i, y_perm(i))`` (no grad).
 
         Prompt of datum i = its tokens up to the first non-zero weight's position (inclusive);
         completion = the targets from there to the last non-zero weight. ``perm`` from
         :func:`livelora.trainer.losses.kl_pair_order` (a derangement). Pairs longer than
-        ``max_seq_len + 1`` tokens are cut at the end.
+        ``max_seq_len + 1`` tokens are cut at the end. ``kv``: the (policy, reference) keys/values of the
+        matched pairs' prompts (all but their last token, :mod:`livelora.trainer.prompt_kv`); the pairs then
+        run from the prompt's last token on.
         """
         prompts, completions = [], []
         for datum, x in zip(data, inputs_D):
@@ -233,17 +244,14 @@ class TrainingModel:
             prompts.append(tokens[:nz[0] + 1])
             completions.append(targets[nz[0]:nz[-1] + 1])
         perm = kl_pair_order([tuple(p) for p in prompts])
-        seqs, spans = [], []
-        for i, j in enumerate(perm):
-            seq = (prompts[i] + completions[j])[:self.max_seq_len + 1]
-            seqs.append(seq)
-            spans.append((len(prompts[i]) - 1, len(seq) - 1))
-        ins = [s[:-1] for s in seqs]
-        tgts = [torch.tensor(s[1:], dtype=torch.long) for s in seqs]
-        keep = [torch.arange(len(x)) >= a for x, (a, _b) in zip(ins, spans)]
-        policy = self._logprobs(ins, tgts, adapter=True, keep_pos=keep)
-        ref = self._logprobs(ins, tgts, adapter=False, keep_pos=keep)
-        return torch.stack([(p[a:b] - r[a:b]).sum() for p, r, (a, b) in zip(policy, ref, spans)])
+        seqs = [(prompts[i] + completions[j])[:self.max_seq_len + 1] for i, j in enumerate(perm)]
+        skip = [len(p) - 1 for p in prompts]  # positions before the first completion target
+        ins = [s[k:-1] if kv else s[:-1] for s, k in zip(seqs, skip)]
+        tgts = [torch.tensor(s[k + 1:] if kv else s[1:], dtype=torch.long) for s, k in zip(seqs, skip)]
+        keep = None if kv else [torch.arange(len(x)) >= k for x, k in zip(ins, skip)]
+        policy = self._logprobs(ins, tgts, adapter=True, keep_pos=keep, prefix_kv=kv[0] if kv else None)
+        ref = self._logprobs(ins, tgts, adapter=False, keep_pos=keep, prefix_kv=kv[1] if kv else None)
+        return torch.stack([(p - r).sum() for p, r in zip(policy, ref)])
 
     def _run(self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
              grad: bool) -> ForwardBackwardOutput:
@@ -252,17 +260,30 @@ class TrainingModel:
         spec = resolved.spec
         inputs_D = [self._inputs(d) for d in data]
         tokens_D = [d.model_input.to_ints() for d in data]
+        targets_D = [x["target_tokens"] for x in inputs_D]
+        kl = "kl_logratio" in spec.trainer_inputs
+        # KL pairs continue from the matched pairs' prompt keys/values when they fit (prompt_kv.py)
+        share = [int(torch.nonzero(x["weights"])[0]) for x in inputs_D] if kl else None
+        if share and (min(share) < 1 or kv_bytes(self.peft_model.get_base_model().config, len(data),
+                                                 max(map(len, tokens_D))) > PROMPT_KV_MAX_BYTES):
+            share = None
         ref_D: list[Tensor] = []
         if spec.needs_reference:
-            ref_D = [r.detach() for r in self._logprobs(tokens_D, [x["target_tokens"] for x in inputs_D],
-                                                        adapter=False)]
+            ref_D = self._logprobs(tokens_D, targets_D, adapter=False, share_prefix=share)
+            if share:
+                ref_D, ref_kv = ref_D
+            ref_D = [r.detach() for r in ref_D]
             for x, r in zip(inputs_D, ref_D):
                 x["ref_logprobs"] = r
-            if "kl_logratio" in spec.trainer_inputs:
-                for x, kl in zip(inputs_D, self._kl_logratios(data, inputs_D)):
-                    x["kl_logratio"] = kl.reshape(1)
-        lp_D = self._logprobs(tokens_D, [x["target_tokens"] for x in inputs_D], grad=grad,
+            if kl and not share:
+                for x, k in zip(inputs_D, self._kl_logratios(data, inputs_D)):
+                    x["kl_logratio"] = k.reshape(1)
+        lp_D = self._logprobs(tokens_D, targets_D, grad=grad, share_prefix=share,
                               grad_pos=[self._grad_positions(spec, x) for x in inputs_D])
+        if share:
+            lp_D, policy_kv = lp_D
+            for x, k in zip(inputs_D, self._kl_logratios(data, inputs_D, (policy_kv, ref_kv))):
+                x["kl_logratio"] = k.reshape(1)
         with torch.set_grad_enabled(grad):  # inputs validated above; the trainer-filled ones are built here
             out: LossOutput = LOSS_FUNCTIONS[spec.name](lp_D, inputs_D, resolved.config)
         if grad:

@@ -1,0 +1,101 @@
+"""KTO's mismatched pairs continue from the matched pairs' prompt keys/values (trainer/prompt_kv.py): the values
+equal a full recompute of every pair, one sequence at a time, on the real SmolLM2 with a trained adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import livelora.trainer.model as model_mod
+from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
+from livelora.trainer.losses import kl_pair_order
+from livelora.trainer.model import TrainingModel
+
+
+def kto_datum(prompt: list[int], completion: list[int], label: float) -> Datum:
+    tokens = prompt + completion
+    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
+    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
+                 loss_fn_inputs={"target_tokens": TensorData.from_list(tokens[1:], "int64"),
+                                 "weights": TensorData.from_list(weights, "float32"),
+                                 "label": TensorData.from_list([label], "float32")})
+
+
+@pytest.fixture(scope="module")
+def trained(base_ref, tokenizer):
+    """A rank-4 adapter after two SFT steps (lora_B ≠ 0, so policy ≠ reference), and a KTO batch whose prompts
+    and completions have different lengths (padding inside both the prompt keys/values and the continuations)."""
+    m = TrainingModel(base_ref, LoraConfig(rank=4, seed=7))
+
+    def enc(text: str) -> list[int]:
+        return tokenizer(text)["input_ids"]
+
+    rows = [("Question: what is two plus two? Answer:", " four", 1.0),
+            ("Q: capital of France?", " Berlin, I think, or maybe Rome.", 0.0),
+            ("Question: what colour is the sky on a clear summer day? Answer:", " blue", 1.0),
+            ("Say hi.", " Hello there! How are you today?", 0.0)]
+    data = [kto_datum(enc(p), enc(c), lab) for p, c, lab in rows]
+    # trained on the mismatched pairs themselves, so that their KL estimate z0 is clearly above 0
+    perm = kl_pair_order([tuple(enc(p)) for p, _c, _lab in rows])
+    sft = [kto_datum(enc(rows[i][0]), enc(rows[j][1]), 1.0) for i, j in enumerate(perm)]
+    sft = [Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k]
+                                                             for k in ("target_tokens", "weights")}) for d in sft]
+    for _ in range(2):
+        m.forward_backward(sft, "cross_entropy")
+        m.optim_step(AdamParams(learning_rate=1e-2))
+    return m, data
+
+
+def full_logratio(m: TrainingModel, prompt: list[int], completion: list[int]) -> float:
+    """Σ over the completion of (policy − reference) logprob, one unpadded sequence through the peft model."""
+    seq = prompt + completion
+    ids = torch.tensor([seq[:-1]])
+    tgt = torch.tensor(seq[1:])
+    out = []
+    with torch.no_grad():
+        for ctx in (model_mod.contextlib.nullcontext(), m.peft_model.disable_adapter()):
+            with ctx:
+                logp = torch.log_softmax(m.peft_model(input_ids=ids).logits[0].float(), -1)
+            out.append(logp.gather(-1, tgt[:, None])[:, 0][len(prompt) - 1:].sum())
+    return float(out[0] - out[1])
+
+
+def test_shared_prompt_kl_logratios_equal_a_full_recompute_of_each_pair(trained):
+    m, data = trained
+    prompts = [d.model_input.to_ints()[:int(torch.nonzero(d.loss_fn_inputs["weights"].to_torch())[0]) + 1]
+               for d in data]
+    completions = [d.loss_fn_inputs["target_tokens"].to_torch()[len(p) - 1:].tolist()
+                   for d, p in zip(data, prompts)]
+    perm = kl_pair_order([tuple(p) for p in prompts])
+    expected = [full_logratio(m, prompts[i], completions[j]) for i, j in enumerate(perm)]
+    assert max(abs(e) for e in expected) > 0.05  # the adapter really differs from the reference
+
+    inputs = [m._inputs(d) for d in data]
+    share = [len(p) - 1 for p in prompts]
+    tokens = [d.model_input.to_ints() for d in data]
+    targets = [x["target_tokens"] for x in inputs]
+    _, policy_kv = m._logprobs(tokens, targets, share_prefix=share)
+    _, ref_kv = m._logprobs(tokens, targets, adapter=False, share_prefix=share)
+    assert [k.shape[-2] for k, _v in policy_kv.layers] == [max(share)] * len(policy_kv.layers)
+    shared = m._kl_logratios(data, inputs, (policy_kv, ref_kv))
+    recomputed = m._kl_logratios(data, inputs)
+    assert shared.tolist() == pytest.approx(expected, abs=2e-4)
+    assert recomputed.tolist() == pytest.approx(expected, abs=2e-4)
+
+
+def test_kto_step_with_shared_prompts_equals_the_recomputed_step(trained, monkeypatch):
+    m, data = trained
+    cfg = {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0}
+    results = []
+    for limit in (model_mod.PROMPT_KV_MAX_BYTES, 0):  # 0: no keys/values may be kept, every pair is recomputed
+        monkeypatch.setattr(model_mod, "PROMPT_KV_MAX_BYTES", limit)
+        out = m.forward_backward(data, "kto", cfg)
+        grads = {k: p.grad.clone() for k, p in m.lora_params.items()}
+        m.zero_grad()
+        results.append((out.metrics, grads))
+    (shared, g_shared), (full, g_full) = results
+    assert shared["kto/z0:mean"] > 0
+    for key in ("loss:sum", "kto/z0:mean", "kto/rewards_desirable:mean", "kto/rewards_undesirable:mean"):
+        assert shared[key] == pytest.approx(full[key], abs=1e-5), key
+    for k in g_full:
+        assert torch.allclose(g_shared[k], g_full[k], atol=1e-6, rtol=1e-3), k
