@@ -160,35 +160,61 @@ class StepThreads:
 
 class StepPacer:
     """Keeps a trainer's share of wall time in training steps at most ``duty`` while an engine on this machine
-    serves: before a step it sleeps until the last step's time is at most ``duty`` of the time since that step
-    began (``pause = active·(1 − duty)/duty − idle so far``, at most ``max_pause_s``). The signals of the paused
-    step wait in their queue (none is lost); the next batch may hold more of them.
+    serves. Inside a step it yields at every :func:`step_yield` point (between the step's forward and backward
+    passes): it sleeps until the step's active time is at most ``duty`` of the time since the step began
+    (``pause = active·(1 − duty)/duty − paused so far``); what the step still owes at its end (active time after the
+    last yield point) is paid before the next step, less the idle time in between. Every pause is at most
+    ``max_pause_s`` and none happens while nothing is served. The signals of a paused step wait in their queue
+    (none is lost); the next batch may hold more of them.
 
     Args:
         home: the store root. duty: largest share of time in steps while serving, in (0, 1] (1: never pause).
-        max_pause_s: longest pause before one step (seconds).
+        max_pause_s: longest single pause (seconds).
     """
 
     def __init__(self, home: Path | str, duty: float, max_pause_s: float = 60.0):
         self.serving, self.duty, self.max_pause_s = ServingFlag(home), duty, max_pause_s
-        self.last_active = 0.0  # seconds the last step ran
+        self.owed_s = 0.0       # pause the last step still owed at its end (seconds)
         self.last_end = 0.0     # time.monotonic() when it ended
+        self.started = None     # time.monotonic() when the running step began (None: no step runs)
+        self.paused_in = 0.0    # pauses inside the running step (seconds)
         self.paused_s = 0.0     # total pause (seconds), for logs and tests
 
-    def pause_before_step(self) -> float:
-        """Sleep as needed (see the class docstring); returns the seconds slept."""
-        if self.duty >= 1.0 or self.last_active <= 0 or not self.serving.busy():
-            return 0.0
-        wait = self.last_active * (1.0 - self.duty) / self.duty - (time.monotonic() - self.last_end)
+    def _sleep(self, wait: float) -> float:
         wait = min(max(wait, 0.0), self.max_pause_s)
         if wait > 0:
             time.sleep(wait)
             self.paused_s += wait
         return wait
 
-    def record(self, seconds: float) -> None:
-        """The step that just ended ran ``seconds``."""
-        self.last_active, self.last_end = seconds, time.monotonic()
+    def _owed(self) -> float:
+        active = time.monotonic() - self.started - self.paused_in
+        return active * (1.0 - self.duty) / self.duty - self.paused_in
+
+    def pause_before_step(self) -> float:
+        """Sleep what the last step still owes (less the idle time since it ended); returns the seconds slept."""
+        if self.duty >= 1.0 or self.owed_s <= 0 or not self.serving.busy():
+            return 0.0
+        return self._sleep(self.owed_s - (time.monotonic() - self.last_end))
+
+    def begin(self) -> None:
+        """A step starts (after :meth:`pause_before_step`)."""
+        self.started, self.paused_in = time.monotonic(), 0.0
+
+    def between(self) -> float:
+        """At a yield point inside the running step: sleep while its active share is above ``duty`` and requests
+        are served; returns the seconds slept."""
+        if self.duty >= 1.0 or self.started is None or not self.serving.busy():
+            return 0.0
+        slept = self._sleep(self._owed())
+        self.paused_in += slept
+        return slept
+
+    def end(self) -> None:
+        """The running step ended."""
+        if self.started is not None:
+            self.owed_s = self._owed()
+            self.last_end, self.started = time.monotonic(), None
 
 
 _step_threads: StepThreads | None = None
@@ -214,14 +240,21 @@ def apply_step_threads() -> int | None:
 @contextlib.contextmanager
 def training_step() -> Iterator[None]:
     """Around one training step of a trainer process: the configured pause (:class:`StepPacer`), then the
-    thread choice (:class:`StepThreads`), then the step; its duration is recorded for the next pause. Without
+    thread choice (:class:`StepThreads`), then the step, whose :func:`step_yield` points may pause it. Without
     :func:`configure_training_steps` it does nothing."""
     if _pacer is not None:
         _pacer.pause_before_step()
+        _pacer.begin()
     apply_step_threads()
-    started = time.monotonic()
     try:
         yield
     finally:
         if _pacer is not None:
-            _pacer.record(time.monotonic() - started)
+            _pacer.end()
+
+
+def step_yield() -> float:
+    """A point inside a training step where serving may go first (between forward and backward passes): the
+    configured :class:`StepPacer` sleeps here while the step is over its share; returns the seconds slept (0 when
+    no pacer is configured, outside :func:`training_step`, or while nothing is served)."""
+    return _pacer.between() if _pacer is not None else 0.0

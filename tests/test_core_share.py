@@ -80,27 +80,38 @@ def test_pacer_keeps_the_steps_share_of_time_at_its_duty_only_while_serving(tmp_
     monkeypatch.setattr(core_share.time, "monotonic", lambda: clock["now"])
     monkeypatch.setattr(core_share.time, "sleep", sleep)
     pacer = StepPacer(tmp_path, duty=0.25, max_pause_s=60.0)
-    assert pacer.pause_before_step() == 0.0          # no step yet
-    pacer.record(4.0)                                 # a 4 s step just ended; nothing is served
-    assert pacer.pause_before_step() == 0.0 and slept == []
-    ServingFlag(tmp_path).beat()                      # an engine serves: duty ¼ → 4·(1 − ¼)/¼ = 12 s of pause
-    assert pacer.pause_before_step() == pytest.approx(12.0) and slept == [pytest.approx(12.0)]
-    pacer.record(4.0)
-    clock["now"] += 5.0                               # 5 s already passed since the step (e.g. waiting for a batch)
-    assert pacer.pause_before_step() == pytest.approx(7.0)
-    pacer.record(40.0)
-    assert pacer.pause_before_step() == pytest.approx(60.0)  # capped at max_pause_s
-    assert pacer.paused_s == pytest.approx(79.0)
-    assert StepPacer(tmp_path, duty=1.0).pause_before_step() == 0.0
+    assert pacer.pause_before_step() == 0.0 and pacer.between() == 0.0  # no step yet
+    pacer.begin()
+    clock["now"] += 1.0
+    assert pacer.between() == 0.0 and slept == []     # nothing is served: never a pause
+    ServingFlag(tmp_path).beat()                      # an engine serves: duty ¼ → 3 s of pause per active second
+    clock["now"] += 1.0                               # 2 s active since the step began
+    assert pacer.between() == pytest.approx(6.0) and slept == [pytest.approx(6.0)]
+    clock["now"] += 1.0                               # 3 s active: 9 s owed, 6 paid
+    assert pacer.between() == pytest.approx(3.0)
+    clock["now"] += 2.0                               # 5 s active when the step ends: 15 owed, 9 paid
+    pacer.end()
+    clock["now"] += 4.0                               # 4 s idle (waiting for a batch) count as paid
+    assert pacer.pause_before_step() == pytest.approx(2.0)
+    pacer.begin()
+    clock["now"] += 40.0                              # a 40 s pass with no yield point in it
+    assert pacer.between() == pytest.approx(60.0)     # 120 s owed: capped at max_pause_s
+    pacer.end()
+    assert pacer.pause_before_step() == pytest.approx(60.0)  # the remaining 60 s before the next step
+    assert pacer.paused_s == pytest.approx(131.0)
+    assert StepPacer(tmp_path, duty=1.0).between() == 0.0
 
+    assert core_share.step_yield() == 0.0             # not configured: a no-op
     core_share.configure_training_steps(tmp_path, busy=1, idle=1, duty=0.5)
     try:
-        with core_share.training_step():              # no step before: no pause; its time is recorded
-            clock["now"] += 3.0
-        assert core_share._pacer.last_active == pytest.approx(3.0)
-        with core_share.training_step():              # serving: paused as long as the last step ran (duty ½)
+        with core_share.training_step():              # no step before: no pause before it
+            clock["now"] += 3.0                       # 3 s of work, then a yield point: 3 s of pause (duty ½)
+            assert core_share.step_yield() == pytest.approx(3.0)
+            clock["now"] += 1.0
+        with core_share.training_step():              # the 1 s after the last yield point is paid before the next
             pass
-        assert slept[-1] == pytest.approx(3.0)
+        assert slept[-2:] == [pytest.approx(3.0), pytest.approx(1.0)]
+        assert core_share.step_yield() == 0.0         # outside a step
     finally:
         core_share.configure_training_steps(tmp_path, busy=1, idle=1)
     assert core_share._pacer is None

@@ -1,5 +1,6 @@
-"""KTO's mismatched pairs continue from the matched pairs' prompt keys/values (trainer/prompt_kv.py): the values
-equal a full recompute of every pair, one sequence at a time, on the real SmolLM2 with a trained adapter."""
+"""Prompt keys/values reused (trainer/prompt_kv.py): KTO's mismatched pairs continue from the matched pairs'
+prompts, the gate's probes from their shared prefix; the values equal a full recompute of every sequence, one at a
+time, on the real SmolLM2 with a trained adapter."""
 
 from __future__ import annotations
 
@@ -99,3 +100,25 @@ def test_kto_step_with_shared_prompts_equals_the_recomputed_step(trained, monkey
         assert shared[key] == pytest.approx(full[key], abs=1e-5), key
     for k in g_full:
         assert torch.allclose(g_shared[k], g_full[k], atol=1e-6, rtol=1e-3), k
+
+
+def test_gate_probes_from_their_shared_prefix_equal_one_full_pass_per_probe(trained, tokenizer):
+    from livelora.trainer.gate import ProbeSuite
+
+    m, _data = trained
+    suite = ProbeSuite(tokenizer)
+    assert suite.shared >= 5 and all(s[:suite.shared] == suite.seqs[0][:suite.shared] for s in suite.seqs)
+    for adapter in (True, False):
+        right, logp_M_V = suite.probe_logprobs(m, adapter=adapter)
+        rows = []
+        with torch.no_grad():
+            for seq, start in zip(suite.seqs, suite.reply_start):
+                ctx = model_mod.contextlib.nullcontext() if adapter else m.peft_model.disable_adapter()
+                with ctx:
+                    logits = m.peft_model(input_ids=torch.tensor([seq])).logits[0].float()
+                rows.append(torch.log_softmax(logits[start - 1:], -1))
+        expected = torch.cat(rows)
+        assert logp_M_V.shape == expected.shape
+        assert float((logp_M_V - expected).abs().max()) < 5e-4
+        firsts = [int(r[-1].argmax()) for r in rows]
+        assert right == [p.right(tokenizer.decode([t])) for p, t in zip(suite.probes, firsts)]

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from livelora.adapters.chat_tokens import rated_completion_ids
+from livelora.adapters.core_share import step_yield
+from livelora.trainer.prompt_kv import PromptKV, cache_of
 
 PROBES_FILE = Path(__file__).resolve().parent / "rails" / "probes.jsonl"
 #: System message of the probe prompts (the template's default one is 3× longer, and every token costs CPU time).
@@ -187,6 +189,11 @@ class ProbeSuite:
             self.reply_start.append(len(prompt))
         self.open_ids = [self._render(q) for q in OPEN_PROMPTS]
         self.eos = tokenizer.eos_token_id
+        #: leading tokens every probe shares (the template and system message): run once per measurement
+        self.shared = 0
+        while (self.shared < min(self.reply_start) - 1
+               and all(s[self.shared] == self.seqs[0][self.shared] for s in self.seqs)):
+            self.shared += 1
 
     def _render(self, question: str) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -196,25 +203,34 @@ class ProbeSuite:
 
     @torch.no_grad()
     def probe_logprobs(self, model: Any, *, adapter: bool = True) -> tuple[list[bool], torch.Tensor]:
-        """``(right per probe, log-softmax (M, V) at the reply positions)`` in one forward pass."""
+        """``(right per probe, log-softmax (M, V) at the reply positions)``: the shared prefix (:attr:`shared`
+        tokens) in one pass, then every probe's rest continuing from its keys/values."""
         peft = model.peft_model
         causal_lm = peft.get_base_model()
-        b_n, t_max = len(self.seqs), max(len(s) for s in self.seqs)
+        c, dev = self.shared, model.device
+        rest = [s[c:] for s in self.seqs]
+        b_n, t_max = len(rest), max(len(s) for s in rest)
         ids = torch.full((b_n, t_max), model.pad_id, dtype=torch.long)
         mask = torch.zeros((b_n, t_max), dtype=torch.long)
         sel = torch.zeros((b_n, t_max), dtype=torch.bool)
-        for b, s in enumerate(self.seqs):
+        for b, s in enumerate(rest):
             ids[b, :len(s)] = torch.tensor(s)
             mask[b, :len(s)] = 1
-            sel[b, self.reply_start[b] - 1:len(s)] = True
+            sel[b, self.reply_start[b] - 1 - c:len(s)] = True
         ctx = peft.disable_adapter() if not adapter else _null()
-        dev = model.device
+        decoder = causal_lm.model if model._plain_head else causal_lm
         with ctx:
-            if model._plain_head:  # decoder, then the unembedding at the selected positions only
-                hidden = causal_lm.model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state
-                logits_M_V = causal_lm.get_output_embeddings()(hidden[sel.to(dev)]).float()
+            if c:
+                prefix = decoder(input_ids=torch.tensor([self.seqs[0][:c]], device=dev), use_cache=True)
+                kw = PromptKV.capture(cache_of(prefix), [c]).expand(b_n).continuation(
+                    [len(s) for s in rest], dev, causal_lm.config)
             else:
-                logits_M_V = causal_lm(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits[sel.to(dev)].float()
+                kw = {"attention_mask": mask.to(dev)}
+            out = decoder(input_ids=ids.to(dev), **kw)
+            if model._plain_head:  # decoder, then the unembedding at the selected positions only
+                logits_M_V = causal_lm.get_output_embeddings()(out.last_hidden_state[sel.to(dev)]).float()
+            else:
+                logits_M_V = out.logits[sel.to(dev)].float()
         logp_M_V = torch.log_softmax(logits_M_V, -1).cpu()
         last_rows = torch.cumsum(sel.sum(1), 0) - 1  # the last selected row of each probe = its answer position
         right = [p.right(self.tokenizer.decode([int(logp_M_V[r].argmax())]))
@@ -263,6 +279,7 @@ class ProbeSuite:
     def measure(self, model: Any, *, adapter: bool = True, heldout: Sequence[HeldOut] = ()) -> Measurement:
         """Every measure of ``model`` (adapter on, or the base model with ``adapter=False``)."""
         right, logp = self.probe_logprobs(model, adapter=adapter)
+        step_yield()  # serving may go first between the gate's passes (adapters/core_share.py)
         texts, lens = self.generate(model, adapter=adapter)
         degenerate = sum(reply_degenerate(t, n) for t, n in zip(texts, lens)) / max(1, len(texts))
         return Measurement(right, logp, degenerate, sum(lens) / max(1, len(lens)), texts,

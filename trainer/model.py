@@ -38,14 +38,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from livelora.adapters.core_share import step_yield
 from livelora.adapters.losses import LossSpec, ResolvedLoss, validate_batch
 from livelora.adapters.models import MODEL_BUILD_LOCK, BaseModelRef, import_model_libraries, load_model
 from livelora.adapters.store import CONFIG_FILE, AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, TensorData
 from livelora.trainer.checkpoints import read_version, write_version
-from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput, kl_pair_order
-from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, PromptKV, cache_of, kv_bytes
+from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput
+from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, PromptKV, cache_of, kl_pairs, kv_bytes
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -152,6 +153,7 @@ class TrainingModel:
         Returns:
             per sequence, logprobs shaped like its targets; with ``share_prefix``, ``(logprobs, PromptKV)``.
         """
+        step_yield()  # serving may go first between the passes of a step (adapters/core_share.py)
         lengths = [len(x) for x in inputs]
         b_n, t_max = len(inputs), max(lengths)
         k_max = max(1 if t.ndim == 1 else t.shape[1] for t in targets)
@@ -227,28 +229,10 @@ class TrainingModel:
 
     def _kl_logratios(self, data: list[Datum], inputs_D: list[dict[str, Tensor]],
                       kv: tuple[PromptKV, PromptKV] | None = None) -> Tensor:
-        """KTO's mismatched-pair log-ratios ``Σ_completion(lp − lp_ref)`` of ``(x_i, y_perm(i))`` (no grad).
-
-        Prompt of datum i = its tokens up to the first non-zero weight's position (inclusive);
-        completion = the targets from there to the last non-zero weight. ``perm`` from
-        :func:`livelora.trainer.losses.kl_pair_order` (a derangement). Pairs longer than
-        ``max_seq_len + 1`` tokens are cut at the end. ``kv``: the (policy, reference) keys/values of the
-        matched pairs' prompts (all but their last token, :mod:`livelora.trainer.prompt_kv`); the pairs then
-        run from the prompt's last token on.
-        """
-        prompts, completions = [], []
-        for datum, x in zip(data, inputs_D):
-            tokens = datum.model_input.to_ints()
-            targets = x["target_tokens"].tolist()
-            nz = [j for j, w in enumerate(x["weights"].tolist()) if w != 0]
-            prompts.append(tokens[:nz[0] + 1])
-            completions.append(targets[nz[0]:nz[-1] + 1])
-        perm = kl_pair_order([tuple(p) for p in prompts])
-        seqs = [(prompts[i] + completions[j])[:self.max_seq_len + 1] for i, j in enumerate(perm)]
-        skip = [len(p) - 1 for p in prompts]  # positions before the first completion target
-        ins = [s[k:-1] if kv else s[:-1] for s, k in zip(seqs, skip)]
-        tgts = [torch.tensor(s[k + 1:] if kv else s[1:], dtype=torch.long) for s, k in zip(seqs, skip)]
-        keep = None if kv else [torch.arange(len(x)) >= k for x, k in zip(ins, skip)]
+        """KTO's mismatched-pair log-ratios ``Σ_completion(lp − lp_ref)`` of ``(x_i, y_perm(i))`` (no grad;
+        pairs from :func:`~livelora.trainer.prompt_kv.kl_pairs`). ``kv``: the (policy, reference) keys/values of
+        the matched pairs' prompts; the pairs then run from each prompt's last token on."""
+        ins, tgts, keep = kl_pairs(data, inputs_D, self.max_seq_len, shared=kv is not None)
         policy = self._logprobs(ins, tgts, adapter=True, keep_pos=keep, prefix_kv=kv[0] if kv else None)
         ref = self._logprobs(ins, tgts, adapter=False, keep_pos=keep, prefix_kv=kv[1] if kv else None)
         return torch.stack([(p - r).sum() for p, r in zip(policy, ref)])
@@ -288,6 +272,7 @@ class TrainingModel:
             out: LossOutput = LOSS_FUNCTIONS[spec.name](lp_D, inputs_D, resolved.config)
         if grad:
             if out.loss.requires_grad:
+                step_yield()
                 out.loss.backward()
             else:  # every position has weight exactly 0 (e.g. a GRPO group with equal rewards): zero gradient
                 for p in self.lora_params.values():

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from livelora.trainer.losses import kl_pair_order
+
 #: Largest K/V a full pass may keep to share its prompt (bytes); a larger batch recomputes the prompts instead.
 PROMPT_KV_MAX_BYTES = 1 << 30
 
@@ -63,6 +65,13 @@ class PromptKV:
             layers.append((k[..., :length, :].detach(), v[..., :length, :].detach()))
         return cls(layers, list(prefix))
 
+    def expand(self, batch: int) -> PromptKV:
+        """A one-row prefix shared by ``batch`` rows (views, no copy)."""
+        if len(self.prefix) != 1:
+            raise ValueError("only a one-row prefix can be expanded")
+        layers = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in self.layers]
+        return PromptKV(layers, self.prefix * batch)
+
     def continuation(self, lengths: list[int], device: torch.device, config: Any) -> dict[str, Any]:
         """Keyword arguments for the decoder's forward over right-padded continuations of ``lengths[b]`` tokens
         (row ``b`` continues its own prefix): ``past_key_values`` (a fresh ``DynamicCache``; the forward appends
@@ -97,3 +106,33 @@ def cache_of(output: Any) -> Any:
     cache = getattr(output, "cache", None)
     return cache if cache is not None else output.past_key_values
 
+
+
+def kl_pairs(data: list[Any], inputs_D: list[dict[str, Tensor]], max_seq_len: int, *,
+             shared: bool) -> tuple[list[list[int]], list[Tensor], list[Tensor] | None]:
+    """KTO's mismatched pairs ``(x_i, y_perm(i))`` of a batch as ``(inputs, targets, keep)`` for the trainer's
+    logprob pass (TRL ``KTOTrainer``'s KL dataset; ``perm`` from :func:`livelora.trainer.losses.kl_pair_order`,
+    a derangement).
+
+    Prompt of datum i = its tokens up to the first non-zero weight's position (inclusive); completion = its targets
+    from there to the last non-zero weight. Pairs longer than ``max_seq_len + 1`` tokens are cut at the end.
+    ``shared``: the pairs continue from the keys/values of datum i's first ``len(prompt) − 1`` positions, so
+    ``inputs[i]`` starts at the prompt's last token and every target is a completion token (``keep`` is None);
+    otherwise ``inputs[i]`` is the whole pair and ``keep[i]`` (bool, N_i) marks its completion targets.
+    """
+    prompts, completions = [], []
+    for datum, x in zip(data, inputs_D):
+        tokens = datum.model_input.to_ints()
+        targets = x["target_tokens"].tolist()
+        nz = [j for j, w in enumerate(x["weights"].tolist()) if w != 0]
+        prompts.append(tokens[:nz[0] + 1])
+        completions.append(targets[nz[0]:nz[-1] + 1])
+    perm = kl_pair_order([tuple(p) for p in prompts])
+    seqs = [(prompts[i] + completions[j])[:max_seq_len + 1] for i, j in enumerate(perm)]
+    skip = [len(p) - 1 for p in prompts]  # positions before the first completion target
+    if shared:
+        return ([s[k:-1] for s, k in zip(seqs, skip)],
+                [torch.tensor(s[k + 1:], dtype=torch.long) for s, k in zip(seqs, skip)], None)
+    ins = [s[:-1] for s in seqs]
+    return (ins, [torch.tensor(s[1:], dtype=torch.long) for s in seqs],
+            [torch.arange(len(x)) >= k for x, k in zip(ins, skip)])
