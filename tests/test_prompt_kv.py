@@ -122,3 +122,27 @@ def test_gate_probes_from_their_shared_prefix_equal_one_full_pass_per_probe(trai
         assert float((logp_M_V - expected).abs().max()) < 5e-4
         firsts = [int(r[-1].argmax()) for r in rows]
         assert right == [p.right(tokenizer.decode([t])) for p, t in zip(suite.probes, firsts)]
+
+
+@pytest.mark.parametrize("loss_fn", ["kto", "cross_entropy"])
+def test_loss_positions_only_gives_the_same_step_and_zeros_elsewhere(trained, loss_fn):
+    m, data = trained
+    if loss_fn == "cross_entropy":
+        data = [Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k]
+                                                                 for k in ("target_tokens", "weights")}) for d in data]
+    cfg = {"beta": 0.1} if loss_fn == "kto" else None
+    results = []
+    for only in (False, True):
+        out = m.forward_backward(data, loss_fn, cfg, loss_positions_only=only)
+        results.append((out, {k: p.grad.clone() for k, p in m.lora_params.items()}))
+        m.zero_grad()
+    (full, g_full), (only, g_only) = results
+    assert only.metrics == pytest.approx(full.metrics, abs=1e-6)
+    for k in g_full:
+        assert torch.allclose(g_only[k], g_full[k], atol=1e-7, rtol=1e-5), k
+    for d, a, b in zip(data, full.loss_fn_outputs, only.loss_fn_outputs):
+        used = d.loss_fn_inputs["weights"].to_torch() != 0
+        for key in a:
+            x, y = a[key].to_torch(), b[key].to_torch()
+            assert torch.equal(y[~used], torch.zeros_like(y[~used])) and bool((x[~used] != 0).all())
+            assert torch.allclose(y[used], x[used], atol=1e-5), key

@@ -238,7 +238,7 @@ class TrainingModel:
         return torch.stack([(p - r).sum() for p, r in zip(policy, ref)])
 
     def _run(self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
-             grad: bool) -> ForwardBackwardOutput:
+             grad: bool, loss_positions_only: bool = False) -> ForwardBackwardOutput:
         resolved: ResolvedLoss = validate_batch(data, loss_fn, loss_fn_config, vocab_size=self.vocab_size,
                                                 max_seq_len=self.max_seq_len)  # the gateway's check, again here
         spec = resolved.spec
@@ -251,9 +251,11 @@ class TrainingModel:
         if share and (min(share) < 1 or kv_bytes(self.peft_model.get_base_model().config, len(data),
                                                  max(map(len, tokens_D))) > PROMPT_KV_MAX_BYTES):
             share = None
+        grad_pos = [self._grad_positions(spec, x) for x in inputs_D]
+        keep = grad_pos if loss_positions_only else None  # the loss multiplies every other position by 0
         ref_D: list[Tensor] = []
         if spec.needs_reference:
-            ref_D = self._logprobs(tokens_D, targets_D, adapter=False, share_prefix=share)
+            ref_D = self._logprobs(tokens_D, targets_D, adapter=False, share_prefix=share, keep_pos=keep)
             if share:
                 ref_D, ref_kv = ref_D
             ref_D = [r.detach() for r in ref_D]
@@ -262,8 +264,7 @@ class TrainingModel:
             if kl and not share:
                 for x, k in zip(inputs_D, self._kl_logratios(data, inputs_D)):
                     x["kl_logratio"] = k.reshape(1)
-        lp_D = self._logprobs(tokens_D, targets_D, grad=grad, share_prefix=share,
-                              grad_pos=[self._grad_positions(spec, x) for x in inputs_D])
+        lp_D = self._logprobs(tokens_D, targets_D, grad=grad, share_prefix=share, grad_pos=grad_pos, keep_pos=keep)
         if share:
             lp_D, policy_kv = lp_D
             for x, k in zip(inputs_D, self._kl_logratios(data, inputs_D, (policy_kv, ref_kv))):
@@ -301,14 +302,17 @@ class TrainingModel:
         return self._run(data, loss_fn, loss_fn_config, grad=False)
 
     def forward_backward(self, data: list[Datum], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict[str, Any] | None = None) -> ForwardBackwardOutput:
+                         loss_fn_config: dict[str, Any] | None = None, *,
+                         loss_positions_only: bool = False) -> ForwardBackwardOutput:
         """Like :meth:`forward`, then backpropagate the loss; gradients add up across calls until
         :meth:`optim_step` (two calls on halves of a batch = one call on the whole batch for sum losses).
+        ``loss_positions_only``: the returned logprobs are 0 wherever the loss multiplies them by exactly 0
+        (e.g. prompt positions), which saves the unembedding there; loss and gradients are the same.
 
         Raises:
             BadRequestError: the batch is invalid; grads, optimizer and step are then unchanged.
         """
-        return self._run(data, loss_fn, loss_fn_config, grad=True)
+        return self._run(data, loss_fn, loss_fn_config, grad=True, loss_positions_only=loss_positions_only)
 
     def has_gradients(self) -> bool:
         """Whether any gradient has been accumulated since the last optimizer step."""

@@ -287,7 +287,7 @@ class OnlineTrainer:
         with training_step(), self.busy.held():
             stepped = False
             try:
-                out = model.forward_backward(data, loss_fn, cfg)
+                out = model.forward_backward(data, loss_fn, cfg, loss_positions_only=True)  # only metrics are read
                 opt = model.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm,
                                                   eps=1e-8))
                 stepped = True
