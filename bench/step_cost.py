@@ -11,8 +11,9 @@ conversation (longer prompts), and times on ``--threads`` torch threads:
   open prompts).
 
 Each configuration runs ``--repeats`` times after one warm-up; the median is printed. ``--compare`` also runs the
-KTO step and the gate with no prompt keys/values shared and logprobs at every position (every KL pair and every
-probe run whole: the code before ``trainer/prompt_kv.py``), in the same process, alternating, so the two are compared under the same load.
+KTO step and the gate with no prompt keys/values shared and logprobs at every position (every KL pair, every
+probe and every row's copy of the batch's common prefix run whole: the code before ``trainer/prompt_kv.py``), in
+the same process, alternating, so the two are compared under the same load.
 Figures only.
 
     python bench/step_cost.py --threads 1,2 --compare
@@ -96,7 +97,7 @@ def main() -> None:
             passes.append(time.perf_counter() - t)
 
     model_mod.TrainingModel._logprobs = timed
-    share_limit = model_mod.PROMPT_KV_MAX_BYTES
+    share_limit, common_prefix = model_mod.PROMPT_KV_MAX_BYTES, model_mod.common_prefix
     variants = [("shared prompts", share_limit)] + ([("recomputed", 0)] if args.compare else [])
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -104,6 +105,7 @@ def main() -> None:
         for rep in range(args.repeats + 1):
             for name, limit in variants:
                 model_mod.PROMPT_KV_MAX_BYTES = limit
+                model_mod.common_prefix = common_prefix if limit else (lambda inputs: 0)
                 suite.shared = shared_probe_prefix if limit else 0
                 passes.clear()
                 t0 = time.perf_counter()
@@ -125,7 +127,7 @@ def main() -> None:
                 rows[name].append({"step": t1 - t0, "reference": ref, "policy": pol, "kl": klp + klr,
                                    "backward": (t1 - t0) - sum(step_passes), "optim": t2 - t1,
                                    "probes": t4 - t3, "generate": t5 - t4})
-        model_mod.PROMPT_KV_MAX_BYTES = share_limit
+        model_mod.PROMPT_KV_MAX_BYTES, model_mod.common_prefix = share_limit, common_prefix
         for name, runs in rows.items():
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             gate = med["probes"] + med["generate"]

@@ -29,7 +29,8 @@ class PlacementSection(Section):
     trainer_duty_while_serving: float = Field(1.0, gt=0, le=1, description="Largest share of wall time the trainer "
                                                                           "process spends in training steps while "
                                                                           "requests are served on this machine "
-                                                                          "(it pauses before a step; 1: never "
+                                                                          "(it pauses between the passes of a step "
+                                                                          "and before the next one; 1: never "
                                                                           "pauses).")
 
 

@@ -146,3 +146,35 @@ def test_loss_positions_only_gives_the_same_step_and_zeros_elsewhere(trained, lo
             x, y = a[key].to_torch(), b[key].to_torch()
             assert torch.equal(y[~used], torch.zeros_like(y[~used])) and bool((x[~used] != 0).all())
             assert torch.allclose(y[used], x[used], atol=1e-5), key
+
+
+def test_a_batch_sharing_a_long_prefix_runs_it_once_with_the_same_values_and_gradients(trained, tokenizer,
+                                                                                       monkeypatch):
+    """Every live-loop prompt starts with the chat template's system message: that prefix runs once (batch 1)
+    and the rows continue from its keys/values, gradients included (they flow back through the shared
+    prefix once instead of per row)."""
+    from livelora.trainer.prompt_kv import common_prefix
+
+    m, _data = trained
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         tokenize=False) for q in ("Hi!", "What is two plus two?", "Name a colour.")]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ids]
+    replies = [tokenizer(r)["input_ids"] for r in (" Hello.", " Four, of course.", " Blue")]
+    data = [kto_datum(p, r, lab) for p, r, lab in zip(prompts, replies, (1.0, 0.0, 1.0))]
+    tokens = [d.model_input.to_ints() for d in data]
+    shared = common_prefix(tokens)
+    assert shared >= 16 and common_prefix(tokens[:1]) == 0 and common_prefix([t[:10] for t in tokens]) == 0
+    results = []
+    for once in (True, False):
+        if not once:
+            monkeypatch.setattr(model_mod, "common_prefix", lambda inputs: 0)
+        lps = m._logprobs(tokens, [d.loss_fn_inputs["target_tokens"].to_torch() for d in data], adapter=False)
+        out = m.forward_backward(data, "kto", {"beta": 0.1})
+        results.append((lps, out.metrics, {k: p.grad.clone() for k, p in m.lora_params.items()}))
+        m.zero_grad()
+    (lp_once, met_once, g_once), (lp_full, met_full, g_full) = results
+    for a, b in zip(lp_once, lp_full):
+        assert torch.allclose(a, b, atol=2e-4)
+    assert met_once == pytest.approx(met_full, abs=1e-5)
+    for k in g_full:
+        assert torch.allclose(g_once[k], g_full[k], atol=1e-6, rtol=1e-3), k

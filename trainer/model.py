@@ -46,7 +46,7 @@ from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, TensorData
 from livelora.trainer.checkpoints import read_version, write_version
 from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput
-from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, PromptKV, cache_of, kl_pairs, kv_bytes
+from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, PromptKV, cache_of, common_prefix, kl_pairs, kv_bytes
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -176,18 +176,25 @@ class TrainingModel:
         dev = self.device
         causal_lm = self.peft_model.get_base_model()
         ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
+        c = common_prefix(inputs) if prefix_kv is None else 0  # run once at batch 1, the rows continue from it
         if prefix_kv is not None:
             kw = prefix_kv.continuation(lengths, dev, causal_lm.config)
-        else:
+        elif not c:
             kw = {"use_cache": share_prefix is not None,
                   "attention_mask": valid_B_T.long().to(dev) if padded else None}
+        # models with logit scaling / soft-capping use their own forward (logits), the others decoder + head
+        decoder = causal_lm.model if self._plain_head else self.peft_model
+        head = causal_lm.get_output_embeddings() if self._plain_head else torch.nn.Identity()
         with ctx, torch.set_grad_enabled(grad):
-            if self._plain_head:
-                res = causal_lm.model(input_ids=ids_B_T.to(dev), **kw)
-                hidden_B_T_H, head = res.last_hidden_state, causal_lm.get_output_embeddings()
-            else:  # models with logit scaling / soft-capping: use their own forward
-                res = self.peft_model(input_ids=ids_B_T.to(dev), **kw)
-                hidden_B_T_H, head = res.logits, torch.nn.Identity()
+            if c:
+                pre = decoder(input_ids=ids_B_T[:1, :c].to(dev), use_cache=True)
+                kw = PromptKV.capture(cache_of(pre), [c], detach=False).expand(b_n).continuation(
+                    [n - c for n in lengths], dev, causal_lm.config)
+            res = decoder(input_ids=ids_B_T[:, c:].to(dev), **kw)
+            hidden_B_T_H = res.last_hidden_state if self._plain_head else res.logits
+            if c:
+                first = pre.last_hidden_state if self._plain_head else pre.logits
+                hidden_B_T_H = torch.cat([first.expand(b_n, -1, -1), hidden_B_T_H], 1)
             kv = PromptKV.capture(cache_of(res), share_prefix) if share_prefix is not None else None
             tgt_B_T_K = tgt_B_T_K.to(dev)
 

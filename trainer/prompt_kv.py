@@ -26,6 +26,9 @@ from livelora.trainer.losses import kl_pair_order
 
 #: Largest K/V a full pass may keep to share its prompt (bytes); a larger batch recomputes the prompts instead.
 PROMPT_KV_MAX_BYTES = 1 << 30
+#: Fewest leading tokens that every sequence of a batch must share for the batch to run them once
+#: (:func:`common_prefix`); shorter shared prefixes save less than the extra pass costs.
+MIN_COMMON_PREFIX = 16
 
 
 def kv_bytes(config: Any, batch: int, tokens: int, itemsize: int = 4) -> int:
@@ -46,9 +49,10 @@ class PromptKV:
     prefix: list[int]
 
     @classmethod
-    def capture(cls, cache: Any, prefix: list[int]) -> PromptKV:
+    def capture(cls, cache: Any, prefix: list[int], *, detach: bool = True) -> PromptKV:
         """The first ``max(prefix)`` positions of a forward pass's ``past_key_values`` (a transformers
-        ``Cache``), detached from any autograd graph.
+        ``Cache``), detached from any autograd graph unless ``detach`` is False (then gradients flow back through
+        the continuation into the pass that made them).
 
         Raises:
             ValueError: the cache holds fewer positions than ``max(prefix)``, or a row shares no position.
@@ -62,7 +66,8 @@ class PromptKV:
         for k, v in per_layer:
             if k.shape[-2] < length:
                 raise ValueError(f"the cache holds {k.shape[-2]} positions, {length} are shared")
-            layers.append((k[..., :length, :].detach(), v[..., :length, :].detach()))
+            k, v = k[..., :length, :], v[..., :length, :]
+            layers.append((k.detach(), v.detach()) if detach else (k, v))
         return cls(layers, list(prefix))
 
     def expand(self, batch: int) -> PromptKV:
@@ -136,3 +141,16 @@ def kl_pairs(data: list[Any], inputs_D: list[dict[str, Tensor]], max_seq_len: in
     ins = [s[:-1] for s in seqs]
     return (ins, [torch.tensor(s[1:], dtype=torch.long) for s in seqs],
             [torch.arange(len(x)) >= k for x, k in zip(ins, skip)])
+
+
+def common_prefix(inputs: list[list[int]], minimum: int = MIN_COMMON_PREFIX) -> int:
+    """How many leading tokens every one of ``inputs`` (two or more) shares, leaving each at least one token
+    of its own; 0 when that is fewer than ``minimum`` (e.g. a chat template's system message, shared by every
+    prompt of a live-loop batch, or an RL group's prompt, runs once at batch 1 and the rows continue from its
+    keys/values: :meth:`PromptKV.expand`)."""
+    if len(inputs) < 2:
+        return 0
+    limit, first, n = min(len(x) for x in inputs) - 1, inputs[0], 0
+    while n < limit and all(x[n] == first[n] for x in inputs):
+        n += 1
+    return n if n >= minimum else 0
