@@ -38,7 +38,7 @@ import torch
 
 from livelora.adapters.chat_tokens import rated_completion_ids
 from livelora.adapters.core_share import step_yield
-from livelora.trainer.prompt_kv import PromptKV, cache_of
+from livelora.trainer.prompt_kv import PromptKV, cache_of, common_prefix
 
 PROBES_FILE = Path(__file__).resolve().parent / "rails" / "probes.jsonl"
 #: System message of the probe prompts (the template's default one is 3× longer, and every token costs CPU time).
@@ -190,10 +190,7 @@ class ProbeSuite:
         self.open_ids = [self._render(q) for q in OPEN_PROMPTS]
         self.eos = tokenizer.eos_token_id
         #: leading tokens every probe shares (the template and system message): run once per measurement
-        self.shared = 0
-        while (self.shared < min(self.reply_start) - 1
-               and all(s[self.shared] == self.seqs[0][self.shared] for s in self.seqs)):
-            self.shared += 1
+        self.shared = min(common_prefix(self.seqs, minimum=1), min(self.reply_start) - 1)
 
     def _render(self, question: str) -> list[int]:
         text = self.tokenizer.apply_chat_template(

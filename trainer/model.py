@@ -148,7 +148,8 @@ class TrainingModel:
             share_prefix: per sequence, how many leading positions' keys/values to keep
                 (:meth:`PromptKV.capture <livelora.trainer.prompt_kv.PromptKV.capture>`).
             prefix_kv: continue from these keys/values: ``inputs[b]`` follows the first ``prefix_kv.prefix[b]``
-                positions of row ``b`` of the pass that captured them.
+                positions of row ``b`` of the pass that captured them. Without it, a prefix of 16+ tokens that
+                every sequence shares (:func:`~livelora.trainer.prompt_kv.common_prefix`) runs once.
 
         Returns:
             per sequence, logprobs shaped like its targets; with ``share_prefix``, ``(logprobs, PromptKV)``.
@@ -176,7 +177,9 @@ class TrainingModel:
         dev = self.device
         causal_lm = self.peft_model.get_base_model()
         ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
-        c = common_prefix(inputs) if prefix_kv is None else 0  # run once at batch 1, the rows continue from it
+        # a prefix every row shares runs once at batch 1, the rows continue from its keys/values (prompt_kv.py)
+        c = common_prefix(inputs) if prefix_kv is None and kv_bytes(
+            causal_lm.config, b_n, t_max) <= PROMPT_KV_MAX_BYTES else 0
         if prefix_kv is not None:
             kw = prefix_kv.continuation(lengths, dev, causal_lm.config)
         elif not c:

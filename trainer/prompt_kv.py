@@ -1,18 +1,22 @@
-"""Prompt key/value reuse between sequences that start with the same tokens (KTO's KL pairs).
+"""Prompt key/value reuse between sequences that start with the same tokens.
 
-KTO's reference point ``z0`` (Ethayarajh et al. 2024, arXiv 2402.01306, §4.1; TRL ``KTOTrainer``) needs the
-policy and reference log-ratios of *mismatched* pairs ``(x_i, y_perm(i))``. Pair ``i`` starts with exactly the
-prompt tokens of datum ``i``, whose forward pass (policy, and reference with the adapter disabled) runs anyway
-for the matched pair ``(x_i, y_i)``. With a causal decoder the keys and values of those prompt positions are the
-same in both sequences, so the mismatched pair only has to run its completion: the prompt's K/V are taken from
-the matched pass (:meth:`PromptKV.capture`) and the completion continues from them (:meth:`PromptKV.continuation`),
-at its true positions (RoPE ``position_ids`` = prompt length + offset). The values equal a full recompute up to
-float rounding (tests: within 1e-4 nats); the saved work is the prompt share of two forward passes.
+With a causal decoder the keys and values (K/V) of a sequence's first positions depend only on those tokens, so
+sequences that start alike need not run their common start twice: the K/V are taken from one pass
+(:meth:`PromptKV.capture`) and the rest of each sequence continues from them (:meth:`PromptKV.continuation`) at
+its true positions (RoPE ``position_ids`` = prefix length + offset). Values equal a full pass up to float rounding
+(``tests/test_prompt_kv.py``: within 2e-4 nats). Three uses:
 
-The K/V of a right-padded batch are kept up to the longest shared prefix ``L``; row ``b`` uses its first
-``P_b`` positions (the attention mask hides positions ``P_b … L−1``, which hold row ``b``'s own completion).
+* **KTO's KL pairs.** KTO's reference point ``z0`` (Ethayarajh et al. 2024, arXiv 2402.01306, §4.1; TRL
+  ``KTOTrainer``) needs the policy and reference log-ratios of *mismatched* pairs ``(x_i, y_perm(i))``
+  (:func:`kl_pairs`). Pair ``i`` starts with exactly the prompt of datum ``i``, whose passes (policy, and reference
+  with the adapter disabled) run anyway for the matched pair ``(x_i, y_i)``; the pair runs only its completion.
+  The K/V of a right-padded batch are kept up to the longest shared prompt ``L``; row ``b`` uses its first ``P_b``
+  positions (the attention mask hides positions ``P_b … L−1``, which hold row ``b``'s own completion).
+* **A prefix the whole batch shares** (:func:`common_prefix`: a chat template's system message, an RL group's
+  prompt) runs once at batch 1 and every row continues from it (:meth:`PromptKV.expand`); captured with
+  ``detach=False`` so that gradients flow back through the shared prefix once instead of once per row.
+* **The gate's probes** (``trainer/gate.py``) share their template and system message: run once per measurement.
 """
-
 from __future__ import annotations
 
 import functools
@@ -43,7 +47,7 @@ def kv_bytes(config: Any, batch: int, tokens: int, itemsize: int = 4) -> int:
 @dataclass
 class PromptKV:
     """Per layer the keys and values ``(B, kv_heads, L, head_dim)`` of the first ``L = max(prefix)`` positions
-    of a batch (detached), and per row the number of leading positions ``prefix[b]`` it shares."""
+    of a batch (detached unless captured with ``detach=False``), and per row the number of leading positions ``prefix[b]`` it shares."""
 
     layers: list[tuple[Tensor, Tensor]]
     prefix: list[int]
