@@ -255,7 +255,7 @@ class TrainingModel:
         inputs_D = [self._inputs(d) for d in data]
         tokens_D = [d.model_input.to_ints() for d in data]
         targets_D = [x["target_tokens"] for x in inputs_D]
-        kl = "kl_logratio" in spec.trainer_inputs
+        kl = "kl_logratio" in spec.trainer_inputs and spec.needs_reference  # the KL pairs' reference side too
         # KL pairs continue from the matched pairs' prompt keys/values when they fit (prompt_kv.py)
         share = [int(torch.nonzero(x["weights"])[0]) for x in inputs_D] if kl else None
         if share and (min(share) < 1 or kv_bytes(self.peft_model.get_base_model().config, len(data),
