@@ -122,6 +122,10 @@ def test_gate_probes_from_their_shared_prefix_equal_one_full_pass_per_probe(trai
         assert float((logp_M_V - expected).abs().max()) < 5e-4
         firsts = [int(r[-1].argmax()) for r in rows]
         assert right == [p.right(tokenizer.decode([t])) for p, t in zip(suite.probes, firsts)]
+        shared, suite.shared = suite.shared, 0  # no shared prefix: one padded pass over the whole probes
+        right_plain, logp_plain = suite.probe_logprobs(m, adapter=adapter)
+        suite.shared = shared
+        assert right_plain == right and float((logp_plain - expected).abs().max()) < 5e-4
 
 
 @pytest.mark.parametrize("loss_fn", ["kto", "cross_entropy"])

@@ -208,11 +208,9 @@ class ProbeSuite:
         rest = [s[c:] for s in self.seqs]
         b_n, t_max = len(rest), max(len(s) for s in rest)
         ids = torch.full((b_n, t_max), model.pad_id, dtype=torch.long)
-        mask = torch.zeros((b_n, t_max), dtype=torch.long)
         sel = torch.zeros((b_n, t_max), dtype=torch.bool)
         for b, s in enumerate(rest):
             ids[b, :len(s)] = torch.tensor(s)
-            mask[b, :len(s)] = 1
             sel[b, self.reply_start[b] - 1 - c:len(s)] = True
         ctx = peft.disable_adapter() if not adapter else _null()
         decoder = causal_lm.model if model._plain_head else causal_lm
@@ -221,8 +219,9 @@ class ProbeSuite:
                 prefix = decoder(input_ids=torch.tensor([self.seqs[0][:c]], device=dev), use_cache=True)
                 kw = PromptKV.capture(cache_of(prefix), [c]).expand(b_n).continuation(
                     [len(s) for s in rest], dev, causal_lm.config)
-            else:
-                kw = {"attention_mask": mask.to(dev)}
+            else:  # no shared prefix: one pass, right padding masked
+                kw = {"attention_mask": (torch.arange(t_max)[None, :] < torch.tensor([len(s) for s in rest])[:, None]
+                                         ).long().to(dev)}
             out = decoder(input_ids=ids.to(dev), **kw)
             if model._plain_head:  # decoder, then the unembedding at the selected positions only
                 logits_M_V = causal_lm.get_output_embeddings()(out.last_hidden_state[sel.to(dev)]).float()

@@ -83,8 +83,9 @@ class PromptKV:
 
     def continuation(self, lengths: list[int], device: torch.device, config: Any) -> dict[str, Any]:
         """Keyword arguments for the decoder's forward over right-padded continuations of ``lengths[b]`` tokens
-        (row ``b`` continues its own prefix): ``past_key_values`` (a fresh ``DynamicCache``; the forward appends
-        to it), ``attention_mask`` (B, L + T) and ``position_ids`` (B, T)."""
+        (row ``b`` continues its own prefix): the K/V cache under the decoder's keyword (``cache`` or
+        ``past_key_values``: a fresh ``DynamicCache``; the forward appends to it), ``attention_mask`` (B, L + T)
+        and ``position_ids`` (B, T)."""
         from transformers import DynamicCache
 
         b_n, t_max, length = len(lengths), max(lengths), max(self.prefix)
@@ -114,7 +115,6 @@ def cache_of(output: Any) -> Any:
     """The K/V cache a forward returned (``cache``, formerly ``past_key_values``)."""
     cache = getattr(output, "cache", None)
     return cache if cache is not None else output.past_key_values
-
 
 
 def kl_pairs(data: list[Any], inputs_D: list[dict[str, Tensor]], max_seq_len: int, *,
