@@ -17,7 +17,7 @@ from _sessions_server import sessions_server  # noqa: F401  (fixture)
 from livelora.clients.recipes import chat_sft, distill, dpo, gsm8k_rl, kto_ratings
 from livelora.clients.recipes.checkpoints import last_checkpoint, read_jsonl_lenient
 from livelora.clients.recipes.datums import batch_indices, split, supervised_datum
-from livelora.clients.recipes.metrics import mlflow_available, read_metrics
+from livelora.clients.recipes.metrics import read_metrics
 from livelora.clients.recipes.renderers import ChatRenderer
 from livelora.clients.recipes.sdk import Sdk
 
@@ -101,17 +101,16 @@ def test_recipe_killed_and_restarted_continues_at_its_checkpoint_with_the_same_o
     assert losses["warm"] == pytest.approx(metrics_a[4]["train/loss"], rel=1e-5)
     assert abs(losses["cold"] - metrics_a[4]["train/loss"]) > 1e-3 * abs(metrics_a[4]["train/loss"]), losses
 
-    if mlflow_available():  # the uninterrupted run's MLflow file store holds every step's metrics
-        import mlflow
+    import mlflow  # a dev extra (tests/test_dev_extras.py): the uninterrupted run's MLflow store has every step
 
-        client = mlflow.MlflowClient(tracking_uri=(tmp_path / "a" / "mlruns").as_uri())
-        run_id = (tmp_path / "a" / "mlflow_run_id").read_text().strip()
-        history = client.get_metric_history(run_id, "train/loss")
-        assert [(m.step, m.value) for m in history] == pytest.approx(
-            [(s, metrics_a[s]["train/loss"]) for s in (1, 2, 3, 4)])
-        assert [m.step for m in client.get_metric_history(run_id, "eval/nll")] == [0, 4]
-        run = client.get_run(run_id)
-        assert run.data.params["learning_rate"] == "0.002" and run.info.status == "FINISHED"
+    client = mlflow.MlflowClient(tracking_uri=(tmp_path / "a" / "mlruns").as_uri())
+    run_id = (tmp_path / "a" / "mlflow_run_id").read_text().strip()
+    history = client.get_metric_history(run_id, "train/loss")
+    assert [m.step for m in history] == [1, 2, 3, 4]
+    assert [m.value for m in history] == pytest.approx([metrics_a[s]["train/loss"] for s in (1, 2, 3, 4)])
+    assert [m.step for m in client.get_metric_history(run_id, "eval/nll")] == [0, 4]
+    run = client.get_run(run_id)
+    assert run.data.params["learning_rate"] == "0.002" and run.info.status == "FINISHED"
 
 
 # ---------------------------------------------------------------------------------------------- the tinker SDK

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 
 import pytest
 import torch
@@ -285,7 +286,17 @@ def test_metrics_go_to_jsonl_and_to_an_mlflow_file_store(tmp_path):
     assert [(m.step, m.value) for m in client.get_metric_history(log.run_id, "eval/nll")] == [(0, 1.5)]
 
 
-def test_chat_data_from_a_messages_file_or_a_clear_error_for_an_unreachable_hub(tmp_path, monkeypatch):
+def test_a_hub_dataset_that_cannot_be_reached_is_a_clear_error(monkeypatch):
+    pytest.importorskip("datasets", reason="`datasets` is not a dev extra (pip install datasets)")
+    from livelora.clients.recipes.datasets import DataError, load_chat
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match="not a local path and could not be loaded"):
+        load_chat("HuggingFaceH4/ultrachat_200k", "train_sft")
+
+
+def test_chat_data_from_a_messages_file_or_a_clear_error_without_datasets(tmp_path, monkeypatch):
     from livelora.clients.recipes.datasets import DataError, load_chat
 
     f = tmp_path / "tulu.jsonl"  # the Tulu 3 SFT mixture / UltraChat row shape
@@ -298,8 +309,10 @@ def test_chat_data_from_a_messages_file_or_a_clear_error_for_an_unreachable_hub(
     assert load_chat(str(f)) == [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(DataError, match="not a local path and could not be loaded"):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # an environment without `datasets`: said so
+    with pytest.raises(DataError, match="the `datasets` package is not installed"):
         load_chat("HuggingFaceH4/ultrachat_200k", "train_sft")
+    monkeypatch.delitem(sys.modules, "datasets")
     from livelora.clients.recipes.datasets import gsm8k
 
     for missing in (str(tmp_path / "nonexistent"), "./gsm8k"):  # a local path, not a hub name: said so
