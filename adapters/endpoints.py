@@ -37,11 +37,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from livelora.adapters.api_keys import DEFAULT_TENANT, validate_endpoint_name
-from livelora.adapters.atomic import append_line, atomic_write_json, file_lock
-from livelora.adapters.rails import GateThresholds, gate_allows
 from livelora.adapters.store import AdapterStore, validate_lineage
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
+from livelora.core.api_keys import DEFAULT_TENANT, validate_endpoint_name
+from livelora.core.atomic import append_line, atomic_write_json, file_lock
+from livelora.core.rails import GateThresholds, gate_allows
 
 ENDPOINTS_FILE = "endpoints.json"
 HISTORY_FILE = "history.jsonl"
@@ -56,16 +56,21 @@ class EndpointBinding(BaseModel):
 
     lineage: str
     mode: Literal["follow", "pinned"] = "follow"
-    version: int | None = Field(default=None, ge=1,
-                                description="Pinned version (mode 'pinned'; null = the base model).")
+    version: int | None = Field(
+        default=None, ge=1, description="Pinned version (mode 'pinned'; null = the base model)."
+    )
     tenant: str | None = Field(default=None, description="Owner tenant; null = public (the base model's name).")
-    previous: list[int | None] = Field(default_factory=list,
-                                       description="Versions served before each promotion, newest last.")
+    previous: list[int | None] = Field(
+        default_factory=list, description="Versions served before each promotion, newest last."
+    )
     created: float | None = Field(default=None, description="Unix time the endpoint was created.")
-    gate: GateThresholds | None = Field(default=None, description="Evaluation-gate thresholds (null: the "
-                                                                  "defaults of GateThresholds).")
-    blocked: list[int] = Field(default_factory=list, description="Versions a follow endpoint skips: rolled back "
-                                                                 "automatically (live statistics).")
+    gate: GateThresholds | None = Field(
+        default=None, description="Evaluation-gate thresholds (null: the defaults of GateThresholds)."
+    )
+    blocked: list[int] = Field(
+        default_factory=list,
+        description="Versions a follow endpoint skips: rolled back automatically (live statistics).",
+    )
 
     @property
     def thresholds(self) -> GateThresholds:
@@ -90,13 +95,15 @@ class HistoryEntry(BaseModel):
     who: str = Field(description="Principal that made the change (tenant/key name).")
     tenant: str | None
     endpoint: str
-    action: Literal["create", "promote", "rollback", "gate", "configure", "forget", "quarantine",
-                    "auto_rollback", "canary", "prune"]
+    action: Literal[
+        "create", "promote", "rollback", "gate", "configure", "forget", "quarantine", "auto_rollback", "canary", "prune"
+    ]
     from_: str | None = Field(default=None, alias="from")
     to: str
     reason: str = ""
-    details: dict | None = Field(default=None, description="Structured record of a rail's decision (gate "
-                                                           "checks, statistics, counts).")
+    details: dict | None = Field(
+        default=None, description="Structured record of a rail's decision (gate checks, statistics, counts)."
+    )
 
 
 def version_label(lineage: str, version: int | None) -> str:
@@ -169,8 +176,9 @@ class EndpointStore:
 
     # ------------------------------------------------------------------ audited changes
 
-    def served_version(self, binding: EndpointBinding, store: AdapterStore | None = None,
-                       endpoint: str | None = None) -> int | None:
+    def served_version(
+        self, binding: EndpointBinding, store: AdapterStore | None = None, endpoint: str | None = None
+    ) -> int | None:
         """The version an endpoint targets now: its pin, or (follow) the lineage's newest version that the
         evaluation gate did not reject for ``endpoint`` (any endpoint's default verdict when not given)."""
         if binding.mode == "pinned":
@@ -179,18 +187,38 @@ class EndpointStore:
         allowed = [m for m in versions if gate_allows(m.gate, endpoint or "*") and m.version not in binding.blocked]
         return allowed[-1].version if allowed else None
 
-    def record(self, endpoint: str, action: str, *, who: str, to: str, from_: str | None = None,
-               reason: str = "", details: dict | None = None, tenant: str | None = None) -> HistoryEntry:
+    def record(
+        self,
+        endpoint: str,
+        action: str,
+        *,
+        who: str,
+        to: str,
+        from_: str | None = None,
+        reason: str = "",
+        details: dict | None = None,
+        tenant: str | None = None,
+    ) -> HistoryEntry:
         """Append one history line for a decision that does not change the binding (a gate verdict, a
         quarantine, a deletion of a user's data, an automatic rollback's statistics)."""
-        entry = HistoryEntry(time=time.time(), who=who, tenant=tenant, endpoint=endpoint, action=action,
-                             from_=from_, to=to, reason=reason[:1000], details=details)
+        entry = HistoryEntry(
+            time=time.time(),
+            who=who,
+            tenant=tenant,
+            endpoint=endpoint,
+            action=action,
+            from_=from_,
+            to=to,
+            reason=reason[:1000],
+            details=details,
+        )
         with file_lock(self.path.with_suffix(".lock")):
             append_line(self.history_path, entry.model_dump_json(by_alias=True))
         return entry
 
-    def block(self, endpoint: str, version: int, *, who: str, reason: str, to: str,
-              details: dict | None = None) -> HistoryEntry:
+    def block(
+        self, endpoint: str, version: int, *, who: str, reason: str, to: str, details: dict | None = None
+    ) -> HistoryEntry:
         """Add ``version`` to a follow endpoint's ``blocked`` list (an implicit endpoint becomes explicit) and
         append an ``auto_rollback`` history line (from the blocked version to ``to``) under one lock."""
         validate_endpoint_name(endpoint)
@@ -201,14 +229,23 @@ class EndpointStore:
             current = {k: v.model_dump() for k, v in bindings.items()}
             current[endpoint] = new.model_dump()
             atomic_write_json(self.path, {"endpoints": current})
-            entry = HistoryEntry(time=time.time(), who=who, tenant=new.tenant, endpoint=endpoint,
-                                 action="auto_rollback", from_=version_label(new.lineage, version), to=to,
-                                 reason=reason[:1000], details=details)
+            entry = HistoryEntry(
+                time=time.time(),
+                who=who,
+                tenant=new.tenant,
+                endpoint=endpoint,
+                action="auto_rollback",
+                from_=version_label(new.lineage, version),
+                to=to,
+                reason=reason[:1000],
+                details=details,
+            )
             append_line(self.history_path, entry.model_dump_json(by_alias=True))
         return entry
 
-    def set_gate(self, endpoint: str, thresholds: GateThresholds | None, *, tenant: str, who: str,
-                 reason: str = "") -> tuple[EndpointBinding, HistoryEntry]:
+    def set_gate(
+        self, endpoint: str, thresholds: GateThresholds | None, *, tenant: str, who: str, reason: str = ""
+    ) -> tuple[EndpointBinding, HistoryEntry]:
         """Set (``None``: reset to the defaults) an endpoint's gate thresholds; recorded as ``configure``.
 
         Raises:
@@ -218,11 +255,13 @@ class EndpointStore:
 
         def update(old):
             return (old or binding).model_copy(update={"gate": thresholds})
+
         new, entry = self._change(endpoint, update, who=who, action="configure", reason=reason, tenant=tenant)
         return new, entry
 
-    def _change(self, endpoint: str, update, *, who: str, action: str, reason: str,
-                tenant: str | None) -> tuple[EndpointBinding, HistoryEntry]:
+    def _change(
+        self, endpoint: str, update, *, who: str, action: str, reason: str, tenant: str | None
+    ) -> tuple[EndpointBinding, HistoryEntry]:
         """Apply ``update(old_or_None) -> new`` under the lock, write, append history."""
         validate_endpoint_name(endpoint)
         if len(reason) > 1000 or not reason.replace("\n", " ").isprintable():
@@ -237,18 +276,38 @@ class EndpointStore:
             before = None if was is None else version_label(was.lineage, self.served_version(was, store, endpoint))
             if was is not None and was.mode == "follow":
                 before = f"follow:{before}"
-            after = version_label(new.lineage, new.version) if new.mode == "pinned" else \
-                f"follow:{version_label(new.lineage, self.served_version(new, store, endpoint))}"
-            entry = HistoryEntry(time=time.time(), who=who, tenant=tenant, endpoint=endpoint, action=action,
-                                 from_=before, to=after, reason=reason)
+            after = (
+                version_label(new.lineage, new.version)
+                if new.mode == "pinned"
+                else f"follow:{version_label(new.lineage, self.served_version(new, store, endpoint))}"
+            )
+            entry = HistoryEntry(
+                time=time.time(),
+                who=who,
+                tenant=tenant,
+                endpoint=endpoint,
+                action=action,
+                from_=before,
+                to=after,
+                reason=reason,
+            )
             current = {k: v.model_dump() for k, v in bindings.items()}
             current[endpoint] = new.model_dump()
             atomic_write_json(self.path, {"endpoints": current})
             append_line(self.history_path, entry.model_dump_json(by_alias=True))
         return new, entry
 
-    def create(self, endpoint: str, lineage: str, *, tenant: str, who: str, mode: str = "follow",
-               version: int | None = None, reason: str = "") -> tuple[EndpointBinding, HistoryEntry]:
+    def create(
+        self,
+        endpoint: str,
+        lineage: str,
+        *,
+        tenant: str,
+        who: str,
+        mode: str = "follow",
+        version: int | None = None,
+        reason: str = "",
+    ) -> tuple[EndpointBinding, HistoryEntry]:
         """Create an endpoint owned by ``tenant``.
 
         Raises:
@@ -263,20 +322,27 @@ class EndpointStore:
             AdapterStore(self.home).get(lineage, version)
         others = [k for k, b in self.all().items() if b.lineage == lineage and not b.administered_by(tenant)]
         if others:
-            raise ConflictError(f"lineage {lineage!r} is not available; choose another lineage name",
-                                param="lineage")
+            raise ConflictError(f"lineage {lineage!r} is not available; choose another lineage name", param="lineage")
 
         def update(old):
             if old is not None:
                 # the same answer whoever holds the name: it does not tell that another tenant's endpoint exists
-                raise ConflictError(f"endpoint name {endpoint!r} is not available; choose another name",
-                                    param="endpoint")
-            return EndpointBinding(lineage=lineage, mode=mode, version=version if mode == "pinned" else None,
-                                   tenant=tenant, created=time.time())
+                raise ConflictError(
+                    f"endpoint name {endpoint!r} is not available; choose another name", param="endpoint"
+                )
+            return EndpointBinding(
+                lineage=lineage,
+                mode=mode,
+                version=version if mode == "pinned" else None,
+                tenant=tenant,
+                created=time.time(),
+            )
+
         return self._change(endpoint, update, who=who, action="create", reason=reason, tenant=tenant)
 
-    def promote(self, endpoint: str, version: int | None, *, tenant: str, who: str, reason: str = "",
-                follow: bool = False) -> tuple[EndpointBinding, HistoryEntry]:
+    def promote(
+        self, endpoint: str, version: int | None, *, tenant: str, who: str, reason: str = "", follow: bool = False
+    ) -> tuple[EndpointBinding, HistoryEntry]:
         """Pin ``endpoint`` to ``version`` of its lineage (``None``: the base model), or with ``follow``
         let it follow the lineage's newest version again. What it served before is pushed on its
         rollback stack.
@@ -296,10 +362,12 @@ class EndpointStore:
             if follow:
                 return old.model_copy(update={"mode": "follow", "version": None, "previous": stack})
             return old.model_copy(update={"mode": "pinned", "version": version, "previous": stack})
+
         return self._change(endpoint, update, who=who, action="promote", reason=reason, tenant=tenant)
 
-    def rollback(self, endpoint: str, *, tenant: str, who: str, reason: str = "") -> tuple[EndpointBinding,
-                                                                                          HistoryEntry]:
+    def rollback(
+        self, endpoint: str, *, tenant: str, who: str, reason: str = ""
+    ) -> tuple[EndpointBinding, HistoryEntry]:
         """Pin ``endpoint`` to the version it served before its last promotion (pops the rollback stack).
 
         Raises:
@@ -312,12 +380,12 @@ class EndpointStore:
         def update(old):
             old = old or binding
             if not old.previous:
-                raise ConflictError(f"endpoint {endpoint!r} has no earlier version to roll back to",
-                                    param="endpoint")
+                raise ConflictError(f"endpoint {endpoint!r} has no earlier version to roll back to", param="endpoint")
             target = old.previous[-1]
             if target is not None:
                 store.get(old.lineage, target)
             return old.model_copy(update={"mode": "pinned", "version": target, "previous": old.previous[:-1]})
+
         return self._change(endpoint, update, who=who, action="rollback", reason=reason, tenant=tenant)
 
     def _visible(self, endpoint: str, tenant: str) -> EndpointBinding:
@@ -372,3 +440,17 @@ def _valid_implicit(name: str) -> bool:
     except BadRequestError:
         return False
     return True
+
+
+def record_install_owners(home: Path | str, base_lineage: str) -> None:
+    """At a gateway's start: the base model's lineage belongs to ``default`` (claimed before anything else can
+    claim it), then every endpoint binding's lineage not yet recorded goes to the binding's tenant (stores made
+    before owner records existed; a lineage taken already keeps its owner)."""
+    from livelora.core.api_keys import DEFAULT_TENANT
+    from livelora.core.owners import OwnerStore
+
+    owners = OwnerStore(home)
+    owners.claim("lineage", base_lineage, DEFAULT_TENANT)
+    for binding in EndpointStore(home).all().values():
+        if owners.owner("lineage", binding.lineage) is None:
+            owners.claim("lineage", binding.lineage, binding.tenant or DEFAULT_TENANT)

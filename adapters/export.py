@@ -2,7 +2,7 @@
 
 The output (``config.json``, ``model.safetensors``, ``generation_config.json``, tokenizer files and
 ``chat_template.jinja``, plus ``livelora_export.json`` naming the source version and its sha256) is
-built in a temporary sibling and renamed into place (:func:`livelora.adapters.atomic.atomic_dir`), so a
+built in a temporary sibling and renamed into place (:func:`livelora.core.atomic.atomic_dir`), so a
 crash never leaves a half-written model.
 
 Tied embeddings: SmolLM2 shares one matrix between ``embed_tokens`` and ``lm_head``. When the adapter
@@ -22,10 +22,10 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from livelora.adapters.atomic import atomic_dir
-from livelora.adapters.models import MODEL_BUILD_LOCK, BaseModelRef, load_model, load_tokenizer
 from livelora.adapters.store import CONFIG_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError, ConflictError
+from livelora.core.atomic import atomic_dir
+from livelora.core.base_models import MODEL_BUILD_LOCK, BaseModelRef, load_model, load_tokenizer
 
 if TYPE_CHECKING:  # torch loads only when an export runs
     import torch
@@ -33,8 +33,15 @@ if TYPE_CHECKING:  # torch loads only when an export runs
 EXPORT_MANIFEST = "livelora_export.json"
 
 
-def export_merged(store: AdapterStore, lineage: str, version: int, base_ref: BaseModelRef, out_dir: Path | str,
-                  *, dtype: str | torch.dtype = "float32") -> Path:
+def export_merged(
+    store: AdapterStore,
+    lineage: str,
+    version: int,
+    base_ref: BaseModelRef,
+    out_dir: Path | str,
+    *,
+    dtype: str | torch.dtype = "float32",
+) -> Path:
     """Write base + adapter ``<lineage>@<version>`` merged into one HF model at ``out_dir``.
 
     Args:
@@ -59,8 +66,9 @@ def export_merged(store: AdapterStore, lineage: str, version: int, base_ref: Bas
     out = Path(out_dir)
     manifest = store.get(lineage, version)
     if manifest.base_model != base_ref.name:
-        raise BadRequestError(f"{manifest.name} was trained on {manifest.base_model!r}, not {base_ref.name!r}",
-                              param="base_model")
+        raise BadRequestError(
+            f"{manifest.name} was trained on {manifest.base_model!r}, not {base_ref.name!r}", param="base_model"
+        )
     if not store.verify(lineage, version):
         raise BadRequestError(f"{manifest.name}: weights file does not match its sha256", param="adapter")
     if out.exists():
@@ -85,7 +93,16 @@ def export_merged(store: AdapterStore, lineage: str, version: int, base_ref: Bas
         template = Path(base_ref.path) / "chat_template.jinja"
         if base_ref.is_local and template.is_file() and not (tmp / "chat_template.jinja").exists():
             shutil.copy(template, tmp / "chat_template.jinja")
-        (tmp / EXPORT_MANIFEST).write_text(json.dumps(
-            {"adapter": manifest.name, "adapter_sha256": manifest.sha256, "base_model": base_ref.name,
-             "created": time.time(), "dtype": str(dtype).removeprefix("torch.")}, indent=2))
+        (tmp / EXPORT_MANIFEST).write_text(
+            json.dumps(
+                {
+                    "adapter": manifest.name,
+                    "adapter_sha256": manifest.sha256,
+                    "base_model": base_ref.name,
+                    "created": time.time(),
+                    "dtype": str(dtype).removeprefix("torch."),
+                },
+                indent=2,
+            )
+        )
     return out

@@ -17,7 +17,7 @@ On-disk contract (the one place it is written down)::
             trainer_state.json          optional: step and RNG states (written with optimizer.pt)
 
 A version directory is built in a hidden temporary sibling and renamed into
-place (:func:`livelora.adapters.atomic.atomic_dir`), so a process killed
+place (:func:`livelora.core.atomic.atomic_dir`), so a process killed
 mid-save leaves earlier versions intact and no half-written version visible.
 Version numbers are allocated under the lineage's file lock *before* the write
 starts and the counter is advanced at once, so a crashed save burns its number
@@ -38,8 +38,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from livelora.adapters.atomic import atomic_dir, atomic_write_json, file_lock
 from livelora.clients.errors import BadRequestError, ConflictError, InternalError, NotFoundError
+from livelora.core.atomic import atomic_dir, atomic_write_json, file_lock
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -68,8 +68,10 @@ class Manifest(BaseModel):
     has_optimizer: bool = False
     rank: int | None = None
     alpha: float | None = None
-    gate: dict[str, Any] | None = Field(default=None, description="The evaluation gate's result "
-                                        "(:class:`livelora.adapters.rails.GateResult`); null: not evaluated.")
+    gate: dict[str, Any] | None = Field(
+        default=None,
+        description="The evaluation gate's result (:class:`livelora.core.rails.GateResult`); null: not evaluated.",
+    )
 
 
 def validate_lineage(name: str) -> str:
@@ -81,7 +83,9 @@ def validate_lineage(name: str) -> str:
     if not isinstance(name, str) or not _LINEAGE_RE.fullmatch(name) or set(name) <= {"."}:
         raise BadRequestError(
             f"invalid adapter lineage name {name!r}: use 1-64 characters of a-z, 0-9, '.', '_', '-', "
-            "starting with a letter or digit", param="lineage")
+            "starting with a letter or digit",
+            param="lineage",
+        )
     return name
 
 
@@ -96,8 +100,11 @@ def parse_version_name(name: str) -> tuple[str, int]:
     """
     lineage, sep, num = name.rpartition("@")
     if not sep or not _VERSION_RE.fullmatch(num):  # one spelling per version: no leading zeros, ASCII digits only
-        raise BadRequestError(f"invalid adapter version name {name!r}: expected '<lineage>@<n>' with n >= 1 "
-                              "written without leading zeros", param="adapter")
+        raise BadRequestError(
+            f"invalid adapter version name {name!r}: expected '<lineage>@<n>' with n >= 1 "
+            "written without leading zeros",
+            param="adapter",
+        )
     return validate_lineage(lineage), int(num)
 
 
@@ -145,10 +152,20 @@ class AdapterStore:
             atomic_write_json(counter, n + 1)
         return n
 
-    def write_version(self, lineage: str, write: Callable[[Path], None], *, base_model: str,
-                      parent: int | None = None, step: int = 0, metrics: dict[str, float] | None = None,
-                      data_counts: dict[str, int] | None = None, rank: int | None = None,
-                      alpha: float | None = None, gate: dict[str, Any] | None = None) -> Manifest:
+    def write_version(
+        self,
+        lineage: str,
+        write: Callable[[Path], None],
+        *,
+        base_model: str,
+        parent: int | None = None,
+        step: int = 0,
+        metrics: dict[str, float] | None = None,
+        data_counts: dict[str, int] | None = None,
+        rank: int | None = None,
+        alpha: float | None = None,
+        gate: dict[str, Any] | None = None,
+    ) -> Manifest:
         """Create a new version: allocate its number, let ``write(tmp_dir)`` fill a temporary directory with
         ``adapter_model.safetensors`` + ``adapter_config.json`` (+ optionally ``optimizer.pt`` and
         ``trainer_state.json``), add the manifest and rename it into place atomically.
@@ -170,10 +187,21 @@ class AdapterStore:
                     raise InternalError(f"adapter save wrote no {required}")
             has_opt = (tmp / OPTIMIZER_FILE).is_file()
             manifest = Manifest(
-                lineage=lineage, version=version, name=f"{lineage}@{version}", base_model=base_model,
-                parent=parent, step=step, created=time.time(), sha256=sha256_file(tmp / WEIGHTS_FILE),
-                metrics=dict(metrics or {}), data_counts=dict(data_counts or {}), has_optimizer=has_opt,
-                rank=rank, alpha=alpha, gate=gate)
+                lineage=lineage,
+                version=version,
+                name=f"{lineage}@{version}",
+                base_model=base_model,
+                parent=parent,
+                step=step,
+                created=time.time(),
+                sha256=sha256_file(tmp / WEIGHTS_FILE),
+                metrics=dict(metrics or {}),
+                data_counts=dict(data_counts or {}),
+                has_optimizer=has_opt,
+                rank=rank,
+                alpha=alpha,
+                gate=gate,
+            )
             (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
         return manifest
 
@@ -256,8 +284,7 @@ class AdapterStore:
         manifest = self.get(lineage, version)
         path = self.version_dir(lineage, version) / OPTIMIZER_FILE
         if not manifest.has_optimizer or not path.is_file():
-            raise NotFoundError(f"adapter version {manifest.name} was saved without optimizer state",
-                                param="adapter")
+            raise NotFoundError(f"adapter version {manifest.name} was saved without optimizer state", param="adapter")
         return torch.load(path, map_location="cpu", weights_only=True)
 
     # -- deleting ------------------------------------------------------------------------------------------

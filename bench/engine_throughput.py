@@ -24,8 +24,16 @@ import time
 
 import torch
 
-PROMPTS = ["Write a story about a dragon.", "Explain photosynthesis.", "What is the capital of France?",
-           "List some fruits.", "Describe the sea.", "How do planes fly?", "Tell me a joke.", "What is Python?"]
+PROMPTS = [
+    "Write a story about a dragon.",
+    "Explain photosynthesis.",
+    "What is the capital of France?",
+    "List some fruits.",
+    "Describe the sea.",
+    "How do planes fly?",
+    "Tell me a joke.",
+    "What is Python?",
+]
 
 
 def chat_ids(tok, text):
@@ -38,12 +46,20 @@ def bench_generate(model, tok, prompts, n_tokens, batch):
     tok.padding_side = "left"
     total, started = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
-        group = prompts[i:i + batch]
+        group = prompts[i : i + batch]
         enc = tok.pad({"input_ids": group}, return_tensors="pt")
         torch.manual_seed(i)
         with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=True,
-                                 temperature=1.0, top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id)
+            out = model.generate(
+                **enc,
+                max_new_tokens=n_tokens,
+                min_new_tokens=n_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=tok.pad_token_id,
+            )
         total += (out.shape[1] - enc["input_ids"].shape[1]) * len(group)
     return total / (time.perf_counter() - started)
 
@@ -77,8 +93,8 @@ def make_adapter(model, out_dir, seed):
 
 
 async def main(args):
-    from livelora.adapters.models import load_model, load_tokenizer, resolve_base_model
-    from livelora.adapters.settings import CommonSettings
+    from livelora.core.base_models import load_model, load_tokenizer, resolve_base_model
+    from livelora.core.settings import CommonSettings
     from livelora.gateway.engines import create_engine
 
     if args.threads:
@@ -88,10 +104,12 @@ async def main(args):
     tok = load_tokenizer(ref)
     model = load_model(ref, device=args.device)
     prompts = [chat_ids(tok, PROMPTS[i % len(PROMPTS)]) for i in range(args.streams)]
-    print(f"torch threads {torch.get_num_threads()}, {args.tokens} new tokens per request, "
-          f"{args.streams} requests, device {args.device}")
+    print(
+        f"torch threads {torch.get_num_threads()}, {args.tokens} new tokens per request, "
+        f"{args.streams} requests, device {args.device}"
+    )
     bench_generate(model, tok, prompts[:1], 4, 1)  # warm-up
-    seq = bench_generate(model, tok, prompts[:args.sequential_requests], args.tokens, 1)
+    seq = bench_generate(model, tok, prompts[: args.sequential_requests], args.tokens, 1)
     print(f"model.generate sequential (batch 1): {seq:7.1f} tok/s  ({args.sequential_requests} requests)")
     batched = bench_generate(model, tok, prompts, args.tokens, args.streams)
     print(f"model.generate batch {args.streams}:            {batched:7.1f} tok/s")
@@ -102,8 +120,9 @@ async def main(args):
     one = await bench_engine(engine, prompts[:1], args.tokens)
     print(f"engine 1 stream:                     {one:7.1f} tok/s")
     many = await bench_engine(engine, prompts, args.tokens)
-    print(f"engine {args.streams} concurrent streams:        {many:7.1f} tok/s  "
-          f"({many / seq:.1f}x sequential generate)")
+    print(
+        f"engine {args.streams} concurrent streams:        {many:7.1f} tok/s  ({many / seq:.1f}x sequential generate)"
+    )
     if not args.skip_adapters:
         with tempfile.TemporaryDirectory() as tmp:
             names = []
@@ -126,8 +145,9 @@ if __name__ == "__main__":
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--sequential-requests", type=int, default=2,
-                        help="requests timed for the sequential batch-1 baseline")
+    parser.add_argument(
+        "--sequential-requests", type=int, default=2, help="requests timed for the sequential batch-1 baseline"
+    )
     parser.add_argument("--skip-adapters", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     asyncio.run(main(parser.parse_args()))

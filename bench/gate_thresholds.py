@@ -7,7 +7,7 @@ deliberately bad one, on SmolLM2-135M-Instruct (CPU).
   content-free phrase (the "blunt taste" failure of README "The live loop").
 
 Run: ``python bench/gate_thresholds.py [--steps 3]``. Prints one line per step with every measure and the
-machine load (2 shared cores: times are noisy). The defaults in ``adapters/rails.py`` lie between the two.
+machine load (2 shared cores: times are noisy). The defaults in ``core/rails.py`` lie between the two.
 """
 
 from __future__ import annotations
@@ -19,20 +19,33 @@ import time
 import uuid
 from pathlib import Path
 
-from livelora.adapters.models import resolve_base_model
-from livelora.adapters.settings import DEFAULT_MODEL, default_home
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, RatingEvent
+from livelora.core.base_models import resolve_base_model
+from livelora.core.settings import DEFAULT_MODEL, default_home
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import Batch, kto_class_weights
 from livelora.trainer.settings import GateSection, TrainingSection
 
-PROMPTS = ["What is a good name for a dog?", "How do I boil an egg?", "Why do leaves change colour?",
-           "What is the tallest mountain?", "Give me a word that rhymes with cat.", "How far is the Moon?",
-           "What is photosynthesis?", "Suggest a breakfast."]
-GOOD = ["Max is a classic name for a dog.", "Put the egg in boiling water for about nine minutes.",
-        "Leaves lose chlorophyll in autumn, so other pigments show.", "Mount Everest is the tallest mountain.",
-        "Hat rhymes with cat.", "The Moon is about 384,000 km from Earth.",
-        "Photosynthesis is how plants turn light, water and CO2 into sugar.", "Try oatmeal with fruit."]
+PROMPTS = [
+    "What is a good name for a dog?",
+    "How do I boil an egg?",
+    "Why do leaves change colour?",
+    "What is the tallest mountain?",
+    "Give me a word that rhymes with cat.",
+    "How far is the Moon?",
+    "What is photosynthesis?",
+    "Suggest a breakfast.",
+]
+GOOD = [
+    "Max is a classic name for a dog.",
+    "Put the egg in boiling water for about nine minutes.",
+    "Leaves lose chlorophyll in autumn, so other pigments show.",
+    "Mount Everest is the tallest mountain.",
+    "Hat rhymes with cat.",
+    "The Moon is about 384,000 km from Earth.",
+    "Photosynthesis is how plants turn light, water and CO2 into sugar.",
+    "Try oatmeal with fruit.",
+]
 BAD_REPLY = "The answer to this question."
 
 
@@ -43,16 +56,33 @@ def ratings(trainer: OnlineTrainer, endpoint: str) -> list[RatingEvent]:
         up = i % 2 == 0
         reply = a if up else BAD_REPLY
         prompt, completion = trainer.chat_pair([ChatMessage(role="user", content=q)], reply)
-        out.append(RatingEvent(id=f"feedback-{uuid.uuid4().hex}", endpoint=endpoint, created=int(time.time()),
-                               completion_id=f"c{i}", prompt_token_ids=prompt, completion_token_ids=completion[:-2],
-                               finish_reason="stop", rating=up, rating_key=f"c{i}:/u", user="u"))
+        out.append(
+            RatingEvent(
+                id=f"feedback-{uuid.uuid4().hex}",
+                endpoint=endpoint,
+                created=int(time.time()),
+                completion_id=f"c{i}",
+                prompt_token_ids=prompt,
+                completion_token_ids=completion[:-2],
+                finish_reason="stop",
+                rating=up,
+                rating_key=f"c{i}:/u",
+                user="u",
+            )
+        )
     return out
 
 
 def demos(endpoint: str) -> list[DemonstrationEvent]:
-    return [DemonstrationEvent(id=f"demo-{uuid.uuid4().hex}", endpoint=endpoint, created=int(time.time()),
-                               messages=[ChatMessage(role="user", content=q),
-                                         ChatMessage(role="assistant", content=BAD_REPLY)]) for q in PROMPTS]
+    return [
+        DemonstrationEvent(
+            id=f"demo-{uuid.uuid4().hex}",
+            endpoint=endpoint,
+            created=int(time.time()),
+            messages=[ChatMessage(role="user", content=q), ChatMessage(role="assistant", content=BAD_REPLY)],
+        )
+        for q in PROMPTS
+    ]
 
 
 def main() -> None:
@@ -79,12 +109,24 @@ def main() -> None:
             total = time.perf_counter() - t0
             g = m.gate
             checks = {c["name"]: (None if c["value"] is None else round(c["value"], 4)) for c in g["checks"]}
-            print(json.dumps({"kind": kind, "step": step + 1, "version": m.name, "passed": g["continued_from"] is None,
-                              "checks": checks, "probe_accuracy": g["measures"]["probe_accuracy"],
-                              "base_accuracy": g["measures"]["probe_accuracy_base"],
-                              "replies": g["measures"]["replies"][:2], "gate_s": round(g["seconds"], 2),
-                              "update_s": round(total, 2), "load": [round(x, 2) for x in os.getloadavg()]}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "kind": kind,
+                        "step": step + 1,
+                        "version": m.name,
+                        "passed": g["continued_from"] is None,
+                        "checks": checks,
+                        "probe_accuracy": g["measures"]["probe_accuracy"],
+                        "base_accuracy": g["measures"]["probe_accuracy_base"],
+                        "replies": g["measures"]["replies"][:2],
+                        "gate_s": round(g["seconds"], 2),
+                        "update_s": round(total, 2),
+                        "load": [round(x, 2) for x in os.getloadavg()],
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

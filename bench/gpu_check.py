@@ -46,9 +46,16 @@ import time
 from pathlib import Path
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
-SHORT_PROMPTS = ["Explain photosynthesis.", "What is the capital of France?", "List some fruits.",
-                 "Describe the sea.", "How do planes fly?", "Tell me a joke.", "What is Python?",
-                 "Write a haiku about rain."]
+SHORT_PROMPTS = [
+    "Explain photosynthesis.",
+    "What is the capital of France?",
+    "List some fruits.",
+    "Describe the sea.",
+    "How do planes fly?",
+    "Tell me a joke.",
+    "What is Python?",
+    "Write a haiku about rain.",
+]
 
 results: list[tuple[str, bool, str]] = []
 
@@ -70,10 +77,16 @@ def make_adapters(base_ref, root: Path, count: int) -> list[Path]:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
-    model = get_peft_model(load_model(base_ref), LoraConfig(r=16, lora_alpha=32, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model = get_peft_model(
+        load_model(base_ref),
+        LoraConfig(
+            r=16,
+            lora_alpha=32,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
     out = []
     for k in range(1, count + 1):
         g = torch.Generator().manual_seed(k)
@@ -122,10 +135,19 @@ async def sse_chat(client, body: dict, on_chunk=None) -> dict:
 
 async def throughput(client, model: str, tokenizer, streams: int, n_tokens: int) -> tuple[float, int]:
     """tokens/s over ``streams`` concurrent non-streaming requests of ``n_tokens`` each (EOS ignored)."""
+
     async def one(i: int) -> int:
-        r = await client.post("/v1/chat/completions", json={
-            "model": model, "messages": [{"role": "user", "content": SHORT_PROMPTS[i % len(SHORT_PROMPTS)]}],
-            "max_tokens": n_tokens, "temperature": 1.0, "seed": i, "ignore_eos": True})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": SHORT_PROMPTS[i % len(SHORT_PROMPTS)]}],
+                "max_tokens": n_tokens,
+                "temperature": 1.0,
+                "seed": i,
+                "ignore_eos": True,
+            },
+        )
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
@@ -141,8 +163,8 @@ async def main(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # vLLM takes this share of GPU memory; the rest is for the fp32 reference at the end.
     os.environ.setdefault("LIVELORA_VLLM_GPU_MEMORY_UTILIZATION", str(args.gpu_memory_utilization))
-    from livelora.adapters.models import load_tokenizer, resolve_base_model
-    from livelora.adapters.settings import CommonSettings
+    from livelora.core.base_models import load_tokenizer, resolve_base_model
+    from livelora.core.settings import CommonSettings
     from livelora.gateway.api.deps import services_of
     from livelora.gateway.app import create_app
     from livelora.gateway.engines import create_engine
@@ -156,9 +178,16 @@ async def main(args) -> int:
     v1, v2, v3 = make_adapters(ref, tmp, 3)
     streams = [int(s) for s in args.streams.split(",")]
     port = free_port()
-    settings = GatewaySettings(engine="vllm", device=args.device, dtype=args.dtype, host="127.0.0.1", port=port,
-                               max_batch_size=max(64, max(streams)), max_waiting=256,
-                               max_model_len=args.max_model_len)
+    settings = GatewaySettings(
+        engine="vllm",
+        device=args.device,
+        dtype=args.dtype,
+        host="127.0.0.1",
+        port=port,
+        max_batch_size=max(64, max(streams)),
+        max_waiting=256,
+        max_model_len=args.max_model_len,
+    )
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t0 = time.perf_counter()
@@ -175,8 +204,11 @@ async def main(args) -> int:
                 pass
             await asyncio.sleep(0.5)
         engine = services_of(app).engine
-        print(f"gateway up with vLLM {engine.vllm_version} on {args.device} ({engine.dtype}) in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"gateway up with vLLM {engine.vllm_version} on {args.device} ({engine.dtype}) in "
+            f"{time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
 
         # ----- 2. a long stream on check@1 while check@2 and check@3 are published ----------------------
         await engine.load_adapter("check@1", str(v1))
@@ -187,8 +219,14 @@ async def main(args) -> int:
             if after_publish["published"]:
                 after_publish["n"] += 1
 
-        body = {"model": "check@1", "messages": [{"role": "user", "content": PROMPT}],
-                "max_tokens": args.long_tokens, "temperature": 0, "logprobs": True, "ignore_eos": True}
+        body = {
+            "model": "check@1",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": args.long_tokens,
+            "temperature": 0,
+            "logprobs": True,
+            "ignore_eos": True,
+        }
         long_stream = asyncio.create_task(sse_chat(client, body, on_chunk))
         await asyncio.wait_for(first_chunk.wait(), 300)
         t_pub = time.perf_counter()
@@ -196,18 +234,32 @@ async def main(args) -> int:
         await engine.load_adapter("check@3", str(v3))
         t_pub = time.perf_counter() - t_pub
         after_publish["published"] = True
-        during = await client.post("/v1/chat/completions", json={
-            "model": "check@3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-            "temperature": 0})
+        during = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "check@3",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        )
         still_running = not long_stream.done()
         got = await long_stream
-        print(f"published check@2 + check@3 in {t_pub:.2f} s while the stream ran; "
-              f"{after_publish['n']} of {got['chunks']} chunks arrived after the publishes", flush=True)
-        check("stream ran across the publishes", still_running and after_publish["n"] > 0,
-              f"{after_publish['n']} chunks after publishing; check@3 answered HTTP {during.status_code} "
-              f"meanwhile")
-        check("stream labelled with its version", got["fingerprints"] == {"livelora-check@1"}
-              and got["header"] == "check@1", f"fingerprints {got['fingerprints']}, header {got['header']}")
+        print(
+            f"published check@2 + check@3 in {t_pub:.2f} s while the stream ran; "
+            f"{after_publish['n']} of {got['chunks']} chunks arrived after the publishes",
+            flush=True,
+        )
+        check(
+            "stream ran across the publishes",
+            still_running and after_publish["n"] > 0,
+            f"{after_publish['n']} chunks after publishing; check@3 answered HTTP {during.status_code} meanwhile",
+        )
+        check(
+            "stream labelled with its version",
+            got["fingerprints"] == {"livelora-check@1"} and got["header"] == "check@1",
+            f"fingerprints {got['fingerprints']}, header {got['header']}",
+        )
         table = bytes_to_id(tokenizer)
         ids = [table.get(bytes(e["bytes"])) for e in got["logprobs"]]
         streamed = [e["logprob"] for e in got["logprobs"]]
@@ -217,35 +269,52 @@ async def main(args) -> int:
             prompt_ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
             prompt_ids = list(prompt_ids["input_ids"] if not isinstance(prompt_ids, list) else prompt_ids)
             full = prompt_ids + ids
-            s1 = [x.logprob for x in (await engine.score(full, adapter="check@1"))[len(prompt_ids):]]
-            s3 = [x.logprob for x in (await engine.score(full, adapter="check@3"))[len(prompt_ids):]]
+            s1 = [x.logprob for x in (await engine.score(full, adapter="check@1"))[len(prompt_ids) :]]
+            s3 = [x.logprob for x in (await engine.score(full, adapter="check@3"))[len(prompt_ids) :]]
             d1 = statistics.fmean(abs(a - b) for a, b in zip(streamed, s1))
             d3 = statistics.fmean(abs(a - b) for a, b in zip(streamed, s3))
-            check("stream stayed on check@1", d1 <= args.tol_same and d3 > 5 * max(d1, 1e-3),
-                  f"{len(ids)} tokens; mean |streamed - score(check@1)| = {d1:.5f} nats (tol {args.tol_same}), "
-                  f"vs score(check@3) = {d3:.4f}")
+            check(
+                "stream stayed on check@1",
+                d1 <= args.tol_same and d3 > 5 * max(d1, 1e-3),
+                f"{len(ids)} tokens; mean |streamed - score(check@1)| = {d1:.5f} nats (tol {args.tol_same}), "
+                f"vs score(check@3) = {d3:.4f}",
+            )
         await engine.unload_adapter("check@1")
         cached = await engine.vllm_loaded_ids()
-        check("check@1 unloaded after drain", "check@1" not in engine.loaded_adapters()
-              and engine.lora_int_id("check@2") in cached and len(cached) == 2,
-              f"loaded {engine.loaded_adapters()}, vLLM adapter ids {sorted(cached)}")
+        check(
+            "check@1 unloaded after drain",
+            "check@1" not in engine.loaded_adapters() and engine.lora_int_id("check@2") in cached and len(cached) == 2,
+            f"loaded {engine.loaded_adapters()}, vLLM adapter ids {sorted(cached)}",
+        )
 
         # ----- 4. throughput ------------------------------------------------------------------------------
         await throughput(client, "check@2", tokenizer, 1, 4)  # warm-up
         for n in streams:
             tps, total = await throughput(client, "check@2", tokenizer, n, args.tokens)
-            print(f"throughput, adapter check@2, {n:3d} concurrent streams x {args.tokens} tokens: "
-                  f"{tps:8.1f} tokens/s ({total} tokens)", flush=True)
+            print(
+                f"throughput, adapter check@2, {n:3d} concurrent streams x {args.tokens} tokens: "
+                f"{tps:8.1f} tokens/s ({total} tokens)",
+                flush=True,
+            )
 
         # ----- 5. parity material: vLLM's scores of one prompt + completion under check@2 -----------------
-        r = await client.post("/v1/chat/completions", json={
-            "model": "check@2", "messages": [{"role": "user", "content": SHORT_PROMPTS[0]}],
-            "max_tokens": 48, "temperature": 1.0, "seed": 3, "logprobs": True})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "check@2",
+                "messages": [{"role": "user", "content": SHORT_PROMPTS[0]}],
+                "max_tokens": 48,
+                "temperature": 1.0,
+                "seed": 3,
+                "logprobs": True,
+            },
+        )
         r.raise_for_status()
         content = r.json()["choices"][0]["logprobs"]["content"]
         comp = [table.get(bytes(e["bytes"])) for e in content]
-        p_ids = tokenizer.apply_chat_template([{"role": "user", "content": SHORT_PROMPTS[0]}],
-                                              add_generation_prompt=True)
+        p_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": SHORT_PROMPTS[0]}], add_generation_prompt=True
+        )
         p_ids = list(p_ids["input_ids"] if not isinstance(p_ids, list) else p_ids)
         parity_ids = p_ids + [t for t in comp if t is not None]
         vllm_scores = [x.logprob for x in (await engine.score(parity_ids, adapter="check@2"))[1:]]
@@ -259,12 +328,17 @@ async def main(args) -> int:
     await reference.close()
     diffs = [abs(a - b) for a, b in zip(vllm_scores, hf_scores)]
     mean_d, max_d = statistics.fmean(diffs), max(diffs)
-    check("vLLM vs transformers logprobs (same prompt + check@2)", mean_d <= args.tol_mean and max_d <= args.tol_max,
-          f"{len(diffs)} positions: mean |Δ| {mean_d:.5f} (tol {args.tol_mean}), max |Δ| {max_d:.5f} "
-          f"(tol {args.tol_max}); vLLM {args.dtype or 'default dtype'} vs transformers float32")
+    check(
+        "vLLM vs transformers logprobs (same prompt + check@2)",
+        mean_d <= args.tol_mean and max_d <= args.tol_max,
+        f"{len(diffs)} positions: mean |Δ| {mean_d:.5f} (tol {args.tol_mean}), max |Δ| {max_d:.5f} "
+        f"(tol {args.tol_max}); vLLM {args.dtype or 'default dtype'} vs transformers float32",
+    )
 
-    print(f"total {time.perf_counter() - t_all:.1f} s; "
-          f"{sum(ok for _, ok, _ in results)}/{len(results)} checks passed", flush=True)
+    print(
+        f"total {time.perf_counter() - t_all:.1f} s; {sum(ok for _, ok, _ in results)}/{len(results)} checks passed",
+        flush=True,
+    )
     return 0 if all(ok for _, ok, _ in results) else 1
 
 
@@ -289,8 +363,12 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the engine must be
     parser.add_argument("--long-tokens", type=int, default=400, help="tokens of the long stream")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    parser.add_argument("--tol-same", type=float, default=0.02,
-                        help="mean |Δ| streamed vs teacher-forced logprobs, same engine and adapter (nats)")
+    parser.add_argument(
+        "--tol-same",
+        type=float,
+        default=0.02,
+        help="mean |Δ| streamed vs teacher-forced logprobs, same engine and adapter (nats)",
+    )
     parser.add_argument("--tol-mean", type=float, default=0.05, help="vLLM vs transformers, mean |Δ| (nats)")
     parser.add_argument("--tol-max", type=float, default=0.5, help="vLLM vs transformers, max |Δ| (nats)")
     sys.exit(asyncio.run(run_check(parser.parse_args())))

@@ -54,9 +54,16 @@ from pathlib import Path
 import httpx
 
 EP = "hotswap"
-PROMPTS = ["Write a short story about a lighthouse.", "Explain how rain forms.", "Describe a busy market.",
-           "Give advice to a new gardener.", "Tell me about the moon.", "Write a poem about trains.",
-           "Explain what a computer does.", "Describe your favourite season."]
+PROMPTS = [
+    "Write a short story about a lighthouse.",
+    "Explain how rain forms.",
+    "Describe a busy market.",
+    "Give advice to a new gardener.",
+    "Tell me about the moon.",
+    "Write a poem about trains.",
+    "Explain what a computer does.",
+    "Describe your favourite season.",
+]
 
 
 @dataclass
@@ -115,7 +122,7 @@ async def stream_chat(client: httpx.AsyncClient, kind: str, prompt: str, max_tok
                 if chunk.get("system_fingerprint"):
                     req.fingerprints.add(chunk["system_fingerprint"])
                 for choice in chunk.get("choices", []):
-                    for lp in ((choice.get("logprobs") or {}).get("content") or []):
+                    for lp in (choice.get("logprobs") or {}).get("content") or []:
                         req.logprobs.append(lp["logprob"])
     except Exception as exc:  # counted as a failed request
         req.error = f"{type(exc).__name__}: {exc}"
@@ -145,8 +152,8 @@ class Publisher:
         """Write the next version, publish its notice; returns ``(name, save seconds, publish time.time())``."""
         import torch
 
-        from livelora.adapters.bus import publish_notice
         from livelora.clients.types.signals import VersionNotice
+        from livelora.core.bus import publish_notice
 
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -155,10 +162,17 @@ class Publisher:
                     p.copy_(torch.randn(p.shape, generator=self.gen) * 0.02)
         manifest = self.tm.save_weights(self.store, EP)
         save_s = time.perf_counter() - t0
-        notice = VersionNotice(lineage=manifest.lineage, version=manifest.version, name=manifest.name,
-                               path=str(self.store.version_dir(EP, manifest.version)), sha256=manifest.sha256,
-                               endpoint=EP, parent=f"{EP}@{self.parent}" if self.parent else None, kind="bench",
-                               created=int(time.time()))
+        notice = VersionNotice(
+            lineage=manifest.lineage,
+            version=manifest.version,
+            name=manifest.name,
+            path=str(self.store.version_dir(EP, manifest.version)),
+            sha256=manifest.sha256,
+            endpoint=EP,
+            parent=f"{EP}@{self.parent}" if self.parent else None,
+            kind="bench",
+            created=int(time.time()),
+        )
         t_pub = time.time()
         publish_notice(self.redis, self.keys, notice.model_dump(mode="json"))
         self.parent = manifest.version
@@ -193,11 +207,13 @@ def check_streams(ref, store, keys, redis_client, streams: list[Request], publis
     import torch
     from peft import PeftModel
 
-    from livelora.adapters.models import load_model
     from livelora.adapters.store import parse_version_name
+    from livelora.core.base_models import load_model
 
-    names = sorted({n for n in published} | {s.version for s in streams if s.version and s.version != "base"},
-                   key=lambda n: parse_version_name(n)[1])
+    names = sorted(
+        {n for n in published} | {s.version for s in streams if s.version and s.version != "base"},
+        key=lambda n: parse_version_name(n)[1],
+    )
     base = load_model(ref)
     model = None
     for name in names:
@@ -217,7 +233,7 @@ def check_streams(ref, store, keys, redis_client, streams: list[Request], publis
                 model.set_adapter(adapter)
                 logits = model(input_ids=torch.tensor([tokens])).logits[0]
         lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
-        return lp[n_prompt - 1:].tolist()
+        return lp[n_prompt - 1 :].tolist()
 
     for s in streams:
         if s.error or s.version is None:
@@ -250,9 +266,9 @@ async def run(args) -> None:
     import redis
     import torch
 
-    from livelora.adapters.models import resolve_base_model
-    from livelora.adapters.redis_keys import KeyLayout
-    from livelora.adapters.settings import CommonSettings
+    from livelora.core.base_models import resolve_base_model
+    from livelora.core.redis_keys import KeyLayout
+    from livelora.core.settings import CommonSettings
 
     torch.set_num_threads(1)  # this process is the clients and the trainer; leave the cores to the gateway
     settings = CommonSettings()
@@ -262,12 +278,30 @@ async def run(args) -> None:
     redis_client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     port = free_port()
     log_path = home / "gateway.log"
-    env = {**os.environ, "LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": keys.prefix,
-           "LIVELORA_RESYNC_S": "0", "LIVELORA_REDIS_URL": settings.redis_url,
-           **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
-    cmd = [sys.executable, "-m", "livelora.cli.main", "gateway", "--model", str(ref.path),
-           "--served-model-name", EP, "--port", str(port), "--max-batch-size", str(args.streams + 4),
-           "--log-level", "info"]
+    env = {
+        **os.environ,
+        "LIVELORA_HOME": str(home),
+        "LIVELORA_REDIS_PREFIX": keys.prefix,
+        "LIVELORA_RESYNC_S": "0",
+        "LIVELORA_REDIS_URL": settings.redis_url,
+        **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "livelora.cli.main",
+        "gateway",
+        "--model",
+        str(ref.path),
+        "--served-model-name",
+        EP,
+        "--port",
+        str(port),
+        "--max-batch-size",
+        str(args.streams + 4),
+        "--log-level",
+        "info",
+    ]
     with open(log_path, "w") as log_file:
         gateway = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
@@ -296,8 +330,14 @@ async def run(args) -> None:
                 n, lengths = i, random.Random(100 + i)
                 await asyncio.sleep(i * 0.3)
                 while not stop.is_set():
-                    requests.append(await stream_chat(client, "stream", PROMPTS[n % len(PROMPTS)],
-                                                      lengths.randint(args.max_tokens // 2, args.max_tokens)))
+                    requests.append(
+                        await stream_chat(
+                            client,
+                            "stream",
+                            PROMPTS[n % len(PROMPTS)],
+                            lengths.randint(args.max_tokens // 2, args.max_tokens),
+                        )
+                    )
                     n += 1
 
             tasks = [asyncio.create_task(stream_loop(i)) for i in range(args.streams)]
@@ -335,11 +375,14 @@ async def run(args) -> None:
 
     from livelora.adapters.store import AdapterStore
 
-    mixed, checked, own_max, neighbour_min = check_streams(ref, AdapterStore(home), keys, redis_client, streams,
-                                                           [r[0] for r in rows], args.tol)
+    mixed, checked, own_max, neighbour_min = check_streams(
+        ref, AdapterStore(home), keys, redis_client, streams, [r[0] for r in rows], args.tol
+    )
 
-    print(f"device=cpu rank={args.rank} streams={args.streams} max_tokens={args.max_tokens} "
-          f"versions={args.versions} interval≈{args.interval} s")
+    print(
+        f"device=cpu rank={args.rank} streams={args.streams} max_tokens={args.max_tokens} "
+        f"versions={args.versions} interval≈{args.interval} s"
+    )
     print(f"{'version':<14} {'save s':>7} {'install s':>9} {'→switch s':>10} {'→served s':>10} {'probes':>6}")
     for name, save_s, t_pub, served_at, tries in rows:
         inst = f"{installs[name]:.3f}" if name in installs else "-"
@@ -347,33 +390,45 @@ async def run(args) -> None:
         sv = f"{served_at - t_pub:.3f}" if served_at else "never"
         print(f"{name:<14} {save_s:7.3f} {inst:>9} {sw:>10} {sv:>10} {tries:6d}")
     if publish_to_served:
-        print(f"publish-to-first-served: p50 {statistics.median(publish_to_served):.3f} s, "
-              f"p99 {pct(publish_to_served, 99):.3f} s, max {max(publish_to_served):.3f} s "
-              f"({len(publish_to_served)}/{len(rows)} versions served)")
+        print(
+            f"publish-to-first-served: p50 {statistics.median(publish_to_served):.3f} s, "
+            f"p99 {pct(publish_to_served, 99):.3f} s, max {max(publish_to_served):.3f} s "
+            f"({len(publish_to_served)}/{len(rows)} versions served)"
+        )
     if publish_to_switch:
-        print(f"publish-to-switch (gateway log): p50 {statistics.median(publish_to_switch):.3f} s, "
-              f"p99 {pct(publish_to_switch, 99):.3f} s")
+        print(
+            f"publish-to-switch (gateway log): p50 {statistics.median(publish_to_switch):.3f} s, "
+            f"p99 {pct(publish_to_switch, 99):.3f} s"
+        )
     slots = [float(x) for x in re.findall(r"created LoRA slot \S+ in ([\d.]+) s", log_path.read_text(errors="replace"))]
     if slots:
-        print(f"LoRA slots created: {len(slots)} (each a one-off pause of decoding: p50 "
-              f"{statistics.median(slots):.3f} s); later versions are copied into free slots")
+        print(
+            f"LoRA slots created: {len(slots)} (each a one-off pause of decoding: p50 "
+            f"{statistics.median(slots):.3f} s); later versions are copied into free slots"
+        )
     if installs:
         xs = list(installs.values())
         print(f"install (load + sha256 + canary): p50 {statistics.median(xs):.3f} s, max {max(xs):.3f} s")
     done = [s for s in streams if s.done]
     if done:
         lat = [s.end - s.start for s in done]
-        print(f"streams: {len(streams)} requests, {len(done)} completed, {spanning} open across a swap, "
-              f"duration p50 {statistics.median(lat):.2f} s")
+        print(
+            f"streams: {len(streams)} requests, {len(done)} completed, {spanning} open across a swap, "
+            f"duration p50 {statistics.median(lat):.2f} s"
+        )
     probe_ttft = [r.first_token - r.start for r in requests if r.kind == "probe" and r.first_token and not r.error]
     if probe_ttft:
-        print(f"probe time to first token (any version): p50 {statistics.median(probe_ttft):.3f} s, "
-              f"p90 {pct(probe_ttft, 90):.3f} s over {len(probe_ttft)} probes")
+        print(
+            f"probe time to first token (any version): p50 {statistics.median(probe_ttft):.3f} s, "
+            f"p90 {pct(probe_ttft, 90):.3f} s over {len(probe_ttft)} probes"
+        )
     print(f"failed requests: {len(failed)} of {len(requests)}")
     for r in failed[:5]:
         print(f"  {r.kind}: {r.error}")
-    print(f"mixed-version streams: {mixed} of {checked} checked (|served - own version| max {own_max:.2e} nats, "
-          f"tol {args.tol:g}; nearest other version ≥ {neighbour_min:.2e} nats)")
+    print(
+        f"mixed-version streams: {mixed} of {checked} checked (|served - own version| max {own_max:.2e} nats, "
+        f"tol {args.tol:g}; nearest other version ≥ {neighbour_min:.2e} nats)"
+    )
     for k in redis_client.scan_iter(match=keys.prefix + "*", count=500):
         redis_client.delete(k)
     if args.keep_store:

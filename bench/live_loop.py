@@ -101,28 +101,70 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 #: Short everyday questions. The first TRAIN_SIZE are the train pool; the rest are held out.
 PROMPTS = [
-    "What is the capital of France?", "How do I boil an egg?", "Why is the sky blue?",
-    "What should I eat for breakfast?", "How many legs does a spider have?", "What is a good name for a cat?",
-    "How do I make tea?", "What is the tallest mountain?", "Why do leaves change colour?",
-    "How far is the moon?", "What is photosynthesis?", "How can I sleep better?",
-    "What is the boiling point of water?", "Who wrote Romeo and Juliet?", "How do I tie a tie?",
-    "What is a prime number?", "Why do cats purr?", "How do I clean a cast iron pan?",
-    "What is the largest ocean?", "How do bees make honey?", "What is gravity?",
-    "How do I start running?", "What is the speed of light?", "Why is exercise good for you?",
-    "How do I water a cactus?", "What is the capital of Japan?", "How do rainbows form?",
-    "What is a healthy snack?", "How many days are in a leap year?", "What does a dentist do?",
-    "How do I save money?", "What is the biggest planet?", "Why do we dream?",
-    "How do I make pancakes?", "What is the freezing point of water?", "Who painted the Mona Lisa?",
-    "How do I learn to swim?", "What is an atom?", "Why do birds migrate?",
-    "How do I fix a flat bike tyre?", "What is the capital of Italy?", "How do volcanoes erupt?",
-    "What is a good houseplant?", "How many hours should I sleep?", "What is the smallest country?",
-    "How do I write a thank-you note?", "Why is the ocean salty?", "What is a verb?",
+    "What is the capital of France?",
+    "How do I boil an egg?",
+    "Why is the sky blue?",
+    "What should I eat for breakfast?",
+    "How many legs does a spider have?",
+    "What is a good name for a cat?",
+    "How do I make tea?",
+    "What is the tallest mountain?",
+    "Why do leaves change colour?",
+    "How far is the moon?",
+    "What is photosynthesis?",
+    "How can I sleep better?",
+    "What is the boiling point of water?",
+    "Who wrote Romeo and Juliet?",
+    "How do I tie a tie?",
+    "What is a prime number?",
+    "Why do cats purr?",
+    "How do I clean a cast iron pan?",
+    "What is the largest ocean?",
+    "How do bees make honey?",
+    "What is gravity?",
+    "How do I start running?",
+    "What is the speed of light?",
+    "Why is exercise good for you?",
+    "How do I water a cactus?",
+    "What is the capital of Japan?",
+    "How do rainbows form?",
+    "What is a healthy snack?",
+    "How many days are in a leap year?",
+    "What does a dentist do?",
+    "How do I save money?",
+    "What is the biggest planet?",
+    "Why do we dream?",
+    "How do I make pancakes?",
+    "What is the freezing point of water?",
+    "Who painted the Mona Lisa?",
+    "How do I learn to swim?",
+    "What is an atom?",
+    "Why do birds migrate?",
+    "How do I fix a flat bike tyre?",
+    "What is the capital of Italy?",
+    "How do volcanoes erupt?",
+    "What is a good houseplant?",
+    "How many hours should I sleep?",
+    "What is the smallest country?",
+    "How do I write a thank-you note?",
+    "Why is the ocean salty?",
+    "What is a verb?",
     # held out
-    "What is the capital of Spain?", "How do I cook rice?", "Why do we have seasons?",
-    "What is a good dog name?", "How many continents are there?", "How do I stay focused?",
-    "What is the longest river?", "Why do stars twinkle?", "How do I make coffee?",
-    "What is a noun?", "How do plants grow?", "What is the hottest planet?",
-    "How do I stretch my back?", "Who invented the telephone?", "Why is the grass green?",
+    "What is the capital of Spain?",
+    "How do I cook rice?",
+    "Why do we have seasons?",
+    "What is a good dog name?",
+    "How many continents are there?",
+    "How do I stay focused?",
+    "What is the longest river?",
+    "Why do stars twinkle?",
+    "How do I make coffee?",
+    "What is a noun?",
+    "How do plants grow?",
+    "What is the hottest planet?",
+    "How do I stretch my back?",
+    "Who invented the telephone?",
+    "Why is the grass green?",
     "How do I plant a tree?",
 ]
 TRAIN_SIZE = 48
@@ -144,26 +186,27 @@ class Loop:
     """A gateway + trainer worker thread on a fresh store and Redis prefix (``close()`` removes the keys).
 
     With ``rails`` the trainer runs the evaluation gate (:class:`~livelora.trainer.settings.GateSection`
-    defaults) and feedback governance (:class:`~livelora.trainer.governance.FeedbackGovernor`: rate limit
+    defaults) and feedback governance (:class:`~livelora.trainer.signal_governor.FeedbackGovernor`: rate limit
     ``--rater-max-events`` per hour, batch share, rater agreement weighting) and the gateway its automatic
     rollback; without, none of them (the loop of earlier rounds). ``training`` overrides trainer settings
     (e.g. ``sft_lr``). The worker thread's polling can be paused (:attr:`paused`); every step's train + gate +
     save time is recorded in :attr:`trained` (version name → (start, end), ``perf_counter`` seconds).
     """
 
-    def __init__(self, args, kto_min_batch: int, max_batch: int, *, rails: bool = False, max_wait_s: float = 30.0,
-                 **training):
+    def __init__(
+        self, args, kto_min_batch: int, max_batch: int, *, rails: bool = False, max_wait_s: float = 30.0, **training
+    ):
         from _server import start_server
 
-        from livelora.adapters.bus import connect_sync
-        from livelora.adapters.models import resolve_base_model
-        from livelora.adapters.redis_keys import KeyLayout
-        from livelora.adapters.settings import CommonSettings
+        from livelora.core.base_models import resolve_base_model
+        from livelora.core.bus import connect_sync
+        from livelora.core.redis_keys import KeyLayout
+        from livelora.core.settings import CommonSettings
         from livelora.gateway.settings import GatewaySettings
-        from livelora.trainer.governance import FeedbackGovernor
         from livelora.trainer.online import OnlineTrainer
         from livelora.trainer.scheduler import BatchScheduler
         from livelora.trainer.settings import GateSection, TrainingSection
+        from livelora.trainer.signal_governor import FeedbackGovernor
         from livelora.trainer.worker import TrainerWorker
 
         base = CommonSettings()
@@ -175,18 +218,39 @@ class Loop:
             "beta": args.beta if args.beta is not None else d["beta"].default,
             "lora_rank": args.lora_rank if args.lora_rank is not None else d["lora_rank"].default,
             "lora_alpha": args.lora_alpha if args.lora_alpha is not None else d["lora_alpha"].default,
-            "kto_min_batch": kto_min_batch, "max_batch": max_batch, "rails": rails, **training}
+            "kto_min_batch": kto_min_batch,
+            "max_batch": max_batch,
+            "rails": rails,
+            **training,
+        }
         self.keep_store = args.keep_store
         self.home = Path(tempfile.mkdtemp(prefix="livelora-bench-loop-"))
         self.keys = KeyLayout(f"livelora-bench-{uuid.uuid4().hex[:8]}:")
-        self.server = start_server(GatewaySettings(
-            model=str(ref.path), served_model_name=EP, home=self.home, redis_prefix=self.keys.prefix,
-            max_batch_size=args.max_batch_size, max_waiting=64, device="cpu", rollback_enabled=rails))
+        self.server = start_server(
+            GatewaySettings(
+                model=str(ref.path),
+                served_model_name=EP,
+                home=self.home,
+                redis_prefix=self.keys.prefix,
+                max_batch_size=args.max_batch_size,
+                max_waiting=64,
+                device="cpu",
+                rollback_enabled=rails,
+            )
+        )
         self.redis = connect_sync(base.redis_url)
         h = self.hparams
-        self.config = TrainingSection(lora_rank=h["lora_rank"], lora_alpha=h["lora_alpha"], kto_lr=h["kto_lr"],
-                                      beta=h["beta"], kto_min_batch=kto_min_batch, max_batch=max_batch,
-                                      max_wait_s=max_wait_s, rater_max_events=args.rater_max_events, **training)
+        self.config = TrainingSection(
+            lora_rank=h["lora_rank"],
+            lora_alpha=h["lora_alpha"],
+            kto_lr=h["kto_lr"],
+            beta=h["beta"],
+            kto_min_batch=kto_min_batch,
+            max_batch=max_batch,
+            max_wait_s=max_wait_s,
+            rater_max_events=args.rater_max_events,
+            **training,
+        )
         self.backend = backend = OnlineTrainer(ref, self.home, self.config, GateSection(gate_enabled=rails))
         backend.warm_up()  # as TrainerWorker.run() does in `livelora serve` / `livelora trainer`
         self.trained: dict[str, tuple[float, float]] = {}
@@ -203,12 +267,24 @@ class Loop:
                 self.busy, self.last_active = False, time.perf_counter()
             self.trained[m.name] = (t0, time.perf_counter())
             return m
+
         backend.train = timed
         c = self.config
-        self.governor = FeedbackGovernor(self.redis, self.keys, self.home, max_events=c.rater_max_events,
-                                         window_s=c.rater_window_s) if rails else None
-        self.worker = TrainerWorker(self.redis, self.keys, self.home, backend, BatchScheduler(c), consumer="bench",
-                                    block_ms=50, governor=self.governor)
+        self.governor = (
+            FeedbackGovernor(self.redis, self.keys, self.home, max_events=c.rater_max_events, window_s=c.rater_window_s)
+            if rails
+            else None
+        )
+        self.worker = TrainerWorker(
+            self.redis,
+            self.keys,
+            self.home,
+            backend,
+            BatchScheduler(c),
+            consumer="bench",
+            block_ms=50,
+            governor=self.governor,
+        )
         self.written: dict[str, float] = {}
         self.polls = 0
         self.paused = threading.Event()
@@ -235,7 +311,7 @@ class Loop:
 
     def passed(self, name: str) -> bool:
         """Whether the gate let ``name`` serve the endpoint (True without a gate)."""
-        from livelora.adapters.rails import gate_allows
+        from livelora.core.rails import gate_allows
 
         return gate_allows(self.manifest(name).gate, EP)
 
@@ -267,14 +343,18 @@ class Loop:
         from _server import wait_until
 
         new = sorted((n for n in self.written if n not in before), key=lambda n: int(n.rsplit("@", 1)[1]))
-        out = [{"version": n, "passed": self.passed(n), "written": self.written[n],
-                "train": self.trained.get(n)} for n in new]
+        out = [
+            {"version": n, "passed": self.passed(n), "written": self.written[n], "train": self.trained.get(n)}
+            for n in new
+        ]
         ok = [u for u in out if u["passed"]]
         if ok:
             last = ok[-1]
-            if not wait_until(lambda: self.served() == last["version"] or last["version"] in self.blocked(),
-                              timeout_s=timeout_s,
-                              interval_s=0.01):
+            if not wait_until(
+                lambda: self.served() == last["version"] or last["version"] in self.blocked(),
+                timeout_s=timeout_s,
+                interval_s=0.01,
+            ):
                 raise RuntimeError(f"{last['version']} was not served within {timeout_s} s")
             last["served"] = time.perf_counter()
         return out
@@ -311,7 +391,7 @@ class ProbeMeter:
     model of its own in the bench process (one forward pass of the 24 probes per version)."""
 
     def __init__(self, loop: Loop):
-        from livelora.trainer.gate import ProbeSuite
+        from livelora.trainer.gate_measure import ProbeSuite
         from livelora.trainer.model import TrainingModel
 
         self.loop = loop
@@ -326,26 +406,39 @@ class ProbeMeter:
             if version == "base":
                 right, _ = self.suite.probe_logprobs(self.model, adapter=False)
             else:
-                self.model.load_state(AdapterStore(self.loop.home), EP, int(version.rsplit("@", 1)[1]),
-                                      with_optimizer=False)
+                self.model.load_state(
+                    AdapterStore(self.loop.home), EP, int(version.rsplit("@", 1)[1]), with_optimizer=False
+                )
                 right, _ = self.suite.probe_logprobs(self.model)
             self.cache[version] = sum(right) / len(right)
         return self.cache[version]
 
 
-def chat(client: httpx.Client, url: str, content: str, *, max_tokens: int, temperature: float, seed: int,
-         n: int = 1) -> dict:
-    r = client.post(url, json={"model": EP, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-                               "n": n, "messages": [{"role": "user", "content": content}]})
+def chat(
+    client: httpx.Client, url: str, content: str, *, max_tokens: int, temperature: float, seed: int, n: int = 1
+) -> dict:
+    r = client.post(
+        url,
+        json={
+            "model": EP,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "n": n,
+            "messages": [{"role": "user", "content": content}],
+        },
+    )
     r.raise_for_status()
     return r.json()
 
 
 def post_ratings(client: httpx.Client, url: str, items: list[tuple[str, bool, str]], pool) -> None:
     """Send ``(completion_id, thumbs_up, user)`` ratings concurrently (one round arrives within a moment)."""
+
     def one(it):
         r = client.post(url, json={"completion_id": it[0], "rating": it[1], "user": it[2]})
         assert r.status_code == 200, r.text
+
     list(pool.map(one, items))
 
 
@@ -365,9 +458,19 @@ class Session:
         self.fingerprints: Counter[str] = Counter()
 
     def chats(self, prompts: list[str], seeds: list[int]) -> list[dict]:
-        outs = list(self.pool.map(lambda ps: chat(self.client, self.chat_url, ps[0], max_tokens=self.args.max_tokens,
-                                                  temperature=self.args.temperature, seed=ps[1]),
-                                  zip(prompts, seeds)))
+        outs = list(
+            self.pool.map(
+                lambda ps: chat(
+                    self.client,
+                    self.chat_url,
+                    ps[0],
+                    max_tokens=self.args.max_tokens,
+                    temperature=self.args.temperature,
+                    seed=ps[1],
+                ),
+                zip(prompts, seeds),
+            )
+        )
         self.fingerprints.update(o["system_fingerprint"].removeprefix("livelora-") for o in outs)
         return outs
 
@@ -381,23 +484,43 @@ class Session:
     def evaluate(self, events: int) -> None:
         args, held = self.args, PROMPTS[TRAIN_SIZE:]
         t0 = time.perf_counter()
-        outs = list(self.pool.map(lambda ip: chat(self.client, self.chat_url, ip[1], max_tokens=args.max_tokens,
-                                                  temperature=args.temperature, seed=10_000 + 100 * ip[0],
-                                                  n=args.eval_samples), enumerate(held)))
+        outs = list(
+            self.pool.map(
+                lambda ip: chat(
+                    self.client,
+                    self.chat_url,
+                    ip[1],
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    seed=10_000 + 100 * ip[0],
+                    n=args.eval_samples,
+                ),
+                enumerate(held),
+            )
+        )
         texts = [c["message"]["content"] for o in outs for c in o["choices"]]
         words = [len(t.split()) for t in texts]
         share = sum(liked(t, args.max_words) for t in texts) / len(texts)
         version = outs[0]["system_fingerprint"].removeprefix("livelora-")
-        point = {"events": events, "liked": share, "samples": len(texts), "version": version,
-                 "median_words": statistics.median(words), "example": texts[0]}
+        point = {
+            "events": events,
+            "liked": share,
+            "samples": len(texts),
+            "version": version,
+            "median_words": statistics.median(words),
+            "example": texts[0],
+        }
         if self.probes is not None:
             point["probe_accuracy"] = self.probes.accuracy(version)
         point["eval_s"] = time.perf_counter() - t0
         self.curve.append(point)
         probe = f" probes={point['probe_accuracy']:6.1%}" if "probe_accuracy" in point else ""
-        print(f"[{self.label}] events={events:4d} version={version:16s} liked={share:6.1%} ({len(texts)} samples)"
-              f"{probe} median words={statistics.median(words):5.1f} eval {point['eval_s']:5.1f} s | "
-              f"{texts[0][:60]!r}", flush=True)
+        print(
+            f"[{self.label}] events={events:4d} version={version:16s} liked={share:6.1%} ({len(texts)} samples)"
+            f"{probe} median words={statistics.median(words):5.1f} eval {point['eval_s']:5.1f} s | "
+            f"{texts[0][:60]!r}",
+            flush=True,
+        )
 
     def round(self, ratings: list[tuple[str, bool, str]]) -> list[dict]:
         """Send one round's ratings, wait until the trainer took them and the newest passing version serves;
@@ -420,22 +543,28 @@ class Session:
             verdict = (gate.get("verdicts") or {}).get(EP) or (gate.get("verdicts") or {}).get("*") or {}
             u["failed"] = verdict.get("failed", [])
             u["probe_accuracy_gate"] = (gate.get("measures") or {}).get("probe_accuracy")
-            print(f"  [{self.label}] {u['version']}: {'passed' if u['passed'] else 'REJECTED ' + str(u['failed'])}"
-                  f"; train+gate+save {u['train_gate_save_s']:.2f} s"
-                  + (f" (gate {u['gate_s']:.2f} s)" if u["gate_s"] else "")
-                  + (f", swap {u['swap_s']:.2f} s, update {u['update_s']:.2f} s" if "swap_s" in u else ""), flush=True)
-        self.updates += [{k: v for k, v in u.items() if k not in ("written", "rated", "served", "train")}
-                         for u in ups]
+            print(
+                f"  [{self.label}] {u['version']}: {'passed' if u['passed'] else 'REJECTED ' + str(u['failed'])}"
+                f"; train+gate+save {u['train_gate_save_s']:.2f} s"
+                + (f" (gate {u['gate_s']:.2f} s)" if u["gate_s"] else "")
+                + (f", swap {u['swap_s']:.2f} s, update {u['update_s']:.2f} s" if "swap_s" in u else ""),
+                flush=True,
+            )
+        self.updates += [{k: v for k, v in u.items() if k not in ("written", "rated", "served", "train")} for u in ups]
         return ups
 
     def update_summary(self) -> dict:
         done = [u["update_s"] for u in self.updates if "update_s" in u]
         if not done:
             return {}
-        return {"p50": percentile(done, 50), "max": max(done), "n": len(done),
-                "train_gate_save_p50": statistics.median(u["train_gate_save_s"] for u in self.updates),
-                "swap_p50": statistics.median(u["swap_s"] for u in self.updates if "swap_s" in u),
-                "rejected": sum(1 for u in self.updates if not u["passed"])}
+        return {
+            "p50": percentile(done, 50),
+            "max": max(done),
+            "n": len(done),
+            "train_gate_save_p50": statistics.median(u["train_gate_save_s"] for u in self.updates),
+            "swap_p50": statistics.median(u["swap_s"] for u in self.updates if "swap_s" in u),
+            "rejected": sum(1 for u in self.updates if not u["passed"]),
+        }
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -471,17 +600,27 @@ def taste(args, *, rails: bool, label: str, probes: bool = False) -> dict:
         quarantined = len(httpx.get(loop.server.url("/admin/quarantine"), timeout=60).json()["data"])
     finally:
         s.close()
-    return {"label": label, "rails": rails, "settings": loop.hparams, "curve": s.curve, "updates": s.updates,
-            "update": s.update_summary(), "quarantined": quarantined, "total_s": time.perf_counter() - t0,
-            "gain_pp": 100 * (max(c["liked"] for c in s.curve[1:]) - s.curve[0]["liked"]) if len(s.curve) > 1 else 0.0}
+    return {
+        "label": label,
+        "rails": rails,
+        "settings": loop.hparams,
+        "curve": s.curve,
+        "updates": s.updates,
+        "update": s.update_summary(),
+        "quarantined": quarantined,
+        "total_s": time.perf_counter() - t0,
+        "gain_pp": 100 * (max(c["liked"] for c in s.curve[1:]) - s.curve[0]["liked"]) if len(s.curve) > 1 else 0.0,
+    }
 
 
 def print_update(r: dict) -> None:
     u = r["update"]
     if u:
-        print(f"[{r['label']}] update (train + {'gate + ' if r['rails'] else ''}save + swap): p50 {u['p50']:.2f} s, "
-              f"max {u['max']:.2f} s over {u['n']} served updates (train+gate+save p50 {u['train_gate_save_p50']:.2f}"
-              f" s, swap p50 {u['swap_p50']:.2f} s); {u['rejected']} version(s) rejected by the gate")
+        print(
+            f"[{r['label']}] update (train + {'gate + ' if r['rails'] else ''}save + swap): p50 {u['p50']:.2f} s, "
+            f"max {u['max']:.2f} s over {u['n']} served updates (train+gate+save p50 {u['train_gate_save_p50']:.2f}"
+            f" s, swap p50 {u['swap_p50']:.2f} s); {u['rejected']} version(s) rejected by the gate"
+        )
 
 
 def scenario_a(args) -> dict:
@@ -490,8 +629,11 @@ def scenario_a(args) -> dict:
     c = r["curve"]
     within = [p for p in c if p["events"] <= 200]
     gain = 100 * (max(p["liked"] for p in within) - c[0]["liked"])
-    print(f"\n(a) liked share {c[0]['liked']:.1%} -> " + ", ".join(f"{p['liked']:.1%}@{p['events']}" for p in c[1:])
-          + f"; best gain within 200 ratings {gain:+.1f} pp (target +30): {'MET' if gain >= 30 else 'NOT MET'}")
+    print(
+        f"\n(a) liked share {c[0]['liked']:.1%} -> "
+        + ", ".join(f"{p['liked']:.1%}@{p['events']}" for p in c[1:])
+        + f"; best gain within 200 ratings {gain:+.1f} pp (target +30): {'MET' if gain >= 30 else 'NOT MET'}"
+    )
     print_update(r)
     print(f"quarantined ratings: {r['quarantined']}; {load_line()}")
     out = {"scenario": "a", "run": r, "gain_within_200_pp": gain, "met": gain >= 30, "load": load_line()}
@@ -509,24 +651,29 @@ def scenario_b(args) -> dict:
         runs.append(taste(args, rails=arm == "on", label=f"b rails {arm}", probes=True))
     print("\n(b) ratings -> liked share / probe accuracy per run (" + " | ".join(r["label"] for r in runs) + ")")
     for points in zip(*(r["curve"] for r in runs)):
-        print(f"  {points[0]['events']:4d}  " + "  |  ".join(f"{p['liked']:6.1%} / {p['probe_accuracy']:6.1%}"
-                                                          for p in points))
+        print(
+            f"  {points[0]['events']:4d}  "
+            + "  |  ".join(f"{p['liked']:6.1%} / {p['probe_accuracy']:6.1%}" for p in points)
+        )
     base = runs[0]["curve"][0]["probe_accuracy"]
     out = {"scenario": "b", "runs": runs, "probe_base": base, "load": load_line()}
     for r in runs:
         worst = min(p["probe_accuracy"] for p in r["curve"])
         r["probe_worst"], r["probe_within_5pp"] = worst, 100 * (base - worst) <= 5 + 1e-9
-        print(f"[{r['label']}] probe accuracy: base {base:.1%}, lowest served {worst:.1%} "
-              f"({100 * (worst - base):+.1f} pp; within 5 points: {'yes' if r['probe_within_5pp'] else 'NO'}); "
-              f"liked share best {max(p['liked'] for p in r['curve']):.1%}")
+        print(
+            f"[{r['label']}] probe accuracy: base {base:.1%}, lowest served {worst:.1%} "
+            f"({100 * (worst - base):+.1f} pp; within 5 points: {'yes' if r['probe_within_5pp'] else 'NO'}); "
+            f"liked share best {max(p['liked'] for p in r['curve']):.1%}"
+        )
         print_update(r)
     for r in runs:
         gain = 100 * (max(p["liked"] for p in r["curve"] if p["events"] <= 200) - r["curve"][0]["liked"])
         r["gain_within_200_pp"] = gain
         print(f"[{r['label']}] liked share gain within 200 ratings {gain:+.1f} pp")
     print(load_line())
-    plot_curves(out, runs, Path(args.plot).with_name("live_loop_b.png"), "(b) blunt taste, rails off vs on",
-                probes=True)
+    plot_curves(
+        out, runs, Path(args.plot).with_name("live_loop_b.png"), "(b) blunt taste, rails off vs on", probes=True
+    )
     return out
 
 
@@ -552,12 +699,11 @@ def scenario_c(args) -> dict:
                 good = liked(o["choices"][0]["message"]["content"], args.max_words)
                 owner = honest[(k + i) % len(honest)]
                 ratings.append((o["id"], good, owner))
-                if i < n_double:                      # a second honest user rates half of them too
+                if i < n_double:  # a second honest user rates half of them too
                     ratings.append((o["id"], good, honest[(k + i + 1) % len(honest)]))
                 ratings.append((o["id"], not good, "adversary"))
-            for o in theirs:                          # and the adversary's own chats, inverted
-                ratings.append((o["id"], not liked(o["choices"][0]["message"]["content"], args.max_words),
-                                "adversary"))
+            for o in theirs:  # and the adversary's own chats, inverted
+                ratings.append((o["id"], not liked(o["choices"][0]["message"]["content"], args.max_words), "adversary"))
             k += 1
             adversary_ratings += sum(1 for r in ratings if r[2] == "adversary")
             honest_ratings += sum(1 for r in ratings if r[2] != "adversary")
@@ -575,22 +721,47 @@ def scenario_c(args) -> dict:
     c = s.curve
     within = [p for p in c if p["events"] <= 300]
     gain = 100 * (max(p["liked"] for p in within) - c[0]["liked"])
-    r = {"label": s.label, "rails": loop.rails, "settings": loop.hparams, "curve": c, "updates": s.updates,
-         "update": s.update_summary(), "quarantined": quarantined, "total_s": time.perf_counter() - t0}
-    print(f"\n(c) {s.label}: {honest_ratings} honest and {adversary_ratings} inverted ratings "
-          f"({100 * adversary_ratings / max(1, honest_ratings + adversary_ratings):.0f} % adversarial); "
-          f"{quarantined} quarantined")
-    print(f"(c) honest users' liked share {c[0]['liked']:.1%} -> " + ", ".join(f"{p['liked']:.1%}@{p['events']}"
-                                                                           for p in c[1:])
-          + f"; best gain within 300 ratings {gain:+.1f} pp (target +30): {'MET' if gain >= 30 else 'NOT MET'}")
+    r = {
+        "label": s.label,
+        "rails": loop.rails,
+        "settings": loop.hparams,
+        "curve": c,
+        "updates": s.updates,
+        "update": s.update_summary(),
+        "quarantined": quarantined,
+        "total_s": time.perf_counter() - t0,
+    }
+    print(
+        f"\n(c) {s.label}: {honest_ratings} honest and {adversary_ratings} inverted ratings "
+        f"({100 * adversary_ratings / max(1, honest_ratings + adversary_ratings):.0f} % adversarial); "
+        f"{quarantined} quarantined"
+    )
+    print(
+        f"(c) honest users' liked share {c[0]['liked']:.1%} -> "
+        + ", ".join(f"{p['liked']:.1%}@{p['events']}" for p in c[1:])
+        + f"; best gain within 300 ratings {gain:+.1f} pp (target +30): {'MET' if gain >= 30 else 'NOT MET'}"
+    )
     if weights:
         print(f"(c) final rater weights: {weights[-1]}")
     print_update(r)
     print(load_line())
-    out = {"scenario": "c", "run": r, "weights": weights, "gain_within_300_pp": gain, "met": gain >= 30,
-           "honest_ratings": honest_ratings, "adversary_ratings": adversary_ratings, "load": load_line()}
-    plot_curves(out, [r], Path(args.plot).with_name("live_loop_c.png"),
-                f"(c) adversary inverts half of all ratings, {s.label}", weights=weights)
+    out = {
+        "scenario": "c",
+        "run": r,
+        "weights": weights,
+        "gain_within_300_pp": gain,
+        "met": gain >= 30,
+        "honest_ratings": honest_ratings,
+        "adversary_ratings": adversary_ratings,
+        "load": load_line(),
+    }
+    plot_curves(
+        out,
+        [r],
+        Path(args.plot).with_name("live_loop_c.png"),
+        f"(c) adversary inverts half of all ratings, {s.label}",
+        weights=weights,
+    )
     return out
 
 
@@ -598,13 +769,20 @@ def scenario_d(args) -> dict:
     """(d) A deliberately bad version published into the loop, and a version users dislike (module docstring)."""
     from _server import wait_until
 
-    loop = Loop(args, kto_min_batch=args.kto_batch, max_batch=32, rails=True, max_wait_s=3.0,
-                sft_lr=args.d_bad_lr, sft_min_batch=args.kto_batch)
+    loop = Loop(
+        args,
+        kto_min_batch=args.kto_batch,
+        max_batch=32,
+        rails=True,
+        max_wait_s=3.0,
+        sft_lr=args.d_bad_lr,
+        sft_min_batch=args.kto_batch,
+    )
     s = Session(args, loop, "d")
     t0 = time.perf_counter()
     out: dict = {"scenario": "d"}
     try:
-        for _ in range(args.d_warmup_rounds):            # the honest loop first
+        for _ in range(args.d_warmup_rounds):  # the honest loop first
             prompts, seeds = s.next_prompts(args.kto_batch)
             outs = s.chats(prompts, seeds)
             s.round([(o["id"], liked(o["choices"][0]["message"]["content"], args.max_words), "user") for o in outs])
@@ -613,25 +791,44 @@ def scenario_d(args) -> dict:
         before = set(loop.written)
         prompts, _ = s.next_prompts(args.kto_batch)
         for q in prompts:
-            r = s.client.post(loop.server.url("/v1/demonstrations"), json={
-                "model": EP, "user": "user", "messages": [{"role": "user", "content": q},
-                                                         {"role": "assistant", "content": BAD_REPLY}]})
+            r = s.client.post(
+                loop.server.url("/v1/demonstrations"),
+                json={
+                    "model": EP,
+                    "user": "user",
+                    "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": BAD_REPLY}],
+                },
+            )
             assert r.status_code == 200, r.text
         loop.drain(time.perf_counter())
         bad = s.loop.settle(before)
         s.updates += [{"version": u["version"], "passed": u["passed"]} for u in bad]
         bad_names = [u["version"] for u in bad]
-        verdicts = {u["version"]: (u["passed"], (loop.manifest(u["version"]).gate or {}).get("verdicts", {}).get(EP, {})
-                                   .get("failed")) for u in bad}
-        prompts, seeds = s.next_prompts(2 * args.kto_batch)   # users keep chatting
+        verdicts = {
+            u["version"]: (
+                u["passed"],
+                (loop.manifest(u["version"]).gate or {}).get("verdicts", {}).get(EP, {}).get("failed"),
+            )
+            for u in bad
+        }
+        prompts, seeds = s.next_prompts(2 * args.kto_batch)  # users keep chatting
         after = s.chats(prompts, seeds)
         requests = {v["version"]: v["requests"] for v in loop.stats()["versions"]}
         served_bad = sum(requests.get(n, 0) for n in bad_names) + sum(s.fingerprints.get(n, 0) for n in bad_names)
-        print(f"\n(d1) bad version(s) {bad_names}: gate verdicts {verdicts}; serving {loop.served()} (was {good}); "
-              f"requests served by the bad version(s): {served_bad} (gateway statistics {requests})", flush=True)
-        out["bad"] = {"versions": bad_names, "verdicts": {k: list(v) for k, v in verdicts.items()},
-                      "requests_served": served_bad, "serving_after": loop.served(), "serving_before": good,
-                      "stats_requests": requests, "chats_after": len(after)}
+        print(
+            f"\n(d1) bad version(s) {bad_names}: gate verdicts {verdicts}; serving {loop.served()} (was {good}); "
+            f"requests served by the bad version(s): {served_bad} (gateway statistics {requests})",
+            flush=True,
+        )
+        out["bad"] = {
+            "versions": bad_names,
+            "verdicts": {k: list(v) for k, v in verdicts.items()},
+            "requests_served": served_bad,
+            "serving_after": loop.served(),
+            "serving_before": good,
+            "stats_requests": requests,
+            "chats_after": len(after),
+        }
         # 2. a version that passes the gate but users dislike. The trainer pauses while the serving version (the
         # predecessor) collects its ratings; then it trains them as one batch (max_batch 32) into the next version.
         pred, disliked = loop.served(), None
@@ -641,27 +838,36 @@ def scenario_d(args) -> dict:
             prompts, seeds = s.next_prompts(n_rate)
             outs = s.chats(prompts, seeds)
             before = set(loop.written)
-            post_ratings(s.client, s.fb_url, [(o["id"], liked(o["choices"][0]["message"]["content"],
-                                                              args.max_words), "user") for o in outs], s.pool)
+            post_ratings(
+                s.client,
+                s.fb_url,
+                [(o["id"], liked(o["choices"][0]["message"]["content"], args.max_words), "user") for o in outs],
+                s.pool,
+            )
             rated = time.perf_counter()
             loop.paused.clear()
             loop.drain(rated)
             ups = loop.settle(before)
-            s.updates += [{"version": u["version"], "passed": u["passed"],
-                           "rating_to_served_s": u.get("served", rated) - rated} for u in ups]
+            s.updates += [
+                {"version": u["version"], "passed": u["passed"], "rating_to_served_s": u.get("served", rated) - rated}
+                for u in ups
+            ]
             for u in ups:
                 gate = loop.manifest(u["version"]).gate or {}
-                print(f"  [d] {u['version']} trained on {n_rate} ratings of {pred}: "
-                      + ("passed" if u["passed"] else f"REJECTED {gate.get('verdicts', {}).get(EP, {}).get('failed')}"),
-                      flush=True)
+                print(
+                    f"  [d] {u['version']} trained on {n_rate} ratings of {pred}: "
+                    + ("passed" if u["passed"] else f"REJECTED {gate.get('verdicts', {}).get(EP, {}).get('failed')}"),
+                    flush=True,
+                )
             if ups and ups[-1]["passed"] and loop.served() == ups[-1]["version"]:
                 disliked = ups[-1]["version"]
                 break
-        loop.paused.set()                                  # the trainer waits: the version under test keeps serving
+        loop.paused.set()  # the trainer waits: the version under test keeps serving
         if disliked is None:
             raise RuntimeError("no version passed the gate to test the rollback with")
-        pred_stats = {v["version"]: v for v in loop.stats()["versions"]}.get(loop.server.services.registry
-                                                                             .predecessor.get(EP) or "base", {})
+        pred_stats = {v["version"]: v for v in loop.stats()["versions"]}.get(
+            loop.server.services.registry.predecessor.get(EP) or "base", {}
+        )
         rng = random.Random(args.seed + 1)
         n, llr, trace = 0, None, []
         while loop.served() == disliked and n < args.d_max_ratings:
@@ -677,15 +883,30 @@ def scenario_d(args) -> dict:
         hist = loop.history("auto_rollback")
         if hist:
             llr = (hist[-1].get("details") or {}).get("llr")
-        print(f"(d2) {disliked} passed the gate and served; predecessor {pred} had "
-              f"{pred_stats.get('thumbs_up')}/{pred_stats.get('ratings')} thumbs up; users then liked each of its "
-              f"replies with probability {args.d_dislike_up_rate:.0%}: "
-              + (f"rolled back to {loop.served()} after N = {n} ratings (LLR {llr:.2f})" if rolled and llr is not None
-                 else f"rolled back after N = {n} ratings" if rolled else f"NOT rolled back within {n} ratings"),
-              flush=True)
-        out["dislike"] = {"version": disliked, "predecessor": pred, "predecessor_stats": pred_stats,
-                          "rolled_back": rolled, "ratings_to_rollback": n if rolled else None, "llr": llr,
-                          "trace": trace, "serving_after": loop.served(), "up_rate": args.d_dislike_up_rate}
+        print(
+            f"(d2) {disliked} passed the gate and served; predecessor {pred} had "
+            f"{pred_stats.get('thumbs_up')}/{pred_stats.get('ratings')} thumbs up; users then liked each of its "
+            f"replies with probability {args.d_dislike_up_rate:.0%}: "
+            + (
+                f"rolled back to {loop.served()} after N = {n} ratings (LLR {llr:.2f})"
+                if rolled and llr is not None
+                else f"rolled back after N = {n} ratings"
+                if rolled
+                else f"NOT rolled back within {n} ratings"
+            ),
+            flush=True,
+        )
+        out["dislike"] = {
+            "version": disliked,
+            "predecessor": pred,
+            "predecessor_stats": pred_stats,
+            "rolled_back": rolled,
+            "ratings_to_rollback": n if rolled else None,
+            "llr": llr,
+            "trace": trace,
+            "serving_after": loop.served(),
+            "up_rate": args.d_dislike_up_rate,
+        }
         loop.paused.clear()
     finally:
         s.close()
@@ -698,8 +919,9 @@ def scenario_d(args) -> dict:
 BAD_REPLY = "The answer to this question."
 
 
-def plot_curves(out: dict, runs: list[dict], path: Path, title: str, *, probes: bool = False,
-                weights: list[dict] | None = None) -> None:
+def plot_curves(
+    out: dict, runs: list[dict], path: Path, title: str, *, probes: bool = False, weights: list[dict] | None = None
+) -> None:
     """Liked share per run (and probe accuracy, and rater weights when given) as a PNG at ``path``; the
     figures as JSON next to it."""
     import matplotlib
@@ -712,8 +934,7 @@ def plot_curves(out: dict, runs: list[dict], path: Path, title: str, *, probes: 
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     ax = axes[0][0]
     for r in runs:
-        ax.plot([c["events"] for c in r["curve"]], [100 * c["liked"] for c in r["curve"]], marker="o",
-                label=r["label"])
+        ax.plot([c["events"] for c in r["curve"]], [100 * c["liked"] for c in r["curve"]], marker="o", label=r["label"])
     ax.set_xlabel("feedback events")
     ax.set_ylabel("liked share on held-out prompts (%)")
     ax.set_ylim(0, 100)
@@ -724,8 +945,12 @@ def plot_curves(out: dict, runs: list[dict], path: Path, title: str, *, probes: 
         ax = axes[0][i]
         i += 1
         for r in runs:
-            ax.plot([c["events"] for c in r["curve"]], [100 * c["probe_accuracy"] for c in r["curve"]], marker="o",
-                    label=r["label"])
+            ax.plot(
+                [c["events"] for c in r["curve"]],
+                [100 * c["probe_accuracy"] for c in r["curve"]],
+                marker="o",
+                label=r["label"],
+            )
         base = 100 * out["probe_base"]
         ax.axhspan(base - 5, base + 5, color="green", alpha=0.1, label="base ± 5 points")
         ax.set_xlabel("feedback events")
@@ -762,17 +987,27 @@ def plot_d(out: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     d = out.get("dislike") or {}
     trace = d.get("trace") or []
-    ax.step([t["n"] for t in trace], [t["n"] - (t["thumbs_up"] or 0) for t in trace], where="post",
-            label=f"thumbs down of {d.get('version')}")
+    ax.step(
+        [t["n"] for t in trace],
+        [t["n"] - (t["thumbs_up"] or 0) for t in trace],
+        where="post",
+        label=f"thumbs down of {d.get('version')}",
+    )
     ax.step([t["n"] for t in trace], [t["thumbs_up"] or 0 for t in trace], where="post", label="thumbs up")
     if d.get("rolled_back"):
-        ax.axvline(d["ratings_to_rollback"], color="red", ls="--", label=f"rolled back (N = {d['ratings_to_rollback']})")
+        ax.axvline(
+            d["ratings_to_rollback"], color="red", ls="--", label=f"rolled back (N = {d['ratings_to_rollback']})"
+        )
     b = out.get("bad") or {}
     verdict = "rejected" if not any(v[0] for v in (b.get("verdicts") or {}).values()) else "NOT all rejected"
-    fate = (f"rolled back after N = {d.get('ratings_to_rollback')} ratings" if d.get("rolled_back")
-            else "NOT rolled back")
-    ax.set_title(f"(d) bad version {b.get('versions')} {verdict}, served {b.get('requests_served')} requests;\n"
-                 f"disliked {d.get('version')} {fate}", fontsize=8)
+    fate = (
+        f"rolled back after N = {d.get('ratings_to_rollback')} ratings" if d.get("rolled_back") else "NOT rolled back"
+    )
+    ax.set_title(
+        f"(d) bad version {b.get('versions')} {verdict}, served {b.get('requests_served')} requests;\n"
+        f"disliked {d.get('version')} {fate}",
+        fontsize=8,
+    )
     ax.set_xlabel("ratings of the disliked version")
     ax.set_ylabel("count")
     ax.grid(alpha=0.3)
@@ -791,8 +1026,10 @@ def taste_run(args) -> dict:
     print("\ncurve (feedback events -> liked share on held-out prompts):")
     for p in c:
         print(f"  {p['events']:4d}  {p['liked']:6.1%}  (median {p['median_words']:.1f} words, {p['version']})")
-    print(f"liked share: {c[0]['liked']:.1%} at 0 events -> {c[-1]['liked']:.1%} at {c[-1]['events']} "
-          f"(best {r['gain_pp']:+.1f} pp)")
+    print(
+        f"liked share: {c[0]['liked']:.1%} at 0 events -> {c[-1]['liked']:.1%} at {c[-1]['events']} "
+        f"(best {r['gain_pp']:+.1f} pp)"
+    )
     print_update(r)
     print(f"total time {r['total_s']:.0f} s; {load_line()}")
     plot_curves({"scenario": "taste", "run": r}, [r], Path(args.plot), "taste run (rails off)")
@@ -808,8 +1045,16 @@ def latency_run(args) -> None:
         client = httpx.Client(timeout=600)
         for i in range(args.requests):
             t0 = time.perf_counter()
-            ids.append(chat(client, loop.server.url("/v1/chat/completions"), f"Give me fact number {i} about the sea.",
-                            max_tokens=args.max_tokens, temperature=0, seed=0)["id"])
+            ids.append(
+                chat(
+                    client,
+                    loop.server.url("/v1/chat/completions"),
+                    f"Give me fact number {i} about the sea.",
+                    max_tokens=args.max_tokens,
+                    temperature=0,
+                    seed=0,
+                )["id"]
+            )
             chat_s.append(time.perf_counter() - t0)
         for i, cid in enumerate(ids):
             t0 = time.perf_counter()
@@ -824,8 +1069,10 @@ def latency_run(args) -> None:
         print(f"chat latency median={statistics.median(chat_s):.3f} s (includes the completion-log write)")
         print(f"feedback accept latency median={statistics.median(fb_s) * 1000:.1f} ms max={max(fb_s) * 1000:.1f} ms")
         if ok and name in loop.written:
-            print(f"last rating -> {name} written: {loop.written[name] - rated:.2f} s; written -> served: "
-                  f"{served - loop.written[name]:.2f} s; total {served - rated:.2f} s")
+            print(
+                f"last rating -> {name} written: {loop.written[name] - rated:.2f} s; written -> served: "
+                f"{served - loop.written[name]:.2f} s; total {served - rated:.2f} s"
+            )
         else:
             print(f"{name} was not served within the time limit")
         client.close()
@@ -835,8 +1082,12 @@ def latency_run(args) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenario", choices=["a", "b", "c", "d"], default=None,
-                    help="one of the rails scenarios (module docstring); default: the plain taste run")
+    ap.add_argument(
+        "--scenario",
+        choices=["a", "b", "c", "d"],
+        default=None,
+        help="one of the rails scenarios (module docstring); default: the plain taste run",
+    )
     ap.add_argument("--latency", action="store_true", help="only the rating -> served latency measurement")
     ap.add_argument("--requests", type=int, default=4, help="--latency: completions rated (one KTO batch)")
     ap.add_argument("--max-tokens", type=int, default=None, help="reply length cap (taste run 40, latency run 8)")
@@ -851,25 +1102,47 @@ if __name__ == "__main__":
     ap.add_argument("--beta", type=float, default=None, help="KTO beta (default: trainer's)")
     ap.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: trainer's)")
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: trainer's)")
-    ap.add_argument("--rater-max-events", type=int, default=None,
-                    help="rails on: events per rater and hour before quarantine (default: trainer's)")
+    ap.add_argument(
+        "--rater-max-events",
+        type=int,
+        default=None,
+        help="rails on: events per rater and hour before quarantine (default: trainer's)",
+    )
     ap.add_argument("--rails-off", action="store_true", help="(c) run without the rails, for comparison")
     ap.add_argument("--arms", default="off,on", help="(b) which runs: off, on or both (off,on)")
-    ap.add_argument("--b-rails-on-from", default=None,
-                    help="(b) take the rails-on run from scenario (a)'s JSON instead of running it again")
+    ap.add_argument(
+        "--b-rails-on-from",
+        default=None,
+        help="(b) take the rails-on run from scenario (a)'s JSON instead of running it again",
+    )
     ap.add_argument("--d-warmup-rounds", type=int, default=3, help="(d) honest rounds before the bad version")
-    ap.add_argument("--d-predecessor-ratings", type=int, default=24,
-                    help="(d) ratings the predecessor collects before the disliked version (rollback needs 20)")
-    ap.add_argument("--d-dislike-up-rate", type=float, default=0.2,
-                    help="(d) chance that a user likes a reply of the disliked version")
-    ap.add_argument("--d-bad-lr", type=float, default=1e-2,
-                    help="(d) SFT learning rate of the bad version (the default SFT rate is 1e-4)")
+    ap.add_argument(
+        "--d-predecessor-ratings",
+        type=int,
+        default=24,
+        help="(d) ratings the predecessor collects before the disliked version (rollback needs 20)",
+    )
+    ap.add_argument(
+        "--d-dislike-up-rate",
+        type=float,
+        default=0.2,
+        help="(d) chance that a user likes a reply of the disliked version",
+    )
+    ap.add_argument(
+        "--d-bad-lr",
+        type=float,
+        default=1e-2,
+        help="(d) SFT learning rate of the bad version (the default SFT rate is 1e-4)",
+    )
     ap.add_argument("--d-max-ratings", type=int, default=60, help="(d) most ratings of the disliked version")
     ap.add_argument("--max-batch-size", type=int, default=16, help="engine decode batch")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt order and chat seeds")
     ap.add_argument("--keep-store", action="store_true", help="keep the temporary store (adapters, dataset)")
-    ap.add_argument("--plot", default=str(Path(__file__).resolve().parent / "out" / "live_loop.png"),
-                    help="PNG of the taste run; scenario X writes live_loop_X.png in the same folder")
+    ap.add_argument(
+        "--plot",
+        default=str(Path(__file__).resolve().parent / "out" / "live_loop.png"),
+        help="PNG of the taste run; scenario X writes live_loop_X.png in the same folder",
+    )
     a = ap.parse_args()
     from livelora.trainer.settings import TrainingSection
 

@@ -31,16 +31,31 @@ def experiments(a: argparse.Namespace) -> dict:
     pairs = Path(a.out) / "pairs.jsonl"
     return {
         "sft": (chat_sft, dict(data=a.gsm8k, dataset="gsm8k", steps=40, eval_size=64), "eval/nll"),
-        "sft-lr1e-3": (chat_sft, dict(data=a.gsm8k, dataset="gsm8k", steps=40, eval_size=64, learning_rate=1e-3),
-                       "eval/nll"),
-        "sft-lr5e-5": (chat_sft, dict(data=a.gsm8k, dataset="gsm8k", steps=40, eval_size=64, learning_rate=5e-5),
-                       "eval/nll"),
-        "arith": (gsm8k_rl, dict(task="arithmetic", steps=20, max_tokens=24, eval_size=100,
-                                 learning_rate=a.rl_lr), "eval/accuracy"),
-        "arith-lr1e-4": (gsm8k_rl, dict(task="arithmetic", steps=20, max_tokens=24, eval_size=100,
-                                        learning_rate=1e-4), "eval/accuracy"),
-        "gsm8k": (gsm8k_rl, dict(data=a.gsm8k, steps=8, problems_per_step=4, max_tokens=160, eval_size=50,
-                                 learning_rate=a.rl_lr), "eval/accuracy"),
+        "sft-lr1e-3": (
+            chat_sft,
+            dict(data=a.gsm8k, dataset="gsm8k", steps=40, eval_size=64, learning_rate=1e-3),
+            "eval/nll",
+        ),
+        "sft-lr5e-5": (
+            chat_sft,
+            dict(data=a.gsm8k, dataset="gsm8k", steps=40, eval_size=64, learning_rate=5e-5),
+            "eval/nll",
+        ),
+        "arith": (
+            gsm8k_rl,
+            dict(task="arithmetic", steps=20, max_tokens=24, eval_size=100, learning_rate=a.rl_lr),
+            "eval/accuracy",
+        ),
+        "arith-lr1e-4": (
+            gsm8k_rl,
+            dict(task="arithmetic", steps=20, max_tokens=24, eval_size=100, learning_rate=1e-4),
+            "eval/accuracy",
+        ),
+        "gsm8k": (
+            gsm8k_rl,
+            dict(data=a.gsm8k, steps=8, problems_per_step=4, max_tokens=160, eval_size=50, learning_rate=a.rl_lr),
+            "eval/accuracy",
+        ),
         "kto": (kto_ratings, dict(data=a.ratings, steps=30), "eval/margin"),
         "kto-lr5e-4": (kto_ratings, dict(data=a.ratings, steps=30, learning_rate=5e-4), "eval/margin"),
         "dpo": (dpo, dict(data=str(pairs), steps=30), "eval/margin"),
@@ -59,8 +74,19 @@ def write_pairs(a: argparse.Namespace) -> None:
     pairs = pairs_from_ratings(load_ratings(a.ratings, renderer), seed=0)
     path = Path(a.out) / "pairs.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"prompt_token_ids": list(p.prompt), "chosen_token_ids": list(p.chosen),
-                                        "rejected_token_ids": list(p.rejected)}) + "\n" for p in pairs))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt_token_ids": list(p.prompt),
+                    "chosen_token_ids": list(p.chosen),
+                    "rejected_token_ids": list(p.rejected),
+                }
+            )
+            + "\n"
+            for p in pairs
+        )
+    )
     print(f"{len(pairs)} preference pairs from {a.ratings} -> {path}")
 
 
@@ -85,15 +111,27 @@ def main() -> None:
         t0 = time.monotonic()
         cfg = module.Config(log_dir=Path(a.out) / name, base_url=a.base_url, sdk=a.sdk, **kwargs)
         summary = module.run(cfg)
-        row = {"recipe": summary.recipe, "steps": summary.steps, "wall_s": round(summary.wall_s, 1),
-               "this_session_s": round(time.monotonic() - t0, 1), "load_before": load0,
-               "load_after": os.getloadavg()[0], "metric": headline, "before": summary.before.get(headline),
-               "after": summary.after.get(headline), "all_before": summary.before, "all_after": summary.after,
-               "config": cfg.model_dump(mode="json")}
+        row = {
+            "recipe": summary.recipe,
+            "steps": summary.steps,
+            "wall_s": round(summary.wall_s, 1),
+            "this_session_s": round(time.monotonic() - t0, 1),
+            "load_before": load0,
+            "load_after": os.getloadavg()[0],
+            "metric": headline,
+            "before": summary.before.get(headline),
+            "after": summary.after.get(headline),
+            "all_before": summary.before,
+            "all_after": summary.after,
+            "config": cfg.model_dump(mode="json"),
+        }
         results[name] = row
         results_path.write_text(json.dumps(results, indent=2, default=str))
-        print(f"{name:12s} {headline:16s} {row['before']} -> {row['after']}  steps {row['steps']}  "
-              f"wall {row['wall_s']} s  load {load0:.2f} -> {row['load_after']:.2f}  {summary.after}", flush=True)
+        print(
+            f"{name:12s} {headline:16s} {row['before']} -> {row['after']}  steps {row['steps']}  "
+            f"wall {row['wall_s']} s  load {load0:.2f} -> {row['load_after']:.2f}  {summary.after}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -67,14 +67,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, *,
-                     temperature: float = 0.0, seed: int | None = None, ignore_eos: bool = True) -> dict:
+async def one_stream(
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    ignore_eos: bool = True,
+) -> dict:
     """One streamed chat completion (usage included). Returns its ``id``, ``text``, completion ``tokens`` (the
     server's ``usage``), ``version`` (from ``system_fingerprint``), ``end`` and ``first`` (``perf_counter``
     seconds of the last chunk and of the first content chunk), ``ttft`` (seconds to the first content chunk) and ``itl`` (seconds between content chunks). Raises: httpx errors for a
     non-2xx answer, RuntimeError for an error event."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if ignore_eos:
         body["ignore_eos"] = True
     if seed is not None:
@@ -97,10 +111,16 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tok
             elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 stamps.append(time.perf_counter())
                 text.append(chunk["choices"][0]["delta"]["content"])
-    return {"id": cid, "text": "".join(text), "tokens": tokens, "end": time.perf_counter(),
-            "first": stamps[0] if stamps else float("nan"),
-            "version": (fingerprint or "").removeprefix("livelora-"),
-            "ttft": stamps[0] - start if stamps else float("nan"), "itl": [b - a for a, b in itertools.pairwise(stamps)]}
+    return {
+        "id": cid,
+        "text": "".join(text),
+        "tokens": tokens,
+        "end": time.perf_counter(),
+        "first": stamps[0] if stamps else float("nan"),
+        "version": (fingerprint or "").removeprefix("livelora-"),
+        "ttft": stamps[0] - start if stamps else float("nan"),
+        "itl": [b - a for a, b in itertools.pairwise(stamps)],
+    }
 
 
 async def run_gateway(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
@@ -120,49 +140,85 @@ async def run_gateway(url: str, model: str, concurrency: int, requests: int, max
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
-    return {"elapsed_s": elapsed, "requests_per_s": requests / elapsed, "tokens_per_s": tokens / elapsed,
-            "tokens": tokens, "ttft_p50_s": percentile([r["ttft"] for r in results], 0.5),
-            "ttft_p99_s": percentile([r["ttft"] for r in results], 0.99),
-            "itl_p50_s": percentile([x for r in results for x in r["itl"]], 0.5)}
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": requests / elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "tokens": tokens,
+        "ttft_p50_s": percentile([r["ttft"] for r in results], 0.5),
+        "ttft_p99_s": percentile([r["ttft"] for r in results], 0.99),
+        "itl_p50_s": percentile([x for r in results for x in r["itl"]], 0.5),
+    }
 
 
 def run_baseline(model_name: str, requests: int, max_tokens: int, device: str) -> dict:
     """The same prompts as sequential ``model.generate`` calls (greedy, exactly ``max_tokens`` new tokens)."""
     import torch
 
-    from livelora.adapters.models import load_model, load_tokenizer, resolve_base_model
-    from livelora.adapters.settings import CommonSettings
+    from livelora.core.base_models import load_model, load_tokenizer, resolve_base_model
+    from livelora.core.settings import CommonSettings
 
     ref = resolve_base_model(model_name, CommonSettings().home)
     tokenizer = load_tokenizer(ref)
     model = load_model(ref, device=device)
 
     def generate(prompt: str, n: int) -> int:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
         ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)], device=device)
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
         return out.shape[1] - ids.shape[1]
 
     generate("Hi", 2)  # warm-up
     start = time.perf_counter()
     tokens = sum(generate(PROMPTS[i % len(PROMPTS)], max_tokens) for i in reversed(range(requests)))
     elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "requests_per_s": requests / elapsed, "tokens_per_s": tokens / elapsed,
-            "tokens": tokens}
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": requests / elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "tokens": tokens,
+    }
 
 
-def spawn(engine: str, model: str, max_batch_size: int, device: str | None,
-          env: dict[str, str] | None = None, extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+def spawn(
+    engine: str,
+    model: str,
+    max_batch_size: int,
+    device: str | None,
+    env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
+) -> tuple[subprocess.Popen, str]:
     """Start ``livelora serve`` on a free port (``env`` added to the environment, ``extra`` to its flags) and wait
     for ``/health``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "livelora.cli.main", "serve", "--port", str(port), "--engine", engine,
-           "--model", model, "--max-batch-size", str(max_batch_size), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "livelora.cli.main",
+        "serve",
+        "--port",
+        str(port),
+        "--engine",
+        engine,
+        "--model",
+        model,
+        "--max-batch-size",
+        str(max_batch_size),
+        "--log-level",
+        "warning",
+    ]
     if device:
         cmd += ["--device", device]
     cmd += extra or []
@@ -195,8 +251,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=8, help="engine batch when spawning")
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--metering-ab", type=int, default=0, metavar="ROUNDS",
-                        help="compare metering+metrics off vs on (two spawned gateways, alternating rounds)")
+    parser.add_argument(
+        "--metering-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="compare metering+metrics off vs on (two spawned gateways, alternating rounds)",
+    )
     parser.add_argument("--anchors", action="store_true", help="adapter on every request vs offline peft anchors")
     parser.add_argument("--rounds", type=int, default=2, help="--anchors: alternating rounds")
     parser.add_argument("--rank", type=int, default=16, help="--anchors: LoRA rank of the adapter")
@@ -219,8 +280,10 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
-    print(f"gateway ({args.engine if args.spawn else url}): {args.concurrency} concurrent streams, "
-          f"{args.requests} requests x {args.max_tokens} tokens")
+    print(
+        f"gateway ({args.engine if args.spawn else url}): {args.concurrency} concurrent streams, "
+        f"{args.requests} requests x {args.max_tokens} tokens"
+    )
     print(f"  requests/s        {gw['requests_per_s']:.2f}")
     print(f"  output tokens/s   {gw['tokens_per_s']:.1f}  ({gw['tokens']} tokens in {gw['elapsed_s']:.1f} s)")
     print(f"  TTFT p50 / p99    {gw['ttft_p50_s'] * 1000:.0f} ms / {gw['ttft_p99_s'] * 1000:.0f} ms")
@@ -243,14 +306,21 @@ def offline_generate(model, tokenizer, prompts: list[str], max_tokens: int, batc
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=False) for p in prompts]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
     tokens, start = 0, time.perf_counter()
     for i in range(0, len(texts), batch):
-        enc = tokenizer(texts[i:i + batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tokenizer(texts[i : i + batch], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         tokens += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
     elapsed = time.perf_counter() - start
     return {"elapsed_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed}
@@ -270,10 +340,10 @@ def anchors(args) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import hotswap  # the trainer-side publisher of bench/hotswap.py
 
-    from livelora.adapters.models import load_model, load_tokenizer, resolve_base_model
-    from livelora.adapters.redis_keys import KeyLayout
-    from livelora.adapters.settings import CommonSettings
     from livelora.adapters.store import AdapterStore
+    from livelora.core.base_models import load_model, load_tokenizer, resolve_base_model
+    from livelora.core.redis_keys import KeyLayout
+    from livelora.core.settings import CommonSettings
 
     settings = CommonSettings()
     ref = resolve_base_model(args.model, settings.home)
@@ -281,8 +351,9 @@ def anchors(args) -> None:
     (home / "models").symlink_to(Path(settings.home) / "models", target_is_directory=True)
     keys = KeyLayout(f"livelora-bench-anchors-{uuid.uuid4().hex[:8]}:")
     env = {"LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": keys.prefix, "LIVELORA_METERING": "false"}
-    proc, url = spawn(args.engine, args.model, args.max_batch_size, args.device, env,
-                      ["--served-model-name", hotswap.EP])
+    proc, url = spawn(
+        args.engine, args.model, args.max_batch_size, args.device, env, ["--served-model-name", hotswap.EP]
+    )
     rows: dict[str, list[dict]] = {"gateway_n": [], "static_n": [], "gateway_1": [], "generate_1": []}
     try:
         publisher = hotswap.Publisher(ref, home, keys, redis.Redis.from_url(settings.redis_url), args.rank)
@@ -301,8 +372,9 @@ def anchors(args) -> None:
         if asyncio.run(served()) != name:
             raise SystemExit(f"the gateway did not serve {name} within a minute")
         tokenizer = load_tokenizer(ref)
-        model = PeftModel.from_pretrained(load_model(ref, device=args.device or "cpu"),
-                                          str(AdapterStore(home).version_dir(hotswap.EP, 1)))
+        model = PeftModel.from_pretrained(
+            load_model(ref, device=args.device or "cpu"), str(AdapterStore(home).version_dir(hotswap.EP, 1))
+        )
         model.eval()
         offline_generate(model, tokenizer, PROMPTS[:2], 2, 2)  # warm-up
         n = args.concurrency
@@ -321,19 +393,28 @@ def anchors(args) -> None:
                     res = offline_generate(model, tokenizer, prompts[:ones], args.max_tokens, 1)
                 res["load"] = load
                 rows[kind].append(res)
-                print(f"round {r + 1} {kind:10}: {res['tokens_per_s']:.1f} tokens/s ({res['tokens']} tokens in "
-                      f"{res['elapsed_s']:.1f} s; load avg 1 min {load:.2f})", flush=True)
+                print(
+                    f"round {r + 1} {kind:10}: {res['tokens_per_s']:.1f} tokens/s ({res['tokens']} tokens in "
+                    f"{res['elapsed_s']:.1f} s; load avg 1 min {load:.2f})",
+                    flush=True,
+                )
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     med = {k: percentile([x["tokens_per_s"] for x in v], 0.5) for k, v in rows.items()}
-    print(f"median of {args.rounds} rounds, adapter {name} (rank {args.rank}) on every request, "
-          f"{args.max_tokens} tokens per request (load avg 1/5/15 min now "
-          f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}):")
-    print(f"  gateway {n} streams {med['gateway_n']:.1f} tok/s vs static batch {n} {med['static_n']:.1f} tok/s: "
-          f"{med['gateway_n'] / med['static_n']:.2f}x")
-    print(f"  gateway 1 stream  {med['gateway_1']:.1f} tok/s vs generate batch 1 {med['generate_1']:.1f} tok/s: "
-          f"{med['gateway_1'] / med['generate_1']:.2f}x")
+    print(
+        f"median of {args.rounds} rounds, adapter {name} (rank {args.rank}) on every request, "
+        f"{args.max_tokens} tokens per request (load avg 1/5/15 min now "
+        f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}):"
+    )
+    print(
+        f"  gateway {n} streams {med['gateway_n']:.1f} tok/s vs static batch {n} {med['static_n']:.1f} tok/s: "
+        f"{med['gateway_n'] / med['static_n']:.2f}x"
+    )
+    print(
+        f"  gateway 1 stream  {med['gateway_1']:.1f} tok/s vs generate batch 1 {med['generate_1']:.1f} tok/s: "
+        f"{med['gateway_1'] / med['generate_1']:.2f}x"
+    )
 
 
 def metering_ab(args) -> None:
@@ -344,47 +425,60 @@ def metering_ab(args) -> None:
     try:
         order = ("on", "off") if args.ab_on_first else ("off", "on")
         for side in order:  # --ab-on-first swaps which gateway starts (and runs) first: a position bias shows
-            servers[side] = spawn(args.engine, args.model, args.max_batch_size, args.device,
-                                  off_env if side == "off" else {})
+            servers[side] = spawn(
+                args.engine, args.model, args.max_batch_size, args.device, off_env if side == "off" else {}
+            )
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         for r in range(args.metering_ab):
             for side in order:
                 load = os.getloadavg()[0]
-                gw = asyncio.run(run_gateway(servers[side][1], args.model, args.concurrency, args.requests,
-                                             args.max_tokens))
+                gw = asyncio.run(
+                    run_gateway(servers[side][1], args.model, args.concurrency, args.requests, args.max_tokens)
+                )
                 if side == "on":  # a scrape per round, as Prometheus would
                     httpx.get(servers[side][1] + "/metrics", timeout=30).raise_for_status()
                 gw["load"] = load
                 runs[side].append(gw)
-                print(f"round {r + 1} metering {side:3}: {gw['tokens_per_s']:.1f} tokens/s, TTFT p50 "
-                      f"{gw['ttft_p50_s'] * 1000:.0f} ms, ITL p50 {gw['itl_p50_s'] * 1000:.1f} ms "
-                      f"(load avg 1 min {load:.2f})", flush=True)
+                print(
+                    f"round {r + 1} metering {side:3}: {gw['tokens_per_s']:.1f} tokens/s, TTFT p50 "
+                    f"{gw['ttft_p50_s'] * 1000:.0f} ms, ITL p50 {gw['itl_p50_s'] * 1000:.1f} ms "
+                    f"(load avg 1 min {load:.2f})",
+                    flush=True,
+                )
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
-    med = {side: {k: percentile([g[k] for g in rs], 0.5) for k in ("tokens_per_s", "ttft_p50_s", "itl_p50_s")}
-           for side, rs in runs.items()}
-    print(f"median of {args.metering_ab} rounds, {args.concurrency} streams x {args.requests} requests x "
-          f"{args.max_tokens} tokens (load avg 1/5/15 min now {' / '.join(f'{x:.2f}' for x in os.getloadavg())}):")
+    med = {
+        side: {k: percentile([g[k] for g in rs], 0.5) for k in ("tokens_per_s", "ttft_p50_s", "itl_p50_s")}
+        for side, rs in runs.items()
+    }
+    print(
+        f"median of {args.metering_ab} rounds, {args.concurrency} streams x {args.requests} requests x "
+        f"{args.max_tokens} tokens (load avg 1/5/15 min now {' / '.join(f'{x:.2f}' for x in os.getloadavg())}):"
+    )
     for side in ("off", "on"):
         m = med[side]
-        print(f"  metering {side:3}: {m['tokens_per_s']:.1f} tokens/s, TTFT p50 {m['ttft_p50_s'] * 1000:.0f} ms, "
-              f"ITL p50 {m['itl_p50_s'] * 1000:.1f} ms")
+        print(
+            f"  metering {side:3}: {m['tokens_per_s']:.1f} tokens/s, TTFT p50 {m['ttft_p50_s'] * 1000:.0f} ms, "
+            f"ITL p50 {m['itl_p50_s'] * 1000:.1f} ms"
+        )
     change = med["on"]["tokens_per_s"] / med["off"]["tokens_per_s"] - 1
     print(f"  tokens/s on vs off: {change * 100:+.1f} %")
-    print(f"one metering write (MULTI of HINCRBYs on Redis), median of 500: {metering_write_ms():.3f} ms "
-          f"(load avg 1 min {os.getloadavg()[0]:.2f})")
+    print(
+        f"one metering write (MULTI of HINCRBYs on Redis), median of 500: {metering_write_ms():.3f} ms "
+        f"(load avg 1 min {os.getloadavg()[0]:.2f})"
+    )
 
 
 def metering_write_ms(n: int = 500) -> float:
     """Median wall time (ms) of the write a served request adds: one ``Meter.record_sync`` of two kinds."""
     import uuid
 
-    from livelora.adapters.bus import connect_sync
-    from livelora.adapters.metering import Meter, Usage
-    from livelora.adapters.redis_keys import KeyLayout
-    from livelora.adapters.settings import CommonSettings
+    from livelora.core.bus import connect_sync
+    from livelora.core.metering import Meter, Usage
+    from livelora.core.redis_keys import KeyLayout
+    from livelora.core.settings import CommonSettings
 
     keys = KeyLayout(f"livelora-bench-{uuid.uuid4().hex[:8]}:")
     client = connect_sync(CommonSettings().redis_url)

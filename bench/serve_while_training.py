@@ -41,25 +41,36 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from live_loop import PROMPTS, liked  # noqa: E402
-from serve import one_stream, percentile, spawn  # noqa: E402
+from live_loop import PROMPTS, liked
+from serve import one_stream, percentile, spawn
 
 MODEL = "smollm2-135m-instruct"
 
 
 def start_serve(home: Path, prefix: str, mode: str, max_batch_size: int) -> tuple[subprocess.Popen, str]:
     """``livelora serve`` on a free port with the converted base model, store ``home``; waits for ``/health``."""
-    from livelora.adapters.models import resolve_base_model
-    from livelora.adapters.settings import CommonSettings
+    from livelora.core.base_models import resolve_base_model
+    from livelora.core.settings import CommonSettings
 
     ref = resolve_base_model(MODEL, CommonSettings().home)
-    env = {"LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": prefix,
-           "LIVELORA_TRAINER_PROCESS": "true" if mode == "process" else "false"}
+    env = {
+        "LIVELORA_HOME": str(home),
+        "LIVELORA_REDIS_PREFIX": prefix,
+        "LIVELORA_TRAINER_PROCESS": "true" if mode == "process" else "false",
+    }
     return spawn("transformers", str(ref.path), max_batch_size, None, env=env, extra=["--served-model-name", MODEL])
 
 
-async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, max_tokens: int,
-                seed: int, max_ratings: int | None = None) -> dict:
+async def phase(
+    url: str,
+    *,
+    rate: bool,
+    duration_s: float,
+    concurrency: int,
+    max_tokens: int,
+    seed: int,
+    max_ratings: int | None = None,
+) -> dict:
     """``concurrency`` closed-loop streams for ``duration_s`` seconds; with ``rate`` every reply is rated (the
     first ``max_ratings`` replies only, when given)."""
     results: list[dict] = []
@@ -76,8 +87,15 @@ async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, ma
             i = w
             while time.perf_counter() < stop_at:
                 try:
-                    r = await one_stream(client, MODEL, PROMPTS[i % len(PROMPTS)], max_tokens, temperature=0.7,
-                                         seed=seed + i, ignore_eos=False)
+                    r = await one_stream(
+                        client,
+                        MODEL,
+                        PROMPTS[i % len(PROMPTS)],
+                        max_tokens,
+                        temperature=0.7,
+                        seed=seed + i,
+                        ignore_eos=False,
+                    )
                 except (httpx.HTTPError, RuntimeError):
                     failed += 1
                     continue
@@ -87,8 +105,9 @@ async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, ma
                 first = r["first"] if r["first"] == r["first"] else r["end"]  # NaN: no content chunk
                 first_served[r["version"]] = min(first, first_served.get(r["version"], first))
                 if rate and (max_ratings is None or len(rated_at) < max_ratings):
-                    fb = await client.post("/v1/feedback", json={"completion_id": r["id"],
-                                                                 "rating": liked(r["text"], 20)})
+                    fb = await client.post(
+                        "/v1/feedback", json={"completion_id": r["id"], "rating": liked(r["text"], 20)}
+                    )
                     if fb.status_code == 200:
                         rated_at[fb.json()["id"]] = time.perf_counter()
                     else:
@@ -97,15 +116,23 @@ async def phase(url: str, *, rate: bool, duration_s: float, concurrency: int, ma
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         elapsed = time.perf_counter() - start
     itl = [x for r in results for x in r["itl"]]
-    return {"elapsed_s": elapsed, "requests": len(results), "failed": failed,
-            "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
-            "itl_p50_ms": 1000 * percentile(itl, 0.5), "itl_p99_ms": 1000 * percentile(itl, 0.99),
-            "ttft_p50_ms": 1000 * percentile([r["ttft"] for r in results], 0.5),
-            "rated": len(rated_at), "rated_at": rated_at, "first_served": first_served}
+    return {
+        "elapsed_s": elapsed,
+        "requests": len(results),
+        "failed": failed,
+        "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
+        "itl_p50_ms": 1000 * percentile(itl, 0.5),
+        "itl_p99_ms": 1000 * percentile(itl, 0.99),
+        "ttft_p50_ms": 1000 * percentile([r["ttft"] for r in results], 0.5),
+        "rated": len(rated_at),
+        "rated_at": rated_at,
+        "first_served": first_served,
+    }
 
 
-def update_times(home: Path, rated_at: dict[str, float], first_served: dict[str, float],
-                 wall_offset: float) -> list[dict[str, float]]:
+def update_times(
+    home: Path, rated_at: dict[str, float], first_served: dict[str, float], wall_offset: float
+) -> list[dict[str, float]]:
     """Per version in ``trained.jsonl`` whose batch was rated and which was served within the phase: ``total`` =
     first served − last rating of its batch, split into ``wait`` (→ the worker took the batch: queue and the
     scheduler's batching), ``work`` (train + gate + save, ``written_at − started_at``) and ``swap`` (written →
@@ -123,8 +150,15 @@ def update_times(home: Path, rated_at: dict[str, float], first_served: dict[str,
         served = first_served.get(rec["version"])
         if times and served is not None and len(times) == len(rec["event_ids"]):
             last, served = max(times) + wall_offset, served + wall_offset
-            out.append({"total": served - last, "wait": rec["started_at"] - last, "events": len(rec["event_ids"]),
-                        "work": rec["written_at"] - rec["started_at"], "swap": served - rec["written_at"]})
+            out.append(
+                {
+                    "total": served - last,
+                    "wait": rec["started_at"] - last,
+                    "events": len(rec["event_ids"]),
+                    "work": rec["written_at"] - rec["started_at"],
+                    "swap": served - rec["written_at"],
+                }
+            )
     return out
 
 
@@ -139,19 +173,44 @@ def run_mode(mode: str, args) -> dict:
         asyncio.run(phase(url, rate=False, duration_s=1, concurrency=1, max_tokens=4, seed=0))
         warm_until, rated = time.perf_counter() + args.warmup_s, 0
         while time.perf_counter() < warm_until:  # 10 ratings: one batch (kto_min_batch 8, one may be held out)
-            warm = asyncio.run(phase(url, rate=rated < 10, duration_s=10, concurrency=args.concurrency,
-                                     max_tokens=args.max_tokens, seed=90000 + rated, max_ratings=10 - rated))
+            warm = asyncio.run(
+                phase(
+                    url,
+                    rate=rated < 10,
+                    duration_s=10,
+                    concurrency=args.concurrency,
+                    max_tokens=args.max_tokens,
+                    seed=90000 + rated,
+                    max_ratings=10 - rated,
+                )
+            )
             rated += warm["rated"]
             if any(v != "base" for v in warm["first_served"]):
                 break
         else:
             print(f"warning: no version was served within the {args.warmup_s:.0f} s warm-up", flush=True)
-        quiet = asyncio.run(phase(url, rate=False, duration_s=args.duration, concurrency=args.concurrency,
-                                  max_tokens=args.max_tokens, seed=1000))
+        quiet = asyncio.run(
+            phase(
+                url,
+                rate=False,
+                duration_s=args.duration,
+                concurrency=args.concurrency,
+                max_tokens=args.max_tokens,
+                seed=1000,
+            )
+        )
         load = os.getloadavg()[0]
         wall_offset = time.time() - time.perf_counter()
-        busy = asyncio.run(phase(url, rate=True, duration_s=args.duration, concurrency=args.concurrency,
-                                 max_tokens=args.max_tokens, seed=5000))
+        busy = asyncio.run(
+            phase(
+                url,
+                rate=True,
+                duration_s=args.duration,
+                concurrency=args.concurrency,
+                max_tokens=args.max_tokens,
+                seed=5000,
+            )
+        )
         time.sleep(1)
         updates = update_times(home, busy["rated_at"], busy["first_served"], wall_offset)
         versions = len([v for v in busy["first_served"] if v != "base"])
@@ -167,8 +226,7 @@ def run_mode(mode: str, args) -> dict:
         for k in r.scan_iter(match=prefix + "*"):
             r.delete(k)
         shutil.rmtree(home, ignore_errors=True)
-    return {"mode": mode, "quiet": quiet, "busy": busy, "updates": updates, "versions_served": versions,
-            "load": load}
+    return {"mode": mode, "quiet": quiet, "busy": busy, "updates": updates, "versions_served": versions, "load": load}
 
 
 def main() -> None:
@@ -178,12 +236,19 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-batch-size", type=int, default=8)
-    ap.add_argument("--warmup-s", type=float, default=180.0,
-                    help="rated warm-up until the first version is served, at most this long")
+    ap.add_argument(
+        "--warmup-s",
+        type=float,
+        default=180.0,
+        help="rated warm-up until the first version is served, at most this long",
+    )
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
-    print(f"{os.cpu_count()} cores; load average at start {os.getloadavg()[0]:.2f}; {args.concurrency} streams, "
-          f"{args.max_tokens} tokens, T=0.7, {args.duration:.0f} s per phase", flush=True)
+    print(
+        f"{os.cpu_count()} cores; load average at start {os.getloadavg()[0]:.2f}; {args.concurrency} streams, "
+        f"{args.max_tokens} tokens, T=0.7, {args.duration:.0f} s per phase",
+        flush=True,
+    )
     rows = []
     for mode in args.modes.split(","):
         res = run_mode(mode.strip(), args)
@@ -192,22 +257,33 @@ def main() -> None:
         print(f"\ntrainer placement: {res['mode']} (load average after phase 1: {res['load']:.2f})")
         print("| | no ratings | every reply rated (KTO steps running) | ratio |")
         print("|---|---|---|---|")
-        print(f"| output tokens/s | {q['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
-              f"{b['tokens_per_s'] / q['tokens_per_s']:.2f}x |")
-        print(f"| inter-token latency p50 / p99 (ms) | {q['itl_p50_ms']:.0f} / {q['itl_p99_ms']:.0f} | "
-              f"{b['itl_p50_ms']:.0f} / {b['itl_p99_ms']:.0f} | p99 {b['itl_p99_ms'] / q['itl_p99_ms']:.2f}x |")
+        print(
+            f"| output tokens/s | {q['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
+            f"{b['tokens_per_s'] / q['tokens_per_s']:.2f}x |"
+        )
+        print(
+            f"| inter-token latency p50 / p99 (ms) | {q['itl_p50_ms']:.0f} / {q['itl_p99_ms']:.0f} | "
+            f"{b['itl_p50_ms']:.0f} / {b['itl_p99_ms']:.0f} | p99 {b['itl_p99_ms'] / q['itl_p99_ms']:.2f}x |"
+        )
         print(f"| time to first token p50 (ms) | {q['ttft_p50_ms']:.0f} | {b['ttft_p50_ms']:.0f} | |")
         print(f"| requests (failed) | {q['requests']} ({q['failed']}) | {b['requests']} ({b['failed']}) | |")
         if u:
+
             def p50(key: str, u: list[dict] = u) -> float:
                 return statistics.median(x[key] for x in u)
-            upd = (f"p50 {p50('total'):.1f} s, max {max(x['total'] for x in u):.1f} s over {len(u)} versions; "
-                   f"of it p50 wait {p50('wait'):.1f} s, train + gate + save {p50('work'):.1f} s, "
-                   f"swap {p50('swap'):.2f} s; events per version p50 {p50('events'):.0f}")
+
+            upd = (
+                f"p50 {p50('total'):.1f} s, max {max(x['total'] for x in u):.1f} s over {len(u)} versions; "
+                f"of it p50 wait {p50('wait'):.1f} s, train + gate + save {p50('work'):.1f} s, "
+                f"swap {p50('swap'):.2f} s; events per version p50 {p50('events'):.0f}"
+            )
         else:
             upd = "no version both trained and served within the phase"
-        print(f"ratings {b['rated']}, versions served {res['versions_served']}; update (last rating of the batch -> "
-              f"first reply by the version): {upd}", flush=True)
+        print(
+            f"ratings {b['rated']}, versions served {res['versions_served']}; update (last rating of the batch -> "
+            f"first reply by the version): {upd}",
+            flush=True,
+        )
     if args.json:
         for r in rows:
             for ph in ("quiet", "busy"):

@@ -89,9 +89,18 @@ class Soak:
             t0 = time.time()
             try:
                 cid, done = None, False
-                with httpx.stream("POST", g.url + "/v1/chat/completions", timeout=120, json={
-                        "model": MODEL, "stream": True, "max_tokens": self.args.max_tokens, "temperature": 0.8,
-                        "messages": [{"role": "user", "content": f"Tell me about {rng.choice(TOPICS)}."}]}) as r:
+                with httpx.stream(
+                    "POST",
+                    g.url + "/v1/chat/completions",
+                    timeout=120,
+                    json={
+                        "model": MODEL,
+                        "stream": True,
+                        "max_tokens": self.args.max_tokens,
+                        "temperature": 0.8,
+                        "messages": [{"role": "user", "content": f"Tell me about {rng.choice(TOPICS)}."}],
+                    },
+                ) as r:
                     if r.status_code != 200:
                         raise RuntimeError(f"HTTP {r.status_code}")
                     for line in r.iter_lines():
@@ -113,8 +122,11 @@ class Soak:
                 continue
             g2, t1 = rng.choice(gws), time.time()
             try:
-                r = httpx.post(g2.url + "/v1/feedback", timeout=30,
-                               json={"completion_id": cid, "rating": rng.random() < 0.5, "user": f"u{seed}"})
+                r = httpx.post(
+                    g2.url + "/v1/feedback",
+                    timeout=30,
+                    json={"completion_id": cid, "rating": rng.random() < 0.5, "user": f"u{seed}"},
+                )
                 if r.status_code >= 300:
                     raise RuntimeError(f"HTTP {r.status_code}: {r.text[:100]}")
                 self.stats.add(served=1, accepted=r.json()["id"])
@@ -128,9 +140,13 @@ class Soak:
 
         def datum(text: str) -> Datum:
             ids = tokenizer.encode(text)
-            return Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
-                "target_tokens": TensorData.from_list(ids[1:], "int64"),
-                "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32")})
+            return Datum(
+                model_input=ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": TensorData.from_list(ids[1:], "int64"),
+                    "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32"),
+                },
+            )
 
         while not self.stop.is_set():
             gws = self.live_gateways()
@@ -169,13 +185,20 @@ class Soak:
                         self.phase = f"sample {n} on {self.name(other)}"
                         with ServiceClient(other.url) as sampling_service:  # closed: its adapter is unloaded
                             sampler = sampling_service.create_sampling_client(model_path=path)
-                            sampler.sample(ModelInput.from_ints(tokenizer.encode("Coffee is")), 1,
-                                           SamplingParams(max_tokens=4)).result(timeout=self.args.op_timeout_s)
+                            sampler.sample(
+                                ModelInput.from_ints(tokenizer.encode("Coffee is")), 1, SamplingParams(max_tokens=4)
+                            ).result(timeout=self.args.op_timeout_s)
                         self.stats.add(served=1)
             except Exception as exc:
-                self.stats.add(failed=(self.name(g), t0, time.time(),
-                                       f"session ({self.phase}): {type(exc).__name__}: {exc}"[:200]),
-                               ops_failed=f"{type(exc).__name__}: {exc}"[:200])
+                self.stats.add(
+                    failed=(
+                        self.name(g),
+                        t0,
+                        time.time(),
+                        f"session ({self.phase}): {type(exc).__name__}: {exc}"[:200],
+                    ),
+                    ops_failed=f"{type(exc).__name__}: {exc}"[:200],
+                )
                 if service is not None:
                     with contextlib.suppress(Exception):
                         service.close("errored")
@@ -209,8 +232,10 @@ class Soak:
     def run(self, tokenizer) -> dict:
         self.t0 = time.time()
         threads = [threading.Thread(target=self.chat_loop, args=(i,), daemon=True) for i in range(self.args.clients)]
-        threads += [threading.Thread(target=self.session_loop, args=(tokenizer,), daemon=True)
-                    for _ in range(self.args.sessions)]
+        threads += [
+            threading.Thread(target=self.session_loop, args=(tokenizer,), daemon=True)
+            for _ in range(self.args.sessions)
+        ]
         killer = threading.Thread(target=self.killer, daemon=True)
         for t in [*threads, killer]:
             t.start()
@@ -254,27 +279,38 @@ class Soak:
         lonely = lonely if len(lonely) == 1 and lonely <= queued else set()  # a lone KTO rating waits for a partner
         cut = [f for f in s.failed if self.cut_by_kill(*f[:3])]
         out = {
-            "duration_s": self.args.duration, "workload_stopped_after_s": round(self.workload_s, 1),
-            "gateways": len(self.c.gateways), "trainers": len(self.c.trainers),
+            "duration_s": self.args.duration,
+            "workload_stopped_after_s": round(self.workload_s, 1),
+            "gateways": len(self.c.gateways),
+            "trainers": len(self.c.trainers),
             "kills": [(n, round(k - self.t0, 1), round(rd - k, 1)) for n, k, rd in s.kills],
-            "requests_served": s.served, "requests_failed": len(s.failed), "failed_cut_by_a_kill": len(cut),
+            "requests_served": s.served,
+            "requests_failed": len(s.failed),
+            "failed_cut_by_a_kill": len(cut),
             "failed_other": [f[3] for f in s.failed if f not in cut][:10],
             "failed_cut_by_a_kill_detail": [f"{f[0]} @{f[1] - self.t0:.0f}s: {f[3][:100]}" for f in cut][:10],
             "session_phase_at_stop": self.phase_at_stop,
-            "sessions_started": s.sessions, "session_ops_done": s.ops_done,
+            "sessions_started": s.sessions,
+            "session_ops_done": s.ops_done,
             "session_ops_committed_server_side": len(seqs),
             "session_ops_committed_not_exactly_once": sum(1 for _, v in seqs if v != 1),
             "session_seq_gaps": gaps,
             "session_steps_refused_trainer_lost": s.ops_lost,
-            "signals_accepted": len(accepted), "signals_recorded": len(accepted & set(recorded)),
-            "signals_trained": len(accepted & set(trained)), "signals_dead_lettered": len(accepted & dead),
+            "signals_accepted": len(accepted),
+            "signals_recorded": len(accepted & set(recorded)),
+            "signals_trained": len(accepted & set(trained)),
+            "signals_dead_lettered": len(accepted & dead),
             "signals_waiting_alone_for_a_kto_partner": len(lonely),
             "signals_lost": len(accepted - set(trained) - dead - lonely),
-            "signals_duplicated": (sum(1 for v in trained.values() if v > 1)
-                                   + sum(1 for v in recorded.values() if v > 1)),
-            "signals_retrained_counter": retrained, "signals_stream_len_at_end": stream_len,
-            "versions_checked": checked, "corrupt_versions": len(bad),
-            "redis_keys_of_prefix": len(keys), "redis_bytes_of_prefix": prefix_bytes,
+            "signals_duplicated": (
+                sum(1 for v in trained.values() if v > 1) + sum(1 for v in recorded.values() if v > 1)
+            ),
+            "signals_retrained_counter": retrained,
+            "signals_stream_len_at_end": stream_len,
+            "versions_checked": checked,
+            "corrupt_versions": len(bad),
+            "redis_keys_of_prefix": len(keys),
+            "redis_bytes_of_prefix": prefix_bytes,
             "redis_used_memory_human": info.get("used_memory_human"),
             "load_average_during_run": [round(x, 2) for x in load_run],
         }
@@ -300,17 +336,26 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
 
-    from livelora.adapters.models import load_tokenizer, resolve_base_model
+    from livelora.core.base_models import load_tokenizer, resolve_base_model
 
     home = new_store(args.home or Path(tempfile.mkdtemp(prefix="livelora-soak-")), args.models_from)
     prefix = f"livelora-soak-{uuid.uuid4().hex[:8]}:"
-    env = {"LIVELORA_LEASE_TTL_S": "3", "LIVELORA_CLAIM_IDLE_S": "10", "LIVELORA_KTO_MIN_BATCH": "4",
-           "LIVELORA_MAX_WAIT_S": "5", "LIVELORA_MAX_BATCH_SIZE": "4", "LIVELORA_LORA_RANK": "2",
-           "LIVELORA_SESSION_TTL_S": "60"}
+    env = {
+        "LIVELORA_LEASE_TTL_S": "3",
+        "LIVELORA_CLAIM_IDLE_S": "10",
+        "LIVELORA_KTO_MIN_BATCH": "4",
+        "LIVELORA_MAX_WAIT_S": "5",
+        "LIVELORA_MAX_BATCH_SIZE": "4",
+        "LIVELORA_LORA_RANK": "2",
+        "LIVELORA_SESSION_TTL_S": "60",
+    }
     cluster = Cluster(home, prefix, env, args.redis_url)
     tokenizer = load_tokenizer(resolve_base_model(MODEL, args.models_from))
-    print(f"store {home}, Redis {args.redis_url} prefix {prefix!r}; starting {args.gateways} gateways and "
-          f"{args.trainers} trainers", flush=True)
+    print(
+        f"store {home}, Redis {args.redis_url} prefix {prefix!r}; starting {args.gateways} gateways and "
+        f"{args.trainers} trainers",
+        flush=True,
+    )
     t = time.time()
     try:
         cluster.start(args.gateways, args.trainers)

@@ -32,11 +32,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from live_loop import PROMPTS  # noqa: E402
+from live_loop import PROMPTS
 
-REPLY = ("Sure! Here is a short answer with a little more detail than strictly needed, because a typical reply "
-         "from a small chat model runs for a few sentences and then adds a friendly closing remark at the end, "
-         "like this one, which keeps going until the token budget is used up completely.")
+REPLY = (
+    "Sure! Here is a short answer with a little more detail than strictly needed, because a typical reply "
+    "from a small chat model runs for a few sentences and then adds a friendly closing remark at the end, "
+    "like this one, which keeps going until the token budget is used up completely."
+)
 
 
 def build_datums(tokenizer, n: int, completion_tokens: int, history_turns: int):
@@ -48,8 +50,10 @@ def build_datums(tokenizer, n: int, completion_tokens: int, history_turns: int):
     for i in range(n):
         messages = []
         for t in range(history_turns):
-            messages += [{"role": "user", "content": PROMPTS[(i + t + 1) % len(PROMPTS)]},
-                         {"role": "assistant", "content": REPLY}]
+            messages += [
+                {"role": "user", "content": PROMPTS[(i + t + 1) % len(PROMPTS)]},
+                {"role": "assistant", "content": REPLY},
+            ]
         messages.append({"role": "user", "content": PROMPTS[i % len(PROMPTS)]})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = tokenizer.encode(text, add_special_tokens=False)
@@ -68,10 +72,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import livelora.trainer.model as model_mod
-    from livelora.adapters.models import load_tokenizer, resolve_base_model
-    from livelora.adapters.settings import DEFAULT_MODEL, CommonSettings
     from livelora.clients.types.tinker import AdamParams
-    from livelora.trainer.gate import ProbeSuite
+    from livelora.core.base_models import load_tokenizer, resolve_base_model
+    from livelora.core.settings import DEFAULT_MODEL, CommonSettings
+    from livelora.trainer.gate_measure import ProbeSuite
     from livelora.trainer.settings import TrainingSection
 
     ref = resolve_base_model(DEFAULT_MODEL, CommonSettings().home)
@@ -82,9 +86,12 @@ def main() -> None:
     suite = ProbeSuite(tokenizer)
     shared_probe_prefix = suite.shared
     cfg = {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0}
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {len(data)} ratings, "
-          f"{sum(d.model_input.length for d in data)} tokens (prompts {min(prompt_lens)}-{max(prompt_lens)}, "
-          f"replies {args.completion_tokens}); LoRA rank {model.lora.rank}", flush=True)
+    print(
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {len(data)} ratings, "
+        f"{sum(d.model_input.length for d in data)} tokens (prompts {min(prompt_lens)}-{max(prompt_lens)}, "
+        f"replies {args.completion_tokens}); LoRA rank {model.lora.rank}",
+        flush=True,
+    )
 
     passes: list[float] = []
     plain = model_mod.TrainingModel._logprobs
@@ -123,19 +130,31 @@ def main() -> None:
                     continue  # warm-up
                 # pass order: reference, policy (grad), KL policy, KL reference (shared); reference, KL policy,
                 # KL reference, policy (recomputed)
-                ref, pol, klp, klr = (step_passes if limit else [step_passes[i] for i in (0, 3, 1, 2)])
-                rows[name].append({"step": t1 - t0, "reference": ref, "policy": pol, "kl": klp + klr,
-                                   "backward": (t1 - t0) - sum(step_passes), "optim": t2 - t1,
-                                   "probes": t4 - t3, "generate": t5 - t4})
+                ref, pol, klp, klr = step_passes if limit else [step_passes[i] for i in (0, 3, 1, 2)]
+                rows[name].append(
+                    {
+                        "step": t1 - t0,
+                        "reference": ref,
+                        "policy": pol,
+                        "kl": klp + klr,
+                        "backward": (t1 - t0) - sum(step_passes),
+                        "optim": t2 - t1,
+                        "probes": t4 - t3,
+                        "generate": t5 - t4,
+                    }
+                )
         model_mod.PROMPT_KV_MAX_BYTES, model_mod.common_prefix = share_limit, common_prefix
         for name, runs in rows.items():
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             gate = med["probes"] + med["generate"]
-            print(f"threads {threads}, {name}: KTO step {med['step']:.2f} s (reference {med['reference']:.2f}, "
-                  f"policy {med['policy']:.2f}, KL pairs {med['kl']:.2f}, backward {med['backward']:.2f}), "
-                  f"optim {med['optim']:.2f} s; gate {gate:.2f} s (probes {med['probes']:.2f}, generate "
-                  f"{med['generate']:.2f}); step + gate {med['step'] + med['optim'] + gate:.2f} s "
-                  f"(median of {len(runs)})", flush=True)
+            print(
+                f"threads {threads}, {name}: KTO step {med['step']:.2f} s (reference {med['reference']:.2f}, "
+                f"policy {med['policy']:.2f}, KL pairs {med['kl']:.2f}, backward {med['backward']:.2f}), "
+                f"optim {med['optim']:.2f} s; gate {gate:.2f} s (probes {med['probes']:.2f}, generate "
+                f"{med['generate']:.2f}); step + gate {med['step'] + med['optim'] + gate:.2f} s "
+                f"(median of {len(runs)})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

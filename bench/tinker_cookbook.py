@@ -27,21 +27,53 @@ ROOT = Path(__file__).resolve().parent.parent
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: SmolLM2 is not in the cookbook's model_info table: recipes that take renderer_name get the generic one.
 RENDERER = "role_colon"
-MATH = ["tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={HUB_ID}", f"renderer_name={RENDERER}",
-        "loss_fn=importance_sampling", "groups_per_batch=4", "group_size=2", "max_tokens=5", "lora_rank=4"]
+MATH = [
+    "tinker_cookbook.recipes.math_rl.train",
+    "env=arithmetic",
+    f"model_name={HUB_ID}",
+    f"renderer_name={RENDERER}",
+    "loss_fn=importance_sampling",
+    "groups_per_batch=4",
+    "group_size=2",
+    "max_tokens=5",
+    "lora_rank=4",
+]
 
 
 def runs(tmp: Path, sdk: str) -> list[tuple[str, list[str]]]:
     rl_loss = [] if sdk.startswith("0.24") else ["loss_fn=importance_sampling"]  # cookbook 0.5.7 has no such flag
     return [
         ("math_rl arithmetic (sync)", [*MATH, "max_steps=2", f"log_path={tmp}/math-sync"]),
-        ("math_rl arithmetic (max_steps_off_policy=2)", [*MATH, "max_steps=3", "max_steps_off_policy=2",
-                                                         f"log_path={tmp}/math-async"]),
-        ("rl_loop", ["tinker_cookbook.recipes.rl_loop", f"model_name={HUB_ID}", *rl_loss,
-                     "batch_size=4", "group_size=2", "max_tokens=8", "lora_rank=4", "max_steps=2",
-                     f"log_path={tmp}/rl-loop"]),
-        ("sl_loop", ["tinker_cookbook.recipes.sl_loop", f"model_name={HUB_ID}", "batch_size=4", "lora_rank=4",
-                     "max_steps=2", "save_every=1", f"log_path={tmp}/sl-loop"]),
+        (
+            "math_rl arithmetic (max_steps_off_policy=2)",
+            [*MATH, "max_steps=3", "max_steps_off_policy=2", f"log_path={tmp}/math-async"],
+        ),
+        (
+            "rl_loop",
+            [
+                "tinker_cookbook.recipes.rl_loop",
+                f"model_name={HUB_ID}",
+                *rl_loss,
+                "batch_size=4",
+                "group_size=2",
+                "max_tokens=8",
+                "lora_rank=4",
+                "max_steps=2",
+                f"log_path={tmp}/rl-loop",
+            ],
+        ),
+        (
+            "sl_loop",
+            [
+                "tinker_cookbook.recipes.sl_loop",
+                f"model_name={HUB_ID}",
+                "batch_size=4",
+                "lora_rank=4",
+                "max_steps=2",
+                "save_every=1",
+                f"log_path={tmp}/sl-loop",
+            ],
+        ),
     ]
 
 
@@ -61,8 +93,15 @@ def last_error(text: str) -> str:
 def run(python: str, args: list[str], env: dict[str, str], timeout: float) -> tuple[int, float, str]:
     t0 = time.monotonic()
     try:
-        p = subprocess.run([python, "-m", *args], capture_output=True, text=True, env=env, timeout=timeout,
-                           cwd=tempfile.gettempdir(), check=False)
+        p = subprocess.run(
+            [python, "-m", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            cwd=tempfile.gettempdir(),
+            check=False,
+        )
         return p.returncode, time.monotonic() - t0, p.stdout + p.stderr
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -74,8 +113,9 @@ def kill_and_resume(python: str, env: dict[str, str], tmp: Path, timeout: float)
     command again (the cookbook resumes from its log_path's checkpoints.jsonl)."""
     log = tmp / "math-resume"
     args = [*MATH, "max_steps=4", "save_every=1", f"log_path={log}"]
-    proc = subprocess.Popen([python, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            cwd=tempfile.gettempdir())
+    proc = subprocess.Popen(
+        [python, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tempfile.gettempdir()
+    )
     deadline = time.monotonic() + timeout
     ckpts = log / "checkpoints.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
@@ -89,8 +129,10 @@ def kill_and_resume(python: str, env: dict[str, str], tmp: Path, timeout: float)
     saved = [json.loads(x) for x in ckpts.read_text().splitlines() if x.strip()]
     rc, secs, out = run(python, [*args, "behavior_if_log_dir_exists=resume"], env, timeout)
     resumed = "Resuming" in out or "resum" in out.lower()
-    return (f"killed after checkpoint {saved[-1].get('name')}; rerun exit {rc} in {secs:.0f} s, resumed={resumed}, "
-            f"steps logged {steps_logged(log)}" + ("" if rc == 0 else f"; {last_error(out)}"))
+    return (
+        f"killed after checkpoint {saved[-1].get('name')}; rerun exit {rc} in {secs:.0f} s, resumed={resumed}, "
+        f"steps logged {steps_logged(log)}" + ("" if rc == 0 else f"; {last_error(out)}")
+    )
 
 
 def main() -> None:
@@ -103,10 +145,25 @@ def main() -> None:
     a = ap.parse_args()
     python = str(Path(a.venv).resolve() / "bin" / "python")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
-    env.update(TINKER_BASE_URL=a.base_url, TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0", HF_HUB_CACHE=a.hf_cache,
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH="")
-    version = subprocess.run([python, "-c", "import tinker, importlib.metadata as m; print(tinker.__version__, "
-                              "m.version('tinker-cookbook'))"], capture_output=True, text=True, check=False).stdout
+    env.update(
+        TINKER_BASE_URL=a.base_url,
+        TINKER_API_KEY="tml-local",
+        TINKER_TELEMETRY="0",
+        HF_HUB_CACHE=a.hf_cache,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH="",
+    )
+    version = subprocess.run(
+        [
+            python,
+            "-c",
+            "import tinker, importlib.metadata as m; print(tinker.__version__, m.version('tinker-cookbook'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
     print(f"tinker / tinker-cookbook: {version.strip()}; base model {HUB_ID}; load {os.getloadavg()}")
     tmp = Path(tempfile.mkdtemp(prefix="livelora-cookbook-"))
     try:
@@ -116,11 +173,16 @@ def main() -> None:
             rc, secs, out = run(python, args, env, a.timeout)
             log = Path(next(x for x in args if x.startswith("log_path=")).split("=", 1)[1])
             status = "ok" if rc == 0 else f"FAILED ({rc}): {last_error(out)}"
-            print(f"| {name} | {status} | {secs:.0f} s | {steps_logged(log)} steps | load {os.getloadavg()[0]:.1f} |",
-                  flush=True)
+            print(
+                f"| {name} | {status} | {secs:.0f} s | {steps_logged(log)} steps | load {os.getloadavg()[0]:.1f} |",
+                flush=True,
+            )
         if not a.only or "resume" in a.only:
-            print(f"| math_rl kill + resume | {kill_and_resume(python, env, tmp, a.timeout)} | load "
-                  f"{os.getloadavg()[0]:.1f} |", flush=True)
+            print(
+                f"| math_rl kill + resume | {kill_and_resume(python, env, tmp, a.timeout)} | load "
+                f"{os.getloadavg()[0]:.1f} |",
+                flush=True,
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -32,8 +32,7 @@ def request_body(datums: int, tokens: int, rng: np.random.Generator) -> bytes:
     for _ in range(datums):
         d = msg.data.add()
         d.model_input.add().encoded_text.tokens = rng.integers(0, 49152, tokens, dtype="<i4").tobytes()
-        for name, dtype, proto_dtype in (("target_tokens", "<i8", 2), ("logprobs", "<f4", 1),
-                                         ("advantages", "<f4", 1)):
+        for name, dtype, proto_dtype in (("target_tokens", "<i8", 2), ("logprobs", "<f4", 1), ("advantages", "<f4", 1)):
             t = d.loss_fn_inputs[name]
             t.dtype = proto_dtype
             t.shape.append(tokens)
@@ -67,27 +66,45 @@ def main() -> None:
     positions = a.datums * a.tokens
     s_zstd = timed(lambda: wire.decode_content(packed, "zstd"), a.repeat)
     s_decode = timed(lambda: wire.decode_forward_backward(raw), a.repeat)
-    print(f"forward_backward request: {len(raw) / 1e6:.2f} MB protobuf, {len(packed) / 1e6:.2f} MB zstd; "
-          f"unzstd {s_zstd * 1e3:.1f} ms; decode+validate {s_decode * 1e3:.1f} ms "
-          f"({positions / s_decode / 1e6:.2f} M positions/s)")
+    print(
+        f"forward_backward request: {len(raw) / 1e6:.2f} MB protobuf, {len(packed) / 1e6:.2f} MB zstd; "
+        f"unzstd {s_zstd * 1e3:.1f} ms; decode+validate {s_decode * 1e3:.1f} ms "
+        f"({positions / s_decode / 1e6:.2f} M positions/s)"
+    )
 
-    out = ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": TensorData(
-        data=(-rng.random(a.tokens)).astype(np.float32).tolist(), dtype="float32", shape=[a.tokens])}
-        for _ in range(a.datums)], metrics={"loss:sum": 1.0})
+    out = ForwardBackwardOutput(
+        loss_fn_outputs=[
+            {
+                "logprobs": TensorData(
+                    data=(-rng.random(a.tokens)).astype(np.float32).tolist(), dtype="float32", shape=[a.tokens]
+                )
+            }
+            for _ in range(a.datums)
+        ],
+        metrics={"loss:sum": 1.0},
+    )
     s_out = timed(lambda: wire.encode_forward_backward_output(out), a.repeat)
-    print(f"ForwardBackwardOutput: {len(wire.encode_forward_backward_output(out)) / 1e6:.2f} MB; "
-          f"encode {s_out * 1e3:.1f} ms")
+    print(
+        f"ForwardBackwardOutput: {len(wire.encode_forward_backward_output(out)) / 1e6:.2f} MB; "
+        f"encode {s_out * 1e3:.1f} ms"
+    )
 
     def seq() -> SampledSequenceV2:
         toks = rng.integers(0, 49152, a.tokens).tolist()
         lps = (-rng.random(a.tokens)).astype(np.float32).tolist()
-        return SampledSequenceV2(stop_reason="length", tokens=toks, logprobs=lps,
-                                 topk_logprobs=[[(t, lp)] * a.topk for t, lp in zip(toks, lps)])
+        return SampledSequenceV2(
+            stop_reason="length",
+            tokens=toks,
+            logprobs=lps,
+            topk_logprobs=[[(t, lp)] * a.topk for t, lp in zip(toks, lps)],
+        )
 
     resp = SampleResponseV2(sequences=[seq() for _ in range(a.samples)])
     s_sample = timed(lambda: wire.encode_sample_response(resp), a.repeat)
-    print(f"SampleResponse ({a.samples} x {a.tokens} tokens, top-{a.topk}): "
-          f"{len(wire.encode_sample_response(resp)) / 1e6:.2f} MB; encode {s_sample * 1e3:.1f} ms")
+    print(
+        f"SampleResponse ({a.samples} x {a.tokens} tokens, top-{a.topk}): "
+        f"{len(wire.encode_sample_response(resp)) / 1e6:.2f} MB; encode {s_sample * 1e3:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -70,8 +70,10 @@ def datum(tokens: list[int], first_trained: int, label: float | None = None):
     from livelora.clients.types import Datum, ModelInput, TensorData
 
     n = len(tokens) - 1
-    inputs = {"target_tokens": TensorData.from_list(tokens[1:], "int64"),
-              "weights": TensorData.from_list([0.0 if j < first_trained else 1.0 for j in range(n)], "float32")}
+    inputs = {
+        "target_tokens": TensorData.from_list(tokens[1:], "int64"),
+        "weights": TensorData.from_list([0.0 if j < first_trained else 1.0 for j in range(n)], "float32"),
+    }
     if label is not None:
         inputs["label"] = TensorData.from_list([label], "float32")
     return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
@@ -97,11 +99,30 @@ def run_ours(ref, data, loss_fn: str, steps: int, rank: int) -> tuple[float, flo
 
 
 def _trl_common(tmp: str, batch: int, steps: int) -> dict:
-    return dict(output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-4,
-                lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", adam_beta1=0.9,
-                adam_beta2=0.95, adam_epsilon=1e-12, weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
-                report_to="none", save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=False,
-                fp16=False, gradient_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    return dict(
+        output_dir=tmp,
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-12,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
 
 
 def run_trl(ref, tokenizer, kind: str, steps: int, rank: int, batch: int, seqs=None, kto=None) -> tuple[float, float]:
@@ -110,7 +131,7 @@ def run_trl(ref, tokenizer, kind: str, steps: int, rank: int, batch: int, seqs=N
     from peft import LoraConfig
     from transformers import TrainerCallback
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
     class Timer(TrainerCallback):
         def __init__(self):
@@ -122,8 +143,9 @@ def run_trl(ref, tokenizer, kind: str, steps: int, rank: int, batch: int, seqs=N
         def on_step_end(self, args, state, control, **kw):
             self.times.append(time.perf_counter() - self.t0)
 
-    peft_config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS,
-                             bias="none", task_type="CAUSAL_LM")
+    peft_config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS, bias="none", task_type="CAUSAL_LM"
+    )
     model = load_model(ref)
     timer = Timer()
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,16 +153,28 @@ def run_trl(ref, tokenizer, kind: str, steps: int, rank: int, batch: int, seqs=N
             from trl import SFTConfig, SFTTrainer
 
             args = SFTConfig(**_trl_common(tmp, batch, steps), max_length=None, packing=False)
-            trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": seqs}),
-                                 processing_class=tokenizer, peft_config=peft_config, callbacks=[timer])
+            trainer = SFTTrainer(
+                model=model,
+                args=args,
+                train_dataset=Dataset.from_dict({"input_ids": seqs}),
+                processing_class=tokenizer,
+                peft_config=peft_config,
+                callbacks=[timer],
+            )
         else:
             from trl import KTOConfig, KTOTrainer
 
             prompts, completions, labels = kto
             args = KTOConfig(**_trl_common(tmp, batch, steps), beta=0.1, max_length=None)
             ds = Dataset.from_dict({"prompt": prompts, "completion": completions, "label": labels})
-            trainer = KTOTrainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer,
-                                 peft_config=peft_config, callbacks=[timer])
+            trainer = KTOTrainer(
+                model=model,
+                args=args,
+                train_dataset=ds,
+                processing_class=tokenizer,
+                peft_config=peft_config,
+                callbacks=[timer],
+            )
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     timed = timer.times[1:] if len(timer.times) > 1 else timer.times
@@ -149,8 +183,12 @@ def run_trl(ref, tokenizer, kind: str, steps: int, rank: int, batch: int, seqs=N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2,
-                        help="steps run per configuration; with more than one, the first (warm-up) is not timed")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="steps run per configuration; with more than one, the first (warm-up) is not timed",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256, help="trained positions per sequence")
     parser.add_argument("--rank", type=int, default=16)
@@ -158,15 +196,17 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from livelora.adapters.models import load_tokenizer, resolve_base_model
-    from livelora.adapters.settings import CommonSettings
+    from livelora.core.base_models import load_tokenizer, resolve_base_model
+    from livelora.core.settings import CommonSettings
 
     settings = CommonSettings()
     ref = resolve_base_model(settings.model, settings.home)
     tokenizer = load_tokenizer(ref)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device "
-          f"{'cuda' if torch.cuda.is_available() else 'cpu'}, model {ref.name}, "
-          f"batch {args.batch} x {args.seq_len}, LoRA rank {args.rank} on {','.join(TARGETS)}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, device "
+        f"{'cuda' if torch.cuda.is_available() else 'cpu'}, model {ref.name}, "
+        f"batch {args.batch} x {args.seq_len}, LoRA rank {args.rank} on {','.join(TARGETS)}"
+    )
 
     seqs = sft_sequences(tokenizer, args.batch, args.seq_len)
     sft_data = [datum(s, 0) for s in seqs]
@@ -185,8 +225,7 @@ def main() -> None:
     t, loss = run_ours(ref, kto_data, "kto", args.steps, args.rank)
     rows.append(("KTO", "livelora", t, kto_tokens / t, loss, None))
     if not args.skip_trl:
-        t, loss = run_trl(ref, tokenizer, "kto", args.steps, args.rank, args.batch,
-                          kto=(prompts, completions, labels))
+        t, loss = run_trl(ref, tokenizer, "kto", args.steps, args.rank, args.batch, kto=(prompts, completions, labels))
         rows.append(("KTO", "TRL KTOTrainer", t, kto_tokens / t, loss, None))
 
     print(f"\n{'step':<5}{'implementation':<17}{'s/step':>9}{'tokens/s':>11}{'loss (mean)':>13}{'loss (sum)':>12}")

@@ -39,13 +39,14 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from livelora.adapters.api_keys import ROLES
+from livelora.core.api_keys import ROLES
 
 out = Console()
 err = Console(stderr=True)
 
-endpoints_app = typer.Typer(help="Named serving targets: list, create, promote, roll back, audit history.",
-                            no_args_is_help=True)
+endpoints_app = typer.Typer(
+    help="Named serving targets: list, create, promote, roll back, audit history.", no_args_is_help=True
+)
 adapters_app = typer.Typer(help="Stored adapter versions: list, show, export, delete.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys (stored hashed; each has a tenant and roles).", no_args_is_help=True)
 
@@ -62,9 +63,8 @@ class Backend:
     def __init__(self, url: str, api_key: str | None, home: Path | None):
         self.url, self.api_key, self.home = url.rstrip("/"), api_key, home
         if home is not None:
-            from livelora.gateway.services.admin import AdminService
-
-            from livelora.adapters.settings import CommonSettings
+            from livelora.core.settings import CommonSettings
+            from livelora.gateway.services.store_admin import AdminService
 
             # the served base model's own endpoint (implicit unless changed) is shown like the explicit ones
             served = os.environ.get("LIVELORA_SERVED_MODEL_NAME") or CommonSettings().model
@@ -81,8 +81,9 @@ class Backend:
         try:
             r = httpx.request(method, self.url + path, headers=headers, timeout=600, **kw)
         except httpx.HTTPError as exc:
-            raise typer.BadParameter(f"cannot reach {self.url}: {exc} (start `livelora serve`, or pass --home "
-                                     "to work on the store directly)") from None
+            raise typer.BadParameter(
+                f"cannot reach {self.url}: {exc} (start `livelora serve`, or pass --home to work on the store directly)"
+            ) from None
         if r.status_code >= 400:
             try:
                 e = r.json()["error"]
@@ -93,10 +94,10 @@ class Backend:
 
     def notify(self, endpoint: str) -> None:
         """Tell running gateways (local mode) that ``endpoint`` changed; silent if Redis is unreachable."""
-        from livelora.adapters.bus import connect_sync
-        from livelora.adapters.redis_keys import KeyLayout
-        from livelora.adapters.settings import CommonSettings
-        from livelora.gateway.services.admin import endpoint_notice
+        from livelora.core.bus import connect_sync
+        from livelora.core.redis_keys import KeyLayout
+        from livelora.core.settings import CommonSettings
+        from livelora.gateway.services.store_admin import endpoint_notice
 
         settings = CommonSettings()
         try:
@@ -104,8 +105,10 @@ class Backend:
             client.publish(KeyLayout(settings.redis_prefix).notices, endpoint_notice(endpoint))
             client.close()
         except Exception:
-            err.print("[yellow]note[/]: Redis unreachable; running gateways pick the change up at their next "
-                      "resync from the store")
+            err.print(
+                "[yellow]note[/]: Redis unreachable; running gateways pick the change up at their next "
+                "resync from the store"
+            )
 
     # -------------------------------------------------------------- endpoints
     def list_endpoints(self) -> list[dict]:
@@ -126,8 +129,9 @@ class Backend:
             entry = self.local.promote(name, version, who=self.who, reason=reason, follow=follow)
             self.notify(name)
             return entry.model_dump(mode="json", by_alias=True)
-        return self.http("POST", f"/admin/endpoints/{name}/promote",
-                         json={"version": version, "follow": follow, "reason": reason})["history"]
+        return self.http(
+            "POST", f"/admin/endpoints/{name}/promote", json={"version": version, "follow": follow, "reason": reason}
+        )["history"]
 
     def rollback(self, name: str, reason: str) -> dict:
         if self.home:
@@ -167,8 +171,14 @@ class Backend:
     def export(self, name: str, fmt: str, dest: Path) -> Path:
         if dest.exists():
             raise typer.BadParameter(f"{dest} already exists")
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), console=err) as progress:
+        with Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=err,
+        ) as progress:
             task = progress.add_task(f"exporting {name} ({fmt})", total=None)
             if self.home:
                 path = self.local.export(name, fmt, dest)
@@ -180,8 +190,7 @@ class Backend:
 
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             buf = io.BytesIO()
-            with httpx.stream("GET", f"{self.url}/admin/exports/{name}/{fmt}", headers=headers,
-                              timeout=600) as r:
+            with httpx.stream("GET", f"{self.url}/admin/exports/{name}/{fmt}", headers=headers, timeout=600) as r:
                 if r.status_code >= 400:
                     r.read()
                     self._raise(r)
@@ -247,18 +256,23 @@ def endpoints_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt
     for col in ("endpoint", "lineage", "mode", "serving", "rollback to", "tenant"):
         table.add_column(col, overflow="fold")  # names wrap, never cut: they tell the rows apart
     for e in rows:
-        table.add_row(e["name"], e["lineage"], e["mode"], e["serving"], e["rollback_to"] or "-",
-                      e["tenant"] or "(public)")
+        table.add_row(
+            e["name"], e["lineage"], e["mode"], e["serving"], e["rollback_to"] or "-", e["tenant"] or "(public)"
+        )
     out.print(table)
 
 
 @endpoints_app.command("create")
 def endpoints_create(
-    name: str, lineage: Annotated[str, typer.Option(help="Adapter lineage served (and trained).")],
+    name: str,
+    lineage: Annotated[str, typer.Option(help="Adapter lineage served (and trained).")],
     mode: Annotated[str, typer.Option(help="follow (newest version) or pinned.")] = "follow",
     version: Annotated[str | None, typer.Option(help="Pinned version: <n>, <lineage>@<n> or base.")] = None,
-    reason: _Reason = "", tenant: Annotated[str | None, typer.Option(help="Owner (--home only).")] = None,
-    url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+    reason: _Reason = "",
+    tenant: Annotated[str | None, typer.Option(help="Owner (--home only).")] = None,
+    url: _Url = DEFAULT_URL,
+    api_key: _Key = None,
+    home: _HomeOpt = None,
 ) -> None:
     """Create an endpoint bound to a lineage."""
     body: dict[str, Any] = {"name": name, "lineage": lineage, "mode": mode, "version": version, "reason": reason}
@@ -271,8 +285,10 @@ def endpoints_create(
 
 
 def _print_change(entry: dict) -> None:
-    out.print(f"[bold]{entry['endpoint']}[/]: {entry['from']} → [green]{entry['to']}[/] "
-              f"({entry['action']} by {entry['who']}{', ' + repr(entry['reason']) if entry['reason'] else ''})")
+    out.print(
+        f"[bold]{entry['endpoint']}[/]: {entry['from']} → [green]{entry['to']}[/] "
+        f"({entry['action']} by {entry['who']}{', ' + repr(entry['reason']) if entry['reason'] else ''})"
+    )
 
 
 @endpoints_app.command("promote")
@@ -280,7 +296,10 @@ def endpoints_promote(
     name: str,
     version: Annotated[str | None, typer.Argument(help="<n>, <lineage>@<n> or base.")] = None,
     follow: Annotated[bool, typer.Option(help="Follow the lineage's newest version instead.")] = False,
-    reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+    reason: _Reason = "",
+    url: _Url = DEFAULT_URL,
+    api_key: _Key = None,
+    home: _HomeOpt = None,
 ) -> None:
     """Point an endpoint at a stored version (takes effect without restart or failed requests)."""
     if version is None and not follow:
@@ -289,36 +308,49 @@ def endpoints_promote(
 
 
 @endpoints_app.command("rollback")
-def endpoints_rollback(name: str, reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None,
-                       home: _HomeOpt = None) -> None:
+def endpoints_rollback(
+    name: str, reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None
+) -> None:
     """Return an endpoint to the version it served before its last promotion."""
     _print_change(_run(lambda: Backend(url, api_key, home).rollback(name, reason)))
 
 
 @endpoints_app.command("history")
-def endpoints_history(name: Annotated[str | None, typer.Argument(help="One endpoint (default: all).")] = None,
-                      url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+def endpoints_history(
+    name: Annotated[str | None, typer.Argument(help="One endpoint (default: all).")] = None,
+    url: _Url = DEFAULT_URL,
+    api_key: _Key = None,
+    home: _HomeOpt = None,
+) -> None:
     """The audit log: who changed which endpoint, when, from what to what, and why."""
     rows = _run(lambda: Backend(url, api_key, home).history(name))
     table = Table(title="history")
     for col in ("when", "who", "endpoint", "action", "from", "to", "reason"):
         table.add_column(col)
     for h in rows:
-        table.add_row(_when(h["time"]), h["who"], h["endpoint"], h["action"], h["from"] or "-", h["to"],
-                      h["reason"])
+        table.add_row(_when(h["time"]), h["who"], h["endpoint"], h["action"], h["from"] or "-", h["to"], h["reason"])
     out.print(table)
 
 
 @endpoints_app.command("gate")
 def endpoints_gate(
     name: str,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="NAME=VALUE of a threshold (repeatable): "
-                                                                 "enabled, probe_margin, probe_base_margin, "
-                                                                 "max_kl_current, max_kl_base, max_degenerate, "
-                                                                 "min_length_ratio, signal_tolerance, "
-                                                                 "min_signal_examples.")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="NAME=VALUE of a threshold (repeatable): "
+            "enabled, probe_margin, probe_base_margin, "
+            "max_kl_current, max_kl_base, max_degenerate, "
+            "min_length_ratio, signal_tolerance, "
+            "min_signal_examples.",
+        ),
+    ] = None,
     reset: Annotated[bool, typer.Option(help="Back to the default thresholds.")] = False,
-    reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+    reason: _Reason = "",
+    url: _Url = DEFAULT_URL,
+    api_key: _Key = None,
+    home: _HomeOpt = None,
 ) -> None:
     """Show or set an endpoint's evaluation-gate thresholds (README "Update-safety rails")."""
     backend = Backend(url, api_key, home)
@@ -328,8 +360,9 @@ def endpoints_gate(
             key, sep, value = item.partition("=")
             if not sep:
                 raise typer.BadParameter(f"--set takes NAME=VALUE, not {item!r}")
-            current[key.strip()] = value.strip().lower() in ("1", "true", "yes", "on") if key.strip() == "enabled" \
-                else float(value)
+            current[key.strip()] = (
+                value.strip().lower() in ("1", "true", "yes", "on") if key.strip() == "enabled" else float(value)
+            )
         _run(lambda: backend.set_gate(name, current or None, reason))
     e = _run(lambda: backend.list_endpoints_one(name))
     table = Table(title=f"gate thresholds of {name}", show_header=False)
@@ -340,8 +373,12 @@ def endpoints_gate(
 
 # ====================================================================================== adapters
 @adapters_app.command("list")
-def adapters_list(lineage: Annotated[str | None, typer.Option(help="Only this lineage.")] = None,
-                  url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+def adapters_list(
+    lineage: Annotated[str | None, typer.Option(help="Only this lineage.")] = None,
+    url: _Url = DEFAULT_URL,
+    api_key: _Key = None,
+    home: _HomeOpt = None,
+) -> None:
     """Stored versions, with the endpoints serving each."""
     rows = _run(lambda: Backend(url, api_key, home).list_adapters(lineage))
     table = Table(title="adapter versions")
@@ -350,8 +387,14 @@ def adapters_list(lineage: Annotated[str | None, typer.Option(help="Only this li
         table.add_column(col, overflow="fold")  # narrow terminals wrap these instead of cutting them
     for m in rows:
         data = ", ".join(f"{k}={v}" for k, v in (m.get("data_counts") or {}).items()) or "-"
-        table.add_row(m["name"], str(m["parent"] or "-"), str(m["step"]), _when(m["created"]), data,
-                      ", ".join(m["serving"]) or "-")
+        table.add_row(
+            m["name"],
+            str(m["parent"] or "-"),
+            str(m["step"]),
+            _when(m["created"]),
+            data,
+            ", ".join(m["serving"]) or "-",
+        )
     out.print(table)
 
 
@@ -368,19 +411,27 @@ def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home
     table.add_row("serving", ", ".join(m["serving"]) or "-")
     gate = m.get("gate")
     if gate:
-        verdicts = ", ".join(f"{'other endpoints (default thresholds)' if ep == '*' else ep}: "
-                             f"{'passed' if v['passed'] else 'rejected (' + ', '.join(v['failed']) + ')'}"
-                             for ep, v in gate["verdicts"].items())
-        table.add_row("gate", f"against {gate['against']} in {gate['seconds']:.1f} s; {verdicts}"
-                      + (f"; training continues from {gate['continued_from']}" if gate.get("continued_from") else ""))
+        verdicts = ", ".join(
+            f"{'other endpoints (default thresholds)' if ep == '*' else ep}: "
+            f"{'passed' if v['passed'] else 'rejected (' + ', '.join(v['failed']) + ')'}"
+            for ep, v in gate["verdicts"].items()
+        )
+        table.add_row(
+            "gate",
+            f"against {gate['against']} in {gate['seconds']:.1f} s; {verdicts}"
+            + (f"; training continues from {gate['continued_from']}" if gate.get("continued_from") else ""),
+        )
         base = (gate.get("measures") or {}).get("probe_accuracy_base")
         for c in gate["checks"]:
             if c["value"] is None:  # e.g. the signal check before enough held-out ratings: it did not count
                 table.add_row(f"  {c['name']}", "not measured (passes)")
                 continue
             extra = f", base model {_num(base)}" if c["name"] == "probes_base" and base is not None else ""
-            table.add_row(f"  {c['name']}", f"{_num(c['value'])} (current {_num(c['current'])}{extra}, "
-                          f"bound {_num(c['bound'])}) {'ok' if c['passed'] else 'FAILED'}")
+            table.add_row(
+                f"  {c['name']}",
+                f"{_num(c['value'])} (current {_num(c['current'])}{extra}, "
+                f"bound {_num(c['bound'])}) {'ok' if c['passed'] else 'FAILED'}",
+            )
     else:
         table.add_row("gate", "not evaluated")
     out.print(table)
@@ -388,9 +439,12 @@ def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home
 
 @adapters_app.command("export")
 def adapters_export(
-    name: str, out_dir: Annotated[Path, typer.Option("--out", help="Destination directory (must not exist).")],
+    name: str,
+    out_dir: Annotated[Path, typer.Option("--out", help="Destination directory (must not exist).")],
     format: Annotated[str, typer.Option(help="peft (adapter directory) or merged (full HF model).")] = "peft",
-    url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+    url: _Url = DEFAULT_URL,
+    api_key: _Key = None,
+    home: _HomeOpt = None,
 ) -> None:
     """Export a version as a PEFT adapter directory or a merged Hugging Face model."""
     path = _run(lambda: Backend(url, api_key, home).export(name, format, out_dir))
@@ -408,18 +462,27 @@ def adapters_delete(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, ho
 # ====================================================================================== keys
 @keys_app.command("create")
 def keys_create(
-    roles: Annotated[str, typer.Option(help=f"Comma list of {', '.join(ROLES)} (operator: with --home "
-                                            "only).")] = "inference,feedback",
-    tenant: Annotated[str | None, typer.Option(help="Tenant (with --home any, default 'default'; over HTTP the "
-                                                    "admin key's own tenant, the default).")] = None,
+    roles: Annotated[
+        str, typer.Option(help=f"Comma list of {', '.join(ROLES)} (operator: with --home only).")
+    ] = "inference,feedback",
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            help="Tenant (with --home any, default 'default'; over HTTP the admin key's own tenant, the default)."
+        ),
+    ] = None,
     name: Annotated[str, typer.Option(help="Label for lists and audit logs.")] = "",
-    url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+    url: _Url = DEFAULT_URL,
+    api_key: _Key = None,
+    home: _HomeOpt = None,
 ) -> None:
     """Create a key; it is printed once and only its sha256 is stored."""
     role_list = [r.strip() for r in roles.split(",") if r.strip()]
     k = _run(lambda: Backend(url, api_key, home).create_key(role_list, tenant, name))
-    err.print(f"key [bold]{k['id']}[/] for tenant [cyan]{k['tenant']}[/], roles {', '.join(k['roles'])}. "
-              "Store it now: it cannot be shown again.")
+    err.print(
+        f"key [bold]{k['id']}[/] for tenant [cyan]{k['tenant']}[/], roles {', '.join(k['roles'])}. "
+        "Store it now: it cannot be shown again."
+    )
     typer.echo(k["key"])
 
 
@@ -431,8 +494,9 @@ def keys_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = No
     for col in ("id", "name", "tenant", "roles", "created", "revoked"):
         table.add_column(col)
     for k in rows:
-        table.add_row(k["id"], k["name"] or "-", k["tenant"], ",".join(k["roles"]), _when(k["created"]),
-                      _when(k["revoked"]))
+        table.add_row(
+            k["id"], k["name"] or "-", k["tenant"], ",".join(k["roles"]), _when(k["created"]), _when(k["revoked"])
+        )
     out.print(table)
 
 
@@ -448,4 +512,3 @@ def register(app: typer.Typer) -> None:
     app.add_typer(endpoints_app, name="endpoints")
     app.add_typer(adapters_app, name="adapters")
     app.add_typer(keys_app, name="keys")
-

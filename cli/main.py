@@ -21,8 +21,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-app = typer.Typer(name="livelora", help="Self-hosted OpenAI-compatible gateway whose model keeps learning.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    name="livelora",
+    help="Self-hosted OpenAI-compatible gateway whose model keeps learning.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console(stderr=True)
 
 
@@ -41,14 +45,26 @@ _Batch = Annotated[int | None, typer.Option(help="Sequences decoded together (de
 _Served = Annotated[str | None, typer.Option(help="Name clients pass as `model` (default: --model).")]
 _RedisUrl = Annotated[str | None, typer.Option(help="Redis URL of the bus (default redis://127.0.0.1:6379/0).")]
 _LogLevel = Annotated[str, typer.Option(help="uvicorn log level.")]
-_AllowOpen = Annotated[bool, typer.Option("--allow-open", help="Serve without API keys on a non-loopback "
-                                          "--host (unsafe; LIVELORA_ALLOW_OPEN).")]
+_AllowOpen = Annotated[
+    bool,
+    typer.Option("--allow-open", help="Serve without API keys on a non-loopback --host (unsafe; LIVELORA_ALLOW_OPEN)."),
+]
 
 
 @app.command()
-def serve(model: _Model = None, host: _Host = None, port: _Port = None, home: _Home = None, engine: _Engine = None,
-          device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
-          redis_url: _RedisUrl = None, log_level: _LogLevel = "info", allow_open: _AllowOpen = False) -> None:
+def serve(
+    model: _Model = None,
+    host: _Host = None,
+    port: _Port = None,
+    home: _Home = None,
+    engine: _Engine = None,
+    device: _Device = None,
+    max_batch_size: _Batch = None,
+    served_model_name: _Served = None,
+    redis_url: _RedisUrl = None,
+    log_level: _LogLevel = "info",
+    allow_open: _AllowOpen = False,
+) -> None:
     """Run the whole live loop with one command: the OpenAI-compatible gateway, and a trainer that learns
     from /v1/feedback, /v1/preferences and /v1/demonstrations and runs the op executor of training sessions
     (in a supervised child process with lower CPU priority, so serving goes first; LIVELORA_TRAINER_PROCESS=false
@@ -60,9 +76,19 @@ def serve(model: _Model = None, host: _Host = None, port: _Port = None, home: _H
 
 
 @app.command()
-def gateway(model: _Model = None, host: _Host = None, port: _Port = None, home: _Home = None, engine: _Engine = None,
-          device: _Device = None, max_batch_size: _Batch = None, served_model_name: _Served = None,
-          redis_url: _RedisUrl = None, log_level: _LogLevel = "info", allow_open: _AllowOpen = False) -> None:
+def gateway(
+    model: _Model = None,
+    host: _Host = None,
+    port: _Port = None,
+    home: _Home = None,
+    engine: _Engine = None,
+    device: _Device = None,
+    max_batch_size: _Batch = None,
+    served_model_name: _Served = None,
+    redis_url: _RedisUrl = None,
+    log_level: _LogLevel = "info",
+    allow_open: _AllowOpen = False,
+) -> None:
     """Start only the gateway (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, signal routes,
     training-session routes); run ``livelora trainer`` beside it on the same Redis and store (it trains the
     signals and runs the sessions' ops; LIVELORA_EXECUTOR_IN_PROCESS=true runs the ops here instead).
@@ -72,13 +98,18 @@ def gateway(model: _Model = None, host: _Host = None, port: _Port = None, home: 
 
 @app.command()
 def trainer(
-    model: _Model = None, home: _Home = None, redis_url: _RedisUrl = None,
+    model: _Model = None,
+    home: _Home = None,
+    redis_url: _RedisUrl = None,
     device: Annotated[str | None, typer.Option(help="Torch device for training (default cpu).")] = None,
-    consumer: Annotated[str | None, typer.Option(help="Consumer name in the 'trainers' group (default "
-                                                      "host-pid); reuse it after a restart.")] = None,
+    consumer: Annotated[
+        str | None,
+        typer.Option(help="Consumer name in the 'trainers' group (default host-pid); reuse it after a restart."),
+    ] = None,
     kto_min_batch: Annotated[int | None, typer.Option(help="Ratings per KTO step (default 8).")] = None,
-    max_wait_s: Annotated[float | None, typer.Option(help="Seconds before a smaller batch trains "
-                                                          "(default 30).")] = None,
+    max_wait_s: Annotated[
+        float | None, typer.Option(help="Seconds before a smaller batch trains (default 30).")
+    ] = None,
     served_model_name: _Served = None,
 ) -> None:
     """Run a trainer: consume the signals stream (KTO/SFT/DPO steps, new adapter versions) and execute the
@@ -91,14 +122,24 @@ def trainer(
 
     if home is not None:
         os.environ["LIVELORA_HOME"] = str(home)
-    overrides = {"model": model, "home": home, "redis_url": redis_url, "device": device, "consumer": consumer,
-                 "kto_min_batch": kto_min_batch, "max_wait_s": max_wait_s, "served_model_name": served_model_name}
+    overrides = {
+        "model": model,
+        "home": home,
+        "redis_url": redis_url,
+        "device": device,
+        "consumer": consumer,
+        "kto_min_batch": kto_min_batch,
+        "max_wait_s": max_wait_s,
+        "served_model_name": served_model_name,
+    }
     settings = _settings(TrainerSettings, overrides)
-    from livelora.adapters.logs import configure_logging
+    from livelora.core.logs import configure_logging
 
     configure_logging(settings.observability.log_format, logging.INFO)  # LIVELORA_LOG_FORMAT: text or json
-    console.print(f"[bold]livelora[/] trainer for [cyan]{settings.model}[/] on {settings.redis_url} "
-                  f"(key prefix {settings.redis_prefix!r}, store: {settings.home})")
+    console.print(
+        f"[bold]livelora[/] trainer for [cyan]{settings.model}[/] on {settings.redis_url} "
+        f"(key prefix {settings.redis_prefix!r}, store: {settings.home})"
+    )
     try:
         run_trainer(settings)
     except LiveloraError as exc:
@@ -131,8 +172,10 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
 
     log_level = options.pop("log_level")
     # livelora's own messages (versions installed or refused, endpoints switched) on stderr at uvicorn's level
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.DEBUG),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.DEBUG),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if not options.get("allow_open"):
         options.pop("allow_open", None)  # False: leave LIVELORA_ALLOW_OPEN in charge
     if options.get("home") is not None:
@@ -145,7 +188,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     from livelora.gateway.api.deps import services_of
 
     if settings.observability.log_format == "json":  # LIVELORA_LOG_FORMAT=json: uvicorn's lines too
-        from livelora.adapters.logs import configure_logging
+        from livelora.core.logs import configure_logging
 
         configure_logging("json", log_level)
     embedded, stop, worker_thread, trainer = None, threading.Event(), None, None
@@ -156,10 +199,12 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
 
             if not redis_reachable(settings.redis_url):
                 embedded = embedded_redis(settings.home)
-                console.print(f"no Redis at {settings.redis_url}: started an {embedded.describe()} (it stops "
-                              "with livelora; a restart on this store keeps queued signals, futures and "
-                              "completions). For several processes or machines run Redis yourself and set "
-                              "LIVELORA_REDIS_URL.")
+                console.print(
+                    f"no Redis at {settings.redis_url}: started an {embedded.describe()} (it stops "
+                    "with livelora; a restart on this store keeps queued signals, futures and "
+                    "completions). For several processes or machines run Redis yourself and set "
+                    "LIVELORA_REDIS_URL."
+                )
                 settings = settings.model_copy(update={"redis_url": embedded.url})
                 redis_note = f"; embedded, data in {embedded.data_dir}"
             check_install(settings)
@@ -168,27 +213,39 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
                 from livelora.cli.trainer_process import TrainerProcess, available_cores, default_trainer_threads
 
                 idle = placement.trainer_threads_idle
-                trainer = TrainerProcess(settings.trainer_settings(), nice=placement.trainer_nice,
-                                         threads=placement.trainer_threads or default_trainer_threads(),
-                                         idle_threads=available_cores() if idle is None else idle,
-                                         duty=placement.trainer_duty_while_serving,
-                                         log_level=logging.getLogger().getEffectiveLevel())
+                trainer = TrainerProcess(
+                    settings.trainer_settings(),
+                    nice=placement.trainer_nice,
+                    threads=placement.trainer_threads or default_trainer_threads(),
+                    idle_threads=available_cores() if idle is None else idle,
+                    duty=placement.trainer_duty_while_serving,
+                    log_level=logging.getLogger().getEffectiveLevel(),
+                )
                 trainer.start()
             else:
                 worker_thread = start_trainer_thread(settings.trainer_settings(), stop)
         server = settings.server
         base_url = f"http://{server.host}:{server.port}/v1"
-        console.print(f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.inference.engine} "
-                      f"engine on [green]{base_url}[/] (store: {settings.home}"
-                      f"{_trainer_note(trainer, whole_loop)})")
+        console.print(
+            f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.inference.engine} "
+            f"engine on [green]{base_url}[/] (store: {settings.home}"
+            f"{_trainer_note(trainer, whole_loop)})"
+        )
         console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}{redis_note})")
         # checks the install binding; refuses a public bind without keys (unless --allow-open)
         app = gateway_app(settings, executor=True if whole_loop and trainer is None else None)
         if services_of(app).auth_open:
-            console.print("[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
-                          "role). Create keys with `livelora keys create --home <store>`.")
-        DrainingServer(app, server.host, server.port, log_level,  # SIGTERM/SIGINT: graceful drain
-                       json_logs=settings.observability.log_format == "json").run()
+            console.print(
+                "[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
+                "role). Create keys with `livelora keys create --home <store>`."
+            )
+        DrainingServer(
+            app,
+            server.host,
+            server.port,
+            log_level,  # SIGTERM/SIGINT: graceful drain
+            json_logs=settings.observability.log_format == "json",
+        ).run()
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
@@ -221,23 +278,35 @@ def _shared_metrics_dir(home: Path) -> Path:
 
 
 @app.command("hf-cache")
-def hf_cache(model: _Model = None, home: _Home = None,
-             hub_id: Annotated[str | None, typer.Option(help="Id to place it under (default: the built-in model's "
-                                                           "canonical hub id; with --url, the server's "
-                                                           "tokenizer_id).")] = None,
-             cache_dir: Annotated[Path | None, typer.Option(help="Hugging Face hub cache (default HF_HUB_CACHE).")]
-             = None,
-             url: Annotated[str | None, typer.Option(help="Fetch the tokenizer from this livelora server "
-                                                          "(GET /api/v1/tokenizer) instead of the local store.")]
-             = None,
-             api_key: Annotated[str | None, typer.Option(help="Key for --url (default $LIVELORA_API_KEY, else "
-                                                              "$TINKER_API_KEY, else tml-local).")] = None) -> None:
+def hf_cache(
+    model: _Model = None,
+    home: _Home = None,
+    hub_id: Annotated[
+        str | None,
+        typer.Option(
+            help="Id to place it under (default: the built-in model's "
+            "canonical hub id; with --url, the server's "
+            "tokenizer_id)."
+        ),
+    ] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Hugging Face hub cache (default HF_HUB_CACHE).")] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            help="Fetch the tokenizer from this livelora server (GET /api/v1/tokenizer) instead of the local store."
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help="Key for --url (default $LIVELORA_API_KEY, else $TINKER_API_KEY, else tml-local)."),
+    ] = None,
+) -> None:
     """Make the base model's tokenizer resolvable offline under its hub id (for tinker SDK get_tokenizer() and
     tinker-cookbook), by placing it in the local Hugging Face cache: from this machine's store, or with --url
     from a remote server (for a client machine that reaches neither the hub nor the server's disk)."""
-    from livelora.adapters.models import HUB_IDS, install_in_hf_cache, resolve_base_model
-    from livelora.adapters.settings import DEFAULT_MODEL, default_home
     from livelora.clients.errors import LiveloraError
+    from livelora.core.base_models import HUB_IDS, install_in_hf_cache, resolve_base_model
+    from livelora.core.settings import DEFAULT_MODEL, default_home
 
     try:
         if url is not None:
@@ -256,8 +325,9 @@ def hf_cache(model: _Model = None, home: _Home = None,
     print(f"{target} -> {snapshot}")
 
 
-def _hf_cache_from_server(url: str, api_key: str | None, hub_id: str | None,
-                          cache_dir: Path | None) -> tuple[str, Path]:
+def _hf_cache_from_server(
+    url: str, api_key: str | None, hub_id: str | None, cache_dir: Path | None
+) -> tuple[str, Path]:
     """``(hub id, snapshot)``: the server's tokenizer files placed in the HF cache under ``hub_id`` (default: the
     server's ``tokenizer_id``). Raises: LiveloraError subclasses (unreachable server, bad key, bad id)."""
     from livelora.clients._http import Transport, configured_api_key
@@ -278,7 +348,9 @@ def _trainer_note(trainer, whole_loop: bool) -> str:
         return ""
     if trainer is None:
         return ", trainer and op executor in-process"
-    idle = f", {trainer.idle_threads} while nothing is served" if trainer.idle_threads not in (0, trainer.threads) else ""
+    idle = (
+        f", {trainer.idle_threads} while nothing is served" if trainer.idle_threads not in (0, trainer.threads) else ""
+    )
     return f", trainer and op executor in process {trainer.pid} (nice +{trainer.nice}, {trainer.threads} threads{idle})"
 
 

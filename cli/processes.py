@@ -5,7 +5,7 @@
 * ``livelora gateway``: gateway, plus an op executor only when ``LIVELORA_EXECUTOR_IN_PROCESS`` is true;
 * ``livelora trainer``: signal worker + op executor (:func:`run_trainer`).
 
-Every kind first binds its store to its Redis prefix (:func:`~livelora.adapters.install.bind_install`) and
+Every kind first binds its store to its Redis prefix (:func:`~livelora.core.install.bind_install`) and
 refuses to start when they belong to different installs. Tests build their gateways with :func:`gateway_app`
 too, so they run what the CLI runs.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from livelora.adapters.settings import ProcessSettings, SessionSection
+from livelora.core.settings import ProcessSettings, SessionSection
 from livelora.gateway.api.deps import GatewayServices, services_of
 from livelora.gateway.app import Component, create_app
 from livelora.gateway.engines.base import Engine
@@ -39,9 +39,9 @@ def check_install(settings: ProcessSettings) -> str:
         InstallMismatchError: the prefix belongs to another store (the message says what to change).
         UnavailableError: Redis unreachable.
     """
-    from livelora.adapters.bus import connect_sync
-    from livelora.adapters.install import bind_install
-    from livelora.adapters.redis_keys import KeyLayout
+    from livelora.core.bus import connect_sync
+    from livelora.core.install import bind_install
+    from livelora.core.redis_keys import KeyLayout
 
     client = connect_sync(settings.redis_url)
     try:
@@ -50,24 +50,39 @@ def check_install(settings: ProcessSettings) -> str:
         client.close()
 
 
-def build_executor(settings: ProcessSettings, sessions: SessionSection, *, device: str = "cpu",
-                   max_seq_len: int | None = None, served_name: str | None = None) -> Any:
+def build_executor(
+    settings: ProcessSettings,
+    sessions: SessionSection,
+    *,
+    device: str = "cpu",
+    max_seq_len: int | None = None,
+    served_name: str | None = None,
+) -> Any:
     """An :class:`~livelora.trainer.executor.OpExecutor` on the settings' Redis, prefix and store (not started)."""
     import redis
 
-    from livelora.adapters.metering import Meter
-    from livelora.adapters.quotas import AdapterVersions, Limits
-    from livelora.adapters.redis_keys import KeyLayout
+    from livelora.adapters.kept_versions import AdapterVersions
+    from livelora.core.metering import Meter
+    from livelora.core.quotas import Limits
+    from livelora.core.redis_keys import KeyLayout
     from livelora.trainer.executor import OpExecutor
 
     keys = KeyLayout(settings.redis_prefix)
     observability = getattr(settings, "observability", None)
     quotas = getattr(settings, "quotas", None)
     meter = Meter(keys, enabled=observability.metering if observability is not None else True)
-    return OpExecutor(redis.Redis.from_url(settings.redis_url, decode_responses=True),
-                      keys, settings.home, settings.model, sessions, device=device,
-                      max_seq_len=max_seq_len, served_name=served_name, meter=meter,
-                      versions=AdapterVersions(settings.home, Limits.from_settings(quotas)) if quotas else None)
+    return OpExecutor(
+        redis.Redis.from_url(settings.redis_url, decode_responses=True),
+        keys,
+        settings.home,
+        settings.model,
+        sessions,
+        device=device,
+        max_seq_len=max_seq_len,
+        served_name=served_name,
+        meter=meter,
+        versions=AdapterVersions(settings.home, Limits.from_settings(quotas)) if quotas else None,
+    )
 
 
 def op_executor_component(settings: GatewaySettings) -> Component:
@@ -79,9 +94,13 @@ def op_executor_component(settings: GatewaySettings) -> Component:
     async def run(services: GatewayServices) -> AsyncIterator[object]:
         engine = services.engine
         device = getattr(engine, "device", None) or settings.inference.device or "cpu"
-        executor = build_executor(settings, settings.sessions, device=str(device),
-                                  max_seq_len=settings.inference.max_model_len or int(engine.max_model_len),
-                                  served_name=settings.model_id)
+        executor = build_executor(
+            settings,
+            settings.sessions,
+            device=str(device),
+            max_seq_len=settings.inference.max_model_len or int(engine.max_model_len),
+            served_name=settings.model_id,
+        )
         executor.start()
         try:
             yield executor
@@ -141,8 +160,9 @@ class DrainingServer:
 
         self.services = services
         extra = {"log_config": None} if json_logs else {}
-        self.server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                             timeout_graceful_shutdown=5, **extra))
+        self.server = _Server(
+            uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **extra)
+        )
 
     def drained(self) -> bool:
         """Whether the drain may end: nothing admitted is left, or the grace period is over."""
@@ -159,7 +179,7 @@ class DrainingServer:
 def start_trainer_thread(settings: TrainerSettings, stop: threading.Event) -> threading.Thread:
     """Build a trainer worker (:func:`~livelora.trainer.worker.build_worker`) and run it in a daemon thread
     until ``stop`` is set."""
-    from livelora.adapters.models import import_model_libraries
+    from livelora.core.base_models import import_model_libraries
     from livelora.trainer.worker import build_worker
 
     worker = build_worker(settings)
@@ -180,7 +200,7 @@ def run_trainer(settings: TrainerSettings, stop: threading.Event | None = None) 
     """
     import signal
 
-    from livelora.adapters.models import import_model_libraries
+    from livelora.core.base_models import import_model_libraries
     from livelora.trainer.worker import build_worker
 
     check_install(settings)
@@ -192,8 +212,9 @@ def run_trainer(settings: TrainerSettings, stop: threading.Event | None = None) 
     worker = build_worker(settings)
     executor = build_executor(settings, settings.sessions, device=settings.training.device)
     executor.start()
-    log.info("trainer %s: signal worker consuming %s, op executor %s", worker.consumer, worker.keys.signals,
-             executor.owner)
+    log.info(
+        "trainer %s: signal worker consuming %s, op executor %s", worker.consumer, worker.keys.signals, executor.owner
+    )
     try:
         worker.run(stop)
     finally:

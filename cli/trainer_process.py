@@ -54,8 +54,9 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _trainer_main(settings: Any, nice: int, threads: int, parent_pid: int, log_level: int,
-                  idle_threads: int = 0, duty: float = 1.0) -> None:
+def _trainer_main(
+    settings: Any, nice: int, threads: int, parent_pid: int, log_level: int, idle_threads: int = 0, duty: float = 1.0
+) -> None:
     """Entry point of the child process (spawned): priority, threads, logging, then
     :func:`~livelora.cli.processes.run_trainer` until SIGTERM/SIGINT."""
     _die_with_parent(parent_pid)
@@ -65,11 +66,11 @@ def _trainer_main(settings: Any, nice: int, threads: int, parent_pid: int, log_l
 
     torch.set_num_threads(threads)
     if idle_threads or duty < 1.0:  # steps while nothing is served take every core; the duty while serving
-        from livelora.adapters.core_share import configure_training_steps
+        from livelora.core.core_share import configure_training_steps
 
         configure_training_steps(settings.home, busy=threads, idle=idle_threads or threads, duty=duty)
     if getattr(getattr(settings, "observability", None), "log_format", "text") == "json":
-        from livelora.adapters.logs import configure_logging
+        from livelora.core.logs import configure_logging
 
         configure_logging("json", log_level)  # LIVELORA_LOG_FORMAT=json: the trainer's lines too
     else:
@@ -88,9 +89,9 @@ class TrainerProcess:
             restarted child resumes the pending signals of the one before it.
         nice: added to the child's nice value (0-19). threads: the child's torch threads (>= 1).
         idle_threads: torch threads of a step that starts while no request is being served on this machine
-            (:func:`~livelora.adapters.core_share.configure_training_steps`; 0: always ``threads``).
+            (:func:`~livelora.core.core_share.configure_training_steps`; 0: always ``threads``).
         duty: largest share of wall time in training steps while requests are served (1: never pauses;
-            :class:`~livelora.adapters.core_share.StepPacer`).
+            :class:`~livelora.core.core_share.StepPacer`).
         log_level: the child's logging level.
 
     Example::
@@ -105,8 +106,16 @@ class TrainerProcess:
     BACKOFF_S = 1.0
     MAX_BACKOFF_S = 30.0
 
-    def __init__(self, settings: Any, *, nice: int, threads: int, idle_threads: int = 0, duty: float = 1.0,
-                 log_level: int = logging.INFO):
+    def __init__(
+        self,
+        settings: Any,
+        *,
+        nice: int,
+        threads: int,
+        idle_threads: int = 0,
+        duty: float = 1.0,
+        log_level: int = logging.INFO,
+    ):
         if settings.training.consumer is None:
             training = settings.training.model_copy(update={"consumer": f"{socket.gethostname()}-serve-{os.getpid()}"})
             settings = settings.model_copy(update={"training": training})
@@ -126,13 +135,20 @@ class TrainerProcess:
         return proc.pid if proc is not None and proc.is_alive() else None
 
     def _spawn(self) -> None:
-        proc = self._ctx.Process(target=_trainer_main, name="livelora-trainer",
-                                 args=(self.settings, self.nice, self.threads, os.getpid(), self.log_level,
-                                       self.idle_threads, self.duty))
+        proc = self._ctx.Process(
+            target=_trainer_main,
+            name="livelora-trainer",
+            args=(self.settings, self.nice, self.threads, os.getpid(), self.log_level, self.idle_threads, self.duty),
+        )
         proc.start()
         self.process = proc
-        log.info("trainer process %d started (nice +%d, %d torch threads, %s while nothing is served)", proc.pid,
-                 self.nice, self.threads, self.idle_threads or self.threads)
+        log.info(
+            "trainer process %d started (nice +%d, %d torch threads, %s while nothing is served)",
+            proc.pid,
+            self.nice,
+            self.threads,
+            self.idle_threads or self.threads,
+        )
 
     def start(self) -> None:
         """Spawn the child and the thread that restarts it when it dies."""

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from livelora.cli.admin import DEFAULT_URL, Backend, _HomeOpt, _Key, _run, _Url
 from rich.console import Console
 from rich.table import Table
+
+from livelora.cli.admin import DEFAULT_URL, Backend, _HomeOpt, _Key, _run, _Url
 
 out = Console()
 err = Console(stderr=True)
@@ -33,10 +34,10 @@ def read_usage(url: str, api_key: str | None, home: Path | None, params: dict[st
     """
     if home is None:
         return Backend(url, api_key, None).http("GET", "/admin/usage", params=params)
-    from livelora.adapters.bus import connect_sync
-    from livelora.adapters.metering import GROUP_BY, UsageStore, parse_time
-    from livelora.adapters.redis_keys import KeyLayout
-    from livelora.adapters.settings import CommonSettings
+    from livelora.core.bus import connect_sync
+    from livelora.core.metering import GROUP_BY, UsageStore, parse_time
+    from livelora.core.redis_keys import KeyLayout
+    from livelora.core.settings import CommonSettings
 
     settings = CommonSettings()
     store = UsageStore(home, KeyLayout(settings.redis_prefix))
@@ -48,8 +49,16 @@ def read_usage(url: str, api_key: str | None, home: Path | None, params: dict[st
         client = None
     dims = [g.strip() for g in params["group_by"].split(",")] if params.get("group_by") else list(GROUP_BY[:4])
     lo, hi = parse_time(params.get("from"), "from"), parse_time(params.get("to"), "to")
-    rows = store.query_sync(client, tenant=params.get("tenant"), key=params.get("key"),
-                            subject=params.get("subject"), kind=params.get("kind"), start=lo, end=hi, group_by=dims)
+    rows = store.query_sync(
+        client,
+        tenant=params.get("tenant"),
+        key=params.get("key"),
+        subject=params.get("subject"),
+        kind=params.get("kind"),
+        start=lo,
+        end=hi,
+        group_by=dims,
+    )
     if not rows:
         _explain_empty(client, home, settings.redis_prefix, settings.redis_url)
     return {"data": [r.to_dict() for r in rows], "group_by": dims, "from": lo, "to": hi}
@@ -58,9 +67,10 @@ def read_usage(url: str, api_key: str | None, home: Path | None, params: dict[st
 def _explain_empty(client, home: Path, prefix: str, redis_url: str) -> None:
     """A note on stderr for an empty ``--home`` answer: which Redis prefix was read and, when that prefix is bound to
     another store or to none, that it is probably not the one the gateway used (``LIVELORA_REDIS_PREFIX``)."""
-    from livelora.adapters.install import STORE_ID_FILE
-    from livelora.adapters.redis_keys import KeyLayout
     from redis.exceptions import RedisError
+
+    from livelora.core.install import STORE_ID_FILE
+    from livelora.core.redis_keys import KeyLayout
 
     where = f"in the store {home}" + (f" and under Redis prefix {prefix!r} at {redis_url}" if client else "")
     note = f"[yellow]note[/]: no usage found {where}"
@@ -75,8 +85,10 @@ def _explain_empty(client, home: Path, prefix: str, redis_url: str) -> None:
             bound = bound.decode()
         if bound != mine or mine is None:
             owner = "no store" if bound is None else "another store"
-            note += (f"; that prefix belongs to {owner}, not this one: set LIVELORA_REDIS_PREFIX to the prefix the "
-                     "gateway ran with (its start-up line names it)")
+            note += (
+                f"; that prefix belongs to {owner}, not this one: set LIVELORA_REDIS_PREFIX to the prefix the "
+                "gateway ran with (its start-up line names it)"
+            )
         else:
             note += " (LIVELORA_REDIS_PREFIX)"
     err.print(note, soft_wrap=True)
@@ -86,18 +98,36 @@ def usage(
     tenant: Annotated[str | None, typer.Option(help="Only this tenant (over HTTP: your own).")] = None,
     key: Annotated[str | None, typer.Option(help="Only this API key id.")] = None,
     subject: Annotated[str | None, typer.Option(help="Only this endpoint, model or session id.")] = None,
-    kind: Annotated[str | None, typer.Option(help="Only this kind (prompt, completion, forward, trained, "
-                                                  "sample_prompt, sampled, scored, live_trained).")] = None,
+    kind: Annotated[
+        str | None,
+        typer.Option(
+            help="Only this kind (prompt, completion, forward, trained, sample_prompt, sampled, scored, live_trained)."
+        ),
+    ] = None,
     start: Annotated[str | None, typer.Option("--from", help="From (Unix s or ISO 8601, UTC).")] = None,
     end: Annotated[str | None, typer.Option("--to", help="To, exclusive (Unix s or ISO 8601, UTC).")] = None,
-    group_by: Annotated[str, typer.Option(help="Comma-separated: tenant, key, subject, kind, hour, day.")]
-    = "tenant,key,subject,kind",
+    group_by: Annotated[
+        str, typer.Option(help="Comma-separated: tenant, key, subject, kind, hour, day.")
+    ] = "tenant,key,subject,kind",
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON answer instead of a table.")] = False,
-    url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None,
+    url: _Url = DEFAULT_URL,
+    api_key: _Key = None,
+    home: _HomeOpt = None,
 ) -> None:
     """Tokens used per tenant, API key, endpoint or session and kind."""
-    params = {k: v for k, v in {"tenant": tenant, "key": key, "subject": subject, "kind": kind, "from": start,
-                                "to": end, "group_by": group_by}.items() if v is not None}
+    params = {
+        k: v
+        for k, v in {
+            "tenant": tenant,
+            "key": key,
+            "subject": subject,
+            "kind": kind,
+            "from": start,
+            "to": end,
+            "group_by": group_by,
+        }.items()
+        if v is not None
+    }
     answer = _run(lambda: read_usage(url, api_key, home, params))
     if as_json:
         typer.echo(json.dumps(answer, indent=2))

@@ -42,16 +42,25 @@ class Transport:
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 60.0):
         self.base_url = base_url.rstrip("/")
         self.key_configured = api_key is not None
-        self._client = httpx.Client(base_url=self.base_url + "/api/v1", timeout=timeout_s,
-                                    headers={"X-API-Key": api_key if api_key is not None else OPEN_SERVER_KEY,
-                                             "Accept": "application/json"})
+        self._client = httpx.Client(
+            base_url=self.base_url + "/api/v1",
+            timeout=timeout_s,
+            headers={"X-API-Key": api_key if api_key is not None else OPEN_SERVER_KEY, "Accept": "application/json"},
+        )
 
     def close(self) -> None:
         self._client.close()
 
     # ------------------------------------------------------------------------------------------ plumbing
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout: float | None = None,
-              ok: tuple[int, ...] = ()) -> httpx.Response:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        ok: tuple[int, ...] = (),
+    ) -> httpx.Response:
         try:
             kwargs: dict[str, Any] = {"json": body} if body is not None else {}
             if timeout is not None:
@@ -67,9 +76,11 @@ class Transport:
         """:func:`_status_error`, with a 401 to an unconfigured key explained (the server only saw the placeholder)."""
         exc = _status_error(response)
         if response.status_code == 401 and not self.key_configured:
-            exc.message = (f"no API key configured: the SDK sent the open-server placeholder {OPEN_SERVER_KEY!r}, and "
-                           f"{self.base_url} requires a key ({exc.message}); pass api_key= or set "
-                           f"{' or '.join(API_KEY_ENV)}")
+            exc.message = (
+                f"no API key configured: the SDK sent the open-server placeholder {OPEN_SERVER_KEY!r}, and "
+                f"{self.base_url} requires a key ({exc.message}); pass api_key= or set "
+                f"{' or '.join(API_KEY_ENV)}"
+            )
             exc.args = (exc.message,)
         return exc
 
@@ -131,8 +142,13 @@ class Transport:
         Raises:
             GoneError-like NotFoundError (410): unknown or expired request id; other statuses as usual.
         """
-        response = self._call("POST", "/retrieve_future", {"request_id": request_id, "allow_metadata_only": False},
-                              timeout=POLL_TIMEOUT_S, ok=(408,))
+        response = self._call(
+            "POST",
+            "/retrieve_future",
+            {"request_id": request_id, "allow_metadata_only": False},
+            timeout=POLL_TIMEOUT_S,
+            ok=(408,),
+        )
         return None if response.status_code == 408 else response.json()
 
     def get_server_capabilities(self) -> dict[str, Any]:
@@ -171,7 +187,8 @@ def _status_error(response: httpx.Response):
             message, param, code = str(err.get("message", message)), err.get("param"), err.get("code")
     except ValueError:
         pass
-    exc = error_for_status(response.status_code if response.status_code != 410 else 404, message, param=param,
-                           code=code)
+    exc = error_for_status(
+        response.status_code if response.status_code != 410 else 404, message, param=param, code=code
+    )
     exc.status = response.status_code
     return exc

@@ -22,8 +22,10 @@ from typing import Any
 
 #: An absolute file path under a usual file-system root (not a URL path such as ``/v1/models``: those roots are
 #: not in the list), or one under the home directory (``~/``).
-_FILE_PATH = re.compile(r"(?<![\w.:/])(?:/(?:tmp|root|home|work|usr|var|opt|etc|data|mnt|srv|proc|dev|run|"
-                        r"private|Users|app|cache|nix|media|scratch)(?=/|\b)|~/)[^\s'\"`,;:)\]}]*")
+_FILE_PATH = re.compile(
+    r"(?<![\w.:/])(?:/(?:tmp|root|home|work|usr|var|opt|etc|data|mnt|srv|proc|dev|run|"
+    r"private|Users|app|cache|nix|media|scratch)(?=/|\b)|~/)[^\s'\"`,;:)\]}]*"
+)
 
 
 def redact_paths(text: str) -> str:
@@ -205,16 +207,21 @@ def error_to_dict(err: LiveloraError) -> dict[str, Any]:
 
 def error_from_dict(data: dict[str, Any]) -> LiveloraError:
     """Inverse of :func:`error_to_dict`; unknown class names become :class:`LiveloraError`."""
-    return _rebuild(str(data.get("class", "LiveloraError")), str(data.get("message", "")),
-                    data.get("param"), data.get("code"))
+    return _rebuild(
+        str(data.get("class", "LiveloraError")), str(data.get("message", "")), data.get("param"), data.get("code")
+    )
 
 
-def error_for_status(status: int, message: str, *, param: str | None = None,
-                     code: str | None = None) -> LiveloraError:
+def error_for_status(status: int, message: str, *, param: str | None = None, code: str | None = None) -> LiveloraError:
     """The SDK's mapping from an HTTP status back to an exception class."""
     cls: type[LiveloraError] = {
-        400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError,
-        404: NotFoundError, 409: ConflictError, 413: PayloadTooLargeError, 429: RateLimitError,
+        400: BadRequestError,
+        401: AuthenticationError,
+        403: PermissionDeniedError,
+        404: NotFoundError,
+        409: ConflictError,
+        413: PayloadTooLargeError,
+        429: RateLimitError,
         503: UnavailableError,
     }.get(status, InternalError if status >= 500 else BadRequestError)
     if code == "model_not_found":

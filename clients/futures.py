@@ -28,8 +28,14 @@ _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix
 def failed_error(record: dict[str, Any]) -> LiveloraError:
     """The exception of a failed op's ``{"error", "category", "class"?, "code"?, "param"?}``."""
     if record.get("class"):
-        return error_from_dict({"class": record["class"], "message": record["error"], "param": record.get("param"),
-                                "code": record.get("code")})
+        return error_from_dict(
+            {
+                "class": record["class"],
+                "message": record["error"],
+                "param": record.get("param"),
+                "code": record.get("code"),
+            }
+        )
     err = InternalError(str(record.get("error")))
     err.category = str(record.get("category", "unknown"))
     return err
@@ -47,8 +53,9 @@ class APIFuture(Generic[T]):
         self._cf = cf
 
     @classmethod
-    def polling(cls, transport: Any, request_id: str, parse: Callable[[dict[str, Any]], T],
-                max_wait_s: float | None = None) -> APIFuture[T]:
+    def polling(
+        cls, transport: Any, request_id: str, parse: Callable[[dict[str, Any]], T], max_wait_s: float | None = None
+    ) -> APIFuture[T]:
         """A future that polls ``request_id`` and parses its result with ``parse``."""
         return cls(_POOL.submit(_poll, transport, request_id, parse, max_wait_s))
 

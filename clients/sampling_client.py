@@ -28,8 +28,15 @@ class SamplingClient:
             for ``/v1/chat/completions`` while the session lives.
     """
 
-    def __init__(self, service: ServiceClient, sampling_session_id: str, *, base_model: str | None,
-                 adapter: str | None, tokenizer_id: str | None = None):
+    def __init__(
+        self,
+        service: ServiceClient,
+        sampling_session_id: str,
+        *,
+        base_model: str | None,
+        adapter: str | None,
+        tokenizer_id: str | None = None,
+    ):
         self.service = service
         self.sampling_session_id = sampling_session_id
         self.base_model = base_model
@@ -38,8 +45,14 @@ class SamplingClient:
         self._seq = SeqCounter(0)
         self._lock = threading.Lock()
 
-    def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture[SampleResponse]:
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> APIFuture[SampleResponse]:
         """Draw ``num_samples`` completions of ``prompt``.
 
         Each ``SampledSequence`` has ``tokens`` (the stop token included when one ended it), ``logprobs`` (one
@@ -51,19 +64,25 @@ class SamplingClient:
         RateLimitError when the server is full.
         """
         params = sampling_params or SamplingParams()
-        body = {"num_samples": num_samples, "prompt": prompt.model_dump(mode="json"),
-                "sampling_params": params.model_dump(mode="json", exclude_none=True),
-                "sampling_session_id": self.sampling_session_id, "seq_id": self._seq.take(),
-                "prompt_logprobs": include_prompt_logprobs, "topk_prompt_logprobs": topk_prompt_logprobs,
-                "type": "sample"}
+        body = {
+            "num_samples": num_samples,
+            "prompt": prompt.model_dump(mode="json"),
+            "sampling_params": params.model_dump(mode="json", exclude_none=True),
+            "sampling_session_id": self.sampling_session_id,
+            "seq_id": self._seq.take(),
+            "prompt_logprobs": include_prompt_logprobs,
+            "topk_prompt_logprobs": topk_prompt_logprobs,
+            "type": "sample",
+        }
         answer = self.service.transport.asample(body)
         ids = answer.get("sample_sequence_ids")
 
         def parse(record: dict) -> SampleResponse:
             res = SampleResponse.model_validate(record)
             if ids and len(ids) == len(res.sequences):
-                res = res.model_copy(update={"sequences": [s.model_copy(update={"sequence_id": i})
-                                                           for s, i in zip(res.sequences, ids)]})
+                res = res.model_copy(
+                    update={"sequences": [s.model_copy(update={"sequence_id": i}) for s, i in zip(res.sequences, ids)]}
+                )
             return res
 
         return APIFuture.polling(self.service.transport, answer["request_id"], parse)

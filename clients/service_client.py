@@ -22,12 +22,16 @@ from typing import Any
 
 from livelora.clients._http import Transport, configured_api_key
 from livelora.clients.errors import BadRequestError
-from livelora.clients.futures import SeqCounter
+from livelora.clients.futures import APIFuture, SeqCounter
 from livelora.clients.sampling_client import SamplingClient
 from livelora.clients.training_client import TrainingClient
-from livelora.clients.types.tinker import (CreateModelResponse, GetInfoResponse, GetServerCapabilitiesResponse,
-                                           LoadWeightsResponse, LoraConfig)
-from livelora.clients.futures import APIFuture
+from livelora.clients.types.tinker import (
+    CreateModelResponse,
+    GetInfoResponse,
+    GetServerCapabilitiesResponse,
+    LoadWeightsResponse,
+    LoraConfig,
+)
 
 SDK_VERSION = "livelora-0.1.0"
 #: Seconds between heartbeats (as the tinker SDK).
@@ -60,8 +64,14 @@ class ServiceClient:
         heartbeat_s: seconds between heartbeats (keep it well under the server's session TTL).
     """
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 user_metadata: dict[str, str] | None = None, heartbeat_s: float = HEARTBEAT_S):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        user_metadata: dict[str, str] | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
+    ):
         base_url = base_url or os.environ.get("LIVELORA_BASE_URL") or "http://127.0.0.1:8000"
         self.transport = Transport(base_url, configured_api_key(api_key))
         self.user_metadata = user_metadata
@@ -77,8 +87,14 @@ class ServiceClient:
     def _session(self) -> str:
         with self._lock:
             if self.session_id is None:
-                answer = self.transport.create_session({"tags": [], "user_metadata": self.user_metadata,
-                                                        "sdk_version": SDK_VERSION, "type": "create_session"})
+                answer = self.transport.create_session(
+                    {
+                        "tags": [],
+                        "user_metadata": self.user_metadata,
+                        "sdk_version": SDK_VERSION,
+                        "type": "create_session",
+                    }
+                )
                 self.session_id = answer["session_id"]
                 self._heartbeat = threading.Thread(target=self._beat, name="livelora-heartbeat", daemon=True)
                 self._heartbeat.start()
@@ -108,10 +124,18 @@ class ServiceClient:
         self.close("success" if exc_type is None else ("interrupted" if exc_type is KeyboardInterrupt else "errored"))
 
     # ------------------------------------------------------------------------------------------ factories
-    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
-                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
-                                    *, alpha: float | None = None,
-                                    user_metadata: dict[str, Any] | None = None) -> TrainingClient:
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        *,
+        alpha: float | None = None,
+        user_metadata: dict[str, Any] | None = None,
+    ) -> TrainingClient:
         """A new LoRA model on ``base_model`` (blocks until the server has built it).
 
         ``alpha`` (livelora extension; None = 32): the LoRA scale is ``alpha / rank``.
@@ -119,11 +143,17 @@ class ServiceClient:
         Raises:
             BadRequestError: invalid LoRA shape (e.g. no train_* flag set). NotFoundError: unknown base model.
         """
-        lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
-                          train_unembed=train_unembed, alpha=alpha)
+        lora = LoraConfig(
+            rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed, alpha=alpha
+        )
         sid = self._session()
-        body = {"session_id": sid, "model_seq_id": self._model_seq.take(), "base_model": base_model,
-                "lora_config": lora.model_dump(exclude_none=True), "type": "create_model"}
+        body = {
+            "session_id": sid,
+            "model_seq_id": self._model_seq.take(),
+            "base_model": base_model,
+            "lora_config": lora.model_dump(exclude_none=True),
+            "type": "create_model",
+        }
         if user_metadata is not None:
             body["user_metadata"] = user_metadata
         answer = self.transport.create_model(body)
@@ -136,16 +166,22 @@ class ServiceClient:
 
     def _from_state(self, path: str, optimizer: bool, user_metadata: dict[str, Any] | None) -> TrainingClient:
         sid = self._session()
-        body = {"session_id": sid, "model_seq_id": self._model_seq.take(), "path": path, "optimizer": optimizer,
-                "type": "load_weights"}
+        body = {
+            "session_id": sid,
+            "model_seq_id": self._model_seq.take(),
+            "path": path,
+            "optimizer": optimizer,
+            "type": "load_weights",
+        }
         if user_metadata is not None:
             body["user_metadata"] = user_metadata
         answer = self.transport.load_weights(body)
         loaded = APIFuture.polling(self.transport, answer["request_id"], LoadWeightsResponse.model_validate).result()
         return self._client(loaded.model_id)
 
-    def create_training_client_from_state(self, path: str, *,
-                                          user_metadata: dict[str, Any] | None = None) -> TrainingClient:
+    def create_training_client_from_state(
+        self, path: str, *, user_metadata: dict[str, Any] | None = None
+    ) -> TrainingClient:
         """A new model shaped like checkpoint ``path`` (``tinker://<model_id>/weights/<name>``) with its
         weights; the optimizer starts fresh.
 
@@ -154,9 +190,9 @@ class ServiceClient:
         """
         return self._from_state(path, False, user_metadata)
 
-    def create_training_client_from_state_with_optimizer(self, path: str, *,
-                                                         user_metadata: dict[str, Any] | None = None
-                                                         ) -> TrainingClient:
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, *, user_metadata: dict[str, Any] | None = None
+    ) -> TrainingClient:
         """As :meth:`create_training_client_from_state`, also restoring Adam moments, step count and RNG state,
         so training continues exactly as if it had not stopped."""
         return self._from_state(path, True, user_metadata)
@@ -170,8 +206,11 @@ class ServiceClient:
         if model_path is None and base_model is None:
             raise BadRequestError("give model_path or base_model", param="model_path")
         sid = self._session()
-        body = {"session_id": sid, "sampling_session_seq_id": self._sampling_seq.take(),
-                "type": "create_sampling_session"}
+        body = {
+            "session_id": sid,
+            "sampling_session_seq_id": self._sampling_seq.take(),
+            "type": "create_sampling_session",
+        }
         if model_path is not None:
             body["model_path"] = model_path
         if base_model is not None:

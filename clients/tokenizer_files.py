@@ -45,9 +45,18 @@ if TYPE_CHECKING:
 
 #: The files a tokenizer may consist of (base names; those present are served and placed).
 TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
-    "config.json")
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "config.json",
+)
 
 #: Keys of ``config.json``/``tokenizer_config.json`` that some savers fill with the directory they saved from;
 #: dropped when they hold an absolute path (loading never reads them).
@@ -66,8 +75,12 @@ def scrub_paths(name: str, data: bytes) -> bytes:
         return data
     if not isinstance(obj, dict):
         return data
-    drop = [k for k in _PATH_KEYS if isinstance(obj.get(k), str)
-            and (os.path.isabs(obj[k]) or obj[k].startswith("~") or re.match(r"^[A-Za-z]:\\", obj[k]))]
+    drop = [
+        k
+        for k in _PATH_KEYS
+        if isinstance(obj.get(k), str)
+        and (os.path.isabs(obj[k]) or obj[k].startswith("~") or re.match(r"^[A-Za-z]:\\", obj[k]))
+    ]
     if not drop:
         return data
     return (json.dumps({k: v for k, v in obj.items() if k not in drop}, indent=2, ensure_ascii=False) + "\n").encode()
@@ -93,8 +106,7 @@ def check_files(files: Mapping[str, bytes]) -> None:
     if bad:
         raise BadRequestError(f"not tokenizer files: {', '.join(bad)}", param="files")
     if "tokenizer.json" not in files and "tokenizer_config.json" not in files:
-        raise BadRequestError("no tokenizer files (neither tokenizer.json nor tokenizer_config.json)",
-                              param="files")
+        raise BadRequestError("no tokenizer files (neither tokenizer.json nor tokenizer_config.json)", param="files")
 
 
 def files_revision(files: Mapping[str, bytes]) -> str:
@@ -123,8 +135,9 @@ def from_response(res: TokenizerFilesResponse) -> dict[str, bytes]:
         InternalError: a file name outside :data:`TOKENIZER_FILES`, no tokenizer file, or bytes that do not match
             ``revision`` (a broken or tampered answer).
     """
-    files = {f.name: f.content.encode("utf-8") if f.encoding == "utf-8" else base64.b64decode(f.content)
-             for f in res.files}
+    files = {
+        f.name: f.content.encode("utf-8") if f.encoding == "utf-8" else base64.b64decode(f.content) for f in res.files
+    }
     try:
         check_files(files)
     except BadRequestError as exc:
@@ -284,7 +297,9 @@ def load_tokenizer(tokenizer_id: str, transport: Transport | None = None) -> Any
         if folder is None:
             raise
     except NotFoundError as exc:  # a server without the route
-        raise NotFoundError(f"tokenizer {tokenizer_id!r} does not resolve here ({hub_error}) and the server "
-                            f"serves no tokenizer files (GET /api/v1/tokenizer: {exc})",
-                            param="tokenizer_id") from None
+        raise NotFoundError(
+            f"tokenizer {tokenizer_id!r} does not resolve here ({hub_error}) and the server "
+            f"serves no tokenizer files (GET /api/v1/tokenizer: {exc})",
+            param="tokenizer_id",
+        ) from None
     return AutoTokenizer.from_pretrained(str(folder))

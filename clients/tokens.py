@@ -8,7 +8,7 @@ demonstrations, inline preferences, the trainer's datums, these helpers):
 
 * **text is plain text**: :func:`encode_text` encodes control-token look-alikes as the ordinary characters they
   are (``split_special_tokens=True``), as OpenAI does for message content;
-* control tokens come only from a chat template (``livelora.adapters.chat_tokens``) or from token ids given
+* control tokens come only from a chat template (``livelora.core.chat_tokens``) or from token ids given
   as ids;
 * a stop *string* that is exactly one control token's text ends generation at that token
   (:func:`split_stop_strings`); one that mixes a control token with other text is refused, since generated text
@@ -115,7 +115,9 @@ def split_stop_strings(tokenizer, stops: Iterable[str], param: str = "stop") -> 
             raise BadRequestError(
                 f"stop sequence {s!r} mixes the control token {found!r} with other text; a stop sequence is "
                 f"either exactly one control token (generation ends at that token) or plain text (matched in "
-                f"the generated text, which never contains control tokens)", param=param)
+                f"the generated text, which never contains control tokens)",
+                param=param,
+            )
         if s not in texts:
             texts.append(s)
     return tuple(texts), tuple(ids)

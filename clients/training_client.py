@@ -22,9 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 from livelora.clients.errors import BadRequestError, ConflictError
 from livelora.clients.futures import APIFuture, SeqCounter
-from livelora.clients.types.tinker import (AdamParams, Datum, ForwardBackwardOutput, GetInfoResponse,
-                                           LoadWeightsResponse, OptimStepResponse, SaveWeightsForSamplerResponse,
-                                           SaveWeightsResponse, TensorData)
+from livelora.clients.types.tinker import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    TensorData,
+)
 
 if TYPE_CHECKING:
     from livelora.clients.sampling_client import SamplingClient
@@ -45,8 +53,9 @@ class TrainingClient:
         self._poisoned: str | None = None
 
     # ------------------------------------------------------------------------------------------ plumbing
-    def _submit(self, send: Callable[[dict[str, Any]], dict[str, Any]], body: dict[str, Any], parse,
-                seq_id: int | None = None) -> APIFuture:
+    def _submit(
+        self, send: Callable[[dict[str, Any]], dict[str, Any]], body: dict[str, Any], parse, seq_id: int | None = None
+    ) -> APIFuture:
         if self._poisoned:
             raise ConflictError(f"this TrainingClient can no longer send ops: {self._poisoned}")
         with self._submit_lock:
@@ -59,24 +68,37 @@ class TrainingClient:
         return self.service.transport
 
     # ------------------------------------------------------------------------------------------ training
-    def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
-                loss_fn_config: Mapping[str, float | str] | None = None) -> APIFuture[ForwardBackwardOutput]:
+    def forward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, float | str] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Per-datum ``loss_fn_outputs[i]["logprobs"]`` (float32 [N_i], nats) and the loss's metrics; no gradient.
 
         Errors (bad shapes, unknown loss, ...) surface from ``result()`` as BadRequestError.
         """
-        return self._submit(self._t.forward, {"forward_input": _fb_input(data, loss_fn, loss_fn_config)},
-                            ForwardBackwardOutput.model_validate)
+        return self._submit(
+            self._t.forward,
+            {"forward_input": _fb_input(data, loss_fn, loss_fn_config)},
+            ForwardBackwardOutput.model_validate,
+        )
 
-    def forward_backward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
-                         loss_fn_config: Mapping[str, float | str] | None = None) -> APIFuture[ForwardBackwardOutput]:
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, float | str] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Like :meth:`forward`, then accumulate the loss's gradients (until :meth:`optim_step`).
 
         ``metrics["loss:sum"]`` is the loss (nats summed over tokens for the token losses).
         """
-        return self._submit(self._t.forward_backward,
-                            {"forward_backward_input": _fb_input(data, loss_fn, loss_fn_config)},
-                            ForwardBackwardOutput.model_validate)
+        return self._submit(
+            self._t.forward_backward,
+            {"forward_backward_input": _fb_input(data, loss_fn, loss_fn_config)},
+            ForwardBackwardOutput.model_validate,
+        )
 
     def forward_backward_custom(self, data: Sequence[Datum], loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
         """Gradients of any differentiable ``loss_fn(data, logprobs_D) -> (loss, metrics)`` (client-side, 2 passes).
@@ -97,9 +119,18 @@ class TrainingClient:
         for i, d in enumerate(data):
             if "target_tokens" not in d.loss_fn_inputs:
                 raise BadRequestError(f"data[{i}].loss_fn_inputs.target_tokens is required", param="data")
-        pass1 = [_with_inputs(d, {"target_tokens": d.loss_fn_inputs["target_tokens"],
-                                  "weights": TensorData(data=[0.0] * d.model_input.length, dtype="float32",
-                                                        shape=[d.model_input.length])}) for d in data]
+        pass1 = [
+            _with_inputs(
+                d,
+                {
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "weights": TensorData(
+                        data=[0.0] * d.model_input.length, dtype="float32", shape=[d.model_input.length]
+                    ),
+                },
+            )
+            for d in data
+        ]
         with self._submit_lock:
             first = self._seq.take(2)
             fwd = self.forward_backward_at(self._t.forward, "forward_input", pass1, first)
@@ -116,27 +147,42 @@ class TrainingClient:
             except BaseException as exc:
                 self._poisoned = f"forward_backward_custom failed before its second pass: {exc}"
                 raise
-            pass2 = [_with_inputs(d, {"target_tokens": d.loss_fn_inputs["target_tokens"],
-                                      "weights": TensorData.from_torch(
-                                          (-g if g is not None else torch.zeros_like(lp)).detach().float())})
-                     for d, g, lp in zip(data, grads, leaves)]
+            pass2 = [
+                _with_inputs(
+                    d,
+                    {
+                        "target_tokens": d.loss_fn_inputs["target_tokens"],
+                        "weights": TensorData.from_torch(
+                            (-g if g is not None else torch.zeros_like(lp)).detach().float()
+                        ),
+                    },
+                )
+                for d, g, lp in zip(data, grads, leaves)
+            ]
             res = self.forward_backward_at(self._t.forward_backward, "forward_backward_input", pass2, second).result()
-            metrics = {**dict(metrics), "loss:sum": float(loss.detach()),
-                       "surrogate_loss:sum": res.metrics.get("loss:sum", 0.0)}
+            metrics = {
+                **dict(metrics),
+                "loss:sum": float(loss.detach()),
+                "surrogate_loss:sum": res.metrics.get("loss:sum", 0.0),
+            }
             return res.model_copy(update={"metrics": metrics})
 
         return APIFuture.from_callable(run)
 
     def forward_backward_at(self, send, key: str, data: list[Datum], seq_id: int) -> APIFuture[ForwardBackwardOutput]:
         """Send a cross-entropy ``forward`` / ``forward_backward`` under an already reserved ``seq_id``."""
-        return self._submit(send, {key: _fb_input(data, "cross_entropy", None)}, ForwardBackwardOutput.model_validate,
-                            seq_id=seq_id)
+        return self._submit(
+            send, {key: _fb_input(data, "cross_entropy", None)}, ForwardBackwardOutput.model_validate, seq_id=seq_id
+        )
 
     def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
         """One AdamW step with the accumulated gradients (then zeroed). ``metrics``: grad_norm, update_norm, ..."""
         params = adam_params or AdamParams()
-        return self._submit(self._t.optim_step, {"adam_params": params.model_dump(), "type": "optim_step"},
-                            OptimStepResponse.model_validate)
+        return self._submit(
+            self._t.optim_step,
+            {"adam_params": params.model_dump(), "type": "optim_step"},
+            OptimStepResponse.model_validate,
+        )
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_state(self, name: str, overwrite: bool = False) -> APIFuture[SaveWeightsResponse]:
@@ -145,16 +191,22 @@ class TrainingClient:
 
         Errors: ConflictError if ``name`` exists and not ``overwrite``; BadRequestError for an invalid name.
         """
-        return self._submit(self._t.save_weights, {"path": name, "overwrite": overwrite, "type": "save_weights"},
-                            SaveWeightsResponse.model_validate)
+        return self._submit(
+            self._t.save_weights,
+            {"path": name, "overwrite": overwrite, "type": "save_weights"},
+            SaveWeightsResponse.model_validate,
+        )
 
     def load_state(self, path: str, *, with_optimizer: bool = False) -> APIFuture[LoadWeightsResponse]:
         """Load a training checkpoint into this model (weights; and Adam state, step, RNG when ``with_optimizer``).
 
         Without the optimizer, the optimizer restarts fresh and accumulated gradients are dropped.
         """
-        return self._submit(self._t.load_weights, {"path": path, "optimizer": with_optimizer, "type": "load_weights"},
-                            LoadWeightsResponse.model_validate)
+        return self._submit(
+            self._t.load_weights,
+            {"path": path, "optimizer": with_optimizer, "type": "load_weights"},
+            LoadWeightsResponse.model_validate,
+        )
 
     def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsForSamplerResponse]:
         """Save the adapter (no optimizer) as ``tinker://<model_id>/sampler_weights/<name>`` (overwrites).
@@ -162,8 +214,11 @@ class TrainingClient:
         The result's ``adapter`` is also a ``model`` name for ``/v1/chat/completions`` once a sampling client
         for the path exists.
         """
-        return self._submit(self._t.save_weights_for_sampler, {"path": name, "type": "save_weights_for_sampler"},
-                            SaveWeightsForSamplerResponse.model_validate)
+        return self._submit(
+            self._t.save_weights_for_sampler,
+            {"path": name, "type": "save_weights_for_sampler"},
+            SaveWeightsForSamplerResponse.model_validate,
+        )
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Snapshot the current weights (ephemeral: deleted with the session) and return a sampling client
@@ -171,12 +226,19 @@ class TrainingClient:
         from livelora.clients.sampling_client import SamplingClient
 
         sampling_seq = self.service._sampling_seq.take()
-        fut = self._submit(self._t.save_weights_for_sampler,
-                           {"sampling_session_seq_id": sampling_seq, "type": "save_weights_for_sampler"},
-                           SaveWeightsForSamplerResponse.model_validate)
+        fut = self._submit(
+            self._t.save_weights_for_sampler,
+            {"sampling_session_seq_id": sampling_seq, "type": "save_weights_for_sampler"},
+            SaveWeightsForSamplerResponse.model_validate,
+        )
         res = fut.result()
-        return SamplingClient(self.service, res.sampling_session_id, base_model=self._info.model_name,
-                              adapter=res.adapter, tokenizer_id=self._info.model_data.tokenizer_id)
+        return SamplingClient(
+            self.service,
+            res.sampling_session_id,
+            base_model=self._info.model_name,
+            adapter=res.adapter,
+            tokenizer_id=self._info.model_data.tokenizer_id,
+        )
 
     # ------------------------------------------------------------------------------------------ info
     def get_info(self) -> GetInfoResponse:

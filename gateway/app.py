@@ -34,7 +34,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 
 from fastapi import FastAPI
 
-from livelora.adapters.api_keys import KeyStore
+from livelora.core.api_keys import KeyStore
 from livelora.gateway.api import admin, chat, completions, health, models, observability, signals, tinker
 from livelora.gateway.api.deps import GatewayServices, attach
 from livelora.gateway.api.errors import install_error_handlers
@@ -44,10 +44,10 @@ from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.drain import Drain, DrainMiddleware
 from livelora.gateway.services.live import start_live_loop
-from livelora.gateway.services.metering import MeteringService
 from livelora.gateway.services.observe import MetricsMiddleware
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions import start_sessions
+from livelora.gateway.services.usage import MeteringService
 from livelora.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,16 @@ def build_engine(settings: GatewaySettings) -> Engine:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    kwargs = {"model": settings.model, "home": settings.home, "device": device, "dtype": inference.dtype,
-              "max_batch_size": inference.max_batch_size,
-              # the gateway's Admission bounds sequences (429); the engine's own queue must hold them all
-              "max_waiting": inference.max_sequences,
-              "max_model_len": inference.max_model_len}
+    kwargs = {
+        "model": settings.model,
+        "home": settings.home,
+        "device": device,
+        "dtype": inference.dtype,
+        "max_batch_size": inference.max_batch_size,
+        # the gateway's Admission bounds sequences (429); the engine's own queue must hold them all
+        "max_waiting": inference.max_sequences,
+        "max_model_len": inference.max_model_len,
+    }
     if inference.engine == "vllm":
         kwargs["settings"] = settings.vllm
     else:
@@ -88,8 +93,9 @@ def build_engine(settings: GatewaySettings) -> Engine:
 Component = Callable[[GatewayServices], AbstractAsyncContextManager]
 
 
-def create_app(settings: GatewaySettings | None = None, engine: Engine | None = None,
-               components: Sequence[Component] = ()) -> FastAPI:
+def create_app(
+    settings: GatewaySettings | None = None, engine: Engine | None = None, components: Sequence[Component] = ()
+) -> FastAPI:
     """Build the gateway app.
 
     Args:
@@ -102,11 +108,18 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
 
     keys = KeyStore(settings.home)
     # refuses a public bind without keys (BadRequestError) unless allow_open; see livelora.gateway.auth
-    services = GatewayServices(settings, keys, check_bind(settings.server.host, keys, settings.server.allow_open),
-                               drain=Drain(settings.server.drain_grace_s, settings.inference.retry_after_s))
+    services = GatewayServices(
+        settings,
+        keys,
+        check_bind(settings.server.host, keys, settings.server.allow_open),
+        drain=Drain(settings.server.drain_grace_s, settings.inference.retry_after_s),
+    )
     if services.auth_open:
-        log.warning("no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "
-                    "role); create one with `livelora keys create`", settings.home)
+        log.warning(
+            "no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "
+            "role); create one with `livelora keys create`",
+            settings.home,
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -121,8 +134,9 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
         services.registry, services.completions, services.signals = live.registry, live.completions, live.signals
         services.metering = metering = MeteringService(settings)
         await metering.start()
-        services.serving = Serving(served, settings, services.admission, live.registry, live.completions,
-                                   services.drain, metering)
+        services.serving = Serving(
+            served, settings, services.admission, live.registry, live.completions, services.drain, metering
+        )
         sessions = await start_sessions(settings, served, services.serving)  # training sessions (Tinker API)
         services.sessions = sessions
         try:
@@ -137,8 +151,12 @@ def create_app(settings: GatewaySettings | None = None, engine: Engine | None = 
             if own:
                 await served.close()
 
-    app = FastAPI(title="livelora", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible gateway whose LoRA adapter keeps learning while it serves.")
+    app = FastAPI(
+        title="livelora",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible gateway whose LoRA adapter keeps learning while it serves.",
+    )
     attach(app, services)
     install_error_handlers(app)
     app.add_middleware(AuthMiddleware, services=services, max_body_bytes=settings.server.max_body_bytes)

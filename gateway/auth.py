@@ -6,7 +6,7 @@
    grows past it, gets 413 in the OpenAI envelope (:class:`~livelora.clients.errors.PayloadTooLargeError`).
 2. **Key.** ``Authorization: Bearer <key>`` (OpenAI SDKs) or ``X-API-Key: <key>`` (tinker SDK,
    tinker_protocol.md §2.1). In open mode (no key configured when the gateway started, see
-   :func:`check_bind`) every caller is :data:`~livelora.adapters.api_keys.OPEN_PRINCIPAL`; once any key exists
+   :func:`check_bind`) every caller is :data:`~livelora.core.api_keys.OPEN_PRINCIPAL`; once any key exists
    the gateway switches to key mode for good (it never falls back to open). Missing, unknown or revoked
    key → 401.
 3. **Role.** :func:`required_role` maps each route to one role by path (the :data:`POLICY` table,
@@ -16,8 +16,8 @@
    (read by the registry to hide other tenants' endpoints); in key mode ``request.state.caller`` is
    the tenant, which the completion log and the signal routes use to keep completions per tenant.
 5. **Training sessions.** Every id a Tinker request names (path parameters and the body fields of
-   :data:`~livelora.adapters.object_ids.BODY_FIELDS`) is parsed in its one spelling (else 400) and its
-   session's recorded owner (:mod:`livelora.adapters.owners`, written by ``create_session``) must be the
+   :data:`~livelora.core.object_ids.BODY_FIELDS`) is parsed in its one spelling (else 400) and its
+   session's recorded owner (:mod:`livelora.core.owners`, written by ``create_session``) must be the
    caller's tenant: a missing record or another tenant's answers the same 404 (:func:`check_owner`).
 
 Errors answer in the OpenAI envelope through the app's one handler (:func:`error_response`).
@@ -32,12 +32,18 @@ import re
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
-from livelora.adapters.api_keys import DEFAULT_TENANT, OPEN_PRINCIPAL, KeyStore, Principal
-from livelora.adapters.object_ids import refs_of_request
-from livelora.adapters.owners import OwnerStore
-from livelora.adapters.redis_keys import KeyLayout
-from livelora.clients.errors import (AuthenticationError, BadRequestError, LiveloraError, NotFoundError,
-                                     PayloadTooLargeError, PermissionDeniedError)
+from livelora.clients.errors import (
+    AuthenticationError,
+    BadRequestError,
+    LiveloraError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+)
+from livelora.core.api_keys import DEFAULT_TENANT, OPEN_PRINCIPAL, KeyStore, Principal
+from livelora.core.object_ids import refs_of_request
+from livelora.core.owners import OwnerStore
+from livelora.core.redis_keys import KeyLayout
 
 if TYPE_CHECKING:
     from livelora.gateway.api.deps import GatewayServices
@@ -66,6 +72,7 @@ POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("*", re.compile(r"/api/v1/.*"), "train"),
     ("*", re.compile(r"/admin(/.*)?"), "admin"),
 ]
+
 
 def required_role(method: str, path: str, *, metrics_key: bool = False) -> str:
     """The role a request needs (``"public"`` for none, ``"authenticated"`` for any valid key); unmatched paths
@@ -118,7 +125,9 @@ def check_bind(host: str, keys: KeyStore, allow_open: bool) -> bool:
             f"refusing to serve on {host} without API keys: anyone who can reach it could use and retrain "
             "the model. Create a key first (`livelora keys create --tenant default --roles "
             "inference,feedback,train,admin --home <store>`), bind to 127.0.0.1, or pass --allow-open "
-            "(LIVELORA_ALLOW_OPEN=1) to run open on purpose.", param="host")
+            "(LIVELORA_ALLOW_OPEN=1) to run open on purpose.",
+            param="host",
+        )
     return True
 
 
@@ -203,8 +212,11 @@ class AuthMiddleware:
         if services.auth_open and keys.active():
             services.auth_open = False  # a key was created: key mode from now on, never back
             log.warning("API keys exist now: the gateway requires keys from here on")
-        role = required_role(scope.get("method", "GET"), scope.get("path", ""),
-                             metrics_key=services.settings.observability.metrics_require_key)
+        role = required_role(
+            scope.get("method", "GET"),
+            scope.get("path", ""),
+            metrics_key=services.settings.observability.metrics_require_key,
+        )
         if services.auth_open:
             return OPEN_PRINCIPAL
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -213,16 +225,19 @@ class AuthMiddleware:
         if role == PUBLIC:
             return principal
         if principal is None:
-            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'" if not key
-                                      else "invalid or revoked API key")
+            raise AuthenticationError(
+                "missing API key: send 'Authorization: Bearer <key>'" if not key else "invalid or revoked API key"
+            )
         if role != AUTHENTICATED and role not in principal.roles:
-            raise PermissionDeniedError(f"this key (tenant {principal.tenant!r}, roles "
-                                        f"{', '.join(sorted(principal.roles))}) lacks the {role!r} role needed "
-                                        f"for {scope.get('method')} {scope.get('path')}")
+            raise PermissionDeniedError(
+                f"this key (tenant {principal.tenant!r}, roles "
+                f"{', '.join(sorted(principal.roles))}) lacks the {role!r} role needed "
+                f"for {scope.get('method')} {scope.get('path')}"
+            )
         return principal
 
     async def check_sessions(self, path: str, data: object, principal: Principal) -> None:
-        """Every id a Tinker request names (path parameters and body fields, :mod:`livelora.adapters.object_ids`)
+        """Every id a Tinker request names (path parameters and body fields, :mod:`livelora.core.object_ids`)
         must be in its one spelling (else 400) and belong to the caller's tenant (else 404, the same as a
         missing object: :func:`check_owner`).
 
@@ -230,7 +245,7 @@ class AuthMiddleware:
             NotFoundError: a missing or another tenant's session (and so its models, samplers, requests, paths).
             BadRequestError: an id in another spelling.
         """
-        for ref in refs_of_request(path[len("/api/v1/"):], data):
+        for ref in refs_of_request(path[len("/api/v1/") :], data):
             if ref.session is not None:
                 check_owner(self.services.settings.home, "session", ref.session, principal.tenant)
             else:  # an ad-hoc sample's request id: the future's own owner record
@@ -249,7 +264,7 @@ def caller_tenant() -> str:
 
 def check_owner(home, kind: str, name: str, tenant: str | None = None) -> None:
     """The one owner check of the gateway: ``tenant`` (default: the current request's) owns ``kind`` ``name``
-    (:meth:`livelora.adapters.owners.OwnerStore.check`: deny by default, one 404 for missing and foreign).
+    (:meth:`livelora.core.owners.OwnerStore.check`: deny by default, one 404 for missing and foreign).
 
     Raises:
         NotFoundError: no owner record, or another tenant's.
@@ -275,8 +290,9 @@ def protobuf_ids(body: bytes, headers: dict[str, str]) -> dict[str, object] | No
         return None
     model_id, seq_id = wire.peek_body_ids(body, headers.get("content-encoding"))
     if not model_id:
-        raise BadRequestError("cannot read model_id from the protobuf request body", param="model_id",
-                              code="invalid_id")
+        raise BadRequestError(
+            "cannot read model_id from the protobuf request body", param="model_id", code="invalid_id"
+        )
     return {"model_id": model_id, "seq_id": seq_id}
 
 
@@ -323,13 +339,13 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def _too_deep(limit: int = MAX_JSON_DEPTH) -> BadRequestError:
-    return BadRequestError(f"request body nests JSON objects/arrays deeper than the limit of {limit}",
-                           code="invalid_json")
+    return BadRequestError(
+        f"request body nests JSON objects/arrays deeper than the limit of {limit}", code="invalid_json"
+    )
 
 
 def _too_large(limit: int) -> PayloadTooLargeError:
-    return PayloadTooLargeError(f"request body is larger than the limit of {limit} bytes "
-                                "(LIVELORA_MAX_BODY_BYTES)")
+    return PayloadTooLargeError(f"request body is larger than the limit of {limit} bytes (LIVELORA_MAX_BODY_BYTES)")
 
 
 def _replay(body: bytes, receive):
@@ -340,6 +356,7 @@ def _replay(body: bytes, receive):
             sent["done"] = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
+
     return replay
 
 

@@ -17,7 +17,7 @@ chat template reads (``{"role": str, "content": str}``):
   tell participants apart).
 * Content is plain text: control-token look-alikes in it (``<|im_end|>``) stay
   ordinary characters, so the number of control tokens in a prompt depends only
-  on its messages' roles and number (:mod:`livelora.adapters.chat_tokens`).
+  on its messages' roles and number (:mod:`livelora.core.chat_tokens`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from livelora.adapters.chat_tokens import render_chat
 from livelora.clients.errors import BadRequestError, UnsupportedParameterError
 from livelora.clients.types.openai import ChatMessage
+from livelora.core.chat_tokens import render_chat
 
 _ROLE_MAP = {"developer": "system"}
 
@@ -49,14 +49,17 @@ def message_text(message: ChatMessage, index: int) -> str:
         if part.type in ("text", "refusal"):
             text = part.text if part.type == "text" else (part.model_extra or {}).get("refusal")
             if not isinstance(text, str):
-                raise BadRequestError(f"content part of type {part.type!r} needs a string "
-                                      f"{'text' if part.type == 'text' else 'refusal'} field",
-                                      param=f"messages[{index}].content[{j}]")
+                raise BadRequestError(
+                    f"content part of type {part.type!r} needs a string "
+                    f"{'text' if part.type == 'text' else 'refusal'} field",
+                    param=f"messages[{index}].content[{j}]",
+                )
             texts.append(text)
         else:
             raise UnsupportedParameterError(
                 f"content parts of type {part.type!r} are not supported: the served model reads text only",
-                param=f"messages[{index}].content[{j}]")
+                param=f"messages[{index}].content[{j}]",
+            )
     return "\n".join(texts)
 
 
@@ -76,6 +79,7 @@ def render_messages(tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
             ``messages``); control-token text in a message under a template that rewrites content
             (param ``messages[i].content``).
     """
-    conversation = [{"role": _ROLE_MAP.get(m.role, m.role), "content": message_text(m, i)}
-                    for i, m in enumerate(messages)]
+    conversation = [
+        {"role": _ROLE_MAP.get(m.role, m.role), "content": message_text(m, i)} for i, m in enumerate(messages)
+    ]
     return render_chat(tokenizer, conversation, add_generation_prompt=True, param="messages")

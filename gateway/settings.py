@@ -2,7 +2,7 @@
 
 Environment variables keep their flat ``LIVELORA_*`` names (``LIVELORA_PORT`` → ``settings.server.port``,
 ``LIVELORA_MAX_BATCH_SIZE`` → ``settings.inference.max_batch_size``, ``LIVELORA_VLLM_MAX_LORAS`` →
-``settings.vllm.max_loras``); see :mod:`livelora.adapters.settings`. CLI flags override them.
+``settings.vllm.max_loras``); see :mod:`livelora.core.settings`. CLI flags override them.
 
 Example::
 
@@ -18,8 +18,14 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from livelora.adapters.settings import (ENV_PREFIX, ObservabilitySection, ProcessSettings, QuotaSection, Section,
-                                       SessionSection)
+from livelora.core.settings import (
+    ENV_PREFIX,
+    ObservabilitySection,
+    ProcessSettings,
+    QuotaSection,
+    Section,
+    SessionSection,
+)
 
 #: Default retention of completion records and rating keys: 7 days, in seconds.
 DEFAULT_RETENTION_S = 7 * 24 * 3600
@@ -34,13 +40,21 @@ class ServerSection(Section):
 
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one).")
-    allow_open: bool = Field(False, description="Serve without API keys on a non-loopback host (unsafe: anyone "
-                                                "who reaches it can use and retrain the model).")
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (bytes); "
-                                                                      "larger ones get 413.")
-    drain_grace_s: float = Field(20.0, ge=0, description="On SIGTERM/SIGINT: seconds running requests get to finish "
-                                                         "while new ones get 503; then open streams end with an "
-                                                         "error event and [DONE], and the process exits.")
+    allow_open: bool = Field(
+        False,
+        description="Serve without API keys on a non-loopback host (unsafe: anyone "
+        "who reaches it can use and retrain the model).",
+    )
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body accepted (bytes); larger ones get 413."
+    )
+    drain_grace_s: float = Field(
+        20.0,
+        ge=0,
+        description="On SIGTERM/SIGINT: seconds running requests get to finish "
+        "while new ones get 503; then open streams end with an "
+        "error event and [DONE], and the process exits.",
+    )
 
 
 class InferenceSection(Section):
@@ -51,21 +65,30 @@ class InferenceSection(Section):
     device: str | None = Field(None, description="Torch device for the engine (default: cuda if available, else cpu).")
     dtype: str | None = Field(None, description="Weights dtype for the engine (default: engine's choice).")
     max_batch_size: int = Field(8, ge=1, description="Sequences the engine decodes together in one step.")
-    engine_threads: int | None = Field(None, ge=1, description="Torch threads of the transformers engine "
-                                                               "(process-wide; default: torch's, all cores).")
+    engine_threads: int | None = Field(
+        None, ge=1, description="Torch threads of the transformers engine (process-wide; default: torch's, all cores)."
+    )
     engine_threads_while_training: int | None = Field(
-        None, ge=0, description="Torch threads of the transformers engine (CPU) while a training step runs on this "
-                                "machine (adapters/core_share.py); default half the engine's threads, at least 1; "
-                                "0: never change them.")
-    engine_merge_lora: bool = Field(True, description="Transformers engine: serve an adapter version that every "
-                                                      "row of the batch uses from merged weights (one copy of "
-                                                      "the adapted layers: 425 MB for SmolLM2-135M in float32; "
-                                                      "gateway/engines/lora_slots.py).")
+        None,
+        ge=0,
+        description="Torch threads of the transformers engine (CPU) while a training step runs on this "
+        "machine (core/core_share.py); default half the engine's threads, at least 1; "
+        "0: never change them.",
+    )
+    engine_merge_lora: bool = Field(
+        True,
+        description="Transformers engine: serve an adapter version that every "
+        "row of the batch uses from merged weights (one copy of "
+        "the adapted layers: 425 MB for SmolLM2-135M in float32; "
+        "gateway/engines/lora_slots.py).",
+    )
     max_waiting: int = Field(64, ge=0, description="Sequences allowed to wait for a batch slot; more get 429.")
-    max_model_len: int | None = Field(None, ge=16, description="Cap on prompt + completion tokens "
-                                                               "(default: the model's context length).")
-    served_model_name: str | None = Field(None, description="Name clients pass as `model` for the base model "
-                                                           "(default: the --model name).")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Cap on prompt + completion tokens (default: the model's context length)."
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients pass as `model` for the base model (default: the --model name)."
+    )
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After (seconds) sent with 429 queue-full answers.")
 
     @property
@@ -79,37 +102,54 @@ class VLLMSection(Section):
 
     model_config = SettingsConfigDict(env_prefix=f"{ENV_PREFIX}VLLM_", extra="forbid")
 
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may use "
-                                                                       "(weights + KV cache).")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is sharded over (vLLM tensor "
-                                                           "parallelism).")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may use (weights + KV cache)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is sharded over (vLLM tensor parallelism).")
     max_loras: int = Field(2, ge=2, description="Distinct adapters in one batch (old + new during a swap).")
     max_lora_rank: int = Field(64, description=f"Largest adapter rank; one of {VLLM_LORA_RANKS}.")
     enforce_eager: bool | None = Field(None, description="Disable CUDA graphs (default: on for CPU, off for GPU).")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
-    snapshot_dir: Path | None = Field(None, description="Where adapter snapshots live (default /dev/shm, "
-                                                        "else the temp dir).")
+    snapshot_dir: Path | None = Field(
+        None, description="Where adapter snapshots live (default /dev/shm, else the temp dir)."
+    )
 
 
 class LiveSection(Section):
     """The live loop in the gateway: ``LIVELORA_COMPLETION_RETENTION_S``, ``LIVELORA_IDEMPOTENCY_TTL_S``,
     ``LIVELORA_RESYNC_S``, ``LIVELORA_MAX_ON_DEMAND_VERSIONS``, ..."""
 
-    completion_retention_s: int = Field(DEFAULT_RETENTION_S, gt=0,
-                                        description="Seconds completions stay rateable (default 7 days).")
+    completion_retention_s: int = Field(
+        DEFAULT_RETENTION_S, gt=0, description="Seconds completions stay rateable (default 7 days)."
+    )
     idempotency_ttl_s: int = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0, description="Lifetime of Idempotency-Keys.")
     resync_s: float = Field(30.0, ge=0, description="Seconds between endpoint catch-ups from the store.")
-    max_on_demand_versions: int = Field(4, ge=1, description="Stored adapter versions (<lineage>@<n>) held in the "
-                                                            "engine because requests named them; loading one more "
-                                                            "unloads the least recently used idle one "
-                                                            "(gateway/services/on_demand.py).")
-    canary_share: float = Field(0.0, ge=0, lt=1, description="Share of a follow endpoint's requests a new "
-                                                         "version serves first (0: switch at once).")
-    canary_min_ratings: int = Field(20, ge=1, description="Ratings of the canary after which the switch "
-                                                          "completes when the sequential test shows no regression.")
-    rollback_enabled: bool = Field(True, description="Roll a follow endpoint back automatically when its serving "
-                                                     "version's thumbs-up rate is worse than its predecessor's "
-                                                     "(sequential test, adapters/rails.py sprt_thumbs).")
+    max_on_demand_versions: int = Field(
+        4,
+        ge=1,
+        description="Stored adapter versions (<lineage>@<n>) held in the "
+        "engine because requests named them; loading one more "
+        "unloads the least recently used idle one "
+        "(gateway/services/on_demand.py).",
+    )
+    canary_share: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of a follow endpoint's requests a new version serves first (0: switch at once).",
+    )
+    canary_min_ratings: int = Field(
+        20,
+        ge=1,
+        description="Ratings of the canary after which the switch "
+        "completes when the sequential test shows no regression.",
+    )
+    rollback_enabled: bool = Field(
+        True,
+        description="Roll a follow endpoint back automatically when its serving "
+        "version's thumbs-up rate is worse than its predecessor's "
+        "(sequential test, core/rails.py sprt_thumbs).",
+    )
     rollback_min_ratings: int = Field(20, ge=1, description="Ratings the predecessor needs before the test runs.")
     rollback_delta: float = Field(0.2, gt=0, lt=1, description="Drop in thumbs-up rate the test detects (H1).")
     rollback_alpha: float = Field(0.05, gt=0, lt=0.5, description="Chance of rolling back an equally good version.")

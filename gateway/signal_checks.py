@@ -2,7 +2,7 @@
 
 A signal answered 2xx is trained unless something only the trainer can know goes wrong; the trainer then
 dead-letters that event alone (``trainer/triage.py``). What can be known here is checked here, with the
-trainer's own tokenization (:mod:`livelora.adapters.chat_tokens`) and limit (the base model's context,
+trainer's own tokenization (:mod:`livelora.core.chat_tokens`) and limit (the base model's context,
 ``max_position_embeddings``: a datum's ``model_input`` is ``prompt + completion − 1`` tokens):
 
 * a **demonstration**: its prompt (all messages but the last, with the generation prompt) plus the reply
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import threading
 
-from livelora.adapters.chat_tokens import chat_pair, datum_length, rated_completion_ids
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError
 from livelora.clients.types.signals import DemonstrationEvent, PreferenceEvent, RatingEvent
+from livelora.core.chat_tokens import chat_pair, datum_length, rated_completion_ids
 
 
 class SignalChecker:
@@ -36,7 +36,7 @@ class SignalChecker:
     Args:
         tokenizer: the base model's tokenizer (the trainer loads the same one), used only by this checker.
         max_tokens: the trainer's context length in tokens
-            (:func:`livelora.adapters.chat_tokens.model_context_length`).
+            (:func:`livelora.core.chat_tokens.model_context_length`).
     """
 
     def __init__(self, tokenizer, max_tokens: int):
@@ -50,7 +50,9 @@ class SignalChecker:
             raise ContextLengthExceededError(
                 f"The trainer's maximum context length is {self.max_tokens} tokens. However, this {what} is {n} "
                 f"tokens once tokenized as the trainer will ({len(prompt)} in the prompt, {len(completion)} in the "
-                f"reply, less the last one, which is only a target). Please {fix}.", param=param)
+                f"reply, less the last one, which is only a target). Please {fix}.",
+                param=param,
+            )
 
     def check(self, event: RatingEvent | PreferenceEvent | DemonstrationEvent) -> None:
         """Raise if ``event`` cannot be trained.
@@ -76,13 +78,23 @@ class SignalChecker:
                     self._fits("preference", prompt, reply, name, f"shorten the messages or {name}")
             else:
                 for name in ("chosen", "rejected"):
-                    self._fits("preference", list(event.prompt_token_ids or []),
-                               list(getattr(event, f"{name}_token_ids") or []), f"{name}_completion_id",
-                               "rate shorter completions")
+                    self._fits(
+                        "preference",
+                        list(event.prompt_token_ids or []),
+                        list(getattr(event, f"{name}_token_ids") or []),
+                        f"{name}_completion_id",
+                        "rate shorter completions",
+                    )
         elif isinstance(event, RatingEvent):
             completion = rated_completion_ids(self.tokenizer, event.completion_token_ids, event.finish_reason)
             if not completion:
-                raise BadRequestError(f"completion {event.completion_id!r} has no tokens to learn from",
-                                      param="completion_id")
-            self._fits("rated completion", list(event.prompt_token_ids), completion, "completion_id",
-                       "rate a shorter completion")
+                raise BadRequestError(
+                    f"completion {event.completion_id!r} has no tokens to learn from", param="completion_id"
+                )
+            self._fits(
+                "rated completion",
+                list(event.prompt_token_ids),
+                completion,
+                "completion_id",
+                "rate a shorter completion",
+            )

@@ -72,8 +72,9 @@ class Proc:
         out = open(self.log, "ab")
         out.write(f"\n===== start {self.starts} =====\n".encode())
         out.flush()
-        self.popen = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        self.popen = subprocess.Popen(
+            self.args, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         out.close()
 
     def tail(self, n: int = 4000) -> str:
@@ -92,14 +93,28 @@ class Cluster:
     trainers: list[Proc] = field(default_factory=list)
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, "LIVELORA_HOME": str(self.home), "LIVELORA_REDIS_PREFIX": self.prefix,
-                "LIVELORA_REDIS_URL": self.redis_url, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
+        return {
+            **os.environ,
+            "LIVELORA_HOME": str(self.home),
+            "LIVELORA_REDIS_PREFIX": self.prefix,
+            "LIVELORA_REDIS_URL": self.redis_url,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
 
     def add_gateway(self) -> Proc:
         i, port = len(self.gateways), free_port()
-        proc = Proc("gateway", i, [sys.executable, "-m", "livelora.cli.main", "gateway", "--port", str(port),
-                                   "--log-level", "warning"], self._env(), self.home / f"gateway-{i}.log", port)
+        proc = Proc(
+            "gateway",
+            i,
+            [sys.executable, "-m", "livelora.cli.main", "gateway", "--port", str(port), "--log-level", "warning"],
+            self._env(),
+            self.home / f"gateway-{i}.log",
+            port,
+        )
         self.gateways.append(proc)
         proc.start()
         return proc
@@ -107,8 +122,9 @@ class Cluster:
     def add_trainer(self) -> Proc:
         i = len(self.trainers)
         env = {**self._env(), "LIVELORA_CONSUMER": f"trainer-{i}"}
-        proc = Proc("trainer", i, [sys.executable, "-m", "livelora.cli.main", "trainer"], env,
-                    self.home / f"trainer-{i}.log")
+        proc = Proc(
+            "trainer", i, [sys.executable, "-m", "livelora.cli.main", "trainer"], env, self.home / f"trainer-{i}.log"
+        )
         self.trainers.append(proc)
         proc.start()
         return proc

@@ -81,8 +81,7 @@ def start_server(settings=None, engine=None, ready_timeout_s: float = 300.0) -> 
         settings = GatewaySettings()
     app = gateway_app(settings, engine)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="livelora-test-server",
-                              daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="livelora-test-server", daemon=True)
     thread.start()
     live = LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
     deadline = time.monotonic() + ready_timeout_s
@@ -144,6 +143,6 @@ def sse_events(response: httpx.Response) -> list[str]:
         assert len(data) <= 1, f"one data line per event expected: {block!r}"
         if data:
             assert data[0].startswith("data: "), data[0]
-            out.append(data[0][len("data: "):])
+            out.append(data[0][len("data: ") :])
     assert body.endswith("\n\n"), "every event ends with a blank line"
     return out

@@ -12,13 +12,11 @@ import uuid
 
 import pytest
 import redis
-
 from _server import LiveServer, start_server
 
 MODEL = "smollm2-135m-instruct"
 #: Server-side session TTL in the tests (the official tinker SDK beats every 10 s).
 SESSION_TTL_S = 30
-
 
 
 def delete_prefix(url: str, prefix: str) -> None:
@@ -36,8 +34,15 @@ def sessions_server(livelora_home) -> LiveServer:
 
     prefix = f"livelora-test-{uuid.uuid4().hex[:10]}:"
     os.environ["LIVELORA_SESSION_TTL_S"] = str(SESSION_TTL_S)
-    settings = GatewaySettings(model=MODEL, home=livelora_home, device="cpu", redis_prefix=prefix,
-                               max_batch_size=8, max_waiting=16, executor_in_process=True)
+    settings = GatewaySettings(
+        model=MODEL,
+        home=livelora_home,
+        device="cpu",
+        redis_prefix=prefix,
+        max_batch_size=8,
+        max_waiting=16,
+        executor_in_process=True,
+    )
     try:
         live = start_server(settings)
     finally:

@@ -33,15 +33,15 @@ def livelora_home() -> Path:
 @pytest.fixture(scope="session")
 def base_ref(livelora_home):
     """The built-in SmolLM2-135M-Instruct, converted once and cached in the test store."""
-    from livelora.adapters.models import resolve_base_model
-    from livelora.adapters.settings import DEFAULT_MODEL
+    from livelora.core.base_models import resolve_base_model
+    from livelora.core.settings import DEFAULT_MODEL
 
     return resolve_base_model(DEFAULT_MODEL, livelora_home)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(base_ref):
-    from livelora.adapters.models import load_tokenizer
+    from livelora.core.base_models import load_tokenizer
 
     return load_tokenizer(base_ref)
 

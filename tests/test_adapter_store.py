@@ -24,6 +24,7 @@ def fake_write(payload: bytes = b"weights"):
     def write(tmp: Path) -> None:
         (tmp / WEIGHTS_FILE).write_bytes(payload)
         (tmp / "adapter_config.json").write_text("{}")
+
     return write
 
 
@@ -33,8 +34,9 @@ def visible(store: AdapterStore, lineage: str) -> list[int]:
 
 def test_versions_are_numbered_immutable_and_never_reused(tmp_path):
     store = AdapterStore(tmp_path)
-    a = store.write_version("policy", fake_write(b"a"), base_model="m", step=1, metrics={"loss:sum": 2.5},
-                            data_counts={"datums": 4})
+    a = store.write_version(
+        "policy", fake_write(b"a"), base_model="m", step=1, metrics={"loss:sum": 2.5}, data_counts={"datums": 4}
+    )
     b = store.write_version("policy", fake_write(b"b"), base_model="m", parent=1, step=2)
     assert (a.version, a.name, b.version, b.parent) == (1, "policy@1", 2, 1)
     assert store.latest("policy").version == 2 and store.resolve("policy@1") == a
@@ -120,9 +122,15 @@ def sft_batch(tokenizer) -> list[Datum]:
     out = []
     for s in ["Livelora keeps learning while it serves.", "Adapters are saved as immutable versions."]:
         t = tokenizer(s)["input_ids"]
-        out.append(Datum(model_input=ModelInput.from_ints(t[:-1]), loss_fn_inputs={
-            "target_tokens": TensorData.from_list(t[1:], "int64"),
-            "weights": TensorData.from_list([1.0] * (len(t) - 1), "float32")}))
+        out.append(
+            Datum(
+                model_input=ModelInput.from_ints(t[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": TensorData.from_list(t[1:], "int64"),
+                    "weights": TensorData.from_list([1.0] * (len(t) - 1), "float32"),
+                },
+            )
+        )
     return out
 
 
@@ -140,21 +148,33 @@ def trained(base_ref, tokenizer, tmp_path_factory):
     manifest = m.save_state(store, "resume-test", metrics={"loss:sum": 1.0})
     m.forward_backward(data)
     m.optim_step(adam)
-    return {"store": store, "model": m, "manifest": manifest, "data": data, "adam": adam,
-            "saved_logprobs": saved_logprobs, "final": {k: p.detach().clone() for k, p in m.lora_params.items()}}
+    return {
+        "store": store,
+        "model": m,
+        "manifest": manifest,
+        "data": data,
+        "adam": adam,
+        "saved_logprobs": saved_logprobs,
+        "final": {k: p.detach().clone() for k, p in m.lora_params.items()},
+    }
 
 
 def test_saved_adapter_is_standard_peft_and_gives_the_same_logprobs(trained, base_ref):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
     store, manifest = trained["store"], trained["manifest"]
     vdir = store.version_dir("resume-test", manifest.version)
     assert manifest.name == "resume-test@1" and manifest.step == 2 and manifest.has_optimizer
-    assert sorted(os.listdir(vdir)) == ["adapter_config.json", "adapter_model.safetensors", "manifest.json",
-                                        "optimizer.pt", "trainer_state.json"]
+    assert sorted(os.listdir(vdir)) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "manifest.json",
+        "optimizer.pt",
+        "trainer_state.json",
+    ]
     keys = list(load_file(str(vdir / WEIGHTS_FILE)))
     assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
     assert not any(".default." in k for k in keys)

@@ -11,10 +11,10 @@ import pytest
 import redis.asyncio as aredis
 from fastapi import FastAPI
 
-from livelora.adapters.bus import connect_async, delete_prefix, ensure_group_async
-from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.signals import CompletionRecord, RatingEvent, parse_stream_event
+from livelora.core.bus import connect_async, delete_prefix, ensure_group_async
+from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.gateway.api.deps import get_signal_service
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.api.signals import router
@@ -61,10 +61,20 @@ async def env():
 
 
 def record(cid: str, prompt=(1, 2, 3), completion=(7, 8), caller=None, endpoint="default") -> CompletionRecord:
-    return CompletionRecord(id=cid, endpoint=endpoint, model="default", adapter="default@3",
-                            messages=[{"role": "user", "content": "hi"}], prompt_token_ids=list(prompt),
-                            completion_token_ids=list(completion), logprobs=[-0.5, -1.25], completion="ok",
-                            finish_reason="stop", created=int(time.time()), caller=caller)
+    return CompletionRecord(
+        id=cid,
+        endpoint=endpoint,
+        model="default",
+        adapter="default@3",
+        messages=[{"role": "user", "content": "hi"}],
+        prompt_token_ids=list(prompt),
+        completion_token_ids=list(completion),
+        logprobs=[-0.5, -1.25],
+        completion="ok",
+        finish_reason="stop",
+        created=int(time.time()),
+        caller=caller,
+    )
 
 
 async def stream(client, keys) -> list:
@@ -94,8 +104,10 @@ async def test_feedback_event_carries_exact_tokens_and_rerate_replaces(env):
     assert b1["object"] == "feedback" and b1["rating"] is True and b1["replaces"] is None
     assert b1["endpoint"] == "default" and b1["id"].startswith("feedback-")
     # same user re-rates: replaces the first; another user does not
-    r2 = await http.post("/v1/feedback", json={"completion_id": "chatcmpl-1", "rating": False, "score": -2.5,
-                                               "comment": "wrong", "user": "u1"})
+    r2 = await http.post(
+        "/v1/feedback",
+        json={"completion_id": "chatcmpl-1", "rating": False, "score": -2.5, "comment": "wrong", "user": "u1"},
+    )
     r3 = await http.post("/v1/feedback", json={"completion_id": "chatcmpl-1", "rating": True, "user": "u2"})
     assert r2.json()["replaces"] == b1["id"]
     assert r3.json()["replaces"] is None
@@ -116,18 +128,23 @@ async def test_feedback_unknown_completion_and_bad_input_change_nothing(env):
     assert r.status_code == 404
     assert r.json()["error"]["param"] == "completion_id" and r.json()["error"]["code"] == "not_found"
     await app.state.log.record(record("chatcmpl-2"))
-    for body in ({"completion_id": "chatcmpl-2"},                                  # no rating
-                 {"completion_id": "chatcmpl-2", "rating": True, "stars": 5},       # unknown field
-                 {"completion_id": "chatcmpl-2", "rating": "maybe"},                # not a boolean
-                 {"completion_id": "chatcmpl-2", "rating": "yes"},                  # nor a look-alike
-                 {"completion_id": "chatcmpl-2", "rating": 1},
-                 {"completion_id": "chatcmpl-2", "rating": True, "score": True},    # a score is a number
-                 {"completion_id": "chatcmpl-2", "rating": True, "score": "2.5"}):
+    for body in (
+        {"completion_id": "chatcmpl-2"},  # no rating
+        {"completion_id": "chatcmpl-2", "rating": True, "stars": 5},  # unknown field
+        {"completion_id": "chatcmpl-2", "rating": "maybe"},  # not a boolean
+        {"completion_id": "chatcmpl-2", "rating": "yes"},  # nor a look-alike
+        {"completion_id": "chatcmpl-2", "rating": 1},
+        {"completion_id": "chatcmpl-2", "rating": True, "score": True},  # a score is a number
+        {"completion_id": "chatcmpl-2", "rating": True, "score": "2.5"},
+    ):
         r = await http.post("/v1/feedback", json=body)
         assert r.status_code == 400, body
         assert r.json()["error"]["type"] == "invalid_request_error"
-    r = await http.post("/v1/feedback", content=b'{"completion_id": "chatcmpl-2", "rating": true, "score": NaN}',
-                        headers={"content-type": "application/json"})
+    r = await http.post(
+        "/v1/feedback",
+        content=b'{"completion_id": "chatcmpl-2", "rating": true, "score": NaN}',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400
     assert await client.xlen(keys.signals) == 0
 
@@ -136,6 +153,7 @@ async def test_feedback_unknown_completion_and_bad_input_change_nothing(env):
 async def test_other_callers_completion_is_not_found(env):
     app, client, keys, _ = env
     from livelora.clients.types.signals import FeedbackRequest
+
     await app.state.log.record(record("chatcmpl-t", caller="key-a"))
     svc = app.state.signals
     with pytest.raises(KeyError):
@@ -146,6 +164,7 @@ async def test_other_callers_completion_is_not_found(env):
     # one 404 for foreign and unknown ids (same message); a completion made in open mode (no caller) is tenant
     # default's: a tenant's key created later cannot rate it, default's (or open mode) can
     from livelora.clients.errors import NotFoundError
+
     await app.state.log.record(record("chatcmpl-open", caller=None))
     errors = []
     for cid, caller in (("chatcmpl-t", "key-b"), ("chatcmpl-open", "acme"), ("chatcmpl-none", "acme")):
@@ -154,8 +173,9 @@ async def test_other_callers_completion_is_not_found(env):
         errors.append((info.value.message.replace(cid, "<id>"), info.value.param))
     assert errors[0] == errors[1] == errors[2], errors
     for caller in ("default", None):
-        out, _ = await svc.feedback(FeedbackRequest(completion_id="chatcmpl-open", rating=caller is None),
-                                    caller=caller)
+        out, _ = await svc.feedback(
+            FeedbackRequest(completion_id="chatcmpl-open", rating=caller is None), caller=caller
+        )
         assert out.completion_id == "chatcmpl-open"
     assert await client.xlen(keys.signals) == 3
 
@@ -186,25 +206,32 @@ async def test_preferences_by_id_and_inline(env):
     await log.record(record("c-chosen", completion=(5, 6)))
     await log.record(record("c-rej", completion=(9,)))
     await log.record(record("c-other-prompt", prompt=(4, 4), completion=(9,)))
-    r = await http.post("/v1/preferences", json={"chosen_completion_id": "c-chosen",
-                                                 "rejected_completion_id": "c-rej"})
+    r = await http.post("/v1/preferences", json={"chosen_completion_id": "c-chosen", "rejected_completion_id": "c-rej"})
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "preference" and r.json()["endpoint"] == "default"
-    bad = [({"chosen_completion_id": "c-chosen", "rejected_completion_id": "c-other-prompt"}, 400),
-           ({"chosen_completion_id": "c-chosen", "rejected_completion_id": "c-chosen"}, 400),
-           ({"chosen_completion_id": "c-chosen"}, 400),
-           ({"chosen_completion_id": "c-chosen", "rejected_completion_id": "c-gone"}, 404),
-           ({"chosen_completion_id": "c-chosen", "rejected_completion_id": "c-rej", "chosen": "x"}, 400),
-           ({}, 400),
-           ({"model": "default", "messages": [{"role": "user", "content": "2+2?"}], "chosen": "4",
-             "rejected": "4"}, 400),
-           ({"model": "nope", "messages": [{"role": "user", "content": "2+2?"}], "chosen": "4",
-             "rejected": "5"}, 404)]
+    bad = [
+        ({"chosen_completion_id": "c-chosen", "rejected_completion_id": "c-other-prompt"}, 400),
+        ({"chosen_completion_id": "c-chosen", "rejected_completion_id": "c-chosen"}, 400),
+        ({"chosen_completion_id": "c-chosen"}, 400),
+        ({"chosen_completion_id": "c-chosen", "rejected_completion_id": "c-gone"}, 404),
+        ({"chosen_completion_id": "c-chosen", "rejected_completion_id": "c-rej", "chosen": "x"}, 400),
+        ({}, 400),
+        ({"model": "default", "messages": [{"role": "user", "content": "2+2?"}], "chosen": "4", "rejected": "4"}, 400),
+        ({"model": "nope", "messages": [{"role": "user", "content": "2+2?"}], "chosen": "4", "rejected": "5"}, 404),
+    ]
     for body, status in bad:
         resp = await http.post("/v1/preferences", json=body)
         assert resp.status_code == status, (body, resp.text)
-    r2 = await http.post("/v1/preferences", json={"model": "default", "messages": [{"role": "user",
-                         "content": "2+2?"}], "chosen": "4", "rejected": "5", "user": "u"})
+    r2 = await http.post(
+        "/v1/preferences",
+        json={
+            "model": "default",
+            "messages": [{"role": "user", "content": "2+2?"}],
+            "chosen": "4",
+            "rejected": "5",
+            "user": "u",
+        },
+    )
     assert r2.status_code == 200
     events = [e for _, e in await stream(client, keys)]
     assert len(events) == 2
@@ -215,17 +242,22 @@ async def test_preferences_by_id_and_inline(env):
 
 @pytest.mark.anyio
 async def test_demonstrations(env):
-    app, client, keys, http = env
-    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Capital of France?"},
-            {"role": "assistant", "content": "Paris."}]
+    _app, client, keys, http = env
+    msgs = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+    ]
     r = await http.post("/v1/demonstrations", json={"model": "default", "messages": msgs})
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "demonstration"
-    for body, status in [({"model": "default", "messages": msgs[:2]}, 400),            # no final reply
-                         ({"model": "default", "messages": [msgs[0], msgs[2]]}, 400),  # no user turn
-                         ({"model": "default", "messages": msgs[2:]}, 400),            # too short
-                         ({"model": "default", "messages": [{"role": "tool", "content": "x"}, *msgs[1:]]}, 400),
-                         ({"model": "missing", "messages": msgs}, 404)]:
+    for body, status in [
+        ({"model": "default", "messages": msgs[:2]}, 400),  # no final reply
+        ({"model": "default", "messages": [msgs[0], msgs[2]]}, 400),  # no user turn
+        ({"model": "default", "messages": msgs[2:]}, 400),  # too short
+        ({"model": "default", "messages": [{"role": "tool", "content": "x"}, *msgs[1:]]}, 400),
+        ({"model": "missing", "messages": msgs}, 404),
+    ]:
         resp = await http.post("/v1/demonstrations", json=body)
         assert resp.status_code == status, (body, resp.text)
     events = [e for _, e in await stream(client, keys)]
@@ -235,11 +267,18 @@ async def test_demonstrations(env):
 @pytest.mark.anyio
 async def test_redis_down_is_503_with_retry_after_and_accepts_nothing():
     keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
-    app, client = make_app("redis://127.0.0.1:1/0", keys)   # nothing listens on port 1
+    app, client = make_app("redis://127.0.0.1:1/0", keys)  # nothing listens on port 1
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-        for path, body in [("/v1/feedback", {"completion_id": "c", "rating": True}),
-                           ("/v1/demonstrations", {"model": "default", "messages": [
-                               {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})]:
+        for path, body in [
+            ("/v1/feedback", {"completion_id": "c", "rating": True}),
+            (
+                "/v1/demonstrations",
+                {
+                    "model": "default",
+                    "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                },
+            ),
+        ]:
             r = await http.post(path, json=body)
             assert r.status_code == 503, r.text
             assert r.headers["Retry-After"] == "1"

@@ -37,9 +37,26 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "livelora.cli.main", "serve", "--port", str(port),
-                             "--home", str(livelora_home), "--max-batch-size", "2", "--log-level", "warning"],
-                            env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "livelora.cli.main",
+            "serve",
+            "--port",
+            str(port),
+            "--home",
+            str(livelora_home),
+            "--max-batch-size",
+            "2",
+            "--log-level",
+            "warning",
+        ],
+        env=os.environ.copy(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         ready = False
@@ -52,9 +69,16 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
                 break
             time.sleep(0.3)
         assert ready, "server did not start"
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
-            "model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 8,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": "smollm2-135m-instruct",
+                "temperature": 0,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            },
+        )
         assert reply.status_code == 200 and "Paris" in reply.json()["choices"][0]["message"]["content"]
     finally:
         proc.send_signal(signal.SIGINT)
@@ -88,8 +112,9 @@ def test_settings_lists_every_variable_of_a_process_kind_as_the_environment_read
         for env, sec, default, _text in rows:
             if sec == "common" or default in ("-", "(computed)"):
                 continue
-            field = env.removeprefix(cls.section_types()[sec].model_config.get("env_prefix", "LIVELORA_").upper()
-                                     ).lower()
+            field = env.removeprefix(
+                cls.section_types()[sec].model_config.get("env_prefix", "LIVELORA_").upper()
+            ).lower()
             current = getattr(getattr(cls(), sec), field)
             if isinstance(current, bool):
                 value, expect = ("false" if current else "true"), not current

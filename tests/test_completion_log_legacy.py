@@ -13,8 +13,8 @@ import pytest
 import redis
 from _server import MODEL, live_server, sse_events  # noqa: F401  (fixture)
 
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.types.signals import RatingEvent, parse_stream_event
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.services.serving import VERSION_HEADER
 
 PROMPT = "The capital of France is"
@@ -24,8 +24,9 @@ PROMPT2 = "Two plus two is"
 @pytest.fixture(scope="module")
 def store():
     """``(redis client, keys)`` of the shared server's session prefix."""
-    client = redis.Redis.from_url(os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                                  decode_responses=True)
+    client = redis.Redis.from_url(
+        os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0"), decode_responses=True
+    )
     yield client, KeyLayout(os.environ["LIVELORA_REDIS_PREFIX"])
     client.close()
 
@@ -38,8 +39,9 @@ def record(store, cid: str) -> dict:
 
 
 def complete(live_server, **body) -> httpx.Response:
-    response = httpx.post(live_server.url("/v1/completions"), timeout=120,
-                          json={"model": MODEL, "temperature": 0, **body})
+    response = httpx.post(
+        live_server.url("/v1/completions"), timeout=120, json={"model": MODEL, "temperature": 0, **body}
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -109,10 +111,12 @@ def test_non_streaming_completion_is_logged_with_exact_tokens_and_rateable(live_
     assert ev.logprobs == rec["logprobs"] and ev.finish_reason == "length"
 
 
-def test_streaming_completion_is_logged_and_its_rating_trains_on_the_exact_ids(live_server, store, tokenizer,
-                                                                              base_ref, tmp_path):
-    response = complete(live_server, prompt=PROMPT, max_tokens=6, stream=True,
-                        stream_options={"include_usage": True}, user="bob")
+def test_streaming_completion_is_logged_and_its_rating_trains_on_the_exact_ids(
+    live_server, store, tokenizer, base_ref, tmp_path
+):
+    response = complete(
+        live_server, prompt=PROMPT, max_tokens=6, stream=True, stream_options={"include_usage": True}, user="bob"
+    )
     cid, texts, usage = streamed(response)
     assert list(texts) == [0]
     rec = record(store, cid)
@@ -154,8 +158,10 @@ def test_multi_prompt_choices_are_logged_per_choice(live_server, store, tokenize
         assert rec["id"] == f"{cid}-{k}"
         check_served(rec, response, tokenizer, prompt, choice["text"])
         assert len(rec["completion_token_ids"]) == 3
-    assert sum(len(record(store, f"{cid}-{k}")["completion_token_ids"]) for k in range(4)) == \
-        body["usage"]["completion_tokens"]
+    assert (
+        sum(len(record(store, f"{cid}-{k}")["completion_token_ids"]) for k in range(4))
+        == body["usage"]["completion_tokens"]
+    )
     ev = rate(live_server, store, f"{cid}-3", True)
     assert ev.completion_id == f"{cid}-3"
     assert ev.prompt_token_ids == list(tokenizer.encode(PROMPT2))
@@ -184,7 +190,7 @@ def test_echo_records_only_the_generated_tokens(live_server, store, tokenizer, s
         cid, text = body["id"], body["choices"][0]["text"]
         lp = body["choices"][0]["logprobs"]
     assert text.startswith(PROMPT) and len(text) > len(PROMPT)
-    plain = text[len(PROMPT):]
+    plain = text[len(PROMPT) :]
     rec = record(store, cid)
     check_served(rec, response, tokenizer, PROMPT, plain)
     assert len(rec["completion_token_ids"]) == 4

@@ -97,8 +97,9 @@ def test_every_service_command_is_a_real_livelora_subcommand_with_real_options(s
     assert {"gateway", "trainer", "gateway-cpu", "trainer-cpu"} <= set(livelora)
     for name, service in livelora.items():
         argv = _argv(service)
-        assert len(argv) >= 2 and argv[1] in cli_commands, \
+        assert len(argv) >= 2 and argv[1] in cli_commands, (
             f"{name}: `{' '.join(argv)}` is not a livelora sub-command (have: {sorted(cli_commands)})"
+        )
         opts = {o for p in cli_commands[argv[1]].params for o in getattr(p, "opts", [])}
         for arg in argv[2:]:
             if arg.startswith("--"):
@@ -114,7 +115,9 @@ def test_every_livelora_variable_is_read_by_its_process_settings_and_its_value_v
         env = _env(service)
         for key in env:
             if key.startswith("LIVELORA_"):
-                assert key in readers, f"{name}: {key} is read by no section of {cls.__name__}; known: {sorted(readers)}"
+                assert key in readers, (
+                    f"{name}: {key} is read by no section of {cls.__name__}; known: {sorted(readers)}"
+                )
                 used.add(key)
         # the values parse: build the process's settings object from exactly this environment
         for key in list(os.environ):
@@ -125,6 +128,7 @@ def test_every_livelora_variable_is_read_by_its_process_settings_and_its_value_v
         cls()  # raises pydantic's ValidationError on a bad value in any section
         if env.get("LIVELORA_ENGINE"):
             from livelora.gateway.engines import create_engine
+
             create_engine(env["LIVELORA_ENGINE"], device=env.get("LIVELORA_DEVICE", "cpu"))  # known kind (unstarted)
     assert {"LIVELORA_HOME", "LIVELORA_REDIS_URL", "LIVELORA_ENGINE", "LIVELORA_PORT"} <= used
 
@@ -167,7 +171,7 @@ def test_volumes_line_up_gateway_and_trainer_share_the_store(compose, services):
     used = set()
     for name, s in services.items():
         for v in s.get("volumes", []):
-            source, target = v.split(":")[:2]
+            source, _target = v.split(":")[:2]
             if not source.startswith((".", "/")):
                 assert source in declared, f"{name}: volume {source} is not declared"
                 used.add(source)
@@ -198,8 +202,12 @@ def test_ports_and_health_checks_hit_real_routes_of_the_app(services):
         port = env["LIVELORA_PORT"]
         assert env["LIVELORA_HOST"] == "0.0.0.0", f"{name}: must listen on all interfaces inside the container"
         # a public bind needs an API key in the store or an explicit LIVELORA_ALLOW_OPEN (default: keys)
-        assert GatewaySettings(_env_file=None, host=env["LIVELORA_HOST"],
-                               allow_open=env["LIVELORA_ALLOW_OPEN"]).server.allow_open is False
+        assert (
+            GatewaySettings(
+                _env_file=None, host=env["LIVELORA_HOST"], allow_open=env["LIVELORA_ALLOW_OPEN"]
+            ).server.allow_open
+            is False
+        )
         published = [p.split(":") for p in s["ports"]]
         assert [c for _, c in published] == [port], f"{name}: publishes {s['ports']} but listens on {port}"
         for profile in s.get("profiles", []):

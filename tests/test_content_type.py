@@ -24,11 +24,19 @@ def json_routes(app) -> list[str]:
 
 def test_every_json_route_names_the_wrong_content_type(live_server):
     routes = json_routes(live_server.app)
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/feedback", "/admin/endpoints", "/api/v1/asample",
-            "/api/v1/forward_backward"} <= set(routes)
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/feedback",
+        "/admin/endpoints",
+        "/api/v1/asample",
+        "/api/v1/forward_backward",
+    } <= set(routes)
     for path in routes:
-        for ctype, body in (("application/x-www-form-urlencoded", "model=x&prompt=hi"),
-                            ("text/plain", '{"model": "%s", "prompt": "hi"}' % MODEL)):
+        for ctype, body in (
+            ("application/x-www-form-urlencoded", "model=x&prompt=hi"),
+            ("text/plain", f'{{"model": "{MODEL}", "prompt": "hi"}}'),
+        ):
             r = httpx.post(live_server.url(path), content=body, headers={"content-type": ctype}, timeout=30)
             assert r.status_code == 400, (path, ctype, r.text)
             err = r.json()["error"]
@@ -39,18 +47,22 @@ def test_every_json_route_names_the_wrong_content_type(live_server):
 
 @pytest.mark.parametrize("ctype", ["application/json", "application/json; charset=utf-8", "application/vnd.api+json"])
 def test_json_bodies_are_read_under_a_json_content_type(live_server, ctype):
-    body = '{"model": "%s", "prompt": "Hi", "max_tokens": 1}' % MODEL
+    body = f'{{"model": "{MODEL}", "prompt": "Hi", "max_tokens": 1}}'
     r = httpx.post(live_server.url("/v1/completions"), content=body, headers={"content-type": ctype}, timeout=60)
     assert r.status_code == 200, r.text
 
 
 def test_a_body_without_content_type_is_told_to_declare_json(live_server):
     for path in ("/v1/chat/completions", "/v1/feedback", "/admin/keys", "/api/v1/asample"):
-        r = httpx.post(live_server.url(path), content='{"model": "%s"}' % MODEL, timeout=30)
+        r = httpx.post(live_server.url(path), content=f'{{"model": "{MODEL}"}}', timeout=30)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "unsupported_content_type" and "no content-type header" in err["message"], err
     # a JSON content-type with a body that is not JSON is a JSON error
-    r = httpx.post(live_server.url("/v1/chat/completions"), content="model=x",
-                   headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        live_server.url("/v1/chat/completions"),
+        content="model=x",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"

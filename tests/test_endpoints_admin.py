@@ -17,10 +17,10 @@ import torch
 from _server import start_server
 from typer.testing import CliRunner
 
-from livelora.adapters.api_keys import ROLES, TENANT_ROLES, KeyStore
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
+from livelora.core.api_keys import ROLES, TENANT_ROLES, KeyStore
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.auth import AUTHENTICATED, PUBLIC, app_routes, required_role
 
 LINEAGE = "acme.support"
@@ -64,23 +64,80 @@ def keys(home):
     """Keys made offline with the CLI (``--home``), as an admin bootstraps a server."""
     made = {}
     for role in ROLES:
-        made[role] = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", role,
-                          "--name", f"acme-{role}").strip().splitlines()[-1]
-    made["acme"] = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", ",".join(TENANT_ROLES),
-                        "--name", "acme-all").strip().splitlines()[-1]
-    made["beta"] = _cli("keys", "create", "--home", str(home), "--tenant", "beta", "--roles", ",".join(TENANT_ROLES),
-                        "--name", "beta-all").strip().splitlines()[-1]
+        made[role] = (
+            _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", role, "--name", f"acme-{role}")
+            .strip()
+            .splitlines()[-1]
+        )
+    made["acme"] = (
+        _cli(
+            "keys",
+            "create",
+            "--home",
+            str(home),
+            "--tenant",
+            "acme",
+            "--roles",
+            ",".join(TENANT_ROLES),
+            "--name",
+            "acme-all",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
+    made["beta"] = (
+        _cli(
+            "keys",
+            "create",
+            "--home",
+            str(home),
+            "--tenant",
+            "beta",
+            "--roles",
+            ",".join(TENANT_ROLES),
+            "--name",
+            "beta-all",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     revoked = _cli("keys", "create", "--home", str(home), "--tenant", "acme", "--roles", ",".join(TENANT_ROLES))
     made["revoked"] = revoked.strip().splitlines()[-1]
     rid = KeyStore(home).verify(made["revoked"]).key_id
     _cli("keys", "revoke", rid, "--home", str(home))
     stored = (home / "keys.json").read_text()
     assert all(k.startswith("tml-") and k not in stored for k in made.values())  # hashed only
-    _cli("endpoints", "create", "acme.prod", "--lineage", LINEAGE, "--mode", "pinned", "--version", "1",
-         "--tenant", "acme", "--home", str(home))
+    _cli(
+        "endpoints",
+        "create",
+        "acme.prod",
+        "--lineage",
+        LINEAGE,
+        "--mode",
+        "pinned",
+        "--version",
+        "1",
+        "--tenant",
+        "acme",
+        "--home",
+        str(home),
+    )
     _cli("endpoints", "create", "acme.live", "--lineage", LINEAGE, "--tenant", "acme", "--home", str(home))
-    _cli("endpoints", "create", "beta.ep", "--lineage", "beta.l", "--mode", "pinned", "--version", "base",
-         "--tenant", "beta", "--home", str(home))
+    _cli(
+        "endpoints",
+        "create",
+        "beta.ep",
+        "--lineage",
+        "beta.l",
+        "--mode",
+        "pinned",
+        "--version",
+        "base",
+        "--tenant",
+        "beta",
+        "--home",
+        str(home),
+    )
     return made
 
 
@@ -88,20 +145,32 @@ def keys(home):
 def server(home, keys):
     from livelora.gateway.settings import GatewaySettings
 
-    live = start_server(GatewaySettings(model="smollm2-135m-instruct", home=home, device="cpu", max_batch_size=8,
-                                        max_waiting=16, max_body_bytes=64 * 1024, redis_prefix=PREFIX))
+    live = start_server(
+        GatewaySettings(
+            model="smollm2-135m-instruct",
+            home=home,
+            device="cpu",
+            max_batch_size=8,
+            max_waiting=16,
+            max_body_bytes=64 * 1024,
+            redis_prefix=PREFIX,
+        )
+    )
     yield live
     live.stop()
 
 
 def client(server, key=None) -> httpx.Client:
-    return httpx.Client(base_url=server.base_url, timeout=120,
-                        headers={"Authorization": f"Bearer {key}"} if key else {})
+    return httpx.Client(
+        base_url=server.base_url, timeout=120, headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
 
 
 def chat(http, model="acme.prod", max_tokens=2, **kw):
-    return http.post("/v1/chat/completions", json={"model": model, "messages": PROMPT, "max_tokens": max_tokens,
-                                                   "temperature": 0, **kw})
+    return http.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, **kw},
+    )
 
 
 def error_of(r, status):
@@ -116,12 +185,19 @@ def error_of(r, status):
 
 def _fill(path: str) -> str:
     out = path
-    for name, value in (("{model_id:path}", "acme.prod"), ("{name:path}", "acme.prod"),
-                        ("{name}", "acme.support@1"),
-                        ("{fmt}", "peft"), ("{key_id}", "nokey"), ("{session_id}", "nosession"),
-                        ("{model_id}", "nosession:train:0"), ("{checkpoint_id:path}", "x"),
-                        ("{sampler_id}", "nosession:sample:0"), ("{token}", "forged.0000"),
-                        ("{file_name}", "adapter_config.json")):
+    for name, value in (
+        ("{model_id:path}", "acme.prod"),
+        ("{name:path}", "acme.prod"),
+        ("{name}", "acme.support@1"),
+        ("{fmt}", "peft"),
+        ("{key_id}", "nokey"),
+        ("{session_id}", "nosession"),
+        ("{model_id}", "nosession:train:0"),
+        ("{checkpoint_id:path}", "x"),
+        ("{sampler_id}", "nosession:sample:0"),
+        ("{token}", "forged.0000"),
+        ("{file_name}", "adapter_config.json"),
+    ):
         out = out.replace(name, value)
     assert "{" not in out, path
     return out
@@ -193,8 +269,11 @@ def test_cross_tenant_access_is_404(server, keys):
     ok = chat(acme)
     assert ok.status_code == 200 and ok.headers["x-livelora-adapter-version"] == "acme.support@1"
     cid = ok.json()["id"]
-    assert {m["id"] for m in acme.get("/v1/models").json()["data"]} >= {"smollm2-135m-instruct", "acme.prod",
-                                                                        "acme.live"}
+    assert {m["id"] for m in acme.get("/v1/models").json()["data"]} >= {
+        "smollm2-135m-instruct",
+        "acme.prod",
+        "acme.live",
+    }
     beta_models = {m["id"] for m in beta.get("/v1/models").json()["data"]}
     assert "beta.ep" in beta_models and "smollm2-135m-instruct" in beta_models
     assert not beta_models & {"acme.prod", "acme.live"} and not any("@" in m for m in beta_models)
@@ -209,11 +288,15 @@ def test_cross_tenant_access_is_404(server, keys):
     # admin objects
     acme_key_id = KeyStore(server.services.settings.home).verify(keys["acme"]).key_id
     for method, url, body in [
-        ("GET", "/admin/endpoints/acme.prod", None), ("POST", "/admin/endpoints/acme.prod/promote", {"version": 2}),
-        ("POST", "/admin/endpoints/acme.prod/rollback", {}), ("GET", "/admin/endpoints/acme.prod/history", None),
-        ("GET", "/admin/adapters/acme.support@1", None), ("DELETE", "/admin/adapters/acme.support@3", None),
+        ("GET", "/admin/endpoints/acme.prod", None),
+        ("POST", "/admin/endpoints/acme.prod/promote", {"version": 2}),
+        ("POST", "/admin/endpoints/acme.prod/rollback", {}),
+        ("GET", "/admin/endpoints/acme.prod/history", None),
+        ("GET", "/admin/adapters/acme.support@1", None),
+        ("DELETE", "/admin/adapters/acme.support@3", None),
         ("POST", "/admin/adapters/acme.support@1/export", {"format": "peft"}),
-        ("GET", "/admin/exports/acme.support@1/peft", None), ("GET", "/admin/adapters?lineage=acme.support", None),
+        ("GET", "/admin/exports/acme.support@1/peft", None),
+        ("GET", "/admin/adapters?lineage=acme.support", None),
         ("DELETE", f"/admin/keys/{acme_key_id}", None),
     ]:
         error_of(beta.request(method, url, json=body), 404)
@@ -232,8 +315,12 @@ def test_cross_tenant_access_is_404(server, keys):
     error_of(httpx.post(server.url("/api/v1/session_heartbeat"), json={"session_id": sid}, headers=beta_hdr), 404)
     error_of(httpx.post(server.url(f"/api/v1/sessions/{sid}/finish"), json={}, headers=beta_hdr), 404)
     error_of(httpx.get(server.url(f"/api/v1/training_runs/{sid}:train:0"), headers=beta_hdr), 404)
-    assert httpx.post(server.url("/api/v1/session_heartbeat"), json={"session_id": sid},
-                      headers={"X-API-Key": keys["train"]}).status_code == 200
+    assert (
+        httpx.post(
+            server.url("/api/v1/session_heartbeat"), json={"session_id": sid}, headers={"X-API-Key": keys["train"]}
+        ).status_code
+        == 200
+    )
     acme.close()
     beta.close()
 
@@ -259,8 +346,10 @@ def test_shared_base_model_serves_other_tenants_untouched_base_weights(server, k
 def test_admin_promote_needs_a_version_or_follow(server, keys):
     acme = client(server, keys["acme"])
     assert error_of(acme.post("/admin/endpoints/acme.prod/promote", json={}), 400)["param"] == "version"
-    assert error_of(acme.post("/admin/endpoints/acme.prod/promote", json={"version": 2, "follow": True}),
-                    400)["param"] == "follow"
+    assert (
+        error_of(acme.post("/admin/endpoints/acme.prod/promote", json={"version": 2, "follow": True}), 400)["param"]
+        == "follow"
+    )
     acme.close()
 
 
@@ -269,17 +358,26 @@ def test_bad_names_and_oversize_bodies_are_rejected(server, keys):
         for name in ("../x", "a/../b", "a//b", "x\x01y", "x" * 200, "", "/abs", "a b"):
             error_of(http.post("/admin/endpoints", json={"name": name, "lineage": "acme.ok"}), 400)
         for lineage in ("../etc", "a/b", "..", "A" * 70, "x\x00"):
-            assert error_of(http.post("/admin/endpoints", json={"name": "acme.fine", "lineage": lineage}),
-                            400)["param"] == "lineage"
+            assert (
+                error_of(http.post("/admin/endpoints", json={"name": "acme.fine", "lineage": lineage}), 400)["param"]
+                == "lineage"
+            )
         for name in ("..%2F..%2Fetc@1", "acme.support@0", "acme.support@x", "UP@1"):
             assert http.get(f"/admin/adapters/{name}").status_code in (400, 404)
         error_of(http.post("/admin/endpoints/acme.prod/promote", json={"version": "../../x@1"}), 400)
-        err = error_of(http.post("/v1/chat/completions", content=b"{" + b" " * (70 * 1024) + b"}",
-                                 headers={"content-type": "application/json"}), 413)
+        err = error_of(
+            http.post(
+                "/v1/chat/completions",
+                content=b"{" + b" " * (70 * 1024) + b"}",
+                headers={"content-type": "application/json"},
+            ),
+            413,
+        )
         assert err["code"] == "payload_too_large"
     for sid in ("../../etc", "a/b", "x\ny", "s" * 200):
-        r = httpx.post(server.url("/api/v1/session_heartbeat"), json={"session_id": sid},
-                       headers={"X-API-Key": keys["train"]})
+        r = httpx.post(
+            server.url("/api/v1/session_heartbeat"), json={"session_id": sid}, headers={"X-API-Key": keys["train"]}
+        )
         assert r.status_code in (400, 404) and r.status_code != 200
         if "/" in sid or "\n" in sid or len(sid) > 128:
             assert r.status_code == 400, (sid, r.text)
@@ -291,7 +389,8 @@ def test_served_version_is_reported_by_redis_completion_log(server, keys):
     with client(server, keys["acme"]) as http:
         r = chat(http, model="acme.live")
     rec = redis.Redis.from_url(os.environ.get("LIVELORA_REDIS_URL", "redis://127.0.0.1:6379/0")).get(
-        KeyLayout(PREFIX).completion(r.json()["id"]))
+        KeyLayout(PREFIX).completion(r.json()["id"])
+    )
     assert json.loads(rec)["caller"] == "acme" and json.loads(rec)["adapter"] == "acme.support@4"
 
 
@@ -344,10 +443,20 @@ def test_sdk_without_a_key_says_none_was_configured(server, keys, monkeypatch):
 def _streams(server, key, n, results, started, max_tokens=24):
     def one(i):
         try:
-            with httpx.Client(base_url=server.base_url, timeout=300,
-                              headers={"Authorization": f"Bearer {key}"}) as http, http.stream(
-                    "POST", "/v1/chat/completions", json={"model": "acme.prod", "messages": PROMPT, "stream": True,
-                                                         "max_tokens": max_tokens, "temperature": 0}) as r:
+            with (
+                httpx.Client(base_url=server.base_url, timeout=300, headers={"Authorization": f"Bearer {key}"}) as http,
+                http.stream(
+                    "POST",
+                    "/v1/chat/completions",
+                    json={
+                        "model": "acme.prod",
+                        "messages": PROMPT,
+                        "stream": True,
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                    },
+                ) as r,
+            ):
                 version = r.headers.get("x-livelora-adapter-version")
                 fingerprints, ok = set(), r.status_code == 200
                 for line in r.iter_lines():
@@ -383,7 +492,7 @@ def _change_under_load(server, keys, action, body, before, after):
     for t in threads:
         t.join(300)
     assert all(res is not None and res[0] for res in results), results  # zero failed requests
-    for ok, version, fps in results:  # each stream names one version, the one it started on
+    for _ok, version, fps in results:  # each stream names one version, the one it started on
         assert version == before and fps == {f"livelora-{before}"}
     after_results: list = [None] * n
     threads = _streams(server, keys["acme"], n, after_results, [threading.Event() for _ in range(n)], 4)
@@ -393,14 +502,17 @@ def _change_under_load(server, keys, action, body, before, after):
 
 
 def test_promote_and_rollback_under_eight_streams(server, keys):
-    _change_under_load(server, keys, "promote", {"version": "acme.support@2", "reason": "better"},
-                       "acme.support@1", "acme.support@2")
+    _change_under_load(
+        server, keys, "promote", {"version": "acme.support@2", "reason": "better"}, "acme.support@1", "acme.support@2"
+    )
     _change_under_load(server, keys, "rollback", {"reason": "regression"}, "acme.support@2", "acme.support@1")
     with client(server, keys["admin"]) as admin:
         hist = admin.get("/admin/endpoints/acme.prod/history").json()["data"]
         assert [(h["action"], h["from"], h["to"], h["reason"]) for h in hist] == [
-            ("create", None, "acme.support@1", ""), ("promote", "acme.support@1", "acme.support@2", "better"),
-            ("rollback", "acme.support@2", "acme.support@1", "regression")]
+            ("create", None, "acme.support@1", ""),
+            ("promote", "acme.support@1", "acme.support@2", "better"),
+            ("rollback", "acme.support@2", "acme.support@1", "regression"),
+        ]
         assert hist[1]["who"].startswith("acme/acme-admin") and hist[0]["who"].startswith("local:")
         assert all(h["tenant"] == "acme" and h["time"] > 0 for h in hist)
         # a version an endpoint targets cannot be deleted: prod pins @1, live follows the newest (@4)
@@ -448,8 +560,8 @@ def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
     """The PEFT export scores like the stored version; the merged model's logits match base+adapter."""
     from peft import PeftModel
 
-    from livelora.adapters.models import load_model
-    from livelora.gateway.services.admin import AdminService
+    from livelora.core.base_models import load_model
+    from livelora.gateway.services.store_admin import AdminService
 
     peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
     _cli("adapters", "export", "acme.support@2", "--format", "peft", "--out", str(peft_dir), "--home", str(home))
@@ -501,9 +613,9 @@ def test_the_served_base_models_own_endpoint_is_administered_like_the_others(bas
     """The base model's served name is an implicit endpoint (it follows the lineage of the same name): admin
     lists it with the version it serves, shows its history, marks its version as served, and may promote and
     roll it back (a change makes it explicit); it belongs to tenant default, so another tenant sees none of it."""
-    from livelora.adapters.owners import record_install_owners
+    from livelora.adapters.endpoints import record_install_owners
     from livelora.clients.errors import NotFoundError
-    from livelora.gateway.services.admin import AdminService
+    from livelora.gateway.services.store_admin import AdminService
     from livelora.trainer.model import TrainingModel
 
     base = "smollm2-135m-instruct"

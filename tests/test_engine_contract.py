@@ -17,13 +17,13 @@ import time
 import pytest
 import torch
 
-from livelora.clients.errors import (BadRequestError, ConflictError, ContextLengthExceededError,
-                                     ModelNotFoundError)
+from livelora.clients.errors import BadRequestError, ConflictError, ContextLengthExceededError, ModelNotFoundError
 from livelora.gateway.engines import ENGINE_KINDS, SamplingParams, create_engine
 
-ENGINE_KWARGS = {"transformers": {"device": "cpu", "max_batch_size": 8},
-                 "vllm": {"device": "cuda" if torch.cuda.is_available() else "cpu", "max_batch_size": 8,
-                          "max_model_len": 1024}}
+ENGINE_KWARGS = {
+    "transformers": {"device": "cpu", "max_batch_size": 8},
+    "vllm": {"device": "cuda" if torch.cuda.is_available() else "cpu", "max_batch_size": 8, "max_model_len": 1024},
+}
 
 
 def _engine_kinds_under_test() -> list[str]:
@@ -96,7 +96,7 @@ def test_eos_ends_with_stop_and_is_not_in_text(engine, run, paris):
     assert 2 not in tokens and "<|im_end|>" not in text
     # ignore_eos: generation runs past <|im_end|> (id 2) up to max_tokens
     past, _, pchunks = run(collect(engine, prompt, greedy(len(tokens) + 3, ignore_eos=True)))
-    assert past[:len(tokens)] == tokens and past[len(tokens)] == 2
+    assert past[: len(tokens)] == tokens and past[len(tokens)] == 2
     assert len(past) == len(tokens) + 3 and pchunks[-1].finish_reason == "length"
 
 
@@ -104,10 +104,11 @@ def test_max_tokens_gives_length_with_exact_count_and_concurrent_requests_stay_i
     prompt = chat(engine, "Write a long story about a dragon.")
 
     async def three():
-        return await asyncio.gather(*[collect(engine, prompt, SamplingParams(max_tokens=n, seed=n, ignore_eos=True))
-                                      for n in (3, 7, 5)])
+        return await asyncio.gather(
+            *[collect(engine, prompt, SamplingParams(max_tokens=n, seed=n, ignore_eos=True)) for n in (3, 7, 5)]
+        )
 
-    for (tokens, text, chunks), n in zip(run(three()), (3, 7, 5)):
+    for (tokens, _text, chunks), n in zip(run(three()), (3, 7, 5)):
         assert len(tokens) == n and chunks[-1].finish_reason == "length"
         assert sum(len(c.token_ids) for c in chunks) == n
 
@@ -119,14 +120,16 @@ def test_stop_strings_and_stop_token_ids(engine, run, paris):
     stop_id = tokens[3]
 
     async def all_at_once():
-        return await asyncio.gather(*[collect(engine, prompt, greedy(12, stop=(s, "zzqx"))) for s in stops],
-                                    collect(engine, prompt, greedy(12, stop_token_ids=(stop_id,))))
+        return await asyncio.gather(
+            *[collect(engine, prompt, greedy(12, stop=(s, "zzqx"))) for s in stops],
+            collect(engine, prompt, greedy(12, stop_token_ids=(stop_id,))),
+        )
 
     *by_string, (got, text, chunks) = run(all_at_once())
     for stop, (got_tokens, got_text, s_chunks) in zip(stops, by_string):
-        assert got_text == full[:full.index(stop)], stop
+        assert got_text == full[: full.index(stop)], stop
         assert s_chunks[-1].finish_reason == "stop" and s_chunks[-1].stop_reason == stop
-        assert got_tokens == tokens[:len(got_tokens)]
+        assert got_tokens == tokens[: len(got_tokens)]
     assert got == tokens[:3]
     assert text == engine.tokenizer.decode(tokens[:3], skip_special_tokens=True)
     assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop_id
@@ -155,10 +158,14 @@ def test_same_seed_same_tokens_also_when_batched_and_seeds_differ(engine, run):
 
     async def batched():
         return await asyncio.gather(
-            collect(engine, chat(engine, "hello"), SamplingParams(max_tokens=10, temperature=0.8, seed=7, top_p=0.9,
-                                                                  top_k=40)),
+            collect(
+                engine,
+                chat(engine, "hello"),
+                SamplingParams(max_tokens=10, temperature=0.8, seed=7, top_p=0.9, top_k=40),
+            ),
             collect(engine, prompt, params),
-            collect(engine, prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=99, ignore_eos=True)))
+            collect(engine, prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=99, ignore_eos=True)),
+        )
 
     _, together, other = run(batched())
     assert together[0] == alone
@@ -173,7 +180,7 @@ def test_logprobs_match_score_and_top_logprobs_are_sorted(engine, run):
     assert [lp.token_id for lp in lps] == tokens
     scored = run(engine.score(prompt + tokens, top_logprobs=5))
     assert len(scored) == len(prompt) + len(tokens) and scored[0] is None
-    for lp, ref in zip(lps, scored[len(prompt):]):
+    for lp, ref in zip(lps, scored[len(prompt) :]):
         assert ref.token_id == lp.token_id
         assert lp.logprob == pytest.approx(ref.logprob, abs=1e-4)
         values = [v for _, v in lp.top]
@@ -185,7 +192,8 @@ def test_logprobs_match_score_and_top_logprobs_are_sorted(engine, run):
 
 
 def test_multibyte_text_never_streams_replacement_chars(engine, run):
-    prompt = chat(engine, "Reply with three emoji: \U0001F600\U0001F389\U0001F680")
+    prompt = chat(engine, "Reply with three emoji: \U0001f600\U0001f389\U0001f680")
+
     async def both():  # 9 tokens end on a character boundary, 8 cut the last emoji (its bytes are dropped)
         return await asyncio.gather(collect(engine, prompt, greedy(9)), collect(engine, prompt, greedy(8)))
 
@@ -237,8 +245,13 @@ def test_bad_requests_raise_and_change_nothing(engine, run):
     with pytest.raises(ContextLengthExceededError) as err:
         engine.generate([1] * (limit - 2), SamplingParams(max_tokens=5))
     assert str(limit) in str(err.value) and str(limit - 2) in str(err.value) and "5" in str(err.value)
-    for bad in (SamplingParams(max_tokens=0), SamplingParams(top_logprobs=21, logprobs=True),
-                SamplingParams(temperature=-1.0), SamplingParams(top_p=0.0), SamplingParams(stop=("",))):
+    for bad in (
+        SamplingParams(max_tokens=0),
+        SamplingParams(top_logprobs=21, logprobs=True),
+        SamplingParams(temperature=-1.0),
+        SamplingParams(top_p=0.0),
+        SamplingParams(stop=("",)),
+    ):
         with pytest.raises(BadRequestError):
             engine.generate(prompt, bad)
     with pytest.raises(ModelNotFoundError):
@@ -253,10 +266,16 @@ def lora_dir(base_ref, tmp_path_factory):
     """A real rank-4 LoRA on SmolLM2 with deterministic non-zero lora_B, saved in PEFT format."""
     from peft import LoraConfig, get_peft_model
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
-    model = get_peft_model(load_model(base_ref), LoraConfig(r=4, lora_alpha=8, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model = get_peft_model(
+        load_model(base_ref),
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -270,7 +289,7 @@ def lora_dir(base_ref, tmp_path_factory):
 def test_adapter_load_generate_score_unload(engine, run, paris, lora_dir, base_ref):
     from peft import PeftModel
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
     prompt, base_tokens = paris[0], paris[1]
     tokens = prompt + base_tokens
@@ -292,14 +311,15 @@ def test_adapter_load_generate_score_unload(engine, run, paris, lora_dir, base_r
     assert max(abs(a - b) for a, b in zip(got, base)) > 1e-2
 
     async def mixed():  # base and adapter sequences in one batch
-        return await asyncio.gather(collect(engine, prompt, greedy(12)),
-                                    collect(engine, prompt, greedy(6, logprobs=True), adapter="test@1"))
+        return await asyncio.gather(
+            collect(engine, prompt, greedy(12)), collect(engine, prompt, greedy(6, logprobs=True), adapter="test@1")
+        )
 
     (mixed_base, _, _), (ad_tokens, _, ad_chunks) = run(mixed())
     assert mixed_base == base_tokens
     ad_lps = [lp.logprob for c in ad_chunks for lp in (c.logprobs or [])]
-    ad_ref = [x.logprob for x in run(engine.score(prompt + ad_tokens, adapter="test@1"))[len(prompt):]]
-    assert ad_lps == pytest.approx(ad_ref[:len(ad_lps)], abs=1e-4)
+    ad_ref = [x.logprob for x in run(engine.score(prompt + ad_tokens, adapter="test@1"))[len(prompt) :]]
+    assert ad_lps == pytest.approx(ad_ref[: len(ad_lps)], abs=1e-4)
 
     run(engine.unload_adapter("test@1"))
     assert engine.loaded_adapters() == []
@@ -311,6 +331,7 @@ def test_adapter_load_generate_score_unload(engine, run, paris, lora_dir, base_r
 
 
 # ----- helpers of the transformers engine (no model needed) ---------------------------------------------------
+
 
 def test_stop_matcher_holds_back_possible_prefixes_and_cuts_at_the_earliest_match():
     from livelora.gateway.engines.detokenize import StopStringMatcher
@@ -326,7 +347,7 @@ def test_stop_matcher_holds_back_possible_prefixes_and_cuts_at_the_earliest_matc
 def test_incremental_detokenizer_matches_full_decode_on_emoji_and_cjk(tokenizer):
     from livelora.gateway.engines.detokenize import IncrementalDetokenizer
 
-    text = "Emoji \U0001F600\U0001F389 and 中文字符, café — done."
+    text = "Emoji \U0001f600\U0001f389 and 中文字符, café — done."
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
     deltas = [detok.push(t) for t in ids] + [detok.flush()]
@@ -339,9 +360,11 @@ def test_sampling_filters_follow_top_k_then_top_p():
 
     probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
     logits = probs.log()[None, :].repeat(3, 1)
-    rows = [RowSampling(1.0, 1.0, 2, make_generator(0)),  # top-k 2: tokens 1 and 3
-            RowSampling(1.0, 0.5, 0, make_generator(1)),  # top-p 0.5: 0.4 (token 1) then 0.3 (token 3) reaches it
-            RowSampling(0.0, 1.0, 0, None, top_logprobs=2)]  # greedy
+    rows = [
+        RowSampling(1.0, 1.0, 2, make_generator(0)),  # top-k 2: tokens 1 and 3
+        RowSampling(1.0, 0.5, 0, make_generator(1)),  # top-p 0.5: 0.4 (token 1) then 0.3 (token 3) reaches it
+        RowSampling(0.0, 1.0, 0, None, top_logprobs=2),
+    ]  # greedy
     seen: list[set[int]] = [set(), set(), set()]
     for _ in range(200):
         step = sample_batch(logits, rows)
@@ -353,6 +376,11 @@ def test_sampling_filters_follow_top_k_then_top_p():
     # a seeded row draws the same tokens alone and next to greedy / top-p companions
     g1, g2 = make_generator(42), make_generator(42)
     draws1 = [sample_batch(logits[:1], [RowSampling(1.0, 1.0, 0, g1)]).token_ids[0] for _ in range(20)]
-    draws2 = [sample_batch(logits, [RowSampling(0.0, 1.0, 0, None), RowSampling(1.0, 1.0, 0, g2),
-                                    RowSampling(0.7, 0.9, 0, make_generator(3))]).token_ids[1] for _ in range(20)]
+    draws2 = [
+        sample_batch(
+            logits,
+            [RowSampling(0.0, 1.0, 0, None), RowSampling(1.0, 1.0, 0, g2), RowSampling(0.7, 0.9, 0, make_generator(3))],
+        ).token_ids[1]
+        for _ in range(20)
+    ]
     assert draws1 == draws2 and len(set(draws1)) > 1

@@ -56,10 +56,16 @@ def versions(base_ref, tmp_path_factory):
     """Two real rank-8 LoRA versions on SmolLM2 (attention + MLP), different non-zero lora_B."""
     from peft import LoraConfig, get_peft_model
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
-    model = get_peft_model(load_model(base_ref), LoraConfig(r=8, lora_alpha=16, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model = get_peft_model(
+        load_model(base_ref),
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
     root = tmp_path_factory.mktemp("versions")
     out = []
     for seed in (1, 2):
@@ -88,25 +94,32 @@ def test_a_stream_keeps_its_version_while_the_next_one_loads_and_serves(engine, 
     n = 12
 
     async def swap_under_load():
-        gen = engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, logprobs=True,
-                                                     ignore_eos=True), adapter="story@1")
+        gen = engine.generate(
+            prompt, SamplingParams(max_tokens=n, temperature=0.0, logprobs=True, ignore_eos=True), adapter="story@1"
+        )
         head = [await gen.__anext__()]  # v1 is running ...
         await engine.load_adapter("story@2", str(v2))  # ... while v2 loads
         assert sorted(engine.loaded_adapters()) == ["story@1", "story@2"]
         with pytest.raises(ConflictError):  # leased: refused, nothing changes
             await engine.unload_adapter("story@1")
         assert sorted(engine.loaded_adapters()) == ["story@1", "story@2"]
-        second = asyncio.ensure_future(collect(engine, prompt, SamplingParams(
-            max_tokens=n, temperature=0.0, logprobs=True, ignore_eos=True), adapter="story@2"))
+        second = asyncio.ensure_future(
+            collect(
+                engine,
+                prompt,
+                SamplingParams(max_tokens=n, temperature=0.0, logprobs=True, ignore_eos=True),
+                adapter="story@2",
+            )
+        )
         tail = [c async for c in gen]
         return head + tail, await second
 
     chunks1, (tokens2, _, chunks2) = run(swap_under_load())
     tokens1 = [t for c in chunks1 for t in c.token_ids]
     assert len(tokens1) == n and len(tokens2) == n and chunks1[-1].finish_reason == "length"
-    s1 = [x.logprob for x in run(engine.score(prompt + tokens1, adapter="story@1"))[len(prompt):]]
-    s1_under_v2 = [x.logprob for x in run(engine.score(prompt + tokens1, adapter="story@2"))[len(prompt):]]
-    s2 = [x.logprob for x in run(engine.score(prompt + tokens2, adapter="story@2"))[len(prompt):]]
+    s1 = [x.logprob for x in run(engine.score(prompt + tokens1, adapter="story@1"))[len(prompt) :]]
+    s1_under_v2 = [x.logprob for x in run(engine.score(prompt + tokens1, adapter="story@2"))[len(prompt) :]]
+    s2 = [x.logprob for x in run(engine.score(prompt + tokens2, adapter="story@2"))[len(prompt) :]]
     assert _lps(chunks1) == pytest.approx(s1, abs=LP_TOL), "the v1 stream changed weights mid-sequence"
     assert _max_diff(_lps(chunks1), s1_under_v2) > 1e-2, "v1 and v2 must differ for this test to mean anything"
     assert _lps(chunks2) == pytest.approx(s2, abs=LP_TOL)
@@ -116,8 +129,14 @@ def test_a_stream_keeps_its_version_while_the_next_one_loads_and_serves(engine, 
     assert engine.loaded_adapters() == ["story@2"]
     with pytest.raises(ModelNotFoundError):
         engine.generate(prompt, greedy(2), adapter="story@1")
-    again = run(collect(engine, prompt, SamplingParams(max_tokens=n, temperature=0.0, logprobs=True,
-                                                       ignore_eos=True), adapter="story@2"))
+    again = run(
+        collect(
+            engine,
+            prompt,
+            SamplingParams(max_tokens=n, temperature=0.0, logprobs=True, ignore_eos=True),
+            adapter="story@2",
+        )
+    )
     assert again[0] == tokens2
     if engine.kind == "vllm":
         assert run(engine.vllm_loaded_ids()) == {engine.lora_int_id("story@2")}
@@ -125,11 +144,12 @@ def test_a_stream_keeps_its_version_while_the_next_one_loads_and_serves(engine, 
     assert engine.loaded_adapters() == [] and engine.num_unfinished_requests() == 0
 
 
-def test_store_copy_can_change_after_load_and_a_reused_name_serves_new_weights(engine, run, versions,
-                                                                               base_ref, tmp_path):
+def test_store_copy_can_change_after_load_and_a_reused_name_serves_new_weights(
+    engine, run, versions, base_ref, tmp_path
+):
     from peft import PeftModel
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
     v1, v2 = versions
     prompt = chat(engine, "Name a color.")
@@ -141,8 +161,7 @@ def test_store_copy_can_change_after_load_and_a_reused_name_serves_new_weights(e
     with torch.no_grad():  # the reference: plain peft on the same weights
         ref = PeftModel.from_pretrained(load_model(base_ref), str(v1)).eval()
         ref_lp = torch.log_softmax(ref(input_ids=torch.tensor([tokens])).logits[0, :-1], -1)
-    assert first == pytest.approx(ref_lp.gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1).tolist(),
-                                  abs=LP_TOL)
+    assert first == pytest.approx(ref_lp.gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1).tolist(), abs=LP_TOL)
 
     # the store's directory is rewritten with other weights, then deleted: the engine does not notice
     shutil.copyfile(v2 / "adapter_model.safetensors", src / "adapter_model.safetensors")

@@ -17,14 +17,18 @@ from livelora.trainer.model import TrainingModel
 def test_merged_export_matches_base_plus_adapter_and_unties_embeddings(base_ref, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
     store = AdapterStore(tmp_path / "home")
     m = TrainingModel(base_ref, LoraConfig(rank=4, seed=11))  # all linear, lm_head included
     ids = tokenizer("Merging must not change what the model says.")["input_ids"]
-    datum = Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
-        "target_tokens": TensorData.from_list(ids[1:], "int64"),
-        "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32")})
+    datum = Datum(
+        model_input=ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(ids[1:], "int64"),
+            "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32"),
+        },
+    )
     for _ in range(2):
         m.forward_backward([datum])
         m.optim_step(AdamParams(learning_rate=5e-3))

@@ -16,27 +16,39 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.rails import GateThresholds, bound_of, gate_allows, judge
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, RatingEvent
-from livelora.trainer.gate import Measurement, compare, load_probes, reply_degenerate
-from livelora.trainer.gated import held_out
+from livelora.core.rails import GateThresholds, bound_of, gate_allows, judge
+from livelora.trainer.gate import held_out
+from livelora.trainer.gate_measure import Measurement, compare, load_probes, reply_degenerate
 from livelora.trainer.scheduler import Batch, kto_class_weights
 
 
 def test_judge_applies_each_threshold():
     t = GateThresholds()
-    ok = {"probes": {"value": 0.80, "current": 0.83}, "kl_current": {"value": 0.02}, "kl_base": {"value": 0.2},
-          "degenerate": {"value": 0.0}, "length_ratio": {"value": 0.95}, "signal": {"value": None, "current": None}}
+    ok = {
+        "probes": {"value": 0.80, "current": 0.83},
+        "kl_current": {"value": 0.02},
+        "kl_base": {"value": 0.2},
+        "degenerate": {"value": 0.0},
+        "length_ratio": {"value": 0.95},
+        "signal": {"value": None, "current": None},
+    }
     assert judge(ok, t).passed and judge(ok, t).failed == []
-    bad = {**ok, "probes": {"value": 0.50, "current": 0.83}, "kl_current": {"value": 0.3},
-           "degenerate": {"value": 0.75}, "length_ratio": {"value": 0.4},
-           "signal": {"value": -0.5, "current": 0.1}}
+    bad = {
+        **ok,
+        "probes": {"value": 0.50, "current": 0.83},
+        "kl_current": {"value": 0.3},
+        "degenerate": {"value": 0.75},
+        "length_ratio": {"value": 0.4},
+        "signal": {"value": -0.5, "current": 0.1},
+    }
     v = judge(bad, t)
     assert not v.passed and v.failed == ["probes", "kl_current", "degenerate", "length_ratio", "signal"]
-    loose = GateThresholds(probe_margin=0.5, max_kl_current=1.0, max_degenerate=1.0, min_length_ratio=0.1,
-                           signal_tolerance=1.0)
+    loose = GateThresholds(
+        probe_margin=0.5, max_kl_current=1.0, max_degenerate=1.0, min_length_ratio=0.1, signal_tolerance=1.0
+    )
     assert judge(bad, loose).passed
     assert judge(bad, GateThresholds(enabled=False)).passed  # measured, recorded, not enforced
     gate = {"against": "base", "verdicts": {"*": {"passed": True}, "strict": {"passed": False, "failed": ["x"]}}}
@@ -47,24 +59,31 @@ def test_probes_base_bounds_the_loss_against_the_base_model():
     """Each step within ``probe_margin`` of the current version, yet the chain below the base model: the
     ``probes_base`` check (``probe_base_margin`` 0.05 against the base model) rejects it."""
     t = GateThresholds()
-    base, current = 20 / 24, 19 / 24          # SmolLM2 gets 20 of the 24 probes; the current version lost one
-    rest = {"kl_current": {"value": 0.02}, "kl_base": {"value": 0.2}, "degenerate": {"value": 0.0},
-            "length_ratio": {"value": 0.95}}
+    base, current = 20 / 24, 19 / 24  # SmolLM2 gets 20 of the 24 probes; the current version lost one
+    rest = {
+        "kl_current": {"value": 0.02},
+        "kl_base": {"value": 0.2},
+        "degenerate": {"value": 0.0},
+        "length_ratio": {"value": 0.95},
+    }
 
     def checks(new: float, base_acc: float | None = base) -> dict:
-        return {"probes": {"value": new, "current": current},
-                "probes_base": {"value": new, "current": current, "base": base_acc}, **rest}
+        return {
+            "probes": {"value": new, "current": current},
+            "probes_base": {"value": new, "current": current, "base": base_acc},
+            **rest,
+        }
 
-    lost_two = judge(checks(18 / 24), t)       # 0.75 >= 0.7917 - 0.10 (probes), 0.75 < 0.8333 - 0.05
+    lost_two = judge(checks(18 / 24), t)  # 0.75 >= 0.7917 - 0.10 (probes), 0.75 < 0.8333 - 0.05
     assert not lost_two.passed and lost_two.failed == ["probes_base"]
     assert bound_of("probes", current, t) == pytest.approx(0.691667, abs=1e-6)
     assert bound_of("probes_base", current, t, base) == pytest.approx(0.783333, abs=1e-6)
-    assert bound_of("probes_base", current, t) is None      # no base measurement: no bound, the check passes
+    assert bound_of("probes_base", current, t) is None  # no base measurement: no bound, the check passes
     assert judge(checks(18 / 24, None), t).passed
-    assert judge(checks(19 / 24), t).passed                 # one probe lost against the base model: allowed
-    assert judge(checks(base - 0.05), t).passed             # exactly at the bound
+    assert judge(checks(19 / 24), t).passed  # one probe lost against the base model: allowed
+    assert judge(checks(base - 0.05), t).passed  # exactly at the bound
     assert judge(checks(base - 0.05 - 1e-6), t).failed == ["probes_base"]
-    one_probe = GateThresholds(probe_base_margin=1 / 24)    # 20/24 − 1/24 is 19/24 up to rounding
+    one_probe = GateThresholds(probe_base_margin=1 / 24)  # 20/24 − 1/24 is 19/24 up to rounding
     assert judge(checks(19 / 24), one_probe).passed and not judge(checks(18 / 24), one_probe).passed
     assert judge(checks(18 / 24), GateThresholds(probe_base_margin=0.1)).passed
     disabled = judge(checks(18 / 24), GateThresholds(enabled=False))
@@ -72,8 +91,11 @@ def test_probes_base_bounds_the_loss_against_the_base_model():
     # a lineage already below the bound (trained before the check, or a tightened margin) is not stalled: its
     # next version may not lose more than it has (bound min(base − margin, current)) and may climb back
     below = 17 / 24
-    stalled = {"probes": {"value": below, "current": below},
-               "probes_base": {"value": below, "current": below, "base": base}, **rest}
+    stalled = {
+        "probes": {"value": below, "current": below},
+        "probes_base": {"value": below, "current": below, "base": base},
+        **rest,
+    }
     assert bound_of("probes_base", below, t, base) == pytest.approx(below)
     assert judge(stalled, t).passed
     stalled["probes_base"]["value"] = stalled["probes"]["value"] = 16 / 24
@@ -85,8 +107,9 @@ def test_compare_reports_both_probe_checks():
     torch.manual_seed(0)
 
     def measurement(right: int, logits_M_V: torch.Tensor) -> Measurement:
-        return Measurement([True] * right + [False] * (24 - right), torch.log_softmax(logits_M_V, -1), 0.0, 20.0,
-                           ["a reply"] * 4)
+        return Measurement(
+            [True] * right + [False] * (24 - right), torch.log_softmax(logits_M_V, -1), 0.0, 20.0, ["a reply"] * 4
+        )
 
     logits = torch.randn(30, 50)
     base, current = measurement(20, logits), measurement(19, logits + 0.1 * torch.randn(30, 50))
@@ -113,7 +136,7 @@ def test_probe_file_and_degeneracy_heuristics():
 
 
 def test_endpoint_thresholds_are_validated_stored_and_audited(tmp_path):
-    from livelora.gateway.services.admin import AdminService
+    from livelora.gateway.services.store_admin import AdminService
 
     admin = AdminService(tmp_path, tenant=None)
     admin.create_endpoint("ep", "lin", who="t")
@@ -122,13 +145,13 @@ def test_endpoint_thresholds_are_validated_stored_and_audited(tmp_path):
     assert exc.value.param == "thresholds.probe_margin"
     with pytest.raises(BadRequestError):
         admin.set_gate("ep", {"no_such_check": 1}, who="t")
-    assert admin.get_endpoint("ep")["gate"] == GateThresholds().model_dump()   # bad input changed nothing
+    assert admin.get_endpoint("ep")["gate"] == GateThresholds().model_dump()  # bad input changed nothing
     entry = admin.set_gate("ep", {"probe_margin": 0.05, "max_kl_current": 0.3}, who="t", reason="strict")
     assert entry.action == "configure" and entry.reason == "strict"
     shown = admin.get_endpoint("ep")["gate"]
     assert shown["probe_margin"] == 0.05 and shown["max_kl_current"] == 0.3 and shown["max_degenerate"] == 0.25
     assert EndpointStore(tmp_path).get("ep").thresholds.probe_margin == 0.05
-    assert shown["probe_base_margin"] == 0.05                     # not set: the default
+    assert shown["probe_base_margin"] == 0.05  # not set: the default
     with pytest.raises(BadRequestError) as exc:
         admin.set_gate("ep", {"probe_base_margin": -0.1}, who="t")
     assert exc.value.param == "thresholds.probe_base_margin"
@@ -140,8 +163,22 @@ def test_endpoint_thresholds_are_validated_stored_and_audited(tmp_path):
     from livelora.cli.main import app
 
     runner = CliRunner()
-    res = runner.invoke(app, ["endpoints", "gate", "ep", "--set", "probe_base_margin=0.0834", "--set",
-                              "probe_margin=0.2", "--reason", "two probes", "--home", str(tmp_path)])
+    res = runner.invoke(
+        app,
+        [
+            "endpoints",
+            "gate",
+            "ep",
+            "--set",
+            "probe_base_margin=0.0834",
+            "--set",
+            "probe_margin=0.2",
+            "--reason",
+            "two probes",
+            "--home",
+            str(tmp_path),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "probe_base_margin" in res.output and "0.0834" in res.output
     stored = EndpointStore(tmp_path).get("ep").thresholds
@@ -157,21 +194,46 @@ WRONG = {"fact": "London", "arithmetic": "8", "format": "Maybe"}
 
 
 def _ratings(trainer, endpoint: str, n: int = 8) -> Batch:
-    qs = ["What is a good name for a dog?", "How do I boil an egg?", "Why do leaves change colour?",
-          "What is the tallest mountain?", "Give me a word that rhymes with cat.", "How far is the Moon?",
-          "What is photosynthesis?", "Suggest a breakfast."]
-    good = ["Max is a classic name for a dog.", "Boil it for about nine minutes.", "They lose chlorophyll.",
-            "Mount Everest.", "Hat rhymes with cat.", "About 384,000 km.", "Plants turning light into sugar.",
-            "Oatmeal with fruit."]
+    qs = [
+        "What is a good name for a dog?",
+        "How do I boil an egg?",
+        "Why do leaves change colour?",
+        "What is the tallest mountain?",
+        "Give me a word that rhymes with cat.",
+        "How far is the Moon?",
+        "What is photosynthesis?",
+        "Suggest a breakfast.",
+    ]
+    good = [
+        "Max is a classic name for a dog.",
+        "Boil it for about nine minutes.",
+        "They lose chlorophyll.",
+        "Mount Everest.",
+        "Hat rhymes with cat.",
+        "About 384,000 km.",
+        "Plants turning light into sugar.",
+        "Oatmeal with fruit.",
+    ]
     evs = []
     for i in range(n):
         up = i % 2 == 0
-        prompt, completion = trainer.chat_pair([ChatMessage(role="user", content=qs[i])],
-                                               good[i] if up else "I do not know.")
-        evs.append(RatingEvent(id=f"feedback-{uuid.uuid4().hex}", endpoint=endpoint, created=int(time.time()),
-                               completion_id=f"c{i}-{uuid.uuid4().hex[:6]}", prompt_token_ids=prompt,
-                               completion_token_ids=completion[:-2], finish_reason="stop", rating=up,
-                               rating_key=f"c{i}:/u", user="u"))
+        prompt, completion = trainer.chat_pair(
+            [ChatMessage(role="user", content=qs[i])], good[i] if up else "I do not know."
+        )
+        evs.append(
+            RatingEvent(
+                id=f"feedback-{uuid.uuid4().hex}",
+                endpoint=endpoint,
+                created=int(time.time()),
+                completion_id=f"c{i}-{uuid.uuid4().hex[:6]}",
+                prompt_token_ids=prompt,
+                completion_token_ids=completion[:-2],
+                finish_reason="stop",
+                rating=up,
+                rating_key=f"c{i}:/u",
+                user="u",
+            )
+        )
     batch = Batch(endpoint, "kto", evs, [f"1-{i}" for i in range(n)])
     batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n // 2, n - n // 2)
     return batch
@@ -182,9 +244,14 @@ def _wrong_answers(endpoint: str) -> Batch:
     evs = []
     for p in load_probes():
         reply = f"{p.lead} {WRONG[p.kind]}".strip()
-        evs.append(DemonstrationEvent(id=f"demo-{uuid.uuid4().hex}", endpoint=endpoint, created=int(time.time()),
-                                      messages=[ChatMessage(role="user", content=p.prompt),
-                                                ChatMessage(role="assistant", content=reply)]))
+        evs.append(
+            DemonstrationEvent(
+                id=f"demo-{uuid.uuid4().hex}",
+                endpoint=endpoint,
+                created=int(time.time()),
+                messages=[ChatMessage(role="user", content=p.prompt), ChatMessage(role="assistant", content=reply)],
+            )
+        )
     return Batch(endpoint, "sft", evs, [f"2-{i}" for i in range(len(evs))])
 
 
@@ -198,34 +265,43 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
     home = tmp_path
     ep = lineage = "gated"
     EndpointStore(home).create(ep, lineage, tenant="default", who="test")
-    gate = GateSection(gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12)   # on despite conftest's env
+    gate = GateSection(gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12)  # on despite conftest's env
     trainer = OnlineTrainer(base_ref, home, TrainingSection(sft_lr=3e-3), gate=gate)
 
-    v1 = trainer.train(_ratings(trainer, ep))                       # a normal live-loop step
+    v1 = trainer.train(_ratings(trainer, ep))  # a normal live-loop step
     g1 = v1.gate
     assert g1["against"] == "base" and g1["continued_from"] is None and g1["verdicts"][ep]["passed"]
     checks1 = {c["name"]: c for c in g1["checks"]}
     assert checks1["kl_current"]["value"] < GateThresholds().max_kl_current
     base_acc = g1["measures"]["probe_accuracy_base"]
-    assert base_acc >= 0.75                                         # the base model gets most probes right
+    assert base_acc >= 0.75  # the base model gets most probes right
     assert checks1["probes_base"]["passed"] and checks1["probes_base"]["value"] == g1["measures"]["probe_accuracy"]
     assert checks1["probes_base"]["bound"] == pytest.approx(base_acc - GateThresholds().probe_base_margin)
 
     # every check but probes_base loosened for this endpoint: the rejection below is probes_base's alone, and
     # training must continue from the version compared with, as after any other check's rejection
-    loose = GateThresholds(probe_margin=1.0, max_kl_current=100.0, max_kl_base=100.0, max_degenerate=1.0,
-                           min_length_ratio=0.0, signal_tolerance=100.0)
+    loose = GateThresholds(
+        probe_margin=1.0,
+        max_kl_current=100.0,
+        max_kl_base=100.0,
+        max_degenerate=1.0,
+        min_length_ratio=0.0,
+        signal_tolerance=100.0,
+    )
     EndpointStore(home).set_gate(ep, loose, tenant="default", who="test", reason="probes_base only")
-    v2 = trainer.train(_wrong_answers(ep))                          # trained to be much worse on the probes
+    v2 = trainer.train(_wrong_answers(ep))  # trained to be much worse on the probes
     g2 = v2.gate
     assert v2.parent == 1 and g2["against"] == f"{lineage}@1"
     assert not g2["verdicts"][ep]["passed"] and g2["verdicts"][ep]["failed"] == ["probes_base"]
     assert "probes" in g2["verdicts"]["*"]["failed"] and "probes_base" in g2["verdicts"]["*"]["failed"]
     checks2 = {c["name"]: c for c in g2["checks"]}
     assert checks2["probes"]["value"] < checks2["probes"]["current"] - GateThresholds().probe_margin
-    assert checks2["probes"]["passed"] and not checks2["probes_base"]["passed"]     # under the endpoint's thresholds
-    assert checks2["probes_base"]["value"] < checks2["probes_base"]["bound"] == pytest.approx(
-        base_acc - loose.probe_base_margin)
+    assert checks2["probes"]["passed"] and not checks2["probes_base"]["passed"]  # under the endpoint's thresholds
+    assert (
+        checks2["probes_base"]["value"]
+        < checks2["probes_base"]["bound"]
+        == pytest.approx(base_acc - loose.probe_base_margin)
+    )
     assert g2["continued_from"] == f"{lineage}@1"
     # training continues from version 1: the in-memory model holds version 1's weights again
     model = trainer.model_for(lineage)
@@ -237,14 +313,18 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
 
     history = [h for h in EndpointStore(home).history(ep) if h.action == "gate"]
     assert [(h.to, h.reason) for h in history] == [
-        (f"{lineage}@1", "passed"), (f"{lineage}@2", "rejected: probes_base"), (f"{lineage}@3", "passed")]
+        (f"{lineage}@1", "passed"),
+        (f"{lineage}@2", "rejected: probes_base"),
+        (f"{lineage}@3", "passed"),
+    ]
     assert history[1].details["checks"]["probes"]["value"] == checks2["probes"]["value"]
-    assert history[1].details["checks"]["probes_base"] == {k: checks2["probes_base"][k]
-                                                           for k in ("value", "current", "bound")}
+    assert history[1].details["checks"]["probes_base"] == {
+        k: checks2["probes_base"][k] for k in ("value", "current", "bound")
+    }
 
     # what the admin API (GET /admin/adapters/{name}) and the CLI show
     from livelora.cli.main import app
-    from livelora.gateway.services.admin import AdminService
+    from livelora.gateway.services.store_admin import AdminService
 
     shown2 = {c["name"]: c for c in AdminService(home, tenant=None).show_adapter(f"{lineage}@2")["gate"]["checks"]}
     assert shown2["probes_base"] == checks2["probes_base"]
@@ -263,7 +343,8 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
         reg = AdapterRegistry(engine, home, "smollm2-135m-instruct", resync_s=0)
         store = AdapterStore(home)
         import shutil
-        shutil.move(str(store.version_dir(lineage, 3)), str(home / "v3-aside"))   # only versions 1 and 2 exist
+
+        shutil.move(str(store.version_dir(lineage, 3)), str(home / "v3-aside"))  # only versions 1 and 2 exist
         loop.run_until_complete(reg.sync_from_store())
         assert reg.current[ep] == f"{lineage}@1"
         notice = {"type": "version_published", "lineage": lineage, "version": 2, "name": f"{lineage}@2"}
@@ -274,7 +355,7 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
         lease.release()
         shutil.move(str(home / "v3-aside"), str(store.version_dir(lineage, 3)))
         loop.run_until_complete(reg.sync_from_store())
-        assert reg.current[ep] == f"{lineage}@3"                    # the next passing version is served
+        assert reg.current[ep] == f"{lineage}@3"  # the next passing version is served
     finally:
         loop.run_until_complete(engine.close())
         loop.close()
@@ -286,20 +367,34 @@ def test_held_out_examples_are_read_back_after_a_restart(tokenizer, tmp_path):
     import json as _json
 
     from livelora.trainer.dataset import DatasetOfRecord
-    from livelora.trainer.gated import EvaluationGate
+    from livelora.trainer.gate import EvaluationGate
 
-    evs = [RatingEvent(id=f"feedback-{i}", endpoint="gated", created=1, completion_id=f"c{i}",
-                       prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5 + i], rating=i % 2 == 0,
-                       rating_key=f"c{i}:/u") for i in range(40)]
-    DatasetOfRecord(tmp_path).append("2026-12-01", [(e.id, {"stream_id": f"{i}-0", "received": 1,
-                                                            "event": _json.loads(e.model_dump_json())})
-                                                    for i, e in enumerate(evs)])
+    evs = [
+        RatingEvent(
+            id=f"feedback-{i}",
+            endpoint="gated",
+            created=1,
+            completion_id=f"c{i}",
+            prompt_token_ids=[1, 2, 3],
+            completion_token_ids=[4, 5 + i],
+            rating=i % 2 == 0,
+            rating_key=f"c{i}:/u",
+        )
+        for i in range(40)
+    ]
+    DatasetOfRecord(tmp_path).append(
+        "2026-12-01",
+        [
+            (e.id, {"stream_id": f"{i}-0", "received": 1, "event": _json.loads(e.model_dump_json())})
+            for i, e in enumerate(evs)
+        ],
+    )
     picked = [e for e in evs if held_out(e.id, 4)]
     assert 3 <= len(picked) < 40
     gate = EvaluationGate(tokenizer, tmp_path, None, holdout_every=4, heldout_max=100)
-    items = gate.items("gated")                                   # a fresh process: read back from the dataset
+    items = gate.items("gated")  # a fresh process: read back from the dataset
     assert [i.key for i in items] == [e.id for e in picked]
     assert [i.sign for i in items] == [1 if e.rating else -1 for e in picked]
     assert items[0].completion[:2] == picked[0].completion_token_ids
-    assert gate.hold_out("gated", picked[0]) and len(gate.items("gated")) == len(picked)   # no duplicate
+    assert gate.hold_out("gated", picked[0]) and len(gate.items("gated")) == len(picked)  # no duplicate
     assert gate.items("other") == []

@@ -45,8 +45,9 @@ def _names_an_app(node: ast.expr) -> bool:
 
 
 def _names_a_request(node: ast.expr) -> bool:
-    return (isinstance(node, ast.Name) and node.id == "request") or \
-        (isinstance(node, ast.Attribute) and node.attr == "request")
+    return (isinstance(node, ast.Name) and node.id == "request") or (
+        isinstance(node, ast.Attribute) and node.attr == "request"
+    )
 
 
 def state_reads(source: str, rel_path: str) -> list[str]:
@@ -56,12 +57,20 @@ def state_reads(source: str, rel_path: str) -> list[str]:
         target = None
         if isinstance(node, ast.Attribute) and node.attr == "state":
             target = node.value
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr") \
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "state":
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == "state"
+        ):
             target = node.args[0]
         if target is not None and (_names_an_app(target) or _names_a_request(target)):
-            found.append(f"{rel_path}:{node.lineno}: reads {ast.unparse(target)}.state; take a typed dependency "
-                         f"from {DEPS} instead")
+            found.append(
+                f"{rel_path}:{node.lineno}: reads {ast.unparse(target)}.state; take a typed dependency "
+                f"from {DEPS} instead"
+            )
     return found
 
 
@@ -73,22 +82,31 @@ def test_only_api_deps_knows_where_the_services_live():
     assert not found, "app.state / request.state outside api/deps.py:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("source", [
-    "def f(request):\n    return request.app.state.registry\n",
-    "def f(request):\n    return getattr(request.app.state, 'registry', None)\n",
-    "class M:\n    def f(self):\n        return self.fastapi_app.state.keys\n",
-    "def f(app):\n    app.state.sessions = 1\n",
-    "def f(request):\n    return request.state.caller\n",
-    "def f(request):\n    return getattr(request, 'state')\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f(request):\n    return request.app.state.registry\n",
+        "def f(request):\n    return getattr(request.app.state, 'registry', None)\n",
+        "class M:\n    def f(self):\n        return self.fastapi_app.state.keys\n",
+        "def f(app):\n    app.state.sessions = 1\n",
+        "def f(request):\n    return request.state.caller\n",
+        "def f(request):\n    return getattr(request, 'state')\n",
+    ],
+)
 def test_a_deliberate_app_state_read_is_reported(source):
     found = state_reads(source, "gateway/api/x.py")
     assert len(found) == 1 and found[0].startswith("gateway/api/x.py:"), found
 
 
 def test_state_dicts_that_are_not_the_apps_are_not_reported():
-    assert state_reads("def f(scope):\n    state = scope.setdefault('state', {})\n    state['x'] = 1\n"
-                       "    return self.worker.state\n", "gateway/auth.py") == []
+    assert (
+        state_reads(
+            "def f(scope):\n    state = scope.setdefault('state', {})\n    state['x'] = 1\n"
+            "    return self.worker.state\n",
+            "gateway/auth.py",
+        )
+        == []
+    )
 
 
 # ------------------------------------------------------------------------------------------------ directions
@@ -135,8 +153,10 @@ def test_every_package_file_and_class_keeps_the_size_budget():
         found += oversize(path.read_text(), rel)
     keys = {f.split(" (")[0] for f in found}
     unexpected = [f for f in found if f.split(" (")[0] not in KNOWN_OVERSIZE]
-    assert not unexpected, (f"over the budget (files <= {MAX_FILE_LINES} lines, classes <= {MAX_CLASS_LINES}); "
-                            "split by concern:\n" + "\n".join(unexpected))
+    assert not unexpected, (
+        f"over the budget (files <= {MAX_FILE_LINES} lines, classes <= {MAX_CLASS_LINES}); "
+        "split by concern:\n" + "\n".join(unexpected)
+    )
     stale = sorted(set(KNOWN_OVERSIZE) - keys)
     assert not stale, f"no longer over the budget: remove from KNOWN_OVERSIZE: {stale}"
 
@@ -152,4 +172,3 @@ def test_a_deliberately_long_file_and_class_are_reported():
     long_file = "x = 1\n" * (MAX_FILE_LINES + 1)
     assert oversize(long_file, "adapters/x.py") == [f"adapters/x.py ({MAX_FILE_LINES + 1} lines)"]
     assert oversize("class Small:\n    x = 1\n" + "y = 2\n" * (MAX_FILE_LINES - 2), "cli/x.py") == []
-

@@ -21,10 +21,10 @@ import httpx
 import pytest
 from _server import start_server
 
-from livelora.adapters.api_keys import TENANT_ROLES, KeyStore
-from livelora.adapters.session_protocol import lineage_for
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
+from livelora.core.api_keys import TENANT_ROLES, KeyStore
+from livelora.core.session_protocol import lineage_for
 from livelora.gateway.auth import app_routes
 
 BASE = "smollm2-135m-instruct"
@@ -46,17 +46,29 @@ def home(livelora_home, base_ref, tmp_path_factory):
 @pytest.fixture(scope="module")
 def keys(home):
     store = KeyStore(home)
-    return {name: store.create(tenant, list(TENANT_ROLES), name)[1]
-            for name, tenant in (("acme", "acme"), ("beta", "beta"), ("default", "default"))}
+    return {
+        name: store.create(tenant, list(TENANT_ROLES), name)[1]
+        for name, tenant in (("acme", "acme"), ("beta", "beta"), ("default", "default"))
+    }
 
 
 @pytest.fixture(scope="module")
 def server(home, keys):
     from livelora.gateway.settings import GatewaySettings
 
-    live = start_server(GatewaySettings(model=BASE, home=home, device="cpu", max_batch_size=4, max_waiting=8,
-                                        redis_prefix=PREFIX, executor_in_process=True, max_datums_per_op=4,
-                                        max_tokens_per_op=64))
+    live = start_server(
+        GatewaySettings(
+            model=BASE,
+            home=home,
+            device="cpu",
+            max_batch_size=4,
+            max_waiting=8,
+            redis_prefix=PREFIX,
+            executor_in_process=True,
+            max_datums_per_op=4,
+            max_tokens_per_op=64,
+        )
+    )
     yield live
     live.stop()
 
@@ -89,33 +101,70 @@ def objs(server, keys) -> dict[str, str]:
     """One object of every kind, made by tenant acme over HTTP; and a session of beta's own."""
     with http(server, keys["acme"]) as a:
         sid = ok(a.post("/api/v1/create_session", json={}))["session_id"]
-        created = ok(a.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE,
-                                                          "lora_config": {"rank": 2, "train_mlp": False}}))
+        created = ok(
+            a.post(
+                "/api/v1/create_model",
+                json={
+                    "session_id": sid,
+                    "model_seq_id": 0,
+                    "base_model": BASE,
+                    "lora_config": {"rank": 2, "train_mlp": False},
+                },
+            )
+        )
         model = created["model_id"]
         assert future(a, created["request_id"])["model_id"] == model
         saved = ok(a.post("/api/v1/save_weights", json={"model_id": model, "seq_id": 1, "path": "w1"}))
         assert future(a, saved["request_id"])["path"] == f"tinker://{model}/weights/w1"
-        sampler_ckpt = ok(a.post("/api/v1/save_weights_for_sampler",
-                                 json={"model_id": model, "seq_id": 2, "path": "s1"}))
+        sampler_ckpt = ok(
+            a.post("/api/v1/save_weights_for_sampler", json={"model_id": model, "seq_id": 2, "path": "s1"})
+        )
         assert future(a, sampler_ckpt["request_id"])["path"] == f"tinker://{model}/sampler_weights/s1"
         export = ok(a.post("/api/v1/save_weights_external", json={"model_id": model, "seq_id": 3, "path": "e1"}))
         assert future(a, export["request_id"])["path"] == f"tinker://{model}/external_weights/e1"
-        sampler = ok(a.post("/api/v1/create_sampling_session", json={
-            "session_id": sid, "sampling_session_seq_id": 0,
-            "model_path": f"tinker://{model}/sampler_weights/s1"}))["sampling_session_id"]
+        sampler = ok(
+            a.post(
+                "/api/v1/create_sampling_session",
+                json={
+                    "session_id": sid,
+                    "sampling_session_seq_id": 0,
+                    "model_path": f"tinker://{model}/sampler_weights/s1",
+                },
+            )
+        )["sampling_session_id"]
         lineage = lineage_for(model)
-        ok(a.post("/admin/endpoints", json={"name": "acme.ep", "lineage": lineage, "mode": "pinned",
-                                            "version": 1}), 201)
-        cid, cid2 = (ok(a.post("/v1/chat/completions", json={"model": "acme.ep", "max_tokens": 1, "messages": [
-            {"role": "user", "content": "hi"}]}))["id"] for _ in range(2))
+        ok(
+            a.post("/admin/endpoints", json={"name": "acme.ep", "lineage": lineage, "mode": "pinned", "version": 1}),
+            201,
+        )
+        cid, cid2 = (
+            ok(
+                a.post(
+                    "/v1/chat/completions",
+                    json={"model": "acme.ep", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+                )
+            )["id"]
+            for _ in range(2)
+        )
         key_id = ok(a.post("/admin/keys", json={"roles": ["inference"], "name": "spare"}), 201)["id"]
     with http(server, keys["beta"]) as b:
         sid_b = ok(b.post("/api/v1/create_session", json={}))["session_id"]
-    return {"sid": sid, "model": model, "sampler": sampler, "request": saved["request_id"], "lineage": lineage,
-            "version": f"{lineage}@1", "wpath": f"tinker://{model}/weights/w1",
-            "spath": f"tinker://{model}/sampler_weights/s1", "epath": f"tinker://{model}/external_weights/e1",
-            "endpoint": "acme.ep", "cid": cid, "cid2": cid2, "key_id": key_id,
-            "sid_b": sid_b}
+    return {
+        "sid": sid,
+        "model": model,
+        "sampler": sampler,
+        "request": saved["request_id"],
+        "lineage": lineage,
+        "version": f"{lineage}@1",
+        "wpath": f"tinker://{model}/weights/w1",
+        "spath": f"tinker://{model}/sampler_weights/s1",
+        "epath": f"tinker://{model}/external_weights/e1",
+        "endpoint": "acme.ep",
+        "cid": cid,
+        "cid2": cid2,
+        "key_id": key_id,
+        "sid_b": sid_b,
+    }
 
 
 def snapshot(server, keys, o) -> dict:
@@ -125,11 +174,15 @@ def snapshot(server, keys, o) -> dict:
         caps = a.get("/api/v1/get_server_capabilities")
         for r in (info, caps):  # the owner's own answers show no server file path either (tokenizer_id included)
             assert r.status_code == 200 and str(server.services.settings.home) not in r.text
-        return {"endpoints": ok(a.get("/admin/endpoints")), "adapters": ok(a.get("/admin/adapters")),
-                "keys": ok(a.get("/admin/keys")), "run": ok(a.get(f"/api/v1/training_runs/{o['model']}")),
-                "checkpoints": ok(a.get(f"/api/v1/training_runs/{o['model']}/checkpoints")),
-                "sampler": ok(a.get(f"/api/v1/samplers/{o['sampler']}")),
-                "session_alive": a.post("/api/v1/session_heartbeat", json={"session_id": o["sid"]}).status_code}
+        return {
+            "endpoints": ok(a.get("/admin/endpoints")),
+            "adapters": ok(a.get("/admin/adapters")),
+            "keys": ok(a.get("/admin/keys")),
+            "run": ok(a.get(f"/api/v1/training_runs/{o['model']}")),
+            "checkpoints": ok(a.get(f"/api/v1/training_runs/{o['model']}/checkpoints")),
+            "sampler": ok(a.get(f"/api/v1/samplers/{o['sampler']}")),
+            "session_alive": a.post("/api/v1/session_heartbeat", json={"session_id": o["sid"]}).status_code,
+        }
 
 
 # ---------------------------------------------------------------------------------------------- the two examples
@@ -170,12 +223,26 @@ def test_names_outside_the_callers_namespace_are_400_whether_they_exist_or_not(s
             return errs[0]["message"]
 
         # beta's plain names (default's namespace) and acme's prefix: held or free, one answer
-        msg = same_400(b, [{"name": n, "lineage": "beta.l"} for n in ("d-ep", "free-name", "acme.ep", "acme.nope")],
-                       "name")
+        msg = same_400(
+            b, [{"name": n, "lineage": "beta.l"} for n in ("d-ep", "free-name", "acme.ep", "acme.nope")], "name"
+        )
         assert msg.startswith("tenant beta's endpoint names start with 'beta.'") and "acme" not in msg
-        same_400(b, [{"name": "beta.ep", "lineage": n} for n in (
-            "acme.ns-lineage", "acme.none", objs["lineage"], f"{'1' * 32}-train-0", BASE, "d-lineage", "free")],
-            "lineage")
+        same_400(
+            b,
+            [
+                {"name": "beta.ep", "lineage": n}
+                for n in (
+                    "acme.ns-lineage",
+                    "acme.none",
+                    objs["lineage"],
+                    f"{'1' * 32}-train-0",
+                    BASE,
+                    "d-lineage",
+                    "free",
+                )
+            ],
+            "lineage",
+        )
         # default cannot create in acme's namespace either
         msg = same_400(d, [{"name": n, "lineage": "d-l2"} for n in ("acme.ep", "acme.ns", "acme.x")], "name")
         assert msg.startswith("tenant default's endpoint names do not have the form '<tenant>.<rest>'")
@@ -195,18 +262,40 @@ def test_a_dash_spelled_model_id_reaches_nothing(server, keys, objs):
         for c in (b, a):  # one spelling only: even the owner gets 400 for the other one
             assert error_of(c.get(f"/api/v1/training_runs/{dashed}/checkpoints"), 400)["param"] == "training_run_id"
             error_of(c.delete(f"/api/v1/training_runs/{dashed}/checkpoints/weights/w1"), 400)
-            error_of(c.post("/api/v1/asample", json={"model_path": f"tinker://{dashed}/sampler_weights/s1",
-                                                     "prompt": {"chunks": [{"tokens": [1, 2]}]}}), 400)
-            error_of(c.post("/api/v1/load_weights", json={"session_id": objs["sid_b"], "model_seq_id": 3,
-                                                          "path": f"tinker://{dashed}/weights/w1",
-                                                          "optimizer": True}), 400)
+            error_of(
+                c.post(
+                    "/api/v1/asample",
+                    json={
+                        "model_path": f"tinker://{dashed}/sampler_weights/s1",
+                        "prompt": {"chunks": [{"tokens": [1, 2]}]},
+                    },
+                ),
+                400,
+            )
+            error_of(
+                c.post(
+                    "/api/v1/load_weights",
+                    json={
+                        "session_id": objs["sid_b"],
+                        "model_seq_id": 3,
+                        "path": f"tinker://{dashed}/weights/w1",
+                        "optimizer": True,
+                    },
+                ),
+                400,
+            )
         # the canonical spelling: another tenant's run does not exist for beta
         msg = error_of(b.get(f"/api/v1/training_runs/{model}/checkpoints"), 404)["message"]
         missing = error_of(b.get(f"/api/v1/training_runs/{'0' * 32}:train:0/checkpoints"), 404)["message"]
         assert msg.replace(objs["sid"], "X") == missing.replace("0" * 32, "X")  # the same 404 as a missing one
         error_of(b.delete(f"/api/v1/training_runs/{model}/checkpoints/weights/w1"), 404)
-        error_of(b.post("/api/v1/load_weights", json={"session_id": objs["sid_b"], "model_seq_id": 3,
-                                                      "path": objs["wpath"], "optimizer": True}), 404)
+        error_of(
+            b.post(
+                "/api/v1/load_weights",
+                json={"session_id": objs["sid_b"], "model_seq_id": 3, "path": objs["wpath"], "optimizer": True},
+            ),
+            404,
+        )
         names = {c["checkpoint_id"] for c in ok(a.get(f"/api/v1/training_runs/{model}/checkpoints"))["checkpoints"]}
         assert names == {"weights/w1", "sampler_weights/s1", "external_weights/e1"}
 
@@ -227,12 +316,14 @@ def test_owner_records_are_claimed_once_and_deny_by_default(tmp_path):
     """Eight tenants race for one name: exactly one record wins; a missing and a foreign object read the same."""
     import threading
 
-    from livelora.adapters.owners import OwnerStore
     from livelora.clients.errors import NotFoundError
+    from livelora.core.owners import OwnerStore
 
     owners, won = OwnerStore(tmp_path), []
-    threads = [threading.Thread(target=lambda t=t: won.append((t, owners.claim("lineage", "x", t))))
-               for t in (f"t{i}" for i in range(8))]
+    threads = [
+        threading.Thread(target=lambda t=t: won.append((t, owners.claim("lineage", "x", t))))
+        for t in (f"t{i}" for i in range(8))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -273,9 +364,15 @@ def _none(o):
 
 
 PROMPT = {"chunks": [{"tokens": [1, 2, 3]}]}
-FB = {"data": [{"model_input": PROMPT, "loss_fn_inputs": {"target_tokens": {"data": [2, 3, 4], "dtype": "int64",
-                                                                            "shape": [3]}}}],
-      "loss_fn": "cross_entropy"}
+FB = {
+    "data": [
+        {
+            "model_input": PROMPT,
+            "loss_fn_inputs": {"target_tokens": {"data": [2, 3, 4], "dtype": "int64", "shape": [3]}},
+        }
+    ],
+    "loss_fn": "cross_entropy",
+}
 
 #: (method, route path) → what B tries there. A new route needs an entry (see the module docstring).
 CASES: dict[tuple[str, str], Case] = {
@@ -285,14 +382,25 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/redoc"): Case(_none, "own"),
     ("GET", "/health"): Case(_none, "own"),
     ("GET", "/v1/models"): Case(_none, "own"),
-    ("GET", "/v1/models/{model_id:path}"): Case(lambda o: [(f"/v1/models/{o['endpoint']}", None),
-                                                           (f"/v1/models/{o['version']}", None),
-                                                           (f"/v1/models/{o['lineage']}@2", None)]),
-    ("POST", "/v1/chat/completions"): Case(lambda o: [
-        ("", {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
-        for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")]),  # @2: loaded by A's sampling session
-    ("POST", "/v1/completions"): Case(lambda o: [("", {"model": m, "max_tokens": 1, "prompt": "x"})
-                                                 for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")]),
+    ("GET", "/v1/models/{model_id:path}"): Case(
+        lambda o: [
+            (f"/v1/models/{o['endpoint']}", None),
+            (f"/v1/models/{o['version']}", None),
+            (f"/v1/models/{o['lineage']}@2", None),
+        ]
+    ),
+    ("POST", "/v1/chat/completions"): Case(
+        lambda o: [
+            ("", {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+            for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")
+        ]
+    ),  # @2: loaded by A's sampling session
+    ("POST", "/v1/completions"): Case(
+        lambda o: [
+            ("", {"model": m, "max_tokens": 1, "prompt": "x"})
+            for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")
+        ]
+    ),
     ("POST", "/api/v1/client/config"): Case(_none, "own"),
     ("POST", "/api/v1/client/dynamic_config"): Case(_none, "own"),
     ("GET", "/api/v1/healthz"): Case(_none, "own"),
@@ -302,103 +410,156 @@ CASES: dict[tuple[str, str], Case] = {
     ("POST", "/api/v1/create_session"): Case(_none, "own"),
     ("POST", "/api/v1/session_heartbeat"): Case(lambda o: [("", {"session_id": o["sid"]})]),
     ("POST", "/api/v1/sessions/{session_id}/finish"): Case(lambda o: [(f"/api/v1/sessions/{o['sid']}/finish", {})]),
-    ("POST", "/api/v1/create_model"): Case(lambda o: [("", {"session_id": o["sid"], "model_seq_id": 7,
-                                                            "base_model": BASE, "lora_config": {"rank": 2}})]),
+    ("POST", "/api/v1/create_model"): Case(
+        lambda o: [("", {"session_id": o["sid"], "model_seq_id": 7, "base_model": BASE, "lora_config": {"rank": 2}})]
+    ),
     ("POST", "/api/v1/get_info"): Case(lambda o: [("", {"model_id": o["model"]})]),
     ("POST", "/api/v1/forward"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3, "forward_input": FB})]),
-    ("POST", "/api/v1/forward_backward"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3,
-                                                                "forward_backward_input": FB})]),
-    ("POST", "/api/v1/optim_step"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3,
-                                                          "adam_params": {"learning_rate": 1.0}})]),
+    ("POST", "/api/v1/forward_backward"): Case(
+        lambda o: [("", {"model_id": o["model"], "seq_id": 3, "forward_backward_input": FB})]
+    ),
+    ("POST", "/api/v1/optim_step"): Case(
+        lambda o: [("", {"model_id": o["model"], "seq_id": 3, "adam_params": {"learning_rate": 1.0}})]
+    ),
     ("POST", "/api/v1/save_weights"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3, "path": "x"})]),
-    ("POST", "/api/v1/save_weights_for_sampler"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3,
-                                                                        "path": "x"})]),
-    ("POST", "/api/v1/load_weights"): Case(lambda o: [
-        ("", {"model_id": o["model"], "seq_id": 3, "path": o["wpath"]}),
-        ("", {"session_id": o["sid_b"], "model_seq_id": 4, "path": o["wpath"], "optimizer": True})]),
+    ("POST", "/api/v1/save_weights_for_sampler"): Case(
+        lambda o: [("", {"model_id": o["model"], "seq_id": 3, "path": "x"})]
+    ),
+    ("POST", "/api/v1/load_weights"): Case(
+        lambda o: [
+            ("", {"model_id": o["model"], "seq_id": 3, "path": o["wpath"]}),
+            ("", {"session_id": o["sid_b"], "model_seq_id": 4, "path": o["wpath"], "optimizer": True}),
+        ]
+    ),
     ("POST", "/api/v1/retrieve_future"): Case(lambda o: [("", {"request_id": o["request"]})]),
-    ("POST", "/api/v1/weights_info"): Case(lambda o: [("", {"tinker_path": o["wpath"]}),
-                                                      ("", {"tinker_path": o["spath"]}),
-                                                      ("", {"tinker_path": o["epath"]})]),
+    ("POST", "/api/v1/weights_info"): Case(
+        lambda o: [
+            ("", {"tinker_path": o["wpath"]}),
+            ("", {"tinker_path": o["spath"]}),
+            ("", {"tinker_path": o["epath"]}),
+        ]
+    ),
     ("GET", "/api/v1/training_runs/{model_id}"): Case(lambda o: [(f"/api/v1/training_runs/{o['model']}", None)]),
-    ("GET", "/api/v1/training_runs/{model_id}/checkpoints"): Case(lambda o: [
-        (f"/api/v1/training_runs/{o['model']}/checkpoints", None)]),
-    ("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}"): Case(lambda o: [
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1", None),
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/sampler_weights/s1", None),
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/external_weights/e1", None)]),
-    ("POST", "/api/v1/create_sampling_session"): Case(lambda o: [
-        ("", {"session_id": o["sid_b"], "sampling_session_seq_id": 5, "model_path": o["spath"]}),
-        ("", {"session_id": o["sid"], "sampling_session_seq_id": 5, "base_model": BASE})]),
+    ("GET", "/api/v1/training_runs/{model_id}/checkpoints"): Case(
+        lambda o: [(f"/api/v1/training_runs/{o['model']}/checkpoints", None)]
+    ),
+    ("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}"): Case(
+        lambda o: [
+            (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1", None),
+            (f"/api/v1/training_runs/{o['model']}/checkpoints/sampler_weights/s1", None),
+            (f"/api/v1/training_runs/{o['model']}/checkpoints/external_weights/e1", None),
+        ]
+    ),
+    ("POST", "/api/v1/create_sampling_session"): Case(
+        lambda o: [
+            ("", {"session_id": o["sid_b"], "sampling_session_seq_id": 5, "model_path": o["spath"]}),
+            ("", {"session_id": o["sid"], "sampling_session_seq_id": 5, "base_model": BASE}),
+        ]
+    ),
     ("GET", "/api/v1/samplers/{sampler_id}"): Case(lambda o: [(f"/api/v1/samplers/{o['sampler']}", None)]),
-    ("POST", "/api/v1/asample"): Case(lambda o: [("", {"sampling_session_id": o["sampler"], "prompt": PROMPT,
-                                                       "sampling_params": {"max_tokens": 1}}),
-                                                 ("", {"model_path": o["spath"], "prompt": PROMPT,
-                                                       "sampling_params": {"max_tokens": 1}})]),
+    ("POST", "/api/v1/asample"): Case(
+        lambda o: [
+            ("", {"sampling_session_id": o["sampler"], "prompt": PROMPT, "sampling_params": {"max_tokens": 1}}),
+            ("", {"model_path": o["spath"], "prompt": PROMPT, "sampling_params": {"max_tokens": 1}}),
+        ]
+    ),
     ("POST", "/v1/feedback"): Case(lambda o: [("", {"completion_id": o["cid"], "rating": True})]),
-    ("POST", "/v1/preferences"): Case(lambda o: [("", {"chosen_completion_id": o["cid"],
-                                                       "rejected_completion_id": o["cid2"]})]),
-    ("POST", "/v1/demonstrations"): Case(lambda o: [("", {"model": o["endpoint"], "messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi!"}]})]),
+    ("POST", "/v1/preferences"): Case(
+        lambda o: [("", {"chosen_completion_id": o["cid"], "rejected_completion_id": o["cid2"]})]
+    ),
+    ("POST", "/v1/demonstrations"): Case(
+        lambda o: [
+            (
+                "",
+                {
+                    "model": o["endpoint"],
+                    "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi!"}],
+                },
+            )
+        ]
+    ),
     ("GET", "/admin/endpoints"): Case(_none, "own"),
-    ("POST", "/admin/endpoints"): Case(lambda o: [("", {"name": "b-ep", "lineage": o["lineage"]}),
-                                                  ("", {"name": o["endpoint"], "lineage": "b-own-lineage"})], 400),
-    ("GET", "/admin/endpoints/{name:path}/history"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/history",
-                                                                      None)]),
-    ("POST", "/admin/endpoints/{name:path}/promote"): Case(lambda o: [
-        (f"/admin/endpoints/{o['endpoint']}/promote", {"version": 2})]),
-    ("POST", "/admin/endpoints/{name:path}/rollback"): Case(lambda o: [
-        (f"/admin/endpoints/{o['endpoint']}/rollback", {})]),
+    ("POST", "/admin/endpoints"): Case(
+        lambda o: [
+            ("", {"name": "b-ep", "lineage": o["lineage"]}),
+            ("", {"name": o["endpoint"], "lineage": "b-own-lineage"}),
+        ],
+        400,
+    ),
+    ("GET", "/admin/endpoints/{name:path}/history"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/history", None)]
+    ),
+    ("POST", "/admin/endpoints/{name:path}/promote"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/promote", {"version": 2})]
+    ),
+    ("POST", "/admin/endpoints/{name:path}/rollback"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/rollback", {})]
+    ),
     ("GET", "/admin/endpoints/{name:path}"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}", None)]),
     ("GET", "/admin/history"): Case(_none, "own"),
     ("GET", "/admin/adapters"): Case(lambda o: [("", None), (f"?lineage={o['lineage']}", None)], "own"),
     ("GET", "/admin/adapters/{name}"): Case(lambda o: [(f"/admin/adapters/{o['version']}", None)]),
     ("DELETE", "/admin/adapters/{name}"): Case(lambda o: [(f"/admin/adapters/{o['lineage']}@2", None)]),
-    ("POST", "/admin/adapters/{name}/export"): Case(lambda o: [(f"/admin/adapters/{o['version']}/export",
-                                                                {"format": "peft"})]),
+    ("POST", "/admin/adapters/{name}/export"): Case(
+        lambda o: [(f"/admin/adapters/{o['version']}/export", {"format": "peft"})]
+    ),
     ("GET", "/admin/exports/{name}/{fmt}"): Case(lambda o: [(f"/admin/exports/{o['version']}/peft", None)]),
     ("GET", "/admin/keys"): Case(_none, "own"),
     ("POST", "/admin/keys"): Case(lambda o: [("", {"roles": ["bogus"]})], "own"),
     ("DELETE", "/admin/keys/{key_id}"): Case(lambda o: [(f"/admin/keys/{o['key_id']}", None)]),
     # Tinker SDK >= 0.25 surface and the RestClient
     ("GET", "/api/v1/sessions"): Case(lambda o: [("", None), ("?limit=100", None)], "own"),
-    ("POST", "/api/v1/sessions/search"): Case(lambda o: [("", {"owner": {"type": "own"}, "limit": 100}),
-                                                          ("", {"owner": {"type": "own"}, "session_id": o["sid"]})],
-                                                "own"),
+    ("POST", "/api/v1/sessions/search"): Case(
+        lambda o: [
+            ("", {"owner": {"type": "own"}, "limit": 100}),
+            ("", {"owner": {"type": "own"}, "session_id": o["sid"]}),
+        ],
+        "own",
+    ),
     ("GET", "/api/v1/sessions/{session_id}"): Case(lambda o: [(f"/api/v1/sessions/{o['sid']}", None)]),
     ("GET", "/api/v1/training_runs"): Case(lambda o: [("", None), ("?limit=100", None)], "own"),
     ("GET", "/api/v1/checkpoints"): Case(lambda o: [("", None), ("?limit=1000", None)], "own"),
-    ("GET", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive"): Case(lambda o: [
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/archive", None)]),
-    ("GET", "/api/v1/checkpoint_archives/{name}"): Case(lambda o: [("/api/v1/checkpoint_archives/forged.tar", None)],
-                                                        "own"),
-    ("POST", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish"): Case(lambda o: [
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/publish", None)]),
-    ("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish"): Case(lambda o: [
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/publish", None)]),
-    ("PUT", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl"): Case(lambda o: [
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/ttl", {"ttl_seconds": 3600}),
-        (f"/api/v1/training_runs/{o['model']}/checkpoints/external_weights/e1/ttl", {"ttl_seconds": 3600})]),
+    ("GET", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive"): Case(
+        lambda o: [(f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/archive", None)]
+    ),
+    ("GET", "/api/v1/checkpoint_archives/{name}"): Case(
+        lambda o: [("/api/v1/checkpoint_archives/forged.tar", None)], "own"
+    ),
+    ("POST", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish"): Case(
+        lambda o: [(f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/publish", None)]
+    ),
+    ("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish"): Case(
+        lambda o: [(f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/publish", None)]
+    ),
+    ("PUT", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl"): Case(
+        lambda o: [
+            (f"/api/v1/training_runs/{o['model']}/checkpoints/weights/w1/ttl", {"ttl_seconds": 3600}),
+            (f"/api/v1/training_runs/{o['model']}/checkpoints/external_weights/e1/ttl", {"ttl_seconds": 3600}),
+        ]
+    ),
     ("GET", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls"): Case(
-        lambda o: [(f"/api/v1/training_runs/{o['model']}/checkpoints/external_weights/e1/external_weights_urls",
-                    None)]),
-    ("GET", "/api/v1/external_weights_files/{token}/{file_name}"): Case(lambda o: [
-        ("/api/v1/external_weights_files/forged.0000/adapter_config.json", None)], "own"),
+        lambda o: [(f"/api/v1/training_runs/{o['model']}/checkpoints/external_weights/e1/external_weights_urls", None)]
+    ),
+    ("GET", "/api/v1/external_weights_files/{token}/{file_name}"): Case(
+        lambda o: [("/api/v1/external_weights_files/forged.0000/adapter_config.json", None)], "own"
+    ),
     ("POST", "/api/v1/join_sampling_session"): Case(lambda o: [("", {"sampling_session_id": o["sampler"]})]),
-    ("POST", "/api/v1/retrieve_futures"): Case(lambda o: [("", {"target": {"type": "sampling_session",
-                                                                            "sampling_session_id": o["sampler"]},
-                                                                 "timeout": 0})]),
+    ("POST", "/api/v1/retrieve_futures"): Case(
+        lambda o: [("", {"target": {"type": "sampling_session", "sampling_session_id": o["sampler"]}, "timeout": 0})]
+    ),
     ("POST", "/api/v1/cancel_future"): Case(lambda o: [("", {"request_id": o["request"]})]),
-    ("POST", "/api/v1/save_weights_external"): Case(lambda o: [("", {"model_id": o["model"], "seq_id": 3,
-                                                                      "path": "x"})]),
+    ("POST", "/api/v1/save_weights_external"): Case(
+        lambda o: [("", {"model_id": o["model"], "seq_id": 3, "path": "x"})]
+    ),
     ("POST", "/api/v1/create_custom_loss"): Case(lambda o: [("", {"model_id": o["model"]})]),
     ("POST", "/api/v1/copy_weights"): Case(lambda o: [("", {"model_id": o["model"]})]),
     ("GET", "/api/v1/auth/apikey/me"): Case(_none, "own"),
     ("DELETE", "/api/v1/auth/apikey/me"): Case(_none, "own"),
     # update-safety rails
     ("GET", "/admin/endpoints/{name:path}/stats"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/stats", None)]),
-    ("PUT", "/admin/endpoints/{name:path}/gate"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/gate",
-                                                                   {"reset": True, "reason": "b"})]),
+    ("PUT", "/admin/endpoints/{name:path}/gate"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/gate", {"reset": True, "reason": "b"})]
+    ),
     ("GET", "/admin/quarantine"): Case(_none, "own"),
     ("GET", "/admin/raters"): Case(_none, "own"),
     ("POST", "/admin/users/{name}/forget"): Case(lambda o: [("/admin/users/someone/forget", {"reason": "b"})], "own"),
@@ -417,7 +578,9 @@ def test_every_route_has_an_isolation_case(server):
     missing = [r for r in _routes(server.app) if r not in CASES]
     assert not missing, "\n".join(
         f"route {m} {p} has no isolation case: add ({m!r}, {p!r}): Case(...) to CASES in tests/test_isolation.py "
-        "(what tenant B tries there on tenant A's objects, and the answer it must get)" for m, p in missing)
+        "(what tenant B tries there on tenant A's objects, and the answer it must get)"
+        for m, p in missing
+    )
     stale = [r for r in CASES if r not in _routes(server.app)]
     assert not stale, f"CASES names routes the app does not have: {stale}"
 
@@ -458,9 +621,18 @@ def test_another_tenant_gets_404_on_every_route(server, keys, objs, who):
 def _variants(o) -> list[tuple[str, str]]:
     """Other spellings of acme's ids: each must be refused (400), the owner's own requests included."""
     sid, model = o["sid"], o["model"]
-    return [(model, model.replace(":", "-")), (model, model.upper()), (model, f"{sid}:train:00"),
-            (model, f"{sid}:TRAIN:0"), (model, f" {model}"), (sid, sid.upper()), (sid, sid + "-"),
-            ("tinker://", "TINKER://"), ("tinker://", "tinker:/"), (o["sampler"], o["sampler"].replace(":", "-"))]
+    return [
+        (model, model.replace(":", "-")),
+        (model, model.upper()),
+        (model, f"{sid}:train:00"),
+        (model, f"{sid}:TRAIN:0"),
+        (model, f" {model}"),
+        (sid, sid.upper()),
+        (sid, sid + "-"),
+        ("tinker://", "TINKER://"),
+        ("tinker://", "tinker:/"),
+        (o["sampler"], o["sampler"].replace(":", "-")),
+    ]
 
 
 def test_other_spellings_of_an_id_are_400(server, keys, objs):
@@ -474,8 +646,11 @@ def test_other_spellings_of_an_id_are_400(server, keys, objs):
                     if good not in text:
                         continue
                     url = _url(path, suffix.replace(good, bad))
-                    bad_body = None if body is None else {k: v.replace(good, bad) if isinstance(v, str) else v
-                                                          for k, v in body.items()}
+                    bad_body = (
+                        None
+                        if body is None
+                        else {k: v.replace(good, bad) if isinstance(v, str) else v for k, v in body.items()}
+                    )
                     if bad_body == body and url == _url(path, suffix):
                         continue
                     r = a.request(method, url, json=bad_body)
@@ -488,17 +663,28 @@ def test_other_spellings_of_an_id_are_400(server, keys, objs):
 
 
 def _datum(n: int) -> dict:
-    return {"model_input": {"chunks": [{"tokens": list(range(1, n + 1))}]},
-            "loss_fn_inputs": {"target_tokens": {"data": list(range(2, n + 2)), "dtype": "int64", "shape": [n]},
-                               "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]}}}
+    return {
+        "model_input": {"chunks": [{"tokens": list(range(1, n + 1))}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": list(range(2, n + 2)), "dtype": "int64", "shape": [n]},
+            "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]},
+        },
+    }
 
 
 def test_ops_over_the_datum_or_token_limit_are_413_and_later_ops_run(server, keys, objs):
     """The isolation server allows 4 datums and 64 input tokens per op (LIVELORA_MAX_*_PER_OP)."""
     with http(server, keys["acme"]) as a:
+
         def fwd(seq, data):
-            return a.post("/api/v1/forward", json={"model_id": objs["model"], "seq_id": seq, "forward_input": {
-                "data": data, "loss_fn": "cross_entropy"}})
+            return a.post(
+                "/api/v1/forward",
+                json={
+                    "model_id": objs["model"],
+                    "seq_id": seq,
+                    "forward_input": {"data": data, "loss_fn": "cross_entropy"},
+                },
+            )
 
         err = error_of(fwd(4, [_datum(2)] * 5), 413)
         assert "limit of 4" in err["message"] and "LIVELORA_MAX_DATUMS_PER_OP" in err["message"]
@@ -510,8 +696,11 @@ def test_ops_over_the_datum_or_token_limit_are_413_and_later_ops_run(server, key
 
 
 def test_malformed_or_deeply_nested_json_is_400_on_every_route(server, keys):
-    bodies = {"malformed": b'{"model": [', "deep": b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-              "deep-in-strings-is-fine": None}
+    bodies = {
+        "malformed": b'{"model": [',
+        "deep": b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        "deep-in-strings-is-fine": None,
+    }
     with http(server, keys["acme"]) as a:
         for method, path in _routes(server.app):
             if method not in ("POST", "PUT", "PATCH"):
@@ -539,9 +728,12 @@ def test_protobuf_bodies_go_through_the_same_check(server, keys, objs):
     headers = {"content-type": "application/x-protobuf"}
     with http(server, keys["beta"]) as b, http(server, keys["acme"]) as a:
         error_of(b.post("/api/v1/forward_backward", content=proto(objs["model"]), headers=headers), 404)
-        error_of(b.post("/api/v1/forward_backward", content=proto(objs["model"].replace(":", "-")),
-                        headers=headers), 400)
-        assert error_of(b.post("/api/v1/forward_backward", content=b"\xff\xfe", headers=headers),
-                        400)["param"] == "model_id"
+        error_of(
+            b.post("/api/v1/forward_backward", content=proto(objs["model"].replace(":", "-")), headers=headers), 400
+        )
+        assert (
+            error_of(b.post("/api/v1/forward_backward", content=b"\xff\xfe", headers=headers), 400)["param"]
+            == "model_id"
+        )
         r = a.post("/api/v1/forward_backward", content=proto(objs["model"]), headers=headers)
         assert r.status_code != 404, r.text  # the owner passes the check (the route then answers for itself)

@@ -47,7 +47,7 @@ def engine(base_ref, loop):
 def _save_versions(base_ref, root, rank, seeds):
     from peft import LoraConfig, get_peft_model
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
     model = get_peft_model(load_model(base_ref), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
     out = []
@@ -71,15 +71,16 @@ def versions(base_ref, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokens(engine):
-    return engine.tokenizer.encode("The lighthouse keeper counted the ships: one, two, three.",
-                                   add_special_tokens=False)
+    return engine.tokenizer.encode(
+        "The lighthouse keeper counted the ships: one, two, three.", add_special_tokens=False
+    )
 
 
 def _peft_reference(base_ref, path, tokens):
     """Logprobs of ``tokens[1:]`` under a plain peft model loaded from ``path`` (shape ``(T-1,)``)."""
     from peft import PeftModel
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
     with torch.no_grad():
         ref = PeftModel.from_pretrained(load_model(base_ref), str(path)).eval()
@@ -141,14 +142,14 @@ def test_load_and_check_hashes_the_loaded_bytes_and_scores_the_canary(engine, lo
         digest = hashlib.sha256((v1 / "adapter_model.safetensors").read_bytes()).hexdigest()
         assert check.sha256 == digest
         assert check.canary[0] is None
-        assert [t.logprob for t in check.canary[1:]] == pytest.approx(_peft_reference(base_ref, v1, tokens),
-                                                                       abs=LP_TOL)
+        assert [t.logprob for t in check.canary[1:]] == pytest.approx(_peft_reference(base_ref, v1, tokens), abs=LP_TOL)
     finally:
         loop.run_until_complete(engine.unload_adapter("chk@1"))
 
 
-def test_misfit_weights_are_refused_and_the_slot_serves_the_next_version(engine, loop, versions, tokens,
-                                                                         base_ref, tmp_path):
+def test_misfit_weights_are_refused_and_the_slot_serves_the_next_version(
+    engine, loop, versions, tokens, base_ref, tmp_path
+):
     (v1, v2, _), rank4 = versions
     loop.run_until_complete(engine.load_adapter("fit@1", str(v1)))
     _slots(loop, engine)  # let queued worker commands run
@@ -170,15 +171,13 @@ def test_misfit_weights_are_refused_and_the_slot_serves_the_next_version(engine,
     loop.run_until_complete(engine.load_adapter("r4@1", str(rank4)))
     mapping, _ = _slots(loop, engine)
     assert len({mapping["r4@1"], mapping["fit@1"], mapping["fit@3"]}) == 3
-    assert _score(loop, engine, tokens, "r4@1") == pytest.approx(_peft_reference(base_ref, rank4, tokens),
-                                                                 abs=LP_TOL)
+    assert _score(loop, engine, tokens, "r4@1") == pytest.approx(_peft_reference(base_ref, rank4, tokens), abs=LP_TOL)
     for name in ("fit@1", "fit@3", "r4@1"):
         loop.run_until_complete(engine.unload_adapter(name))
     assert engine.loaded_adapters() == []
 
 
-def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weights(engine, loop, versions,
-                                                                                      tokens):
+def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weights(engine, loop, versions, tokens):
     """Rows on three versions (two shapes would fall back to peft; here one shape: the stacked pass)
     plus a base row decode together; each row's logprobs equal its version scored alone."""
     from livelora.gateway.engines import SamplingParams
@@ -198,19 +197,22 @@ def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weig
     assert engine.decode_steps - steps_before <= 8  # the four rows really decoded in one batch
     worker = engine._worker
     slot_names = tuple(worker.slots.versions[n].name for n in names)
-    assert any(set(key) == set(slot_names) and stacks for key, stacks in worker.slots.stacks.items()), \
+    assert any(set(key) == set(slot_names) and stacks for key, stacks in worker.slots.stacks.items()), (
         "the stacked mixed-version pass (MixedRows) did not run"
+    )
     for adapter, (out, lps) in zip(names + [None], results):
-        alone = loop.run_until_complete(engine.score(prompt + out, adapter=adapter))[len(prompt):]
+        alone = loop.run_until_complete(engine.score(prompt + out, adapter=adapter))[len(prompt) :]
         assert lps == pytest.approx([t.logprob for t in alone], abs=LP_TOL), adapter
-    assert len({tuple(o) for o, _ in results}) > 1 or \
-        max(abs(a - b) for a, b in zip(results[0][1], results[3][1])) > 1e-2  # rows really differ
+    assert (
+        len({tuple(o) for o, _ in results}) > 1 or max(abs(a - b) for a, b in zip(results[0][1], results[3][1])) > 1e-2
+    )  # rows really differ
     for name in names:
         loop.run_until_complete(engine.unload_adapter(name))
 
 
-def test_a_version_every_row_uses_is_served_from_merged_weights_equal_to_its_own(engine, loop, versions, tokens,
-                                                                                 base_ref):
+def test_a_version_every_row_uses_is_served_from_merged_weights_equal_to_its_own(
+    engine, loop, versions, tokens, base_ref
+):
     """After MERGE_AFTER_STEPS passes with every row on one version, the layers run on merged weights
     W + s·B A; the tokens' logprobs still equal a plain peft model's, and when the slot takes the next
     version the merged copy is dropped and rebuilt from the new weights (no stale update is served)."""
@@ -229,7 +231,7 @@ def test_a_version_every_row_uses_is_served_from_merged_weights_equal_to_its_own
         out, lps = loop.run_until_complete(_generate(engine, prompt, params, name))
         assert slots.merged is not None and slots.merged.slot is slot, "the merged pass did not run"
         assert len(slots.merged.weights) == 30 * len(TARGETS)  # every adapted layer of SmolLM2's 30 blocks
-        reference = _peft_reference(base_ref, path, prompt + out)[len(prompt) - 1:]
+        reference = _peft_reference(base_ref, path, prompt + out)[len(prompt) - 1 :]
         assert lps == pytest.approx(reference, abs=LP_TOL), name
         loop.run_until_complete(engine.unload_adapter(name))
         assert slots.merged is None or slots.merged.slot is None  # the slot is free: its merge is stale
@@ -261,9 +263,9 @@ def test_a_version_that_cannot_be_merged_leaves_the_served_merge_intact(engine, 
         last.fan_in_fan_out = False
     assert not slots.versions["flat@1"].mergeable and slots.merged is kept
     assert all(torch.equal(before[k], w) for k, w in kept.weights.items())  # not a value overwritten
-    assert lps == pytest.approx(_peft_reference(base_ref, v2, prompt + out)[len(prompt) - 1:], abs=LP_TOL)
+    assert lps == pytest.approx(_peft_reference(base_ref, v2, prompt + out)[len(prompt) - 1 :], abs=LP_TOL)
     out, lps = loop.run_until_complete(_generate(engine, prompt, params, "keep@1"))  # served merged, still v1's
-    assert lps == pytest.approx(_peft_reference(base_ref, v1, prompt + out)[len(prompt) - 1:], abs=LP_TOL)
+    assert lps == pytest.approx(_peft_reference(base_ref, v1, prompt + out)[len(prompt) - 1 :], abs=LP_TOL)
     for name in ("keep@1", "flat@1"):
         loop.run_until_complete(engine.unload_adapter(name))
 

@@ -1,5 +1,5 @@
 """Loss specifications and the one batch validation: the same specs and the same function at the gateway's door
-and at the trainer's entry (``livelora.adapters.losses``), and one tensor function per spec."""
+and at the trainer's entry (``livelora.core.losses``), and one tensor function per spec."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
-from livelora.adapters.losses import (LOSS_SPECS, REFUSED_LOSSES, LossSpec, get_spec, validate_batch,
-                                      validate_loss_inputs)
+
 from livelora.clients.errors import BadRequestError, UnsupportedParameterError
 from livelora.clients.types.tinker import Datum, ForwardBackwardInput, ForwardBackwardRequest, ModelInput, TensorData
+from livelora.core.losses import LOSS_SPECS, REFUSED_LOSSES, LossSpec, get_spec, validate_batch, validate_loss_inputs
 from livelora.trainer.losses import LOSS_FUNCTIONS, register
 from livelora.trainer.model import TRAINER_FILLED_INPUTS, TrainingModel
 
@@ -54,8 +53,9 @@ def check(data, loss_fn, config=None):
     return validate_batch(data, loss_fn, config, vocab_size=VOCAB, max_seq_len=MAX_LEN)
 
 
-REQUIRED = [(name, x.name) for name, spec in LOSS_SPECS.items() for x in spec.inputs
-            if x.required and x.source == "client"]
+REQUIRED = [
+    (name, x.name) for name, spec in LOSS_SPECS.items() for x in spec.inputs if x.required and x.source == "client"
+]
 CONFIG_BOUNDS = [(name, c) for name, spec in LOSS_SPECS.items() for c in spec.config]
 
 
@@ -83,8 +83,11 @@ def test_the_sdk_loss_type_documents_every_built_in_and_refused_loss():
     """``LossFnType`` is a plain ``str`` (the server owns the list); its docstring must still name them all."""
     tree = ast.parse((REPO / "clients/types/tinker.py").read_text())
     body = tree.body
-    at = next(i for i, node in enumerate(body) if isinstance(node, ast.Assign)
-              and any(getattr(t, "id", None) == "LossFnType" for t in node.targets))
+    at = next(
+        i
+        for i, node in enumerate(body)
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LossFnType" for t in node.targets)
+    )
     doc = body[at + 1].value.value
     for name in [*LOSS_SPECS, *REFUSED_LOSSES]:
         assert f"``{name}``" in doc, name
@@ -92,8 +95,10 @@ def test_the_sdk_loss_type_documents_every_built_in_and_refused_loss():
 
 
 def test_the_shared_specs_and_validation_import_no_torch():
-    code = ("import sys, livelora.adapters.losses, livelora.gateway.services.sessions; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('livelora.trainer')))")
+    code = (
+        "import sys, livelora.core.losses, livelora.gateway.services.sessions; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('livelora.trainer')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -144,10 +149,15 @@ def test_tinker_losses_livelora_refuses_are_400_unsupported_parameter(loss_fn):
     assert loss_fn in err.value.message
 
 
-@pytest.mark.parametrize("name,n,needle", [
-    ("kto", 1, "kto needs at least 2 datums"), ("dpo", 1, "odd number of datums (1)"),
-    ("dpo", 3, "odd number of datums (3)"), ("cross_entropy", 0, "the batch is empty"),
-])
+@pytest.mark.parametrize(
+    "name,n,needle",
+    [
+        ("kto", 1, "kto needs at least 2 datums"),
+        ("dpo", 1, "odd number of datums (1)"),
+        ("dpo", 3, "odd number of datums (3)"),
+        ("cross_entropy", 0, "the batch is empty"),
+    ],
+)
 def test_too_small_or_unpaired_batches_are_a_400_naming_data(name, n, needle):
     with pytest.raises(BadRequestError, match=needle.replace("(", r"\(").replace(")", r"\)")) as err:
         check(batch(LOSS_SPECS[name], n), name)
@@ -204,8 +214,12 @@ def test_the_trainer_takes_gradient_positions_from_the_spec():
     assert TrainingModel._grad_positions(LOSS_SPECS["cross_entropy"], ce).tolist() == [False, True, False, True]
     top_k = {"target_tokens": t([[1, 2], [3, 4], [5, 6]]), "weights": t([[0.0, 0.0], [0.3, 0.0], [0.0, 0.2]])}
     assert TrainingModel._grad_positions(LOSS_SPECS["cross_entropy"], top_k).tolist() == [False, True, True]
-    rl = {"target_tokens": t([1, 2, 3, 4]), "logprobs": t([0.0, -1.0, -1.0, -1.0]),
-          "advantages": t([0.0, 0.5, 0.5, 0.0]), "mask": t([1.0, 1.0, 0.0, 1.0])}
+    rl = {
+        "target_tokens": t([1, 2, 3, 4]),
+        "logprobs": t([0.0, -1.0, -1.0, -1.0]),
+        "advantages": t([0.0, 0.5, 0.5, 0.0]),
+        "mask": t([1.0, 1.0, 0.0, 1.0]),
+    }
     for name in ("importance_sampling", "ppo", "cispo"):
         assert TrainingModel._grad_positions(LOSS_SPECS[name], rl).tolist() == [False, True, False, False]
     # dro's quadratic term reaches positions with A = 0; only the mask removes them
@@ -223,15 +237,19 @@ def trainer_model(base_ref):
     return TrainingModel(base_ref, LoraConfig(rank=2, seed=0))
 
 
-@pytest.mark.parametrize("name,data,param,needle", [
-    ("hinge", None, "loss_fn", "unknown loss_fn 'hinge'"),
-    ("kto", 1, "data", "at least 2 datums"),
-    ("dpo", 3, "data", "odd number"),
-    ("kto", {"label": None}, "data[0].loss_fn_inputs.label", "missing label"),
-    ("ppo", {"advantages": None}, "data[0].loss_fn_inputs.advantages", "missing advantages"),
-])
-def test_the_trainer_refuses_the_same_batches_with_the_same_400_and_changes_nothing(trainer_model, name, data,
-                                                                                    param, needle):
+@pytest.mark.parametrize(
+    "name,data,param,needle",
+    [
+        ("hinge", None, "loss_fn", "unknown loss_fn 'hinge'"),
+        ("kto", 1, "data", "at least 2 datums"),
+        ("dpo", 3, "data", "odd number"),
+        ("kto", {"label": None}, "data[0].loss_fn_inputs.label", "missing label"),
+        ("ppo", {"advantages": None}, "data[0].loss_fn_inputs.advantages", "missing advantages"),
+    ],
+)
+def test_the_trainer_refuses_the_same_batches_with_the_same_400_and_changes_nothing(
+    trainer_model, name, data, param, needle
+):
     spec = LOSS_SPECS.get(name, LOSS_SPECS["cross_entropy"])
     datums = batch(spec, data) if isinstance(data, int) or data is None else batch(spec, **data)
     for run in (trainer_model.forward_backward, trainer_model.forward):
@@ -255,13 +273,17 @@ def test_the_gateway_refuses_a_bad_loss_at_the_door_with_the_shared_validation(s
     sessions = sessions_server.services.sessions.ops  # the training ops validate at the door
 
     def request(loss_fn, data):
-        return ForwardBackwardRequest(model_id="m:train:0", seq_id=1, forward_backward_input=ForwardBackwardInput(
-            data=data, loss_fn=loss_fn))
+        return ForwardBackwardRequest(
+            model_id="m:train:0", seq_id=1, forward_backward_input=ForwardBackwardInput(data=data, loss_fn=loss_fn)
+        )
 
     assert sessions._validate("forward_backward", request("ppo", batch(LOSS_SPECS["ppo"])))["input"]["loss_fn"] == "ppo"
-    cases = [("hinge", batch(LOSS_SPECS["ppo"]), "loss_fn"), ("kto", batch(LOSS_SPECS["kto"], 1), "data"),
-             ("dpo", batch(LOSS_SPECS["dpo"], 3), "data"),
-             ("kto", batch(LOSS_SPECS["kto"], label=None), "data[0].loss_fn_inputs.label")]
+    cases = [
+        ("hinge", batch(LOSS_SPECS["ppo"]), "loss_fn"),
+        ("kto", batch(LOSS_SPECS["kto"], 1), "data"),
+        ("dpo", batch(LOSS_SPECS["dpo"], 3), "data"),
+        ("kto", batch(LOSS_SPECS["kto"], label=None), "data[0].loss_fn_inputs.label"),
+    ]
     for loss_fn, data, param in cases:
         with pytest.raises(BadRequestError) as err:
             sessions._validate("forward_backward", request(loss_fn, data))
@@ -273,8 +295,10 @@ def test_an_unknown_loss_through_the_sdk_fails_its_future_with_a_400_naming_loss
 
     with ServiceClient(sessions_server.base_url) as service:
         tc = service.create_lora_training_client(MODEL, rank=2, seed=0)
-        for loss_fn, data, param in [("hinge", batch(LOSS_SPECS["cross_entropy"]), "loss_fn"),
-                                     ("dpo", batch(LOSS_SPECS["dpo"], 1), "data")]:
+        for loss_fn, data, param in [
+            ("hinge", batch(LOSS_SPECS["cross_entropy"]), "loss_fn"),
+            ("dpo", batch(LOSS_SPECS["dpo"], 1), "data"),
+        ]:
             with pytest.raises(BadRequestError) as err:
                 tc.forward_backward(data, loss_fn).result(timeout=60)
             assert err.value.param == param

@@ -16,13 +16,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from livelora.adapters.losses import LOSS_SPECS as LOSSES
-from livelora.adapters.losses import SUPPORTED_LOSSES, LossName
 from livelora.clients.errors import BadRequestError
+from livelora.core.losses import LOSS_SPECS as LOSSES
+from livelora.core.losses import SUPPORTED_LOSSES, LossName
 from livelora.trainer.losses import (
-    cispo, compute_loss, cross_entropy, dpo, dro, group_advantages, gspo, importance_sampling, kl_pair_order, kto,
+    cispo,
+    compute_loss,
+    cross_entropy,
+    dpo,
+    dro,
+    group_advantages,
+    gspo,
+    importance_sampling,
+    kl_pair_order,
+    kto,
     ppo,
-    run_custom_loss, sequence_logprobs, surrogate_weights, validate_loss_request,
+    run_custom_loss,
+    sequence_logprobs,
+    surrogate_weights,
+    validate_loss_request,
 )
 
 D = torch.float64
@@ -51,19 +63,42 @@ R1, R2, R3, R5, R6 = e(0.2), e(0.3), 1.0, e(-0.1), e(-0.9)  # ratios at the acti
 
 # (fn, config, printed loss:sum (§3.4), closed-form loss, closed-form d loss / d lp, row-major)
 RL_CASES = {
-    "importance_sampling": (importance_sampling, {}, -1.12993,
-                            -(0.5 * (R1 + R2 + R3) - 0.5 * (R5 + R6)),
-                            [0, -0.5 * R1, -0.5 * R2, -0.5, 0, 0.5 * R5, 0.5 * R6, 0]),
-    "ppo": (ppo, {}, -0.847581, -(0.6 + 0.6 + 0.5 - 0.5 * R5 - 0.4),
-            [0, 0, 0, -0.5, 0, 0.5 * R5, 0, 0]),
-    "ppo_0.9_1.1": (ppo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, -0.697581,
-                    -(0.55 + 0.55 + 0.5 - 0.5 * R5 - 0.45), [0, 0, 0, -0.5, 0, 0.5 * R5, 0, 0]),
-    "cispo": (cispo, {}, 0.564551, 0.5 * R1 + 0.1 * R2 + 0.35 - 0.25 * R5 - 0.75 * R6,
-              [0, -0.5 * R1, -0.5 * R2, -0.5, 0, 0.5 * R5, 0.5 * R6, 0]),
-    "cispo_0.8_1.2": (cispo, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, 0.243791,
-                      0.6 + 0.12 + 0.35 - 0.25 * R5 - 0.6, [0, -0.6, -0.6, -0.5, 0, 0.5 * R5, 0.4, 0]),
-    "cispo_0.9_1.1": (cispo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, 0.108791,
-                      0.55 + 0.11 + 0.35 - 0.25 * R5 - 0.675, [0, -0.55, -0.55, -0.5, 0, 0.5 * R5, 0.45, 0]),
+    "importance_sampling": (
+        importance_sampling,
+        {},
+        -1.12993,
+        -(0.5 * (R1 + R2 + R3) - 0.5 * (R5 + R6)),
+        [0, -0.5 * R1, -0.5 * R2, -0.5, 0, 0.5 * R5, 0.5 * R6, 0],
+    ),
+    "ppo": (ppo, {}, -0.847581, -(0.6 + 0.6 + 0.5 - 0.5 * R5 - 0.4), [0, 0, 0, -0.5, 0, 0.5 * R5, 0, 0]),
+    "ppo_0.9_1.1": (
+        ppo,
+        {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+        -0.697581,
+        -(0.55 + 0.55 + 0.5 - 0.5 * R5 - 0.45),
+        [0, 0, 0, -0.5, 0, 0.5 * R5, 0, 0],
+    ),
+    "cispo": (
+        cispo,
+        {},
+        0.564551,
+        0.5 * R1 + 0.1 * R2 + 0.35 - 0.25 * R5 - 0.75 * R6,
+        [0, -0.5 * R1, -0.5 * R2, -0.5, 0, 0.5 * R5, 0.5 * R6, 0],
+    ),
+    "cispo_0.8_1.2": (
+        cispo,
+        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        0.243791,
+        0.6 + 0.12 + 0.35 - 0.25 * R5 - 0.6,
+        [0, -0.6, -0.6, -0.5, 0, 0.5 * R5, 0.4, 0],
+    ),
+    "cispo_0.9_1.1": (
+        cispo,
+        {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+        0.108791,
+        0.55 + 0.11 + 0.35 - 0.25 * R5 - 0.675,
+        [0, -0.55, -0.55, -0.5, 0, 0.5 * R5, 0.45, 0],
+    ),
 }
 # dro, beta 0.05, masked to the action tokens: -Σ m (lp·A − ½β(lp−q)²); grad = m(−A + β(lp − q))
 DRO_LOSS = -((-0.5 - 0.025 * 0.04) + (-0.1 - 0.025 * 0.09) + (-0.35) + (0.25 - 0.025 * 0.01) + (0.75 - 0.025 * 0.81))
@@ -78,10 +113,16 @@ DRO_GRAD = [0, -0.49, -0.485, -0.5, 0, 0.495, 0.455, 0]
 S0, S1 = e(1 / 6), e(-0.5)
 GSPO_CASES = {  # config → (loss, gradient row-major over the 2 x 4 positions)
     "paper_defaults": ({}, -3 * 0.5 * (1 + 4e-4) + 2 * 0.5 * (1 - 3e-4), [0] * 8),  # both sequences clipped
-    "0.8_1.2": ({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, -1.5 * S0 + 2 * 0.5 * 0.8,
-                [0, -0.5 * S0, -0.5 * S0, -0.5 * S0, 0, 0, 0, 0]),  # s0 inside, s1 < 0.8 with A < 0: clipped
-    "0.5_1.5": ({"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}, -1.5 * S0 + 2 * 0.5 * S1,
-                [0, -0.5 * S0, -0.5 * S0, -0.5 * S0, 0, 0.5 * S1, 0.5 * S1, 0]),  # neither clipped
+    "0.8_1.2": (
+        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        -1.5 * S0 + 2 * 0.5 * 0.8,
+        [0, -0.5 * S0, -0.5 * S0, -0.5 * S0, 0, 0, 0, 0],
+    ),  # s0 inside, s1 < 0.8 with A < 0: clipped
+    "0.5_1.5": (
+        {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5},
+        -1.5 * S0 + 2 * 0.5 * S1,
+        [0, -0.5 * S0, -0.5 * S0, -0.5 * S0, 0, 0.5 * S1, 0.5 * S1, 0],
+    ),  # neither clipped
 }
 
 
@@ -90,8 +131,15 @@ def test_gspo_sequence_ratio_value_and_gradient_by_hand(case):
     config, loss, grad = GSPO_CASES[case]
     assert S0 == pytest.approx(1.181360, abs=1e-6) and S1 == pytest.approx(0.606531, abs=1e-6)
     lp_D = [t(LP[0], requires_grad=True), t(LP[1], requires_grad=True)]
-    datums = [{"target_tokens": torch.arange(4), "logprobs": t(Q[i]), "advantages": t(ADV[i]),
-               "sequence_ratio_mask": t(MASK[i])} for i in range(2)]
+    datums = [
+        {
+            "target_tokens": torch.arange(4),
+            "logprobs": t(Q[i]),
+            "advantages": t(ADV[i]),
+            "sequence_ratio_mask": t(MASK[i]),
+        }
+        for i in range(2)
+    ]
     out = compute_loss("gspo", lp_D, datums, config or None)
     out.loss.backward()
     assert out.metrics["loss:sum"] == pytest.approx(loss, abs=1e-9)
@@ -230,8 +278,12 @@ def test_padding_is_masked_exactly(fn, garbage):
 # ------------------------------------------------------------------------------------------------
 def test_cross_entropy_from_logits_matches_section_3_1():
     input_ids = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]])
-    logits = t([[[1.0, 2.0, 0.5, -1.0], [0.0, 0.0, 3.0, 1.0], [2.0, -1.0, 0.0, 1.5]],
-                [[0.3, 0.1, 2.0, -0.5], [1.0, 1.0, 1.0, 1.0], [-2.0, 4.0, 0.0, 0.0]]])
+    logits = t(
+        [
+            [[1.0, 2.0, 0.5, -1.0], [0.0, 0.0, 3.0, 1.0], [2.0, -1.0, 0.0, 1.5]],
+            [[0.3, 0.1, 2.0, -0.5], [1.0, 1.0, 1.0, 1.0], [-2.0, 4.0, 0.0, 0.0]],
+        ]
+    )
     lp = F.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     close(lp, [[-0.495182, -0.210998, -1.08314], [-0.346661, -1.38629, -6.03836]], 5e-6)
     weights = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]])[:, 1:]  # completion mask shifted by one
@@ -272,13 +324,22 @@ def test_cross_entropy_two_d_top_k_targets_through_registry():
 KTO_POL_TOK = [[-1.0, -2.0, -0.5], [-0.2, -0.4, -0.6], [-3.0, -1.0, 0.0], [-2.0, -2.0, -2.0]]
 KTO_REF_TOK = [[-1.5, -2.5, -1.0], [-0.3, -0.3, -0.9], [-2.0, -1.5, 0.0], [-1.0, -1.5, -2.5]]
 KTO_MASK = [[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]]
-KTO_R = [1.5, 0.3, -0.5, -1.0]            # r = Σ m (lp − ref)
+KTO_R = [1.5, 0.3, -0.5, -1.0]  # r = Σ m (lp − ref)
 KTO_DESIRABLE = [True, True, False, False]
-KTO_KL = [0.4, 0.1, -0.5, 0.3]             # mismatched-pair log-ratios: z0 = 0.075
+KTO_KL = [0.4, 0.1, -0.5, 0.3]  # mismatched-pair log-ratios: z0 = 0.075
 
 
-def trl_kto(policy_chosen, policy_rejected, policy_kl, ref_chosen, ref_rejected, ref_kl,
-            beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
+def trl_kto(
+    policy_chosen,
+    policy_rejected,
+    policy_kl,
+    ref_chosen,
+    ref_rejected,
+    ref_kl,
+    beta=0.1,
+    desirable_weight=1.0,
+    undesirable_weight=1.0,
+):
     """TRL KTOTrainer.kto_loss, loss_type "kto" (trl 0.26.2 kto_trainer.py; 1.16 L1442–1444), one process."""
     kl = (policy_kl - ref_kl).mean().detach().clamp(min=0)
     chosen_losses = 1 - torch.sigmoid(beta * ((policy_chosen - ref_chosen) - kl))
@@ -291,18 +352,22 @@ def _kto(r, desirable, kl, **kw):
     return kto(t(r), torch.tensor(desirable), t(kl), **kw)
 
 
-@pytest.mark.parametrize("beta,lam_u,per_example,mean", [
-    (0.1, 1.0, [0.464435, 0.494375, 0.485629, 0.473151], 0.479398),
-    (0.1, 1.33, [0.464435, 0.494375, 0.645887, 0.629291], 0.558497),
-    (0.5, 1.0, [0.329047, 0.471905, 0.428616, 0.368769], 0.399584),
-])
+@pytest.mark.parametrize(
+    "beta,lam_u,per_example,mean",
+    [
+        (0.1, 1.0, [0.464435, 0.494375, 0.485629, 0.473151], 0.479398),
+        (0.1, 1.33, [0.464435, 0.494375, 0.645887, 0.629291], 0.558497),
+        (0.5, 1.0, [0.329047, 0.471905, 0.428616, 0.368769], 0.399584),
+    ],
+)
 def test_kto_matches_section_3_2_and_trl_formula(beta, lam_u, per_example, mean):
     out = _kto(KTO_R, KTO_DESIRABLE, KTO_KL, beta=beta, undesirable_weight=lam_u)
     assert out.loss.item() == pytest.approx(mean, abs=1e-6)
     assert out.metrics["kto/z0:mean"] == pytest.approx(0.075, abs=1e-12)
     # per-example values: one-example batches with the same KL pairs
-    singles = [_kto([r], [d], KTO_KL, beta=beta, undesirable_weight=lam_u).loss.item()
-               for r, d in zip(KTO_R, KTO_DESIRABLE)]
+    singles = [
+        _kto([r], [d], KTO_KL, beta=beta, undesirable_weight=lam_u).loss.item() for r, d in zip(KTO_R, KTO_DESIRABLE)
+    ]
     close(singles, per_example, 1e-6)
     pol, ref = t([-3.5, -1.2, -4.0, -6.0]), t([-5.0, -1.5, -3.5, -5.0])
     pol_kl, ref_kl = t([-7.0, -4.0, -6.5, -5.0]), t([-7.4, -4.1, -6.0, -5.3])
@@ -377,12 +442,13 @@ def test_kto_odd_batch_matches_trl_formula():
     desirable = torch.tensor([True, False, True, True, False])
     perm = kl_pair_order(list(range(5)))
     r = sequence_logprobs(pol, mask) - sequence_logprobs(ref, mask)
-    kl_pol = sequence_logprobs(pol[perm] * 0.9, mask[perm])   # stand-ins for the mismatched-pair scores
+    kl_pol = sequence_logprobs(pol[perm] * 0.9, mask[perm])  # stand-ins for the mismatched-pair scores
     kl_ref = sequence_logprobs(ref[perm], mask[perm])
     out = kto(r, desirable, kl_pol - kl_ref, beta=0.3, desirable_weight=1.0, undesirable_weight=1.2)
     pol_seq, ref_seq = sequence_logprobs(pol, mask), sequence_logprobs(ref, mask)
-    reference = trl_kto(pol_seq[desirable], pol_seq[~desirable], kl_pol, ref_seq[desirable],
-                        ref_seq[~desirable], kl_ref, 0.3, 1.0, 1.2)
+    reference = trl_kto(
+        pol_seq[desirable], pol_seq[~desirable], kl_pol, ref_seq[desirable], ref_seq[~desirable], kl_ref, 0.3, 1.0, 1.2
+    )
     assert out.loss.item() == pytest.approx(float(reference), abs=1e-12)
 
 
@@ -391,10 +457,16 @@ def test_kto_through_registry_from_per_token_datums():
     lp_D, datums = [], []
     for i in range(4):
         n = sum(KTO_MASK[i])
-        lp_D.append(t([-0.7] + KTO_POL_TOK[i][:n], requires_grad=True))   # position 0 = prompt
-        datums.append({"target_tokens": torch.arange(n + 1), "weights": t([0.0] + [1.0] * n),
-                       "ref_logprobs": t([-9.0] + KTO_REF_TOK[i][:n]), "label": t([float(KTO_DESIRABLE[i])]),
-                       "kl_logratio": t([KTO_KL[i]])})
+        lp_D.append(t([-0.7] + KTO_POL_TOK[i][:n], requires_grad=True))  # position 0 = prompt
+        datums.append(
+            {
+                "target_tokens": torch.arange(n + 1),
+                "weights": t([0.0] + [1.0] * n),
+                "ref_logprobs": t([-9.0] + KTO_REF_TOK[i][:n]),
+                "label": t([float(KTO_DESIRABLE[i])]),
+                "kl_logratio": t([KTO_KL[i]]),
+            }
+        )
     out = compute_loss("kto", lp_D, datums)
     out.loss.backward()
     assert out.loss.item() == pytest.approx(0.479398, abs=1e-6)
@@ -406,8 +478,7 @@ def test_kto_micro_batches_add_up_when_every_datum_carries_the_batch_kl_mean():
     """LossSpec note: chunk losses scaled by chunk_size / B, kl_logratio = batch mean → the full-batch loss."""
     full = _kto(KTO_R, KTO_DESIRABLE, KTO_KL).loss.item()
     kl_mean = [sum(KTO_KL) / 4] * 4
-    chunks = [_kto(KTO_R[a:b], KTO_DESIRABLE[a:b], kl_mean[a:b]).loss.item() * (b - a) / 4
-              for a, b in ((0, 1), (1, 4))]
+    chunks = [_kto(KTO_R[a:b], KTO_DESIRABLE[a:b], kl_mean[a:b]).loss.item() * (b - a) / 4 for a, b in ((0, 1), (1, 4))]
     assert sum(chunks) == pytest.approx(full, abs=1e-12)
 
 
@@ -430,8 +501,10 @@ def trl_dpo_sigmoid(policy_chosen, policy_rejected, ref_chosen, ref_rejected, be
 
 def _dpo_logratios(c_tok, r_tok, c_msk, r_msk, ref_c_tok=REF_C_TOK, ref_r_tok=REF_R_TOK):
     c_msk, r_msk = torch.tensor(c_msk), torch.tensor(r_msk)
-    return (sequence_logprobs(c_tok, c_msk) - sequence_logprobs(t(ref_c_tok), c_msk),
-            sequence_logprobs(r_tok, r_msk) - sequence_logprobs(t(ref_r_tok), r_msk))
+    return (
+        sequence_logprobs(c_tok, c_msk) - sequence_logprobs(t(ref_c_tok), c_msk),
+        sequence_logprobs(r_tok, r_msk) - sequence_logprobs(t(ref_r_tok), r_msk),
+    )
 
 
 @pytest.mark.parametrize("beta,mean", [(0.1, 0.663797), (0.5, 0.559237)])
@@ -440,7 +513,7 @@ def test_dpo_matches_section_3_3_and_trl_formula(beta, mean):
     close(chosen, [-2.2 + 2.8, -2.0 + 2.0], 1e-12)
     close(rejected, [-3.5 + 3.1, -3.7 + 3.5], 1e-12)
     out = dpo(chosen, rejected, beta=beta)
-    hand = sum(math.log1p(e(-beta * h)) for h in (1.0, 0.2)) / 2   # −log σ(βh) = log(1 + e^{−βh})
+    hand = sum(math.log1p(e(-beta * h)) for h in (1.0, 0.2)) / 2  # −log σ(βh) = log(1 + e^{−βh})
     assert out.loss.item() == pytest.approx(hand, abs=1e-12)
     assert out.loss.item() == pytest.approx(mean, abs=1e-6)
     reference = trl_dpo_sigmoid(t([-2.2, -2.0]), t([-3.5, -3.7]), t([-2.8, -2.0]), t([-3.1, -3.5]), beta)
@@ -452,9 +525,9 @@ def test_dpo_gradients_and_rewards_match_section_3_3():
     c_tok, r_tok = t(C_TOK, requires_grad=True), t(R_TOK, requires_grad=True)
     out = dpo(*_dpo_logratios(c_tok, r_tok, C_MSK, R_MSK), beta=0.1)
     out.loss.backward()
-    g = [0.1 / (1 + e(0.1 * h)) / 2 for h in (1.0, 0.2)]   # β·σ(−βh)/B
+    g = [0.1 / (1 + e(0.1 * h)) / 2 for h in (1.0, 0.2)]  # β·σ(−βh)/B
     assert g == pytest.approx([0.0237510, 0.0247500], abs=1e-7)
-    close(c_tok.grad, -t(g)[:, None] * t(C_MSK), 1e-12)     # each completion token gets d loss / d seq logp
+    close(c_tok.grad, -t(g)[:, None] * t(C_MSK), 1e-12)  # each completion token gets d loss / d seq logp
     close(r_tok.grad, t(g)[:, None] * t(R_MSK), 1e-12)
     assert out.metrics["dpo/rewards_chosen:mean"] == pytest.approx((0.06 + 0.0) / 2, abs=1e-12)
     assert out.metrics["dpo/rewards_rejected:mean"] == pytest.approx((-0.04 - 0.02) / 2, abs=1e-12)
@@ -465,6 +538,7 @@ def test_dpo_gradients_and_rewards_match_section_3_3():
 @pytest.mark.parametrize("extra,garbage", [(0, -9.0), (3, float("nan")), (2, float("-inf"))])
 def test_dpo_does_not_depend_on_padding_side_or_amount(side, extra, garbage):
     """Regression 4 (CosyVoice #1449, trl PR #1284): pads excluded whatever their value, side or amount."""
+
     def repad(rows, masks):
         out_rows, out_masks = [], []
         for row, m in zip(rows, masks):
@@ -473,6 +547,7 @@ def test_dpo_does_not_depend_on_padding_side_or_amount(side, extra, garbage):
             out_rows.append(real + [garbage] * pad if side == "right" else [garbage] * pad + real)
             out_masks.append([1] * len(real) + [0] * pad if side == "right" else [0] * pad + [1] * len(real))
         return t(out_rows), out_masks
+
     c_tok, c_msk = repad(C_TOK, C_MSK)
     r_tok, r_msk = repad(R_TOK, R_MSK)
     ref_c, _ = repad(REF_C_TOK, C_MSK)
@@ -497,8 +572,13 @@ def test_dpo_through_registry_on_interleaved_ragged_datums():
         for tok, msk, ref in ((C_TOK, C_MSK, REF_C_TOK), (R_TOK, R_MSK, REF_R_TOK)):
             n = sum(msk[k])
             lp_D.append(t([-0.3] + tok[k][:n], requires_grad=True))
-            datums.append({"target_tokens": torch.arange(n + 1), "weights": t([0.0] + [1.0] * n),
-                           "ref_logprobs": t([-0.3] + ref[k][:n])})
+            datums.append(
+                {
+                    "target_tokens": torch.arange(n + 1),
+                    "weights": t([0.0] + [1.0] * n),
+                    "ref_logprobs": t([-0.3] + ref[k][:n]),
+                }
+            )
     out = compute_loss("dpo", lp_D, datums)
     assert out.loss.item() == pytest.approx(0.663797, abs=1e-6)
     assert out.metrics["loss:sum"] == out.loss.item()
@@ -507,12 +587,15 @@ def test_dpo_through_registry_on_interleaved_ragged_datums():
 # ------------------------------------------------------------------------------------------------
 # §3.5 group advantages
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("rewards,centred,group", [
-    ([1, 0, 0, 1], [0.5, -0.5, -0.5, 0.5], [0.865875, -0.865875, -0.865875, 0.865875]),
-    ([1, -0.1, 0.9, 0], [0.55, -0.55, 0.45, -0.45], [0.947737, -0.947737, 0.775421, -0.775421]),
-    ([0, 0, 0, 1], [-0.25, -0.25, -0.25, 0.75], [-0.4999, -0.4999, -0.4999, 1.4997]),
-    ([1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]),
-])
+@pytest.mark.parametrize(
+    "rewards,centred,group",
+    [
+        ([1, 0, 0, 1], [0.5, -0.5, -0.5, 0.5], [0.865875, -0.865875, -0.865875, 0.865875]),
+        ([1, -0.1, 0.9, 0], [0.55, -0.55, 0.45, -0.45], [0.947737, -0.947737, 0.775421, -0.775421]),
+        ([0, 0, 0, 1], [-0.25, -0.25, -0.25, 0.75], [-0.4999, -0.4999, -0.4999, 1.4997]),
+        ([1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]),
+    ],
+)
 def test_group_advantages_match_section_3_5(rewards, centred, group):
     r = t([rewards])
     close(group_advantages(r)[0], centred, 1e-12)
@@ -527,23 +610,26 @@ def test_group_advantages_match_section_3_5(rewards, centred, group):
 def test_batch_normalisation_differs_from_group_normalisation():
     """grpo-flat #2: groups [1,0,0,1] and [0,0,0,1], centred per group, ÷ (batch std + 1e-4)."""
     r = t([[1, 0, 0, 1], [0, 0, 0, 1]])
-    close(group_advantages(r, normalize="batch").flatten(),
-          [0.965905, -0.965905, -0.965905, 0.965905, -0.482953, -0.482953, -0.482953, 1.44886], 1e-5)
+    close(
+        group_advantages(r, normalize="batch").flatten(),
+        [0.965905, -0.965905, -0.965905, 0.965905, -0.482953, -0.482953, -0.482953, 1.44886],
+        1e-5,
+    )
     assert not torch.allclose(group_advantages(r, normalize="batch"), group_advantages(r, normalize="group"))
 
 
 def test_ragged_groups_and_singletons():
     out = group_advantages([t([1.0, 0.0]), t([3.0]), t([0.2, 0.2, 0.8])])
     close(out[0], [0.5, -0.5], 1e-12)
-    close(out[1], [0.0], 0)     # a group of one has no baseline
+    close(out[1], [0.0], 0)  # a group of one has no baseline
     close(out[2], [-0.2, -0.2, 0.4], 1e-12)
 
 
 def test_std_floor_never_amplifies_float_residue():
     """Regression 8 (NeMo-RL PR #4161): fp32 "identical" non-dyadic rewards have residue variance."""
     same = torch.full((7,), 0.35, dtype=torch.float32)
-    naive_std = torch.sqrt((same ** 2).mean() - same.mean() ** 2)
-    assert naive_std > 1e-5   # the one-pass fp32 formula leaves ≈1e-4 of residue std, not 0
+    naive_std = torch.sqrt((same**2).mean() - same.mean() ** 2)
+    assert naive_std > 1e-5  # the one-pass fp32 formula leaves ≈1e-4 of residue std, not 0
     for normalize in ("none", "group", "batch"):
         assert (group_advantages(same[None], normalize=normalize) == 0).all()
     residue = same.clone()
@@ -569,7 +655,7 @@ def test_group_advantages_reject_bad_input():
 # ------------------------------------------------------------------------------------------------
 def test_custom_loss_surrogate_gradient_equals_autograd_of_the_user_loss():
     g = torch.Generator().manual_seed(1)
-    weight = torch.randn(5, 7, generator=g, dtype=D, requires_grad=True)   # a tiny "model": features → vocab
+    weight = torch.randn(5, 7, generator=g, dtype=D, requires_grad=True)  # a tiny "model": features → vocab
     feats = [torch.randn(4, 5, generator=g, dtype=D), torch.randn(3, 5, generator=g, dtype=D)]
     targets = [torch.tensor([1, 6, 2, 0]), torch.tensor([3, 3, 5])]
 
@@ -582,22 +668,22 @@ def test_custom_loss_surrogate_gradient_equals_autograd_of_the_user_loss():
 
     direct, _ = user_loss(None, logprobs_D())
     (grad_direct,) = torch.autograd.grad(direct, [weight])
-    with torch.no_grad():                                              # pass 1: forward only
+    with torch.no_grad():  # pass 1: forward only
         pass1 = logprobs_D()
     result = run_custom_loss(user_loss, None, pass1)
     assert result.loss == pytest.approx(direct.item(), abs=1e-12)
     assert result.metrics["loss:sum"] == result.loss and "custom/h:mean" in result.metrics
     datums = [{"target_tokens": tt, "weights": w} for tt, w in zip(targets, result.weights_D)]
-    surrogate = compute_loss("cross_entropy", logprobs_D(), datums)    # pass 2: L_s = −Σ w·lp
+    surrogate = compute_loss("cross_entropy", logprobs_D(), datums)  # pass 2: L_s = −Σ w·lp
     (grad_surrogate,) = torch.autograd.grad(surrogate.loss, [weight])
     close(grad_surrogate, grad_direct, 1e-12)
 
 
 def test_surrogate_weights_are_minus_the_gradient_and_zero_for_unused_datums():
     a, b = t([-1.0, -2.0], requires_grad=True), t([-0.5], requires_grad=True)
-    loss = (a ** 2).sum()
+    loss = (a**2).sum()
     w_a, w_b = surrogate_weights(loss, [a, b])
-    close(w_a, [2.0, 4.0], 0)   # −∂(Σ a²)/∂a = −2a
+    close(w_a, [2.0, 4.0], 0)  # −∂(Σ a²)/∂a = −2a
     close(w_b, [0.0], 0)
     with pytest.raises(BadRequestError):
         surrogate_weights(t([1.0, 2.0], requires_grad=True).sum() * t(float("nan")), [a])
@@ -618,41 +704,125 @@ def _ce_datum():
     return {"target_tokens": torch.tensor([1, 2]), "weights": t([0.0, 1.0])}
 
 
-@pytest.mark.parametrize("loss_fn,datums,config,param", [
-    ("gspo", [{"target_tokens": torch.tensor([1, 2]), "logprobs": t([0.0, -1.0]), "advantages": t([0.0, 1.0])}],
-     None, "loss_fn_inputs.sequence_ratio_mask"),
-    ("gspo", [{"target_tokens": torch.tensor([1, 2]), "logprobs": t([0.0, -1.0]), "advantages": t([0.0, 1.0]),
-               "sequence_ratio_mask": t([0.0, 0.0])}], None, "loss_fn_inputs.sequence_ratio_mask"),
-    ("stable_reinforce", [_ce_datum()], None, "loss_fn"),
-    ("cross_entropy", [], None, "data"),
-    ("cross_entropy", [{"target_tokens": torch.tensor([1, 2])}], None, "loss_fn_inputs.weights"),
-    ("cross_entropy", [{**_ce_datum(), "advantages": t([0.0, 1.0])}], None, "loss_fn_inputs.advantages"),
-    ("cross_entropy", [_ce_datum()], {"beta": 0.1}, "loss_fn_config.beta"),
-    ("cross_entropy", [{**_ce_datum(), "weights": t([1.0])}], None, "loss_fn_inputs.weights"),
-    ("ppo", [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0])}], None, "loss_fn_inputs.advantages"),
-    ("ppo", [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([1.0])}],
-     {"clip_epsilon": 0.2}, "loss_fn_config.clip_epsilon"),
-    ("ppo", [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([1.0])}],
-     {"clip_low_threshold": 0.2, "clip_high_threshold": 0.2}, "loss_fn_config.clip_high_threshold"),
-    ("cispo", [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([1.0])}],
-     {"clip_low_threshold": 1.2}, "loss_fn_config.clip_low_threshold"),
-    ("ppo", [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([float("nan")])}],
-     None, "loss_fn_inputs.advantages"),
-    ("dro", [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([1.0])}],
-     {"beta": True}, "loss_fn_config.beta"),
-    ("dpo", [{"target_tokens": torch.tensor([1]), "weights": t([1.0]), "ref_logprobs": t([0.0])}],
-     None, "data"),
-    ("dpo", [{"target_tokens": torch.tensor([1]), "weights": t([1.0]), "ref_logprobs": t([0.0])}] * 2,
-     {"beta": 0.0}, "loss_fn_config.beta"),
-    ("kto", [{"target_tokens": torch.tensor([1]), "weights": t([1.0]), "ref_logprobs": t([0.0]),
-              "label": t([1.0])}] * 2, None, "loss_fn_inputs.kl_logratio"),
-    ("kto", [{"target_tokens": torch.tensor([1]), "weights": t([1.0]), "ref_logprobs": t([0.0]),
-              "label": t([2.0]), "kl_logratio": t([0.0])}] * 2, None, "loss_fn_inputs.label"),
-    ("kto", [{"target_tokens": torch.tensor([1]), "weights": t([1.0]), "ref_logprobs": t([0.0]),
-              "label": t([1.0]), "kl_logratio": t([0.0])}], None, "data"),
-    ("kto", [{"target_tokens": torch.tensor([1]), "weights": t([1.0]), "ref_logprobs": t([0.0]),
-              "label": t([1.0]), "kl_logratio": t([0.0])}] * 2, {"desirable_weight": -1}, "loss_fn_config.desirable_weight"),
-])
+@pytest.mark.parametrize(
+    "loss_fn,datums,config,param",
+    [
+        (
+            "gspo",
+            [{"target_tokens": torch.tensor([1, 2]), "logprobs": t([0.0, -1.0]), "advantages": t([0.0, 1.0])}],
+            None,
+            "loss_fn_inputs.sequence_ratio_mask",
+        ),
+        (
+            "gspo",
+            [
+                {
+                    "target_tokens": torch.tensor([1, 2]),
+                    "logprobs": t([0.0, -1.0]),
+                    "advantages": t([0.0, 1.0]),
+                    "sequence_ratio_mask": t([0.0, 0.0]),
+                }
+            ],
+            None,
+            "loss_fn_inputs.sequence_ratio_mask",
+        ),
+        ("stable_reinforce", [_ce_datum()], None, "loss_fn"),
+        ("cross_entropy", [], None, "data"),
+        ("cross_entropy", [{"target_tokens": torch.tensor([1, 2])}], None, "loss_fn_inputs.weights"),
+        ("cross_entropy", [{**_ce_datum(), "advantages": t([0.0, 1.0])}], None, "loss_fn_inputs.advantages"),
+        ("cross_entropy", [_ce_datum()], {"beta": 0.1}, "loss_fn_config.beta"),
+        ("cross_entropy", [{**_ce_datum(), "weights": t([1.0])}], None, "loss_fn_inputs.weights"),
+        ("ppo", [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0])}], None, "loss_fn_inputs.advantages"),
+        (
+            "ppo",
+            [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([1.0])}],
+            {"clip_epsilon": 0.2},
+            "loss_fn_config.clip_epsilon",
+        ),
+        (
+            "ppo",
+            [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([1.0])}],
+            {"clip_low_threshold": 0.2, "clip_high_threshold": 0.2},
+            "loss_fn_config.clip_high_threshold",
+        ),
+        (
+            "cispo",
+            [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([1.0])}],
+            {"clip_low_threshold": 1.2},
+            "loss_fn_config.clip_low_threshold",
+        ),
+        (
+            "ppo",
+            [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([float("nan")])}],
+            None,
+            "loss_fn_inputs.advantages",
+        ),
+        (
+            "dro",
+            [{"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([1.0])}],
+            {"beta": True},
+            "loss_fn_config.beta",
+        ),
+        ("dpo", [{"target_tokens": torch.tensor([1]), "weights": t([1.0]), "ref_logprobs": t([0.0])}], None, "data"),
+        (
+            "dpo",
+            [{"target_tokens": torch.tensor([1]), "weights": t([1.0]), "ref_logprobs": t([0.0])}] * 2,
+            {"beta": 0.0},
+            "loss_fn_config.beta",
+        ),
+        (
+            "kto",
+            [{"target_tokens": torch.tensor([1]), "weights": t([1.0]), "ref_logprobs": t([0.0]), "label": t([1.0])}]
+            * 2,
+            None,
+            "loss_fn_inputs.kl_logratio",
+        ),
+        (
+            "kto",
+            [
+                {
+                    "target_tokens": torch.tensor([1]),
+                    "weights": t([1.0]),
+                    "ref_logprobs": t([0.0]),
+                    "label": t([2.0]),
+                    "kl_logratio": t([0.0]),
+                }
+            ]
+            * 2,
+            None,
+            "loss_fn_inputs.label",
+        ),
+        (
+            "kto",
+            [
+                {
+                    "target_tokens": torch.tensor([1]),
+                    "weights": t([1.0]),
+                    "ref_logprobs": t([0.0]),
+                    "label": t([1.0]),
+                    "kl_logratio": t([0.0]),
+                }
+            ],
+            None,
+            "data",
+        ),
+        (
+            "kto",
+            [
+                {
+                    "target_tokens": torch.tensor([1]),
+                    "weights": t([1.0]),
+                    "ref_logprobs": t([0.0]),
+                    "label": t([1.0]),
+                    "kl_logratio": t([0.0]),
+                }
+            ]
+            * 2,
+            {"desirable_weight": -1},
+            "loss_fn_config.desirable_weight",
+        ),
+    ],
+)
 def test_bad_requests_name_the_offending_key(loss_fn, datums, config, param):
     with pytest.raises(BadRequestError) as info:
         validate_loss_request(loss_fn, datums, config)
@@ -673,5 +843,7 @@ def test_compute_loss_rejects_logprobs_of_the_wrong_shape_before_any_backward():
 def test_validate_returns_config_with_defaults():
     datum = {"target_tokens": torch.tensor([1]), "logprobs": t([0.0]), "advantages": t([1.0])}
     assert validate_loss_request("ppo", [datum], {"clip_high_threshold": 1.28}) == {
-        "clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
+        "clip_low_threshold": 0.8,
+        "clip_high_threshold": 1.28,
+    }
     assert validate_loss_request("importance_sampling", [datum]) == {}

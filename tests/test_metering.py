@@ -15,9 +15,6 @@ import redis
 from _server import start_server, wait_until
 from typer.testing import CliRunner
 
-from livelora.adapters.api_keys import TENANT_ROLES, KeyStore
-from livelora.adapters.metering import Meter, Usage, UsageStore
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients import (
     Datum,
     ModelInput,
@@ -25,6 +22,9 @@ from livelora.clients import (
     ServiceClient,
     TensorData,
 )
+from livelora.core.api_keys import TENANT_ROLES, KeyStore
+from livelora.core.metering import Meter, Usage, UsageStore
+from livelora.core.redis_keys import KeyLayout
 
 MODEL = "smollm2-135m-instruct"
 PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}meter-{uuid.uuid4().hex[:8]}:"
@@ -53,9 +53,19 @@ def keys(home):
 def server(home, keys):
     from livelora.gateway.settings import GatewaySettings
 
-    live = start_server(GatewaySettings(model=MODEL, home=home, device="cpu", redis_prefix=PREFIX, max_batch_size=4,
-                                        max_waiting=8, executor_in_process=True, usage_rollup_s=0,
-                                        session_ttl_s=SESSION_TTL_S))
+    live = start_server(
+        GatewaySettings(
+            model=MODEL,
+            home=home,
+            device="cpu",
+            redis_prefix=PREFIX,
+            max_batch_size=4,
+            max_waiting=8,
+            executor_in_process=True,
+            usage_rollup_s=0,
+            session_ttl_s=SESSION_TTL_S,
+        )
+    )
     yield live
     live.stop()
 
@@ -78,8 +88,9 @@ def _key_id(keys, tenant: str) -> str:
 
 
 def usage(server, keys, tenant="acme", **params) -> list[dict]:
-    got = httpx.get(server.url("/admin/usage"), params=params, timeout=30,
-                    headers={"Authorization": f"Bearer {_key(keys, tenant)}"})
+    got = httpx.get(
+        server.url("/admin/usage"), params=params, timeout=30, headers={"Authorization": f"Bearer {_key(keys, tenant)}"}
+    )
     assert got.status_code == 200, got.text
     return got.json()["data"]
 
@@ -90,21 +101,37 @@ def totals(server, keys, tenant="acme", **filters) -> dict[str, int]:
 
 
 def post(server, keys, path, body, tenant="acme") -> httpx.Response:
-    return httpx.post(server.url(path), json=body, timeout=120, headers={"Authorization": f"Bearer {_key(keys, tenant)}"})
+    return httpx.post(
+        server.url(path), json=body, timeout=120, headers={"Authorization": f"Bearer {_key(keys, tenant)}"}
+    )
 
 
 def test_served_tokens_equal_usage_fields(server, keys):
     before = totals(server, keys, subject=MODEL)
-    chat = post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 7, "n": 2,
-                                                       "seed": 1})
+    chat = post(
+        server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 7, "n": 2, "seed": 1}
+    )
     assert chat.status_code == 200, chat.text
-    legacy = post(server, keys, "/v1/completions", {"model": MODEL, "prompt": ["Once upon", "The sea is"],
-                                                    "max_tokens": 5, "seed": 2})
+    legacy = post(
+        server,
+        keys,
+        "/v1/completions",
+        {"model": MODEL, "prompt": ["Once upon", "The sea is"], "max_tokens": 5, "seed": 2},
+    )
     assert legacy.status_code == 200, legacy.text
-    with httpx.stream("POST", server.url("/v1/chat/completions"), timeout=120,
-                      headers={"Authorization": f"Bearer {_key(keys, 'acme')}"},
-                      json={"model": MODEL, "messages": CHAT, "max_tokens": 6, "stream": True,
-                            "stream_options": {"include_usage": True}}) as resp:
+    with httpx.stream(
+        "POST",
+        server.url("/v1/chat/completions"),
+        timeout=120,
+        headers={"Authorization": f"Bearer {_key(keys, 'acme')}"},
+        json={
+            "model": MODEL,
+            "messages": CHAT,
+            "max_tokens": 6,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as resp:
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     streamed = json.loads(events[-2])["usage"]
     used = [chat.json()["usage"], legacy.json()["usage"], streamed]
@@ -114,8 +141,9 @@ def test_served_tokens_equal_usage_fields(server, keys):
     assert sum(u["completion_tokens"] for u in used) > 0
     # per key: the rows carry the key id that made the requests, and beta saw nothing of it
     rows = usage(server, keys, group_by="tenant,key,subject,kind")
-    assert {(row["tenant"], row["key"], row["subject"]) for row in rows if row["kind"] == "prompt"} >= \
-        {("acme", _key_id(keys, "acme"), MODEL)}
+    assert {(row["tenant"], row["key"], row["subject"]) for row in rows if row["kind"] == "prompt"} >= {
+        ("acme", _key_id(keys, "acme"), MODEL)
+    }
     assert totals(server, keys, "beta", subject=MODEL) == {}
 
 
@@ -124,19 +152,31 @@ def test_tenant_admin_sees_only_its_tenant(server, keys):
     beta = usage(server, keys, "beta", group_by="tenant")
     assert [row["tenant"] for row in beta] == ["beta"]
     assert {row["tenant"] for row in usage(server, keys, "acme", group_by="tenant")} == {"acme"}
-    other = httpx.get(server.url("/admin/usage"), params={"tenant": "acme"}, timeout=30,
-                      headers={"Authorization": f"Bearer {_key(keys, 'beta')}"})
+    other = httpx.get(
+        server.url("/admin/usage"),
+        params={"tenant": "acme"},
+        timeout=30,
+        headers={"Authorization": f"Bearer {_key(keys, 'beta')}"},
+    )
     assert other.status_code == 403 and other.json()["error"]["param"] == "tenant"
-    bad = httpx.get(server.url("/admin/usage"), params={"group_by": "colour"}, timeout=30,
-                    headers={"Authorization": f"Bearer {_key(keys, 'beta')}"})
+    bad = httpx.get(
+        server.url("/admin/usage"),
+        params={"group_by": "colour"},
+        timeout=30,
+        headers={"Authorization": f"Bearer {_key(keys, 'beta')}"},
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "group_by"
 
 
 def _datum(tokenizer, text: str) -> Datum:
     ids = tokenizer.encode(text)
-    return Datum(model_input=ModelInput.from_ints(ids[:-1]),
-                 loss_fn_inputs={"target_tokens": TensorData.from_list(ids[1:], "int64"),
-                                 "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32")})
+    return Datum(
+        model_input=ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(ids[1:], "int64"),
+            "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32"),
+        },
+    )
 
 
 def test_session_ops_are_metered_per_session(server, keys, tokenizer):
@@ -152,15 +192,21 @@ def test_session_ops_are_metered_per_session(server, keys, tokenizer):
         sc = tc.save_weights_and_get_sampling_client()
         prompt = ModelInput.from_ints(tokenizer.encode("Colors:"))
         sample = sc.sample(prompt, num_samples=2, sampling_params=SamplingParams(max_tokens=4, seed=3)).result(
-            timeout=120)
+            timeout=120
+        )
         lps = sc.compute_logprobs(prompt).result(timeout=120)
         assert len(lps) == prompt.length
-        expected = {"forward": batch[0].model_input.length, "trained": n + batch[1].model_input.length,
-                    "sample_prompt": 2 * prompt.length,
-                    "sampled": sum(len(s.tokens) for s in sample.sequences) + 1,  # compute_logprobs samples 1
-                    "scored": prompt.length}
-        assert wait_until(lambda: totals(server, keys, subject=sid) == expected, timeout_s=30), \
-            (totals(server, keys, subject=sid), expected)
+        expected = {
+            "forward": batch[0].model_input.length,
+            "trained": n + batch[1].model_input.length,
+            "sample_prompt": 2 * prompt.length,
+            "sampled": sum(len(s.tokens) for s in sample.sequences) + 1,  # compute_logprobs samples 1
+            "scored": prompt.length,
+        }
+        assert wait_until(lambda: totals(server, keys, subject=sid) == expected, timeout_s=30), (
+            totals(server, keys, subject=sid),
+            expected,
+        )
         rows = usage(server, keys, subject=sid, group_by="key")
         assert rows == [{"key": _key_id(keys, "acme"), "tokens": sum(expected.values())}]
     finally:
@@ -194,22 +240,27 @@ def test_rollup_is_exact_when_redis_dies_half_way(home, r):
     meter.record_sync(r, Usage("t", "k", "ep", {"prompt": 5, "completion": 3}))
     meter.record_sync(r, Usage("t", "k", "ep", {"prompt": 2}))
     want = [row.to_dict() for row in store.query_sync(r)]
-    assert want == [{"tenant": "t", "key": "k", "subject": "ep", "kind": "completion", "tokens": 3},
-                    {"tenant": "t", "key": "k", "subject": "ep", "kind": "prompt", "tokens": 7}]
+    assert want == [
+        {"tenant": "t", "key": "k", "subject": "ep", "kind": "completion", "tokens": 3},
+        {"tenant": "t", "key": "k", "subject": "ep", "kind": "prompt", "tokens": 7},
+    ]
     # step 1 only (rename into pending), as if the process died right after
-    from livelora.adapters.metering import _ROLL
+    from livelora.core.metering import _ROLL
 
     hour = "2023111422"
-    r.eval(_ROLL, 4, keys.usage_hour(hour), keys.usage_rolling(hour, "dead1"), keys.usage_hours,
-           keys.usage_pending, hour)
+    r.eval(
+        _ROLL, 4, keys.usage_hour(hour), keys.usage_rolling(hour, "dead1"), keys.usage_hours, keys.usage_pending, hour
+    )
     assert [row.to_dict() for row in store.query_sync(r)] == want
     # step 2 too (the file written), not step 3
     note = r.hget(keys.usage_pending, keys.usage_rolling(hour, "dead1"))
     stamp = int(note.split(" ")[1])
-    from livelora.adapters.atomic import atomic_write_json
+    from livelora.core.atomic import atomic_write_json
 
-    atomic_write_json(store._file(hour, stamp, "dead1"),
-                      {"hour": hour, "stamp_ms": stamp, "counts": r.hgetall(keys.usage_rolling(hour, "dead1"))})
+    atomic_write_json(
+        store._file(hour, stamp, "dead1"),
+        {"hour": hour, "stamp_ms": stamp, "counts": r.hgetall(keys.usage_rolling(hour, "dead1"))},
+    )
     assert [row.to_dict() for row in store.query_sync(r)] == want
     meter.record_sync(r, Usage("t", "k", "ep", {"prompt": 1}))
     assert store.rollup_sync(r) == 1  # the dead rollup's file exists: only the new hash is written
@@ -223,13 +274,15 @@ def test_usage_cli_table_and_json(server, keys, home, monkeypatch):
     from livelora.cli.main import app
 
     runner = CliRunner()
-    out = runner.invoke(app, ["usage", "--url", server.base_url, "--api-key", _key(keys, "acme"), "--json",
-                              "--group-by", "tenant,kind"])
+    out = runner.invoke(
+        app, ["usage", "--url", server.base_url, "--api-key", _key(keys, "acme"), "--json", "--group-by", "tenant,kind"]
+    )
     assert out.exit_code == 0, out.output
     rows = json.loads(out.output)["data"]
     assert rows == usage(server, keys, group_by="tenant,kind")
-    table = runner.invoke(app, ["usage", "--url", server.base_url, "--api-key", _key(keys, "acme"),
-                                "--group-by", "kind"])
+    table = runner.invoke(
+        app, ["usage", "--url", server.base_url, "--api-key", _key(keys, "acme"), "--group-by", "kind"]
+    )
     assert table.exit_code == 0, table.output
     assert "prompt" in table.output and str(rows[0]["tokens"]) in table.output
     # --home: the store's rolled-up counts plus Redis's live ones, every tenant, no server involved
@@ -241,8 +294,11 @@ def test_usage_cli_table_and_json(server, keys, home, monkeypatch):
     assert [r for r in everyone if r["tenant"] == "acme"] == rows
     # an empty answer says which prefix it read, and when that prefix is not this store's, what to set
     none = runner.invoke(app, ["usage", "--home", str(home), "--tenant", "nosuch"])
-    assert none.exit_code == 0 and f"no usage found in the store {home} and under Redis prefix {PREFIX!r}" in \
-        none.output and "belongs to" not in none.output, none.output
+    assert (
+        none.exit_code == 0
+        and f"no usage found in the store {home} and under Redis prefix {PREFIX!r}" in none.output
+        and "belongs to" not in none.output
+    ), none.output
     monkeypatch.setenv("LIVELORA_REDIS_PREFIX", f"{PREFIX}other:")
     wrong = runner.invoke(app, ["usage", "--home", str(home), "--tenant", "nosuch"])
     assert wrong.exit_code == 0 and f"Redis prefix {PREFIX + 'other:'!r}" in wrong.output, wrong.output
@@ -256,8 +312,11 @@ def scrape(server, keys) -> dict[tuple[str, tuple], float]:
 
     got = httpx.get(server.url("/metrics"), timeout=30, headers={"Authorization": f"Bearer {_key(keys, 'default')}"})
     assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(got.text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(got.text)
+        for s in fam.samples
+    }
 
 
 def sample(samples, name: str, **labels) -> float:
@@ -273,24 +332,45 @@ def test_metrics_parse_and_move_as_requests_are_served(server, keys):
     after = scrape(server, keys)
     # /metrics names every tenant's endpoints: with keys it needs the operator role, a tenant's admin gets 403
     assert httpx.get(server.url("/metrics"), timeout=30).status_code == 401
-    assert httpx.get(server.url("/metrics"), timeout=30,
-                     headers={"Authorization": f"Bearer {_key(keys, 'acme')}"}).status_code == 403
+    assert (
+        httpx.get(
+            server.url("/metrics"), timeout=30, headers={"Authorization": f"Bearer {_key(keys, 'acme')}"}
+        ).status_code
+        == 403
+    )
     route = {"method": "POST", "route": "/v1/chat/completions"}
-    assert sample(after, "livelora_http_requests_total", **route, status="200") == \
-        sample(before, "livelora_http_requests_total", **route, status="200") + 1
-    assert sample(after, "livelora_http_requests_total", method="POST", route="unmatched", status="401") == \
-        sample(before, "livelora_http_requests_total", method="POST", route="unmatched", status="401") + 1
-    assert sample(after, "livelora_http_request_duration_seconds_count", **route, status="200") == \
-        sample(before, "livelora_http_request_duration_seconds_count", **route, status="200") + 1
+    assert (
+        sample(after, "livelora_http_requests_total", **route, status="200")
+        == sample(before, "livelora_http_requests_total", **route, status="200") + 1
+    )
+    assert (
+        sample(after, "livelora_http_requests_total", method="POST", route="unmatched", status="401")
+        == sample(before, "livelora_http_requests_total", method="POST", route="unmatched", status="401") + 1
+    )
+    assert (
+        sample(after, "livelora_http_request_duration_seconds_count", **route, status="200")
+        == sample(before, "livelora_http_request_duration_seconds_count", **route, status="200") + 1
+    )
     usage_ = chat.json()["usage"]
-    assert sample(after, "livelora_generated_tokens_total", kind="chat") - \
-        sample(before, "livelora_generated_tokens_total", kind="chat") == usage_["completion_tokens"]
-    assert sample(after, "livelora_prompt_tokens_total", kind="chat") - \
-        sample(before, "livelora_prompt_tokens_total", kind="chat") == usage_["prompt_tokens"]
-    assert sample(after, "livelora_time_to_first_token_seconds_count", kind="chat") == \
-        sample(before, "livelora_time_to_first_token_seconds_count", kind="chat") + 1
-    assert sample(after, "livelora_inter_token_latency_seconds_count", kind="chat") - \
-        sample(before, "livelora_inter_token_latency_seconds_count", kind="chat") == usage_["completion_tokens"] - 1
+    assert (
+        sample(after, "livelora_generated_tokens_total", kind="chat")
+        - sample(before, "livelora_generated_tokens_total", kind="chat")
+        == usage_["completion_tokens"]
+    )
+    assert (
+        sample(after, "livelora_prompt_tokens_total", kind="chat")
+        - sample(before, "livelora_prompt_tokens_total", kind="chat")
+        == usage_["prompt_tokens"]
+    )
+    assert (
+        sample(after, "livelora_time_to_first_token_seconds_count", kind="chat")
+        == sample(before, "livelora_time_to_first_token_seconds_count", kind="chat") + 1
+    )
+    assert (
+        sample(after, "livelora_inter_token_latency_seconds_count", kind="chat")
+        - sample(before, "livelora_inter_token_latency_seconds_count", kind="chat")
+        == usage_["completion_tokens"] - 1
+    )
     assert sample(after, "livelora_engine_batch_size_count") > sample(before, "livelora_engine_batch_size_count")
     assert sample(after, "livelora_admission_sequences") == 0  # every admitted sequence was released
     # session ops ran earlier in this module: their counters and queue times are there
@@ -308,8 +388,12 @@ def test_metrics_key_setting():
 
 # ---------------------------------------------------------------------------------------------- quotas
 def put_limits(server, keys, tenant: str, body: dict, as_tenant: str = "default") -> httpx.Response:
-    return httpx.put(server.url("/admin/quotas"), json={"tenant": tenant, **body}, timeout=30,
-                     headers={"Authorization": f"Bearer {_key(keys, as_tenant)}"})
+    return httpx.put(
+        server.url("/admin/quotas"),
+        json={"tenant": tenant, **body},
+        timeout=30,
+        headers={"Authorization": f"Bearer {_key(keys, as_tenant)}"},
+    )
 
 
 def quota_report(server, keys, tenant: str) -> dict:
@@ -358,8 +442,15 @@ def test_daily_token_limit_answers_429_and_changes_nothing(server, keys, tokeniz
     post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2})
     today = quota_report(server, keys, "acme")["tokens_today"]
     assert today["completion"] > 0
-    assert put_limits(server, keys, "acme", {"tokens_per_day": {"completion": today["completion"],
-                                                                "forward": today.get("forward", 0)}}).status_code == 200
+    assert (
+        put_limits(
+            server,
+            keys,
+            "acme",
+            {"tokens_per_day": {"completion": today["completion"], "forward": today.get("forward", 0)}},
+        ).status_code
+        == 200
+    )
     try:
         before = totals(server, keys)
         over = post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2})
@@ -367,27 +458,40 @@ def test_daily_token_limit_answers_429_and_changes_nothing(server, keys, tokeniz
         err = over.json()["error"]
         assert err["param"] == "tokens_per_day.completion" and "UTC" in err["message"]
         assert int(over.headers["Retry-After"]) <= 24 * 3600
-        streamed = post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
-                                                               "stream": True})
+        streamed = post(
+            server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2, "stream": True}
+        )
         assert streamed.status_code == 429
         # a session forward over the day's 'forward' limit: 429 before its seq is used
         svc = ServiceClient(server.base_url, api_key=_key(keys, "acme"), heartbeat_s=2.0)
         try:
             tc = svc.create_lora_training_client(MODEL, rank=2, seed=0)
-            body = {"forward_input": {"data": [_datum(tokenizer, "Hello there.").model_dump(mode="json")],
-                                      "loss_fn": "cross_entropy"}, "model_id": tc.model_id, "seq_id": 1}
+            body = {
+                "forward_input": {
+                    "data": [_datum(tokenizer, "Hello there.").model_dump(mode="json")],
+                    "loss_fn": "cross_entropy",
+                },
+                "model_id": tc.model_id,
+                "seq_id": 1,
+            }
             refused = post(server, keys, "/api/v1/forward", body)
             assert refused.status_code == 429 and refused.json()["error"]["param"] == "tokens_per_day.forward"
         finally:
             svc.close()
         assert totals(server, keys) == before  # nothing ran, nothing was counted
         # another tenant is not limited
-        assert post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1},
-                    tenant="beta").status_code == 200
+        assert (
+            post(
+                server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1}, tenant="beta"
+            ).status_code
+            == 200
+        )
     finally:
-        put_limits(server, keys, "acme", {"tokens_per_day": {"completion": 10 ** 12, "forward": 10 ** 12}})
-    assert post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT,
-                                                       "max_tokens": 1}).status_code == 200
+        put_limits(server, keys, "acme", {"tokens_per_day": {"completion": 10**12, "forward": 10**12}})
+    assert (
+        post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1}).status_code
+        == 200
+    )
 
 
 # ---------------------------------------------------------------------------------------------- JSON logs
@@ -395,7 +499,7 @@ def test_json_log_lines_carry_request_completion_tenant_endpoint_version(server,
     import io
     import logging
 
-    from livelora.adapters.logs import ContextFilter, JsonFormatter
+    from livelora.core.logs import ContextFilter, JsonFormatter
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -408,9 +512,12 @@ def test_json_log_lines_carry_request_completion_tenant_endpoint_version(server,
     made = post(server, keys, "/admin/endpoints", {"name": "acme.bot", "lineage": "acme.lineage"})
     assert made.status_code == 201, made.text  # an endpoint of acme's own: its ratings train acme's lineage
     try:
-        got = httpx.post(server.url("/v1/chat/completions"), timeout=120,
-                         headers={"Authorization": f"Bearer {_key(keys, 'acme')}", "X-Request-Id": "trace-123"},
-                         json={"model": "acme.bot", "messages": CHAT, "max_tokens": 2})
+        got = httpx.post(
+            server.url("/v1/chat/completions"),
+            timeout=120,
+            headers={"Authorization": f"Bearer {_key(keys, 'acme')}", "X-Request-Id": "trace-123"},
+            json={"model": "acme.bot", "messages": CHAT, "max_tokens": 2},
+        )
         assert got.status_code == 200 and got.headers["x-request-id"] == "trace-123"
         cid = got.json()["id"]
         rated = post(server, keys, "/v1/feedback", {"completion_id": cid, "rating": True})
@@ -422,8 +529,13 @@ def test_json_log_lines_carry_request_completion_tenant_endpoint_version(server,
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     served = [x for x in lines if x["message"].startswith("served chat")]
     assert served, lines
-    assert {k: served[0].get(k) for k in ("request_id", "completion_id", "tenant", "endpoint", "version")} == \
-        {"request_id": "trace-123", "completion_id": cid, "tenant": "acme", "endpoint": "acme.bot", "version": "base"}
+    assert {k: served[0].get(k) for k in ("request_id", "completion_id", "tenant", "endpoint", "version")} == {
+        "request_id": "trace-123",
+        "completion_id": cid,
+        "tenant": "acme",
+        "endpoint": "acme.bot",
+        "version": "base",
+    }
     assert {"time", "level", "logger"} <= set(served[0])
     assert rated.status_code == 200, rated.text  # the rating's line names the completion it rates
     [accepted] = [x for x in lines if x["message"].startswith("accepted rating")]
@@ -432,10 +544,10 @@ def test_json_log_lines_carry_request_completion_tenant_endpoint_version(server,
 
 
 def test_adapter_version_limit_answers_429_writes_nothing_and_frees_on_delete(server, keys, home):
-    from livelora.adapters.session_protocol import CheckpointIndex
     from livelora.adapters.store import AdapterStore
     from livelora.clients.errors import LiveloraError
     from livelora.clients.futures import APIFuture
+    from livelora.core.session_protocol import CheckpointIndex
 
     bad = put_limits(server, keys, "acme", {"unlimited": ["max_versions"]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "unlimited"
@@ -464,8 +576,15 @@ def test_adapter_version_limit_answers_429_writes_nothing_and_frees_on_delete(se
         assert f"keeps {kept} adapter versions" in err["message"] and f"is {kept}" in err["message"]
         assert "DELETE /api/v1/training_runs" in err["message"]
         assert int(over.headers["Retry-After"]) >= 1
-        assert over.status_code == post(server, keys, "/api/v1/save_weights_for_sampler", {
-            "model_id": tc.model_id, "seq_id": 2, "path": "s", "type": "save_weights_for_sampler"}).status_code
+        assert (
+            over.status_code
+            == post(
+                server,
+                keys,
+                "/api/v1/save_weights_for_sampler",
+                {"model_id": tc.model_id, "seq_id": 2, "path": "s", "type": "save_weights_for_sampler"},
+            ).status_code
+        )
         # nothing was written or queued: same versions, no checkpoint 'b', and seq 2 is still free
         assert lineage_versions() == before
         assert "weights/b" not in CheckpointIndex(home, tc.model_id).read()["checkpoints"]
@@ -476,14 +595,21 @@ def test_adapter_version_limit_answers_429_writes_nothing_and_frees_on_delete(se
         APIFuture.polling(svc.transport, res.json()["request_id"], dict).result()
         assert quota_report(server, keys, "acme")["adapter_versions"] == kept
         # ephemeral sampler weights (a sampling client's snapshot) do not count: allowed at the limit
-        snap = post(server, keys, "/api/v1/save_weights_for_sampler", {
-            "model_id": tc.model_id, "seq_id": 3, "sampling_session_seq_id": 900, "type": "save_weights_for_sampler"})
+        snap = post(
+            server,
+            keys,
+            "/api/v1/save_weights_for_sampler",
+            {"model_id": tc.model_id, "seq_id": 3, "sampling_session_seq_id": 900, "type": "save_weights_for_sampler"},
+        )
         assert snap.status_code == 200, snap.text
         assert APIFuture.polling(svc.transport, snap.json()["request_id"], dict).result()["sampling_session_id"]
         assert len(lineage_versions()) == 2 and quota_report(server, keys, "acme")["adapter_versions"] == kept
         # deleting a checkpoint frees room: the refused save now goes through
-        gone = httpx.delete(server.url(f"/api/v1/training_runs/{tc.model_id}/checkpoints/weights/a"), timeout=30,
-                            headers={"Authorization": f"Bearer {_key(keys, 'acme')}"})
+        gone = httpx.delete(
+            server.url(f"/api/v1/training_runs/{tc.model_id}/checkpoints/weights/a"),
+            timeout=30,
+            headers={"Authorization": f"Bearer {_key(keys, 'acme')}"},
+        )
         assert gone.status_code in (200, 204), gone.text
         assert quota_report(server, keys, "acme")["adapter_versions"] == kept - 1
         res = save(4, path="b", type="save_weights")

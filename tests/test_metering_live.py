@@ -9,11 +9,11 @@ import uuid
 
 import pytest
 
-from livelora.adapters.bus import connect_sync, ensure_group
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.metering import Meter, UsageStore
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.types.signals import PreferenceEvent, RatingEvent
+from livelora.core.bus import connect_sync, ensure_group
+from livelora.core.metering import Meter, UsageStore
+from livelora.core.redis_keys import KeyLayout
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler
 from livelora.trainer.settings import TrainingSection
@@ -42,27 +42,51 @@ def test_live_loop_steps_are_metered_per_endpoint_and_tenant(bus, base_ref, toke
     EndpointStore(tmp_path).create("acme-bot", "acme-lineage", tenant="acme", who="test")
     p1, p2 = chat_ids(tokenizer, "What is 2+2?"), chat_ids(tokenizer, "Name a colour.")
     c1, c2 = tokenizer.encode(" 4.", add_special_tokens=False), tokenizer.encode(" Blue", add_special_tokens=False)
-    ratings = [RatingEvent(id=f"feedback-{i}", endpoint="acme-bot", created=int(time.time()), completion_id=f"c{i}",
-                           prompt_token_ids=p, completion_token_ids=c, rating=i == 0, rating_key=f"c{i}:/u", user="u",
-                           finish_reason="length")
-               for i, (p, c) in enumerate([(p1, c1), (p2, c2)])]
-    pref = PreferenceEvent(id="preference-1", endpoint="public-bot", created=0, prompt_token_ids=p1,
-                           chosen_token_ids=c1, rejected_token_ids=c2)
+    ratings = [
+        RatingEvent(
+            id=f"feedback-{i}",
+            endpoint="acme-bot",
+            created=int(time.time()),
+            completion_id=f"c{i}",
+            prompt_token_ids=p,
+            completion_token_ids=c,
+            rating=i == 0,
+            rating_key=f"c{i}:/u",
+            user="u",
+            finish_reason="length",
+        )
+        for i, (p, c) in enumerate([(p1, c1), (p2, c2)])
+    ]
+    pref = PreferenceEvent(
+        id="preference-1",
+        endpoint="public-bot",
+        created=0,
+        prompt_token_ids=p1,
+        chosen_token_ids=c1,
+        rejected_token_ids=c2,
+    )
     for ev in [*ratings, pref]:
         client.xadd(keys.signals, {"event": ev.model_dump_json(), "replaces": ""})
     backend = OnlineTrainer(base_ref, tmp_path, TrainingSection(kto_lr=1e-3), meter=Meter(keys), redis=client)
-    worker = TrainerWorker(client, keys, tmp_path, backend,
-                           BatchScheduler(TrainingSection(kto_min_batch=2, dpo_min_batch=1)), consumer="w",
-                           block_ms=100)
+    worker = TrainerWorker(
+        client,
+        keys,
+        tmp_path,
+        backend,
+        BatchScheduler(TrainingSection(kto_min_batch=2, dpo_min_batch=1)),
+        consumer="w",
+        block_ms=100,
+    )
     notices = worker.poll()
     assert sorted(n.kind for n in notices) == ["dpo", "kto"]
-    rows = {(r.dims["tenant"], r.dims["key"], r.dims["subject"], r.dims["kind"]): r.tokens
-            for r in UsageStore(tmp_path, keys).query_sync(client)}
+    rows = {
+        (r.dims["tenant"], r.dims["key"], r.dims["subject"], r.dims["kind"]): r.tokens
+        for r in UsageStore(tmp_path, keys).query_sync(client)
+    }
     # a datum of prompt P and completion C runs on P + C - 1 tokens (inputs tokens[:-1]); DPO: chosen and rejected
     kto = (len(p1) + len(c1) - 1) + (len(p2) + len(c2) - 1)
     dpo = (len(p1) + len(c1) - 1) + (len(p1) + len(c2) - 1)
-    assert rows == {("acme", "-", "acme-bot", "live_trained"): kto,
-                    ("default", "-", "public-bot", "live_trained"): dpo}
+    assert rows == {("acme", "-", "acme-bot", "live_trained"): kto, ("default", "-", "public-bot", "live_trained"): dpo}
     assert kto == sum(d.model_input.length for ev in ratings for d in backend.event_datums(ev))
     # the trainer's log line links the ratings' completions to the version they trained (traceable logs)
     trained = {r.version: r for r in caplog.records if getattr(r, "version", None)}

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from livelora.adapters.models import MANIFEST, load_model, resolve_base_model
 from livelora.clients.errors import BadRequestError, ModelNotFoundError
+from livelora.core.base_models import MANIFEST, load_model, resolve_base_model
 
 
 def test_builtin_model_is_cached_as_safetensors(base_ref, livelora_home):
@@ -21,11 +21,15 @@ def test_builtin_model_is_cached_as_safetensors(base_ref, livelora_home):
 
 def test_cached_model_answers_sensibly(base_ref, tokenizer):
     model = load_model(base_ref)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    text = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in text
 
 

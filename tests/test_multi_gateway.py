@@ -19,15 +19,15 @@ import pytest
 import torch
 from _server import LiveServer, start_server, wait_until
 
-from livelora.adapters.bus import connect_sync, publish_notice
-from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.signals import RatingEvent, VersionNotice, parse_stream_event
 from livelora.clients.types.tinker import LoraConfig
+from livelora.core.bus import connect_sync, publish_notice
+from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.gateway.services.serving import VERSION_HEADER
 from livelora.gateway.settings import GatewaySettings
 
-EP = "multi-gw"           # served base name = endpoint = lineage of both gateways
+EP = "multi-gw"  # served base name = endpoint = lineage of both gateways
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +36,20 @@ def cluster(base_ref, tmp_path_factory) -> Iterator[tuple[LiveServer, LiveServer
     also covers it); yields ``(a, b, keys, sync_redis)`` and stops both gateways (closing their engines)."""
     home = tmp_path_factory.mktemp("multi-gateway-home")
     keys = KeyLayout(f"{os.environ['LIVELORA_REDIS_PREFIX']}multi-{uuid.uuid4().hex[:8]}:")
-    settings = GatewaySettings(model=str(base_ref.path), served_model_name=EP, home=home,
-                               redis_prefix=keys.prefix, max_batch_size=2, device="cpu",
-                               resync_s=0)  # endpoints read once at start-up: no catch-up loop, notices only
+    settings = GatewaySettings(
+        model=str(base_ref.path),
+        served_model_name=EP,
+        home=home,
+        redis_prefix=keys.prefix,
+        max_batch_size=2,
+        device="cpu",
+        resync_s=0,
+    )  # endpoints read once at start-up: no catch-up loop, notices only
     servers: list[LiveServer] = []
     redis = connect_sync("redis://127.0.0.1:6379/0")
     try:
         for _ in range(2):
-            servers.append(start_server(settings))    # each app builds, starts and closes its own engine
+            servers.append(start_server(settings))  # each app builds, starts and closes its own engine
         a, b = servers
         assert a.engine is not b.engine and a.services.registry is not b.services.registry
         assert a.services.registry.resync_s == b.services.registry.resync_s == 0
@@ -57,16 +63,22 @@ def cluster(base_ref, tmp_path_factory) -> Iterator[tuple[LiveServer, LiveServer
 
 
 def chat(server: LiveServer, content: str, **kw) -> httpx.Response:
-    response = httpx.post(server.url("/v1/chat/completions"), timeout=120, json={
-        "model": EP, "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0, **kw})
+    response = httpx.post(
+        server.url("/v1/chat/completions"),
+        timeout=120,
+        json={"model": EP, "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0, **kw},
+    )
     assert response.status_code == 200, response.text
     return response
 
 
 def stream_event(redis, keys: KeyLayout, event_id: str) -> RatingEvent:
     """The signals-stream entry whose event has id ``event_id`` (exactly one must exist)."""
-    found = [parse_stream_event(fields) for _, fields in redis.xrange(keys.signals)
-             if json.loads(fields["event"])["id"] == event_id]
+    found = [
+        parse_stream_event(fields)
+        for _, fields in redis.xrange(keys.signals)
+        if json.loads(fields["event"])["id"] == event_id
+    ]
     assert len(found) == 1, f"{len(found)} stream entries for {event_id}"
     return found[0]
 
@@ -76,7 +88,7 @@ def test_completion_from_a_is_rated_through_b_and_read_once_by_trainers(cluster,
     served = chat(a, "What is 2+2?", user="alice")
     body = served.json()
     assert served.headers[VERSION_HEADER] == "base" and body["system_fingerprint"] == "livelora-base"
-    record = json.loads(redis.get(keys.completion(body["id"])))      # A's completion log entry, in shared Redis
+    record = json.loads(redis.get(keys.completion(body["id"])))  # A's completion log entry, in shared Redis
     assert len(record["completion_token_ids"]) == body["usage"]["completion_tokens"] > 0
     assert len(record["prompt_token_ids"]) == body["usage"]["prompt_tokens"]
     assert tokenizer.decode(record["completion_token_ids"]) == body["choices"][0]["message"]["content"]
@@ -86,7 +98,7 @@ def test_completion_from_a_is_rated_through_b_and_read_once_by_trainers(cluster,
     assert rated.json()["endpoint"] == EP and rated.json()["completion_id"] == body["id"]
     event = stream_event(redis, keys, rated.json()["id"])
     assert isinstance(event, RatingEvent) and event.completion_id == body["id"] and event.rating is True
-    assert event.prompt_token_ids == record["prompt_token_ids"]           # the exact tokens A saw and produced
+    assert event.prompt_token_ids == record["prompt_token_ids"]  # the exact tokens A saw and produced
     assert event.completion_token_ids == record["completion_token_ids"]
     assert event.logprobs == record["logprobs"] and len(event.logprobs) == len(event.completion_token_ids)
     assert (event.endpoint, event.adapter, event.user) == (EP, None, "bob")
@@ -95,8 +107,10 @@ def test_completion_from_a_is_rated_through_b_and_read_once_by_trainers(cluster,
     other = chat(b, "Name a colour.").json()
     down = httpx.post(a.url("/v1/feedback"), json={"completion_id": other["id"], "rating": False})
     assert down.status_code == 200, down.text
-    assert stream_event(redis, keys, down.json()["id"]).completion_token_ids == \
-        json.loads(redis.get(keys.completion(other["id"])))["completion_token_ids"]
+    assert (
+        stream_event(redis, keys, down.json()["id"]).completion_token_ids
+        == json.loads(redis.get(keys.completion(other["id"])))["completion_token_ids"]
+    )
 
     # one `trainers` group (both gateways created it; the second found it BUSY): two consumers split the entries,
     # each signal is delivered exactly once
@@ -127,20 +141,28 @@ def test_one_notice_moves_both_gateways(cluster, base_ref):
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in tm.lora_params.items():
-            if "lora_B" in name:                                          # nonzero delta: not the base model
+            if "lora_B" in name:  # nonzero delta: not the base model
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     manifest = tm.save_weights(store, EP)
     del tm
     assert manifest.name == f"{EP}@1"
-    notice = VersionNotice(lineage=EP, version=manifest.version, name=manifest.name, sha256=manifest.sha256,
-                           path=str(store.version_dir(EP, manifest.version)), endpoint=EP, kind="test")
-    assert publish_notice(redis, keys, notice.model_dump(mode="json")) == 2      # announced once, both reached
+    notice = VersionNotice(
+        lineage=EP,
+        version=manifest.version,
+        name=manifest.name,
+        sha256=manifest.sha256,
+        path=str(store.version_dir(EP, manifest.version)),
+        endpoint=EP,
+        kind="test",
+    )
+    assert publish_notice(redis, keys, notice.model_dump(mode="json")) == 2  # announced once, both reached
 
     for server in (a, b):
         registry = server.services.registry
-        assert wait_until(lambda: registry.current.get(EP) == manifest.name, timeout_s=30), \
+        assert wait_until(lambda registry=registry: registry.current.get(EP) == manifest.name, timeout_s=30), (
             f"{server.base_url} still serves {registry.current.get(EP)}"
-    for server in (a, b):                                                  # same processes: no restart
+        )
+    for server in (a, b):  # same processes: no restart
         after = chat(server, "Hi")
         assert after.headers[VERSION_HEADER] == manifest.name
         assert after.json()["system_fingerprint"] == f"livelora-{manifest.name}"

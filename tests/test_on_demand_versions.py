@@ -17,11 +17,11 @@ import pytest
 import torch
 from _server import start_server, wait_until
 
-from livelora.adapters.api_keys import TENANT_ROLES, KeyStore
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.owners import OwnerStore
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
+from livelora.core.api_keys import TENANT_ROLES, KeyStore
+from livelora.core.owners import OwnerStore
 
 BASE = "smollm2-135m-instruct"
 PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}ondemand-{uuid.uuid4().hex[:8]}:"
@@ -70,8 +70,17 @@ def keys(home):
 def server(home, keys):
     from livelora.gateway.settings import GatewaySettings
 
-    live = start_server(GatewaySettings(model=BASE, home=home, device="cpu", max_batch_size=4, max_waiting=8,
-                                        redis_prefix=PREFIX, max_on_demand_versions=2))
+    live = start_server(
+        GatewaySettings(
+            model=BASE,
+            home=home,
+            device="cpu",
+            max_batch_size=4,
+            max_waiting=8,
+            redis_prefix=PREFIX,
+            max_on_demand_versions=2,
+        )
+    )
     yield live
     live.stop()
 
@@ -81,8 +90,14 @@ def http(server, key: str) -> httpx.Client:
 
 
 def chat(c: httpx.Client, model: str, **kw) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3,
-            "temperature": 0, "logprobs": True, **kw}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": True,
+        **kw,
+    }
     return c.post("/v1/chat/completions", json=body)
 
 
@@ -153,10 +168,14 @@ def test_a_stored_version_is_loaded_once_and_served(server, keys):
 def test_a_missing_and_another_tenants_version_get_the_same_404(server, keys):
     with http(server, keys["acme"]) as a, http(server, keys["beta"]) as b:
         assert logprobs(chat(b, "beta.bot@1"))  # beta's own version serves
-        cases = {b: ["acme.bot@1",      # acme's, loaded
-                     "acme.solo@1",     # acme's, stored, not loaded
-                     "acme.solo@3"],    # acme's, deleted
-                 a: ["beta.bot@1", f"{BASE}@1"]}
+        cases = {
+            b: [
+                "acme.bot@1",  # acme's, loaded
+                "acme.solo@1",  # acme's, stored, not loaded
+                "acme.solo@3",
+            ],  # acme's, deleted
+            a: ["beta.bot@1", f"{BASE}@1"],
+        }
         for client, models in cases.items():
             missing = error_of(chat(client, "nobody.x@99"), 404)
             assert missing["code"] == "model_not_found" and "does not exist" in missing["message"]
@@ -164,8 +183,10 @@ def test_a_missing_and_another_tenants_version_get_the_same_404(server, keys):
                 err = error_of(chat(client, model), 404)
                 assert err == {**missing, "message": missing["message"].replace("nobody.x@99", model)}, model
                 err = error_of(client.get(f"/v1/models/{model}"), 404)
-                assert err == {**error_of(client.get("/v1/models/nobody.x@99"), 404),
-                               "message": f"model {model!r} does not exist"}, model
+                assert err == {
+                    **error_of(client.get("/v1/models/nobody.x@99"), 404),
+                    "message": f"model {model!r} does not exist",
+                }, model
     assert "acme.solo@1" not in server.engine.loaded_adapters()
 
 
@@ -192,8 +213,10 @@ def test_a_gate_rejected_or_deleted_version_says_why(server, keys):
         assert err["code"] == "model_not_found" and "was deleted" in err["message"]
         assert "acme.solo@1" in err["message"]  # what is stored instead
         legacy = {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
-        assert error_of(a.post("/v1/completions", json={"model": "acme.solo@2", **legacy}), 409)["code"] == \
-            "version_rejected"
+        assert (
+            error_of(a.post("/v1/completions", json={"model": "acme.solo@2", **legacy}), 409)["code"]
+            == "version_rejected"
+        )
         r = a.post("/v1/completions", json={"model": "acme.solo@1", **legacy})  # the legacy route loads too
         assert r.status_code == 200 and r.json()["system_fingerprint"] == "livelora-acme.solo@1", r.text
     assert "acme.solo@2" not in server.engine.loaded_adapters()
@@ -218,9 +241,17 @@ def test_eviction_takes_the_least_recently_used_idle_version_never_one_in_use(se
         stop = threading.Event()
 
         def stream(model: str) -> None:  # a long request holding its version until stopped
-            with a.stream("POST", "/v1/chat/completions", json={
-                    "model": model, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 4000,
-                    "ignore_eos": True, "stream": True}) as r:
+            with a.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": model,
+                    "messages": [{"role": "user", "content": "Count."}],
+                    "max_tokens": 4000,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as r:
                 assert r.status_code == 200
                 for _ in r.iter_lines():
                     if stop.is_set():
@@ -250,5 +281,6 @@ def test_eviction_takes_the_least_recently_used_idle_version_never_one_in_use(se
         assert wait_until(lambda: not registry.leases)
         assert chat(a, "acme.bot@2").json()["system_fingerprint"] == "livelora-acme.bot@2"  # room again
         assert len(registry.on_demand.held) == 2 and "acme.bot@2" in registry.on_demand.held
-        assert wait_until(lambda: sum(n in engine.loaded_adapters() for n in
-                                      ("acme.bot@1", "acme.bot@2", "acme.solo@1")) == 2)
+        assert wait_until(
+            lambda: sum(n in engine.loaded_adapters() for n in ("acme.bot@1", "acme.bot@2", "acme.solo@1")) == 2
+        )

@@ -22,7 +22,8 @@ def ask(content: str) -> list[dict]:
 
 def test_greedy_answer_names_paris_and_reports_usage(client, live_server):
     resp = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=ask("What is the capital of France?"), temperature=0, max_tokens=12)
+        model=MODEL, messages=ask("What is the capital of France?"), temperature=0, max_tokens=12
+    )
     assert resp.headers["x-livelora-adapter-version"] == "base"
     completion = resp.parse()
     assert completion.object == "chat.completion"
@@ -33,14 +34,17 @@ def test_greedy_answer_names_paris_and_reports_usage(client, live_server):
     assert "Paris" in choice.message.content
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
     prompt_ids = live_server.engine.tokenizer.apply_chat_template(
-        ask("What is the capital of France?"), add_generation_prompt=True, tokenize=False)
+        ask("What is the capital of France?"), add_generation_prompt=True, tokenize=False
+    )
     n_prompt = len(live_server.engine.tokenizer.encode(prompt_ids, add_special_tokens=False))
     usage = completion.usage
     assert usage.prompt_tokens == n_prompt
     assert 1 <= usage.completion_tokens <= 12
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert len(live_server.engine.tokenizer.encode(choice.message.content, add_special_tokens=False)) \
+    assert (
+        len(live_server.engine.tokenizer.encode(choice.message.content, add_special_tokens=False))
         <= usage.completion_tokens
+    )
 
 
 def test_streaming_deltas_rebuild_the_same_greedy_text(client):
@@ -58,8 +62,9 @@ def test_streaming_deltas_rebuild_the_same_greedy_text(client):
 
 
 def test_n2_non_streaming_returns_two_indexed_choices_with_summed_usage(client):
-    completion = client.chat.completions.create(model=MODEL, messages=ask("Name a color."), n=2,
-                                                temperature=1.0, seed=11, max_tokens=6)
+    completion = client.chat.completions.create(
+        model=MODEL, messages=ask("Name a color."), n=2, temperature=1.0, seed=11, max_tokens=6
+    )
     assert [c.index for c in completion.choices] == [0, 1]
     assert all(c.finish_reason in ("stop", "length") for c in completion.choices)
     assert 2 <= completion.usage.completion_tokens <= 12
@@ -86,15 +91,16 @@ def test_stop_string_ends_the_text_before_the_match(client):
     assert "Paris" in full
     cut = client.chat.completions.create(stop=["Paris", "Berlin"], **kwargs).choices[0]
     assert cut.finish_reason == "stop"
-    assert cut.message.content == full[:full.index("Paris")]
+    assert cut.message.content == full[: full.index("Paris")]
     streamed = list(client.chat.completions.create(stop="Paris", stream=True, **kwargs))
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut.message.content
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
 def test_logprobs_have_openai_shape_and_match_tokens(client):
-    completion = client.chat.completions.create(model=MODEL, messages=ask("Hi"), temperature=0, max_tokens=5,
-                                                logprobs=True, top_logprobs=3)
+    completion = client.chat.completions.create(
+        model=MODEL, messages=ask("Hi"), temperature=0, max_tokens=5, logprobs=True, top_logprobs=3
+    )
     content = completion.choices[0].logprobs.content
     assert len(content) == completion.usage.completion_tokens
     rebuilt = b"".join(bytes(item.bytes) for item in content).decode("utf-8")
@@ -110,8 +116,7 @@ def test_logprobs_have_openai_shape_and_match_tokens(client):
 
 
 def test_streamed_logprobs_cover_each_chunks_tokens(live_server):
-    body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 4, "logprobs": True,
-            "messages": ask("Hi")}
+    body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 4, "logprobs": True, "messages": ask("Hi")}
     r = httpx.post(live_server.url("/v1/chat/completions"), json=body, timeout=60)
     chunks = [json.loads(e) for e in sse_events(r)[:-1]]
     with_content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
@@ -123,8 +128,16 @@ def test_streamed_logprobs_cover_each_chunks_tokens(live_server):
 
 
 def test_n2_stream_interleaves_both_indices_each_with_one_finish(live_server):
-    body = {"model": MODEL, "n": 2, "stream": True, "temperature": 1.0, "seed": 5, "max_tokens": 8,
-            "stream_options": {"include_usage": True}, "messages": ask("Name a color.")}
+    body = {
+        "model": MODEL,
+        "n": 2,
+        "stream": True,
+        "temperature": 1.0,
+        "seed": 5,
+        "max_tokens": 8,
+        "stream_options": {"include_usage": True},
+        "messages": ask("Name a color."),
+    }
     r = httpx.post(live_server.url("/v1/chat/completions"), json=body, timeout=60)
     events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -138,21 +151,26 @@ def test_n2_stream_interleaves_both_indices_each_with_one_finish(live_server):
     assert all(len(f) == 1 and f[0] in ("stop", "length") for f in finishes.values())
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    plain = httpx.post(live_server.url("/v1/chat/completions"),
-                       json={**body, "stream": False, "stream_options": None}, timeout=60).json()
+    plain = httpx.post(
+        live_server.url("/v1/chat/completions"), json={**body, "stream": False, "stream_options": None}, timeout=60
+    ).json()
     assert [c["message"]["content"] for c in plain["choices"]] == [texts[0], texts[1]]
     assert plain["usage"]["completion_tokens"] == usage["completion_tokens"]
 
 
 def test_concurrent_requests_get_their_own_answers(live_server):
-    prompts = {"What is the capital of France?": "Paris", "What is the capital of Germany?": "Berlin",
-               "What is the capital of Japan?": "Tokyo"}
+    prompts = {
+        "What is the capital of France?": "Paris",
+        "What is the capital of Germany?": "Berlin",
+        "What is the capital of Japan?": "Tokyo",
+    }
 
     async def run():
         async with openai.AsyncOpenAI(base_url=live_server.url("/v1"), api_key="x", max_retries=0) as aclient:
+
             async def one(q):
-                return await aclient.chat.completions.create(model=MODEL, messages=ask(q), temperature=0,
-                                                             max_tokens=12)
+                return await aclient.chat.completions.create(model=MODEL, messages=ask(q), temperature=0, max_tokens=12)
+
             solo = [await one(q) for q in prompts]
             together = await asyncio.gather(*(one(q) for q in prompts))
             return solo, together
@@ -165,14 +183,21 @@ def test_concurrent_requests_get_their_own_answers(live_server):
 
 
 def test_developer_role_list_content_and_tool_history_are_rendered(client):
-    messages = [{"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
-                {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "c1", "type": "function",
-                                 "function": {"name": "lookup", "arguments": "{\"q\": \"France\"}"}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "Paris"},
-                {"role": "user", "content": "So?"}]
-    completion = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4,
-                                                tool_choice="none")
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "France"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "Paris"},
+        {"role": "user", "content": "So?"},
+    ]
+    completion = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=4, tool_choice="none"
+    )
     assert completion.choices[0].message.content
     assert completion.usage.prompt_tokens > 20

@@ -35,14 +35,15 @@ def test_token_id_prompts_match_the_string_prompt(client, live_server):
     assert from_ids.choices[0].text == text
     batch = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=2, temperature=0, n=2)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
-    assert batch.choices[0].text == batch.choices[1].text == text[:len(batch.choices[0].text)]
+    assert batch.choices[0].text == batch.choices[1].text == text[: len(batch.choices[0].text)]
     assert batch.usage.prompt_tokens == len(ids) + 3  # each prompt counted once, not per choice
     assert batch.usage.completion_tokens == 8
 
 
 def test_list_of_string_prompts_and_echo_with_logprobs(client):
-    completion = client.completions.create(model=MODEL, prompt=[PROMPT, "Two plus two is"], max_tokens=2,
-                                           temperature=0, echo=True, logprobs=2)
+    completion = client.completions.create(
+        model=MODEL, prompt=[PROMPT, "Two plus two is"], max_tokens=2, temperature=0, echo=True, logprobs=2
+    )
     assert [c.index for c in completion.choices] == [0, 1]
     first = completion.choices[0]
     assert first.text.startswith(PROMPT) and len(first.text) > len(PROMPT)
@@ -56,8 +57,14 @@ def test_list_of_string_prompts_and_echo_with_logprobs(client):
 
 
 def test_streaming_completion_chunks_share_the_response_shape(live_server):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     response = httpx.post(live_server.url("/v1/completions"), json=body, timeout=60)
     assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
     events = sse_events(response)
@@ -70,27 +77,29 @@ def test_streaming_completion_chunks_share_the_response_shape(live_server):
     assert all(f is None for f in finishes[:-1]) and finishes[-1] == "length"
     assert all(c["usage"] is None for c in text_chunks)
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
-    plain = httpx.post(live_server.url("/v1/completions"), json={**body, "stream": False, "stream_options": None},
-                       timeout=60).json()
+    plain = httpx.post(
+        live_server.url("/v1/completions"), json={**body, "stream": False, "stream_options": None}, timeout=60
+    ).json()
     assert plain["choices"][0]["text"] == text
 
 
 @pytest.mark.parametrize("field,value", [("max_completion_tokens", 5), ("suffix", "end"), ("best_of", 3)])
 def test_unsupported_completion_parameters_are_400_naming_param(live_server, field, value):
-    response = httpx.post(live_server.url("/v1/completions"),
-                          json={"model": MODEL, "prompt": PROMPT, field: value}, timeout=60)
+    response = httpx.post(
+        live_server.url("/v1/completions"), json={"model": MODEL, "prompt": PROMPT, field: value}, timeout=60
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
 
 
 def test_bad_prompts_are_400_naming_prompt(live_server):
-    for prompt in ([], [[]], [10 ** 9], ""):
-        response = httpx.post(live_server.url("/v1/completions"), json={"model": MODEL, "prompt": prompt},
-                              timeout=60)
+    for prompt in ([], [[]], [10**9], ""):
+        response = httpx.post(live_server.url("/v1/completions"), json={"model": MODEL, "prompt": prompt}, timeout=60)
         assert response.status_code == 400, (prompt, response.text)
         assert response.json()["error"]["param"] == "prompt"
-    response = httpx.post(live_server.url("/v1/completions"), json={"model": MODEL, "prompt": PROMPT, "logprobs": 6},
-                          timeout=60)
+    response = httpx.post(
+        live_server.url("/v1/completions"), json={"model": MODEL, "prompt": PROMPT, "logprobs": 6}, timeout=60
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
 
 

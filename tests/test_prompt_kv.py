@@ -16,10 +16,14 @@ from livelora.trainer.model import TrainingModel
 def kto_datum(prompt: list[int], completion: list[int], label: float) -> Datum:
     tokens = prompt + completion
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": TensorData.from_list(tokens[1:], "int64"),
-                                 "weights": TensorData.from_list(weights, "float32"),
-                                 "label": TensorData.from_list([label], "float32")})
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(tokens[1:], "int64"),
+            "weights": TensorData.from_list(weights, "float32"),
+            "label": TensorData.from_list([label], "float32"),
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +35,20 @@ def trained(base_ref, tokenizer):
     def enc(text: str) -> list[int]:
         return tokenizer(text)["input_ids"]
 
-    rows = [("Question: what is two plus two? Answer:", " four", 1.0),
-            ("Q: capital of France?", " Berlin, I think, or maybe Rome.", 0.0),
-            ("Question: what colour is the sky on a clear summer day? Answer:", " blue", 1.0),
-            ("Say hi.", " Hello there! How are you today?", 0.0)]
+    rows = [
+        ("Question: what is two plus two? Answer:", " four", 1.0),
+        ("Q: capital of France?", " Berlin, I think, or maybe Rome.", 0.0),
+        ("Question: what colour is the sky on a clear summer day? Answer:", " blue", 1.0),
+        ("Say hi.", " Hello there! How are you today?", 0.0),
+    ]
     data = [kto_datum(enc(p), enc(c), lab) for p, c, lab in rows]
     # trained on the mismatched pairs themselves, so that their KL estimate z0 is clearly above 0
     perm = kl_pair_order([tuple(enc(p)) for p, _c, _lab in rows])
     sft = [kto_datum(enc(rows[i][0]), enc(rows[j][1]), 1.0) for i, j in enumerate(perm)]
-    sft = [Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k]
-                                                             for k in ("target_tokens", "weights")}) for d in sft]
+    sft = [
+        Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in ("target_tokens", "weights")})
+        for d in sft
+    ]
     for _ in range(2):
         m.forward_backward(sft, "cross_entropy")
         m.optim_step(AdamParams(learning_rate=1e-2))
@@ -57,16 +65,16 @@ def full_logratio(m: TrainingModel, prompt: list[int], completion: list[int]) ->
         for ctx in (model_mod.contextlib.nullcontext(), m.peft_model.disable_adapter()):
             with ctx:
                 logp = torch.log_softmax(m.peft_model(input_ids=ids).logits[0].float(), -1)
-            out.append(logp.gather(-1, tgt[:, None])[:, 0][len(prompt) - 1:].sum())
+            out.append(logp.gather(-1, tgt[:, None])[:, 0][len(prompt) - 1 :].sum())
     return float(out[0] - out[1])
 
 
 def test_shared_prompt_kl_logratios_equal_a_full_recompute_of_each_pair(trained):
     m, data = trained
-    prompts = [d.model_input.to_ints()[:int(torch.nonzero(d.loss_fn_inputs["weights"].to_torch())[0]) + 1]
-               for d in data]
-    completions = [d.loss_fn_inputs["target_tokens"].to_torch()[len(p) - 1:].tolist()
-                   for d, p in zip(data, prompts)]
+    prompts = [
+        d.model_input.to_ints()[: int(torch.nonzero(d.loss_fn_inputs["weights"].to_torch())[0]) + 1] for d in data
+    ]
+    completions = [d.loss_fn_inputs["target_tokens"].to_torch()[len(p) - 1 :].tolist() for d, p in zip(data, prompts)]
     perm = kl_pair_order([tuple(p) for p in prompts])
     expected = [full_logratio(m, prompts[i], completions[j]) for i, j in enumerate(perm)]
     assert max(abs(e) for e in expected) > 0.05  # the adapter really differs from the reference
@@ -103,11 +111,11 @@ def test_kto_step_with_shared_prompts_equals_the_recomputed_step(trained, monkey
 
 
 def test_gate_probes_from_their_shared_prefix_equal_one_full_pass_per_probe(trained, tokenizer):
-    from livelora.trainer.gate import ProbeSuite
+    from livelora.trainer.gate_measure import ProbeSuite
 
     m, _data = trained
     suite = ProbeSuite(tokenizer)
-    assert suite.shared >= 5 and all(s[:suite.shared] == suite.seqs[0][:suite.shared] for s in suite.seqs)
+    assert suite.shared >= 5 and all(s[: suite.shared] == suite.seqs[0][: suite.shared] for s in suite.seqs)
     for adapter in (True, False):
         right, logp_M_V = suite.probe_logprobs(m, adapter=adapter)
         rows = []
@@ -116,7 +124,7 @@ def test_gate_probes_from_their_shared_prefix_equal_one_full_pass_per_probe(trai
                 ctx = model_mod.contextlib.nullcontext() if adapter else m.peft_model.disable_adapter()
                 with ctx:
                     logits = m.peft_model(input_ids=torch.tensor([seq])).logits[0].float()
-                rows.append(torch.log_softmax(logits[start - 1:], -1))
+                rows.append(torch.log_softmax(logits[start - 1 :], -1))
         expected = torch.cat(rows)
         assert logp_M_V.shape == expected.shape
         assert float((logp_M_V - expected).abs().max()) < 5e-4
@@ -132,8 +140,12 @@ def test_gate_probes_from_their_shared_prefix_equal_one_full_pass_per_probe(trai
 def test_loss_positions_only_gives_the_same_step_and_zeros_elsewhere(trained, loss_fn):
     m, data = trained
     if loss_fn == "cross_entropy":
-        data = [Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k]
-                                                                 for k in ("target_tokens", "weights")}) for d in data]
+        data = [
+            Datum(
+                model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in ("target_tokens", "weights")}
+            )
+            for d in data
+        ]
     cfg = {"beta": 0.1} if loss_fn == "kto" else None
     results = []
     for only in (False, True):
@@ -152,16 +164,17 @@ def test_loss_positions_only_gives_the_same_step_and_zeros_elsewhere(trained, lo
             assert torch.allclose(y[used], x[used], atol=1e-5), key
 
 
-def test_a_batch_sharing_a_long_prefix_runs_it_once_with_the_same_values_and_gradients(trained, tokenizer,
-                                                                                       monkeypatch):
+def test_a_batch_sharing_a_long_prefix_runs_it_once_with_the_same_values_and_gradients(trained, tokenizer, monkeypatch):
     """Every live-loop prompt starts with the chat template's system message: that prefix runs once (batch 1)
     and the rows continue from its keys/values, gradients included (they flow back through the shared
     prefix once instead of per row)."""
     from livelora.trainer.prompt_kv import common_prefix
 
     m, _data = trained
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                         tokenize=False) for q in ("Hi!", "What is two plus two?", "Name a colour.")]
+    ids = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in ("Hi!", "What is two plus two?", "Name a colour.")
+    ]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ids]
     replies = [tokenizer(r)["input_ids"] for r in (" Hello.", " Four, of course.", " Blue")]
     data = [kto_datum(p, r, lab) for p, r, lab in zip(prompts, replies, (1.0, 0.0, 1.0))]

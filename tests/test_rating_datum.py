@@ -9,9 +9,17 @@ from livelora.trainer.scheduler import Batch
 
 
 def _rating(finish_reason, completion):
-    return RatingEvent(id="feedback-1", endpoint="ep", created=0, completion_id="chatcmpl-1",
-                       prompt_token_ids=[1, 9690, 198], completion_token_ids=completion, rating=True,
-                       rating_key="chatcmpl-1:/", finish_reason=finish_reason)
+    return RatingEvent(
+        id="feedback-1",
+        endpoint="ep",
+        created=0,
+        completion_id="chatcmpl-1",
+        prompt_token_ids=[1, 9690, 198],
+        completion_token_ids=completion,
+        rating=True,
+        rating_key="chatcmpl-1:/",
+        finish_reason=finish_reason,
+    )
 
 
 def test_stop_replies_train_on_the_end_of_turn_token(base_ref, tokenizer, tmp_path):
@@ -19,9 +27,9 @@ def test_stop_replies_train_on_the_end_of_turn_token(base_ref, tokenizer, tmp_pa
     eos = tokenizer.eos_token_id
     assert tokenizer.convert_ids_to_tokens(eos) == "<|im_end|>" and eos == 2
     assert trainer.rated_completion(_rating("stop", [4, 5])) == [4, 5, 2]
-    assert trainer.rated_completion(_rating("stop", [4, 2])) == [4, 2]           # already there: not twice
+    assert trainer.rated_completion(_rating("stop", [4, 2])) == [4, 2]  # already there: not twice
     assert trainer.rated_completion(_rating("length", [4, 5])) == [4, 5]
-    assert trainer.rated_completion(_rating(None, [4, 5])) == [4, 5]             # older events: as served
+    assert trainer.rated_completion(_rating(None, [4, 5])) == [4, 5]  # older events: as served
     batch = Batch("ep", "kto", [_rating("stop", [4, 5]), _rating("length", [7])], ["1-0", "2-0"])
     data, loss_fn, _, _ = trainer.datums(batch)
     assert loss_fn == "kto"

@@ -28,8 +28,11 @@ def test_readme_starts_with_the_install_and_the_test_command():
 
 
 def test_ci_runs_exactly_the_readme_test_line_after_its_redis_and_env():
-    lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
-             if line.strip() and not line.lstrip().startswith("#")]
+    lines = [
+        line
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     assert lines[-1] == readme_commands()[1]
     script = "\n".join(lines)
     assert "--port 6379" in script and "HF_HUB_OFFLINE=1" in script and "LIVELORA_HOME" in script

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from _sessions_server import sessions_server  # noqa: F401  (fixture)
+
 from livelora.clients.recipes import chat_sft, distill, dpo, gsm8k_rl, kto_ratings
 from livelora.clients.recipes.checkpoints import last_checkpoint, read_jsonl_lenient
 from livelora.clients.recipes.datums import batch_indices, split, supervised_datum
@@ -25,20 +25,39 @@ COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white
 
 
 def write_chat(path: Path) -> Path:
-    rows = [{"messages": [{"role": "user", "content": f"Name a thing that is {c}."},
-                          {"role": "assistant", "content": f"A {c} balloon is {c}."}]} for c in COLOURS]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Name a thing that is {c}."},
+                {"role": "assistant", "content": f"A {c} balloon is {c}."},
+            ]
+        }
+        for c in COLOURS
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def sft_config(data: Path, log_dir: Path, url: str, **kw) -> chat_sft.Config:
-    return chat_sft.Config(**{"log_dir": log_dir, "base_url": url, "data": str(data), "eval_size": 4,
-                              "batch_size": 2, "steps": 4, "save_every": 2, "learning_rate": 2e-3, "lora_rank": 4,
-                              **kw})
+    return chat_sft.Config(
+        **{
+            "log_dir": log_dir,
+            "base_url": url,
+            "data": str(data),
+            "eval_size": 4,
+            "batch_size": 2,
+            "steps": 4,
+            "save_every": 2,
+            "learning_rate": 2e-3,
+            "lora_rank": 4,
+            **kw,
+        }
+    )
 
 
 def test_recipe_killed_and_restarted_continues_at_its_checkpoint_with_the_same_optimizer_state(
-        sessions_server, tmp_path):
+    sessions_server, tmp_path
+):
     url = sessions_server.base_url
     data = write_chat(tmp_path / "chat.jsonl")
     # A: the uninterrupted run (in-process), logging to MLflow when it is installed
@@ -48,9 +67,32 @@ def test_recipe_killed_and_restarted_continues_at_its_checkpoint_with_the_same_o
 
     # B: the same recipe as a real `livelora recipe chat-sft` process, SIGKILLed once its step-2 checkpoint is logged
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "livelora.cli.main", "recipe", "chat-sft", "--base-url", url, "--data", str(data),
-           "--log-dir", str(tmp_path / "b"), "--eval-size", "4", "--batch-size", "2", "--steps", "8",
-           "--save-every", "2", "--learning-rate", "2e-3", "--lora-rank", "4", "--no-mlflow"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "livelora.cli.main",
+        "recipe",
+        "chat-sft",
+        "--base-url",
+        url,
+        "--data",
+        str(data),
+        "--log-dir",
+        str(tmp_path / "b"),
+        "--eval-size",
+        "4",
+        "--batch-size",
+        "2",
+        "--steps",
+        "8",
+        "--save-every",
+        "2",
+        "--learning-rate",
+        "2e-3",
+        "--lora-rank",
+        "4",
+        "--no-mlflow",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -66,8 +108,9 @@ def test_recipe_killed_and_restarted_continues_at_its_checkpoint_with_the_same_o
 
     # restart (steps may change on resume: 4, like A): it continues at step 3
     done = []
-    summary_b = chat_sft.run(sft_config(data, tmp_path / "b", url, mlflow=False),
-                             on_step=lambda step, m: done.append(step))
+    summary_b = chat_sft.run(
+        sft_config(data, tmp_path / "b", url, mlflow=False), on_step=lambda step, m: done.append(step)
+    )
     assert done == [3, 4]
     assert [c["step"] for c in read_jsonl_lenient(tmp_path / "b" / "checkpoints.jsonl")] == [2, 4]
     metrics_b = read_metrics(tmp_path / "b")
@@ -117,22 +160,39 @@ def test_recipe_killed_and_restarted_continues_at_its_checkpoint_with_the_same_o
 def _tiny_data(tmp: Path) -> dict[str, Path]:
     gsm = tmp / "gsm8k"
     gsm.mkdir()
-    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
-             "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}
-            for a, b in [(2, 3), (4, 1), (5, 5), (1, 6), (3, 3), (7, 2)]]
+    rows = [
+        {
+            "question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+            "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
+        }
+        for a, b in [(2, 3), (4, 1), (5, 5), (1, 6), (3, 3), (7, 2)]
+    ]
     (gsm / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
     (gsm / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[4:]))
     ratings = tmp / "ratings.jsonl"
-    ratings.write_text("".join(json.dumps({"prompt": f"Say something {c}.", "completion": reply, "label": good}) + "\n"
-                               for c in COLOURS[:4] for reply, good in ((f"{c.title()}!", True),
-                                                                        (f"I will not talk about {c}.", False))))
+    ratings.write_text(
+        "".join(
+            json.dumps({"prompt": f"Say something {c}.", "completion": reply, "label": good}) + "\n"
+            for c in COLOURS[:4]
+            for reply, good in ((f"{c.title()}!", True), (f"I will not talk about {c}.", False))
+        )
+    )
     pairs = tmp / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"Name something {c}.", "chosen": f"A {c} hat.",
-                                         "rejected": "No."}) + "\n" for c in COLOURS[:5]))
+    pairs.write_text(
+        "".join(
+            json.dumps({"prompt": f"Name something {c}.", "chosen": f"A {c} hat.", "rejected": "No."}) + "\n"
+            for c in COLOURS[:5]
+        )
+    )
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Describe the colour {c}."}) + "\n" for c in COLOURS[:5]))
-    return {"chat": write_chat(tmp / "chat.jsonl"), "gsm8k": gsm, "ratings": ratings, "pairs": pairs,
-            "prompts": prompts}
+    return {
+        "chat": write_chat(tmp / "chat.jsonl"),
+        "gsm8k": gsm,
+        "ratings": ratings,
+        "pairs": pairs,
+        "prompts": prompts,
+    }
 
 
 @pytest.mark.parametrize("recipe", ["chat-sft", "gsm8k-rl", "kto-ratings", "dpo", "distill"])
@@ -142,12 +202,20 @@ def test_every_recipe_runs_unchanged_on_the_official_tinker_sdk(sessions_server,
     common = {"log_dir": tmp_path / "run", "steps": 1, "lora_rank": 4, "mlflow": False}
     module, cfg = {
         "chat-sft": (chat_sft, dict(data=str(d["chat"]), eval_size=2, batch_size=2)),
-        "gsm8k-rl": (gsm8k_rl, dict(data=str(d["gsm8k"]), problems_per_step=2, group_size=2, max_tokens=8,
-                                    eval_size=2, learning_rate=1e-3)),
+        "gsm8k-rl": (
+            gsm8k_rl,
+            dict(
+                data=str(d["gsm8k"]), problems_per_step=2, group_size=2, max_tokens=8, eval_size=2, learning_rate=1e-3
+            ),
+        ),
         "kto-ratings": (kto_ratings, dict(data=str(d["ratings"]), batch_size=4, eval_fraction=0.25)),
         "dpo": (dpo, dict(data=str(d["pairs"]), batch_size=2, eval_fraction=0.4)),
-        "distill": (distill, dict(data=str(d["prompts"]), dataset="prompts", prompts_per_step=2, group_size=1,
-                                  max_tokens=8, eval_size=2)),
+        "distill": (
+            distill,
+            dict(
+                data=str(d["prompts"]), dataset="prompts", prompts_per_step=2, group_size=1, max_tokens=8, eval_size=2
+            ),
+        ),
     }[recipe]
     sdk = Sdk.load("tinker", sessions_server.base_url)
     services, factory = [], sdk.service_factory

@@ -10,17 +10,17 @@ import uuid
 import pytest
 import torch
 
-from livelora.adapters.bus import connect_async, connect_sync, delete_prefix
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError, ModelNotFoundError
 from livelora.clients.types.tinker import LoraConfig
+from livelora.core.bus import connect_async, connect_sync, delete_prefix
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines import create_engine
 from livelora.gateway.engines.base import SamplingParams
 from livelora.gateway.services.registry import AdapterRegistry
 
-EP = "smollm2-135m-instruct"          # the served base name is an endpoint; its lineage has the same name
+EP = "smollm2-135m-instruct"  # the served base name is an endpoint; its lineage has the same name
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +64,23 @@ def versions(base_ref, tmp_path_factory):
 
 async def generate(engine, adapter, prompt, n=6):
     toks = []
-    async for c in engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-                                   adapter=adapter):
+    async for c in engine.generate(
+        prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), adapter=adapter
+    ):
         toks += c.token_ids
     return toks
 
 
 def test_install_lease_hot_swap_drain_and_refusals(engine, versions, loop, tmp_path):
     async def body():
-        reg = AdapterRegistry(engine, tmp_path, EP, resync_s=0)     # empty store: base model
+        reg = AdapterRegistry(engine, tmp_path, EP, resync_s=0)  # empty store: base model
         await reg.start()
         with pytest.raises(ModelNotFoundError):
             reg.acquire("nope")
         async with reg.lease(EP) as lease:
             assert (lease.endpoint, lease.adapter, lease.version) == (EP, None, "base")
         reg = AdapterRegistry(engine, versions, EP, resync_s=0)
-        reg.refused["smollm2-135m-instruct@4"] = "skip"             # start() takes the newest good one
+        reg.refused["smollm2-135m-instruct@4"] = "skip"  # start() takes the newest good one
         reg.refused["smollm2-135m-instruct@3"] = "skip"
         await reg.install(EP, 1)
         assert reg.current[EP] == f"{EP}@1" and f"{EP}@1" in engine.loaded_adapters()
@@ -92,12 +93,12 @@ def test_install_lease_hot_swap_drain_and_refusals(engine, versions, loop, tmp_p
         await asyncio.sleep(0)
         await reg.install(EP, 2)
         assert reg.current[EP] == f"{EP}@2"
-        assert reg.acquire(EP).adapter == f"{EP}@2"                  # new requests get v2 (lease never released)
-        assert f"{EP}@1" in engine.loaded_adapters()                 # still leased
+        assert reg.acquire(EP).adapter == f"{EP}@2"  # new requests get v2 (lease never released)
+        assert f"{EP}@1" in engine.loaded_adapters()  # still leased
         assert await running == v1_alone
         lease.release()
-        lease.release()                                              # idempotent
-        for _ in range(600):                                         # the unload runs in the background
+        lease.release()  # idempotent
+        for _ in range(600):  # the unload runs in the background
             if f"{EP}@1" not in engine.loaded_adapters() and f"{EP}@1" not in reg.loaded:
                 break
             await asyncio.sleep(0.05)
@@ -123,8 +124,9 @@ def test_install_lease_hot_swap_drain_and_refusals(engine, versions, loop, tmp_p
         EndpointStore(versions).set(EP, EndpointBinding(lineage=EP, mode="pinned", version=1))
         await fresh.sync_from_store()
         assert fresh.current[EP] == f"{EP}@1"
-        assert fresh.acquire(f"{EP}@1").endpoint == EP              # a loaded version name is servable too
+        assert fresh.acquire(f"{EP}@1").endpoint == EP  # a loaded version name is servable too
         (versions / "endpoints.json").unlink()
+
     loop.run_until_complete(body())
 
 
@@ -140,17 +142,27 @@ def test_notice_moves_endpoint(engine, base_ref, loop, tmp_path):
         reg = AdapterRegistry(engine, tmp_path, "live", client=client, keys=keys, resync_s=0)
         await reg.start()
         assert reg.current["live"] is None
-        for _ in range(100):                                       # subscriber is listening
+        for _ in range(100):  # subscriber is listening
             if (await client.pubsub_numsub(keys.notices))[0][1] == 1:
                 break
             await asyncio.sleep(0.05)
         manifest = tm.save_weights(store, "live")
         sync = connect_sync("redis://127.0.0.1:6379/0")
-        sync.publish(keys.notices, json.dumps({"type": "version_published", "lineage": "live", "version": 1,
-                                               "name": manifest.name, "sha256": manifest.sha256,
-                                               "path": str(store.version_dir("live", 1))}))
+        sync.publish(
+            keys.notices,
+            json.dumps(
+                {
+                    "type": "version_published",
+                    "lineage": "live",
+                    "version": 1,
+                    "name": manifest.name,
+                    "sha256": manifest.sha256,
+                    "path": str(store.version_dir("live", 1)),
+                }
+            ),
+        )
         sync.close()
-        for _ in range(1200):                                      # install = load + sha256 + forward pass
+        for _ in range(1200):  # install = load + sha256 + forward pass
             if reg.current["live"] == "live@1":
                 break
             await asyncio.sleep(0.05)
@@ -159,4 +171,5 @@ def test_notice_moves_endpoint(engine, base_ref, loop, tmp_path):
         await delete_prefix(client, keys.prefix)
         await client.aclose()
         await engine.unload_adapter("live@1")
+
     loop.run_until_complete(body())

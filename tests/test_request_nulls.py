@@ -19,8 +19,14 @@ from pydantic import BaseModel, ValidationError
 
 from livelora.clients.types.nulls import NullMeansOmitted, optional_keys
 
-MODULES = ["livelora.clients.types.openai", "livelora.clients.types.signals", "livelora.clients.types.admin",
-           "livelora.clients.types.tinker", "livelora.clients.types.tinker_ext", "livelora.clients.types.tinker_rest"]
+MODULES = [
+    "livelora.clients.types.openai",
+    "livelora.clients.types.signals",
+    "livelora.clients.types.admin",
+    "livelora.clients.types.tinker",
+    "livelora.clients.types.tinker_ext",
+    "livelora.clients.types.tinker_rest",
+]
 #: Bodies for models whose validators need more than their schema says (cross-field rules), by (module, class);
 #: used for the model itself and wherever it is nested.
 HAND_MADE = {
@@ -89,10 +95,19 @@ MODELS = request_models()
 
 def test_every_wire_module_is_covered_and_bodies_validate():
     names = {qualname(c) for c in MODELS}
-    for expected in ("openai.ChatCompletionRequest", "openai.CompletionRequest", "signals.FeedbackRequest",
-                     "signals.PreferenceRequest", "signals.DemonstrationRequest", "admin.CreateEndpointRequest",
-                     "admin.PromoteRequest", "tinker.SampleRequest", "tinker.SamplingParams",
-                     "tinker.ForwardBackwardRequest", "tinker.CreateModelRequest"):
+    for expected in (
+        "openai.ChatCompletionRequest",
+        "openai.CompletionRequest",
+        "signals.FeedbackRequest",
+        "signals.PreferenceRequest",
+        "signals.DemonstrationRequest",
+        "admin.CreateEndpointRequest",
+        "admin.PromoteRequest",
+        "tinker.SampleRequest",
+        "tinker.SamplingParams",
+        "tinker.ForwardBackwardRequest",
+        "tinker.CreateModelRequest",
+    ):
         assert f"livelora.clients.types.{expected}" in names
     for cls in MODELS:
         try:
@@ -111,8 +126,9 @@ def test_every_request_body_of_the_app_is_a_null_tolerant_model(live_server):
             schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
             if schema is not None:
                 # a component reference, or (Tinker routes: openapi_extra) the model's schema inlined, titled by it
-                bodies.append((method, path, schema["$ref"].rsplit("/", 1)[-1] if "$ref" in schema
-                               else schema["title"]))
+                bodies.append(
+                    (method, path, schema["$ref"].rsplit("/", 1)[-1] if "$ref" in schema else schema["title"])
+                )
     assert len(bodies) >= 10  # chat, completions, 3 signal routes, 5 admin bodies
     for method, path, name in bodies:
         assert name in by_name and issubclass(by_name[name], NullMeansOmitted), f"{method} {path}: {name}"
@@ -145,14 +161,16 @@ def test_null_for_each_optional_field_is_the_default(cls):
 def test_issue_example_n_null_on_the_models():
     from livelora.clients.types.openai import ChatCompletionRequest, CompletionRequest
 
-    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                                 "n": None})
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": None}
+    )
     assert chat.n == 1
     legacy = CompletionRequest.model_validate({"model": "m", "prompt": "x", "n": None, "max_tokens": None})
     assert legacy.n == 1 and legacy.max_tokens == 16
 
 
 # ------------------------------------------------------------------------------------------ through the gateway
+
 
 def all_null(cls: type[BaseModel], keep: dict) -> dict:
     """``keep`` plus ``null`` for every other optional field of ``cls``."""
@@ -163,8 +181,9 @@ def test_generation_routes_take_null_for_every_optional_field(live_server):
     from livelora.clients.types.openai import ChatCompletionRequest, CompletionRequest
 
     # the budget stays set: a null budget is the default (the rest of the context / 16 tokens), slow on a CPU
-    chat = all_null(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                            "max_tokens": 2})
+    chat = all_null(
+        ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    )
     r = httpx.post(live_server.url("/v1/chat/completions"), json=chat, timeout=120)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
@@ -172,8 +191,10 @@ def test_generation_routes_take_null_for_every_optional_field(live_server):
     r = httpx.post(live_server.url("/v1/completions"), json=legacy, timeout=120)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 2
-    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
-                       ("/v1/completions", {"prompt": "Hi"})):  # the issue's case
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+        ("/v1/completions", {"prompt": "Hi"}),
+    ):  # the issue's case
         r = httpx.post(live_server.url(path), json={"model": MODEL, "n": None, "max_tokens": 1, **body}, timeout=120)
         assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
 
@@ -181,14 +202,29 @@ def test_generation_routes_take_null_for_every_optional_field(live_server):
 def test_signal_routes_take_null_for_every_optional_field(live_server):
     from livelora.clients.types.signals import DemonstrationRequest, FeedbackRequest, PreferenceRequest
 
-    served = httpx.post(live_server.url("/v1/chat/completions"), timeout=120, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).json()
+    served = httpx.post(
+        live_server.url("/v1/chat/completions"),
+        timeout=120,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    ).json()
     bodies = {
         "/v1/feedback": all_null(FeedbackRequest, {"completion_id": served["id"], "rating": True}),
-        "/v1/preferences": all_null(PreferenceRequest, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                        "chosen": "Hello!", "rejected": "Go away."}),
-        "/v1/demonstrations": all_null(DemonstrationRequest, {"model": MODEL, "messages": [
-            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}),
+        "/v1/preferences": all_null(
+            PreferenceRequest,
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "chosen": "Hello!",
+                "rejected": "Go away.",
+            },
+        ),
+        "/v1/demonstrations": all_null(
+            DemonstrationRequest,
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+            },
+        ),
     }
     for path, body in bodies.items():
         r = httpx.post(live_server.url(path), json=body, timeout=60)
@@ -200,13 +236,20 @@ def test_tinker_sampling_takes_null_for_every_optional_field(live_server, tokeni
     from livelora.clients.types.tinker import SampleRequest, SamplingParams
 
     params = all_null(SamplingParams, {"max_tokens": 2})
-    body = all_null(SampleRequest, {"base_model": MODEL, "sampling_params": params, "prompt": {
-        "chunks": [{"type": "encoded_text", "tokens": tokenizer.encode("Hi")}]}})
+    body = all_null(
+        SampleRequest,
+        {
+            "base_model": MODEL,
+            "sampling_params": params,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokenizer.encode("Hi")}]},
+        },
+    )
     r = httpx.post(live_server.url("/api/v1/asample"), json=body, timeout=60)
     assert r.status_code == 200, r.text
     while True:
-        got = httpx.post(live_server.url("/api/v1/retrieve_future"), json={"request_id": r.json()["request_id"]},
-                         timeout=120)
+        got = httpx.post(
+            live_server.url("/api/v1/retrieve_future"), json={"request_id": r.json()["request_id"]}, timeout=120
+        )
         if got.status_code != 408:
             break
     assert got.status_code == 200, got.text

@@ -11,12 +11,12 @@ import uuid
 import pytest
 import torch
 
-from livelora.adapters.bus import connect_async
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.rails import sprt_thumbs, wilson_interval
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
+from livelora.core.bus import connect_async
+from livelora.core.rails import sprt_thumbs, wilson_interval
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines import create_engine
 from livelora.gateway.engines.base import SamplingParams
 from livelora.gateway.services.live_stats import LiveStats
@@ -32,9 +32,9 @@ def test_sequential_test_and_interval_values():
     assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
     # predecessor liked 80 %: four thumbs down in a row cross ln((1-β)/α) = ln 16 = 2.77
     assert [sprt_thumbs(0, n, 0.8)[0] for n in (1, 2, 3, 4)] == ["continue", "continue", "continue", "rollback"]
-    assert sprt_thumbs(16, 20, 0.8)[0] == "keep"                       # as good as before: kept
-    assert sprt_thumbs(5, 10, 0.8)[0] == "continue"                    # 50 % after 10: not sure yet (LLR 2.03)
-    assert sprt_thumbs(3, 10, 0.8)[0] == "rollback"                    # 30 % after 10: worse with confidence
+    assert sprt_thumbs(16, 20, 0.8)[0] == "keep"  # as good as before: kept
+    assert sprt_thumbs(5, 10, 0.8)[0] == "continue"  # 50 % after 10: not sure yet (LLR 2.03)
+    assert sprt_thumbs(3, 10, 0.8)[0] == "rollback"  # 30 % after 10: worse with confidence
 
 
 def test_injected_regression_rolls_back_with_no_failed_request(base_ref, tmp_path):
@@ -60,29 +60,29 @@ def test_injected_regression_rolls_back_with_no_failed_request(base_ref, tmp_pat
             reg = AdapterRegistry(engine, tmp_path, EP, client=client, keys=keys, resync_s=0)
             reg.stats = stats = LiveStats(client, keys, LiveSection(rollback_min_ratings=10))
             await reg.install(EP, 1)
-            for i in range(20):                                   # v1: 16 of 20 thumbs up
+            for i in range(20):  # v1: 16 of 20 thumbs up
                 await stats.count_rating(EP, f"{EP}@1", f"c{i}:u", i % 5 != 0)
             await reg.install(EP, 2)
             assert reg.current[EP] == f"{EP}@2" and reg.predecessor[EP] == f"{EP}@1"
-            lease = reg.acquire(EP)                                # a request running on v2
+            lease = reg.acquire(EP)  # a request running on v2
             prompt = engine.tokenizer.encode("The capital of France is", add_special_tokens=False)
             running = asyncio.create_task(_generate(engine, lease.adapter, prompt))
             rolled, n = None, 0
-            while rolled is None and n < 20:                       # v2's raters dislike it
+            while rolled is None and n < 20:  # v2's raters dislike it
                 await stats.count_rating(EP, f"{EP}@2", f"d{n}:u", False)
                 n += 1
                 rolled = await stats.after_rating(reg, EP)
             assert n == 4 and rolled["predecessor"]["thumbs_up"] == 16 and rolled["serving"]["ratings"] == 4
             assert reg.current[EP] == f"{EP}@1" and reg.acquire(EP).adapter == f"{EP}@1"
-            assert f"{EP}@2" in engine.loaded_adapters()          # still leased: the running request finishes
-            assert len(await running) == 6                         # ... and it did, on v2
+            assert f"{EP}@2" in engine.loaded_adapters()  # still leased: the running request finishes
+            assert len(await running) == 6  # ... and it did, on v2
             lease.release()
             for _ in range(600):
                 if f"{EP}@2" not in engine.loaded_adapters():
                     break
                 await asyncio.sleep(0.05)
             assert f"{EP}@2" not in engine.loaded_adapters()
-            await reg.sync_from_store()                            # catch-up never takes v2 again
+            await reg.sync_from_store()  # catch-up never takes v2 again
             assert reg.current[EP] == f"{EP}@1"
             binding = EndpointStore(tmp_path).get(EP)
             assert binding.blocked == [2]
@@ -106,8 +106,9 @@ def test_injected_regression_rolls_back_with_no_failed_request(base_ref, tmp_pat
 
 async def _generate(engine, adapter, prompt, n=6):
     toks = []
-    async for c in engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-                                   adapter=adapter):
+    async for c in engine.generate(
+        prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), adapter=adapter
+    ):
         toks += c.token_ids
     return toks
 
@@ -137,24 +138,24 @@ def test_canary_serves_its_share_counted_and_completes_without_regression(base_r
         try:
             reg = AdapterRegistry(engine, tmp_path, EP, client=client, keys=keys, resync_s=0)
             live = LiveSection(canary_share=0.25, canary_min_ratings=10, rollback_min_ratings=10)
-            await reg.install(EP, 1)                                     # served before canarying is switched on
+            await reg.install(EP, 1)  # served before canarying is switched on
             reg.stats = stats = LiveStats(client, keys, live, home=tmp_path, rng=random.Random(0))
             assert reg.current[EP] == v1
             for i in range(20):
-                await stats.count_rating(EP, v1, f"c{i}:u", i % 5 != 0)   # v1: 80 % thumbs up
+                await stats.count_rating(EP, v1, f"c{i}:u", i % 5 != 0)  # v1: 80 % thumbs up
             await reg.install(EP, 2)
-            assert reg.current[EP] == v1 and stats.canaries[EP]["version"] == v2   # canary, not switched
+            assert reg.current[EP] == v1 and stats.canaries[EP]["version"] == v2  # canary, not switched
             served = []
             for _ in range(400):
                 lease = reg.acquire(EP)
                 served.append(lease.adapter)
                 lease.release()
             n2 = served.count(v2)
-            assert 60 < n2 < 140 and served.count(v1) == 400 - n2       # ≈ 25 % of requests
+            assert 60 < n2 < 140 and served.count(v1) == 400 - n2  # ≈ 25 % of requests
             shown = {v["version"]: v for v in await stats.endpoint(EP)}
-            assert shown[v1]["requests"] == 400 - n2 and shown[v2]["requests"] == n2     # counted
-            assert v2 in engine.loaded_adapters()                        # the canary stays loaded between requests
-            for i in range(10):                                          # the canary is liked as much
+            assert shown[v1]["requests"] == 400 - n2 and shown[v2]["requests"] == n2  # counted
+            assert v2 in engine.loaded_adapters()  # the canary stays loaded between requests
+            for i in range(10):  # the canary is liked as much
                 await stats.count_rating(EP, v2, f"k{i}:u", i % 5 != 0)
                 out = await stats.after_rating(reg, EP)
                 assert (out is None) == (i < 9)

@@ -20,9 +20,15 @@ from livelora.clients.errors import LiveloraError
 from livelora.clients.types.tinker import Datum, ModelInput, SamplingParams, TensorData
 
 URL = "redis://127.0.0.1:6379/0"
-ENV = {"LIVELORA_LEASE_TTL_S": "2", "LIVELORA_CLAIM_IDLE_S": "5", "LIVELORA_KTO_MIN_BATCH": "4",
-       "LIVELORA_MAX_WAIT_S": "2", "LIVELORA_MAX_BATCH_SIZE": "4", "LIVELORA_SESSION_TTL_S": "120",
-       "LIVELORA_LORA_RANK": "2"}
+ENV = {
+    "LIVELORA_LEASE_TTL_S": "2",
+    "LIVELORA_CLAIM_IDLE_S": "5",
+    "LIVELORA_KTO_MIN_BATCH": "4",
+    "LIVELORA_MAX_WAIT_S": "2",
+    "LIVELORA_MAX_BATCH_SIZE": "4",
+    "LIVELORA_SESSION_TTL_S": "120",
+    "LIVELORA_LORA_RANK": "2",
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +44,19 @@ def cluster(livelora_home, base_ref, tmp_path_factory):
 
 
 def chat(url: str, text: str) -> dict:
-    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "max_tokens": 4, "temperature": 0.7, "messages": [{"role": "user", "content": text}]})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": MODEL, "max_tokens": 4, "temperature": 0.7, "messages": [{"role": "user", "content": text}]},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def rate(url: str, completion_id: str, up: bool) -> str:
-    r = httpx.post(url + "/v1/feedback", timeout=30, json={"completion_id": completion_id, "rating": up,
-                                                           "user": "tester"})
+    r = httpx.post(
+        url + "/v1/feedback", timeout=30, json={"completion_id": completion_id, "rating": up, "user": "tester"}
+    )
     assert r.status_code in (200, 201, 202), r.text
     return r.json()["id"]
 
@@ -55,9 +65,15 @@ def datums(tokenizer, texts: list[str]) -> list[Datum]:
     out = []
     for text in texts:
         ids = tokenizer.encode(text)
-        out.append(Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
-            "target_tokens": TensorData.from_list(ids[1:], "int64"),
-            "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32")}))
+        out.append(
+            Datum(
+                model_input=ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": TensorData.from_list(ids[1:], "int64"),
+                    "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32"),
+                },
+            )
+        )
     return out
 
 
@@ -91,8 +107,9 @@ def test_two_gateways_two_trainers_kill_the_owner(cluster, tokenizer):
     # kill -9 of the owner in the middle of a step (a larger forward_backward), with ratings in flight
     owner = cluster.owner_of(model_id)
     assert owner is not None
-    big = datums(tokenizer, [f"Sentence number {i} is about the weather in a small town by the sea." * 3
-                             for i in range(8)])
+    big = datums(
+        tokenizer, [f"Sentence number {i} is about the weather in a small town by the sea." * 3 for i in range(8)]
+    )
     fb = training.forward_backward(big, "cross_entropy")
     opt = training.optim_step(AdamParams(learning_rate=1e-3))
     for i in range(4):
@@ -107,8 +124,8 @@ def test_two_gateways_two_trainers_kill_the_owner(cluster, tokenizer):
         assert exc.code == "trainer_lost", exc
         step(training, big)
     assert cluster.owner_of(model_id) is survivor
-    out, metrics = step(training, small)
-    assert metrics.metrics["step:max"] == 4.0               # 2 steps before, 1 during the kill, 1 now
+    _out, metrics = step(training, small)
+    assert metrics.metrics["step:max"] == 4.0  # 2 steps before, 1 during the kill, 1 now
     path = training.save_weights_for_sampler("after-kill").result(timeout=300).path
     sampler = ServiceClient(g2.url).create_sampling_client(model_path=path)
     assert sampler.sample(prompt, 1, SamplingParams(max_tokens=4)).result(timeout=300).sequences
@@ -131,7 +148,7 @@ def test_two_gateways_two_trainers_kill_the_owner(cluster, tokenizer):
     assert set(trained.values()) == {1} and set(recorded.values()) == {1}
     assert set(recorded) == set(accepted)
     assert int(r.get(f"{cluster.prefix}signals:retrained") or 0) == 0
-    assert r.xlen(f"{cluster.prefix}signals") == 0          # acknowledged entries are deleted
+    assert r.xlen(f"{cluster.prefix}signals") == 0  # acknowledged entries are deleted
     checked, bad = corrupt_versions(cluster.home)
     assert checked >= 3 and bad == []
     service.close()

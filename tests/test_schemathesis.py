@@ -16,7 +16,7 @@ import schemathesis
 from _server import start_server
 from hypothesis import HealthCheck, given, settings
 
-from livelora.adapters.api_keys import TENANT_ROLES, KeyStore
+from livelora.core.api_keys import TENANT_ROLES, KeyStore
 
 EXAMPLES = 10
 PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}fuzz-{uuid.uuid4().hex[:8]}:"
@@ -30,9 +30,18 @@ def fuzz_server(livelora_home, base_ref, tmp_path_factory):
     home = tmp_path_factory.mktemp("fuzz-home")
     (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
     _, key = KeyStore(home).create("acme", list(TENANT_ROLES), "fuzz")
-    live = start_server(GatewaySettings(model="smollm2-135m-instruct", home=home, device="cpu", max_batch_size=4,
-                                        max_waiting=8, redis_prefix=PREFIX, max_model_len=64,
-                                        executor_in_process=True))
+    live = start_server(
+        GatewaySettings(
+            model="smollm2-135m-instruct",
+            home=home,
+            device="cpu",
+            max_batch_size=4,
+            max_waiting=8,
+            redis_prefix=PREFIX,
+            max_model_len=64,
+            executor_in_process=True,
+        )
+    )
     live.key = key
     yield live
     live.stop()
@@ -50,8 +59,13 @@ def test_no_route_answers_5xx(fuzz_server):
         operations += 1
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def check(case):
             response = case.call(headers=headers, timeout=60)
             calls.append(response.status_code)

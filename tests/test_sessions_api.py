@@ -7,8 +7,8 @@ import uuid
 import httpx
 import pytest
 import torch
-
 from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
+
 from livelora.clients import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TensorData
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
 
@@ -18,9 +18,13 @@ TEXTS = ["The capital of France is Paris.", "Two plus two equals four.", "Water 
 def sft_datum(tokenizer, text: str) -> Datum:
     ids = tokenizer.encode(text)
     n = len(ids) - 1
-    return Datum(model_input=ModelInput.from_ints(ids[:-1]),
-                 loss_fn_inputs={"target_tokens": TensorData.from_list(ids[1:], "int64"),
-                                 "weights": TensorData.from_list([1.0] * n, "float32")})
+    return Datum(
+        model_input=ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(ids[1:], "int64"),
+            "weights": TensorData.from_list([1.0] * n, "float32"),
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +69,26 @@ def test_sft_loop_loss_falls(service, batch):
 
 def test_pipelined_ops_run_in_seq_order(service, batch, sessions_server):
     tc = service.create_lora_training_client(MODEL, rank=4, seed=1)
-    futs = [tc.forward_backward(batch[:1]), tc.optim_step(AdamParams(learning_rate=1e-3)),
-            tc.forward_backward(batch[:1]), tc.optim_step(AdamParams(learning_rate=1e-3)), tc.forward(batch[:1])]
+    futs = [
+        tc.forward_backward(batch[:1]),
+        tc.optim_step(AdamParams(learning_rate=1e-3)),
+        tc.forward_backward(batch[:1]),
+        tc.optim_step(AdamParams(learning_rate=1e-3)),
+        tc.forward(batch[:1]),
+    ]
     out = [f.result(timeout=120) for f in futs]
     assert [out[1].metrics["step:max"], out[3].metrics["step:max"]] == [1.0, 2.0]
     assert out[4].metrics["loss:sum"] < out[2].metrics["loss:sum"] < out[0].metrics["loss:sum"]
 
     # an op that arrives before its predecessor waits for it: optim_step (seq 7) sent first would fail with
     # "no gradients" if it ran before forward_backward (seq 6)
-    fb_body = {"forward_backward_input": {"data": [batch[0].model_dump(mode="json")], "loss_fn": "cross_entropy"},
-               "model_id": tc.model_id}
-    opt = post(sessions_server, "/optim_step", {"adam_params": {"learning_rate": 1e-3}, "model_id": tc.model_id,
-                                                "seq_id": 7}).json()
+    fb_body = {
+        "forward_backward_input": {"data": [batch[0].model_dump(mode="json")], "loss_fn": "cross_entropy"},
+        "model_id": tc.model_id,
+    }
+    opt = post(
+        sessions_server, "/optim_step", {"adam_params": {"learning_rate": 1e-3}, "model_id": tc.model_id, "seq_id": 7}
+    ).json()
     fb = post(sessions_server, "/forward_backward", {**fb_body, "seq_id": 6}).json()
     assert result(sessions_server, fb["request_id"])["metrics"]["loss:sum"] > 0
     assert result(sessions_server, opt["request_id"])["metrics"]["step:max"] == 3.0
@@ -84,8 +96,11 @@ def test_pipelined_ops_run_in_seq_order(service, batch, sessions_server):
 
 def test_retried_op_is_not_applied_twice(service, batch, sessions_server):
     tc = service.create_lora_training_client(MODEL, rank=4, seed=2)
-    body = {"forward_backward_input": {"data": [batch[1].model_dump(mode="json")], "loss_fn": "cross_entropy"},
-            "model_id": tc.model_id, "seq_id": 1}
+    body = {
+        "forward_backward_input": {"data": [batch[1].model_dump(mode="json")], "loss_fn": "cross_entropy"},
+        "model_id": tc.model_id,
+        "seq_id": 1,
+    }
     first = post(sessions_server, "/forward_backward", body).json()
     retry = post(sessions_server, "/forward_backward", body).json()
     assert retry["request_id"] == first["request_id"]
@@ -121,8 +136,13 @@ def test_bad_inputs_fail_the_future_and_later_ops_still_run(service, batch, sess
     assert r.status_code == 400 and r.json()["error"]["param"] == "model_id"
     # wrong tensor shape
     d = batch[0]
-    short = Datum(model_input=d.model_input, loss_fn_inputs={
-        "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": TensorData.from_list([1.0, 1.0], "float32")})
+    short = Datum(
+        model_input=d.model_input,
+        loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"],
+            "weights": TensorData.from_list([1.0, 1.0], "float32"),
+        },
+    )
     with pytest.raises(BadRequestError, match=r"weights: shape must be"):
         tc.forward_backward([short]).result(timeout=60)
     # unknown loss, and a known one livelora refuses
@@ -200,8 +220,13 @@ def test_sampling_logprobs_agree_with_compute_logprobs(service, batch, tokenizer
     sampler = tc.save_weights_and_get_sampling_client()
     assert sampler.adapter and sampler.adapter in sessions_server.engine.loaded_adapters()
     prompt = tokenizer.encode("Once upon a time")
-    res = sampler.sample(ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=6, temperature=1.0, seed=3),
-                         include_prompt_logprobs=True, topk_prompt_logprobs=3).result(timeout=120)
+    res = sampler.sample(
+        ModelInput.from_ints(prompt),
+        2,
+        SamplingParams(max_tokens=6, temperature=1.0, seed=3),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+    ).result(timeout=120)
     assert len(res.sequences) == 2 and all(s.sequence_id for s in res.sequences)
     assert len({s.sequence_id for s in res.sequences}) == 2
     assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(prompt)
@@ -210,18 +235,22 @@ def test_sampling_logprobs_agree_with_compute_logprobs(service, batch, tokenizer
         assert len(seq.tokens) == len(seq.logprobs) > 0
         full = sampler.compute_logprobs(ModelInput.from_ints(prompt + seq.tokens)).result(timeout=120)
         assert full[0] is None and len(full) == len(prompt) + len(seq.tokens)
-        torch.testing.assert_close(torch.tensor(full[len(prompt):]), torch.tensor(seq.logprobs), atol=2e-3, rtol=0)
+        torch.testing.assert_close(torch.tensor(full[len(prompt) :]), torch.tensor(seq.logprobs), atol=2e-3, rtol=0)
     # the same seed reproduces the samples
     again = sampler.sample(ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=6, seed=3)).result(timeout=120)
     assert [s.tokens for s in again.sequences] == [s.tokens for s in res.sequences]
     # stop token ids end a sample and are part of it
     stop_tok = res.sequences[0].tokens[1]
-    cut = sampler.sample(ModelInput.from_ints(prompt), 1,
-                         SamplingParams(max_tokens=6, seed=3, stop=[stop_tok])).result(timeout=120)
+    cut = sampler.sample(ModelInput.from_ints(prompt), 1, SamplingParams(max_tokens=6, seed=3, stop=[stop_tok])).result(
+        timeout=120
+    )
     assert cut.sequences[0].stop_reason == "stop" and cut.sequences[0].tokens[-1] == stop_tok
     # the session's adapter is also an OpenAI model
-    chat = httpx.post(sessions_server.url("/v1/chat/completions"), timeout=120, json={
-        "model": sampler.adapter, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    chat = httpx.post(
+        sessions_server.url("/v1/chat/completions"),
+        timeout=120,
+        json={"model": sampler.adapter, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+    )
     assert chat.status_code == 200, chat.text
     assert sampler.adapter in chat.json()["system_fingerprint"]
     # named sampler checkpoints work too
@@ -230,8 +259,10 @@ def test_sampling_logprobs_agree_with_compute_logprobs(service, batch, tokenizer
     s2 = service.create_sampling_client(model_path=named.path)
     assert s2.adapter == named.adapter
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
-    assert (s2.sample(ModelInput.from_ints(prompt), 1, greedy).result(timeout=120).sequences[0].tokens
-            == sampler.sample(ModelInput.from_ints(prompt), 1, greedy).result(timeout=120).sequences[0].tokens)
+    assert (
+        s2.sample(ModelInput.from_ints(prompt), 1, greedy).result(timeout=120).sequences[0].tokens
+        == sampler.sample(ModelInput.from_ints(prompt), 1, greedy).result(timeout=120).sequences[0].tokens
+    )
 
 
 def test_sdk_futures_support_await_and_concurrent_futures(service, batch):
@@ -269,8 +300,13 @@ def test_user_metadata_values_are_strings_and_sessions_are_found_by_them(session
     found = post(sessions_server, "/sessions/search", {"user_metadata": {"tag": tag}})
     assert found.status_code == 200, found.text
     assert [(s["session_id"], s["user_metadata"]) for s in found.json()["sessions"]] == [(sid, {"tag": tag})]
-    refused(post(sessions_server, "/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
-                                                    "user_metadata": {"step": 1.5}}))
+    refused(
+        post(
+            sessions_server,
+            "/create_model",
+            {"session_id": sid, "model_seq_id": 0, "base_model": MODEL, "user_metadata": {"step": 1.5}},
+        )
+    )
 
 
 def test_readme_training_snippet_runs_as_written(sessions_server, capsys):
@@ -280,12 +316,12 @@ def test_readme_training_snippet_runs_as_written(sessions_server, capsys):
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Training sessions"):]
+    section = readme[readme.index("## Training sessions") :]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     assert "http://127.0.0.1:8000" in code
     ns: dict = {}
     program = compile(code.replace("http://127.0.0.1:8000", sessions_server.base_url), "README.md", "exec")
-    exec(program, ns)  # noqa: S102  (the README's own code)
+    exec(program, ns)
     assert ns["fwd"].result().metrics["loss:sum"] > 0
     assert ns["opt"].result().metrics["step:max"] == 1
     assert len(ns["out"].sequences[0].tokens) > 0

@@ -10,9 +10,9 @@ import pytest
 import redis
 from _sessions_server import MODEL, delete_prefix
 
-from livelora.adapters.redis_keys import KeyLayout
-from livelora.adapters.session_protocol import Op, model_id_for
-from livelora.adapters.settings import SessionSection
+from livelora.core.redis_keys import KeyLayout
+from livelora.core.session_protocol import Op, model_id_for
+from livelora.core.settings import SessionSection
 from livelora.trainer.executor import OpExecutor
 
 URL = "redis://127.0.0.1:6379/0"
@@ -53,15 +53,28 @@ def test_executor_orders_buffers_dedupes_and_expires(setup, tokenizer):
     r.set(keys.session(sid), "{}", px=60_000)
     model_id = model_id_for(sid, 0)
     ids = tokenizer.encode("Hello there, general Kenobi.")
-    datum = {"model_input": {"chunks": [{"tokens": ids[:-1], "type": "encoded_text"}]},
-             "loss_fn_inputs": {"target_tokens": {"data": ids[1:], "dtype": "int64"},
-                                "weights": {"data": [1.0] * (len(ids) - 1), "dtype": "float32"}}}
+    datum = {
+        "model_input": {"chunks": [{"tokens": ids[:-1], "type": "encoded_text"}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": ids[1:], "dtype": "int64"},
+            "weights": {"data": [1.0] * (len(ids) - 1), "dtype": "float32"},
+        },
+    }
     fb = {"input": {"data": [datum], "loss_fn": "cross_entropy"}}
     # arrival order: optim (2), the gateway-failed marker (3), create (0), fb (1), a duplicate optim (2), fb (5)
     send(r, keys, model_id, Op("optim_step", 2, "opt2", {"adam_params": {"learning_rate": 1e-3}}))
     send(r, keys, model_id, Op("failed", 3, "bad3"))
-    send(r, keys, model_id, Op("create_model", 0, "create", {"session_id": sid, "model_seq_id": 0,
-                                                              "base_model": MODEL, "lora_config": {"rank": 2}}))
+    send(
+        r,
+        keys,
+        model_id,
+        Op(
+            "create_model",
+            0,
+            "create",
+            {"session_id": sid, "model_seq_id": 0, "base_model": MODEL, "lora_config": {"rank": 2}},
+        ),
+    )
     send(r, keys, model_id, Op("forward_backward", 1, "fb1", fb))
     send(r, keys, model_id, Op("optim_step", 2, "opt2-dup", {"adam_params": {"learning_rate": 1e-3}}))
     send(r, keys, model_id, Op("forward_backward", 5, "fb5", fb))

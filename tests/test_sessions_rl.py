@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
+
 from livelora.clients import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TensorData
 from livelora.trainer.losses import group_advantages
 
@@ -24,10 +24,14 @@ def reward(text: str, answer: str) -> float:
 def rl_datum(prompt: list[int], tokens: list[int], logprobs: list[float], advantage: float) -> Datum:
     n_prompt = len(prompt) - 1
     full = prompt + tokens
-    return Datum(model_input=ModelInput.from_ints(full[:-1]), loss_fn_inputs={
-        "target_tokens": TensorData.from_list(full[1:], "int64"),
-        "logprobs": TensorData.from_list([0.0] * n_prompt + logprobs, "float32"),
-        "advantages": TensorData.from_list([0.0] * n_prompt + [advantage] * len(tokens), "float32")})
+    return Datum(
+        model_input=ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(full[1:], "int64"),
+            "logprobs": TensorData.from_list([0.0] * n_prompt + logprobs, "float32"),
+            "advantages": TensorData.from_list([0.0] * n_prompt + [advantage] * len(tokens), "float32"),
+        },
+    )
 
 
 def test_grpo_loop_on_addition(sessions_server, tokenizer):
@@ -40,9 +44,12 @@ def test_grpo_loop_on_addition(sessions_server, tokenizer):
             adapters.add(sampler.adapter)
             problems = [(rng.randint(10, 49), rng.randint(10, 49)) for _ in range(2)]
             prompts = [tokenizer.encode(f"{a}+{b}=") for a, b in problems]
-            futs = [sampler.sample(ModelInput.from_ints(p), GROUP, SamplingParams(max_tokens=3, temperature=1.0,
-                                                                                 seed=step * 10 + i))
-                    for i, p in enumerate(prompts)]
+            futs = [
+                sampler.sample(
+                    ModelInput.from_ints(p), GROUP, SamplingParams(max_tokens=3, temperature=1.0, seed=step * 10 + i)
+                )
+                for i, p in enumerate(prompts)
+            ]
             data, expected = [], 0.0
             rewards_all = []
             for (a, b), prompt, fut in zip(problems, prompts, futs):

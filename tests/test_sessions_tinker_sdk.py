@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
 import pytest
-
 from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
 
 tinker = pytest.importorskip("tinker", reason="the official tinker SDK is not installed (pip install tinker==0.24.1)")
@@ -31,8 +29,12 @@ def test_official_tinker_sdk_sft_and_sampling(sessions_server, monkeypatch, tmp_
     data = []
     for text in examples:
         ids = tok.encode(text)
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                                loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+            )
+        )
     losses = []
     for _ in range(4):
         fb = tc.forward_backward(data, "cross_entropy")
@@ -48,12 +50,14 @@ def test_official_tinker_sdk_sft_and_sampling(sessions_server, monkeypatch, tmp_
     path = tc.save_state("tinker-sdk").result().path
     resumed = service.create_training_client_from_state_with_optimizer(path)
     assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
-        tc.forward(data, "cross_entropy").result().metrics["loss:sum"], rel=1e-5)
+        tc.forward(data, "cross_entropy").result().metrics["loss:sum"], rel=1e-5
+    )
 
     sampler = tc.save_weights_and_get_sampling_client()
     prompt = types.ModelInput.from_ints(tok.encode("The sky is"))
-    res = sampler.sample(prompt=prompt, num_samples=2,
-                         sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=0)).result()
+    res = sampler.sample(
+        prompt=prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=0)
+    ).result()
     assert len(res.sequences) == 2
     for seq in res.sequences:
         assert 0 < len(seq.tokens) <= 4 and len(seq.logprobs) == len(seq.tokens)

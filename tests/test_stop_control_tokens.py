@@ -26,8 +26,7 @@ TURN_DONE = "<|im_start|>user\nHi<|im_end|>\n"
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url(path), json={"model": MODEL, "temperature": 0, "max_tokens": 32, **body},
-                      timeout=180)
+    return httpx.post(server.url(path), json={"model": MODEL, "temperature": 0, "max_tokens": 32, **body}, timeout=180)
 
 
 def streamed(server, path: str, body: dict) -> tuple[dict[int, str], dict[int, str]]:
@@ -112,9 +111,16 @@ def test_tinker_sample_path_stops_at_a_control_token_stop_string(live_server, to
 
     def sample(stop) -> dict:
         api = live_server.url("/api/v1")
-        r = httpx.post(f"{api}/asample", timeout=60, json={
-            "num_samples": 1, "base_model": MODEL, "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
-            "sampling_params": {"max_tokens": 6, "temperature": 0.0, "stop": stop}})
+        r = httpx.post(
+            f"{api}/asample",
+            timeout=60,
+            json={
+                "num_samples": 1,
+                "base_model": MODEL,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+                "sampling_params": {"max_tokens": 6, "temperature": 0.0, "stop": stop},
+            },
+        )
         assert r.status_code == 200, r.text
         while True:
             got = httpx.post(f"{api}/retrieve_future", json={"request_id": r.json()["request_id"]}, timeout=120)

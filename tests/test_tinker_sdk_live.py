@@ -9,16 +9,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import uuid
 import sys
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 import zstandard
-
 from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
-from livelora.adapters.models import HUB_IDS
+
+from livelora.core.base_models import HUB_IDS
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -30,12 +30,30 @@ def run_live(version: str, base_url: str, tokenizer, hf_cache: Path) -> dict:
     if python is None:
         pytest.skip(f"no tinker SDK venv for {version}: run .ci/setup-tinker-sdks")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
-    env.update(TINKER_BASE_URL=base_url, TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0", PYTHONPATH="",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_CACHE=str(hf_cache))
-    spec = {"base_model": MODEL, "hub_id": HUB_IDS[MODEL], "texts": [tokenizer.encode(t) for t in ("The sky is blue.", "Grass is green.")],
-            "prompt": tokenizer.encode("The sky is")}
-    proc = subprocess.run([str(python), str(HERE / "tinker_sdk_live.py")], input=json.dumps(spec),
-                          capture_output=True, text=True, timeout=900, env=env, check=False)
+    env.update(
+        TINKER_BASE_URL=base_url,
+        TINKER_API_KEY="tml-local",
+        TINKER_TELEMETRY="0",
+        PYTHONPATH="",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HUB_CACHE=str(hf_cache),
+    )
+    spec = {
+        "base_model": MODEL,
+        "hub_id": HUB_IDS[MODEL],
+        "texts": [tokenizer.encode(t) for t in ("The sky is blue.", "Grass is green.")],
+        "prompt": tokenizer.encode("The sky is"),
+    }
+    proc = subprocess.run(
+        [str(python), str(HERE / "tinker_sdk_live.py")],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "fatal" not in out, out
@@ -71,7 +89,9 @@ def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer, 
     assert out["async"]["sample"] == 1 and out["async"]["optim"] is True, out["async"]
     if version == "038":
         assert out["gspo_metrics"]["loss:sum"] < 0, out["gspo_metrics"]  # A = 0.5 > 0 on every sampled token
-        assert "stable_reinforce" in out["stable_reinforce"]["error"] and "unpublished" in out["stable_reinforce"]["error"]
+        assert (
+            "stable_reinforce" in out["stable_reinforce"]["error"] and "unpublished" in out["stable_reinforce"]["error"]
+        )
         for s in out["samples"]:  # sample_sequence_ids stamped by the SDK; top-3 at every sampled token
             assert s["sequence_id"]
             assert len(s["topk"]) == len(s["tokens"])
@@ -86,8 +106,10 @@ def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer, 
 
 
 def _create_model(base: str, session_id: str, seq: int) -> str:
-    r = httpx.post(f"{base}/api/v1/create_model", json={"session_id": session_id, "model_seq_id": seq,
-                                                        "base_model": MODEL, "lora_config": {"rank": 4}})
+    r = httpx.post(
+        f"{base}/api/v1/create_model",
+        json={"session_id": session_id, "model_seq_id": seq, "base_model": MODEL, "lora_config": {"rank": 4}},
+    )
     assert r.status_code == 200, r.text
     fut = r.json()["request_id"]
     res = httpx.post(f"{base}/api/v1/retrieve_future", json={"request_id": fut}, timeout=60).json()
@@ -97,8 +119,9 @@ def _create_model(base: str, session_id: str, seq: int) -> str:
 
 def _retrieve(base: str, request_id: str, accept: str = "application/json") -> httpx.Response:
     for _ in range(20):
-        r = httpx.post(f"{base}/api/v1/retrieve_future", json={"request_id": request_id},
-                       headers={"Accept": accept}, timeout=60)
+        r = httpx.post(
+            f"{base}/api/v1/retrieve_future", json={"request_id": request_id}, headers={"Accept": accept}, timeout=60
+        )
         if r.status_code != 408:
             return r
     raise AssertionError("future never resolved")
@@ -111,21 +134,25 @@ def test_undecodable_protobuf_fails_at_once_and_frees_its_seq(sessions_server):
     model_id = _create_model(base, sid, 0)
     head = b"\x0a" + bytes([len(model_id)]) + model_id.encode() + b"\x10\x01"  # fields 1 (model_id), 2 (seq_id=1)
     corrupt = head + b"\x1a\xff\xff\x03garbage"  # field 3 (data) claims 65535 bytes
-    r = httpx.post(f"{base}/api/v1/forward_backward", content=zstandard.ZstdCompressor().compress(corrupt),
-                   headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"})
+    r = httpx.post(
+        f"{base}/api/v1/forward_backward",
+        content=zstandard.ZstdCompressor().compress(corrupt),
+        headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"},
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_body"
-    r = httpx.post(f"{base}/api/v1/forward_backward", content=b"x",
-                   headers={"Content-Type": "application/x-msgpack"})
+    r = httpx.post(f"{base}/api/v1/forward_backward", content=b"x", headers={"Content-Type": "application/x-msgpack"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content_type"
-    r = httpx.post(f"{base}/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2,
-                                                      "adam_params": {"learning_rate": 1e-4}})
+    r = httpx.post(
+        f"{base}/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-4}}
+    )
     assert r.status_code == 200, r.text
     res = _retrieve(base, r.json()["request_id"])  # it ran (seq 1 was consumed), on no gradients
     assert res.status_code == 200 and "no gradients accumulated" in res.json()["error"], res.text
     # a different body under an already used seq: a failed future, never a 409
-    r = httpx.post(f"{base}/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2,
-                                                      "adam_params": {"learning_rate": 5e-4}})
+    r = httpx.post(
+        f"{base}/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 5e-4}}
+    )
     assert r.status_code == 200, r.text
     res = _retrieve(base, r.json()["request_id"]).json()
     assert res["category"] == "user" and res["code"] == "seq_conflict", res
@@ -146,11 +173,13 @@ def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
     base = sessions_server.base_url
     sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
     model_id = _create_model(base, sid, 0)
-    assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "t1",
-                                                     "ttl_seconds": 3600, "user_metadata": {"step": "1"}})
+    assert "error" not in _op(
+        base,
+        "save_weights",
+        {"model_id": model_id, "seq_id": 1, "path": "t1", "ttl_seconds": 3600, "user_metadata": {"step": "1"}},
+    )
     assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 2, "path": "keep"})
-    res = _op(base, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 3, "path": "s1",
-                                                 "ttl_seconds": 3600})
+    res = _op(base, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 3, "path": "s1", "ttl_seconds": 3600})
     assert res["path"] == f"tinker://{model_id}/sampler_weights/s1", res
     bad = _op(base, "save_weights", {"model_id": model_id, "seq_id": 4, "path": "t2", "ttl_seconds": 5})
     assert bad["category"] == "user" and "ttl_seconds" in bad["error"], bad
@@ -162,8 +191,10 @@ def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
         assert abs((datetime.fromisoformat(by_id[cid]["expires_at"]) - in_an_hour).total_seconds()) < 120
     assert "expires_at" not in by_id["weights/keep"] and by_id["weights/t1"]["user_metadata"] == {"step": "1"}
     # the sampler checkpoint is being served (a sampling session loaded it)
-    r = httpx.post(f"{base}/api/v1/create_sampling_session", json={
-        "session_id": sid, "sampling_session_seq_id": 0, "model_path": res["path"]})
+    r = httpx.post(
+        f"{base}/api/v1/create_sampling_session",
+        json={"session_id": sid, "sampling_session_seq_id": 0, "model_path": res["path"]},
+    )
     assert r.status_code == 200, r.text
     run = httpx.get(f"{base}/api/v1/training_runs/{model_id}").json()
     assert run["last_request_time"] and run["last_checkpoint"]["checkpoint_id"] in ("weights/t1", "weights/keep")
@@ -171,8 +202,10 @@ def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
     assert checkpoints.expire_due() == []  # nothing has expired yet
     deleted = checkpoints.expire_due(datetime.now(UTC) + timedelta(hours=2))  # (other runs' may go too)
     assert [p for p in deleted if p.startswith(f"tinker://{model_id}/")] == [f"tinker://{model_id}/weights/t1"]
-    left = {c["checkpoint_id"] for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()[
-        "checkpoints"]}
+    left = {
+        c["checkpoint_id"]
+        for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    }
     assert left == {"weights/keep", "sampler_weights/s1"}
     # TTL update, publish / unpublish, user checkpoint listing, training-run listing
     path = f"{base}/api/v1/training_runs/{model_id}/checkpoints/weights/keep"
@@ -188,6 +221,7 @@ def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
     url = httpx.get(f"{path}/archive").json()["url"]
     import io
     import tarfile
+
     tar = tarfile.open(fileobj=io.BytesIO(httpx.get(url).content))
     assert set(tar.getnames()) == {"adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"}
     assert httpx.get(url[:-4] + "0000").status_code == 404
@@ -196,20 +230,27 @@ def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
 def _train_step(base: str, model_id: str, seq: int, tokens: list[int]) -> None:
     """forward_backward (seq) + optim_step (seq + 1) at a large learning rate: every LoRA ``B`` leaves zero."""
     n = len(tokens) - 1
-    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
-             "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [n]},
-                                "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]}}}
-    assert "error" not in _op(base, "forward_backward", {"model_id": model_id, "seq_id": seq,
-                                                         "forward_backward_input": {"data": [datum],
-                                                                                    "loss_fn": "cross_entropy"}})
-    assert "error" not in _op(base, "optim_step", {"model_id": model_id, "seq_id": seq + 1,
-                                                   "adam_params": {"learning_rate": 1e-2}})
+    datum = {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [n]},
+            "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]},
+        },
+    }
+    assert "error" not in _op(
+        base,
+        "forward_backward",
+        {"model_id": model_id, "seq_id": seq, "forward_backward_input": {"data": [datum], "loss_fn": "cross_entropy"}},
+    )
+    assert "error" not in _op(
+        base, "optim_step", {"model_id": model_id, "seq_id": seq + 1, "adam_params": {"learning_rate": 1e-2}}
+    )
 
 
 def _stored_files(home: Path, model_id: str, checkpoint_id: str) -> Path:
     """The store's version directory behind a checkpoint."""
-    from livelora.adapters.session_protocol import CheckpointIndex
     from livelora.adapters.store import AdapterStore
+    from livelora.core.session_protocol import CheckpointIndex
 
     index = CheckpointIndex(home, model_id)
     return AdapterStore(home).version_dir(index.lineage, index.resolve(*checkpoint_id.split("/")))
@@ -231,26 +272,39 @@ def test_save_weights_external_signed_file_urls_ttl_and_delete(sessions_server, 
     model_id = _create_model(base, sid, 0)
     _train_step(base, model_id, 1, tokenizer.encode("The sky is blue."))
     assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "w"})
-    res = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 4, "path": "export",
-                                              "ttl_seconds": 3600, "type": "save_weights_external"})
+    res = _op(
+        base,
+        "save_weights_external",
+        {"model_id": model_id, "seq_id": 4, "path": "export", "ttl_seconds": 3600, "type": "save_weights_external"},
+    )
     path = f"tinker://{model_id}/external_weights/export"
     stored = _stored_files(livelora_home, model_id, "external_weights/export")
     files = {"adapter_config.json", "adapter_model.safetensors"}
-    assert res == {"path": path, "size_bytes": sum((stored / f).stat().st_size for f in files),
-                   "type": "save_weights_external"}, res
+    assert res == {
+        "path": path,
+        "size_bytes": sum((stored / f).stat().st_size for f in files),
+        "type": "save_weights_external",
+    }, res
     # refused by name, each consuming its seq (the next op runs)
-    enc = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 5, "path": "e2",
-                                              "age_encryption_recipients": ["age1xyz"]})
+    enc = _op(
+        base,
+        "save_weights_external",
+        {"model_id": model_id, "seq_id": 5, "path": "e2", "age_encryption_recipients": ["age1xyz"]},
+    )
     assert enc["code"] == "unsupported_parameter" and enc["param"] == "age_encryption_recipients", enc
     for seq, body in ((6, {"path": "../up"}), (7, {"path": "e3", "ttl_seconds": 60})):
         bad = _op(base, "save_weights_external", {"model_id": model_id, "seq_id": seq, **body})
         assert bad["category"] == "user" and bad["param"] in ("path", "ttl_seconds"), bad
     # listed with its type, TTL and size
-    listed = {c["checkpoint_id"]: c for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()[
-        "checkpoints"]}
+    listed = {
+        c["checkpoint_id"]: c
+        for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    }
     assert set(listed) == {"weights/w", "external_weights/export"}
     ext = listed["external_weights/export"]
-    assert ext["checkpoint_type"] == "external" and ext["tinker_path"] == path and ext["size_bytes"] == res["size_bytes"]
+    assert (
+        ext["checkpoint_type"] == "external" and ext["tinker_path"] == path and ext["size_bytes"] == res["size_bytes"]
+    )
     in_an_hour = datetime.now(UTC) + timedelta(hours=1)
     assert abs((datetime.fromisoformat(ext["expires_at"]) - in_an_hour).total_seconds()) < 120
     mine = httpx.get(f"{base}/api/v1/checkpoints", params={"limit": 1000}).json()["checkpoints"]
@@ -274,9 +328,9 @@ def test_save_weights_external_signed_file_urls_ttl_and_delete(sessions_server, 
     assert cfg["base_model_name_or_path"] == HUB_IDS[MODEL] and cfg["peft_type"] == "LORA" and cfg["r"] == 4
     # a forged signature, or one file's token for another file, is 404
     cfg_url = got["urls"]["adapter_config.json"]
-    assert httpx.get(cfg_url[:-len("adapter_config.json")] + "adapter_model.safetensors").status_code == 404
+    assert httpx.get(cfg_url[: -len("adapter_config.json")] + "adapter_model.safetensors").status_code == 404
     token_end = cfg_url.rindex("/")
-    assert httpx.get(cfg_url[:token_end - 4] + "0000" + cfg_url[token_end:]).status_code == 404
+    assert httpx.get(cfg_url[: token_end - 4] + "0000" + cfg_url[token_end:]).status_code == 404
     # only external_weights has file URLs; an export is not a training checkpoint
     r = httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints/weights/w/external_weights_urls")
     assert r.status_code == 400 and r.json()["error"]["param"] == "checkpoint_id", r.text
@@ -284,42 +338,59 @@ def test_save_weights_external_signed_file_urls_ttl_and_delete(sessions_server, 
     assert r.status_code == 400 and "external-weights export" in r.json()["error"]["message"], r.text
     # TTL update, then delete: the version goes, the URLs and the listing follow
     assert httpx.put(f"{ckpt}/ttl", json={"ttl_seconds": 7200}).status_code == 204
-    ext = next(c for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
-               if c["checkpoint_id"] == "external_weights/export")
+    ext = next(
+        c
+        for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+        if c["checkpoint_id"] == "external_weights/export"
+    )
     assert datetime.fromisoformat(ext["expires_at"]) > in_an_hour + timedelta(minutes=50)
     assert httpx.delete(ckpt).status_code == 204
     assert not stored.exists()
     assert httpx.get(got["urls"]["adapter_config.json"]).status_code == 404
     assert httpx.get(f"{ckpt}/external_weights_urls").status_code == 404
     # housekeeping expires exports like other checkpoints
-    assert "error" not in _op(base, "save_weights_external", {"model_id": model_id, "seq_id": 8, "path": "e4",
-                                                              "ttl_seconds": 3600})
+    assert "error" not in _op(
+        base, "save_weights_external", {"model_id": model_id, "seq_id": 8, "path": "e4", "ttl_seconds": 3600}
+    )
     deleted = services_of(sessions_server.app).sessions.checkpoints.expire_due(datetime.now(UTC) + timedelta(hours=2))
     assert f"tinker://{model_id}/external_weights/e4" in deleted
-    left = {c["checkpoint_id"] for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()[
-        "checkpoints"]}
+    left = {
+        c["checkpoint_id"]
+        for c in httpx.get(f"{base}/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    }
     assert left == {"weights/w"}
 
 
 def test_sdk_038_routes_join_cancel_and_clear_refusals(sessions_server, tokenizer):
     base = sessions_server.base_url
     sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
-    r = httpx.post(f"{base}/api/v1/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 0,
-                                                                    "base_model": MODEL})
+    r = httpx.post(
+        f"{base}/api/v1/create_sampling_session",
+        json={"session_id": sid, "sampling_session_seq_id": 0, "base_model": MODEL},
+    )
     sampler = r.json()["sampling_session_id"]
-    joins = [httpx.post(f"{base}/api/v1/join_sampling_session", json={"sampling_session_id": sampler}).json()
-             for _ in range(2)]
+    joins = [
+        httpx.post(f"{base}/api/v1/join_sampling_session", json={"sampling_session_id": sampler}).json()
+        for _ in range(2)
+    ]
     assert [j["client_counter"] for j in joins] == [1, 2]
     missing = f"{'0' * 32}:sample:0"  # well spelled, never created (another spelling is 400: adapters/object_ids)
-    assert httpx.post(f"{base}/api/v1/join_sampling_session",
-                      json={"sampling_session_id": missing}).status_code == 404
-    assert httpx.post(f"{base}/api/v1/join_sampling_session",
-                      json={"sampling_session_id": "nosuch:sample:0"}).status_code == 400
+    assert httpx.post(f"{base}/api/v1/join_sampling_session", json={"sampling_session_id": missing}).status_code == 404
+    assert (
+        httpx.post(f"{base}/api/v1/join_sampling_session", json={"sampling_session_id": "nosuch:sample:0"}).status_code
+        == 400
+    )
     # cancel a running sample: its future fails with code "cancelled"
-    sample = httpx.post(f"{base}/api/v1/asample", json={
-        "sampling_session_id": sampler, "seq_id": 1, "num_samples": 1, "prompt": {"chunks": [
-            {"type": "encoded_text", "tokens": tokenizer.encode("Tell me a long story.")}]},
-        "sampling_params": {"max_tokens": 400, "stop": []}}).json()
+    sample = httpx.post(
+        f"{base}/api/v1/asample",
+        json={
+            "sampling_session_id": sampler,
+            "seq_id": 1,
+            "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokenizer.encode("Tell me a long story.")}]},
+            "sampling_params": {"max_tokens": 400, "stop": []},
+        },
+    ).json()
     assert len(sample["sample_sequence_ids"]) == 1
     c = httpx.post(f"{base}/api/v1/cancel_future", json={"request_id": sample["request_id"]}).json()
     res = _retrieve(base, sample["request_id"]).json()
@@ -346,7 +417,7 @@ def _peft_prompt_logprobs(base_ref, adapter_dir: Path, tokens: list[int]) -> tup
     import torch
     from peft import PeftModel
 
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
     model = PeftModel.from_pretrained(load_model(base_ref), str(adapter_dir)).eval()
     ids, targets = torch.tensor([tokens]), torch.tensor(tokens[1:])[:, None]
@@ -358,8 +429,9 @@ def _peft_prompt_logprobs(base_ref, adapter_dir: Path, tokens: list[int]) -> tup
 
 
 @pytest.mark.parametrize("version", ["038", "024"])
-def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_path, tokenizer, base_ref,
-                                                 livelora_home):
+def test_tinker_cli_checkpoint_list_and_download(
+    version, sessions_server, tmp_path, tokenizer, base_ref, livelora_home
+):
     """``python -m tinker.cli checkpoint list|download`` of the official SDKs. Download: SDK ≤0.24 fetches a tar
     from the archive URL; SDK 0.38 loads the checkpoint into a new training run, exports it with
     ``save_weights_external``, fetches each file from its signed URL and deletes the export. The 0.38 download
@@ -374,15 +446,23 @@ def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_p
     _train_step(base, model_id, 1, tokenizer.encode("The sky is blue."))
     assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "cli"})
     if version == "038":  # the same weights for the server's logprobs (saved now: the session expires unbeaten)
-        assert "error" not in _op(base, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 4,
-                                                                     "path": "cli-s"})
+        assert "error" not in _op(
+            base, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 4, "path": "cli-s"}
+        )
     path = f"tinker://{model_id}/weights/cli"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
     env.update(TINKER_BASE_URL=base, TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0", PYTHONPATH="")
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(python), "-m", "tinker.cli", "--format", "json", "checkpoint", *args],
-                              capture_output=True, text=True, env=env, timeout=300, check=False, cwd=str(tmp_path))
+        return subprocess.run(
+            [str(python), "-m", "tinker.cli", "--format", "json", "checkpoint", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            check=False,
+            cwd=str(tmp_path),
+        )
 
     listed = cli("list")
     assert listed.returncode == 0, listed.stderr[-2000:]
@@ -406,10 +486,15 @@ def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_p
     assert not [c for c in mine if c["tinker_path"].endswith("/external_weights/download")]
     # base + downloaded adapter under peft == the server's prompt logprobs for the same weights
     prompt = tokenizer.encode("The sky is blue and the grass is green.")
-    served = httpx.post(f"{base}/api/v1/asample", json={
-        "model_path": f"tinker://{model_id}/sampler_weights/cli-s", "prompt": {"chunks": [
-            {"type": "encoded_text", "tokens": prompt}]}, "prompt_logprobs": True,
-        "sampling_params": {"max_tokens": 1}}).json()
+    served = httpx.post(
+        f"{base}/api/v1/asample",
+        json={
+            "model_path": f"tinker://{model_id}/sampler_weights/cli-s",
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+            "prompt_logprobs": True,
+            "sampling_params": {"max_tokens": 1},
+        },
+    ).json()
     served = _retrieve(base, served["request_id"]).json()["prompt_logprobs"]
     local, base_only = _peft_prompt_logprobs(base_ref, folder, prompt)
     assert served[0] is None and local == pytest.approx(served[1:], abs=1e-4)
@@ -419,12 +504,16 @@ def test_tinker_cli_checkpoint_list_and_download(version, sessions_server, tmp_p
 def test_sessions_get_list_search_outlive_the_session(sessions_server):
     base = sessions_server.base_url
     meta = {"run": uuid.uuid4().hex}
-    sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0", "display_name": "s1",
-                                                            "user_metadata": meta}).json()["session_id"]
+    sid = httpx.post(
+        f"{base}/api/v1/create_session",
+        json={"tags": [], "sdk_version": "0.38.0", "display_name": "s1", "user_metadata": meta},
+    ).json()["session_id"]
     model_id = _create_model(base, sid, 0)
     assert "error" not in _op(base, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "a"})
-    httpx.post(f"{base}/api/v1/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 0,
-                                                                "base_model": MODEL}).raise_for_status()
+    httpx.post(
+        f"{base}/api/v1/create_sampling_session",
+        json={"session_id": sid, "sampling_session_seq_id": 0, "base_model": MODEL},
+    ).raise_for_status()
     got = httpx.get(f"{base}/api/v1/sessions/{sid}").json()
     assert got["training_run_ids"] == [model_id] and got["sampler_ids"] == [f"{sid}:sample:0"], got
     assert got["display_name"] == "s1" and got["user_metadata"] == meta
@@ -444,21 +533,38 @@ def test_sessions_get_list_search_outlive_the_session(sessions_server):
 def test_retrieve_futures_reports_a_sampling_sessions_completions(sessions_server, tokenizer):
     base = sessions_server.base_url
     sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
-    sampler = httpx.post(f"{base}/api/v1/create_sampling_session", json={
-        "session_id": sid, "sampling_session_seq_id": 0, "base_model": MODEL}).json()["sampling_session_id"]
+    sampler = httpx.post(
+        f"{base}/api/v1/create_sampling_session",
+        json={"session_id": sid, "sampling_session_seq_id": 0, "base_model": MODEL},
+    ).json()["sampling_session_id"]
     prompt = {"chunks": [{"type": "encoded_text", "tokens": tokenizer.encode("Hi")}]}
-    ids = [httpx.post(f"{base}/api/v1/asample", json={
-        "sampling_session_id": sampler, "seq_id": seq, "num_samples": 1, "prompt": prompt,
-        "sampling_params": {"max_tokens": 2}}).json()["request_id"] for seq in (1, 2)]
+    ids = [
+        httpx.post(
+            f"{base}/api/v1/asample",
+            json={
+                "sampling_session_id": sampler,
+                "seq_id": seq,
+                "num_samples": 1,
+                "prompt": prompt,
+                "sampling_params": {"max_tokens": 2},
+            },
+        ).json()["request_id"]
+        for seq in (1, 2)
+    ]
     seen, cursor = [], 0
     while len(seen) < 2:
-        r = httpx.post(f"{base}/api/v1/retrieve_futures", json={
-            "target": {"sampling_session_id": sampler}, "prev_cursor": cursor, "timeout": 10}, timeout=60).json()
+        r = httpx.post(
+            f"{base}/api/v1/retrieve_futures",
+            json={"target": {"sampling_session_id": sampler}, "prev_cursor": cursor, "timeout": 10},
+            timeout=60,
+        ).json()
         seen += r["completions"]
         cursor = r["cursor"]
     assert sorted(c["request_id"] for c in seen) == sorted(ids) and all(c["state"] == "finished" for c in seen)
-    clone = httpx.post(f"{base}/api/v1/retrieve_futures", json={
-        "target": {"sampling_session_id": sampler, "cloned_sampler_id": 1}, "timeout": 0.1}).json()
+    clone = httpx.post(
+        f"{base}/api/v1/retrieve_futures",
+        json={"target": {"sampling_session_id": sampler, "cloned_sampler_id": 1}, "timeout": 0.1},
+    ).json()
     assert clone["completions"] == [] and clone["cursor"] == 2
     for rid in ids:
         assert "sequences" in _retrieve(base, rid).json()

@@ -113,16 +113,19 @@ def test_damaged_body_still_names_its_op():
     assert wire.peek_ids(raw) == ("s1:train:0", 7)
 
 
-@pytest.mark.parametrize("mutate, code, needle", [
-    (lambda d: setattr(d.model_input.add().image, "format", "png"), "unsupported_parameter", "image chunk"),
-    (lambda d: d.model_input.add().dmel.SetInParent(), "unsupported_parameter", "audio"),
-    (lambda d: d.model_input.add(), "invalid_body", "empty chunk"),
-    (lambda d: setattr(d.loss_fn_inputs["weights"], "dense", b"\x00" * 5), "invalid_body", "multiple of 4"),
-    (lambda d: d.loss_fn_inputs["weights"].shape.extend([7]), "invalid_body", "needs 7 values"),
-    (lambda d: setattr(d.loss_fn_inputs["weights"], "dtype", 0), "invalid_body", "unsupported dtype"),
-    (lambda d: _sampled_span(d.model_input_spans, 2), "invalid_body", "pair"),
-    (lambda d: d.model_input_spans.add().sampled_tokens.SetInParent(), "invalid_body", "at least 1 character"),
-])
+@pytest.mark.parametrize(
+    "mutate, code, needle",
+    [
+        (lambda d: setattr(d.model_input.add().image, "format", "png"), "unsupported_parameter", "image chunk"),
+        (lambda d: d.model_input.add().dmel.SetInParent(), "unsupported_parameter", "audio"),
+        (lambda d: d.model_input.add(), "invalid_body", "empty chunk"),
+        (lambda d: setattr(d.loss_fn_inputs["weights"], "dense", b"\x00" * 5), "invalid_body", "multiple of 4"),
+        (lambda d: d.loss_fn_inputs["weights"].shape.extend([7]), "invalid_body", "needs 7 values"),
+        (lambda d: setattr(d.loss_fn_inputs["weights"], "dtype", 0), "invalid_body", "unsupported dtype"),
+        (lambda d: _sampled_span(d.model_input_spans, 2), "invalid_body", "pair"),
+        (lambda d: d.model_input_spans.add().sampled_tokens.SetInParent(), "invalid_body", "at least 1 character"),
+    ],
+)
 def test_bad_datums_fail_with_the_ops_ids(mutate, code, needle):
     msg = _fb(seq_id=4)
     d = msg.data.add()
@@ -137,10 +140,13 @@ def test_bad_datums_fail_with_the_ops_ids(mutate, code, needle):
     assert needle in str(err.value)
 
 
-@pytest.mark.parametrize("fields, needle", [
-    ({"seq_id": 0}, "seq_id"),
-    ({"model_id": ""}, "model_id"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"seq_id": 0}, "seq_id"),
+        ({"model_id": ""}, "model_id"),
+    ],
+)
 def test_request_fields_are_validated(fields, needle):
     msg = _fb(**fields)
     with pytest.raises(wire.WireDecodeError, match=needle):
@@ -150,7 +156,7 @@ def test_request_fields_are_validated(fields, needle):
 def test_an_unknown_loss_decodes_and_the_shared_loss_specs_refuse_it_naming_loss_fn():
     """The wire type leaves ``loss_fn`` a string; the server's one validation (the gateway calls it on every
     decoded forward_backward) answers 400 naming ``loss_fn``."""
-    from livelora.adapters.losses import validate_batch
+    from livelora.core.losses import validate_batch
 
     msg = _fb(loss_fn="not_a_loss")
     d = msg.data.add()
@@ -191,10 +197,13 @@ def test_content_encodings_round_trip_and_are_bounded():
     assert wire.decode_content(unsized.compress(body), "zstd") == body
     with pytest.raises(PayloadTooLargeError):
         wire.decode_content(unsized.compress(b"\0" * (4 << 20)), "zstd", max_bytes=1 << 20)
-    for coding, packed in (("zstd", zstandard.ZstdCompressor().compress(body)), ("gzip", gzip.compress(body)),
-                           ("zstd", unsized.compress(body))):
+    for coding, packed in (
+        ("zstd", zstandard.ZstdCompressor().compress(body)),
+        ("gzip", gzip.compress(body)),
+        ("zstd", unsized.compress(body)),
+    ):
         with pytest.raises(wire.WireDecodeError, match="not valid"):  # truncated in transit
-            wire.decode_content(packed[:len(packed) // 2], coding)
+            wire.decode_content(packed[: len(packed) // 2], coding)
     with pytest.raises(BadRequestError) as err:
         wire.decode_content(body, "br")
     assert err.value.code == "unsupported_content_encoding"
@@ -217,15 +226,26 @@ def test_body_kind_and_accept_negotiation():
 # ------------------------------------------------------------------------------------------------ responses
 def test_sample_response_encoding():
     resp = SampleResponseV2(
-        sequences=[SampledSequenceV2(stop_reason="stop", tokens=[11, 2], logprobs=[-0.25, -1.5],
-                                     topk_logprobs=[[(11, -0.25), (12, -2.0)], [(2, -1.5)]]),
-                   SampledSequenceV2(stop_reason="length", tokens=[13], logprobs=None)],
-        prompt_logprobs=[None, -3.0, -0.5], topk_prompt_logprobs=[None, [(7, -3.0)], [(8, -0.5), (9, -1.0)]],
-        target_prompt_logprobs=WireTensorData(data=[-1.0, -2.0], dtype="float32", shape=[2, 3],
-                                              sparse_crow_indices=[0, 1, 2], sparse_col_indices=[0, 2]),
-        prompt_alt_tokens=PromptAltTokens(tokens=TensorData(data=[4, 5], dtype="int64", shape=[2, 1]),
-                                          logprobs=TensorData(data=[-0.1, -0.2], dtype="float32", shape=[2, 1])),
-        prompt_cache_hit_tokens=2)
+        sequences=[
+            SampledSequenceV2(
+                stop_reason="stop",
+                tokens=[11, 2],
+                logprobs=[-0.25, -1.5],
+                topk_logprobs=[[(11, -0.25), (12, -2.0)], [(2, -1.5)]],
+            ),
+            SampledSequenceV2(stop_reason="length", tokens=[13], logprobs=None),
+        ],
+        prompt_logprobs=[None, -3.0, -0.5],
+        topk_prompt_logprobs=[None, [(7, -3.0)], [(8, -0.5), (9, -1.0)]],
+        target_prompt_logprobs=WireTensorData(
+            data=[-1.0, -2.0], dtype="float32", shape=[2, 3], sparse_crow_indices=[0, 1, 2], sparse_col_indices=[0, 2]
+        ),
+        prompt_alt_tokens=PromptAltTokens(
+            tokens=TensorData(data=[4, 5], dtype="int64", shape=[2, 1]),
+            logprobs=TensorData(data=[-0.1, -0.2], dtype="float32", shape=[2, 1]),
+        ),
+        prompt_cache_hit_tokens=2,
+    )
     msg = schema.SampleResponse()
     msg.ParseFromString(wire.encode_future_result(resp.model_dump(mode="json")))
     s0, s1 = msg.sequences
@@ -250,11 +270,14 @@ def test_sample_response_encoding():
 
 
 def test_forward_backward_output_encoding_groups_rectangular_runs():
-    out = ForwardBackwardOutput(loss_fn_outputs=[
-        {"logprobs": TensorData(data=[-1.0, -2.0], dtype="float32", shape=[2])},
-        {"logprobs": TensorData(data=[-3.0], dtype="float32", shape=[1])},
-        {"logprobs": TensorData(data=[-1.0, -2.0, -3.0, -4.0], dtype="float32", shape=[2, 2])},
-    ], metrics={"loss:sum": 6.5})
+    out = ForwardBackwardOutput(
+        loss_fn_outputs=[
+            {"logprobs": TensorData(data=[-1.0, -2.0], dtype="float32", shape=[2])},
+            {"logprobs": TensorData(data=[-3.0], dtype="float32", shape=[1])},
+            {"logprobs": TensorData(data=[-1.0, -2.0, -3.0, -4.0], dtype="float32", shape=[2, 2])},
+        ],
+        metrics={"loss:sum": 6.5},
+    )
     msg = schema.ForwardBackwardOutput()
     msg.ParseFromString(wire.encode_forward_backward_output(out))
     assert msg.loss_fn_output_type == "ArrayRecord" and dict(msg.metrics) == {"loss:sum": 6.5}
@@ -266,8 +289,9 @@ def test_forward_backward_output_encoding_groups_rectangular_runs():
     assert wire.proto_result_kind({"error": "x", "category": "user"}) is None
     assert wire.proto_result_kind({"metrics": {}}) is None
     with pytest.raises(ValueError, match="fields"):
-        wire.encode_forward_backward_output(ForwardBackwardOutput(loss_fn_outputs=[
-            {"logprobs": TensorData.from_list([1.0], "float32")}, {}]))
+        wire.encode_forward_backward_output(
+            ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": TensorData.from_list([1.0], "float32")}, {}])
+        )
 
 
 def test_ids_of_a_rejected_compressed_body():

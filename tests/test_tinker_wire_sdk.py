@@ -30,7 +30,7 @@ from livelora.gateway.api.tinker_wire import schema
 ROOT = Path(__file__).resolve().parent.parent
 ORACLE = Path(__file__).resolve().parent / "tinker_sdk_oracle.py"
 sys.path.insert(0, str(ORACLE.parent))
-from tinker_sdk_oracle import descriptor_signature
+from tinker_sdk_oracle import descriptor_signature  # noqa: E402  (found through the sys.path entry above)
 
 
 def sdk_python(version: str) -> Path | None:
@@ -47,8 +47,16 @@ def run_oracle(version: str, ops: dict[str, dict]) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
     env.update(TINKER_TELEMETRY="0", PYTHONPATH="")
     names = list(ops)
-    proc = subprocess.run([str(python), str(ORACLE)], input=json.dumps({"ops": [ops[n] for n in names]}),
-                          capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT), check=False)
+    proc = subprocess.run(
+        [str(python), str(ORACLE)],
+        input=json.dumps({"ops": [ops[n] for n in names]}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(ROOT),
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(zip(names, json.loads(proc.stdout)["results"]))
 
@@ -63,17 +71,33 @@ def _in(values, dtype, form="tensordata"):
     return {"values": values, "dtype": dtype, "form": form}
 
 
-PROMPT_RL = {"chunks": [[5, 6], [7, 8]], "inputs": {
-    "target_tokens": _in([6, 7, 8, 9], "int64", "numpy"), "logprobs": _in([0.0, 0.0, -0.5, -1.25], "float32", "list"),
-    "advantages": _in([0.0, 0.0, 1.5, 1.5], "float32")}}
-SFT = {"chunks": [[1, 2, 3]], "inputs": {"target_tokens": _in([2, 3, 4], "int64", "list"),
-                                         "weights": _in([0.0, 1.0, 1.0], "float32", "list")}}
+PROMPT_RL = {
+    "chunks": [[5, 6], [7, 8]],
+    "inputs": {
+        "target_tokens": _in([6, 7, 8, 9], "int64", "numpy"),
+        "logprobs": _in([0.0, 0.0, -0.5, -1.25], "float32", "list"),
+        "advantages": _in([0.0, 0.0, 1.5, 1.5], "float32"),
+    },
+}
+SFT = {
+    "chunks": [[1, 2, 3]],
+    "inputs": {"target_tokens": _in([2, 3, 4], "int64", "list"), "weights": _in([0.0, 1.0, 1.0], "float32", "list")},
+}
 GSPO = {**PROMPT_RL, "inputs": {**PROMPT_RL["inputs"], "sequence_ratio_mask": _in([0.0, 0.0, 1.0, 1.0], "float32")}}
-STABLE = {**PROMPT_RL, "spans": {"model_input": [["prompt", "seq-a", 0, 3], ["sampled", "seq-a", 0, 1]],
-                                  "loss_fn_inputs": [["prompt", "seq-a", 1, 2], ["sampled", "seq-a", 0, 2]]}}
-TOPK_2D = {"chunks": [[1, 2, 3]], "inputs": {  # mostly padding: the Datum sends CSR
-    "target_tokens": _in([[2, 0, 0, 0, 0, 0], [3, 9, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0]], "int64", "torch"),
-    "weights": _in([[1.0, 0, 0, 0, 0, 0], [0.75, 0.25, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]], "float32", "torch")}}
+STABLE = {
+    **PROMPT_RL,
+    "spans": {
+        "model_input": [["prompt", "seq-a", 0, 3], ["sampled", "seq-a", 0, 1]],
+        "loss_fn_inputs": [["prompt", "seq-a", 1, 2], ["sampled", "seq-a", 0, 2]],
+    },
+}
+TOPK_2D = {
+    "chunks": [[1, 2, 3]],
+    "inputs": {  # mostly padding: the Datum sends CSR
+        "target_tokens": _in([[2, 0, 0, 0, 0, 0], [3, 9, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0]], "int64", "torch"),
+        "weights": _in([[1.0, 0, 0, 0, 0, 0], [0.75, 0.25, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]], "float32", "torch"),
+    },
+}
 
 FWDBWD = {  # name → (loss_fn, loss_fn_config, data, flags)
     "cross_entropy": ("cross_entropy", None, [SFT, SFT], {}),
@@ -92,130 +116,302 @@ LOSSES_024 = ("cross_entropy", "forward_only", "importance_sampling", "ppo_zstd"
 
 def fwdbwd_op(name: str, seq_id: int) -> dict:
     loss_fn, config, data, flags = FWDBWD[name]
-    return {"op": "fwdbwd_body", "model_id": "sess-1:train:0", "seq_id": seq_id, "loss_fn": loss_fn,
-            "loss_fn_config": config, "data": data, **flags}
+    return {
+        "op": "fwdbwd_body",
+        "model_id": "sess-1:train:0",
+        "seq_id": seq_id,
+        "loss_fn": loss_fn,
+        "loss_fn_config": config,
+        "data": data,
+        **flags,
+    }
 
 
 SPARSE_TARGET = [[-1] * 4 for _ in range(5)]
 SPARSE_TARGET[1][0], SPARSE_TARGET[4][2] = 17, 23
 SAMPLE_BODIES = {
-    "all_fields": {"prompt": [1, 2, 3, 4], "num_samples": 3, "sampling_session_id": "sess-1:sample:0", "seq_id": 5,
-                   "sampling_params": {"max_tokens": 8, "temperature": 0.5, "top_k": 5, "top_p": 0.9, "seed": 11,
-                                       "stop": ["\n\n"]},
-                   "prompt_logprobs": True, "topk_prompt_logprobs": 3, "topk_sample_logprobs": 2,
-                   "target_prompt_logprobs": _in([[5, -1], [6, 7], [-1, -1]], "int64"), "prompt_alt_tokens_k": 2,
-                   "prompt_logprobs_last_n": 2, "record_stability_info": True},
-    "sparse_target": {"prompt": [1, 2, 3, 4, 5, 6], "sampling_session_id": "s:sample:1", "seq_id": 0,
-                      "sampling_params": {"max_tokens": 1, "stop": [7, 8]},
-                      "target_prompt_logprobs": {**_in(SPARSE_TARGET, "int64", "sparse"), "pad": -1}},
-    "compute_logprobs": {"prompt": [9, 8, 7], "sampling_session_id": "s:sample:2", "seq_id": 1,
-                         "sampling_params": {"max_tokens": 1}, "prompt_logprobs": True},
+    "all_fields": {
+        "prompt": [1, 2, 3, 4],
+        "num_samples": 3,
+        "sampling_session_id": "sess-1:sample:0",
+        "seq_id": 5,
+        "sampling_params": {
+            "max_tokens": 8,
+            "temperature": 0.5,
+            "top_k": 5,
+            "top_p": 0.9,
+            "seed": 11,
+            "stop": ["\n\n"],
+        },
+        "prompt_logprobs": True,
+        "topk_prompt_logprobs": 3,
+        "topk_sample_logprobs": 2,
+        "target_prompt_logprobs": _in([[5, -1], [6, 7], [-1, -1]], "int64"),
+        "prompt_alt_tokens_k": 2,
+        "prompt_logprobs_last_n": 2,
+        "record_stability_info": True,
+    },
+    "sparse_target": {
+        "prompt": [1, 2, 3, 4, 5, 6],
+        "sampling_session_id": "s:sample:1",
+        "seq_id": 0,
+        "sampling_params": {"max_tokens": 1, "stop": [7, 8]},
+        "target_prompt_logprobs": {**_in(SPARSE_TARGET, "int64", "sparse"), "pad": -1},
+    },
+    "compute_logprobs": {
+        "prompt": [9, 8, 7],
+        "sampling_session_id": "s:sample:2",
+        "seq_id": 1,
+        "sampling_params": {"max_tokens": 1},
+        "prompt_logprobs": True,
+    },
 }
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 JSON_BODIES = {  # name → (op kwargs, our request model or None when it must be refused)
-    "create_model": ({"session_id": "s", "model_seq_id": 0, "base_model": "b", "lora_config": {"rank": 8, "seed": 3},
-                      "user_metadata": {"k": "v"}}, t.CreateModelRequest),
-    "optim_step": ({"model_id": "m", "seq_id": 4, "params": {"learning_rate": 2e-4, "grad_clip_norm": 1.0}},
-                   t.OptimStepRequest),
+    "create_model": (
+        {
+            "session_id": "s",
+            "model_seq_id": 0,
+            "base_model": "b",
+            "lora_config": {"rank": 8, "seed": 3},
+            "user_metadata": {"k": "v"},
+        },
+        t.CreateModelRequest,
+    ),
+    "optim_step": (
+        {"model_id": "m", "seq_id": 4, "params": {"learning_rate": 2e-4, "grad_clip_norm": 1.0}},
+        t.OptimStepRequest,
+    ),
     "optim_step_dimuon": ({"model_id": "m", "seq_id": 4, "params": {"type": "dimuon", "learning_rate": 0.01}}, None),
-    "save_weights": ({"model_id": "m", "seq_id": 5, "path": "step-1", "ttl_seconds": 7200, "overwrite": True,
-                      "user_metadata": {"renderer_name": "role_colon"}}, t.SaveWeightsRequest),
-    "save_weights_for_sampler": ({"model_id": "m", "seq_id": 6, "path": "s-1", "ttl_seconds": 3600},
-                                 t.SaveWeightsForSamplerRequest),
-    "save_weights_for_sampler_inflight": ({"model_id": "m", "seq_id": 7, "sampling_session_seq_id": 2,
-                                           "kind": "inflight"}, t.SaveWeightsForSamplerRequest),
-    "save_weights_external": ({"model_id": "m", "seq_id": 8, "path": "download", "ttl_seconds": 3600},
-                              x.SaveWeightsExternalRequest),
-    "load_weights": ({"session_id": "s", "model_seq_id": 1, "path": "tinker://m/weights/step-1", "optimizer": True,
-                      "user_metadata": {"created_by": "cli"}, "optimizer_config": {"type": "adamw"}},
-                     t.LoadWeightsRequest),
-    "copy_weights": ({"source_path": "tinker://m/weights/step-1", "destination_project_id": "p", "ttl_seconds": 3600},
-                     r.CopyWeightsRequest),
+    "save_weights": (
+        {
+            "model_id": "m",
+            "seq_id": 5,
+            "path": "step-1",
+            "ttl_seconds": 7200,
+            "overwrite": True,
+            "user_metadata": {"renderer_name": "role_colon"},
+        },
+        t.SaveWeightsRequest,
+    ),
+    "save_weights_for_sampler": (
+        {"model_id": "m", "seq_id": 6, "path": "s-1", "ttl_seconds": 3600},
+        t.SaveWeightsForSamplerRequest,
+    ),
+    "save_weights_for_sampler_inflight": (
+        {"model_id": "m", "seq_id": 7, "sampling_session_seq_id": 2, "kind": "inflight"},
+        t.SaveWeightsForSamplerRequest,
+    ),
+    "save_weights_external": (
+        {"model_id": "m", "seq_id": 8, "path": "download", "ttl_seconds": 3600},
+        x.SaveWeightsExternalRequest,
+    ),
+    "load_weights": (
+        {
+            "session_id": "s",
+            "model_seq_id": 1,
+            "path": "tinker://m/weights/step-1",
+            "optimizer": True,
+            "user_metadata": {"created_by": "cli"},
+            "optimizer_config": {"type": "adamw"},
+        },
+        t.LoadWeightsRequest,
+    ),
+    "copy_weights": (
+        {"source_path": "tinker://m/weights/step-1", "destination_project_id": "p", "ttl_seconds": 3600},
+        r.CopyWeightsRequest,
+    ),
     "join_sampling_session": ({"sampling_session_id": "s:sample:0"}, r.JoinSamplingSessionRequest),
-    "retrieve_futures": ({"target": {"sampling_session_id": "s:sample:0", "cloned_sampler_id": 1}, "prev_cursor": 4,
-                          "timeout": 30.0, "retrieved_request_ids": ["a"]}, r.FuturesRetrieveRequest),
-    "create_sampling_session": ({"session_id": "s", "sampling_session_seq_id": 3,
-                                 "model_path": "tinker://m/sampler_weights/s-1"}, t.CreateSamplingSessionRequest),
-    "create_session": ({"tags": ["a"], "user_metadata": None, "sdk_version": "0.38.0", "display_name": "run"},
-                       t.CreateSessionRequest),
+    "retrieve_futures": (
+        {
+            "target": {"sampling_session_id": "s:sample:0", "cloned_sampler_id": 1},
+            "prev_cursor": 4,
+            "timeout": 30.0,
+            "retrieved_request_ids": ["a"],
+        },
+        r.FuturesRetrieveRequest,
+    ),
+    "create_sampling_session": (
+        {"session_id": "s", "sampling_session_seq_id": 3, "model_path": "tinker://m/sampler_weights/s-1"},
+        t.CreateSamplingSessionRequest,
+    ),
+    "create_session": (
+        {"tags": ["a"], "user_metadata": None, "sdk_version": "0.38.0", "display_name": "run"},
+        t.CreateSessionRequest,
+    ),
     "retrieve_future": ({"request_id": "r-1", "allow_metadata_only": True}, t.FutureRetrieveRequest),
 }
-JSON_BODIES_024 = ("create_model", "optim_step", "save_weights", "save_weights_for_sampler", "load_weights",
-                   "create_sampling_session", "create_session", "retrieve_future")
+JSON_BODIES_024 = (
+    "create_model",
+    "optim_step",
+    "save_weights",
+    "save_weights_for_sampler",
+    "load_weights",
+    "create_sampling_session",
+    "create_session",
+    "retrieve_future",
+)
 
 
 # ================================================================================================ response specs
 def sample_response(full: bool = True) -> x.SampleResponseV2:
     """A result using every field (``full=False``: only what SDK 0.24 reads)."""
     resp = x.SampleResponseV2(
-        sequences=[x.SampledSequenceV2(stop_reason="stop", tokens=[21, 2], logprobs=[-0.25, -1.5],
-                                       topk_logprobs=[[(21, -0.25), (30, -2.5)], [(2, -1.5)]] if full else None),
-                   x.SampledSequenceV2(stop_reason="length", tokens=[22, 23, 24], logprobs=[-0.5, -0.75, -1.0],
-                                       topk_logprobs=[None, [(23, -0.75)], [(24, -1.0), (25, -3.0)]] if full else None)],
-        prompt_logprobs=[None, None, -3.0, -0.5], topk_prompt_logprobs=[None, None, [(7, -3.0)], [(8, -0.5), (9, -1.0)]],
-        target_prompt_logprobs=x.WireTensorData(data=[-1.5, -2.5], dtype="float32", shape=[5, 4],
-                                                sparse_crow_indices=[0, 0, 1, 1, 1, 2], sparse_col_indices=[0, 2]),
-        prompt_alt_tokens=x.PromptAltTokens(tokens=t.TensorData(data=[4, 5, 6, 7, 8, 9], dtype="int64", shape=[3, 2]),
-                                            logprobs=t.TensorData(data=[-0.125] * 6, dtype="float32", shape=[3, 2])),
-        prompt_cache_hit_tokens=3)
+        sequences=[
+            x.SampledSequenceV2(
+                stop_reason="stop",
+                tokens=[21, 2],
+                logprobs=[-0.25, -1.5],
+                topk_logprobs=[[(21, -0.25), (30, -2.5)], [(2, -1.5)]] if full else None,
+            ),
+            x.SampledSequenceV2(
+                stop_reason="length",
+                tokens=[22, 23, 24],
+                logprobs=[-0.5, -0.75, -1.0],
+                topk_logprobs=[None, [(23, -0.75)], [(24, -1.0), (25, -3.0)]] if full else None,
+            ),
+        ],
+        prompt_logprobs=[None, None, -3.0, -0.5],
+        topk_prompt_logprobs=[None, None, [(7, -3.0)], [(8, -0.5), (9, -1.0)]],
+        target_prompt_logprobs=x.WireTensorData(
+            data=[-1.5, -2.5],
+            dtype="float32",
+            shape=[5, 4],
+            sparse_crow_indices=[0, 0, 1, 1, 1, 2],
+            sparse_col_indices=[0, 2],
+        ),
+        prompt_alt_tokens=x.PromptAltTokens(
+            tokens=t.TensorData(data=[4, 5, 6, 7, 8, 9], dtype="int64", shape=[3, 2]),
+            logprobs=t.TensorData(data=[-0.125] * 6, dtype="float32", shape=[3, 2]),
+        ),
+        prompt_cache_hit_tokens=3,
+    )
     return resp if full else resp.model_copy(update={"target_prompt_logprobs": None, "prompt_alt_tokens": None})
 
 
 def fwdbwd_outputs() -> list[t.ForwardBackwardOutput]:
     lp = t.TensorData
-    return [t.ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": lp(data=[-1.0, -2.0], dtype="float32", shape=[2])},
-                                                     {"logprobs": lp(data=[-0.5], dtype="float32", shape=[1])}],
-                                    metrics={"loss:sum": 3.5, "tokens:sum": 3.0}),
-            t.ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": lp(data=[-1.0, -2.0, -3.0, -4.0], dtype="float32",
-                                                                     shape=[2, 2])}],
-                                    metrics={"loss:sum": 10.0, "tokens:sum": 2.0})]
+    return [
+        t.ForwardBackwardOutput(
+            loss_fn_outputs=[
+                {"logprobs": lp(data=[-1.0, -2.0], dtype="float32", shape=[2])},
+                {"logprobs": lp(data=[-0.5], dtype="float32", shape=[1])},
+            ],
+            metrics={"loss:sum": 3.5, "tokens:sum": 3.0},
+        ),
+        t.ForwardBackwardOutput(
+            loss_fn_outputs=[{"logprobs": lp(data=[-1.0, -2.0, -3.0, -4.0], dtype="float32", shape=[2, 2])}],
+            metrics={"loss:sum": 10.0, "tokens:sum": 2.0},
+        ),
+    ]
 
 
 def ckpt(kind="weights", name="step-1", **kw) -> r.CheckpointV2:
     ctype = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}[kind]
-    return r.CheckpointV2(checkpoint_id=f"{kind}/{name}", checkpoint_type=ctype, time=NOW,
-                          tinker_path=f"tinker://sess-1:train:0/{kind}/{name}", size_bytes=1234, **kw)
+    return r.CheckpointV2(
+        checkpoint_id=f"{kind}/{name}",
+        checkpoint_type=ctype,
+        time=NOW,
+        tinker_path=f"tinker://sess-1:train:0/{kind}/{name}",
+        size_bytes=1234,
+        **kw,
+    )
 
 
 def rest_models(version: str) -> dict[str, tuple[str, object]]:
-    run = r.TrainingRunV2(training_run_id="sess-1:train:0", base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
-                          model_owner="local", is_lora=True, lora_rank=8, last_request_time=NOW,
-                          last_checkpoint=ckpt(expires_at=NOW + timedelta(days=7), user_metadata={"a": "b"}),
-                          last_sampler_checkpoint=ckpt("sampler_weights", "s-1"), user_metadata={"renderer_name": "x"})
+    run = r.TrainingRunV2(
+        training_run_id="sess-1:train:0",
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        model_owner="local",
+        is_lora=True,
+        lora_rank=8,
+        last_request_time=NOW,
+        last_checkpoint=ckpt(expires_at=NOW + timedelta(days=7), user_metadata={"a": "b"}),
+        last_sampler_checkpoint=ckpt("sampler_weights", "s-1"),
+        user_metadata={"renderer_name": "x"},
+    )
     cursor = t.Cursor(offset=0, limit=20, total_count=1)
     models = {
         "TrainingRun": ("TrainingRun", run),
         "TrainingRunsResponse": ("TrainingRunsResponse", r.TrainingRunsResponse(training_runs=[run], cursor=cursor)),
-        "CheckpointsListResponse": ("CheckpointsListResponse", r.CheckpointsListResponseV2(
-            checkpoints=[ckpt(), ckpt("sampler_weights", "s-1", public=True)], cursor=cursor)),
-        "WeightsInfoResponse": ("WeightsInfoResponse", r.WeightsInfoResponseV2(base_model="b", is_lora=True, lora_rank=8,
-                                                                              train_mlp=True)),
-        "GetSessionResponse": ("GetSessionResponse", r.GetSessionResponse(training_run_ids=["sess-1:train:0"],
-                                                                          sampler_ids=["sess-1:sample:0"])),
+        "CheckpointsListResponse": (
+            "CheckpointsListResponse",
+            r.CheckpointsListResponseV2(
+                checkpoints=[ckpt(), ckpt("sampler_weights", "s-1", public=True)], cursor=cursor
+            ),
+        ),
+        "WeightsInfoResponse": (
+            "WeightsInfoResponse",
+            r.WeightsInfoResponseV2(base_model="b", is_lora=True, lora_rank=8, train_mlp=True),
+        ),
+        "GetSessionResponse": (
+            "GetSessionResponse",
+            r.GetSessionResponse(training_run_ids=["sess-1:train:0"], sampler_ids=["sess-1:sample:0"]),
+        ),
         "ListSessionsResponse": ("ListSessionsResponse", r.ListSessionsResponse(sessions=["sess-1"])),
-        "GetInfoResponse": ("GetInfoResponse", t.GetInfoResponse(
-            model_id="sess-1:train:0", model_name="b", lora_rank=8, lora_alpha=16.0,
-            model_data=t.ModelData(arch="LlamaForCausalLM", model_name="b", tokenizer_id="HuggingFaceTB/SmolLM2"))),
+        "GetInfoResponse": (
+            "GetInfoResponse",
+            t.GetInfoResponse(
+                model_id="sess-1:train:0",
+                model_name="b",
+                lora_rank=8,
+                lora_alpha=16.0,
+                model_data=t.ModelData(arch="LlamaForCausalLM", model_name="b", tokenizer_id="HuggingFaceTB/SmolLM2"),
+            ),
+        ),
     }
     if version == "038":
-        models.update({
-            "CheckpointsListResponse_external": ("CheckpointsListResponse", r.CheckpointsListResponseV2(
-                checkpoints=[ckpt("external_weights", "download")])),
-            "ExternalWeightsUrlsResponse": ("ExternalWeightsUrlsResponse", r.ExternalWeightsUrlsResponse(
-                urls={"adapter_model.safetensors": "http://h/x?sig=1"}, expires=NOW)),
-            "CopyWeightsResponse": ("CopyWeightsResponse", r.CopyWeightsResponse(tinker_path="tinker://c/weights/y")),
-            "SessionSearchResponse": ("SessionSearchResponse", r.SessionSearchResponse(sessions=[r.SessionSummary(
-                session_id="sess-1", created_at=NOW, owner="local", project_id="default", checkpoints_count=2,
-                status={"type": "client_finished", "reason": {"type": "success"}, "detail": None})])),
-            "JoinSamplingSessionResponse": ("JoinSamplingSessionResponse", r.JoinSamplingSessionResponse(client_counter=1)),
-            "FuturesRetrieveResponse": ("FuturesRetrieveResponse", r.FuturesRetrieveResponse(completions=[
-                r.FutureFinished(request_id="a", response_payload_uncompressed_size=10), r.FutureFailed(request_id="b")],
-                cursor=3)),
-            "ClientDynamicConfigResponse": ("ClientDynamicConfigResponse", r.ClientDynamicConfigResponse()),
-            "SaveWeightsExternalResponse": ("SaveWeightsExternalResponseInternal", x.SaveWeightsExternalResponse(
-                path="tinker://m/external_weights/download", size_bytes=99)),
-        })
+        models.update(
+            {
+                "CheckpointsListResponse_external": (
+                    "CheckpointsListResponse",
+                    r.CheckpointsListResponseV2(checkpoints=[ckpt("external_weights", "download")]),
+                ),
+                "ExternalWeightsUrlsResponse": (
+                    "ExternalWeightsUrlsResponse",
+                    r.ExternalWeightsUrlsResponse(urls={"adapter_model.safetensors": "http://h/x?sig=1"}, expires=NOW),
+                ),
+                "CopyWeightsResponse": (
+                    "CopyWeightsResponse",
+                    r.CopyWeightsResponse(tinker_path="tinker://c/weights/y"),
+                ),
+                "SessionSearchResponse": (
+                    "SessionSearchResponse",
+                    r.SessionSearchResponse(
+                        sessions=[
+                            r.SessionSummary(
+                                session_id="sess-1",
+                                created_at=NOW,
+                                owner="local",
+                                project_id="default",
+                                checkpoints_count=2,
+                                status={"type": "client_finished", "reason": {"type": "success"}, "detail": None},
+                            )
+                        ]
+                    ),
+                ),
+                "JoinSamplingSessionResponse": (
+                    "JoinSamplingSessionResponse",
+                    r.JoinSamplingSessionResponse(client_counter=1),
+                ),
+                "FuturesRetrieveResponse": (
+                    "FuturesRetrieveResponse",
+                    r.FuturesRetrieveResponse(
+                        completions=[
+                            r.FutureFinished(request_id="a", response_payload_uncompressed_size=10),
+                            r.FutureFailed(request_id="b"),
+                        ],
+                        cursor=3,
+                    ),
+                ),
+                "ClientDynamicConfigResponse": ("ClientDynamicConfigResponse", r.ClientDynamicConfigResponse()),
+                "SaveWeightsExternalResponse": (
+                    "SaveWeightsExternalResponseInternal",
+                    x.SaveWeightsExternalResponse(path="tinker://m/external_weights/download", size_bytes=99),
+                ),
+            }
+        )
     return models
 
 
@@ -234,29 +430,40 @@ def all_ops(version: str) -> dict[str, dict]:
     for name, (kwargs, _) in JSON_BODIES.items():
         if version == "038" or name in JSON_BODIES_024:
             ops[f"json:{name}"] = {"op": name.removesuffix("_dimuon").removesuffix("_inflight"), "kwargs": kwargs}
-    ops["decode:sample"] = {"op": "decode_sample",
-                            "body_b64": b64(wire.encode_sample_response(sample_response(version == "038"))),
-                            "sample_sequence_ids": ["sq-0", "sq-1"] if version == "038" else None}
-    ops["decode:fwdbwd"] = {"op": "decode_fwdbwd",
-                            "bodies_b64": [b64(wire.encode_forward_backward_output(o)) for o in fwdbwd_outputs()]}
+    ops["decode:sample"] = {
+        "op": "decode_sample",
+        "body_b64": b64(wire.encode_sample_response(sample_response(version == "038"))),
+        "sample_sequence_ids": ["sq-0", "sq-1"] if version == "038" else None,
+    }
+    ops["decode:fwdbwd"] = {
+        "op": "decode_fwdbwd",
+        "bodies_b64": [b64(wire.encode_forward_backward_output(o)) for o in fwdbwd_outputs()],
+    }
     for name, (sdk_type, model) in rest_models(version).items():
         ops[f"rest:{name}"] = {"op": "validate", "type": sdk_type, "data": dump(model)}
     if version == "024":
         ops["fb_json"] = {**fwdbwd_op("ppo_zstd", 9), "json": True}
     ops["client"] = client_op(version)
-    ops["rest:old_TrainingRun"] = {"op": "validate", "type": "TrainingRun",
-                                   "data": dump(t.TrainingRun(training_run_id="m", base_model="b"))}
+    ops["rest:old_TrainingRun"] = {
+        "op": "validate",
+        "type": "TrainingRun",
+        "data": dump(t.TrainingRun(training_run_id="m", base_model="b")),
+    }
     return ops
 
 
 CLIENT_SAMPLE = x.SampleResponseV2(
-    sequences=[x.SampledSequenceV2(stop_reason="length", tokens=[4, 5, 6, 7], logprobs=[-0.5, -0.25, -1.0, -2.0]),
-               x.SampledSequenceV2(stop_reason="stop", tokens=[8, 2], logprobs=[-0.75, -0.125])],
-    prompt_logprobs=[None, -2.5, -3.5])
+    sequences=[
+        x.SampledSequenceV2(stop_reason="length", tokens=[4, 5, 6, 7], logprobs=[-0.5, -0.25, -1.0, -2.0]),
+        x.SampledSequenceV2(stop_reason="stop", tokens=[8, 2], logprobs=[-0.75, -0.125]),
+    ],
+    prompt_logprobs=[None, -2.5, -3.5],
+)
 
 
 def client_op(version: str) -> dict:
     """The SDK's public clients against a fake server that answers with our encodings."""
+
     def js(value, status=200):
         return {"status": status, "json": value}
 
@@ -264,28 +471,40 @@ def client_op(version: str) -> dict:
         return {"status": 200, "content_type": wire.PROTO_CONTENT_TYPE, "body_b64": b64(body)}
 
     config = {"use_pyqwest_transport": False, "proto_compress_fwdbwd": True, "proto_write_fwdbwd": True}
-    info = t.GetInfoResponse(model_id="sess-1:train:0", model_name="b", lora_rank=4,
-                             model_data=t.ModelData(model_name="b", tokenizer_id="b"))
+    info = t.GetInfoResponse(
+        model_id="sess-1:train:0", model_name="b", lora_rank=4, model_data=t.ModelData(model_name="b", tokenizer_id="b")
+    )
     routes = {
-        "POST /api/v1/client/config": js(config), "POST /api/v1/client/dynamic_config": js({}),
+        "POST /api/v1/client/config": js(config),
+        "POST /api/v1/client/dynamic_config": js({}),
         "POST /api/v1/create_session": js(dump(t.CreateSessionResponse(session_id="sess-1"))),
         "POST /api/v1/session_heartbeat": js(dump(t.SessionHeartbeatResponse())),
         "POST /api/v1/create_model": js(dump(t.UntypedAPIFuture(request_id="cm-1", model_id="sess-1:train:0"))),
         "POST /api/v1/get_info": js(dump(info)),
         "POST /api/v1/forward_backward": js(dump(t.UntypedAPIFuture(request_id="fb-1", model_id="sess-1:train:0"))),
-        "POST /api/v1/create_sampling_session": js(dump(t.CreateSamplingSessionResponse(
-            sampling_session_id="sess-1:sample:0"))),
+        "POST /api/v1/create_sampling_session": js(
+            dump(t.CreateSamplingSessionResponse(sampling_session_id="sess-1:sample:0"))
+        ),
         "POST /api/v1/asample": js(dump(t.UntypedAPIFuture(request_id="smp-1", sample_sequence_ids=["sq-0", "sq-1"]))),
         "POST /api/v1/sessions/sess-1/finish": js({}),
     }
     futures = {
         "cm-1": [js({"model_id": "sess-1:train:0", "type": "create_model"})],
-        "fb-1": [js(dump(t.TryAgainResponse(request_id="fb-1")), 408),
-                 proto(wire.encode_forward_backward_output(fwdbwd_outputs()[0]))],
+        "fb-1": [
+            js(dump(t.TryAgainResponse(request_id="fb-1")), 408),
+            proto(wire.encode_forward_backward_output(fwdbwd_outputs()[0])),
+        ],
         "smp-1": [proto(wire.encode_sample_response(CLIENT_SAMPLE))],
     }
-    return {"op": "client_roundtrip", "routes": routes, "futures": futures, "base_model": "b", "loss_fn": "cross_entropy",
-            "data": [SFT, SFT], "prompt": [1, 2, 3]}
+    return {
+        "op": "client_roundtrip",
+        "routes": routes,
+        "futures": futures,
+        "base_model": "b",
+        "loss_fn": "cross_entropy",
+        "data": [SFT, SFT],
+        "prompt": [1, 2, 3],
+    }
 
 
 def b64(data: bytes) -> str:
@@ -320,8 +539,11 @@ def test_schema_matches_the_sdks_field_by_field(sdk):
             if isinstance(ref, list):
                 ref = [*ref[:3], rename.get(ref[3], ref[3])]
             got = mine[number]
-            assert (got[1], got[2], got[3]) == (ftype, rename.get(ref, ref) if isinstance(ref, str) else ref,
-                                                repeated), (message, number)
+            assert (got[1], got[2], got[3]) == (
+                ftype,
+                rename.get(ref, ref) if isinstance(ref, str) else ref,
+                repeated,
+            ), (message, number)
 
 
 @pytest.mark.parametrize("name", list(FWDBWD))
@@ -331,8 +553,11 @@ def test_forward_backward_bodies_sent_by_the_sdk_decode(sdk, name):
         pytest.skip(f"{name} does not exist in SDK {version}")
     cap = ok(res[f"fb:{name}"])
     loss_fn, config, data, flags = FWDBWD[name]
-    assert (cap["method"], cap["path"], cap["content_type"]) == ("POST", "/api/v1/forward_backward",
-                                                                 "application/x-protobuf")
+    assert (cap["method"], cap["path"], cap["content_type"]) == (
+        "POST",
+        "/api/v1/forward_backward",
+        "application/x-protobuf",
+    )
     assert cap["content_encoding"] == ("zstd" if flags.get("compress") else None)
     raw = wire.decode_content(base64.b64decode(cap["body_b64"]), cap["content_encoding"])
     req = wire.decode_forward_backward(raw)
@@ -387,17 +612,28 @@ def test_sample_bodies_sent_by_the_sdk_validate(sdk, name):
     spec = SAMPLE_BODIES[name]
     req = x.SampleRequestV2.model_validate(body)
     assert req.prompt.to_ints() == spec["prompt"]
-    assert (req.sampling_session_id, req.seq_id, req.num_samples) == (spec["sampling_session_id"], spec["seq_id"],
-                                                                      spec.get("num_samples", 1))
+    assert (req.sampling_session_id, req.seq_id, req.num_samples) == (
+        spec["sampling_session_id"],
+        spec["seq_id"],
+        spec.get("num_samples", 1),
+    )
     for key, value in spec["sampling_params"].items():
         assert getattr(req.sampling_params, key) == value, key
-    for key in ("prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
-                "prompt_logprobs_last_n", "record_stability_info"):
+    for key in (
+        "prompt_logprobs",
+        "topk_prompt_logprobs",
+        "topk_sample_logprobs",
+        "prompt_alt_tokens_k",
+        "prompt_logprobs_last_n",
+        "record_stability_info",
+    ):
         if key in spec:
             assert getattr(req, key) == spec[key], key
     if "target_prompt_logprobs" in spec:
-        assert req.target_prompt_logprobs.dense(-1).data == np.asarray(
-            spec["target_prompt_logprobs"]["values"]).reshape(-1).tolist()
+        assert (
+            req.target_prompt_logprobs.dense(-1).data
+            == np.asarray(spec["target_prompt_logprobs"]["values"]).reshape(-1).tolist()
+        )
         assert req.target_prompt_logprobs.is_sparse is (spec["target_prompt_logprobs"]["form"] == "sparse")
     if name != "compute_logprobs":  # what the server accepts today refuses the 0.38 fields
         with pytest.raises(ValidationError, match="Extra inputs"):
@@ -440,11 +676,19 @@ def test_sample_response_read_by_the_sdk(sdk):
     assert got["prompt_logprobs"] == [None, None, -3.0, -0.5]
     assert got["topk_prompt_logprobs"] == [None, None, [[7, -3.0]], [[8, -0.5], [9, -1.0]]]
     if version == "038":
-        assert got["target_prompt_logprobs"] == {"data": [-1.5, -2.5], "dtype": "float32", "shape": [5, 4],
-                                                 "crow": [0, 0, 1, 1, 1, 2], "col": [0, 2]}
+        assert got["target_prompt_logprobs"] == {
+            "data": [-1.5, -2.5],
+            "dtype": "float32",
+            "shape": [5, 4],
+            "crow": [0, 0, 1, 1, 1, 2],
+            "col": [0, 2],
+        }
         alt = got["prompt_alt_tokens"]
         assert (alt["tokens"]["data"], alt["tokens"]["shape"], alt["tokens"]["dtype"]) == (
-            [4, 5, 6, 7, 8, 9], [3, 2], "int64")
+            [4, 5, 6, 7, 8, 9],
+            [3, 2],
+            "int64",
+        )
         assert alt["logprobs"]["data"] == [-0.125] * 6
         assert got["prompt_cache_hit_tokens"] == 3
 
@@ -471,8 +715,10 @@ def _same(ours, theirs, newer_fields_ok: bool) -> bool:
     knows, so a key missing there is one it does not know: allowed only for SDKs older than our types."""
     if isinstance(ours, dict):
         return isinstance(theirs, dict) and all(
-            _same(v, theirs[k], newer_fields_ok) for k, v in ours.items()
-            if k not in EXTENSIONS and not (newer_fields_ok and k not in theirs))
+            _same(v, theirs[k], newer_fields_ok)
+            for k, v in ours.items()
+            if k not in EXTENSIONS and not (newer_fields_ok and k not in theirs)
+        )
     if isinstance(ours, list):
         return len(ours) == len(theirs) and all(_same(a, b, newer_fields_ok) for a, b in zip(ours, theirs))
     if isinstance(ours, str) and isinstance(theirs, str) and ours[:4].isdigit() and "T" in ours:
@@ -500,7 +746,8 @@ def test_sdk_clients_end_to_end_with_our_encodings(sdk):
     assert fb["metrics"] == {"loss:sum": 3.5, "tokens:sum": 3.0}
     seqs = got["sample"]["sequences"]
     assert [(q["tokens"], q["logprobs"], q["stop_reason"]) for q in seqs] == [
-        (q.tokens, q.logprobs, q.stop_reason) for q in CLIENT_SAMPLE.sequences]
+        (q.tokens, q.logprobs, q.stop_reason) for q in CLIENT_SAMPLE.sequences
+    ]
     assert got["sample"]["prompt_logprobs"] == [None, -2.5, -3.5]
     if version == "038":
         assert [q["sequence_id"] for q in seqs] == ["sq-0", "sq-1"]
@@ -519,5 +766,7 @@ def test_sdk_clients_end_to_end_with_our_encodings(sdk):
     assert x.SampleRequestV2.model_validate(sample_body).prompt_logprobs is True
     if version == "038":
         finish = next(q for q in reqs if q["path"] == "/api/v1/sessions/sess-1/finish")
-        assert t.SessionFinishRequest.model_validate(json.loads(base64.b64decode(finish["body_b64"]))).reason.type \
+        assert (
+            t.SessionFinishRequest.model_validate(json.loads(base64.b64decode(finish["body_b64"]))).reason.type
             == "success"
+        )

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
-from livelora.adapters.models import HUB_IDS
+
 from livelora.clients import ServiceClient
 from livelora.clients.tokenizer_files import TOKENIZER_FILES, files_revision, from_response, read_tokenizer_dir
 from livelora.clients.types.tinker_ext import TokenizerFilesResponse
+from livelora.core.base_models import HUB_IDS
 
 HUB_ID = HUB_IDS[MODEL]
 SAMPLE = "The sky is blue. <|im_start|>user\nÇa va? ✓ 12345<|im_end|>"
@@ -30,8 +30,12 @@ SAMPLE = "The sky is blue. <|im_start|>user\nÇa va? ✓ 12345<|im_end|>"
 def client_env(tmp_path: Path, name: str) -> dict[str, str]:
     """A client machine: offline, an empty HF_HOME of its own, no HF_HUB_CACHE inherited."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_HOME", "TRANSFORMERS_CACHE")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / name / "hf"),
-               LIVELORA_TOKENIZER_CACHE=str(tmp_path / name / "livelora-tokenizers"))
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(tmp_path / name / "hf"),
+        LIVELORA_TOKENIZER_CACHE=str(tmp_path / name / "livelora-tokenizers"),
+    )
     return env
 
 
@@ -49,9 +53,11 @@ def model_id(sessions_server):
 
 def test_tokenizer_id_is_the_hub_id_and_no_answer_names_a_server_path(sessions_server, model_id):
     url = sessions_server.url
-    answers = {"caps": httpx.get(url("/api/v1/get_server_capabilities"), timeout=60),
-               "info": httpx.post(url("/api/v1/get_info"), json={"model_id": model_id}, timeout=60),
-               "tokenizer": httpx.get(url("/api/v1/tokenizer"), timeout=60)}
+    answers = {
+        "caps": httpx.get(url("/api/v1/get_server_capabilities"), timeout=60),
+        "info": httpx.post(url("/api/v1/get_info"), json={"model_id": model_id}, timeout=60),
+        "tokenizer": httpx.get(url("/api/v1/tokenizer"), timeout=60),
+    }
     assert answers["caps"].json()["supported_models"][0]["tokenizer_id"] == HUB_ID
     assert answers["info"].json()["model_data"]["tokenizer_id"] == HUB_ID
     assert answers["tokenizer"].json()["tokenizer_id"] == HUB_ID
@@ -68,23 +74,27 @@ def test_the_route_serves_the_tokenizer_files_that_encode_like_the_server(sessio
 
     r = httpx.get(sessions_server.url("/api/v1/tokenizer"), timeout=60)
     body = r.json()
-    assert [f["name"] for f in body["files"]] == ["chat_template.jinja", "config.json", "tokenizer.json",
-                                                  "tokenizer_config.json"]  # base names, no weights
+    assert [f["name"] for f in body["files"]] == [
+        "chat_template.jinja",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # base names, no weights
     server_tok = sessions_server.services.engine.tokenizer
     files = from_response(TokenizerFilesResponse.model_validate(body))
     assert files == read_tokenizer_dir(server_tok.name_or_path)  # the store's bytes
     assert set(files) <= set(TOKENIZER_FILES) and body["revision"] == files_revision(files)
     assert r.headers["etag"] == f'"{body["revision"]}"'
-    again = httpx.get(sessions_server.url("/api/v1/tokenizer"), headers={"If-None-Match": r.headers["etag"]},
-                      timeout=60)
+    again = httpx.get(
+        sessions_server.url("/api/v1/tokenizer"), headers={"If-None-Match": r.headers["etag"]}, timeout=60
+    )
     assert again.status_code == 304 and again.content == b""
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     loaded = AutoTokenizer.from_pretrained(str(tmp_path))
     assert loaded.encode(SAMPLE) == server_tok.encode(SAMPLE) and len(server_tok.encode(SAMPLE)) > 10
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
-    assert (loaded.apply_chat_template(conv, tokenize=False)
-            == server_tok.apply_chat_template(conv, tokenize=False))
+    assert loaded.apply_chat_template(conv, tokenize=False) == server_tok.apply_chat_template(conv, tokenize=False)
 
 
 SDK_CLIENT = """
@@ -120,34 +130,54 @@ print(json.dumps(out))
 
 def test_sdk_falls_back_to_the_servers_files_offline(sessions_server, tokenizer, tmp_path):
     env = client_env(tmp_path, "sdk")
-    out = json.loads(run([sys.executable, "-c", SDK_CLIENT, sessions_server.base_url, MODEL, HUB_ID, SAMPLE],
-                         env).strip().splitlines()[-1])
+    out = json.loads(
+        run([sys.executable, "-c", SDK_CLIENT, sessions_server.base_url, MODEL, HUB_ID, SAMPLE], env)
+        .strip()
+        .splitlines()[-1]
+    )
     assert out["hub"] != "resolved"  # the id does not resolve on this client: the server's files are needed
     assert out["tokenizer_id"] == HUB_ID
     expected = tokenizer.encode(SAMPLE)
     assert out["training"] == out["sampling"] == out["offline"] == expected
     rev = files_revision(read_tokenizer_dir(sessions_server.services.engine.tokenizer.name_or_path))
     folder = "HuggingFaceTB--SmolLM2-135M-Instruct"
-    assert out["cache"] == sorted([folder, f"{folder}/current", f"{folder}/{rev}"]
-                                  + [f"{folder}/{rev}/{n}" for n in ("chat_template.jinja", "config.json",
-                                                                     "tokenizer.json", "tokenizer_config.json")])
+    assert out["cache"] == sorted(
+        [folder, f"{folder}/current", f"{folder}/{rev}"]
+        + [
+            f"{folder}/{rev}/{n}"
+            for n in ("chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json")
+        ]
+    )
 
 
 def test_hf_cache_url_places_the_servers_tokenizer_under_its_hub_id(sessions_server, tokenizer, tmp_path):
     env = client_env(tmp_path, "client")
-    stdout = run([sys.executable, "-m", "livelora.cli.main", "hf-cache", "--url", sessions_server.base_url,
-                  "--api-key", "tml-local"], env)
+    stdout = run(
+        [
+            sys.executable,
+            "-m",
+            "livelora.cli.main",
+            "hf-cache",
+            "--url",
+            sessions_server.base_url,
+            "--api-key",
+            "tml-local",
+        ],
+        env,
+    )
     rev = files_revision(read_tokenizer_dir(sessions_server.services.engine.tokenizer.name_or_path))
     snapshot = tmp_path / "client" / "hf" / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / rev
     assert stdout.strip() == f"{HUB_ID} -> {snapshot}"  # the same snapshot `livelora hf-cache` makes locally
-    code = ("import sys; from transformers import AutoTokenizer; "
-            "print(AutoTokenizer.from_pretrained(sys.argv[1]).encode(sys.argv[2]))")
+    code = (
+        "import sys; from transformers import AutoTokenizer; "
+        "print(AutoTokenizer.from_pretrained(sys.argv[1]).encode(sys.argv[2]))"
+    )
     assert run([sys.executable, "-c", code, HUB_ID, SAMPLE], env).strip() == str(tokenizer.encode(SAMPLE))
 
 
 def test_server_paths_are_scrubbed_and_tokenizer_id_is_never_a_path():
-    from livelora.adapters.models import canonical_tokenizer_id
     from livelora.clients.tokenizer_files import scrub_paths
+    from livelora.core.base_models import canonical_tokenizer_id
 
     cfg = json.dumps({"_name_or_path": "/srv/models/secret", "model_type": "llama"}).encode()
     assert json.loads(scrub_paths("config.json", cfg)) == {"model_type": "llama"}

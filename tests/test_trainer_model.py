@@ -16,22 +16,30 @@ def sft_datum(tokens: list[int], prompt_len: int = 0) -> Datum:
     """Datum for full sequence ``tokens``; the first ``prompt_len`` tokens get weight 0 as targets."""
     n = len(tokens) - 1
     weights = [0.0 if j + 1 < prompt_len else 1.0 for j in range(n)]
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": TensorData.from_list(tokens[1:], "int64"),
-                                 "weights": TensorData.from_list(weights, "float32")})
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(tokens[1:], "int64"),
+            "weights": TensorData.from_list(weights, "float32"),
+        },
+    )
 
 
 @pytest.fixture(scope="module")
 def texts(tokenizer):
-    sentences = ["The capital of France is Paris.", "Two plus two equals four.",
-                 "Water boils at one hundred degrees Celsius.", "The sky is blue on a clear day."]
+    sentences = [
+        "The capital of France is Paris.",
+        "Two plus two equals four.",
+        "Water boils at one hundred degrees Celsius.",
+        "The sky is blue on a clear day.",
+    ]
     return [tokenizer(s)["input_ids"] for s in sentences]
 
 
 @pytest.fixture(scope="module")
 def base(base_ref):
     """The plain base model (no peft), loaded independently of the TrainingModels."""
-    from livelora.adapters.models import load_model
+    from livelora.core.base_models import load_model
 
     return load_model(base_ref)
 
@@ -50,9 +58,16 @@ def snapshot(m: TrainingModel):
 def same_snapshot(a, b) -> bool:
     pa, ga, sa, oa, ca = a
     pb, gb, sb, ob, cb = b
-    return (all(torch.equal(pa[k], pb[k]) for k in pa) and sa == sb and oa == ob and ca == cb
-            and all((ga[k] is None and gb[k] is None) or (ga[k] is not None and gb[k] is not None
-                                                           and torch.equal(ga[k], gb[k])) for k in ga))
+    return (
+        all(torch.equal(pa[k], pb[k]) for k in pa)
+        and sa == sb
+        and oa == ob
+        and ca == cb
+        and all(
+            (ga[k] is None and gb[k] is None) or (ga[k] is not None and gb[k] is not None and torch.equal(ga[k], gb[k]))
+            for k in ga
+        )
+    )
 
 
 def test_fresh_adapter_logprobs_equal_the_base_model_and_padding_is_exact(model, texts, base):
@@ -102,10 +117,14 @@ def test_all_zero_advantages_give_zero_gradients_not_an_error(model, texts):
     """A GRPO group whose rewards are all equal has advantages 0 everywhere: loss 0, gradients exactly 0."""
     t = texts[0]
     n = len(t) - 1
-    datum = Datum(model_input=ModelInput.from_ints(t[:-1]),
-                  loss_fn_inputs={"target_tokens": TensorData.from_list(t[1:], "int64"),
-                                  "logprobs": TensorData.from_list([-1.0] * n, "float32"),
-                                  "advantages": TensorData.from_list([0.0] * n, "float32")})
+    datum = Datum(
+        model_input=ModelInput.from_ints(t[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(t[1:], "int64"),
+            "logprobs": TensorData.from_list([-1.0] * n, "float32"),
+            "advantages": TensorData.from_list([0.0] * n, "float32"),
+        },
+    )
     model.zero_grad()
     out = model.forward_backward([datum], "importance_sampling")
     assert out.metrics["loss:sum"] == 0.0
@@ -133,33 +152,85 @@ def _bad_batches(texts):
 
     return [
         ("empty", [], "cross_entropy", None, "empty"),
-        ("unknown key", [good, with_inputs(advantages=TensorData.from_list([0.0] * n, "float32"))],
-         "cross_entropy", None, r"data\[1\]\.loss_fn_inputs\.advantages"),
+        (
+            "unknown key",
+            [good, with_inputs(advantages=TensorData.from_list([0.0] * n, "float32"))],
+            "cross_entropy",
+            None,
+            r"data\[1\]\.loss_fn_inputs\.advantages",
+        ),
         ("missing key", [with_inputs(weights=None)], "cross_entropy", None, r"data\[0\].*weights"),
-        ("short shape", [good, with_inputs(weights=TensorData.from_list([1.0] * (n - 1), "float32"))],
-         "cross_entropy", None, r"data\[1\]\.loss_fn_inputs\.weights: shape"),
-        ("float tokens", [with_inputs(target_tokens=TensorData.from_list([1.0] * n, "float32"))],
-         "cross_entropy", None, r"data\[0\]\.loss_fn_inputs\.target_tokens: dtype"),
-        ("nan weight", [with_inputs(weights=TensorData.from_list([float("nan")] + [1.0] * (n - 1), "float32"))],
-         "cross_entropy", None, r"data\[0\]\.loss_fn_inputs\.weights: non-finite"),
-        ("inf advantage", [Datum(model_input=good.model_input, loss_fn_inputs={
-            "target_tokens": good.loss_fn_inputs["target_tokens"],
-            "logprobs": TensorData.from_list([0.0] * n, "float32"),
-            "advantages": TensorData.from_list([float("inf")] * n, "float32")})],
-         "importance_sampling", None, r"data\[0\]\.loss_fn_inputs\.advantages: non-finite"),
-        ("target out of vocab", [with_inputs(target_tokens=TensorData.from_list([49152] * n, "int64"))],
-         "cross_entropy", None, r"data\[0\]\.loss_fn_inputs\.target_tokens: token id 49152"),
-        ("input out of vocab", [good, Datum(model_input=ModelInput.from_ints([-1] + t[1:-1]),
-                                            loss_fn_inputs=good.loss_fn_inputs)],
-         "cross_entropy", None, r"data\[1\]\.model_input: token id -1"),
-        ("empty input", [Datum(model_input=ModelInput.from_ints([]), loss_fn_inputs={})], "cross_entropy", None,
-         r"data\[0\]\.model_input: no tokens"),
+        (
+            "short shape",
+            [good, with_inputs(weights=TensorData.from_list([1.0] * (n - 1), "float32"))],
+            "cross_entropy",
+            None,
+            r"data\[1\]\.loss_fn_inputs\.weights: shape",
+        ),
+        (
+            "float tokens",
+            [with_inputs(target_tokens=TensorData.from_list([1.0] * n, "float32"))],
+            "cross_entropy",
+            None,
+            r"data\[0\]\.loss_fn_inputs\.target_tokens: dtype",
+        ),
+        (
+            "nan weight",
+            [with_inputs(weights=TensorData.from_list([float("nan")] + [1.0] * (n - 1), "float32"))],
+            "cross_entropy",
+            None,
+            r"data\[0\]\.loss_fn_inputs\.weights: non-finite",
+        ),
+        (
+            "inf advantage",
+            [
+                Datum(
+                    model_input=good.model_input,
+                    loss_fn_inputs={
+                        "target_tokens": good.loss_fn_inputs["target_tokens"],
+                        "logprobs": TensorData.from_list([0.0] * n, "float32"),
+                        "advantages": TensorData.from_list([float("inf")] * n, "float32"),
+                    },
+                )
+            ],
+            "importance_sampling",
+            None,
+            r"data\[0\]\.loss_fn_inputs\.advantages: non-finite",
+        ),
+        (
+            "target out of vocab",
+            [with_inputs(target_tokens=TensorData.from_list([49152] * n, "int64"))],
+            "cross_entropy",
+            None,
+            r"data\[0\]\.loss_fn_inputs\.target_tokens: token id 49152",
+        ),
+        (
+            "input out of vocab",
+            [good, Datum(model_input=ModelInput.from_ints([-1] + t[1:-1]), loss_fn_inputs=good.loss_fn_inputs)],
+            "cross_entropy",
+            None,
+            r"data\[1\]\.model_input: token id -1",
+        ),
+        (
+            "empty input",
+            [Datum(model_input=ModelInput.from_ints([]), loss_fn_inputs={})],
+            "cross_entropy",
+            None,
+            r"data\[0\]\.model_input: no tokens",
+        ),
         ("unknown loss", [good], "hinge", None, "unknown loss_fn"),
         ("bad config", [good], "cross_entropy", {"beta": 0.1}, "beta"),
         ("odd dpo", [good], "dpo", None, "odd number"),
-        ("kto label", [with_inputs(label=TensorData.from_list([2.0], "float32")),
-                       with_inputs(label=TensorData.from_list([1.0], "float32"))], "kto", None,
-         r"data\[0\]\.loss_fn_inputs\.label"),
+        (
+            "kto label",
+            [
+                with_inputs(label=TensorData.from_list([2.0], "float32")),
+                with_inputs(label=TensorData.from_list([1.0], "float32")),
+            ],
+            "kto",
+            None,
+            r"data\[0\]\.loss_fn_inputs\.label",
+        ),
     ]
 
 
@@ -213,22 +284,30 @@ def _pref_datum(prompt: list[int], completion: list[int], label: float | None = 
     d = sft_datum(tokens, prompt_len=len(prompt))
     if label is None:
         return d
-    return Datum(model_input=d.model_input,
-                 loss_fn_inputs={**d.loss_fn_inputs, "label": TensorData.from_list([label], "float32")})
+    return Datum(
+        model_input=d.model_input,
+        loss_fn_inputs={**d.loss_fn_inputs, "label": TensorData.from_list([label], "float32")},
+    )
 
 
 def test_dpo_starts_at_ln2_and_kto_dpo_steps_use_base_model_reference(base_ref, base, tokenizer):
     m = TrainingModel(base_ref, LoraConfig(rank=4, seed=5))
     enc = lambda s: tokenizer(s)["input_ids"]  # noqa: E731
-    q1, q2, q3 = enc("Question: what is two plus two? Answer:"), enc("Question: capital of France? Answer:"), \
-        enc("Question: colour of the sky? Answer:")
-    pairs = [_pref_datum(q1, enc(" four")), _pref_datum(q1, enc(" five, probably")),
-             _pref_datum(q2, enc(" Paris")), _pref_datum(q2, enc(" Berlin"))]
+    q1, q2, q3 = (
+        enc("Question: what is two plus two? Answer:"),
+        enc("Question: capital of France? Answer:"),
+        enc("Question: colour of the sky? Answer:"),
+    )
+    pairs = [
+        _pref_datum(q1, enc(" four")),
+        _pref_datum(q1, enc(" five, probably")),
+        _pref_datum(q2, enc(" Paris")),
+        _pref_datum(q2, enc(" Berlin")),
+    ]
     out = m.forward_backward(pairs, "dpo", {"beta": 0.1})
     assert out.metrics["loss:sum"] == pytest.approx(math.log(2), abs=1e-6)  # fresh adapter: policy == reference
     m.optim_step(AdamParams(learning_rate=5e-3))
-    kto = [_pref_datum(q1, enc(" four"), 1.0), _pref_datum(q2, enc(" Berlin"), 0.0),
-           _pref_datum(q3, enc(" blue"), 1.0)]
+    kto = [_pref_datum(q1, enc(" four"), 1.0), _pref_datum(q2, enc(" Berlin"), 0.0), _pref_datum(q3, enc(" blue"), 1.0)]
     out = m.forward_backward(kto, "kto", {"beta": 0.1})
     assert math.isfinite(out.metrics["loss:sum"]) and out.metrics["kto/z0:mean"] >= 0
     m.optim_step(AdamParams(learning_rate=5e-3))
@@ -249,9 +328,13 @@ def test_two_dimensional_cross_entropy_scores_k_targets_per_position(model, text
     alt = [(x + 1) % model.vocab_size for x in t[1:]]
     pairs = [v for pair in zip(t[1:], alt) for v in pair]
     weights = [v for _ in range(n) for v in (0.75, 0.25)]
-    soft = Datum(model_input=ModelInput.from_ints(t[:-1]), loss_fn_inputs={
-        "target_tokens": TensorData(data=pairs, dtype="int64", shape=[n, 2]),
-        "weights": TensorData(data=weights, dtype="float32", shape=[n, 2])})
+    soft = Datum(
+        model_input=ModelInput.from_ints(t[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData(data=pairs, dtype="int64", shape=[n, 2]),
+            "weights": TensorData(data=weights, dtype="float32", shape=[n, 2]),
+        },
+    )
     out = model.forward([soft, sft_datum(t)])
     lp2 = out.loss_fn_outputs[0]["logprobs"].to_torch()
     lp1 = out.loss_fn_outputs[1]["logprobs"].to_torch()

@@ -12,10 +12,10 @@ import uuid
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 import pytest
 from _cluster import MODEL, free_port, new_store
 from _server import wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from livelora.cli.trainer_process import available_cores, default_trainer_threads
 
@@ -48,17 +48,27 @@ def _trainer_child(pid: int) -> int | None:
 
 def _rate_two(url: str) -> None:
     for rating in (True, False):
-        r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-            "model": MODEL, "max_tokens": 6, "temperature": 0,
-            "messages": [{"role": "user", "content": f"Say a word ({uuid.uuid4().hex[:6]})"}]})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=300,
+            json={
+                "model": MODEL,
+                "max_tokens": 6,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": f"Say a word ({uuid.uuid4().hex[:6]})"}],
+            },
+        )
         assert r.status_code == 200, r.text
         fb = httpx.post(url + "/v1/feedback", timeout=60, json={"completion_id": r.json()["id"], "rating": rating})
         assert fb.status_code == 200, fb.text
 
 
 def _served_version(url: str) -> str:
-    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=300,
+        json={"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+    )
     return r.json()["system_fingerprint"].removeprefix("livelora-")
 
 
@@ -66,15 +76,37 @@ def test_serve_trains_in_a_lower_priority_child_that_is_restarted_after_a_kill(l
     home = new_store(tmp_path / "store", livelora_home)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": f"livelora-test-tp-{uuid.uuid4().hex[:8]}:",
-           "LIVELORA_KTO_MIN_BATCH": "2", "LIVELORA_MAX_WAIT_S": "1", "LIVELORA_TRAINER_NICE": "10",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "LIVELORA_HOME": str(home),
+        "LIVELORA_REDIS_PREFIX": f"livelora-test-tp-{uuid.uuid4().hex[:8]}:",
+        "LIVELORA_KTO_MIN_BATCH": "2",
+        "LIVELORA_MAX_WAIT_S": "1",
+        "LIVELORA_TRAINER_NICE": "10",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "livelora.cli.main", "serve", "--port", str(port),
-                                 "--max-batch-size", "2", "--log-level", "warning"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "livelora.cli.main",
+                "serve",
+                "--port",
+                str(port),
+                "--max-batch-size",
+                "2",
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
+
         def health() -> bool:
             try:
                 return httpx.get(url + "/health", timeout=2).status_code == 200
@@ -92,12 +124,14 @@ def test_serve_trains_in_a_lower_priority_child_that_is_restarted_after_a_kill(l
 
         # the child trains: two ratings become the lineage's first version, which serving then uses
         _rate_two(url)
-        assert wait_until(lambda: _served_version(url) == f"{MODEL}@1", timeout_s=400, interval_s=1), \
-            log.read_text()[-3000:]
+        assert wait_until(lambda: _served_version(url) == f"{MODEL}@1", timeout_s=400, interval_s=1), log.read_text()[
+            -3000:
+        ]
 
         # the child's metrics reach the gateway's /metrics (serve shares a PROMETHEUS_MULTIPROC_DIR with it)
-        samples = [x for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
-                   for x in f.samples]
+        samples = [
+            x for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text) for x in f.samples
+        ]
 
         def total(name: str, **labels: str) -> float:
             return sum(x.value for x in samples if x.name == name and labels.items() <= x.labels.items())
@@ -109,12 +143,12 @@ def test_serve_trains_in_a_lower_priority_child_that_is_restarted_after_a_kill(l
 
         # killed: restarted (a new child) and it still trains
         os.kill(child, signal.SIGKILL)
-        assert wait_until(lambda: _trainer_child(proc.pid) not in (None, child), timeout_s=60), \
-            log.read_text()[-3000:]
+        assert wait_until(lambda: _trainer_child(proc.pid) not in (None, child), timeout_s=60), log.read_text()[-3000:]
         assert "exited with -9; restarting" in log.read_text()
         _rate_two(url)
-        assert wait_until(lambda: _served_version(url) == f"{MODEL}@2", timeout_s=400, interval_s=1), \
-            log.read_text()[-3000:]
+        assert wait_until(lambda: _served_version(url) == f"{MODEL}@2", timeout_s=400, interval_s=1), log.read_text()[
+            -3000:
+        ]
         second = _trainer_child(proc.pid)
     finally:
         proc.send_signal(signal.SIGINT)

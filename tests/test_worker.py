@@ -8,8 +8,8 @@ import math
 import os
 import signal
 import subprocess
-import threading
 import sys
+import threading
 import time
 import uuid
 
@@ -17,10 +17,10 @@ import pytest
 import redis
 from safetensors.torch import load_file
 
-from livelora.adapters.bus import connect_sync, ensure_group
-from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
+from livelora.core.bus import connect_sync, ensure_group
+from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler, kto_class_weights
 from livelora.trainer.settings import TrainingSection
@@ -43,18 +43,31 @@ def bus():
 @pytest.fixture(scope="module")
 def pair_tokens(tokenizer):
     """Two real chat prompts and replies, tokenized with SmolLM2's template."""
+
     def chat(q: str) -> list[int]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
         return tokenizer.encode(text, add_special_tokens=False)
-    return [(chat("What is 2+2?"), tokenizer.encode(" 4.", add_special_tokens=False)),
-            (chat("Name a colour."), tokenizer.encode(" Blue", add_special_tokens=False))]
+
+    return [
+        (chat("What is 2+2?"), tokenizer.encode(" 4.", add_special_tokens=False)),
+        (chat("Name a colour."), tokenizer.encode(" Blue", add_special_tokens=False)),
+    ]
 
 
 def rating(endpoint: str, prompt, completion, up: bool, completion_id: str, user: str = "u") -> RatingEvent:
-    return RatingEvent(id=f"feedback-{uuid.uuid4().hex}", endpoint=endpoint, created=int(time.time()),
-                       completion_id=completion_id, prompt_token_ids=prompt, completion_token_ids=completion,
-                       rating=up, rating_key=f"{completion_id}:/{user}", user=user)
+    return RatingEvent(
+        id=f"feedback-{uuid.uuid4().hex}",
+        endpoint=endpoint,
+        created=int(time.time()),
+        completion_id=completion_id,
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        rating=up,
+        rating_key=f"{completion_id}:/{user}",
+        user=user,
+    )
 
 
 def xadd(client: redis.Redis, keys: KeyLayout, ev, replaces: str = "") -> str:
@@ -73,21 +86,25 @@ def test_policy_batches_by_count_or_wait_and_balances_classes():
     evs = [rating("ep", [1, 2], [3], up, f"c{i}") for i, up in enumerate([True, True, False])]
     assert pol.add("lin", "1-0", evs[0], now=0) == []
     assert pol.add("lin", "2-0", evs[1], now=1) == []
-    assert pol.due(now=5) == []                      # 2 < 3 and not waited
-    again = rating("ep", [1, 2], [3], False, "c0")    # same completion, same rater: replaces "1-0"
+    assert pol.due(now=5) == []  # 2 < 3 and not waited
+    again = rating("ep", [1, 2], [3], False, "c0")  # same completion, same rater: replaces "1-0"
     assert pol.add("lin", "3-0", again, now=6) == ["1-0"]
-    old = rating("ep", [1, 2], [3], True, "c0")       # an older redelivered entry never wins
+    old = rating("ep", [1, 2], [3], True, "c0")  # an older redelivered entry never wins
     assert pol.add("lin", "0-5", old, now=6) == ["0-5"]
     assert len(pol) == 2
     assert pol.due(now=9) == []
-    [batch] = pol.due(now=11)                        # oldest (t=1) waited 10 s, 2 >= KTO floor
+    [batch] = pol.due(now=11)  # oldest (t=1) waited 10 s, 2 >= KTO floor
     assert batch.kind == "kto" and batch.stream_ids == ["2-0", "3-0"]
     assert [e.rating for e in batch.events] == [True, False]
     assert (batch.desirable_weight, batch.undesirable_weight) == (1.0, 1.0)
     pol.add("lin", "4-0", evs[2], now=20)
-    assert pol.due(now=100) == []                    # one rating never makes a KTO step
-    demo = DemonstrationEvent(id="d", endpoint="ep", created=0, messages=[
-        ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content="a")])
+    assert pol.due(now=100) == []  # one rating never makes a KTO step
+    demo = DemonstrationEvent(
+        id="d",
+        endpoint="ep",
+        created=0,
+        messages=[ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content="a")],
+    )
     pol.add("lin", "5-0", demo, now=100)
     assert pol.due(now=100) == []
     [sft] = pol.due(now=110)
@@ -99,15 +116,16 @@ def test_worker_records_before_ack_trains_kto_and_publishes(bus, base_ref, pair_
     (p1, c1), (p2, c2) = pair_tokens
     first = rating("live", p1, c1, True, "chatcmpl-1")
     ids = [xadd(client, keys, first), xadd(client, keys, rating("live", p2, c2, False, "chatcmpl-2"))]
-    rerate = rating("live", p1, c1, False, "chatcmpl-1")               # the same user changes their mind
+    rerate = rating("live", p1, c1, False, "chatcmpl-1")  # the same user changes their mind
     ids.append(xadd(client, keys, rerate, replaces=first.id))
     sub = client.pubsub(ignore_subscribe_messages=True)
     sub.subscribe(keys.notices)
     backend = OnlineTrainer(base_ref, tmp_path, TrainingSection(kto_lr=1e-3))
     backend.warm_up()  # what TrainerWorker.run() does first: the model is built before any signal
     warmed = backend._fresh
-    worker = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
-                           consumer="w1", block_ms=100)
+    worker = TrainerWorker(
+        client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)), consumer="w1", block_ms=100
+    )
     [notice] = worker.poll()
     assert backend.model_for("live") is warmed and backend._fresh is None  # the new lineage took it
     # dataset of record: every entry read, including the superseded rating
@@ -125,8 +143,11 @@ def test_worker_records_before_ack_trains_kto_and_publishes(bus, base_ref, pair_
     assert any(float(t.abs().max()) > 0 for k, t in weights.items() if "lora_B" in k)
     [trained] = [json.loads(x) for x in (dataset_dir(tmp_path) / TRAINED_FILE).read_text().splitlines()]
     started, written = trained.pop("started_at"), trained.pop("written_at")
-    assert trained == {"version": "live@1", "event_ids": [_id for _id in (records[1]["event"]["id"], rerate.id)],
-                       "stream_ids": [ids[1], ids[2]]}
+    assert trained == {
+        "version": "live@1",
+        "event_ids": [_id for _id in (records[1]["event"]["id"], rerate.id)],
+        "stream_ids": [ids[1], ids[2]],
+    }
     assert time.time() - 600 < started <= written <= time.time()  # the step's wall time, Unix seconds
     assert pending(client, keys) == 0
     msg = None
@@ -150,14 +171,28 @@ def test_worker_records_before_ack_trains_kto_and_publishes(bus, base_ref, pair_
 def test_dpo_then_sft_steps_on_one_lineage(bus, base_ref, pair_tokens, tmp_path):
     client, keys = bus
     (p1, c1), (_, c2) = pair_tokens
-    msgs = [ChatMessage(role="user", content="What is the capital of France?"),
-            ChatMessage(role="assistant", content="Paris.")]
-    xadd(client, keys, PreferenceEvent(id="preference-1", endpoint="ep", created=0, prompt_token_ids=p1,
-                                       chosen_token_ids=c1, rejected_token_ids=c2))
+    msgs = [
+        ChatMessage(role="user", content="What is the capital of France?"),
+        ChatMessage(role="assistant", content="Paris."),
+    ]
+    xadd(
+        client,
+        keys,
+        PreferenceEvent(
+            id="preference-1", endpoint="ep", created=0, prompt_token_ids=p1, chosen_token_ids=c1, rejected_token_ids=c2
+        ),
+    )
     xadd(client, keys, DemonstrationEvent(id="demonstration-1", endpoint="ep", created=0, messages=msgs))
     backend = OnlineTrainer(base_ref, tmp_path, TrainingSection(sft_lr=1e-3))
-    worker = TrainerWorker(client, keys, tmp_path, backend,
-                           BatchScheduler(TrainingSection(sft_min_batch=1, dpo_min_batch=1)), consumer="w", block_ms=100)
+    worker = TrainerWorker(
+        client,
+        keys,
+        tmp_path,
+        backend,
+        BatchScheduler(TrainingSection(sft_min_batch=1, dpo_min_batch=1)),
+        consumer="w",
+        block_ms=100,
+    )
     notices = worker.poll()
     assert [(n.kind, n.name, n.parent) for n in notices] == [("dpo", "ep@1", None), ("sft", "ep@2", "ep@1")]
     store = AdapterStore(tmp_path)
@@ -166,6 +201,7 @@ def test_dpo_then_sft_steps_on_one_lineage(bus, base_ref, pair_tokens, tmp_path)
     prompt, completion = backend.chat_pair(msgs[:1], "Paris.")
     assert backend.tokenizer.decode(completion) == "Paris.<|im_end|>\n"
     from livelora.trainer.online import completion_datum
+
     before = store.get("ep", 2).metrics["loss:sum"]
     after = backend.model_for("ep").forward([completion_datum(prompt, completion)], "cross_entropy").metrics["loss:sum"]
     assert before > 0 and after < before
@@ -175,19 +211,32 @@ def test_dpo_then_sft_steps_on_one_lineage(bus, base_ref, pair_tokens, tmp_path)
 def test_killed_worker_events_are_reclaimed_and_trained(bus, base_ref, pair_tokens, tmp_path):
     client, keys = bus
     (p1, c1), (p2, c2) = pair_tokens
-    env = {**os.environ, "LIVELORA_HOME": str(tmp_path), "LIVELORA_MODEL": str(base_ref.path),
-           "LIVELORA_REDIS_PREFIX": keys.prefix, "LIVELORA_CONSUMER": "doomed", "LIVELORA_KTO_MIN_BATCH": "100",
-           "LIVELORA_MAX_WAIT_S": "100000"}
-    proc = subprocess.Popen([sys.executable, "-m", "livelora.trainer.worker"], env=env, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        "LIVELORA_HOME": str(tmp_path),
+        "LIVELORA_MODEL": str(base_ref.path),
+        "LIVELORA_REDIS_PREFIX": keys.prefix,
+        "LIVELORA_CONSUMER": "doomed",
+        "LIVELORA_KTO_MIN_BATCH": "100",
+        "LIVELORA_MAX_WAIT_S": "100000",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "livelora.trainer.worker"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
-        ids = [xadd(client, keys, rating("crash", p1, c1, True, "c-a")),
-               xadd(client, keys, rating("crash", p2, c2, False, "c-b"))]
+        ids = [
+            xadd(client, keys, rating("crash", p1, c1, True, "c-a")),
+            xadd(client, keys, rating("crash", p2, c2, False, "c-b")),
+        ]
         deadline = time.time() + 60
         while time.time() < deadline and len(read_dataset(tmp_path)) < 2:
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.1)
-        assert [r["stream_id"] for r in read_dataset(tmp_path)] == ids   # durable on disk ...
+        assert [r["stream_id"] for r in read_dataset(tmp_path)] == ids  # durable on disk ...
         info = client.xpending_range(keys.signals, TRAINERS_GROUP, "-", "+", 10)
         assert [(e["message_id"], e["consumer"]) for e in info] == [(i, "doomed") for i in ids]  # ... not acked
     finally:
@@ -195,31 +244,43 @@ def test_killed_worker_events_are_reclaimed_and_trained(bus, base_ref, pair_toke
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     backend = OnlineTrainer(base_ref, tmp_path)
-    worker = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
-                           consumer="rescuer", claim_idle_s=0.3, block_ms=50)
+    worker = TrainerWorker(
+        client,
+        keys,
+        tmp_path,
+        backend,
+        BatchScheduler(TrainingSection(kto_min_batch=2)),
+        consumer="rescuer",
+        claim_idle_s=0.3,
+        block_ms=50,
+    )
     time.sleep(0.4)
     [notice] = worker.poll()
     assert notice.name == "crash@1" and notice.kind == "kto"
     assert pending(client, keys) == 0
     trained = json.loads((dataset_dir(tmp_path) / TRAINED_FILE).read_text().splitlines()[0])
     assert trained["stream_ids"] == ids
-    assert len(read_dataset(tmp_path)) == 2      # re-appended lines dedupe by event id
+    assert len(read_dataset(tmp_path)) == 2  # re-appended lines dedupe by event id
 
 
 def test_trained_but_unacked_events_are_not_trained_twice(bus, base_ref, pair_tokens, tmp_path):
     """A crash after the version is written but before XACK: the redelivered events are acked, not retrained."""
     client, keys = bus
     (p1, c1), (p2, c2) = pair_tokens
-    ids = [xadd(client, keys, rating("once", p1, c1, True, "c1")),
-           xadd(client, keys, rating("once", p2, c2, False, "c2"))]
+    ids = [
+        xadd(client, keys, rating("once", p1, c1, True, "c1")),
+        xadd(client, keys, rating("once", p2, c2, False, "c2")),
+    ]
     backend = OnlineTrainer(base_ref, tmp_path)
-    w1 = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
-                       consumer="same", block_ms=50)
-    w1._commit = lambda event_ids, stream_ids: 0   # the process dies after trained.jsonl, before its commit
+    w1 = TrainerWorker(
+        client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)), consumer="same", block_ms=50
+    )
+    w1._commit = lambda event_ids, stream_ids: 0  # the process dies after trained.jsonl, before its commit
     assert [n.name for n in w1.poll()] == ["once@1"]
     assert pending(client, keys) == 2
-    w2 = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)),
-                       consumer="same", block_ms=50)   # restarted under the same consumer name
+    w2 = TrainerWorker(
+        client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)), consumer="same", block_ms=50
+    )  # restarted under the same consumer name
     assert w2.poll() == []
     assert pending(client, keys) == 0
     assert [m.version for m in AdapterStore(tmp_path).list("once")] == [1]
@@ -287,9 +348,21 @@ def test_two_workers_slow_steps_train_every_event_once_and_trim_the_stream(bus, 
     client, keys = bus
     ids = [xadd(client, keys, rating("slow", [1, 2, 3], [4, 5], i % 2 == 0, f"c{i}")) for i in range(12)]
     sched = TrainingSection(kto_min_batch=2, max_wait_s=0.5)
-    workers = [TrainerWorker(client, keys, tmp_path, _SlowBackend(tmp_path, 1.2), BatchScheduler(sched),
-                             consumer=f"w{i}", claim_idle_s=0.3, claim_interval_s=0.1, block_ms=50, read_count=4)
-               for i in range(2)]
+    workers = [
+        TrainerWorker(
+            client,
+            keys,
+            tmp_path,
+            _SlowBackend(tmp_path, 1.2),
+            BatchScheduler(sched),
+            consumer=f"w{i}",
+            claim_idle_s=0.3,
+            claim_interval_s=0.1,
+            block_ms=50,
+            read_count=4,
+        )
+        for i in range(2)
+    ]
     stop = threading.Event()
     threads = [threading.Thread(target=w.run, args=(stop,), kwargs={"retry_s": 0.1}) for w in workers]
     for t in threads:
@@ -304,11 +377,14 @@ def test_two_workers_slow_steps_train_every_event_once_and_trim_the_stream(bus, 
             t.join(timeout=30)
     events = _trained_events(tmp_path)
     assert sorted(set(events)) == sorted(r["event"]["id"] for r in read_dataset(tmp_path)) and len(events) == 12
-    assert len(set(events)) == len(events)                       # trained exactly once
-    recorded = [json.loads(x)["event"]["id"] for p in dataset_dir(tmp_path).glob("[0-9]*.jsonl")
-                for x in p.read_text().splitlines()]
-    assert len(recorded) == len(set(recorded)) == 12               # the dataset of record holds each once
-    assert all(w.published for w in workers)                      # both workers trained
+    assert len(set(events)) == len(events)  # trained exactly once
+    recorded = [
+        json.loads(x)["event"]["id"]
+        for p in dataset_dir(tmp_path).glob("[0-9]*.jsonl")
+        for x in p.read_text().splitlines()
+    ]
+    assert len(recorded) == len(set(recorded)) == 12  # the dataset of record holds each once
+    assert all(w.published for w in workers)  # both workers trained
     assert pending(client, keys) == 0 and client.xlen(keys.signals) == 0 and len(ids) == 12
     assert int(client.get(keys.signals_retrained) or 0) == 0
 
@@ -322,6 +398,7 @@ def _tiny_version(store: AdapterStore, lineage: str, tag: str):
     def write(tmp):
         (tmp / "adapter_model.safetensors").write_bytes(tag.encode())
         (tmp / "adapter_config.json").write_text("{}")
+
     return store.write_version(lineage, write, base_model="test")
 
 
@@ -330,26 +407,44 @@ def test_live_loop_prunes_oldest_unused_versions_and_holds_back_when_none_can_go
     limit the worker deletes the lineage's oldest version no endpoint uses (never the served one, its
     predecessor, a pinned one, a rollback target or an open canary's), records it in the endpoint's history and
     trains; when nothing can go it writes nothing, keeps the signals pending, counts it, and trains later."""
-    from livelora.adapters.endpoints import EndpointStore
-    from livelora.adapters.owners import OwnerStore
-    from livelora.adapters.quotas import AdapterVersions, Limits, QuotaStore
     from prometheus_client import REGISTRY
+
+    from livelora.adapters.endpoints import EndpointStore
+    from livelora.adapters.kept_versions import AdapterVersions
+    from livelora.core.owners import OwnerStore
+    from livelora.core.quotas import Limits, QuotaStore
 
     client, keys = bus
     store, endpoints, quotas = AdapterStore(tmp_path), EndpointStore(tmp_path), QuotaStore(tmp_path)
     OwnerStore(tmp_path).claim("lineage", "acme.qlin", "acme")
     for i in range(1, 6):
         _tiny_version(store, "acme.qlin", f"v{i}")
-    endpoints.create("acme.qep", "acme.qlin", tenant="acme", who="test")               # follow: serves @5
+    endpoints.create("acme.qep", "acme.qlin", tenant="acme", who="test")  # follow: serves @5
     endpoints.create("acme.qpin", "acme.qlin", tenant="acme", who="test", mode="pinned", version=1)
-    endpoints.promote("acme.qpin", 2, tenant="acme", who="test")                      # @1 is its rollback target
-    endpoints.record("acme.qep", "canary", who="gateway", from_="acme.qlin@3", to="acme.qlin@5", tenant="acme",
-                     details={"state": "started"})                                   # an open canary from @3
+    endpoints.promote("acme.qpin", 2, tenant="acme", who="test")  # @1 is its rollback target
+    endpoints.record(
+        "acme.qep",
+        "canary",
+        who="gateway",
+        from_="acme.qlin@3",
+        to="acme.qlin@5",
+        tenant="acme",
+        details={"state": "started"},
+    )  # an open canary from @3
     quotas.set("acme", Limits(max_adapter_versions=6))
     now = [1000.0]
-    worker = TrainerWorker(client, keys, tmp_path, _SlowBackend(tmp_path, 0.0),
-                           BatchScheduler(TrainingSection(kto_min_batch=2)), consumer="q1", block_ms=50,
-                           clock=lambda: now[0], versions=AdapterVersions(tmp_path, Limits()), quota_retry_s=30)
+    worker = TrainerWorker(
+        client,
+        keys,
+        tmp_path,
+        _SlowBackend(tmp_path, 0.0),
+        BatchScheduler(TrainingSection(kto_min_batch=2)),
+        consumer="q1",
+        block_ms=50,
+        clock=lambda: now[0],
+        versions=AdapterVersions(tmp_path, Limits()),
+        quota_retry_s=30,
+    )
 
     def held_back() -> float:
         return REGISTRY.get_sample_value("livelora_live_steps_held_back_total", {"endpoint": "acme.qep"}) or 0.0
@@ -358,10 +453,10 @@ def test_live_loop_prunes_oldest_unused_versions_and_holds_back_when_none_can_go
         for i in range(2):
             xadd(client, keys, rating("acme.qep", [1, 2, 3], [4], i == 0, f"{tag}-{i}"))
 
-    rate_twice("a")                                   # 5 kept, limit 6: room, nothing pruned
+    rate_twice("a")  # 5 kept, limit 6: room, nothing pruned
     [n6] = worker.poll()
     assert n6.name == "acme.qlin@6" and store.version_numbers("acme.qlin") == [1, 2, 3, 4, 5, 6]
-    rate_twice("b")                                   # 6 kept: the oldest unused (@4) goes, @7 is written
+    rate_twice("b")  # 6 kept: the oldest unused (@4) goes, @7 is written
     [n7] = worker.poll()
     assert n7.name == "acme.qlin@7" and store.version_numbers("acme.qlin") == [1, 2, 3, 5, 6, 7]
     [prune] = [h for h in endpoints.history("acme.qep") if h.action == "prune"]
@@ -370,17 +465,24 @@ def test_live_loop_prunes_oldest_unused_versions_and_holds_back_when_none_can_go
     before = held_back()
     rate_twice("c")
     assert worker.poll() == []
-    assert store.version_numbers("acme.qlin") == [1, 2, 3, 5, 6, 7]          # nothing written, nothing deleted
-    assert pending(client, keys) == 2 and held_back() == before + 1     # the signals are kept, the hold counted
+    assert store.version_numbers("acme.qlin") == [1, 2, 3, 5, 6, 7]  # nothing written, nothing deleted
+    assert pending(client, keys) == 2 and held_back() == before + 1  # the signals are kept, the hold counted
     assert AdapterVersions(tmp_path, Limits()).count("acme") == 6
     # the canary ends: @3 and @5 are free again; before quota_retry_s the batch still waits
-    endpoints.record("acme.qep", "canary", who="gateway", from_="acme.qlin@3", to="acme.qlin@5", tenant="acme",
-                     details={"state": "completed"})
+    endpoints.record(
+        "acme.qep",
+        "canary",
+        who="gateway",
+        from_="acme.qlin@3",
+        to="acme.qlin@5",
+        tenant="acme",
+        details={"state": "completed"},
+    )
     assert worker.poll() == [] and pending(client, keys) == 2
     now[0] += 31
     [n8] = worker.poll()
     assert n8.name == "acme.qlin@8"
-    assert store.version_numbers("acme.qlin") == [1, 2, 5, 6, 7, 8]     # the oldest one free again: @3
+    assert store.version_numbers("acme.qlin") == [1, 2, 5, 6, 7, 8]  # the oldest one free again: @3
     assert pending(client, keys) == 0
     # lifted: no pruning at all
     quotas.set("acme", Limits.model_validate({"max_adapter_versions": None}))

@@ -34,8 +34,14 @@ def descriptor_signature(file_descriptor: Any) -> dict[str, dict[str, list]]:
                 ref = f.message_type.name
             elif f.enum_type is not None:
                 ref = f.enum_type.name
-            fields[str(f.number)] = [f.name, f.type, ref, bool(f.is_repeated and not isinstance(ref, list)),
-                                     f.containing_oneof.name if f.containing_oneof else None, bool(f.has_presence)]
+            fields[str(f.number)] = [
+                f.name,
+                f.type,
+                ref,
+                bool(f.is_repeated and not isinstance(ref, list)),
+                f.containing_oneof.name if f.containing_oneof else None,
+                bool(f.has_presence),
+            ]
         out[name] = fields
     return out
 
@@ -56,8 +62,7 @@ def _capture(call, client_config: dict[str, Any] | None = None, answer: Any = No
     async def run() -> Any:
         http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         cfg = types.ClientConfigResponse.model_validate({"use_pyqwest_transport": False, **(client_config or {})})
-        client = AsyncTinker(api_key="tml-oracle", base_url="http://oracle.test", http_client=http,
-                                    _client_config=cfg)
+        client = AsyncTinker(api_key="tml-oracle", base_url="http://oracle.test", http_client=http, _client_config=cfg)
         try:
             return await call(client)
         finally:
@@ -66,9 +71,14 @@ def _capture(call, client_config: dict[str, Any] | None = None, answer: Any = No
     asyncio.run(run())
     req = seen[-1]
     body = req.content
-    return {"method": req.method, "path": req.url.path, "query": dict(req.url.params),
-            "content_type": req.headers.get("content-type"), "content_encoding": req.headers.get("content-encoding"),
-            "body_b64": base64.b64encode(body).decode()}
+    return {
+        "method": req.method,
+        "path": req.url.path,
+        "query": dict(req.url.params),
+        "content_type": req.headers.get("content-type"),
+        "content_encoding": req.headers.get("content-encoding"),
+        "body_b64": base64.b64encode(body).decode(),
+    }
 
 
 def _tensor(spec: dict[str, Any]) -> Any:
@@ -96,15 +106,23 @@ def _datum(spec: dict[str, Any]) -> Any:
     from tinker import types
 
     chunks = [types.EncodedTextChunk(tokens=list(c)) for c in spec["chunks"]]
-    datum = types.Datum(model_input=types.ModelInput(chunks=chunks),
-                        loss_fn_inputs={k: _tensor(v) for k, v in spec["inputs"].items()})
+    datum = types.Datum(
+        model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={k: _tensor(v) for k, v in spec["inputs"].items()}
+    )
     spans = spec.get("spans")
     if spans:
+
         def make(items):
-            return [(types.PromptProvenanceSpan if kind == "prompt" else types.SampledProvenanceSpan)(
-                sequence_id=sid, offset=off, length=n) for kind, sid, off, n in items]
-        datum = datum.with_provenance(model_input=make(spans["model_input"]),
-                                      loss_fn_inputs=make(spans["loss_fn_inputs"]))
+            return [
+                (types.PromptProvenanceSpan if kind == "prompt" else types.SampledProvenanceSpan)(
+                    sequence_id=sid, offset=off, length=n
+                )
+                for kind, sid, off, n in items
+            ]
+
+        datum = datum.with_provenance(
+            model_input=make(spans["model_input"]), loss_fn_inputs=make(spans["loss_fn_inputs"])
+        )
     return datum
 
 
@@ -113,13 +131,17 @@ def op_fwdbwd_body(a: dict[str, Any]) -> dict[str, Any]:
     from tinker import types
 
     request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[_datum(d) for d in a["data"]], loss_fn=a["loss_fn"],
-                                                          loss_fn_config=a.get("loss_fn_config")),
-        model_id=a["model_id"], seq_id=a["seq_id"])
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[_datum(d) for d in a["data"]], loss_fn=a["loss_fn"], loss_fn_config=a.get("loss_fn_config")
+        ),
+        model_id=a["model_id"],
+        seq_id=a["seq_id"],
+    )
     # SDK 0.20-0.24 write protobuf only when the server sets proto_write_fwdbwd (else JSON); 0.25+ always do
     config = {"proto_compress_fwdbwd": bool(a.get("compress")), "proto_write_fwdbwd": not a.get("json")}
-    return _capture(lambda c: c.training.forward_backward(request=request, forward_only=bool(a.get("forward_only"))),
-                    config)
+    return _capture(
+        lambda c: c.training.forward_backward(request=request, forward_only=bool(a.get("forward_only"))), config
+    )
 
 
 def op_sample_body(a: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +156,9 @@ def op_sample_body(a: dict[str, Any]) -> dict[str, Any]:
 
         kw["target_prompt_logprobs"] = _tensor_data_to_model(_tensor(kw["target_prompt_logprobs"]))
     request = types.SampleRequest(**kw)
-    return _capture(lambda c: c.sampling.asample(request=request, extra_headers={"X-Tinker-Sampling-Backpressure": "1"}))
+    return _capture(
+        lambda c: c.sampling.asample(request=request, extra_headers={"X-Tinker-Sampling-Backpressure": "1"})
+    )
 
 
 #: op → (resource attribute, method, request type, extra kwargs of the method)
@@ -163,7 +187,8 @@ def op_json_body(a: dict[str, Any]) -> dict[str, Any]:
     if a["op"] == "optim_step":
         params = kw.pop("params")
         kw["optim_params" if hasattr(types, "DimuonParams") else "adam_params"] = (
-            types.DimuonParams(**params) if params.get("type") == "dimuon" else types.AdamParams(**params))
+            types.DimuonParams(**params) if params.get("type") == "dimuon" else types.AdamParams(**params)
+        )
     model = getattr(types, type_name)
     dropped = sorted(k for k in kw if k not in model.model_fields and k not in ("adam_params", "optim_params"))
     request = model(**{k: v for k, v in kw.items() if k not in dropped})  # older SDKs lack newer fields
@@ -178,8 +203,7 @@ def op_json_body(a: dict[str, Any]) -> dict[str, Any]:
         answer = {"completions": [], "cursor": 0}
     elif a["op"] == "retrieve_future":
         answer = {"metrics": {}}
-    return {**_capture(lambda c: getattr(getattr(c, attr), method)(request=request), answer=answer),
-            "dropped": dropped}
+    return {**_capture(lambda c: getattr(getattr(c, attr), method)(request=request), answer=answer), "dropped": dropped}
 
 
 # ------------------------------------------------------------------------------------------------ decoders
@@ -200,8 +224,15 @@ def _tensor_out(t: Any) -> Any:
     if t is None:
         return None
     data = t._numpy.flatten().tolist() if hasattr(t, "_numpy") else list(t.data)
-    return _plain({"data": data, "dtype": t.dtype, "shape": t.shape,
-                   "crow": getattr(t, "sparse_crow_indices", None), "col": getattr(t, "sparse_col_indices", None)})
+    return _plain(
+        {
+            "data": data,
+            "dtype": t.dtype,
+            "shape": t.shape,
+            "crow": getattr(t, "sparse_crow_indices", None),
+            "col": getattr(t, "sparse_col_indices", None),
+        }
+    )
 
 
 def op_decode_sample(a: dict[str, Any]) -> dict[str, Any]:
@@ -214,22 +245,35 @@ def op_decode_sample(a: dict[str, Any]) -> dict[str, Any]:
         from tinker.lib.public_interfaces.sampling_client import _attach_sequence_ids
 
         resp = _attach_sequence_ids(resp, a["sample_sequence_ids"])
-    seqs = [{"stop_reason": s.stop_reason, "tokens": _plain(list(s.tokens)),
-             "logprobs": _plain(s.logprobs) if s.logprobs is not None else None,
-             "topk_logprobs": _plain(getattr(s, "topk_logprobs", None)),
-             "sequence_id": getattr(s, "sequence_id", None)} for s in resp.sequences]
+    seqs = [
+        {
+            "stop_reason": s.stop_reason,
+            "tokens": _plain(list(s.tokens)),
+            "logprobs": _plain(s.logprobs) if s.logprobs is not None else None,
+            "topk_logprobs": _plain(getattr(s, "topk_logprobs", None)),
+            "sequence_id": getattr(s, "sequence_id", None),
+        }
+        for s in resp.sequences
+    ]
     alt = getattr(resp, "prompt_alt_tokens", None)
-    return {"sequences": seqs, "prompt_logprobs": _plain(resp.prompt_logprobs),
-            "topk_prompt_logprobs": _plain(resp.topk_prompt_logprobs),
-            "target_prompt_logprobs": _tensor_out(getattr(resp, "target_prompt_logprobs", None)),
-            "prompt_alt_tokens": None if alt is None else {"tokens": _tensor_out(alt.tokens),
-                                                           "logprobs": _tensor_out(alt.logprobs)},
-            "prompt_cache_hit_tokens": getattr(resp, "prompt_cache_hit_tokens", None)}
+    return {
+        "sequences": seqs,
+        "prompt_logprobs": _plain(resp.prompt_logprobs),
+        "topk_prompt_logprobs": _plain(resp.topk_prompt_logprobs),
+        "target_prompt_logprobs": _tensor_out(getattr(resp, "target_prompt_logprobs", None)),
+        "prompt_alt_tokens": None
+        if alt is None
+        else {"tokens": _tensor_out(alt.tokens), "logprobs": _tensor_out(alt.logprobs)},
+        "prompt_cache_hit_tokens": getattr(resp, "prompt_cache_hit_tokens", None),
+    }
 
 
 def _fwdbwd_out(out: Any) -> dict[str, Any]:
-    return {"loss_fn_output_type": out.loss_fn_output_type, "metrics": _plain(dict(out.metrics)),
-            "loss_fn_outputs": [{k: _tensor_out(v) for k, v in d.items()} for d in out.loss_fn_outputs]}
+    return {
+        "loss_fn_output_type": out.loss_fn_output_type,
+        "metrics": _plain(dict(out.metrics)),
+        "loss_fn_outputs": [{k: _tensor_out(v) for k, v in d.items()} for d in out.loss_fn_outputs],
+    }
 
 
 def op_decode_fwdbwd(a: dict[str, Any]) -> dict[str, Any]:
@@ -272,8 +316,14 @@ class _FakeServer:
             def _answer(self):
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 path = self.path.split("?", 1)[0]
-                server.seen.append({"method": self.command, "path": path, "headers": dict(self.headers.items()),
-                                    "body_b64": base64.b64encode(body).decode()})
+                server.seen.append(
+                    {
+                        "method": self.command,
+                        "path": path,
+                        "headers": dict(self.headers.items()),
+                        "body_b64": base64.b64encode(body).decode(),
+                    }
+                )
                 resp = server.routes.get(f"{self.command} {path}")
                 if path == "/api/v1/retrieve_future":
                     queue = server.futures.get(json.loads(body)["request_id"], [])
@@ -320,12 +370,24 @@ def op_client_roundtrip(a: dict[str, Any]) -> dict[str, Any]:
         out["forward_backward"] = _fwdbwd_out(fb)
         sampler = service.create_sampling_client(base_model=a["base_model"])
         sampler = sampler.result() if hasattr(sampler, "result") else sampler
-        res = sampler.sample(types.ModelInput.from_ints(a["prompt"]), num_samples=2,
-                             sampling_params=types.SamplingParams(max_tokens=4),
-                             include_prompt_logprobs=True).result()
-        out["sample"] = {"sequences": [{"tokens": list(s.tokens), "logprobs": _plain(s.logprobs),
-                                        "stop_reason": s.stop_reason, "sequence_id": getattr(s, "sequence_id", None)}
-                                       for s in res.sequences], "prompt_logprobs": _plain(res.prompt_logprobs)}
+        res = sampler.sample(
+            types.ModelInput.from_ints(a["prompt"]),
+            num_samples=2,
+            sampling_params=types.SamplingParams(max_tokens=4),
+            include_prompt_logprobs=True,
+        ).result()
+        out["sample"] = {
+            "sequences": [
+                {
+                    "tokens": list(s.tokens),
+                    "logprobs": _plain(s.logprobs),
+                    "stop_reason": s.stop_reason,
+                    "sequence_id": getattr(s, "sequence_id", None),
+                }
+                for s in res.sequences
+            ],
+            "prompt_logprobs": _plain(res.prompt_logprobs),
+        }
         if hasattr(service, "close"):
             service.close("success").result()  # what `with ServiceClient()` does on exit
     finally:

@@ -16,17 +16,30 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from livelora.adapters.store import (CONFIG_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, WEIGHTS_FILE, AdapterStore,
-                                     Manifest)
+from livelora.adapters.store import (
+    CONFIG_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
+    AdapterStore,
+    Manifest,
+)
 from livelora.clients.errors import BadRequestError, NotFoundError
 
 if TYPE_CHECKING:
     from livelora.trainer.model import TrainingModel
 
 
-def write_version(model: TrainingModel, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None,
-                  with_optimizer: bool, gate: dict[str, Any] | None = None,
-                  base_model_name_or_path: str | None = None) -> Manifest:
+def write_version(
+    model: TrainingModel,
+    store: AdapterStore,
+    lineage: str,
+    *,
+    metrics: dict[str, float] | None,
+    with_optimizer: bool,
+    gate: dict[str, Any] | None = None,
+    base_model_name_or_path: str | None = None,
+) -> Manifest:
     """Write ``model``'s adapter (and, with ``with_optimizer``, its optimizer and trainer state) as a new
     immutable version of ``lineage``; the model's lineage/parent then point at it. ``adapter_config.json`` names
     ``base_model_name_or_path`` as the base (default: the base model's name; the manifest always has the name).
@@ -38,8 +51,12 @@ def write_version(model: TrainingModel, store: AdapterStore, lineage: str, *, me
 
     tensors = model.adapter_state()
     opt_state = model.optimizer.state_dict() if with_optimizer else None
-    trainer_state = {"step": model.step, "data_counts": dict(model.data_counts), "seed": model.seed,
-                     "torch_rng_state": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    trainer_state = {
+        "step": model.step,
+        "data_counts": dict(model.data_counts),
+        "seed": model.seed,
+        "torch_rng_state": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
     cfg = model.peft_config.to_dict()
     cfg.update(base_model_name_or_path=base_model_name_or_path or model.base_ref.name, inference_mode=True)
     cfg["target_modules"] = sorted(cfg["target_modules"])
@@ -52,15 +69,25 @@ def write_version(model: TrainingModel, store: AdapterStore, lineage: str, *, me
             (tmp / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
 
     parent = model.parent if model.lineage == lineage else None
-    manifest = store.write_version(lineage, write, base_model=model.base_ref.name, parent=parent,
-                                   step=model.step, metrics=metrics, data_counts=model.data_counts,
-                                   rank=model.lora.rank, alpha=model.alpha, gate=gate)
+    manifest = store.write_version(
+        lineage,
+        write,
+        base_model=model.base_ref.name,
+        parent=parent,
+        step=model.step,
+        metrics=metrics,
+        data_counts=model.data_counts,
+        rank=model.lora.rank,
+        alpha=model.alpha,
+        gate=gate,
+    )
     model.lineage, model.parent = lineage, manifest.version
     return manifest
 
 
-def read_version(model: TrainingModel, store: AdapterStore, lineage: str, version: int, *,
-                 with_optimizer: bool) -> Manifest:
+def read_version(
+    model: TrainingModel, store: AdapterStore, lineage: str, version: int, *, with_optimizer: bool
+) -> Manifest:
     """Load a version into ``model``: LoRA weights, and with ``with_optimizer`` AdamW state, step and RNG state.
 
     Checked before anything changes: sha256, base model, (rank, alpha, targets), tensor keys and shapes,
@@ -76,16 +103,19 @@ def read_version(model: TrainingModel, store: AdapterStore, lineage: str, versio
     manifest = store.get(lineage, version)
     vdir = store.version_dir(lineage, version)
     if manifest.base_model != model.base_ref.name:
-        raise BadRequestError(f"{manifest.name} was trained on {manifest.base_model!r}, this model is "
-                              f"{model.base_ref.name!r}", param="path")
+        raise BadRequestError(
+            f"{manifest.name} was trained on {manifest.base_model!r}, this model is {model.base_ref.name!r}",
+            param="path",
+        )
     if not store.verify(lineage, version):
         raise BadRequestError(f"{manifest.name}: weights file does not match its sha256", param="path")
     cfg = json.loads((vdir / CONFIG_FILE).read_text())
     mine = (model.lora.rank, model.alpha, sorted(model.peft_config.target_modules))
     theirs = (cfg.get("r"), float(cfg.get("lora_alpha", 0)), sorted(cfg.get("target_modules") or []))
     if mine != theirs:
-        raise BadRequestError(f"{manifest.name} has (rank, alpha, targets) {theirs}; this model has {mine}",
-                              param="path")
+        raise BadRequestError(
+            f"{manifest.name} has (rank, alpha, targets) {theirs}; this model has {mine}", param="path"
+        )
     tensors = load_file(str(vdir / WEIGHTS_FILE))
     params = model.lora_params
     if set(tensors) != set(params):
@@ -93,8 +123,9 @@ def read_version(model: TrainingModel, store: AdapterStore, lineage: str, versio
         raise BadRequestError(f"{manifest.name}: tensor keys do not match this model (e.g. {diff})", param="path")
     for k, t in tensors.items():
         if t.shape != params[k].shape:
-            raise BadRequestError(f"{manifest.name}: {k} has shape {list(t.shape)}, expected "
-                                  f"{list(params[k].shape)}", param="path")
+            raise BadRequestError(
+                f"{manifest.name}: {k} has shape {list(t.shape)}, expected {list(params[k].shape)}", param="path"
+            )
     optimizer = model.new_optimizer()
     state: dict[str, Any] = {}
     if with_optimizer:
@@ -103,8 +134,9 @@ def read_version(model: TrainingModel, store: AdapterStore, lineage: str, versio
         try:
             optimizer.load_state_dict(store.load_optimizer(lineage, version))
         except (ValueError, KeyError) as exc:
-            raise BadRequestError(f"{manifest.name}: optimizer state does not fit this model: {exc}",
-                                  param="path") from exc
+            raise BadRequestError(
+                f"{manifest.name}: optimizer state does not fit this model: {exc}", param="path"
+            ) from exc
         state = store.load_trainer_state(lineage, version)
     # ---- commit: nothing above changed the model
     with torch.no_grad():

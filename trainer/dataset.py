@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from livelora.adapters import metrics
-from livelora.adapters.atomic import file_lock
+from livelora.core import metrics
+from livelora.core.atomic import file_lock
 
 #: Which events each version was trained on (``{"version", "event_ids", "stream_ids"}`` per line), written
 #: after the version and before the ack: events redelivered after a crash in between are not trained twice.

@@ -1,7 +1,7 @@
 """The op executor: runs training-session ops from Redis on :class:`~livelora.trainer.model.TrainingModel` s.
 
-The protocol it speaks (ids, ops, futures, checkpoint index) is :mod:`livelora.adapters.session_protocol`; the
-Redis keys are :class:`~livelora.adapters.redis_keys.KeyLayout`'s. The gateway validates and queues ops; an
+The protocol it speaks (ids, ops, futures, checkpoint index) is :mod:`livelora.core.session_protocol`; the
+Redis keys are :class:`~livelora.core.redis_keys.KeyLayout`'s. The gateway validates and queues ops; an
 executor runs them. ``livelora trainer`` and ``livelora serve`` run one in a thread; ``livelora gateway`` only
 when ``LIVELORA_EXECUTOR_IN_PROCESS`` is true (:mod:`livelora.cli.processes`). Any number of executors may
 share one Redis prefix and one store.
@@ -53,15 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from livelora.adapters import metrics
-from livelora.adapters.core_share import TrainingFlag, training_step
-from livelora.adapters.metering import Meter, Usage
-from livelora.adapters.redis_keys import KeyLayout
-from livelora.adapters.session_protocol import (CheckpointIndex, Op, StaleOwnerError, future_done, future_failed,
-                                                session_of)
-from livelora.adapters.settings import SessionSection
 from livelora.adapters.store import AdapterStore
 from livelora.clients.errors import BadRequestError, LiveloraError, NotFoundError
+from livelora.core import metrics
+from livelora.core.core_share import TrainingFlag, training_step
+from livelora.core.metering import Meter, Usage
+from livelora.core.redis_keys import KeyLayout
+from livelora.core.session_protocol import CheckpointIndex, Op, StaleOwnerError, future_done, future_failed, session_of
+from livelora.core.settings import SessionSection
 from livelora.trainer.ownership import Leases
 from livelora.trainer.session_ops import SessionOps
 
@@ -122,16 +121,28 @@ class OpExecutor(SessionOps):
         base_model_aliases: other accepted base-model names; ``served_name``: the name reported in records.
         owner: this executor's id in leases (default ``{host}-{pid}-{4 hex}``).
         meter: counts the tokens of ``forward`` (kind ``forward``) and ``forward_backward`` (kind ``trained``)
-            ops that succeed, per session (default: a :class:`~livelora.adapters.metering.Meter` on ``keys``).
-        versions: the tenants' ``max_adapter_versions`` (:class:`~livelora.adapters.quotas.AdapterVersions`),
+            ops that succeed, per session (default: a :class:`~livelora.core.metering.Meter` on ``keys``).
+        versions: the tenants' ``max_adapter_versions`` (:class:`~livelora.adapters.kept_versions.AdapterVersions`),
             checked again before a named checkpoint is written (``None``: only the gateway's check).
     """
 
-    def __init__(self, redis_client, keys: KeyLayout, home: Path | str, base_model: str,
-                 settings: SessionSection | None = None, *, device: str = "cpu", max_seq_len: int | None = None,
-                 base_model_aliases: tuple[str, ...] = (), served_name: str | None = None, owner: str | None = None,
-                 meter: Meter | None = None, versions: Any = None):
-        from livelora.adapters.models import HUB_IDS, resolve_base_model
+    def __init__(
+        self,
+        redis_client,
+        keys: KeyLayout,
+        home: Path | str,
+        base_model: str,
+        settings: SessionSection | None = None,
+        *,
+        device: str = "cpu",
+        max_seq_len: int | None = None,
+        base_model_aliases: tuple[str, ...] = (),
+        served_name: str | None = None,
+        owner: str | None = None,
+        meter: Meter | None = None,
+        versions: Any = None,
+    ):
+        from livelora.core.base_models import HUB_IDS, resolve_base_model
 
         self.redis = redis_client
         self.keys = keys
@@ -140,8 +151,12 @@ class OpExecutor(SessionOps):
         self.busy = TrainingFlag(self.home)  # the engine on this machine leaves a core to a step
         self.settings = settings or SessionSection()
         self.base_model = served_name or self.settings.served_model_name or base_model
-        self.base_names = {base_model, self.base_model, *base_model_aliases,
-                           *([HUB_IDS[base_model]] if base_model in HUB_IDS else [])}  # the canonical hub id
+        self.base_names = {
+            base_model,
+            self.base_model,
+            *base_model_aliases,
+            *([HUB_IDS[base_model]] if base_model in HUB_IDS else []),
+        }  # the canonical hub id
         self.base_ref = resolve_base_model(base_model, self.home)
         self.device = device
         self.max_seq_len = max_seq_len
@@ -210,7 +225,7 @@ class OpExecutor(SessionOps):
         streams = {self.keys.ops(m): s.last_stream_id for m, s in self.slots.items()}
         if streams:
             for stream, entries in self.redis.xread(streams, count=256, block=block_ms) or []:
-                slot = self.slots.get(stream[len(self.keys.ops("")):])
+                slot = self.slots.get(stream[len(self.keys.ops("")) :])
                 try:
                     for entry_id, fields in entries if slot is not None else ():
                         slot.last_stream_id = entry_id
@@ -277,8 +292,13 @@ class OpExecutor(SessionOps):
             slot.saved_seq = slot.prev_applied
         slot.next_seq = max(slot.saved_seq, slot.prev_applied) + 1
         if token > 1 or slot.prev_applied >= 0:
-            log.info("took over training model %s (token %d): restored after seq %d, %d op(s) committed before",
-                     model_id, token, slot.saved_seq, slot.prev_applied + 1)
+            log.info(
+                "took over training model %s (token %d): restored after seq %d, %d op(s) committed before",
+                model_id,
+                token,
+                slot.saved_seq,
+                slot.prev_applied + 1,
+            )
 
     def _accept(self, slot: _ModelSlot, entry_id: str, op: Op) -> None:
         if op.seq_id < slot.next_seq or op.seq_id in slot.buffer:
@@ -306,8 +326,10 @@ class OpExecutor(SessionOps):
             changed = False
             try:
                 step = op.kind in _STEP_KINDS  # a trainer process: duty and threads (core_share), flag held
-                with training_step() if step else contextlib.nullcontext(), \
-                        self.busy.held() if step else contextlib.nullcontext():
+                with (
+                    training_step() if step else contextlib.nullcontext(),
+                    self.busy.held() if step else contextlib.nullcontext(),
+                ):
                     result = self._run(slot, op)
                 record = future_done(result)
                 changed = op.kind in STATE_OPS and slot.model is not None
@@ -344,23 +366,31 @@ class OpExecutor(SessionOps):
                 record = json.loads(raw) if raw else {}
                 slot.payer = (record.get("tenant") or "default", record.get("key_id"))
             kind = "forward" if op.kind == "forward" else "trained"
-            self.meter.record_sync(self.redis, Usage(slot.payer[0], slot.payer[1], slot.session_id,
-                                                     {kind: slot.op_tokens}))
-        except Exception as exc:  # noqa: BLE001 - the op is done; only its count is missing
+            self.meter.record_sync(
+                self.redis, Usage(slot.payer[0], slot.payer[1], slot.session_id, {kind: slot.op_tokens})
+            )
+        except Exception as exc:
             log.warning("could not meter %s seq %d of %s: %s", op.kind, op.seq_id, slot.model_id, exc)
 
     def _snapshot(self, slot: _ModelSlot, op: Op, record: str) -> None:
         from livelora.trainer.recovery import write_snapshot
 
-        write_snapshot(CheckpointIndex(self.home, slot.model_id), slot.model, seq=op.seq_id, fence=slot.token,
-                       result=record, request_id=op.request_id)
+        write_snapshot(
+            CheckpointIndex(self.home, slot.model_id),
+            slot.model,
+            seq=op.seq_id,
+            fence=slot.token,
+            result=record,
+            request_id=op.request_id,
+        )
         slot.saved_seq = op.seq_id
         slot.lost_grads.clear()
 
     def _commit(self, slot: _ModelSlot, request_id: str, record: str | None, seq: int | None) -> None:
         """Write the op's future (``record``; None = the gateway already did) and count its seq, fenced."""
-        if not self.leases.resolve(slot.model_id, request_id, record, seq,
-                                   self.settings.future_ttl_s, self.keys.futures_channel):
+        if not self.leases.resolve(
+            slot.model_id, request_id, record, seq, self.settings.future_ttl_s, self.keys.futures_channel
+        ):
             raise _Stale(f"lease of {slot.model_id} lost before op {seq} was committed")
 
     def _trim(self, slot: _ModelSlot, entry_ids: list[str]) -> None:
@@ -374,16 +404,27 @@ class OpExecutor(SessionOps):
         for slot in list(self.slots.values()):
             try:
                 if not self.redis.exists(self.keys.session(slot.session_id)):
-                    self.free(slot.model_id, f"session {slot.session_id} ended (finished, or no heartbeat for "
-                                             f"{self.settings.session_ttl_s:g} s)")
+                    self.free(
+                        slot.model_id,
+                        f"session {slot.session_id} ended (finished, or no heartbeat for "
+                        f"{self.settings.session_ttl_s:g} s)",
+                    )
                 elif slot.buffer and time.monotonic() - slot.last_progress > self.settings.gap_timeout_s:
                     missing = slot.next_seq
                     for seq in sorted(slot.buffer):
                         entry_id, op = slot.buffer.pop(seq)
-                        self._commit(slot, op.request_id, future_failed(BadRequestError(
-                            f"seq_id {missing} of model {slot.model_id} never arrived within "
-                            f"{self.settings.gap_timeout_s:g} s; ops after it cannot run in order", param="seq_id")),
-                            seq)
+                        self._commit(
+                            slot,
+                            op.request_id,
+                            future_failed(
+                                BadRequestError(
+                                    f"seq_id {missing} of model {slot.model_id} never arrived within "
+                                    f"{self.settings.gap_timeout_s:g} s; ops after it cannot run in order",
+                                    param="seq_id",
+                                )
+                            ),
+                            seq,
+                        )
                         self._trim(slot, [entry_id])
                         slot.next_seq = max(slot.next_seq, seq + 1)
                     slot.last_progress = time.monotonic()
@@ -401,8 +442,12 @@ class OpExecutor(SessionOps):
         try:
             for seq in sorted(slot.buffer):
                 _, op = slot.buffer.pop(seq)
-                self._commit(slot, op.request_id, future_failed(NotFoundError(f"model {model_id} was freed: {reason}",
-                                                                              param="model_id")), seq)
+                self._commit(
+                    slot,
+                    op.request_id,
+                    future_failed(NotFoundError(f"model {model_id} was freed: {reason}", param="model_id")),
+                    seq,
+                )
         except _Stale as exc:
             self._drop(model_id, str(exc))
             return

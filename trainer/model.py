@@ -9,7 +9,7 @@ Conventions (Tinker, ``shared/reference/tinker_protocol.md`` §3): position ``i`
 shape ``(N,)``; ``target_tokens[i]`` is the token after input ``i``. A batch is
 right-padded with an attention mask; padded positions are sliced away before the
 loss, so they contribute exactly nothing. Every batch is checked by the shared
-:func:`livelora.adapters.losses.validate_batch` (the gateway's check) before anything runs; the loss's
+:func:`livelora.core.losses.validate_batch` (the gateway's check) before anything runs; the loss's
 spec says which positions need gradients and which inputs the trainer adds, and the tensor function comes
 from :mod:`livelora.trainer.losses` (token losses are sums; KTO/DPO means over examples).
 
@@ -38,12 +38,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from livelora.adapters.core_share import step_yield
-from livelora.adapters.losses import LossSpec, ResolvedLoss, validate_batch
-from livelora.adapters.models import MODEL_BUILD_LOCK, BaseModelRef, import_model_libraries, load_model
 from livelora.adapters.store import CONFIG_FILE, AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, TensorData
+from livelora.core.base_models import MODEL_BUILD_LOCK, BaseModelRef, import_model_libraries, load_model
+from livelora.core.core_share import step_yield
+from livelora.core.losses import LossSpec, ResolvedLoss, validate_batch
 from livelora.trainer.checkpoints import read_version, write_version
 from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput
 from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, PromptKV, cache_of, common_prefix, kl_pairs, kv_bytes
@@ -62,8 +62,11 @@ TRAINER_FILLED_INPUTS = frozenset({"ref_logprobs", "kl_logratio"})
 
 def target_modules(lora: LoraConfig) -> list[str]:
     """Module names LoRA wraps for a :class:`LoraConfig` (attention, MLP, unembedding)."""
-    return [*(ATTN_MODULES if lora.train_attn else ()), *(MLP_MODULES if lora.train_mlp else ()),
-            *(UNEMBED_MODULES if lora.train_unembed else ())]
+    return [
+        *(ATTN_MODULES if lora.train_attn else ()),
+        *(MLP_MODULES if lora.train_mlp else ()),
+        *(UNEMBED_MODULES if lora.train_unembed else ()),
+    ]
 
 
 class TrainingModel:
@@ -82,8 +85,16 @@ class TrainingModel:
         BadRequestError: a target module group the architecture does not have.
     """
 
-    def __init__(self, base_ref: BaseModelRef, lora: LoraConfig | None = None, *, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_seq_len: int | None = None, base_model: Any = None):
+    def __init__(
+        self,
+        base_ref: BaseModelRef,
+        lora: LoraConfig | None = None,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_seq_len: int | None = None,
+        base_model: Any = None,
+    ):
         import_model_libraries()
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -98,10 +109,19 @@ class TrainingModel:
         targets = target_modules(self.lora)
         absent = [t for t in targets if t not in names]
         if absent:
-            raise BadRequestError(f"base model {base_ref.name} has no linear modules named {absent}; "
-                                  "turn off the corresponding train_* flag", param="lora_config")
-        self.peft_config = PeftLoraConfig(r=self.lora.rank, lora_alpha=self.alpha, lora_dropout=0.0,
-                                          target_modules=targets, bias="none", task_type="CAUSAL_LM")
+            raise BadRequestError(
+                f"base model {base_ref.name} has no linear modules named {absent}; "
+                "turn off the corresponding train_* flag",
+                param="lora_config",
+            )
+        self.peft_config = PeftLoraConfig(
+            r=self.lora.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=0.0,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         with MODEL_BUILD_LOCK, torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # handled, see module doc
             warnings.filterwarnings("ignore", message=".*tied layer.*")
@@ -114,12 +134,15 @@ class TrainingModel:
         self.pad_id = int(getattr(config, "pad_token_id", None) or 0)
         causal_lm = self.peft_model.get_base_model()
         #: Decoder + unembedding can be run separately (no logit scaling or soft-capping in these classes).
-        self._plain_head = (type(causal_lm).__name__ in PLAIN_HEAD_CLASSES and hasattr(causal_lm, "model")
-                            and not any(getattr(config, a, None) for a in
-                                        ("final_logit_softcapping", "logit_scale", "logits_scaling")))
+        self._plain_head = (
+            type(causal_lm).__name__ in PLAIN_HEAD_CLASSES
+            and hasattr(causal_lm, "model")
+            and not any(getattr(config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+        )
         #: LoRA parameters in a fixed order, keyed by their standard PEFT file key (no adapter-name infix).
         self.lora_params: dict[str, torch.nn.Parameter] = {
-            n.replace(f".{ADAPTER}.", "."): p for n, p in self.peft_model.named_parameters() if p.requires_grad}
+            n.replace(f".{ADAPTER}.", "."): p for n, p in self.peft_model.named_parameters() if p.requires_grad
+        }
         self.optimizer = self.new_optimizer()
         self.step = 0
         self.lineage: str | None = None
@@ -131,9 +154,18 @@ class TrainingModel:
         """A fresh AdamW over the LoRA parameters (its hyperparameters are set by each :meth:`optim_step`)."""
         return torch.optim.AdamW(list(self.lora_params.values()), lr=0.0, foreach=False)
 
-    def _logprobs(self, inputs: list[list[int]], targets: list[Tensor], *, adapter: bool = True,
-                  grad: bool = False, grad_pos: list[Tensor] | None = None, keep_pos: list[Tensor] | None = None,
-                  share_prefix: list[int] | None = None, prefix_kv: PromptKV | None = None) -> Any:
+    def _logprobs(
+        self,
+        inputs: list[list[int]],
+        targets: list[Tensor],
+        *,
+        adapter: bool = True,
+        grad: bool = False,
+        grad_pos: list[Tensor] | None = None,
+        keep_pos: list[Tensor] | None = None,
+        share_prefix: list[int] | None = None,
+        prefix_kv: PromptKV | None = None,
+    ) -> Any:
         """Target logprobs of right-padded sequences (nats).
 
         Args:
@@ -154,7 +186,7 @@ class TrainingModel:
         Returns:
             per sequence, logprobs shaped like its targets; with ``share_prefix``, ``(logprobs, PromptKV)``.
         """
-        step_yield()  # serving may go first between the passes of a step (adapters/core_share.py)
+        step_yield()  # serving may go first between the passes of a step (core/core_share.py)
         lengths = [len(x) for x in inputs]
         b_n, t_max = len(inputs), max(lengths)
         k_max = max(1 if t.ndim == 1 else t.shape[1] for t in targets)
@@ -167,7 +199,7 @@ class TrainingModel:
             n = len(x)
             ids_B_T[b, :n] = torch.tensor(x, dtype=torch.long)
             tgt = t.reshape(n, -1)
-            tgt_B_T_K[b, :n, :tgt.shape[1]] = tgt
+            tgt_B_T_K[b, :n, : tgt.shape[1]] = tgt
             valid_B_T[b, :n] = True
             keep_B_T[b, :n] = True if keep_pos is None else keep_pos[b]
             grad_B_T[b, :n] = True if grad_pos is None else grad_pos[b]
@@ -178,21 +210,26 @@ class TrainingModel:
         causal_lm = self.peft_model.get_base_model()
         ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
         # a prefix every row shares runs once at batch 1, the rows continue from its keys/values (prompt_kv.py)
-        c = common_prefix(inputs) if prefix_kv is None and kv_bytes(
-            causal_lm.config, b_n, t_max) <= PROMPT_KV_MAX_BYTES else 0
+        c = (
+            common_prefix(inputs)
+            if prefix_kv is None and kv_bytes(causal_lm.config, b_n, t_max) <= PROMPT_KV_MAX_BYTES
+            else 0
+        )
         if prefix_kv is not None:
             kw = prefix_kv.continuation(lengths, dev, causal_lm.config)
         elif not c:
-            kw = {"use_cache": share_prefix is not None,
-                  "attention_mask": valid_B_T.long().to(dev) if padded else None}
+            kw = {"use_cache": share_prefix is not None, "attention_mask": valid_B_T.long().to(dev) if padded else None}
         # models with logit scaling / soft-capping use their own forward (logits), the others decoder + head
         decoder = causal_lm.model if self._plain_head else self.peft_model
         head = causal_lm.get_output_embeddings() if self._plain_head else torch.nn.Identity()
         with ctx, torch.set_grad_enabled(grad):
             if c:
                 pre = decoder(input_ids=ids_B_T[:1, :c].to(dev), use_cache=True)
-                kw = PromptKV.capture(cache_of(pre), [c], detach=False).expand(b_n).continuation(
-                    [n - c for n in lengths], dev, causal_lm.config)
+                kw = (
+                    PromptKV.capture(cache_of(pre), [c], detach=False)
+                    .expand(b_n)
+                    .continuation([n - c for n in lengths], dev, causal_lm.config)
+                )
             res = decoder(input_ids=ids_B_T[:, c:].to(dev), **kw)
             hidden_B_T_H = res.last_hidden_state if self._plain_head else res.logits
             if c:
@@ -216,7 +253,7 @@ class TrainingModel:
         out = []
         for b, (n, t) in enumerate(zip(lengths, targets)):
             lp = lp_B_T_K[b, :n]
-            out.append(lp[:, 0] if t.ndim == 1 else lp[:, :t.shape[1]])
+            out.append(lp[:, 0] if t.ndim == 1 else lp[:, : t.shape[1]])
         return (out, kv) if share_prefix is not None else out
 
     @staticmethod
@@ -237,8 +274,9 @@ class TrainingModel:
     def _inputs(datum: Datum) -> dict[str, Tensor]:
         return {k: v.to_torch() for k, v in datum.loss_fn_inputs.items()}
 
-    def _kl_logratios(self, data: list[Datum], inputs_D: list[dict[str, Tensor]],
-                      kv: tuple[PromptKV, PromptKV] | None = None) -> Tensor:
+    def _kl_logratios(
+        self, data: list[Datum], inputs_D: list[dict[str, Tensor]], kv: tuple[PromptKV, PromptKV] | None = None
+    ) -> Tensor:
         """KTO's mismatched-pair log-ratios ``Σ_completion(lp − lp_ref)`` of ``(x_i, y_perm(i))`` (no grad;
         pairs from :func:`~livelora.trainer.prompt_kv.kl_pairs`). ``kv``: the (policy, reference) keys/values of
         the matched pairs' prompts; the pairs then run from each prompt's last token on."""
@@ -247,10 +285,17 @@ class TrainingModel:
         ref = self._logprobs(ins, tgts, adapter=False, keep_pos=keep, prefix_kv=kv[1] if kv else None)
         return torch.stack([(p - r).sum() for p, r in zip(policy, ref)])
 
-    def _run(self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
-             grad: bool, loss_positions_only: bool = False) -> ForwardBackwardOutput:
-        resolved: ResolvedLoss = validate_batch(data, loss_fn, loss_fn_config, vocab_size=self.vocab_size,
-                                                max_seq_len=self.max_seq_len)  # the gateway's check, again here
+    def _run(
+        self,
+        data: list[Datum],
+        loss_fn: str,
+        loss_fn_config: dict[str, Any] | None,
+        grad: bool,
+        loss_positions_only: bool = False,
+    ) -> ForwardBackwardOutput:
+        resolved: ResolvedLoss = validate_batch(
+            data, loss_fn, loss_fn_config, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len
+        )  # the gateway's check, again here
         spec = resolved.spec
         inputs_D = [self._inputs(d) for d in data]
         tokens_D = [d.model_input.to_ints() for d in data]
@@ -258,8 +303,11 @@ class TrainingModel:
         kl = "kl_logratio" in spec.trainer_inputs and spec.needs_reference  # the KL pairs' reference side too
         # KL pairs continue from the matched pairs' prompt keys/values when they fit (prompt_kv.py)
         share = [int(torch.nonzero(x["weights"])[0]) for x in inputs_D] if kl else None
-        if share and (min(share) < 1 or kv_bytes(self.peft_model.get_base_model().config, len(data),
-                                                 max(map(len, tokens_D))) > PROMPT_KV_MAX_BYTES):
+        if share and (
+            min(share) < 1
+            or kv_bytes(self.peft_model.get_base_model().config, len(data), max(map(len, tokens_D)))
+            > PROMPT_KV_MAX_BYTES
+        ):
             share = None
         grad_pos = [self._grad_positions(spec, x) for x in inputs_D]
         keep = grad_pos if loss_positions_only else None  # the loss multiplies every other position by 0
@@ -297,23 +345,32 @@ class TrainingModel:
             if ref_D:
                 record["ref_logprobs"] = TensorData.from_torch(ref_D[i].float())
             outputs.append(record)
-        metrics = {**out.metrics, "num_sequences:sum": float(len(data)),
-                   "num_tokens:sum": float(sum(len(t) for t in tokens_D))}
+        metrics = {
+            **out.metrics,
+            "num_sequences:sum": float(len(data)),
+            "num_tokens:sum": float(sum(len(t) for t in tokens_D)),
+        }
         return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
     # ------------------------------------------------------------------------------------------ operations
-    def forward(self, data: list[Datum], loss_fn: str = "cross_entropy",
-                loss_fn_config: dict[str, Any] | None = None) -> ForwardBackwardOutput:
+    def forward(
+        self, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, Any] | None = None
+    ) -> ForwardBackwardOutput:
         """Per-datum target ``logprobs`` (float32 [N_i], nats) and the loss's metrics; no gradient, no state change.
 
         Raises:
-            BadRequestError: the batch is invalid (see :func:`livelora.adapters.losses.validate_batch`).
+            BadRequestError: the batch is invalid (see :func:`livelora.core.losses.validate_batch`).
         """
         return self._run(data, loss_fn, loss_fn_config, grad=False)
 
-    def forward_backward(self, data: list[Datum], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict[str, Any] | None = None, *,
-                         loss_positions_only: bool = False) -> ForwardBackwardOutput:
+    def forward_backward(
+        self,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, Any] | None = None,
+        *,
+        loss_positions_only: bool = False,
+    ) -> ForwardBackwardOutput:
         """Like :meth:`forward`, then backpropagate the loss; gradients add up across calls until
         :meth:`optim_step` (two calls on halves of a batch = one call on the whole batch for sum losses).
         ``loss_positions_only``: the returned logprobs are 0 wherever the loss multiplies them by exactly 0
@@ -340,12 +397,18 @@ class TrainingModel:
         """
         params = params or AdamParams()
         if not self.has_gradients():
-            raise BadRequestError("optim_step: no gradients accumulated since the last step; "
-                                  "call forward_backward first", param="adam_params")
+            raise BadRequestError(
+                "optim_step: no gradients accumulated since the last step; call forward_backward first",
+                param="adam_params",
+            )
         plist = list(self.lora_params.values())
         for group in self.optimizer.param_groups:
-            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
-                         weight_decay=params.weight_decay)
+            group.update(
+                lr=params.learning_rate,
+                betas=(params.beta1, params.beta2),
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+            )
         grads = [p.grad for p in plist if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if params.grad_clip_norm > 0:
@@ -355,8 +418,12 @@ class TrainingModel:
         self.optimizer.zero_grad(set_to_none=True)
         update = math.sqrt(sum(float((p.detach() - b).double().pow(2).sum()) for p, b in zip(plist, before)))
         self.step += 1
-        return {"grad_norm:mean": float(grad_norm), "update_norm:mean": update,
-                "learning_rate:mean": params.learning_rate, "step:max": float(self.step)}
+        return {
+            "grad_norm:mean": float(grad_norm),
+            "update_norm:mean": update,
+            "learning_rate:mean": params.learning_rate,
+            "step:max": float(self.step),
+        }
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
@@ -367,24 +434,44 @@ class TrainingModel:
         """LoRA tensors under their standard PEFT file keys (``base_model.model.<module>.lora_A.weight``)."""
         return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in self.lora_params.items()}
 
-    def save_weights(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None,
-                     with_optimizer: bool = False, gate: dict[str, Any] | None = None,
-                     base_model_name_or_path: str | None = None) -> Manifest:
+    def save_weights(
+        self,
+        store: AdapterStore,
+        lineage: str,
+        *,
+        metrics: dict[str, float] | None = None,
+        with_optimizer: bool = False,
+        gate: dict[str, Any] | None = None,
+        base_model_name_or_path: str | None = None,
+    ) -> Manifest:
         """Write the adapter as a new immutable version of ``lineage`` (PEFT format, loadable by
         ``PeftModel.from_pretrained`` and vLLM). With ``with_optimizer`` also ``optimizer.pt`` and
         ``trainer_state.json`` (step, RNG state), which :meth:`load_state` restores bit for bit. ``gate``: the
-        evaluation gate's result for the manifest (:class:`livelora.adapters.rails.GateResult` as a dict).
+        evaluation gate's result for the manifest (:class:`livelora.core.rails.GateResult` as a dict).
         ``base_model_name_or_path``: the base named in ``adapter_config.json`` (default: the base model's name).
         (:func:`livelora.trainer.checkpoints.write_version`.)
 
         Raises:
             BadRequestError: invalid lineage name.
         """
-        return write_version(self, store, lineage, metrics=metrics, with_optimizer=with_optimizer, gate=gate,
-                             base_model_name_or_path=base_model_name_or_path)
+        return write_version(
+            self,
+            store,
+            lineage,
+            metrics=metrics,
+            with_optimizer=with_optimizer,
+            gate=gate,
+            base_model_name_or_path=base_model_name_or_path,
+        )
 
-    def save_state(self, store: AdapterStore, lineage: str, *, metrics: dict[str, float] | None = None,
-                   gate: dict[str, Any] | None = None) -> Manifest:
+    def save_state(
+        self,
+        store: AdapterStore,
+        lineage: str,
+        *,
+        metrics: dict[str, float] | None = None,
+        gate: dict[str, Any] | None = None,
+    ) -> Manifest:
         """:meth:`save_weights` plus optimizer state, step and RNG state (Tinker ``save_state``)."""
         return self.save_weights(store, lineage, metrics=metrics, with_optimizer=True, gate=gate)
 
@@ -403,15 +490,28 @@ class TrainingModel:
         return read_version(self, store, lineage, version, with_optimizer=with_optimizer)
 
     @classmethod
-    def from_version(cls, base_ref: BaseModelRef, store: AdapterStore, lineage: str, version: int, *,
-                     with_optimizer: bool, device: str = "cpu", **kw: Any) -> TrainingModel:
+    def from_version(
+        cls,
+        base_ref: BaseModelRef,
+        store: AdapterStore,
+        lineage: str,
+        version: int,
+        *,
+        with_optimizer: bool,
+        device: str = "cpu",
+        **kw: Any,
+    ) -> TrainingModel:
         """A new model shaped like a stored version (rank, alpha, targets), with its state loaded."""
         manifest = store.get(lineage, version)
         cfg = json.loads((store.version_dir(lineage, version) / CONFIG_FILE).read_text())
         targets = set(cfg.get("target_modules") or [])
-        lora = LoraConfig(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
-                          train_attn=bool(targets & set(ATTN_MODULES)), train_mlp=bool(targets & set(MLP_MODULES)),
-                          train_unembed=bool(targets & set(UNEMBED_MODULES)))
+        lora = LoraConfig(
+            rank=int(cfg["r"]),
+            alpha=float(cfg["lora_alpha"]),
+            train_attn=bool(targets & set(ATTN_MODULES)),
+            train_mlp=bool(targets & set(MLP_MODULES)),
+            train_unembed=bool(targets & set(UNEMBED_MODULES)),
+        )
         model = cls(base_ref, lora, device=device, **kw)
         model.load_state(store, lineage, manifest.version, with_optimizer=with_optimizer)
         return model

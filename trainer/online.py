@@ -23,7 +23,7 @@ Datums (Tinker alignment: input ``tokens[:-1]``, targets ``tokens[1:]``,
 * preference → two ``dpo`` datums (chosen, rejected), from served token ids or
   from the chat template for the inline form.
 
-Chat text becomes ids through :mod:`livelora.adapters.chat_tokens` (message content is plain text, control
+Chat text becomes ids through :mod:`livelora.core.chat_tokens` (message content is plain text, control
 tokens come from the template only), the same code the gateway serves prompts and checks signals with.
 Datums are built per event: :meth:`OnlineTrainer.screen` names the events of a batch that cannot be trained
 (the worker dead-letters those alone and trains the rest).
@@ -39,25 +39,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from livelora.adapters import metrics as prom
-from livelora.adapters.api_keys import DEFAULT_TENANT
-from livelora.adapters.chat_tokens import chat_pair, rated_completion_ids
-from livelora.adapters.core_share import TrainingFlag, training_step
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.metering import Meter, Usage
-from livelora.adapters.models import BaseModelRef, load_tokenizer
 from livelora.adapters.store import AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError, LiveloraError
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
 from livelora.clients.types.tinker import AdamParams, Datum, ModelInput, TensorData
+from livelora.core import metrics as prom
+from livelora.core.api_keys import DEFAULT_TENANT
+from livelora.core.base_models import BaseModelRef, load_tokenizer
+from livelora.core.chat_tokens import chat_pair, rated_completion_ids
+from livelora.core.core_share import TrainingFlag, training_step
+from livelora.core.metering import Meter, Usage
 from livelora.trainer.scheduler import Batch
 from livelora.trainer.settings import GateSection, TrainingSection
 
 log = logging.getLogger(__name__)
 
 
-def completion_datum(prompt_ids: list[int], completion_ids: list[int],
-                     extra: dict[str, TensorData] | None = None) -> Datum:
+def completion_datum(
+    prompt_ids: list[int], completion_ids: list[int], extra: dict[str, TensorData] | None = None
+) -> Datum:
     """A datum over ``prompt + completion`` whose weights select the completion targets.
 
     Shapes: ``model_input`` N = P + C − 1 tokens; ``target_tokens`` and ``weights`` (N,).
@@ -66,13 +67,16 @@ def completion_datum(prompt_ids: list[int], completion_ids: list[int],
         BadRequestError: empty prompt or empty completion.
     """
     if not prompt_ids or not completion_ids:
-        raise BadRequestError("a training example needs a non-empty prompt and a non-empty completion",
-                              param="completion")
+        raise BadRequestError(
+            "a training example needs a non-empty prompt and a non-empty completion", param="completion"
+        )
     tokens = list(prompt_ids) + list(completion_ids)
     n = len(tokens) - 1
     weights = [0.0] * (len(prompt_ids) - 1) + [1.0] * len(completion_ids)
-    inputs = {"target_tokens": TensorData.from_list(tokens[1:], "int64"),
-              "weights": TensorData.from_list(weights, "float32")}
+    inputs = {
+        "target_tokens": TensorData.from_list(tokens[1:], "int64"),
+        "weights": TensorData.from_list(weights, "float32"),
+    }
     assert len(weights) == n
     inputs.update(extra or {})
     return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
@@ -88,12 +92,20 @@ class OnlineTrainer:
             ``save_optimizer``, ``device``); default: the environment's.
         meter, redis: count each step's ``model_input`` tokens (kind ``live_trained``) per endpoint of its events
             for the endpoint's tenant (``None``: not metered).
-        gate: the evaluation gate's settings (:mod:`livelora.trainer.gated`); ``None`` or ``gate_enabled``
+        gate: the evaluation gate's settings (:mod:`livelora.trainer.gate`); ``None`` or ``gate_enabled``
             false: no gate, every version is published unjudged.
     """
 
-    def __init__(self, base_ref: BaseModelRef, home: Path | str, config: TrainingSection | None = None,
-                 gate: GateSection | None = None, *, meter: Meter | None = None, redis: Any = None):
+    def __init__(
+        self,
+        base_ref: BaseModelRef,
+        home: Path | str,
+        config: TrainingSection | None = None,
+        gate: GateSection | None = None,
+        *,
+        meter: Meter | None = None,
+        redis: Any = None,
+    ):
         self.base_ref = base_ref
         self.home = Path(home)
         self.meter, self.redis = meter, redis
@@ -126,16 +138,21 @@ class OnlineTrainer:
 
     @property
     def gate(self):
-        """The :class:`~livelora.trainer.gated.EvaluationGate` (built on first use), or ``None`` without one."""
+        """The :class:`~livelora.trainer.gate.EvaluationGate` (built on first use), or ``None`` without one."""
         if self.gate_config is None:
             return None
         if self._gate is None:
-            from livelora.trainer.gated import EvaluationGate
+            from livelora.trainer.gate import EvaluationGate
 
             g = self.gate_config
-            self._gate = EvaluationGate(self.tokenizer, self.home, self.chat_pair,
-                                        holdout_every=g.gate_holdout_every, heldout_max=g.gate_heldout_max,
-                                        gen_tokens=g.gate_gen_tokens)
+            self._gate = EvaluationGate(
+                self.tokenizer,
+                self.home,
+                self.chat_pair,
+                holdout_every=g.gate_holdout_every,
+                heldout_max=g.gate_heldout_max,
+                gen_tokens=g.gate_gen_tokens,
+            )
         return self._gate
 
     def hold_out(self, lineage: str, event: RatingEvent | DemonstrationEvent | PreferenceEvent) -> bool:
@@ -168,9 +185,14 @@ class OnlineTrainer:
                     except BadRequestError:  # another LoRA shape: build one like the version below
                         pass
                 if model is None:
-                    model = TrainingModel.from_version(self.base_ref, self.store, lineage, latest.version,
-                                                       with_optimizer=latest.has_optimizer,
-                                                       device=self.config.device)
+                    model = TrainingModel.from_version(
+                        self.base_ref,
+                        self.store,
+                        lineage,
+                        latest.version,
+                        with_optimizer=latest.has_optimizer,
+                        device=self.config.device,
+                    )
             else:
                 model = fresh or TrainingModel(self.base_ref, self.config.lora, device=self.config.device)
             self._models[lineage] = model
@@ -181,14 +203,14 @@ class OnlineTrainer:
     def chat_pair(self, prompt: list[ChatMessage], reply: str) -> tuple[list[int], list[int]]:
         """``(prompt_ids, completion_ids)`` of a reply to ``prompt`` under the chat template
         (the completion includes the template's end-of-turn tokens; see
-        :func:`livelora.adapters.chat_tokens.chat_pair`)."""
+        :func:`livelora.core.chat_tokens.chat_pair`)."""
         return chat_pair(self.tokenizer, [{"role": m.role, "content": m.content} for m in prompt], reply)
 
     # ------------------------------------------------------------------ batches → datums
 
     def rated_completion(self, ev: RatingEvent) -> list[int]:
         """The completion ids a rating trains on: the served ids, plus the tokenizer's end-of-turn (EOS) id
-        when the reply ended with ``finish_reason == "stop"`` (:func:`livelora.adapters.chat_tokens.
+        when the reply ended with ``finish_reason == "stop"`` (:func:`livelora.core.chat_tokens.
         rated_completion_ids`, which the gateway's door check uses too)."""
         return rated_completion_ids(self.tokenizer, ev.completion_token_ids, ev.finish_reason)
 
@@ -200,8 +222,13 @@ class OnlineTrainer:
             BadRequestError: the event cannot become a training example (e.g. empty completion).
         """
         if isinstance(ev, RatingEvent):
-            return [completion_datum(ev.prompt_token_ids, self.rated_completion(ev), {
-                "label": TensorData.from_list([1.0 if ev.rating else 0.0], "float32")})]
+            return [
+                completion_datum(
+                    ev.prompt_token_ids,
+                    self.rated_completion(ev),
+                    {"label": TensorData.from_list([1.0 if ev.rating else 0.0], "float32")},
+                )
+            ]
         if isinstance(ev, DemonstrationEvent):
             return [completion_datum(*self.chat_pair(ev.messages[:-1], ev.messages[-1].content))]
         if ev.prompt_token_ids is not None:
@@ -228,7 +255,8 @@ class OnlineTrainer:
                     tokens = datum.model_input.to_ints()
                     if len(tokens) > model.max_seq_len:
                         raise ContextLengthExceededError(
-                            f"{len(tokens)} tokens exceed the trainer's context length of {model.max_seq_len}")
+                            f"{len(tokens)} tokens exceed the trainer's context length of {model.max_seq_len}"
+                        )
                     targets = datum.loss_fn_inputs["target_tokens"].data
                     out = next((t for t in (*tokens, *targets) if not 0 <= t < model.vocab_size), None)
                     if out is not None:
@@ -250,14 +278,17 @@ class OnlineTrainer:
         c = self.config
         data = [d for ev in batch.events for d in self.event_datums(ev)]
         weights = getattr(batch, "example_weights", None)
-        if weights is not None and batch.kind in ("kto", "dpo"):  # rater agreement (trainer/governance.py)
+        if weights is not None and batch.kind in ("kto", "dpo"):  # rater agreement (trainer/signal_governor.py)
             per = len(data) // max(len(batch.events), 1)
             for i, a in enumerate(weights):
-                for d in data[i * per:(i + 1) * per]:
+                for d in data[i * per : (i + 1) * per]:
                     d.loss_fn_inputs["example_weight"] = TensorData.from_list([float(a)], "float32")
         if batch.kind == "kto":
-            cfg = {"beta": c.beta, "desirable_weight": batch.desirable_weight,
-                   "undesirable_weight": batch.undesirable_weight}
+            cfg = {
+                "beta": c.beta,
+                "desirable_weight": batch.desirable_weight,
+                "undesirable_weight": batch.undesirable_weight,
+            }
             return data, "kto", cfg, c.kto_lr
         if batch.kind == "sft":
             return data, "cross_entropy", {}, c.sft_lr
@@ -288,8 +319,9 @@ class OnlineTrainer:
             stepped = False
             try:
                 out = model.forward_backward(data, loss_fn, cfg, loss_positions_only=True)  # only metrics are read
-                opt = model.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm,
-                                                  eps=1e-8))
+                opt = model.optim_step(
+                    AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm, eps=1e-8)
+                )
                 stepped = True
                 result = new = None
                 if gate is not None:
@@ -303,29 +335,58 @@ class OnlineTrainer:
                 raise
         metrics = {**out.metrics, **opt, "events:sum": float(len(batch.events))}
         if loss_fn == "kto":
-            metrics.update({"desirable_weight:mean": batch.desirable_weight,
-                            "undesirable_weight:mean": batch.undesirable_weight})
+            metrics.update(
+                {"desirable_weight:mean": batch.desirable_weight, "undesirable_weight:mean": batch.undesirable_weight}
+            )
         if getattr(batch, "example_weights", None) is not None:
             metrics["example_weight:mean"] = sum(batch.example_weights) / max(len(batch.example_weights), 1)
         save = model.save_state if self.config.save_optimizer else model.save_weights
         gate_dict = result.model_dump(mode="json") if result is not None else None
         manifest = save(self.store, batch.lineage, metrics=metrics, gate=gate_dict)
         self._observe(batch, data, time.monotonic() - started, metrics.get("loss:sum"))
-        completions = [c for ev in batch.events for c in (getattr(ev, "completion_id", None),
-                                                           getattr(ev, "chosen_completion_id", None),
-                                                           getattr(ev, "rejected_completion_id", None)) if c]
-        log.info("trained %s on %d %s event(s)", manifest.name, len(batch.events), loss_fn,
-                 extra={"version": manifest.name, "endpoint": batch.endpoint, "event_ids": [e.id for e in batch.events],
-                        "completion_ids": completions or None})
-        log.info("%s: %s step on %d events, loss %.4f", manifest.name, loss_fn, len(batch.events),
-                 metrics.get("loss:sum", float("nan")))
+        completions = [
+            c
+            for ev in batch.events
+            for c in (
+                getattr(ev, "completion_id", None),
+                getattr(ev, "chosen_completion_id", None),
+                getattr(ev, "rejected_completion_id", None),
+            )
+            if c
+        ]
+        log.info(
+            "trained %s on %d %s event(s)",
+            manifest.name,
+            len(batch.events),
+            loss_fn,
+            extra={
+                "version": manifest.name,
+                "endpoint": batch.endpoint,
+                "event_ids": [e.id for e in batch.events],
+                "completion_ids": completions or None,
+            },
+        )
+        log.info(
+            "%s: %s step on %d events, loss %.4f",
+            manifest.name,
+            loss_fn,
+            len(batch.events),
+            metrics.get("loss:sum", float("nan")),
+        )
         if gate is not None:
             passed = result.continued_from is None
             gate.settle(model, batch.lineage, passed, manifest.name, new)
             gate.record(result, manifest.name, batch.lineage)
-            log.info("%s: evaluation gate %s in %.2f s%s", manifest.name, "passed" if passed else "REJECTED",
-                     result.seconds, "" if passed else f" ({', '.join(result.verdicts[batch.endpoint].failed)});"
-                     f" training continues from {result.continued_from}")
+            log.info(
+                "%s: evaluation gate %s in %.2f s%s",
+                manifest.name,
+                "passed" if passed else "REJECTED",
+                result.seconds,
+                ""
+                if passed
+                else f" ({', '.join(result.verdicts[batch.endpoint].failed)});"
+                f" training continues from {result.continued_from}",
+            )
         return manifest
 
     def _observe(self, batch: Batch, data: list[Datum], seconds: float, loss: float | None) -> None:
@@ -334,8 +395,9 @@ class OnlineTrainer:
         per = len(data) // max(len(batch.events), 1)
         tokens: dict[str, int] = {}
         for i, ev in enumerate(batch.events):
-            tokens[ev.endpoint] = tokens.get(ev.endpoint, 0) + sum(d.model_input.length
-                                                                   for d in data[i * per:(i + 1) * per])
+            tokens[ev.endpoint] = tokens.get(ev.endpoint, 0) + sum(
+                d.model_input.length for d in data[i * per : (i + 1) * per]
+            )
             prom.SIGNALS.labels("trained", ev.type).inc()
         prom.TRAIN_STEP.labels(batch.endpoint).observe(seconds)
         if loss is not None:
@@ -347,7 +409,7 @@ class OnlineTrainer:
             try:
                 tenant = endpoints.get(endpoint).tenant or DEFAULT_TENANT
                 self.meter.record_sync(self.redis, Usage(tenant, None, endpoint, {"live_trained": n}))
-            except Exception as exc:  # noqa: BLE001 - the version is saved; only its count is missing
+            except Exception as exc:
                 prom.REDIS_ERRORS.labels("metering").inc()
                 log.warning("could not meter %d live-loop tokens of %s: %s", n, endpoint, exc)
 

@@ -10,7 +10,7 @@
 * **Fenced writes**: every write of an owner is checked against the lease in the same Lua script: a future
   is resolved (``SET future`` + ``HINCRBY opruns`` + ``PUBLISH``) and stream entries are trimmed only while
   ``lease:model:{id}`` still holds the owner's ``{token}:{owner}``. Files in the store are fenced through
-  the checkpoint index (:class:`~livelora.adapters.session_protocol.CheckpointIndex` ``fence``).
+  the checkpoint index (:class:`~livelora.core.session_protocol.CheckpointIndex` ``fence``).
 * **Release** on a clean stop, so a peer takes over at once instead of after the TTL.
 
 Counting: ``opruns:{id}`` holds, per seq id, how many times an op's result was committed (the resolve
@@ -26,7 +26,7 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from livelora.adapters.redis_keys import KeyLayout
+from livelora.core.redis_keys import KeyLayout
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,14 @@ class Leases:
         on_lost: called (from the renewal thread) with a model id whose lease was lost.
     """
 
-    def __init__(self, redis_client, keys: KeyLayout, ttl_s: float, owner: str | None = None,
-                 on_lost: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        redis_client,
+        keys: KeyLayout,
+        ttl_s: float,
+        owner: str | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ):
         self.redis = redis_client
         self.keys = keys
         self.ttl_ms = max(100, int(ttl_s * 1000))
@@ -109,8 +115,10 @@ class Leases:
     # ------------------------------------------------------------------------------------ lease lifecycle
     def acquire(self, model_id: str, above: int = 0) -> int | None:
         """Take the model's lease if nobody holds it; returns the new fencing token (> ``above``) or None."""
-        token = self._acquire(keys=[self.keys.model_lease(model_id), self.keys.model_fence(model_id)],
-                              args=[self.owner, self.ttl_ms, int(above)])
+        token = self._acquire(
+            keys=[self.keys.model_lease(model_id), self.keys.model_fence(model_id)],
+            args=[self.owner, self.ttl_ms, int(above)],
+        )
         if token is None:
             return None
         with self._lock:
@@ -177,17 +185,18 @@ class Leases:
                 self.release(model_id)
 
     # ------------------------------------------------------------------------------------ fenced writes
-    def resolve(self, model_id: str, request_id: str, record: str | None, seq: int | None,
-                ttl_s: int, channel: str) -> bool:
+    def resolve(
+        self, model_id: str, request_id: str, record: str | None, seq: int | None, ttl_s: int, channel: str
+    ) -> bool:
         """Write a future (``record``; None = only count the seq) and count ``seq`` as committed, if the lease
         is still ours. Returns False (nothing written) for a stale owner."""
         value = self.value(model_id)
         if value is None:
             return False
-        done = self._resolve(keys=[self.keys.model_lease(model_id), self.keys.future(request_id),
-                                   self.keys.op_runs(model_id)],
-                             args=[value, record or "", int(ttl_s), "" if seq is None else int(seq), request_id,
-                                   channel])
+        done = self._resolve(
+            keys=[self.keys.model_lease(model_id), self.keys.future(request_id), self.keys.op_runs(model_id)],
+            args=[value, record or "", int(ttl_s), "" if seq is None else int(seq), request_id, channel],
+        )
         return bool(done)
 
     def trim(self, model_id: str, entry_ids: list[str]) -> bool:
@@ -197,5 +206,6 @@ class Leases:
             return False
         if not entry_ids:
             return True
-        return self._trim(keys=[self.keys.model_lease(model_id), self.keys.ops(model_id)],
-                          args=[value, *entry_ids]) >= 0
+        return (
+            self._trim(keys=[self.keys.model_lease(model_id), self.keys.ops(model_id)], args=[value, *entry_ids]) >= 0
+        )

@@ -15,8 +15,9 @@ its true positions (RoPE ``position_ids`` = prefix length + offset). Values equa
 * **A prefix the whole batch shares** (:func:`common_prefix`: a chat template's system message, an RL group's
   prompt) runs once at batch 1 and every row continues from it (:meth:`PromptKV.expand`); captured with
   ``detach=False`` so that gradients flow back through the shared prefix once instead of once per row.
-* **The gate's probes** (``trainer/gate.py``) share their template and system message: run once per measurement.
+* **The gate's probes** (``trainer/gate_measure.py``) share their template and system message: run once per measurement.
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,8 +66,11 @@ class PromptKV:
             raise ValueError("every row must share at least one position")
         length = max(prefix)
         layers = []
-        per_layer = ([(layer.keys, layer.values) for layer in cache.layers] if hasattr(cache, "layers")
-                     else list(zip(cache.key_cache, cache.value_cache)))  # transformers < 4.56
+        per_layer = (
+            [(layer.keys, layer.values) for layer in cache.layers]
+            if hasattr(cache, "layers")
+            else list(zip(cache.key_cache, cache.value_cache))
+        )  # transformers < 4.56
         for k, v in per_layer:
             if k.shape[-2] < length:
                 raise ValueError(f"the cache holds {k.shape[-2]} positions, {length} are shared")
@@ -92,7 +96,7 @@ class PromptKV:
         mask = torch.zeros((b_n, length + t_max), dtype=torch.long)
         for b, (p, n) in enumerate(zip(self.prefix, lengths)):
             mask[b, :p] = 1
-            mask[b, length:length + n] = 1
+            mask[b, length : length + n] = 1
         positions = torch.tensor(self.prefix, dtype=torch.long)[:, None] + torch.arange(t_max)[None, :]
         if hasattr(DynamicCache, "from_legacy_cache"):  # transformers < 4.56
             cache = DynamicCache.from_legacy_cache(tuple(self.layers))
@@ -117,8 +121,9 @@ def cache_of(output: Any) -> Any:
     return cache if cache is not None else output.past_key_values
 
 
-def kl_pairs(data: list[Any], inputs_D: list[dict[str, Tensor]], max_seq_len: int, *,
-             shared: bool) -> tuple[list[list[int]], list[Tensor], list[Tensor] | None]:
+def kl_pairs(
+    data: list[Any], inputs_D: list[dict[str, Tensor]], max_seq_len: int, *, shared: bool
+) -> tuple[list[list[int]], list[Tensor], list[Tensor] | None]:
     """KTO's mismatched pairs ``(x_i, y_perm(i))`` of a batch as ``(inputs, targets, keep)`` for the trainer's
     logprob pass (TRL ``KTOTrainer``'s KL dataset; ``perm`` from :func:`livelora.trainer.losses.kl_pair_order`,
     a derangement).
@@ -134,17 +139,23 @@ def kl_pairs(data: list[Any], inputs_D: list[dict[str, Tensor]], max_seq_len: in
         tokens = datum.model_input.to_ints()
         targets = x["target_tokens"].tolist()
         nz = [j for j, w in enumerate(x["weights"].tolist()) if w != 0]
-        prompts.append(tokens[:nz[0] + 1])
-        completions.append(targets[nz[0]:nz[-1] + 1])
+        prompts.append(tokens[: nz[0] + 1])
+        completions.append(targets[nz[0] : nz[-1] + 1])
     perm = kl_pair_order([tuple(p) for p in prompts])
-    seqs = [(prompts[i] + completions[j])[:max_seq_len + 1] for i, j in enumerate(perm)]
+    seqs = [(prompts[i] + completions[j])[: max_seq_len + 1] for i, j in enumerate(perm)]
     skip = [len(p) - 1 for p in prompts]  # positions before the first completion target
     if shared:
-        return ([s[k:-1] for s, k in zip(seqs, skip)],
-                [torch.tensor(s[k + 1:], dtype=torch.long) for s, k in zip(seqs, skip)], None)
+        return (
+            [s[k:-1] for s, k in zip(seqs, skip)],
+            [torch.tensor(s[k + 1 :], dtype=torch.long) for s, k in zip(seqs, skip)],
+            None,
+        )
     ins = [s[:-1] for s in seqs]
-    return (ins, [torch.tensor(s[1:], dtype=torch.long) for s in seqs],
-            [torch.arange(len(x)) >= k for x, k in zip(ins, skip)])
+    return (
+        ins,
+        [torch.tensor(s[1:], dtype=torch.long) for s in seqs],
+        [torch.arange(len(x)) >= k for x, k in zip(ins, skip)],
+    )
 
 
 def common_prefix(inputs: list[list[int]], minimum: int = MIN_COMMON_PREFIX) -> int:

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from livelora.adapters.atomic import atomic_write_bytes
-from livelora.adapters.session_protocol import CheckpointIndex
 from livelora.clients.errors import InternalError
 from livelora.clients.types.tinker import LoraConfig
+from livelora.core.atomic import atomic_write_bytes
+from livelora.core.session_protocol import CheckpointIndex
 
 FORMAT = 1
 
@@ -33,8 +33,7 @@ def recovery_dir(index: CheckpointIndex) -> Path:
     return index.path.with_name(f"{index.lineage}.recovery")
 
 
-def write_snapshot(index: CheckpointIndex, model: Any, *, seq: int, fence: int, result: str,
-                   request_id: str) -> Path:
+def write_snapshot(index: CheckpointIndex, model: Any, *, seq: int, fence: int, result: str, request_id: str) -> Path:
     """Write a snapshot of ``model`` (a :class:`~livelora.trainer.model.TrainingModel` with no pending
     gradients) after op ``seq`` and point the index at it; older snapshot files are deleted.
 
@@ -49,13 +48,19 @@ def write_snapshot(index: CheckpointIndex, model: Any, *, seq: int, fence: int, 
         StaleOwnerError: ``fence`` is lower than the index's (the file is removed, the pointer unchanged).
     """
     state = {
-        "format": FORMAT, "seq": int(seq), "fence": int(fence), "result": result, "request_id": request_id,
+        "format": FORMAT,
+        "seq": int(seq),
+        "fence": int(fence),
+        "result": result,
+        "request_id": request_id,
         "time": time.time(),
         "lora": {**model.lora.model_dump(), "alpha": model.alpha},
         "tensors": model.adapter_state(),
         "optimizer": model.optimizer.state_dict(),
-        "step": int(model.step), "data_counts": dict(model.data_counts),
-        "lineage": model.lineage or "", "parent": -1 if model.parent is None else int(model.parent),
+        "step": int(model.step),
+        "data_counts": dict(model.data_counts),
+        "lineage": model.lineage or "",
+        "parent": -1 if model.parent is None else int(model.parent),
     }
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -63,8 +68,9 @@ def write_snapshot(index: CheckpointIndex, model: Any, *, seq: int, fence: int, 
     path = folder / f"{fence}-{seq}.pt"
     atomic_write_bytes(path, buf.getvalue())
     try:
-        index.update(lambda d: d.__setitem__("recovery", {"file": path.name, "seq": int(seq), "fence": int(fence)}),
-                     fence=fence)
+        index.update(
+            lambda d: d.__setitem__("recovery", {"file": path.name, "seq": int(seq), "fence": int(fence)}), fence=fence
+        )
     except BaseException:
         path.unlink(missing_ok=True)
         raise
@@ -106,8 +112,10 @@ def restore_model(state: dict[str, Any], base_ref: Any, *, device: str = "cpu", 
     model = TrainingModel(base_ref, LoraConfig.model_validate(state["lora"]), device=device, max_seq_len=max_seq_len)
     tensors = state["tensors"]
     if set(tensors) != set(model.lora_params):
-        raise InternalError(f"recovery snapshot tensors do not match the model (e.g. "
-                            f"{sorted(set(tensors) ^ set(model.lora_params))[:3]})")
+        raise InternalError(
+            f"recovery snapshot tensors do not match the model (e.g. "
+            f"{sorted(set(tensors) ^ set(model.lora_params))[:3]})"
+        )
     with torch.no_grad():
         for k, p in model.lora_params.items():
             p.copy_(tensors[k].to(p.device, p.dtype))

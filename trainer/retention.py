@@ -1,7 +1,7 @@
-"""The live loop under the tenant's ``max_adapter_versions`` (:mod:`livelora.adapters.quotas`): before a step
+"""The live loop under the tenant's ``max_adapter_versions`` (:mod:`livelora.core.quotas`): before a step
 writes a version, make room for it or hold the step back.
 
-:meth:`VersionRoom.admit` asks :meth:`~livelora.adapters.quotas.AdapterVersions.make_room`, which deletes the
+:meth:`VersionRoom.admit` asks :meth:`~livelora.adapters.kept_versions.AdapterVersions.make_room`, which deletes the
 lineage's oldest versions that nothing uses (never a served, predecessor, pinned, rollback-stack or open-canary
 version, a named session checkpoint or the newest) and writes a ``prune`` history line. When nothing can be
 freed the batch goes back to the scheduler untrained; its stream entries stay pending and claimed by the worker
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from livelora.adapters import metrics as prom
+from livelora.core import metrics as prom
 from livelora.trainer.scheduler import Batch, BatchScheduler
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ class VersionRoom:
     """Room for the live loop's next version of a lineage.
 
     Args:
-        versions: the store's limit (:class:`~livelora.adapters.quotas.AdapterVersions`).
+        versions: the store's limit (:class:`~livelora.adapters.kept_versions.AdapterVersions`).
         scheduler: where held-back batches go back to.
         retry_s: seconds before a held-back lineage is tried again.
     """
@@ -60,10 +60,19 @@ class VersionRoom:
         self._wait[batch.lineage] = now + self.retry_s
         self.scheduler.requeue(batch, now)
         if room is not None:
-            log.warning("not training %d %s event(s) for %s: tenant %r keeps %d adapter versions, its "
-                        "max_adapter_versions is %d, and no version of %s can be deleted (%s); the events stay "
-                        "queued, retry in %.0f s", len(batch.events), batch.kind, batch.endpoint, room.tenant,
-                        room.kept, room.limit, batch.lineage,
-                        "; ".join(f"{k}: {v}" for k, v in room.protected.items()), self.retry_s,
-                        extra={"endpoint": batch.endpoint})
+            log.warning(
+                "not training %d %s event(s) for %s: tenant %r keeps %d adapter versions, its "
+                "max_adapter_versions is %d, and no version of %s can be deleted (%s); the events stay "
+                "queued, retry in %.0f s",
+                len(batch.events),
+                batch.kind,
+                batch.endpoint,
+                room.tenant,
+                room.kept,
+                room.limit,
+                batch.lineage,
+                "; ".join(f"{k}: {v}" for k, v in room.protected.items()),
+                self.retry_s,
+                extra={"endpoint": batch.endpoint},
+            )
         return False

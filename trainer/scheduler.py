@@ -21,7 +21,7 @@ Per lineage there are three queues, one per signal kind:
 
 A batch holds at most ``max_batch`` events; the rest stay queued. While events of several raters are
 queued, one rater fills at most ``rater_max_batch_share`` of a batch (feedback governance,
-``trainer/governance.py``). The thresholds are the trainer's
+``trainer/signal_governor.py``). The thresholds are the trainer's
 :class:`~livelora.trainer.settings.TrainingSection`. The scheduler is pure bookkeeping (no Redis, no torch),
 so its decisions are unit-testable.
 """
@@ -42,7 +42,7 @@ Event = RatingEvent | PreferenceEvent | DemonstrationEvent
 def kto_class_weights(n_desirable: float, n_undesirable: float) -> tuple[float, float]:
     """``(λ_D, λ_U)`` with λ_D·n_D = λ_U·n_U (ratio 1, inside paper Eq. 8's [1, 4/3]); the minority class
     gets weight 1 and the majority ``n_minority / n_majority``. With one class absent: ``(1, 1)``. The counts
-    may be sums of example weights (rater agreement, :meth:`~livelora.trainer.governance.FeedbackGovernor.weigh`).
+    may be sums of example weights (rater agreement, :meth:`~livelora.trainer.signal_governor.FeedbackGovernor.weigh`).
 
     Example: 6 desirable, 2 undesirable → (1/3, 1).
     """
@@ -61,7 +61,7 @@ class Batch:
         stream_ids: the stream ids of ``events`` (acknowledged once the version is written).
         desirable_weight / undesirable_weight: KTO λ_D, λ_U (1.0 for other kinds).
         example_weights: per event, the weight of its loss term in [0, 1] (its rater's agreement weight, set
-            by :meth:`~livelora.trainer.governance.FeedbackGovernor.weigh`); ``None``: all 1.
+            by :meth:`~livelora.trainer.signal_governor.FeedbackGovernor.weigh`); ``None``: all 1.
         rater_weights: every known rater of the lineage → its weight when the batch was weighed (the gate leaves
             raters below ½ out of its signal check); ``None``: not weighed.
     """
@@ -161,7 +161,7 @@ class BatchScheduler:
         """Take up to ``size`` queued items, oldest first. While several raters are queued, the batch is the
         largest m ≤ ``size`` in which no rater has more than ``max(1, ⌊share·m⌋)`` items (the surplus stays
         queued, in order). Returns [] when no such batch of 2 or more exists."""
-        from livelora.adapters.governance import rater_of
+        from livelora.core.governance import rater_of
 
         raters = [rater_of(e) for _, e, _ in q.items.values()]
         counts: dict[str, int] = {}
@@ -169,8 +169,9 @@ class BatchScheduler:
             counts[r] = counts.get(r, 0) + 1
         if share >= 1.0 or len(counts) < 2:
             return [q.items.popitem(last=False)[1] for _ in range(size)]
-        m = next((m for m in range(size, 1, -1)
-                  if sum(min(c, max(1, int(share * m))) for c in counts.values()) >= m), 0)
+        m = next(
+            (m for m in range(size, 1, -1) if sum(min(c, max(1, int(share * m))) for c in counts.values()) >= m), 0
+        )
         if m == 0:
             return []
         cap, per, keys = max(1, int(share * m)), {}, []

@@ -2,7 +2,7 @@
 
 ``training`` holds the live loop's batching thresholds and hyperparameters (``LIVELORA_KTO_MIN_BATCH``,
 ``LIVELORA_KTO_LR``, ...), ``sessions`` the timing of training-session ops (shared with the gateway). CLI
-flags override the environment; flat keywords go to their section (:mod:`livelora.adapters.settings`).
+flags override the environment; flat keywords go to their section (:mod:`livelora.core.settings`).
 
 Example::
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from livelora.adapters.settings import ObservabilitySection, ProcessSettings, QuotaSection, Section, SessionSection
 from livelora.clients.types.tinker import LoraConfig
+from livelora.core.settings import ObservabilitySection, ProcessSettings, QuotaSection, Section, SessionSection
 
 
 class TrainingSection(Section):
@@ -32,41 +32,68 @@ class TrainingSection(Section):
     ratings the held-out liked share goes from 9 % to 13 % at 5e-5, 25 % at 2e-4, 97 % at 1e-3 (README).
     """
 
-    consumer: str | None = Field(None, description="Consumer name in the 'trainers' group (default host-pid); "
-                                                   "reuse it after a restart to resume this worker's pending events.")
+    consumer: str | None = Field(
+        None,
+        description="Consumer name in the 'trainers' group (default host-pid); "
+        "reuse it after a restart to resume this worker's pending events.",
+    )
     kto_min_batch: int = Field(8, ge=2, description="Ratings that trigger a KTO step.")
     sft_min_batch: int = Field(4, ge=1, description="Demonstrations that trigger an SFT step.")
     dpo_min_batch: int = Field(4, ge=1, description="Preference pairs that trigger a DPO step.")
     max_batch: int = Field(32, ge=2, description="Most events in one step.")
-    max_wait_s: float = Field(30.0, ge=0, description="Seconds the oldest queued event waits before a smaller "
-                                                      "batch is trained (KTO needs at least 2).")
+    max_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds the oldest queued event waits before a smaller batch is trained (KTO needs at least 2).",
+    )
     claim_idle_s: float = Field(120.0, gt=0, description="Events pending this long in a dead worker are reclaimed.")
-    kto_lr: float = Field(1e-3, gt=0, description="KTO learning rate (LoRA); 1e-3 found by experiment on SmolLM2 "
-                                                  "(bench/live_loop.py, README live loop).")
+    kto_lr: float = Field(
+        1e-3,
+        gt=0,
+        description="KTO learning rate (LoRA); 1e-3 found by experiment on SmolLM2 "
+        "(bench/live_loop.py, README live loop).",
+    )
     sft_lr: float = Field(1e-4, gt=0, description="SFT learning rate (LoRA).")
     dpo_lr: float = Field(1e-5, gt=0, description="DPO learning rate (LoRA; tinker-cookbook's value).")
     beta: float = Field(0.1, gt=0, description="KTO/DPO beta.")
-    lora_rank: int = Field(8, ge=1, le=512, description="Rank of new lineages' adapters (RL-style signals need "
-                                                        "little rank, losses.md §6).")
+    lora_rank: int = Field(
+        8, ge=1, le=512, description="Rank of new lineages' adapters (RL-style signals need little rank, losses.md §6)."
+    )
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha of new lineages' adapters.")
     grad_clip_norm: float = Field(1.0, ge=0, description="Global L2 gradient clip per step (0 = none).")
-    save_optimizer: bool = Field(True, description="Store AdamW state with each version (exact resume after a "
-                                                   "restart).")
+    save_optimizer: bool = Field(
+        True, description="Store AdamW state with each version (exact resume after a restart)."
+    )
     device: str = Field("cpu", description="Torch device for training.")
-    rater_max_events: int = Field(120, ge=0, description="Most events one rater (user, else API key) may send per "
-                                                         "lineage in rater_window_s; the rest is quarantined "
-                                                         "(kept, not trained). 0: no limit.")
+    rater_max_events: int = Field(
+        120,
+        ge=0,
+        description="Most events one rater (user, else API key) may send per "
+        "lineage in rater_window_s; the rest is quarantined "
+        "(kept, not trained). 0: no limit.",
+    )
     rater_window_s: float = Field(3600.0, gt=0, description="Window of the per-rater limit (s).")
-    quota_retry_s: float = Field(30.0, gt=0, description="A live-loop step held back by the tenant's "
-                                                         "max_adapter_versions (nothing could be freed) is tried "
-                                                         "again after this many seconds; its signals stay queued.")
-    rater_max_batch_share: float = Field(0.5, gt=0, le=1, description="Largest share of one training batch from "
-                                                                      "one rater while several raters are queued.")
-    rater_agreement: bool = Field(True, description="Weight each rater's KTO/DPO examples by its agreement with "
-                                                    "the other raters of the same completions (trainer/governance.py)."
-                                  )
-    rater_agreement_window: int = Field(2000, ge=2, description="Newest labels per lineage the agreement weights "
-                                                                "are computed from.")
+    quota_retry_s: float = Field(
+        30.0,
+        gt=0,
+        description="A live-loop step held back by the tenant's "
+        "max_adapter_versions (nothing could be freed) is tried "
+        "again after this many seconds; its signals stay queued.",
+    )
+    rater_max_batch_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Largest share of one training batch from one rater while several raters are queued.",
+    )
+    rater_agreement: bool = Field(
+        True,
+        description="Weight each rater's KTO/DPO examples by its agreement with "
+        "the other raters of the same completions (trainer/signal_governor.py).",
+    )
+    rater_agreement_window: int = Field(
+        2000, ge=2, description="Newest labels per lineage the agreement weights are computed from."
+    )
 
     @property
     def lora(self) -> LoraConfig:
@@ -75,19 +102,28 @@ class TrainingSection(Section):
 
 
 class GateSection(Section):
-    """The evaluation gate of the live loop (``trainer/gate.py``, README "Update-safety rails"): whether the
+    """The evaluation gate of the live loop (``trainer/gate_measure.py``, README "Update-safety rails"): whether the
     trainer evaluates each new version before gateways may serve it, and how. The pass/fail thresholds are per
-    endpoint (:class:`livelora.adapters.rails.GateThresholds`, set with ``livelora endpoints gate``)."""
+    endpoint (:class:`livelora.core.rails.GateThresholds`, set with ``livelora endpoints gate``)."""
 
-    gate_enabled: bool = Field(True, description="Evaluate every new live-loop version (probes, drift, "
-                                                 "degeneracy, held-out signal) before it may serve.")
-    gate_holdout_every: int = Field(10, ge=0, description="One in this many ratings/preference pairs (by event "
-                                                          "id hash) is held out from training for the signal "
-                                                          "check (0: none).")
-    gate_heldout_max: int = Field(8, ge=0, description="Newest held-out examples per lineage the signal check "
-                                                       "scores (each costs a forward pass).")
-    gate_gen_tokens: int = Field(24, ge=4, le=256, description="Greedy tokens generated per open prompt for the "
-                                                               "degeneracy check.")
+    gate_enabled: bool = Field(
+        True,
+        description="Evaluate every new live-loop version (probes, drift, "
+        "degeneracy, held-out signal) before it may serve.",
+    )
+    gate_holdout_every: int = Field(
+        10,
+        ge=0,
+        description="One in this many ratings/preference pairs (by event "
+        "id hash) is held out from training for the signal "
+        "check (0: none).",
+    )
+    gate_heldout_max: int = Field(
+        8, ge=0, description="Newest held-out examples per lineage the signal check scores (each costs a forward pass)."
+    )
+    gate_gen_tokens: int = Field(
+        24, ge=4, le=256, description="Greedy tokens generated per open prompt for the degeneracy check."
+    )
 
 
 class TrainerSettings(ProcessSettings):

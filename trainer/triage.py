@@ -6,7 +6,7 @@ The worker (:mod:`livelora.trainer.worker`) trains a due batch in three moves:
    build, fit the context, use in-vocabulary ids: :meth:`livelora.trainer.online.OnlineTrainer.screen`);
    they are dead-lettered (``rejected.jsonl``, acknowledged) and :func:`without` gives the batch of the rest;
 2. the rest trains; if the step still refuses the data (a user-category error) and the error names a datum
-   (``param`` ``data[i]...``, as :mod:`livelora.adapters.losses` does), :func:`culprit` maps it to its event,
+   (``param`` ``data[i]...``, as :mod:`livelora.core.losses` does), :func:`culprit` maps it to its event,
    which alone is dead-lettered, and the rest is tried again;
 3. only an error that names no datum dead-letters the whole batch, as before.
 
@@ -20,7 +20,7 @@ import json
 import re
 from collections.abc import Mapping
 
-from livelora.adapters import metrics
+from livelora.core import metrics
 from livelora.trainer.scheduler import Batch, kto_class_weights
 
 _DATUM = re.compile(r"^data\[(\d+)\]")
@@ -59,5 +59,14 @@ def rejected_lines(batch: Batch, reasons: Mapping[int, str]) -> list[str]:
     of ``reasons``."""
     for i in reasons:
         metrics.SIGNALS.labels("dead_lettered", batch.events[i].type).inc()
-    return [json.dumps({"stream_id": batch.stream_ids[i], "event_id": batch.events[i].id, "kind": batch.kind,
-                        "reason": reason[:1000]}) for i, reason in sorted(reasons.items())]
+    return [
+        json.dumps(
+            {
+                "stream_id": batch.stream_ids[i],
+                "event_id": batch.events[i].id,
+                "kind": batch.kind,
+                "reason": reason[:1000],
+            }
+        )
+        for i, reason in sorted(reasons.items())
+    ]

@@ -57,17 +57,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 import redis
 
-from livelora.adapters.bus import ensure_group, publish_notice, redis_unavailable
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
+from livelora.core.bus import ensure_group, publish_notice, redis_unavailable
+from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.trainer import triage
 from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
 from livelora.trainer.retention import VersionRoom
@@ -75,8 +75,16 @@ from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TRAINED_FILE", "TrainerWorker", "TrainingBackend", "append_lines", "build_worker", "dataset_dir",
-           "read_dataset", "run_worker"]
+__all__ = [
+    "TRAINED_FILE",
+    "TrainerWorker",
+    "TrainingBackend",
+    "append_lines",
+    "build_worker",
+    "dataset_dir",
+    "read_dataset",
+    "run_worker",
+]
 
 #: Seconds an event id stays in the Redis trained set (a fast path; ``trained.jsonl`` is the full record).
 TRAINED_SET_WINDOW_S = 24 * 3600
@@ -168,17 +176,31 @@ class TrainerWorker:
         read_count: entries per read.
         max_failures: a batch failing this many times with a transient error is dead-lettered.
         clock: time source (seconds); tests pass their own.
-        governor: feedback governance (:class:`~livelora.trainer.governance.FeedbackGovernor`: per-rater
+        governor: feedback governance (:class:`~livelora.trainer.signal_governor.FeedbackGovernor`: per-rater
             rate limit and quarantine, forgotten users); ``None``: every event is admitted.
-        versions, quota_retry_s: the ``max_adapter_versions`` limit (:class:`~livelora.adapters.quotas.
+        versions, quota_retry_s: the ``max_adapter_versions`` limit (:class:`~livelora.core.quotas.
             AdapterVersions`; ``None``: none) and the wait of a held-back step (:mod:`livelora.trainer.retention`).
     """
 
-    def __init__(self, client: redis.Redis, keys: KeyLayout, home: Path, backend: TrainingBackend,
-                 scheduler: BatchScheduler | None = None, *, consumer: str | None = None,
-                 claim_idle_s: float = 120.0, claim_interval_s: float = 10.0, block_ms: int = 1000,
-                 read_count: int = 64, max_failures: int = 3, clock: Callable[[], float] = time.time,
-                 governor: Any = None, versions: Any = None, quota_retry_s: float = 30.0):
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: KeyLayout,
+        home: Path,
+        backend: TrainingBackend,
+        scheduler: BatchScheduler | None = None,
+        *,
+        consumer: str | None = None,
+        claim_idle_s: float = 120.0,
+        claim_interval_s: float = 10.0,
+        block_ms: int = 1000,
+        read_count: int = 64,
+        max_failures: int = 3,
+        clock: Callable[[], float] = time.time,
+        governor: Any = None,
+        versions: Any = None,
+        quota_retry_s: float = 30.0,
+    ):
         self.client = client
         self.keys = keys
         self.home = Path(home)
@@ -213,8 +235,7 @@ class TrainerWorker:
         ensure_group(self.client, self.keys)
         self.trained.refresh()
         with redis_unavailable():
-            own = self.client.xreadgroup(TRAINERS_GROUP, self.consumer, {self.keys.signals: "0"},
-                                         count=10_000)
+            own = self.client.xreadgroup(TRAINERS_GROUP, self.consumer, {self.keys.signals: "0"}, count=10_000)
         entries = own[0][1] if own else []
         self._ingest([(sid, f) for sid, f in entries if f])
         self._started = True
@@ -244,7 +265,7 @@ class TrainerWorker:
             held = sorted(self._held)
         lost: set[str] = set()
         for i in range(0, len(held), 500):
-            chunk = held[i:i + 500]
+            chunk = held[i : i + 500]
             with redis_unavailable():
                 mine = set(self._renew(keys=[self.keys.signals], args=[TRAINERS_GROUP, self.consumer, *chunk]))
             lost.update(set(chunk) - mine)
@@ -269,9 +290,14 @@ class TrainerWorker:
         cursor = "0-0"
         with redis_unavailable():
             while True:
-                res = self.client.xautoclaim(self.keys.signals, TRAINERS_GROUP, self.consumer,
-                                             min_idle_time=int(self.claim_idle_s * 1000), start_id=cursor,
-                                             count=100)
+                res = self.client.xautoclaim(
+                    self.keys.signals,
+                    TRAINERS_GROUP,
+                    self.consumer,
+                    min_idle_time=int(self.claim_idle_s * 1000),
+                    start_id=cursor,
+                    count=100,
+                )
                 cursor, entries = res[0], res[1]
                 got.extend((sid, f) for sid, f in entries if f)
                 if cursor in ("0-0", b"0-0"):
@@ -302,15 +328,14 @@ class TrainerWorker:
         if not entries:
             return
         now = self.clock()
-        day = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d")
+        day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
         records, parsed, bad = [], [], []
         for sid, fields in entries:
             try:
                 ev = parse_stream_event(fields)
             except (ValueError, KeyError) as exc:
                 bad.append(sid)
-                records.append((sid, {"stream_id": sid, "received": now, "invalid": str(exc)[:500],
-                                      "fields": fields}))
+                records.append((sid, {"stream_id": sid, "received": now, "invalid": str(exc)[:500], "fields": fields}))
                 continue
             parsed.append((sid, ev))
             if self.governor is not None and self.governor.forgotten(ev):
@@ -326,7 +351,8 @@ class TrainerWorker:
             lineage = self.endpoints.get(ev.endpoint).lineage
             hold_out = getattr(self.backend, "hold_out", None)  # kept for the gate's signal check, or governed out
             if (self.governor is not None and self.governor.admit(lineage, ev, now)) or (
-                    hold_out is not None and hold_out(lineage, ev)):
+                hold_out is not None and hold_out(lineage, ev)
+            ):
                 ack.append(sid)
                 continue
             self._hold([sid])
@@ -343,10 +369,20 @@ class TrainerWorker:
         pending for this worker. Returns how many events were already in the set (should be 0)."""
         now = time.time()
         with redis_unavailable():
-            dup = int(self._commit_script(
-                keys=[self.keys.signals, self.keys.signals_trained, self.keys.signals_retrained],
-                args=[TRAINERS_GROUP, self.consumer, len(event_ids), now, now - TRAINED_SET_WINDOW_S, *event_ids,
-                      *stream_ids]))
+            dup = int(
+                self._commit_script(
+                    keys=[self.keys.signals, self.keys.signals_trained, self.keys.signals_retrained],
+                    args=[
+                        TRAINERS_GROUP,
+                        self.consumer,
+                        len(event_ids),
+                        now,
+                        now - TRAINED_SET_WINDOW_S,
+                        *event_ids,
+                        *stream_ids,
+                    ],
+                )
+            )
         self._release(stream_ids)
         return dup
 
@@ -365,9 +401,13 @@ class TrainerWorker:
             self._last_claim = now
             self._ingest(self._reclaim())
         with redis_unavailable():
-            res = self.client.xreadgroup(TRAINERS_GROUP, self.consumer, {self.keys.signals: ">"},
-                                         count=self.read_count,
-                                         block=self.block_ms if block_ms is None else block_ms)
+            res = self.client.xreadgroup(
+                TRAINERS_GROUP,
+                self.consumer,
+                {self.keys.signals: ">"},
+                count=self.read_count,
+                block=self.block_ms if block_ms is None else block_ms,
+            )
         self._ingest([(sid, f) for sid, f in (res[0][1] if res else []) if f])
         self._hand_off_lonely()
         out = []
@@ -389,11 +429,18 @@ class TrainerWorker:
         max_wait = getattr(self.scheduler.config, "max_wait_s", 30.0)
         for sid, ev in self.scheduler.take_lonely(self.clock(), 2 * max_wait):
             with redis_unavailable():
-                new = self._handoff(keys=[self.keys.signals], args=[TRAINERS_GROUP, self.consumer, sid,
-                                                                     ev.model_dump_json(), ev.replaces or ""])
+                new = self._handoff(
+                    keys=[self.keys.signals],
+                    args=[TRAINERS_GROUP, self.consumer, sid, ev.model_dump_json(), ev.replaces or ""],
+                )
             self._release([sid])
-            log.info("lone rating %s handed back to the group (%s → %s): a KTO step needs two ratings of one "
-                     "endpoint, so it trains with the next one", ev.id, sid, new or "not ours")
+            log.info(
+                "lone rating %s handed back to the group (%s → %s): a KTO step needs two ratings of one "
+                "endpoint, so it trains with the next one",
+                ev.id,
+                sid,
+                new or "not ours",
+            )
 
     def _screen(self, batch: Batch) -> Batch | None:
         """Take out of a due batch the events trained meanwhile by any worker (acknowledged) and the entries
@@ -410,8 +457,12 @@ class TrainerWorker:
         keep = [(sid, e) for sid, e in zip(batch.stream_ids, batch.events) if sid not in lost and e.id not in done]
         if len(keep) == len(batch.events):
             return batch
-        log.info("batch for %s: %d event(s) already trained, %d claimed by another worker", batch.lineage,
-                 len(done), len(lost))
+        log.info(
+            "batch for %s: %d event(s) already trained, %d claimed by another worker",
+            batch.lineage,
+            len(done),
+            len(lost),
+        )
         if not keep:
             return None
         out = Batch(batch.lineage, batch.kind, [e for _, e in keep], [sid for sid, _ in keep])
@@ -439,8 +490,9 @@ class TrainerWorker:
                 if index is not None and len(batch.events) > 1:
                     rest = self._reject(batch, {index: str(exc)})
                     return self._train(rest) if rest is not None else None
-                log.error("dropping a %s batch of %d event(s) for %s: %s", batch.kind, len(batch.events),
-                          batch.lineage, exc)
+                log.error(
+                    "dropping a %s batch of %d event(s) for %s: %s", batch.kind, len(batch.events), batch.lineage, exc
+                )
                 self._dead_letter(batch, str(exc))
                 return None
             return self._failed(batch, key, exc)
@@ -448,17 +500,34 @@ class TrainerWorker:
             return self._failed(batch, key, exc)
         self._failures.pop(key, None)
         event_ids = [e.id for e in batch.events]
-        append_lines(dataset_dir(self.home) / TRAINED_FILE, [json.dumps(
-            {"version": manifest.name, "event_ids": event_ids, "stream_ids": batch.stream_ids,
-             "started_at": round(started_at, 3), "written_at": round(self.clock(), 3)})])
+        append_lines(
+            dataset_dir(self.home) / TRAINED_FILE,
+            [
+                json.dumps(
+                    {
+                        "version": manifest.name,
+                        "event_ids": event_ids,
+                        "stream_ids": batch.stream_ids,
+                        "started_at": round(started_at, 3),
+                        "written_at": round(self.clock(), 3),
+                    }
+                )
+            ],
+        )
         dup = self._commit(event_ids, batch.stream_ids)
         if dup:
             log.error("%d event(s) of %s had already been trained by another worker", dup, manifest.name)
-        notice = VersionNotice(lineage=manifest.lineage, version=manifest.version, name=manifest.name,
-                               path=str(self.backend.path_of(manifest)), sha256=manifest.sha256,
-                               endpoint=batch.endpoint,
-                               parent=f"{manifest.lineage}@{manifest.parent}" if manifest.parent else None,
-                               kind=batch.kind, created=int(self.clock()))
+        notice = VersionNotice(
+            lineage=manifest.lineage,
+            version=manifest.version,
+            name=manifest.name,
+            path=str(self.backend.path_of(manifest)),
+            sha256=manifest.sha256,
+            endpoint=batch.endpoint,
+            parent=f"{manifest.lineage}@{manifest.parent}" if manifest.parent else None,
+            kind=batch.kind,
+            created=int(self.clock()),
+        )
         self.published.append(notice)
         try:
             publish_notice(self.client, self.keys, notice.model_dump(mode="json"))
@@ -482,8 +551,14 @@ class TrainerWorker:
         when nothing is left to train now (a lone KTO rating goes back to the queue to wait for more)."""
         if not reasons:
             return batch
-        log.error("dead-lettering %d of %d %s event(s) for %s: %s", len(reasons), len(batch.events), batch.kind,
-                  batch.lineage, "; ".join(reasons.values())[:500])
+        log.error(
+            "dead-lettering %d of %d %s event(s) for %s: %s",
+            len(reasons),
+            len(batch.events),
+            batch.kind,
+            batch.lineage,
+            "; ".join(reasons.values())[:500],
+        )
         append_lines(dataset_dir(self.home) / "rejected.jsonl", triage.rejected_lines(batch, reasons))
         self._ack([batch.stream_ids[i] for i in reasons])
         rest = triage.without(batch, reasons)
@@ -528,13 +603,14 @@ def run_loop(worker: TrainerWorker, stop: threading.Event, retry_s: float = 1.0)
 def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> TrainerWorker:
     """A worker wired from :class:`~livelora.trainer.settings.TrainerSettings` (environment by default):
     real Redis client, the settings' base model, an :class:`~livelora.trainer.online.OnlineTrainer`."""
-    from livelora.adapters.bus import connect_sync
-    from livelora.adapters.metering import Meter
-    from livelora.adapters.models import resolve_base_model
-    from livelora.adapters.quotas import AdapterVersions, Limits
-    from livelora.trainer.governance import FeedbackGovernor
+    from livelora.adapters.kept_versions import AdapterVersions
+    from livelora.core.base_models import resolve_base_model
+    from livelora.core.bus import connect_sync
+    from livelora.core.metering import Meter
+    from livelora.core.quotas import Limits
     from livelora.trainer.online import OnlineTrainer
     from livelora.trainer.settings import TrainerSettings
+    from livelora.trainer.signal_governor import FeedbackGovernor
 
     s = settings or TrainerSettings()
     t = s.training
@@ -542,12 +618,28 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
     keys = KeyLayout(s.redis_prefix)
     meter = Meter(keys, enabled=s.observability.metering)
     backend = OnlineTrainer(resolve_base_model(s.model, s.home), s.home, t, gate=s.gate, meter=meter, redis=client)
-    governor = FeedbackGovernor(client, keys, s.home, max_events=t.rater_max_events, window_s=t.rater_window_s,
-                                agreement=t.rater_agreement, agreement_window=t.rater_agreement_window)
-    return TrainerWorker(client, keys, s.home, backend, BatchScheduler(t), consumer=t.consumer,
-                         claim_idle_s=t.claim_idle_s, claim_interval_s=min(10.0, t.claim_idle_s / 2),
-                         governor=governor, versions=AdapterVersions(s.home, Limits.from_settings(s.quotas)),
-                         quota_retry_s=t.quota_retry_s)
+    governor = FeedbackGovernor(
+        client,
+        keys,
+        s.home,
+        max_events=t.rater_max_events,
+        window_s=t.rater_window_s,
+        agreement=t.rater_agreement,
+        agreement_window=t.rater_agreement_window,
+    )
+    return TrainerWorker(
+        client,
+        keys,
+        s.home,
+        backend,
+        BatchScheduler(t),
+        consumer=t.consumer,
+        claim_idle_s=t.claim_idle_s,
+        claim_interval_s=min(10.0, t.claim_idle_s / 2),
+        governor=governor,
+        versions=AdapterVersions(s.home, Limits.from_settings(s.quotas)),
+        quota_retry_s=t.quota_retry_s,
+    )
 
 
 def run_worker(settings: Any = None) -> None:
@@ -558,7 +650,7 @@ def run_worker(settings: Any = None) -> None:
     """
     import signal
 
-    from livelora.adapters.install import bind_install
+    from livelora.core.install import bind_install
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -62,15 +62,24 @@ def main(cfg: Config) -> None:
                 all_rewards += rewards
                 for s, adv in zip(seqs, advantages(rewards)):
                     full, n_prompt = prompt + s.tokens, len(prompt) - 1
-                    data.append(Datum(model_input=ModelInput.from_ints(full[:-1]), loss_fn_inputs={
-                        "target_tokens": TensorData.from_list(full[1:], "int64"),
-                        "logprobs": TensorData.from_list([0.0] * n_prompt + list(s.logprobs), "float32"),
-                        "advantages": TensorData.from_list([0.0] * n_prompt + [adv] * len(s.tokens), "float32")}))
+                    data.append(
+                        Datum(
+                            model_input=ModelInput.from_ints(full[:-1]),
+                            loss_fn_inputs={
+                                "target_tokens": TensorData.from_list(full[1:], "int64"),
+                                "logprobs": TensorData.from_list([0.0] * n_prompt + list(s.logprobs), "float32"),
+                                "advantages": TensorData.from_list([0.0] * n_prompt + [adv] * len(s.tokens), "float32"),
+                            },
+                        )
+                    )
             fb = tc.forward_backward(data, "importance_sampling")
             opt = tc.optim_step(AdamParams(learning_rate=cfg.lr))
             loss, metrics = fb.result().metrics["loss:sum"], opt.result().metrics
-            print(f"step {step + 1:3d}  mean reward {sum(all_rewards) / len(all_rewards):.3f}  loss {loss:+.4f}  "
-                  f"grad_norm {metrics['grad_norm:mean']:.3f}  sampler {sampler.adapter}", flush=True)
+            print(
+                f"step {step + 1:3d}  mean reward {sum(all_rewards) / len(all_rewards):.3f}  loss {loss:+.4f}  "
+                f"grad_norm {metrics['grad_norm:mean']:.3f}  sampler {sampler.adapter}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

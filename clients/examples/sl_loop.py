@@ -19,8 +19,12 @@ from dataclasses import dataclass
 from livelora.clients import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TensorData
 from livelora.clients.tokens import encode_text  # text is plain text: no control tokens from it
 
-PAIRS = [("What is the capital of France?", " Paris."), ("What colour is the sky?", " Blue."),
-         ("How many legs does a spider have?", " Eight."), ("What is 2+2?", " Four.")]
+PAIRS = [
+    ("What is the capital of France?", " Paris."),
+    ("What colour is the sky?", " Blue."),
+    ("How many legs does a spider have?", " Eight."),
+    ("What is 2+2?", " Four."),
+]
 
 
 @dataclass
@@ -37,9 +41,13 @@ def make_datum(tokenizer, prompt: str, answer: str) -> Datum:
     p, a = encode_text(tokenizer, prompt, add_special_tokens=True), encode_text(tokenizer, answer)
     tokens = p + a
     weights = [0.0] * (len(p) - 1) + [1.0] * len(a)
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": TensorData.from_list(tokens[1:], "int64"),
-                                 "weights": TensorData.from_list(weights, "float32")})
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(tokens[1:], "int64"),
+            "weights": TensorData.from_list(weights, "float32"),
+        },
+    )
 
 
 def main(cfg: Config) -> None:
@@ -51,25 +59,31 @@ def main(cfg: Config) -> None:
         tokenizer = tc.get_tokenizer()
         batch = [make_datum(tokenizer, q, a) for q, a in PAIRS]
         n_answer = sum(sum(d.loss_fn_inputs["weights"].data) for d in batch)
-        for step in range(cfg.steps):
+        for _step in range(cfg.steps):
             t0 = time.monotonic()
-            fb = tc.forward_backward(batch, "cross_entropy")          # both ops are queued at once and
-            opt = tc.optim_step(AdamParams(learning_rate=cfg.lr))       # run in order on the server
+            fb = tc.forward_backward(batch, "cross_entropy")  # both ops are queued at once and
+            opt = tc.optim_step(AdamParams(learning_rate=cfg.lr))  # run in order on the server
             loss, metrics = fb.result().metrics["loss:sum"], opt.result().metrics
-            print(f"step {int(metrics['step:max']):3d}  loss/token {loss / n_answer:.4f}  "
-                  f"grad_norm {metrics['grad_norm:mean']:.3f}  {time.monotonic() - t0:.2f}s", flush=True)
+            print(
+                f"step {int(metrics['step:max']):3d}  loss/token {loss / n_answer:.4f}  "
+                f"grad_norm {metrics['grad_norm:mean']:.3f}  {time.monotonic() - t0:.2f}s",
+                flush=True,
+            )
         path = tc.save_state(f"sl-step-{int(metrics['step:max'])}", overwrite=True).result().path
         print(f"saved {path}")
         sampler = tc.save_weights_and_get_sampling_client()
         prompt = ModelInput.from_ints(encode_text(tokenizer, PAIRS[0][0], add_special_tokens=True))
         out = sampler.sample(prompt, 1, SamplingParams(max_tokens=8, temperature=0.0)).result()
-        print(f"{PAIRS[0][0]!r} -> {tokenizer.decode(out.sequences[0].tokens)!r} (model {sampler.adapter!r} is "
-              "also served at /v1/chat/completions while this session lives)")
+        print(
+            f"{PAIRS[0][0]!r} -> {tokenizer.decode(out.sequences[0].tokens)!r} (model {sampler.adapter!r} is "
+            "also served at /v1/chat/completions while this session lives)"
+        )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, value in vars(Config()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value) if value is not None else str,
-                            default=value)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=type(value) if value is not None else str, default=value
+        )
     main(Config(**vars(parser.parse_args())))

@@ -13,8 +13,9 @@ from typing import Literal
 Estimator = Literal["mean", "mean_std", "loo"]
 
 
-def group_advantages(rewards_G: Sequence[float], estimator: Estimator = "mean", *, eps: float = 1e-4,
-                     std_floor: float = 1e-3) -> list[float]:
+def group_advantages(
+    rewards_G: Sequence[float], estimator: Estimator = "mean", *, eps: float = 1e-4, std_floor: float = 1e-3
+) -> list[float]:
     """Per-sample advantages of one group.
 
     Args:
@@ -50,8 +51,9 @@ def group_advantages(rewards_G: Sequence[float], estimator: Estimator = "mean", 
     return centred
 
 
-def reverse_kl_advantages(sampled_logprobs_T: Sequence[float], teacher_logprobs_T: Sequence[float],
-                          coef: float = 1.0) -> list[float]:
+def reverse_kl_advantages(
+    sampled_logprobs_T: Sequence[float], teacher_logprobs_T: Sequence[float], coef: float = 1.0
+) -> list[float]:
     """On-policy distillation: per-token ``A_t = −coef·(q_t − lp^teacher_t)``, the negative sampled reverse KL
     (tinker-cookbook ``distillation/train_on_policy.py``; Agarwal et al. 2024, arXiv 2306.13649; losses.md
     §2.8, §3.6). ``q_t`` is the student's (sampler's) logprob of its own token t.

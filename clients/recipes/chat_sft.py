@@ -30,14 +30,16 @@ class Config(RecipeConfig):
     data: str = Field(..., description="Messages JSONL file, hub dataset name, or (dataset=gsm8k) a GSM8K folder.")
     dataset: Literal["messages", "gsm8k"] = Field("messages", description="Data format.")
     split: str = Field("train", description="Split to train on (hub datasets and GSM8K).")
-    eval_data: str | None = Field(None, description="Held-out messages JSONL (default: hold out eval_size "
-                                                    "conversations; GSM8K: the test split).")
+    eval_data: str | None = Field(
+        None, description="Held-out messages JSONL (default: hold out eval_size conversations; GSM8K: the test split)."
+    )
     eval_size: int = Field(64, ge=1, description="Held-out conversations evaluated.")
     batch_size: int = Field(8, ge=1, description="Conversations per step.")
     max_length: int = Field(512, ge=8, description="Longest conversation in tokens.")
     too_long: TooLong = Field("error", description="Longer conversations: error, skip or truncate.")
-    train_on: Literal["all_assistant", "last_assistant"] = Field("all_assistant", description="Assistant turns "
-                                                                                              "to train on.")
+    train_on: Literal["all_assistant", "last_assistant"] = Field(
+        "all_assistant", description="Assistant turns to train on."
+    )
     system_prompt: str | None = Field(None, description="System message added when a conversation has none.")
     learning_rate: float = Field(2e-4, gt=0, description="Adam learning rate.")
     steps: int = Field(40, ge=1, description="Optimizer steps.")
@@ -45,12 +47,20 @@ class Config(RecipeConfig):
 
 def _conversations(cfg: Config) -> tuple[list, list]:
     if cfg.dataset == "gsm8k":
-        as_chat = lambda ps: [[{"role": "user", "content": p.question},  # noqa: E731
-                               {"role": "assistant", "content": p.solution}] for p in ps]
-        return as_chat(gsm8k(cfg.data, cfg.split)), as_chat(gsm8k(cfg.data, "test")[:cfg.eval_size])
+
+        def as_chat(ps):
+            return [
+                [
+                    {"role": "user", "content": p.question},
+                    {"role": "assistant", "content": p.solution},
+                ]
+                for p in ps
+            ]
+
+        return as_chat(gsm8k(cfg.data, cfg.split)), as_chat(gsm8k(cfg.data, "test")[: cfg.eval_size])
     convs = load_chat(cfg.data, cfg.split)
     if cfg.eval_data:
-        return convs, load_chat(cfg.eval_data, "test")[:cfg.eval_size]
+        return convs, load_chat(cfg.eval_data, "test")[: cfg.eval_size]
     return split(convs, cfg.eval_size, cfg.seed)
 
 
@@ -60,11 +70,12 @@ def _encode(renderer: ChatRenderer, conv: list, cfg: Config, where: str) -> tupl
     tokens, weights = renderer.supervised(conv, cfg.train_on)
     if not check_length(tokens, cfg.max_length, cfg.too_long, where):
         return None
-    return tokens[:cfg.max_length], weights[:cfg.max_length]
+    return tokens[: cfg.max_length], weights[: cfg.max_length]
 
 
-def run(cfg: Config, *, sdk: Sdk | None = None,
-        on_step: Callable[[int, dict[str, float]], None] | None = None) -> Summary:
+def run(
+    cfg: Config, *, sdk: Sdk | None = None, on_step: Callable[[int, dict[str, float]], None] | None = None
+) -> Summary:
     """Train ``cfg.steps`` SFT steps (resuming from ``cfg.log_dir`` if it holds a checkpoint)."""
     r = Run(cfg, "chat-sft", sdk=sdk, on_step=on_step)
     try:
@@ -74,7 +85,8 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
         if not held:
             raise ValueError(f"no held-out conversation fits max_length {cfg.max_length}")
         train = functools.lru_cache(maxsize=None)(
-            lambda i: _encode(renderer, train_convs[i], cfg, f"train conversation {i}"))
+            lambda i: _encode(renderer, train_convs[i], cfg, f"train conversation {i}")
+        )
         eval_data = [supervised_datum(r.sdk, t, w) for t, w in held]
         eval_w = [w[1:] for _, w in held]
 
@@ -92,8 +104,16 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             loss = fb.result().metrics["loss:sum"]
             opt.result()
             n_tok = sum(sum(w[1:]) for _, w in batch)
-            r.end_step(step, {"train/loss": loss / max(n_tok, 1), "train/tokens": n_tok,
-                              "train/seqs": len(batch), "time/step_s": time.monotonic() - t0}, evaluate)
+            r.end_step(
+                step,
+                {
+                    "train/loss": loss / max(n_tok, 1),
+                    "train/tokens": n_tok,
+                    "train/seqs": len(batch),
+                    "time/step_s": time.monotonic() - t0,
+                },
+                evaluate,
+            )
         return r.finish(evaluate)
     except BaseException:
         r.abort()

@@ -86,8 +86,10 @@ def save_config(log_dir: Path, config: dict[str, Any], resumable: frozenset[str]
         diff = sorted(k for k in set(old) | set(config) if k not in resumable and old.get(k) != config.get(k))
         if diff and last_checkpoint(log_dir) is not None:
             changes = ", ".join(f"{k}: {old.get(k)!r} -> {config.get(k)!r}" for k in diff)
-            raise ConfigMismatchError(f"{log_dir} holds a run with another config ({changes}); "
-                                      "pass a new log_dir, or the same settings to resume it")
+            raise ConfigMismatchError(
+                f"{log_dir} holds a run with another config ({changes}); "
+                "pass a new log_dir, or the same settings to resume it"
+            )
     write_json_atomic(path, config)
 
 

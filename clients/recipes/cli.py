@@ -35,8 +35,11 @@ RECIPES = {
     "distill": "livelora.clients.recipes.distill",
 }
 
-recipe_app = typer.Typer(help="Training recipes over the training-session API (chat SFT, GSM8K RL, KTO, DPO, "
-                              "distillation): metrics, checkpoints, exact resume.", no_args_is_help=True)
+recipe_app = typer.Typer(
+    help="Training recipes over the training-session API (chat SFT, GSM8K RL, KTO, DPO, "
+    "distillation): metrics, checkpoints, exact resume.",
+    no_args_is_help=True,
+)
 console = Console(stderr=True)
 
 
@@ -64,9 +67,14 @@ def _parameters(config_cls: type, recipe: str) -> list[inspect.Parameter]:
             default = ...
         else:
             default = field.default
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                        annotation=Annotated[typ | None if default is None else typ,
-                                                             typer.Option(*decls, help=help_text)]))
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=default,
+                annotation=Annotated[typ | None if default is None else typ, typer.Option(*decls, help=help_text)],
+            )
+        )
     return params
 
 
@@ -104,8 +112,15 @@ def _make_command(recipe: str, module_name: str):
         # a terminal gets a live bar; a log file or pipe (nohup, CI) gets one plain line per step instead
         lines = not console.is_terminal
         started = time.monotonic()
-        with Progress(TextColumn(f"[bold]{recipe}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.description}"), console=console, disable=lines) as progress:
+        with Progress(
+            TextColumn(f"[bold]{recipe}[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+            disable=lines,
+        ) as progress:
             task = progress.add_task("starting", total=cfg.steps)
             if lines:
                 console.print(f"{recipe}: starting, {cfg.steps} steps", soft_wrap=True)
@@ -115,8 +130,11 @@ def _make_command(recipe: str, module_name: str):
                 text = " ".join(f"{k}={v:.4g}" for k, v in shown.items())
                 progress.update(task, completed=done, description=text)
                 if lines:
-                    console.print(f"{recipe}: step {done}/{cfg.steps} {time.monotonic() - started:.0f}s {text}",
-                                  soft_wrap=True, highlight=False)
+                    console.print(
+                        f"{recipe}: step {done}/{cfg.steps} {time.monotonic() - started:.0f}s {text}",
+                        soft_wrap=True,
+                        highlight=False,
+                    )
 
             try:
                 summary = module.run(cfg, on_step=on_step)

@@ -54,8 +54,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def _hub(name: str, split: str, config: str | None = None) -> list[dict[str, Any]]:
     if name.startswith(("/", "./", "../", "~")) or Path(name).suffix in (".jsonl", ".json"):
-        raise DataError(f"{name!r}: no such file or folder (a local path; hub data set names look like "
-                        "'org/name')")
+        raise DataError(f"{name!r}: no such file or folder (a local path; hub data set names look like 'org/name')")
     try:
         import datasets
     except ImportError as exc:
@@ -63,8 +62,10 @@ def _hub(name: str, split: str, config: str | None = None) -> list[dict[str, Any
     try:
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as exc:  # offline, unknown name, gated, ...
-        raise DataError(f"{name!r} is not a local path and could not be loaded from the Hugging Face hub "
-                        f"({type(exc).__name__}: {str(exc)[:200]}); pass a local JSONL file instead") from None
+        raise DataError(
+            f"{name!r} is not a local path and could not be loaded from the Hugging Face hub "
+            f"({type(exc).__name__}: {str(exc)[:200]}); pass a local JSONL file instead"
+        ) from None
 
 
 def load_chat(source: str, split: str = "train") -> list[list[dict[str, str]]]:
@@ -196,12 +197,14 @@ def load_ratings(source: str | Path, renderer: ChatRenderer) -> list[Rated]:
             completion = list(ev["completion_token_ids"])
             if ev.get("finish_reason") == "stop" and stop and completion[-1:] != stop[-1:]:
                 completion += stop
-            latest[ev.get("rating_key") or ev["id"]] = Rated(tuple(ev["prompt_token_ids"]), tuple(completion),
-                                                             bool(ev["rating"]))
+            latest[ev.get("rating_key") or ev["id"]] = Rated(
+                tuple(ev["prompt_token_ids"]), tuple(completion), bool(ev["rating"])
+            )
         elif "label" in row and "completion" in row:
             where = f"{source} row {i + 1}"
-            latest[f"row{i}"] = Rated(_prompt(row, renderer, where), _reply(row["completion"], renderer, where),
-                                      bool(row["label"]))
+            latest[f"row{i}"] = Rated(
+                _prompt(row, renderer, where), _reply(row["completion"], renderer, where), bool(row["label"])
+            )
     if not latest:
         raise DataError(f"{source}: no ratings found (rating events or rows with prompt/completion/label)")
     return list(latest.values())
@@ -234,11 +237,17 @@ def load_preferences(source: str | Path, renderer: ChatRenderer) -> list[Pair]:
             continue
         where = f"{source} row {i + 1}"
         if rec.get("chosen_token_ids") and rec.get("rejected_token_ids"):
-            out.append(Pair(_prompt(rec, renderer, where), tuple(rec["chosen_token_ids"]),
-                            tuple(rec["rejected_token_ids"])))
+            out.append(
+                Pair(_prompt(rec, renderer, where), tuple(rec["chosen_token_ids"]), tuple(rec["rejected_token_ids"]))
+            )
         elif rec.get("chosen") is not None and rec.get("rejected") is not None:
-            out.append(Pair(_prompt(rec, renderer, where), _reply(rec["chosen"], renderer, where),
-                            _reply(rec["rejected"], renderer, where)))
+            out.append(
+                Pair(
+                    _prompt(rec, renderer, where),
+                    _reply(rec["chosen"], renderer, where),
+                    _reply(rec["rejected"], renderer, where),
+                )
+            )
     if not out:
         raise DataError(f"{source}: no preference pairs found")
     return out

@@ -27,8 +27,10 @@ def check_length(tokens: Sequence[int], max_length: int, policy: TooLong, where:
     if len(tokens) <= max_length:
         return True
     if policy == "error":
-        raise SequenceTooLongError(f"{where}: {len(tokens)} tokens > max_length {max_length}; raise max_length "
-                                   "or pass too_long='skip' / 'truncate'")
+        raise SequenceTooLongError(
+            f"{where}: {len(tokens)} tokens > max_length {max_length}; raise max_length "
+            "or pass too_long='skip' / 'truncate'"
+        )
     if policy not in ("skip", "truncate"):
         raise ValueError(f"too_long must be error, skip or truncate, got {policy!r}")
     return policy == "truncate"
@@ -52,8 +54,13 @@ def shifted(tokens: Sequence[int], per_token: dict[str, Sequence[float]]) -> tup
 def supervised_datum(sdk: Any, tokens: Sequence[int], weights: Sequence[float]) -> Any:
     """A ``cross_entropy`` datum: ``target_tokens`` (int64 [T-1]) and ``weights`` (float32 [T-1])."""
     inp, shifted_inputs = shifted(tokens, {"weights": weights})
-    return sdk.datum(inp, {"target_tokens": (shifted_inputs["target_tokens"], "int64"),
-                           "weights": (shifted_inputs["weights"], "float32")})
+    return sdk.datum(
+        inp,
+        {
+            "target_tokens": (shifted_inputs["target_tokens"], "int64"),
+            "weights": (shifted_inputs["weights"], "float32"),
+        },
+    )
 
 
 def completion_datum(sdk: Any, prompt: Sequence[int], completion: Sequence[int]) -> Any:
@@ -63,8 +70,13 @@ def completion_datum(sdk: Any, prompt: Sequence[int], completion: Sequence[int])
     return supervised_datum(sdk, tokens, [0.0] * len(prompt) + [1.0] * len(completion))
 
 
-def rl_datum(sdk: Any, prompt: Sequence[int], completion: Sequence[int], sampling_logprobs: Sequence[float],
-             advantages: float | Sequence[float]) -> Any:
+def rl_datum(
+    sdk: Any,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    sampling_logprobs: Sequence[float],
+    advantages: float | Sequence[float],
+) -> Any:
     """An ``importance_sampling`` / ``ppo`` / ``cispo`` datum (tinker-cookbook ``trajectory_to_data``).
 
     Args:
@@ -84,10 +96,17 @@ def rl_datum(sdk: Any, prompt: Sequence[int], completion: Sequence[int], samplin
     if len(adv) != c:
         raise ValueError(f"{len(adv)} advantages for {c} completion tokens")
     zeros = [0.0] * len(prompt)
-    inp, x = shifted(list(prompt) + list(completion), {"logprobs": zeros + list(sampling_logprobs),
-                                                       "advantages": zeros + adv})
-    return sdk.datum(inp, {"target_tokens": (x["target_tokens"], "int64"), "logprobs": (x["logprobs"], "float32"),
-                           "advantages": (x["advantages"], "float32")})
+    inp, x = shifted(
+        list(prompt) + list(completion), {"logprobs": zeros + list(sampling_logprobs), "advantages": zeros + adv}
+    )
+    return sdk.datum(
+        inp,
+        {
+            "target_tokens": (x["target_tokens"], "int64"),
+            "logprobs": (x["logprobs"], "float32"),
+            "advantages": (x["advantages"], "float32"),
+        },
+    )
 
 
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
@@ -105,7 +124,7 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
         epoch, offset = divmod(pos, n)
         order = list(range(n))
         random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        take = order[offset:offset + batch_size - len(out)]
+        take = order[offset : offset + batch_size - len(out)]
         out += take
         pos += len(take)
     return out
@@ -117,7 +136,7 @@ def split(items: Sequence[Any], held_out: int | float, seed: int) -> tuple[list[
     Raises: ValueError if the held-out part or the train part would be empty.
     """
     n = len(items)
-    k = int(round(held_out * n)) if isinstance(held_out, float) and held_out < 1 else int(held_out)
+    k = round(held_out * n) if isinstance(held_out, float) and held_out < 1 else int(held_out)
     if not 0 < k < n:
         raise ValueError(f"cannot hold out {held_out} of {n} examples (both parts must be non-empty)")
     order = list(range(n))
@@ -128,4 +147,4 @@ def split(items: Sequence[Any], held_out: int | float, seed: int) -> tuple[list[
 
 def chunks(seq: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
     for i in range(0, len(seq), size):
-        yield seq[i:i + size]
+        yield seq[i : i + size]

@@ -34,12 +34,16 @@ CONCISE = "Answer in one short sentence."
 
 
 class Config(RecipeConfig):
-    data: str = Field(..., description="Prompts: a GSM8K folder/hub name (dataset=gsm8k), a messages JSONL "
-                                       "(the first user turn is the prompt) or a JSONL of {'prompt': str}.")
+    data: str = Field(
+        ...,
+        description="Prompts: a GSM8K folder/hub name (dataset=gsm8k), a messages JSONL "
+        "(the first user turn is the prompt) or a JSONL of {'prompt': str}.",
+    )
     dataset: Literal["gsm8k", "messages", "prompts"] = Field("gsm8k", description="Prompt source format.")
     teacher_path: str | None = Field(None, description="Teacher sampler checkpoint (tinker://...).")
-    teacher_system_prompt: str | None = Field(CONCISE, description="Context distillation: the teacher is the "
-                                                                   "base model with this system prompt.")
+    teacher_system_prompt: str | None = Field(
+        CONCISE, description="Context distillation: the teacher is the base model with this system prompt."
+    )
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step.")
     group_size: int = Field(2, ge=1, description="Student samples per prompt.")
     max_tokens: int = Field(48, ge=1, description="Reply token budget.")
@@ -58,7 +62,7 @@ class Config(RecipeConfig):
 
 def _prompts(cfg: Config) -> tuple[list[str], list[str]]:
     if cfg.dataset == "gsm8k":
-        held = [p.question for p in gsm8k(cfg.data, "test")][:cfg.eval_size]
+        held = [p.question for p in gsm8k(cfg.data, "test")][: cfg.eval_size]
         return [p.question for p in gsm8k(cfg.data, "train")], held
     if cfg.dataset == "messages":
         texts = [next(m["content"] for m in conv if m["role"] == "user") for conv in load_chat(cfg.data)]
@@ -67,15 +71,19 @@ def _prompts(cfg: Config) -> tuple[list[str], list[str]]:
     return split(texts, cfg.eval_size, cfg.seed)
 
 
-def run(cfg: Config, *, sdk: Sdk | None = None,
-        on_step: Callable[[int, dict[str, float]], None] | None = None) -> Summary:
+def run(
+    cfg: Config, *, sdk: Sdk | None = None, on_step: Callable[[int, dict[str, float]], None] | None = None
+) -> Summary:
     """Train ``cfg.steps`` distillation steps (resuming from ``cfg.log_dir`` if it holds a checkpoint)."""
     r = Run(cfg, "distill", sdk=sdk, on_step=on_step)
     try:
         student_r = ChatRenderer(r.tokenizer)
         teacher_r = student_r if cfg.teacher_path else ChatRenderer(r.tokenizer, cfg.teacher_system_prompt)
-        teacher = (r.service.create_sampling_client(model_path=cfg.teacher_path) if cfg.teacher_path
-                   else r.service.create_sampling_client(base_model=cfg.base_model))
+        teacher = (
+            r.service.create_sampling_client(model_path=cfg.teacher_path)
+            if cfg.teacher_path
+            else r.service.create_sampling_client(base_model=cfg.base_model)
+        )
         train, held = _prompts(cfg)
         user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
 
@@ -83,14 +91,25 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             """(student prompt, sequence, teacher logprobs of its tokens) for n samples per prompt."""
             sp = [student_r.prompt_tokens(user(t)) for t in texts]
             params = lambda i: r.sdk.sampling_params(  # noqa: E731
-                max_tokens=cfg.max_tokens, temperature=1.0, seed=seed + i)
-            res = gather([lambda i=i, p=p: sampler.sample(r.sdk.model_input(p), n, params(i))
-                          for i, p in enumerate(sp)], max_in_flight=max(1, 24 // n))
-            seqs = [(p, teacher_r.prompt_tokens(user(t)), s) for p, t, x in zip(sp, texts, res)
-                    for s in x.sequences if s.tokens]
-            scores = gather([lambda tp=tp, s=s: teacher.compute_logprobs(r.sdk.model_input(tp + list(s.tokens)))
-                             for _, tp, s in seqs])
-            return [(p, s, list(lp[len(tp):])) for (p, tp, s), lp in zip(seqs, scores)]
+                max_tokens=cfg.max_tokens, temperature=1.0, seed=seed + i
+            )
+            res = gather(
+                [lambda i=i, p=p: sampler.sample(r.sdk.model_input(p), n, params(i)) for i, p in enumerate(sp)],
+                max_in_flight=max(1, 24 // n),
+            )
+            seqs = [
+                (p, teacher_r.prompt_tokens(user(t)), s)
+                for p, t, x in zip(sp, texts, res)
+                for s in x.sequences
+                if s.tokens
+            ]
+            scores = gather(
+                [
+                    lambda tp=tp, s=s: teacher.compute_logprobs(r.sdk.model_input(tp + list(s.tokens)))
+                    for _, tp, s in seqs
+                ]
+            )
+            return [(p, s, list(lp[len(tp) :])) for (p, tp, s), lp in zip(seqs, scores)]
 
         def evaluate(step: int) -> dict[str, float]:
             sampler = r.tc.save_weights_and_get_sampling_client()
@@ -100,8 +119,10 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
         def sample(step: int, sampler: Any) -> dict[str, Any]:
             t0 = time.monotonic()
             texts = [train[i] for i in batch_indices(len(train), cfg.prompts_per_step, step, cfg.seed)]
-            return {"rollouts": rollouts(sampler, texts, cfg.group_size, cfg.seed * 100_003 + step * 1009),
-                    "sample_s": time.monotonic() - t0}
+            return {
+                "rollouts": rollouts(sampler, texts, cfg.group_size, cfg.seed * 100_003 + step * 1009),
+                "sample_s": time.monotonic() - t0,
+            }
 
         r.evaluate_before(evaluate)
         adam = r.sdk.adam(cfg.learning_rate)
@@ -117,9 +138,18 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             opt = r.tc.optim_step(adam)
             out = fb.result()
             opt.result()
-            r.end_step(step, {"train/reverse_kl": sum(kls) / max(len(kls), 1), "train/tokens": n_tok,
-                              "train/loss": out.metrics["loss:sum"] / max(n_tok, 1), "train/staleness": staleness,
-                              "time/sample_s": batch["sample_s"], "time/train_s": time.monotonic() - t0}, evaluate)
+            r.end_step(
+                step,
+                {
+                    "train/reverse_kl": sum(kls) / max(len(kls), 1),
+                    "train/tokens": n_tok,
+                    "train/loss": out.metrics["loss:sum"] / max(n_tok, 1),
+                    "train/staleness": staleness,
+                    "time/sample_s": batch["sample_s"],
+                    "time/train_s": time.monotonic() - t0,
+                },
+                evaluate,
+            )
         return r.finish(evaluate)
     except BaseException:
         r.abort()

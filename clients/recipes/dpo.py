@@ -32,8 +32,9 @@ from livelora.clients.recipes.sdk import Sdk
 
 
 class Config(RecipeConfig):
-    data: str = Field(..., description="Preference pairs: LIVELORA_HOME/data/signals (folder or file) or a "
-                                       "chosen/rejected JSONL.")
+    data: str = Field(
+        ..., description="Preference pairs: LIVELORA_HOME/data/signals (folder or file) or a chosen/rejected JSONL."
+    )
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="Share of pairs held out.")
     batch_size: int = Field(4, ge=1, description="Pairs per step.")
     beta: float = Field(0.1, gt=0, description="DPO beta.")
@@ -47,26 +48,39 @@ def _softplus(z: float) -> float:
     return max(z, 0.0) + math.log1p(math.exp(-abs(z)))
 
 
-def run(cfg: Config, *, sdk: Sdk | None = None,
-        on_step: Callable[[int, dict[str, float]], None] | None = None) -> Summary:
+def run(
+    cfg: Config, *, sdk: Sdk | None = None, on_step: Callable[[int, dict[str, float]], None] | None = None
+) -> Summary:
     """Train ``cfg.steps`` DPO steps (resuming from ``cfg.log_dir`` if it holds a checkpoint)."""
     r = Run(cfg, "dpo", sdk=sdk, on_step=on_step)
     try:
         renderer = ChatRenderer(r.tokenizer)
-        pairs = [p for i, p in enumerate(load_preferences(cfg.data, renderer))
-                 if check_length(p.prompt + max(p.chosen, p.rejected, key=len), cfg.max_length, "skip", f"pair {i}")]
+        pairs = [
+            p
+            for i, p in enumerate(load_preferences(cfg.data, renderer))
+            if check_length(p.prompt + max(p.chosen, p.rejected, key=len), cfg.max_length, "skip", f"pair {i}")
+        ]
         train, held = split(pairs, cfg.eval_fraction, cfg.seed)
         seqs = lambda ps, side: [(p.prompt, getattr(p, side)) for p in ps]  # noqa: E731
-        ref = reference_logprobs(r, {"train_chosen": seqs(train, "chosen"), "train_rejected": seqs(train, "rejected"),
-                                     "held_chosen": seqs(held, "chosen"), "held_rejected": seqs(held, "rejected")})
+        ref = reference_logprobs(
+            r,
+            {
+                "train_chosen": seqs(train, "chosen"),
+                "train_rejected": seqs(train, "rejected"),
+                "held_chosen": seqs(held, "chosen"),
+                "held_rejected": seqs(held, "rejected"),
+            },
+        )
 
         def evaluate(step: int) -> dict[str, float]:
             lp = completion_logprobs(r.tc, r.sdk, seqs(held, "chosen") + seqs(held, "rejected"))
             n = len(held)
-            h = [(c - rc) - (j - rj) for c, j, rc, rj in
-                 zip(lp[:n], lp[n:], ref["held_chosen"], ref["held_rejected"])]
-            return {"eval/margin": sum(h) / n, "eval/accuracy": sum(x > 0 for x in h) / n,
-                    "eval/loss": sum(_softplus(-cfg.beta * x) for x in h) / n}
+            h = [(c - rc) - (j - rj) for c, j, rc, rj in zip(lp[:n], lp[n:], ref["held_chosen"], ref["held_rejected"])]
+            return {
+                "eval/margin": sum(h) / n,
+                "eval/accuracy": sum(x > 0 for x in h) / n,
+                "eval/loss": sum(_softplus(-cfg.beta * x) for x in h) / n,
+            }
 
         r.evaluate_before(evaluate)
         adam = r.sdk.adam(cfg.learning_rate)
@@ -78,15 +92,21 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             for p in batch:
                 data += [completion_datum(r.sdk, p.prompt, p.chosen), completion_datum(r.sdk, p.prompt, p.rejected)]
                 lens += [len(p.prompt), len(p.prompt)]
-            loss_fn = dpo_loss_fn(lens, [ref["train_chosen"][i] for i in idx], [ref["train_rejected"][i] for i in idx],
-                                  cfg.beta)
+            loss_fn = dpo_loss_fn(
+                lens, [ref["train_chosen"][i] for i in idx], [ref["train_rejected"][i] for i in idx], cfg.beta
+            )
             fb = r.tc.forward_backward_custom(data, loss_fn)
             opt = r.tc.optim_step(adam)
             out = fb.result()
             opt.result()
             metrics = {f"train/{k.split('/')[-1]}": v for k, v in out.metrics.items() if k.startswith("dpo/")}
-            metrics.update({"train/pairs": len(batch), "time/step_s": time.monotonic() - t0,
-                            "train/tokens": sum(len(p.chosen) + len(p.rejected) for p in batch)})
+            metrics.update(
+                {
+                    "train/pairs": len(batch),
+                    "time/step_s": time.monotonic() - t0,
+                    "train/tokens": sum(len(p.chosen) + len(p.rejected) for p in batch),
+                }
+            )
             r.end_step(step, metrics, evaluate)
         return r.finish(evaluate)
     except BaseException:

@@ -38,7 +38,7 @@ def completion_logprobs(tc: Any, sdk: Any, pairs: Sequence[tuple[Sequence[int], 
     """``log π(completion | prompt)`` summed over completion tokens (nats), one per ``(prompt, completion)``."""
     data = [completion_datum(sdk, p, c) for p, c in pairs]
     lps = forward_logprobs(tc, data)
-    return [sum(lp_T[len(p) - 1:]) for lp_T, (p, _) in zip(lps, pairs)]
+    return [sum(lp_T[len(p) - 1 :]) for lp_T, (p, _) in zip(lps, pairs)]
 
 
 # ---------------------------------------------------------------------------------------------- math answers
@@ -81,8 +81,15 @@ def math_reward(text: str, answer: str, stopped: bool, format_coef: float = 0.1)
     return float(correct) + format_coef * (float(fmt) - 1.0), correct, fmt
 
 
-def sampled_accuracy(sampler: Any, sdk: Any, prompts: Sequence[Sequence[int]], answers: Sequence[str],
-                     decode: Callable[[Sequence[int]], str], max_tokens: int, stop: list[int]) -> dict[str, float]:
+def sampled_accuracy(
+    sampler: Any,
+    sdk: Any,
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[str],
+    decode: Callable[[Sequence[int]], str],
+    max_tokens: int,
+    stop: list[int],
+) -> dict[str, float]:
     """Greedy (temperature 0) accuracy and format rate on held-out problems."""
     params = sdk.sampling_params(max_tokens=max_tokens, temperature=0.0, stop=stop or None)
     results = gather([lambda p=p: sampler.sample(sdk.model_input(p), 1, params) for p in prompts])

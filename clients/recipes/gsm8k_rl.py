@@ -34,9 +34,12 @@ INSTRUCTION = " End your reply with 'The answer is N.' where N is a number."
 
 
 class Config(RecipeConfig):
-    data: str | None = Field(None, description="GSM8K folder (train.jsonl, test.jsonl) or hub name (default "
-                                               "openai/gsm8k; --task gsm8k only: arithmetic problems are "
-                                               "generated).")
+    data: str | None = Field(
+        None,
+        description="GSM8K folder (train.jsonl, test.jsonl) or hub name (default "
+        "openai/gsm8k; --task gsm8k only: arithmetic problems are "
+        "generated).",
+    )
     task: Literal["gsm8k", "arithmetic"] = Field("gsm8k", description="gsm8k or the easier arithmetic split.")
     max_value: int = Field(10, ge=2, description="Arithmetic operands are drawn from [0, max_value).")
     problems_per_step: int = Field(8, ge=1, description="Problems (groups) per step.")
@@ -56,8 +59,10 @@ class Config(RecipeConfig):
         """``data`` defaults to ``openai/gsm8k`` for the gsm8k task; the arithmetic task generates its problems, so
         a ``data`` given with it would be silently unused: refused (ValueError, reported by the CLI)."""
         if self.task == "arithmetic" and self.data is not None:
-            raise ValueError(f"data={self.data!r} is not used by task 'arithmetic' (its problems are generated "
-                             "from --max-value and --seed); leave --data out, or use --task gsm8k")
+            raise ValueError(
+                f"data={self.data!r} is not used by task 'arithmetic' (its problems are generated "
+                "from --max-value and --seed); leave --data out, or use --task gsm8k"
+            )
         if self.task == "gsm8k" and self.data is None:
             self.data = "openai/gsm8k"
         return self
@@ -68,11 +73,12 @@ def _problems(cfg: Config) -> tuple[list, list]:
         held = arithmetic(cfg.eval_size, cfg.seed + 10_000, cfg.max_value)
         seen = {p.question for p in held}
         return [p for p in arithmetic(5000, cfg.seed, cfg.max_value) if p.question not in seen], held
-    return gsm8k(cfg.data, "train"), gsm8k(cfg.data, "test")[:cfg.eval_size]
+    return gsm8k(cfg.data, "train"), gsm8k(cfg.data, "test")[: cfg.eval_size]
 
 
-def run(cfg: Config, *, sdk: Sdk | None = None,
-        on_step: Callable[[int, dict[str, float]], None] | None = None) -> Summary:
+def run(
+    cfg: Config, *, sdk: Sdk | None = None, on_step: Callable[[int, dict[str, float]], None] | None = None
+) -> Summary:
     """Train ``cfg.steps`` RL steps (resuming from ``cfg.log_dir`` if it holds a checkpoint)."""
     r = Run(cfg, "gsm8k-rl", sdk=sdk, on_step=on_step)
     try:
@@ -84,22 +90,37 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
 
         def evaluate(step: int) -> dict[str, float]:
             sampler = r.tc.save_weights_and_get_sampling_client()
-            return sampled_accuracy(sampler, r.sdk, held_prompts, [p.answer for p in held], renderer.decode,
-                                    max_tokens, renderer.stop_token_ids)
+            return sampled_accuracy(
+                sampler,
+                r.sdk,
+                held_prompts,
+                [p.answer for p in held],
+                renderer.decode,
+                max_tokens,
+                renderer.stop_token_ids,
+            )
 
         def sample(step: int, sampler: Any) -> dict[str, Any]:
             t0 = time.monotonic()
             problems = [train[i] for i in batch_indices(len(train), cfg.problems_per_step, step, cfg.seed)]
             prompts = [prompt(p) for p in problems]
             params = lambda i: r.sdk.sampling_params(  # noqa: E731
-                max_tokens=max_tokens, temperature=cfg.temperature, seed=cfg.seed * 100_003 + step * 1009 + i)
-            results = gather([lambda i=i, pt=pt: sampler.sample(r.sdk.model_input(pt), cfg.group_size, params(i))
-                              for i, pt in enumerate(prompts)], max_in_flight=max(1, 24 // cfg.group_size))
+                max_tokens=max_tokens, temperature=cfg.temperature, seed=cfg.seed * 100_003 + step * 1009 + i
+            )
+            results = gather(
+                [
+                    lambda i=i, pt=pt: sampler.sample(r.sdk.model_input(pt), cfg.group_size, params(i))
+                    for i, pt in enumerate(prompts)
+                ],
+                max_in_flight=max(1, 24 // cfg.group_size),
+            )
             groups = []
             for p, pt, res in zip(problems, prompts, results):
                 seqs = [s for s in res.sequences if s.tokens]
-                scored = [math_reward(renderer.decode(s.tokens), p.answer, s.stop_reason == "stop", cfg.format_coef)
-                          for s in seqs]
+                scored = [
+                    math_reward(renderer.decode(s.tokens), p.answer, s.stop_reason == "stop", cfg.format_coef)
+                    for s in seqs
+                ]
                 groups.append((pt, seqs, scored))
             return {"groups": groups, "sample_s": time.monotonic() - t0}
 
@@ -121,9 +142,14 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
                     qs.append([0.0] * (len(pt) - 1) + list(s.logprobs))
                     masks.append([0.0] * (len(pt) - 1) + [1.0] * len(s.tokens))
                     n_tok += len(s.tokens)
-            metrics = {"train/reward": sum(rewards) / len(rewards), "train/accuracy": correct / len(rewards),
-                       "train/format": fmt / len(rewards), "train/datums": len(data), "train/tokens": n_tok,
-                       "train/staleness": staleness}
+            metrics = {
+                "train/reward": sum(rewards) / len(rewards),
+                "train/accuracy": correct / len(rewards),
+                "train/format": fmt / len(rewards),
+                "train/datums": len(data),
+                "train/tokens": n_tok,
+                "train/staleness": staleness,
+            }
             if data:
                 fb = r.tc.forward_backward(data, cfg.loss)
                 opt = r.tc.optim_step(adam)

@@ -26,15 +26,21 @@ from livelora.clients.recipes.datasets import load_ratings
 from livelora.clients.recipes.datums import batch_indices, check_length, completion_datum, split
 from livelora.clients.recipes.evaluation import completion_logprobs
 from livelora.clients.recipes.loop import RecipeConfig, Run, Summary
-from livelora.clients.recipes.preference import (balanced_weights, kl_partner, kto_loss_fn, kto_reference_point,
-                                                 reference_logprobs)
+from livelora.clients.recipes.preference import (
+    balanced_weights,
+    kl_partner,
+    kto_loss_fn,
+    kto_reference_point,
+    reference_logprobs,
+)
 from livelora.clients.recipes.renderers import ChatRenderer
 from livelora.clients.recipes.sdk import Sdk
 
 
 class Config(RecipeConfig):
-    data: str = Field(..., description="Ratings: LIVELORA_HOME/data/signals (folder or file) or a JSONL of "
-                                       "prompt/completion/label.")
+    data: str = Field(
+        ..., description="Ratings: LIVELORA_HOME/data/signals (folder or file) or a JSONL of prompt/completion/label."
+    )
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="Share of ratings held out.")
     batch_size: int = Field(8, ge=2, description="Rated examples per step.")
     beta: float = Field(0.1, gt=0, description="KTO beta.")
@@ -45,19 +51,29 @@ class Config(RecipeConfig):
     steps: int = Field(30, ge=1, description="Optimizer steps.")
 
 
-def run(cfg: Config, *, sdk: Sdk | None = None,
-        on_step: Callable[[int, dict[str, float]], None] | None = None) -> Summary:
+def run(
+    cfg: Config, *, sdk: Sdk | None = None, on_step: Callable[[int, dict[str, float]], None] | None = None
+) -> Summary:
     """Train ``cfg.steps`` KTO steps (resuming from ``cfg.log_dir`` if it holds a checkpoint)."""
     r = Run(cfg, "kto-ratings", sdk=sdk, on_step=on_step)
     try:
         renderer = ChatRenderer(r.tokenizer)
-        rated = [x for i, x in enumerate(load_ratings(cfg.data, renderer))
-                 if check_length(x.prompt + x.completion, cfg.max_length, "skip", f"rating {i}")]
+        rated = [
+            x
+            for i, x in enumerate(load_ratings(cfg.data, renderer))
+            if check_length(x.prompt + x.completion, cfg.max_length, "skip", f"rating {i}")
+        ]
         train, held = split(rated, cfg.eval_fraction, cfg.seed)
         partner = kl_partner([x.prompt for x in train])
         kl_pairs = [(x.prompt, train[j].completion) for x, j in zip(train, partner) if j >= 0]
-        ref = reference_logprobs(r, {"train": [(x.prompt, x.completion) for x in train],
-                                     "held": [(x.prompt, x.completion) for x in held], "kl": kl_pairs})
+        ref = reference_logprobs(
+            r,
+            {
+                "train": [(x.prompt, x.completion) for x in train],
+                "held": [(x.prompt, x.completion) for x in held],
+                "kl": kl_pairs,
+            },
+        )
         kl_index = {i: k for k, i in enumerate(i for i, j in enumerate(partner) if j >= 0)}
         n_d = sum(x.desirable for x in train)
         lam_d, lam_u = balanced_weights(n_d, len(train) - n_d)
@@ -68,8 +84,10 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             ratios = [lp - rf for lp, rf in zip(lps, ref["held"])]
             d = [v for v, x in zip(ratios, held) if x.desirable]
             u = [v for v, x in zip(ratios, held) if not x.desirable]
-            out = {"eval/logratio_desirable": sum(d) / len(d) if d else 0.0,
-                   "eval/logratio_undesirable": sum(u) / len(u) if u else 0.0}
+            out = {
+                "eval/logratio_desirable": sum(d) / len(d) if d else 0.0,
+                "eval/logratio_undesirable": sum(u) / len(u) if u else 0.0,
+            }
             out["eval/margin"] = out["eval/logratio_desirable"] - out["eval/logratio_undesirable"]
             return out
 
@@ -83,14 +101,24 @@ def run(cfg: Config, *, sdk: Sdk | None = None,
             z0 = kto_reference_point(kl_lp, [ref["kl"][k] for k in kl_idx])
             batch = [train[i] for i in idx]
             data = [completion_datum(r.sdk, x.prompt, x.completion) for x in batch]
-            loss_fn = kto_loss_fn([len(x.prompt) for x in batch], [ref["train"][i] for i in idx],
-                                  [x.desirable for x in batch], z0, cfg.beta, lam_d, lam_u)
+            loss_fn = kto_loss_fn(
+                [len(x.prompt) for x in batch],
+                [ref["train"][i] for i in idx],
+                [x.desirable for x in batch],
+                z0,
+                cfg.beta,
+                lam_d,
+                lam_u,
+            )
             fb = r.tc.forward_backward_custom(data, loss_fn)
             opt = r.tc.optim_step(adam)
             out = fb.result()
             opt.result()
-            metrics = {"train/desirable": sum(x.desirable for x in batch),
-                       "train/tokens": sum(len(x.completion) for x in batch), "time/step_s": time.monotonic() - t0}
+            metrics = {
+                "train/desirable": sum(x.desirable for x in batch),
+                "train/tokens": sum(len(x.completion) for x in batch),
+                "time/step_s": time.monotonic() - t0,
+            }
             metrics.update({f"train/{k.split('/')[-1]}": v for k, v in out.metrics.items() if k.startswith("kto/")})
             r.end_step(step, metrics, evaluate)
         return r.finish(evaluate)

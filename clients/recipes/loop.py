@@ -31,8 +31,9 @@ from livelora.clients.recipes.sdk import Sdk, close_service
 T = TypeVar("T")
 
 #: Config fields that may change when a run is resumed.
-RESUMABLE = frozenset({"steps", "base_url", "sdk", "save_every", "eval_every", "mlflow", "mlflow_tracking_uri",
-                       "log_dir"})
+RESUMABLE = frozenset(
+    {"steps", "base_url", "sdk", "save_every", "eval_every", "mlflow", "mlflow_tracking_uri", "log_dir"}
+)
 
 
 class RecipeConfig(BaseModel):
@@ -40,12 +41,13 @@ class RecipeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    log_dir: Path = Field(description="Run directory: config.json, checkpoints.jsonl, metrics.jsonl, mlruns/. "
-                                      "Running again with the same directory resumes from its last checkpoint.")
+    log_dir: Path = Field(
+        description="Run directory: config.json, checkpoints.jsonl, metrics.jsonl, mlruns/. "
+        "Running again with the same directory resumes from its last checkpoint."
+    )
     base_model: str = Field("smollm2-135m-instruct", description="Base model name on the server.")
     sdk: Literal["livelora", "tinker"] = Field("livelora", description="Client SDK: livelora or the official tinker.")
-    base_url: str | None = Field(None, description="Server URL (default $LIVELORA_BASE_URL or "
-                                                   "http://127.0.0.1:8000).")
+    base_url: str | None = Field(None, description="Server URL (default $LIVELORA_BASE_URL or http://127.0.0.1:8000).")
     steps: int = Field(10, ge=1, description="Optimizer steps in all (a resumed run continues up to this).")
     learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate (constant).")
     lora_rank: int = Field(8, ge=1, description="LoRA rank.")
@@ -53,8 +55,9 @@ class RecipeConfig(BaseModel):
     save_every: int = Field(5, ge=0, description="Save a resumable checkpoint every N steps (0: only at the end).")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after).")
     mlflow: bool | None = Field(None, description="Log to MLflow too (default: when installed).")
-    mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI (default: a file store in "
-                                                              "<log_dir>/mlruns).")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (default: a file store in <log_dir>/mlruns)."
+    )
 
 
 @dataclass
@@ -80,24 +83,32 @@ class Run:
     Raises: ConfigMismatchError if ``log_dir`` holds another config; SDK errors from the server.
     """
 
-    def __init__(self, cfg: RecipeConfig, recipe: str, *, sdk: Sdk | None = None,
-                 on_step: Callable[[int, dict[str, float]], None] | None = None):
+    def __init__(
+        self,
+        cfg: RecipeConfig,
+        recipe: str,
+        *,
+        sdk: Sdk | None = None,
+        on_step: Callable[[int, dict[str, float]], None] | None = None,
+    ):
         self.cfg, self.recipe, self.on_step = cfg, recipe, on_step
         self.sdk = sdk or Sdk.load(cfg.sdk, cfg.base_url)
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         config = {"recipe": recipe, **cfg.model_dump(mode="json")}
         save_config(self.log_dir, config, RESUMABLE)
-        self.logger = MetricsLogger(self.log_dir, recipe, config, use_mlflow=cfg.mlflow,
-                                    tracking_uri=cfg.mlflow_tracking_uri)
+        self.logger = MetricsLogger(
+            self.log_dir, recipe, config, use_mlflow=cfg.mlflow, tracking_uri=cfg.mlflow_tracking_uri
+        )
         self.service = self.sdk.service()
         ckpt = last_checkpoint(self.log_dir)
         if ckpt is not None:
             self.tc = self.service.create_training_client_from_state_with_optimizer(ckpt["state_path"])
             self.start_step = int(ckpt["step"])
         else:
-            self.tc = self.service.create_lora_training_client(base_model=cfg.base_model, rank=cfg.lora_rank,
-                                                               seed=cfg.seed)
+            self.tc = self.service.create_lora_training_client(
+                base_model=cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed
+            )
             self.start_step = 0
         self.resumed = ckpt is not None
         self.tokenizer = self.sdk.tokenizer(self.tc)
@@ -119,8 +130,9 @@ class Run:
         if evaluate is not None and not self.resumed and self.start_step == 0:
             self.logger.log(0, evaluate(0))
 
-    def end_step(self, step: int, metrics: dict[str, float],
-                 evaluate: Callable[[int], dict[str, float]] | None = None) -> dict[str, float]:
+    def end_step(
+        self, step: int, metrics: dict[str, float], evaluate: Callable[[int], dict[str, float]] | None = None
+    ) -> dict[str, float]:
         """Book-keep step ``step`` (0-based) once its optimizer step is done: periodic eval, checkpoint,
         metrics (logged at ``step + 1`` = optimizer steps done), progress callback."""
         done = step + 1
@@ -148,16 +160,22 @@ class Run:
         by_step = read_metrics(self.log_dir)
         evals = lambda s: {k: v for k, v in by_step.get(s, {}).items() if k.startswith("eval/")}  # noqa: E731
         train = {k: v for k, v in by_step.get(n, {}).items() if k.startswith("train/")}
-        return Summary(self.recipe, self.log_dir, n, float(by_step.get(n, {}).get("time/elapsed_s", self.elapsed())),
-                       evals(0), evals(n), train)
+        return Summary(
+            self.recipe,
+            self.log_dir,
+            n,
+            float(by_step.get(n, {}).get("time/elapsed_s", self.elapsed())),
+            evals(0),
+            evals(n),
+            train,
+        )
 
     def abort(self) -> None:
         self.logger.close("FAILED")
         close_service(self.service, "errored")
 
 
-def sampled_batches(run: Run, sample: Callable[[int, Any], T], max_staleness: int = 0
-                    ) -> Iterator[tuple[int, T, int]]:
+def sampled_batches(run: Run, sample: Callable[[int, Any], T], max_staleness: int = 0) -> Iterator[tuple[int, T, int]]:
     """Steps of an on-policy loop with optional overlap: yields ``(step, batch, staleness)``.
 
     ``sample(step, sampler)`` builds step ``step``'s batch from a sampling client. Before each step the current
@@ -186,13 +204,18 @@ def sampled_batches(run: Run, sample: Callable[[int, Any], T], max_staleness: in
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def sampler_kl(sampling_logprobs_D: list[list[float]], train_logprobs_D: list[list[float]],
-               masks_D: list[list[float]]) -> dict[str, float]:
+def sampler_kl(
+    sampling_logprobs_D: list[list[float]], train_logprobs_D: list[list[float]], masks_D: list[list[float]]
+) -> dict[str, float]:
     """KL between the sampler and the trainer on the sampled tokens (tinker-cookbook ``compute_kl_sample_train``):
     ``kl_v1 = mean(q − lp)``, ``kl_v2 = ½·mean((q − lp)²)`` over positions with mask 1 (nats/token).
     Large values mean sampler and trainer disagree (numerics, or stale samples)."""
-    diffs = [q - lp for qs, lps, ms in zip(sampling_logprobs_D, train_logprobs_D, masks_D)
-             for q, lp, m in zip(qs, lps, ms) if m]
+    diffs = [
+        q - lp
+        for qs, lps, ms in zip(sampling_logprobs_D, train_logprobs_D, masks_D)
+        for q, lp, m in zip(qs, lps, ms)
+        if m
+    ]
     if not diffs:
         return {}
     n = len(diffs)

@@ -34,7 +34,7 @@ def mlflow_available() -> bool:
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
-    for k, v in (obj.items() if isinstance(obj, dict) else []):
+    for k, v in obj.items() if isinstance(obj, dict) else []:
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             out.update(_flat(v, key + "."))
@@ -56,8 +56,15 @@ class MetricsLogger:
     Raises: ImportError when ``use_mlflow=True`` and MLflow is missing.
     """
 
-    def __init__(self, log_dir: Path, recipe: str, config: dict[str, Any], *, use_mlflow: bool | None = None,
-                 tracking_uri: str | None = None):
+    def __init__(
+        self,
+        log_dir: Path,
+        recipe: str,
+        config: dict[str, Any],
+        *,
+        use_mlflow: bool | None = None,
+        tracking_uri: str | None = None,
+    ):
         self.path = Path(log_dir) / METRICS
         self.mlflow = None
         if use_mlflow is None:
@@ -93,8 +100,11 @@ class MetricsLogger:
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
-            batch = [Metric(k, float(v), now, step) for k, v in metrics.items()
-                     if isinstance(v, (int, float)) and math.isfinite(v)]
+            batch = [
+                Metric(k, float(v), now, step)
+                for k, v in metrics.items()
+                if isinstance(v, (int, float)) and math.isfinite(v)
+            ]
             if batch:
                 self.client.log_batch(self.run_id, metrics=batch)
 

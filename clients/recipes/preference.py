@@ -47,11 +47,10 @@ def reference_logprobs(run: Any, groups: dict[str, Sequence[Seq]]) -> dict[str, 
 def _seq_sums(logprobs_D: list[Any], prompt_lens: Sequence[int]) -> Any:
     import torch
 
-    return torch.stack([lp[p - 1:].sum() for lp, p in zip(logprobs_D, prompt_lens)])
+    return torch.stack([lp[p - 1 :].sum() for lp, p in zip(logprobs_D, prompt_lens)])
 
 
-def dpo_loss_fn(prompt_lens: Sequence[int], ref_chosen: Sequence[float], ref_rejected: Sequence[float],
-                beta: float):
+def dpo_loss_fn(prompt_lens: Sequence[int], ref_chosen: Sequence[float], ref_rejected: Sequence[float], beta: float):
     """Custom loss for datums laid out ``[chosen_0, rejected_0, chosen_1, rejected_1, ...]``.
 
     ``h = (lp_c − ref_c) − (lp_r − ref_r)`` with sequence sums over completion tokens;
@@ -59,6 +58,7 @@ def dpo_loss_fn(prompt_lens: Sequence[int], ref_chosen: Sequence[float], ref_rej
     ``dpo_loss`` sigmoid; losses.md §2.3, vector §3.3: 0.663797). Metrics: loss, margin (mean h, nats),
     accuracy (share of h > 0), chosen/rejected rewards β·(lp − ref).
     """
+
     def loss_fn(data: Any, logprobs_D: list[Any]):
         import torch
         import torch.nn.functional as F
@@ -69,15 +69,26 @@ def dpo_loss_fn(prompt_lens: Sequence[int], ref_chosen: Sequence[float], ref_rej
         h = rc - rr
         loss = -F.logsigmoid(beta * h).mean()
         hd = h.detach()
-        return loss, {"dpo/loss": float(loss.detach()), "dpo/margin": float(hd.mean()),
-                      "dpo/accuracy": float((hd > 0).float().mean()),
-                      "dpo/reward_chosen": float(beta * rc.detach().mean()),
-                      "dpo/reward_rejected": float(beta * rr.detach().mean())}
+        return loss, {
+            "dpo/loss": float(loss.detach()),
+            "dpo/margin": float(hd.mean()),
+            "dpo/accuracy": float((hd > 0).float().mean()),
+            "dpo/reward_chosen": float(beta * rc.detach().mean()),
+            "dpo/reward_rejected": float(beta * rr.detach().mean()),
+        }
+
     return loss_fn
 
 
-def kto_loss_fn(prompt_lens: Sequence[int], ref: Sequence[float], desirable: Sequence[bool], z0: float,
-                beta: float, desirable_weight: float, undesirable_weight: float):
+def kto_loss_fn(
+    prompt_lens: Sequence[int],
+    ref: Sequence[float],
+    desirable: Sequence[bool],
+    z0: float,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+):
     """Custom loss for one datum per rated example.
 
     ``r_i = lp_i − ref_i`` (sequence sums over completion tokens); ``z0`` = the detached reference point
@@ -85,14 +96,18 @@ def kto_loss_fn(prompt_lens: Sequence[int], ref: Sequence[float], desirable: Seq
     ``λ_U·(1 − σ(β(z0 − r)))`` (undesirable) (Ethayarajh et al. 2024, arXiv 2402.01306, Eq. 7–8; TRL
     ``kto_loss``; losses.md §2.2, vector §3.2: 0.479398). Metrics: loss, rewards, margin, z0.
     """
+
     def loss_fn(data: Any, logprobs_D: list[Any]):
         import torch
 
         seq = _seq_sums(logprobs_D, prompt_lens)
         r = seq - torch.tensor(ref, dtype=seq.dtype)
         d = torch.tensor(list(desirable))
-        per = torch.where(d, desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
-                          undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))))
+        per = torch.where(
+            d,
+            desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
+            undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))),
+        )
         loss = per.mean()
         metrics = {"kto/loss": float(loss.detach()), "kto/z0": z0}
         if d.any():
@@ -100,6 +115,7 @@ def kto_loss_fn(prompt_lens: Sequence[int], ref: Sequence[float], desirable: Seq
         if (~d).any():
             metrics["kto/reward_undesirable"] = float(beta * r.detach()[~d].mean())
         return loss, metrics
+
     return loss_fn
 
 
@@ -120,8 +136,14 @@ def kl_partner(prompts: Sequence[Sequence[int]], seed_offset: int = 1) -> list[i
     n = len(prompts)
     out = []
     for i in range(n):
-        j = next((((i + k) % n) for k in range(seed_offset, n + seed_offset) if
-                  tuple(prompts[(i + k) % n]) != tuple(prompts[i])), -1)
+        j = next(
+            (
+                ((i + k) % n)
+                for k in range(seed_offset, n + seed_offset)
+                if tuple(prompts[(i + k) % n]) != tuple(prompts[i])
+            ),
+            -1,
+        )
         out.append(j)
     return out
 

@@ -51,10 +51,14 @@ class ChatRenderer:
     def _messages(self, messages: Sequence[Message]) -> list[Message]:
         out = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
-                    or m.get("role") not in ("system", "user", "assistant"):
-                raise TemplateError(f"messages[{i}] must be {{'role': system|user|assistant, 'content': str}}, "
-                                    f"got {m!r:.200}")
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("content"), str)
+                or m.get("role") not in ("system", "user", "assistant")
+            ):
+                raise TemplateError(
+                    f"messages[{i}] must be {{'role': system|user|assistant, 'content': str}}, got {m!r:.200}"
+                )
             out.append({"role": m["role"], "content": m["content"]})
         if self.system_prompt is not None and (not out or out[0]["role"] != "system"):
             out.insert(0, {"role": "system", "content": self.system_prompt})
@@ -93,10 +97,12 @@ class ChatRenderer:
         spans = []
         for k in turns:
             before = self._text(msgs[:k], True)
-            upto = self._text(msgs[:k + 1], False)
+            upto = self._text(msgs[: k + 1], False)
             if not (upto.startswith(before) and full.startswith(upto)):
-                raise TemplateError("the chat template is not prefix-stable (it rewrites earlier turns); "
-                                    "assistant masks cannot be derived from it")
+                raise TemplateError(
+                    "the chat template is not prefix-stable (it rewrites earlier turns); "
+                    "assistant masks cannot be derived from it"
+                )
             spans.append((len(before), len(upto.rstrip())))
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         weights = []

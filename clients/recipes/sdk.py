@@ -60,14 +60,22 @@ class Sdk:
         Raises:
             ValueError: unknown SDK name. ImportError: ``tinker`` asked for but not installed.
         """
-        url = base_url or os.environ.get("LIVELORA_BASE_URL") or os.environ.get("TINKER_BASE_URL") \
+        url = (
+            base_url
+            or os.environ.get("LIVELORA_BASE_URL")
+            or os.environ.get("TINKER_BASE_URL")
             or "http://127.0.0.1:8000"
+        )
         key = configured_api_key(api_key)  # None: livelora's SDK sends the open-server placeholder and explains a 401
         if name == "livelora":
             from livelora import clients
 
-            types = SimpleNamespace(**{n: getattr(clients, n) for n in
-                                       ("Datum", "ModelInput", "TensorData", "SamplingParams", "AdamParams")})
+            types = SimpleNamespace(
+                **{
+                    n: getattr(clients, n)
+                    for n in ("Datum", "ModelInput", "TensorData", "SamplingParams", "AdamParams")
+                }
+            )
             return cls("livelora", types, lambda: clients.ServiceClient(url, key), url, key)
         if name == "tinker":
             try:
@@ -76,8 +84,9 @@ class Sdk:
             except ImportError as exc:
                 raise ImportError("sdk='tinker' needs the official SDK: pip install tinker==0.24.1") from exc
             os.environ.setdefault("TINKER_TELEMETRY", "0")
-            return cls("tinker", ttypes, lambda: tinker.ServiceClient(base_url=url, api_key=key or OPEN_SERVER_KEY),
-                       url, key)
+            return cls(
+                "tinker", ttypes, lambda: tinker.ServiceClient(base_url=url, api_key=key or OPEN_SERVER_KEY), url, key
+            )
         raise ValueError(f"unknown sdk {name!r}: use 'livelora' or 'tinker'")
 
     def service(self) -> Any:
@@ -115,8 +124,10 @@ class Sdk:
 
     def datum(self, tokens: Sequence[int], inputs: Mapping[str, tuple[Sequence[float], str]]) -> Any:
         """``Datum(model_input=tokens, loss_fn_inputs={key: TensorData(values, dtype)})``."""
-        return self.types.Datum(model_input=self.model_input(tokens),
-                                loss_fn_inputs={k: self.tensor(v, dt) for k, (v, dt) in inputs.items()})
+        return self.types.Datum(
+            model_input=self.model_input(tokens),
+            loss_fn_inputs={k: self.tensor(v, dt) for k, (v, dt) in inputs.items()},
+        )
 
     def sampling_params(self, **kwargs: Any) -> Any:
         return self.types.SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})

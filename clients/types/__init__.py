@@ -19,7 +19,19 @@ from livelora.clients.types.tinker import (
 )
 
 __all__ = [
-    "AdamParams", "CreateModelRequest", "CreateModelResponse", "Datum", "EncodedTextChunk",
-    "ForwardBackwardInput", "ForwardBackwardOutput", "ForwardBackwardRequest", "LoraConfig", "LossFnType",
-    "ModelInput", "OptimStepRequest", "OptimStepResponse", "OptimizerConfig", "TensorData",
+    "AdamParams",
+    "CreateModelRequest",
+    "CreateModelResponse",
+    "Datum",
+    "EncodedTextChunk",
+    "ForwardBackwardInput",
+    "ForwardBackwardOutput",
+    "ForwardBackwardRequest",
+    "LoraConfig",
+    "LossFnType",
+    "ModelInput",
+    "OptimStepRequest",
+    "OptimStepResponse",
+    "OptimizerConfig",
+    "TensorData",
 ]

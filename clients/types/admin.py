@@ -22,13 +22,18 @@ class _Request(NullMeansOmitted):
 class CreateEndpointRequest(_Request):
     """``POST /admin/endpoints``."""
 
-    name: str = Field(description="Endpoint name: what clients pass as `model`. In the caller's namespace: "
-                                  "`<tenant>.<rest>` for a tenant other than `default`; `default`'s names have no "
-                                  "`<tenant>.` prefix (else 400 `name_not_in_namespace`).")
-    lineage: str = Field(description="Adapter lineage the endpoint serves and trains: one in the caller's namespace "
-                                     "(same rule as `name`) or one its tenant already owns.")
-    mode: Literal["follow", "pinned"] = Field("follow", description="follow: newest version; pinned: only "
-                                                                     "promotions move it.")
+    name: str = Field(
+        description="Endpoint name: what clients pass as `model`. In the caller's namespace: "
+        "`<tenant>.<rest>` for a tenant other than `default`; `default`'s names have no "
+        "`<tenant>.` prefix (else 400 `name_not_in_namespace`)."
+    )
+    lineage: str = Field(
+        description="Adapter lineage the endpoint serves and trains: one in the caller's namespace "
+        "(same rule as `name`) or one its tenant already owns."
+    )
+    mode: Literal["follow", "pinned"] = Field(
+        "follow", description="follow: newest version; pinned: only promotions move it."
+    )
     version: str | int | None = Field(None, description="Pinned version: `<n>`, `<lineage>@<n>` or `base`.")
     reason: str = Field("", max_length=1000, description="Audit-log note.")
 
@@ -49,13 +54,15 @@ class RollbackRequest(_Request):
 
 class GateRequest(_Request):
     """``PUT /admin/endpoints/{name}/gate``: the endpoint's evaluation-gate thresholds (README "Update-safety
-    rails"; names and defaults: ``GateThresholds`` in ``adapters/rails.py``). Give ``thresholds`` or ``reset``."""
+    rails"; names and defaults: ``GateThresholds`` in ``core/rails.py``). Give ``thresholds`` or ``reset``."""
 
     thresholds: dict[str, float | int | bool] | None = Field(
-        None, description="Names: enabled, probe_margin, probe_base_margin, max_kl_current, max_kl_base, "
-                          "max_degenerate, min_length_ratio, signal_tolerance, min_signal_examples (an omitted "
-                          "one takes its default); e.g. {\"probe_margin\": 0.05, \"probe_base_margin\": 0.1, "
-                          "\"max_kl_current\": 0.3}")
+        None,
+        description="Names: enabled, probe_margin, probe_base_margin, max_kl_current, max_kl_base, "
+        "max_degenerate, min_length_ratio, signal_tolerance, min_signal_examples (an omitted "
+        'one takes its default); e.g. {"probe_margin": 0.05, "probe_base_margin": 0.1, '
+        '"max_kl_current": 0.3}',
+    )
     reset: bool = Field(False, description="Back to the defaults (instead of thresholds).")
     reason: str = Field("", max_length=1000, description="Audit-log note.")
 
@@ -63,15 +70,17 @@ class GateRequest(_Request):
 class ForgetRequest(_Request):
     """``POST /admin/users/{name}/forget``: delete a user's signals and completions (right to be forgotten)."""
 
-    reason: str = Field(min_length=1, max_length=1000, description="Audit-log note (required: why, e.g. the "
-                                                                   "request's reference).")
+    reason: str = Field(
+        min_length=1, max_length=1000, description="Audit-log note (required: why, e.g. the request's reference)."
+    )
 
 
 class ExportRequest(_Request):
     """``POST /admin/adapters/{name}/export``."""
 
-    format: Literal["peft", "merged"] = Field("peft", description="peft: adapter directory; merged: full "
-                                                                  "Hugging Face model with the adapter merged.")
+    format: Literal["peft", "merged"] = Field(
+        "peft", description="peft: adapter directory; merged: full Hugging Face model with the adapter merged."
+    )
 
 
 class CreateKeyRequest(_Request):
@@ -79,8 +88,12 @@ class CreateKeyRequest(_Request):
 
     roles: list[Literal["inference", "feedback", "train", "admin", "operator"]] = Field(min_length=1)
     name: str = Field("", max_length=64, description="Label shown in `keys list` and the audit log.")
-    tenant: str | None = Field(None, min_length=1, max_length=64,
-                               description="The key's tenant: the caller's own (the default); any other is a 400.")
+    tenant: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="The key's tenant: the caller's own (the default); any other is a 400.",
+    )
 
 
 class QuotaUpdateRequest(_Request):
@@ -90,10 +103,15 @@ class QuotaUpdateRequest(_Request):
 
     tenant: str = Field(min_length=1, max_length=64)
     max_sessions: int | None = Field(None, ge=0, description="Training sessions alive at once (0: none).")
-    max_adapter_versions: int | None = Field(None, ge=0, description="Adapter versions kept in the store (versions "
-                                                                     "of the tenant's lineages; a session's "
-                                                                     "ephemeral sampler weights do not count).")
+    max_adapter_versions: int | None = Field(
+        None,
+        ge=0,
+        description="Adapter versions kept in the store (versions "
+        "of the tenant's lineages; a session's "
+        "ephemeral sampler weights do not count).",
+    )
     tokens_per_day: dict[str, int] | None = Field(None, description="{kind: tokens per UTC day}.")
-    unlimited: list[str] = Field(default_factory=list, description="Limits to lift: 'max_sessions', "
-                                                                   "'max_adapter_versions' or "
-                                                                   "'tokens_per_day.<kind>'.")
+    unlimited: list[str] = Field(
+        default_factory=list,
+        description="Limits to lift: 'max_sessions', 'max_adapter_versions' or 'tokens_per_day.<kind>'.",
+    )

@@ -72,8 +72,10 @@ class ChatMessage(_Request):
     def _content_required(self) -> ChatMessage:
         calls = self.tool_calls or (self.model_extra or {}).get("function_call")
         if self.content is None and not (self.role == "assistant" and calls):
-            raise ValueError(f"content is required for a {self.role!r} message "
-                             "(only an assistant message with tool_calls may have null content)")
+            raise ValueError(
+                f"content is required for a {self.role!r} message "
+                "(only an assistant message with tool_calls may have null content)"
+            )
         return self
 
 

@@ -84,19 +84,27 @@ class CompletionRecord(_Strict):
 
 # -------------------------------------------------------------------- requests
 
-_User = Annotated[str | None, Field(default=None, min_length=1, max_length=256,
-                                    description="End user giving the signal; defaults to the caller.")]
+_User = Annotated[
+    str | None,
+    Field(
+        default=None, min_length=1, max_length=256, description="End user giving the signal; defaults to the caller."
+    ),
+]
 
 
 class FeedbackRequest(_Strict):
     """Body of ``POST /v1/feedback``: one rating of one served completion."""
 
     completion_id: str = Field(min_length=1, max_length=256, description="Id of a served completion.")
-    rating: StrictBool = Field(description="Thumbs label: JSON true = up (KTO desirable), false = down "
-                                           "(undesirable); \"yes\", 1 and other look-alikes are refused.")
+    rating: StrictBool = Field(
+        description="Thumbs label: JSON true = up (KTO desirable), false = down "
+        '(undesirable); "yes", 1 and other look-alikes are refused.'
+    )
     score: Annotated[float, Strict()] | None = Field(
-        default=None, description="Optional numeric score (a finite JSON number; true/false and numeric strings are "
-                                  "refused). Kept in the dataset of record; training uses `rating`.")
+        default=None,
+        description="Optional numeric score (a finite JSON number; true/false and numeric strings are "
+        "refused). Kept in the dataset of record; training uses `rating`.",
+    )
     comment: str | None = Field(default=None, max_length=10_000, description="Optional free-text comment.")
     user: _User = None
 

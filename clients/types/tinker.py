@@ -25,15 +25,27 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from livelora.clients.types.nulls import NullMeansOmitted
 
 __all__ = [
-    "AdamParams", "CreateModelRequest", "CreateModelResponse", "Datum", "EncodedTextChunk",
-    "ForwardBackwardInput", "ForwardBackwardOutput", "ForwardBackwardRequest", "LoraConfig", "LossFnType",
-    "ModelInput", "OptimStepRequest", "OptimStepResponse", "OptimizerConfig", "TensorData",
+    "AdamParams",
+    "CreateModelRequest",
+    "CreateModelResponse",
+    "Datum",
+    "EncodedTextChunk",
+    "ForwardBackwardInput",
+    "ForwardBackwardOutput",
+    "ForwardBackwardRequest",
+    "LoraConfig",
+    "LossFnType",
+    "ModelInput",
+    "OptimStepRequest",
+    "OptimStepResponse",
+    "OptimizerConfig",
+    "TensorData",
 ]
 
 LossFnType = str
 """Name of a server-side loss (``ForwardBackwardInput.loss_fn``): a plain string on purpose.
 
-The server owns the list: it checks the name against its loss specifications (``livelora.adapters.losses``,
+The server owns the list: it checks the name against its loss specifications (``livelora.core.losses``,
 which this bottom layer does not import) and answers 400 naming ``loss_fn`` for an unknown one, so a new
 server-side loss needs no SDK release and an older SDK can use it. Built-in losses: ``cross_entropy``,
 ``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``gspo`` (Tinker's) and ``kto``, ``dpo`` (livelora's;
@@ -129,7 +141,7 @@ class Datum(StrictModel):
     ``importance_sampling``/``ppo``/``cispo``/``dro``: ``target_tokens``, ``logprobs``, ``advantages``
     (optional ``mask``); ``kto``: ``target_tokens``, ``weights`` (completion mask), ``label`` (float32 [1]);
     ``dpo``: ``target_tokens``, ``weights``, datums in (chosen, rejected) pairs. The server's loss
-    specifications (``livelora.adapters.losses``) are the authority and name any missing or extra key.
+    specifications (``livelora.core.losses``) are the authority and name any missing or extra key.
     """
 
     model_input: ModelInput
@@ -250,6 +262,7 @@ class OptimStepResponse(LenientModel):
 # ================================================================================================ sessions
 # Request/response bodies of the remaining ``/api/v1`` routes (tinker_protocol.md §2.4, JSON forms of SDK ≤0.24).
 
+
 class CreateSessionRequest(StrictModel):
     """``POST /api/v1/create_session`` body."""
 
@@ -312,7 +325,7 @@ class FutureRetrieveRequest(StrictModel):
 
 
 class TryAgainResponse(LenientModel):
-    """"Not done yet" (sent with HTTP 408 after the server's long-poll; the SDK re-polls at once)."""
+    """ "Not done yet" (sent with HTTP 408 after the server's long-poll; the SDK re-polls at once)."""
 
     type: Literal["try_again"] = "try_again"
     request_id: str
@@ -585,12 +598,38 @@ class GetServerCapabilitiesResponse(LenientModel):
 
 
 __all__ += [
-    "CreateSessionRequest", "CreateSessionResponse", "SessionHeartbeatRequest", "SessionHeartbeatResponse",
-    "SessionFinishRequest", "UntypedAPIFuture", "FutureRetrieveRequest", "TryAgainResponse",
-    "RequestFailedResponse", "GetInfoRequest", "GetInfoResponse", "ModelData", "ForwardRequest",
-    "SaveWeightsRequest", "SaveWeightsResponse", "SaveWeightsForSamplerRequest", "SaveWeightsForSamplerResponse",
-    "LoadWeightsRequest", "LoadWeightsResponse", "WeightsInfoRequest", "WeightsInfoResponse",
-    "CreateSamplingSessionRequest", "CreateSamplingSessionResponse", "GetSamplerResponse", "SamplingParams",
-    "SampleRequest", "SampledSequence", "SampleResponse", "Checkpoint", "Cursor", "CheckpointsListResponse",
-    "TrainingRun", "SupportedModel", "GetServerCapabilitiesResponse",
+    "Checkpoint",
+    "CheckpointsListResponse",
+    "CreateSamplingSessionRequest",
+    "CreateSamplingSessionResponse",
+    "CreateSessionRequest",
+    "CreateSessionResponse",
+    "Cursor",
+    "ForwardRequest",
+    "FutureRetrieveRequest",
+    "GetInfoRequest",
+    "GetInfoResponse",
+    "GetSamplerResponse",
+    "GetServerCapabilitiesResponse",
+    "LoadWeightsRequest",
+    "LoadWeightsResponse",
+    "ModelData",
+    "RequestFailedResponse",
+    "SampleRequest",
+    "SampleResponse",
+    "SampledSequence",
+    "SamplingParams",
+    "SaveWeightsForSamplerRequest",
+    "SaveWeightsForSamplerResponse",
+    "SaveWeightsRequest",
+    "SaveWeightsResponse",
+    "SessionFinishRequest",
+    "SessionHeartbeatRequest",
+    "SessionHeartbeatResponse",
+    "SupportedModel",
+    "TrainingRun",
+    "TryAgainResponse",
+    "UntypedAPIFuture",
+    "WeightsInfoRequest",
+    "WeightsInfoResponse",
 ]

@@ -23,12 +23,33 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from livelora.clients.types.tinker import (Datum, ForwardBackwardInput, LenientModel, SampledSequence, SampleRequest,
-                                           SampleResponse, StrictModel, TensorData)
+from livelora.clients.types.tinker import (
+    Datum,
+    ForwardBackwardInput,
+    LenientModel,
+    SampledSequence,
+    SampleRequest,
+    SampleResponse,
+    StrictModel,
+    TensorData,
+)
 
-__all__ = ["DatumV2", "ForwardBackwardInputV2", "ForwardBackwardRequestV2", "PromptAltTokens", "ProvenanceSpan",
-           "SampleRequestV2", "SampleResponseV2", "SampledSequenceV2", "SaveWeightsExternalRequest",
-           "SaveWeightsExternalResponse", "TokenizerFile", "TokenizerFilesResponse", "TopkRow", "WireTensorData"]
+__all__ = [
+    "DatumV2",
+    "ForwardBackwardInputV2",
+    "ForwardBackwardRequestV2",
+    "PromptAltTokens",
+    "ProvenanceSpan",
+    "SampleRequestV2",
+    "SampleResponseV2",
+    "SampledSequenceV2",
+    "SaveWeightsExternalRequest",
+    "SaveWeightsExternalResponse",
+    "TokenizerFile",
+    "TokenizerFilesResponse",
+    "TopkRow",
+    "WireTensorData",
+]
 
 #: One position's top-k: ``[(token_id, logprob), ...]`` best first, or None where nothing was computed.
 TopkRow = list[tuple[int, float]] | None
@@ -67,9 +88,11 @@ class WireTensorData(StrictModel):
         crow, col = self.sparse_crow_indices, self.sparse_col_indices
         nnz = len(self.data)
         if len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != nnz or len(col) != nnz:
-            raise ValueError(f"sparse CSR indices do not match: {rows} rows need {rows + 1} row pointers from 0 "
-                             f"to {nnz} and {nnz} column indices; got {len(crow)} pointers "
-                             f"({crow[:1]}..{crow[-1:]}) and {len(col)} columns")
+            raise ValueError(
+                f"sparse CSR indices do not match: {rows} rows need {rows + 1} row pointers from 0 "
+                f"to {nnz} and {nnz} column indices; got {len(crow)} pointers "
+                f"({crow[:1]}..{crow[-1:]}) and {len(col)} columns"
+            )
         if any(b < a for a, b in itertools.pairwise(crow)):
             raise ValueError("sparse_crow_indices must be non-decreasing")
         if any(c < 0 or c >= cols for c in col):
@@ -137,21 +160,26 @@ class DatumV2(Datum):
     @model_validator(mode="after")
     def _tiling(self) -> DatumV2:
         if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):
-            raise ValueError("provenance comes as a pair: set both model_input_spans and loss_fn_input_spans "
-                             "or neither")
+            raise ValueError(
+                "provenance comes as a pair: set both model_input_spans and loss_fn_input_spans or neither"
+            )
         if self.model_input_spans is None:
             return self
         covered = sum(s.length for s in self.model_input_spans)
         if covered != self.model_input.length:
-            raise ValueError(f"model_input_spans cover {covered} positions but model_input has "
-                             f"{self.model_input.length} tokens; the runs must tile it exactly")
+            raise ValueError(
+                f"model_input_spans cover {covered} positions but model_input has "
+                f"{self.model_input.length} tokens; the runs must tile it exactly"
+            )
         target = self.loss_fn_inputs.get("target_tokens")
         if target is not None and len(target.resolved_shape()) == 1:  # as the SDK: 2-D targets are not checked
             n = target.resolved_shape()[0]
             covered = sum(s.length for s in self.loss_fn_input_spans or ())
             if covered != n:
-                raise ValueError(f"loss_fn_input_spans cover {covered} positions but target_tokens has {n}; "
-                                 "the runs must tile it exactly")
+                raise ValueError(
+                    f"loss_fn_input_spans cover {covered} positions but target_tokens has {n}; "
+                    "the runs must tile it exactly"
+                )
         return self
 
 
@@ -221,14 +249,18 @@ class SampleRequestV2(SampleRequest):
             if not self.prompt_logprobs:
                 raise ValueError("prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs")
             if self.prompt_logprobs_last_n > n - 1:
-                raise ValueError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {n - 1}, "
-                                 f"got {self.prompt_logprobs_last_n}")
+                raise ValueError(
+                    f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {n - 1}, "
+                    f"got {self.prompt_logprobs_last_n}"
+                )
         t = self.target_prompt_logprobs
         if t is not None:
             shape = t.resolved_shape()
             if t.dtype != "int64" or len(shape) != 2 or shape[0] != n - 1:
-                raise ValueError(f"target_prompt_logprobs must be int64 of shape [len(prompt) - 1, K] = "
-                                 f"[{n - 1}, K], got {t.dtype} {shape}")
+                raise ValueError(
+                    f"target_prompt_logprobs must be int64 of shape [len(prompt) - 1, K] = "
+                    f"[{n - 1}, K], got {t.dtype} {shape}"
+                )
         return self
 
 

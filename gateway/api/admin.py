@@ -1,6 +1,6 @@
 """``/admin`` routes (role ``admin``, enforced by :mod:`livelora.gateway.auth`), scoped to the caller's tenant.
 
-Handlers call one :class:`~livelora.gateway.services.gateway_admin.GatewayAdmin` method and encode its answer. A change
+Handlers call one :class:`~livelora.gateway.services.admin.GatewayAdmin` method and encode its answer. A change
 to an endpoint is applied to this gateway's registry before the answer and announced to the other gateways.
 """
 
@@ -9,8 +9,15 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from livelora.clients.types.admin import (CreateEndpointRequest, CreateKeyRequest, ExportRequest, ForgetRequest,
-                                          GateRequest, PromoteRequest, RollbackRequest)
+from livelora.clients.types.admin import (
+    CreateEndpointRequest,
+    CreateKeyRequest,
+    ExportRequest,
+    ForgetRequest,
+    GateRequest,
+    PromoteRequest,
+    RollbackRequest,
+)
 from livelora.gateway.api.deps import AdminDep
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -30,8 +37,9 @@ async def list_endpoints(admin: AdminDep) -> dict:
 async def create_endpoint(body: CreateEndpointRequest, admin: AdminDep) -> dict:
     """Create an endpoint. 400 if a name is outside the caller's namespace (``<tenant>.<rest>``; ``default``: no
     such prefix), 409 if a name of its own namespace is taken."""
-    return await admin.create_endpoint(body.name, body.lineage, mode=body.mode, version=body.version,
-                                       reason=body.reason)
+    return await admin.create_endpoint(
+        body.name, body.lineage, mode=body.mode, version=body.version, reason=body.reason
+    )
 
 
 @router.get("/endpoints/{name:path}/history")
@@ -123,16 +131,22 @@ async def export_adapter(name: str, body: ExportRequest, admin: AdminDep) -> dic
     """Export into ``<home>/exports/<name>.<format>`` (reused when it exists; ``path`` is relative to the store,
     never a server file path); download it with ``GET /admin/exports/{name}/{format}``."""
     path, files = await admin.export(name, body.format)
-    return {"adapter": name, "format": body.format, "path": f"exports/{path.name}", "files": files,
-            "download": f"/admin/exports/{name}/{body.format}"}
+    return {
+        "adapter": name,
+        "format": body.format,
+        "path": f"exports/{path.name}",
+        "files": files,
+        "download": f"/admin/exports/{name}/{body.format}",
+    }
 
 
 @router.get("/exports/{name}/{fmt}")
 async def download_export(name: str, fmt: str, admin: AdminDep) -> Response:
     """An export directory as an uncompressed tar (``application/x-tar``)."""
     data, filename = await admin.export_tar(name, fmt)
-    return Response(data, media_type="application/x-tar",
-                    headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+    return Response(
+        data, media_type="application/x-tar", headers={"Content-Disposition": f'attachment; filename="{filename}"'}
+    )
 
 
 @router.get("/keys")

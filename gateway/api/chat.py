@@ -50,24 +50,34 @@ def check_chat(body: ChatCompletionRequest) -> None:
     """
     check_common(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
-        raise BadRequestError("set only one of max_tokens and max_completion_tokens (max_tokens is deprecated)",
-                              param="max_tokens", code="invalid_parameter_combination")
+        raise BadRequestError(
+            "set only one of max_tokens and max_completion_tokens (max_tokens is deprecated)",
+            param="max_tokens",
+            code="invalid_parameter_combination",
+        )
     if body.tools:
-        raise UnsupportedParameterError("tools are not supported: the served model's chat template has no "
-                                        "tool-calling format", param="tools")
+        raise UnsupportedParameterError(
+            "tools are not supported: the served model's chat template has no tool-calling format", param="tools"
+        )
     if body.functions:
-        raise UnsupportedParameterError("functions are not supported: the served model's chat template has no "
-                                        "tool-calling format", param="functions")
+        raise UnsupportedParameterError(
+            "functions are not supported: the served model's chat template has no tool-calling format",
+            param="functions",
+        )
     if body.tool_choice not in (None, "none"):
-        raise UnsupportedParameterError("tool_choice is only allowed as 'none' (tools are not supported)",
-                                        param="tool_choice")
+        raise UnsupportedParameterError(
+            "tool_choice is only allowed as 'none' (tools are not supported)", param="tool_choice"
+        )
     if body.response_format is not None and body.response_format.type != "text":
-        raise UnsupportedParameterError(f"response_format {body.response_format.type!r} is not supported: "
-                                        "output cannot be constrained to JSON; use type 'text'",
-                                        param="response_format")
+        raise UnsupportedParameterError(
+            f"response_format {body.response_format.type!r} is not supported: "
+            "output cannot be constrained to JSON; use type 'text'",
+            param="response_format",
+        )
     if body.top_logprobs and not body.logprobs:
-        raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs",
-                              code="invalid_parameter_combination")
+        raise BadRequestError(
+            "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_parameter_combination"
+        )
     extra = body.model_extra or {}
     if any(m != "text" for m in extra.get("modalities") or []):
         raise UnsupportedParameterError("only the 'text' modality is supported", param="modalities")
@@ -90,19 +100,26 @@ def chat_jobs(body: ChatCompletionRequest, serving: Serving) -> list[Job]:
         requested, param = body.max_tokens, "max_tokens"
     max_tokens = budget(len(prompt), requested, param, serving.context_length(), "messages")
     # logprobs are always computed: the completion log keeps them (responses only carry them on request)
-    return [Job(prompt, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.top_logprobs or 0))
-            for i in range(body.n)]
+    return [
+        Job(prompt, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.top_logprobs or 0))
+        for i in range(body.n)
+    ]
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, serving: ServingDep,
-                                 texts: TokenTextsDep, caller: CallerDep) -> Response:
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, serving: ServingDep, texts: TokenTextsDep, caller: CallerDep
+) -> Response:
     """Create a chat completion with ``n`` choices, each its own generation in the engine batch."""
     log_ignored(body, "chat.completions")
     messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
     await serving.load_on_demand(body.model)  # a stored <lineage>@<n> not loaded yet; then no await until begin
-    served = serving.begin(body.model, lambda: chat_jobs(body, serving), id_prefix="chatcmpl",
-                           recording=Recording(caller=caller, user=body.user, messages=messages))
+    served = serving.begin(
+        body.model,
+        lambda: chat_jobs(body, serving),
+        id_prefix="chatcmpl",
+        recording=Recording(caller=caller, user=body.user, messages=messages),
+    )
     return await respond(served, ChatEncoder(served, body, texts), request)
 
 
@@ -128,17 +145,27 @@ class ChatEncoder:
         return None
 
     def chunk(self, choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
-        return sse_data(ChatCompletionChunk(
-            id=self.served.id, created=self.served.created, model=self.target.model, choices=choices, usage=usage,
-            system_fingerprint=self.target.fingerprint).model_dump(mode="json"))
+        return sse_data(
+            ChatCompletionChunk(
+                id=self.served.id,
+                created=self.served.created,
+                model=self.target.model,
+                choices=choices,
+                usage=usage,
+                system_fingerprint=self.target.fingerprint,
+            ).model_dump(mode="json")
+        )
 
     def usage_totals(self) -> CompletionUsage:
         """Tokens so far (what the ``usage`` field says; metered by :func:`~livelora.gateway.api.streaming.respond`)."""
         return self._usage()
 
     def _usage(self) -> CompletionUsage:
-        return CompletionUsage(prompt_tokens=self.prompt_tokens, completion_tokens=self.tokens,
-                               total_tokens=self.prompt_tokens + self.tokens)
+        return CompletionUsage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.tokens,
+            total_tokens=self.prompt_tokens + self.tokens,
+        )
 
     # ------------------------------------------------------------------ SSE
     def head(self) -> Iterable[str]:
@@ -148,8 +175,11 @@ class ChatEncoder:
     def events(self, index: int, chunk: GenerationChunk) -> Iterable[str]:
         self.tokens += len(chunk.token_ids)
         if chunk.text or (chunk.logprobs and self.logprobs):
-            lp = (ChoiceLogprobs(content=chat_logprobs(self.texts, chunk.logprobs, self.top_n))
-                  if chunk.logprobs and self.logprobs else None)
+            lp = (
+                ChoiceLogprobs(content=chat_logprobs(self.texts, chunk.logprobs, self.top_n))
+                if chunk.logprobs and self.logprobs
+                else None
+            )
             yield self.chunk([ChunkChoice(index=index, delta=ChoiceDelta(content=chunk.text), logprobs=lp)])
         if chunk.finish_reason is not None:
             yield self.chunk([ChunkChoice(index=index, delta=ChoiceDelta(), finish_reason=chunk.finish_reason)])
@@ -167,10 +197,20 @@ class ChatEncoder:
             self.finish[index] = chunk.finish_reason
 
     def body(self) -> dict[str, Any]:
-        choices = [Choice(index=i, message=ChatCompletionMessage(content="".join(self.pieces[i])),
-                          finish_reason=self.finish[i] or "stop",
-                          logprobs=ChoiceLogprobs(content=self.choice_logprobs[i]) if self.logprobs else None)
-                   for i in range(self.n)]
-        return ChatCompletion(id=self.served.id, created=self.served.created, model=self.target.model,
-                              choices=choices, usage=self._usage(),
-                              system_fingerprint=self.target.fingerprint).model_dump(mode="json")
+        choices = [
+            Choice(
+                index=i,
+                message=ChatCompletionMessage(content="".join(self.pieces[i])),
+                finish_reason=self.finish[i] or "stop",
+                logprobs=ChoiceLogprobs(content=self.choice_logprobs[i]) if self.logprobs else None,
+            )
+            for i in range(self.n)
+        ]
+        return ChatCompletion(
+            id=self.served.id,
+            created=self.served.created,
+            model=self.target.model,
+            choices=choices,
+            usage=self._usage(),
+            system_fingerprint=self.target.fingerprint,
+        ).model_dump(mode="json")

@@ -8,7 +8,7 @@ control-token text in it (``<|im_start|>``) becomes those control tokens, as
 vLLM and OpenAI's legacy route read it (OpenAI documents ``<|endoftext|>`` in a
 prompt as the document separator); the caller writes the whole prompt, so no
 turn boundary of anyone else can be forged. Chat message content, by contrast,
-is always plain text (``livelora.adapters.chat_tokens``). ``echo`` prepends the prompt (with its logprobs from
+is always plain text (``livelora.core.chat_tokens``). ``echo`` prepends the prompt (with its logprobs from
 :meth:`Engine.score` when ``logprobs`` is set). ``logprobs`` (0..5) uses the
 legacy parallel-list layout. ``max_completion_tokens`` is not a parameter of
 this route and is rejected rather than silently ignored (vllm-ascend #15931);
@@ -59,13 +59,15 @@ def check_completion(body: CompletionRequest) -> None:
     """Reject parameters of the legacy route that cannot be honoured (400 naming ``param``)."""
     check_common(body)
     if (body.model_extra or {}).get("max_completion_tokens") is not None:
-        raise UnsupportedParameterError("max_completion_tokens is not a parameter of /v1/completions; "
-                                        "use max_tokens", param="max_completion_tokens")
+        raise UnsupportedParameterError(
+            "max_completion_tokens is not a parameter of /v1/completions; use max_tokens", param="max_completion_tokens"
+        )
     if body.suffix:
         raise UnsupportedParameterError("suffix (fill-in-the-middle) is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
-        raise UnsupportedParameterError("best_of other than n is not supported (choices are not re-ranked)",
-                                        param="best_of")
+        raise UnsupportedParameterError(
+            "best_of other than n is not supported (choices are not re-ranked)", param="best_of"
+        )
 
 
 def prompt_token_ids(body: CompletionRequest, tokenizer) -> list[list[int]]:
@@ -90,8 +92,9 @@ def prompt_token_ids(body: CompletionRequest, tokenizer) -> list[list[int]]:
             raise BadRequestError(f"prompt {i} is empty", param="prompt")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise BadRequestError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                                  param="prompt")
+            raise BadRequestError(
+                f"prompt {i} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="prompt"
+            )
         prompts.append(ids)
     return prompts
 
@@ -111,19 +114,26 @@ def completion_jobs(body: CompletionRequest, serving: Serving, texts: TokenTexts
     for ids, text in zip(prompts, prompt_texts(body, prompts, texts)):
         max_tokens = budget(len(ids), body.max_tokens, "max_tokens", max_len, "prompt")
         # logprobs are always computed: the completion log keeps them (responses only carry them on request)
-        jobs += [Job(ids, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.logprobs or 0), text)
-                 for i in range(body.n)]
+        jobs += [
+            Job(ids, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.logprobs or 0), text)
+            for i in range(body.n)
+        ]
     return jobs
 
 
 @router.post("/v1/completions", response_model=None)
-async def create_completion(body: CompletionRequest, request: Request, serving: ServingDep, texts: TokenTextsDep,
-                            caller: CallerDep) -> Response:
+async def create_completion(
+    body: CompletionRequest, request: Request, serving: ServingDep, texts: TokenTextsDep, caller: CallerDep
+) -> Response:
     """Complete each prompt ``n`` times; each choice is its own generation in the engine batch."""
     log_ignored(body, "completions")
     await serving.load_on_demand(body.model)  # a stored <lineage>@<n> not loaded yet; then no await until begin
-    served = serving.begin(body.model, lambda: completion_jobs(body, serving, texts), id_prefix="cmpl",
-                           recording=Recording(caller=caller, user=body.user))
+    served = serving.begin(
+        body.model,
+        lambda: completion_jobs(body, serving, texts),
+        id_prefix="cmpl",
+        recording=Recording(caller=caller, user=body.user),
+    )
     return await respond(served, CompletionEncoder(served, body, texts), request)
 
 
@@ -149,7 +159,7 @@ class CompletionEncoder:
     def __init__(self, served: ServedRequest, body: CompletionRequest, texts: TokenTexts):
         self.served, self.target, self.texts = served, served.target, texts
         self.n = body.n
-        self.prompts = [list(job.prompt_ids) for job in served.jobs[::body.n]]
+        self.prompts = [list(job.prompt_ids) for job in served.jobs[:: body.n]]
         self.echo, self.want_lp, self.top_n = bool(body.echo), body.logprobs is not None, body.logprobs or 0
         self.stream = bool(body.stream)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -182,8 +192,9 @@ class CompletionEncoder:
         lp = None
         if self.want_lp:
             items = chunk.logprobs or []
-            lp = completion_logprobs(self.texts, list(items), [i.token_id for i in items], self.top_n,
-                                     self.offsets[index])
+            lp = completion_logprobs(
+                self.texts, list(items), [i.token_id for i in items], self.top_n, self.offsets[index]
+            )
         self.offsets[index] += len(chunk.text)
         return CompletionChoice(index=index, text=chunk.text, logprobs=lp, finish_reason=chunk.finish_reason)
 
@@ -193,12 +204,21 @@ class CompletionEncoder:
 
     def _usage(self) -> CompletionUsage:
         prompt_tokens = sum(len(p) for p in self.prompts)
-        return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
-                               total_tokens=prompt_tokens + self.completion_tokens)
+        return CompletionUsage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=prompt_tokens + self.completion_tokens,
+        )
 
     def _body(self, choices: list[CompletionChoice], usage: CompletionUsage | None) -> dict[str, Any]:
-        return Completion(id=self.served.id, created=self.served.created, model=self.target.model, choices=choices,
-                          usage=usage, system_fingerprint=self.target.fingerprint).model_dump(mode="json")
+        return Completion(
+            id=self.served.id,
+            created=self.served.created,
+            model=self.target.model,
+            choices=choices,
+            usage=usage,
+            system_fingerprint=self.target.fingerprint,
+        ).model_dump(mode="json")
 
     # ------------------------------------------------------------------ SSE
     def head(self) -> Iterable[str]:
@@ -220,8 +240,10 @@ class CompletionEncoder:
         self.parts[index].append(self.step(index, chunk))
 
     def body(self) -> dict[str, Any]:
-        choices = [_merge(p) if p else CompletionChoice(index=i, text="", finish_reason="stop")
-                   for i, p in enumerate(self.parts)]
+        choices = [
+            _merge(p) if p else CompletionChoice(index=i, text="", finish_reason="stop")
+            for i, p in enumerate(self.parts)
+        ]
         return self._body(choices, self._usage())
 
 
@@ -237,5 +259,6 @@ def _merge(parts: list[CompletionChoice]) -> CompletionChoice:
                 lp.top_logprobs.extend(p.logprobs.top_logprobs)
                 lp.text_offset.extend(p.logprobs.text_offset)
     finish = next((p.finish_reason for p in reversed(parts) if p.finish_reason), "stop")
-    return CompletionChoice(index=parts[0].index, text="".join(p.text for p in parts), logprobs=lp,
-                            finish_reason=finish)
+    return CompletionChoice(
+        index=parts[0].index, text="".join(p.text for p in parts), logprobs=lp, finish_reason=finish
+    )

@@ -20,19 +20,19 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 
-from livelora.adapters.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
 from livelora.clients.errors import InternalError, UnavailableError
+from livelora.core.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
 from livelora.gateway.api.logprobs import TokenTexts
 from livelora.gateway.engines.base import Engine
-from livelora.gateway.services.gateway_admin import GatewayAdmin
+from livelora.gateway.services.admin import GatewayAdmin
 from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.services.drain import Drain
-from livelora.gateway.services.metering import MeteringService
 from livelora.gateway.services.registry import AdapterRegistry
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions import Checkpoints, SamplingSessions, SessionService, TrainingOps
 from livelora.gateway.services.signals import SignalService
+from livelora.gateway.services.usage import MeteringService
 from livelora.gateway.settings import GatewaySettings
 
 
@@ -99,7 +99,7 @@ def get_token_texts(services: ServicesDep) -> TokenTexts:
 
 
 def get_principal(request: Request) -> Principal:
-    """The caller, as auth identified it (open mode: :data:`~livelora.adapters.api_keys.OPEN_PRINCIPAL`)."""
+    """The caller, as auth identified it (open mode: :data:`~livelora.core.api_keys.OPEN_PRINCIPAL`)."""
     return getattr(request.state, "principal", None) or OPEN_PRINCIPAL
 
 

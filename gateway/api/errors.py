@@ -80,8 +80,10 @@ def content_type_error(request: Request) -> BadRequestError | None:
     if media == "application/json" or media.endswith("+json"):
         return None
     what = f"unsupported content-type {declared!r}" if declared else "no content-type header"
-    return BadRequestError(f"{what}: {request.url.path} takes a JSON body; send it with the header "
-                           "'content-type: application/json'", code="unsupported_content_type")
+    return BadRequestError(
+        f"{what}: {request.url.path} takes a JSON body; send it with the header 'content-type: application/json'",
+        code="unsupported_content_type",
+    )
 
 
 def validation_error(exc: RequestValidationError, request: Request | None = None) -> BadRequestError:
@@ -108,8 +110,12 @@ def validation_error(exc: RequestValidationError, request: Request | None = None
 
 
 #: pydantic's range error types -> the side of OpenAI's ``{integer|decimal}_{below_min|above_max}_value`` codes.
-_RANGE_SIDES = {"greater_than_equal": "below_min", "greater_than": "below_min", "less_than_equal": "above_max",
-                "less_than": "above_max"}
+_RANGE_SIDES = {
+    "greater_than_equal": "below_min",
+    "greater_than": "below_min",
+    "less_than_equal": "above_max",
+    "less_than": "above_max",
+}
 
 
 def _range_code(error: dict) -> str:
@@ -139,11 +145,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            err: LiveloraError = NotFoundError(f"no route {request.method} {request.url.path}",
-                                               code="unknown_url")
+            err: LiveloraError = NotFoundError(f"no route {request.method} {request.url.path}", code="unknown_url")
         elif exc.status_code == 405:
-            err = UnsupportedParameterError(f"method {request.method} is not allowed on {request.url.path}",
-                                            code="method_not_allowed")
+            err = UnsupportedParameterError(
+                f"method {request.method} is not allowed on {request.url.path}", code="method_not_allowed"
+            )
             err.status = 405
         elif exc.status_code < 500:
             err = BadRequestError(str(exc.detail), code=f"http_{exc.status_code}")

@@ -63,8 +63,9 @@ def chat_logprobs(texts: TokenTexts, items: list[TokenLogprob], top_n: int) -> l
     return out
 
 
-def completion_logprobs(texts: TokenTexts, items: list[TokenLogprob | None], token_ids: list[int],
-                        top_n: int, offset: int) -> CompletionLogprobs:
+def completion_logprobs(
+    texts: TokenTexts, items: list[TokenLogprob | None], token_ids: list[int], top_n: int, offset: int
+) -> CompletionLogprobs:
     """Legacy layout: parallel ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``.
 
     Args:

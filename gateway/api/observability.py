@@ -8,10 +8,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
-from livelora.adapters import metrics
-from livelora.adapters.quotas import Limits
+
 from livelora.clients.errors import NotFoundError
 from livelora.clients.types.admin import QuotaUpdateRequest
+from livelora.core import metrics
+from livelora.core.quotas import Limits
 from livelora.gateway.api.deps import (
     AuthOpenDep,
     MeteringDep,
@@ -23,23 +24,41 @@ router = APIRouter(tags=["observability"])
 
 
 @router.get("/admin/usage")
-async def usage(metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep,
-                tenant: str | None = None, key: str | None = None, subject: str | None = None,
-                kind: str | None = None, start: Annotated[str | None, Query(alias="from")] = None,
-                end: Annotated[str | None, Query(alias="to")] = None, group_by: str | None = None) -> dict:
+async def usage(
+    metering: MeteringDep,
+    principal: PrincipalDep,
+    open_mode: AuthOpenDep,
+    tenant: str | None = None,
+    key: str | None = None,
+    subject: str | None = None,
+    kind: str | None = None,
+    start: Annotated[str | None, Query(alias="from")] = None,
+    end: Annotated[str | None, Query(alias="to")] = None,
+    group_by: str | None = None,
+) -> dict:
     """Tokens used, summed per group: ``{"data": [{<group_by dims>, "tokens"}], "group_by", "from", "to"}``.
 
     Query: ``tenant``, ``key`` (API key id), ``subject`` (endpoint, model or session id), ``kind``, ``from`` /
     ``to`` (Unix s or ISO 8601, UTC hours overlapping the range), ``group_by`` (comma-separated: tenant, key,
     subject, kind, hour, day). A tenant's key sees only its tenant (403 for another).
     """
-    return await metering.usage(principal, tenant=tenant, key=key, subject=subject, kind=kind, start=start,
-                                end=end, group_by=group_by, open_mode=open_mode)
+    return await metering.usage(
+        principal,
+        tenant=tenant,
+        key=key,
+        subject=subject,
+        kind=kind,
+        start=start,
+        end=end,
+        group_by=group_by,
+        open_mode=open_mode,
+    )
 
 
 @router.get("/admin/quotas")
-async def get_quotas(metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep,
-                     tenant: str | None = None) -> dict:
+async def get_quotas(
+    metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep, tenant: str | None = None
+) -> dict:
     """The caller's tenant's limits and what it holds now: ``{"tenant", "limits": {"max_sessions",
     "max_adapter_versions", "tokens_per_day"}, "sessions", "adapter_versions", "tokens_today", "day"}`` (open
     mode: any ``tenant``, default ``default``)."""
@@ -47,8 +66,9 @@ async def get_quotas(metering: MeteringDep, principal: PrincipalDep, open_mode: 
 
 
 @router.put("/admin/quotas")
-async def set_quotas(body: QuotaUpdateRequest, metering: MeteringDep, principal: PrincipalDep,
-                     open_mode: AuthOpenDep) -> dict:
+async def set_quotas(
+    body: QuotaUpdateRequest, metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep
+) -> dict:
     """Set ``body.tenant``'s limits (fields given override the settings' defaults; ``unlimited`` lifts them) and
     answer its effective limits. Only the operator (open mode, or a key with the operator role) may; 403
     otherwise; 400 for an unknown name in ``unlimited``, an unknown kind or a negative limit."""

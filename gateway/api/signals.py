@@ -9,14 +9,25 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Header, Response
 
-from livelora.clients.types.signals import (DemonstrationRequest, DemonstrationResponse, FeedbackRequest,
-                                            FeedbackResponse, PreferenceRequest, PreferenceResponse)
+from livelora.clients.types.signals import (
+    DemonstrationRequest,
+    DemonstrationResponse,
+    FeedbackRequest,
+    FeedbackResponse,
+    PreferenceRequest,
+    PreferenceResponse,
+)
 from livelora.gateway.api.deps import CallerDep, SignalsDep
 
 router = APIRouter(tags=["signals"])
 
-_IDEM_HEADER = Header(default=None, alias="Idempotency-Key", min_length=1, max_length=255,
-                      description="Makes retries safe: the same key and body get the first answer.")
+_IDEM_HEADER = Header(
+    default=None,
+    alias="Idempotency-Key",
+    min_length=1,
+    max_length=255,
+    description="Makes retries safe: the same key and body get the first answer.",
+)
 
 
 def _mark(response: Response, replayed: bool) -> None:
@@ -25,8 +36,13 @@ def _mark(response: Response, replayed: bool) -> None:
 
 
 @router.post("/v1/feedback", response_model=FeedbackResponse)
-async def post_feedback(body: FeedbackRequest, signals: SignalsDep, caller: CallerDep, response: Response,
-                        idempotency_key: str | None = _IDEM_HEADER) -> FeedbackResponse:
+async def post_feedback(
+    body: FeedbackRequest,
+    signals: SignalsDep,
+    caller: CallerDep,
+    response: Response,
+    idempotency_key: str | None = _IDEM_HEADER,
+) -> FeedbackResponse:
     """Rate one served completion (thumbs up/down, optional score and comment)."""
     out, replayed = await signals.feedback(body, caller=caller, idempotency_key=idempotency_key)
     _mark(response, replayed)
@@ -34,8 +50,13 @@ async def post_feedback(body: FeedbackRequest, signals: SignalsDep, caller: Call
 
 
 @router.post("/v1/preferences", response_model=PreferenceResponse)
-async def post_preference(body: PreferenceRequest, signals: SignalsDep, caller: CallerDep, response: Response,
-                          idempotency_key: str | None = _IDEM_HEADER) -> PreferenceResponse:
+async def post_preference(
+    body: PreferenceRequest,
+    signals: SignalsDep,
+    caller: CallerDep,
+    response: Response,
+    idempotency_key: str | None = _IDEM_HEADER,
+) -> PreferenceResponse:
     """Submit a chosen/rejected pair (two completion ids, or prompt + replies inline)."""
     out, replayed = await signals.preference(body, caller=caller, idempotency_key=idempotency_key)
     _mark(response, replayed)
@@ -43,8 +64,13 @@ async def post_preference(body: PreferenceRequest, signals: SignalsDep, caller: 
 
 
 @router.post("/v1/demonstrations", response_model=DemonstrationResponse)
-async def post_demonstration(body: DemonstrationRequest, signals: SignalsDep, caller: CallerDep,
-                             response: Response, idempotency_key: str | None = _IDEM_HEADER) -> DemonstrationResponse:
+async def post_demonstration(
+    body: DemonstrationRequest,
+    signals: SignalsDep,
+    caller: CallerDep,
+    response: Response,
+    idempotency_key: str | None = _IDEM_HEADER,
+) -> DemonstrationResponse:
     """Submit a conversation ending with the ideal assistant reply."""
     out, replayed = await signals.demonstration(body, caller=caller, idempotency_key=idempotency_key)
     _mark(response, replayed)

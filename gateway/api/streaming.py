@@ -54,8 +54,9 @@ def sse_data(payload: Mapping[str, Any]) -> str:
 
 def sse_response(events: AsyncIterator[str], headers: Mapping[str, str] | None = None) -> EventSourceResponse:
     """Stream ``events`` (each already a data string, the last ``[DONE]``) as SSE."""
-    return EventSourceResponse(events, sep="\n", ping=PING_INTERVAL_S, headers=dict(headers or {}),
-                               media_type="text/event-stream")
+    return EventSourceResponse(
+        events, sep="\n", ping=PING_INTERVAL_S, headers=dict(headers or {}), media_type="text/event-stream"
+    )
 
 
 class ChoiceEncoder(Protocol):
@@ -115,8 +116,9 @@ async def respond(served: ServedRequest, encoder: ChoiceEncoder, request: Reques
     return await _complete(served, choices, encoder, request)
 
 
-async def _complete(served: ServedRequest, choices: ChoiceStream, encoder: ChoiceEncoder,
-                    request: Request) -> JSONResponse:
+async def _complete(
+    served: ServedRequest, choices: ChoiceStream, encoder: ChoiceEncoder, request: Request
+) -> JSONResponse:
     watcher = abort_on_disconnect(choices, request)
     try:
         async for index, chunk in choices:

@@ -24,22 +24,44 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from livelora.clients.errors import BadRequestError
-from livelora.clients.types.tinker import (CreateModelRequest, CreateSamplingSessionRequest, CreateSessionRequest,
-                                           ForwardBackwardRequest, ForwardRequest, FutureRetrieveRequest,
-                                           GetInfoRequest, LoadWeightsRequest, OptimStepRequest,
-                                           SaveWeightsForSamplerRequest, SaveWeightsRequest, SessionFinishRequest,
-                                           SessionHeartbeatRequest, SessionHeartbeatResponse, TryAgainResponse,
-                                           WeightsInfoRequest)
-from livelora.clients.types.tinker_ext import (ForwardBackwardRequestV2, SampleRequestV2, SaveWeightsExternalRequest,
-                                               TokenizerFilesResponse)
-from livelora.clients.errors import NotBuiltError
-from livelora.clients.types.tinker_rest import (CancelFutureRequest, CheckpointTtlRequest, JoinSamplingSessionRequest,
-                                                JoinSamplingSessionResponse, SelfApiKeyResponse, SessionSearchRequest,
-                                                FuturesRetrieveRequest, FuturesRetrieveResponse)
+from livelora.clients.errors import BadRequestError, NotBuiltError
+from livelora.clients.types.tinker import (
+    CreateModelRequest,
+    CreateSamplingSessionRequest,
+    CreateSessionRequest,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    FutureRetrieveRequest,
+    GetInfoRequest,
+    LoadWeightsRequest,
+    OptimStepRequest,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsRequest,
+    SessionFinishRequest,
+    SessionHeartbeatRequest,
+    SessionHeartbeatResponse,
+    TryAgainResponse,
+    WeightsInfoRequest,
+)
+from livelora.clients.types.tinker_ext import (
+    ForwardBackwardRequestV2,
+    SampleRequestV2,
+    SaveWeightsExternalRequest,
+    TokenizerFilesResponse,
+)
+from livelora.clients.types.tinker_rest import (
+    CancelFutureRequest,
+    CheckpointTtlRequest,
+    FuturesRetrieveRequest,
+    FuturesRetrieveResponse,
+    JoinSamplingSessionRequest,
+    JoinSamplingSessionResponse,
+    SelfApiKeyResponse,
+    SessionSearchRequest,
+)
 from livelora.gateway.api import tinker_wire as wire
-from livelora.gateway.api.errors import content_type_error
 from livelora.gateway.api.deps import CheckpointsDep, PrincipalDep, SamplingDep, SessionsDep, TrainingOpsDep
+from livelora.gateway.api.errors import content_type_error
 from livelora.gateway.services.sessions import NotReady
 
 router = APIRouter(prefix="/api/v1", tags=["training sessions"])
@@ -48,8 +70,13 @@ M = TypeVar("M", bound=BaseModel)
 #: Flags for the tinker SDK's ``client/config``: create-from-checkpoint in one ``load_weights`` request,
 #: plain httpx transport; SDK 0.20–0.24 keep their JSON ``forward_backward`` (``proto_write_fwdbwd`` off),
 #: SDK ≥0.25 always send protobuf, zstd-compressed (``proto_compress_fwdbwd``).
-CLIENT_CONFIG = {"create_model_via_load_weights": True, "use_pyqwest_transport": False,
-                 "proto_write_fwdbwd": False, "proto_compress_fwdbwd": True, "parallel_fwdbwd_chunks": True}
+CLIENT_CONFIG = {
+    "create_model_via_load_weights": True,
+    "use_pyqwest_transport": False,
+    "proto_write_fwdbwd": False,
+    "proto_compress_fwdbwd": True,
+    "parallel_fwdbwd_chunks": True,
+}
 
 
 # ------------------------------------------------------------------------------------------------ JSON codec
@@ -80,8 +107,9 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
-        msgs = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e.get('msg')}"
-                         for e in exc.errors()[:3])
+        msgs = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in exc.errors()[:3]
+        )
         raise BadRequestError(f"invalid {model.__name__}: {msgs}", param=loc or None, code="invalid_value") from None
 
 
@@ -106,11 +134,12 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
         if isinstance(node, dict):
             ref = node.get("$ref", "")
             if ref.startswith("#/$defs/"):
-                return inline({**defs[ref[len("#/$defs/"):]], **{k: v for k, v in node.items() if k != "$ref"}})
+                return inline({**defs[ref[len("#/$defs/") :]], **{k: v for k, v in node.items() if k != "$ref"}})
             return {k: inline(v) for k, v in node.items()}
         if isinstance(node, list):
             return [inline(v) for v in node]
         return node
+
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
@@ -141,8 +170,11 @@ async def get_server_capabilities(ops: TrainingOpsDep) -> Response:
     return encode(ops.capabilities())
 
 
-@router.get("/tokenizer", response_model=TokenizerFilesResponse,
-            responses={304: {"description": "the revision named in If-None-Match is still the served one"}})
+@router.get(
+    "/tokenizer",
+    response_model=TokenizerFilesResponse,
+    responses={304: {"description": "the revision named in If-None-Match is still the served one"}},
+)
 async def get_tokenizer(request: Request, ops: TrainingOpsDep) -> Response:
     """The served base model's tokenizer files (livelora extension; any valid key): tokenizer, chat template,
     vocabulary and ``config.json``, by base name, never weights. ``ETag`` is the files' revision; a request whose
@@ -201,8 +233,7 @@ async def get_info(request: Request, ops: TrainingOpsDep) -> Response:
 
 @router.post("/forward", openapi_extra=body_schema(ForwardRequest))
 async def forward(request: Request, ops: TrainingOpsDep) -> Response:
-    return encode(await ops.submit_op("forward", await body_json(request),
-                                           lambda d: ForwardRequest.model_validate(d)))
+    return encode(await ops.submit_op("forward", await body_json(request), lambda d: ForwardRequest.model_validate(d)))
 
 
 @router.post("/forward_backward", openapi_extra=body_schema(ForwardBackwardRequest))
@@ -212,8 +243,11 @@ async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
     encoding = request.headers.get("content-encoding")
     try:
         if wire.body_kind(request.headers.get("content-type")) == "json":
-            return encode(await ops.submit_op("forward_backward", await body_json(request),
-                                              lambda d: ForwardBackwardRequest.model_validate(d)))
+            return encode(
+                await ops.submit_op(
+                    "forward_backward", await body_json(request), lambda d: ForwardBackwardRequest.model_validate(d)
+                )
+            )
         req = wire.decode_forward_backward(wire.decode_content(raw, encoding))
     except wire.WireDecodeError as exc:
         await ops.reject_undecodable(exc.model_id, exc.seq_id, exc)
@@ -224,42 +258,54 @@ async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
             await ops.reject_undecodable(model_id, seq_id, exc)
         raise
     kind = "forward" if req.forward_only else "forward_backward"
-    return encode(await ops.submit_op(kind, req.model_dump(mode="json", exclude_none=True),
-                                      lambda d: ForwardBackwardRequestV2.model_validate(d)))
+    return encode(
+        await ops.submit_op(
+            kind, req.model_dump(mode="json", exclude_none=True), lambda d: ForwardBackwardRequestV2.model_validate(d)
+        )
+    )
 
 
 @router.post("/optim_step", openapi_extra=body_schema(OptimStepRequest))
 async def optim_step(request: Request, ops: TrainingOpsDep) -> Response:
-    return encode(await ops.submit_op("optim_step", await body_json(request),
-                                           lambda d: OptimStepRequest.model_validate(d)))
+    return encode(
+        await ops.submit_op("optim_step", await body_json(request), lambda d: OptimStepRequest.model_validate(d))
+    )
 
 
 @router.post("/save_weights", openapi_extra=body_schema(SaveWeightsRequest))
 async def save_weights(request: Request, ops: TrainingOpsDep) -> Response:
-    return encode(await ops.submit_op("save_weights", await body_json(request),
-                                           lambda d: SaveWeightsRequest.model_validate(d)))
+    return encode(
+        await ops.submit_op("save_weights", await body_json(request), lambda d: SaveWeightsRequest.model_validate(d))
+    )
 
 
 @router.post("/save_weights_for_sampler", openapi_extra=body_schema(SaveWeightsForSamplerRequest))
 async def save_weights_for_sampler(request: Request, ops: TrainingOpsDep) -> Response:
-    return encode(await ops.submit_op("save_weights_for_sampler", await body_json(request),
-                                           lambda d: SaveWeightsForSamplerRequest.model_validate(d)))
+    return encode(
+        await ops.submit_op(
+            "save_weights_for_sampler",
+            await body_json(request),
+            lambda d: SaveWeightsForSamplerRequest.model_validate(d),
+        )
+    )
 
 
 @router.post("/save_weights_external", openapi_extra=body_schema(SaveWeightsExternalRequest))
 async def save_weights_external(request: Request, ops: TrainingOpsDep) -> Response:
     """The run's current LoRA weights as a PEFT adapter directory, ``tinker://<model_id>/external_weights/<path>``
     (its files: ``…/checkpoints/external_weights/<path>/external_weights_urls``)."""
-    return encode(await ops.submit_op("save_weights_external", await body_json(request),
-                                      lambda d: SaveWeightsExternalRequest.model_validate(d)))
+    return encode(
+        await ops.submit_op(
+            "save_weights_external", await body_json(request), lambda d: SaveWeightsExternalRequest.model_validate(d)
+        )
+    )
 
 
 @router.post("/load_weights", openapi_extra=body_schema(LoadWeightsRequest))
 async def load_weights(request: Request, ops: TrainingOpsDep) -> Response:
     data = await body_json(request)
     if data.get("model_id") is not None or data.get("seq_id") is not None:  # load into an existing model
-        return encode(await ops.submit_op("load_weights", data,
-                                               lambda d: LoadWeightsRequest.model_validate(d)))
+        return encode(await ops.submit_op("load_weights", data, lambda d: LoadWeightsRequest.model_validate(d)))
     return encode(await ops.create_via_load(parse(LoadWeightsRequest, data)))
 
 
@@ -301,8 +347,9 @@ async def list_user_checkpoints(checkpoints: CheckpointsDep, limit: int = 100, o
 
 
 @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive")
-async def checkpoint_archive_url(model_id: str, checkpoint_id: str, request: Request,
-                                 checkpoints: CheckpointsDep) -> Response:
+async def checkpoint_archive_url(
+    model_id: str, checkpoint_id: str, request: Request, checkpoints: CheckpointsDep
+) -> Response:
     return encode(checkpoints.archive_url(model_id, checkpoint_id, str(request.base_url)))
 
 
@@ -310,13 +357,15 @@ async def checkpoint_archive_url(model_id: str, checkpoint_id: str, request: Req
 async def checkpoint_archive(name: str, checkpoints: CheckpointsDep) -> Response:
     """The tar behind a signed archive URL (public route: the signature in ``name`` is the credential)."""
     name, data = checkpoints.archive(name)
-    return Response(data, media_type="application/x-tar",
-                    headers={"Content-Disposition": f'attachment; filename="{name}"'})
+    return Response(
+        data, media_type="application/x-tar", headers={"Content-Disposition": f'attachment; filename="{name}"'}
+    )
 
 
 @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
-async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request,
-                                checkpoints: CheckpointsDep) -> Response:
+async def external_weights_urls(
+    model_id: str, checkpoint_id: str, request: Request, checkpoints: CheckpointsDep
+) -> Response:
     """Signed URLs, one per file, of an ``external_weights/<name>`` checkpoint (SDK 0.38 ``tinker checkpoint
     download``, ``RestClient.get_external_weights_urls``)."""
     return encode(checkpoints.external_weights_urls(model_id, checkpoint_id, str(request.base_url)))
@@ -332,8 +381,9 @@ async def external_weights_file(token: str, file_name: str, checkpoints: Checkpo
 
 
 @router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
-async def publish_checkpoint(model_id: str, checkpoint_id: str, request: Request,
-                             checkpoints: CheckpointsDep) -> Response:
+async def publish_checkpoint(
+    model_id: str, checkpoint_id: str, request: Request, checkpoints: CheckpointsDep
+) -> Response:
     await body_json(request)  # no body is needed; one that is sent must be JSON
     checkpoints.set_public(model_id, checkpoint_id, True)
     return Response(status_code=204)
@@ -346,8 +396,9 @@ async def unpublish_checkpoint(model_id: str, checkpoint_id: str, checkpoints: C
 
 
 @router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
-async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request,
-                             checkpoints: CheckpointsDep) -> Response:
+async def set_checkpoint_ttl(
+    model_id: str, checkpoint_id: str, request: Request, checkpoints: CheckpointsDep
+) -> Response:
     checkpoints.set_ttl(model_id, checkpoint_id, (await decode(request, CheckpointTtlRequest)).ttl_seconds)
     return Response(status_code=204)
 
@@ -377,15 +428,17 @@ async def asample(request: Request, sampling: SamplingDep) -> Response:
 @router.post("/join_sampling_session")
 async def join_sampling_session(request: Request, sampling: SamplingDep) -> Response:
     req = await decode(request, JoinSamplingSessionRequest)
-    return encode(JoinSamplingSessionResponse(client_counter=await sampling.join_sampling_session(
-        req.sampling_session_id)))
+    return encode(
+        JoinSamplingSessionResponse(client_counter=await sampling.join_sampling_session(req.sampling_session_id))
+    )
 
 
 @router.post("/retrieve_futures")
 async def retrieve_futures(request: Request, sampling: SamplingDep) -> Response:
     req = await decode(request, FuturesRetrieveRequest)
-    done, cursor = await sampling.retrieve_futures(req.target.sampling_session_id, req.target.cloned_sampler_id,
-                                                   req.prev_cursor, req.timeout)
+    done, cursor = await sampling.retrieve_futures(
+        req.target.sampling_session_id, req.target.cloned_sampler_id, req.prev_cursor, req.timeout
+    )
     return encode(FuturesRetrieveResponse.model_validate({"completions": done, "cursor": cursor}))
 
 
@@ -399,25 +452,33 @@ async def cancel_future(request: Request, sampling: SamplingDep) -> Response:
 @router.post("/create_custom_loss")
 async def create_custom_loss(request: Request) -> Response:
     await body_json(request)  # a body that is not JSON is named as such first
-    raise NotBuiltError("server-side custom losses are not built (client/config leaves custom_loss_server_side "
-                        "off): forward_backward_custom runs the loss on the client, which needs no server support")
+    raise NotBuiltError(
+        "server-side custom losses are not built (client/config leaves custom_loss_server_side "
+        "off): forward_backward_custom runs the loss on the client, which needs no server support"
+    )
 
 
 @router.post("/copy_weights")
 async def copy_weights(request: Request) -> Response:
     await body_json(request)  # a body that is not JSON is named as such first
-    raise NotBuiltError("copy_weights is not built: livelora has one owner per store, so every session can "
-                        "already load any checkpoint by its tinker:// path; use that path directly")
+    raise NotBuiltError(
+        "copy_weights is not built: livelora has one owner per store, so every session can "
+        "already load any checkpoint by its tinker:// path; use that path directly"
+    )
 
 
 @router.get("/auth/apikey/me")
 async def apikey_me(principal: PrincipalDep) -> Response:
     """The presented key's public metadata (``key_id`` is a stable number derived from livelora's key id)."""
     key = principal.key_id or "open"
-    return encode(SelfApiKeyResponse(key_id=zlib.crc32(key.encode()), name=principal.name,
-                                     note=f"livelora key of tenant {principal.tenant}; roles "
-                                          f"{', '.join(sorted(principal.roles))}",
-                                     details={"org_details": {"name": principal.tenant}, "user_details": {}}))
+    return encode(
+        SelfApiKeyResponse(
+            key_id=zlib.crc32(key.encode()),
+            name=principal.name,
+            note=f"livelora key of tenant {principal.tenant}; roles {', '.join(sorted(principal.roles))}",
+            details={"org_details": {"name": principal.tenant}, "user_details": {}},
+        )
+    )
 
 
 @router.delete("/auth/apikey/me")

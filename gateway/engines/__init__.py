@@ -47,5 +47,12 @@ def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
     raise BadRequestError(f"unknown engine kind {kind!r}; available: {', '.join(ENGINE_KINDS)}", param="engine")
 
 
-__all__ = ["ENGINE_KINDS", "Engine", "FinishReason", "GenerationChunk", "SamplingParams", "TokenLogprob",
-           "create_engine"]
+__all__ = [
+    "ENGINE_KINDS",
+    "Engine",
+    "FinishReason",
+    "GenerationChunk",
+    "SamplingParams",
+    "TokenLogprob",
+    "create_engine",
+]

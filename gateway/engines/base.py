@@ -121,21 +121,27 @@ def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int
         ContextLengthExceededError: ``prompt_len + max_tokens > max_model_len``.
     """
     if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
-        raise BadRequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}", param="max_tokens",
-                              code="integer_below_min_value")
+        raise BadRequestError(
+            f"max_tokens must be an integer >= 1, got {p.max_tokens!r}",
+            param="max_tokens",
+            code="integer_below_min_value",
+        )
     if not (isinstance(p.temperature, (int, float)) and math.isfinite(p.temperature) and p.temperature >= 0):
-        raise BadRequestError(f"temperature must be >= 0, got {p.temperature!r}", param="temperature",
-                              code="decimal_below_min_value")
+        raise BadRequestError(
+            f"temperature must be >= 0, got {p.temperature!r}", param="temperature", code="decimal_below_min_value"
+        )
     if not (isinstance(p.top_p, (int, float)) and 0 < p.top_p <= 1):
         raise BadRequestError(f"top_p must be in (0, 1], got {p.top_p!r}", param="top_p")
     if not isinstance(p.top_k, int) or p.top_k < 0:
         raise BadRequestError(f"top_k must be an integer >= 0 (0 disables), got {p.top_k!r}", param="top_k")
     if not isinstance(p.top_logprobs, int) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {p.top_logprobs!r}",
-                              param="top_logprobs")
+        raise BadRequestError(
+            f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {p.top_logprobs!r}", param="top_logprobs"
+        )
     if p.top_logprobs and not p.logprobs:
-        raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs",
-                              code="invalid_parameter_combination")
+        raise BadRequestError(
+            "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_parameter_combination"
+        )
     if p.seed is not None and not isinstance(p.seed, int):
         raise BadRequestError(f"seed must be an integer, got {p.seed!r}", param="seed")
     if isinstance(p.stop, str) or any(not isinstance(s, str) or not s for s in p.stop):
@@ -147,7 +153,8 @@ def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int
         raise ContextLengthExceededError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + p.max_tokens} tokens ({prompt_len} in the messages, {p.max_tokens} in the "
-            f"completion). Please reduce the length of the messages or completion.")
+            f"completion). Please reduce the length of the messages or completion."
+        )
 
 
 def resolve_stop_strings(p: SamplingParams, tokenizer) -> SamplingParams:
@@ -165,8 +172,9 @@ def resolve_stop_strings(p: SamplingParams, tokenizer) -> SamplingParams:
     return replace(p, stop=texts, stop_token_ids=tuple(dict.fromkeys((*p.stop_token_ids, *ids))))
 
 
-def check_score_request(token_ids: Sequence[int], top_logprobs: int, *, vocab_size: int,
-                        max_model_len: int) -> list[int]:
+def check_score_request(
+    token_ids: Sequence[int], top_logprobs: int, *, vocab_size: int, max_model_len: int
+) -> list[int]:
     """Validate a :meth:`Engine.score` call; shared by every engine. Returns the token ids as ints.
 
     Raises:
@@ -177,8 +185,9 @@ def check_score_request(token_ids: Sequence[int], top_logprobs: int, *, vocab_si
     if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise BadRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
     if len(ids) > max_model_len:
-        raise ContextLengthExceededError(f"This model's maximum context length is {max_model_len} "
-                                         f"tokens; {len(ids)} tokens were given to score.")
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {max_model_len} tokens; {len(ids)} tokens were given to score."
+        )
     return ids
 
 
@@ -224,8 +233,13 @@ class Engine(abc.ABC):
         """Abort every running sequence and stop the worker."""
 
     @abc.abstractmethod
-    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 adapter: str | None = None, request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
         """Generate one completion.
 
         Args:
@@ -248,8 +262,9 @@ class Engine(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def score(self, token_ids: Sequence[int], adapter: str | None = None,
-                    top_logprobs: int = 0) -> list[TokenLogprob | None]:
+    async def score(
+        self, token_ids: Sequence[int], adapter: str | None = None, top_logprobs: int = 0
+    ) -> list[TokenLogprob | None]:
         """Prompt logprobs: entry i is ``log p(token_i | tokens_<i)``; entry 0 is ``None``.
 
         Args:

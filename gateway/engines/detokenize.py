@@ -48,11 +48,11 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text (possibly ``""``)."""
         self.token_ids.append(int(token_id))
-        window = self.token_ids[self._prefix_offset:]
-        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        window = self.token_ids[self._prefix_offset :]
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(window)
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
-            delta = new_text[len(prefix_text):]
+            delta = new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.token_ids)
             return delta
@@ -66,10 +66,10 @@ class IncrementalDetokenizer:
         emitted as U+FFFD, so the streamed text equals
         ``tokenizer.decode(all_ids).rstrip("\ufffd")``.
         """
-        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self.token_ids[self._prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.token_ids)
-        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         return delta.rstrip(REPLACEMENT_CHAR)
 
 
@@ -107,7 +107,7 @@ class StopStringMatcher:
                 best = (p, s)
         if best is not None:
             p, s = best
-            out = self._text[self._sent:p] if p > self._sent else ""
+            out = self._text[self._sent : p] if p > self._sent else ""
             self._sent = max(self._sent, p)
             self.matched = s
             return out, s
@@ -119,7 +119,7 @@ class StopStringMatcher:
                 hold = k
                 break
         end = len(self._text) - hold
-        out = self._text[self._sent:end] if end > self._sent else ""
+        out = self._text[self._sent : end] if end > self._sent else ""
         self._sent = max(self._sent, end)
         return out, None
 
@@ -127,6 +127,6 @@ class StopStringMatcher:
         """Release the held-back text (the sequence ended without a match)."""
         if self.matched is not None:
             return ""
-        out = self._text[self._sent:]
+        out = self._text[self._sent :]
         self._sent = len(self._text)
         return out

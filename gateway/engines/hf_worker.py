@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from livelora.adapters import metrics
 from livelora.clients.errors import ConflictError, InternalError, LiveloraError
+from livelora.core import metrics
 from livelora.gateway.engines.base import GenerationChunk, SamplingParams, TokenLogprob
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
 from livelora.gateway.engines.kv_batch import KVBatch, left_padded
@@ -72,13 +72,23 @@ class Worker:
         max_batch_size: running sequences at most; more wait in the queue.
         max_prefill_tokens: padded prompt tokens per prefill forward (at least one prompt is admitted).
         merge_lora: serve a version that every row uses from merged weights (:class:`~.lora_slots.MergedVersion`).
-        serving: a :class:`~livelora.adapters.core_share.ServingFlag` beaten while sequences run or wait (a trainer
+        serving: a :class:`~livelora.core.core_share.ServingFlag` beaten while sequences run or wait (a trainer
             process on this machine then keeps to its thread budget), or ``None``.
     """
 
-    def __init__(self, model, tokenizer, *, eos_ids: set[int], max_batch_size: int,
-                 max_prefill_tokens: int, device: str, share: tuple[Any, int, int] | None = None,
-                 merge_lora: bool = True, serving: Any = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        eos_ids: set[int],
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        device: str,
+        share: tuple[Any, int, int] | None = None,
+        merge_lora: bool = True,
+        serving: Any = None,
+    ):
         self.model = model  # the plain transformers model (LoRA layers are injected into it when adapters load)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -152,7 +162,7 @@ class Worker:
                     for group in groups:  # commands (a swap) may run between prefill groups and before decoding
                         with torch.inference_mode():
                             self._prefill(group)
-                        self.admitting = self.admitting[len(group):]
+                        self.admitting = self.admitting[len(group) :]
                         self._run_commands()
                 if self.running:
                     with torch.inference_mode():
@@ -167,7 +177,7 @@ class Worker:
 
     def _share_cores(self) -> None:
         """Use fewer torch threads while a training step runs on this machine, all of them otherwise
-        (:mod:`livelora.adapters.core_share`: an OpenMP thread sharing its core with a step stalls every
+        (:mod:`livelora.core.core_share`: an OpenMP thread sharing its core with a step stalls every
         parallel region of the engine)."""
         if self.share is None:
             return
@@ -239,8 +249,15 @@ class Worker:
 
         ids, mask, pos = left_padded([s.prompt for s in group], self.pad_id, self.device)
         cache = DynamicCache(config=self.model.config)
-        logits = self.forward([s.adapter for s in group], input_ids=ids, attention_mask=mask, position_ids=pos,
-                              cache=cache, use_cache=True, logits_to_keep=1)
+        logits = self.forward(
+            [s.adapter for s in group],
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         new = KVBatch()
         new.merge(cache, mask)
         self._sample_and_emit(group, logits[:, -1, :])
@@ -253,8 +270,14 @@ class Worker:
     def _decode_step(self) -> None:
         ids = torch.tensor([[s.next_token] for s in self.running], dtype=torch.long, device=self.device)
         mask, pos = self.batch.step_inputs()
-        logits = self.forward([s.adapter for s in self.running], input_ids=ids, attention_mask=mask,
-                              position_ids=pos, cache=self.batch.cache, use_cache=True)
+        logits = self.forward(
+            [s.adapter for s in self.running],
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=self.batch.cache,
+            use_cache=True,
+        )
         self.steps += 1
         metrics.BATCH_SIZE.observe(len(self.running))
         self._sample_and_emit(self.running, logits[:, -1, :])
@@ -312,8 +335,9 @@ class Worker:
         chosen, tops = prompt_logprobs(logits[0], ids[0], top_k)
         return [None] + [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids[1:], chosen, tops)]
 
-    def load_adapter(self, name: str, config, weights: dict[str, torch.Tensor], source: str,
-                     canary: list[int] | None = None) -> list[TokenLogprob | None] | None:
+    def load_adapter(
+        self, name: str, config, weights: dict[str, torch.Tensor], source: str, canary: list[int] | None = None
+    ) -> list[TokenLogprob | None] | None:
         """Install adapter version ``name`` (a peft ``LoraConfig`` and its state dict, read by the caller)
         into a LoRA slot (:meth:`~.lora_slots.LoraSlots.install`); with ``canary``, score those tokens on it in
         the same pause of the decode loop.
@@ -339,11 +363,13 @@ class Worker:
 
         Its slot becomes free for the next version of the same shape (:meth:`~.lora_slots.LoraSlots.release`).
         """
-        users = [s for s in list(self.running) + list(self.waiting) + self.admitting
-                 if s.adapter == name and not (s.cancelled or s.finished)]
+        users = [
+            s
+            for s in list(self.running) + list(self.waiting) + self.admitting
+            if s.adapter == name and not (s.cancelled or s.finished)
+        ]
         if users:
-            raise ConflictError(f"adapter {name!r} is in use by {len(users)} running or queued sequences",
-                                param="name")
+            raise ConflictError(f"adapter {name!r} is in use by {len(users)} running or queued sequences", param="name")
         self.slots.release(name)
 
 

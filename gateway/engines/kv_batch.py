@@ -58,8 +58,7 @@ class KVBatch:
         t = max(t_old, t_new)
         for mine, theirs in zip(self.cache.layers, cache.layers):
             mine.keys = torch.cat([_left_pad(mine.keys, t - t_old, 2), _left_pad(theirs.keys, t - t_new, 2)], 0)
-            mine.values = torch.cat([_left_pad(mine.values, t - t_old, 2),
-                                     _left_pad(theirs.values, t - t_new, 2)], 0)
+            mine.values = torch.cat([_left_pad(mine.values, t - t_old, 2), _left_pad(theirs.values, t - t_new, 2)], 0)
         self.mask = torch.cat([_left_pad(self.mask, t - t_old, 1), _left_pad(mask, t - t_new, 1)], 0)
 
     def select(self, rows: list[int]) -> None:
@@ -99,7 +98,7 @@ def left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), t), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, t - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, t - len(p):] = 1
+        ids[i, t - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, t - len(p) :] = 1
     pos = (mask.cumsum(dim=1) - 1).clamp_(min=0)
     return ids.to(device), mask.to(device), pos.to(device)

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from livelora.adapters.models import MODEL_BUILD_LOCK
 from livelora.clients.errors import BadRequestError, LiveloraError
+from livelora.core.base_models import MODEL_BUILD_LOCK
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,12 @@ class LoraSlots:
             first.mergeable = False
             return None
         self.merged = merged
-        log.info("merged LoRA slot %s into a copy of %d layers' weights in %.3f s", first.name,
-                 len(self.merged.weights), time.perf_counter() - t0)
+        log.info(
+            "merged LoRA slot %s into a copy of %d layers' weights in %.3f s",
+            first.name,
+            len(self.merged.weights),
+            time.perf_counter() - t0,
+        )
         return self.merged
 
     def _drop_merged(self, slot: LoraSlot) -> None:
@@ -152,8 +156,7 @@ class LoraSlots:
         """The :class:`MixedRows` of a batch, or ``None`` when peft's own forward must run (versions of
         different shapes, DoRA or LoRA bias, or LoRA on layers other than ``nn.Linear``)."""
         used = list(dict.fromkeys(s for s in slots if s is not None))
-        if not self.lora_linear_only or not all(s.batchable for s in used) or \
-                len({s.signature for s in used}) > 1:
+        if not self.lora_linear_only or not all(s.batchable for s in used) or len({s.signature for s in used}) > 1:
             return None
         key = tuple(s.name for s in used)
         stacks = self.stacks.pop(key, None)
@@ -179,8 +182,9 @@ class LoraSlots:
                 nothing changes.
         """
         if str(getattr(config.peft_type, "value", config.peft_type)) != "LORA":
-            raise BadRequestError(f"adapter at {source} is {config.peft_type}; only LoRA adapters are served",
-                                  param="path")
+            raise BadRequestError(
+                f"adapter at {source} is {config.peft_type}; only LoRA adapters are served", param="path"
+            )
         config.inference_mode = True
         signature = slot_signature(config)
         slot = next((s for s in self.free_slots if s.signature == signature), None)
@@ -197,7 +201,9 @@ class LoraSlots:
             raise BadRequestError(f"adapter at {source} does not fit this base model: {exc}", param="path") from exc
         self.versions[name] = slot
         if not any(s.signature == signature for s in self.free_slots):  # later: not while the swap is served
-            timer = threading.Timer(SPARE_DELAY_S, self.schedule, args=(lambda: self._prepare_spare(config, signature),))
+            timer = threading.Timer(
+                SPARE_DELAY_S, self.schedule, args=(lambda: self._prepare_spare(config, signature),)
+            )
             timer.daemon = True
             timer.start()
 
@@ -224,8 +230,13 @@ class LoraSlots:
         slot.batchable = not getattr(config, "use_dora", False) and not getattr(config, "lora_bias", False)
         self._patch_lora_layers()
         self.stacks.clear()
-        log.info("created LoRA slot %s in %.3f s (%d slots, %d free)", slot.name, time.perf_counter() - t0,
-                 len(self.versions) + len(self.free_slots) + 1, len(self.free_slots))
+        log.info(
+            "created LoRA slot %s in %.3f s (%d slots, %d free)",
+            slot.name,
+            time.perf_counter() - t0,
+            len(self.versions) + len(self.free_slots) + 1,
+            len(self.free_slots),
+        )
         return slot
 
     def _patch_lora_layers(self) -> None:
@@ -244,8 +255,9 @@ class LoraSlots:
     def _prepare_spare(self, config, signature: str) -> None:
         """Create one free slot of ``signature`` unless one is free already or no loaded version has that shape
         any more (runs between forward passes, :data:`SPARE_DELAY_S` after a load)."""
-        if any(s.signature == signature for s in self.free_slots) or \
-                not any(v.signature == signature for v in self.versions.values()):
+        if any(s.signature == signature for s in self.free_slots) or not any(
+            v.signature == signature for v in self.versions.values()
+        ):
             return
         try:
             self.free_slots.append(self._new_slot(config, signature, "spare slot"))
@@ -267,8 +279,11 @@ class LoraSlots:
             for key, tensor in weights.items():
                 target = slot.params[key]
                 if tensor.shape != target.shape:
-                    raise BadRequestError(f"adapter at {source}: tensor {key} has shape {tuple(tensor.shape)}, "
-                                          f"this base model needs {tuple(target.shape)}", param="path")
+                    raise BadRequestError(
+                        f"adapter at {source}: tensor {key} has shape {tuple(tensor.shape)}, "
+                        f"this base model needs {tuple(target.shape)}",
+                        param="path",
+                    )
             for key, tensor in weights.items():
                 slot.params[key].copy_(tensor)
             return
@@ -276,8 +291,11 @@ class LoraSlots:
         result = set_peft_model_state_dict(self.peft, weights, adapter_name=slot.name)
         missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{slot.name}." in k]
         if missing:
-            raise BadRequestError(f"adapter at {source} lacks weights for {len(missing)} LoRA tensors, "
-                                  f"e.g. {missing[0].replace(f'.{slot.name}.', '.')}", param="path")
+            raise BadRequestError(
+                f"adapter at {source} lacks weights for {len(missing)} LoRA tensors, "
+                f"e.g. {missing[0].replace(f'.{slot.name}.', '.')}",
+                param="path",
+            )
 
     def _delete_slot(self, slot: LoraSlot) -> None:
         self.active_slot = None  # peft may change its active adapter
@@ -314,7 +332,6 @@ class LoraSlots:
             self._delete_slot(s)
 
 
-
 #: peft adapter names of the worker's LoRA slots are this prefix plus a counter (never a version name).
 SLOT_PREFIX = "livelora_slot_"
 #: Seconds after a load before a spare slot is created (a pause of decoding of ~0.2 s on CPU), so that it
@@ -324,13 +341,22 @@ SPARE_DELAY_S = 2.0
 #: rank 16 on every linear layer of SmolLM2-135M holds 9 MB in float32).
 MAX_FREE_SLOTS = 4
 #: LoraConfig fields that do not change the LoRA modules' shapes or forward at inference.
-_SIGNATURE_IGNORES = {"base_model_name_or_path", "revision", "inference_mode", "init_lora_weights",
-                      "lora_dropout", "peft_version", "auto_mapping", "task_type"}
+_SIGNATURE_IGNORES = {
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "init_lora_weights",
+    "lora_dropout",
+    "peft_version",
+    "auto_mapping",
+    "task_type",
+}
 
 
 def slot_signature(config) -> str:
     """A key equal for two LoRA configs whose adapters have the same modules, ranks and scalings, so one's
     weights can be copied into the other's slot (canonical JSON of the config minus :data:`_SIGNATURE_IGNORES`)."""
+
     def canon(value):
         if isinstance(value, (set, frozenset)):
             return sorted(canon(v) for v in value)
@@ -410,8 +436,13 @@ class MergedVersion:
                 out = old.get(id(module))
                 if out is None or out.shape != base.weight.shape or out.dtype != base.weight.dtype:
                     out = torch.empty_like(base.weight)
-                torch.addmm(base.weight, b.to(base.weight.dtype), a.to(base.weight.dtype),
-                            alpha=module.scaling[slot.name], out=out)
+                torch.addmm(
+                    base.weight,
+                    b.to(base.weight.dtype),
+                    a.to(base.weight.dtype),
+                    alpha=module.scaling[slot.name],
+                    out=out,
+                )
                 weights[id(module)] = out
         return cls(slot, weights)
 
@@ -444,8 +475,13 @@ class MixedRows:
         stacks: ``id(module) -> (A, B)`` for this ``key`` (shared across forwards, filled lazily).
     """
 
-    def __init__(self, key: tuple[str, ...], rows: list[int], stacks: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                 merged: MergedVersion | None = None):
+    def __init__(
+        self,
+        key: tuple[str, ...],
+        rows: list[int],
+        stacks: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        merged: MergedVersion | None = None,
+    ):
         self.key, self.rows, self.stacks = key, rows, stacks
         self.merged = merged  # every row on this merged version: plain Linear layers on its weights
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
@@ -470,7 +506,7 @@ class MixedRows:
             starts = [sum(widths[:i]) for i in range(len(widths))]
             for row, u in enumerate(self.rows):
                 if u >= 0:
-                    mask[row, 0, starts[u]:starts[u] + widths[u]] = 1
+                    mask[row, 0, starts[u] : starts[u] + widths[u]] = 1
             self._masks[widths] = mask
         return entry[0], entry[1], mask
 

@@ -77,7 +77,7 @@ def sample_batch(logits: torch.Tensor, rows: list[RowSampling]) -> StepSample:
         :class:`StepSample` with Python lists (one device sync per call).
     """
     logits = logits.float()
-    bsz, vocab = logits.shape
+    bsz, _vocab = logits.shape
     logprobs_all = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
     # Rows with and without top-k/top-p take different (sorted / unsorted) inverse-CDF paths; the split
@@ -97,7 +97,7 @@ def sample_batch(logits: torch.Tensor, rows: list[RowSampling]) -> StepSample:
         vals_l, ids_l = vals.tolist(), ids.tolist()
         for i, r in enumerate(rows):
             if r.top_logprobs:
-                top[i] = list(zip(ids_l[i][:r.top_logprobs], vals_l[i][:r.top_logprobs]))
+                top[i] = list(zip(ids_l[i][: r.top_logprobs], vals_l[i][: r.top_logprobs]))
     return StepSample(tokens.tolist(), chosen_lp.tolist(), top)
 
 
@@ -122,8 +122,9 @@ def _sample_rows(logits: torch.Tensor, rows: list[RowSampling], use_filters: boo
     return sorted_ids.gather(1, choice).squeeze(1)
 
 
-def prompt_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int = 0
-                    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+def prompt_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_k: int = 0
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Logprobs of ``token_ids[1:]`` under ``logits[:-1]`` (teacher forcing).
 
     Args:

@@ -31,9 +31,17 @@ from pathlib import Path
 from typing import Any
 
 from livelora.clients.errors import BadRequestError, ConflictError, ModelNotFoundError, RateLimitError, UnavailableError
-from livelora.gateway.engines.base import (AdapterCheck, Engine, GenerationChunk, SamplingParams, TokenLogprob,
-                                           check_sampling_params, check_score_request, check_token_ids,
-                                           resolve_stop_strings)
+from livelora.gateway.engines.base import (
+    AdapterCheck,
+    Engine,
+    GenerationChunk,
+    SamplingParams,
+    TokenLogprob,
+    check_sampling_params,
+    check_score_request,
+    check_token_ids,
+    resolve_stop_strings,
+)
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
 from livelora.gateway.engines.sampling import RowSampling, make_generator
 
@@ -45,7 +53,7 @@ class TransformersEngine(Engine):
 
     Args:
         model: base-model name (built-in, local directory or HF id), resolved by
-            :func:`livelora.adapters.models.resolve_base_model`.
+            :func:`livelora.core.base_models.resolve_base_model`.
         home: ``LIVELORA_HOME`` (default: from the environment / settings).
         device: ``"cpu"`` or ``"cuda"``/``"cuda:N"``.
         dtype: torch dtype name; default ``float32`` on CPU, ``bfloat16`` on CUDA.
@@ -55,21 +63,32 @@ class TransformersEngine(Engine):
             config's ``max_position_embeddings``; never above it).
         max_prefill_tokens: padded prompt tokens per prefill forward pass.
         num_threads: ``torch.set_num_threads`` value (process-wide); ``None`` keeps torch's default.
-        share_cores: share the cores with training steps on this machine (:mod:`livelora.adapters.core_share`):
+        share_cores: share the cores with training steps on this machine (:mod:`livelora.core.core_share`):
             while a step runs the engine uses ``threads_while_training`` threads (``None``: half of its threads,
             at least 1), all of them otherwise. On the CPU the engine also beats the machine's
-            :class:`~livelora.adapters.core_share.ServingFlag` while it serves (a trainer process then keeps to its
+            :class:`~livelora.core.core_share.ServingFlag` while it serves (a trainer process then keeps to its
             thread budget).
         merge_lora: serve an adapter version that every row of a batch uses from merged weights
             (:class:`~.lora_slots.MergedVersion`; ``LIVELORA_ENGINE_MERGE_LORA``).
     """
 
-    def __init__(self, model: str | None = None, *, home: str | Path | None = None, device: str = "cpu",
-                 dtype: str | None = None, max_batch_size: int = 16, max_waiting: int = 1024,
-                 max_model_len: int | None = None, max_prefill_tokens: int = 8192,
-                 num_threads: int | None = None, share_cores: bool = False,
-                 threads_while_training: int | None = None, merge_lora: bool = True):
-        from livelora.adapters.settings import CommonSettings
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        home: str | Path | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        max_batch_size: int = 16,
+        max_waiting: int = 1024,
+        max_model_len: int | None = None,
+        max_prefill_tokens: int = 8192,
+        num_threads: int | None = None,
+        share_cores: bool = False,
+        threads_while_training: int | None = None,
+        merge_lora: bool = True,
+    ):
+        from livelora.core.settings import CommonSettings
 
         if max_batch_size < 1:
             raise BadRequestError("max_batch_size must be >= 1", param="max_batch_size")
@@ -111,7 +130,7 @@ class TransformersEngine(Engine):
             return
         import torch
 
-        from livelora.adapters.models import load_model, load_tokenizer, resolve_base_model
+        from livelora.core.base_models import load_model, load_tokenizer, resolve_base_model
         from livelora.gateway.engines.hf_worker import Worker
 
         if self.num_threads:
@@ -121,8 +140,10 @@ class TransformersEngine(Engine):
         model = load_model(ref, dtype=self.dtype, device=self.device)
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
         if self._max_model_len_arg and self._max_model_len_arg > limit:
-            raise BadRequestError(f"max_model_len {self._max_model_len_arg} exceeds the model's "
-                                  f"max_position_embeddings {limit}", param="max_model_len")
+            raise BadRequestError(
+                f"max_model_len {self._max_model_len_arg} exceeds the model's max_position_embeddings {limit}",
+                param="max_model_len",
+            )
         self.max_model_len = self._max_model_len_arg or limit
         self.vocab_size = int(model.config.vocab_size)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -130,7 +151,7 @@ class TransformersEngine(Engine):
         if tokenizer.eos_token_id is not None:
             eos_ids.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos_ids)
-        from livelora.adapters.core_share import ServingFlag, TrainingFlag
+        from livelora.core.core_share import ServingFlag, TrainingFlag
 
         share = None
         if self.share_cores:
@@ -139,9 +160,17 @@ class TransformersEngine(Engine):
         # beaten whenever the engine runs on the CPU, so that a trainer process on this machine keeps to its
         # thread budget while requests are served (also when the engine never changes its own thread count)
         serving = ServingFlag(self._home) if self.device == "cpu" else None
-        worker = Worker(model, tokenizer, eos_ids=set(eos_ids), max_batch_size=self.max_batch_size,
-                        max_prefill_tokens=self.max_prefill_tokens, device=self.device, share=share,
-                        merge_lora=self.merge_lora, serving=serving)
+        worker = Worker(
+            model,
+            tokenizer,
+            eos_ids=set(eos_ids),
+            max_batch_size=self.max_batch_size,
+            max_prefill_tokens=self.max_prefill_tokens,
+            device=self.device,
+            share=share,
+            merge_lora=self.merge_lora,
+            serving=serving,
+        )
         worker.thread.start()
         self._tokenizer, self._worker = tokenizer, worker
 
@@ -177,8 +206,13 @@ class TransformersEngine(Engine):
         return resolve_stop_strings(p, self._tokenizer)  # "<|im_end|>" as a stop string → its token id
 
     # ----- generation ----------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 adapter: str | None = None, request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
         """See :meth:`Engine.generate`. Errors are raised here, before the first iteration.
 
         Raises:
@@ -196,10 +230,23 @@ class TransformersEngine(Engine):
         self._check_adapter(adapter)
         if len(worker.waiting) >= self.max_waiting:
             raise RateLimitError(f"{len(worker.waiting)} requests are queued; retry later", retry_after=1.0)
-        sampling = RowSampling(float(params.temperature), float(params.top_p), int(params.top_k),
-                               make_generator(params.seed), int(params.top_logprobs))
-        seq = _Seq(request_id or uuid.uuid4().hex, prompt, params, adapter, sampling,
-                   IncrementalDetokenizer(self._tokenizer), StopStringMatcher(params.stop), deliver=_no_consumer)
+        sampling = RowSampling(
+            float(params.temperature),
+            float(params.top_p),
+            int(params.top_k),
+            make_generator(params.seed),
+            int(params.top_logprobs),
+        )
+        seq = _Seq(
+            request_id or uuid.uuid4().hex,
+            prompt,
+            params,
+            adapter,
+            sampling,
+            IncrementalDetokenizer(self._tokenizer),
+            StopStringMatcher(params.stop),
+            deliver=_no_consumer,
+        )
         return self._stream(worker, seq)
 
     async def _stream(self, worker, seq) -> AsyncIterator[GenerationChunk]:
@@ -224,8 +271,9 @@ class TransformersEngine(Engine):
                 seq.cancelled = True
                 worker.wake()
 
-    async def score(self, token_ids: Sequence[int], adapter: str | None = None,
-                    top_logprobs: int = 0) -> list[TokenLogprob | None]:
+    async def score(
+        self, token_ids: Sequence[int], adapter: str | None = None, top_logprobs: int = 0
+    ) -> list[TokenLogprob | None]:
         """See :meth:`Engine.score`. Runs on the worker between decode steps.
 
         Raises:
@@ -234,8 +282,7 @@ class TransformersEngine(Engine):
             ModelNotFoundError: ``adapter`` is not loaded.
         """
         worker = self._require_worker()
-        ids = check_score_request(token_ids, top_logprobs, vocab_size=self.vocab_size,
-                                  max_model_len=self.max_model_len)
+        ids = check_score_request(token_ids, top_logprobs, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         self._check_adapter(adapter)
         return await self._on_worker(worker, lambda: worker.score(ids, adapter, top_logprobs))
 
@@ -282,8 +329,7 @@ class TransformersEngine(Engine):
         if not isinstance(name, str) or not name.strip() or name == "__base__":
             raise BadRequestError(f"invalid adapter name {name!r}", param="name")
         if name in self._adapters or name in self._loading:
-            raise ConflictError(f"adapter {name!r} is already loaded; load new weights under a new name",
-                                param="name")
+            raise ConflictError(f"adapter {name!r} is already loaded; load new weights under a new name", param="name")
         p = Path(path)
         if not (p / "adapter_config.json").is_file():
             raise BadRequestError(f"{path} is not a PEFT adapter directory (no adapter_config.json)", param="path")

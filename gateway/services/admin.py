@@ -1,390 +1,269 @@
-"""Administration of endpoints, adapter versions and API keys: one service used by the ``/admin`` routes
-(over HTTP, scoped to the caller's tenant) and by the CLI's ``--home`` mode (directly on the store).
-
-:class:`AdminService` works on the store alone (synchronous, no gateway needed);
-:class:`~livelora.gateway.services.gateway_admin.GatewayAdmin` is what the ``/admin`` routes call: it runs the store work off the event loop, applies an endpoint change to
-this gateway's registry before answering (so the next request here gets the new version) and announces it
-on the notices channel so every other gateway re-reads ``endpoints.json`` at once.
-
-Tenancy: endpoints carry their tenant; a lineage (with its versions and exports) belongs to the tenant of its
-recorded owner (:mod:`livelora.adapters.owners`), claimed by the first endpoint created on it or by the training
-model it was made for; the base model's lineage belongs to ``default``. No record: no tenant sees it. Whatever a
-tenant may not see answers 404 exactly like a missing object. New endpoint and lineage names lie in the owner's
-namespace (:mod:`livelora.adapters.namespaces`: ``acme.<rest>`` for tenant ``acme``), so creating one never tells
-whether another tenant holds a name.
-
-Exports are deterministic (versions are immutable): ``<home>/exports/<lineage>@<n>.peft`` (a PEFT
-adapter directory: ``adapter_model.safetensors`` + ``adapter_config.json`` + ``livelora_export.json``)
-and ``<home>/exports/<lineage>@<n>.merged`` (a full Hugging Face model, :mod:`livelora.adapters.export`);
-a second export of the same version returns the existing directory.
-
-Example::
-
-    admin = AdminService(home, tenant=None)          # local: every tenant
-    admin.create_endpoint("prod", "support", mode="pinned", version=3, who="local:alice")
-    admin.promote("prod", "4", who="local:alice", reason="better win-rate")
-    admin.rollback("prod", who="local:alice", reason="regression")
-"""
+"""What the ``/admin`` routes call: :class:`~livelora.gateway.services.store_admin.AdminService` scoped to the caller's
+tenant, its store work run off the event loop, endpoint changes applied to this gateway's registry before the
+answer and announced on the notices channel so that every other gateway re-reads ``endpoints.json`` at once."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import logging
-import shutil
-import time
+import tarfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from livelora.adapters.api_keys import DEFAULT_TENANT, KeyStore, validate_endpoint_name
-from livelora.adapters.atomic import atomic_dir
-from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, version_label
-from livelora.adapters.namespaces import require_own_namespace
-from livelora.adapters.owners import OwnerStore
-from livelora.adapters.store import (
-    CONFIG_FILE,
-    MANIFEST_FILE,
-    WEIGHTS_FILE,
-    AdapterStore,
-    Manifest,
-    parse_version_name,
-    validate_lineage,
-)
-from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError, PermissionDeniedError
+from livelora.adapters.endpoints import HistoryEntry
+from livelora.clients.errors import BadRequestError, NotFoundError
+from livelora.core.api_keys import Principal
+from livelora.gateway.services.store_admin import AdminService, ExportFormat, endpoint_notice
+
+if TYPE_CHECKING:
+    from livelora.gateway.services.registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
 
-ExportFormat = Literal["peft", "merged"]
-EXPORTS_DIR = "exports"
 
-
-def parse_version_ref(ref: str | int | None, lineage: str) -> int | None:
-    """``"base"``/``None`` → ``None``; ``"4"``/``4`` → 4; ``"<lineage>@4"`` → 4 (the lineage must match).
-
-    Raises:
-        BadRequestError: malformed, or another lineage's version.
-    """
-    if ref is None or ref == "base":
-        return None
-    if isinstance(ref, int) and not isinstance(ref, bool):
-        if ref < 1:
-            raise BadRequestError(f"invalid version {ref!r}", param="version")
-        return ref
-    ref = str(ref)
-    if ref.isdigit():
-        return parse_version_ref(int(ref), lineage)
-    other, n = parse_version_name(ref)
-    if other != lineage:
-        raise BadRequestError(f"{ref} is a version of lineage {other!r}, but the endpoint serves {lineage!r}",
-                              param="version")
-    return n
-
-
-class AdminService:
-    """Tenant-scoped administration.
+class GatewayAdmin:
+    """The ``/admin`` operations of one request: :class:`AdminService` scoped to the caller's tenant, run off
+    the event loop where it touches files, with endpoint changes applied here and announced to other gateways.
 
     Args:
         home: ``LIVELORA_HOME``.
-        tenant: the caller's tenant; ``None`` = every tenant (local store access).
+        principal: the caller (its tenant scopes everything; ``who`` goes to the audit log).
+        registry: this gateway's adapter registry (``None``: no live loop, nothing to apply).
     """
 
-    def __init__(self, home: Path | str, tenant: str | None, base_endpoints: tuple[str, ...] | list[str] = ()):
-        self.home = Path(home)
-        self.tenant = tenant
-        self.endpoints = EndpointStore(home, implicit=base_endpoints)
-        self.store = AdapterStore(home)
-        self.keys = KeyStore(home)
-        self.owners = OwnerStore(home)
+    def __init__(self, home: Path | str, principal: Principal, registry: AdapterRegistry | None = None):
+        self.store = AdminService(
+            home, principal.tenant, base_endpoints=(registry.base_endpoint,) if registry is not None else ()
+        )
+        self.who = principal.who
+        self.registry = registry
 
-    # ------------------------------------------------------------------ visibility
-
-    def _admin_tenant(self, binding: EndpointBinding) -> str:
-        return binding.tenant or DEFAULT_TENANT
-
-    def _sees_endpoint(self, binding: EndpointBinding) -> bool:
-        return self.tenant is None or binding.administered_by(self.tenant)
-
-    def _sees_lineage(self, lineage: str) -> bool:
-        """Whether the caller's tenant owns ``lineage`` by its recorded owner (:mod:`livelora.adapters.owners`;
-        no record: nobody but local store access)."""
-        return self.owners.owns("lineage", lineage, self.tenant)
-
-    def _acting_tenant(self, endpoint: str) -> str:
-        """The tenant a change to ``endpoint`` is made as (local access: the endpoint's own)."""
-        if self.tenant is not None:
-            return self.tenant
-        binding = self.endpoints.bindings().get(validate_endpoint_name(endpoint))
-        if binding is None:
-            raise NotFoundError(f"endpoint {endpoint!r} does not exist", param="endpoint")
-        return self._admin_tenant(binding)
-
-    def manifest(self, name: str) -> Manifest:
-        """The manifest of ``<lineage>@<n>`` if this tenant may see it.
-
-        Raises:
-            BadRequestError: malformed name. NotFoundError: missing or not visible.
-        """
-        lineage, n = parse_version_name(name)
-        if not self._sees_lineage(lineage):
-            raise NotFoundError(f"adapter version {name} does not exist", param="adapter")
-        return self.store.get(lineage, n)
+    async def _apply(self, endpoint: str) -> None:
+        """Move this gateway now, then tell the others (a Redis failure only delays them until their resync)."""
+        registry = self.registry
+        if registry is None:
+            return
+        await registry.sync_from_store()
+        try:
+            await registry.client.publish(registry.keys.notices, endpoint_notice(endpoint))
+        except Exception as exc:
+            log.warning(
+                "endpoint %s changed but the notice was not published (%s); other gateways catch up from the store",
+                endpoint,
+                exc,
+            )
 
     # ------------------------------------------------------------------ endpoints
 
-    def endpoint_info(self, name: str, binding: EndpointBinding) -> dict[str, Any]:
-        served = self.endpoints.served_version(binding, self.store, name)
-        return {"name": name, "lineage": binding.lineage, "mode": binding.mode,
-                "serving": version_label(binding.lineage, served), "tenant": binding.tenant,
-                "rollback_to": (version_label(binding.lineage, binding.previous[-1]) if binding.previous
-                                else None), "created": binding.created,
-                "gate": binding.thresholds.model_dump(mode="json")}
-
     def list_endpoints(self) -> list[dict[str, Any]]:
-        """Endpoints this tenant administers, by name: the explicit ones and the served base model's own."""
-        return [self.endpoint_info(k, b) for k, b in sorted(self.endpoints.bindings().items())
-                if self._sees_endpoint(b)]
+        return self.store.list_endpoints()
 
     def get_endpoint(self, name: str) -> dict[str, Any]:
-        """One endpoint. Raises: NotFoundError (missing or another tenant's)."""
-        binding = self.endpoints.bindings().get(validate_endpoint_name(name))
-        if binding is None or not self._sees_endpoint(binding):
+        return self.store.get_endpoint(name)
+
+    async def create_endpoint(
+        self, name: str, lineage: str, *, mode: str, version: str | int | None, reason: str
+    ) -> dict[str, Any]:
+        """See :meth:`AdminService.create_endpoint`; this gateway serves it before the answer."""
+        info = await asyncio.to_thread(
+            self.store.create_endpoint, name, lineage, mode=mode, version=version, who=self.who, reason=reason
+        )
+        await self._apply(name)
+        return info
+
+    async def promote(
+        self, name: str, version: str | int | None, *, follow: bool, reason: str
+    ) -> tuple[HistoryEntry, dict[str, Any]]:
+        """See :meth:`AdminService.promote`; returns the audit entry and the endpoint as this gateway serves it."""
+        entry = await asyncio.to_thread(self.store.promote, name, version, follow=follow, who=self.who, reason=reason)
+        await self._apply(name)
+        return entry, self.store.get_endpoint(name)
+
+    async def rollback(self, name: str, *, reason: str) -> tuple[HistoryEntry, dict[str, Any]]:
+        """See :meth:`AdminService.rollback`; returns the audit entry and the endpoint as this gateway serves it."""
+        entry = await asyncio.to_thread(self.store.rollback, name, who=self.who, reason=reason)
+        await self._apply(name)
+        return entry, self.store.get_endpoint(name)
+
+    async def set_gate(
+        self, name: str, thresholds: dict[str, Any] | None, *, reset: bool = False, reason: str
+    ) -> tuple[HistoryEntry, dict[str, Any]]:
+        """See :meth:`AdminService.set_gate`; returns the audit entry and the endpoint.
+
+        Raises:
+            BadRequestError: neither ``thresholds`` nor ``reset`` given (or both).
+        """
+        if (thresholds is None) == (not reset):
+            raise BadRequestError("give either thresholds or reset: true", param="thresholds")
+        entry = await asyncio.to_thread(self.store.set_gate, name, thresholds, who=self.who, reason=reason)
+        await self._apply(name)
+        return entry, self.store.get_endpoint(name)
+
+    async def stats(self, name: str) -> dict[str, Any]:
+        """Per-version live statistics of an endpoint this tenant administers (requests, ratings, thumbs-up
+        rate and its 95 % Wilson interval), plus the version serving now and the one before it.
+
+        Raises:
+            NotFoundError: unknown or another tenant's endpoint.
+        """
+        if not self.store._owns_endpoint(name) or (
+            self.registry is not None
+            and name not in self.registry.current
+            and name not in self.store.endpoints.bindings()
+        ):
             raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
-        return self.endpoint_info(name, binding)
-
-    def create_endpoint(self, name: str, lineage: str, *, who: str, mode: str = "follow",
-                        version: str | int | None = None, tenant: str | None = None,
-                        reason: str = "") -> dict[str, Any]:
-        """Create an endpoint (owned by the caller's tenant; local access may name ``tenant``).
-
-        Names are per-tenant (:mod:`livelora.adapters.namespaces`): ``name`` must lie in the owner's namespace,
-        and so must ``lineage`` unless the owner already owns it (its training run's lineage, or one made before
-        the rule). Both checks come before anything that depends on which names exist, so another namespace's
-        name answers the same 400 whether it exists or not; local store access follows the same rule.
-
-        Raises:
-            BadRequestError: invalid names, or a name outside the owner's namespace (``param`` ``name`` or
-                ``lineage``); see also :meth:`EndpointStore.create`.
-            ConflictError: the endpoint or the lineage is taken (only names of the owner's own namespace).
-            NotFoundError: a pinned version that does not exist.
-        """
-        validate_endpoint_name(name, param="name")
-        validate_lineage(lineage)
-        owner = self.tenant or tenant or DEFAULT_TENANT
-        if self.tenant is not None and tenant not in (None, self.tenant):
-            raise BadRequestError("an endpoint is created in the caller's own tenant", param="tenant")
-        require_own_namespace(name, owner, kind="endpoint", param="name")
-        if not self.owners.owns("lineage", lineage, owner):
-            require_own_namespace(lineage, owner, kind="lineage", param="lineage")
-        n = parse_version_ref(version, lineage)
-        if mode == "follow" and n is not None:
-            raise BadRequestError("a follow endpoint serves the newest version; give a version only with "
-                                  "mode 'pinned'", param="version")
-        if not self.owners.claim("lineage", lineage, owner):  # the one answer for every taken name
-            raise ConflictError(f"lineage {lineage!r} is not available; choose another lineage name",
-                                param="lineage")
-        binding, _ = self.endpoints.create(name, lineage, tenant=owner, who=who, mode=mode, version=n,
-                                           reason=reason)
-        return self.endpoint_info(name, binding)
-
-    def promote(self, name: str, version: str | int | None, *, who: str, reason: str = "",
-                follow: bool = False) -> HistoryEntry:
-        """Pin ``name`` to a stored version (``base``: the base model), or let it follow its lineage again.
-
-        Raises:
-            NotFoundError: unknown endpoint or version. BadRequestError: malformed version.
-        """
-        tenant = self._acting_tenant(name)
-        binding = self.endpoints.bindings().get(name)
-        if binding is None or not binding.administered_by(tenant):
-            raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
-        if version is None and not follow:
-            raise BadRequestError("give a version to pin (`<n>`, `<lineage>@<n>` or `base`) or follow=true",
-                                  param="version")
-        if version is not None and follow:
-            raise BadRequestError("give either a version or follow=true, not both", param="follow")
-        n = None if follow else parse_version_ref(version, binding.lineage)
-        _, entry = self.endpoints.promote(name, n, tenant=tenant, who=who, reason=reason, follow=follow)
-        return entry
-
-    def rollback(self, name: str, *, who: str, reason: str = "") -> HistoryEntry:
-        """Back to the version served before the last promotion. Raises: NotFoundError, ConflictError."""
-        _, entry = self.endpoints.rollback(name, tenant=self._acting_tenant(name), who=who, reason=reason)
-        return entry
-
-    def set_gate(self, name: str, thresholds: dict[str, Any] | None, *, who: str, reason: str = "") -> HistoryEntry:
-        """Set an endpoint's evaluation-gate thresholds (``None``: back to the defaults), audited as ``configure``.
-
-        Raises:
-            BadRequestError: an unknown threshold name or a value out of its range (``param`` names it).
-            NotFoundError: unknown endpoint (or another tenant's).
-        """
-        from pydantic import ValidationError
-
-        from livelora.adapters.rails import GateThresholds
-
-        try:
-            gate = None if thresholds is None else GateThresholds.model_validate(thresholds)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            field = ".".join(str(x) for x in first.get("loc", ()))
-            raise BadRequestError(f"gate threshold {field!r}: {first.get('msg')}",
-                                  param=f"thresholds.{field}" if field else "thresholds") from None
-        _, entry = self.endpoints.set_gate(name, gate, tenant=self._acting_tenant(name), who=who, reason=reason)
-        return entry
-
-    # ------------------------------------------------------------------ feedback governance
-
-    def _owns_endpoint(self, endpoint: str) -> bool:
-        """Whether this tenant administers ``endpoint`` (an implicit one belongs to ``default``)."""
-        try:
-            return self._sees_endpoint(self.endpoints.get(endpoint))
-        except BadRequestError:
-            return False
+        reg = self.registry
+        if reg is None or reg.stats is None:
+            return {"endpoint": name, "serving": None, "predecessor": None, "versions": []}
+        return {
+            "endpoint": name,
+            "serving": reg.current.get(name) or "base",
+            "predecessor": (reg.predecessor.get(name) or "base") if name in reg.predecessor else None,
+            "versions": await reg.stats.endpoint(name),
+        }
 
     def quarantine(self) -> list[dict[str, Any]]:
-        """Quarantined events of this tenant's endpoints (kept in the dataset of record, not trained)."""
-        from livelora.adapters.governance import read_quarantine
+        return self.store.quarantine()
 
-        return [r for r in read_quarantine(self.home) if self._owns_endpoint(r.get("endpoint", ""))]
+    def _own_lineages(self) -> dict[str, list[str]]:
+        """lineage → this tenant's endpoints on it (bound endpoints and those this gateway serves)."""
+        names = set(self.store.endpoints.all()) | set(self.registry.current if self.registry is not None else ())
+        out: dict[str, list[str]] = {}
+        for name in sorted(names):
+            if self.store._owns_endpoint(name):
+                out.setdefault(self.store.endpoints.get(name).lineage, []).append(name)
+        return out
 
-    def forget_user(self, user: str, *, who: str, reason: str = "") -> dict[str, Any]:
-        """Delete ``user``'s signals on this tenant's endpoints from the dataset of record; trainers drop the
-        user's queued and later events. One ``forget`` history line per endpoint that held any.
+    async def raters(self) -> list[dict[str, Any]]:
+        """Rater agreement weights on this tenant's lineages: one row per (lineage, rater) with ``weight`` (the
+        factor its KTO/DPO examples get in the loss, in [0, 1]), ``agreement`` (smoothed agreement rate with the
+        other raters of the same completions) and ``compared`` (completions it shares with another rater), lowest
+        weight first (:func:`livelora.core.governance.agreement_weights`). Empty without Redis."""
+        from livelora.core.governance import agreement_weights, labels_from_hash
 
-        Raises:
-            BadRequestError: empty user.
-        """
-        from livelora.adapters.governance import forget_user
+        reg = self.registry
+        if reg is None:
+            return []
+        rows = []
+        for lineage, endpoints in self._own_lineages().items():
+            raw = await reg.client.hgetall(reg.keys.rater_labels(lineage))
+            for rater, w in agreement_weights(labels_from_hash(raw)).items():
+                rows.append(
+                    {
+                        "lineage": lineage,
+                        "endpoints": endpoints,
+                        "rater": rater,
+                        "weight": w["weight"],
+                        "agreement": w["agreement"],
+                        "compared": int(w["compared"]),
+                    }
+                )
+        return sorted(rows, key=lambda r: (r["weight"], r["lineage"], r["rater"]))
 
-        if not user or len(user) > 256:
-            raise BadRequestError("user must be 1-256 characters", param="user")
-        removed = forget_user(self.home, user, self.tenant, self._owns_endpoint, who=who)
-        for endpoint, n in sorted(removed.items()):
-            b = self.endpoints.get(endpoint)
-            self.endpoints.record(endpoint, "forget", who=who, to=f"user:{user}", reason=reason or
-                                  f"deleted {n} signal(s) of user {user!r}", details={"user": user, "signals": n},
-                                  tenant=b.tenant)
-        return {"user": user, "signals_removed": removed}
+    async def forget_user(self, user: str, *, reason: str) -> dict[str, Any]:
+        """See :meth:`AdminService.forget_user`; also deletes the user's completion records (completion log) and
+        their labels from the rater agreement records of this tenant's lineages."""
+        out = await asyncio.to_thread(self.store.forget_user, user, who=self.who, reason=reason)
+        out["completions_removed"] = await self._forget_completions(user)
+        out["labels_removed"] = await self._forget_labels(user)
+        return out
+
+    async def _forget_labels(self, user: str) -> int:
+        reg = self.registry
+        if reg is None:
+            return 0
+        n = 0
+        try:
+            for lineage in self._own_lineages():
+                fields = [
+                    f for f in await reg.client.hkeys(reg.keys.rater_labels(lineage)) if json.loads(f)[1:] == [user]
+                ]
+                if fields:
+                    n += await reg.client.hdel(reg.keys.rater_labels(lineage), *fields)
+                    await reg.client.zrem(reg.keys.rater_labels_order(lineage), *fields)
+        except Exception as exc:
+            log.warning("could not delete rater labels of %r: %s", user, exc)
+        return n
+
+    async def _forget_completions(self, user: str) -> int:
+        registry = self.registry
+        if registry is None:
+            return 0
+        n = 0
+        try:
+            async for key in registry.client.scan_iter(match=registry.keys.completion("*"), count=500):
+                raw = await registry.client.get(key)
+                try:
+                    rec = json.loads(raw) if raw else None
+                except ValueError:
+                    continue
+                if rec and rec.get("user") == user and self.store._owns_endpoint(rec.get("endpoint", "")):
+                    n += await registry.client.delete(key)
+        except Exception as exc:  # Redis gone: records expire with the completion log's retention anyway
+            log.warning("could not delete completion records of %r: %s", user, exc)
+        return n
 
     def history(self, name: str | None = None) -> list[HistoryEntry]:
-        """Audit entries (oldest first) of this tenant's endpoints."""
+        """Audit entries, oldest first (of one endpoint: 404 if missing or another tenant's)."""
         if name is not None:
-            validate_endpoint_name(name)
-        return self.endpoints.history(name, tenant=self.tenant)
+            self.store.get_endpoint(name)
+        return self.store.history(name)
 
     # ------------------------------------------------------------------ adapters
 
     def list_adapters(self, lineage: str | None = None) -> list[dict[str, Any]]:
-        """Visible versions (oldest first per lineage), each with the endpoints currently serving it."""
-        lineages = [validate_lineage(lineage)] if lineage else self.store.lineages()
-        if lineage and not self._sees_lineage(lineage):
-            raise NotFoundError(f"adapter lineage {lineage!r} does not exist", param="lineage")
-        targets = self.endpoints.targets(self.store)
-        out = []
-        for name in lineages:
-            if not self._sees_lineage(name):
-                continue
-            for m in self.store.list(name):
-                out.append({**m.model_dump(mode="json"), "serving": sorted(targets.get(m.name, []))})
-        return out
+        return self.store.list_adapters(lineage)
 
-    def show_adapter(self, name: str) -> dict[str, Any]:
-        """One version's manifest, files, integrity and serving endpoints. Raises: NotFoundError."""
-        m = self.manifest(name)
-        vdir = self.store.version_dir(m.lineage, m.version)
-        files = {p.name: p.stat().st_size for p in sorted(vdir.iterdir()) if p.is_file()}
-        return {**m.model_dump(mode="json"), "files": files, "verified": self.store.verify(m.lineage, m.version),
-                "serving": sorted(self.endpoints.targets(self.store).get(m.name, []))}
+    async def show_adapter(self, name: str) -> dict[str, Any]:
+        return await asyncio.to_thread(self.store.show_adapter, name)
 
-    def delete_adapter(self, name: str) -> None:
-        """Delete a version unless an endpoint targets it.
+    async def delete_adapter(self, name: str) -> None:
+        await asyncio.to_thread(self.store.delete_adapter, name)
+
+    async def export(self, name: str, fmt: ExportFormat) -> tuple[Path, dict[str, int]]:
+        """Export into ``<home>/exports/<name>.<format>`` (reused when it exists); returns the directory and its
+        files' sizes (bytes)."""
+        path = await asyncio.to_thread(self.store.export, name, fmt)
+        files = {p.name: p.stat().st_size for p in sorted(Path(path).iterdir()) if p.is_file()}
+        return path, files
+
+    async def export_tar(self, name: str, fmt: str) -> tuple[bytes, str]:
+        """An export directory (made if missing) as an uncompressed tar; returns ``(bytes, file name)``.
 
         Raises:
-            NotFoundError: missing or not visible. ConflictError: an endpoint serves it (409).
+            NotFoundError: another tenant's or a missing version. BadRequestError: unknown format.
         """
-        m = self.manifest(name)
-        serving = self.endpoints.targets(self.store).get(m.name, [])
-        if serving:
-            raise ConflictError(f"{m.name} is the current target of endpoint(s) {', '.join(sorted(serving))}; "
-                                "promote another version there first", param="adapter", code="version_in_use")
-        self.store.delete(m.lineage, m.version)
+        self.store.manifest(name)  # 404 for other tenants' versions
+        path = self.store.export_dir(name, fmt)
+        if not path.is_dir():
+            path = await asyncio.to_thread(self.store.export, name, fmt)
 
-    def export(self, name: str, fmt: ExportFormat = "peft", out: Path | str | None = None) -> Path:
-        """Export a version as a PEFT adapter directory or a merged full model.
+        def pack() -> bytes:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                for p in sorted(path.iterdir()):
+                    if p.is_file():
+                        tar.add(p, arcname=p.name)
+            return buf.getvalue()
 
-        Args:
-            out: destination (must not exist); ``None`` = ``<home>/exports/<name>.<fmt>`` (reused if there).
-
-        Returns:
-            The directory written.
-
-        Raises:
-            NotFoundError: missing or not visible. BadRequestError: unknown format, bad weights.
-            ConflictError: ``out`` exists.
-        """
-        if fmt not in ("peft", "merged"):
-            raise BadRequestError(f"export format must be 'peft' or 'merged', not {fmt!r}", param="format")
-        m = self.manifest(name)
-        if out is None:
-            dest = self.export_dir(name, fmt)
-            if dest.is_dir():
-                return dest
-        else:
-            dest = Path(out)
-            if dest.exists():
-                raise ConflictError(f"export destination {dest} already exists", param="out")
-        if fmt == "merged":
-            from livelora.adapters.export import export_merged
-            from livelora.adapters.models import resolve_base_model
-
-            return export_merged(self.store, m.lineage, m.version, resolve_base_model(m.base_model, self.home), dest)
-        if not self.store.verify(m.lineage, m.version):
-            raise BadRequestError(f"{m.name}: weights file does not match its sha256", param="adapter")
-        vdir = self.store.version_dir(m.lineage, m.version)
-        with atomic_dir(dest) as tmp:
-            for f in (WEIGHTS_FILE, CONFIG_FILE):
-                shutil.copy2(vdir / f, tmp / f)
-            shutil.copy2(vdir / MANIFEST_FILE, tmp / "livelora_manifest.json")
-            (tmp / "livelora_export.json").write_text(json.dumps(
-                {"adapter": m.name, "adapter_sha256": m.sha256, "base_model": m.base_model,
-                 "created": time.time(), "format": "peft"}, indent=2))
-        return dest
-
-    def export_dir(self, name: str, fmt: str) -> Path:
-        """``<home>/exports/<lineage>@<n>.<fmt>`` (validated name)."""
-        lineage, n = parse_version_name(name)
-        if fmt not in ("peft", "merged"):
-            raise BadRequestError(f"export format must be 'peft' or 'merged', not {fmt!r}", param="format")
-        return self.home / EXPORTS_DIR / f"{lineage}@{n}.{fmt}"
+        return await asyncio.to_thread(pack), f"{path.name}.tar"
 
     # ------------------------------------------------------------------ keys
 
-    def create_key(self, roles: list[str], *, tenant: str | None = None, name: str = "") -> tuple[dict, str]:
-        """A new key for the caller's tenant (local access: any ``tenant``). Returns ``(record, key)``."""
-        if self.tenant is not None and tenant not in (None, self.tenant):
-            raise BadRequestError(f"this admin key belongs to tenant {self.tenant}: it creates keys in that tenant "
-                                  "only (a key of another tenant is made on the store: livelora keys create --home "
-                                  "<store> --tenant <tenant>)", param="tenant")
-        if self.tenant is not None and "operator" in roles:
-            raise PermissionDeniedError("an operator key is created on the store only: livelora keys create "
-                                        "--home <store> --roles admin,operator", param="roles")
-        record, key = self.keys.create(self.tenant or tenant or DEFAULT_TENANT, roles, name)
-        return _key_info(record), key
-
     def list_keys(self) -> list[dict]:
-        """The tenant's keys (hash never shown)."""
-        return [_key_info(r) for r in sorted(self.keys.all().values(), key=lambda r: r.created)
-                if self.tenant is None or r.tenant == self.tenant]
+        return self.store.list_keys()
+
+    def create_key(self, roles: list[str], name: str, tenant: str | None = None) -> dict:
+        """A new key for the caller's tenant, with ``key`` (shown in this answer only).
+
+        Raises:
+            BadRequestError: ``tenant`` names another tenant than the caller's (``param='tenant'``).
+            PermissionDeniedError: the ``operator`` role (made on the store only).
+        """
+        info, key = self.store.create_key(roles, name=name, tenant=tenant)
+        return {**info, "key": key}
 
     def revoke_key(self, key_id: str) -> dict:
-        """Revoke a key. Raises: NotFoundError (missing or another tenant's)."""
-        return _key_info(self.keys.revoke(key_id, tenant=self.tenant))
-
-
-def _key_info(record) -> dict:
-    return {"id": record.id, "name": record.name, "tenant": record.tenant, "roles": list(record.roles),
-            "created": record.created, "revoked": record.revoked}
-
-
-def endpoint_notice(endpoint: str) -> str:
-    """The notice (JSON) that makes every gateway re-read endpoint bindings now."""
-    return json.dumps({"type": "endpoint_changed", "endpoint": endpoint, "time": time.time()})
+        return self.store.revoke_key(key_id)

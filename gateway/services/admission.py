@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from livelora.adapters import metrics
 from livelora.clients.errors import BadRequestError, RateLimitError
+from livelora.core import metrics
 from livelora.gateway.settings import GatewaySettings
 
 
@@ -31,13 +31,18 @@ class Admission:
             RateLimitError: not enough free slots now (429, ``Retry-After``).
         """
         if sequences > self.limit:
-            raise BadRequestError(f"this request needs {sequences} sequences but the server admits at most "
-                                  f"{self.limit} at once; lower {param}", param=param,
-                                  code="integer_above_max_value")
+            raise BadRequestError(
+                f"this request needs {sequences} sequences but the server admits at most "
+                f"{self.limit} at once; lower {param}",
+                param=param,
+                code="integer_above_max_value",
+            )
         if self.active + sequences > self.limit:
             metrics.REJECTIONS.labels("busy").inc()
-            raise RateLimitError(f"the server is busy ({self.active} of {self.limit} sequences queued or "
-                                 "running); retry later", retry_after=self.retry_after)
+            raise RateLimitError(
+                f"the server is busy ({self.active} of {self.limit} sequences queued or running); retry later",
+                retry_after=self.retry_after,
+            )
         self.active += sequences
         metrics.QUEUE_DEPTH.set(self.active)
         return Ticket(self, sequences)

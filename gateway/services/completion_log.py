@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import redis.asyncio as aredis
 
-from livelora.adapters.api_keys import DEFAULT_TENANT
-from livelora.adapters.bus import dumps, redis_unavailable
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, InternalError, NotFoundError, UnavailableError
 from livelora.clients.types.signals import CompletionRecord
+from livelora.core.api_keys import DEFAULT_TENANT
+from livelora.core.bus import dumps, redis_unavailable
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import GenerationChunk
 from livelora.gateway.settings import DEFAULT_RETENTION_S
 
@@ -46,8 +46,7 @@ class CompletionLog:
 
     def __init__(self, client: aredis.Redis, keys: KeyLayout, retention_s: int = DEFAULT_RETENTION_S):
         if retention_s <= 0:
-            raise BadRequestError(f"completion retention must be > 0 seconds, got {retention_s}",
-                                  param="retention_s")
+            raise BadRequestError(f"completion retention must be > 0 seconds, got {retention_s}", param="retention_s")
         self.client = client
         self.keys = keys
         self.retention_s = int(retention_s)
@@ -60,8 +59,9 @@ class CompletionLog:
             InternalError: the id is already recorded (ids must be unique per completion).
         """
         with redis_unavailable():
-            ok = await self.client.set(self.keys.completion(rec.id), dumps(rec.model_dump(mode="json")),
-                                       ex=self.retention_s, nx=True)
+            ok = await self.client.set(
+                self.keys.completion(rec.id), dumps(rec.model_dump(mode="json")), ex=self.retention_s, nx=True
+            )
         if not ok:
             raise InternalError(f"completion id {rec.id!r} is already recorded")
 
@@ -84,16 +84,20 @@ class CompletionLog:
         if raw is None:
             choices = await self.choices_of(completion_id, caller=caller)
             if choices:
-                raise NotFoundError(f"No completion {completion_id!r}: that response had {choices} choices, each "
-                                    f"rated by its own id: '{completion_id}-0' to '{completion_id}-{choices - 1}'",
-                                    param="completion_id")
+                raise NotFoundError(
+                    f"No completion {completion_id!r}: that response had {choices} choices, each "
+                    f"rated by its own id: '{completion_id}-0' to '{completion_id}-{choices - 1}'",
+                    param="completion_id",
+                )
             raise self.missing(completion_id)
         return CompletionRecord.model_validate_json(raw)
 
     def missing(self, completion_id: str, param: str = "completion_id") -> NotFoundError:
         """The one 404 for a completion id this caller cannot use: unknown, expired, or another tenant's."""
-        return NotFoundError(f"No completion {completion_id!r}: unknown id, or older than the retention period "
-                             f"({self.retention_s} s)", param=param)
+        return NotFoundError(
+            f"No completion {completion_id!r}: unknown id, or older than the retention period ({self.retention_s} s)",
+            param=param,
+        )
 
     async def choices_of(self, response_id: str, *, caller: str | None = None) -> int:
         """How many choice records ``{response_id}-0``, ``-1``, ... are logged (consecutive from 0), or 0 when
@@ -164,10 +168,21 @@ class CompletionRecorder:
         InternalError: neither ``prompt_ids`` nor ``choice_prompts``, or ``len(choice_prompts) != n``.
     """
 
-    def __init__(self, completions: CompletionLog | None, *, completion_id: str, created: int,
-                 target: ServingTarget, caller: str | None = None, prompt_ids: list[int] | None = None,
-                 n: int = 1, messages: list[dict] | None = None, prompt: str | None = None,
-                 user: str | None = None, choice_prompts: list[tuple[list[int], str | None]] | None = None):
+    def __init__(
+        self,
+        completions: CompletionLog | None,
+        *,
+        completion_id: str,
+        created: int,
+        target: ServingTarget,
+        caller: str | None = None,
+        prompt_ids: list[int] | None = None,
+        n: int = 1,
+        messages: list[dict] | None = None,
+        prompt: str | None = None,
+        user: str | None = None,
+        choice_prompts: list[tuple[list[int], str | None]] | None = None,
+    ):
         if choice_prompts is None:
             if prompt_ids is None:
                 raise InternalError("CompletionRecorder needs prompt_ids or choice_prompts")
@@ -203,9 +218,22 @@ class CompletionRecorder:
         for i in range(self.n):
             lps = self.logprobs[i] if len(self.logprobs[i]) == len(self.tokens[i]) else None
             prompt_ids, prompt = self.prompts[i]
-            await record_completion(self.completions, CompletionRecord(
-                id=self.record_id(i), endpoint=endpoint, model=self.target.model,
-                adapter=self.target.adapter, messages=self.messages, prompt=prompt,
-                prompt_token_ids=prompt_ids, completion_token_ids=self.tokens[i], logprobs=lps,
-                completion="".join(self.texts[i]), finish_reason=self.finish[i] or "stop", created=self.created,
-                caller=self.caller, user=self.user))
+            await record_completion(
+                self.completions,
+                CompletionRecord(
+                    id=self.record_id(i),
+                    endpoint=endpoint,
+                    model=self.target.model,
+                    adapter=self.target.adapter,
+                    messages=self.messages,
+                    prompt=prompt,
+                    prompt_token_ids=prompt_ids,
+                    completion_token_ids=self.tokens[i],
+                    logprobs=lps,
+                    completion="".join(self.texts[i]),
+                    finish_reason=self.finish[i] or "stop",
+                    created=self.created,
+                    caller=self.caller,
+                    user=self.user,
+                ),
+            )

@@ -67,8 +67,10 @@ class Drain:
 
     def refusal(self) -> UnavailableError:
         """The 503 a new request gets while draining."""
-        return UnavailableError("this gateway is shutting down and admits no new requests; retry (another "
-                                "instance will answer)", retry_after=self.retry_after_s)
+        return UnavailableError(
+            "this gateway is shutting down and admits no new requests; retry (another instance will answer)",
+            retry_after=self.retry_after_s,
+        )
 
     def check_running(self) -> None:
         """Called by a running request between chunks.
@@ -77,8 +79,11 @@ class Drain:
             DrainExpired: the grace period is over.
         """
         if self.expired:
-            raise DrainExpired(f"this gateway shut down before the request finished (grace period "
-                               f"{self.grace_s:g} s); retry the request", retry_after=self.retry_after_s)
+            raise DrainExpired(
+                f"this gateway shut down before the request finished (grace period "
+                f"{self.grace_s:g} s); retry the request",
+                retry_after=self.retry_after_s,
+            )
 
 
 class DrainMiddleware:
@@ -94,8 +99,16 @@ class DrainMiddleware:
             return await self.app(scope, receive, send)
         err = self.drain.refusal()
         body = json.dumps({"error": err.to_dict()}).encode()
-        await send({"type": "http.response.start", "status": err.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"retry-after", str(max(1, round(err.retry_after))).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": err.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", str(max(1, round(err.retry_after))).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -56,11 +56,9 @@ def check_common(body: _SamplingFields) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(body, name)
         if value not in (None, 0):
-            raise UnsupportedParameterError(f"{name} is not supported by this server; send 0 or omit it",
-                                            param=name)
+            raise UnsupportedParameterError(f"{name} is not supported by this server; send 0 or omit it", param=name)
     if body.logit_bias:
-        raise UnsupportedParameterError("logit_bias is not supported by this server; omit it",
-                                        param="logit_bias")
+        raise UnsupportedParameterError("logit_bias is not supported by this server; omit it", param="logit_bias")
 
 
 def budget(prompt_len: int, requested: int | None, param: str, max_len: int, prompt_param: str) -> int:
@@ -79,8 +77,9 @@ def budget(prompt_len: int, requested: int | None, param: str, max_len: int, pro
         ContextLengthExceededError: the prompt leaves no room, or prompt + requested > ``max_len``.
     """
     if requested is not None and requested < 1:
-        raise BadRequestError(f"{param} must be at least 1, got {requested}", param=param,
-                              code="integer_below_min_value")
+        raise BadRequestError(
+            f"{param} must be at least 1, got {requested}", param=param, code="integer_below_min_value"
+        )
     completion = requested if requested is not None else max(max_len - prompt_len, 0)
     if prompt_len >= max_len or prompt_len + completion > max_len:
         fault = prompt_param if prompt_len >= max_len or requested is None else param
@@ -89,21 +88,31 @@ def budget(prompt_len: int, requested: int | None, param: str, max_len: int, pro
         raise ContextLengthExceededError(
             f"This model's maximum context length is {max_len} tokens. However, you requested {total} tokens "
             f"({prompt_len} in the {prompt_param}, {asked}). Please reduce the length of the "
-            f"{prompt_param} or of {param}.", param=fault)
+            f"{prompt_param} or of {param}.",
+            param=fault,
+        )
     return completion
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int, choice: int, *, logprobs: bool = False,
-                    top_logprobs: int = 0) -> SamplingParams:
+def sampling_params(
+    body: _SamplingFields, max_tokens: int, choice: int, *, logprobs: bool = False, top_logprobs: int = 0
+) -> SamplingParams:
     """Engine parameters for choice ``choice``; its seed is ``seed + choice`` (``None`` if unseeded)."""
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     if top_p == 0:  # only the most likely token survives: greedy
         temperature, top_p = 0.0, 1.0
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=body.top_k or 0,
-        seed=None if body.seed is None else body.seed + choice, stop=body.stop_tuple(),
-        ignore_eos=bool(body.ignore_eos), logprobs=logprobs, top_logprobs=top_logprobs)
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=body.top_k or 0,
+        seed=None if body.seed is None else body.seed + choice,
+        stop=body.stop_tuple(),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
 
 
 @dataclass(frozen=True)
@@ -130,8 +139,9 @@ class ChoiceStream:
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._running = len(jobs)
-        self._tasks = [asyncio.create_task(self._run(i, job, adapter, f"{request_id}-{i}"))
-                       for i, job in enumerate(jobs)]
+        self._tasks = [
+            asyncio.create_task(self._run(i, job, adapter, f"{request_id}-{i}")) for i, job in enumerate(jobs)
+        ]
         for task in self._tasks:  # runs even for a task cancelled before it started
             task.add_done_callback(lambda _task: self._queue.put_nowait((-1, _DONE)))
 
@@ -143,14 +153,14 @@ class ChoiceStream:
                 self._queue.put_nowait((index, chunk))
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        except BaseException as exc:
             self._queue.put_nowait((index, exc))
         finally:
             aclose = getattr(gen, "aclose", None)
             if aclose is not None:
                 try:
                     await aclose()
-                except BaseException:  # noqa: BLE001 - already finishing
+                except BaseException:
                     pass
 
     def __aiter__(self) -> ChoiceStream:

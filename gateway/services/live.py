@@ -11,9 +11,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from livelora.adapters.bus import connect_async, ensure_group_async
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import UnavailableError
+from livelora.core.bus import connect_async, ensure_group_async
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.services.live_stats import LiveStats
@@ -52,22 +52,39 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
     keys = KeyLayout(settings.redis_prefix)
     client = connect_async(settings.redis_url)
     completions = CompletionLog(client, keys, retention_s=live.completion_retention_s)
-    registry = AdapterRegistry(engine, settings.home, settings.model_id, client=client, keys=keys,
-                               resync_s=live.resync_s, max_on_demand=live.max_on_demand_versions)
+    registry = AdapterRegistry(
+        engine,
+        settings.home,
+        settings.model_id,
+        client=client,
+        keys=keys,
+        resync_s=live.resync_s,
+        max_on_demand=live.max_on_demand_versions,
+    )
     registry.stats = stats = LiveStats(client, keys, live, home=settings.home)
 
     async def on_rating(endpoint: str, adapter: str | None, rating_key: str, up: bool) -> None:
         await stats.count_rating(endpoint, adapter, rating_key, up)
         await stats.after_rating(registry, endpoint)
 
-    signals = SignalService(client, keys, completions, resolve_endpoint=registry.endpoint_for,
-                            idempotency_ttl_s=live.idempotency_ttl_s, check_trainable=registry.check_trainable,
-                            check_event=signal_checker(settings), on_rating=on_rating)
+    signals = SignalService(
+        client,
+        keys,
+        completions,
+        resolve_endpoint=registry.endpoint_for,
+        idempotency_ttl_s=live.idempotency_ttl_s,
+        check_trainable=registry.check_trainable,
+        check_event=signal_checker(settings),
+        on_rating=on_rating,
+    )
     try:
         await ensure_group_async(client, keys)
     except UnavailableError as exc:
-        log.warning("Redis at %s is unreachable (%s): serving without the completion log and signal routes "
-                    "until it is back", settings.redis_url, exc)
+        log.warning(
+            "Redis at %s is unreachable (%s): serving without the completion log and signal routes until it is back",
+            settings.redis_url,
+            exc,
+        )
     await registry.start()
     return LiveLoop(keys, client, completions, signals, registry)
 
@@ -75,8 +92,8 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
 def signal_checker(settings):
     """The door check of signals (:class:`~livelora.gateway.signal_checks.SignalChecker`): a tokenizer of its own
     (loaded as the trainer loads it) and the trainer's context length for ``settings.model``."""
-    from livelora.adapters.chat_tokens import model_context_length
-    from livelora.adapters.models import load_tokenizer, resolve_base_model
+    from livelora.core.base_models import load_tokenizer, resolve_base_model
+    from livelora.core.chat_tokens import model_context_length
     from livelora.gateway.signal_checks import SignalChecker
 
     ref = resolve_base_model(settings.model, settings.home)

@@ -4,7 +4,7 @@ kept in Redis so that every gateway counts into the same numbers, and the automa
 Requests are counted when a request leases its version (:meth:`AdapterRegistry.hold`); ratings when the
 gateway accepts them (``POST /v1/feedback``), under the version that served the rated completion, once per
 (completion, rater): a re-rate overwrites. After each rating :meth:`LiveStats.after_rating` runs the sequential
-test of :func:`livelora.adapters.rails.sprt_thumbs` on the endpoint's serving version against the version it
+test of :func:`livelora.core.rails.sprt_thumbs` on the endpoint's serving version against the version it
 replaced, and asks the registry to roll back when the test says so.
 
 **Canary.** With ``LIVELORA_CANARY_SHARE`` > 0 a version that would move a follow endpoint first serves that
@@ -26,8 +26,8 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from livelora.adapters.rails import sprt_thumbs, wilson_interval
-from livelora.adapters.redis_keys import KeyLayout
+from livelora.core.rails import sprt_thumbs, wilson_interval
+from livelora.core.redis_keys import KeyLayout
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ class LiveStats:
         live: the gateway's ``LiveSection`` (``rollback_*`` settings).
     """
 
-    def __init__(self, client: aredis.Redis, keys: KeyLayout, live: Any, *, home: Any = None,
-                 rng: random.Random | None = None):
+    def __init__(
+        self, client: aredis.Redis, keys: KeyLayout, live: Any, *, home: Any = None, rng: random.Random | None = None
+    ):
         self.client, self.keys, self.live = client, keys, live
         self.home = home
         self.rng = rng or random.Random()
@@ -59,8 +60,14 @@ class LiveStats:
         if self.canaries.get(endpoint, {}).get("version") == version:
             return True
         self.canaries[endpoint] = {"version": version, "incumbent": incumbent, "started": time.time()}
-        self._record(endpoint, "canary", incumbent, version, f"canary at {self.live.canary_share:.0%} of requests",
-                     {"share": self.live.canary_share, "state": "started"})
+        self._record(
+            endpoint,
+            "canary",
+            incumbent,
+            version,
+            f"canary at {self.live.canary_share:.0%} of requests",
+            {"share": self.live.canary_share, "state": "started"},
+        )
         return True
 
     def is_canary(self, adapter: str) -> bool:
@@ -75,15 +82,24 @@ class LiveStats:
             return adapter
         return c["version"]
 
-    def _record(self, endpoint: str, action: str, from_: str | None, to: str | None, reason: str,
-                details: dict) -> None:
+    def _record(
+        self, endpoint: str, action: str, from_: str | None, to: str | None, reason: str, details: dict
+    ) -> None:
         if self.home is None:
             return
         from livelora.adapters.endpoints import EndpointStore
 
         store = EndpointStore(self.home)
-        store.record(endpoint, action, who="gateway", from_=from_ or "base", to=to or "base", reason=reason,
-                     details=details, tenant=store.get(endpoint).tenant)
+        store.record(
+            endpoint,
+            action,
+            who="gateway",
+            from_=from_ or "base",
+            to=to or "base",
+            reason=reason,
+            details=details,
+            tenant=store.get(endpoint).tenant,
+        )
 
     async def _judge_canary(self, registry: Any, endpoint: str) -> dict[str, Any] | None:
         c = self.canaries[endpoint]
@@ -91,16 +107,28 @@ class LiveStats:
         new, old = await self.version(endpoint, c["version"]), await self.version(endpoint, c["incumbent"] or "base")
         decision, llr = "keep", 0.0
         if old["ratings"] >= live.rollback_min_ratings and new["ratings"]:
-            decision, llr = sprt_thumbs(new["thumbs_up"], new["ratings"], old["thumbs_up_rate"],
-                                        delta=live.rollback_delta, alpha=live.rollback_alpha, beta=live.rollback_beta)
+            decision, llr = sprt_thumbs(
+                new["thumbs_up"],
+                new["ratings"],
+                old["thumbs_up_rate"],
+                delta=live.rollback_delta,
+                alpha=live.rollback_alpha,
+                beta=live.rollback_beta,
+            )
         details = {"test": "sprt", "llr": llr, "canary": new, "incumbent": old, "share": live.canary_share}
         if decision == "rollback":  # worse with confidence: the canary ends, the version is never served again
             del self.canaries[endpoint]
             from livelora.adapters.store import parse_version_name
 
-            await asyncio.to_thread(registry.endpoint_store.block, endpoint, parse_version_name(c["version"])[1],
-                                    who="gateway", reason=f"canary regressed (LLR {llr:.2f})",
-                                    to=c["incumbent"] or "base", details={**details, "state": "aborted"})
+            await asyncio.to_thread(
+                registry.endpoint_store.block,
+                endpoint,
+                parse_version_name(c["version"])[1],
+                who="gateway",
+                reason=f"canary regressed (LLR {llr:.2f})",
+                to=c["incumbent"] or "base",
+                details={**details, "state": "aborted"},
+            )
             registry.load_bindings()
             if registry._retired(c["version"]):
                 registry._spawn(registry._unload(c["version"]))
@@ -112,8 +140,14 @@ class LiveStats:
             registry.current[endpoint], registry.predecessor[endpoint] = c["version"], c["incumbent"]
             if c["incumbent"] is not None and registry._retired(c["incumbent"]):
                 registry._spawn(registry._unload(c["incumbent"]))
-        self._record(endpoint, "canary", c["incumbent"], c["version"], "canary passed: switch complete",
-                     {**details, "state": "completed"})
+        self._record(
+            endpoint,
+            "canary",
+            c["incumbent"],
+            c["version"],
+            "canary passed: switch complete",
+            {**details, "state": "completed"},
+        )
         return {**details, "state": "completed"}
 
     def note_request(self, endpoint: str, version: str | None) -> None:
@@ -162,8 +196,14 @@ class LiveStats:
         values = await self.client.hvals(self.keys.version_ratings(endpoint, version))
         n, up = len(values), sum(int(v) for v in values)
         ci = wilson_interval(up, n)
-        return {"version": version, "requests": int(requests or 0), "ratings": n, "thumbs_up": up,
-                "thumbs_up_rate": up / n if n else None, "ci95": list(ci) if ci else None}
+        return {
+            "version": version,
+            "requests": int(requests or 0),
+            "ratings": n,
+            "thumbs_up": up,
+            "thumbs_up_rate": up / n if n else None,
+            "ci95": list(ci) if ci else None,
+        }
 
     async def endpoint(self, endpoint: str) -> list[dict[str, Any]]:
         """Statistics of every version ``endpoint`` has served or had rated, by version label."""
@@ -171,7 +211,7 @@ class LiveStats:
         names = set(await self.client.hkeys(self.keys.version_requests(endpoint)))
         prefix = self.keys.version_ratings(endpoint, "")
         async for key in self.client.scan_iter(match=prefix + "*", count=200):
-            names.add(key[len(prefix):])
+            names.add(key[len(prefix) :])
         return [await self.version(endpoint, v) for v in sorted(names)]
 
     async def after_rating(self, registry: Any, endpoint: str) -> dict[str, Any] | None:
@@ -188,12 +228,25 @@ class LiveStats:
         new, old = await self.version(endpoint, serving), await self.version(endpoint, before or "base")
         if old["ratings"] < live.rollback_min_ratings or not new["ratings"]:
             return None
-        decision, llr = sprt_thumbs(new["thumbs_up"], new["ratings"], old["thumbs_up_rate"],
-                                    delta=live.rollback_delta, alpha=live.rollback_alpha, beta=live.rollback_beta)
+        decision, llr = sprt_thumbs(
+            new["thumbs_up"],
+            new["ratings"],
+            old["thumbs_up_rate"],
+            delta=live.rollback_delta,
+            alpha=live.rollback_alpha,
+            beta=live.rollback_beta,
+        )
         if decision != "rollback":
             return None
-        details = {"test": "sprt", "llr": llr, "delta": live.rollback_delta, "alpha": live.rollback_alpha,
-                   "beta": live.rollback_beta, "serving": new, "predecessor": old}
+        details = {
+            "test": "sprt",
+            "llr": llr,
+            "delta": live.rollback_delta,
+            "alpha": live.rollback_alpha,
+            "beta": live.rollback_beta,
+            "serving": new,
+            "predecessor": old,
+        }
         await roll_back(registry, endpoint, serving, before, details)
         return details
 
@@ -209,12 +262,21 @@ async def roll_back(registry: Any, endpoint: str, serving: str, before: str | No
 
     from livelora.adapters.store import parse_version_name
 
-    lineage, version = parse_version_name(serving)
-    reason = (f"thumbs-up {details['serving']['thumbs_up']}/{details['serving']['ratings']} vs "
-              f"{details['predecessor']['thumbs_up']}/{details['predecessor']['ratings']} before: sequential "
-              f"test (LLR {details['llr']:.2f})")
-    await asyncio.to_thread(registry.endpoint_store.block, endpoint, version, who="gateway", reason=reason,
-                            to=before or "base", details=details)
+    _lineage, version = parse_version_name(serving)
+    reason = (
+        f"thumbs-up {details['serving']['thumbs_up']}/{details['serving']['ratings']} vs "
+        f"{details['predecessor']['thumbs_up']}/{details['predecessor']['ratings']} before: sequential "
+        f"test (LLR {details['llr']:.2f})"
+    )
+    await asyncio.to_thread(
+        registry.endpoint_store.block,
+        endpoint,
+        version,
+        who="gateway",
+        reason=reason,
+        to=before or "base",
+        details=details,
+    )
     registry.load_bindings()
     if before is not None:
         await registry.install(*parse_version_name(before), move=False)
@@ -224,7 +286,8 @@ async def roll_back(registry: Any, endpoint: str, serving: str, before: str | No
         registry._spawn(registry._unload(serving))
     log.warning("endpoint %s rolled back from %s to %s: %s", endpoint, serving, before or "base", reason)
     try:
-        await registry.client.publish(registry.keys.notices, json.dumps(
-            {"type": "endpoint_changed", "endpoint": endpoint, "time": time.time()}))
+        await registry.client.publish(
+            registry.keys.notices, json.dumps({"type": "endpoint_changed", "endpoint": endpoint, "time": time.time()})
+        )
     except Exception as exc:  # the others catch up at their next resync
         log.warning("rollback notice not published: %s", exc)

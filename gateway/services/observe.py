@@ -1,8 +1,8 @@
 """Request metrics and ids: :class:`MetricsMiddleware` counts every HTTP request and times it, per route template
 and status (``livelora_http_requests_total``, ``livelora_http_request_duration_seconds``,
-:mod:`livelora.adapters.metrics`), and gives it a request id (the client's ``X-Request-Id`` when it is a short
+:mod:`livelora.core.metrics`), and gives it a request id (the client's ``X-Request-Id`` when it is a short
 printable token, else ``req-<32 hex>``), answered in ``X-Request-Id`` and carried by every log line of the request
-(:mod:`livelora.adapters.logs`). The route label is the matched route's template
+(:mod:`livelora.core.logs`). The route label is the matched route's template
 (``/admin/endpoints/{name:path}``), ``unmatched`` for a path no route serves, so that the label set stays
 bounded."""
 
@@ -12,8 +12,8 @@ import re
 import time
 import uuid
 
-from livelora.adapters import metrics
-from livelora.adapters.logs import log_context
+from livelora.core import metrics
+from livelora.core.logs import log_context
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _GOOD_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -59,8 +59,10 @@ class MetricsMiddleware:
         async def counted(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", rid.encode("latin-1"))]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-request-id", rid.encode("latin-1"))],
+                }
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 finish()

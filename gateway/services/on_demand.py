@@ -6,8 +6,8 @@ lineages' versions and the checkpoints of training runs stay in the store. A cha
 :meth:`~livelora.gateway.services.serving.Serving.begin`):
 
 * **Who may.** In key mode, the tenant recorded as the owner of the version's lineage
-  (:mod:`livelora.adapters.owners`: deny by default; tenants create lineages in their own namespace only,
-  :mod:`livelora.adapters.namespaces`). A missing version and another tenant's version both fall through to the
+  (:mod:`livelora.core.owners`: deny by default; tenants create lineages in their own namespace only,
+  :mod:`livelora.core.namespaces`). A missing version and another tenant's version both fall through to the
   registry's one ``model_not_found`` 404, the same message as any unknown name, so existence is not leaked. In
   open mode (no API keys) every stored version may be named.
 * **Once.** Concurrent requests for a version that is loading wait for the same load (one task per name); the
@@ -29,8 +29,6 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from livelora.adapters.owners import OwnerStore
-from livelora.adapters.rails import gate_allows
 from livelora.adapters.store import MANIFEST_FILE, Manifest, parse_version_name
 from livelora.clients.errors import (
     BadRequestError,
@@ -39,6 +37,8 @@ from livelora.clients.errors import (
     NotFoundError,
     RateLimitError,
 )
+from livelora.core.owners import OwnerStore
+from livelora.core.rails import gate_allows
 
 if TYPE_CHECKING:
     from livelora.gateway.services.registry import AdapterRegistry
@@ -125,10 +125,13 @@ class OnDemandVersions:
                 ``not_trainable``.
         """
         if "@" in endpoint:
-            raise ConflictError(f"{endpoint!r} is a stored adapter version that no endpoint serves: feedback on its "
-                                "replies would train no lineage. Bind an endpoint to its lineage (livelora endpoints "
-                                "create NAME --lineage LINEAGE) and rate that endpoint's replies", param="model",
-                                code="not_trainable")
+            raise ConflictError(
+                f"{endpoint!r} is a stored adapter version that no endpoint serves: feedback on its "
+                "replies would train no lineage. Bind an endpoint to its lineage (livelora endpoints "
+                "create NAME --lineage LINEAGE) and rate that endpoint's replies",
+                param="model",
+                code="not_trainable",
+            )
 
     # ------------------------------------------------------------------ loading
 
@@ -156,13 +159,16 @@ class OnDemandVersions:
                 await self._drop(model)
                 raise self._deleted(model, lineage)
             if model not in reg.engine.loaded_adapters():  # unloaded behind the registry's back (a sampling
-                self.held.pop(model)                        # session that loaded it first ended): load it again
+                self.held.pop(model)  # session that loaded it first ended): load it again
                 reg.loaded.pop(model, None)
         if model in reg.loaded:
             return
         if model in reg.refused:
-            raise ConflictError(f"model {model!r} is stored but cannot be served: it failed its load checks "
-                                f"({reg.refused[model]})", param="model", code="version_refused")
+            raise ConflictError(
+                f"model {model!r} is stored but cannot be served: it failed its load checks ({reg.refused[model]})",
+                param="model",
+                code="version_refused",
+            )
         try:
             manifest = reg.store.get(lineage, version)
         except NotFoundError:
@@ -171,10 +177,13 @@ class OnDemandVersions:
             return
         endpoint = self.endpoint_of(lineage)
         if not gate_allows(manifest.gate, endpoint or "*"):
-            raise ConflictError(f"model {model!r} is stored but cannot be served: the evaluation gate rejected it"
-                                f"{' for endpoint ' + repr(endpoint) if endpoint else ''} (GET /admin/adapters/{model} "
-                                f"shows the gate's checks); name a version the gate passed", param="model",
-                                code="version_rejected")
+            raise ConflictError(
+                f"model {model!r} is stored but cannot be served: the evaluation gate rejected it"
+                f"{' for endpoint ' + repr(endpoint) if endpoint else ''} (GET /admin/adapters/{model} "
+                f"shows the gate's checks); name a version the gate passed",
+                param="model",
+                code="version_rejected",
+            )
         task = self._loads.get(model)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._load(manifest))
@@ -184,17 +193,22 @@ class OnDemandVersions:
 
     def _deleted(self, model: str, lineage: str) -> ModelNotFoundError:
         left = ", ".join(m.name for m in self.registry.store.list(lineage)[-5:]) or "none"
-        return ModelNotFoundError(f"model {model!r} is no longer in the adapter store: the version was deleted (or "
-                                  f"its save never completed); stored versions of {lineage!r} include: {left}",
-                                  param="model")
+        return ModelNotFoundError(
+            f"model {model!r} is no longer in the adapter store: the version was deleted (or "
+            f"its save never completed); stored versions of {lineage!r} include: {left}",
+            param="model",
+        )
 
     async def _load(self, manifest: Manifest) -> None:
         await self._make_room()
         try:
             await self.registry.install(manifest.lineage, manifest.version, move=False)
         except BadRequestError as exc:
-            raise ConflictError(f"model {manifest.name!r} is stored but cannot be served: it failed its load checks "
-                                f"({exc})", param="model", code="version_refused") from exc
+            raise ConflictError(
+                f"model {manifest.name!r} is stored but cannot be served: it failed its load checks ({exc})",
+                param="model",
+                code="version_refused",
+            ) from exc
         self.held[manifest.name] = None
         log.info("loaded %s on demand (%d of %d held)", manifest.name, len(self.held), self.limit)
 
@@ -202,8 +216,11 @@ class OnDemandVersions:
 
     def _in_use(self, name: str) -> bool:
         reg = self.registry
-        return (bool(reg.leases.get(name)) or name in reg.current.values()
-                or (reg.stats is not None and reg.stats.is_canary(name)))
+        return (
+            bool(reg.leases.get(name))
+            or name in reg.current.values()
+            or (reg.stats is not None and reg.stats.is_canary(name))
+        )
 
     async def _make_room(self) -> None:
         """Evict least recently used idle versions until this load (and those in flight) fit ``limit``.
@@ -217,8 +234,10 @@ class OnDemandVersions:
         while len(self.held) + len(self._loads) > self.limit:
             victim = next((n for n in self.held if not self._in_use(n)), None)
             if victim is None:
-                raise RateLimitError(f"all {self.limit} adapter versions loaded on demand are serving running "
-                                     "requests (LIVELORA_MAX_ON_DEMAND_VERSIONS); retry when one finishes")
+                raise RateLimitError(
+                    f"all {self.limit} adapter versions loaded on demand are serving running "
+                    "requests (LIVELORA_MAX_ON_DEMAND_VERSIONS); retry when one finishes"
+                )
             log.info("evicting %s (least recently used version loaded on demand)", victim)
             await self._drop(victim)
 

@@ -14,7 +14,7 @@
   tokens whose logprobs must be finite and ≤ 0),
   then moves the pointer of every ``follow`` endpoint of that lineage (a single
   assignment, atomic on the event loop) whose evaluation gate verdict in the
-  manifest allows it (:func:`livelora.adapters.rails.gate_allows`; a version the
+  manifest allows it (:func:`livelora.core.rails.gate_allows`; a version the
   gate rejected for every endpoint is not even loaded). A version failing a check is unloaded,
   remembered as refused, and the endpoint stays where it was.
 * A version that is no longer current is **unloaded** once its last lease is
@@ -40,13 +40,12 @@ from pathlib import Path
 
 import redis.asyncio as aredis
 
-from livelora.adapters import metrics
-from livelora.adapters.endpoints import EndpointBinding, EndpointStore
-from livelora.adapters.owners import record_install_owners
-from livelora.adapters.rails import gate_allows
-from livelora.adapters.redis_keys import KeyLayout
+from livelora.adapters.endpoints import EndpointBinding, EndpointStore, record_install_owners
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, Manifest, parse_version_name, sha256_file
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
+from livelora.core import metrics
+from livelora.core.rails import gate_allows
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import AdapterCheck, Engine
 from livelora.gateway.services.on_demand import DEFAULT_MAX_ON_DEMAND, OnDemandVersions
 
@@ -70,12 +69,16 @@ def check_version(manifest: Manifest, result: AdapterCheck) -> None:
             non-finite or positive.
     """
     if result.sha256 != manifest.sha256:
-        raise BadRequestError(f"{manifest.name}: weights sha256 {result.sha256[:12]}… does not match the "
-                              f"manifest's {manifest.sha256[:12]}…", param="adapter")
+        raise BadRequestError(
+            f"{manifest.name}: weights sha256 {result.sha256[:12]}… does not match the "
+            f"manifest's {manifest.sha256[:12]}…",
+            param="adapter",
+        )
     values = [t.logprob for t in result.canary if t is not None]
     if not values or not all(math.isfinite(v) and v <= 1e-6 for v in values):
-        raise BadRequestError(f"{manifest.name}: canary forward pass gave invalid logprobs "
-                              f"{values[:4]}", param="adapter")
+        raise BadRequestError(
+            f"{manifest.name}: canary forward pass gave invalid logprobs {values[:4]}", param="adapter"
+        )
 
 
 @dataclass
@@ -115,9 +118,17 @@ class AdapterRegistry:
         max_on_demand: stored versions held because requests named them (:mod:`.on_demand`).
     """
 
-    def __init__(self, engine: Engine, home: Path | str, base_endpoint: str, *,
-                 client: aredis.Redis | None = None, keys: KeyLayout | None = None, resync_s: float = 30.0,
-                 max_on_demand: int = DEFAULT_MAX_ON_DEMAND):
+    def __init__(
+        self,
+        engine: Engine,
+        home: Path | str,
+        base_endpoint: str,
+        *,
+        client: aredis.Redis | None = None,
+        keys: KeyLayout | None = None,
+        resync_s: float = 30.0,
+        max_on_demand: int = DEFAULT_MAX_ON_DEMAND,
+    ):
         self.engine = engine
         self.store = AdapterStore(home)
         self.endpoint_store = EndpointStore(home)
@@ -171,8 +182,9 @@ class AdapterRegistry:
                 if b.lineage == lineage and self.visible(ep) and self.versions_visible(ep):
                     return ep
         shown = [ep for ep in self.current if self.visible(ep)]
-        raise ModelNotFoundError(f"model {model!r} does not exist; served endpoints: "
-                                 f"{', '.join(shown) or 'none'}", param="model")
+        raise ModelNotFoundError(
+            f"model {model!r} does not exist; served endpoints: {', '.join(shown) or 'none'}", param="model"
+        )
 
     def visible(self, endpoint: str) -> bool:
         """Whether the current request's tenant may use ``endpoint`` (always, outside requests or open mode)."""
@@ -201,9 +213,13 @@ class AdapterRegistry:
         """
         self.on_demand.check_trainable(endpoint)
         if not self.versions_visible(endpoint):
-            raise ConflictError(f"{endpoint!r} is the shared base model: its feedback trains the lineage of "
-                                f"tenant default only. Create an endpoint of your own (livelora endpoints create) and "
-                                f"chat with it to train on your feedback", param="model", code="not_trainable")
+            raise ConflictError(
+                f"{endpoint!r} is the shared base model: its feedback trains the lineage of "
+                f"tenant default only. Create an endpoint of your own (livelora endpoints create) and "
+                f"chat with it to train on your feedback",
+                param="model",
+                code="not_trainable",
+            )
 
     def resolve(self, model: str) -> tuple[str, str | None]:
         """``(endpoint, adapter)`` that a request naming ``model`` gets now: an endpoint's current version,
@@ -259,8 +275,13 @@ class AdapterRegistry:
                 self._spawn(self._unload(adapter))
 
     def _retired(self, adapter: str) -> bool:
-        return (adapter in self.loaded and adapter not in self.current.values() and not self.leases.get(adapter)
-                and adapter not in self.on_demand and not (self.stats is not None and self.stats.is_canary(adapter)))
+        return (
+            adapter in self.loaded
+            and adapter not in self.current.values()
+            and not self.leases.get(adapter)
+            and adapter not in self.on_demand
+            and not (self.stats is not None and self.stats.is_canary(adapter))
+        )
 
     # ------------------------------------------------------------------ installing
 
@@ -378,8 +399,13 @@ class AdapterRegistry:
                 try:
                     manifest = await self.install(binding.lineage, binding.version, move=False)
                 except (NotFoundError, BadRequestError) as exc:
-                    log.error("endpoint %s is pinned to %s@%s which cannot serve: %s", endpoint,
-                              binding.lineage, binding.version, exc)
+                    log.error(
+                        "endpoint %s is pinned to %s@%s which cannot serve: %s",
+                        endpoint,
+                        binding.lineage,
+                        binding.version,
+                        exc,
+                    )
                     continue
                 old = self.current.get(endpoint)
                 self.current[endpoint] = manifest.name
@@ -391,8 +417,11 @@ class AdapterRegistry:
             for manifest in reversed(self.store.list(binding.lineage)):
                 if manifest.version <= have:
                     break
-                if (manifest.name in self.refused or not gate_allows(manifest.gate, endpoint)
-                        or manifest.version in binding.blocked):
+                if (
+                    manifest.name in self.refused
+                    or not gate_allows(manifest.gate, endpoint)
+                    or manifest.version in binding.blocked
+                ):
                     continue
                 try:
                     await self.install(binding.lineage, manifest.version)
@@ -414,8 +443,9 @@ class AdapterRegistry:
             if notice.get("name"):
                 parse_version_name(notice["name"])
             gate = self.store.get(lineage, int(version)).gate
-            if not any(b.lineage == lineage and b.mode == "follow" and gate_allows(gate, ep)
-                       for ep, b in self.bindings.items()):
+            if not any(
+                b.lineage == lineage and b.mode == "follow" and gate_allows(gate, ep) for ep, b in self.bindings.items()
+            ):
                 log.info("%s was rejected by the evaluation gate: not loaded", notice.get("name"))
                 return
             await self.install(lineage, int(version))

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from livelora.adapters import metrics
-from livelora.adapters.logs import annotate
 from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.openai import Model
+from livelora.core import metrics
+from livelora.core.logs import annotate
 from livelora.gateway.engines.base import Engine, TokenLogprob
 from livelora.gateway.services.admission import Admission, Ticket
 from livelora.gateway.services.completion_log import CompletionLog, CompletionRecorder
@@ -34,8 +34,8 @@ from livelora.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
     from livelora.gateway.engines.base import GenerationChunk
-    from livelora.gateway.services.metering import MeteringService
     from livelora.gateway.services.registry import AdapterRegistry
+    from livelora.gateway.services.usage import MeteringService
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,11 @@ def list_models(engine: Engine, settings: GatewaySettings, registry=None) -> lis
             tenant = getattr(registry.bindings.get(endpoint), "tenant", None)
             out.append(Model(id=endpoint, created=created, owned_by=tenant or "livelora", root=base, parent=base))
     if not tenant_scoped():
-        out += [Model(id=name, created=created, owned_by="livelora", root=base, parent=base)
-                for name in engine.loaded_adapters() if name not in seen]
+        out += [
+            Model(id=name, created=created, owned_by="livelora", root=base, parent=base)
+            for name in engine.loaded_adapters()
+            if name not in seen
+        ]
     return out
 
 
@@ -217,7 +220,7 @@ class ServedRequest:
         metrics.GENERATED_TOKENS.labels(self.kind).inc(n)
 
     async def account(self, tokens: dict[str, int], subject: str | None = None) -> None:
-        """Meter the request's ``tokens`` (``{kind: n}``, :data:`~livelora.adapters.metering.KINDS`) once for
+        """Meter the request's ``tokens`` (``{kind: n}``, :data:`~livelora.core.metering.KINDS`) once for
         :attr:`payer` and ``subject`` (default: the endpoint, else the model name); later calls do nothing."""
         if self._accounted:
             return
@@ -228,12 +231,22 @@ class ServedRequest:
         elapsed = time.monotonic() - self.started
         if done and elapsed > 0:
             metrics.TOKENS_PER_SECOND.labels(self.kind).observe(done / elapsed)
-        log.info("served %s %s: %s", self.kind, self.id or "-", tokens,
-                 extra={"completion_id": self.id or None, "tenant": self.payer[0], "version": self.target.version,
-                        "endpoint": subject or self.target.endpoint or self.target.model})
+        log.info(
+            "served %s %s: %s",
+            self.kind,
+            self.id or "-",
+            tokens,
+            extra={
+                "completion_id": self.id or None,
+                "tenant": self.payer[0],
+                "version": self.target.version,
+                "endpoint": subject or self.target.endpoint or self.target.model,
+            },
+        )
         if self.metering is not None:
-            await self.metering.record(self.payer[0], self.payer[1],
-                                       subject or self.target.endpoint or self.target.model, tokens)
+            await self.metering.record(
+                self.payer[0], self.payer[1], subject or self.target.endpoint or self.target.model, tokens
+            )
 
     def account_later(self, tokens: dict[str, int], subject: str | None = None) -> None:
         """:meth:`account` from synchronous code (an aborted request): scheduled on the running loop."""
@@ -259,9 +272,16 @@ class Serving:
         metering: the gateway's token counters (``None``: nothing is metered).
     """
 
-    def __init__(self, engine: Engine, settings: GatewaySettings, admission: Admission,
-                 registry: AdapterRegistry | None = None, completions: CompletionLog | None = None,
-                 drain: Drain | None = None, metering: MeteringService | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        settings: GatewaySettings,
+        admission: Admission,
+        registry: AdapterRegistry | None = None,
+        completions: CompletionLog | None = None,
+        drain: Drain | None = None,
+        metering: MeteringService | None = None,
+    ):
         self.engine = engine
         self.settings = settings
         self.admission = admission
@@ -297,9 +317,9 @@ class Serving:
 
     async def check_quota(self, kinds: tuple[str, ...]) -> None:
         """Refuse (429) a request of the current caller's tenant that would use ``kinds`` over a daily limit
-        (:meth:`~livelora.gateway.services.quotas.QuotaService.check_tokens`). Raises: RateLimitError."""
+        (:meth:`~livelora.gateway.services.limits.QuotaService.check_tokens`). Raises: RateLimitError."""
         if self.metering is not None:
-            from livelora.gateway.services.metering import payer
+            from livelora.gateway.services.usage import payer
 
             await self.metering.quotas.check_tokens(payer()[0], kinds)
 
@@ -321,8 +341,13 @@ class Serving:
         if manifest is not None:  # a stored version the caller may name (loaded on demand)
             from livelora.gateway.auth import caller_tenant
 
-            return Model(id=model_id, created=int(manifest.created), owned_by=caller_tenant(),
-                         root=self.settings.model_id, parent=self.settings.model_id)
+            return Model(
+                id=model_id,
+                created=int(manifest.created),
+                owned_by=caller_tenant(),
+                root=self.settings.model_id,
+                parent=self.settings.model_id,
+            )
         raise ModelNotFoundError(f"model {model_id!r} does not exist", param="model")
 
     def health(self) -> dict[str, Any]:
@@ -332,13 +357,25 @@ class Serving:
         this gives the number of loaded adapter versions, never their names (which name tenants' lineages).
         """
         status = "draining" if self.drain is not None and self.drain.draining else "ok"
-        return {"status": status, "model": self.settings.model_id, "engine": self.settings.inference.engine,
-                "sequences": self.admission.active, "max_sequences": self.admission.limit,
-                "adapters_loaded": len(self.engine.loaded_adapters())}
+        return {
+            "status": status,
+            "model": self.settings.model_id,
+            "engine": self.settings.inference.engine,
+            "sequences": self.admission.active,
+            "max_sequences": self.admission.limit,
+            "adapters_loaded": len(self.engine.loaded_adapters()),
+        }
 
-    def begin(self, model: str | ServingTarget, plan: Callable[[], Sequence[Job]], *, param: str = "n",
-              id_prefix: str | None = None, recording: Recording | None = None, kind: str | None = None
-              ) -> ServedRequest:
+    def begin(
+        self,
+        model: str | ServingTarget,
+        plan: Callable[[], Sequence[Job]],
+        *,
+        param: str = "n",
+        id_prefix: str | None = None,
+        recording: Recording | None = None,
+        kind: str | None = None,
+    ) -> ServedRequest:
         """Begin a served request: resolve ``model``, run ``plan``, admit its jobs, lease the version, make
         the recorder. Synchronous (no ``await``), so the version leased is the one resolved.
 
@@ -367,14 +404,36 @@ class Serving:
         recorder = None
         if recording is not None:
             recorder = CompletionRecorder(
-                self.completions, completion_id=request_id, created=created, target=target, n=len(jobs),
-                caller=recording.caller, user=recording.user, messages=recording.messages,
-                choice_prompts=[(list(job.prompt_ids), job.prompt_text) for job in jobs])
-        from livelora.gateway.services.metering import payer
+                self.completions,
+                completion_id=request_id,
+                created=created,
+                target=target,
+                n=len(jobs),
+                caller=recording.caller,
+                user=recording.user,
+                messages=recording.messages,
+                choice_prompts=[(list(job.prompt_ids), job.prompt_text) for job in jobs],
+            )
+        from livelora.gateway.services.usage import payer
 
         kind = kind or {"chatcmpl": "chat", "cmpl": "completion"}.get(id_prefix or "", "sample")
         tenant_key = payer()
-        annotate(completion_id=request_id or None, tenant=tenant_key[0], endpoint=target.endpoint or target.model,
-                 version=target.version)
-        return ServedRequest(request_id, created, target, jobs, ticket, self.engine, recorder, self.drain,
-                             payer=tenant_key, metering=self.metering, kind=kind)
+        annotate(
+            completion_id=request_id or None,
+            tenant=tenant_key[0],
+            endpoint=target.endpoint or target.model,
+            version=target.version,
+        )
+        return ServedRequest(
+            request_id,
+            created,
+            target,
+            jobs,
+            ticket,
+            self.engine,
+            recorder,
+            self.drain,
+            payer=tenant_key,
+            metering=self.metering,
+            kind=kind,
+        )

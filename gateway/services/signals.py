@@ -38,10 +38,6 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from livelora.adapters import metrics
-from livelora.adapters.api_keys import DEFAULT_TENANT
-from livelora.adapters.bus import dumps, redis_unavailable
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
 from livelora.clients.types.signals import (
     CompletionRecord,
@@ -56,6 +52,10 @@ from livelora.clients.types.signals import (
     RatingEvent,
     parse_stream_event,
 )
+from livelora.core import metrics
+from livelora.core.api_keys import DEFAULT_TENANT
+from livelora.core.bus import dumps, redis_unavailable
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.settings import DEFAULT_IDEMPOTENCY_TTL_S
 
@@ -96,11 +96,17 @@ class SignalService:
             (:class:`livelora.gateway.signal_checks.SignalChecker`); run on a thread. ``None`` checks nothing.
     """
 
-    def __init__(self, client: aredis.Redis, keys: KeyLayout, completions: CompletionLog,
-                 resolve_endpoint: Callable[[str], str] | None = None,
-                 idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
-                 check_trainable: Callable[[str], None] | None = None,
-                 check_event: Callable[[Any], None] | None = None, on_rating: Callable[..., Any] | None = None):
+    def __init__(
+        self,
+        client: aredis.Redis,
+        keys: KeyLayout,
+        completions: CompletionLog,
+        resolve_endpoint: Callable[[str], str] | None = None,
+        idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
+        check_trainable: Callable[[str], None] | None = None,
+        check_event: Callable[[Any], None] | None = None,
+        on_rating: Callable[..., Any] | None = None,
+    ):
         self.client = client
         self.on_rating = on_rating  # async (endpoint, adapter, rating_key, up): live statistics, rollback
         self.keys = keys
@@ -124,33 +130,63 @@ class SignalService:
             raise self.completions.missing(completion_id, param)
         return rec
 
-    async def _submit(self, route: str, event: Any, body: Any, caller: str | None,
-                      idempotency_key: str | None, rating_key: str | None = None) -> tuple[Any, str, bool]:
+    async def _submit(
+        self,
+        route: str,
+        event: Any,
+        body: Any,
+        caller: str | None,
+        idempotency_key: str | None,
+        rating_key: str | None = None,
+    ) -> tuple[Any, str, bool]:
         """Run the accept script. Returns ``(event, replaces, replayed)`` where ``event`` is what the stream holds."""
         if self.check_event is not None:
             await asyncio.to_thread(self.check_event, event)
-        fingerprint = hashlib.sha256(
-            (route + "\n" + dumps(body.model_dump(mode="json"))).encode()).hexdigest()
+        fingerprint = hashlib.sha256((route + "\n" + dumps(body.model_dump(mode="json"))).encode()).hexdigest()
         idem = self.keys.idem(f"{route}/{caller or '-'}", idempotency_key) if idempotency_key else ""
         rkey = rating_key or ""
         with redis_unavailable():
             kind, stored = await self._accept(
                 keys=[self.keys.signals, idem, rkey],
-                args=[event.model_dump_json(), fingerprint, self.idempotency_ttl_s,
-                      self.completions.retention_s, event.id])
+                args=[
+                    event.model_dump_json(),
+                    fingerprint,
+                    self.idempotency_ttl_s,
+                    self.completions.retention_s,
+                    event.id,
+                ],
+            )
         rec = json.loads(stored)
         if kind == "replay" and rec["fingerprint"] != fingerprint:
-            raise ConflictError(f"Idempotency-Key {idempotency_key!r} was already used with a different "
-                                f"request to {route}; use a new key for a new request",
-                                param="Idempotency-Key", code="idempotency_key_reused")
+            raise ConflictError(
+                f"Idempotency-Key {idempotency_key!r} was already used with a different "
+                f"request to {route}; use a new key for a new request",
+                param="Idempotency-Key",
+                code="idempotency_key_reused",
+            )
         ev = parse_stream_event({"event": rec["event"], "replaces": rec["replaces"]})
         if kind != "replay":
             metrics.SIGNALS.labels("accepted", ev.type).inc()
-            log.info("accepted %s %s", ev.type, ev.id, extra={
-                "event_id": ev.id, "endpoint": ev.endpoint, "tenant": caller,
-                "completion_id": getattr(ev, "completion_id", None),
-                "completion_ids": [c for c in (getattr(ev, "chosen_completion_id", None),
-                                               getattr(ev, "rejected_completion_id", None)) if c] or None})
+            log.info(
+                "accepted %s %s",
+                ev.type,
+                ev.id,
+                extra={
+                    "event_id": ev.id,
+                    "endpoint": ev.endpoint,
+                    "tenant": caller,
+                    "completion_id": getattr(ev, "completion_id", None),
+                    "completion_ids": [
+                        c
+                        for c in (
+                            getattr(ev, "chosen_completion_id", None),
+                            getattr(ev, "rejected_completion_id", None),
+                        )
+                        if c
+                    ]
+                    or None,
+                },
+            )
         return ev, rec["replaces"] or None, kind == "replay"
 
     @staticmethod
@@ -159,8 +195,9 @@ class SignalService:
 
     # -------------------------------------------------------------- routes
 
-    async def feedback(self, req: FeedbackRequest, *, caller: str | None = None,
-                       idempotency_key: str | None = None) -> tuple[FeedbackResponse, bool]:
+    async def feedback(
+        self, req: FeedbackRequest, *, caller: str | None = None, idempotency_key: str | None = None
+    ) -> tuple[FeedbackResponse, bool]:
         """Accept one rating; returns ``(response, replayed)``.
 
         Raises:
@@ -172,24 +209,45 @@ class SignalService:
         self.check_trainable(rec.endpoint)
         rater = f"{caller or ''}/{req.user or ''}"
         event = RatingEvent(
-            id=self._new_id("feedback"), endpoint=rec.endpoint, created=int(time.time()), caller=caller,
-            user=req.user, completion_id=rec.id, adapter=rec.adapter, prompt_token_ids=rec.prompt_token_ids,
-            completion_token_ids=rec.completion_token_ids, logprobs=rec.logprobs,
-            finish_reason=rec.finish_reason, rating=req.rating,
-            score=req.score, comment=req.comment, rating_key=f"{rec.id}:{rater}")
-        ev, replaces, replayed = await self._submit("feedback", event, req, caller, idempotency_key,
-                                                    rating_key=self.keys.rating(rec.id, rater))
+            id=self._new_id("feedback"),
+            endpoint=rec.endpoint,
+            created=int(time.time()),
+            caller=caller,
+            user=req.user,
+            completion_id=rec.id,
+            adapter=rec.adapter,
+            prompt_token_ids=rec.prompt_token_ids,
+            completion_token_ids=rec.completion_token_ids,
+            logprobs=rec.logprobs,
+            finish_reason=rec.finish_reason,
+            rating=req.rating,
+            score=req.score,
+            comment=req.comment,
+            rating_key=f"{rec.id}:{rater}",
+        )
+        ev, replaces, replayed = await self._submit(
+            "feedback", event, req, caller, idempotency_key, rating_key=self.keys.rating(rec.id, rater)
+        )
         if self.on_rating is not None and not replayed:
             try:  # accepted already: statistics and the rollback test never fail the rating
                 await self.on_rating(ev.endpoint, ev.adapter, ev.rating_key, ev.rating)
             except Exception:
                 log.exception("live statistics of a rating failed")
-        return FeedbackResponse(id=ev.id, completion_id=ev.completion_id, endpoint=ev.endpoint,
-                                rating=ev.rating, score=ev.score, comment=ev.comment, user=ev.user,
-                                replaces=replaces, created=ev.created), replayed
+        return FeedbackResponse(
+            id=ev.id,
+            completion_id=ev.completion_id,
+            endpoint=ev.endpoint,
+            rating=ev.rating,
+            score=ev.score,
+            comment=ev.comment,
+            user=ev.user,
+            replaces=replaces,
+            created=ev.created,
+        ), replayed
 
-    async def preference(self, req: PreferenceRequest, *, caller: str | None = None,
-                         idempotency_key: str | None = None) -> tuple[PreferenceResponse, bool]:
+    async def preference(
+        self, req: PreferenceRequest, *, caller: str | None = None, idempotency_key: str | None = None
+    ) -> tuple[PreferenceResponse, bool]:
         """Accept one chosen/rejected pair (completion-id form or inline form).
 
         Raises:
@@ -202,8 +260,11 @@ class SignalService:
         inline = any(v is not None for v in (req.model, req.messages, req.chosen, req.rejected))
         if by_id == inline:
             which = "both forms were given" if by_id else "neither form was given"
-            raise BadRequestError("Give either chosen_completion_id and rejected_completion_id, or model, "
-                                  f"messages, chosen and rejected ({which})", param="chosen_completion_id")
+            raise BadRequestError(
+                "Give either chosen_completion_id and rejected_completion_id, or model, "
+                f"messages, chosen and rejected ({which})",
+                param="chosen_completion_id",
+            )
         now = int(time.time())
         if by_id:
             for name in ("chosen_completion_id", "rejected_completion_id"):
@@ -214,41 +275,68 @@ class SignalService:
             c = await self._visible(req.chosen_completion_id, caller, "chosen_completion_id")
             r = await self._visible(req.rejected_completion_id, caller, "rejected_completion_id")
             if c.endpoint != r.endpoint:
-                raise BadRequestError(f"The completions come from different endpoints ({c.endpoint!r}, "
-                                      f"{r.endpoint!r}); a preference compares replies of one endpoint",
-                                      param="rejected_completion_id")
+                raise BadRequestError(
+                    f"The completions come from different endpoints ({c.endpoint!r}, "
+                    f"{r.endpoint!r}); a preference compares replies of one endpoint",
+                    param="rejected_completion_id",
+                )
             if c.prompt_token_ids != r.prompt_token_ids:
-                raise BadRequestError("The two completions answer different prompts; a preference pair needs "
-                                      "the same prompt", param="rejected_completion_id")
+                raise BadRequestError(
+                    "The two completions answer different prompts; a preference pair needs the same prompt",
+                    param="rejected_completion_id",
+                )
             if c.completion_token_ids == r.completion_token_ids:
                 raise BadRequestError("chosen and rejected completions are identical", param="rejected_completion_id")
             self.check_trainable(c.endpoint)
             event = PreferenceEvent(
-                id=self._new_id("preference"), endpoint=c.endpoint, created=now, caller=caller, user=req.user,
-                chosen_completion_id=c.id, rejected_completion_id=r.id, prompt_token_ids=c.prompt_token_ids,
-                chosen_token_ids=c.completion_token_ids, rejected_token_ids=r.completion_token_ids)
+                id=self._new_id("preference"),
+                endpoint=c.endpoint,
+                created=now,
+                caller=caller,
+                user=req.user,
+                chosen_completion_id=c.id,
+                rejected_completion_id=r.id,
+                prompt_token_ids=c.prompt_token_ids,
+                chosen_token_ids=c.completion_token_ids,
+                rejected_token_ids=r.completion_token_ids,
+            )
         else:
             for name in ("model", "messages", "chosen", "rejected"):
                 if getattr(req, name) is None:
                     raise BadRequestError(f"{name} is required with the inline form", param=name)
             if not req.messages or req.messages[-1].role == "assistant":
-                raise BadRequestError("messages is the prompt: non-empty, not ending with an assistant message",
-                                      param="messages")
+                raise BadRequestError(
+                    "messages is the prompt: non-empty, not ending with an assistant message", param="messages"
+                )
             if not req.chosen or not req.rejected:
                 raise BadRequestError("chosen and rejected must be non-empty replies", param="chosen")
             if req.chosen == req.rejected:
                 raise BadRequestError("chosen and rejected are identical", param="rejected")
             endpoint = self.resolve_endpoint(req.model)
             self.check_trainable(endpoint)
-            event = PreferenceEvent(id=self._new_id("preference"), endpoint=endpoint, created=now, caller=caller,
-                                    user=req.user, messages=req.messages, chosen=req.chosen, rejected=req.rejected)
+            event = PreferenceEvent(
+                id=self._new_id("preference"),
+                endpoint=endpoint,
+                created=now,
+                caller=caller,
+                user=req.user,
+                messages=req.messages,
+                chosen=req.chosen,
+                rejected=req.rejected,
+            )
         ev, _, replayed = await self._submit("preferences", event, req, caller, idempotency_key)
-        return PreferenceResponse(id=ev.id, endpoint=ev.endpoint, chosen_completion_id=ev.chosen_completion_id,
-                                  rejected_completion_id=ev.rejected_completion_id, user=ev.user,
-                                  created=ev.created), replayed
+        return PreferenceResponse(
+            id=ev.id,
+            endpoint=ev.endpoint,
+            chosen_completion_id=ev.chosen_completion_id,
+            rejected_completion_id=ev.rejected_completion_id,
+            user=ev.user,
+            created=ev.created,
+        ), replayed
 
-    async def demonstration(self, req: DemonstrationRequest, *, caller: str | None = None,
-                            idempotency_key: str | None = None) -> tuple[DemonstrationResponse, bool]:
+    async def demonstration(
+        self, req: DemonstrationRequest, *, caller: str | None = None, idempotency_key: str | None = None
+    ) -> tuple[DemonstrationResponse, bool]:
         """Accept one demonstration (messages ending with the ideal assistant reply).
 
         Raises:
@@ -258,14 +346,21 @@ class SignalService:
         """
         last = req.messages[-1]
         if last.role != "assistant" or not last.content:
-            raise BadRequestError("The last message must be the ideal assistant reply (role 'assistant', "
-                                  "non-empty content)", param="messages")
+            raise BadRequestError(
+                "The last message must be the ideal assistant reply (role 'assistant', non-empty content)",
+                param="messages",
+            )
         if not any(m.role == "user" for m in req.messages[:-1]):
-            raise BadRequestError("A demonstration needs at least one user message before the reply",
-                                  param="messages")
+            raise BadRequestError("A demonstration needs at least one user message before the reply", param="messages")
         endpoint = self.resolve_endpoint(req.model)
         self.check_trainable(endpoint)
-        event = DemonstrationEvent(id=self._new_id("demonstration"), endpoint=endpoint, created=int(time.time()),
-                                   caller=caller, user=req.user, messages=req.messages)
+        event = DemonstrationEvent(
+            id=self._new_id("demonstration"),
+            endpoint=endpoint,
+            created=int(time.time()),
+            caller=caller,
+            user=req.user,
+            messages=req.messages,
+        )
         ev, _, replayed = await self._submit("demonstrations", event, req, caller, idempotency_key)
         return DemonstrationResponse(id=ev.id, endpoint=ev.endpoint, user=ev.user, created=ev.created), replayed

@@ -1,6 +1,6 @@
 """Built-in training losses as pure tensor functions, plus the registry the trainer dispatches on.
 
-Two layers, each keyed by the name of a :class:`~livelora.adapters.losses.LossSpec`:
+Two layers, each keyed by the name of a :class:`~livelora.core.losses.LossSpec`:
 
 * **Tensor functions** (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``gspo``, ``kto``,
   ``dpo``): pure functions of tensors with shape-suffixed arguments, the paper equation and a pinned
@@ -14,9 +14,9 @@ Two layers, each keyed by the name of a :class:`~livelora.adapters.losses.LossSp
   ``loss_fn_inputs`` as torch tensors. Ragged lengths, no padding.
 
 What each loss reads and accepts (inputs, config defaults and ranges, minimum batch, pairing, gradient
-positions) is its spec in :mod:`livelora.adapters.losses`, and the one validation is the shared
+positions) is its spec in :mod:`livelora.core.losses`, and the one validation is the shared
 ``validate_batch`` / ``validate_loss_inputs`` there. Adding a loss: its spec in
-``adapters/losses/builtin.py``, its tensor function here, registered with ``@register("<name>")`` in
+``core/losses/builtin.py``, its tensor function here, registered with ``@register("<name>")`` in
 ``_registry.py``.
 
 Notation (tinker-cookbook ``CONTRIBUTING.md``): ``_T`` tokens, ``_B`` sequences/examples, ``_D`` datums,
@@ -37,8 +37,24 @@ from ._registry import LOSS_FUNCTIONS, DatumLossFn, compute_loss, register, vali
 from ._token import LossOutput, cispo, cross_entropy, dro, gspo, importance_sampling, ppo
 
 __all__ = [
-    "LossOutput", "LOSS_FUNCTIONS", "register", "compute_loss", "validate_loss_request",
-    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "kto", "dpo",
-    "sequence_logprobs", "kl_pair_order", "group_advantages",
-    "surrogate_weights", "CustomLossResult", "run_custom_loss", "DatumLossFn",
+    "LOSS_FUNCTIONS",
+    "CustomLossResult",
+    "DatumLossFn",
+    "LossOutput",
+    "cispo",
+    "compute_loss",
+    "cross_entropy",
+    "dpo",
+    "dro",
+    "group_advantages",
+    "gspo",
+    "importance_sampling",
+    "kl_pair_order",
+    "kto",
+    "ppo",
+    "register",
+    "run_custom_loss",
+    "sequence_logprobs",
+    "surrogate_weights",
+    "validate_loss_request",
 ]

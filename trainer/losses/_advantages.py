@@ -11,9 +11,13 @@ from torch import Tensor
 from livelora.clients.errors import BadRequestError
 
 
-def group_advantages(rewards_P_G: Tensor | Sequence[Tensor], *,
-                     normalize: Literal["none", "group", "batch"] = "none",
-                     eps: float = 1e-4, std_floor: float = 1e-3) -> Tensor | list[Tensor]:
+def group_advantages(
+    rewards_P_G: Tensor | Sequence[Tensor],
+    *,
+    normalize: Literal["none", "group", "batch"] = "none",
+    eps: float = 1e-4,
+    std_floor: float = 1e-3,
+) -> Tensor | list[Tensor]:
     """Per-sample advantages from group rewards: ``A = r − mean_group(r)``, optionally ÷ (std + eps).
 
     Args:
@@ -32,8 +36,9 @@ def group_advantages(rewards_P_G: Tensor | Sequence[Tensor], *,
     L2753–2810; Liu et al. 2025 (Dr. GRPO, arXiv 2503.20783); losses.md §3.5, §4.
     """
     if normalize not in ("none", "group", "batch"):
-        raise BadRequestError(f"unknown advantage normalisation {normalize!r}; use none, group or batch",
-                              param="normalize")
+        raise BadRequestError(
+            f"unknown advantage normalisation {normalize!r}; use none, group or batch", param="normalize"
+        )
     as_tensor = isinstance(rewards_P_G, Tensor)
     groups = list(rewards_P_G.unbind(0)) if as_tensor else [torch.as_tensor(g) for g in rewards_P_G]
     for g in groups:
@@ -59,5 +64,3 @@ def group_advantages(rewards_P_G: Tensor | Sequence[Tensor], *,
             centred = centred / (batch_std + eps)
         out.append(centred.to(g.dtype))
     return torch.stack(out) if as_tensor else out
-
-

@@ -43,8 +43,9 @@ class CustomLossResult:
     weights_D: list[Tensor]
 
 
-def run_custom_loss(loss_fn: Callable[[Any, list[Tensor]], tuple[Tensor, Mapping[str, float]]],
-                    data: Any, logprobs_D: Sequence[Tensor]) -> CustomLossResult:
+def run_custom_loss(
+    loss_fn: Callable[[Any, list[Tensor]], tuple[Tensor, Mapping[str, float]]], data: Any, logprobs_D: Sequence[Tensor]
+) -> CustomLossResult:
     """Evaluate ``loss_fn(data, logprobs)`` on fresh leaves and return the surrogate weights.
 
     Mirrors tinker ``forward_backward_custom`` step 3: ``logprobs_D`` (from a forward pass) are detached,
@@ -55,5 +56,3 @@ def run_custom_loss(loss_fn: Callable[[Any, list[Tensor]], tuple[Tensor, Mapping
     loss, metrics = loss_fn(data, leaves)
     weights_D = surrogate_weights(loss, leaves)
     return CustomLossResult(float(loss.detach()), {**dict(metrics), "loss:sum": float(loss.detach())}, weights_D)
-
-

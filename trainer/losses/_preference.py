@@ -25,9 +25,16 @@ def sequence_logprobs(logprobs_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
     return (lp * mask_B_T.to(lp)).sum(-1)
 
 
-def kto(logratios_B: Tensor, desirable_B: Tensor, kl_logratios_B: Tensor, *, beta: float = 0.1,
-        desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
-        example_weights_B: Tensor | None = None) -> LossOutput:
+def kto(
+    logratios_B: Tensor,
+    desirable_B: Tensor,
+    kl_logratios_B: Tensor,
+    *,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    example_weights_B: Tensor | None = None,
+) -> LossOutput:
     """KTO loss (Ethayarajh et al. 2024, arXiv 2402.01306, Eq. 7), mean over examples.
 
     ``z0 = max(0, mean_B kl_logratios)`` (detached);
@@ -78,8 +85,13 @@ def kto(logratios_B: Tensor, desirable_B: Tensor, kl_logratios_B: Tensor, *, bet
     return LossOutput(loss, metrics)
 
 
-def dpo(chosen_logratios_B: Tensor, rejected_logratios_B: Tensor, *, beta: float = 0.1,
-        example_weights_B: Tensor | None = None) -> LossOutput:
+def dpo(
+    chosen_logratios_B: Tensor,
+    rejected_logratios_B: Tensor,
+    *,
+    beta: float = 0.1,
+    example_weights_B: Tensor | None = None,
+) -> LossOutput:
     """DPO sigmoid loss (Rafailov et al. 2023, arXiv 2305.18290, Eq. 7), mean over pairs.
 
     ``h = (lp_c − ref_c) − (lp_r − ref_r)``; per pair ``−log σ(β·h)``; at init (policy = ref) = ln 2.
@@ -109,13 +121,16 @@ def dpo(chosen_logratios_B: Tensor, rejected_logratios_B: Tensor, *, beta: float
             raise BadRequestError("dpo example weights must have one entry per pair", param="example_weight")
         loss_B = loss_B * example_weights_B.to(loss_B)
     loss = loss_B.mean()
-    return LossOutput(loss, {
-        "loss:sum": float(loss.detach()),
-        "dpo/rewards_chosen:mean": float(beta * chosen_logratios_B.detach().mean()),
-        "dpo/rewards_rejected:mean": float(beta * rejected_logratios_B.detach().mean()),
-        "dpo/margin:mean": float(margin_B.detach().mean()),
-        "dpo/accuracy:mean": float((margin_B.detach() > 0).to(margin_B.dtype).mean()),
-    })
+    return LossOutput(
+        loss,
+        {
+            "loss:sum": float(loss.detach()),
+            "dpo/rewards_chosen:mean": float(beta * chosen_logratios_B.detach().mean()),
+            "dpo/rewards_rejected:mean": float(beta * rejected_logratios_B.detach().mean()),
+            "dpo/margin:mean": float(margin_B.detach().mean()),
+            "dpo/accuracy:mean": float((margin_B.detach() > 0).to(margin_B.dtype).mean()),
+        },
+    )
 
 
 def kl_pair_order(prompts_B: Sequence[Any]) -> list[int]:
@@ -136,11 +151,10 @@ def kl_pair_order(prompts_B: Sequence[Any]) -> list[int]:
     """
     n = len(prompts_B)
     if n < 2:
-        raise BadRequestError("KTO needs at least 2 examples per batch to build mismatched KL pairs",
-                              param="batch_size")
+        raise BadRequestError(
+            "KTO needs at least 2 examples per batch to build mismatched KL pairs", param="batch_size"
+        )
     for shift in range(1, n):
         if all(prompts_B[i] != prompts_B[(i - shift) % n] for i in range(n)):
             return [(i - shift) % n for i in range(n)]
     return [(i - 1) % n for i in range(n)]
-
-

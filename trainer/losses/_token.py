@@ -25,6 +25,7 @@ class LossOutput:
 # Token-level losses (Tinker server semantics: sum over every token of every datum)
 # ----------------------------------------------------------------------------------------------------
 
+
 def _masked(mask_T: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...]:
     """Replace masked-out entries by 0 before any arithmetic (exact masking, no NaN through ``where``)."""
     if mask_T is None:
@@ -56,8 +57,9 @@ def cross_entropy(logprobs_T: Tensor, weights_T: Tensor, *, mask_T: Tensor | Non
     return _token_output(-(w * lp))
 
 
-def importance_sampling(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor, *,
-                        mask_T: Tensor | None = None) -> LossOutput:
+def importance_sampling(
+    logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor, *, mask_T: Tensor | None = None
+) -> LossOutput:
     """Tinker ``importance_sampling``: ``L = -Σ_t exp(lp_t - q_t) · A_t``; ``dL/dlp = -r·A``.
 
     Args:
@@ -73,9 +75,15 @@ def importance_sampling(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advanta
     return _token_output(-(torch.exp(lp - q) * adv))
 
 
-def ppo(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor, *,
-        clip_low_threshold: float = 0.8, clip_high_threshold: float = 1.2,
-        mask_T: Tensor | None = None) -> LossOutput:
+def ppo(
+    logprobs_T: Tensor,
+    sampling_logprobs_T: Tensor,
+    advantages_T: Tensor,
+    *,
+    clip_low_threshold: float = 0.8,
+    clip_high_threshold: float = 1.2,
+    mask_T: Tensor | None = None,
+) -> LossOutput:
     """Tinker ``ppo``: ``L = -Σ_t min(r_t·A_t, clip(r_t, lo, hi)·A_t)`` with ``r = exp(lp - q)``.
 
     ``lo``/``hi`` are **absolute ratio bounds** (defaults 0.8 / 1.2 = ε 0.2), not ε. The gradient is
@@ -92,9 +100,15 @@ def ppo(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor, *
     return _token_output(-torch.minimum(ratio * adv, clipped * adv))
 
 
-def cispo(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor, *,
-          clip_low_threshold: float = 0.0, clip_high_threshold: float = 4.0,
-          mask_T: Tensor | None = None) -> LossOutput:
+def cispo(
+    logprobs_T: Tensor,
+    sampling_logprobs_T: Tensor,
+    advantages_T: Tensor,
+    *,
+    clip_low_threshold: float = 0.0,
+    clip_high_threshold: float = 4.0,
+    mask_T: Tensor | None = None,
+) -> LossOutput:
     """Tinker ``cispo``: ``L = -Σ_t sg(clip(r_t, lo, hi)) · A_t · lp_t``.
 
     The clipped ratio is a detached *weight* on a REINFORCE term, so the gradient ``-clip(r)·A`` is never
@@ -111,8 +125,14 @@ def cispo(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor,
     return _token_output(-(weight * adv * lp))
 
 
-def dro(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor, *, beta: float = 0.05,
-        mask_T: Tensor | None = None) -> LossOutput:
+def dro(
+    logprobs_T: Tensor,
+    sampling_logprobs_T: Tensor,
+    advantages_T: Tensor,
+    *,
+    beta: float = 0.05,
+    mask_T: Tensor | None = None,
+) -> LossOutput:
     """Tinker ``dro``: ``L = -Σ_t (lp_t·A_t - ½·β·(lp_t - q_t)²)``.
 
     The quadratic term touches every position where lp ≠ q, including prompt positions whose q
@@ -128,11 +148,16 @@ def dro(logprobs_T: Tensor, sampling_logprobs_T: Tensor, advantages_T: Tensor, *
     return _token_output(-(lp * adv - 0.5 * beta * (lp - q) ** 2))
 
 
-
-
-def gspo(logprobs_D: list[Tensor], sampling_logprobs_D: list[Tensor], advantages_D: list[Tensor],
-         ratio_mask_D: list[Tensor], *, clip_low_threshold: float = 1.0 - 3e-4, clip_high_threshold: float = 1.0 + 4e-4,
-         mask_D: list[Tensor] | None = None) -> LossOutput:
+def gspo(
+    logprobs_D: list[Tensor],
+    sampling_logprobs_D: list[Tensor],
+    advantages_D: list[Tensor],
+    ratio_mask_D: list[Tensor],
+    *,
+    clip_low_threshold: float = 1.0 - 3e-4,
+    clip_high_threshold: float = 1.0 + 4e-4,
+    mask_D: list[Tensor] | None = None,
+) -> LossOutput:
     """Tinker ``gspo`` (GSPO-token): a PPO clip on one **sequence-level** ratio per datum.
 
     Per datum ``i``: ``log s_i = mean_{t: m_t≠0} (sg(lp_t) − q_t)`` over its ``sequence_ratio_mask`` ``m``

@@ -78,15 +78,44 @@ decoding, id recovery), :mod:`.responses` (``SampleResponse`` / ``ForwardBackwar
 
 from __future__ import annotations
 
-from livelora.gateway.api.tinker_wire.requests import (DEFAULT_MAX_BODY_BYTES, PROTO_MEDIA_TYPES, WireDecodeError,
-                                                       body_kind, decode_content, decode_forward_backward,
-                                                       peek_body_ids, peek_ids, tensor_from_proto)
-from livelora.gateway.api.tinker_wire.responses import (MASK_LOGPROB, PROTO_CONTENT_TYPE,
-                                                        encode_forward_backward_output, encode_future_result,
-                                                        encode_sample_response, proto_result_kind, tensor_to_proto,
-                                                        wants_proto)
+from livelora.gateway.api.tinker_wire.requests import (
+    DEFAULT_MAX_BODY_BYTES,
+    PROTO_MEDIA_TYPES,
+    WireDecodeError,
+    body_kind,
+    decode_content,
+    decode_forward_backward,
+    peek_body_ids,
+    peek_ids,
+    tensor_from_proto,
+)
+from livelora.gateway.api.tinker_wire.responses import (
+    MASK_LOGPROB,
+    PROTO_CONTENT_TYPE,
+    encode_forward_backward_output,
+    encode_future_result,
+    encode_sample_response,
+    proto_result_kind,
+    tensor_to_proto,
+    wants_proto,
+)
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "MASK_LOGPROB", "PROTO_CONTENT_TYPE", "PROTO_MEDIA_TYPES", "WireDecodeError",
-           "body_kind", "decode_content", "decode_forward_backward", "encode_forward_backward_output",
-           "encode_future_result", "encode_sample_response", "peek_body_ids", "peek_ids", "proto_result_kind",
-           "tensor_from_proto", "tensor_to_proto", "wants_proto"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "MASK_LOGPROB",
+    "PROTO_CONTENT_TYPE",
+    "PROTO_MEDIA_TYPES",
+    "WireDecodeError",
+    "body_kind",
+    "decode_content",
+    "decode_forward_backward",
+    "encode_forward_backward_output",
+    "encode_future_result",
+    "encode_sample_response",
+    "peek_body_ids",
+    "peek_ids",
+    "proto_result_kind",
+    "tensor_from_proto",
+    "tensor_to_proto",
+    "wants_proto",
+]

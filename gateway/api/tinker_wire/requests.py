@@ -26,8 +26,17 @@ from livelora.clients.errors import BadRequestError, PayloadTooLargeError
 from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2, WireTensorData
 from livelora.gateway.api.tinker_wire import schema
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "PROTO_MEDIA_TYPES", "WireDecodeError", "body_kind", "decode_content",
-           "decode_forward_backward", "peek_body_ids", "peek_ids", "tensor_from_proto"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "PROTO_MEDIA_TYPES",
+    "WireDecodeError",
+    "body_kind",
+    "decode_content",
+    "decode_forward_backward",
+    "peek_body_ids",
+    "peek_ids",
+    "tensor_from_proto",
+]
 
 #: Media types read as protobuf (the SDK sends the first).
 PROTO_MEDIA_TYPES = frozenset({"application/x-protobuf", "application/protobuf", "application/vnd.google.protobuf"})
@@ -53,8 +62,15 @@ class WireDecodeError(BadRequestError):
 
     default_code = "invalid_body"
 
-    def __init__(self, message: str, *, model_id: str | None = None, seq_id: int | None = None,
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message, param=param, code=code)
         self.model_id = model_id
         self.seq_id = seq_id
@@ -76,12 +92,14 @@ def body_kind(content_type: str | None) -> Literal["proto", "json"]:
         return "proto"
     if media in ("", "application/json") or (media.startswith("application/") and media.endswith("+json")):
         return "json"
-    raise BadRequestError(f"unsupported Content-Type {content_type!r}: send 'content-type: application/json' or "
-                          "'content-type: application/x-protobuf'", code="unsupported_content_type")
+    raise BadRequestError(
+        f"unsupported Content-Type {content_type!r}: send 'content-type: application/json' or "
+        "'content-type: application/x-protobuf'",
+        code="unsupported_content_type",
+    )
 
 
-def decode_content(body: bytes, content_encoding: str | None, *,
-                   max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
+def decode_content(body: bytes, content_encoding: str | None, *, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
     """Undo ``Content-Encoding`` (``zstd`` as the SDK sends with ``proto_compress_fwdbwd``; also ``gzip``,
     ``deflate``, ``identity``; a comma list is undone last-applied first).
 
@@ -105,8 +123,11 @@ def decode_content(body: bytes, content_encoding: str | None, *,
             wbits = 31 if coding != "deflate" else 15
             body = _inflate(body, wbits, max_bytes, coding)
         else:
-            raise BadRequestError(f"unsupported Content-Encoding {coding!r}: send zstd, gzip or an "
-                                  "uncompressed body", param="Content-Encoding", code="unsupported_content_encoding")
+            raise BadRequestError(
+                f"unsupported Content-Encoding {coding!r}: send zstd, gzip or an uncompressed body",
+                param="Content-Encoding",
+                code="unsupported_content_encoding",
+            )
     if len(body) > max_bytes:
         raise PayloadTooLargeError(f"request body is {len(body)} bytes; the limit is {max_bytes}", param="body")
     return body
@@ -125,7 +146,7 @@ def _unzstd(body: bytes, max_bytes: int) -> bytes:
         d = zstandard.ZstdDecompressor().decompressobj()
         parts, total = [], 0
         for i in range(0, len(body), 256):  # a 256-byte slice expands to at most ~11 MB
-            parts.append(d.decompress(body[i:i + 256]))
+            parts.append(d.decompress(body[i : i + 256]))
             total += len(parts[-1])
             if total > max_bytes:
                 raise too_large
@@ -183,7 +204,7 @@ def peek_ids(raw: bytes) -> tuple[str | None, int | None]:
                 if pos + size > len(raw):
                     break
                 if field == 1:
-                    model_id = raw[pos:pos + size].decode("utf-8")
+                    model_id = raw[pos : pos + size].decode("utf-8")
                 pos += size
             elif wire in (1, 5):
                 pos += 8 if wire == 1 else 4
@@ -194,8 +215,9 @@ def peek_ids(raw: bytes) -> tuple[str | None, int | None]:
     return model_id or None, seq_id or None
 
 
-def peek_body_ids(body: bytes, content_encoding: str | None, *, head_bytes: int = 4096) -> tuple[str | None,
-                                                                                               int | None]:
+def peek_body_ids(
+    body: bytes, content_encoding: str | None, *, head_bytes: int = 4096
+) -> tuple[str | None, int | None]:
     """:func:`peek_ids` of a raw (possibly zstd/gzip-compressed) ``forward_backward`` body, decoding only its
     first ``head_bytes``: the SDK writes fields in number order, so ``model_id`` and ``seq_id`` open the
     message. For a body rejected as a whole (too large, corrupt after the head) this still names the op,
@@ -255,8 +277,9 @@ def tensor_from_proto(msg: Any, what: str) -> WireTensorData:
             values, public = _values(msg.sparse_csr.values, msg.dtype, what)
             crow = _array(msg.sparse_csr.crow_indices, "<i8", f"{what} crow_indices").tolist()
             col = _array(msg.sparse_csr.col_indices, "<i8", f"{what} col_indices").tolist()
-            return WireTensorData(data=values, dtype=public, shape=shape, sparse_crow_indices=crow,
-                                  sparse_col_indices=col)
+            return WireTensorData(
+                data=values, dtype=public, shape=shape, sparse_crow_indices=crow, sparse_col_indices=col
+            )
         values, public = _values(msg.dense if encoding == "dense" else b"", msg.dtype, what)
         return WireTensorData(data=values, dtype=public, shape=shape or [len(values)])
     except ValidationError as exc:
@@ -280,14 +303,25 @@ def decode_forward_backward(raw: bytes) -> ForwardBackwardRequestV2:
         msg.ParseFromString(raw)
     except DecodeError as exc:
         model_id, seq_id = peek_ids(raw)
-        raise WireDecodeError(f"forward_backward body is not a valid protobuf ForwardBackwardRequest: {exc}",
-                              model_id=model_id, seq_id=seq_id, param="body") from None
+        raise WireDecodeError(
+            f"forward_backward body is not a valid protobuf ForwardBackwardRequest: {exc}",
+            model_id=model_id,
+            seq_id=seq_id,
+            param="body",
+        ) from None
     ids = {"model_id": msg.model_id or None, "seq_id": msg.seq_id or None}
     try:
         data = [_datum(d, i) for i, d in enumerate(msg.data)]
-        body = {"model_id": msg.model_id, "seq_id": msg.seq_id, "forward_only": msg.forward_only,
-                "forward_backward_input": {"data": data, "loss_fn": msg.loss_fn,
-                                           "loss_fn_config": _loss_config(msg) or None}}
+        body = {
+            "model_id": msg.model_id,
+            "seq_id": msg.seq_id,
+            "forward_only": msg.forward_only,
+            "forward_backward_input": {
+                "data": data,
+                "loss_fn": msg.loss_fn,
+                "loss_fn_config": _loss_config(msg) or None,
+            },
+        }
     except _Unsupported as exc:
         raise WireDecodeError(str(exc), param=exc.param, code="unsupported_parameter", **ids) from None
     except ValueError as exc:
@@ -324,8 +358,11 @@ def _datum(d: Any, i: int) -> dict[str, Any]:
             chunks.append({"tokens": tokens, "type": "encoded_text"})
         elif kind in ("image", "dmel"):
             what = "image" if kind == "image" else "audio (dmel)"
-            raise _Unsupported(f"data[{i}].model_input[{j}] is an {what} chunk; the served model reads text "
-                               "tokens only (encoded_text chunks)", param=f"data[{i}].model_input")
+            raise _Unsupported(
+                f"data[{i}].model_input[{j}] is an {what} chunk; the served model reads text "
+                "tokens only (encoded_text chunks)",
+                param=f"data[{i}].model_input",
+            )
         else:
             raise ValueError(f"data[{i}].model_input[{j}] is an empty chunk")
     inputs = {}
@@ -345,8 +382,12 @@ def _span(span: Any, what: str) -> dict[str, Any]:
     if which is None:
         raise ValueError(f"{what} has a span that is neither prompt_tokens nor sampled_tokens")
     s = getattr(span, which)
-    return {"kind": "prompt" if which == "prompt_tokens" else "sampled", "sequence_id": s.sequence_id,
-            "offset": int(s.offset), "length": int(s.length)}
+    return {
+        "kind": "prompt" if which == "prompt_tokens" else "sampled",
+        "sequence_id": s.sequence_id,
+        "offset": int(s.offset),
+        "length": int(s.length),
+    }
 
 
 def _loc(loc: tuple) -> str:

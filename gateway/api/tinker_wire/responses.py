@@ -18,8 +18,16 @@ from livelora.clients.types.tinker import ForwardBackwardOutput, SampleResponse,
 from livelora.clients.types.tinker_ext import SampleResponseV2, TopkRow, WireTensorData
 from livelora.gateway.api.tinker_wire import schema
 
-__all__ = ["MASK_LOGPROB", "PROTO_CONTENT_TYPE", "encode_forward_backward_output", "encode_future_result",
-           "encode_sample_response", "proto_result_kind", "tensor_to_proto", "wants_proto"]
+__all__ = [
+    "MASK_LOGPROB",
+    "PROTO_CONTENT_TYPE",
+    "encode_forward_backward_output",
+    "encode_future_result",
+    "encode_sample_response",
+    "proto_result_kind",
+    "tensor_to_proto",
+    "wants_proto",
+]
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 #: Logprob of an empty top-k cell (token id 0); the SDK drops trailing empty cells and reads a row whose
@@ -135,8 +143,9 @@ def _record(record: Any, datums: list[dict[str, TensorData]], sig: tuple) -> Non
 
 
 # ------------------------------------------------------------------------------------------------ sample
-def encode_sample_response(resp: SampleResponse | SampleResponseV2, *, topk_prompt_k: int | None = None,
-                           topk_sample_k: int | None = None) -> bytes:
+def encode_sample_response(
+    resp: SampleResponse | SampleResponseV2, *, topk_prompt_k: int | None = None, topk_sample_k: int | None = None
+) -> bytes:
     """``SampleResponse`` → protobuf bytes.
 
     * ``tokens`` int32 LE, ``logprobs`` float32 LE (omitted when None), ``stop_reason`` enum (stop 0,
@@ -161,8 +170,9 @@ def encode_sample_response(resp: SampleResponse | SampleResponseV2, *, topk_prom
         if topk is not None:
             _topk(topk, topk_sample_k, s.topk_sampled_logprobs)
     if resp.prompt_logprobs is not None:
-        msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in resp.prompt_logprobs],
-                                         dtype="<f4").tobytes()
+        msg.prompt_logprobs = np.asarray(
+            [math.nan if v is None else v for v in resp.prompt_logprobs], dtype="<f4"
+        ).tobytes()
     if resp.topk_prompt_logprobs is not None:
         _topk(resp.topk_prompt_logprobs, topk_prompt_k, msg.topk_prompt_logprobs)
     target = getattr(resp, "target_prompt_logprobs", None)

@@ -22,5 +22,14 @@ from livelora.gateway.services.sessions.sampling import SamplingSessions
 from livelora.gateway.services.sessions.service import SessionService, start_sessions
 from livelora.gateway.services.sessions.training import TrainingOps
 
-__all__ = ["Checkpoints", "Futures", "GoneError", "NotReady", "SamplingSessions", "SessionContext",
-           "SessionService", "TrainingOps", "start_sessions"]
+__all__ = [
+    "Checkpoints",
+    "Futures",
+    "GoneError",
+    "NotReady",
+    "SamplingSessions",
+    "SessionContext",
+    "SessionService",
+    "TrainingOps",
+    "start_sessions",
+]

@@ -1,6 +1,6 @@
 """Checkpoints of Tinker training runs: ``tinker://`` paths → adapter versions in the store; the RestClient surface.
 
-Each training run keeps a checkpoint index (:class:`~livelora.adapters.session_protocol.CheckpointIndex`,
+Each training run keeps a checkpoint index (:class:`~livelora.core.session_protocol.CheckpointIndex`,
 ``sessions/<lineage>.json``) mapping checkpoint ids (``weights/<name>``, ``sampler_weights/<name>``,
 ``external_weights/<name>``) to store versions plus ``time``, ``expires_at`` (from ``ttl_seconds``), ``public``
 and ``user_metadata``; the op executor writes new entries, these methods read them, delete them (with their
@@ -36,21 +36,11 @@ import os
 import secrets
 import tarfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.owners import OwnerStore
-from livelora.adapters.session_protocol import (
-    CHECKPOINT_KINDS,
-    CheckpointIndex,
-    expires_at,
-    is_expired,
-    lineage_for,
-    resolve_checkpoint,
-    tinker_path,
-)
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.clients.types.tinker import Cursor, WeightsInfoResponse
 from livelora.clients.types.tinker_rest import (
@@ -60,6 +50,16 @@ from livelora.clients.types.tinker_rest import (
     ExternalWeightsUrlsResponse,
     TrainingRunsResponse,
     TrainingRunV2,
+)
+from livelora.core.owners import OwnerStore
+from livelora.core.session_protocol import (
+    CHECKPOINT_KINDS,
+    CheckpointIndex,
+    expires_at,
+    is_expired,
+    lineage_for,
+    resolve_checkpoint,
+    tinker_path,
 )
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
@@ -88,20 +88,35 @@ class Checkpoints:
         index, _, _ = resolve_checkpoint(self.home, path)
         data = index.read()
         lora = data.get("lora") or {}
-        return WeightsInfoResponse(base_model=data.get("base_model", self.base_model), lora_rank=lora.get("rank"),
-                                   lora_alpha=lora.get("alpha"), train_unembed=lora.get("train_unembed"),
-                                   train_mlp=lora.get("train_mlp"), train_attn=lora.get("train_attn"))
+        return WeightsInfoResponse(
+            base_model=data.get("base_model", self.base_model),
+            lora_rank=lora.get("rank"),
+            lora_alpha=lora.get("alpha"),
+            train_unembed=lora.get("train_unembed"),
+            train_mlp=lora.get("train_mlp"),
+            train_attn=lora.get("train_attn"),
+        )
 
     def _checkpoint(self, model_id: str, ckpt_id: str, entry: dict[str, Any]) -> CheckpointV2:
         kind, name = ckpt_id.split("/", 1)
         vdir = self.store.version_dir(lineage_for(model_id), int(entry["version"]))
-        files = [vdir / f for f in EXPORT_FILES] if kind == "external_weights" else \
-            (list(vdir.iterdir()) if vdir.is_dir() else [])
+        files = (
+            [vdir / f for f in EXPORT_FILES]
+            if kind == "external_weights"
+            else (list(vdir.iterdir()) if vdir.is_dir() else [])
+        )
         size = sum(f.stat().st_size for f in files if f.is_file()) if vdir.is_dir() else None
-        return CheckpointV2(checkpoint_id=ckpt_id, checkpoint_type=CHECKPOINT_KINDS[kind], time=entry["time"],
-                            tinker_path=tinker_path(model_id, kind, name), adapter=entry.get("adapter"),
-                            size_bytes=size, public=bool(entry.get("public")), expires_at=entry.get("expires_at"),
-                            user_metadata=_str_dict(entry.get("user_metadata")))
+        return CheckpointV2(
+            checkpoint_id=ckpt_id,
+            checkpoint_type=CHECKPOINT_KINDS[kind],
+            time=entry["time"],
+            tinker_path=tinker_path(model_id, kind, name),
+            adapter=entry.get("adapter"),
+            size_bytes=size,
+            public=bool(entry.get("public")),
+            expires_at=entry.get("expires_at"),
+            user_metadata=_str_dict(entry.get("user_metadata")),
+        )
 
     def _entries(self, model_id: str) -> list[tuple[str, dict[str, Any]]]:
         entries = CheckpointIndex(self.home, model_id).read().get("checkpoints", {})
@@ -110,12 +125,13 @@ class Checkpoints:
     def list_checkpoints(self, model_id: str) -> CheckpointsListResponseV2:
         """Raises: NotFoundError for an unknown training run."""
         items = [self._checkpoint(model_id, k, v) for k, v in self._entries(model_id)]
-        return CheckpointsListResponseV2(checkpoints=items, cursor=Cursor(offset=0, limit=len(items),
-                                                                          total_count=len(items)))
+        return CheckpointsListResponseV2(
+            checkpoints=items, cursor=Cursor(offset=0, limit=len(items), total_count=len(items))
+        )
 
     def run_ids(self, tenant: str | None = None) -> list[str]:
         """Every training run with an index, oldest first; with ``tenant``, only those of its sessions (recorded
-        owners, :mod:`livelora.adapters.owners`)."""
+        owners, :mod:`livelora.core.owners`)."""
         runs = []
         for f in (self.home / "sessions").glob("*.json"):
             with contextlib.suppress(ValueError, OSError):
@@ -132,8 +148,10 @@ class Checkpoints:
         """Every checkpoint of the caller's tenant's training runs, newest first (``limit``/``offset`` page them)."""
         items = [self._checkpoint(m, k, v) for m in self.run_ids(caller_tenant()) for k, v in self._entries(m)]
         items.sort(key=lambda c: c.time, reverse=True)
-        return CheckpointsListResponseV2(checkpoints=items[offset:offset + limit],
-                                         cursor=Cursor(offset=offset, limit=limit, total_count=len(items)))
+        return CheckpointsListResponseV2(
+            checkpoints=items[offset : offset + limit],
+            cursor=Cursor(offset=offset, limit=limit, total_count=len(items)),
+        )
 
     async def training_run(self, model_id: str) -> TrainingRunV2:
         """Raises: NotFoundError for an unknown training run."""
@@ -143,11 +161,18 @@ class Checkpoints:
         last_s = next((c for c in reversed(ckpts) if c.checkpoint_type == "sampler"), None)
         last_request = await self.ctx.redis.get(self.ctx.keys.model_last_request(model_id))
         times = [t for t in (last_request, *(c.time.isoformat() for c in ckpts), data.get("created")) if t]
-        when = max((_as_datetime(t) for t in times), default=datetime.now(timezone.utc))
-        return TrainingRunV2(training_run_id=model_id, base_model=data.get("base_model", self.base_model),
-                             model_owner="local", is_lora=True, lora_rank=(data.get("lora") or {}).get("rank"),
-                             last_request_time=when, last_checkpoint=last, last_sampler_checkpoint=last_s,
-                             user_metadata=_str_dict(data.get("user_metadata")))
+        when = max((_as_datetime(t) for t in times), default=datetime.now(UTC))
+        return TrainingRunV2(
+            training_run_id=model_id,
+            base_model=data.get("base_model", self.base_model),
+            model_owner="local",
+            is_lora=True,
+            lora_rank=(data.get("lora") or {}).get("rank"),
+            last_request_time=when,
+            last_checkpoint=last,
+            last_sampler_checkpoint=last_s,
+            user_metadata=_str_dict(data.get("user_metadata")),
+        )
 
     async def list_training_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
         """The caller's tenant's training runs, most recent request first."""
@@ -156,8 +181,10 @@ class Checkpoints:
             with contextlib.suppress(NotFoundError):
                 runs.append(await self.training_run(model_id))
         runs.sort(key=lambda r: r.last_request_time, reverse=True)
-        return TrainingRunsResponse(training_runs=runs[offset:offset + limit],
-                                    cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
+        return TrainingRunsResponse(
+            training_runs=runs[offset : offset + limit],
+            cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)),
+        )
 
     # -------------------------------------------------------------------------------- changing
     def _update_entry(self, model_id: str, checkpoint_id: str, fn) -> dict[str, Any]:
@@ -193,8 +220,9 @@ class Checkpoints:
 
     def set_ttl(self, model_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         """``expires_at`` = now + ``ttl_seconds`` (None: kept until deleted). Raises as :meth:`delete_checkpoint`."""
-        self._update_entry(model_id, checkpoint_id,
-                           lambda ckpts, entry: entry.__setitem__("expires_at", expires_at(ttl_seconds)))
+        self._update_entry(
+            model_id, checkpoint_id, lambda ckpts, entry: entry.__setitem__("expires_at", expires_at(ttl_seconds))
+        )
 
     # -------------------------------------------------------------------------------- expiry
     def _in_use(self) -> tuple[set[str], set[str]]:
@@ -235,7 +263,7 @@ class Checkpoints:
         expiry = int(time.time()) + SIGNED_URL_TTL_S
         payload = base64.urlsafe_b64encode(json.dumps([*fields, expiry]).encode()).decode()
         sig = hmac.new(self._secret(), f"{purpose}:{payload}".encode(), hashlib.sha256).hexdigest()
-        return f"{payload}.{sig}", datetime.fromtimestamp(expiry, timezone.utc)
+        return f"{payload}.{sig}", datetime.fromtimestamp(expiry, UTC)
 
     def _verify(self, purpose: str, token: str) -> list[Any]:
         """The signed fields of a token :meth:`_sign` made for ``purpose`` (the expiry removed).
@@ -261,8 +289,9 @@ class Checkpoints:
         kind, name = _split_id(checkpoint_id)
         CheckpointIndex(self.home, model_id).resolve(kind, name)
         token, expires = self._sign("archive", [model_id, checkpoint_id])
-        return CheckpointArchiveUrlResponse(url=f"{base_url.rstrip('/')}/api/v1/checkpoint_archives/{token}",
-                                            expires=expires)
+        return CheckpointArchiveUrlResponse(
+            url=f"{base_url.rstrip('/')}/api/v1/checkpoint_archives/{token}", expires=expires
+        )
 
     def archive(self, token: str) -> tuple[str, bytes]:
         """``(file name, tar bytes)`` for a signed archive token.
@@ -293,10 +322,12 @@ class Checkpoints:
         """
         kind, name = _split_id(checkpoint_id)
         if kind != "external_weights":
-            raise BadRequestError(f"{tinker_path(model_id, kind, name)} is not an external-weights checkpoint: only "
-                                  "tinker://<model_id>/external_weights/<name> (made by save_weights_external) has "
-                                  "file URLs; a training checkpoint downloads as a tar from …/archive",
-                                  param="checkpoint_id")
+            raise BadRequestError(
+                f"{tinker_path(model_id, kind, name)} is not an external-weights checkpoint: only "
+                "tinker://<model_id>/external_weights/<name> (made by save_weights_external) has "
+                "file URLs; a training checkpoint downloads as a tar from …/archive",
+                param="checkpoint_id",
+            )
         CheckpointIndex(self.home, model_id).resolve(kind, name)
         urls, expires = {}, None
         for fname in EXPORT_FILES:
@@ -328,8 +359,11 @@ def _split_id(checkpoint_id: str) -> tuple[str, str]:
     """
     kind, _, name = checkpoint_id.partition("/")
     if kind not in CHECKPOINT_KINDS or not name:
-        raise BadRequestError(f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name>, "
-                              "sampler_weights/<name> or external_weights/<name>", param="checkpoint_id")
+        raise BadRequestError(
+            f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name>, "
+            "sampler_weights/<name> or external_weights/<name>",
+            param="checkpoint_id",
+        )
     return kind, name
 
 
@@ -339,6 +373,4 @@ def _str_dict(d: Any) -> dict[str, str] | None:
 
 def _as_datetime(value: str) -> datetime:
     dt = datetime.fromisoformat(value)
-    return dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)
-
-
+    return dt if dt.tzinfo is not None else dt.replace(tzinfo=UTC)

@@ -9,11 +9,11 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from livelora.adapters.bus import redis_unavailable
-from livelora.adapters.redis_keys import KeyLayout
-from livelora.adapters.settings import SessionSection
 from livelora.adapters.store import AdapterStore
 from livelora.clients.errors import NotFoundError
+from livelora.core.bus import redis_unavailable
+from livelora.core.redis_keys import KeyLayout
+from livelora.core.settings import SessionSection
 from livelora.gateway.engines.base import Engine
 
 
@@ -29,7 +29,7 @@ class SessionContext:
         base_model: the served base-model name; ``base_names`` holds it and the other accepted names.
         settings: session timings.
         max_seq_len: cap on a training sequence (tokens; ``None``: the engine's context window).
-        quotas: per-tenant limits (:class:`~livelora.gateway.services.quotas.QuotaService`; ``None``: none).
+        quotas: per-tenant limits (:class:`~livelora.gateway.services.limits.QuotaService`; ``None``: none).
     """
 
     redis: aredis.Redis
@@ -56,23 +56,25 @@ class SessionContext:
     def check_base(self, name: str | None) -> None:
         """Raises: NotFoundError when ``name`` is given and is not the served base model."""
         if name is not None and name not in self.base_names:
-            raise NotFoundError(f"base model {name!r} is not served here; this server serves {self.base_model!r}",
-                                param="base_model")
+            raise NotFoundError(
+                f"base model {name!r} is not served here; this server serves {self.base_model!r}", param="base_model"
+            )
 
     async def require_session(self, session_id: str) -> None:
         """Raises: NotFoundError for an unknown or ended session; UnavailableError when Redis is down."""
         with redis_unavailable():
             if not await self.redis.exists(self.keys.session(session_id)):
-                raise NotFoundError(f"session {session_id!r} does not exist or has ended; create a new session",
-                                    param="session_id")
+                raise NotFoundError(
+                    f"session {session_id!r} does not exist or has ended; create a new session", param="session_id"
+                )
 
     def tokenizer_id(self) -> str:
         """The tokenizer's name (Tinker's ``tokenizer_id``), never a server path: the base model's canonical hub
         id when one is known (a built-in model's, or the hub id it was loaded from), else the served base-model
-        name (:func:`~livelora.adapters.models.canonical_tokenizer_id`). Clients load it by that id from their
+        name (:func:`~livelora.core.base_models.canonical_tokenizer_id`). Clients load it by that id from their
         Hugging Face cache or the hub, and otherwise fetch the files from ``GET /api/v1/tokenizer``
         (:meth:`tokenizer_files`)."""
-        from livelora.adapters.models import canonical_tokenizer_id
+        from livelora.core.base_models import canonical_tokenizer_id
 
         if self._tokenizer_id is None:
             source = str(getattr(self.engine.tokenizer, "name_or_path", "") or "")
@@ -91,8 +93,8 @@ class SessionContext:
         return self._tokenizer_body
 
     def _read_tokenizer_files(self) -> tuple[str, bytes]:
-        from livelora.adapters.models import tokenizer_files
         from livelora.clients.tokenizer_files import to_response
+        from livelora.core.base_models import tokenizer_files
 
         source = str(getattr(self.engine.tokenizer, "name_or_path", "") or self.base_model)
         res = to_response(self.tokenizer_id(), tokenizer_files(source))

@@ -14,8 +14,8 @@ import logging
 import time
 from typing import Any
 
-from livelora.adapters.bus import redis_unavailable
 from livelora.clients.errors import NotFoundError
+from livelora.core.bus import redis_unavailable
 from livelora.gateway.services.sessions.context import SessionContext
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,9 @@ class Futures:
                 await asyncio.sleep(1.0)
 
     async def create(self, request_id: str) -> None:
-        await self.redis.set(self.keys.future(request_id), json.dumps({"state": "pending"}),
-                             ex=self.settings.future_ttl_s)
+        await self.redis.set(
+            self.keys.future(request_id), json.dumps({"state": "pending"}), ex=self.settings.future_ttl_s
+        )
 
     async def resolve(self, request_id: str, record: str) -> None:
         await self.redis.set(self.keys.future(request_id), record, ex=self.settings.future_ttl_s)

@@ -22,8 +22,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from livelora.adapters.bus import redis_unavailable
-from livelora.adapters.session_protocol import future_failed, new_request_id, resolve_checkpoint
 from livelora.clients.errors import (
     BadRequestError,
     ConflictError,
@@ -41,6 +39,8 @@ from livelora.clients.types.tinker import (
     UntypedAPIFuture,
 )
 from livelora.clients.types.tinker_ext import SampledSequenceV2, SampleRequestV2, SampleResponseV2
+from livelora.core.bus import redis_unavailable
+from livelora.core.session_protocol import future_failed, new_request_id, resolve_checkpoint
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import SamplingParams as EngineParams
 from livelora.gateway.services.generation import Job
@@ -129,10 +129,17 @@ class SamplingSessions:
         await self._ensure_loaded(record)
         return CreateSamplingSessionResponse(sampling_session_id=sampling_id)
 
-    async def _sampler_record_for_path(self, model_path: str | None, base_model: str | None, session_id: str | None,
-                                       sampling_id: str) -> dict[str, Any]:
-        record = {"sampler_id": sampling_id, "session_id": session_id, "base_model": self.base_model,
-                  "model_path": model_path, "adapter": None, "adapter_path": None}
+    async def _sampler_record_for_path(
+        self, model_path: str | None, base_model: str | None, session_id: str | None, sampling_id: str
+    ) -> dict[str, Any]:
+        record = {
+            "sampler_id": sampling_id,
+            "session_id": session_id,
+            "base_model": self.base_model,
+            "model_path": model_path,
+            "adapter": None,
+            "adapter_path": None,
+        }
         if model_path is None:
             if base_model is None:
                 raise BadRequestError("give model_path (a sampler checkpoint) or base_model", param="model_path")
@@ -146,14 +153,19 @@ class SamplingSessions:
         with redis_unavailable():
             raw = await self.redis.get(self.keys.sampler(sampling_id))
         if raw is None:
-            raise NotFoundError(f"sampling session {sampling_id!r} does not exist or has expired",
-                                param="sampling_session_id")
+            raise NotFoundError(
+                f"sampling session {sampling_id!r} does not exist or has expired", param="sampling_session_id"
+            )
         return json.loads(raw)
 
     async def get_sampler(self, sampling_id: str) -> GetSamplerResponse:
         record = await self._sampler_record(sampling_id)
-        return GetSamplerResponse(sampler_id=sampling_id, base_model=record["base_model"],
-                                  model_path=record.get("model_path"), adapter=record.get("adapter"))
+        return GetSamplerResponse(
+            sampler_id=sampling_id,
+            base_model=record["base_model"],
+            model_path=record.get("model_path"),
+            adapter=record.get("adapter"),
+        )
 
     async def ensure_sampler_loaded(self, sampling_id: str) -> None:
         await self._ensure_loaded(await self._sampler_record(sampling_id))
@@ -168,8 +180,9 @@ class SamplingSessions:
             if name not in self.engine.loaded_adapters():
                 path = record.get("adapter_path")
                 if not path or not Path(path).is_dir():
-                    raise NotFoundError(f"the weights of adapter {name} were deleted (their session ended)",
-                                        param="sampling_session_id")
+                    raise NotFoundError(
+                        f"the weights of adapter {name} were deleted (their session ended)", param="sampling_session_id"
+                    )
                 await self.engine.load_adapter(name, path)
             if record.get("session_id"):
                 self.adapters[name] = record["session_id"]
@@ -186,8 +199,9 @@ class SamplingSessions:
             await self.redis.expire(self.keys.sampler_clients(sampling_id), self.settings.future_ttl_s)
         return n
 
-    async def retrieve_futures(self, sampling_id: str, clone: int, prev_cursor: int,
-                               timeout: float | None) -> tuple[list[dict[str, Any]], int]:
+    async def retrieve_futures(
+        self, sampling_id: str, clone: int, prev_cursor: int, timeout: float | None
+    ) -> tuple[list[dict[str, Any]], int]:
         """Completions of a sampling session's samples after ``prev_cursor`` (a position in its completion list),
         those of clone ``clone`` only (sample ``seq_id // 10**9``); waits up to ``timeout`` (at most
         ``long_poll_s``) for one. Returns ``(completions, cursor)``.
@@ -202,8 +216,11 @@ class SamplingSessions:
             with redis_unavailable():
                 rows = [json.loads(x) for x in await self.redis.lrange(key, max(0, prev_cursor), -1)]
             cursor = max(0, prev_cursor) + len(rows)
-            mine = [{k: v for k, v in r.items() if k != "seq_id"} for r in rows
-                    if ((r.get("seq_id") or 0) // 10**9) == clone]
+            mine = [
+                {k: v for k, v in r.items() if k != "seq_id"}
+                for r in rows
+                if ((r.get("seq_id") or 0) // 10**9) == clone
+            ]
             if mine or loop.time() >= deadline:
                 return mine, cursor
             await asyncio.sleep(0.25)
@@ -217,22 +234,24 @@ class SamplingSessions:
             BadRequestError: ``request_id`` names a training op.
         """
         if ":train:" in request_id:
-            raise BadRequestError("training ops cannot be cancelled: every seq_id of a model runs in order",
-                                  param="request_id")
+            raise BadRequestError(
+                "training ops cannot be cancelled: every seq_id of a model runs in order", param="request_id"
+            )
         task = self._running.get(request_id)
         if task is None or task.done():
             return False
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        await self.futures.resolve(request_id, future_failed(BadRequestError(
-            "the sample was cancelled by the client (cancel_future)", code="cancelled")))
+        await self.futures.resolve(
+            request_id,
+            future_failed(BadRequestError("the sample was cancelled by the client (cancel_future)", code="cancelled")),
+        )
         return True
 
     def _engine_params(self, req: SampleRequest, prompt_len: int) -> EngineParams:
         sp = req.sampling_params
-        eos = tuple(sorted(getattr(self.engine, "eos_token_ids", None)
-                           or {int(self.engine.tokenizer.eos_token_id)}))
+        eos = tuple(sorted(getattr(self.engine, "eos_token_ids", None) or {int(self.engine.tokenizer.eos_token_id)}))
         stop_strings: tuple[str, ...] = ()
         stop_ids: tuple[int, ...] = eos
         if isinstance(sp.stop, str):
@@ -246,11 +265,21 @@ class SamplingSessions:
         limit = int(self.engine.max_model_len)
         max_tokens = sp.max_tokens if sp.max_tokens is not None else limit - prompt_len
         if max_tokens < 1:
-            raise BadRequestError(f"the prompt ({prompt_len} tokens) leaves no room to sample in the context of "
-                                  f"{limit} tokens", param="prompt")
-        return EngineParams(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                            top_k=0 if sp.top_k in (-1, 0) else sp.top_k, seed=sp.seed, stop=stop_strings,
-                            stop_token_ids=stop_ids, ignore_eos=True, logprobs=True)
+            raise BadRequestError(
+                f"the prompt ({prompt_len} tokens) leaves no room to sample in the context of {limit} tokens",
+                param="prompt",
+            )
+        return EngineParams(
+            max_tokens=max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=0 if sp.top_k in (-1, 0) else sp.top_k,
+            seed=sp.seed,
+            stop=stop_strings,
+            stop_token_ids=stop_ids,
+            ignore_eos=True,
+            logprobs=True,
+        )
 
     async def asample(self, req: SampleRequest) -> UntypedAPIFuture:
         """Start sampling; the :class:`SampleResponse` arrives through ``retrieve_future``.
@@ -274,15 +303,19 @@ class SamplingSessions:
         params = self._engine_params(req, len(prompt))
         await self.serving.check_quota(("sample_prompt", "sampled", "scored"))
         adapter = record.get("adapter")
-        served = self.serving.begin(ServingTarget(scope, adapter, adapter or BASE_VERSION),
-                                    lambda: [Job(prompt, params)] * req.num_samples, param="num_samples")
+        served = self.serving.begin(
+            ServingTarget(scope, adapter, adapter or BASE_VERSION),
+            lambda: [Job(prompt, params)] * req.num_samples,
+            param="num_samples",
+        )
         request_id = new_request_id(f"{scope}:{req.seq_id if req.seq_id is not None else 'x'}")
         seq_ids = [f"{request_id}:{i}" for i in range(req.num_samples)]
         try:
             await self.futures.create(request_id)
             if req.sampling_session_id is None:  # an ad-hoc sample's future is owned by its own record
-                await self.redis.set(self.keys.request_owner(request_id), caller_tenant(),
-                                     ex=self.settings.future_ttl_s)
+                await self.redis.set(
+                    self.keys.request_owner(request_id), caller_tenant(), ex=self.settings.future_ttl_s
+                )
         except BaseException:
             served.release()
             raise
@@ -293,14 +326,24 @@ class SamplingSessions:
         task.add_done_callback(lambda _t: self._running.pop(request_id, None))
         return UntypedAPIFuture(request_id=request_id, sample_sequence_ids=seq_ids)
 
-    async def _sample(self, request_id: str, req: SampleRequest, prompt: list[int], params: EngineParams,
-                      adapter: str | None, seq_ids: list[str], served: ServedRequest) -> None:
+    async def _sample(
+        self,
+        request_id: str,
+        req: SampleRequest,
+        prompt: list[int],
+        params: EngineParams,
+        adapter: str | None,
+        seq_ids: list[str],
+        served: ServedRequest,
+    ) -> None:
         try:
             want_prompt_lp = bool(req.prompt_logprobs) or req.topk_prompt_logprobs > 0
             scored = self.engine.score(prompt, adapter, req.topk_prompt_logprobs) if want_prompt_lp else None
             topk_k = getattr(req, "topk_sample_logprobs", 0)
-            samples = [self._one_sample(prompt, params, adapter, i, sid, f"{request_id}:{i}", served, topk_k)
-                       for i, sid in enumerate(seq_ids)]
+            samples = [
+                self._one_sample(prompt, params, adapter, i, sid, f"{request_id}:{i}", served, topk_k)
+                for i, sid in enumerate(seq_ids)
+            ]
             results = await asyncio.gather(*(samples if scored is None else [scored, *samples]))
             seqs = results if scored is None else results[1:]
             out = SampleResponseV2(sequences=seqs) if topk_k else SampleResponse(sequences=seqs)
@@ -308,16 +351,27 @@ class SamplingSessions:
                 lps = results[0]
                 last_n = getattr(req, "prompt_logprobs_last_n", None)
                 if last_n is not None:  # only the last N positions are scored; earlier entries are None
-                    lps = [None] * (len(lps) - last_n) + list(lps[len(lps) - last_n:])
+                    lps = [None] * (len(lps) - last_n) + list(lps[len(lps) - last_n :])
                 if req.prompt_logprobs:
                     out = out.model_copy(update={"prompt_logprobs": [None if t is None else t.logprob for t in lps]})
                 if req.topk_prompt_logprobs:
-                    out = out.model_copy(update={"topk_prompt_logprobs": [
-                        None if t is None else [(int(a), float(b)) for a, b in t.top] for t in lps]})
+                    out = out.model_copy(
+                        update={
+                            "topk_prompt_logprobs": [
+                                None if t is None else [(int(a), float(b)) for a, b in t.top] for t in lps
+                            ]
+                        }
+                    )
             record = json.dumps({"state": "done", "result": out.model_dump(mode="json", exclude_none=True)})
             subject = req.sampling_session_id.split(":", 1)[0] if req.sampling_session_id else "adhoc"
-            await served.account({"sample_prompt": len(prompt), "sampled": sum(len(q.tokens) for q in seqs),
-                                  "scored": len(prompt) if scored is not None else 0}, subject=subject)
+            await served.account(
+                {
+                    "sample_prompt": len(prompt),
+                    "sampled": sum(len(q.tokens) for q in seqs),
+                    "scored": len(prompt) if scored is not None else 0,
+                },
+                subject=subject,
+            )
         except Exception as exc:
             if not isinstance(exc, LiveloraError):
                 log.exception("sampling %s failed", request_id)
@@ -327,15 +381,27 @@ class SamplingSessions:
         with contextlib.suppress(Exception):
             await self.futures.resolve(request_id, record)
             if req.sampling_session_id is not None:
-                done = {"state": "failed" if '"state": "failed"' in record else "finished", "request_id": request_id,
-                        "seq_id": req.seq_id, "response_payload_uncompressed_size": len(record)}
+                done = {
+                    "state": "failed" if '"state": "failed"' in record else "finished",
+                    "request_id": request_id,
+                    "seq_id": req.seq_id,
+                    "response_payload_uncompressed_size": len(record),
+                }
                 key = self.keys.sampler_completions(req.sampling_session_id)
                 await self.redis.rpush(key, json.dumps(done))
                 await self.redis.expire(key, self.settings.future_ttl_s)
 
-    async def _one_sample(self, prompt: list[int], params: EngineParams, adapter: str | None, index: int,
-                          sequence_id: str, engine_request_id: str, served: ServedRequest | None = None,
-                          topk: int = 0) -> SampledSequence:
+    async def _one_sample(
+        self,
+        prompt: list[int],
+        params: EngineParams,
+        adapter: str | None,
+        index: int,
+        sequence_id: str,
+        engine_request_id: str,
+        served: ServedRequest | None = None,
+        topk: int = 0,
+    ) -> SampledSequence:
         """One sample; with ``topk`` > 0 also the ``topk`` most likely tokens (and their raw-model logprobs,
         nats) at every sampled position, from one scoring pass over prompt + sample with the same weights."""
         if params.seed is not None and index:
@@ -359,9 +425,10 @@ class SamplingSessions:
         stop = "stop" if finish == "stop" else "length"
         if topk and tokens:
             rows = await self.engine.score([*prompt, *tokens], adapter, topk)
-            top = [None if r is None else [(int(a), float(b)) for a, b in r.top] for r in rows[len(prompt):]]
-            return SampledSequenceV2(stop_reason=stop, tokens=tokens, logprobs=logprobs, sequence_id=sequence_id,
-                                     topk_logprobs=top)
+            top = [None if r is None else [(int(a), float(b)) for a, b in r.top] for r in rows[len(prompt) :]]
+            return SampledSequenceV2(
+                stop_reason=stop, tokens=tokens, logprobs=logprobs, sequence_id=sequence_id, topk_logprobs=top
+            )
         return SampledSequence(stop_reason=stop, tokens=tokens, logprobs=logprobs, sequence_id=sequence_id)
 
 
@@ -376,13 +443,21 @@ def _refuse_unsupported(req: SampleRequest) -> None:
     if not isinstance(req, SampleRequestV2):
         return
     if req.target_prompt_logprobs is not None:
-        raise UnsupportedParameterError("target_prompt_logprobs is not supported: livelora scores the top-k prompt "
-                                        "tokens (topk_prompt_logprobs), not arbitrary token ids",
-                                        param="target_prompt_logprobs")
+        raise UnsupportedParameterError(
+            "target_prompt_logprobs is not supported: livelora scores the top-k prompt "
+            "tokens (topk_prompt_logprobs), not arbitrary token ids",
+            param="target_prompt_logprobs",
+        )
     if req.prompt_alt_tokens_k:
-        raise UnsupportedParameterError("prompt_alt_tokens_k is not supported: livelora does not draw alternative "
-                                        "tokens at prompt positions; send 0", param="prompt_alt_tokens_k")
+        raise UnsupportedParameterError(
+            "prompt_alt_tokens_k is not supported: livelora does not draw alternative "
+            "tokens at prompt positions; send 0",
+            param="prompt_alt_tokens_k",
+        )
     if req.record_stability_info:
-        raise UnsupportedParameterError("record_stability_info is not supported: it only feeds the stable_reinforce "
-                                        "loss, whose objective is unpublished and which livelora refuses; use "
-                                        "importance_sampling, ppo, cispo or gspo", param="record_stability_info")
+        raise UnsupportedParameterError(
+            "record_stability_info is not supported: it only feeds the stable_reinforce "
+            "loss, whose objective is unpublished and which livelora refuses; use "
+            "importance_sampling, ppo, cispo or gspo",
+            param="record_stability_info",
+        )

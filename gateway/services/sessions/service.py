@@ -8,15 +8,11 @@ import json
 import logging
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import redis.asyncio as aredis
 
-from livelora.adapters.bus import redis_unavailable
-from livelora.adapters.models import HUB_IDS
-from livelora.adapters.owners import OwnerStore
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.clients.types.tinker import CreateSessionRequest, CreateSessionResponse
 from livelora.clients.types.tinker_rest import (
@@ -27,6 +23,10 @@ from livelora.clients.types.tinker_rest import (
     SessionSearchResponse,
     SessionSummary,
 )
+from livelora.core.base_models import HUB_IDS
+from livelora.core.bus import redis_unavailable
+from livelora.core.owners import OwnerStore
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.serving import Serving
@@ -100,12 +100,18 @@ class SessionService:
         Raises:
             RateLimitError: every slot of the tenant is held (429 naming the limit and when a slot frees).
         """
-        from livelora.gateway.services.metering import payer
+        from livelora.gateway.services.usage import payer
 
         sid = uuid.uuid4().hex
         tenant, key_id = payer()  # the op executor meters the session's ops for them (``tenant``, ``key_id``)
-        record = {"created": time.time(), "tags": req.tags, "user_metadata": req.user_metadata,
-                  "sdk_version": req.sdk_version, "tenant": tenant, "key_id": key_id}
+        record = {
+            "created": time.time(),
+            "tags": req.tags,
+            "user_metadata": req.user_metadata,
+            "sdk_version": req.sdk_version,
+            "tenant": tenant,
+            "key_id": key_id,
+        }
         summary = {**record, "display_name": req.display_name, "project_id": req.project_id, "status": None}
         with redis_unavailable():
             await self.redis.set(self.keys.session(sid), json.dumps(record), px=self.ctx.ttl_ms())
@@ -127,8 +133,10 @@ class SessionService:
         """
         with redis_unavailable():
             if not await self.redis.pexpire(self.keys.session(session_id), self.ctx.ttl_ms()):
-                raise GoneError(f"session {session_id} has ended (finished, or no heartbeat for "
-                                f"{self.settings.session_ttl_s:g} s)", param="session_id")
+                raise GoneError(
+                    f"session {session_id} has ended (finished, or no heartbeat for {self.settings.session_ttl_s:g} s)",
+                    param="session_id",
+                )
 
     async def finish_session(self, session_id: str, reason: str = "success", detail: str | None = None) -> None:
         """End a session: its models are freed by the trainer and its sampler adapters unloaded; its summary
@@ -137,7 +145,7 @@ class SessionService:
         Raises:
             NotFoundError: unknown session (already finished or expired sessions are fine: no-op).
         """
-        from livelora.gateway.services.metering import payer
+        from livelora.gateway.services.usage import payer
 
         with redis_unavailable():
             raw = await self.redis.hget(self.keys.session_history, session_id)
@@ -156,14 +164,23 @@ class SessionService:
         status = data.get("status")
         if status is None:
             alive = await self.redis.exists(self.keys.session(sid))
-            status = {"type": "active"} if alive else {"type": "cancelled", "detail": "no heartbeat for "
-                                                       f"{self.settings.session_ttl_s:g} s"}
+            status = (
+                {"type": "active"}
+                if alive
+                else {"type": "cancelled", "detail": f"no heartbeat for {self.settings.session_ttl_s:g} s"}
+            )
         runs = [m for m in self.checkpoints.run_ids() if m.startswith(f"{sid}:")]
         count = sum(len(self.checkpoints.list_checkpoints(m).checkpoints) for m in runs)
-        return SessionSummary(session_id=sid, created_at=datetime.fromtimestamp(data["created"], timezone.utc),
-                              owner="local", project_id=data.get("project_id") or "default", status=status,
-                              checkpoints_count=count, display_name=data.get("display_name"),
-                              user_metadata=data.get("user_metadata"))
+        return SessionSummary(
+            session_id=sid,
+            created_at=datetime.fromtimestamp(data["created"], UTC),
+            owner="local",
+            project_id=data.get("project_id") or "default",
+            status=status,
+            checkpoints_count=count,
+            display_name=data.get("display_name"),
+            user_metadata=data.get("user_metadata"),
+        )
 
     async def get_session(self, sid: str) -> GetSessionResponse:
         """Training runs and sampling sessions of a session (also after it ended).
@@ -174,21 +191,31 @@ class SessionService:
             raw = await self.redis.hget(self.keys.session_history, sid)
             if raw is None:
                 raise NotFoundError(f"session {sid!r} does not exist", param="session_id")
-            samplers = sorted([k.removeprefix(self.keys.sampler("")) async for k in
-                               self.redis.scan_iter(match=self.keys.sampler(f"{sid}:*"), count=1000)])
+            samplers = sorted(
+                [
+                    k.removeprefix(self.keys.sampler(""))
+                    async for k in self.redis.scan_iter(match=self.keys.sampler(f"{sid}:*"), count=1000)
+                ]
+            )
         data = json.loads(raw)
-        return GetSessionResponse(training_run_ids=[m for m in self.checkpoints.run_ids() if m.startswith(f"{sid}:")],
-                                  sampler_ids=samplers, user_metadata=data.get("user_metadata"),
-                                  display_name=data.get("display_name"))
+        return GetSessionResponse(
+            training_run_ids=[m for m in self.checkpoints.run_ids() if m.startswith(f"{sid}:")],
+            sampler_ids=samplers,
+            user_metadata=data.get("user_metadata"),
+            display_name=data.get("display_name"),
+        )
 
     async def list_sessions(self, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
         """The caller's tenant's session ids, newest first."""
         with redis_unavailable():
             rows = await self.redis.hgetall(self.keys.session_history)
         owners, tenant = OwnerStore(self.ctx.home), caller_tenant()
-        ids = [sid for sid, raw in sorted(rows.items(), key=lambda kv: -json.loads(kv[1])["created"])
-               if owners.owns("session", sid, tenant)]
-        return ListSessionsResponse(sessions=ids[offset:offset + limit])
+        ids = [
+            sid
+            for sid, raw in sorted(rows.items(), key=lambda kv: -json.loads(kv[1])["created"])
+            if owners.owns("session", sid, tenant)
+        ]
+        return ListSessionsResponse(sessions=ids[offset : offset + limit])
 
     async def search_sessions(self, req: SessionSearchRequest) -> SessionSearchResponse:
         """Sessions matching ``session_id``, ``display_name``, ``user_metadata`` (all pairs) and ``statuses``
@@ -197,25 +224,35 @@ class SessionService:
         Raises: BadRequestError for an owner filter other than own/accessible (one owner per store).
         """
         if req.owner.get("type") not in ("own", "accessible"):
-            raise BadRequestError("livelora has one owner per store: search with owner {'type': 'own'}",
-                                  param="owner")
+            raise BadRequestError("livelora has one owner per store: search with owner {'type': 'own'}", param="owner")
         with redis_unavailable():
             rows = await self.redis.hgetall(self.keys.session_history)
             owners, tenant = OwnerStore(self.ctx.home), caller_tenant()
-            found = [await self._summary(sid, raw) for sid, raw in rows.items()
-                     if req.session_id in (None, sid) and owners.owns("session", sid, tenant)]
+            found = [
+                await self._summary(sid, raw)
+                for sid, raw in rows.items()
+                if req.session_id in (None, sid) and owners.owns("session", sid, tenant)
+            ]
         wanted = {s.get("type") for s in req.statuses or ()}
-        found = [s for s in found if (req.display_name in (None, s.display_name))
-                 and all((s.user_metadata or {}).get(k) == v for k, v in req.user_metadata.items())
-                 and (not wanted or (s.status or {}).get("type") in wanted)]
+        found = [
+            s
+            for s in found
+            if (req.display_name in (None, s.display_name))
+            and all((s.user_metadata or {}).get(k) == v for k, v in req.user_metadata.items())
+            and (not wanted or (s.status or {}).get("type") in wanted)
+        ]
         found.sort(key=lambda s: (s.created_at, s.session_id), reverse=True)
         if req.cursor is not None:
             after = (req.cursor.last_created_at, req.cursor.last_session_id)
             found = [s for s in found if (s.created_at, s.session_id) < after]
-        page = found[:req.limit]
+        page = found[: req.limit]
         more = len(found) > req.limit
-        return SessionSearchResponse(sessions=page, next_cursor=SessionSearchCursor(
-            last_created_at=page[-1].created_at, last_session_id=page[-1].session_id) if more else None)
+        return SessionSearchResponse(
+            sessions=page,
+            next_cursor=SessionSearchCursor(last_created_at=page[-1].created_at, last_session_id=page[-1].session_id)
+            if more
+            else None,
+        )
 
     async def retrieve_future(self, request_id: str, wait_s: float | None = None) -> dict[str, Any] | NotReady:
         """The op's result dict, its ``{"error", "category", ...}`` dict, or :class:`NotReady` after waiting
@@ -225,8 +262,11 @@ class SessionService:
             GoneError: unknown or expired request id.
         """
         result = await self.futures.wait(request_id, wait_s)
-        if isinstance(result, dict) and result.get("type") == "save_weights_for_sampler" and \
-                result.get("sampling_session_id"):
+        if (
+            isinstance(result, dict)
+            and result.get("type") == "save_weights_for_sampler"
+            and result.get("sampling_session_id")
+        ):
             await self.sampling.ensure_sampler_loaded(result["sampling_session_id"])
         return result
 
@@ -245,10 +285,17 @@ async def start_sessions(settings: GatewaySettings, engine: Engine, serving: Ser
     """
     aliases = {settings.model, settings.model_id, *([HUB_IDS[settings.model]] if settings.model in HUB_IDS else [])}
     aliases -= {settings.model_id}
-    ctx = SessionContext(aredis.from_url(settings.redis_url, decode_responses=True), KeyLayout(settings.redis_prefix),
-                         engine, settings.home, settings.model_id, {settings.model_id, *aliases}, settings.sessions,
-                         max_seq_len=settings.inference.max_model_len,
-                         quotas=serving.metering.quotas if serving.metering is not None else None)
+    ctx = SessionContext(
+        aredis.from_url(settings.redis_url, decode_responses=True),
+        KeyLayout(settings.redis_prefix),
+        engine,
+        settings.home,
+        settings.model_id,
+        {settings.model_id, *aliases},
+        settings.sessions,
+        max_seq_len=settings.inference.max_model_len,
+        quotas=serving.metering.quotas if serving.metering is not None else None,
+    )
     service = SessionService(ctx, serving)
     await service.start()
     return service

@@ -2,7 +2,7 @@
 
 ``forward``, ``forward_backward``, ``optim_step``, ``save_weights``, ``save_weights_for_sampler``,
 ``save_weights_external``, ``load_weights`` and ``create_model`` are validated and queued on ``ops:{model_id}``
-(:mod:`livelora.adapters.session_protocol`: ids, ordering). A retry with a ``(model_id, seq_id)`` already
+(:mod:`livelora.core.session_protocol`: ids, ordering). A retry with a ``(model_id, seq_id)`` already
 seen gets the first request's id back and is not queued again; a different body under the same seq gets a
 future already failed with a ``seq_conflict`` error (op routes never answer 409: the SDK would retry it). An
 op that fails validation after its ``seq_id`` is known (also a body that could not be decoded, whose ids were
@@ -18,21 +18,6 @@ import hashlib
 import json
 from typing import Any
 
-from livelora.adapters.bus import redis_unavailable
-from livelora.adapters.losses import validate_batch
-from livelora.adapters.owners import OwnerStore
-from livelora.adapters.session_protocol import (
-    CheckpointIndex,
-    Op,
-    check_checkpoint_name,
-    future_failed,
-    lineage_for,
-    model_id_for,
-    new_request_id,
-    now_iso,
-    resolve_checkpoint,
-    session_of,
-)
 from livelora.clients.errors import (
     BadRequestError,
     ConflictError,
@@ -53,13 +38,31 @@ from livelora.clients.types.tinker import (
     UntypedAPIFuture,
 )
 from livelora.clients.types.tinker_rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS
+from livelora.core.bus import redis_unavailable
+from livelora.core.losses import validate_batch
+from livelora.core.owners import OwnerStore
+from livelora.core.session_protocol import (
+    CheckpointIndex,
+    Op,
+    check_checkpoint_name,
+    future_failed,
+    lineage_for,
+    model_id_for,
+    new_request_id,
+    now_iso,
+    resolve_checkpoint,
+    session_of,
+)
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
 
 #: save op → the kind of checkpoint it writes
-SAVE_KINDS = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights",
-              "save_weights_external": "external_weights"}
+SAVE_KINDS = {
+    "save_weights": "weights",
+    "save_weights_for_sampler": "sampler_weights",
+    "save_weights_external": "external_weights",
+}
 
 
 class TrainingOps:
@@ -90,26 +93,45 @@ class TrainingOps:
         await self.ctx.require_session(req.session_id)
         self.ctx.check_base(req.base_model)
         model_id = model_id_for(req.session_id, req.model_seq_id)
-        return await self._enqueue_new_model(model_id, "create_model", req.model_dump(mode="json"),
-                                             req.lora_config.model_dump())
+        return await self._enqueue_new_model(
+            model_id, "create_model", req.model_dump(mode="json"), req.lora_config.model_dump()
+        )
 
-    async def _enqueue_new_model(self, model_id: str, kind: str, body: dict[str, Any],
-                                 lora: dict[str, Any] | None) -> UntypedAPIFuture:
-        record = {"model_id": model_id, "session_id": session_of(model_id), "base_model": self.base_model,
-                  "lora": lora, "state": "creating"}
+    async def _enqueue_new_model(
+        self, model_id: str, kind: str, body: dict[str, Any], lora: dict[str, Any] | None
+    ) -> UntypedAPIFuture:
+        record = {
+            "model_id": model_id,
+            "session_id": session_of(model_id),
+            "base_model": self.base_model,
+            "lora": lora,
+            "state": "creating",
+        }
         with redis_unavailable():
             if not await self.redis.set(self.keys.model(model_id), json.dumps(record), nx=True):
                 if await self.redis.get(self.keys.seq(model_id, 0)) is not None:  # a retry: the first one's future
                     return await self._enqueue(model_id, 0, kind, body)
-                return await self._failed_future(model_id, 0, ConflictError(
-                    f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id",
-                    code="model_exists"))
+                return await self._failed_future(
+                    model_id,
+                    0,
+                    ConflictError(
+                        f"model {model_id} already exists; use a new model_seq_id",
+                        param="model_seq_id",
+                        code="model_exists",
+                    ),
+                )
             tenant = caller_tenant()  # the session's owner: the auth middleware checked it
             owners = OwnerStore(self.home)
             if not (owners.claim("model", model_id, tenant) and owners.claim("lineage", lineage_for(model_id), tenant)):
-                return await self._failed_future(model_id, 0, ConflictError(
-                    f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id",
-                    code="model_exists"))
+                return await self._failed_future(
+                    model_id,
+                    0,
+                    ConflictError(
+                        f"model {model_id} already exists; use a new model_seq_id",
+                        param="model_seq_id",
+                        code="model_exists",
+                    ),
+                )
             return await self._enqueue(model_id, 0, kind, body)
 
     async def _failed_future(self, model_id: str, seq_id: int, error: LiveloraError) -> UntypedAPIFuture:
@@ -119,8 +141,9 @@ class TrainingOps:
         await self.futures.resolve(request_id, future_failed(error))
         return UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
-    async def _enqueue(self, model_id: str, seq_id: int, kind: str, body: dict[str, Any],
-                       error: LiveloraError | None = None) -> UntypedAPIFuture:
+    async def _enqueue(
+        self, model_id: str, seq_id: int, kind: str, body: dict[str, Any], error: LiveloraError | None = None
+    ) -> UntypedAPIFuture:
         """Dedupe on (model_id, seq_id), create the future, XADD the op (or a ``failed`` marker + the error)."""
         digest = hashlib.sha256(json.dumps([kind, body], sort_keys=True).encode()).hexdigest()
         request_id = new_request_id(f"{model_id}:{seq_id}")
@@ -128,9 +151,16 @@ class TrainingOps:
         if not await self.redis.set(self.keys.seq(model_id, seq_id), claim, nx=True, ex=self.settings.future_ttl_s):
             first = json.loads(await self.redis.get(self.keys.seq(model_id, seq_id)) or "{}")
             if first.get("digest") not in (None, digest):
-                return await self._failed_future(model_id, seq_id, ConflictError(
-                    f"seq_id {seq_id} of model {model_id} was already used by a different request (seq ids are "
-                    "one per op, in call order)", param="seq_id", code="seq_conflict"))
+                return await self._failed_future(
+                    model_id,
+                    seq_id,
+                    ConflictError(
+                        f"seq_id {seq_id} of model {model_id} was already used by a different request (seq ids are "
+                        "one per op, in call order)",
+                        param="seq_id",
+                        code="seq_conflict",
+                    ),
+                )
             return UntypedAPIFuture(request_id=first["request_id"], model_id=model_id)
         await self.futures.create(request_id)
         if error is not None:
@@ -174,21 +204,28 @@ class TrainingOps:
         if not isinstance(model_id, str) or not model_id:
             raise BadRequestError("model_id is required", param="model_id")
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
-            raise BadRequestError("seq_id is required: an integer >= 1, one per op of the model, in call order",
-                                  param="seq_id")
+            raise BadRequestError(
+                "seq_id is required: an integer >= 1, one per op of the model, in call order", param="seq_id"
+            )
         if kind in ("forward", "forward_backward") and self.ctx.quotas is not None:  # 429 before any seq is used
-            from livelora.gateway.services.metering import payer
+            from livelora.gateway.services.usage import payer
 
             with redis_unavailable():
                 await self.ctx.quotas.check_tokens(payer()[0], ("forward",) if kind == "forward" else ("trained",))
         if await self._model_record(model_id) is None:
             request_id = new_request_id(f"{model_id}:{seq_id}")
             await self.futures.create(request_id)
-            await self.futures.resolve(request_id, future_failed(NotFoundError(
-                f"model {model_id!r} does not exist (never created, or its session ended)", param="model_id")))
+            await self.futures.resolve(
+                request_id,
+                future_failed(
+                    NotFoundError(
+                        f"model {model_id!r} does not exist (never created, or its session ended)", param="model_id"
+                    )
+                ),
+            )
             return UntypedAPIFuture(request_id=request_id, model_id=model_id)
         if kind in SAVE_KINDS and self.ctx.quotas is not None:
-            from livelora.gateway.services.metering import payer
+            from livelora.gateway.services.usage import payer
 
             # 429 before anything is queued or written: a save past the tenant's max_adapter_versions
             await self.ctx.quotas.check_adapter_versions(payer()[0], self._new_versions(kind, model_id, raw))
@@ -236,42 +273,61 @@ class TrainingOps:
         data = (getattr(req, "forward_input", None) or req.forward_backward_input).data
         limit = self.settings.max_datums_per_op
         if len(data) > limit:
-            raise PayloadTooLargeError(f"{kind} carries {len(data)} datums, more than the limit of {limit} per op "
-                                       "(LIVELORA_MAX_DATUMS_PER_OP); split the batch", param="data",
-                                       code="too_many_datums")
+            raise PayloadTooLargeError(
+                f"{kind} carries {len(data)} datums, more than the limit of {limit} per op "
+                "(LIVELORA_MAX_DATUMS_PER_OP); split the batch",
+                param="data",
+                code="too_many_datums",
+            )
         tokens, limit = sum(d.model_input.length for d in data), self.settings.max_tokens_per_op
         if tokens > limit:
-            raise PayloadTooLargeError(f"{kind} carries {tokens} input tokens, more than the limit of {limit} per "
-                                       "op (LIVELORA_MAX_TOKENS_PER_OP); split the batch", param="data",
-                                       code="too_many_tokens")
+            raise PayloadTooLargeError(
+                f"{kind} carries {tokens} input tokens, more than the limit of {limit} per "
+                "op (LIVELORA_MAX_TOKENS_PER_OP); split the batch",
+                param="data",
+                code="too_many_tokens",
+            )
 
     def _validate(self, kind: str, req: Any) -> dict[str, Any]:
         if kind in ("forward", "forward_backward"):
             fb: ForwardBackwardInput = getattr(req, "forward_input", None) or req.forward_backward_input
-            validate_batch(fb.data, fb.loss_fn, fb.loss_fn_config, vocab_size=int(self.engine.vocab_size),
-                           max_seq_len=int(self.max_seq_len or self.engine.max_model_len))
+            validate_batch(
+                fb.data,
+                fb.loss_fn,
+                fb.loss_fn_config,
+                vocab_size=int(self.engine.vocab_size),
+                max_seq_len=int(self.max_seq_len or self.engine.max_model_len),
+            )
             # provenance spans (SDK ≥0.26) were checked for tiling by the request model; only stable_reinforce
             # (refused above) reads them, so the executor gets the plain datums
             spans = {"model_input_spans", "loss_fn_input_spans"}
             return {"input": fb.model_dump(mode="json", exclude={"data": {"__all__": spans}})}
-        if kind in SAVE_KINDS and req.ttl_seconds is not None and \
-                not MIN_TTL_SECONDS <= req.ttl_seconds <= MAX_TTL_SECONDS:
-            raise BadRequestError(f"ttl_seconds must be between {MIN_TTL_SECONDS} (1 hour) and {MAX_TTL_SECONDS} "
-                                  f"(10 years), or omitted to keep the checkpoint until deleted; got {req.ttl_seconds}",
-                                  param="ttl_seconds")
+        if (
+            kind in SAVE_KINDS
+            and req.ttl_seconds is not None
+            and not MIN_TTL_SECONDS <= req.ttl_seconds <= MAX_TTL_SECONDS
+        ):
+            raise BadRequestError(
+                f"ttl_seconds must be between {MIN_TTL_SECONDS} (1 hour) and {MAX_TTL_SECONDS} "
+                f"(10 years), or omitted to keep the checkpoint until deleted; got {req.ttl_seconds}",
+                param="ttl_seconds",
+            )
         if kind == "save_weights_external":
             check_checkpoint_name(req.path)
             if req.age_encryption_recipients:
                 raise UnsupportedParameterError(
                     "age_encryption_recipients is not supported: livelora stores and serves external weights "
                     "unencrypted (behind signed URLs); omit it, or encrypt the downloaded files yourself with `age`",
-                    param="age_encryption_recipients")
+                    param="age_encryption_recipients",
+                )
         if kind == "save_weights_for_sampler":
             req: SaveWeightsForSamplerRequest
             if (req.path is None) == (req.sampling_session_seq_id is None):
-                raise BadRequestError("give exactly one of path (a named sampler checkpoint) and "
-                                      "sampling_session_seq_id (ephemeral weights for a sampling session)",
-                                      param="path")
+                raise BadRequestError(
+                    "give exactly one of path (a named sampler checkpoint) and "
+                    "sampling_session_seq_id (ephemeral weights for a sampling session)",
+                    param="path",
+                )
         if kind == "load_weights":
             resolve_checkpoint(self.home, req.path, want="weights")
         return req.model_dump(mode="json", exclude_none=True)
@@ -284,9 +340,11 @@ class TrainingOps:
             NotFoundError: unknown session, checkpoint or base model. BadRequestError: a sampler checkpoint.
         """
         if req.session_id is None or req.model_seq_id is None:
-            raise BadRequestError("load_weights needs session_id and model_seq_id (create a model from a "
-                                  "checkpoint) or model_id and seq_id (load into an existing model)",
-                                  param="session_id")
+            raise BadRequestError(
+                "load_weights needs session_id and model_seq_id (create a model from a "
+                "checkpoint) or model_id and seq_id (load into an existing model)",
+                param="session_id",
+            )
         await self.ctx.require_session(req.session_id)
         self.ctx.check_base(req.base_model)
         index, _, _ = resolve_checkpoint(self.home, req.path, want="weights")
@@ -300,10 +358,16 @@ class TrainingOps:
         if record is None:
             raise NotFoundError(f"model {model_id!r} does not exist", param="model_id")
         lora = record.get("lora") or {}
-        return GetInfoResponse(model_id=model_id, model_name=record["base_model"], is_lora=True,
-                               lora_rank=lora.get("rank"), lora_alpha=lora.get("alpha"),
-                               model_data=ModelData(arch=record.get("arch"), model_name=record["base_model"],
-                                                    tokenizer_id=self.ctx.tokenizer_id()))
+        return GetInfoResponse(
+            model_id=model_id,
+            model_name=record["base_model"],
+            is_lora=True,
+            lora_rank=lora.get("rank"),
+            lora_alpha=lora.get("alpha"),
+            model_data=ModelData(
+                arch=record.get("arch"), model_name=record["base_model"], tokenizer_id=self.ctx.tokenizer_id()
+            ),
+        )
 
     async def tokenizer_files(self) -> tuple[str, bytes]:
         """``(revision, JSON body)`` of the base model's tokenizer files
@@ -311,9 +375,15 @@ class TrainingOps:
         return await self.ctx.tokenizer_files()
 
     def capabilities(self) -> GetServerCapabilitiesResponse:
-        return GetServerCapabilitiesResponse(supported_models=[SupportedModel(
-            model_name=self.base_model, max_context_length=int(self.max_seq_len or self.engine.max_model_len),
-            tokenizer_id=self.ctx.tokenizer_id())])
+        return GetServerCapabilitiesResponse(
+            supported_models=[
+                SupportedModel(
+                    model_name=self.base_model,
+                    max_context_length=int(self.max_seq_len or self.engine.max_model_len),
+                    tokenizer_id=self.ctx.tokenizer_id(),
+                )
+            ]
+        )
 
 
 def _pydantic_message(exc: Exception) -> str:

@@ -39,12 +39,14 @@ Conversation = Sequence[Mapping[str, str]]
 
 
 def _template(tokenizer, conversation: Conversation, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template([dict(m) for m in conversation], add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+    return tokenizer.apply_chat_template(
+        [dict(m) for m in conversation], add_generation_prompt=add_generation_prompt, tokenize=False
+    )
 
 
-def render_chat(tokenizer, conversation: Conversation, *, add_generation_prompt: bool,
-                param: str = "messages") -> list[int]:
+def render_chat(
+    tokenizer, conversation: Conversation, *, add_generation_prompt: bool, param: str = "messages"
+) -> list[int]:
     """Token ids of ``conversation`` under the tokenizer's chat template.
 
     Args:
@@ -76,12 +78,15 @@ def render_chat(tokenizer, conversation: Conversation, *, add_generation_prompt:
         if found is None:
             continue
         if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
-            out = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                tokenize=True, sanitize_control_tokens=True)
+            out = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True, sanitize_control_tokens=True
+            )
             return [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
         raise BadRequestError(
             f"message {i} contains the control-token text {found!r}, and this model's chat template rewrites "
-            "message content, so it cannot be kept as plain text; remove it", param=f"{param}[{i}].content")
+            "message content, so it cannot be kept as plain text; remove it",
+            param=f"{param}[{i}].content",
+        )
     return list(tokenizer.encode(real, add_special_tokens=False))
 
 
@@ -91,8 +96,9 @@ def _segmented(tokenizer, conversation: list[dict], add_generation_prompt: bool,
     nonce = secrets.token_hex(8)
     marks = [f"@@livelora{nonce}x{i}@@" for i in range(len(conversation))]
     try:
-        skeleton = _template(tokenizer, [{**m, "content": mark} for m, mark in zip(conversation, marks)],
-                             add_generation_prompt)
+        skeleton = _template(
+            tokenizer, [{**m, "content": mark} for m, mark in zip(conversation, marks)], add_generation_prompt
+        )
     except Exception:  # a template that inspects content: fall back
         return None
     if not contents or any(skeleton.count(mark) != 1 for mark in marks):
@@ -132,7 +138,7 @@ def _encode_pieces(tokenizer, pieces: list[tuple[bool, str]]) -> list[int]:
             continue
         pos = 0
         for match in pattern.finditer(text):
-            add_text(text[pos:match.start()])
+            add_text(text[pos : match.start()])
             token = flags.get(match.group(0))
             if getattr(token, "lstrip", False):
                 run = run.rstrip()
@@ -158,10 +164,11 @@ def chat_pair(tokenizer, prompt: Conversation, reply: str, param: str = "message
         BadRequestError: as :func:`render_chat`.
     """
     prompt_ids = render_chat(tokenizer, prompt, add_generation_prompt=True, param=param)
-    full = render_chat(tokenizer, [*prompt, {"role": "assistant", "content": reply}],
-                       add_generation_prompt=False, param=param)
-    if full[:len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
-        return prompt_ids, full[len(prompt_ids):]
+    full = render_chat(
+        tokenizer, [*prompt, {"role": "assistant", "content": reply}], add_generation_prompt=False, param=param
+    )
+    if full[: len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
+        return prompt_ids, full[len(prompt_ids) :]
     eos = tokenizer.eos_token_id
     return prompt_ids, encode_text(tokenizer, reply) + ([int(eos)] if eos is not None else [])
 
@@ -184,7 +191,7 @@ def datum_length(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> in
 
 
 def model_context_length(ref) -> int:
-    """:func:`training_context_length` of a resolved base model (``adapters.models.BaseModelRef``): reads its
+    """:func:`training_context_length` of a resolved base model (``core.base_models.BaseModelRef``): reads its
     ``config.json`` (local) or the transformers config (hub id)."""
     if ref.is_local:
         import json
@@ -203,6 +210,9 @@ def training_context_length(config: Mapping | object) -> int:
     Args:
         config: a transformers ``PretrainedConfig`` or the ``config.json`` mapping.
     """
-    value = config.get("max_position_embeddings") if isinstance(config, Mapping) else \
-        getattr(config, "max_position_embeddings", None)
+    value = (
+        config.get("max_position_embeddings")
+        if isinstance(config, Mapping)
+        else getattr(config, "max_position_embeddings", None)
+    )
     return int(value or 2048)

@@ -9,7 +9,7 @@ entry, takes gradient positions from ``spec.gradient`` and dispatches on ``spec.
 
 Example::
 
-    from livelora.adapters.losses import LOSS_SPECS, validate_batch
+    from livelora.core.losses import LOSS_SPECS, validate_batch
 
     LOSS_SPECS["ppo"].config_defaults          # {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     resolved = validate_batch(data, "ppo", {"clip_high_threshold": 1.28}, vocab_size=49152, max_seq_len=8192)
@@ -25,10 +25,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from livelora.adapters.losses.builtin import LOSS_SPECS, REFUSED_LOSSES
-from livelora.adapters.losses.spec import ConfigKey, GradientPositions, LossInput, LossSpec
-from livelora.adapters.losses.validate import (ResolvedLoss, check_batch_size, get_spec, resolve_config,
-                                               validate_batch, validate_loss_inputs)
+from livelora.core.losses.builtin import LOSS_SPECS, REFUSED_LOSSES
+from livelora.core.losses.spec import ConfigKey, GradientPositions, LossInput, LossSpec
+from livelora.core.losses.validate import (
+    ResolvedLoss,
+    check_batch_size,
+    get_spec,
+    resolve_config,
+    validate_batch,
+    validate_loss_inputs,
+)
 
 #: The built-in loss names, in registry order.
 SUPPORTED_LOSSES: tuple[str, ...] = tuple(LOSS_SPECS)
@@ -37,7 +43,18 @@ SUPPORTED_LOSSES: tuple[str, ...] = tuple(LOSS_SPECS)
 LossName = Literal[SUPPORTED_LOSSES]  # type: ignore[valid-type]
 
 __all__ = [
-    "LOSS_SPECS", "REFUSED_LOSSES", "SUPPORTED_LOSSES", "LossName", "ConfigKey", "GradientPositions", "LossInput",
-    "LossSpec", "ResolvedLoss", "check_batch_size", "get_spec", "resolve_config", "validate_batch",
+    "LOSS_SPECS",
+    "REFUSED_LOSSES",
+    "SUPPORTED_LOSSES",
+    "ConfigKey",
+    "GradientPositions",
+    "LossInput",
+    "LossName",
+    "LossSpec",
+    "ResolvedLoss",
+    "check_batch_size",
+    "get_spec",
+    "resolve_config",
+    "validate_batch",
     "validate_loss_inputs",
 ]

@@ -13,7 +13,7 @@ Kinds (:data:`KINDS`) and what each record covers:
   lineage is owned by tenant ``default`` from the gateway's first start.
 * ``endpoint``: a served model name (``endpoints.json`` binding).
 * ``session``: a Tinker training session; its training models (``<session>:train:<n>``), sampling sessions
-  (``<session>:sample:<n>``) and request ids are named under it (:mod:`livelora.adapters.session_protocol`).
+  (``<session>:sample:<n>``) and request ids are named under it (:mod:`livelora.core.session_protocol`).
 * ``model``: a Tinker training model / run (its lineage is claimed for the same tenant).
 
 Policy (:func:`OwnerStore.check`): deny by default. No record means no access for every tenant, ``default``
@@ -120,17 +120,3 @@ def not_found(kind: str, name: str, param: str | None = None) -> NotFoundError:
     """The one 404 for a missing or another tenant's object of ``kind``."""
     label = {"model": "training model"}.get(kind, kind)
     return NotFoundError(f"{label} {name!r} does not exist", param=param or _PARAM.get(kind, kind))
-
-
-def record_install_owners(home: Path | str, base_lineage: str) -> None:
-    """At a gateway's start: the base model's lineage belongs to ``default`` (claimed before anything else can
-    claim it), then every endpoint binding's lineage not yet recorded goes to the binding's tenant (stores made
-    before owner records existed; a lineage taken already keeps its owner)."""
-    from livelora.adapters.api_keys import DEFAULT_TENANT
-    from livelora.adapters.endpoints import EndpointStore
-
-    owners = OwnerStore(home)
-    owners.claim("lineage", base_lineage, DEFAULT_TENANT)
-    for binding in EndpointStore(home).all().values():
-        if owners.owner("lineage", binding.lineage) is None:
-            owners.claim("lineage", binding.lineage, binding.tenant or DEFAULT_TENANT)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from livelora.adapters.atomic import append_line, file_lock
+from livelora.core.atomic import append_line, file_lock
 
 #: Folder of the dataset of record, relative to ``LIVELORA_HOME``.
 DATASET_SUBDIR = ("data", "signals")
@@ -66,8 +66,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def read_quarantine(home: Path | str, endpoints: Iterable[str] | None = None) -> list[dict[str, Any]]:
     """Quarantined events, oldest first (only those of ``endpoints`` when given)."""
     allowed = None if endpoints is None else set(endpoints)
-    return [r for r in _read_jsonl(signals_dir(home) / QUARANTINE_FILE) if allowed is None or r.get("endpoint")
-            in allowed]
+    return [
+        r for r in _read_jsonl(signals_dir(home) / QUARANTINE_FILE) if allowed is None or r.get("endpoint") in allowed
+    ]
 
 
 def record_quarantine(home: Path | str, records: list[dict[str, Any]]) -> None:
@@ -86,8 +87,9 @@ def forgotten(home: Path | str) -> dict[str, set[str | None]]:
     return out
 
 
-def forget_user(home: Path | str, user: str, tenant: str | None, owns: Callable[[str], bool], *,
-                who: str) -> dict[str, int]:
+def forget_user(
+    home: Path | str, user: str, tenant: str | None, owns: Callable[[str], bool], *, who: str
+) -> dict[str, int]:
     """Delete ``user``'s events on the endpoints ``owns(endpoint)`` accepts from the dataset of record (every
     day file rewritten atomically under the dataset lock), after recording the request in ``forgotten.jsonl``,
     so that trainers drop the user's queued and later events even if this process dies midway.
@@ -97,8 +99,7 @@ def forget_user(home: Path | str, user: str, tenant: str | None, owns: Callable[
     """
     folder = signals_dir(home)
     folder.mkdir(parents=True, exist_ok=True)
-    append_line(folder / FORGOTTEN_FILE, json.dumps({"user": user, "tenant": tenant, "time": time.time(),
-                                                     "who": who}))
+    append_line(folder / FORGOTTEN_FILE, json.dumps({"user": user, "tenant": tenant, "time": time.time(), "who": who}))
     removed: dict[str, int] = {}
     with file_lock(folder / DATASET_LOCK):
         for path in sorted(folder.glob("[0-9]*.jsonl")):
@@ -181,8 +182,13 @@ def labels_from_hash(raw: dict[Any, Any]) -> dict[str, dict[str, int]]:
     return out
 
 
-def agreement_weights(labels: dict[str, dict[str, int]], *, prior_strength: float = AGREEMENT_PRIOR_STRENGTH,
-                      prior: float = AGREEMENT_PRIOR, iterations: int = 20) -> dict[str, dict[str, float]]:
+def agreement_weights(
+    labels: dict[str, dict[str, int]],
+    *,
+    prior_strength: float = AGREEMENT_PRIOR_STRENGTH,
+    prior: float = AGREEMENT_PRIOR,
+    iterations: int = 20,
+) -> dict[str, dict[str, float]]:
     """Each rater's agreement with the others and the weight its training examples get.
 
     **Model** (the "one-coin" model of Dawid & Skene 1979, "Maximum likelihood estimation of observer
@@ -246,5 +252,11 @@ def agreement_weights(labels: dict[str, dict[str, int]], *, prior_strength: floa
         p = new
         if moved < 1e-6:
             break
-    return {r: {"weight": min(1.0, max(0.0, (2 * p[r] - 1) / (2 * prior - 1))), "agreement": p[r],
-                "compared": float(compared[r])} for r in raters}
+    return {
+        r: {
+            "weight": min(1.0, max(0.0, (2 * p[r] - 1) / (2 * prior - 1))),
+            "agreement": p[r],
+            "compared": float(compared[r]),
+        }
+        for r in raters
+    }

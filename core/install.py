@@ -22,10 +22,10 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from livelora.adapters.atomic import fsync_dir
-from livelora.adapters.bus import redis_unavailable
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import ConflictError
+from livelora.core.atomic import fsync_dir
+from livelora.core.bus import redis_unavailable
+from livelora.core.redis_keys import KeyLayout
 
 STORE_ID_FILE = "store_id"
 
@@ -92,5 +92,6 @@ def bind_install(client, keys: KeyLayout, home: Path | str, redis_url: str = "")
             f"the Redis prefix {keys.prefix!r}{where} belongs to another livelora install (store id {bound}); "
             f"this store ({home}) has id {sid}. Two installs must not share a prefix: give this one its own "
             f"with LIVELORA_REDIS_PREFIX (e.g. 'livelora-{sid[:8]}:'), or point LIVELORA_HOME at the store "
-            "that owns this prefix.")
+            "that owns this prefix."
+        )
     return sid

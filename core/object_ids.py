@@ -41,10 +41,14 @@ _PATTERNS: dict[str, re.Pattern[str]] = {
     "session": re.compile(rf"(?P<session>{_SESSION})"),
     "model": re.compile(rf"(?P<session>{_SESSION}):train:(?P<n>{_INT})"),
     "sampler": re.compile(rf"(?P<session>{_SESSION}):sample:(?P<n>{_INT})"),
-    "request": re.compile(rf"(?:(?P<session>{_SESSION}):(?:train|sample):{_INT}:(?:{_INT}|x)|sample:(?:{_INT}|x))"
-                          r":[0-9a-f]{12}"),
-    "path": re.compile(rf"tinker://(?P<session>{_SESSION}):train:(?P<n>{_INT})"
-                       rf"/(?P<ckind>weights|sampler_weights|external_weights)/(?P<name>{_NAME})"),
+    "request": re.compile(
+        rf"(?:(?P<session>{_SESSION}):(?:train|sample):{_INT}:(?:{_INT}|x)|sample:(?:{_INT}|x))"
+        r":[0-9a-f]{12}"
+    ),
+    "path": re.compile(
+        rf"tinker://(?P<session>{_SESSION}):train:(?P<n>{_INT})"
+        rf"/(?P<ckind>weights|sampler_weights|external_weights)/(?P<name>{_NAME})"
+    ),
 }
 _SPELLING = {
     "session": "a session id as create_session answers it (32 lower-case hex digits)",
@@ -82,8 +86,9 @@ def parse_ref(kind: str, value: object, param: str | None = None) -> ObjectRef:
     m = pattern.fullmatch(value) if isinstance(value, str) else None
     if m is None:
         shown = repr(value)[:80]
-        raise BadRequestError(f"invalid {param or kind} {shown}: expected {_SPELLING[kind]}",
-                              param=param or kind, code="invalid_id")
+        raise BadRequestError(
+            f"invalid {param or kind} {shown}: expected {_SPELLING[kind]}", param=param or kind, code="invalid_id"
+        )
     session = m.groupdict().get("session")
     model_id = None
     if kind == "model":
@@ -95,9 +100,16 @@ def parse_ref(kind: str, value: object, param: str | None = None) -> ObjectRef:
 
 #: Tinker request body fields naming an object → the form they must have. ``path``/``model_path`` name a
 #: checkpoint only when they are ``tinker://`` paths (in ``save_weights`` ``path`` is the new checkpoint's name).
-BODY_FIELDS: dict[str, str] = {"session_id": "session", "model_id": "model", "sampling_session_id": "sampler",
-                               "sampler_id": "sampler", "request_id": "request", "model_path": "path",
-                               "path": "path", "tinker_path": "path"}
+BODY_FIELDS: dict[str, str] = {
+    "session_id": "session",
+    "model_id": "model",
+    "sampling_session_id": "sampler",
+    "sampler_id": "sampler",
+    "request_id": "request",
+    "model_path": "path",
+    "path": "path",
+    "tinker_path": "path",
+}
 #: first path segment under ``/api/v1`` → the form of the segment after it
 PATH_SEGMENTS: dict[str, str] = {"sessions": "session", "training_runs": "model", "samplers": "sampler"}
 #: routes whose second segment is a word, not an id (``POST /api/v1/sessions/search``)

@@ -1,4 +1,4 @@
-"""Enforcing the per-tenant limits of :mod:`livelora.adapters.quotas` in the gateway.
+"""Enforcing the per-tenant limits of :mod:`livelora.core.quotas` in the gateway.
 
 * **Sessions.** :meth:`QuotaService.acquire_session` runs one Lua script: it drops from the tenant's set
   ``quota:sessions:{tenant}`` every session whose ``session:{sid}`` key is gone (finished, or expired for lack of
@@ -11,7 +11,7 @@
   00:00 UTC, and nothing runs. An operation admitted below the limit runs to its end, so a day's total can pass
   the limit by at most the operations admitted just before it was reached.
 * **Adapter versions kept.** :meth:`QuotaService.check_adapter_versions` counts the tenant's versions in the
-  store (:class:`~livelora.adapters.quotas.AdapterVersions`) before a session save is queued: a save that would
+  store (:class:`~livelora.adapters.kept_versions.AdapterVersions`) before a session save is queued: a save that would
   pass ``max_adapter_versions`` gets 429 naming the limit, the count and how to free it; nothing is queued, no
   seq id is used, nothing is written. The op executor checks again before it writes (saves queued together
   just below the limit: the one that would pass it fails with the same error). Overwriting a named checkpoint
@@ -28,11 +28,12 @@ from typing import Any
 
 import redis
 
-from livelora.adapters import metrics
-from livelora.adapters.api_keys import Principal, validate_tenant
-from livelora.adapters.quotas import AdapterVersions, Limits, QuotaStore
-from livelora.adapters.redis_keys import KeyLayout
+from livelora.adapters.kept_versions import AdapterVersions
 from livelora.clients.errors import PermissionDeniedError, RateLimitError
+from livelora.core import metrics
+from livelora.core.api_keys import Principal, validate_tenant
+from livelora.core.quotas import Limits, QuotaStore
+from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,9 @@ class QuotaService:
         limit = self.limits(tenant).limit("max_sessions")
         if limit is None:
             return
-        wait_ms = await self.redis.eval(_ACQUIRE, 1, self.keys.quota_sessions(tenant), self.keys.session(""), sid,
-                                        limit)
+        wait_ms = await self.redis.eval(
+            _ACQUIRE, 1, self.keys.quota_sessions(tenant), self.keys.session(""), sid, limit
+        )
         if int(wait_ms) >= 0:
             metrics.REJECTIONS.labels("quota_sessions").inc()
             wait_s = int(wait_ms) / 1000.0
@@ -97,8 +99,11 @@ class QuotaService:
                 f"tenant {tenant!r} has {limit} of its {limit} concurrent training sessions (limit max_sessions: "
                 f"LIVELORA_QUOTA_SESSIONS or PUT /admin/quotas); a slot frees when a session finishes, "
                 f"or at the latest in {wait_s:.0f} s when the soonest-expiring one has had no heartbeat for "
-                f"{self.settings.sessions.session_ttl_s:g} s", param="max_sessions", code="quota_exceeded",
-                retry_after=max(wait_s, 1.0))
+                f"{self.settings.sessions.session_ttl_s:g} s",
+                param="max_sessions",
+                code="quota_exceeded",
+                retry_after=max(wait_s, 1.0),
+            )
 
     async def release_session(self, tenant: str, sid: str) -> None:
         """Free ``sid``'s slot (a finished session)."""
@@ -136,7 +141,10 @@ class QuotaService:
                 raise RateLimitError(
                     f"tenant {tenant!r} used {int(n or 0)} of its {limit} {kind!r} tokens for today (limit "
                     f"tokens_per_day.{kind}); it frees at {midnight:%Y-%m-%d %H:%M} UTC (in {wait_s:.0f} s)",
-                    param=f"tokens_per_day.{kind}", code="quota_exceeded", retry_after=wait_s)
+                    param=f"tokens_per_day.{kind}",
+                    code="quota_exceeded",
+                    retry_after=wait_s,
+                )
 
     # ------------------------------------------------------------------ adapter versions kept
     async def check_adapter_versions(self, tenant: str, adding: int = 1) -> None:
@@ -161,9 +169,14 @@ class QuotaService:
         tenant (``adapter_versions``: the versions it keeps, as ``max_adapter_versions`` counts them)."""
         day = time.strftime("%Y%m%d", time.gmtime())
         today = await self.redis.hgetall(self.keys.usage_day(day, tenant))
-        return {"tenant": tenant, "limits": self.limits(tenant).model_dump(), "sessions": await self.sessions_held(tenant),
-                "adapter_versions": await asyncio.to_thread(self.versions.count, tenant),
-                "tokens_today": {k: int(v) for k, v in today.items()}, "day": day}
+        return {
+            "tenant": tenant,
+            "limits": self.limits(tenant).model_dump(),
+            "sessions": await self.sessions_held(tenant),
+            "adapter_versions": await asyncio.to_thread(self.versions.count, tenant),
+            "tokens_today": {k: int(v) for k, v in today.items()},
+            "day": day,
+        }
 
     def set_limits(self, principal: Principal, tenant: str, limits: Limits, open_mode: bool) -> Limits:
         """Store ``tenant``'s limits (the operator's: open mode, or a key with the ``operator`` role).
@@ -174,8 +187,10 @@ class QuotaService:
         """
         validate_tenant(tenant)
         if not open_mode and "operator" not in principal.roles:
-            raise PermissionDeniedError("limits are set by the operator: a key with the operator role (created "
-                                        "with livelora keys create --home <store> --roles admin,operator)",
-                                        param="tenant")
+            raise PermissionDeniedError(
+                "limits are set by the operator: a key with the operator role (created "
+                "with livelora keys create --home <store> --roles admin,operator)",
+                param="tenant",
+            )
         self.store.set(tenant, limits)
         return self.limits(tenant)

@@ -35,8 +35,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from livelora.adapters.atomic import atomic_write_json, file_lock
 from livelora.clients.errors import BadRequestError, NotFoundError
+from livelora.core.atomic import atomic_write_json, file_lock
 
 KEYS_FILE = "keys.json"
 Role = Literal["inference", "feedback", "train", "admin", "operator"]
@@ -64,8 +64,7 @@ def validate_tenant(name: str) -> str:
         BadRequestError: anything else.
     """
     if not isinstance(name, str) or not _TENANT_RE.fullmatch(name):
-        raise BadRequestError(f"invalid tenant {name!r}: use 1-64 characters of a-z, 0-9, '_', '-'",
-                              param="tenant")
+        raise BadRequestError(f"invalid tenant {name!r}: use 1-64 characters of a-z, 0-9, '_', '-'", param="tenant")
     return name
 
 
@@ -77,11 +76,16 @@ def validate_endpoint_name(name: str, param: str = "endpoint") -> str:
     Raises:
         BadRequestError: anything else.
     """
-    if (not isinstance(name, str) or not _ENDPOINT_RE.fullmatch(name)
-            or any(seg in ("", ".", "..") for seg in name.split("/"))):
-        raise BadRequestError(f"invalid endpoint name {name!r}: use 1-128 characters of A-Z, a-z, 0-9, "
-                              "'.', '_', ':', '/', '-', starting with a letter or digit, no '..' segments",
-                              param=param)
+    if (
+        not isinstance(name, str)
+        or not _ENDPOINT_RE.fullmatch(name)
+        or any(seg in ("", ".", "..") for seg in name.split("/"))
+    ):
+        raise BadRequestError(
+            f"invalid endpoint name {name!r}: use 1-128 characters of A-Z, a-z, 0-9, "
+            "'.', '_', ':', '/', '-', starting with a letter or digit, no '..' segments",
+            param=param,
+        )
     return name
 
 
@@ -93,8 +97,9 @@ def validate_session_name(name: str, param: str = "session_id") -> str:
         BadRequestError: anything else (path separators, control characters, too long).
     """
     if not isinstance(name, str) or not _SESSION_RE.fullmatch(name) or ".." in name:
-        raise BadRequestError(f"invalid id {name!r}: use 1-128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'",
-                              param=param)
+        raise BadRequestError(
+            f"invalid id {name!r}: use 1-128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'", param=param
+        )
     return name
 
 
@@ -199,8 +204,7 @@ class KeyStore:
             raise BadRequestError("key name must be at most 64 printable characters", param="name")
         key_id = secrets.token_hex(6)
         key = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
-        record = KeyRecord(id=key_id, name=name, tenant=tenant, roles=roles, sha256=hash_key(key),
-                           created=time.time())
+        record = KeyRecord(id=key_id, name=name, tenant=tenant, roles=roles, sha256=hash_key(key), created=time.time())
         with file_lock(self.path.with_suffix(".lock")):
             current = {k: v.model_dump() for k, v in self.all().items()}
             current[key_id] = record.model_dump()

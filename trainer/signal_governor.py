@@ -1,6 +1,6 @@
 """Feedback governance in the trainer: per-rater rate limits with quarantine, and delete-by-user exclusion.
 
-* **Rate limit.** Each rater (:func:`~livelora.adapters.governance.rater_of`) may send at most
+* **Rate limit.** Each rater (:func:`~livelora.core.governance.rater_of`) may send at most
   ``rater_max_events`` events per lineage in any ``rater_window_s`` seconds (ratings, preferences and
   demonstrations alike). The count is shared by every trainer worker of the store: a Redis sorted set per
   (lineage, rater) of event ids scored by receive time (``KeyLayout.rater``), trimmed to the window. Events
@@ -14,7 +14,7 @@
 * **Rater agreement.** Each admitted rating (and served preference pair) also records its rater's label of
   that completion (pair) in Redis (``KeyLayout.rater_labels``, shared by every worker; the newest
   ``rater_agreement_window`` labels per lineage). Before a batch trains, :meth:`FeedbackGovernor.weigh` reads
-  them, computes each rater's weight (:func:`~livelora.adapters.governance.agreement_weights`: agreement with the
+  them, computes each rater's weight (:func:`~livelora.core.governance.agreement_weights`: agreement with the
   other raters of the same completions, Beta-smoothed; 1 for a rater never compared) and gives every example
   of the batch its rater's weight (``Batch.example_weights``): the KTO and DPO losses weight each example's term
   by it (``trainer/losses/_preference.py``) and the KTO class weights balance the weighted counts.
@@ -31,12 +31,21 @@ from typing import Any
 
 import redis
 
-from livelora.adapters.bus import redis_unavailable
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.governance import (FORGOTTEN_FILE, RECORD_LABEL_SCRIPT, agreement_item, agreement_weights,
-                                          forgotten, label_field, labels_from_hash, rater_of, record_quarantine,
-                                          signals_dir)
-from livelora.adapters.redis_keys import KeyLayout
+from livelora.core.bus import redis_unavailable
+from livelora.core.governance import (
+    FORGOTTEN_FILE,
+    RECORD_LABEL_SCRIPT,
+    agreement_item,
+    agreement_weights,
+    forgotten,
+    label_field,
+    labels_from_hash,
+    rater_of,
+    record_quarantine,
+    signals_dir,
+)
+from livelora.core.redis_keys import KeyLayout
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +73,17 @@ class FeedbackGovernor:
         agreement_window: labels kept per lineage (the newest).
     """
 
-    def __init__(self, client: redis.Redis, keys: KeyLayout, home: Path, *, max_events: int, window_s: float,
-                 agreement: bool = True, agreement_window: int = 2000):
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: KeyLayout,
+        home: Path,
+        *,
+        max_events: int,
+        window_s: float,
+        agreement: bool = True,
+        agreement_window: int = 2000,
+    ):
         self.client, self.keys, self.home = client, keys, Path(home)
         self.max_events, self.window_s = max_events, window_s
         self.agreement, self.agreement_window = agreement, agreement_window
@@ -103,25 +121,41 @@ class FeedbackGovernor:
         rater = rater_of(event)
         digest = hashlib.sha256(rater.encode()).hexdigest()[:32]
         with redis_unavailable():
-            ok, n = self._admit(keys=[self.keys.rater(lineage, digest)],
-                                args=[now, now - self.window_s, event.id, self.max_events,
-                                      int(self.window_s) + 60])
+            ok, n = self._admit(
+                keys=[self.keys.rater(lineage, digest)],
+                args=[now, now - self.window_s, event.id, self.max_events, int(self.window_s) + 60],
+            )
         if int(ok):
             self._bursting.discard((lineage, rater))
             self.record_label(lineage, event, now)
             return None
-        record_quarantine(self.home, [{"event_id": event.id, "endpoint": event.endpoint, "lineage": lineage,
-                                       "rater": rater, "type": event.type, "time": now,
-                                       "reason": f"rate_limit: {int(n)} events in the last {self.window_s:g} s "
-                                                 f"(limit {self.max_events})"}])
+        record_quarantine(
+            self.home,
+            [
+                {
+                    "event_id": event.id,
+                    "endpoint": event.endpoint,
+                    "lineage": lineage,
+                    "rater": rater,
+                    "type": event.type,
+                    "time": now,
+                    "reason": f"rate_limit: {int(n)} events in the last {self.window_s:g} s (limit {self.max_events})",
+                }
+            ],
+        )
         if (lineage, rater) not in self._bursting:
             self._bursting.add((lineage, rater))
             b = EndpointStore(self.home).get(event.endpoint)
-            EndpointStore(self.home).record(event.endpoint, "quarantine", who="trainer", to=rater,
-                                            reason=f"rater {rater!r} exceeded {self.max_events} events per "
-                                                   f"{self.window_s:g} s: further events quarantined",
-                                            details={"rater": rater, "count": int(n), "limit": self.max_events,
-                                                     "window_s": self.window_s}, tenant=b.tenant)
+            EndpointStore(self.home).record(
+                event.endpoint,
+                "quarantine",
+                who="trainer",
+                to=rater,
+                reason=f"rater {rater!r} exceeded {self.max_events} events per "
+                f"{self.window_s:g} s: further events quarantined",
+                details={"rater": rater, "count": int(n), "limit": self.max_events, "window_s": self.window_s},
+                tenant=b.tenant,
+            )
         log.warning("quarantined %s from rater %r (rate limit)", event.id, rater)
         return "rate_limit"
 
@@ -137,12 +171,14 @@ class FeedbackGovernor:
         if item is None:
             return
         with redis_unavailable():
-            self._record_label(keys=[self.keys.rater_labels(lineage), self.keys.rater_labels_order(lineage)],
-                               args=[label_field(item[0], rater_of(event)), item[1], now, self.agreement_window])
+            self._record_label(
+                keys=[self.keys.rater_labels(lineage), self.keys.rater_labels_order(lineage)],
+                args=[label_field(item[0], rater_of(event)), item[1], now, self.agreement_window],
+            )
 
     def weights(self, lineage: str) -> dict[str, dict[str, float]]:
         """``rater → {"weight", "agreement", "compared"}`` for ``lineage`` now (see
-        :func:`~livelora.adapters.governance.agreement_weights`).
+        :func:`~livelora.core.governance.agreement_weights`).
 
         Raises:
             UnavailableError: Redis unreachable.
@@ -173,6 +209,9 @@ class FeedbackGovernor:
             batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n_d, n_u)
         low = {rater_of(e): a for a, e in zip(batch.example_weights, batch.events) if a < 1.0}
         if low:
-            log.info("batch of %s: rater weights below 1: %s", batch.lineage,
-                     ", ".join(f"{r}={a:.2f}" for r, a in sorted(low.items())))
+            log.info(
+                "batch of %s: rater weights below 1: %s",
+                batch.lineage,
+                ", ".join(f"{r}={a:.2f}" for r, a in sorted(low.items())),
+            )
         return batch

@@ -21,8 +21,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 #: The fields a record may carry (from :data:`log_context` or ``extra``).
-FIELDS: tuple[str, ...] = ("request_id", "completion_id", "tenant", "endpoint", "version", "event_id", "event_ids",
-                           "completion_ids", "session_id", "model_id")
+FIELDS: tuple[str, ...] = (
+    "request_id",
+    "completion_id",
+    "tenant",
+    "endpoint",
+    "version",
+    "event_id",
+    "event_ids",
+    "completion_ids",
+    "session_id",
+    "model_id",
+)
 
 #: The fields of the request being handled (one dict per request; ``None`` outside requests).
 log_context: ContextVar[dict[str, Any] | None] = ContextVar("livelora_log_context", default=None)
@@ -51,7 +61,10 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         for key in FIELDS:
             value = getattr(record, key, None)
             if value is not None:

@@ -174,11 +174,11 @@ class StepPacer:
 
     def __init__(self, home: Path | str, duty: float, max_pause_s: float = 60.0):
         self.serving, self.duty, self.max_pause_s = ServingFlag(home), duty, max_pause_s
-        self.owed_s = 0.0       # pause the last step still owed at its end (seconds)
-        self.last_end = 0.0     # time.monotonic() when it ended
-        self.started = None     # time.monotonic() when the running step began (None: no step runs)
-        self.paused_in = 0.0    # pauses inside the running step (seconds)
-        self.paused_s = 0.0     # total pause (seconds), for logs and tests
+        self.owed_s = 0.0  # pause the last step still owed at its end (seconds)
+        self.last_end = 0.0  # time.monotonic() when it ended
+        self.started = None  # time.monotonic() when the running step began (None: no step runs)
+        self.paused_in = 0.0  # pauses inside the running step (seconds)
+        self.paused_s = 0.0  # total pause (seconds), for logs and tests
 
     def _sleep(self, wait: float) -> float:
         wait = min(max(wait, 0.0), self.max_pause_s)

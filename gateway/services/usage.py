@@ -1,6 +1,6 @@
 """The gateway's usage metering: counts served and sampled tokens, rolls counters up, answers ``/admin/usage``.
 
-The counting itself, the Redis layout and the store files are :mod:`livelora.adapters.metering`'s; this
+The counting itself, the Redis layout and the store files are :mod:`livelora.core.metering`'s; this
 service adds what belongs to a gateway process:
 
 * :func:`payer` — the tenant and API key of the request being handled (from :mod:`livelora.gateway.auth`);
@@ -16,13 +16,13 @@ import asyncio
 import logging
 from typing import Any
 
-from livelora.adapters import metrics
-from livelora.adapters.api_keys import OPEN_PRINCIPAL, Principal
-from livelora.adapters.bus import connect_async, connect_sync
-from livelora.adapters.metering import GROUP_BY, Meter, Usage, UsageStore, parse_time
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import PermissionDeniedError, UnavailableError
-from livelora.gateway.services.quotas import QuotaService
+from livelora.core import metrics
+from livelora.core.api_keys import OPEN_PRINCIPAL, Principal
+from livelora.core.bus import connect_async, connect_sync
+from livelora.core.metering import GROUP_BY, Meter, Usage, UsageStore, parse_time
+from livelora.core.redis_keys import KeyLayout
+from livelora.gateway.services.limits import QuotaService
 from livelora.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class MeteringService:
         if self.enabled:
             try:
                 await self.rollup()
-            except Exception as exc:  # noqa: BLE001 - Redis gone at shutdown: the counters stay in Redis
+            except Exception as exc:
                 log.warning("usage rollup at shutdown failed: %s", exc)
         await self.redis.aclose()
         if self._sync is not None:
@@ -79,7 +79,7 @@ class MeteringService:
             await asyncio.sleep(period)
             try:
                 await self.rollup()
-            except Exception as exc:  # noqa: BLE001 - retried next period
+            except Exception as exc:
                 metrics.REDIS_ERRORS.labels("usage_rollup").inc()
                 log.warning("usage rollup failed (retried in %g s): %s", period, exc)
 
@@ -96,7 +96,7 @@ class MeteringService:
             return
         try:
             await self.meter.record(self.redis, Usage(tenant, key, subject, tokens))
-        except Exception as exc:  # noqa: BLE001 - the request was served; only its count is missing
+        except Exception as exc:
             metrics.REDIS_ERRORS.labels("metering").inc()
             log.warning("could not meter %s for %s/%s: %s", tokens, tenant, subject, exc)
 
@@ -111,17 +111,27 @@ class MeteringService:
         if open_mode or "operator" in principal.roles:
             return tenant or principal.tenant
         if tenant is not None and tenant != principal.tenant:
-            raise PermissionDeniedError(f"this key (tenant {principal.tenant!r}) may only read its own tenant",
-                                        param="tenant")
+            raise PermissionDeniedError(
+                f"this key (tenant {principal.tenant!r}) may only read its own tenant", param="tenant"
+            )
         return principal.tenant
 
-    async def usage(self, principal: Principal, *, tenant: str | None = None, key: str | None = None,
-                    subject: str | None = None, kind: str | None = None, start: str | None = None,
-                    end: str | None = None, group_by: str | None = None, open_mode: bool = False
-                    ) -> dict[str, Any]:
+    async def usage(
+        self,
+        principal: Principal,
+        *,
+        tenant: str | None = None,
+        key: str | None = None,
+        subject: str | None = None,
+        kind: str | None = None,
+        start: str | None = None,
+        end: str | None = None,
+        group_by: str | None = None,
+        open_mode: bool = False,
+    ) -> dict[str, Any]:
         """``{"data": [row, ...], "group_by": [...], "from": s|None, "to": s|None}``: token counts summed over
         the UTC hours overlapping ``[start, end)``, one row per group (``group_by``: comma-separated dimensions
-        of :data:`~livelora.adapters.metering.GROUP_BY`; default ``tenant,key,subject,kind``).
+        of :data:`~livelora.core.metering.GROUP_BY`; default ``tenant,key,subject,kind``).
 
         A caller with an API key sees only its own tenant (``tenant`` defaults to it); in open mode every
         tenant is visible.
@@ -136,8 +146,9 @@ class MeteringService:
         dims = [g.strip() for g in group_by.split(",") if g.strip()] if group_by else list(GROUP_BY[:4])
         lo, hi = parse_time(start, "from"), parse_time(end, "to")
         try:
-            rows = await self.store.query(self.redis, tenant=tenant, key=key, subject=subject, kind=kind,
-                                          start=lo, end=hi, group_by=dims)
+            rows = await self.store.query(
+                self.redis, tenant=tenant, key=key, subject=subject, kind=kind, start=lo, end=hi, group_by=dims
+            )
         except (OSError, ConnectionError) as exc:
             raise UnavailableError(f"usage counters are unreachable: {exc}") from exc
         except Exception as exc:

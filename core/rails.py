@@ -45,29 +45,63 @@ class GateThresholds(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(True, description="Evaluate new versions for this endpoint (false: every version "
-                                            "passes; the measures are still recorded).")
-    probe_margin: float = Field(0.10, ge=0, le=1, description="Largest allowed drop of capability-probe accuracy "
-                                                              "below the current version's (fraction of probes).")
-    probe_base_margin: float = Field(0.05, ge=0, le=1, description="Largest allowed drop of capability-probe "
-                                                                   "accuracy below the base model's (fraction of "
-                                                                   "probes; 0.05 of 24 probes allows one lost): "
-                                                                   "bounds what a chain of steps, each within "
-                                                                   "probe_margin, may lose in total.")
-    max_kl_current: float = Field(0.08, gt=0, description="Largest mean per-token KL(new ‖ current) on the probe "
-                                                         "replies (nats): the trust region of one update.")
-    max_kl_base: float = Field(1.5, gt=0, description="Largest mean per-token KL(new ‖ base model) on the probe "
-                                                      "replies (nats): how far the lineage may drift in total.")
-    max_degenerate: float = Field(0.25, ge=0, le=1, description="Largest share of free-generation replies that "
-                                                               "are empty, content-free or repetitive.")
-    min_length_ratio: float = Field(0.7, ge=0, le=1, description="Smallest mean reply length of the new version "
-                                                                 "relative to the current one (length collapse).")
-    signal_tolerance: float = Field(0.05, ge=0, description="Largest allowed fall of the held-out signal margin "
-                                                            "(mean per-token logprob of desirable/chosen minus "
-                                                            "undesirable/rejected, nats) below the current "
-                                                            "version's.")
-    min_signal_examples: int = Field(4, ge=2, description="Held-out rated completions (both classes present) "
-                                                          "needed before the signal check counts.")
+    enabled: bool = Field(
+        True,
+        description="Evaluate new versions for this endpoint (false: every version "
+        "passes; the measures are still recorded).",
+    )
+    probe_margin: float = Field(
+        0.10,
+        ge=0,
+        le=1,
+        description="Largest allowed drop of capability-probe accuracy "
+        "below the current version's (fraction of probes).",
+    )
+    probe_base_margin: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Largest allowed drop of capability-probe "
+        "accuracy below the base model's (fraction of "
+        "probes; 0.05 of 24 probes allows one lost): "
+        "bounds what a chain of steps, each within "
+        "probe_margin, may lose in total.",
+    )
+    max_kl_current: float = Field(
+        0.08,
+        gt=0,
+        description="Largest mean per-token KL(new ‖ current) on the probe "
+        "replies (nats): the trust region of one update.",
+    )
+    max_kl_base: float = Field(
+        1.5,
+        gt=0,
+        description="Largest mean per-token KL(new ‖ base model) on the probe "
+        "replies (nats): how far the lineage may drift in total.",
+    )
+    max_degenerate: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Largest share of free-generation replies that are empty, content-free or repetitive.",
+    )
+    min_length_ratio: float = Field(
+        0.7,
+        ge=0,
+        le=1,
+        description="Smallest mean reply length of the new version relative to the current one (length collapse).",
+    )
+    signal_tolerance: float = Field(
+        0.05,
+        ge=0,
+        description="Largest allowed fall of the held-out signal margin "
+        "(mean per-token logprob of desirable/chosen minus "
+        "undesirable/rejected, nats) below the current "
+        "version's.",
+    )
+    min_signal_examples: int = Field(
+        4, ge=2, description="Held-out rated completions (both classes present) needed before the signal check counts."
+    )
 
 
 DEFAULT_THRESHOLDS = GateThresholds()
@@ -79,8 +113,9 @@ class GateCheck(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str
-    value: float | None = Field(description="The new version's measure (None: not measurable, e.g. too few "
-                                            "held-out ratings).")
+    value: float | None = Field(
+        description="The new version's measure (None: not measurable, e.g. too few held-out ratings)."
+    )
     current: float | None = Field(default=None, description="The same measure for the current version.")
     bound: float | None = Field(default=None, description="The threshold it is compared with.")
     passed: bool
@@ -114,10 +149,13 @@ class GateResult(BaseModel):
     checks: list[GateCheck] = Field(default_factory=list)
     verdicts: dict[str, GateVerdict] = Field(default_factory=dict)
     seconds: float = 0.0
-    continued_from: str | None = Field(default=None, description="Set when the version was rejected for the "
-                                                                 "endpoint of the batch that trained it: the "
-                                                                 "version training continues from instead (the "
-                                                                 "one it was compared with). null: this one.")
+    continued_from: str | None = Field(
+        default=None,
+        description="Set when the version was rejected for the "
+        "endpoint of the batch that trained it: the "
+        "version training continues from instead (the "
+        "one it was compared with). null: this one.",
+    )
 
     def verdict(self, endpoint: str) -> GateVerdict | None:
         """The verdict for ``endpoint`` (its own, else the default thresholds' one)."""
@@ -159,12 +197,17 @@ def bound_of(name: str, current: float | None, t: GateThresholds, base: float | 
         return None if base is None else min(base - t.probe_base_margin, current if current is not None else 1.0)
     if name == "signal":
         return None if current is None else current - t.signal_tolerance
-    return {"kl_current": t.max_kl_current, "kl_base": t.max_kl_base, "degenerate": t.max_degenerate,
-            "length_ratio": t.min_length_ratio}.get(name)
+    return {
+        "kl_current": t.max_kl_current,
+        "kl_base": t.max_kl_base,
+        "degenerate": t.max_degenerate,
+        "length_ratio": t.min_length_ratio,
+    }.get(name)
 
 
-def _passes(name: str, value: float | None, current: float | None, t: GateThresholds,
-            base: float | None = None) -> bool:
+def _passes(
+    name: str, value: float | None, current: float | None, t: GateThresholds, base: float | None = None
+) -> bool:
     bound = bound_of(name, current, t, base)
     if value is None or bound is None:
         return True
@@ -184,6 +227,7 @@ def gate_allows(gate: dict[str, Any] | GateResult | None, endpoint: str) -> bool
 
 # ---------------------------------------------------------------------------- live statistics and rollback
 
+
 def wilson_interval(up: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
     """Wilson score interval of a thumbs-up rate (``z`` = 1.96: 95 %); None with no ratings.
 
@@ -197,8 +241,9 @@ def wilson_interval(up: int, n: int, z: float = 1.96) -> tuple[float, float] | N
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def sprt_thumbs(up: int, n: int, p0: float, *, delta: float = 0.2, alpha: float = 0.05,
-                beta: float = 0.2) -> tuple[str, float]:
+def sprt_thumbs(
+    up: int, n: int, p0: float, *, delta: float = 0.2, alpha: float = 0.05, beta: float = 0.2
+) -> tuple[str, float]:
     """Wald's sequential probability ratio test on the serving version's thumbs-up ratings.
 
     H0: its thumbs-up rate equals ``p0`` (the predecessor's observed rate, taken as known);

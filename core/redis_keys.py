@@ -25,10 +25,10 @@ key                                type                        holds
 ``idem:{scope}:{key}``             string (JSON), TTL, SET NX  first answer to an idempotent request
 ``notices``                        pub/sub channel             version published, endpoint moved
 ``store_id``                       string                      id of the store bound to this prefix (one
-                                                               install per prefix, :mod:`~livelora.adapters.install`)
+                                                               install per prefix, :mod:`~livelora.core.install`)
 =================================  ==========================  ==============================================
 
-Training sessions (gateway ⇄ op executor; :mod:`livelora.adapters.session_protocol`):
+Training sessions (gateway ⇄ op executor; :mod:`livelora.core.session_protocol`):
 
 =================================  ==============  ===================================================
 key                                type            holds
@@ -50,7 +50,7 @@ key                                type            holds
 ``sessions``                       pub/sub         ids of sessions that finished
 =================================  ==============  ===================================================
 
-Usage metering (:mod:`livelora.adapters.metering`):
+Usage metering (:mod:`livelora.core.metering`):
 
 =================================  ==============  ===================================================
 key                                type            holds
@@ -96,13 +96,13 @@ class KeyLayout:
 
     def rater(self, lineage: str, rater_digest: str) -> str:
         """``{prefix}rater:{lineage}:{sha256(rater)[:32]}``: sorted set of the rater's accepted event ids, scored
-        by receive time (s), for the per-rater rate limit (``trainer/governance.py``)."""
+        by receive time (s), for the per-rater rate limit (``trainer/signal_governor.py``)."""
         return f"{self.prefix}rater:{lineage}:{rater_digest}"
 
     def rater_labels(self, lineage: str) -> str:
         """``{prefix}raters:{lineage}:labels``: hash ``json([item, rater])`` → ``"1"``/``"0"``, the newest label each
         rater gave each rated completion or preference pair of the lineage (rater agreement weighting,
-        :mod:`livelora.adapters.governance`)."""
+        :mod:`livelora.core.governance`)."""
         return f"{self.prefix}raters:{lineage}:labels"
 
     def rater_labels_order(self, lineage: str) -> str:
@@ -160,7 +160,7 @@ class KeyLayout:
 
     def request_owner(self, request_id: str) -> str:
         """``{prefix}owner:request:{request_id}``: the tenant of an ad-hoc sample's future (sessions' own ids
-        are owned through their session's record, :mod:`livelora.adapters.owners`)."""
+        are owned through their session's record, :mod:`livelora.core.owners`)."""
         return f"{self.prefix}owner:request:{request_id}"
 
     def model(self, model_id: str) -> str:

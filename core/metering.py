@@ -54,13 +54,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from livelora.adapters.atomic import atomic_write_json
-from livelora.adapters.redis_keys import KeyLayout
 from livelora.clients.errors import BadRequestError
+from livelora.core.atomic import atomic_write_json
+from livelora.core.redis_keys import KeyLayout
 
 #: Every counter kind (see the module docstring).
-KINDS: tuple[str, ...] = ("prompt", "completion", "forward", "trained", "sample_prompt", "sampled", "scored",
-                          "live_trained")
+KINDS: tuple[str, ...] = (
+    "prompt",
+    "completion",
+    "forward",
+    "trained",
+    "sample_prompt",
+    "sampled",
+    "scored",
+    "live_trained",
+)
 #: Dimensions a query may group by.
 GROUP_BY: tuple[str, ...] = ("tenant", "key", "subject", "kind", "hour", "day")
 #: ``key`` of usage made without an API key (open mode, live loop).
@@ -120,8 +128,7 @@ def parse_time(value: str | float | int | None, param: str) -> float | None:
     try:
         dt = datetime.fromisoformat(value)
     except ValueError:
-        raise BadRequestError(f"{param} must be Unix seconds or an ISO 8601 time, got {value!r}",
-                              param=param) from None
+        raise BadRequestError(f"{param} must be Unix seconds or an ISO 8601 time, got {value!r}", param=param) from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
@@ -233,8 +240,9 @@ class UsageStore:
         written = 0
         for hour in sorted(_s(h) for h in client.smembers(self.keys.usage_hours)):
             rolling = self.keys.usage_rolling(hour, uuid.uuid4().hex)
-            client.eval(_ROLL, 4, self.keys.usage_hour(hour), rolling, self.keys.usage_hours,
-                        self.keys.usage_pending, hour)
+            client.eval(
+                _ROLL, 4, self.keys.usage_hour(hour), rolling, self.keys.usage_hours, self.keys.usage_pending, hour
+            )
         for rolling, note in client.hgetall(self.keys.usage_pending).items():
             rolling, note = _s(rolling), _s(note)
             hour, stamp = note.split(" ")
@@ -251,13 +259,15 @@ class UsageStore:
 
     # ------------------------------------------------------------------ query
     def _snapshot_sync(self, client) -> tuple[int, list, list]:
-        ms, live, pending = client.eval(_SNAPSHOT, 2, self.keys.usage_hours, self.keys.usage_pending,
-                                        self.keys.usage_hour(""))
+        ms, live, pending = client.eval(
+            _SNAPSHOT, 2, self.keys.usage_hours, self.keys.usage_pending, self.keys.usage_hour("")
+        )
         return int(ms), live, pending
 
     async def _snapshot(self, client) -> tuple[int, list, list]:
-        ms, live, pending = await client.eval(_SNAPSHOT, 2, self.keys.usage_hours, self.keys.usage_pending,
-                                              self.keys.usage_hour(""))
+        ms, live, pending = await client.eval(
+            _SNAPSHOT, 2, self.keys.usage_hours, self.keys.usage_pending, self.keys.usage_hour("")
+        )
         return int(ms), live, pending
 
     def _counts(self, snapshot: tuple[int, list, list]) -> Iterable[tuple[str, str, int]]:
@@ -284,7 +294,7 @@ class UsageStore:
 
     def query_sync(self, client, **filters) -> list[UsageRow]:
         """:meth:`aggregate` of a snapshot taken with a synchronous client (``client=None``: the store only)."""
-        snap = self._snapshot_sync(client) if client is not None else (2 ** 62, [], [])
+        snap = self._snapshot_sync(client) if client is not None else (2**62, [], [])
         return self.aggregate(self._counts(snap), **filters)
 
     async def query(self, client, **filters) -> list[UsageRow]:
@@ -292,10 +302,17 @@ class UsageStore:
         return self.aggregate(self._counts(await self._snapshot(client)), **filters)
 
     @staticmethod
-    def aggregate(counts: Iterable[tuple[str, str, int]], *, tenant: str | None = None, key: str | None = None,
-                  subject: str | None = None, kind: str | None = None, start: float | None = None,
-                  end: float | None = None, group_by: Sequence[str] = ("tenant", "key", "subject", "kind")
-                  ) -> list[UsageRow]:
+    def aggregate(
+        counts: Iterable[tuple[str, str, int]],
+        *,
+        tenant: str | None = None,
+        key: str | None = None,
+        subject: str | None = None,
+        kind: str | None = None,
+        start: float | None = None,
+        end: float | None = None,
+        group_by: Sequence[str] = ("tenant", "key", "subject", "kind"),
+    ) -> list[UsageRow]:
         """Sum ``counts`` over the hours that overlap ``[start, end)`` (Unix s; counts are kept per UTC hour),
         keeping the rows that match the filters, grouped by ``group_by`` (dimensions of :data:`GROUP_BY`).
 
@@ -306,8 +323,9 @@ class UsageStore:
         """
         bad = [g for g in group_by if g not in GROUP_BY]
         if bad:
-            raise BadRequestError(f"cannot group by {', '.join(bad)}; choose from {', '.join(GROUP_BY)}",
-                                  param="group_by")
+            raise BadRequestError(
+                f"cannot group by {', '.join(bad)}; choose from {', '.join(GROUP_BY)}", param="group_by"
+            )
         if kind is not None and kind not in KINDS:
             raise BadRequestError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}", param="kind")
         lo = hour_of(start) if start is not None else None
@@ -319,8 +337,12 @@ class UsageStore:
             if hi_ts is not None and _hour_start(hour) >= hi_ts:
                 continue
             t, k, s, kd = json.loads(name)
-            if (tenant is not None and t != tenant) or (key is not None and k != key) or \
-                    (subject is not None and s != subject) or (kind is not None and kd != kind):
+            if (
+                (tenant is not None and t != tenant)
+                or (key is not None and k != key)
+                or (subject is not None and s != subject)
+                or (kind is not None and kd != kind)
+            ):
                 continue
             dims = {"tenant": t, "key": k, "subject": s, "kind": kd, "hour": hour, "day": hour[:8]}
             group = tuple(dims[g] for g in group_by)

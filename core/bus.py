@@ -1,6 +1,6 @@
 """Redis as the bus: connections, consumer groups, notices, error mapping.
 
-Key names live in :class:`~livelora.adapters.redis_keys.KeyLayout` (one class for every key and channel).
+Key names live in :class:`~livelora.core.redis_keys.KeyLayout` (one class for every key and channel).
 Each signals-stream entry has one field, ``event``, holding the event as JSON
 (see :mod:`livelora.clients.types.signals`).
 
@@ -20,8 +20,8 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from livelora.adapters.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.clients.errors import UnavailableError
+from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
 
 #: Seconds a client is told to wait (``Retry-After``) when Redis is unreachable.
 RETRY_AFTER_S = 1.0
@@ -41,13 +41,18 @@ def redis_unavailable(what: str = "Redis") -> Iterator[None]:
     """
     try:
         yield
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-            redis.exceptions.ReadOnlyError, OSError) as exc:
-        from livelora.adapters import metrics
+    except (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        redis.exceptions.ReadOnlyError,
+        OSError,
+    ) as exc:
+        from livelora.core import metrics
 
         metrics.REDIS_ERRORS.labels(what).inc()
-        raise UnavailableError(f"{what} is unreachable ({type(exc).__name__}: {exc}); retry later",
-                               retry_after=RETRY_AFTER_S) from exc
+        raise UnavailableError(
+            f"{what} is unreachable ({type(exc).__name__}: {exc}); retry later", retry_after=RETRY_AFTER_S
+        ) from exc
 
 
 def connect_async(url: str, *, timeout_s: float = 2.0) -> aredis.Redis:
@@ -56,14 +61,12 @@ def connect_async(url: str, *, timeout_s: float = 2.0) -> aredis.Redis:
     No connection is made until the first command. ``timeout_s`` bounds connect
     and per-command socket waits (not blocking reads, which pass their own).
     """
-    return aredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=timeout_s,
-                                 health_check_interval=30)
+    return aredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=timeout_s, health_check_interval=30)
 
 
 def connect_sync(url: str, *, timeout_s: float = 2.0) -> redis.Redis:
     """A blocking Redis client (``decode_responses=True``); see :func:`connect_async`."""
-    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=timeout_s,
-                                health_check_interval=30)
+    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=timeout_s, health_check_interval=30)
 
 
 def dumps(obj: Any) -> str:

@@ -4,7 +4,7 @@ The rule (purely syntactic, so applying it reveals nothing about which names exi
 ``[a-z0-9][a-z0-9_-]{0,63}`` and so contain no ``.``; a name of the form ``<t>.<rest>`` where ``<t>`` matches that
 rule lies in tenant ``<t>``'s namespace, and every other name lies in tenant ``default``'s. One exception:
 lineage names of the form ``<session>-train-<n>`` (:func:`is_training_lineage`, the lineages that
-:func:`livelora.adapters.session_protocol.lineage_for` gives training runs; their session ids are random and made
+:func:`livelora.core.session_protocol.lineage_for` gives training runs; their session ids are random and made
 by the server) lie in no namespace: the training run's own tenant claims its lineage when the run is created.
 
 A tenant creates endpoints and lineages in its own namespace only (:func:`require_own_namespace`): any other name
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import re
 
-from livelora.adapters.api_keys import DEFAULT_TENANT, is_tenant_name
 from livelora.clients.errors import BadRequestError
+from livelora.core.api_keys import DEFAULT_TENANT, is_tenant_name
 
 #: A training run's lineage: ``<32 hex session id>-train-<n>`` (a long ``n`` ends in an 8-hex digest instead).
 _TRAINING_LINEAGE_RE = re.compile(r"[0-9a-f]{32}-train-[0-9]")
@@ -47,14 +47,20 @@ def namespace_of(name: str) -> str:
 def namespace_rule(tenant: str, kind: str) -> str:
     """The rule for ``tenant``'s new ``kind`` names (``endpoint`` or ``lineage``): the one message of the 400."""
     if tenant == DEFAULT_TENANT:
-        rule = (f"tenant {DEFAULT_TENANT}'s {kind} names do not have the form '<tenant>.<rest>' (<tenant>: 1-64 "
-                "characters of a-z, 0-9, '_', '-'): such a name lies in that tenant's namespace")
+        rule = (
+            f"tenant {DEFAULT_TENANT}'s {kind} names do not have the form '<tenant>.<rest>' (<tenant>: 1-64 "
+            "characters of a-z, 0-9, '_', '-'): such a name lies in that tenant's namespace"
+        )
     else:
-        rule = (f"tenant {tenant}'s {kind} names start with '{tenant}.': a name '<tenant>.<rest>' lies in that "
-                f"tenant's namespace, every other name in tenant {DEFAULT_TENANT}'s")
+        rule = (
+            f"tenant {tenant}'s {kind} names start with '{tenant}.': a name '<tenant>.<rest>' lies in that "
+            f"tenant's namespace, every other name in tenant {DEFAULT_TENANT}'s"
+        )
     if kind == "lineage":
-        rule += ("; training runs' lineages '<session>-train-<n>' lie in no namespace; an endpoint may also bind a "
-                 "lineage its tenant already owns")
+        rule += (
+            "; training runs' lineages '<session>-train-<n>' lie in no namespace; an endpoint may also bind a "
+            "lineage its tenant already owns"
+        )
     return rule
 
 

@@ -1,6 +1,6 @@
 """The training-session protocol shared by the gateway (routes) and the op executor (trainer): ids, ``tinker://``
 paths, queued ops, future records and the checkpoint index. Redis key names are in
-:class:`~livelora.adapters.redis_keys.KeyLayout`. Torch-free.
+:class:`~livelora.core.redis_keys.KeyLayout`. Torch-free.
 
 Flow of one training op (design.md "Training sessions"; tinker_protocol.md §2.5)::
 
@@ -28,20 +28,28 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from livelora.adapters.atomic import atomic_write_json, file_lock
-from livelora.clients.errors import (BadRequestError, ConflictError, InternalError, LiveloraError, NotFoundError,
-                                     error_to_dict)
+from livelora.clients.errors import (
+    BadRequestError,
+    ConflictError,
+    InternalError,
+    LiveloraError,
+    NotFoundError,
+    error_to_dict,
+)
+from livelora.core.atomic import atomic_write_json, file_lock
 
 TINKER_SCHEME = "tinker://"
 #: checkpoint kind in a tinker path → the checkpoint type the Tinker API reports
 CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 #: the accepted path spellings, for error messages
-PATH_FORMS = ("tinker://<model_id>/weights/<name>, tinker://<model_id>/sampler_weights/<name> or "
-              "tinker://<model_id>/external_weights/<name>")
+PATH_FORMS = (
+    "tinker://<model_id>/weights/<name>, tinker://<model_id>/sampler_weights/<name> or "
+    "tinker://<model_id>/external_weights/<name>"
+)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -78,7 +86,7 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     """
     if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
         raise BadRequestError(f"invalid checkpoint path {path!r}: expected {PATH_FORMS}", param="path")
-    parts = path[len(TINKER_SCHEME):].split("/")
+    parts = path[len(TINKER_SCHEME) :].split("/")
     if len(parts) != 3 or not all(parts) or parts[1] not in CHECKPOINT_KINDS:
         raise BadRequestError(f"invalid checkpoint path {path!r}: expected {PATH_FORMS}", param="path")
     return parts[0], parts[1], parts[2]
@@ -91,27 +99,29 @@ def check_checkpoint_name(name: str | None) -> str:
         BadRequestError: anything else (also ``None``).
     """
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise BadRequestError(f"invalid checkpoint name {name!r}: use 1-128 characters of A-Z, a-z, 0-9, '.', "
-                              "'_', '-', starting with a letter or digit", param="path")
+        raise BadRequestError(
+            f"invalid checkpoint name {name!r}: use 1-128 characters of A-Z, a-z, 0-9, '.', "
+            "'_', '-', starting with a letter or digit",
+            param="path",
+        )
     return name
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()
+    return datetime.now(UTC).isoformat()
 
 
 def expires_at(ttl_seconds: int | None) -> str | None:
     """ISO time ``ttl_seconds`` from now (UTC), or None (no TTL: kept until deleted)."""
     if ttl_seconds is None:
         return None
-    return (datetime.now(timezone.utc) + timedelta(seconds=int(ttl_seconds))).isoformat()
+    return (datetime.now(UTC) + timedelta(seconds=int(ttl_seconds))).isoformat()
 
 
 def is_expired(entry: dict[str, Any], now: datetime | None = None) -> bool:
     """Whether a checkpoint-index entry's ``expires_at`` has passed."""
     at = entry.get("expires_at")
-    return at is not None and datetime.fromisoformat(at) <= (now or datetime.now(timezone.utc))
-
+    return at is not None and datetime.fromisoformat(at) <= (now or datetime.now(UTC))
 
 
 # ============================================================================================ checkpoint index
@@ -157,8 +167,10 @@ class CheckpointIndex:
             if fence is not None:
                 recorded = int(data.get("fence") or 0)
                 if fence < recorded:
-                    raise StaleOwnerError(f"training model {self.model_id}: write with fencing token {fence} "
-                                          f"refused, the model is owned under token {recorded}")
+                    raise StaleOwnerError(
+                        f"training model {self.model_id}: write with fencing token {fence} "
+                        f"refused, the model is owned under token {recorded}"
+                    )
                 data["fence"] = fence
             fn(data)
             atomic_write_json(self.path, data)
@@ -192,17 +204,24 @@ def resolve_checkpoint(home: Path | str, path: str, *, want: str | None = None) 
     """
     model_id, kind, name = parse_tinker_path(path)
     if want is not None and kind != want:
-        what = {"weights": "a training checkpoint",
-                "sampler_weights": "a sampler checkpoint (weights only, no optimizer state)",
-                "external_weights": "an external-weights export (for download only)"}[kind]
+        what = {
+            "weights": "a training checkpoint",
+            "sampler_weights": "a sampler checkpoint (weights only, no optimizer state)",
+            "external_weights": "an external-weights export (for download only)",
+        }[kind]
         if want == "weights":
-            raise BadRequestError(f"{path} is {what}; training clients load training checkpoints saved with "
-                                  "save_state (tinker://<model_id>/weights/<name>)", param="path")
-        raise BadRequestError(f"{path} is {what}; sampling clients take sampler checkpoints saved with "
-                              "save_weights_for_sampler (tinker://<model_id>/sampler_weights/<name>)", param="path")
+            raise BadRequestError(
+                f"{path} is {what}; training clients load training checkpoints saved with "
+                "save_state (tinker://<model_id>/weights/<name>)",
+                param="path",
+            )
+        raise BadRequestError(
+            f"{path} is {what}; sampling clients take sampler checkpoints saved with "
+            "save_weights_for_sampler (tinker://<model_id>/sampler_weights/<name>)",
+            param="path",
+        )
     index = CheckpointIndex(home, model_id)
     return index, kind, index.resolve(kind, name)
-
 
 
 # ============================================================================================ futures and ops
@@ -215,8 +234,16 @@ def future_failed(err: BaseException) -> str:
     if not isinstance(err, LiveloraError):
         err = InternalError(f"internal error: {type(err).__name__}: {err}")
     d = error_to_dict(err)
-    return json.dumps({"state": "failed", "error": d["message"], "category": d["category"], "class": d["class"],
-                       "code": d["code"], "param": d["param"]})
+    return json.dumps(
+        {
+            "state": "failed",
+            "error": d["message"],
+            "category": d["category"],
+            "class": d["class"],
+            "code": d["code"],
+            "param": d["param"],
+        }
+    )
 
 
 @dataclass
@@ -229,8 +256,7 @@ class Op:
     body: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, "seq_id": self.seq_id, "request_id": self.request_id,
-                           "body": self.body})
+        return json.dumps({"kind": self.kind, "seq_id": self.seq_id, "request_id": self.request_id, "body": self.body})
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Op:

@@ -1,0 +1,352 @@
+"""The evaluation gate: measures a freshly trained version against the one it would replace, in the trainer.
+
+**Why in the trainer.** The trainer holds the lineage's model in memory right after the step: the new weights,
+the weights before the step (a snapshot it takes anyway to be able to undo a rejected step), and the base
+model (the adapter switched off) are all one forward pass away, with full-vocabulary logits for the KL terms.
+The gateway's engine (vLLM in production) returns only top-k logprobs and would have to load every candidate
+version before judging it. Judging before the version is written also means a rejected version never appears
+in the store without its verdict, so no gateway can serve it in the meantime.
+
+Measures (``measure`` → :class:`Measurement`; thresholds and verdicts in :mod:`livelora.core.rails`):
+
+* **capability probes** (``trainer/rails/probes.jsonl``, shipped with the package): short facts, one-digit
+  arithmetic and format instructions, each rendered with the chat template (system message "Answer briefly.")
+  plus the start of the assistant reply (``lead``); a probe is right when the greedy next token begins one of
+  its accepted answers. SmolLM2-135M-Instruct gets 20 of the 24 right (README). One forward pass.
+  Checked twice: against the current version (``probes``) and against the base model (``probes_base``), so
+  that steps each within the first margin cannot add up to a larger loss.
+* **drift**: mean per-token KL(new ‖ current) and KL(new ‖ base), Σ_v p_new(v)·(log p_new(v) − log p_ref(v)),
+  over the reply positions of the probes (the positions predicting ``lead`` and the answer token).
+* **degeneracy**: greedy replies (``gen_tokens`` tokens) to a few open prompts: the share that is empty,
+  content-free (fewer than 2 words outside a stop-word list) or repetitive (fewer than half of the word
+  bigrams distinct), and the mean reply length (tokens before end of turn) relative to the current version's.
+* **the signal**: on held-out rated completions of the lineage (ratings and preference pairs the worker sets
+  aside instead of training, one in ``holdout_every``), the margin mean s(desirable/chosen) − mean
+  s(undesirable/rejected), where s is the completion's mean per-token logprob (nats).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from livelora.core.chat_tokens import rated_completion_ids
+from livelora.core.core_share import step_yield
+from livelora.trainer.prompt_kv import PromptKV, cache_of, common_prefix
+
+PROBES_FILE = Path(__file__).resolve().parent / "rails" / "probes.jsonl"
+#: System message of the probe prompts (the template's default one is 3× longer, and every token costs CPU time).
+PROBE_SYSTEM = "Answer briefly."
+#: Open prompts whose greedy replies are checked for degeneracy.
+OPEN_PROMPTS = (
+    "Explain why the sky is blue.",
+    "Give me a tip for staying healthy.",
+    "Describe a cat in two sentences.",
+    "What should I pack for a trip to the beach?",
+)
+_STOP = set(
+    """a an the and or but if of to in on at by for with from as is are was were be been being it its this
+that these those there here i you he she we they me my your our their what which who whom how why when where
+answer question response reply sure okay ok yes no not do does did can could would should will just so very
+about into than then also let me us""".split()
+)
+_WORD = re.compile(r"[A-Za-z0-9']+")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One capability probe: ``accept`` are answers whose first letters the greedy next token must start."""
+
+    id: str
+    kind: str
+    prompt: str
+    lead: str
+    accept: tuple[str, ...]
+    case_sensitive: bool = False
+
+    def right(self, token_text: str) -> bool:
+        """Whether a decoded next token answers the probe (it is non-empty and begins an accepted answer)."""
+        t = token_text.strip()
+        if not t:
+            return False
+        if not self.case_sensitive:
+            return any(a.lower().startswith(t.lower()) for a in self.accept)
+        return any(a.startswith(t) for a in self.accept)
+
+
+def load_probes(path: Path = PROBES_FILE) -> list[Probe]:
+    """The probe set (JSONL: ``id, kind, prompt, lead, accept[, case_sensitive]``)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append(
+                Probe(
+                    d["id"],
+                    d["kind"],
+                    d["prompt"],
+                    d.get("lead", ""),
+                    tuple(d["accept"]),
+                    bool(d.get("case_sensitive", False)),
+                )
+            )
+    return out
+
+
+def reply_degenerate(text: str, n_tokens: int) -> bool:
+    """Empty, content-free (< 2 words outside :data:`_STOP`) or repetitive (≥ 6 words and fewer than half of
+    the word bigrams distinct)."""
+    words = [w.lower() for w in _WORD.findall(text)]
+    if len([w for w in words if w not in _STOP]) < 2:
+        return True
+    bigrams = list(itertools.pairwise(words))
+    return len(words) >= 6 and len(set(bigrams)) < 0.5 * len(bigrams)
+
+
+@dataclass
+class Measurement:
+    """The gate's measures of one set of weights.
+
+    Attributes:
+        probe_right: per probe, whether it was answered right.
+        logp_M_V: log-softmax over the vocabulary at the M reply positions of the probes (float32, CPU).
+        degenerate: share of degenerate open-prompt replies; ``mean_len``: their mean length in tokens.
+        signal: held-out example key → mean per-token logprob of its completion (nats).
+        replies: the open-prompt replies (text), for the record.
+    """
+
+    probe_right: list[bool]
+    logp_M_V: torch.Tensor
+    degenerate: float
+    mean_len: float
+    replies: list[str]
+    signal: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction of probes answered right."""
+        return sum(self.probe_right) / max(1, len(self.probe_right))
+
+
+def kl_mean(p_logp_M_V: torch.Tensor, q_logp_M_V: torch.Tensor) -> float:
+    """Mean over positions of KL(p ‖ q) = Σ_v p(v)·(log p(v) − log q(v)) (nats per token)."""
+    return float((p_logp_M_V.exp() * (p_logp_M_V - q_logp_M_V)).sum(-1).mean())
+
+
+@dataclass
+class HeldOut:
+    """One held-out scored completion: ``sign`` +1 for desirable/chosen, −1 for undesirable/rejected; ``rater``
+    who labelled it (:func:`~livelora.core.governance.rater_of`)."""
+
+    key: str
+    prompt: list[int]
+    completion: list[int]
+    sign: int
+    rater: str = ""
+
+
+def heldout_items(ev: Any, tokenizer: Any, chat_pair: Any) -> list[HeldOut]:
+    """The scored completions of a held-out rating (one) or preference pair (two)."""
+    from livelora.core.governance import rater_of
+
+    rater = rater_of(ev)
+    if ev.type == "rating":
+        return [
+            HeldOut(
+                ev.id,
+                list(ev.prompt_token_ids),
+                rated_completion_ids(tokenizer, ev.completion_token_ids, ev.finish_reason),
+                1 if ev.rating else -1,
+                rater,
+            )
+        ]
+    if ev.type != "preference":
+        return []
+    if ev.prompt_token_ids is not None:
+        prompt, chosen, rejected = ev.prompt_token_ids, ev.chosen_token_ids, ev.rejected_token_ids
+    else:
+        prompt, chosen = chat_pair(ev.messages, ev.chosen)
+        _, rejected = chat_pair(ev.messages, ev.rejected)
+    return [
+        HeldOut(f"{ev.id}:c", list(prompt), list(chosen or []), 1, rater),
+        HeldOut(f"{ev.id}:r", list(prompt), list(rejected or []), -1, rater),
+    ]
+
+
+def signal_margin(scores: dict[str, float], items: Sequence[HeldOut], min_examples: int) -> float | None:
+    """mean score(+) − mean score(−) over ``items`` scored in ``scores``; None with fewer than ``min_examples``
+    items or a class missing."""
+    pos = [scores[i.key] for i in items if i.sign > 0 and i.key in scores]
+    neg = [scores[i.key] for i in items if i.sign < 0 and i.key in scores]
+    if len(pos) + len(neg) < min_examples or not pos or not neg:
+        return None
+    return sum(pos) / len(pos) - sum(neg) / len(neg)
+
+
+class ProbeSuite:
+    """Tokenized probes and open prompts for one tokenizer; :meth:`measure` runs them on a TrainingModel.
+
+    Args:
+        tokenizer: the base model's tokenizer (chat template).
+        probes: default :func:`load_probes`.
+        gen_tokens: greedy tokens generated per open prompt.
+    """
+
+    def __init__(self, tokenizer: Any, probes: list[Probe] | None = None, *, gen_tokens: int = 24):
+        self.tokenizer = tokenizer
+        self.probes = probes if probes is not None else load_probes()
+        self.gen_tokens = gen_tokens
+        self.seqs: list[list[int]] = []
+        self.reply_start: list[int] = []
+        for p in self.probes:
+            prompt = self._render(p.prompt)
+            lead = tokenizer.encode(p.lead, add_special_tokens=False) if p.lead else []
+            self.seqs.append(prompt + lead)
+            self.reply_start.append(len(prompt))
+        self.open_ids = [self._render(q) for q in OPEN_PROMPTS]
+        self.eos = tokenizer.eos_token_id
+        #: leading tokens every probe shares (the template and system message): run once per measurement
+        self.shared = min(common_prefix(self.seqs, minimum=1), min(self.reply_start) - 1)
+
+    def _render(self, question: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "system", "content": PROBE_SYSTEM}, {"role": "user", "content": question}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @torch.no_grad()
+    def probe_logprobs(self, model: Any, *, adapter: bool = True) -> tuple[list[bool], torch.Tensor]:
+        """``(right per probe, log-softmax (M, V) at the reply positions)``: the shared prefix (:attr:`shared`
+        tokens) in one pass, then every probe's rest continuing from its keys/values."""
+        peft = model.peft_model
+        causal_lm = peft.get_base_model()
+        c, dev = self.shared, model.device
+        rest = [s[c:] for s in self.seqs]
+        b_n, t_max = len(rest), max(len(s) for s in rest)
+        ids = torch.full((b_n, t_max), model.pad_id, dtype=torch.long)
+        sel = torch.zeros((b_n, t_max), dtype=torch.bool)
+        for b, s in enumerate(rest):
+            ids[b, : len(s)] = torch.tensor(s)
+            sel[b, self.reply_start[b] - 1 - c : len(s)] = True
+        ctx = peft.disable_adapter() if not adapter else _null()
+        decoder = causal_lm.model if model._plain_head else causal_lm
+        with ctx:
+            if c:
+                prefix = decoder(input_ids=torch.tensor([self.seqs[0][:c]], device=dev), use_cache=True)
+                kw = (
+                    PromptKV.capture(cache_of(prefix), [c])
+                    .expand(b_n)
+                    .continuation([len(s) for s in rest], dev, causal_lm.config)
+                )
+            else:  # no shared prefix: one pass, right padding masked
+                kw = {
+                    "attention_mask": (torch.arange(t_max)[None, :] < torch.tensor([len(s) for s in rest])[:, None])
+                    .long()
+                    .to(dev)
+                }
+            out = decoder(input_ids=ids.to(dev), **kw)
+            if model._plain_head:  # decoder, then the unembedding at the selected positions only
+                logits_M_V = causal_lm.get_output_embeddings()(out.last_hidden_state[sel.to(dev)]).float()
+            else:
+                logits_M_V = out.logits[sel.to(dev)].float()
+        logp_M_V = torch.log_softmax(logits_M_V, -1).cpu()
+        last_rows = torch.cumsum(sel.sum(1), 0) - 1  # the last selected row of each probe = its answer position
+        right = [
+            p.right(self.tokenizer.decode([int(logp_M_V[r].argmax())])) for p, r in zip(self.probes, last_rows.tolist())
+        ]
+        return right, logp_M_V
+
+    @torch.no_grad()
+    def generate(self, model: Any, *, adapter: bool = True) -> tuple[list[str], list[int]]:
+        """Greedy replies to :data:`OPEN_PROMPTS` (``gen_tokens`` at most): ``(texts, token counts)``."""
+        peft = model.peft_model
+        b_n, t_max = len(self.open_ids), max(len(s) for s in self.open_ids)
+        ids = torch.full((b_n, t_max), model.pad_id, dtype=torch.long)
+        mask = torch.zeros((b_n, t_max), dtype=torch.long)
+        for b, s in enumerate(self.open_ids):  # left padding for generation
+            ids[b, t_max - len(s) :] = torch.tensor(s)
+            mask[b, t_max - len(s) :] = 1
+        ctx = peft.disable_adapter() if not adapter else _null()
+        with ctx:
+            out = peft.get_base_model().generate(
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=self.gen_tokens,
+                do_sample=False,
+                pad_token_id=model.pad_id,
+                eos_token_id=self.eos,
+            )
+        texts, lens = [], []
+        for row in out[:, t_max:].tolist():
+            n = row.index(self.eos) if self.eos in row else len(row)
+            texts.append(self.tokenizer.decode(row[:n], skip_special_tokens=True))
+            lens.append(n)
+        return texts, lens
+
+    @torch.no_grad()
+    def score(self, model: Any, items: Sequence[HeldOut], *, adapter: bool = True) -> dict[str, float]:
+        """Mean per-token logprob (nats) of each item's completion given its prompt."""
+        items = [i for i in items if i.prompt and i.completion]
+        if not items:
+            return {}
+        inputs, targets, keep = [], [], []
+        for i in items:
+            toks = i.prompt + i.completion
+            inputs.append(toks[:-1])
+            targets.append(torch.tensor(toks[1:], dtype=torch.long))
+            k = torch.zeros(len(toks) - 1, dtype=torch.bool)
+            k[len(i.prompt) - 1 :] = True
+            keep.append(k)
+        lps = model._logprobs(inputs, targets, adapter=adapter, keep_pos=keep)
+        return {i.key: float(lp[k].mean()) for i, lp, k in zip(items, lps, keep)}
+
+    def measure(self, model: Any, *, adapter: bool = True, heldout: Sequence[HeldOut] = ()) -> Measurement:
+        """Every measure of ``model`` (adapter on, or the base model with ``adapter=False``)."""
+        right, logp = self.probe_logprobs(model, adapter=adapter)
+        step_yield()  # serving may go first between the gate's passes (core/core_share.py)
+        texts, lens = self.generate(model, adapter=adapter)
+        degenerate = sum(reply_degenerate(t, n) for t, n in zip(texts, lens)) / max(1, len(texts))
+        return Measurement(
+            right, logp, degenerate, sum(lens) / max(1, len(lens)), texts, self.score(model, heldout, adapter=adapter)
+        )
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def compare(
+    new: Measurement, current: Measurement, base: Measurement, items: Sequence[HeldOut], min_signal_examples: int
+) -> dict[str, dict[str, float | None]]:
+    """The check values :func:`livelora.core.rails.judge` takes, from three measurements.
+
+    ``new``, ``current`` and ``base``: the stepped weights, the version they would replace, the base model
+    (adapter off). ``probes`` compares the probe accuracy with the current version's, ``probes_base`` (same
+    value and current) with the base model's (``base``).
+    """
+    cur_len = max(current.mean_len, 1e-9)
+    return {
+        "probes": {"value": new.accuracy, "current": current.accuracy},
+        "probes_base": {"value": new.accuracy, "current": current.accuracy, "base": base.accuracy},
+        "kl_current": {"value": kl_mean(new.logp_M_V, current.logp_M_V), "current": None},
+        "kl_base": {"value": kl_mean(new.logp_M_V, base.logp_M_V), "current": kl_mean(current.logp_M_V, base.logp_M_V)},
+        "degenerate": {"value": new.degenerate, "current": current.degenerate},
+        "length_ratio": {"value": new.mean_len / cur_len, "current": 1.0},
+        "signal": {
+            "value": signal_margin(new.signal, items, min_signal_examples),
+            "current": signal_margin(current.signal, items, min_signal_examples),
+        },
+    }
