@@ -28,8 +28,8 @@ class Block:
 
 
 def doc_files() -> list[Path]:
-    """README.md and every page under docs/."""
-    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    """README.md, CONTRIBUTING.md and every page under docs/."""
+    return [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def blocks(path: Path) -> list[Block]:

@@ -36,7 +36,15 @@ def test_every_shell_and_python_block_is_run_by_a_test_or_marked_not_run(capsys)
 
 def test_install_blocks_in_the_docs_equal_the_readme_lines():
     readme = blocks(REPO / "README.md")[0].code.splitlines()
-    for page in ("index.md", "serving.md"):
-        first = blocks(REPO / "docs" / page)[0]
+    for page in ("docs/index.md", "docs/serving.md", "CONTRIBUTING.md"):
+        first = blocks(REPO / page)[0]
         assert first.lang == "bash"
-        assert set(first.code.splitlines()) <= set(readme), f"docs/{page}: {first.code!r} differs from the README"
+        assert set(first.code.splitlines()) <= set(readme), f"{page}: {first.code!r} differs from the README"
+
+
+def test_readme_is_at_most_10_kb_and_says_first_what_livelora_is():
+    text = (REPO / "README.md").read_text()
+    assert len(text.encode()) <= 10 * 1024
+    # the title, then one paragraph saying what it is (the docs' home page includes it), then the two commands
+    first_paragraph = text.split("\n\n")[1].removeprefix("<!-- --8<-- [start:what] -->\n")
+    assert first_paragraph.startswith("livelora is a self-hosted, OpenAI-compatible inference gateway")
