@@ -4,7 +4,7 @@ deliberately bad one, on SmolLM2-135M-Instruct (CPU).
 * ``normal``: KTO steps at the default learning rate on rated replies (mixed thumbs up/down), as the live
   loop trains them;
 * ``bad``: SFT steps at 10× the default SFT rate on demonstrations that answer every prompt with the same
-  content-free phrase (the "blunt taste" failure of README "The live loop").
+  content-free phrase (the "blunt taste" failure of docs/live-loop.md).
 
 Run: ``python bench/gate_thresholds.py [--steps 3]``. Prints one line per step with every measure and the
 machine load (2 shared cores: times are noisy). The defaults in ``core/rails.py`` lie between the two.

@@ -16,7 +16,7 @@ per prompt at the serving temperature, fixed seeds, never rated). Prints the cur
 their p50/max, writes the curve as a PNG (``--plot``, default ``bench/out/live_loop.png``) and the figures as
 JSON next to it.
 
-**Rails scenarios** (``--scenario a|b|c|d``; issue 15, README "Update-safety rails"). "Rails on" means the
+**Rails scenarios** (``--scenario a|b|c|d``; issue 15, docs/rails.md). "Rails on" means the
 trainer's evaluation gate (``GateSection`` defaults: probes, drift, degeneracy, held-out signal; one rating in ten
 held out), feedback governance (rate limit ``--rater-max-events`` per rater and hour, default 120; batch share
 0.5; rater agreement weighting) and the gateway's automatic rollback; "rails off" means none of them. A round's
@@ -49,8 +49,8 @@ served version = train step + gate + save (timed around ``OnlineTrainer.train``)
 
 Each scenario prints its figures and writes ``live_loop_<x>.png`` and ``.json`` next to ``--plot``.
 
-Results (2026-12-01, 2 shared cores at load average 4–10 from other sessions and a second scenario; README
-"Update-safety rails" has the discussion): (a) liked share 9.4 % → 100 % (+90.6 points; 62.5 % at 40, 93.8 % at
+Results (2026-12-01, 2 shared cores at load average 4–10 from other sessions and a second scenario; docs/rails.md
+has the discussion): (a) liked share 9.4 % → 100 % (+90.6 points; 62.5 % at 40, 93.8 % at
 80); 80 of the 200 ratings quarantined by the rate limit, one version rejected (signal). (b) probe accuracy
 (base 83.3 %): rails off 83.3/87.5/79.2/83.3/66.7/58.3 % at 0/40/…/200 ratings, rails on 83.3/87.5/75.0/79.2/
 79.2/79.2 %: within 5 points except at 80 ratings (−8.3). (c) honest liked share 9.4 % → 100 % at 288 ratings
@@ -76,7 +76,7 @@ Defaults: max_tokens 40, temperature 0.7 (the low end: SmolLM2 drifts into gibbe
 taste 1–20 words, 48 train and 16 held-out prompts, 2 seeded samples per held-out prompt (32 per point), one
 KTO step per 8 ratings. Result with them (2-core CPU, 577 s): liked share 9.4 % → 65.6 % (40 ratings) → 96.9 %
 (80) → 100 % (200); update p50 7.18 s, max 16.22 s. The learning-rate experiment behind the trainer's KTO
-default (1e-3: 5e-5 reaches 12.5 % and 2e-4 25 % after 80 ratings) is in the README's live-loop section.
+default (1e-3: 5e-5 reaches 12.5 % and 2e-4 25 % after 80 ratings) is in docs/live-loop.md.
 """
 
 from __future__ import annotations

@@ -352,7 +352,7 @@ def endpoints_gate(
     api_key: _Key = None,
     home: _HomeOpt = None,
 ) -> None:
-    """Show or set an endpoint's evaluation-gate thresholds (README "Update-safety rails")."""
+    """Show or set an endpoint's evaluation-gate thresholds (docs/rails.md)."""
     backend = Backend(url, api_key, home)
     if set_ or reset:
         current = {} if reset else dict(_run(lambda: backend.list_endpoints_one(name))["gate"])

@@ -16,7 +16,7 @@ child process that ``livelora serve`` starts and supervises:
   (``PR_SET_PDEATHSIG`` on Linux) and on a clean stop, and then gives its leases back (peers take over at once).
 
 On a GPU the same split holds: vLLM takes ``LIVELORA_VLLM_GPU_MEMORY_UTILIZATION`` of the device's memory
-(default 0.85) and the trainer process uses the rest (README, "Serving first").
+(default 0.85) and the trainer process uses the rest (docs/serving-while-training.md).
 """
 
 from __future__ import annotations

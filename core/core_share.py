@@ -3,7 +3,7 @@
 On a CPU machine the transformers engine runs its matmuls on an OpenMP pool of ``engine_threads``. When a training
 step runs on the same machine, one of those threads shares its core with the step, and the engine's threads wait
 for it at every parallel region: measured on 2 cores with 8 streams, serving fell to 0.35x of its speed during
-KTO steps with two engine threads, but kept 0.90x with one (README, "Serving first"). So the engine uses every
+KTO steps with two engine threads, but kept 0.90x with one (docs/serving-while-training.md). So the engine uses every
 core while no step runs and fewer (``engine_threads_while_training``) while one does.
 
 The signal is a file per machine, ``<home>/run/training-<hostname>``, holding the pid of the process running a

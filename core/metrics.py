@@ -11,7 +11,7 @@ exposes its own registry (a separate ``livelora trainer`` process is then not vi
 ``/metrics``; ``livelora serve`` sets up such a directory for itself and its trainer child). Gauges use
 ``multiprocess_mode="livesum"`` (the sum over live processes).
 
-See the README's operators section for the table of names.
+docs/operations.md has the table of names.
 """
 
 from __future__ import annotations

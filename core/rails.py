@@ -8,10 +8,10 @@ result rejects it for that endpoint (:func:`gate_allows`); a version without a g
 written before the rails existed) is allowed as before.
 
 Thresholds are per endpoint (:class:`GateThresholds`, stored in the endpoint's binding, ``null`` = the
-defaults below). The defaults were found with ``bench/gate_thresholds.py`` on SmolLM2-135M-Instruct (README
-"Update-safety rails"): a normal KTO step at the default learning rate moves every measure far less than
+defaults below). The defaults were found with ``bench/gate_thresholds.py`` on SmolLM2-135M-Instruct
+(docs/rails.md): a normal KTO step at the default learning rate moves every measure far less than
 the bound, a step trained to answer every prompt with one fixed phrase crosses them within one to three
-steps. Measured (2 shared cores, load 7-11; README has the table): three normal KTO steps (8 ratings each, lr
+steps. Measured (2 shared cores, load 7-11; docs/rails.md has the table): three normal KTO steps (8 ratings each, lr
 1e-3) gave KL(new ‖ current) 0.019-0.025, KL(new ‖ base) 0.02 → 0.17, no degenerate reply, length ratio
 0.90-0.99, probe accuracy 0.79-0.75 (base 0.83); three bad SFT steps (lr 1e-3) gave KL(new ‖ current)
 0.054-0.11, KL(new ‖ base) up to 0.75, degenerate share 0.25 → 0.5 → 1.0 and a length ratio of 0.44. The

@@ -1,4 +1,4 @@
-"""The evaluation gate (README "Update-safety rails"): thresholds and verdicts, per-endpoint settings through the
+"""The evaluation gate (docs/rails.md): thresholds and verdicts, per-endpoint settings through the
 admin service, and on the real SmolLM2 model a version trained to be much worse on the probes is rejected
 (manifest, history, never loaded nor served, training continues from the last passing version) while normal
 KTO versions pass and are served by the real transformers engine's registry."""

@@ -310,17 +310,16 @@ def test_user_metadata_values_are_strings_and_sessions_are_found_by_them(session
 
 
 def test_readme_training_snippet_runs_as_written(sessions_server, capsys):
-    """The README's "Training sessions" code block is complete: run as printed (only the URL changed), it trains one
-    step on the datum it builds and samples the saved weights."""
+    """The "Training sessions" page's code block (docs/training.md) is complete: run as printed (only the URL
+    changed), it trains one step on the chat-format datum it builds and samples the saved weights."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Training sessions") :]
-    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    page = (Path(__file__).resolve().parent.parent / "docs" / "training.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.DOTALL).group(1)
     assert "http://127.0.0.1:8000" in code
     ns: dict = {}
-    program = compile(code.replace("http://127.0.0.1:8000", sessions_server.base_url), "README.md", "exec")
+    program = compile(code.replace("http://127.0.0.1:8000", sessions_server.base_url), "docs/training.md", "exec")
     exec(program, ns)
     assert ns["fwd"].result().metrics["loss:sum"] > 0
     assert ns["opt"].result().metrics["step:max"] == 1

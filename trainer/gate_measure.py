@@ -12,7 +12,7 @@ Measures (``measure`` → :class:`Measurement`; thresholds and verdicts in :mod:
 * **capability probes** (``trainer/rails/probes.jsonl``, shipped with the package): short facts, one-digit
   arithmetic and format instructions, each rendered with the chat template (system message "Answer briefly.")
   plus the start of the assistant reply (``lead``); a probe is right when the greedy next token begins one of
-  its accepted answers. SmolLM2-135M-Instruct gets 20 of the 24 right (README). One forward pass.
+  its accepted answers. SmolLM2-135M-Instruct gets 20 of the 24 right (docs/rails.md). One forward pass.
   Checked twice: against the current version (``probes``) and against the base model (``probes_base``), so
   that steps each within the first margin cannot add up to a larger loss.
 * **drift**: mean per-token KL(new ‖ current) and KL(new ‖ base), Σ_v p_new(v)·(log p_new(v) − log p_ref(v)),

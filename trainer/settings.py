@@ -29,7 +29,7 @@ class TrainingSection(Section):
 
     Hyperparameters follow ../shared/reference/losses.md §5/§6 (LoRA learning rates ≈ 10× full fine-tuning;
     KTO/DPO β = 0.1). ``kto_lr`` 1e-3 was found by experiment on SmolLM2 with ``bench/live_loop.py``: in 80
-    ratings the held-out liked share goes from 9 % to 13 % at 5e-5, 25 % at 2e-4, 97 % at 1e-3 (README).
+    ratings the held-out liked share goes from 9 % to 13 % at 5e-5, 25 % at 2e-4, 97 % at 1e-3 (docs/live-loop.md).
     """
 
     consumer: str | None = Field(
@@ -51,7 +51,7 @@ class TrainingSection(Section):
         1e-3,
         gt=0,
         description="KTO learning rate (LoRA); 1e-3 found by experiment on SmolLM2 "
-        "(bench/live_loop.py, README live loop).",
+        "(bench/live_loop.py, docs/live-loop.md).",
     )
     sft_lr: float = Field(1e-4, gt=0, description="SFT learning rate (LoRA).")
     dpo_lr: float = Field(1e-5, gt=0, description="DPO learning rate (LoRA; tinker-cookbook's value).")
@@ -102,7 +102,7 @@ class TrainingSection(Section):
 
 
 class GateSection(Section):
-    """The evaluation gate of the live loop (``trainer/gate_measure.py``, README "Update-safety rails"): whether the
+    """The evaluation gate of the live loop (``trainer/gate_measure.py``, docs/rails.md): whether the
     trainer evaluates each new version before gateways may serve it, and how. The pass/fail thresholds are per
     endpoint (:class:`livelora.core.rails.GateThresholds`, set with ``livelora endpoints gate``)."""
 

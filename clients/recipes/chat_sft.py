@@ -5,7 +5,7 @@ as chat (question -> worked solution ending "The answer is N.") with ``dataset=g
 at a GSM8K folder (or ``openai/gsm8k`` on the hub). Loss: ``cross_entropy`` (token sum), weights 1 on
 assistant tokens. Metric: held-out mean NLL per assistant token, before / every ``eval_every`` / after.
 
-Defaults (SmolLM2-135M, CPU; README "Recipes"): LoRA rank 8, Adam lr 2e-4, batch 8 conversations, 40 steps,
+Defaults (SmolLM2-135M, CPU; docs/recipes.md): LoRA rank 8, Adam lr 2e-4, batch 8 conversations, 40 steps,
 max_length 512 tokens: GSM8K-as-chat held-out NLL 1.378 -> 1.078 nats/token (one learning rate measured).
 """
 

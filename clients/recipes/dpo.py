@@ -10,7 +10,7 @@ DPO loss (preference.py) against the reference (the untrained policy, computed o
 Metric: held-out margin = mean ``h = (lp_c − ref_c) − (lp_r − ref_r)`` (nats; 0 before training), plus the
 held-out DPO loss (ln 2 = 0.693 before training) and reward accuracy (share of pairs with h > 0).
 
-Defaults (SmolLM2-135M, CPU; README "Recipes"): β 0.1, lr 1e-4, 4 pairs per step, rank 8, 30 steps: on 79 pairs
+Defaults (SmolLM2-135M, CPU; docs/recipes.md): β 0.1, lr 1e-4, 4 pairs per step, rank 8, 30 steps: on 79 pairs
 built from live-loop ratings (16 held out) the held-out margin goes 0 -> 57 nats, loss 0.693 -> 0.005.
 """
 

@@ -10,7 +10,7 @@ sampler's logprobs. Groups whose rewards are all equal carry no signal and are d
 Evaluation: greedy accuracy on a fixed held-out subset (GSM8K test: the first ``eval_size`` problems;
 arithmetic: a disjoint seeded set), before / every ``eval_every`` / after.
 
-Defaults (SmolLM2-135M, CPU; README "Recipes"): 8 problems x 4 samples per step, lr 5e-4, rank 8,
+Defaults (SmolLM2-135M, CPU; docs/recipes.md): 8 problems x 4 samples per step, lr 5e-4, rank 8,
 max_tokens 256 (GSM8K) / 24 (arithmetic). Measured: arithmetic greedy accuracy 27 % -> 45 % in 20 steps.
 """
 

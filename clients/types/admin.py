@@ -53,8 +53,8 @@ class RollbackRequest(_Request):
 
 
 class GateRequest(_Request):
-    """``PUT /admin/endpoints/{name}/gate``: the endpoint's evaluation-gate thresholds (README "Update-safety
-    rails"; names and defaults: ``GateThresholds`` in ``core/rails.py``). Give ``thresholds`` or ``reset``."""
+    """``PUT /admin/endpoints/{name}/gate``: the endpoint's evaluation-gate thresholds (docs/rails.md;
+    names and defaults: ``GateThresholds`` in ``core/rails.py``). Give ``thresholds`` or ``reset``."""
 
     thresholds: dict[str, float | int | bool] | None = Field(
         None,
