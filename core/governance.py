@@ -1,22 +1,10 @@
 """Feedback governance records on disk, shared by the trainer (which enforces them) and the gateway's admin API.
 
-Files under ``LIVELORA_HOME/data/signals`` (the dataset of record's folder):
-
-* ``quarantine.jsonl``: one line per event the trainer kept out of training because its rater exceeded a
-  limit (``{"event_id", "endpoint", "rater", "reason", "time"}``). The event itself stays in the dataset of
-  record; ``GET /admin/quarantine`` lists these lines.
-* ``forgotten.jsonl``: one line per delete-by-user request (``{"user", "tenant", "time", "who"}``; tenant
-  ``null``: every tenant). The trainer drops queued and later events of a forgotten user on the endpoints that
-  tenant administers, and neither records nor trains the user's later events there; :func:`forget_user` has
-  already removed the user's events from the dataset of record.
-
-The rater of an event is its ``user`` field, else its ``caller`` (the API key), else ``(anonymous)``.
-
-**Rater agreement.** Redis holds, per lineage, the newest label every rater gave every rated completion and
-every served preference pair (``KeyLayout.rater_labels``, the newest ``rater_agreement_window`` labels), written
-by the trainer workers as they admit events; :func:`agreement_weights` turns them into one weight per rater
-(formula and sources in its docstring), which the trainer applies to the rater's examples in the loss and the
-admin API shows (``GET /admin/raters``). A forgotten user's labels are deleted with the rest of their data.
+``quarantine.jsonl`` and ``forgotten.jsonl`` under ``LIVELORA_HOME/data/signals`` record the events kept out of
+training and the delete-by-user requests (:func:`forget_user` also removes the user's events from the dataset
+of record); :func:`rater_of` names an event's rater (``user``, else ``caller``, else ``(anonymous)``), and
+:func:`agreement_weights` turns the raters' labels into one weight per rater. Record formats and how the
+trainer applies them: ``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations
