@@ -1,31 +1,11 @@
 """Endpoint bindings: which adapter lineage (and version) each served model name uses.
 
-Stored at ``LIVELORA_HOME/endpoints.json`` (atomic writes under a file lock)::
-
-    {"endpoints": {"<endpoint>": {"lineage": "<lineage>", "mode": "follow" | "pinned",
-                                   "version": <n> | null, "tenant": "<tenant>" | null,
-                                   "previous": [<n> | null, ...]}}}
-
-* ``follow``: the endpoint serves the newest version of its lineage that passes
-  the gateway's checks; the trainer writes new versions, the gateway moves.
-* ``pinned``: the endpoint serves ``version`` (``null``: the base model) until an
-  operator promotes another version or rolls back; feedback still trains the
-  lineage, the gateway does not move.
-* ``tenant``: the owner; ``null`` marks a public endpoint (the base model's
-  served name) that every tenant may sample and only tenant ``default`` administers.
-* ``previous``: the versions served before each promotion, newest last
-  (``rollback`` pops it); at most :data:`MAX_PREVIOUS` are kept.
-
-Every change (create, promote, rollback) is appended to ``LIVELORA_HOME/history.jsonl``
-(:class:`HistoryEntry`: who, when, endpoint, from, to, reason) under the same
-file lock as the ``endpoints.json`` write.
-
-An endpoint that is not in the file is *implicit*: a served model name whose
-lineage is the same name (when that is a valid lineage name), mode ``follow``.
-So the base model's served name learns from its own feedback with no
-configuration; before the first version exists it serves the base model.
-
-The file is the source of truth; Redis notices only make gateways move sooner.
+:class:`EndpointStore` reads and changes ``LIVELORA_HOME/endpoints.json`` (atomic writes under a file lock): a
+binding is ``follow`` (serve the lineage's newest version that passes the gateway's checks) or ``pinned`` (serve
+one version until promoted or rolled back), has an owning tenant (``null``: public) and a rollback stack.
+Every change is appended to ``history.jsonl`` (:class:`HistoryEntry`) under the same lock. A name not in the
+file is an implicit ``follow`` endpoint of the lineage of the same name. The file is the source of truth; Redis
+notices only make gateways move sooner. The format: ``docs/internals/store-layout.md``.
 """
 
 from __future__ import annotations

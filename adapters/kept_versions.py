@@ -1,5 +1,8 @@
 """The ``max_adapter_versions`` limit on the adapter store: count a tenant's kept versions, refuse a save over
-it, and make room for the live loop by deleting the oldest versions nothing uses (what counts: docs/operations.md)."""
+it, and make room for the live loop by deleting the oldest versions nothing uses.
+
+What is kept when room is made: :meth:`AdapterVersions.protected` and ``docs/internals/store-layout.md``.
+"""
 
 from __future__ import annotations
 

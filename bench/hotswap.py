@@ -1,32 +1,11 @@
 """Hot-swap under load, end to end: publish adapter versions through the trainer's path while streams run.
 
-Setup: a real ``livelora gateway`` process (transformers engine, SmolLM2-135M-Instruct on CPU) on a fresh
-store and Redis key prefix, with the store catch-up disabled (``LIVELORA_RESYNC_S=0``) so only the Redis
-notices move it. This script is the trainer side and the clients:
-
-* ``--streams`` clients loop on streamed greedy chat completions (logprobs on) for the whole run, each of
-  ``--max-tokens``/2 to ``--max-tokens`` tokens, started 0.3 s apart so they do not end together;
-* every ``--interval`` seconds (±25 % jitter) it writes a new LoRA version of the served endpoint's lineage
-  exactly as the trainer worker does (``TrainingModel.save_weights`` into the store, then a
-  ``version_published`` notice on Redis), ``--versions`` times; version k's weights are version k-1's with
-  fresh random ``lora_B``, so every version is distinguishable;
-* from each publish on, a probe client starts a 1-token streamed ``/v1/completions`` request on a 1-token
-  prompt every ``--probe-every`` seconds (0.1) until one reports the new version
-  (``X-Livelora-Adapter-Version``).
-  **Publish-to-first-served** is the time from the notice to the first token of the earliest response
-  made by the new version: what a user sending a request right after the swap waits for, including the
-  request's admission and prefill (up to ``--probe-every`` late). The gateway's own log gives
-  **publish-to-switch** (the pointer move) and each install's duration.
-
-After the run the gateway is stopped and every stream is checked against the versions themselves: its
-prompt and completion token ids are read from the completion log, and the logprobs it streamed are
-compared with a plain peft model of the version its header named (teacher forcing). A stream is
-**mixed-version** if any chunk's ``system_fingerprint`` does not name its header's version or its logprobs do not
-match its version within ``--tol`` nats; the script also prints how far each stream is from the *other*
-versions (k-1, k+1), which shows the check would see a mid-stream swap. A request is **failed** if it got
-an HTTP error, an error event, or no ``[DONE]``.
-
-Targets (issue 4): publish-to-first-served p50 under 0.5 s on CPU; 0 failed requests; 0 mixed-version streams.
+Starts a real ``livelora gateway`` process (transformers engine, CPU) on a fresh store and Redis prefix; runs
+``--streams`` streaming clients while writing ``--versions`` LoRA versions the way the trainer does, and probes
+how long each publish takes to be served (publish-to-first-served). Afterwards every stream's logprobs are
+checked against a plain peft model of the version it named, so a mixed-version stream would show. Targets:
+publish-to-first-served p50 under 0.5 s on CPU, 0 failed requests, 0 mixed-version streams. Method:
+``docs/internals/bench.md``.
 
 Usage: ``python bench/hotswap.py [--versions 20] [--streams 8] [--max-tokens 64] [--interval 3] [--rank 16]``
 """

@@ -1,82 +1,17 @@
 """The live loop, measured: does thumbs-up/down feedback teach the served model a user's taste, and how fast?
 
-Starts a gateway (uvicorn, in this process, real SmolLM2 engine) on a fresh temporary store and a trainer
-worker thread (real :class:`~livelora.trainer.worker.TrainerWorker` + :class:`~livelora.trainer.online.OnlineTrainer`)
-on the same Redis (``LIVELORA_REDIS_URL``, a fresh key prefix, deleted at the end).
-
-**Taste run** (default). A simulated user with a fixed, checkable taste — it likes a reply of at most
-``--max-words`` words (20) and dislikes anything longer — chats through ``POST /v1/chat/completions`` on a
-*train* pool of short everyday questions and rates **every** reply through ``POST /v1/feedback``. Chats go
-out in rounds of ``--kto-batch`` concurrent requests (the engine batches them); the round's ratings complete
-one KTO batch, and the user waits until the gateway serves the version trained on it before the next round
-(so each update is timed alone: rating → version written = read + dataset fsync + KTO step + save; written →
-served = notice + load + sha256 + canary + pointer switch). After 0, ``--eval-every``, 2×, … ``--events``
-feedback events the liked share is measured on a disjoint *held-out* pool (``--eval-samples`` seeded samples
-per prompt at the serving temperature, fixed seeds, never rated). Prints the curve, the per-update times and
-their p50/max, writes the curve as a PNG (``--plot``, default ``bench/out/live_loop.png``) and the figures as
-JSON next to it.
-
-**Rails scenarios** (``--scenario a|b|c|d``; issue 15, docs/rails.md). "Rails on" means the
-trainer's evaluation gate (``GateSection`` defaults: probes, drift, degeneracy, held-out signal; one rating in ten
-held out), feedback governance (rate limit ``--rater-max-events`` per rater and hour, default 120; batch share
-0.5; rater agreement weighting) and the gateway's automatic rollback; "rails off" means none of them. A round's
-ratings form one batch (``max_wait_s`` 3 s, so a round short of the ones held out still trains at once); the
-bench waits until the trainer has taken them and the newest version that passed serves. Update time per
-served version = train step + gate + save (timed around ``OnlineTrainer.train``) + swap (written → served).
-
-* ``a``: the taste run with the rails on (one honest user): target, liked share +30 points within 200 ratings.
-  Also records the probe accuracy of the served version at each point.
-* ``b``: the blunt taste at the default learning rate, rails off and on (``--arms``; ``--b-rails-on-from
-  live_loop_a.json`` reuses scenario a's run as the rails-on arm): liked share and capability-probe accuracy
-  (the gate's 24 probes, measured by the bench on the served version) at each point; target, probe accuracy
-  within 5 points of the base model's with the rails on.
-* ``c``: four honest users (same taste) and one adversary. Per round: 8 honest chats, each rated by its
-  owner, half of them also by a second honest user (12 honest ratings); the adversary rates all 8 with the
-  inverted label and 4 chats of its own inverted too (12 ratings): half of all ratings are inverted, and the
-  adversary's labels contradict two honest users on 4 completions a round, which is what agreement weighting
-  can see. Target: honest liked share +30 points within 300 ratings. Prints the rater weights (``GET
-  /admin/raters``) after every round; ``--rails-off`` for the comparison.
-* ``d``: (1) after ``--d-warmup-rounds`` honest rounds, 8 demonstrations answering every prompt with "The
-  answer to this question." are sent through ``POST /v1/demonstrations`` with the SFT rate at 100× its
-  default (``--d-bad-lr`` 1e-2; at 1e-3, after one honest round, that step moved KL(new ‖ current) by 0.025 and
-  the reply length to 0.80 of the current version's, inside the bounds: it was not bad enough to be
-  rejected, nor to be disliked): the gate must reject that version, and it must serve 0 requests (gateway statistics and the bench's
-  own chats after it). (2) The trainer pauses while the serving version collects ``--d-predecessor-ratings``
-  (24) honest ratings (the rollback test needs 20 for the predecessor); then it trains them as one batch into
-  the next version, which passes the gate and serves; the trainer pauses again and the users now like each of its replies only with
-  probability ``--d-dislike-up-rate`` (0.2): a regression the gate cannot see, injected through the users'
-  verdicts. Prints N, the ratings of that version until the gateway's sequential test rolls it back.
-
-Each scenario prints its figures and writes ``live_loop_<x>.png`` and ``.json`` next to ``--plot``.
-
-Results (2026-12-01, 2 shared cores at load average 4–10 from other sessions and a second scenario; docs/rails.md
-has the discussion): (a) liked share 9.4 % → 100 % (+90.6 points; 62.5 % at 40, 93.8 % at
-80); 80 of the 200 ratings quarantined by the rate limit, one version rejected (signal). (b) probe accuracy
-(base 83.3 %): rails off 83.3/87.5/79.2/83.3/66.7/58.3 % at 0/40/…/200 ratings, rails on 83.3/87.5/75.0/79.2/
-79.2/79.2 %: within 5 points except at 80 ratings (−8.3). (c) honest liked share 9.4 % → 100 % at 288 ratings
-(+90.6 points), adversary weight 0.00 from the first batch on. (d) the bad version was rejected by five checks and
-served 0 requests; the disliked version was rolled back after N = 56 ratings (predecessor 8/24 thumbs up).
-Update time (train + gate + save + swap) p50 40.0 s in (a), 48.0 s in (c), 19.4 s without the rails (b).
-(a) again with ``--rater-max-events 0`` at load average 1.3–1.7: update p50 14.54 s (max 17.95 s); the gate
-rejected all 19 versions after the 6th (18 for ``length_ratio``), so the liked share stopped at 75.0 % (+65.6
-points) with probe accuracy 87.5 %.
-
-**Latency run** (``--latency``): the earlier measurement — ``--requests`` greedy completions, alternating
-ratings, one KTO batch; prints feedback-accept latency and rating → served time.
+Starts a gateway (real SmolLM2 engine) on a fresh temporary store and a trainer worker thread on the same Redis
+(``LIVELORA_REDIS_URL``, a fresh key prefix). The default taste run: a simulated user who likes replies of at most
+``--max-words`` words chats and rates every reply; the liked share on held-out prompts is measured every
+``--eval-every`` ratings, with the update times. ``--scenario a|b|c|d`` runs the update-safety rails scenarios
+(one honest user, rails off vs on, an adversary, a bad and a disliked version); ``--latency`` the feedback
+latency. Method and recorded results: ``docs/internals/bench.md``.
 
 Usage::
 
     python bench/live_loop.py                      # taste run with the trainer defaults
     python bench/live_loop.py --kto-lr 1e-4 --beta 0.1 --kto-batch 8 --plot /tmp/curve.png
-    python bench/live_loop.py --latency --requests 4
     python bench/live_loop.py --scenario a          # then b --arms off --b-rails-on-from bench/out/live_loop_a.json
-    python bench/live_loop.py --scenario c          # or d
-
-Defaults: max_tokens 40, temperature 0.7 (the low end: SmolLM2 drifts into gibberish on some prompts),
-taste 1–20 words, 48 train and 16 held-out prompts, 2 seeded samples per held-out prompt (32 per point), one
-KTO step per 8 ratings. Result with them (2-core CPU, 577 s): liked share 9.4 % → 65.6 % (40 ratings) → 96.9 %
-(80) → 100 % (200); update p50 7.18 s, max 16.22 s. The learning-rate experiment behind the trainer's KTO
-default (1e-3: 5e-5 reaches 12.5 % and 2e-4 25 % after 80 ratings) is in docs/live-loop.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Start a server, then run experiments by name (one after another; each writes its
 ``--out``, so running the same command again resumes or, when finished, just re-reports)::
 
     livelora serve --port 8791 &
-    python bench/recipes.py --base-url http://127.0.0.1:8791 --gsm8k ../shared/data/gsm8k \\
+    python bench/recipes.py --base-url http://127.0.0.1:8791 --gsm8k path/to/gsm8k \\
         --ratings $LIVELORA_HOME/data/signals sft arith gsm8k kto dpo distill
 
 ``--ratings`` is a live-loop dataset of record (``bench/live_loop.py --keep-store`` leaves one); DPO pairs are

@@ -1,36 +1,15 @@
 """Serving benchmark: N concurrent streaming clients against the gateway vs sequential ``model.generate``.
 
-Prints requests/s, output tokens/s, time to first token (TTFT) p50/p99 and
-inter-token latency (ITL) p50 for the gateway, then runs the same prompts with
-the same ``max_tokens`` as sequential plain ``transformers`` ``model.generate``
-calls (greedy, ``min_new_tokens = max_new_tokens`` so both sides produce
-exactly ``max_tokens`` tokens; the gateway requests use ``ignore_eos``) and
-prints the throughput ratio.
+Prints requests/s, output tokens/s, time to first token p50/p99 and inter-token latency p50 for the gateway, then
+the throughput ratio against plain ``transformers`` ``generate`` on the same prompts (greedy, exactly
+``max_tokens`` tokens on both sides). ``--anchors`` compares with an adapter on every request against offline
+peft; ``--metering-ab R`` measures metering and ``/metrics`` on vs off in alternating rounds. Method:
+``docs/internals/bench.md``.
 
     python bench/serve.py --spawn                       # start a gateway itself (engine kind: --engine)
     python bench/serve.py --url http://127.0.0.1:8000   # an already running gateway
     python bench/serve.py --metering-ab 3               # metering + /metrics on vs off, two gateways, same run
     python bench/serve.py --anchors                     # with an adapter on every request vs offline peft
-
-``--anchors`` (issue 16's comparison) starts a gateway on a fresh store (base models linked from
-``$LIVELORA_HOME``), writes one LoRA version of its endpoint's lineage the way the trainer does (rank
-``--rank``, attention + MLP, random ``lora_B`` so the adapter changes every token), waits until the gateway
-serves it, and then measures, in ``--rounds`` alternating rounds, with that adapter on every request:
-the gateway at ``--concurrency`` streams (``--requests`` requests) against the offline anchor of a static
-batch of ``--concurrency`` prompts through plain ``transformers`` ``generate`` on the same base model with the
-same adapter as a ``peft`` ``PeftModel`` (left-padded, greedy, exactly ``--max-tokens`` new tokens), and the
-gateway at 1 stream against ``generate`` at batch 1. It prints each round with the 1-minute load average,
-then the medians and the two ratios.
-
-``--metering-ab R`` starts two gateways at once, one with ``LIVELORA_METERING=false LIVELORA_METRICS=false``
-and one with both on (the defaults), and measures them in R alternating rounds (off, on, off, on, ...), so that
-both see the same machine load; it prints each round with the 1-minute load average, then the medians.
-(``LIVELORA_METRICS=false`` only closes ``/metrics``: the in-process counters are still updated on both sides,
-so the figure is the cost of the Redis metering writes plus serving a scrape, not of prometheus-client.)
-
-Token counts come from the server's ``usage`` (streamed with
-``stream_options.include_usage``); ITL is the gap between consecutive content
-chunks of one stream (seconds).
 """
 
 from __future__ import annotations
@@ -79,8 +58,9 @@ async def one_stream(
 ) -> dict:
     """One streamed chat completion (usage included). Returns its ``id``, ``text``, completion ``tokens`` (the
     server's ``usage``), ``version`` (from ``system_fingerprint``), ``end`` and ``first`` (``perf_counter``
-    seconds of the last chunk and of the first content chunk), ``ttft`` (seconds to the first content chunk) and ``itl`` (seconds between content chunks). Raises: httpx errors for a
-    non-2xx answer, RuntimeError for an error event."""
+    seconds of the last chunk and of the first content chunk), ``ttft`` (seconds to the first content chunk) and
+    ``itl`` (seconds between content chunks). Raises: httpx errors for a non-2xx answer, RuntimeError for an
+    error event."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],

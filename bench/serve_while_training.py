@@ -1,21 +1,10 @@
 """Serving speed while the model learns: the same load with and without training, in one run.
 
-For each placement of the trainer (``--modes``: ``process`` = ``livelora serve``'s default, the trainer in its
-own lower-priority process; ``thread`` = ``LIVELORA_TRAINER_PROCESS=false``, trainer threads inside the serving
-process) it starts a real ``livelora serve`` on a fresh store and Redis prefix and runs ``--concurrency``
-concurrent chat streams (temperature 0.7, ``--max-tokens`` tokens) for ``--duration`` seconds twice, after a
-rated warm-up that ends when the first version is served (the trainer's one-off start costs are not an update,
-and both phases are served by an adapter version, as a live endpoint is):
-
-1. **no ratings**: the trainer is idle;
-2. **every reply rated**: each finished reply gets a thumbs-up or -down (liked = at most 20 words, as in
-   ``bench/live_loop.py``), so KTO steps run all the time.
-
-It prints output tokens/s (server ``usage``, all streams, over the phase's wall time), inter-token latency
-p50/p99 (gaps between content chunks of one stream), time to first token p50, and, for phase 2, the update
-time of every version: the last rating of the version's batch (``trained.jsonl``) → first reply served by it
-(``system_fingerprint``; its first token), and its parts: wait (queue and batching, until the worker took the batch), train +
-gate + save (``trained.jsonl``'s ``written_at − started_at``) and swap. Figures only: nothing is asserted on time.
+For each trainer placement (``--modes``: ``process``, ``livelora serve``'s default, or ``thread``) it starts a
+real ``livelora serve`` on a fresh store and runs ``--concurrency`` chat streams for ``--duration`` seconds
+twice: with no ratings (the trainer idle), then with every reply rated (KTO steps all the time). Prints output
+tokens/s, inter-token latency p50/p99, time to first token p50 and, for the second phase, each version's update
+time and its parts. Figures only. Method: ``docs/internals/bench.md``.
 
     python bench/serve_while_training.py --duration 90                # both modes, ~7 minutes
     python bench/serve_while_training.py --modes process --duration 60

@@ -1,20 +1,9 @@
 """What one live-loop update costs the trainer: a KTO step on rated chat replies and the evaluation gate, per pass.
 
-Builds ``--ratings`` KTO datums the way the live loop does (chat template of a ``bench/live_loop.py`` prompt with
-the default system message, then a ``--completion-tokens`` reply; labels alternate desirable/undesirable; LoRA of
-the live loop's default shape, ``TrainingSection().lora``), optionally after ``--history-turns`` earlier turns of
-conversation (longer prompts), and times on ``--threads`` torch threads:
-
-* the KTO ``forward_backward`` (``loss_positions_only``, as ``OnlineTrainer.train`` calls it) split into its passes: reference (adapter off), policy with grad, the mismatched
-  (KL) pairs with the adapter on and off, and the backward (the rest); ``optim_step``;
-* the gate's measurement of the new weights (``ProbeSuite``: the 24 probes in one pass, greedy replies to the
-  open prompts).
-
-Each configuration runs ``--repeats`` times after one warm-up; the median is printed. ``--compare`` also runs the
-KTO step and the gate with no prompt keys/values shared and logprobs at every position (every KL pair, every
-probe and every row's copy of the batch's common prefix run whole: the code before ``trainer/prompt_kv.py``), in
-the same process, alternating, so the two are compared under the same load.
-Figures only.
+Builds ``--ratings`` KTO datums the way the live loop does and times, on ``--threads`` torch threads, the KTO
+``forward_backward`` split into its passes (reference, policy, KL pairs, backward), ``optim_step`` and the gate's
+measurement; the median of ``--repeats`` runs is printed. ``--compare`` also runs the code path without prompt
+key/value sharing, alternating in the same process. Figures only. Method: ``docs/internals/bench.md``.
 
     python bench/step_cost.py --threads 1,2 --compare
     python bench/step_cost.py --history-turns 4 --compare      # multi-turn prompts (about 250 tokens)

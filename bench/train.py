@@ -1,20 +1,10 @@
 """Training-step throughput: livelora's TrainingModel vs TRL's SFTTrainer and KTOTrainer on one identical batch.
 
-Batch: 8 sequences x 256 trained positions built from GSM8K (``shared/data/gsm8k/train.jsonl``), LoRA rank 16,
-alpha 32, dropout 0, on every linear layer of the decoder (attention + MLP; not ``lm_head``: TRL 1.16's
-SFTTrainer refuses a LoRA on ``lm_head``, so livelora runs with ``train_unembed=False`` here); float32, no gradient checkpointing on either
-side (TRL defaults to checkpointing and bf16; both are turned off so the two do the same arithmetic);
-AdamW lr 1e-4, betas (0.9, 0.95), no clipping, no weight decay.
-
-* SFT: every position trained (weights 1). livelora's ``cross_entropy`` is a token **sum** (Tinker);
-  TRL's SFT loss is the token **mean**; both are printed as mean nats/token and as sum.
-* KTO: prompt = first 64 tokens, completion = the rest (TRL's own tokenisation of prompt + completion + EOS
-  is reused for livelora's datums); labels alternate desirable/undesirable; beta 0.1. Both losses are the
-  mean over examples; both use the base model (adapter disabled) as reference and rotated KL pairs.
-
-Time per step = forward + backward + optimizer step (TRL: ``on_step_begin`` -> ``on_step_end``, so data
-loading and trainer set-up are excluded), averaged over the steps after the first (warm-up); the printed
-losses are the first step's (same weights on both sides, so they must agree). tokens/s = trained positions / step seconds. Prints figures only.
+Batch: 8 sequences x 256 trained positions built from GSM8K (``../shared/data/gsm8k/train.jsonl`` beside the
+repository), LoRA rank 16 on every linear layer of the decoder, float32, no gradient checkpointing on either
+side, AdamW lr 1e-4. Prints time per step (forward + backward + optimizer step, after a warm-up step), tokens/s
+and the first step's losses (which must agree) for SFT and KTO. Figures only. The setup in detail:
+``docs/internals/bench.md``.
 
 Usage: ``python bench/train.py [--steps 1] [--batch 8] [--seq-len 256] [--rank 16] [--skip-trl]``
 """

@@ -1,25 +1,15 @@
 """Admin sub-commands of ``livelora``: ``endpoints``, ``adapters`` and ``keys``.
 
-Two ways to reach the data, chosen per command:
-
-* **HTTP (default)**: the command calls the running gateway's ``/admin`` API at ``--url``
-  (``LIVELORA_URL``, default ``http://127.0.0.1:8000``) with ``--api-key`` (``LIVELORA_API_KEY``; a key
-  with the ``admin`` role; none needed when the server runs open). Changes take effect on every gateway
-  before the command returns (this one) or within a notice (the others).
-* **Store (``--home DIR``)**: the command works on the store directly, with no server, acting for every
-  tenant (whoever can write the store owns it anyway). This is how the first key is made
-  (``livelora keys create --home ...``). Endpoint changes also publish a notice on Redis
-  (``LIVELORA_REDIS_URL``) when it is reachable, so running gateways move at once; otherwise they catch
-  up at their next resync.
+By default a command calls the running gateway's ``/admin`` API at ``--url`` (``LIVELORA_URL``) with
+``--api-key`` (``LIVELORA_API_KEY``, a key with the ``admin`` role; none when the server runs open). With
+``--home DIR`` it works on the store directly, with no server, for every tenant: this is how the first key is
+made; endpoint changes then also publish a Redis notice when Redis is reachable, so running gateways move at
+once (otherwise at their next resync).
 
 Example::
 
     livelora keys create --home /data/livelora --tenant default --roles inference,feedback,train,admin
-    export LIVELORA_API_KEY=tml-...
-    livelora endpoints create prod --lineage support --mode pinned --version 3
     livelora endpoints promote prod 4 --reason "win-rate +6 %"
-    livelora endpoints rollback prod --reason "regression on refunds"
-    livelora endpoints history prod
     livelora endpoints gate prod --set probe_margin=0.05 --set max_kl_current=0.3
     livelora adapters export support@4 --format merged --out ./support-4
 """

@@ -1,22 +1,11 @@
 """``livelora serve``'s trainer in its own process: serving first.
 
-The trainer (signal worker + op executor, :func:`~livelora.cli.processes.run_trainer`) and the inference engine
-compete for the same cores. In one process they also share torch's thread pool and the interpreter lock, and
-nothing decides who goes first: measured on 2 cores, 8 streams dropped to 0.44x of their speed and the
-inter-token latency p99 rose 5x while KTO steps ran (issue 16). :class:`TrainerProcess` runs the trainer as a
-child process that ``livelora serve`` starts and supervises:
-
-* **lower CPU priority**: the child raises its own nice value by ``trainer_nice`` (Linux CFS gives a nice-10
-  process about a tenth of the CPU time of a nice-0 one when both want it), so decode steps are scheduled first
-  and training uses the cycles serving leaves idle;
-* **its own thread budget**: ``torch.set_num_threads(trainer_threads)`` in the child (default: half the cores,
-  at least one), independent of the engine's ``LIVELORA_ENGINE_THREADS``;
-* **supervised**: a child that exits unexpectedly is restarted (back-off 1 s doubling to 30 s) under the same
-  consumer name, so it resumes its own pending signals at once; it gets SIGTERM when the parent dies
-  (``PR_SET_PDEATHSIG`` on Linux) and on a clean stop, and then gives its leases back (peers take over at once).
-
-On a GPU the same split holds: vLLM takes ``LIVELORA_VLLM_GPU_MEMORY_UTILIZATION`` of the device's memory
-(default 0.85) and the trainer process uses the rest (docs/serving-while-training.md).
+:class:`TrainerProcess` runs the trainer (signal worker + op executor, :func:`~livelora.cli.processes.run_trainer`)
+as a child process that ``livelora serve`` starts and supervises: the child lowers its CPU priority by
+``trainer_nice`` and uses its own torch thread budget (``trainer_threads``, default half the cores:
+:func:`default_trainer_threads`); a child that exits unexpectedly is restarted with back-off under the same
+consumer name, and it gets SIGTERM when the parent dies. Why the trainer is not a thread of the gateway:
+``docs/internals/core-sharing.md``.
 """
 
 from __future__ import annotations

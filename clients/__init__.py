@@ -1,5 +1,6 @@
 """livelora's client side: the training-session SDK, wire types, errors and the recipes (the `livelora` command
-itself is the composition root, :mod:`livelora.cli`).
+itself is the composition root, :mod:`livelora.cli`). Names are imported lazily, so
+``import livelora.clients.errors`` stays light.
 
 Example (against ``livelora serve``)::
 
@@ -10,9 +11,6 @@ Example (against ``livelora serve``)::
         fb = tc.forward_backward(batch, "cross_entropy")       # returns a future at once
         opt = tc.optim_step(AdamParams(learning_rate=1e-4))    # pipelined: runs after fb, in seq order
         print(fb.result().metrics["loss:sum"])
-        sampler = tc.save_weights_and_get_sampling_client()
-
-Names are imported lazily, so ``import livelora.clients.errors`` stays light.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """One exception tree for the whole of livelora: gateway, trainer, store and SDK.
 
-Rules (see ../shared/design.md, "Errors"):
-
-* Every error raised on purpose is a :class:`LiveloraError`. Each subclass also
-  inherits the standard-library exception it replaces (``ValueError``,
-  ``KeyError``, ...), so callers that catch the stdlib type keep working.
-* Each class carries the HTTP ``status`` it maps to, the OpenAI envelope
-  ``type`` and a default ``code``; the gateway has one handler that turns any of
-  them into ``{"error": {"message", "type", "param", "code"}}`` and nothing else
-  builds error bodies by hand. The Tinker routes map the same classes to
-  ``{"error", "category"}`` through :attr:`LiveloraError.category`.
-* Errors cross process boundaries (Redis futures, the trainer worker), so they
-  pickle and round-trip through :meth:`LiveloraError.to_dict` /
-  :func:`error_from_dict`.
+Every error raised on purpose is a :class:`LiveloraError` that also inherits the standard-library exception it
+replaces (``ValueError``, ``KeyError``, ...). Each class carries its HTTP ``status``, the OpenAI envelope
+``type`` and a default ``code``; the gateway's one handler turns any of them into
+``{"error": {"message", "type", "param", "code"}}`` (the Tinker routes use :attr:`LiveloraError.category`).
+Errors pickle and round-trip through :meth:`LiveloraError.to_dict` / :func:`error_from_dict`, so they cross
+process boundaries. The rules: ``docs/internals/wire-types.md``.
 """
 
 from __future__ import annotations

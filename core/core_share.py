@@ -1,31 +1,17 @@
 """Sharing the CPU cores of one machine between the inference engine and training steps.
 
-On a CPU machine the transformers engine runs its matmuls on an OpenMP pool of ``engine_threads``. When a training
-step runs on the same machine, one of those threads shares its core with the step, and the engine's threads wait
-for it at every parallel region: measured on 2 cores with 8 streams, serving fell to 0.35x of its speed during
-KTO steps with two engine threads, but kept 0.90x with one (docs/serving-while-training.md). So the engine uses every
-core while no step runs and fewer (``engine_threads_while_training``) while one does.
-
-The signal is a file per machine, ``<home>/run/training-<hostname>``, holding the pid of the process running a
-step: :class:`TrainingFlag` ``held()`` writes it for the duration of a step (the trainer), :meth:`TrainingFlag.active`
-reads it (the engine, once per scheduler iteration, about 10 µs). A flag whose pid no longer runs (a trainer
-killed mid-step) counts as absent, so a crash never leaves the engine throttled.
-
-The other way round, a trainer process has a thread budget of its own (``trainer_threads``, half the cores) so
-that serving keeps the rest; when no request is being served on the machine the budget only slows the update
-down. So the transformers engine beats a second file, ``<home>/run/serving-<hostname>`` (:class:`ServingFlag`:
-its mtime, renewed at most every half second while the engine has running or waiting sequences), and a trainer
-process configured with :func:`configure_training_steps` starts each step with all of ``idle`` threads when the
-engine has been idle for :data:`SERVING_WINDOW_S` and with its ``busy`` budget otherwise (:func:`apply_step_threads`).
+Two files per machine under ``<home>/run/`` carry the signals: :class:`TrainingFlag` (the pid of the process
+running a step; the engine uses fewer threads while it is held, and a dead pid counts as absent) and
+:class:`ServingFlag` (the engine's heartbeat; a trainer runs a step with all its idle threads only when no
+engine has beaten for :data:`SERVING_WINDOW_S`, :func:`apply_step_threads`). :class:`StepPacer` caps a
+trainer's share of wall time in steps while an engine serves. Measurements and reasons:
+``docs/internals/core-sharing.md``.
 
 Example::
 
-    flag = TrainingFlag(home)
-    with flag.held():        # trainer: around forward_backward + optim_step
+    with TrainingFlag(home).held():   # trainer: around forward_backward + optim_step
         ...
-    flag.active()            # engine: True while a step runs on this machine
-    ServingFlag(home).beat() # engine: once per scheduler iteration with work (cheap: at most 2 writes/s)
-    apply_step_threads()     # trainer process: before a step
+    TrainingFlag(home).active()       # engine: True while a step runs on this machine
 """
 
 from __future__ import annotations
@@ -99,7 +85,7 @@ BEAT_EVERY_S = 0.5
 
 
 class ServingFlag:
-    """The "an engine on this machine is serving requests" heartbeat of store ``home`` (see the module docstring).
+    """The "an engine on this machine is serving requests" heartbeat of store ``home``.
 
     Args:
         home: the store root (``LIVELORA_HOME``); the file is ``<home>/run/serving-<hostname>``.
@@ -139,7 +125,7 @@ class ServingFlag:
 
 class StepThreads:
     """Torch threads for a trainer process's next step: ``idle`` while no engine on this machine serves, ``busy``
-    otherwise (see the module docstring).
+    otherwise (docs/internals/core-sharing.md).
 
     Args:
         home: the store root. busy: threads while serving (the process's budget). idle: threads otherwise.

@@ -1,22 +1,10 @@
 """Feedback governance records on disk, shared by the trainer (which enforces them) and the gateway's admin API.
 
-Files under ``LIVELORA_HOME/data/signals`` (the dataset of record's folder):
-
-* ``quarantine.jsonl``: one line per event the trainer kept out of training because its rater exceeded a
-  limit (``{"event_id", "endpoint", "rater", "reason", "time"}``). The event itself stays in the dataset of
-  record; ``GET /admin/quarantine`` lists these lines.
-* ``forgotten.jsonl``: one line per delete-by-user request (``{"user", "tenant", "time", "who"}``; tenant
-  ``null``: every tenant). The trainer drops queued and later events of a forgotten user on the endpoints that
-  tenant administers, and neither records nor trains the user's later events there; :func:`forget_user` has
-  already removed the user's events from the dataset of record.
-
-The rater of an event is its ``user`` field, else its ``caller`` (the API key), else ``(anonymous)``.
-
-**Rater agreement.** Redis holds, per lineage, the newest label every rater gave every rated completion and
-every served preference pair (``KeyLayout.rater_labels``, the newest ``rater_agreement_window`` labels), written
-by the trainer workers as they admit events; :func:`agreement_weights` turns them into one weight per rater
-(formula and sources in its docstring), which the trainer applies to the rater's examples in the loss and the
-admin API shows (``GET /admin/raters``). A forgotten user's labels are deleted with the rest of their data.
+``quarantine.jsonl`` and ``forgotten.jsonl`` under ``LIVELORA_HOME/data/signals`` record the events kept out of
+training and the delete-by-user requests (:func:`forget_user` also removes the user's events from the dataset
+of record); :func:`rater_of` names an event's rater (``user``, else ``caller``, else ``(anonymous)``), and
+:func:`agreement_weights` turns the raters' labels into one weight per rater. Record formats and how the
+trainer applies them: ``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations
@@ -191,31 +179,11 @@ def agreement_weights(
 ) -> dict[str, dict[str, float]]:
     """Each rater's agreement with the others and the weight its training examples get.
 
-    **Model** (the "one-coin" model of Dawid & Skene 1979, "Maximum likelihood estimation of observer
-    error-rates using the EM algorithm", as simplified by Raykar et al. 2010, JMLR 11): every item (a rated
-    completion, or a preference pair) has an unknown true label z ∈ {0, 1}; rater r reports it correctly with
-    probability p_r, independently. Only items labelled by at least two raters carry evidence.
-
-    **Agreement** (leave-one-out, so no rater confirms itself): for rater r on item c, the others' labels give
-    ``P(z_c = y_rc | others) = σ(Σ_{s≠r} ±logit(p_s))`` (+ for a label equal to y_rc, − otherwise; uniform prior on
-    z). With the rater's n_r compared items,
-
-        p_r = (k·p₀ + Σ_c P(z_c = y_rc | others)) / (k + n_r)
-
-    a Beta-prior (k = ``prior_strength`` pseudo-labels at rate p₀ = ``prior``) posterior mean, so a rater with
-    little evidence stays near p₀. Every p starts at p₀; the update runs over all raters at once, ``iterations``
-    times (or until no p moves by 1e-6), each pass using the previous pass's p (EM-style fixed point).
-
-    **Weight**: ``w_r = clip((2·p_r − 1) / (2·p₀ − 1), 0, 1)``. ``2p − 1`` is the correlation between a binary label
-    and the truth for a rater right with probability p (a coin flip, p = ½, carries nothing; below ½ the rater
-    contradicts the others and counts 0: its labels are not flipped, only ignored); dividing by the prior's value
-    makes an uncompared rater's weight exactly 1, and weights never exceed 1 (agreement only keeps a rater's full
-    say). With the defaults (k = 4, p₀ = 0.9) a rater contradicted by two agreeing raters on 1, 2, 3 items falls
-    to 0.56, 0.27, 0.05 (0 from 4 on) while those two keep 0.90, 0.93, 0.99 (1 from 4 on)
-    (``tests/test_governance.py``).
-
-    Limits: two raters who only ever meet each other and always disagree are symmetric: both fall towards 0
-    (nothing tells who is right); a third rater on some of their items breaks the tie.
+    The "one-coin" model (Dawid & Skene 1979; Raykar et al. 2010, JMLR 11): rater r labels an item correctly with
+    probability p_r. Leave-one-out agreement ``p_r = (k·p₀ + Σ_c P(z_c = y_rc | others)) / (k + n_r)`` (a Beta-prior
+    posterior mean over the n_r items r shares with another rater), iterated to a fixed point from p₀; weight
+    ``w_r = clip((2·p_r − 1) / (2·p₀ − 1), 0, 1)``, so an uncompared rater weighs 1 and a rater the others
+    contradict falls to 0. Derivation, worked numbers and limits: docs/internals/live-training.md.
 
     Args:
         labels: ``item → {rater: label 0/1}``.

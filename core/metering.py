@@ -1,40 +1,10 @@
 """Usage metering: tokens each tenant used, counted in Redis, rolled up per hour into the store.
 
-**What is counted.** Every operation that runs the model adds its tokens to one counter per
-``(tenant, key, subject, kind)``:
-
-* ``tenant``: who pays (the API key's tenant; ``default`` in open mode);
-* ``key``: the API key id that made the request (``-`` when none: open mode, or the live loop);
-* ``subject``: the endpoint or model a served request resolved to, the training session id of a session op,
-  or the endpoint a live-loop step trained;
-* ``kind``: one of :data:`KINDS`.
-
-=====================  ==================================================================================
-kind                   tokens
-=====================  ==================================================================================
-``prompt``             prompt tokens of a served chat/legacy completion (its response's ``usage.prompt_tokens``)
-``completion``         generated tokens of a served completion (``usage.completion_tokens``; streams included)
-``forward``            ``model_input`` tokens of a session ``forward`` op (no gradient)
-``trained``            ``model_input`` tokens of a session ``forward_backward`` op
-``sample_prompt``      prompt tokens of a session ``sample`` request (once per request)
-``sampled``            tokens a session ``sample`` generated (every sequence)
-``scored``             prompt tokens scored for ``prompt_logprobs`` (``compute_logprobs``)
-``live_trained``       ``model_input`` tokens of a live-loop training step (per endpoint)
-=====================  ==================================================================================
-
-**Where the counts live.** An increment is one ``MULTI``: ``HINCRBY usage:{hour} <field> n`` plus
-``SADD usage:hours {hour}`` (``hour`` = UTC ``YYYYMMDDHH``, ``field`` = the JSON list
-``[tenant, key, subject, kind]``), plus ``HINCRBY usage:day:{day}:{tenant} <kind> n`` (what per-day quotas read;
-kept three days, never rolled up). :meth:`UsageStore.rollup` moves every live hash into the store: one Lua
-script renames it to ``usage:rolling:{hour}:{id}`` and notes it (with the Redis server time, ms) in the hash
-``usage:pending``; its content is written to ``<home>/usage/<hour>/<ms>-<id>.json`` (atomic write, skipped if the
-file exists: a rollup that died half-way is finished by the next one without counting twice); then the rolling
-hash and its pending entry are deleted. Files hold deltas: the count of an hour is the sum of its files and of
-what Redis still holds. A Redis restart loses only what had not been rolled up yet (at most one rollup period).
-
-**Consistent reads.** :meth:`UsageStore.query` takes one Lua snapshot of the live and pending hashes plus the
-server time ``T``, then adds the files whose id is not in the snapshot and whose stamp is ``<= T`` (a file
-stamped later was renamed after the snapshot, so its counts are already in the snapshot's live hashes).
+:class:`Meter` adds an operation's tokens to one counter per ``(tenant, key, subject, kind)`` (kinds:
+:data:`KINDS`) and to the tenant's per-day totals that quotas read; :class:`UsageStore` moves the hourly
+counters into ``<home>/usage/`` (:meth:`UsageStore.rollup`) and answers grouped queries from a consistent
+snapshot (:meth:`UsageStore.query`). Key layout, rollup steps and why reads never count twice:
+``docs/internals/metering.md``.
 
 Example::
 
@@ -58,16 +28,16 @@ from livelora.clients.errors import BadRequestError
 from livelora.core.atomic import atomic_write_json
 from livelora.core.redis_keys import KeyLayout
 
-#: Every counter kind (see the module docstring).
+#: Every counter kind (what each counts: docs/internals/metering.md).
 KINDS: tuple[str, ...] = (
-    "prompt",
-    "completion",
-    "forward",
-    "trained",
-    "sample_prompt",
-    "sampled",
-    "scored",
-    "live_trained",
+    "prompt",  # prompt tokens of a served completion
+    "completion",  # generated tokens of a served completion
+    "forward",  # model_input tokens of a session forward op
+    "trained",  # model_input tokens of a session forward_backward op
+    "sample_prompt",  # prompt tokens of a session sample request (once per request)
+    "sampled",  # tokens a session sample generated (every sequence)
+    "scored",  # prompt tokens scored for prompt_logprobs
+    "live_trained",  # model_input tokens of a live-loop training step
 )
 #: Dimensions a query may group by.
 GROUP_BY: tuple[str, ...] = ("tenant", "key", "subject", "kind", "hour", "day")
@@ -233,7 +203,7 @@ class UsageStore:
         return self.root / hour / f"{stamp}-{rid}.json"
 
     def rollup_sync(self, client) -> int:
-        """Move every counter Redis holds into the store (see the module docstring). Returns files written.
+        """Roll every hourly counter up into ``<home>/usage/`` (docs/internals/metering.md); returns files written.
 
         Safe to run from several processes at once and after a crash half-way (idempotent per rolled hash).
         """
@@ -271,7 +241,7 @@ class UsageStore:
         return int(ms), live, pending
 
     def _counts(self, snapshot: tuple[int, list, list]) -> Iterable[tuple[str, str, int]]:
-        """``(hour, field, n)`` of the snapshot plus the store's files (deduplicated, see the module docstring)."""
+        """``(hour, field, n)`` of the snapshot plus the store's files not in it and stamped at most its time."""
         ms, live, pending = snapshot
         seen: set[str] = set()
         for hour, flat in live:

@@ -1,23 +1,15 @@
 """Per-tenant namespaces for the names a tenant creates: endpoint names and lineage names.
 
-The rule (purely syntactic, so applying it reveals nothing about which names exist): tenant names match
-``[a-z0-9][a-z0-9_-]{0,63}`` and so contain no ``.``; a name of the form ``<t>.<rest>`` where ``<t>`` matches that
-rule lies in tenant ``<t>``'s namespace, and every other name lies in tenant ``default``'s. One exception:
-lineage names of the form ``<session>-train-<n>`` (:func:`is_training_lineage`, the lineages that
-:func:`livelora.core.session_protocol.lineage_for` gives training runs; their session ids are random and made
-by the server) lie in no namespace: the training run's own tenant claims its lineage when the run is created.
-
-A tenant creates endpoints and lineages in its own namespace only (:func:`require_own_namespace`): any other name
-answers 400 with a message that depends on the caller's tenant and the field alone, the same whether the name
-exists or not. A 409 for a taken name can then only concern the caller's own names (or names created before
-this rule existed). Names that already exist keep their owners; resolving a name in a request is unchanged.
+The rule is purely syntactic, so applying it reveals nothing about which names exist: ``<t>.<rest>``, where
+``<t>`` is a valid tenant name, lies in tenant ``<t>``'s namespace, every other name in tenant ``default``'s,
+and training-run lineages (``<session>-train-<n>``, :func:`is_training_lineage`) in none.
+:func:`require_own_namespace` answers 400 for a name outside the caller's namespace, with a message that
+depends only on the caller's tenant and the field. Why: ``docs/internals/tenancy.md``.
 
 Example::
 
     namespace_of("acme.support")       # 'acme'
-    namespace_of("support")            # 'default'
     namespace_of("Acme.support")       # 'default' ('Acme' is not a tenant name)
-    require_own_namespace("acme.bot", "acme", kind="endpoint", param="name")   # passes
     require_own_namespace("bot", "acme", kind="endpoint", param="name")        # BadRequestError (400)
 """
 

@@ -1,25 +1,9 @@
 """The one parser of every id and path spelling that names an object; each form has exactly one spelling.
 
-Forms (anything else is a 400 :class:`BadRequestError` naming the field):
-
-========================  ==================================================  ==================================
-form                      spelling                                            owner record consulted
-========================  ==================================================  ==================================
-session id                ``<32 lower-case hex>`` (what ``create_session``    ``session``
-                          answers)
-training model id         ``<session>:train:<n>``                             ``session``
-sampling session id       ``<session>:sample:<n>``                            ``session``
-request id                ``<model id>:<seq>:<12 hex>``,                      ``session`` (ad-hoc samples: the
-                          ``<sampling session id>:<seq|x>:<12 hex>`` or       future's own owner record)
-                          ``sample:<seq|x>:<12 hex>`` (ad-hoc)
-checkpoint path           ``tinker://<model id>/<weights|sampler_weights|     ``session``
-                          external_weights>/<name>``
-adapter version           ``<lineage>@<n>``                                   ``lineage``
-========================  ==================================================  ==================================
-
-``<n>``/``<seq>`` are decimal integers without leading zeros (``0`` itself allowed). The old lossy mapping
-from a model id to its lineage (``:`` → ``-``) made ``<session>-train-0`` name the same run as
-``<session>:train:0``; only the ``:`` spelling parses here, so no second spelling reaches the store.
+:func:`parse_ref` parses a session id, training model id (``<session>:train:<n>``), sampling session id
+(``<session>:sample:<n>``), request id or ``tinker://`` checkpoint path into an :class:`ObjectRef` naming the
+session it lives under; :func:`refs_of_request` finds every id a request body names. Anything else is a 400
+:class:`BadRequestError` naming the field. The spellings: ``docs/internals/object-ids.md``.
 
 Example::
 

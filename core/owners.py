@@ -1,31 +1,16 @@
 """Recorded ownership: which tenant owns each object, written once when the object is created.
 
-On-disk contract: ``LIVELORA_HOME/owners/<kind>/<sha256(name)[:32]>.json`` holding
-``{"kind", "name", "tenant", "created"}``. A record is claimed atomically (written to a temporary file, then
-hard-linked to its final name, which fails when the name is taken), so two creators of one name can never
-both win, and a record is never half written. Records are never rewritten; :meth:`OwnerStore.release`
-removes one when its object is deleted.
-
-Kinds (:data:`KINDS`) and what each record covers:
-
-* ``lineage``: an adapter lineage, with every version of it, its exports, and the checkpoints and sampler
-  weights stored in it (a training run's checkpoints are versions of the run's lineage). The built-in base
-  lineage is owned by tenant ``default`` from the gateway's first start.
-* ``endpoint``: a served model name (``endpoints.json`` binding).
-* ``session``: a Tinker training session; its training models (``<session>:train:<n>``), sampling sessions
-  (``<session>:sample:<n>``) and request ids are named under it (:mod:`livelora.core.session_protocol`).
-* ``model``: a Tinker training model / run (its lineage is claimed for the same tenant).
-
-Policy (:func:`OwnerStore.check`): deny by default. No record means no access for every tenant, ``default``
-included; another tenant's object and a missing object raise the same :class:`NotFoundError` with the same
-message, so a caller cannot tell them apart.
+:class:`OwnerStore` keeps one record per object under ``LIVELORA_HOME/owners/<kind>/``, claimed atomically (two
+creators of one name never both win) and never rewritten. Kinds: :data:`KINDS`. The policy
+(:meth:`OwnerStore.check`) denies by default: a missing record, another tenant's object and a missing object
+all raise the same :class:`NotFoundError`, so a caller cannot tell them apart. What each kind's record covers:
+``docs/internals/tenancy.md``.
 
 Example::
 
     owners = OwnerStore(home)
     owners.claim("lineage", "support", "acme")        # True: acme owns it now
-    owners.claim("lineage", "support", "beta")        # False: taken (by someone; it does not say whom)
-    owners.check("lineage", "support", "acme")        # passes
+    owners.claim("lineage", "support", "beta")        # False: taken (it does not say by whom)
     owners.check("lineage", "support", "beta")        # NotFoundError("lineage 'support' does not exist")
 """
 
@@ -49,7 +34,7 @@ _PARAM = {"lineage": "lineage", "endpoint": "endpoint", "session": "session_id",
 
 
 class OwnerStore:
-    """Owner records under ``<home>/owners`` (see the module docstring).
+    """Owner records under ``<home>/owners`` (layout and policy: docs/internals/tenancy.md).
 
     Args:
         home: ``LIVELORA_HOME``.

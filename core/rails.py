@@ -1,33 +1,10 @@
 """Update-safety rails shared by the trainer (which evaluates versions) and the gateway (which serves them).
 
-**The evaluation gate.** Before a ``follow`` endpoint may move to a new version of its lineage, the trainer
-measures the version against the version it would replace (the lineage's newest version that passed) and
-writes the result into the version's manifest (``Manifest.gate``, a :class:`GateResult`) and into the history
-of every endpoint it judged (action ``gate``). The gateway never moves an endpoint to a version whose gate
-result rejects it for that endpoint (:func:`gate_allows`); a version without a gate result (rails off, or
-written before the rails existed) is allowed as before.
-
-Thresholds are per endpoint (:class:`GateThresholds`, stored in the endpoint's binding, ``null`` = the
-defaults below). The defaults were found with ``bench/gate_thresholds.py`` on SmolLM2-135M-Instruct
-(docs/rails.md): a normal KTO step at the default learning rate moves every measure far less than
-the bound, a step trained to answer every prompt with one fixed phrase crosses them within one to three
-steps. Measured (2 shared cores, load 7-11; docs/rails.md has the table): three normal KTO steps (8 ratings each, lr
-1e-3) gave KL(new ‖ current) 0.019-0.025, KL(new ‖ base) 0.02 → 0.17, no degenerate reply, length ratio
-0.90-0.99, probe accuracy 0.79-0.75 (base 0.83); three bad SFT steps (lr 1e-3) gave KL(new ‖ current)
-0.054-0.11, KL(new ‖ base) up to 0.75, degenerate share 0.25 → 0.5 → 1.0 and a length ratio of 0.44. The
-bounds sit between: 0.08, 1.5 (room for about 20 honest steps), 0.25, 0.7; the probe margin of 0.10 is
-2.4 of the 24 probes (a normal step moved at most one).
-
-The probe margin is relative to the current version, so a chain of steps, each within it, can lose more in
-total: ``bench/live_loop.py`` scenario (b) served a version 8.3 points below the base model after 80 ratings. The
-second probe bound, ``probe_base_margin`` (check ``probes_base``), is relative to the base model (the adapter
-switched off): new accuracy ≥ base accuracy − 0.05. Its default is issue 15's target (probe accuracy within 5
-points of the base model's), not a measured gap: with 24 probes (4.17 points each) it allows one probe lost
-against the base model (base 20/24: 19/24 passes, 18/24 is rejected). The third normal KTO step of the threshold
-bench above (0.75 against base 0.83, two probes lost) would fail it; training then continues from the version
-before, like after any other rejection. The thresholds' names: ``enabled``, ``probe_margin``,
-``probe_base_margin``, ``max_kl_current``, ``max_kl_base``, ``max_degenerate``, ``min_length_ratio``,
-``signal_tolerance``, ``min_signal_examples``.
+Before a ``follow`` endpoint moves to a new version, the trainer measures it against the version it would
+replace and stores a :class:`GateResult` in its manifest; :func:`judge` turns measures into a
+:class:`GateVerdict` per endpoint under that endpoint's :class:`GateThresholds`, and the gateway never moves an
+endpoint to a version :func:`gate_allows` rejects (a version without a result is allowed). The measures, why
+the gate runs in the trainer and how the defaults were chosen: ``docs/internals/rails.md``.
 """
 
 from __future__ import annotations

@@ -1,69 +1,8 @@
-"""The Redis key layout: every key and channel livelora uses, in one class.
+"""The Redis key layout: every key and channel livelora uses, built by one class, :class:`KeyLayout`.
 
 Every key starts with the configured prefix (``LIVELORA_REDIS_PREFIX``, ``livelora:`` by default; tests use a
-unique one). Nothing else in livelora builds a Redis key by hand.
-
-Live loop (gateway ⇄ trainer workers):
-
-=================================  ==========================  ==============================================
-key                                type                        holds
-=================================  ==========================  ==============================================
-``completion:{id}``                string (JSON), TTL          one served completion (``CompletionRecord``)
-``rating:{completion}:{user}``     string, TTL                 id of the latest rating by that user
-``rater:{lineage}:{digest}``       sorted set, TTL             a rater's recent event ids by time (rate limit)
-``raters:{lineage}:labels``        hash                        json([item, rater]) → 1/0 label (agreement)
-``raters:{lineage}:order``         sorted set                  those fields by time (window of the newest)
-``stats:{endpoint}:requests``      hash                        version → requests served (live statistics)
-``stats:{endpoint}:ratings:{v}``   hash                        rating key → 1/0 thumbs up, per served version
-``signals``                        stream, group ``trainers``  ratings, preferences, demonstrations (entries are
-                                                               deleted once acknowledged)
-``signals:trained``                sorted set                  ids of events trained into a version, score =
-                                                               Unix s (written before the XACK; members older
-                                                               than 24 h are dropped: ``trained.jsonl`` is the
-                                                               full record)
-``signals:retrained``              string (int)                events found already trained at commit (alarm: 0)
-``idem:{scope}:{key}``             string (JSON), TTL, SET NX  first answer to an idempotent request
-``notices``                        pub/sub channel             version published, endpoint moved
-``store_id``                       string                      id of the store bound to this prefix (one
-                                                               install per prefix, :mod:`~livelora.core.install`)
-=================================  ==========================  ==============================================
-
-Training sessions (gateway ⇄ op executor; :mod:`livelora.core.session_protocol`):
-
-=================================  ==============  ===================================================
-key                                type            holds
-=================================  ==============  ===================================================
-``session:{sid}``                  string, TTL     session record; TTL refreshed by heartbeats
-``owner:request:{request_id}``     string, TTL     tenant of an ad-hoc sample's future (``sample:...``)
-``model:{model_id}``               string (JSON)   model record: session, base model, LoRA shape, state
-``trainer:models``                 set             model ids whose ``ops:`` streams are read
-``ops:{model_id}``                 stream          the model's ops, field ``op`` = JSON ``Op``; entries stay
-                                                   until their effect is saved (the owner trims them)
-``lease:model:{model_id}``         string, PX TTL  ``{token}:{owner}``: the executor that owns the model
-``fence:model:{model_id}``         string (int)    INCR counter: fencing tokens of the model's owners
-``opruns:{model_id}``              hash, TTL       ``{seq}`` → times its result was committed (1), ``applied``
-                                                   → highest seq committed
-``seq:{model_id}:{seq_id}``        string, TTL     ``{request_id, digest}`` of the first op with that seq
-``future:{request_id}``            string, TTL     ``{"state": "pending"|"done"|"failed", ...}``
-``sampler:{sampling_id}``          string, TTL     sampling session: base model, adapter name and path
-``futures``                        pub/sub         request ids whose future just resolved
-``sessions``                       pub/sub         ids of sessions that finished
-=================================  ==============  ===================================================
-
-Usage metering (:mod:`livelora.core.metering`):
-
-=================================  ==============  ===================================================
-key                                type            holds
-=================================  ==============  ===================================================
-``usage:{hour}``                   hash            ``[tenant, key, subject, kind]`` (JSON) → tokens, for
-                                                   one UTC hour ``YYYYMMDDHH`` (HINCRBY)
-``usage:hours``                    set             hours with a live ``usage:{hour}`` hash
-``usage:rolling:{hour}:{id}``      hash            a ``usage:{hour}`` hash being written to the store
-``usage:pending``                  hash            rolling key → ``"{hour} {server ms}"``
-``usage:day:{day}:{tenant}``       hash, TTL 3 d   kind → tokens of one UTC day ``YYYYMMDD`` (quota checks)
-``quota:sessions:{tenant}``        set             ids of the tenant's sessions holding a slot (members
-                                                   whose ``session:{sid}`` is gone are dropped)
-=================================  ==============  ===================================================
+unique one). Nothing else in livelora builds a Redis key by hand. Each key's type and contents:
+``docs/internals/redis-keys.md``.
 
 Example::
 
@@ -81,7 +20,7 @@ TRAINERS_GROUP = "trainers"
 
 @dataclass(frozen=True)
 class KeyLayout:
-    """The Redis key and channel names under one prefix (see the module docstring for types and contents)."""
+    """The Redis key and channel names under one prefix (types and contents: docs/internals/redis-keys.md)."""
 
     prefix: str = "livelora:"
 

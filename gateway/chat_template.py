@@ -1,23 +1,9 @@
 """Render OpenAI chat messages to prompt token ids with the tokenizer's own chat template.
 
-Mapping from the OpenAI message shapes (contract §1.1) to what a Hugging Face
-chat template reads (``{"role": str, "content": str}``):
-
-* ``developer`` is rendered as ``system`` (it "replaces system" for newer models).
-* ``content`` given as a list of parts is the concatenation of its ``text``
-  parts joined with ``"\\n"`` (as vLLM does); an ``image_url``, ``input_audio``
-  or ``file`` part is a 400 naming that part (text-only models).
-* An ``assistant`` message with ``content: null`` and ``tool_calls`` (what
-  LangChain sends for past tool-calling turns) is rendered with the calls as
-  JSON text, one per line, since templates without tool support have no slot
-  for them; ``content: ""`` is rendered as is.
-* ``tool`` / ``function`` messages are passed with their role; a template that
-  cannot render them raises, which becomes a 400 on ``messages``.
-* A message-level ``name`` is accepted and not rendered (OpenAI uses it only to
-  tell participants apart).
-* Content is plain text: control-token look-alikes in it (``<|im_end|>``) stay
-  ordinary characters, so the number of control tokens in a prompt depends only
-  on its messages' roles and number (:mod:`livelora.core.chat_tokens`).
+:func:`render_messages` maps the OpenAI message shapes to the ``{"role", "content"}`` a Hugging Face template
+reads (``developer`` as ``system``, text parts joined with ``"\\n"``, past ``tool_calls`` as JSON text; a
+non-text part is a 400 naming it) and renders them with :mod:`livelora.core.chat_tokens`, so control-token
+look-alikes in content stay ordinary characters. The mapping in full: ``docs/internals/tokens.md``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Door checks of signals: what the trainer would refuse is refused at the door, with a 400.
 
-A signal answered 2xx is trained unless something only the trainer can know goes wrong; the trainer then
-dead-letters that event alone (``trainer/triage.py``). What can be known here is checked here, with the
-trainer's own tokenization (:mod:`livelora.core.chat_tokens`) and limit (the base model's context,
-``max_position_embeddings``: a datum's ``model_input`` is ``prompt + completion − 1`` tokens):
-
-* a **demonstration**: its prompt (all messages but the last, with the generation prompt) plus the reply
-  and its end-of-turn tokens must fit (param ``messages``);
-* an **inline preference**: prompt plus ``chosen``, and prompt plus ``rejected`` (param ``chosen`` /
-  ``rejected``); a completion-id preference: the served prompt plus each served completion
-  (``chosen_completion_id`` / ``rejected_completion_id``);
-* a **rating**: the served prompt plus the rated completion (with the end-of-turn token a ``stop`` reply is
-  trained with), which must also hold at least one token (param ``completion_id``).
-
-Every failure is a :class:`~livelora.clients.errors.ContextLengthExceededError` (400
-``context_length_exceeded``) stating the limit and the counts, or a ``BadRequestError``; nothing is queued.
+A signal answered 2xx is trained unless something only the trainer can know goes wrong. Demonstrations,
+preferences and ratings are checked with the trainer's own tokenization (:mod:`livelora.core.chat_tokens`)
+against the base model's context (a datum's ``model_input`` is ``prompt + completion − 1`` tokens); a failure is a
+:class:`~livelora.clients.errors.ContextLengthExceededError` stating the limit and the counts, or a
+``BadRequestError``, and nothing is queued. What each signal must fit: ``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
   workers (or one worker after a redelivery) never write an event twice.
 * ``LIVELORA_HOME/data/signals/trained.jsonl``: one line per trained version, ``{"version", "event_ids",
   "stream_ids", "started_at", "written_at"}`` (the last two: Unix seconds when the worker took the batch and when
-  the version was written, so train + gate + save time is their difference). :class:`JsonlIdLog` reads its new lines incrementally, so a worker sees what its peers
-  trained since it started.
+  the version was written, so train + gate + save time is their difference). :class:`JsonlIdLog` reads its new
+  lines incrementally, so a worker sees what its peers trained since it started.
 
 Writes are appended with one ``write`` and an ``fsync``; a torn last line (a process killed mid-write) is
 skipped by readers and the next append starts on a fresh line.

@@ -1,24 +1,12 @@
 """The evaluation gate's bookkeeping in the online trainer: held-out examples, cached measurements, snapshots.
 
-One :class:`EvaluationGate` per :class:`~livelora.trainer.online.OnlineTrainer`. Around every live-loop step:
-
-1. :meth:`EvaluationGate.before_step` snapshots the lineage model (LoRA weights, AdamW state, step, parent)
-   and makes sure the *current* measurement exists: the measures of the weights the model holds now, which
-   are the lineage's newest version that passed (measured once per process, then carried over from each
-   accepted step).
-2. The step runs; :meth:`EvaluationGate.judge` measures the new weights and judges them, per endpoint of the
-   lineage, with that endpoint's thresholds (:mod:`livelora.core.rails`).
-3. The version is written with the result in its manifest; each judged endpoint's history gets a ``gate`` line.
-4. **Where training continues.** A passed version becomes the current one. After a rejection the model is
-   restored from the snapshot, so training continues from the last version that passed (the rejected weights
-   stay in the store for inspection, their events are recorded as trained into the rejected version and are
-   not trained again: they would push the same way). The verdict that decides is that of the batch's endpoint.
-
-Held-out examples: one rating or preference pair in ``holdout_every`` (by the sha256 of its event id, so every
-worker and every restart picks the same ones) is not trained; the worker acknowledges it (it is in the
-dataset of record) and the gate keeps the newest ``heldout_max`` per lineage for the signal check. Examples of
-raters whose agreement weight is below ½ for the batch being judged (:attr:`EvaluationGate.distrusted`, set
-from ``Batch.example_weights``) are left out of the signal check.
+One :class:`EvaluationGate` per :class:`~livelora.trainer.online.OnlineTrainer`. Around every live-loop step,
+:meth:`EvaluationGate.before_step` snapshots the lineage model and makes sure the current version's
+measurement exists, and :meth:`EvaluationGate.judge` measures the new weights and judges them per endpoint
+(:mod:`livelora.core.rails`). After a rejection the model is restored from the snapshot, so training continues
+from the last version that passed. One rating or preference pair in ``holdout_every`` (:func:`held_out`, by
+the sha256 of its event id) is kept for the signal check instead of trained. The steps in full:
+``docs/internals/rails.md``.
 """
 
 from __future__ import annotations
@@ -47,7 +35,7 @@ def held_out(event_id: str, every: int) -> bool:
 
 
 class EvaluationGate:
-    """Measures, judges and remembers (see the module docstring).
+    """Measures, judges and remembers the gate results of one lineage model (docs/internals/rails.md).
 
     Args:
         tokenizer: the base model's tokenizer.

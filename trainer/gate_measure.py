@@ -1,28 +1,11 @@
-"""The evaluation gate: measures a freshly trained version against the one it would replace, in the trainer.
+"""The evaluation gate's measures of one set of weights, taken in the trainer right after a step.
 
-**Why in the trainer.** The trainer holds the lineage's model in memory right after the step: the new weights,
-the weights before the step (a snapshot it takes anyway to be able to undo a rejected step), and the base
-model (the adapter switched off) are all one forward pass away, with full-vocabulary logits for the KL terms.
-The gateway's engine (vLLM in production) returns only top-k logprobs and would have to load every candidate
-version before judging it. Judging before the version is written also means a rejected version never appears
-in the store without its verdict, so no gateway can serve it in the meantime.
-
-Measures (``measure`` → :class:`Measurement`; thresholds and verdicts in :mod:`livelora.core.rails`):
-
-* **capability probes** (``trainer/rails/probes.jsonl``, shipped with the package): short facts, one-digit
-  arithmetic and format instructions, each rendered with the chat template (system message "Answer briefly.")
-  plus the start of the assistant reply (``lead``); a probe is right when the greedy next token begins one of
-  its accepted answers. SmolLM2-135M-Instruct gets 20 of the 24 right (docs/rails.md). One forward pass.
-  Checked twice: against the current version (``probes``) and against the base model (``probes_base``), so
-  that steps each within the first margin cannot add up to a larger loss.
-* **drift**: mean per-token KL(new ‖ current) and KL(new ‖ base), Σ_v p_new(v)·(log p_new(v) − log p_ref(v)),
-  over the reply positions of the probes (the positions predicting ``lead`` and the answer token).
-* **degeneracy**: greedy replies (``gen_tokens`` tokens) to a few open prompts: the share that is empty,
-  content-free (fewer than 2 words outside a stop-word list) or repetitive (fewer than half of the word
-  bigrams distinct), and the mean reply length (tokens before end of turn) relative to the current version's.
-* **the signal**: on held-out rated completions of the lineage (ratings and preference pairs the worker sets
-  aside instead of training, one in ``holdout_every``), the margin mean s(desirable/chosen) − mean
-  s(undesirable/rejected), where s is the completion's mean per-token logprob (nats).
+:meth:`ProbeSuite.measure` → :class:`Measurement`: capability probes (``trainer/rails/probes.jsonl``, greedy next token
+against accepted answers), drift (mean per-token KL of the new weights against the current version and the
+base model over the probe replies), degeneracy of greedy replies to open prompts, and the held-out signal
+margin (mean per-token logprob of desirable/chosen minus undesirable/rejected completions, nats);
+:func:`compare` lines them up against the current version's. Thresholds and verdicts are in
+:mod:`livelora.core.rails`; the measures and why they are taken in the trainer: ``docs/internals/rails.md``.
 """
 
 from __future__ import annotations

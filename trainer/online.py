@@ -1,35 +1,12 @@
 """The online training backend: turns a scheduled batch into one optimizer step and one new adapter version.
 
-Per lineage one :class:`~livelora.trainer.model.TrainingModel` is kept in memory.
-It starts from the lineage's newest stored version (weights and, when saved,
-AdamW state) or, for a new lineage, from a fresh adapter (``lora_B = 0``, so
-version 1's parent is the base model). Each step is ``forward_backward`` +
-``optim_step`` + ``save_state``, so every update is a new immutable version
-``<lineage>@<n+1>`` whose manifest names its parent ``n``.
-
-Datums (Tinker alignment: input ``tokens[:-1]``, targets ``tokens[1:]``,
-``weights`` 1 on completion targets, 0 on the prompt):
-
-* rating → ``kto`` datum (``label`` 1 = thumbs up/desirable, 0 = down), built from the
-  **exact served token ids** in the event (plus the end-of-turn token the engine sampled but does not
-  report, for replies that ended with ``stop``); ``loss_fn_config`` carries the batch's
-  class weights λ_D/λ_U and β. The reference model is the base model (adapter
-  disabled), computed by the TrainingModel (TRL's choice for a LoRA policy,
-  ../shared/reference/losses.md §1).
-* demonstration → ``cross_entropy`` datum: prompt = chat template of all but the
-  last message with the generation prompt; completion = the rest of the
-  template's rendering of the whole conversation (the reply and its end-of-turn
-  tokens), so the model also learns to stop.
-* preference → two ``dpo`` datums (chosen, rejected), from served token ids or
-  from the chat template for the inline form.
-
-Chat text becomes ids through :mod:`livelora.core.chat_tokens` (message content is plain text, control
-tokens come from the template only), the same code the gateway serves prompts and checks signals with.
-Datums are built per event: :meth:`OnlineTrainer.screen` names the events of a batch that cannot be trained
-(the worker dead-letters those alone and trains the rest).
-
-Hyperparameters are the trainer's :class:`~livelora.trainer.settings.TrainingSection` (losses.md §5/§6:
-LoRA LR ≈ 10× the full-FT guidance, KTO/DPO β = 0.1).
+:class:`OnlineTrainer` keeps one :class:`~livelora.trainer.model.TrainingModel` per lineage, started from the
+lineage's newest stored version (or a fresh adapter with ``lora_B = 0``); :meth:`OnlineTrainer.train` runs
+``forward_backward`` + ``optim_step`` + ``save_state``, so every update is a new immutable version
+``<lineage>@<n+1>`` whose manifest names its parent. Datums are built per event from the exact served token ids
+or the chat template (:mod:`livelora.core.chat_tokens`): a rating → ``kto``, a demonstration → ``cross_entropy``,
+a preference → two ``dpo`` datums; :meth:`OnlineTrainer.screen` names the events that cannot be trained. The
+datum layouts: ``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations
@@ -243,8 +220,8 @@ class OnlineTrainer:
 
         Each event is checked alone, as the step would check it: its datums can be built, every datum's
         ``model_input`` fits the lineage model's context (``max_seq_len`` tokens, reason code
-        ``context_length_exceeded``) and its input and target token ids lie in the vocabulary. The worker dead-letters these
-        events alone and trains the rest of the batch.
+        ``context_length_exceeded``) and its input and target token ids lie in the vocabulary. The worker
+        dead-letters these events alone and trains the rest of the batch.
         """
         model = self.model_for(batch.lineage)
         bad: dict[int, str] = {}

@@ -1,20 +1,10 @@
 """Ownership of training models: one executor at a time, by a Redis lease with a fencing token.
 
-* **Acquire** (:meth:`Leases.acquire`): if ``lease:model:{id}`` is absent, ``INCR fence:model:{id}`` gives a
-  new token (never reused, higher than every earlier owner's) and the lease is set to ``{token}:{owner}``
-  with a TTL of ``lease_ttl_s``; all in one Lua script, so two executors never both get it.
-* **Renew**: a thread (:meth:`Leases.start`) extends every held lease every ``lease_ttl_s / 3`` while the
-  process lives, independently of the executor's thread (a long ``forward_backward`` does not lose it). A
-  renewal that finds the lease gone or someone else's marks the model lost; the executor then drops it
-  without touching its stream or state.
-* **Fenced writes**: every write of an owner is checked against the lease in the same Lua script: a future
-  is resolved (``SET future`` + ``HINCRBY opruns`` + ``PUBLISH``) and stream entries are trimmed only while
-  ``lease:model:{id}`` still holds the owner's ``{token}:{owner}``. Files in the store are fenced through
-  the checkpoint index (:class:`~livelora.core.session_protocol.CheckpointIndex` ``fence``).
-* **Release** on a clean stop, so a peer takes over at once instead of after the TTL.
-
-Counting: ``opruns:{id}`` holds, per seq id, how many times an op's result was committed (the resolve
-script is the only writer), and ``applied``, the highest seq committed. Tests check every count is 1.
+:meth:`Leases.acquire` takes ``lease:model:{id}`` with a new fencing token (INCR, never reused) in one Lua
+script; a thread (:meth:`Leases.start`) renews every held lease every ``lease_ttl_s / 3`` and marks a model lost
+when its lease is gone or someone else's; every write of an owner (resolving a future, trimming its stream) is
+checked against the lease in the same script; a clean stop releases the leases so a peer takes over at once.
+The protocol and what ``opruns:{id}`` counts: ``docs/internals/leases.md``.
 """
 
 from __future__ import annotations

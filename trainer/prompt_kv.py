@@ -1,21 +1,14 @@
 """Prompt key/value reuse between sequences that start with the same tokens.
 
 With a causal decoder the keys and values (K/V) of a sequence's first positions depend only on those tokens, so
-sequences that start alike need not run their common start twice: the K/V are taken from one pass
-(:meth:`PromptKV.capture`) and the rest of each sequence continues from them (:meth:`PromptKV.continuation`) at
-its true positions (RoPE ``position_ids`` = prefix length + offset). Values equal a full pass up to float rounding
-(``tests/test_prompt_kv.py``: within 2e-4 nats). Three uses:
-
-* **KTO's KL pairs.** KTO's reference point ``z0`` (Ethayarajh et al. 2024, arXiv 2402.01306, §4.1; TRL
-  ``KTOTrainer``) needs the policy and reference log-ratios of *mismatched* pairs ``(x_i, y_perm(i))``
-  (:func:`kl_pairs`). Pair ``i`` starts with exactly the prompt of datum ``i``, whose passes (policy, and reference
-  with the adapter disabled) run anyway for the matched pair ``(x_i, y_i)``; the pair runs only its completion.
-  The K/V of a right-padded batch are kept up to the longest shared prompt ``L``; row ``b`` uses its first ``P_b``
-  positions (the attention mask hides positions ``P_b … L−1``, which hold row ``b``'s own completion).
-* **A prefix the whole batch shares** (:func:`common_prefix`: a chat template's system message, an RL group's
-  prompt) runs once at batch 1 and every row continues from it (:meth:`PromptKV.expand`); captured with
-  ``detach=False`` so that gradients flow back through the shared prefix once instead of once per row.
-* **The gate's probes** (``trainer/gate_measure.py``) share their template and system message: run once per measurement.
+sequences that start alike run their common start once: :meth:`PromptKV.capture` takes the K/V from one pass and
+:meth:`PromptKV.continuation` runs the rest of each sequence from them at its true positions (RoPE
+``position_ids`` = prefix length + offset); values equal a full pass within 2e-4 nats (``tests/test_prompt_kv.py``).
+Uses: KTO's mismatched KL pairs (:func:`kl_pairs`; Ethayarajh et al. 2024, arXiv 2402.01306, §4.1), whose prompts
+already ran for the matched pairs, so each pair runs only its completion; a prefix the whole batch shares
+(:func:`common_prefix`, run once at batch 1 and expanded with :meth:`PromptKV.expand`, captured with
+``detach=False`` so gradients flow back through it once); and the evaluation gate's probes, which share their
+template and system message.
 """
 
 from __future__ import annotations
@@ -48,7 +41,8 @@ def kv_bytes(config: Any, batch: int, tokens: int, itemsize: int = 4) -> int:
 @dataclass
 class PromptKV:
     """Per layer the keys and values ``(B, kv_heads, L, head_dim)`` of the first ``L = max(prefix)`` positions
-    of a batch (detached unless captured with ``detach=False``), and per row the number of leading positions ``prefix[b]`` it shares."""
+    of a batch (detached unless captured with ``detach=False``), and per row the number of leading positions
+    ``prefix[b]`` it shares."""
 
     layers: list[tuple[Tensor, Tensor]]
     prefix: list[int]

@@ -27,7 +27,7 @@ class TrainingSection(Section):
     ``sft_min_batch``, preference pairs → DPO at ``dpo_min_batch`` (≥ 1 after ``max_wait_s``); at most
     ``max_batch`` events per step.
 
-    Hyperparameters follow ../shared/reference/losses.md §5/§6 (LoRA learning rates ≈ 10× full fine-tuning;
+    Hyperparameters follow docs/internals/losses.md §5–§6 (LoRA learning rates ≈ 10× full fine-tuning;
     KTO/DPO β = 0.1). ``kto_lr`` 1e-3 was found by experiment on SmolLM2 with ``bench/live_loop.py``: in 80
     ratings the held-out liked share goes from 9 % to 13 % at 5e-5, 25 % at 2e-4, 97 % at 1e-3 (docs/live-loop.md).
     """
@@ -57,7 +57,7 @@ class TrainingSection(Section):
     dpo_lr: float = Field(1e-5, gt=0, description="DPO learning rate (LoRA; tinker-cookbook's value).")
     beta: float = Field(0.1, gt=0, description="KTO/DPO beta.")
     lora_rank: int = Field(
-        8, ge=1, le=512, description="Rank of new lineages' adapters (RL-style signals need little rank, losses.md §6)."
+        8, ge=1, le=512, description="Rank of new lineages' adapters (RL-style signals need little rank)."
     )
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha of new lineages' adapters.")
     grad_clip_norm: float = Field(1.0, ge=0, description="Global L2 gradient clip per step (0 = none).")

@@ -1,25 +1,10 @@
 """Feedback governance in the trainer: per-rater rate limits with quarantine, and delete-by-user exclusion.
 
-* **Rate limit.** Each rater (:func:`~livelora.core.governance.rater_of`) may send at most
-  ``rater_max_events`` events per lineage in any ``rater_window_s`` seconds (ratings, preferences and
-  demonstrations alike). The count is shared by every trainer worker of the store: a Redis sorted set per
-  (lineage, rater) of event ids scored by receive time (``KeyLayout.rater``), trimmed to the window. Events
-  beyond the limit are **quarantined**: they stay in the dataset of record, a line goes to
-  ``quarantine.jsonl`` (listed by ``GET /admin/quarantine``), they are acknowledged and never trained. The first
-  quarantined event of a burst (none in the previous window) also writes a ``quarantine`` line to the
-  endpoint's history.
-* **Share of a batch.** At most ``rater_max_batch_share`` of any training batch comes from one rater when the
-  queue holds events of several raters (:class:`~livelora.trainer.scheduler.BatchScheduler`); a rater's
-  surplus waits for the next batch.
-* **Rater agreement.** Each admitted rating (and served preference pair) also records its rater's label of
-  that completion (pair) in Redis (``KeyLayout.rater_labels``, shared by every worker; the newest
-  ``rater_agreement_window`` labels per lineage). Before a batch trains, :meth:`FeedbackGovernor.weigh` reads
-  them, computes each rater's weight (:func:`~livelora.core.governance.agreement_weights`: agreement with the
-  other raters of the same completions, Beta-smoothed; 1 for a rater never compared) and gives every example
-  of the batch its rater's weight (``Batch.example_weights``): the KTO and DPO losses weight each example's term
-  by it (``trainer/losses/_preference.py``) and the KTO class weights balance the weighted counts.
-* **Forgotten users.** After ``POST /admin/users/{user}/forget`` the user's events on the named endpoints are
-  dropped when read and when a queued batch is about to train (``forgotten.jsonl``, re-read when it changes).
+:class:`FeedbackGovernor` quarantines a rater's events beyond ``rater_max_events`` per lineage in any
+``rater_window_s`` (counted in Redis, shared by every worker; the events stay in the dataset of record and are
+never trained), weighs every example of a batch by its rater's agreement with other raters
+(:meth:`FeedbackGovernor.weigh`, :func:`~livelora.core.governance.agreement_weights`), and drops the events of
+forgotten users. The rules in full: ``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Advantage estimators of the RL recipes (plain Python: the client needs no torch for them).
 
 Notation: one *group* = the G samples of one prompt, ``rewards_G``; advantages broadcast to every sampled
-token of their sample. Reference values: losses.md §3.5 (computed in float64).
+token of their sample. Reference values: docs/internals/losses.md §3.5 (computed in float64).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def reverse_kl_advantages(
     sampled_logprobs_T: Sequence[float], teacher_logprobs_T: Sequence[float], coef: float = 1.0
 ) -> list[float]:
     """On-policy distillation: per-token ``A_t = −coef·(q_t − lp^teacher_t)``, the negative sampled reverse KL
-    (tinker-cookbook ``distillation/train_on_policy.py``; Agarwal et al. 2024, arXiv 2306.13649; losses.md
-    §2.8, §3.6). ``q_t`` is the student's (sampler's) logprob of its own token t.
+    (tinker-cookbook ``distillation/train_on_policy.py``; Agarwal et al. 2024, arXiv 2306.13649;
+    docs/internals/losses.md §4). ``q_t`` is the student's (sampler's) logprob of its own token t.
 
     Raises: ValueError when the lengths differ.
     """

@@ -1,8 +1,8 @@
 """Token sequences to training datums (Tinker's shifted layout), length limits and deterministic batching.
 
-Layout (tinker docs ``losses``; losses.md §1): a sequence ``tokens_T`` with per-token weights ``w_T`` becomes
-``model_input = tokens[:-1]``, ``target_tokens = tokens[1:]``, ``weights = w[1:]``: position i predicts token
-i+1, so the first completion token's weight sits at index ``len(prompt) - 1``.
+Layout (Tinker docs, losses page; docs/internals/losses.md §1): a sequence ``tokens_T`` with per-token weights
+``w_T`` becomes ``model_input = tokens[:-1]``, ``target_tokens = tokens[1:]``, ``weights = w[1:]``: position i
+predicts token i+1, so the first completion token's weight sits at index ``len(prompt) - 1``.
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ under the teacher (``compute_logprobs`` of the teacher's prompt + the reply), se
 and train ``importance_sampling`` on the sampled tokens.
 
 Metric: held-out reverse KL, ``mean_t(q_t − lp^teacher_t)`` over tokens of one seeded student sample per
-held-out prompt (nats per token; lower is better).
-
-Defaults (SmolLM2-135M, CPU; docs/recipes.md): 8 prompts x 2 samples, max_tokens 48, lr 1e-4, rank 8.
+held-out prompt (nats per token; lower is better). Defaults (SmolLM2-135M, CPU; docs/recipes.md): 8 prompts
+x 2 samples, max_tokens 48, lr 1e-4, rank 8.
 """
 
 from __future__ import annotations

@@ -9,10 +9,8 @@ Each step: ``batch_size`` rated examples; a ``forward`` (no gradient) of each ex
 ``forward_backward_custom`` with the KTO loss (preference.py), classes weighted to balance (Eq. 8).
 
 Metric: held-out margin = mean log-ratio (policy − reference, nats per reply) of desirable replies minus that
-of undesirable ones; 0 before training, higher is better.
-
-Defaults (SmolLM2-135M, CPU; docs/recipes.md): β 0.1, lr 1e-4, batch 8, rank 8, 30 steps: on 240 live-loop
-ratings (48 held out) the held-out margin goes 0 -> 51 nats per reply.
+of undesirable ones; 0 before training, higher is better. Defaults (SmolLM2-135M, CPU; docs/recipes.md): β 0.1,
+lr 1e-4, batch 8, rank 8, 30 steps: on 240 live-loop ratings (48 held out) the margin goes 0 -> 51 nats per reply.
 """
 
 from __future__ import annotations

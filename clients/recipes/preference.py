@@ -55,7 +55,7 @@ def dpo_loss_fn(prompt_lens: Sequence[int], ref_chosen: Sequence[float], ref_rej
 
     ``h = (lp_c − ref_c) − (lp_r − ref_r)`` with sequence sums over completion tokens;
     loss = mean over pairs of ``−log σ(β·h)`` (Rafailov et al. 2023, arXiv 2305.18290, Eq. 7; TRL
-    ``dpo_loss`` sigmoid; losses.md §2.3, vector §3.3: 0.663797). Metrics: loss, margin (mean h, nats),
+    ``dpo_loss`` sigmoid; docs/internals/losses.md §2.3, vector §3.3: 0.663797). Metrics: loss, margin (mean h, nats),
     accuracy (share of h > 0), chosen/rejected rewards β·(lp − ref).
     """
 
@@ -94,7 +94,7 @@ def kto_loss_fn(
     ``r_i = lp_i − ref_i`` (sequence sums over completion tokens); ``z0`` = the detached reference point
     ``max(0, mean KL-pair log-ratio)``; loss = mean over examples of ``λ_D·(1 − σ(β(r − z0)))`` (desirable) or
     ``λ_U·(1 − σ(β(z0 − r)))`` (undesirable) (Ethayarajh et al. 2024, arXiv 2402.01306, Eq. 7–8; TRL
-    ``kto_loss``; losses.md §2.2, vector §3.2: 0.479398). Metrics: loss, rewards, margin, z0.
+    ``kto_loss``; docs/internals/losses.md §2.2, vector §3.2: 0.479398). Metrics: loss, rewards, margin, z0.
     """
 
     def loss_fn(data: Any, logprobs_D: list[Any]):
@@ -122,7 +122,7 @@ def kto_loss_fn(
 def kto_reference_point(kl_logprobs: Sequence[float], kl_ref_logprobs: Sequence[float]) -> float:
     """KTO's z0 = ``max(0, mean_i(lp(y_j|x_i) − ref(y_j|x_i)))`` over the mismatched pairs (a constant: no
     gradient flows through it). Empty input gives 0. Source: TRL ``kto_trainer.py`` (``kl.clamp(min=0)``);
-    losses.md §3.2 (ratios [0.4, 0.1, −0.5, 0.3] → 0.075)."""
+    docs/internals/losses.md §3.2 (ratios [0.4, 0.1, −0.5, 0.3] → 0.075)."""
     if not kl_logprobs:
         return 0.0
     return max(0.0, sum(lp - rf for lp, rf in zip(kl_logprobs, kl_ref_logprobs)) / len(kl_logprobs))

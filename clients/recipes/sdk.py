@@ -1,21 +1,16 @@
 """The SDK is a setting: the same recipe code runs on livelora's SDK or on the official ``tinker`` SDK.
 
-Recipes only touch the surface both SDKs share (Tinker's client shape):
-
-* ``ServiceClient``: ``create_lora_training_client(base_model, rank, seed)``,
-  ``create_training_client_from_state_with_optimizer(path)``, ``create_sampling_client(model_path=,
-  base_model=)``;
-* ``TrainingClient``: ``forward``, ``forward_backward``, ``forward_backward_custom``, ``optim_step``,
-  ``save_state``, ``save_weights_for_sampler``, ``save_weights_and_get_sampling_client``, ``get_tokenizer``;
-* ``SamplingClient``: ``sample``, ``compute_logprobs``;
-* wire types ``Datum``, ``ModelInput.from_ints``, ``TensorData(data=, dtype=, shape=)``, ``SamplingParams``,
-  ``AdamParams``.
+Recipes only touch the surface both SDKs share (Tinker's client shape): ``ServiceClient``
+(``create_lora_training_client``, ``create_training_client_from_state_with_optimizer``,
+``create_sampling_client``), ``TrainingClient`` (``forward``, ``forward_backward``, ``forward_backward_custom``,
+``optim_step``, ``save_state``, ``save_weights_for_sampler``, ``save_weights_and_get_sampling_client``,
+``get_tokenizer``), ``SamplingClient`` (``sample``, ``compute_logprobs``) and the wire types ``Datum``,
+``ModelInput.from_ints``, ``TensorData``, ``SamplingParams``, ``AdamParams``.
 
 Example::
 
     sdk = Sdk.load("tinker", base_url="http://127.0.0.1:8000")      # or "livelora"
-    service = sdk.service()
-    tc = service.create_lora_training_client(base_model="smollm2-135m-instruct", rank=8, seed=0)
+    tc = sdk.service().create_lora_training_client(base_model="smollm2-135m-instruct", rank=8, seed=0)
     datum = sdk.datum(tokens, {"target_tokens": (targets, "int64"), "weights": (weights, "float32")})
 """
 

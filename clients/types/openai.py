@@ -1,18 +1,10 @@
 """OpenAI wire types (Chat Completions, legacy Completions, Models, errors), shared by gateway and SDK.
 
-Field names and shapes follow openai-python (``src/openai/types/``, SDK 3.x),
-which is generated from OpenAI's OpenAPI spec; see
-``shared/reference/openai_contract.md`` §1.
-
-Request models **accept unknown fields** (``extra="allow"``): SDKs and editor
-plugins add newer or private fields, and a strict schema answering 400
-``extra_forbidden`` breaks them (vLLM PR #10463, contract case A07). The
-gateway logs the names it ignores. Only malformed values of *known* fields are
-rejected. Response models ignore unknown fields, so old SDKs survive new
-server fields.
-
-Token counts are in tokens of the served model's tokenizer; ``created`` is Unix
-seconds (an integer); logprobs are natural-log probabilities (nats).
+Field names and shapes follow openai-python (``src/openai/types/``, SDK 3.x). Request models **accept unknown
+fields** (``extra="allow"``; the gateway logs the names it ignores), so SDKs and plugins that send newer fields
+keep working; only malformed values of known fields are rejected. Response models ignore unknown fields. Token
+counts are in tokens of the served model's tokenizer; ``created`` is Unix seconds; logprobs are in nats. Why:
+``docs/internals/wire-types.md``.
 """
 
 from __future__ import annotations

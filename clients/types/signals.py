@@ -1,22 +1,11 @@
 """Wire types of the live loop: completion records, signal requests/responses, bus events.
 
-Field names follow the feedback gateways we studied (../shared/reference/peers.md §5):
-
-* ``POST /v1/feedback`` rates one served completion. ``rating`` is the boolean
-  thumbs label (Helicone's ``{rating: bool}``; TensorZero's boolean metric);
-  ``score`` an optional float (TensorZero float metric, Langfuse numeric score),
-  ``comment`` free text (TensorZero's reserved ``comment`` metric). One rating
-  per (completion, user), a later one replaces it (assistant-ui's upsert rule).
-* ``POST /v1/preferences`` gives a chosen/rejected pair (DPO naming), either as
-  two served completion ids or inline (``messages`` + ``chosen`` + ``rejected``).
-* ``POST /v1/demonstrations`` gives ``messages`` ending with the ideal
-  assistant reply (TensorZero's reserved ``demonstration`` metric).
-
-Accepted signals travel on the Redis signals stream as :data:`SignalEvent`
-values (JSON, discriminated by ``type``). Events are self-contained: a rating
-or completion-id preference copies the exact prompt/completion token ids from
-the completion record, so training never depends on the record still being in
-Redis.
+Requests of ``POST /v1/feedback`` (a thumbs ``rating`` of one served completion, optional ``score`` and
+``comment``; one per completion and user, a later one replaces it), ``POST /v1/preferences`` (a chosen/rejected
+pair, as two completion ids or inline) and ``POST /v1/demonstrations`` (``messages`` ending with the ideal reply).
+Accepted signals travel on the Redis signals stream as :data:`SignalEvent` values (JSON, discriminated by
+``type``), self-contained: they copy the exact served token ids. Where the field names come from:
+``docs/internals/wire-types.md``.
 """
 
 from __future__ import annotations

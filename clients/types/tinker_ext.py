@@ -1,19 +1,11 @@
 """Training and sampling types of the tinker SDK 0.25–0.38 surface, on top of :mod:`.tinker`.
 
-:mod:`livelora.clients.types.tinker` holds the JSON forms of SDK ≤0.24. The SDK 0.38 adds, per op:
-
-* ``forward_backward`` (protobuf body): provenance spans on every datum (:class:`ProvenanceSpan`,
-  :class:`DatumV2`), string values in ``loss_fn_config``, ``forward_only`` (the ``/forward`` route is gone),
-  and sparse CSR tensors (decoded dense by the codec);
-* ``asample`` (JSON body): ``topk_sample_logprobs``, ``target_prompt_logprobs`` (dense or sparse CSR
-  :class:`WireTensorData`), ``prompt_alt_tokens_k``, ``prompt_logprobs_last_n``, ``record_stability_info``
-  (:class:`SampleRequestV2`) and, in the result, per-token top-k logprobs of the samples, target prompt
-  logprobs, prompt alternative tokens and the prefix-cache hit count (:class:`SampleResponseV2`);
-* ``save_weights_external`` (:class:`SaveWeightsExternalRequest`).
-
-The classes subclass the ≤0.24 ones, so code written against :mod:`.tinker` accepts them; request models
-stay strict (an unknown field is an error), response models lenient. Field names are the SDK's.
-These additions live in their own module while :mod:`.tinker` is being restructured; merge them there later.
+:mod:`livelora.clients.types.tinker` holds the JSON forms of SDK ≤0.24; here are the 0.38 additions: provenance
+spans and ``forward_only`` on ``forward_backward`` (:class:`DatumV2`, :class:`ProvenanceSpan`), the new sampling
+options and results (:class:`SampleRequestV2`, :class:`SampleResponseV2`, sparse :class:`WireTensorData`), and
+:class:`SaveWeightsExternalRequest`. The classes subclass the ≤0.24 ones; request models are strict, response
+models lenient; field names are the SDK's. The list per op: ``docs/internals/wire-types.md``. These additions
+live in their own module while :mod:`.tinker` is being restructured; merge them there later.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Loss specifications and the one batch validation, shared by the gateway and the trainer. Torch-free.
 
-A loss is two things: a :class:`LossSpec` here (name, ``loss_fn_inputs`` with dtype and shape rule, who
-fills each, ``loss_fn_config`` keys with defaults and ranges, minimum batch, pairing, which positions get
-gradients, reduction, paper and reference implementation) and one tensor function registered under the
-same name in :mod:`livelora.trainer.losses`. The gateway validates a request with :func:`validate_batch`
-without importing torch code; the trainer calls the same function at ``TrainingModel.forward_backward``'s
-entry, takes gradient positions from ``spec.gradient`` and dispatches on ``spec.name``.
+A loss is a :class:`LossSpec` here (inputs with dtype and shape rule, config keys with defaults and ranges,
+minimum batch, pairing, gradient positions, reduction, sources) plus one tensor function registered under the
+same name in :mod:`livelora.trainer.losses`. The gateway validates a request with :func:`validate_batch` without
+importing torch; the trainer calls the same function on entry and dispatches on ``spec.name``. Custom losses
+need neither (:data:`REFUSED_LOSSES`, ``docs/internals/losses.md`` §2.8).
 
 Example::
-
-    from livelora.core.losses import LOSS_SPECS, validate_batch
 
     LOSS_SPECS["ppo"].config_defaults          # {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     resolved = validate_batch(data, "ppo", {"clip_high_threshold": 1.28}, vocab_size=49152, max_seq_len=8192)
     resolved.config                            # {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
-
-Adding a loss: a ``LossSpec`` in ``builtin.py`` (added to ``LOSS_SPECS``) and a tensor function registered
-with ``@register("<name>")`` in ``trainer/losses``; ``tests/test_loss_specs.py`` checks the two registries
-hold the same names. Custom losses need neither: ``forward_backward_custom`` runs the user's function in
-the client and trains with ``cross_entropy`` and surrogate weights (see ``REFUSED_LOSSES["custom"]``).
 """
 
 from __future__ import annotations

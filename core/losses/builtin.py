@@ -1,15 +1,10 @@
 """The built-in losses' specifications: one :class:`~livelora.core.losses.spec.LossSpec` per ``loss_fn``.
 
-This is the one registry of loss names. Tinker's six server losses (``cross_entropy``,
+This is the one registry of loss names (:data:`LOSS_SPECS`). Tinker's six server losses (``cross_entropy``,
 ``importance_sampling``, ``ppo``, ``cispo``, ``dro``, ``gspo``) keep Tinker's input names, defaults and ``loss:sum``
 reduction; ``kto`` and ``dpo`` are livelora's preference losses, means over examples/pairs with reference
-logprobs the trainer computes from the base model (adapter disabled). Semantics, test vectors and the
-reference implementations behind every number: ``shared/reference/losses.md`` §2–§3 (pins in §8).
-
-References are pinned to released versions: TRL 1.16.0 and 0.26.2 (wheels), tinker-cookbook 0.6.1 (wheel),
-and the Tinker losses documentation as of ``llms-full.txt`` at commit ``0f1c05da^`` plus the tutorial
-``202_loss_functions.py`` (losses.md §8; Tinker's server code is not public, so its documented formulas are
-the reference).
+logprobs the trainer computes from the base model (adapter disabled). Each spec's ``reference`` names the paper
+and a version-pinned implementation; formulas, test vectors and pins: ``docs/internals/losses.md``.
 """
 
 from __future__ import annotations
@@ -109,7 +104,7 @@ CROSS_ENTROPY = LossSpec(
     inputs=(TARGET_TOKENS, SFT_WEIGHTS),
     gradient=GradientPositions("weights", why="dL/dlp = −w: zero where w = 0"),
     reference="Tinker docs losses/cross-entropy; tinker-cookbook 0.6.1 supervised/common.py::compute_mean_nll "
-    "(mean_nll = loss:sum / Σw); losses.md §2.1, vectors §3.1",
+    "(mean_nll = loss:sum / Σw); docs/internals/losses.md §2.1, vectors §3.1",
     top_k_targets=True,
 )
 
@@ -118,8 +113,8 @@ IMPORTANCE_SAMPLING = LossSpec(
     summary="L = −Σ_t exp(lp_t − q_t)·A_t (REINFORCE with importance weights; dL/dlp = −r·A)",
     inputs=_RL_INPUTS,
     gradient=_FROM_ADVANTAGES,
-    reference="Tinker docs losses.mdx (importance_sampling); tinker-cookbook 0.6.1 rl/data_processing.py "
-    "(advantages 0 on prompt tokens); losses.md §2.4, vectors §3.4",
+    reference="Tinker docs (losses page, importance_sampling); tinker-cookbook 0.6.1 rl/data_processing.py "
+    "(advantages 0 on prompt tokens); docs/internals/losses.md §2.4, vectors §3.4",
 )
 
 PPO = LossSpec(
@@ -128,8 +123,8 @@ PPO = LossSpec(
     inputs=_RL_INPUTS,
     gradient=_FROM_ADVANTAGES,
     config=(_clip_low(0.8), _clip_high(1.2)),
-    reference="Schulman et al. 2017, arXiv 1707.06347, Eq. 7; Tinker docs losses.mdx and tutorial "
-    "202_loss_functions.py (absolute thresholds 0.8 / 1.2); losses.md §2.5, vectors §3.4",
+    reference="Schulman et al. 2017, arXiv 1707.06347, Eq. 7; Tinker docs (losses page) and tutorial "
+    "202_loss_functions.py (absolute thresholds 0.8 / 1.2); docs/internals/losses.md §2.5, vectors §3.4",
 )
 
 CISPO = LossSpec(
@@ -139,7 +134,8 @@ CISPO = LossSpec(
     gradient=_FROM_ADVANTAGES,
     config=(_clip_low(0.0), _clip_high(4.0)),
     reference="MiniMax-M1, arXiv 2506.13585, Eq. 4; TRL 1.16.0 trl/trainer/grpo_trainer.py L3109–3111 "
-    "(loss_type='cispo'); Tinker tutorial 202_loss_functions.py (one-sided 0.0 / 4.0); losses.md §2.6, §3.4",
+    "(loss_type='cispo'); Tinker tutorial 202_loss_functions.py (one-sided 0.0 / 4.0); "
+    "docs/internals/losses.md §2.6, vectors §3.4",
 )
 
 DRO = LossSpec(
@@ -155,8 +151,8 @@ DRO = LossSpec(
     config=(
         ConfigKey("beta", 0.05, "weight of the quadratic penalty (per nat²); Tinker docs example value", minimum=0.0),
     ),
-    reference="Richemond et al. 2024, arXiv 2405.19107 (DRO); Tinker docs losses.mdx; losses.md §2.6, vectors §3.4 "
-    "(masked, β = 0.05)",
+    reference="Richemond et al. 2024, arXiv 2405.19107 (DRO); Tinker docs (losses page); "
+    "docs/internals/losses.md §2.6, vectors §3.4 (masked, β = 0.05)",
 )
 
 SEQUENCE_RATIO_MASK = LossInput(
@@ -169,14 +165,15 @@ SEQUENCE_RATIO_MASK = LossInput(
 
 GSPO = LossSpec(
     name="gspo",
-    summary="L = −Σ_t min(r_t·A_t, clip(r_t, lo, hi)·A_t), r_t = exp(mean_{m≠0}(sg(lp) − q) + lp_t − sg(lp_t)) per datum",
+    summary="L = −Σ_t min(r_t·A_t, clip(r_t, lo, hi)·A_t), "
+    "r_t = exp(mean_{m≠0}(sg(lp) − q) + lp_t − sg(lp_t)) per datum",
     inputs=(TARGET_TOKENS, SAMPLER_LOGPROBS, ADVANTAGES, SEQUENCE_RATIO_MASK, RL_MASK),
     gradient=_FROM_ADVANTAGES,
     config=(_clip_low(1.0 - 3e-4), _clip_high(1.0 + 4e-4)),
     reference="Zheng et al. 2025, arXiv 2507.18071, Eq. 7, §4.3 (GSPO-token), §5.1 (clipping ranges 3e-4 / 4e-4 "
-    "as absolute bounds 0.9997 / 1.0004); Tinker docs losses/gspo (tinker_protocol.md §3.2); "
-    "tinker-cookbook 0.6.1 recipes/rl_loop.py (sequence_ratio_mask); the clip as PPO's, losses.md §2.5; "
-    "vectors by hand in tests/test_losses.py (losses.md has no GSPO section)",
+    "as absolute bounds 0.9997 / 1.0004); Tinker docs (losses/gspo page); "
+    "tinker-cookbook 0.6.1 recipes/rl_loop.py (sequence_ratio_mask); docs/internals/losses.md §2.7 "
+    "(vectors by hand in tests/test_losses.py)",
 )
 
 KTO = LossSpec(
@@ -195,7 +192,7 @@ KTO = LossSpec(
     min_batch_reason="the KL reference point z0 pairs each prompt with another datum's completion",
     reference="Ethayarajh et al. 2024, arXiv 2402.01306, Eq. 7–8; TRL 0.26.2 trl/experimental/kto "
     "KTOTrainer.kto_loss (1.16.0 kto_trainer.py L1442–1444 for z0); HALOs train/trainers.py "
-    "KTOTrainer.loss; losses.md §2.2, vectors §3.2",
+    "KTOTrainer.loss; docs/internals/losses.md §2.2, vectors §3.2",
     datum_layout="one datum per example (prompt + completion); weights mark completion tokens; label 1 = desirable, "
     "0 = undesirable; the trainer adds ref_logprobs and kl_logratio (pairs from kl_pair_order)",
 )
@@ -213,7 +210,7 @@ DPO = LossSpec(
     min_batch_reason="each example is a (chosen, rejected) pair of datums",
     reference="Rafailov et al. 2023, arXiv 2305.18290, Eq. 7; TRL 1.16.0 trl/trainer/dpo_trainer.py L1302–1310, "
     "L1528 (loss_type='sigmoid'); tinker-cookbook 0.6.1 preference/train_dpo.py::compute_dpo_loss; "
-    "losses.md §2.3, vectors §3.3",
+    "docs/internals/losses.md §2.3, vectors §3.3",
     datum_layout="datums alternate chosen, rejected (pair k = datums 2k, 2k+1, as tinker-cookbook train_dpo); "
     "weights mark completion tokens; the trainer adds ref_logprobs",
 )
@@ -225,7 +222,7 @@ LOSS_SPECS: dict[str, LossSpec] = {
 
 #: Tinker loss names livelora refuses (400 ``unsupported_parameter``), with the reason given to the client.
 #: A custom loss needs no spec: ``forward_backward_custom`` runs it in the client and sends ``cross_entropy``
-#: with surrogate weights ``−∂loss/∂lp`` (tinker_protocol.md §3.4).
+#: with surrogate weights ``−∂loss/∂lp`` (docs/internals/losses.md §2.8).
 REFUSED_LOSSES: dict[str, str] = {
     "stable_reinforce": "stable_reinforce's objective is unpublished; use importance_sampling",
     "custom": "server-side custom losses are not supported; use forward_backward_custom on the client",

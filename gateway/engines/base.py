@@ -2,9 +2,9 @@
 
 One engine instance serves one base model plus any number of loaded LoRA
 adapter versions. Implementations: :mod:`.transformers_engine` (transformers +
-peft, CPU or one GPU; used by the tests) and, later, a vLLM engine. Anything
-engine-specific (batching, KV caches, stop handling, detokenization) stays
-inside the implementation; the gateway only sees this module's types.
+peft, CPU or one GPU; used by the tests) and :mod:`.vllm_engine` (vLLM, GPU).
+Anything engine-specific (batching, KV caches, stop handling, detokenization)
+stays inside the implementation; the gateway only sees this module's types.
 
 Logprob convention (all engines): every logprob returned is
 ``log_softmax(logits)`` of the **raw model distribution** of the serving

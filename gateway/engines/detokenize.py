@@ -1,22 +1,11 @@
 """Incremental detokenization and stop-string matching for streamed generation.
 
-Two small state machines, one of each per sequence:
-
-* :class:`IncrementalDetokenizer` turns a growing list of token ids into text
-  deltas that never end in half a UTF-8 character (no U+FFFD for emoji or CJK
-  split across byte-level tokens). It decodes a short window of recent tokens
-  twice (with and without the newest ones) and emits the difference, the
-  method of Hugging Face text-generation-inference's ``decode_token`` and
-  vLLM's ``detokenize_incrementally`` (read for the idea only). The window keeps
-  tokenizers that strip a leading space (sentencepiece ``▁``) or merge bytes
-  across tokens consistent with one full ``decode``: the concatenation of every
-  delta plus :meth:`IncrementalDetokenizer.flush` equals
-  ``tokenizer.decode(all_ids, skip_special_tokens=...)`` (less a trailing
-  incomplete character, which is dropped).
-* :class:`StopStringMatcher` finds stop strings in the decoded text, including
-  matches that span several deltas, and holds back any suffix that could still
-  grow into a stop string so that no part of a matched stop string is ever
-  emitted.
+One of each per sequence: :class:`IncrementalDetokenizer` turns a growing list of token ids into text deltas
+that never end in half a UTF-8 character (it decodes a short window of recent tokens with and without the newest
+ones and emits the difference, the method of Hugging Face text-generation-inference and vLLM); every delta plus
+:meth:`IncrementalDetokenizer.flush` equals one full ``tokenizer.decode``. :class:`StopStringMatcher` finds
+stop strings across deltas and holds back any suffix that could still grow into one, so no part of a matched
+stop string is ever emitted.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The worker thread of :class:`~.transformers_engine.TransformersEngine`: continuous batching.
 
-One thread owns the model. Its loop, repeated while there is work:
-
-1. run queued commands (adapter load/unload, :meth:`score`) *between* forward
-   passes (before admitting, between prefill groups, before decoding), so they
-   never disturb a forward pass of running sequences and wait at most one pass;
-2. drop cancelled sequences from the batch (their KV rows are freed);
-3. admit waiting sequences up to ``max_batch_size``: prefill them in groups of
-   similar prompt length (left-padded, one forward per group, shortest first;
-   :func:`prefill_groups`), sample their first token, and merge their KV cache
-   rows into the running :class:`~.kv_batch.KVBatch`;
-4. one decode step for every running sequence: feed each row's last token,
-   sample the next one for all rows at once (:func:`~.sampling.sample_batch`),
-   stream the chunks, and drop finished rows.
-
-Adapters: rows of one batch may use different adapter versions (or the base
-model); the versions live in LoRA slots and one stacked LoRA pass per layer
-serves each row its own (:mod:`.lora_slots`). A version is only unloaded, and
-its slot only reused, when no queued, admitted or running sequence uses it
-(:meth:`Worker.unload_adapter` refuses otherwise).
+One thread owns the model (:class:`Worker`). While there is work it runs queued commands (adapter load/unload,
+:meth:`Worker.score`) between forward passes, drops cancelled sequences, admits waiting ones up to
+``max_batch_size`` (prefilled in groups of similar prompt length, :func:`prefill_groups`, then merged into the
+running :class:`~.kv_batch.KVBatch`), and runs one decode step for every running sequence. Rows may use
+different adapter versions (:mod:`.lora_slots`); a version is unloaded only when no queued, admitted or running
+sequence uses it. The loop step by step: ``docs/internals/engines.md``.
 """
 
 from __future__ import annotations
@@ -63,7 +50,7 @@ class Sequence:
 
 
 class Worker:
-    """Owns the model and the running batch; see the module docstring.
+    """Owns the model and the running batch (the loop: docs/internals/engines.md).
 
     Args:
         model: the transformers causal LM (eval mode, on ``device``).

@@ -1,21 +1,10 @@
 """A left-padded batch of KV caches that sequences can join and leave between steps.
 
-The running batch is one transformers :class:`~transformers.DynamicCache`
-whose every layer holds keys/values of shape ``(B, H_kv, T, D)`` plus a 2-D
-attention mask ``(B, T)`` (1 = real token, 0 = padding). Rows are left-padded:
-each sequence's tokens are right-aligned so that every decode step appends one
-column for all rows at once.
-
-* :meth:`KVBatch.merge` adds freshly prefilled rows: the shorter of the two
-  caches is left-padded with zero keys/values (mask 0) along the sequence
-  dimension, then both are concatenated along the batch dimension.
-* :meth:`KVBatch.select` keeps a subset of rows (finished or cancelled
-  sequences leave) and then drops leading columns that are padding in every
-  remaining row.
-
-Position ids are ``mask.sum(-1) - 1`` for the token being fed, so padding never
-shifts a sequence's rotary positions and a sequence computes the same values
-alone or in a batch (up to float summation order).
+:class:`KVBatch` is one transformers ``DynamicCache`` (per layer keys/values ``(B, H_kv, T, D)``) plus a 2-D
+attention mask ``(B, T)`` (1 = real token, 0 = padding). Rows are right-aligned so every decode step appends
+one column for all rows; :meth:`KVBatch.merge` adds prefilled rows (left-padding the shorter cache), and
+:meth:`KVBatch.select` keeps a subset of rows and drops columns that are padding in all of them. Position ids
+are ``mask.sum(-1) - 1``, so padding never shifts a sequence's rotary positions.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """LoRA slots of the transformers engine: adapter versions copied into reusable peft adapters, and the stacked
 LoRA forward that serves a batch mixing versions in one pass per layer.
 
-Adapter versions live in **LoRA slots** (peft adapters named ``livelora_slot_<n>``). A version's name maps to
-its slot; unloading a version frees its slot, and the next version of the same shape
-(:func:`slot_signature`) is copied into a free slot in place, which takes milliseconds where peft's
-``add_adapter`` takes a fifth of a second. The worker (:mod:`.hf_worker`) only releases a slot when no queued
-or running sequence uses the version it held, so version names are never served with another version's
-weights.
-
-Rows of one batch may use different versions (or the base model). Every LoRA ``Linear`` layer computes each
-row's own update in one stacked pass (:class:`MixedRows`: two matmuls per layer whatever the number of
-versions; base rows get none), so a batch needs no peft state switch. When every row of a batch uses the same
-version (the common case: an endpoint's users all on its current version) and it has done so for
-:data:`MERGE_AFTER_STEPS` forward passes, that version's weights are merged into one copy of the adapted
-layers' weights (:class:`MergedVersion`), and the layers run as plain ``Linear`` layers on it: the speed of the
-base model, with no LoRA matmuls at all. peft's own forward (``adapter_names=``,
-active adapter, disabled layers) remains for what the stacked pass does not cover: DoRA, LoRA bias, LoRA on
-embeddings, or rows of versions with different LoRA shapes in one batch. With no adapter loaded at all the
-plain transformers model is called.
-
-Everything here runs on the worker thread (between forward passes), never concurrently.
+:class:`LoraSlots` maps version names to slots (peft adapters ``livelora_slot_<n>``); a version of the same shape
+(:func:`slot_signature`) is copied into a free slot in place, in milliseconds. Rows of one batch may use
+different versions: every LoRA ``Linear`` computes each row's own update in one stacked pass (:class:`MixedRows`),
+and a version that every row has used for :data:`MERGE_AFTER_STEPS` passes is merged into the weights
+(:class:`MergedVersion`) and runs at the base model's speed. peft's own forward remains for what the stacked
+pass does not cover (DoRA, LoRA bias, embeddings, mixed LoRA shapes). Everything runs on the worker thread,
+between forward passes. Why: ``docs/internals/engines.md``.
 """
 
 from __future__ import annotations
@@ -44,7 +32,7 @@ BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in adapter_names
 
 
 class LoraSlots:
-    """The served model's LoRA slots and its forward pass (see the module docstring).
+    """The served model's LoRA slots and its forward pass (docs/internals/engines.md).
 
     Args:
         model: the plain transformers model (LoRA layers are injected into it when the first version loads).

@@ -1,19 +1,11 @@
 """Batched next-token sampling with one random generator per sequence.
 
-One call handles every running sequence at once: logprobs, greedy argmax,
-temperature, top-k and top-p are computed as ``(B, V)`` tensor operations. The
-only per-sequence Python work is drawing one uniform number from that
-sequence's own ``torch.Generator`` (CPU, so a seed gives the same draws on any
-device), which makes a sequence's tokens independent of its batch companions.
-
-Sampling is inverse-CDF: token = first index whose cumulative probability
-exceeds ``u * total``. Filtering follows the order of Hugging Face's logits
-warpers and vLLM's sampler: temperature, then top-k, then top-p over the
-renormalized top-k distribution (top-p keeps the smallest set of most likely
-tokens whose mass reaches ``top_p``; the most likely token is always kept).
-
-Logprobs are ``log_softmax`` of the raw logits (before temperature/top-k/top-p),
-the convention of :mod:`.base`.
+:func:`sample_batch` handles every running sequence at once as ``(B, V)`` tensor operations (logprobs, greedy
+argmax, temperature, top-k, top-p); the only per-sequence work is one uniform draw from that sequence's own CPU
+``torch.Generator``, so a sequence's tokens are independent of its batch companions and a seed gives the same
+draws on any device. Sampling is inverse-CDF; filtering follows Hugging Face's and vLLM's order (temperature,
+top-k, then top-p over the renormalised top-k distribution). Logprobs are ``log_softmax`` of the raw logits
+(:mod:`.base`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """transformers + peft inference engine with continuous batching (CPU or one GPU).
 
-:class:`TransformersEngine` is the asyncio face; the model lives on one worker
-thread (:mod:`.hf_worker`) that steps every running sequence together:
-requests that arrive while others run are prefilled between decode steps and
-join the batch, finished or cancelled ones leave it. torch releases the GIL
-inside its kernels, so the event loop stays responsive while the worker runs.
-
-Guarantees (tested in ``tests/test_engine_contract.py``):
-
-* a sequence's tokens do not depend on its batch companions: greedy tokens
-  are the same alone or batched (left padding only changes float summation
-  order, which did not flip a greedy token on the test prompts), and each
-  sampled sequence draws from its own ``torch.Generator`` seeded by ``seed``;
-* logprobs are the raw model distribution (see :mod:`.base`);
-* streamed text never holds half a character nor any part of a stop string;
-* adapters load and unload between steps, without disturbing running sequences;
-  one batch may mix the base model and several adapters (peft ``adapter_names``).
-
-Validation errors (:class:`BadRequestError`, :class:`ContextLengthExceededError`,
-:class:`ModelNotFoundError`, :class:`RateLimitError` when the queue is full)
-are raised by :meth:`TransformersEngine.generate` itself, before iteration.
+:class:`TransformersEngine` is the asyncio face; the model lives on one worker thread (:mod:`.hf_worker`) that
+steps every running sequence together: requests that arrive while others run are prefilled between decode
+steps and join the batch, finished or cancelled ones leave it. A sequence's tokens do not depend on its batch
+companions, streamed text never holds half a character or part of a stop string, and adapters load and unload
+between steps; one batch may mix the base model and several adapter versions (``tests/test_engine_contract.py``).
+Validation errors are raised by :meth:`TransformersEngine.generate` itself, before iteration. The guarantees in
+full: ``docs/internals/engines.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Adapter versions of the vLLM engine: a never-reused integer id and an immutable snapshot per version name.
 
-The rules of ``vllm_lora.md`` §1.4-1.6, and why:
-
-* every version is loaded under **its own name, its own integer id and its own immutable path**, never
-  reloaded in place. vLLM caches adapters by integer id (worker LRU, GPU slots), compares ``LoRARequest`` by
-  name and keys prefix-cache blocks by ``(name, path)``; reusing any of the three serves stale weights.
-  Integer ids come from a counter that only grows (never reused, always > 0);
-* each adapter is copied into a private snapshot directory (``/dev/shm`` when present) and vLLM gets that
-  path. vLLM reloads an evicted adapter lazily from its path in the middle of serving, and a missing or
-  rewritten path there kills the engine or changes weights mid-sequence (vllm #5105); the snapshot makes the
-  path immutable and guarantees "delete only after unload" whatever happens to the store's copy;
-* ``load_inplace`` is never set (0.32 keeps it on the request and re-reads the adapter every step,
-  vllm #33791);
-* a version is removed only when no unfinished request uses it (the engine counts its users); after
-  ``remove_lora`` the snapshot is deleted.
-
-vLLM is imported only inside :meth:`VLLMAdapters.load`.
+:class:`VLLMAdapters` loads every version under its own name, its own integer id (from a counter that only
+grows) and its own immutable path, a private snapshot copy (``/dev/shm`` when present), and never reloads in
+place or sets ``load_inplace``: vLLM caches adapters by id, compares requests by name, keys prefix-cache blocks
+by ``(name, path)`` and reloads evicted adapters lazily from their path, so reusing any of them serves stale
+weights (vllm #5105, #33791). A version is removed only when no unfinished request uses it. vLLM is imported
+only inside :meth:`VLLMAdapters.load`. The rules and why: ``docs/internals/engines.md``.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ _UNSUPPORTED_ADAPTER_FIELDS = {"use_dora": "DoRA", "lora_bias": "lora_bias", "la
 
 
 class VLLMAdapters:
-    """The adapter versions loaded in one vLLM engine (see the module docstring).
+    """The adapter versions loaded in one vLLM engine (rules: docs/internals/engines.md).
 
     Args:
         max_lora_rank: the largest rank the engine was started with (bigger adapters are refused).

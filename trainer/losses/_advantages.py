@@ -33,7 +33,7 @@ def group_advantages(
     Returns: same structure as the input (tensor or list), reward units (÷ std: unitless).
     Raises: BadRequestError on an unknown ``normalize``, non-1-D groups or non-finite rewards.
     Source: tinker-cookbook ``rl/data_processing.py::compute_advantages``; TRL ``grpo_trainer.py``
-    L2753–2810; Liu et al. 2025 (Dr. GRPO, arXiv 2503.20783); losses.md §3.5, §4.
+    L2753–2810; Liu et al. 2025 (Dr. GRPO, arXiv 2503.20783); docs/internals/losses.md §3.5, §4.
     """
     if normalize not in ("none", "group", "batch"):
         raise BadRequestError(

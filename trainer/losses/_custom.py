@@ -1,4 +1,5 @@
-"""Custom losses: the two-pass linear surrogate of tinker ``forward_backward_custom`` (tinker_protocol.md §3.4)."""
+"""Custom losses: the two-pass linear surrogate of tinker ``forward_backward_custom`` (docs/internals/losses.md
+§2.8)."""
 
 from __future__ import annotations
 

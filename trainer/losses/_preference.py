@@ -58,7 +58,7 @@ def kto(
     classes present).
     Raises: BadRequestError on an empty batch or mismatched shapes.
     Source: TRL ``kto_trainer.py`` ``kto_loss`` (v0.26.2; 1.16 L1442–1444 for z0); HALOs
-    ``train/trainers.py::KTOTrainer.loss``; losses.md §2.2, §3.2 (0.479398).
+    ``train/trainers.py::KTOTrainer.loss``; docs/internals/losses.md §2.2, §3.2 (0.479398).
     """
     if logratios_B.ndim != 1 or logratios_B.numel() == 0:
         raise BadRequestError("kto needs a non-empty 1-D batch of sequence log-ratios", param="logratios")
@@ -108,7 +108,7 @@ def dpo(
     (implied rewards β·(lp − ref)), ``dpo/margin:mean`` (β·h) and ``dpo/accuracy:mean`` (h > 0).
     Raises: BadRequestError on empty or mismatched batches.
     Source: TRL ``dpo_trainer.py`` ``loss_type="sigmoid"`` (1.16 L1302–1310, L1528; 0.26.2 ``dpo_loss``);
-    tinker-cookbook ``preference/train_dpo.py::compute_dpo_loss``; losses.md §2.3, §3.3 (0.663797).
+    tinker-cookbook ``preference/train_dpo.py::compute_dpo_loss``; docs/internals/losses.md §2.3, §3.3 (0.663797).
     """
     if chosen_logratios_B.ndim != 1 or chosen_logratios_B.numel() == 0:
         raise BadRequestError("dpo needs a non-empty 1-D batch of pairs", param="chosen")

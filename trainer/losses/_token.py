@@ -51,7 +51,7 @@ def cross_entropy(logprobs_T: Tensor, weights_T: Tensor, *, mask_T: Tensor | Non
     Returns: ``loss:sum`` in nats summed over tokens (no mean; the cookbook's ``mean_nll`` divides by Σw).
 
     Source: tinker docs ``losses/cross-entropy`` (llms-full.txt at commit 0f1c05da^); tinker-cookbook 0.6.1
-    ``supervised/common.py::compute_mean_nll``; losses.md §2.1, vector §3.1 (7.33250, 8.90000).
+    ``supervised/common.py::compute_mean_nll``; docs/internals/losses.md §2.1, vector §3.1 (7.33250, 8.90000).
     """
     lp, w = _masked(mask_T, logprobs_T, weights_T.to(logprobs_T))
     return _token_output(-(w * lp))
@@ -69,7 +69,8 @@ def importance_sampling(
         mask_T: optional exact mask (padding).
 
     Returns: ``loss:sum`` (nats-weighted advantage, summed over tokens).
-    Source: tinker docs ``losses.mdx``; REINFORCE with importance weights. losses.md §2.4, §3.4 (−1.12993).
+    Source: Tinker docs (losses page); REINFORCE with importance weights. docs/internals/losses.md §2.4,
+    §3.4 (−1.12993).
     """
     lp, q, adv = _masked(mask_T, logprobs_T, sampling_logprobs_T.to(logprobs_T), advantages_T.to(logprobs_T))
     return _token_output(-(torch.exp(lp - q) * adv))
@@ -91,8 +92,8 @@ def ppo(
 
     Args: as :func:`importance_sampling`, plus the two thresholds.
     Returns: ``loss:sum``.
-    Source: Schulman et al. 2017 (arXiv 1707.06347) Eq. 7; tinker docs ``losses.mdx`` / tutorial 202;
-    losses.md §2.5, §3.4 (−0.847581).
+    Source: Schulman et al. 2017 (arXiv 1707.06347) Eq. 7; Tinker docs (losses page) / tutorial 202;
+    docs/internals/losses.md §2.5, §3.4 (−0.847581).
     """
     lp, q, adv = _masked(mask_T, logprobs_T, sampling_logprobs_T.to(logprobs_T), advantages_T.to(logprobs_T))
     ratio = torch.exp(lp - q)
@@ -118,7 +119,7 @@ def cispo(
     Args: as :func:`importance_sampling`, plus the two absolute thresholds.
     Returns: ``loss:sum``.
     Source: MiniMax-M1 (arXiv 2506.13585) Eq. 4; TRL 1.16.0 ``grpo_trainer.py`` L3109–3111 ``loss_type="cispo"``;
-    losses.md §2.6, §3.4 (0.564551).
+    docs/internals/losses.md §2.6, §3.4 (0.564551).
     """
     lp, q, adv = _masked(mask_T, logprobs_T, sampling_logprobs_T.to(logprobs_T), advantages_T.to(logprobs_T))
     weight = torch.exp(lp - q).clamp(clip_low_threshold, clip_high_threshold).detach()
@@ -141,7 +142,7 @@ def dro(
 
     Args: as :func:`importance_sampling`, plus ``beta`` (≥ 0, per nat²).
     Returns: ``loss:sum``.
-    Source: tinker docs ``losses.mdx`` (DRO, Richemond et al. 2024, arXiv 2405.19107); losses.md §2.6,
+    Source: Tinker docs (losses page; DRO, Richemond et al. 2024, arXiv 2405.19107); docs/internals/losses.md §2.6,
     §3.4 (masked, β=0.05: −0.0262500).
     """
     lp, q, adv = _masked(mask_T, logprobs_T, sampling_logprobs_T.to(logprobs_T), advantages_T.to(logprobs_T))
@@ -176,9 +177,9 @@ def gspo(
     Returns: ``loss:sum`` (summed over tokens and datums, as every Tinker token loss).
 
     Source: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071, Eq. 7 and §4.3
-    (GSPO-token) and §5.1 (clipping ranges 3e-4 / 4e-4); Tinker docs ``losses/gspo`` via
-    shared/reference/tinker_protocol.md §3.2 (``log_ratio = (tlp.detach() − slp)[mask≠0].mean()``); tinker-cookbook
-    0.6.1 ``recipes/rl_loop.py`` (``sequence_ratio_mask`` = 1 on sampled tokens). Vectors: tests/test_losses.py.
+    (GSPO-token) and §5.1 (clipping ranges 3e-4 / 4e-4); Tinker docs ``losses/gspo``
+    (``log_ratio = (tlp.detach() − slp)[mask≠0].mean()``); tinker-cookbook 0.6.1 ``recipes/rl_loop.py``
+    (``sequence_ratio_mask`` = 1 on sampled tokens); docs/internals/losses.md §2.7. Vectors: tests/test_losses.py.
     """
     total = None
     for i, lp in enumerate(logprobs_D):
