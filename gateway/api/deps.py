@@ -103,6 +103,18 @@ def get_principal(request: Request) -> Principal:
     return getattr(request.state, "principal", None) or OPEN_PRINCIPAL
 
 
+async def tinker_body(request: Request):
+    """The Tinker request's body as the auth middleware decoded it, once, and checked for its owner
+    (:mod:`livelora.gateway.api.tinker_wire.body`); decoded here by the same function when auth did not run."""
+    decoded = getattr(request.state, "tinker_body", None)
+    if decoded is None:
+        from livelora.gateway.api.tinker_wire.body import decode_body
+
+        h = request.headers
+        decoded = decode_body(request.url.path, await request.body(), h.get("content-type"), h.get("content-encoding"))
+    return decoded
+
+
 def get_caller(request: Request) -> str | None:
     """The caller's tenant in key mode, ``None`` in open mode: completions and signals are kept per caller."""
     return getattr(request.state, "caller", None)
