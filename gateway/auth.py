@@ -309,6 +309,8 @@ def json_body(body: bytes, content_type: str | None) -> object:
         return json.loads(body, object_pairs_hook=_no_repeated_keys)
     except RecursionError:
         raise _too_deep() from None
+    except BadRequestError:  # a repeated key
+        raise
     except ValueError as exc:
         raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
 
