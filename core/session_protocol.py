@@ -40,7 +40,7 @@ from livelora.clients.errors import (
     NotFoundError,
     error_to_dict,
 )
-from livelora.core.atomic import atomic_write_json, file_lock
+from livelora.core.atomic import atomic_write_json, file_lock, private_dir
 
 TINKER_SCHEME = "tinker://"
 #: checkpoint kind in a tinker path → the checkpoint type the Tinker API reports
@@ -161,7 +161,7 @@ class CheckpointIndex:
         Raises:
             StaleOwnerError: ``fence`` is lower than the token recorded in the index (nothing is written).
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
         with file_lock(self.path.with_suffix(".lock")):
             data = json.loads(self.path.read_text()) if self.path.is_file() else {"checkpoints": {}}
             if fence is not None:

@@ -63,6 +63,7 @@ from livelora.gateway.api import tinker_wire as wire
 from livelora.gateway.api.deps import (
     CheckpointsDep,
     PrincipalDep,
+    PublicUrlDep,
     SamplingDep,
     SessionsDep,
     TrainingOpsDep,
@@ -336,9 +337,9 @@ async def list_user_checkpoints(checkpoints: CheckpointsDep, limit: int = 100, o
 
 @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive")
 async def checkpoint_archive_url(
-    model_id: str, checkpoint_id: str, request: Request, checkpoints: CheckpointsDep
+    model_id: str, checkpoint_id: str, base_url: PublicUrlDep, checkpoints: CheckpointsDep
 ) -> Response:
-    return encode(checkpoints.archive_url(model_id, checkpoint_id, str(request.base_url)))
+    return encode(checkpoints.archive_url(model_id, checkpoint_id, base_url))
 
 
 @router.get("/checkpoint_archives/{name}")
@@ -352,11 +353,11 @@ async def checkpoint_archive(name: str, checkpoints: CheckpointsDep) -> Response
 
 @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
 async def external_weights_urls(
-    model_id: str, checkpoint_id: str, request: Request, checkpoints: CheckpointsDep
+    model_id: str, checkpoint_id: str, base_url: PublicUrlDep, checkpoints: CheckpointsDep
 ) -> Response:
     """Signed URLs, one per file, of an ``external_weights/<name>`` checkpoint (SDK 0.38 ``tinker checkpoint
     download``, ``RestClient.get_external_weights_urls``)."""
-    return encode(checkpoints.external_weights_urls(model_id, checkpoint_id, str(request.base_url)))
+    return encode(checkpoints.external_weights_urls(model_id, checkpoint_id, base_url))
 
 
 @router.get("/external_weights_files/{token}/{file_name}")
