@@ -59,6 +59,7 @@ from livelora.core.session_protocol import (
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
+from livelora.gateway.services.sessions.seq_order import SeqOrder
 
 #: save op → the kind of checkpoint it writes
 SAVE_KINDS = {
@@ -86,6 +87,7 @@ class TrainingOps:
         self.home = ctx.home
         self.base_model = ctx.base_model
         self.max_seq_len = ctx.max_seq_len
+        self.order = SeqOrder(ctx.redis, ctx.keys, ctx.settings)
 
     async def create_model(self, req: CreateModelRequest) -> UntypedAPIFuture:
         """Queue a new LoRA training model ``{session_id}:train:{model_seq_id}`` (op seq 0).
@@ -187,58 +189,11 @@ class TrainingOps:
             raw = await self.redis.get(self.keys.model(model_id))
         return json.loads(raw) if raw else None
 
-    async def _next_seq(self, model_id: str, record: dict[str, Any]) -> int | None:
-        """The seq the executor runs next: one past the highest committed (``opruns`` ``applied``); 0 while the
-        model is being created; ``None`` when the count expired (the model idle past ``future_ttl_s``)."""
-        applied = await self.redis.hget(self.keys.op_runs(model_id), "applied")
-        if applied is not None:
-            return int(applied) + 1
-        return 0 if record.get("state") == "creating" else None
-
-    def _check_ahead(self, model_id: str, seq_id: int, next_seq: int | None) -> None:
-        """Raises: BadRequestError (400) for a ``seq_id`` more than ``session_max_seq_ahead`` past ``next_seq``:
-        it could only wait in the executor's buffer (nothing is recorded for it)."""
-        bound = self.settings.session_max_seq_ahead
-        if next_seq is not None and seq_id > next_seq + bound:
-            raise BadRequestError(
-                f"seq_id {seq_id} of model {model_id} is more than {bound} ahead of the model's next op (seq_id "
-                f"{next_seq}); ops run in seq order, one seq per op in call order (bound: "
-                "LIVELORA_SESSION_MAX_SEQ_AHEAD)",
-                param="seq_id",
-                code="seq_too_far_ahead",
-            )
-
     async def refuse(self, model_id: str | None, seq_id: int | None, error: LiveloraError) -> None:
-        """Record that op ``seq_id`` of ``model_id`` was refused with an HTTP error (the caller answers
-        ``error``). Nothing is queued and the seq stays free, so a corrected retry under it runs; once the model's
-        client sends a later seq (it moved on), :meth:`_consume_refused` queues the ``failed`` marker that lets
-        the executor pass it. Does nothing for unknown ids or model, a seq already claimed, behind the model's
-        next op or beyond the bound ahead of it."""
-        if not model_id or not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
-            return
-        with redis_unavailable():
-            record = await self._model_record(model_id)
-            if record is None or await self.redis.exists(self.keys.seq(model_id, seq_id)):
-                return
-            next_seq = await self._next_seq(model_id, record)
-            if next_seq is not None and not next_seq <= seq_id <= next_seq + self.settings.session_max_seq_ahead:
-                return
-            key = self.keys.seq_refused(model_id)
-            await self.redis.hset(key, str(seq_id), future_failed(error))
-            await self.redis.expire(key, self.settings.future_ttl_s)
-
-    async def _consume_refused(self, model_id: str, seq_id: int) -> None:
-        """Queue a ``failed`` marker (its future: the refusal's error) for every refused seq below ``seq_id``
-        that no retry claimed since."""
-        key = self.keys.seq_refused(model_id)
-        refused = await self.redis.hgetall(key)
-        for raw_seq, failed in refused.items():
-            seq = int(raw_seq)
-            if seq >= seq_id:
-                continue
-            if not await self.redis.exists(self.keys.seq(model_id, seq)):
-                await self._enqueue(model_id, seq, "failed", {}, failed=failed)
-            await self.redis.hdel(key, raw_seq)
+        """Record op ``seq_id`` of ``model_id`` as refused with an HTTP error (:meth:`SeqOrder.refuse`)."""
+        record = await self._model_record(model_id) if model_id else None
+        if record is not None:
+            await self.order.refuse(model_id, seq_id, error, record)
 
     async def submit_op(self, kind: str, raw: dict[str, Any], parse) -> UntypedAPIFuture:
         """Validate and queue one training op given its decoded body (a JSON object, or the dump of the typed
@@ -270,8 +225,8 @@ class TrainingOps:
                 ),
             )
         with redis_unavailable():
-            next_seq = await self._next_seq(model_id, record)
-            self._check_ahead(model_id, seq_id, next_seq)
+            next_seq = await self.order.next_seq(model_id, record)
+            self.order.check_ahead(model_id, seq_id, next_seq)
             if (
                 next_seq is not None
                 and seq_id < next_seq
@@ -299,7 +254,8 @@ class TrainingOps:
         except ValueError as exc:  # pydantic.ValidationError
             error = BadRequestError(f"invalid {kind} request: {_pydantic_message(exc)}")
         with redis_unavailable():
-            await self._consume_refused(model_id, seq_id)
+            for seq, failed in await self.order.take_refused(model_id, seq_id):
+                await self._enqueue(model_id, seq, "failed", {}, failed=failed)
             return await self._enqueue(model_id, seq_id, kind, body, error)
 
     async def _check_quotas(self, kind: str, model_id: str, raw: dict[str, Any]) -> None:
