@@ -222,7 +222,9 @@ def test_a_json_body_that_repeats_a_key_is_400():
     with pytest.raises(BadRequestError) as err:
         decode_body("/api/v1/optim_step", raw, "application/json", None)
     assert err.value.param == "model_id" and err.value.code == "invalid_json"
-    assert decode_body("/api/v1/optim_step", zstandard.ZstdCompressor().compress(b'{"a": 1}'), None, "zstd") == {"a": 1}
+    assert decode_body(
+        "/api/v1/optim_step", zstandard.ZstdCompressor().compress(b'{"a": 1}'), "application/json", "zstd"
+    ) == {"a": 1}
 
 
 def test_the_sdk_encoder_output_is_strict():

@@ -49,7 +49,7 @@ def decode_body(
 
     if not raw.strip():
         return {}
-    kind = body_kind(content_type) if content_type is None or path == PROTO_ROUTE else _json_only(path, content_type)
+    kind = body_kind(content_type) if content_type and path == PROTO_ROUTE else _json_only(path, content_type)
     body = decode_content(raw, content_encoding, max_bytes=max_bytes or DEFAULT_MAX_BODY_BYTES)
     if kind == "json":
         data = json_body(body, content_type or "application/json")
@@ -64,13 +64,13 @@ def decode_body(
         return exc
 
 
-def _json_only(path: str, content_type: str) -> str:
-    media = content_type.split(";", 1)[0].strip().lower()
+def _json_only(path: str, content_type: str | None) -> str:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
     if media == "application/json" or media.endswith("+json"):
         return "json"
+    what = f"unsupported content-type {content_type!r}" if content_type else "no content-type header"
     raise BadRequestError(
-        f"unsupported content-type {content_type!r}: {path} takes a JSON body; send it with the header "
-        "'content-type: application/json'",
+        f"{what}: {path} takes a JSON body; send it with the header 'content-type: application/json'",
         code="unsupported_content_type",
     )
 
