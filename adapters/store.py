@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from livelora.clients.errors import BadRequestError, ConflictError, InternalError, NotFoundError
-from livelora.core.atomic import atomic_dir, atomic_write_json, file_lock
+from livelora.core.atomic import atomic_dir, atomic_write_json, file_lock, private_dir
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -126,7 +126,7 @@ class AdapterStore:
     def allocate_version(self, lineage: str) -> int:
         """Reserve the next version number of ``lineage`` (never reused, even if the save then fails)."""
         ldir = self.lineage_dir(lineage)
-        ldir.mkdir(parents=True, exist_ok=True)
+        private_dir(ldir)
         with file_lock(ldir / ".lock"):
             counter = ldir / ".next"
             n = json.loads(counter.read_text()) if counter.is_file() else 1

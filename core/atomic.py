@@ -1,7 +1,9 @@
 """Crash-safe file-system writes: temporary path, fsync, rename.
 
 A process killed at any point leaves either the old content or the new one,
-never a half-written file or directory visible under the final name.
+never a half-written file or directory visible under the final name. Files are
+written mode 0600 (``mkstemp``) and directories the store creates are 0700
+(:func:`private_dir`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+#: mode of every directory the store creates: owner only (adapters, sessions, signals and keys are private)
+PRIVATE_DIR_MODE = 0o700
+
+
+def private_dir(path: Path | str) -> Path:
+    """Create ``path`` and its missing parents with mode :data:`PRIVATE_DIR_MODE` (existing ones are left as they
+    are); returns it."""
+    path = Path(path)
+    missing, p = [], path
+    while not p.is_dir() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir(mode=PRIVATE_DIR_MODE)
+    return path
+
 
 def fsync_dir(path: Path) -> None:
     """fsync a directory so a rename inside it is durable."""
@@ -29,7 +48,7 @@ def fsync_dir(path: Path) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -52,7 +71,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 def append_line(path: Path, line: str) -> None:
     """Append one line (a JSONL record) and fsync; used for append-only logs."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     with open(path, "a", encoding="utf-8") as f:
         f.write(line.rstrip("\n") + "\n")
         f.flush()
@@ -82,7 +101,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         FileExistsError: ``final`` already exists (versions are immutable).
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(final.parent)
     if final.exists():
         raise FileExistsError(f"{final} already exists")
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
@@ -100,7 +119,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 def file_lock(path: Path) -> Iterator[None]:
     """Exclusive advisory lock (``flock``) held for the ``with`` block; works across processes."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     with open(path, "a+") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:

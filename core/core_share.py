@@ -23,6 +23,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from livelora.core.atomic import private_dir
+
 
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` runs (another user's counts as running)."""
@@ -37,7 +39,7 @@ def _alive(pid: int) -> bool:
 
 def _write_pid(path: Path) -> None:
     """Write this process's pid to ``path`` whole (temporary file + rename). Raises: OSError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(str(os.getpid()))
     os.replace(tmp, path)

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from livelora.core.atomic import append_line, file_lock
+from livelora.core.api_keys import DEFAULT_TENANT
+from livelora.core.atomic import append_line, file_lock, private_dir
 
 #: Folder of the dataset of record, relative to ``LIVELORA_HOME``.
 DATASET_SUBDIR = ("data", "signals")
@@ -62,7 +63,7 @@ def read_quarantine(home: Path | str, endpoints: Iterable[str] | None = None) ->
 def record_quarantine(home: Path | str, records: list[dict[str, Any]]) -> None:
     """Append quarantine lines (durable on return)."""
     path = signals_dir(home) / QUARANTINE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     for r in records:
         append_line(path, json.dumps(r))
 
@@ -78,7 +79,8 @@ def forgotten(home: Path | str) -> dict[str, set[str | None]]:
 def forget_user(
     home: Path | str, user: str, tenant: str | None, owns: Callable[[str], bool], *, who: str
 ) -> dict[str, int]:
-    """Delete ``user``'s events on the endpoints ``owns(endpoint)`` accepts from the dataset of record (every
+    """Delete ``user``'s events on the endpoints ``owns(endpoint)`` accepts, sent through ``tenant``'s keys (its
+    ``caller``; ``None``: any tenant's), from the dataset of record (every
     day file rewritten atomically under the dataset lock), after recording the request in ``forgotten.jsonl``,
     so that trainers drop the user's queued and later events even if this process dies midway.
 
@@ -86,7 +88,7 @@ def forget_user(
         ``{endpoint: events removed}``.
     """
     folder = signals_dir(home)
-    folder.mkdir(parents=True, exist_ok=True)
+    private_dir(folder)
     append_line(folder / FORGOTTEN_FILE, json.dumps({"user": user, "tenant": tenant, "time": time.time(), "who": who}))
     removed: dict[str, int] = {}
     with file_lock(folder / DATASET_LOCK):
@@ -98,7 +100,12 @@ def forget_user(
                 except json.JSONDecodeError:
                     keep.append(line)
                     continue
-                if isinstance(ev, dict) and ev.get("user") == user and owns(ev.get("endpoint", "")):
+                if (
+                    isinstance(ev, dict)
+                    and ev.get("user") == user
+                    and (tenant is None or (ev.get("caller") or DEFAULT_TENANT) == tenant)
+                    and owns(ev.get("endpoint", ""))
+                ):
                     removed[ev["endpoint"]] = removed.get(ev["endpoint"], 0) + 1
                     changed = True
                     continue

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 from livelora.clients.errors import ConflictError
-from livelora.core.atomic import fsync_dir
+from livelora.core.atomic import fsync_dir, private_dir
 from livelora.core.bus import redis_unavailable
 from livelora.core.redis_keys import KeyLayout
 
@@ -37,18 +37,21 @@ class InstallMismatchError(ConflictError):
 
 
 def store_id(home: Path | str) -> str:
-    """The store's id, created at the first call on a new store (atomic, first writer wins).
+    """The store's id, created at the first call on a new store (atomic, first writer wins). Every call also
+    makes the store's root unreadable to other users (its world bits cleared; a new root is 0700).
 
     Raises:
         OSError: the store directory cannot be written.
     """
     home = Path(home)
+    private_dir(home)
+    if home.stat().st_mode & 0o007:  # others could read the store (and forge signed URLs with its secret)
+        os.chmod(home, home.stat().st_mode & ~0o007)
     path = home / STORE_ID_FILE
     if path.is_file():
         value = path.read_text().strip()
         if value:
             return value
-    home.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{STORE_ID_FILE}.", suffix=".tmp", dir=home)
     try:
         with os.fdopen(fd, "w") as f:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from livelora.clients.errors import NotFoundError
+from livelora.core.atomic import private_dir
 
 OWNERS_DIR = "owners"
 #: Object kinds with an owner record.
@@ -65,7 +66,7 @@ class OwnerStore:
             tenant holds it (the caller must answer without saying so).
         """
         path = self._path(kind, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".claim-")
         try:
             with os.fdopen(fd, "w") as f:

@@ -135,6 +135,11 @@ class KeyLayout:
         """``{prefix}seq:{model_id}:{seq_id}``: the first request that used this seq id (dedupe)."""
         return f"{self.prefix}seq:{model_id}:{seq_id}"
 
+    def seq_refused(self, model_id: str) -> str:
+        """``{prefix}seqrefused:{model_id}``: hash ``seq`` → failed future record of an op the gateway refused with
+        an HTTP error (its seq stays free until a later seq consumes it)."""
+        return f"{self.prefix}seqrefused:{model_id}"
+
     def future(self, request_id: str) -> str:
         """``{prefix}future:{request_id}``: the op's state, result or error (JSON, TTL)."""
         return f"{self.prefix}future:{request_id}"

@@ -40,7 +40,7 @@ from livelora.clients.errors import (
     NotFoundError,
     error_to_dict,
 )
-from livelora.core.atomic import atomic_write_json, file_lock
+from livelora.core.atomic import atomic_write_json, file_lock, private_dir
 
 TINKER_SCHEME = "tinker://"
 #: checkpoint kind in a tinker path → the checkpoint type the Tinker API reports
@@ -161,7 +161,7 @@ class CheckpointIndex:
         Raises:
             StaleOwnerError: ``fence`` is lower than the token recorded in the index (nothing is written).
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
         with file_lock(self.path.with_suffix(".lock")):
             data = json.loads(self.path.read_text()) if self.path.is_file() else {"checkpoints": {}}
             if fence is not None:
@@ -243,6 +243,42 @@ def future_failed(err: BaseException) -> str:
             "code": d["code"],
             "param": d["param"],
         }
+    )
+
+
+# ============================================================================================ op order
+def gap_expired(next_seq: int, arrived: dict[int, float], now: float, timeout_s: float) -> int | None:
+    """The highest buffered seq whose op has waited ``timeout_s`` since it arrived (``arrived``: buffered seq →
+    arrival time, s) for a seq before it that never came; ``None`` when none has. The executor fails the
+    buffered ops up to it and gives up the missing seqs among them, so the model runs on from the seq after it.
+    Its client's own later ops at a given-up seq fail at once (:func:`dropped_error`), never wait."""
+    expired = [seq for seq, t in arrived.items() if seq > next_seq and now - t >= timeout_s]
+    return max(expired) if expired else None
+
+
+def gap_error(model_id: str, missing: int, timeout_s: float) -> BadRequestError:
+    return BadRequestError(
+        f"seq_id {missing} of model {model_id} never arrived within {timeout_s:g} s of this op; ops after it "
+        "cannot run in order, so the seqs up to this op were given up (LIVELORA_GAP_TIMEOUT_S)",
+        param="seq_id",
+        code="seq_gap_timeout",
+    )
+
+
+def dropped_error(model_id: str, seq_id: int, next_seq: int, queued: bool = False) -> BadRequestError:
+    """Why an op was not run: another op holds its seq (``queued``), or its seq is behind ``next_seq``."""
+    if queued:
+        return BadRequestError(
+            f"op seq_id {seq_id} of model {model_id} was not run: another op under that seq is queued (seq ids "
+            "are one per op, in call order)",
+            param="seq_id",
+            code="seq_conflict",
+        )
+    return BadRequestError(
+        f"op seq_id {seq_id} of model {model_id} was not run: the model's next op is seq_id {next_seq} (that seq "
+        "already ran, or was given up when an op before it never arrived)",
+        param="seq_id",
+        code="seq_behind",
     )
 
 

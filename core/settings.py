@@ -82,7 +82,16 @@ class SessionSection(Section):
         "loaded for serving or bound to an endpoint).",
     )
     gap_timeout_s: float = Field(
-        600.0, gt=0, description="Buffered ops fail when the seq_id before them has not arrived for this long (s)."
+        600.0,
+        gt=0,
+        description="A buffered op fails this long (s) after it arrived when a seq_id before it has not come; "
+        "the missing seqs up to it are given up, so the model runs on.",
+    )
+    session_max_seq_ahead: int = Field(
+        64,
+        ge=1,
+        description="An op whose seq_id is more than this many past its model's next op is refused at once "
+        "(400): it could only wait in the op buffer.",
     )
     executor_in_process: bool = Field(
         False,

@@ -15,7 +15,8 @@
 4. **Tenant.** The principal is put on ``request.state.principal`` and in :data:`current_principal`
    (read by the registry to hide other tenants' endpoints); in key mode ``request.state.caller`` is
    the tenant, which the completion log and the signal routes use to keep completions per tenant.
-5. **Training sessions.** Every id a Tinker request names (path parameters and the body fields of
+5. **Training sessions.** A Tinker body is decoded once (:func:`decode_tinker_body`; the route gets that same
+   object, ``request.state.tinker_body``) and every id it names (path parameters and the body fields of
    :data:`~livelora.core.object_ids.BODY_FIELDS`) is parsed in its one spelling (else 400) and its
    session's recorded owner (:mod:`livelora.core.owners`, written by ``create_session``) must be the
    caller's tenant: a missing record or another tenant's answers the same 404 (:func:`check_owner`).
@@ -184,11 +185,11 @@ class AuthMiddleware:
                 if len(body) > self.max_body_bytes:
                     return await _send_error(scope, send, _too_large(self.max_body_bytes))
             try:
-                data = json_body(body, headers.get("content-type"))
-                if tinker and data is None and body.strip():
-                    data = protobuf_ids(body, headers)  # None: neither JSON nor protobuf, the route answers 400
-                if tinker and (data is not None or not body.strip()):
-                    await self.check_sessions(path, data, principal)
+                if tinker:  # decoded once; the owner check and the route both use this object
+                    state["tinker_body"] = decoded = decode_tinker_body(path, body, headers, self.max_body_bytes)
+                    await self.check_sessions(path, tinker_owner_fields(decoded), principal)
+                else:
+                    json_body(body, headers.get("content-type"))
             except LiveloraError as err:
                 return await _send_error(scope, send, err)
             receive = _replay(body, receive)
@@ -276,32 +277,27 @@ def check_owner(home, kind: str, name: str, tenant: str | None = None) -> None:
 MAX_JSON_DEPTH = 64
 
 
-def protobuf_ids(body: bytes, headers: dict[str, str]) -> dict[str, object] | None:
-    """The ids a protobuf Tinker body (SDK ≥0.25 ``forward_backward``) names, read from its head, as a JSON-like
-    ``{"model_id", "seq_id"}`` for the owner check; ``None`` when the body is not declared as protobuf.
+def decode_tinker_body(path: str, body: bytes, headers: dict[str, str], max_bytes: int):
+    """The body of a Tinker request, decoded once (:func:`livelora.gateway.api.tinker_wire.body.decode_body`)."""
+    from livelora.gateway.api.tinker_wire.body import decode_body  # the codec lives with the Tinker routes
 
-    Raises:
-        BadRequestError: a protobuf body whose ``model_id`` cannot be read (nothing is let through unchecked).
-    """
-    from livelora.gateway.api.tinker_wire import requests as wire  # the codec lives with the Tinker routes
+    return decode_body(path, body, headers.get("content-type"), headers.get("content-encoding"), max_bytes=max_bytes)
 
-    media = (headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-    if media not in wire.PROTO_MEDIA_TYPES:
-        return None
-    model_id, seq_id = wire.peek_body_ids(body, headers.get("content-encoding"))
-    if not model_id:
-        raise BadRequestError(
-            "cannot read model_id from the protobuf request body", param="model_id", code="invalid_id"
-        )
-    return {"model_id": model_id, "seq_id": seq_id}
+
+def tinker_owner_fields(decoded) -> dict:
+    from livelora.gateway.api.tinker_wire.body import owner_fields
+
+    return owner_fields(decoded)
 
 
 def json_body(body: bytes, content_type: str | None) -> object:
     """The decoded body of a request declared as JSON (``None`` for another or no content-type, which its route
-    answers; ``{}`` for an empty body), so that no route meets malformed or too deeply nested JSON.
+    answers; ``{}`` for an empty body), so that no route meets malformed, too deeply nested or ambiguous JSON.
 
     Raises:
-        BadRequestError: not valid JSON, or nested deeper than :data:`MAX_JSON_DEPTH` (400, ``invalid_json``).
+        BadRequestError: not valid JSON, nested deeper than :data:`MAX_JSON_DEPTH`, or an object that repeats a
+            key (a reader keeping the first and one keeping the last would see two requests) (400,
+            ``invalid_json``).
     """
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if not (media == "application/json" or media.endswith("+json")):
@@ -310,11 +306,26 @@ def json_body(body: bytes, content_type: str | None) -> object:
         return {}
     check_json_depth(body, MAX_JSON_DEPTH)
     try:
-        return json.loads(body)
+        return json.loads(body, object_pairs_hook=_no_repeated_keys)
     except RecursionError:
         raise _too_deep() from None
+    except BadRequestError:  # a repeated key
+        raise
     except ValueError as exc:
         raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise BadRequestError(
+            f"request body repeats the key {key!r} in one object; each key may appear once",
+            param=key,
+            code="invalid_json",
+        )
+    return out
 
 
 def check_json_depth(body: bytes, limit: int) -> None:

@@ -36,10 +36,17 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ServerSection(Section):
-    """HTTP server: ``LIVELORA_HOST``, ``LIVELORA_PORT``, ``LIVELORA_ALLOW_OPEN``, ``LIVELORA_MAX_BODY_BYTES``."""
+    """HTTP server: ``LIVELORA_HOST``, ``LIVELORA_PORT``, ``LIVELORA_PUBLIC_URL``, ``LIVELORA_ALLOW_OPEN``,
+    ``LIVELORA_MAX_BODY_BYTES``."""
 
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one).")
+    public_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$",
+        description="Base URL clients reach this gateway at (e.g. https://lora.example.com), used in signed "
+        "download URLs; default: the address the connection arrived on (never the request's Host header).",
+    )
     allow_open: bool = Field(
         False,
         description="Serve without API keys on a non-loopback host (unsafe: anyone "

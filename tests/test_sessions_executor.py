@@ -61,7 +61,7 @@ def test_executor_orders_buffers_dedupes_and_expires(setup, tokenizer):
         },
     }
     fb = {"input": {"data": [datum], "loss_fn": "cross_entropy"}}
-    # arrival order: optim (2), the gateway-failed marker (3), create (0), fb (1), a duplicate optim (2), fb (5)
+    # arrival order: optim (2), the gateway-failed marker (3), create (0), fb (1), a duplicate optim (2)
     send(r, keys, model_id, Op("optim_step", 2, "opt2", {"adam_params": {"learning_rate": 1e-3}}))
     send(r, keys, model_id, Op("failed", 3, "bad3"))
     send(
@@ -77,14 +77,15 @@ def test_executor_orders_buffers_dedupes_and_expires(setup, tokenizer):
     )
     send(r, keys, model_id, Op("forward_backward", 1, "fb1", fb))
     send(r, keys, model_id, Op("optim_step", 2, "opt2-dup", {"adam_params": {"learning_rate": 1e-3}}))
-    send(r, keys, model_id, Op("forward_backward", 5, "fb5", fb))
     run_until(ex, lambda: future(r, keys, "opt2")["state"] != "pending")
     assert future(r, keys, "create")["result"]["model_id"] == model_id
     assert future(r, keys, "fb1")["result"]["metrics"]["loss:sum"] > 0
     assert future(r, keys, "opt2")["result"]["metrics"]["step:max"] == 1.0
-    assert future(r, keys, "opt2-dup")["state"] == "pending"  # dropped: seq 2 already ran
+    dup = future(r, keys, "opt2-dup")  # dropped (seq 2 was queued already), and its future says so: never pending
+    assert dup["state"] == "failed" and dup["code"] == "seq_conflict" and "is queued" in dup["error"], dup
     assert ex.slots[model_id].model.step == 1
-    # seq 4 never arrives: fb5 waits, then fails after gap_timeout_s; nothing stays pending
+    # seq 4 never arrives: fb5 waits, then fails gap_timeout_s after it arrived; nothing stays pending
+    send(r, keys, model_id, Op("forward_backward", 5, "fb5", fb))
     ex.poll(block_ms=10)
     assert future(r, keys, "fb5")["state"] == "pending"
     run_until(ex, lambda: future(r, keys, "fb5")["state"] != "pending", timeout_s=15)

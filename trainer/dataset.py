@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from livelora.core import metrics
-from livelora.core.atomic import file_lock
+from livelora.core.atomic import file_lock, private_dir
 
 #: Which events each version was trained on (``{"version", "event_ids", "stream_ids"}`` per line), written
 #: after the version and before the ack: events redelivered after a crash in between are not trained twice.
@@ -38,9 +38,9 @@ def dataset_dir(home: Path) -> Path:
 def append_lines(path: Path, lines: Iterable[str]) -> None:
     """Append JSONL lines with one write and one fsync (the lines are durable when this returns). A file whose
     last line is torn (no final newline) gets a newline first, so the new lines stay whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     data = "".join(line.rstrip("\n") + "\n" for line in lines)
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -103,7 +103,7 @@ class DatasetOfRecord:
     def append(self, day: str, records: list[tuple[str, dict[str, Any]]]) -> int:
         """Append ``(id, record)`` pairs whose id is not recorded yet (under the dataset lock); returns how many
         were written. The lines are durable when this returns."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        private_dir(self.folder)
         with file_lock(self.folder / LOCK_FILE):
             known = self.log.refresh()
             new, seen = [], set()

@@ -20,8 +20,9 @@ Semantics the executor guarantees:
   (``forward``, the saves, a failed op) is trimmed once its result is committed; a ``forward_backward`` is
   trimmed with the next recovery snapshot;
 * when a session's key expires (no heartbeat for ``session_ttl_s``) or the session finishes, its models
-  are freed and their buffered ops fail; buffered ops waiting for a seq_id that never arrives fail after
-  ``gap_timeout_s``. Nothing stays pending forever.
+  are freed and their buffered ops fail; a buffered op waiting for a seq_id that never arrives fails
+  ``gap_timeout_s`` after it arrived (:func:`~livelora.core.session_protocol.gap_expired`), and an op dropped as
+  a duplicate whose future is still pending fails too. Nothing stays pending forever.
 
 **Take-over** (the owner died; its lease expired after at most ``lease_ttl_s``): the next executor restores
 the model from its recovery snapshot (:mod:`livelora.trainer.recovery`, written after every ``create``,
@@ -54,12 +55,22 @@ from pathlib import Path
 from typing import Any
 
 from livelora.adapters.store import AdapterStore
-from livelora.clients.errors import BadRequestError, LiveloraError, NotFoundError
+from livelora.clients.errors import LiveloraError, NotFoundError
 from livelora.core import metrics
 from livelora.core.core_share import TrainingFlag, training_step
 from livelora.core.metering import Meter, Usage
 from livelora.core.redis_keys import KeyLayout
-from livelora.core.session_protocol import CheckpointIndex, Op, StaleOwnerError, future_done, future_failed, session_of
+from livelora.core.session_protocol import (
+    CheckpointIndex,
+    Op,
+    StaleOwnerError,
+    dropped_error,
+    future_done,
+    future_failed,
+    gap_error,
+    gap_expired,
+    session_of,
+)
 from livelora.core.settings import SessionSection
 from livelora.trainer.ownership import Leases
 from livelora.trainer.session_ops import SessionOps
@@ -82,6 +93,7 @@ class _ModelSlot:
     model: Any = None  # TrainingModel once created
     next_seq: int = 0
     buffer: dict[int, tuple[str, Op]] = field(default_factory=dict)  # seq → (stream entry id, op)
+    arrived: dict[int, float] = field(default_factory=dict)  # buffered seq → when it arrived (monotonic s)
     last_progress: float = field(default_factory=time.monotonic)
     last_stream_id: str = "0"
     broken: str | None = None  # why the model could not be created
@@ -301,7 +313,8 @@ class OpExecutor(SessionOps):
             )
 
     def _accept(self, slot: _ModelSlot, entry_id: str, op: Op) -> None:
-        if op.seq_id < slot.next_seq or op.seq_id in slot.buffer:
+        queued = op.seq_id in slot.buffer
+        if op.seq_id < slot.next_seq or queued:
             if op.kind == "forward_backward" and slot.saved_seq < op.seq_id <= slot.prev_applied:
                 # committed by a dead owner after its last snapshot: its gradients died with it
                 if op.seq_id not in slot.lost_grads:
@@ -309,9 +322,12 @@ class OpExecutor(SessionOps):
                 slot.kept.append(entry_id)
                 return
             log.info("dropping duplicate op %s seq %d of %s", op.kind, op.seq_id, slot.model_id)
+            if json.loads(self.redis.get(self.keys.future(op.request_id)) or "{}").get("state") == "pending":
+                self._resolve_only(slot, op.request_id, dropped_error(slot.model_id, op.seq_id, slot.next_seq, queued))
             self._trim(slot, [entry_id])
             return
         slot.buffer[op.seq_id] = (entry_id, op)
+        slot.arrived[op.seq_id] = time.monotonic()
 
     def _execute(self, slot: _ModelSlot, entry_id: str, op: Op) -> None:
         _observe_queue(op.kind, entry_id)
@@ -393,6 +409,13 @@ class OpExecutor(SessionOps):
         ):
             raise _Stale(f"lease of {slot.model_id} lost before op {seq} was committed")
 
+    def _resolve_only(self, slot: _ModelSlot, request_id: str, error: LiveloraError) -> None:
+        """Fail the future of an op that will not run, without counting a seq (fenced)."""
+        if not self.leases.resolve(
+            slot.model_id, request_id, future_failed(error), None, self.settings.future_ttl_s, self.keys.futures_channel
+        ):
+            raise _Stale(f"lease of {slot.model_id} lost")
+
     def _trim(self, slot: _ModelSlot, entry_ids: list[str]) -> None:
         if entry_ids and not self.leases.trim(slot.model_id, entry_ids):
             raise _Stale(f"lease of {slot.model_id} lost")
@@ -409,25 +432,18 @@ class OpExecutor(SessionOps):
                         f"session {slot.session_id} ended (finished, or no heartbeat for "
                         f"{self.settings.session_ttl_s:g} s)",
                     )
-                elif slot.buffer and time.monotonic() - slot.last_progress > self.settings.gap_timeout_s:
+                elif slot.buffer:
+                    slot.arrived = {s: t for s, t in slot.arrived.items() if s in slot.buffer}
+                    last = gap_expired(slot.next_seq, slot.arrived, time.monotonic(), self.settings.gap_timeout_s)
                     missing = slot.next_seq
-                    for seq in sorted(slot.buffer):
+                    for seq in sorted(s for s in slot.buffer if last is not None and s <= last):
                         entry_id, op = slot.buffer.pop(seq)
-                        self._commit(
-                            slot,
-                            op.request_id,
-                            future_failed(
-                                BadRequestError(
-                                    f"seq_id {missing} of model {slot.model_id} never arrived within "
-                                    f"{self.settings.gap_timeout_s:g} s; ops after it cannot run in order",
-                                    param="seq_id",
-                                )
-                            ),
-                            seq,
-                        )
+                        error = gap_error(slot.model_id, missing, self.settings.gap_timeout_s)
+                        self._commit(slot, op.request_id, future_failed(error), seq)
                         self._trim(slot, [entry_id])
-                        slot.next_seq = max(slot.next_seq, seq + 1)
-                    slot.last_progress = time.monotonic()
+                    if last is not None:
+                        slot.next_seq = last + 1
+                        slot.last_progress = time.monotonic()
             except _Stale as exc:
                 self._drop(slot.model_id, str(exc))
 

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from livelora.adapters.endpoints import EndpointStore
+from livelora.core.api_keys import DEFAULT_TENANT
 from livelora.core.bus import redis_unavailable
 from livelora.core.governance import (
     FORGOTTEN_FILE,
@@ -79,7 +80,7 @@ class FeedbackGovernor:
         self._bursting: set[tuple[str, str]] = set()
 
     def forgotten(self, event: Any) -> bool:
-        """Whether ``event``'s user was forgotten on its endpoint."""
+        """Whether ``event``'s user was forgotten on its endpoint by the tenant whose key sent the event."""
         path = signals_dir(self.home) / FORGOTTEN_FILE
         mtime = path.stat().st_mtime if path.is_file() else 0.0
         if mtime != self._forgotten_mtime:
@@ -89,7 +90,8 @@ class FeedbackGovernor:
         if not tenants:
             return False
         binding = EndpointStore(self.home).get(event.endpoint)
-        return None in tenants or any(binding.administered_by(t) for t in tenants)
+        caller = getattr(event, "caller", None) or DEFAULT_TENANT  # a user name is its tenant's own
+        return None in tenants or any(t == caller and binding.administered_by(t) for t in tenants)
 
     def admit(self, lineage: str, event: Any, now: float) -> str | None:
         """``None`` if ``event`` may be queued for training, else why not (``forgotten`` or ``rate_limit``; a

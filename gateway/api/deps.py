@@ -103,6 +103,29 @@ def get_principal(request: Request) -> Principal:
     return getattr(request.state, "principal", None) or OPEN_PRINCIPAL
 
 
+async def tinker_body(request: Request):
+    """The Tinker request's body as the auth middleware decoded it, once, and checked for its owner
+    (:mod:`livelora.gateway.api.tinker_wire.body`); decoded here by the same function when auth did not run."""
+    decoded = getattr(request.state, "tinker_body", None)
+    if decoded is None:
+        from livelora.gateway.api.tinker_wire.body import decode_body
+
+        h = request.headers
+        decoded = decode_body(request.url.path, await request.body(), h.get("content-type"), h.get("content-encoding"))
+    return decoded
+
+
+def get_public_url(request: Request, services: ServicesDep) -> str:
+    """Base of the URLs the gateway hands out (signed downloads): ``LIVELORA_PUBLIC_URL``, else the server's own
+    address the connection arrived on (the ASGI ``server`` of the accepted socket), never the ``Host`` header."""
+    configured = services.settings.server.public_url
+    if configured:
+        return configured.rstrip("/")
+    host, port = request.scope.get("server") or (services.settings.server.host, services.settings.server.port)
+    host = f"[{host}]" if ":" in str(host) else host
+    return f"http://{host}:{port}"
+
+
 def get_caller(request: Request) -> str | None:
     """The caller's tenant in key mode, ``None`` in open mode: completions and signals are kept per caller."""
     return getattr(request.state, "caller", None)
@@ -161,3 +184,4 @@ SamplingDep = Annotated[SamplingSessions, Depends(get_sampling_sessions)]
 AdminDep = Annotated[GatewayAdmin, Depends(get_admin)]
 MeteringDep = Annotated[MeteringService, Depends(get_metering)]
 AuthOpenDep = Annotated[bool, Depends(get_auth_open)]
+PublicUrlDep = Annotated[str, Depends(get_public_url)]

@@ -5,8 +5,10 @@ Handlers only decode a body (JSON, or a protobuf ``forward_backward``) into a :m
 model, call one method of a session service (:mod:`livelora.gateway.services.sessions`: sessions, training
 ops, checkpoints, sampling) and encode its answer (:func:`encode`; ``SampleResponse`` and
 ``ForwardBackwardOutput`` future results as protobuf when the client's ``Accept`` admits it); the operations
-themselves know nothing about the wire. A body that cannot be decoded is a 400 at once; when its
-``model_id``/``seq_id`` can still be read, that seq is consumed with the error so the model's later ops run.
+themselves know nothing about the wire. The body is decoded once, by the auth middleware
+(:mod:`~livelora.gateway.api.tinker_wire.body`), which checks its owner on that decoded object; handlers get
+the same object (:func:`~livelora.gateway.api.deps.tinker_body`). A body that cannot be decoded is a 400 at once;
+when the decoder had read its ``model_id``/``seq_id``, that refusal is recorded (:meth:`TrainingOps.refuse`).
 
 Errors: synchronous failures raise :mod:`livelora.clients.errors` classes and go through the gateway's one
 error handler; failures of queued ops are the future's ``{"error", "category"}`` (HTTP 200), as the
@@ -16,7 +18,6 @@ running after the long-poll, and 410 for an unknown or expired request id.
 
 from __future__ import annotations
 
-import json
 import zlib
 from typing import Any, TypeVar
 
@@ -44,7 +45,6 @@ from livelora.clients.types.tinker import (
     WeightsInfoRequest,
 )
 from livelora.clients.types.tinker_ext import (
-    ForwardBackwardRequestV2,
     SampleRequestV2,
     SaveWeightsExternalRequest,
     TokenizerFilesResponse,
@@ -60,8 +60,16 @@ from livelora.clients.types.tinker_rest import (
     SessionSearchRequest,
 )
 from livelora.gateway.api import tinker_wire as wire
-from livelora.gateway.api.deps import CheckpointsDep, PrincipalDep, SamplingDep, SessionsDep, TrainingOpsDep
-from livelora.gateway.api.errors import content_type_error
+from livelora.gateway.api.deps import (
+    CheckpointsDep,
+    PrincipalDep,
+    PublicUrlDep,
+    SamplingDep,
+    SessionsDep,
+    TrainingOpsDep,
+    tinker_body,
+)
+from livelora.gateway.api.tinker_wire import WireDecodeError
 from livelora.gateway.services.sessions import NotReady
 
 router = APIRouter(prefix="/api/v1", tags=["training sessions"])
@@ -81,23 +89,17 @@ CLIENT_CONFIG = {
 
 # ------------------------------------------------------------------------------------------------ JSON codec
 async def body_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object (an empty body is ``{}``).
+    """The request body as a JSON object (an empty body is ``{}``), as decoded once by the auth middleware.
 
     Raises:
-        BadRequestError: declared as another content-type than JSON, not JSON, or not an object.
+        BadRequestError: a protobuf body (only ``forward_backward`` takes one).
     """
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    if (wrong_type := content_type_error(request)) is not None:
-        raise wrong_type
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise BadRequestError("request body must be a JSON object", code="invalid_json")
-    return data
+    decoded = await tinker_body(request)
+    if isinstance(decoded, WireDecodeError):
+        raise decoded
+    if not isinstance(decoded, dict):
+        raise BadRequestError(f"{request.url.path} takes a JSON body", code="unsupported_content_type")
+    return decoded
 
 
 def parse(model: type[M], data: dict[str, Any]) -> M:
@@ -238,31 +240,18 @@ async def forward(request: Request, ops: TrainingOpsDep) -> Response:
 
 @router.post("/forward_backward", openapi_extra=body_schema(ForwardBackwardRequest))
 async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
-    """JSON (SDK ≤0.24) or protobuf, optionally zstd (SDK ≥0.25; ``forward_only`` is a forward pass)."""
-    raw = await request.body()
-    encoding = request.headers.get("content-encoding")
-    try:
-        if wire.body_kind(request.headers.get("content-type")) == "json":
-            return encode(
-                await ops.submit_op(
-                    "forward_backward", await body_json(request), lambda d: ForwardBackwardRequest.model_validate(d)
-                )
-            )
-        req = wire.decode_forward_backward(wire.decode_content(raw, encoding))
-    except wire.WireDecodeError as exc:
-        await ops.reject_undecodable(exc.model_id, exc.seq_id, exc)
-        raise
-    except BadRequestError as exc:  # unknown Content-Type/-Encoding, too large: name the op from the body's head
-        if exc.code in ("unsupported_content_type", "unsupported_content_encoding", "payload_too_large"):
-            model_id, seq_id = wire.peek_body_ids(raw, encoding)
-            await ops.reject_undecodable(model_id, seq_id, exc)
-        raise
-    kind = "forward" if req.forward_only else "forward_backward"
-    return encode(
-        await ops.submit_op(
-            kind, req.model_dump(mode="json", exclude_none=True), lambda d: ForwardBackwardRequestV2.model_validate(d)
+    """JSON (SDK ≤0.24) or protobuf, optionally zstd (SDK ≥0.25; ``forward_only`` is a forward pass), decoded once
+    by the auth middleware; the typed protobuf request is what the service queues."""
+    decoded = await tinker_body(request)
+    if isinstance(decoded, WireDecodeError):  # the op named by the ids the decoder read (owner-checked) is refused
+        await ops.refuse(decoded.model_id, decoded.seq_id, decoded)
+        raise decoded
+    if isinstance(decoded, dict):
+        return encode(
+            await ops.submit_op("forward_backward", decoded, lambda d: ForwardBackwardRequest.model_validate(d))
         )
-    )
+    kind = "forward" if decoded.forward_only else "forward_backward"
+    return encode(await ops.submit_op(kind, decoded.model_dump(mode="json", exclude_none=True), lambda _: decoded))
 
 
 @router.post("/optim_step", openapi_extra=body_schema(OptimStepRequest))
@@ -348,9 +337,9 @@ async def list_user_checkpoints(checkpoints: CheckpointsDep, limit: int = 100, o
 
 @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive")
 async def checkpoint_archive_url(
-    model_id: str, checkpoint_id: str, request: Request, checkpoints: CheckpointsDep
+    model_id: str, checkpoint_id: str, base_url: PublicUrlDep, checkpoints: CheckpointsDep
 ) -> Response:
-    return encode(checkpoints.archive_url(model_id, checkpoint_id, str(request.base_url)))
+    return encode(checkpoints.archive_url(model_id, checkpoint_id, base_url))
 
 
 @router.get("/checkpoint_archives/{name}")
@@ -364,11 +353,11 @@ async def checkpoint_archive(name: str, checkpoints: CheckpointsDep) -> Response
 
 @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
 async def external_weights_urls(
-    model_id: str, checkpoint_id: str, request: Request, checkpoints: CheckpointsDep
+    model_id: str, checkpoint_id: str, base_url: PublicUrlDep, checkpoints: CheckpointsDep
 ) -> Response:
     """Signed URLs, one per file, of an ``external_weights/<name>`` checkpoint (SDK 0.38 ``tinker checkpoint
     download``, ``RestClient.get_external_weights_urls``)."""
-    return encode(checkpoints.external_weights_urls(model_id, checkpoint_id, str(request.base_url)))
+    return encode(checkpoints.external_weights_urls(model_id, checkpoint_id, base_url))
 
 
 @router.get("/external_weights_files/{token}/{file_name}")

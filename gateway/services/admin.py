@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from livelora.adapters.endpoints import HistoryEntry
 from livelora.clients.errors import BadRequestError, NotFoundError
-from livelora.core.api_keys import Principal
+from livelora.core.api_keys import DEFAULT_TENANT, Principal
 from livelora.gateway.services.store_admin import AdminService, ExportFormat, endpoint_notice
 
 if TYPE_CHECKING:
@@ -164,7 +164,10 @@ class GatewayAdmin:
 
     async def forget_user(self, user: str, *, reason: str) -> dict[str, Any]:
         """See :meth:`AdminService.forget_user`; also deletes the user's completion records (completion log) and
-        their labels from the rater agreement records of this tenant's lineages."""
+        their labels from the rater agreement records of this tenant's lineages. Only records made through this
+        tenant's keys count (completions: all of them, on any endpoint; signals: on this tenant's endpoints): a
+        user name is the tenant's own (another tenant's ``bob`` is someone else), so the answer is the same
+        whether the name exists in another tenant or not."""
         out = await asyncio.to_thread(self.store.forget_user, user, who=self.who, reason=reason)
         out["completions_removed"] = await self._forget_completions(user)
         out["labels_removed"] = await self._forget_labels(user)
@@ -191,7 +194,7 @@ class GatewayAdmin:
         registry = self.registry
         if registry is None:
             return 0
-        n = 0
+        n, tenant = 0, self.store.tenant or DEFAULT_TENANT
         try:
             async for key in registry.client.scan_iter(match=registry.keys.completion("*"), count=500):
                 raw = await registry.client.get(key)
@@ -199,7 +202,8 @@ class GatewayAdmin:
                     rec = json.loads(raw) if raw else None
                 except ValueError:
                     continue
-                if rec and rec.get("user") == user and self.store._owns_endpoint(rec.get("endpoint", "")):
+                # the completion log is kept per caller: a tenant's own users' records, whatever the endpoint
+                if rec and rec.get("user") == user and (rec.get("caller") or DEFAULT_TENANT) == tenant:
                     n += await registry.client.delete(key)
         except Exception as exc:  # Redis gone: records expire with the completion log's retention anyway
             log.warning("could not delete completion records of %r: %s", user, exc)

@@ -85,8 +85,6 @@ from livelora.gateway.api.tinker_wire.requests import (
     body_kind,
     decode_content,
     decode_forward_backward,
-    peek_body_ids,
-    peek_ids,
     tensor_from_proto,
 )
 from livelora.gateway.api.tinker_wire.responses import (
@@ -112,8 +110,6 @@ __all__ = [
     "encode_forward_backward_output",
     "encode_future_result",
     "encode_sample_response",
-    "peek_body_ids",
-    "peek_ids",
     "proto_result_kind",
     "tensor_from_proto",
     "tensor_to_proto",

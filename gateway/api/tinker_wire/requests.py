@@ -3,22 +3,22 @@
 Every function here is pure (bytes and header values in, typed values out) so the routes stay thin and the
 codec is tested without a server. Errors are :mod:`livelora.clients.errors` classes:
 
-* :class:`WireDecodeError` (HTTP 400): the body cannot be understood. It carries the ``model_id`` and
-  ``seq_id`` recovered from the body when its top-level framing was intact (:func:`peek_ids`), so the caller
-  can resolve that op's future with the error and consume its ``seq_id`` instead of leaving the model's
-  later ops waiting for it;
+* :class:`WireDecodeError` (HTTP 400): the body cannot be understood, or is not in strict form (an unknown
+  field, a singular field or oneof twice, a repeated map key, bytes after the message or after the compressed
+  stream: the parts a permissive reader would merge or drop, so that two readers could see two requests). It
+  carries the ``model_id`` and ``seq_id`` the strict decoder read before the error, so the op can be named;
 * ``BadRequestError`` with code ``unsupported_content_type`` / ``unsupported_content_encoding``;
 * ``PayloadTooLargeError`` (HTTP 413) when the decompressed body exceeds the limit.
 """
 
 from __future__ import annotations
 
-import io
 import zlib
 from typing import Any, Literal
 
 import numpy as np
 import zstandard
+from google.protobuf import descriptor_pb2
 from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
@@ -33,8 +33,6 @@ __all__ = [
     "body_kind",
     "decode_content",
     "decode_forward_backward",
-    "peek_body_ids",
-    "peek_ids",
     "tensor_from_proto",
 ]
 
@@ -142,16 +140,20 @@ def _unzstd(body: bytes, max_bytes: int) -> bytes:
         if size >= 0:
             if size > max_bytes:
                 raise too_large
-            return zstandard.ZstdDecompressor().decompress(body)
+            return zstandard.ZstdDecompressor().decompress(body, allow_extra_data=False)
         d = zstandard.ZstdDecompressor().decompressobj()
         parts, total = [], 0
         for i in range(0, len(body), 256):  # a 256-byte slice expands to at most ~11 MB
+            if d.eof:
+                raise zstandard.ZstdError(f"{len(body) - i} bytes follow the frame")
             parts.append(d.decompress(body[i : i + 256]))
             total += len(parts[-1])
             if total > max_bytes:
                 raise too_large
-        if not getattr(d, "eof", True):
+        if not d.eof:
             raise zstandard.ZstdError("the frame is truncated")
+        if d.unused_data:
+            raise zstandard.ZstdError(f"{len(d.unused_data)} bytes follow the frame")
         return b"".join(parts)
     except zstandard.ZstdError as exc:
         raise WireDecodeError(f"request body is not valid zstd: {exc}", param="body") from None
@@ -167,15 +169,29 @@ def _inflate(body: bytes, wbits: int, max_bytes: int, coding: str) -> bytes:
         raise PayloadTooLargeError(f"decompressed request body exceeds {max_bytes} bytes", param="body")
     if not d.eof:
         raise WireDecodeError(f"request body is not valid {coding}: the stream is truncated", param="body")
+    if d.unused_data or d.unconsumed_tail:
+        raise WireDecodeError(f"request body is not valid {coding}: bytes follow the end of the stream", param="body")
     return data
 
 
-# ------------------------------------------------------------------------------------------------ ids
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+# ------------------------------------------------------------------------------------------------ strict form
+_F = descriptor_pb2.FieldDescriptorProto
+_VARINT = {_F.TYPE_INT32, _F.TYPE_INT64, _F.TYPE_UINT32, _F.TYPE_UINT64, _F.TYPE_BOOL, _F.TYPE_ENUM}
+_FIXED = {_F.TYPE_DOUBLE: 8, _F.TYPE_FLOAT: 4}
+_LENGTH = {_F.TYPE_STRING, _F.TYPE_BYTES, _F.TYPE_MESSAGE}
+
+
+class _NotStrict(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated varint")
+        if pos >= end or shift > 63:
+            raise _NotStrict("a varint is truncated or longer than 10 bytes", "body")
         b = buf[pos]
         pos += 1
         result |= (b & 0x7F) << shift
@@ -184,64 +200,72 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def peek_ids(raw: bytes) -> tuple[str | None, int | None]:
-    """``(model_id, seq_id)`` read from the top-level fields 1 and 2 of a ``ForwardBackwardRequest`` body,
-    scanning only as far as the framing is valid (a damaged datum later in the body does not hide them)."""
-    model_id: str | None = None
-    seq_id: int | None = None
-    pos = 0
-    try:
-        while pos < len(raw) and (model_id is None or seq_id is None):
-            key, pos = _varint(raw, pos)
-            field, wire = key >> 3, key & 7
-            if wire == 0:
-                value, pos = _varint(raw, pos)
-                if field == 2:
-                    value &= 0xFFFFFFFF  # int32: negative values are 10-byte varints
-                    seq_id = value - (1 << 32) if value >= 1 << 31 else value
-            elif wire == 2:
-                size, pos = _varint(raw, pos)
-                if pos + size > len(raw):
-                    break
-                if field == 1:
-                    model_id = raw[pos : pos + size].decode("utf-8")
-                pos += size
-            elif wire in (1, 5):
-                pos += 8 if wire == 1 else 4
-            else:
-                break
-    except (ValueError, UnicodeDecodeError):
-        pass
-    return model_id or None, seq_id or None
-
-
-def peek_body_ids(
-    body: bytes, content_encoding: str | None, *, head_bytes: int = 4096
-) -> tuple[str | None, int | None]:
-    """:func:`peek_ids` of a raw (possibly zstd/gzip-compressed) ``forward_backward`` body, decoding only its
-    first ``head_bytes``: the SDK writes fields in number order, so ``model_id`` and ``seq_id`` open the
-    message. For a body rejected as a whole (too large, corrupt after the head) this still names the op,
-    so its ``seq_id`` can be consumed. ``(None, None)`` when even the head cannot be read."""
-    try:
-        head = decode_content(body, content_encoding, max_bytes=head_bytes)
-    except (PayloadTooLargeError, WireDecodeError):  # too large, or damaged after the head
-        head = _head(body, content_encoding, head_bytes)
-    except BadRequestError:  # an encoding we do not know
-        return None, None
-    return peek_ids(head)
-
-
-def _head(body: bytes, content_encoding: str | None, n: int) -> bytes:
-    coding = (content_encoding or "identity").split(",")[-1].strip().lower()
-    try:
-        if coding == "zstd":
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
-                return reader.read(n)
-        if coding in ("gzip", "x-gzip", "deflate"):
-            return zlib.decompressobj(31 if coding != "deflate" else 15).decompress(body, n)
-    except (zstandard.ZstdError, zlib.error):
-        return b""
-    return body[:n]
+def _strict(buf: bytes, pos: int, end: int, desc: Any, where: str, ids: dict[str, Any] | None) -> bytes | None:
+    """Check that ``buf[pos:end]`` is exactly one ``desc`` message in strict form: every field known, of its
+    declared wire type, a singular field (or one member of a oneof) at most once, a map key at most once,
+    every length inside the message and nothing after its last field. ``ids`` (top level only) collects
+    ``model_id``/``seq_id`` as they are read, so an error can name the op. Returns a map entry's key bytes."""
+    seen: set[int] = set()
+    oneofs: dict[str, str] = {}
+    map_keys: dict[int, set[bytes]] = {}
+    key: bytes | None = None
+    while pos < end:
+        tag, pos = _varint(buf, pos, end)
+        number, wire_type = tag >> 3, tag & 7
+        field = desc.fields_by_number.get(number)
+        if field is None:
+            raise _NotStrict(f"{desc.name} has no field number {number} (an unknown field)", where or "body")
+        name = f"{where}.{field.name}" if where else field.name
+        repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == _F.LABEL_REPEATED
+        if not repeated:
+            if number in seen:
+                raise _NotStrict(f"field {field.name} ({number}) of {desc.name} appears more than once", name)
+            oneof = field.containing_oneof
+            if oneof is not None and oneofs.setdefault(oneof.name, field.name) != field.name:
+                raise _NotStrict(f"{desc.name} sets both {oneofs[oneof.name]} and {field.name} of one oneof", name)
+        seen.add(number)
+        packed = repeated and wire_type == 2 and field.type in _VARINT | set(_FIXED)
+        if field.type in _LENGTH or packed:
+            if wire_type != 2:
+                raise _NotStrict(f"field {field.name} of {desc.name} has wire type {wire_type}, not 2", name)
+            size, pos = _varint(buf, pos, end)
+            if pos + size > end:
+                raise _NotStrict(f"field {field.name} of {desc.name} is truncated", name)
+            if field.type == _F.TYPE_MESSAGE:
+                entry = field.message_type.GetOptions().map_entry
+                k = _strict(buf, pos, pos + size, field.message_type, name, None) or b""
+                if entry and k in map_keys.setdefault(number, set()):
+                    raise _NotStrict(f"map {field.name} of {desc.name} repeats the key {k!r}", name)
+                if entry:
+                    map_keys[number].add(k)
+            elif packed and field.type in _FIXED and size % _FIXED[field.type]:
+                raise _NotStrict(f"packed field {field.name} of {desc.name} is truncated", name)
+            elif packed and field.type in _VARINT:
+                p = pos
+                while p < pos + size:
+                    _, p = _varint(buf, p, pos + size)
+            value = buf[pos : pos + size]
+            pos += size
+        elif field.type in _VARINT:
+            if wire_type != 0:
+                raise _NotStrict(f"field {field.name} of {desc.name} has wire type {wire_type}, not 0", name)
+            number_value, pos = _varint(buf, pos, end)
+            value = number_value.to_bytes(10, "little")
+            if ids is not None and field.name == "seq_id":
+                v = number_value & 0xFFFFFFFF
+                ids["seq_id"] = v - (1 << 32) if v >= 1 << 31 else v
+        else:
+            width = _FIXED[field.type]
+            if wire_type != (1 if width == 8 else 5):
+                raise _NotStrict(f"field {field.name} of {desc.name} has wire type {wire_type}", name)
+            if pos + width > end:
+                raise _NotStrict(f"field {field.name} of {desc.name} is truncated", name)
+            value, pos = buf[pos : pos + width], pos + width
+        if ids is not None and field.name == "model_id":
+            ids["model_id"] = value.decode("utf-8", "replace")
+        if number == 1 and desc.GetOptions().map_entry:
+            key = value
+    return key
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -298,16 +322,18 @@ def decode_forward_backward(raw: bytes) -> ForwardBackwardRequestV2:
         WireDecodeError: not a valid message, an image/audio chunk (code ``unsupported_parameter``), a bad
             tensor, or a value the request model rejects (unknown loss, seq_id < 1, bad provenance tiling).
     """
+    found: dict[str, Any] = {}
     msg = schema.ForwardBackwardRequest()
     try:
+        _strict(raw, 0, len(raw), msg.DESCRIPTOR, "", found)
         msg.ParseFromString(raw)
-    except DecodeError as exc:
-        model_id, seq_id = peek_ids(raw)
+    except (_NotStrict, DecodeError) as exc:
+        model_id, seq_id = found.get("model_id") or None, found.get("seq_id") or None
         raise WireDecodeError(
             f"forward_backward body is not a valid protobuf ForwardBackwardRequest: {exc}",
             model_id=model_id,
             seq_id=seq_id,
-            param="body",
+            param=getattr(exc, "param", "body") if model_id else "model_id",
         ) from None
     ids = {"model_id": msg.model_id or None, "seq_id": msg.seq_id or None}
     try:

@@ -251,10 +251,14 @@ class Checkpoints:
         path = self.home / "archive_secret"
         if not path.is_file():
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(secrets.token_hex(32))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the key of every signed URL
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
             with contextlib.suppress(FileExistsError):
                 os.link(tmp, path)  # first writer wins; every process then signs with the same secret
             tmp.unlink(missing_ok=True)
+        if path.stat().st_mode & 0o077:  # a secret written by an older version: owner only
+            os.chmod(path, 0o600)
         return path.read_text().strip().encode()
 
     def _sign(self, purpose: str, fields: list[Any]) -> tuple[str, datetime]:

@@ -5,11 +5,13 @@
 (:mod:`livelora.core.session_protocol`: ids, ordering). A retry with a ``(model_id, seq_id)`` already
 seen gets the first request's id back and is not queued again; a different body under the same seq gets a
 future already failed with a ``seq_conflict`` error (op routes never answer 409: the SDK would retry it). An
-op that fails validation after its ``seq_id`` is known (also a body that could not be decoded, whose ids were
-recovered from it: :meth:`TrainingOps.reject_undecodable`) resolves its future with
-``{"error", "category": "user"}`` and still consumes the seq (a ``failed`` marker is queued), so the model's
-later ops run. The op executor (:mod:`livelora.trainer.executor`, started beside the gateway by the process
-wiring, or a ``livelora trainer``) runs them and writes their results to the futures.
+op that fails validation after its ``seq_id`` is known resolves its future with ``{"error", "category":
+"user"}`` and consumes the seq (a ``failed`` marker is queued), so the model's later ops run. An op refused
+with an HTTP error (a seq more than ``session_max_seq_ahead`` ahead: 400; a quota: 429; a per-op limit: 413;
+a body that could not be decoded) queues nothing and leaves its seq free (:meth:`TrainingOps.refuse`): a retry
+under it runs, and a later seq consumes it with the refusal's error. The op executor
+(:mod:`livelora.trainer.executor`, started beside the gateway by the process wiring, or a ``livelora trainer``)
+runs them and writes their results to the futures.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from livelora.core.session_protocol import (
     CheckpointIndex,
     Op,
     check_checkpoint_name,
+    dropped_error,
     future_failed,
     lineage_for,
     model_id_for,
@@ -56,6 +59,7 @@ from livelora.core.session_protocol import (
 from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
+from livelora.gateway.services.sessions.seq_order import SeqOrder
 
 #: save op → the kind of checkpoint it writes
 SAVE_KINDS = {
@@ -83,6 +87,7 @@ class TrainingOps:
         self.home = ctx.home
         self.base_model = ctx.base_model
         self.max_seq_len = ctx.max_seq_len
+        self.order = SeqOrder(ctx.redis, ctx.keys, ctx.settings)
 
     async def create_model(self, req: CreateModelRequest) -> UntypedAPIFuture:
         """Queue a new LoRA training model ``{session_id}:train:{model_seq_id}`` (op seq 0).
@@ -142,9 +147,16 @@ class TrainingOps:
         return UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
     async def _enqueue(
-        self, model_id: str, seq_id: int, kind: str, body: dict[str, Any], error: LiveloraError | None = None
+        self,
+        model_id: str,
+        seq_id: int,
+        kind: str,
+        body: dict[str, Any],
+        error: LiveloraError | None = None,
+        failed: str | None = None,
     ) -> UntypedAPIFuture:
-        """Dedupe on (model_id, seq_id), create the future, XADD the op (or a ``failed`` marker + the error)."""
+        """Dedupe on (model_id, seq_id), create the future, XADD the op (or a ``failed`` marker + the error, or
+        the ready future record ``failed``)."""
         digest = hashlib.sha256(json.dumps([kind, body], sort_keys=True).encode()).hexdigest()
         request_id = new_request_id(f"{model_id}:{seq_id}")
         claim = json.dumps({"request_id": request_id, "digest": digest})
@@ -163,8 +175,8 @@ class TrainingOps:
                 )
             return UntypedAPIFuture(request_id=first["request_id"], model_id=model_id)
         await self.futures.create(request_id)
-        if error is not None:
-            await self.futures.resolve(request_id, future_failed(error))
+        if error is not None or failed is not None:
+            await self.futures.resolve(request_id, failed or future_failed(error))
             kind, body = "failed", {}
         pipe = self.redis.pipeline()
         pipe.sadd(self.keys.models, model_id)
@@ -177,28 +189,24 @@ class TrainingOps:
             raw = await self.redis.get(self.keys.model(model_id))
         return json.loads(raw) if raw else None
 
-    async def reject_undecodable(self, model_id: str | None, seq_id: int | None, error: LiveloraError) -> None:
-        """Consume ``seq_id`` of ``model_id`` with ``error`` for a body that could not be decoded (the route
-        then answers the error itself), so the model's later ops do not wait for that seq. Does nothing when
-        the ids are unknown, the model does not exist, or the seq was already claimed (a retry)."""
-        if not model_id or not isinstance(seq_id, int) or seq_id < 1:
-            return
-        with redis_unavailable():
-            if await self._model_record(model_id) is None:
-                return
-            if await self.redis.exists(self.keys.seq(model_id, seq_id)):
-                return
-            await self._enqueue(model_id, seq_id, "failed", {"undecodable": str(error)}, error)
+    async def refuse(self, model_id: str | None, seq_id: int | None, error: LiveloraError) -> None:
+        """Record op ``seq_id`` of ``model_id`` as refused with an HTTP error (:meth:`SeqOrder.refuse`)."""
+        record = await self._model_record(model_id) if model_id else None
+        if record is not None:
+            await self.order.refuse(model_id, seq_id, error, record)
 
     async def submit_op(self, kind: str, raw: dict[str, Any], parse) -> UntypedAPIFuture:
-        """Validate and queue one training op given its raw JSON body.
+        """Validate and queue one training op given its decoded body (a JSON object, or the dump of the typed
+        protobuf request; ``parse(raw)`` builds the typed request the op runs, raising on bad fields).
 
-        ``parse(raw)`` builds the typed request (raising on bad fields). The model id and seq id are read
-        first, leniently, so that a body that fails validation still resolves its future with the error
-        and consumes its seq id.
+        The model id and seq id are read first, leniently, so that a body that fails validation still resolves
+        its future with the error and consumes its seq id. Refused with an HTTP error (nothing queued, the seq
+        left free: :meth:`refuse`): a seq beyond the bound ahead (400), over a quota (429), over a per-op limit
+        (413). A seq behind the model's next op that no request claimed gets a failed future at once.
 
         Raises:
-            BadRequestError: no ``model_id`` / ``seq_id`` (nothing can be queued without them).
+            BadRequestError: no ``model_id`` / ``seq_id`` (nothing can be queued without them); seq too far ahead.
+            QuotaExceededError, PayloadTooLargeError: see above.
         """
         model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
         if not isinstance(model_id, str) or not model_id:
@@ -207,28 +215,29 @@ class TrainingOps:
             raise BadRequestError(
                 "seq_id is required: an integer >= 1, one per op of the model, in call order", param="seq_id"
             )
-        if kind in ("forward", "forward_backward") and self.ctx.quotas is not None:  # 429 before any seq is used
-            from livelora.gateway.services.usage import payer
-
-            with redis_unavailable():
-                await self.ctx.quotas.check_tokens(payer()[0], ("forward",) if kind == "forward" else ("trained",))
-        if await self._model_record(model_id) is None:
-            request_id = new_request_id(f"{model_id}:{seq_id}")
-            await self.futures.create(request_id)
-            await self.futures.resolve(
-                request_id,
-                future_failed(
-                    NotFoundError(
-                        f"model {model_id!r} does not exist (never created, or its session ended)", param="model_id"
-                    )
+        record = await self._model_record(model_id)
+        if record is None:
+            return await self._failed_future(
+                model_id,
+                seq_id,
+                NotFoundError(
+                    f"model {model_id!r} does not exist (never created, or its session ended)", param="model_id"
                 ),
             )
-            return UntypedAPIFuture(request_id=request_id, model_id=model_id)
-        if kind in SAVE_KINDS and self.ctx.quotas is not None:
-            from livelora.gateway.services.usage import payer
-
-            # 429 before anything is queued or written: a save past the tenant's max_adapter_versions
-            await self.ctx.quotas.check_adapter_versions(payer()[0], self._new_versions(kind, model_id, raw))
+        with redis_unavailable():
+            next_seq = await self.order.next_seq(model_id, record)
+            self.order.check_ahead(model_id, seq_id, next_seq)
+            if (
+                next_seq is not None
+                and seq_id < next_seq
+                and not await self.redis.exists(self.keys.seq(model_id, seq_id))
+            ):
+                return await self._failed_future(model_id, seq_id, dropped_error(model_id, seq_id, next_seq))
+        try:
+            await self._check_quotas(kind, model_id, raw)
+        except LiveloraError as exc:  # 429 before any seq is used
+            await self.refuse(model_id, seq_id, exc)
+            raise
         with redis_unavailable():
             await self.redis.set(self.keys.model_last_request(model_id), now_iso(), ex=self.settings.future_ttl_s)
         error: LiveloraError | None = None
@@ -237,16 +246,30 @@ class TrainingOps:
             req = parse(raw)
             self._check_limits(kind, req)
             body = self._validate(kind, req)
-        except PayloadTooLargeError as exc:  # consumes the seq (later ops run) and answers 413 now
-            with redis_unavailable():
-                await self._enqueue(model_id, seq_id, kind, {}, exc)
+        except PayloadTooLargeError as exc:  # answered 413 now; the seq stays free
+            await self.refuse(model_id, seq_id, exc)
             raise
         except LiveloraError as exc:
             error = exc
         except ValueError as exc:  # pydantic.ValidationError
             error = BadRequestError(f"invalid {kind} request: {_pydantic_message(exc)}")
         with redis_unavailable():
+            for seq, failed in await self.order.take_refused(model_id, seq_id):
+                await self._enqueue(model_id, seq, "failed", {}, failed=failed)
             return await self._enqueue(model_id, seq_id, kind, body, error)
+
+    async def _check_quotas(self, kind: str, model_id: str, raw: dict[str, Any]) -> None:
+        """Raises: QuotaExceededError (429) over the tenant's token quota (forward, forward_backward) or its
+        ``max_adapter_versions`` (the saves)."""
+        if self.ctx.quotas is None:
+            return
+        from livelora.gateway.services.usage import payer
+
+        if kind in ("forward", "forward_backward"):
+            with redis_unavailable():
+                await self.ctx.quotas.check_tokens(payer()[0], ("forward",) if kind == "forward" else ("trained",))
+        if kind in SAVE_KINDS:
+            await self.ctx.quotas.check_adapter_versions(payer()[0], self._new_versions(kind, model_id, raw))
 
     def _new_versions(self, kind: str, model_id: str, raw: dict[str, Any]) -> int:
         """Counted adapter versions a save adds (``max_adapter_versions``): 1 for a new named checkpoint; 0 for
