@@ -287,16 +287,3 @@ class Model(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[Model]
-
-
-class ErrorObject(_Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(_Response):
-    """``{"error": {"message", "type", "param", "code"}}``; all four keys are always present."""
-
-    error: ErrorObject

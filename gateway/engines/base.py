@@ -2,7 +2,7 @@
 
 One engine instance serves one base model plus any number of loaded LoRA
 adapter versions. Implementations: :mod:`.transformers_engine` (transformers +
-peft, CPU or one GPU; used by the tests) and, later, a vLLM engine. Anything
+peft, CPU or one GPU; used by the tests) and :mod:`.vllm_engine` (vLLM, GPU). Anything
 engine-specific (batching, KV caches, stop handling, detokenization) stays
 inside the implementation; the gateway only sees this module's types.
 
