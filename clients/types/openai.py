@@ -1,4 +1,4 @@
-"""OpenAI wire types (Chat Completions, legacy Completions, Models, errors), shared by gateway and SDK.
+"""OpenAI wire types (Chat Completions, legacy Completions, Models), shared by gateway and SDK.
 
 Field names and shapes follow openai-python (``src/openai/types/``, SDK 3.x),
 which is generated from OpenAI's OpenAPI spec; see
