@@ -1,12 +1,14 @@
-"""The training ops themselves, as the op executor runs them on the model it owns (a mixin of
-:class:`~livelora.trainer.executor.OpExecutor`; the ordering, ownership and recovery live there)."""
+"""The training ops themselves (:class:`SessionOps`), as the op executor runs them on a model it owns; the
+ordering is :class:`~livelora.trainer.executor.OpExecutor`'s, ownership and recovery
+:class:`~livelora.trainer.model_slots.ModelSlots`'."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-from livelora.adapters.store import Manifest
+from livelora.adapters.store import AdapterStore, Manifest
 from livelora.clients.errors import (
     BadRequestError,
     ConflictError,
@@ -25,6 +27,7 @@ from livelora.clients.types.tinker import (
 )
 from livelora.clients.types.tinker_ext import SaveWeightsExternalRequest
 from livelora.core.metering import datum_tokens
+from livelora.core.redis_keys import KeyLayout
 from livelora.core.session_protocol import (
     CheckpointIndex,
     Op,
@@ -35,18 +38,72 @@ from livelora.core.session_protocol import (
     resolve_checkpoint,
     tinker_path,
 )
+from livelora.core.settings import SessionSection
 
 log = __import__("logging").getLogger(__name__)
 
 
+def delete_version(store: AdapterStore, lineage: str, version: int) -> None:
+    """Delete ``lineage@version``; a failure is logged, not raised."""
+    try:
+        store.delete(lineage, version)
+    except LiveloraError as exc:
+        log.warning("could not delete %s@%d: %s", lineage, version, exc)
+
+
 class SessionOps:
     """``create_model``, create-via-load, ``forward``, ``forward_backward``, ``optim_step``, ``save_weights``,
-    ``save_weights_for_sampler``, ``save_weights_external``, ``load_weights`` on one model slot. Expects the
-    executor's attributes (``home``, ``store``, ``base_ref``, ``base_names``, ``base_model``, ``device``,
-    ``max_seq_len``, ``redis``, ``keys``, ``settings``)."""
+    ``save_weights_for_sampler``, ``save_weights_external``, ``load_weights`` on one model slot
+    (:class:`~livelora.trainer.model_slots.ModelSlot`), for the one base model trained here.
+
+    Args: as :class:`~livelora.trainer.executor.OpExecutor`'s (``home`` a :class:`~pathlib.Path`, ``store`` its
+    adapter store).
+    """
+
+    def __init__(
+        self,
+        redis_client,
+        keys: KeyLayout,
+        home: Path,
+        store: AdapterStore,
+        settings: SessionSection,
+        base_model: str,
+        *,
+        device: str,
+        max_seq_len: int | None,
+        base_model_aliases: tuple[str, ...],
+        served_name: str | None,
+        versions: Any,
+    ):
+        from livelora.core.base_models import HUB_IDS, resolve_base_model
+
+        self.redis = redis_client
+        self.keys = keys
+        self.home = home
+        self.store = store
+        self.settings = settings
+        self.base_model = served_name or settings.served_model_name or base_model
+        self.base_names = {
+            base_model,
+            self.base_model,
+            *base_model_aliases,
+            *([HUB_IDS[base_model]] if base_model in HUB_IDS else []),
+        }  # the canonical hub id
+        self.base_ref = resolve_base_model(base_model, home)
+        self.device = device
+        self.max_seq_len = max_seq_len
+        self.versions = versions  # max_adapter_versions (adapters/quotas.AdapterVersions); None: not checked
+
+    def restore(self, state: dict[str, Any]) -> Any:
+        """The training model of a recovery snapshot's ``state`` (:func:`~livelora.trainer.recovery.read_snapshot`)."""
+        from livelora.trainer.recovery import restore_model
+
+        return restore_model(state, self.base_ref, device=self.device, max_seq_len=self.max_seq_len)
 
     # -------------------------------------------------------------------------------- ops
-    def _run(self, slot: Any, op: Op) -> dict[str, Any]:
+    def run(self, slot: Any, op: Op) -> dict[str, Any]:
+        """Run ``op`` on ``slot``'s model; returns the op's result. Raises the op's error (a :class:`LiveloraError`
+        the client sees, anything else an internal error)."""
         if op.kind in ("create_model", "create_via_load"):
             return self._create(slot, op)
         if slot.model is None:
@@ -178,7 +235,7 @@ class SessionOps:
                 f"checkpoint {tinker_path(slot.model_id, kind, name)} exists; pass overwrite=True or use another name",
                 param="path",
             )
-        versions = getattr(self, "versions", None)  # max_adapter_versions, checked again here: saves queued
+        versions = self.versions  # max_adapter_versions, checked again here: saves queued
         if old is None and versions is not None:  # together below the limit must not all pass it
             versions.check(versions.tenant_of(index.lineage))
         manifest = slot.model.save_weights(
@@ -194,14 +251,8 @@ class SessionOps:
         }
         index.update(lambda d: d.setdefault("checkpoints", {}).__setitem__(key, entry), fence=slot.token)
         if old is not None:
-            self._delete_version(index.lineage, int(old["version"]))
+            delete_version(self.store, index.lineage, int(old["version"]))
         return manifest
-
-    def _delete_version(self, lineage: str, version: int) -> None:
-        try:
-            self.store.delete(lineage, version)
-        except LiveloraError as exc:
-            log.warning("could not delete %s@%d: %s", lineage, version, exc)
 
     def _save_state(self, slot: Any, req: SaveWeightsRequest, request_id: str) -> dict[str, Any]:
         name = check_checkpoint_name(req.path)
