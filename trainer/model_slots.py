@@ -18,8 +18,8 @@ from livelora.clients.errors import NotFoundError
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.session_protocol import CheckpointIndex, Op, StaleOwnerError, future_failed, session_of
 from livelora.core.settings import SessionSection
+from livelora.trainer.checkpoint_saves import delete_version
 from livelora.trainer.ownership import Leases
-from livelora.trainer.session_ops import delete_version
 
 log = logging.getLogger(__name__)
 
