@@ -12,8 +12,8 @@ The rules of ``vllm_lora.md`` §1.4-1.6, and why:
   path immutable and guarantees "delete only after unload" whatever happens to the store's copy;
 * ``load_inplace`` is never set (0.32 keeps it on the request and re-reads the adapter every step,
   vllm #33791);
-* a version is removed only when no unfinished request uses it (the engine counts its users); after
-  ``remove_lora`` the snapshot is deleted.
+* a version is removed only when no unfinished request uses it (:class:`AdapterLeases` counts its users);
+  after ``remove_lora`` the snapshot is deleted.
 
 vLLM is imported only inside :meth:`VLLMAdapters.load`.
 """
@@ -26,6 +26,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,7 @@ class VLLMAdapters:
         """vLLM ``remove_lora``, then delete the snapshot.
 
         Args:
-            users: unfinished requests that use ``name`` now (the engine counts them).
+            users: unfinished requests that use ``name`` now (:meth:`AdapterLeases.users`).
 
         Raises:
             ModelNotFoundError: ``name`` is not loaded.
@@ -188,3 +189,54 @@ class VLLMAdapters:
         del self.requests[name]
         self._unloading.discard(name)
         await asyncio.to_thread(shutil.rmtree, req.lora_path, True)
+
+
+class AdapterLeases:
+    """The unfinished requests of one engine, by request id, and the adapter each uses (``None``: the base model);
+    thread-safe (the gateway counts them from other threads)."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, str | None] = {}
+        self._lock = threading.Lock()
+
+    def lease(self, rid: str, adapter: str | None) -> None:
+        """Record request ``rid`` as using ``adapter`` until :meth:`release`.
+
+        Raises:
+            ConflictError: ``rid`` is already running.
+        """
+        with self._lock:
+            if rid in self._running:
+                raise ConflictError(f"request id {rid!r} is already running", param="request_id")
+            self._running[rid] = adapter
+
+    def release(self, rid: str) -> None:
+        """End request ``rid``'s lease (idempotent)."""
+        with self._lock:
+            self._running.pop(rid, None)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._running)
+
+    def users(self, name: str) -> int:
+        """Unfinished requests that use adapter ``name``."""
+        with self._lock:
+            return sum(1 for a in self._running.values() if a == name)
+
+    async def wait_drained(self, name: str, timeout_s: float | None = None) -> None:
+        """Wait until no unfinished request uses adapter ``name``.
+
+        Raises:
+            TimeoutError: still in use after ``timeout_s`` seconds.
+        """
+
+        async def _wait() -> None:
+            while self.users(name):
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(_wait(), timeout_s)
