@@ -407,10 +407,6 @@ class EndpointStore:
                 out.setdefault(f"{binding.lineage}@{v}", []).append(name)
         return out
 
-    def lineage_tenants(self, lineage: str) -> set[str]:
-        """Tenants administering endpoints bound to ``lineage`` (``default`` for public ones)."""
-        return {b.tenant or DEFAULT_TENANT for b in self.all().values() if b.lineage == lineage}
-
 
 def _valid_implicit(name: str) -> bool:
     """Whether ``name`` can be an implicit endpoint (a valid endpoint name with a valid implicit lineage)."""

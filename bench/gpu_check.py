@@ -186,7 +186,7 @@ async def main(args) -> int:
             await asyncio.sleep(0.5)
         engine = services_of(app).engine
         print(
-            f"gateway up with vLLM {engine.vllm_version} on {args.device} ({engine.dtype}) in "
+            f"gateway up with vLLM {engine.vllm_version} on {args.device} ({engine.config.dtype}) in "
             f"{time.perf_counter() - t0:.1f} s",
             flush=True,
         )

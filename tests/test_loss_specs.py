@@ -15,6 +15,7 @@ from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
 from livelora.clients.errors import BadRequestError, UnsupportedParameterError
 from livelora.clients.types.tinker import Datum, ForwardBackwardInput, ForwardBackwardRequest, ModelInput, TensorData
 from livelora.core.losses import LOSS_SPECS, REFUSED_LOSSES, LossSpec, get_spec, validate_batch, validate_loss_inputs
+from livelora.trainer.logprobs import grad_positions
 from livelora.trainer.losses import LOSS_FUNCTIONS, register
 from livelora.trainer.model import TRAINER_FILLED_INPUTS, TrainingModel
 
@@ -211,9 +212,9 @@ def test_validate_loss_inputs_reads_n_from_target_tokens_and_checks_tensors_like
 def test_the_trainer_takes_gradient_positions_from_the_spec():
     t = torch.tensor
     ce = {"target_tokens": t([1, 2, 3, 4]), "weights": t([0.0, 1.0, 0.0, -0.5])}
-    assert TrainingModel._grad_positions(LOSS_SPECS["cross_entropy"], ce).tolist() == [False, True, False, True]
+    assert grad_positions(LOSS_SPECS["cross_entropy"], ce).tolist() == [False, True, False, True]
     top_k = {"target_tokens": t([[1, 2], [3, 4], [5, 6]]), "weights": t([[0.0, 0.0], [0.3, 0.0], [0.0, 0.2]])}
-    assert TrainingModel._grad_positions(LOSS_SPECS["cross_entropy"], top_k).tolist() == [False, True, True]
+    assert grad_positions(LOSS_SPECS["cross_entropy"], top_k).tolist() == [False, True, True]
     rl = {
         "target_tokens": t([1, 2, 3, 4]),
         "logprobs": t([0.0, -1.0, -1.0, -1.0]),
@@ -221,12 +222,12 @@ def test_the_trainer_takes_gradient_positions_from_the_spec():
         "mask": t([1.0, 1.0, 0.0, 1.0]),
     }
     for name in ("importance_sampling", "ppo", "cispo"):
-        assert TrainingModel._grad_positions(LOSS_SPECS[name], rl).tolist() == [False, True, False, False]
+        assert grad_positions(LOSS_SPECS[name], rl).tolist() == [False, True, False, False]
     # dro's quadratic term reaches positions with A = 0; only the mask removes them
-    assert TrainingModel._grad_positions(LOSS_SPECS["dro"], rl).tolist() == [True, True, False, True]
+    assert grad_positions(LOSS_SPECS["dro"], rl).tolist() == [True, True, False, True]
     no_mask = {k: v for k, v in rl.items() if k != "mask"}
-    assert TrainingModel._grad_positions(LOSS_SPECS["dro"], no_mask).tolist() == [True] * 4
-    assert TrainingModel._grad_positions(LOSS_SPECS["ppo"], no_mask).tolist() == [False, True, True, False]
+    assert grad_positions(LOSS_SPECS["dro"], no_mask).tolist() == [True] * 4
+    assert grad_positions(LOSS_SPECS["ppo"], no_mask).tolist() == [False, True, True, False]
 
 
 # ------------------------------------------------------------------------------------------------ trainer entry

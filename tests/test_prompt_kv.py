@@ -4,11 +4,15 @@ time, on the real SmolLM2 with a trained adapter."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+import livelora.trainer.logprobs as logprobs_mod
 import livelora.trainer.model as model_mod
 from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
+from livelora.trainer.logprobs import datum_inputs
 from livelora.trainer.losses import kl_pair_order
 from livelora.trainer.model import TrainingModel
 
@@ -62,7 +66,7 @@ def full_logratio(m: TrainingModel, prompt: list[int], completion: list[int]) ->
     tgt = torch.tensor(seq[1:])
     out = []
     with torch.no_grad():
-        for ctx in (model_mod.contextlib.nullcontext(), m.peft_model.disable_adapter()):
+        for ctx in (contextlib.nullcontext(), m.peft_model.disable_adapter()):
             with ctx:
                 logp = torch.log_softmax(m.peft_model(input_ids=ids).logits[0].float(), -1)
             out.append(logp.gather(-1, tgt[:, None])[:, 0][len(prompt) - 1 :].sum())
@@ -79,15 +83,15 @@ def test_shared_prompt_kl_logratios_equal_a_full_recompute_of_each_pair(trained)
     expected = [full_logratio(m, prompts[i], completions[j]) for i, j in enumerate(perm)]
     assert max(abs(e) for e in expected) > 0.05  # the adapter really differs from the reference
 
-    inputs = [m._inputs(d) for d in data]
+    inputs = [datum_inputs(d) for d in data]
     share = [len(p) - 1 for p in prompts]
     tokens = [d.model_input.to_ints() for d in data]
     targets = [x["target_tokens"] for x in inputs]
-    _, policy_kv = m._logprobs(tokens, targets, share_prefix=share)
-    _, ref_kv = m._logprobs(tokens, targets, adapter=False, share_prefix=share)
+    _, policy_kv = m.logprobs(tokens, targets, share_prefix=share)
+    _, ref_kv = m.logprobs(tokens, targets, adapter=False, share_prefix=share)
     assert [k.shape[-2] for k, _v in policy_kv.layers] == [max(share)] * len(policy_kv.layers)
-    shared = m._kl_logratios(data, inputs, (policy_kv, ref_kv))
-    recomputed = m._kl_logratios(data, inputs)
+    shared = m.logprobs.kl_logratios(data, inputs, (policy_kv, ref_kv))
+    recomputed = m.logprobs.kl_logratios(data, inputs)
     assert shared.tolist() == pytest.approx(expected, abs=2e-4)
     assert recomputed.tolist() == pytest.approx(expected, abs=2e-4)
 
@@ -98,6 +102,7 @@ def test_kto_step_with_shared_prompts_equals_the_recomputed_step(trained, monkey
     results = []
     for limit in (model_mod.PROMPT_KV_MAX_BYTES, 0):  # 0: no keys/values may be kept, every pair is recomputed
         monkeypatch.setattr(model_mod, "PROMPT_KV_MAX_BYTES", limit)
+        monkeypatch.setattr(logprobs_mod, "PROMPT_KV_MAX_BYTES", limit)
         out = m.forward_backward(data, "kto", cfg)
         grads = {k: p.grad.clone() for k, p in m.lora_params.items()}
         m.zero_grad()
@@ -121,7 +126,7 @@ def test_gate_probes_from_their_shared_prefix_equal_one_full_pass_per_probe(trai
         rows = []
         with torch.no_grad():
             for seq, start in zip(suite.seqs, suite.reply_start):
-                ctx = model_mod.contextlib.nullcontext() if adapter else m.peft_model.disable_adapter()
+                ctx = contextlib.nullcontext() if adapter else m.peft_model.disable_adapter()
                 with ctx:
                     logits = m.peft_model(input_ids=torch.tensor([seq])).logits[0].float()
                 rows.append(torch.log_softmax(logits[start - 1 :], -1))
@@ -184,8 +189,8 @@ def test_a_batch_sharing_a_long_prefix_runs_it_once_with_the_same_values_and_gra
     results = []
     for once in (True, False):
         if not once:
-            monkeypatch.setattr(model_mod, "common_prefix", lambda inputs: 0)
-        lps = m._logprobs(tokens, [d.loss_fn_inputs["target_tokens"].to_torch() for d in data], adapter=False)
+            monkeypatch.setattr(logprobs_mod, "common_prefix", lambda inputs: 0)
+        lps = m.logprobs(tokens, [d.loss_fn_inputs["target_tokens"].to_torch() for d in data], adapter=False)
         out = m.forward_backward(data, "kto", {"beta": 0.1})
         results.append((lps, out.metrics, {k: p.grad.clone() for k, p in m.lora_params.items()}))
         m.zero_grad()

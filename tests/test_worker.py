@@ -275,7 +275,7 @@ def test_trained_but_unacked_events_are_not_trained_twice(bus, base_ref, pair_to
     w1 = TrainerWorker(
         client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)), consumer="same", block_ms=50
     )
-    w1._commit = lambda event_ids, stream_ids: 0  # the process dies after trained.jsonl, before its commit
+    w1.claims.commit = lambda event_ids, stream_ids: 0  # the process dies after trained.jsonl, before its commit
     assert [n.name for n in w1.poll()] == ["once@1"]
     assert pending(client, keys) == 2
     w2 = TrainerWorker(

@@ -20,9 +20,8 @@ Semantics the executor guarantees:
   (``forward``, the saves, a failed op) is trimmed once its result is committed; a ``forward_backward`` is
   trimmed with the next recovery snapshot;
 * when a session's key expires (no heartbeat for ``session_ttl_s``) or the session finishes, its models
-  are freed and their buffered ops fail; a buffered op waiting for a seq_id that never arrives fails
-  ``gap_timeout_s`` after it arrived (:func:`~livelora.core.session_protocol.gap_expired`), and an op dropped as
-  a duplicate whose future is still pending fails too. Nothing stays pending forever.
+  are freed and their buffered ops fail; buffered ops waiting for a seq_id that never arrives fail after
+  ``gap_timeout_s``. Nothing stays pending forever.
 
 **Take-over** (the owner died; its lease expired after at most ``lease_ttl_s``): the next executor restores
 the model from its recovery snapshot (:mod:`livelora.trainer.recovery`, written after every ``create``,
@@ -50,18 +49,16 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from livelora.adapters.store import AdapterStore
-from livelora.clients.errors import LiveloraError, NotFoundError
+from livelora.clients.errors import LiveloraError
 from livelora.core import metrics
 from livelora.core.core_share import TrainingFlag, training_step
 from livelora.core.metering import Meter, Usage
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.session_protocol import (
-    CheckpointIndex,
     Op,
     StaleOwnerError,
     dropped_error,
@@ -69,9 +66,9 @@ from livelora.core.session_protocol import (
     future_failed,
     gap_error,
     gap_expired,
-    session_of,
 )
 from livelora.core.settings import SessionSection
+from livelora.trainer.model_slots import ModelSlot, ModelSlots, Stale
 from livelora.trainer.ownership import Leases
 from livelora.trainer.session_ops import SessionOps
 
@@ -85,26 +82,6 @@ log = logging.getLogger(__name__)
 STATE_OPS = ("create_model", "create_via_load", "optim_step", "load_weights")
 
 
-@dataclass
-class _ModelSlot:
-    model_id: str
-    session_id: str
-    token: int = 0  # fencing token of our lease
-    model: Any = None  # TrainingModel once created
-    next_seq: int = 0
-    buffer: dict[int, tuple[str, Op]] = field(default_factory=dict)  # seq → (stream entry id, op)
-    arrived: dict[int, float] = field(default_factory=dict)  # buffered seq → when it arrived (monotonic s)
-    last_progress: float = field(default_factory=time.monotonic)
-    last_stream_id: str = "0"
-    broken: str | None = None  # why the model could not be created
-    saved_seq: int = -1  # seq of the op the latest recovery snapshot follows
-    prev_applied: int = -1  # highest seq a previous owner committed
-    kept: list[str] = field(default_factory=list)  # entries of forward_backward ops since the snapshot
-    lost_grads: list[int] = field(default_factory=list)  # forward_backward seqs whose gradients died
-    op_tokens: int = 0  # model_input tokens of the forward/forward_backward op just run (metering)
-    payer: tuple[str, str | None] | None = None  # (tenant, API key id) of the session, read once
-
-
 def _observe_queue(kind: str, entry_id: str) -> None:
     """``livelora_session_op_queue_seconds``: now minus the op's stream entry time (the ms part of its id, Redis's
     clock when the gateway queued it)."""
@@ -115,12 +92,9 @@ def _observe_queue(kind: str, entry_id: str) -> None:
     metrics.SESSION_OP_QUEUE.labels(kind).observe(max(time.time() - queued_ms / 1000.0, 0.0))
 
 
-class _Stale(Exception):
-    """Our lease was taken over while we worked on the model."""
-
-
-class OpExecutor(SessionOps):
-    """Runs training ops from Redis streams on the :class:`~livelora.trainer.model.TrainingModel` s it owns.
+class OpExecutor:
+    """Runs training ops from Redis streams, in order, on the models it owns (:class:`ModelSlots`), with the ops
+    themselves in :class:`SessionOps`.
 
     Args:
         redis_client: a synchronous ``redis.Redis`` (``decode_responses=True``).
@@ -154,39 +128,44 @@ class OpExecutor(SessionOps):
         meter: Meter | None = None,
         versions: Any = None,
     ):
-        from livelora.core.base_models import HUB_IDS, resolve_base_model
-
         self.redis = redis_client
         self.keys = keys
         self.home = Path(home)
         self.store = AdapterStore(self.home)
         self.busy = TrainingFlag(self.home)  # the engine on this machine leaves a core to a step
         self.settings = settings or SessionSection()
-        self.base_model = served_name or self.settings.served_model_name or base_model
-        self.base_names = {
+        self.ops = SessionOps(
+            redis_client,
+            keys,
+            self.home,
+            self.store,
+            self.settings,
             base_model,
-            self.base_model,
-            *base_model_aliases,
-            *([HUB_IDS[base_model]] if base_model in HUB_IDS else []),
-        }  # the canonical hub id
-        self.base_ref = resolve_base_model(base_model, self.home)
-        self.device = device
-        self.max_seq_len = max_seq_len
-        self.slots: dict[str, _ModelSlot] = {}
-        self._lost: set[str] = set()
-        self._lost_lock = threading.Lock()
-        self.leases = Leases(redis_client, keys, self.settings.lease_ttl_s, owner, on_lost=self._mark_lost)
-        self._retry_at: dict[str, float] = {}
+            device=device,
+            max_seq_len=max_seq_len,
+            base_model_aliases=base_model_aliases,
+            served_name=served_name,
+            versions=versions,
+        )
+        self.owned = ModelSlots(redis_client, keys, self.home, self.store, self.settings, owner, self.ops.restore)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_housekeeping = 0.0
         self.ops_run = 0
         self.meter = meter if meter is not None else Meter(keys)
-        self.versions = versions  # max_adapter_versions (adapters/quotas.AdapterVersions); None: not checked
 
     @property
     def owner(self) -> str:
-        return self.leases.owner
+        return self.owned.leases.owner
+
+    @property
+    def leases(self) -> Leases:
+        return self.owned.leases
+
+    @property
+    def slots(self) -> dict[str, ModelSlot]:
+        """The models owned, by model id."""
+        return self.owned.slots
 
     # -------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -212,28 +191,13 @@ class OpExecutor(SessionOps):
                 log.exception("op executor poll failed")
                 time.sleep(0.5)
 
-    def _mark_lost(self, model_id: str) -> None:
-        with self._lost_lock:
-            self._lost.add(model_id)
-
-    def _drop(self, model_id: str, why: str) -> None:
-        """Forget a model whose lease we lost: no write, no clean-up (the new owner has it)."""
-        slot = self.slots.pop(model_id, None)
-        self.leases.forget(model_id)
-        if slot is not None:
-            slot.model = None
-            log.warning("dropped training model %s (token %d): %s", model_id, slot.token, why)
-
     # -------------------------------------------------------------------------------- one iteration
     def poll(self, block_ms: int = 200) -> int:
         """Take free models, read new ops, run every op that is next in its model's order, do housekeeping.
         Returns the ops run."""
         self.leases.start()  # idempotent: leases are renewed by a thread even when poll() is driven by hand
-        with self._lost_lock:
-            lost, self._lost = self._lost, set()
-        for model_id in lost:
-            self._drop(model_id, "lease lost")
-        self._claim_models()
+        self.owned.drop_lost()
+        self.owned.claim()
         streams = {self.keys.ops(m): s.last_stream_id for m, s in self.slots.items()}
         if streams:
             for stream, entries in self.redis.xread(streams, count=256, block=block_ms) or []:
@@ -242,8 +206,8 @@ class OpExecutor(SessionOps):
                     for entry_id, fields in entries if slot is not None else ():
                         slot.last_stream_id = entry_id
                         self._accept(slot, entry_id, Op.from_json(fields["op"]))
-                except _Stale as exc:
-                    self._drop(slot.model_id, str(exc))
+                except Stale as exc:
+                    self.owned.drop(slot.model_id, str(exc))
         elif block_ms:
             self._stop.wait(block_ms / 1000)
         ran = 0
@@ -255,64 +219,7 @@ class OpExecutor(SessionOps):
             self.housekeeping()
         return ran
 
-    def _claim_models(self) -> None:
-        now = time.monotonic()
-        for model_id in self.redis.smembers(self.keys.models):
-            if model_id in self.slots or self._retry_at.get(model_id, 0.0) > now:
-                continue
-            token = self.leases.acquire(model_id)
-            if token is None:
-                self._retry_at[model_id] = now + 0.5
-                continue
-            self._retry_at.pop(model_id, None)
-            try:
-                self._take(model_id, token)
-            except _Stale as exc:
-                self._drop(model_id, str(exc))
-            except Exception:
-                log.exception("taking over training model %s failed; giving it back", model_id)
-                self.slots.pop(model_id, None)
-                self.leases.release(model_id)
-                self._retry_at[model_id] = now + 5.0
-
-    def _take(self, model_id: str, token: int) -> None:
-        """Become the model's owner: restore it from its recovery snapshot when a previous owner left one."""
-        from livelora.trainer.recovery import read_snapshot, restore_model
-
-        index = CheckpointIndex(self.home, model_id)
-        recorded = index.fence()
-        if recorded >= token:  # Redis lost the fence counter (restarted without persistence): go above the index
-            self.leases.release(model_id)
-            token = self.leases.acquire(model_id, above=recorded)
-            if token is None:
-                raise _Stale("another executor took the model while its fence was raised")
-        slot = _ModelSlot(model_id, session_of(model_id), token=token)
-        self.slots[model_id] = slot
-        if not self.redis.exists(self.keys.session(slot.session_id)):
-            self.free(model_id, f"session {slot.session_id} ended")
-            return
-        runs = self.redis.hgetall(self.keys.op_runs(model_id))
-        slot.prev_applied = int(runs.get("applied", -1))
-        state = read_snapshot(index)
-        if state is not None:
-            slot.model = restore_model(state, self.base_ref, device=self.device, max_seq_len=self.max_seq_len)
-            slot.saved_seq = int(state["seq"])
-            if str(slot.saved_seq) not in runs:  # the old owner died between its snapshot and the future
-                self._commit(slot, state["request_id"], state["result"], slot.saved_seq)
-        elif slot.prev_applied >= 0:
-            slot.broken = "its creation failed"
-            slot.saved_seq = slot.prev_applied
-        slot.next_seq = max(slot.saved_seq, slot.prev_applied) + 1
-        if token > 1 or slot.prev_applied >= 0:
-            log.info(
-                "took over training model %s (token %d): restored after seq %d, %d op(s) committed before",
-                model_id,
-                token,
-                slot.saved_seq,
-                slot.prev_applied + 1,
-            )
-
-    def _accept(self, slot: _ModelSlot, entry_id: str, op: Op) -> None:
+    def _accept(self, slot: ModelSlot, entry_id: str, op: Op) -> None:
         queued = op.seq_id in slot.buffer
         if op.seq_id < slot.next_seq or queued:
             if op.kind == "forward_backward" and slot.saved_seq < op.seq_id <= slot.prev_applied:
@@ -323,21 +230,22 @@ class OpExecutor(SessionOps):
                 return
             log.info("dropping duplicate op %s seq %d of %s", op.kind, op.seq_id, slot.model_id)
             if json.loads(self.redis.get(self.keys.future(op.request_id)) or "{}").get("state") == "pending":
-                self._resolve_only(slot, op.request_id, dropped_error(slot.model_id, op.seq_id, slot.next_seq, queued))
-            self._trim(slot, [entry_id])
+                error = dropped_error(slot.model_id, op.seq_id, slot.next_seq, queued)
+                self.owned.commit(slot, op.request_id, future_failed(error), None)  # fails it, counts no seq
+            self.owned.trim(slot, [entry_id])
             return
         slot.buffer[op.seq_id] = (entry_id, op)
         slot.arrived[op.seq_id] = time.monotonic()
 
-    def _execute(self, slot: _ModelSlot, entry_id: str, op: Op) -> None:
+    def _execute(self, slot: ModelSlot, entry_id: str, op: Op) -> None:
         _observe_queue(op.kind, entry_id)
         slot.next_seq = op.seq_id + 1
         slot.last_progress = time.monotonic()
         self.ops_run += 1
         try:
             if op.kind == "failed":  # the gateway rejected it and already resolved the future
-                self._commit(slot, op.request_id, None, op.seq_id)
-                self._trim(slot, [entry_id])
+                self.owned.commit(slot, op.request_id, None, op.seq_id)
+                self.owned.trim(slot, [entry_id])
                 return
             changed = False
             try:
@@ -346,7 +254,7 @@ class OpExecutor(SessionOps):
                     training_step() if step else contextlib.nullcontext(),
                     self.busy.held() if step else contextlib.nullcontext(),
                 ):
-                    result = self._run(slot, op)
+                    result = self.ops.run(slot, op)
                 record = future_done(result)
                 changed = op.kind in STATE_OPS and slot.model is not None
             except StaleOwnerError:
@@ -357,23 +265,23 @@ class OpExecutor(SessionOps):
                 record = future_failed(exc)
                 changed = getattr(exc, "code", None) == "trainer_lost"
             if changed:
-                self._snapshot(slot, op, record)
+                self.owned.snapshot(slot, op, record)
                 trim, slot.kept = [*slot.kept, entry_id], []
             elif op.kind == "forward_backward" and json.loads(record)["state"] == "done":
                 slot.kept.append(entry_id)
                 trim = []
             else:
                 trim = [entry_id]
-            self._commit(slot, op.request_id, record, op.seq_id)
-            self._trim(slot, trim)
+            self.owned.commit(slot, op.request_id, record, op.seq_id)
+            self.owned.trim(slot, trim)
             done = json.loads(record)["state"] == "done"
             metrics.SESSION_OPS.labels(op.kind, "done" if done else "failed").inc()
             if op.kind in ("forward", "forward_backward") and done:
                 self._meter(slot, op)
-        except (_Stale, StaleOwnerError) as exc:
-            self._drop(slot.model_id, f"stale owner: {exc}")
+        except (Stale, StaleOwnerError) as exc:
+            self.owned.drop(slot.model_id, f"stale owner: {exc}")
 
-    def _meter(self, slot: _ModelSlot, op: Op) -> None:
+    def _meter(self, slot: ModelSlot, op: Op) -> None:
         """Count a committed forward (``forward``) or forward_backward (``trained``) op's tokens for its session's
         tenant and key (``tenant``/``key_id`` of the session record the gateway wrote; ``default`` when absent)."""
         try:
@@ -387,38 +295,6 @@ class OpExecutor(SessionOps):
             )
         except Exception as exc:
             log.warning("could not meter %s seq %d of %s: %s", op.kind, op.seq_id, slot.model_id, exc)
-
-    def _snapshot(self, slot: _ModelSlot, op: Op, record: str) -> None:
-        from livelora.trainer.recovery import write_snapshot
-
-        write_snapshot(
-            CheckpointIndex(self.home, slot.model_id),
-            slot.model,
-            seq=op.seq_id,
-            fence=slot.token,
-            result=record,
-            request_id=op.request_id,
-        )
-        slot.saved_seq = op.seq_id
-        slot.lost_grads.clear()
-
-    def _commit(self, slot: _ModelSlot, request_id: str, record: str | None, seq: int | None) -> None:
-        """Write the op's future (``record``; None = the gateway already did) and count its seq, fenced."""
-        if not self.leases.resolve(
-            slot.model_id, request_id, record, seq, self.settings.future_ttl_s, self.keys.futures_channel
-        ):
-            raise _Stale(f"lease of {slot.model_id} lost before op {seq} was committed")
-
-    def _resolve_only(self, slot: _ModelSlot, request_id: str, error: LiveloraError) -> None:
-        """Fail the future of an op that will not run, without counting a seq (fenced)."""
-        if not self.leases.resolve(
-            slot.model_id, request_id, future_failed(error), None, self.settings.future_ttl_s, self.keys.futures_channel
-        ):
-            raise _Stale(f"lease of {slot.model_id} lost")
-
-    def _trim(self, slot: _ModelSlot, entry_ids: list[str]) -> None:
-        if entry_ids and not self.leases.trim(slot.model_id, entry_ids):
-            raise _Stale(f"lease of {slot.model_id} lost")
 
     # -------------------------------------------------------------------------------- housekeeping
     def housekeeping(self) -> None:
@@ -439,50 +315,14 @@ class OpExecutor(SessionOps):
                     for seq in sorted(s for s in slot.buffer if last is not None and s <= last):
                         entry_id, op = slot.buffer.pop(seq)
                         error = gap_error(slot.model_id, missing, self.settings.gap_timeout_s)
-                        self._commit(slot, op.request_id, future_failed(error), seq)
-                        self._trim(slot, [entry_id])
+                        self.owned.commit(slot, op.request_id, future_failed(error), seq)
+                        self.owned.trim(slot, [entry_id])
                     if last is not None:
                         slot.next_seq = last + 1
                         slot.last_progress = time.monotonic()
-            except _Stale as exc:
-                self._drop(slot.model_id, str(exc))
+            except Stale as exc:
+                self.owned.drop(slot.model_id, str(exc))
 
     def free(self, model_id: str, reason: str) -> None:
-        """Drop a model we own: fail its buffered ops, delete its stream, records, recovery snapshots and the
-        versions of its lineage no named checkpoint references (ephemeral sampler saves); release the lease."""
-        from livelora.trainer.recovery import drop_snapshots
-
-        slot = self.slots.pop(model_id, None)
-        if slot is None:
-            return
-        try:
-            for seq in sorted(slot.buffer):
-                _, op = slot.buffer.pop(seq)
-                self._commit(
-                    slot,
-                    op.request_id,
-                    future_failed(NotFoundError(f"model {model_id} was freed: {reason}", param="model_id")),
-                    seq,
-                )
-        except _Stale as exc:
-            self._drop(model_id, str(exc))
-            return
-        pipe = self.redis.pipeline()
-        pipe.srem(self.keys.models, model_id)
-        pipe.delete(self.keys.ops(model_id), self.keys.model(model_id))
-        pipe.execute()
-        index = CheckpointIndex(self.home, model_id)
-        try:
-            keep = {int(e["version"]) for e in index.read().get("checkpoints", {}).values()}
-            drop_snapshots(index, fence=slot.token)
-        except NotFoundError:
-            keep = set()
-        except StaleOwnerError as exc:
-            self._drop(model_id, str(exc))
-            return
-        for manifest in self.store.list(index.lineage):
-            if manifest.version not in keep:
-                self._delete_version(index.lineage, manifest.version)
-        slot.model = None
-        self.leases.release(model_id)
-        log.info("freed training model %s: %s", model_id, reason)
+        """Give up a model we own (:meth:`ModelSlots.free`)."""
+        self.owned.free(model_id, reason)

@@ -221,7 +221,7 @@ class ProbeSuite:
             ids[b, : len(s)] = torch.tensor(s)
             sel[b, self.reply_start[b] - 1 - c : len(s)] = True
         ctx = peft.disable_adapter() if not adapter else _null()
-        decoder = causal_lm.model if model._plain_head else causal_lm
+        decoder = causal_lm.model if model.logprobs.plain_head else causal_lm
         with ctx:
             if c:
                 prefix = decoder(input_ids=torch.tensor([self.seqs[0][:c]], device=dev), use_cache=True)
@@ -237,7 +237,7 @@ class ProbeSuite:
                     .to(dev)
                 }
             out = decoder(input_ids=ids.to(dev), **kw)
-            if model._plain_head:  # decoder, then the unembedding at the selected positions only
+            if model.logprobs.plain_head:  # decoder, then the unembedding at the selected positions only
                 logits_M_V = causal_lm.get_output_embeddings()(out.last_hidden_state[sel.to(dev)]).float()
             else:
                 logits_M_V = out.logits[sel.to(dev)].float()
@@ -289,7 +289,7 @@ class ProbeSuite:
             k = torch.zeros(len(toks) - 1, dtype=torch.bool)
             k[len(i.prompt) - 1 :] = True
             keep.append(k)
-        lps = model._logprobs(inputs, targets, adapter=adapter, keep_pos=keep)
+        lps = model.logprobs(inputs, targets, adapter=adapter, keep_pos=keep)
         return {i.key: float(lp[k].mean()) for i, lp, k in zip(items, lps, keep)}
 
     def measure(self, model: Any, *, adapter: bool = True, heldout: Sequence[HeldOut] = ()) -> Measurement:

@@ -12,16 +12,26 @@ The worker (:mod:`livelora.trainer.worker`) trains a due batch in three moves:
 
 A KTO remainder of a single rating is not trained (KTO pairs each prompt with another datum's completion) nor
 rejected: :func:`trainable` says so and the worker puts it back in the scheduler's queue to wait for more.
+:class:`DeadLetters` writes the dead-lettered events and acknowledges them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from livelora.core import metrics
-from livelora.trainer.scheduler import Batch, kto_class_weights
+from livelora.trainer.dataset import append_lines, dataset_dir
+from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
+
+if TYPE_CHECKING:
+    from livelora.trainer.claims import SignalClaims
+
+log = logging.getLogger(__name__)
 
 _DATUM = re.compile(r"^data\[(\d+)\]")
 
@@ -70,3 +80,38 @@ def rejected_lines(batch: Batch, reasons: Mapping[int, str]) -> list[str]:
         )
         for i, reason in sorted(reasons.items())
     ]
+
+
+class DeadLetters:
+    """Events that cannot be trained: their lines go to ``rejected.jsonl`` (dataset directory of ``home``), then
+    their entries are acknowledged (``claims``); a remainder that cannot train now goes back to ``scheduler``."""
+
+    def __init__(self, home: Path, claims: SignalClaims, scheduler: BatchScheduler, clock: Callable[[], float]):
+        self.home, self.claims, self.scheduler, self.clock = home, claims, scheduler, clock
+
+    def reject(self, batch: Batch, reasons: dict[int, str]) -> Batch | None:
+        """Dead-letter the events at the indexes of ``reasons`` alone; return the rest of the batch, or ``None``
+        when nothing is left to train now (a lone KTO rating goes back to the queue to wait for more)."""
+        if not reasons:
+            return batch
+        log.error(
+            "dead-lettering %d of %d %s event(s) for %s: %s",
+            len(reasons),
+            len(batch.events),
+            batch.kind,
+            batch.lineage,
+            "; ".join(reasons.values())[:500],
+        )
+        append_lines(dataset_dir(self.home) / "rejected.jsonl", rejected_lines(batch, reasons))
+        self.claims.ack([batch.stream_ids[i] for i in reasons])
+        rest = without(batch, reasons)
+        if rest is not None and not trainable(rest):
+            self.scheduler.requeue(rest, self.clock())
+            return None
+        return rest
+
+    def all(self, batch: Batch, reason: str) -> None:
+        """Dead-letter every event of ``batch`` for ``reason``."""
+        lines = rejected_lines(batch, dict.fromkeys(range(len(batch.events)), reason))
+        append_lines(dataset_dir(self.home) / "rejected.jsonl", lines)
+        self.claims.ack(batch.stream_ids)

@@ -31,16 +31,7 @@ One loop iteration (:meth:`TrainerWorker.poll`):
    trained is dead-lettered alone (``rejected.jsonl``, then acknowledged) while
    the rest of its batch trains (:mod:`.triage`).
 
-**Claims.** While this worker holds entries (queued in the scheduler or in the
-step being trained) a thread re-claims them every ``claim_idle_s / 3``
-(``XCLAIM … JUSTID`` of the entries still pending *for this consumer*, checked
-in a Lua script), which resets their idle time: neither a peer's ``XAUTOCLAIM``
-nor this worker's own takes them while it lives, however long a step runs.
-
-**Trimming.** Acknowledged entries are deleted one by one (``XACK`` + ``XDEL`` in
-one script). ``XTRIM MINID`` is not used: with several consumers, entries older
-than the newest acknowledged one may still be pending in a slower worker, and
-trimming by id would delete them before they are trained.
+The entries a worker holds, their claims, acknowledgement and trimming are :mod:`.claims`'.
 
 No event is trained twice as long as a worker is not frozen for longer than
 ``claim_idle_s`` (its claims then lapse and a peer takes its entries); a commit
@@ -67,8 +58,9 @@ from livelora.adapters.endpoints import EndpointStore
 from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
 from livelora.core.bus import ensure_group, publish_notice, redis_unavailable
-from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
+from livelora.core.redis_keys import KeyLayout
 from livelora.trainer import triage
+from livelora.trainer.claims import Entry, SignalClaims
 from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
 from livelora.trainer.retention import VersionRoom
 from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
@@ -85,56 +77,6 @@ __all__ = [
     "read_dataset",
     "run_worker",
 ]
-
-#: Seconds an event id stays in the Redis trained set (a fast path; ``trained.jsonl`` is the full record).
-TRAINED_SET_WINDOW_S = 24 * 3600
-
-# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids → the ids still pending for the consumer,
-# re-claimed (idle time reset)
-_RENEW_MINE = """
-local mine = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
-  if #p > 0 then table.insert(mine, ARGV[i]) end
-end
-if #mine > 0 then
-  local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
-  for _, id in ipairs(mine) do table.insert(args, id) end
-  table.insert(args, 'JUSTID')
-  redis.call(unpack(args))
-end
-return mine
-"""
-# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] entry id, ARGV[4] event JSON, ARGV[5] replaces →
-# the new entry id ('' if the entry was no longer ours)
-_HANDOFF = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
-if #p == 0 then return '' end
-local sid = redis.call('XADD', KEYS[1], '*', 'event', ARGV[4], 'replaces', ARGV[5])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
-return sid
-"""
-# KEYS[1] stream, KEYS[2] trained sorted set, KEYS[3] retrained counter; ARGV[1] group, ARGV[2] consumer,
-# ARGV[3] number of event ids n, ARGV[4] now (s), ARGV[5] forget before (s), ARGV[6..5+n] event ids, then entry
-# ids → events found already trained
-_COMMIT = """
-local n = tonumber(ARGV[3])
-local dup = 0
-for i = 6, 5 + n do
-  if redis.call('ZADD', KEYS[2], 'NX', ARGV[4], ARGV[i]) == 0 then dup = dup + 1 end
-end
-if dup > 0 then redis.call('INCRBY', KEYS[3], dup) end
-if n > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[5]) end
-for i = 6 + n, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
-  if #p > 0 then
-    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-    redis.call('XDEL', KEYS[1], ARGV[i])
-  end
-end
-return dup
-"""
 
 
 class TrainingBackend(Protocol):
@@ -216,14 +158,8 @@ class TrainerWorker:
         self.trained = trained_log(self.home)
         self.published: list[VersionNotice] = []
         self._failures: dict[str, int] = {}
-        self._held: set[str] = set()  # stream ids queued here or in the step being trained
-        self._lost: set[str] = set()  # held ids whose claim went to another consumer
-        self._held_lock = threading.Lock()
-        self._keeper_stop = threading.Event()
-        self._keeper: threading.Thread | None = None
-        self._renew = client.register_script(_RENEW_MINE)
-        self._commit_script = client.register_script(_COMMIT)
-        self._handoff = client.register_script(_HANDOFF)
+        self.claims = SignalClaims(client, keys, self.consumer, claim_idle_s)
+        self.dead_letters = triage.DeadLetters(self.home, self.claims, self.scheduler, clock)
         self._last_claim = float("-inf")
         self._started = False
 
@@ -234,83 +170,18 @@ class TrainerWorker:
         start the claim keeper thread."""
         ensure_group(self.client, self.keys)
         self.trained.refresh()
-        with redis_unavailable():
-            own = self.client.xreadgroup(TRAINERS_GROUP, self.consumer, {self.keys.signals: "0"}, count=10_000)
-        entries = own[0][1] if own else []
-        self._ingest([(sid, f) for sid, f in entries if f])
+        self._ingest(self.claims.own_pending())
         self._started = True
-        if self._keeper is None:
-            self._keeper_stop.clear()
-            self._keeper = threading.Thread(target=self._keep_claims, name="livelora-claim-keeper", daemon=True)
-            self._keeper.start()
+        self.claims.start_keeper()
 
     def close(self) -> None:
         """Stop the claim keeper thread (entries still held are reclaimed by peers after ``claim_idle_s``)."""
-        self._keeper_stop.set()
-        if self._keeper is not None:
-            self._keeper.join(timeout=5)
-            self._keeper = None
-
-    def _keep_claims(self) -> None:
-        while not self._keeper_stop.wait(max(0.05, self.claim_idle_s / 3)):
-            try:
-                self.renew_claims()
-            except Exception as exc:  # Redis hiccup: the next round tries again
-                log.warning("renewing signal claims failed: %s", exc)
-
-    def renew_claims(self) -> set[str]:
-        """Reset the idle time of every entry this worker holds that is still pending for it; returns (and
-        remembers) the held ids that another consumer has taken."""
-        with self._held_lock:
-            held = sorted(self._held)
-        lost: set[str] = set()
-        for i in range(0, len(held), 500):
-            chunk = held[i : i + 500]
-            with redis_unavailable():
-                mine = set(self._renew(keys=[self.keys.signals], args=[TRAINERS_GROUP, self.consumer, *chunk]))
-            lost.update(set(chunk) - mine)
-        if lost:
-            with self._held_lock:
-                lost &= self._held
-                self._lost |= lost
-            log.warning("%d held signal(s) were claimed by another worker", len(lost))
-        return lost
-
-    def _hold(self, ids: list[str]) -> None:
-        with self._held_lock:
-            self._held.update(ids)
-
-    def _release(self, ids: list[str]) -> None:
-        with self._held_lock:
-            self._held.difference_update(ids)
-            self._lost.difference_update(ids)
-
-    def _reclaim(self) -> list[tuple[str, dict[str, str]]]:
-        got: list[tuple[str, dict[str, str]]] = []
-        cursor = "0-0"
-        with redis_unavailable():
-            while True:
-                res = self.client.xautoclaim(
-                    self.keys.signals,
-                    TRAINERS_GROUP,
-                    self.consumer,
-                    min_idle_time=int(self.claim_idle_s * 1000),
-                    start_id=cursor,
-                    count=100,
-                )
-                cursor, entries = res[0], res[1]
-                got.extend((sid, f) for sid, f in entries if f)
-                if cursor in ("0-0", b"0-0"):
-                    break
-        with self._held_lock:
-            got = [(sid, f) for sid, f in got if sid not in self._held]
-        if got:
-            log.info("reclaimed %d signal(s) left pending by a dead worker", len(got))
-        return got
+        self.claims.close()
 
     def trained_ids(self, event_ids: list[str]) -> set[str]:
         """Which of ``event_ids`` any worker has trained: the shared Redis set (events of the last
-        :data:`TRAINED_SET_WINDOW_S`), then ``trained.jsonl`` (every event, read incrementally)."""
+        :data:`~livelora.trainer.claims.TRAINED_SET_WINDOW_S`), then ``trained.jsonl`` (every event, read
+        incrementally)."""
         if not event_ids:
             return set()
         with redis_unavailable():
@@ -322,9 +193,8 @@ class TrainerWorker:
             done.update(e for e in rest if e in on_disk)
         return done
 
-    def _ingest(self, entries: list[tuple[str, dict[str, str]]]) -> None:
-        with self._held_lock:
-            entries = [(sid, f) for sid, f in entries if sid not in self._held]
+    def _ingest(self, entries: list[Entry]) -> None:
+        entries = self.claims.unheld(entries)
         if not entries:
             return
         now = self.clock()
@@ -355,36 +225,10 @@ class TrainerWorker:
             ):
                 ack.append(sid)
                 continue
-            self._hold([sid])
+            self.claims.hold([sid])
             ack += self.scheduler.add(lineage, sid, ev, now)
         if ack:
-            self._ack(ack)
-
-    def _ack(self, ids: list[str]) -> None:
-        """Acknowledge and delete entries still pending for this worker (nothing is marked trained)."""
-        self._commit([], ids)
-
-    def _commit(self, event_ids: list[str], stream_ids: list[str]) -> int:
-        """One script: add ``event_ids`` to the shared trained set, then XACK + XDEL the ``stream_ids`` still
-        pending for this worker. Returns how many events were already in the set (should be 0)."""
-        now = time.time()
-        with redis_unavailable():
-            dup = int(
-                self._commit_script(
-                    keys=[self.keys.signals, self.keys.signals_trained, self.keys.signals_retrained],
-                    args=[
-                        TRAINERS_GROUP,
-                        self.consumer,
-                        len(event_ids),
-                        now,
-                        now - TRAINED_SET_WINDOW_S,
-                        *event_ids,
-                        *stream_ids,
-                    ],
-                )
-            )
-        self._release(stream_ids)
-        return dup
+            self.claims.ack(ack)
 
     # ------------------------------------------------------------------ stepping
 
@@ -399,16 +243,8 @@ class TrainerWorker:
         now = self.clock()
         if now - self._last_claim >= self.claim_interval_s:
             self._last_claim = now
-            self._ingest(self._reclaim())
-        with redis_unavailable():
-            res = self.client.xreadgroup(
-                TRAINERS_GROUP,
-                self.consumer,
-                {self.keys.signals: ">"},
-                count=self.read_count,
-                block=self.block_ms if block_ms is None else block_ms,
-            )
-        self._ingest([(sid, f) for sid, f in (res[0][1] if res else []) if f])
+            self._ingest(self.claims.reclaim())
+        self._ingest(self.claims.read_new(self.read_count, self.block_ms if block_ms is None else block_ms))
         self._hand_off_lonely()
         out = []
         for batch in self.scheduler.due(self.clock()):
@@ -428,12 +264,7 @@ class TrainerWorker:
         workers it can meet a partner in another worker's queue instead of waiting for the next rating here."""
         max_wait = getattr(self.scheduler.config, "max_wait_s", 30.0)
         for sid, ev in self.scheduler.take_lonely(self.clock(), 2 * max_wait):
-            with redis_unavailable():
-                new = self._handoff(
-                    keys=[self.keys.signals],
-                    args=[TRAINERS_GROUP, self.consumer, sid, ev.model_dump_json(), ev.replaces or ""],
-                )
-            self._release([sid])
+            new = self.claims.hand_back(sid, ev.model_dump_json(), ev.replaces or "")
             log.info(
                 "lone rating %s handed back to the group (%s → %s): a KTO step needs two ratings of one "
                 "endpoint, so it trains with the next one",
@@ -445,15 +276,14 @@ class TrainerWorker:
     def _screen(self, batch: Batch) -> Batch | None:
         """Take out of a due batch the events trained meanwhile by any worker (acknowledged) and the entries
         another worker has claimed (forgotten); None when too few remain to train now (they are requeued)."""
-        with self._held_lock:
-            lost = self._lost & set(batch.stream_ids)
+        lost = self.claims.lost_of(batch.stream_ids)
         done = self.trained_ids([e.id for e in batch.events])
         if self.governor is not None:  # a user forgotten while their events were queued: dropped, never trained
             done |= {e.id for e in batch.events if self.governor.forgotten(e)}
         if done:
-            self._ack([sid for sid, e in zip(batch.stream_ids, batch.events) if e.id in done])
+            self.claims.ack([sid for sid, e in zip(batch.stream_ids, batch.events) if e.id in done])
         if lost:
-            self._release(list(lost))
+            self.claims.release(list(lost))
         keep = [(sid, e) for sid, e in zip(batch.stream_ids, batch.events) if sid not in lost and e.id not in done]
         if len(keep) == len(batch.events):
             return batch
@@ -478,7 +308,7 @@ class TrainerWorker:
         key, started_at = batch.stream_ids[0], self.clock()
         try:
             screen = getattr(self.backend, "screen", None)  # untrainable events go alone (trainer/triage.py)
-            batch = self._reject(batch, screen(batch) if screen is not None else {})
+            batch = self.dead_letters.reject(batch, screen(batch) if screen is not None else {})
             if batch is None:
                 return None
             if self.governor is not None:
@@ -488,12 +318,12 @@ class TrainerWorker:
             if exc.category == "user":
                 index = triage.culprit(batch, exc.param)
                 if index is not None and len(batch.events) > 1:
-                    rest = self._reject(batch, {index: str(exc)})
+                    rest = self.dead_letters.reject(batch, {index: str(exc)})
                     return self._train(rest) if rest is not None else None
                 log.error(
                     "dropping a %s batch of %d event(s) for %s: %s", batch.kind, len(batch.events), batch.lineage, exc
                 )
-                self._dead_letter(batch, str(exc))
+                self.dead_letters.all(batch, str(exc))
                 return None
             return self._failed(batch, key, exc)
         except Exception as exc:  # a transient or internal fault: retry later
@@ -514,7 +344,7 @@ class TrainerWorker:
                 )
             ],
         )
-        dup = self._commit(event_ids, batch.stream_ids)
+        dup = self.claims.commit(event_ids, batch.stream_ids)
         if dup:
             log.error("%d event(s) of %s had already been trained by another worker", dup, manifest.name)
         notice = VersionNotice(
@@ -542,35 +372,9 @@ class TrainerWorker:
         log.exception("training step for %s failed (%d/%d): %s", batch.lineage, n, self.max_failures, exc)
         if n >= self.max_failures:
             self._failures.pop(key, None)
-            self._dead_letter(batch, f"{type(exc).__name__}: {exc}")
+            self.dead_letters.all(batch, f"{type(exc).__name__}: {exc}")
         else:
             self.scheduler.requeue(batch, self.clock())
-
-    def _reject(self, batch: Batch, reasons: dict[int, str]) -> Batch | None:
-        """Dead-letter the events at the indexes of ``reasons`` alone; return the rest of the batch, or ``None``
-        when nothing is left to train now (a lone KTO rating goes back to the queue to wait for more)."""
-        if not reasons:
-            return batch
-        log.error(
-            "dead-lettering %d of %d %s event(s) for %s: %s",
-            len(reasons),
-            len(batch.events),
-            batch.kind,
-            batch.lineage,
-            "; ".join(reasons.values())[:500],
-        )
-        append_lines(dataset_dir(self.home) / "rejected.jsonl", triage.rejected_lines(batch, reasons))
-        self._ack([batch.stream_ids[i] for i in reasons])
-        rest = triage.without(batch, reasons)
-        if rest is not None and not triage.trainable(rest):
-            self.scheduler.requeue(rest, self.clock())
-            return None
-        return rest
-
-    def _dead_letter(self, batch: Batch, reason: str) -> None:
-        lines = triage.rejected_lines(batch, dict.fromkeys(range(len(batch.events)), reason))
-        append_lines(dataset_dir(self.home) / "rejected.jsonl", lines)
-        self._ack(batch.stream_ids)
 
     def run(self, stop: threading.Event, retry_s: float = 1.0) -> None:
         """Poll until ``stop`` is set (:func:`run_loop`)."""

@@ -1,4 +1,4 @@
-"""OpenAI wire types (Chat Completions, legacy Completions, Models, errors), shared by gateway and SDK.
+"""OpenAI wire types (Chat Completions, legacy Completions, Models), shared by gateway and SDK.
 
 Field names and shapes follow openai-python (``src/openai/types/``, SDK 3.x). Request models **accept unknown
 fields** (``extra="allow"``; the gateway logs the names it ignores), so SDKs and plugins that send newer fields
@@ -279,16 +279,3 @@ class Model(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[Model]
-
-
-class ErrorObject(_Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(_Response):
-    """``{"error": {"message", "type", "param", "code"}}``; all four keys are always present."""
-
-    error: ErrorObject

@@ -24,8 +24,6 @@ InputSource = Literal["client", "trainer"]
 #: How datums form the loss's examples: each datum alone, or DPO's (chosen, rejected) pairs 2k, 2k+1.
 Pairing = Literal["none", "chosen_rejected"]
 
-_SHAPE_TEXT = {"targets": "(N,)", "tokens": "like target_tokens", "datum": "(1,)"}
-
 
 @dataclass(frozen=True)
 class LossInput:
@@ -50,12 +48,6 @@ class LossInput:
     source: InputSource = "client"
     allowed_values: tuple[float, ...] = ()
     nonzero_reason: str = ""
-
-    def shape_text(self, top_k_targets: bool = False) -> str:
-        """The shape rule in words: ``"(N,)"``, ``"(N,) or (N, K)"``, ``"like target_tokens"``, ``"(1,)"``."""
-        if self.shape == "targets" and top_k_targets:
-            return "(N,) or (N, K)"
-        return _SHAPE_TEXT[self.shape]
 
 
 @dataclass(frozen=True)

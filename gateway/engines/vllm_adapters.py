@@ -4,7 +4,7 @@
 grows) and its own immutable path, a private snapshot copy (``/dev/shm`` when present), and never reloads in
 place or sets ``load_inplace``: vLLM caches adapters by id, compares requests by name, keys prefix-cache blocks
 by ``(name, path)`` and reloads evicted adapters lazily from their path, so reusing any of them serves stale
-weights (vllm #5105, #33791). A version is removed only when no unfinished request uses it. vLLM is imported
+weights (vllm #5105, #33791). A version is removed only when no unfinished request uses it (:class:`AdapterLeases` counts its users). vLLM is imported
 only inside :meth:`VLLMAdapters.load`. The rules and why: ``docs/internals/engines.md``.
 """
 
@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,7 @@ class VLLMAdapters:
         """vLLM ``remove_lora``, then delete the snapshot.
 
         Args:
-            users: unfinished requests that use ``name`` now (the engine counts them).
+            users: unfinished requests that use ``name`` now (:meth:`AdapterLeases.users`).
 
         Raises:
             ModelNotFoundError: ``name`` is not loaded.
@@ -178,3 +179,54 @@ class VLLMAdapters:
         del self.requests[name]
         self._unloading.discard(name)
         await asyncio.to_thread(shutil.rmtree, req.lora_path, True)
+
+
+class AdapterLeases:
+    """The unfinished requests of one engine, by request id, and the adapter each uses (``None``: the base model);
+    thread-safe (the gateway counts them from other threads)."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, str | None] = {}
+        self._lock = threading.Lock()
+
+    def lease(self, rid: str, adapter: str | None) -> None:
+        """Record request ``rid`` as using ``adapter`` until :meth:`release`.
+
+        Raises:
+            ConflictError: ``rid`` is already running.
+        """
+        with self._lock:
+            if rid in self._running:
+                raise ConflictError(f"request id {rid!r} is already running", param="request_id")
+            self._running[rid] = adapter
+
+    def release(self, rid: str) -> None:
+        """End request ``rid``'s lease (idempotent)."""
+        with self._lock:
+            self._running.pop(rid, None)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._running)
+
+    def users(self, name: str) -> int:
+        """Unfinished requests that use adapter ``name``."""
+        with self._lock:
+            return sum(1 for a in self._running.values() if a == name)
+
+    async def wait_drained(self, name: str, timeout_s: float | None = None) -> None:
+        """Wait until no unfinished request uses adapter ``name``.
+
+        Raises:
+            TimeoutError: still in use after ``timeout_s`` seconds.
+        """
+
+        async def _wait() -> None:
+            while self.users(name):
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(_wait(), timeout_s)

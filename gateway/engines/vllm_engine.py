@@ -51,18 +51,15 @@ import asyncio
 import json
 import logging
 import os
-import tempfile
-import threading
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from livelora.clients.errors import BadRequestError, ConflictError, InternalError, RateLimitError, UnavailableError
+from livelora.clients.errors import BadRequestError, InternalError, RateLimitError, UnavailableError
 from livelora.core.settings import CommonSettings
 from livelora.gateway.engines.base import (
-    MAX_TOP_LOGPROBS,
     Engine,
     GenerationChunk,
     SamplingParams,
@@ -72,9 +69,9 @@ from livelora.gateway.engines.base import (
     check_token_ids,
     resolve_stop_strings,
 )
-from livelora.gateway.engines.vllm_adapters import VLLMAdapters
+from livelora.gateway.engines.vllm_adapters import AdapterLeases, VLLMAdapters
+from livelora.gateway.engines.vllm_config import VLLMConfig
 from livelora.gateway.engines.vllm_outputs import DeltaChunks, token_logprob, vllm_sampling_params
-from livelora.gateway.settings import VLLM_LORA_RANKS, VLLMSection
 
 log = logging.getLogger(__name__)
 
@@ -86,94 +83,27 @@ class VLLMEngine(Engine):
         model: base-model name resolved by :func:`livelora.core.base_models.resolve_base_model`;
             must resolve to a local directory (vLLM gets the path; no hub access).
         home: ``LIVELORA_HOME`` (default: from the environment / settings).
-        device: ``"cuda"`` (or ``"cuda:0"``) or ``"cpu"``; must match the installed vLLM build
-            (vLLM picks its platform itself; a mismatch is a :class:`BadRequestError` at start).
-        dtype: weights dtype; default ``float32`` on CPU, ``bfloat16`` on CUDA.
-        max_batch_size: vLLM ``max_num_seqs`` (sequences decoded together).
-        max_waiting: unfinished requests beyond ``max_batch_size`` allowed; more get :class:`RateLimitError`.
-        max_model_len: prompt + completion limit in tokens (default 1024 on CPU, the model's on GPU).
-        max_loras, max_lora_rank, gpu_memory_utilization, tensor_parallel_size, enforce_eager,
-            enable_prefix_caching, snapshot_dir: see :class:`~livelora.gateway.settings.VLLMSection`
-            (``None`` = from ``settings``).
-        settings: the gateway's vLLM section (default: from the environment).
-        kv_cache_space_gib: CPU only: ``VLLM_CPU_KVCACHE_SPACE`` if not already set (default 1).
-        engine_args: extra ``AsyncEngineArgs`` fields (advanced; override everything above).
+        **options: the engine's settings (``device``, ``dtype``, ``max_batch_size``, ``max_waiting``,
+            ``max_model_len``, ``max_loras``, ...; ``settings``): see :class:`~.vllm_config.VLLMConfig`.
 
     Raises:
         BadRequestError: invalid settings (e.g. ``max_loras < 2``, a rank vLLM does not support).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        home: str | Path | None = None,
-        device: str | None = None,
-        dtype: str | None = None,
-        max_batch_size: int = 64,
-        max_waiting: int = 1024,
-        max_model_len: int | None = None,
-        max_loras: int | None = None,
-        max_lora_rank: int | None = None,
-        gpu_memory_utilization: float | None = None,
-        tensor_parallel_size: int | None = None,
-        enforce_eager: bool | None = None,
-        enable_prefix_caching: bool | None = None,
-        snapshot_dir: str | Path | None = None,
-        kv_cache_space_gib: int = 1,
-        engine_args: dict[str, Any] | None = None,
-        settings: VLLMSection | None = None,
-    ):
+    def __init__(self, model: str | None = None, *, home: str | Path | None = None, **options: Any):
         base = CommonSettings()
-        vs = settings or VLLMSection()
+        self.config = VLLMConfig(**options)
         self.model_name = model or base.model
         self._home = Path(home) if home is not None else base.home
-        self.device = device or "cuda"
-        if self.device not in ("cpu", "cuda", "cuda:0"):
-            raise BadRequestError(
-                f"the vllm engine runs on 'cpu' or 'cuda' (all visible GPUs via "
-                f"tensor_parallel_size), not {self.device!r}; select GPUs with "
-                f"CUDA_VISIBLE_DEVICES",
-                param="device",
-            )
-        self.on_cpu = self.device == "cpu"
-        self.dtype = dtype or ("float32" if self.on_cpu else "bfloat16")
-        if max_batch_size < 1:
-            raise BadRequestError("max_batch_size must be >= 1", param="max_batch_size")
-        self.max_batch_size = max_batch_size
-        self.max_waiting = max_waiting
-        self._max_model_len_arg = max_model_len or (1024 if self.on_cpu else None)
-        self.max_model_len = self._max_model_len_arg or 0  # set by start()
-        self.max_loras = max_loras if max_loras is not None else vs.max_loras
-        if self.max_loras < 2:
-            raise BadRequestError(
-                "max_loras must be >= 2 (the old and the new version run side by side during a swap)", param="max_loras"
-            )
-        self.max_lora_rank = max_lora_rank if max_lora_rank is not None else vs.max_lora_rank
-        if self.max_lora_rank not in VLLM_LORA_RANKS:
-            raise BadRequestError(
-                f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}", param="max_lora_rank"
-            )
-        self.gpu_memory_utilization = gpu_memory_utilization or vs.gpu_memory_utilization
-        self.tensor_parallel_size = tensor_parallel_size or vs.tensor_parallel_size
-        eager = enforce_eager if enforce_eager is not None else vs.enforce_eager
-        self.enforce_eager = self.on_cpu if eager is None else eager
-        self.enable_prefix_caching = (
-            enable_prefix_caching if enable_prefix_caching is not None else vs.enable_prefix_caching
-        )
-        snap = snapshot_dir or vs.snapshot_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        self._loras = VLLMAdapters(self.max_lora_rank, Path(snap))
-        self.kv_cache_space_gib = kv_cache_space_gib
-        self._engine_args = dict(engine_args or {})
-
+        self.max_model_len = self.config.max_model_len or 0  # set by start()
+        self._loras = VLLMAdapters(self.config.max_lora_rank, self.config.snapshot_dir)
         self._llm = None  # vllm AsyncLLM
         self._tokenizer = None
         self.vllm_version = ""
         self.vocab_size = 0
         self.eos_token_ids: frozenset[int] = frozenset()
         self._start_lock = asyncio.Lock()
-        self._running: dict[str, str | None] = {}  # request id -> adapter name (None = base)
-        self._lock = threading.Lock()  # guards _running across threads (num_unfinished_requests)
+        self._leases = AdapterLeases()  # unfinished requests and their adapters
 
     # ----- lifecycle -----------------------------------------------------------------
     @property
@@ -212,12 +142,13 @@ class VLLMEngine(Engine):
 
         from livelora.core.base_models import load_tokenizer, resolve_base_model
 
+        cfg = self.config
         plat_cpu = bool(current_platform.is_cpu())
-        if plat_cpu != self.on_cpu:
+        if plat_cpu != cfg.on_cpu:
             raise BadRequestError(
                 f"the installed vLLM {vllm.__version__} runs on "
                 f"{'cpu' if plat_cpu else current_platform.device_type}, "
-                f"but device={self.device!r} was asked",
+                f"but device={cfg.device!r} was asked",
                 param="device",
             )
         ref = await asyncio.to_thread(resolve_base_model, self.model_name, self._home)
@@ -228,47 +159,20 @@ class VLLMEngine(Engine):
             )
         tokenizer = await asyncio.to_thread(load_tokenizer, ref)
         config = json.loads((Path(ref.path) / "config.json").read_text())
-        limit = int(config.get("max_position_embeddings") or 2048)
-        if self._max_model_len_arg and self._max_model_len_arg > limit:
-            raise BadRequestError(
-                f"max_model_len {self._max_model_len_arg} exceeds the model's max_position_embeddings {limit}",
-                param="max_model_len",
-            )
-        self.max_model_len = self._max_model_len_arg or limit
+        self.max_model_len = cfg.model_len(int(config.get("max_position_embeddings") or 2048))
         self.vocab_size = int(config["vocab_size"])
         self.eos_token_ids = eos_token_ids(Path(ref.path), tokenizer)
-        if self.on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
+        if cfg.on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_space_gib))
         self._loras.open()
-        kwargs: dict[str, Any] = dict(
-            model=ref.path,
-            tokenizer=ref.path,
-            served_model_name=self.model_name,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_batch_size,
-            enforce_eager=self.enforce_eager,
-            enable_prefix_caching=self.enable_prefix_caching,
-            enable_lora=True,
-            max_loras=self.max_loras,
-            max_lora_rank=self.max_lora_rank,
-            max_cpu_loras=self.max_loras + 1,
-            max_logprobs=MAX_TOP_LOGPROBS,
-            logprobs_mode="raw_logprobs",
-            tensor_parallel_size=self.tensor_parallel_size,
-            disable_log_stats=True,
-            seed=0,
-        )
-        if not self.on_cpu:
-            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
-        kwargs.update(self._engine_args)
+        kwargs = cfg.engine_kwargs(ref.path, self.model_name, self.max_model_len)
         log.info(
             "starting vLLM %s on %s (%s, max_model_len %d, max_loras %d)",
             vllm.__version__,
-            "cpu" if self.on_cpu else "cuda",
-            self.dtype,
+            "cpu" if cfg.on_cpu else "cuda",
+            cfg.dtype,
             self.max_model_len,
-            self.max_loras,
+            cfg.max_loras,
         )
         try:
             args = AsyncEngineArgs(**kwargs)
@@ -287,8 +191,7 @@ class VLLMEngine(Engine):
         """Abort every running request, stop vLLM's engine process and delete the adapter snapshots."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            with self._lock:
-                ids = list(self._running)
+            ids = self._leases.ids()
             if ids:
                 try:
                     await llm.abort(ids)
@@ -305,8 +208,7 @@ class VLLMEngine(Engine):
         return self._llm
 
     def num_unfinished_requests(self) -> int:
-        with self._lock:
-            return len(self._running)
+        return self._leases.count()
 
     # ----- validation ----------------------------------------------------------------
     def _check_tokens(self, token_ids: Sequence[int], param: str) -> list[int]:
@@ -340,28 +242,18 @@ class VLLMEngine(Engine):
         prompt = self._check_tokens(prompt_token_ids, "prompt")
         params = self._check_params(params, len(prompt))
         self._check_adapter(adapter)
-        if self.num_unfinished_requests() >= self.max_batch_size + self.max_waiting:
+        if self.num_unfinished_requests() >= self.config.max_batch_size + self.config.max_waiting:
             raise RateLimitError(
                 f"{self.num_unfinished_requests()} requests are unfinished; retry later", retry_after=1.0
             )
         rid = request_id or uuid.uuid4().hex
         # The lease starts now, not at the first iteration: from here on unload_adapter refuses.
-        self._lease(rid, adapter)
+        self._leases.lease(rid, adapter)
         stream = self._stream(llm, rid, prompt, params, adapter)
         # A stream that is dropped without ever being iterated runs no finally block:
         # release its lease when it is garbage-collected (release is idempotent).
-        weakref.finalize(stream, self._release, rid)
+        weakref.finalize(stream, self._leases.release, rid)
         return stream
-
-    def _lease(self, rid: str, adapter: str | None) -> None:
-        with self._lock:
-            if rid in self._running:
-                raise ConflictError(f"request id {rid!r} is already running", param="request_id")
-            self._running[rid] = adapter
-
-    def _release(self, rid: str) -> None:
-        with self._lock:
-            self._running.pop(rid, None)
 
     async def _stream(
         self, llm, rid: str, prompt: list[int], params: SamplingParams, adapter: str | None
@@ -388,7 +280,7 @@ class VLLMEngine(Engine):
             raise
         finally:
             # Closing vLLM's generator (above) aborts the vLLM request if it is unfinished.
-            self._release(rid)
+            self._leases.release(rid)
 
     async def score(
         self, token_ids: Sequence[int], adapter: str | None = None, top_logprobs: int = 0
@@ -409,7 +301,7 @@ class VLLMEngine(Engine):
         if len(ids) == 1:
             return [None]
         rid = "score-" + uuid.uuid4().hex
-        self._lease(rid, adapter)
+        self._leases.lease(rid, adapter)
         try:
             lora = self._loras.request(adapter)
             sp = VSamplingParams(
@@ -423,7 +315,7 @@ class VLLMEngine(Engine):
             async for out in llm.generate({"prompt_token_ids": ids}, sp, rid, lora_request=lora):
                 final = out
         finally:
-            self._release(rid)
+            self._leases.release(rid)
         if final is None or final.prompt_logprobs is None:
             raise InternalError("vLLM returned no prompt logprobs")
         result: list[TokenLogprob | None] = [None]
@@ -453,11 +345,7 @@ class VLLMEngine(Engine):
             ConflictError: an unfinished request still uses it (nothing changes); see :meth:`wait_drained`.
         """
         llm = self._require()
-        await self._loras.unload(llm, name, self._users(name))
-
-    def _users(self, name: str) -> int:
-        with self._lock:
-            return sum(1 for a in self._running.values() if a == name)
+        await self._loras.unload(llm, name, self._leases.users(name))
 
     async def wait_drained(self, name: str, timeout_s: float | None = None) -> None:
         """Wait until no unfinished request uses adapter ``name`` (then :meth:`unload_adapter` succeeds).
@@ -465,12 +353,7 @@ class VLLMEngine(Engine):
         Raises:
             TimeoutError: still in use after ``timeout_s`` seconds.
         """
-
-        async def _wait() -> None:
-            while self._users(name):
-                await asyncio.sleep(0.02)
-
-        await asyncio.wait_for(_wait(), timeout_s)
+        await self._leases.wait_drained(name, timeout_s)
 
     def loaded_adapters(self) -> list[str]:
         return self._loras.loaded()

@@ -1,0 +1,176 @@
+"""The batched logprob pass of a training model (:class:`LogprobPass`): target logprobs of right-padded
+sequences through a PEFT model, a prompt prefix every row shares run once, the unembedding with autograd only
+where the loss needs gradients; and KTO's mismatched-pair log-ratios (:meth:`LogprobPass.kl_logratios`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from livelora.clients.types.tinker import Datum
+from livelora.core.core_share import step_yield
+from livelora.core.losses import LossSpec
+from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, PromptKV, cache_of, common_prefix, kl_pairs, kv_bytes
+
+#: Causal-LM classes whose logits are exactly ``lm_head(model(...).last_hidden_state)``.
+PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+def grad_positions(spec: LossSpec, x: dict[str, Tensor]) -> Tensor:
+    """Bool (N,): positions whose logprob the loss does not multiply by exactly 0 (``spec.gradient``)."""
+    rule = spec.gradient
+    if rule.nonzero is None:
+        pos = torch.ones(x["target_tokens"].shape[0], dtype=torch.bool)
+    else:
+        v = x[rule.nonzero]
+        pos = (v != 0) if v.ndim == 1 else (v != 0).any(-1)
+    for mask in rule.masks:
+        if mask in x:
+            pos = pos & (x[mask] != 0)
+    return pos
+
+
+def datum_inputs(datum: Datum) -> dict[str, Tensor]:
+    """A datum's ``loss_fn_inputs`` as torch tensors."""
+    return {k: v.to_torch() for k, v in datum.loss_fn_inputs.items()}
+
+
+class LogprobPass:
+    """Runs ``peft_model`` (its adapter on or off) over batches of token ids.
+
+    Args:
+        peft_model: the PEFT-wrapped causal LM.
+        pad_id: token id right padding uses (masked out).
+        device: torch device of the model.
+        max_seq_len: longest sequence of a KL pair (tokens).
+    """
+
+    def __init__(self, peft_model: Any, pad_id: int, device: torch.device, max_seq_len: int):
+        self.peft_model = peft_model
+        self.pad_id = pad_id
+        self.device = device
+        self.max_seq_len = max_seq_len
+        causal_lm = peft_model.get_base_model()
+        config = causal_lm.config
+        #: Decoder + unembedding can be run separately (no logit scaling or soft-capping in these classes).
+        self.plain_head = (
+            type(causal_lm).__name__ in PLAIN_HEAD_CLASSES
+            and hasattr(causal_lm, "model")
+            and not any(getattr(config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+        )
+
+    def __call__(
+        self,
+        inputs: list[list[int]],
+        targets: list[Tensor],
+        *,
+        adapter: bool = True,
+        grad: bool = False,
+        grad_pos: list[Tensor] | None = None,
+        keep_pos: list[Tensor] | None = None,
+        share_prefix: list[int] | None = None,
+        prefix_kv: PromptKV | None = None,
+    ) -> Any:
+        """Target logprobs of right-padded sequences (nats).
+
+        Args:
+            inputs: per sequence, its N_b input token ids.
+            targets: per sequence, (N_b,) or (N_b, K) target ids.
+            adapter: False runs the base model (``disable_adapter``).
+            grad: build the autograd graph (only through ``grad_pos`` positions when given).
+            grad_pos: per sequence, bool (N_b,): positions whose logprob can carry gradient (the loss
+                multiplies every other position by exactly 0). The unembedding of the remaining positions
+                runs without autograd, which saves its backward; values are identical either way.
+            keep_pos: per sequence, bool (N_b,): positions needed at all; others are returned as 0.
+            share_prefix: per sequence, how many leading positions' keys/values to keep
+                (:meth:`PromptKV.capture <livelora.trainer.prompt_kv.PromptKV.capture>`).
+            prefix_kv: continue from these keys/values: ``inputs[b]`` follows the first ``prefix_kv.prefix[b]``
+                positions of row ``b`` of the pass that captured them. Without it, a prefix of 16+ tokens that
+                every sequence shares (:func:`~livelora.trainer.prompt_kv.common_prefix`) runs once.
+
+        Returns:
+            per sequence, logprobs shaped like its targets; with ``share_prefix``, ``(logprobs, PromptKV)``.
+        """
+        step_yield()  # serving may go first between the passes of a step (core/core_share.py)
+        lengths = [len(x) for x in inputs]
+        b_n, t_max = len(inputs), max(lengths)
+        k_max = max(1 if t.ndim == 1 else t.shape[1] for t in targets)
+        ids_B_T = torch.full((b_n, t_max), self.pad_id, dtype=torch.long)
+        tgt_B_T_K = torch.zeros((b_n, t_max, k_max), dtype=torch.long)
+        valid_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
+        grad_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
+        keep_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
+        for b, (x, t) in enumerate(zip(inputs, targets)):
+            n = len(x)
+            ids_B_T[b, :n] = torch.tensor(x, dtype=torch.long)
+            tgt = t.reshape(n, -1)
+            tgt_B_T_K[b, :n, : tgt.shape[1]] = tgt
+            valid_B_T[b, :n] = True
+            keep_B_T[b, :n] = True if keep_pos is None else keep_pos[b]
+            grad_B_T[b, :n] = True if grad_pos is None else grad_pos[b]
+        grad_B_T &= keep_B_T
+        rest_B_T = keep_B_T & ~grad_B_T
+        padded = any(n != t_max for n in lengths)
+        dev = self.device
+        causal_lm = self.peft_model.get_base_model()
+        ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
+        # a prefix every row shares runs once at batch 1, the rows continue from its keys/values (prompt_kv.py)
+        c = (
+            common_prefix(inputs)
+            if prefix_kv is None and kv_bytes(causal_lm.config, b_n, t_max) <= PROMPT_KV_MAX_BYTES
+            else 0
+        )
+        if prefix_kv is not None:
+            kw = prefix_kv.continuation(lengths, dev, causal_lm.config)
+        elif not c:
+            kw = {"use_cache": share_prefix is not None, "attention_mask": valid_B_T.long().to(dev) if padded else None}
+        # models with logit scaling / soft-capping use their own forward (logits), the others decoder + head
+        decoder = causal_lm.model if self.plain_head else self.peft_model
+        head = causal_lm.get_output_embeddings() if self.plain_head else torch.nn.Identity()
+        with ctx, torch.set_grad_enabled(grad):
+            if c:
+                pre = decoder(input_ids=ids_B_T[:1, :c].to(dev), use_cache=True)
+                kw = (
+                    PromptKV.capture(cache_of(pre), [c], detach=False)
+                    .expand(b_n)
+                    .continuation([n - c for n in lengths], dev, causal_lm.config)
+                )
+            res = decoder(input_ids=ids_B_T[:, c:].to(dev), **kw)
+            hidden_B_T_H = res.last_hidden_state if self.plain_head else res.logits
+            if c:
+                first = pre.last_hidden_state if self.plain_head else pre.logits
+                hidden_B_T_H = torch.cat([first.expand(b_n, -1, -1), hidden_B_T_H], 1)
+            kv = PromptKV.capture(cache_of(res), share_prefix) if share_prefix is not None else None
+            tgt_B_T_K = tgt_B_T_K.to(dev)
+
+            def head_logprobs(sel_B_T: Tensor) -> Tensor:
+                sel = sel_B_T.to(dev)
+                logits_M_V = head(hidden_B_T_H[sel]).float()
+                return logits_M_V.gather(-1, tgt_B_T_K[sel]) - torch.logsumexp(logits_M_V, -1, keepdim=True)
+
+            lp_B_T_K = torch.zeros((b_n, t_max, k_max), dtype=torch.float32, device=dev)
+            if bool(grad_B_T.any()):
+                lp_B_T_K = lp_B_T_K.index_put((grad_B_T.to(dev),), head_logprobs(grad_B_T))
+            if bool(rest_B_T.any()):
+                with torch.no_grad():
+                    rest_M_K = head_logprobs(rest_B_T)
+                lp_B_T_K = lp_B_T_K.index_put((rest_B_T.to(dev),), rest_M_K)
+        out = []
+        for b, (n, t) in enumerate(zip(lengths, targets)):
+            lp = lp_B_T_K[b, :n]
+            out.append(lp[:, 0] if t.ndim == 1 else lp[:, : t.shape[1]])
+        return (out, kv) if share_prefix is not None else out
+
+    def kl_logratios(
+        self, data: list[Datum], inputs_D: list[dict[str, Tensor]], kv: tuple[PromptKV, PromptKV] | None = None
+    ) -> Tensor:
+        """KTO's mismatched-pair log-ratios ``Σ_completion(lp − lp_ref)`` of ``(x_i, y_perm(i))`` (no grad;
+        pairs from :func:`~livelora.trainer.prompt_kv.kl_pairs`). ``kv``: the (policy, reference) keys/values of
+        the matched pairs' prompts; the pairs then run from each prompt's last token on."""
+        ins, tgts, keep = kl_pairs(data, inputs_D, self.max_seq_len, shared=kv is not None)
+        policy = self(ins, tgts, adapter=True, keep_pos=keep, prefix_kv=kv[0] if kv else None)
+        ref = self(ins, tgts, adapter=False, keep_pos=keep, prefix_kv=kv[1] if kv else None)
+        return torch.stack([(p - r).sum() for p, r in zip(policy, ref)])
