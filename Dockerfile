@@ -21,6 +21,7 @@ COPY pyproject.toml README.md ./
 COPY gateway gateway
 COPY trainer trainer
 COPY adapters adapters
+COPY core core
 COPY clients clients
 COPY cli cli
 RUN python3 -m pip install --no-cache-dir --no-deps . \
@@ -39,6 +40,7 @@ COPY pyproject.toml README.md ./
 COPY gateway gateway
 COPY trainer trainer
 COPY adapters adapters
+COPY core core
 COPY clients clients
 COPY cli cli
 RUN python3 -m pip install --no-cache-dir . \

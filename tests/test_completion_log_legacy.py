@@ -11,7 +11,7 @@ import os
 import httpx
 import pytest
 import redis
-from _server import MODEL, live_server, sse_events  # noqa: F401  (fixture)
+from harness.server import MODEL, sse_events
 
 from livelora.clients.types.signals import RatingEvent, parse_stream_event
 from livelora.core.redis_keys import KeyLayout

@@ -11,7 +11,7 @@ import re
 
 import httpx
 import pytest
-from _server import MODEL, live_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 #: POST routes that take no body at all (the tinker SDK's configuration probes).
 NO_BODY = {"/api/v1/client/config", "/api/v1/client/dynamic_config"}

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from _server import MODEL, live_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 from livelora.clients.errors import BadRequestError
 from livelora.clients.tokens import control_tokens, encode_text, find_control_text, split_stop_strings

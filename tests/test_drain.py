@@ -16,7 +16,7 @@ import uuid
 
 import httpx
 import pytest
-from _cluster import MODEL, Cluster, new_store
+from harness.cluster import MODEL, Cluster, new_store
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -8,13 +8,14 @@ import json
 import os
 import threading
 import time
-import uuid
 
 import httpx
 import pytest
 import redis
 import torch
-from _server import start_server
+from harness.bus import new_prefix
+from harness.seeds import randomize_lora_b
+from harness.server import start_server
 from typer.testing import CliRunner
 
 from livelora.adapters.store import AdapterStore
@@ -27,28 +28,21 @@ LINEAGE = "acme.support"
 BASE = "smollm2-135m-instruct"
 PROMPT = [{"role": "user", "content": "Say something about the sea."}]
 #: this module's store is its own install: its own Redis prefix (under the session's, cleaned up with it)
-PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}admin-{uuid.uuid4().hex[:8]}:"
+PREFIX = new_prefix("admin")
 
 
-@pytest.fixture(scope="module")
-def home(livelora_home, base_ref, tmp_path_factory):
-    """A store with the cached model (symlinked), versions acme.support@1..4 (tenant
-    acme's namespace: ``acme.<rest>``), keys and endpoints of two tenants."""
+def seed_home(home, base_ref) -> None:
+    """The module's store (harness ``home``): versions acme.support@1..4 (tenant acme's namespace: ``acme.<rest>``)
+    with different random lora_B, and BASE@1; the ``keys`` fixture adds keys and endpoints of two tenants."""
     from livelora.trainer.model import TrainingModel
 
-    home = tmp_path_factory.mktemp("admin-home")
-    (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
     store = AdapterStore(home)
     tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
     g = torch.Generator().manual_seed(0)
     for _ in range(4):
-        with torch.no_grad():
-            for k, p in tm.lora_params.items():
-                if "lora_B" in k:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        randomize_lora_b(tm, g, 0.05)
         tm.save_weights(store, LINEAGE)
     tm.save_weights(store, BASE)  # the public base endpoint's lineage: trained by tenant 'default' only
-    return home
 
 
 def _cli(*args):
@@ -141,23 +135,8 @@ def keys(home):
     return made
 
 
-@pytest.fixture(scope="module")
-def server(home, keys):
-    from livelora.gateway.settings import GatewaySettings
-
-    live = start_server(
-        GatewaySettings(
-            model="smollm2-135m-instruct",
-            home=home,
-            device="cpu",
-            max_batch_size=8,
-            max_waiting=16,
-            max_body_bytes=64 * 1024,
-            redis_prefix=PREFIX,
-        )
-    )
-    yield live
-    live.stop()
+#: the harness ``server`` (started after this module's ``keys``)
+SERVER_SETTINGS = {"max_batch_size": 8, "max_waiting": 16, "max_body_bytes": 64 * 1024, "redis_prefix": PREFIX}
 
 
 def client(server, key=None) -> httpx.Client:

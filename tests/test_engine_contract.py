@@ -10,52 +10,19 @@ plain peft model, never hard-coded completions.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
 import time
 
 import pytest
 import torch
+from harness.engines import engine_kinds_under_test
+from harness.seeds import peft_versions
 
 from livelora.clients.errors import BadRequestError, ConflictError, ContextLengthExceededError, ModelNotFoundError
-from livelora.gateway.engines import ENGINE_KINDS, SamplingParams, create_engine
+from livelora.gateway.engines import SamplingParams
 
-ENGINE_KWARGS = {
-    "transformers": {"device": "cpu", "max_batch_size": 8},
-    "vllm": {"device": "cuda" if torch.cuda.is_available() else "cpu", "max_batch_size": 8, "max_model_len": 1024},
-}
-
-
-def _engine_kinds_under_test() -> list[str]:
-    """``$LIVELORA_TEST_ENGINES`` (comma-separated kinds), else transformers plus vllm when it is installed."""
-    env = os.environ.get("LIVELORA_TEST_ENGINES", "").strip()
-    if env:
-        return [k.strip() for k in env.split(",") if k.strip()]
-    return [k for k in ENGINE_KINDS if k != "vllm" or importlib.util.find_spec("vllm") is not None]
-
-
-TEST_ENGINE_KINDS = _engine_kinds_under_test()
+#: the harness ``engine`` runs on each of them
+TEST_ENGINE_KINDS = engine_kinds_under_test()
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module", params=TEST_ENGINE_KINDS)
-def engine(request, base_ref, loop):
-    eng = create_engine(request.param, model=base_ref.name, **ENGINE_KWARGS.get(request.param, {}))
-    loop.run_until_complete(eng.start())
-    yield eng
-    loop.run_until_complete(eng.close())
-
-
-@pytest.fixture(scope="module")
-def run(loop):
-    return loop.run_until_complete
 
 
 def chat(engine, text: str) -> list[int]:
@@ -264,26 +231,7 @@ def test_bad_requests_raise_and_change_nothing(engine, run):
 @pytest.fixture(scope="module")
 def lora_dir(base_ref, tmp_path_factory):
     """A real rank-4 LoRA on SmolLM2 with deterministic non-zero lora_B, saved in PEFT format."""
-    from peft import LoraConfig, get_peft_model
-
-    from livelora.core.base_models import load_model
-
-    model = get_peft_model(
-        load_model(base_ref),
-        LoraConfig(
-            r=4,
-            lora_alpha=8,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        ),
-    )
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    out = tmp_path_factory.mktemp("lora") / "v1"
-    model.save_pretrained(out)
-    return out
+    return peft_versions(base_ref, tmp_path_factory.mktemp("lora"), (0,), rank=4, b_scale=0.02)[0]
 
 
 def test_adapter_load_generate_score_unload(engine, run, paris, lora_dir, base_ref):

@@ -22,7 +22,8 @@ import shutil
 
 import pytest
 import torch
-from test_engine_contract import ENGINE_KWARGS, TEST_ENGINE_KINDS, chat, collect, greedy
+from harness.seeds import peft_versions
+from test_engine_contract import chat, collect, greedy
 
 from livelora.clients.errors import ConflictError, ModelNotFoundError
 from livelora.gateway.engines import SamplingParams, create_engine
@@ -31,52 +32,9 @@ LP_TOL = 1e-4  # nats; same weights, fp32, same engine
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def run(loop):
-    return loop.run_until_complete
-
-
-@pytest.fixture(scope="module", params=TEST_ENGINE_KINDS)
-def engine(request, base_ref, loop):
-    eng = create_engine(request.param, model=base_ref.name, **ENGINE_KWARGS.get(request.param, {}))
-    eng.kind = request.param
-    loop.run_until_complete(eng.start())
-    yield eng
-    loop.run_until_complete(eng.close())
-
-
-@pytest.fixture(scope="module")
 def versions(base_ref, tmp_path_factory):
     """Two real rank-8 LoRA versions on SmolLM2 (attention + MLP), different non-zero lora_B."""
-    from peft import LoraConfig, get_peft_model
-
-    from livelora.core.base_models import load_model
-
-    model = get_peft_model(
-        load_model(base_ref),
-        LoraConfig(
-            r=8,
-            lora_alpha=16,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        ),
-    )
-    root = tmp_path_factory.mktemp("versions")
-    out = []
-    for seed in (1, 2):
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.03)
-        model.save_pretrained(root / f"v{seed}")
-        out.append(root / f"v{seed}")
-    return out
+    return peft_versions(base_ref, tmp_path_factory.mktemp("versions"), (1, 2), rank=8, b_scale=0.03, name="v{seed}")
 
 
 def _lps(chunks):

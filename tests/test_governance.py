@@ -14,9 +14,7 @@ import pytest
 from livelora.adapters.endpoints import EndpointStore
 from livelora.clients.types.signals import RatingEvent
 from livelora.clients.types.tinker import TensorData
-from livelora.core.bus import connect_sync, ensure_group
 from livelora.core.governance import agreement_weights, rater_of, read_quarantine
-from livelora.core.redis_keys import KeyLayout
 from livelora.trainer.dataset import read_dataset
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler
@@ -25,17 +23,6 @@ from livelora.trainer.signal_governor import FeedbackGovernor
 from livelora.trainer.worker import TrainerWorker
 
 EP = "gov"
-
-
-@pytest.fixture
-def bus():
-    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
-    client = connect_sync("redis://127.0.0.1:6379/0")
-    ensure_group(client, keys)
-    yield client, keys
-    for k in client.scan_iter(match=keys.prefix + "*"):
-        client.delete(k)
-    client.close()
 
 
 def rating(user: str, i: int, up: bool = True, cid: str | None = None) -> RatingEvent:

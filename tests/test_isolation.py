@@ -2,9 +2,10 @@
 
 Tenant ``acme`` (A) makes one object of every kind over HTTP: a training session, a training model with a
 training and a sampler checkpoint and an external-weights export (adapter versions of the model's lineage), a
-sampling session, a request id, an endpoint on that lineage, a completion and an API key. Tenant ``beta`` (B, every role) and tenant ``default``'s
-admin then try every route of the app on them: each answers 404 (what B may not see does not exist), and A's
-objects are unchanged afterwards. Ids in any other spelling than their one form answer 400, also for A.
+sampling session, a request id, an endpoint on that lineage, a completion and an API key. Tenant ``beta`` (B,
+every role) and tenant ``default``'s admin then try every route of the app on them: each answers 404 (what B may
+not see does not exist), and A's objects are unchanged afterwards. Ids in any other spelling than their one form
+answer 400, also for A.
 
 :data:`CASES` has one entry per route of the app (read from its router): a route added without an entry fails
 :func:`test_every_route_has_an_isolation_case` with the line to add.
@@ -12,65 +13,42 @@ objects are unchanged afterwards. Ids in any other spelling than their one form 
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from _server import start_server
+from harness.bus import new_prefix
 
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
-from livelora.core.api_keys import TENANT_ROLES, KeyStore
+from livelora.core.api_keys import TENANT_ROLES
 from livelora.core.session_protocol import lineage_for
 from livelora.gateway.auth import app_routes
 
 BASE = "smollm2-135m-instruct"
-PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}iso-{uuid.uuid4().hex[:8]}:"
+PREFIX = new_prefix("iso")
 
 
-@pytest.fixture(scope="module")
-def home(livelora_home, base_ref, tmp_path_factory):
-    """A store of its own (keys switch its gateway to key mode) with one trained version of the base lineage."""
+def seed_home(home, base_ref) -> None:
+    """The module's store (harness ``home``): one trained version of the base lineage."""
     from livelora.trainer.model import TrainingModel
 
-    home = tmp_path_factory.mktemp("iso-home")
-    (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
     tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
     tm.save_weights(AdapterStore(home), BASE)  # BASE@1: tenant default's, made by its feedback
-    return home
 
 
-@pytest.fixture(scope="module")
-def keys(home):
-    store = KeyStore(home)
-    return {
-        name: store.create(tenant, list(TENANT_ROLES), name)[1]
-        for name, tenant in (("acme", "acme"), ("beta", "beta"), ("default", "default"))
-    }
-
-
-@pytest.fixture(scope="module")
-def server(home, keys):
-    from livelora.gateway.settings import GatewaySettings
-
-    live = start_server(
-        GatewaySettings(
-            model=BASE,
-            home=home,
-            device="cpu",
-            max_batch_size=4,
-            max_waiting=8,
-            redis_prefix=PREFIX,
-            executor_in_process=True,
-            max_datums_per_op=4,
-            max_tokens_per_op=64,
-        )
-    )
-    yield live
-    live.stop()
+#: the harness ``keys``: every tenant role, for tenants acme, beta and default
+KEYS = {name: (name, TENANT_ROLES) for name in ("acme", "beta", "default")}
+#: the harness ``server``
+SERVER_SETTINGS = {
+    "max_batch_size": 4,
+    "max_waiting": 8,
+    "redis_prefix": PREFIX,
+    "executor_in_process": True,
+    "max_datums_per_op": 4,
+    "max_tokens_per_op": 64,
+}
 
 
 def http(server, key: str) -> httpx.Client:
@@ -351,8 +329,8 @@ class Case:
     Attributes:
         tries: ``objs -> [(url, json body or None), ...]`` naming tenant A's objects (empty: the route names none).
         expect: ``404`` (A's object does not exist for B), ``400`` (a create naming a name of another tenant's
-            namespace, answered alike whether it exists or not), or ``"own"`` (the route names no object: any answer but a 5xx, with none of A's names
-            in it).
+            namespace, answered alike whether it exists or not), or ``"own"`` (the route names no object: any
+            answer but a 5xx, with none of A's names in it).
     """
 
     tries: Callable[[dict[str, str]], list[tuple[str, dict | None]]]

@@ -9,7 +9,7 @@ import uuid
 
 import httpx
 import pytest
-from _server import start_server, wait_until
+from harness.server import start_server, wait_until
 
 from livelora.adapters.store import AdapterStore
 from livelora.core.bus import connect_sync

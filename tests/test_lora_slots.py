@@ -20,53 +20,26 @@ import shutil
 
 import pytest
 import torch
+from harness.seeds import TARGETS, peft_versions
 from safetensors.torch import load_file, save_file
 
 from livelora.clients.errors import BadRequestError
-from livelora.gateway.engines import create_engine
 
 LP_TOL = 1e-4  # nats, fp32
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def engine(base_ref, loop):
-    eng = create_engine("transformers", model=base_ref.name, device="cpu", max_batch_size=4)
-    loop.run_until_complete(eng.start())
-    yield eng
-    loop.run_until_complete(eng.close())
-
-
-def _save_versions(base_ref, root, rank, seeds):
-    from peft import LoraConfig, get_peft_model
-
-    from livelora.core.base_models import load_model
-
-    model = get_peft_model(load_model(base_ref), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
-    out = []
-    for seed in seeds:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * (0.03 if "lora_B" in name else 0.05))
-        model.save_pretrained(root / f"r{rank}-s{seed}")
-        out.append(root / f"r{rank}-s{seed}")
-    return out
+#: the harness ``engine`` (transformers)
+ENGINE_OPTIONS = {"max_batch_size": 4}
 
 
 @pytest.fixture(scope="module")
 def versions(base_ref, tmp_path_factory):
     """Three rank-8 versions and one rank-4 version, all with random non-zero A and B."""
     root = tmp_path_factory.mktemp("slots")
-    return _save_versions(base_ref, root, 8, (1, 2, 3)), _save_versions(base_ref, root, 4, (4,))[0]
+    return (
+        peft_versions(base_ref, root, (1, 2, 3), rank=8, b_scale=0.03, a_scale=0.05),
+        peft_versions(base_ref, root, (4,), rank=4, b_scale=0.03, a_scale=0.05)[0],
+    )
 
 
 @pytest.fixture(scope="module")

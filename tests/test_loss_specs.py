@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 from livelora.clients.errors import BadRequestError, UnsupportedParameterError
 from livelora.clients.types.tinker import Datum, ForwardBackwardInput, ForwardBackwardRequest, ModelInput, TensorData

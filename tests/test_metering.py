@@ -6,13 +6,13 @@ they survive the loss of Redis's counters; ``/admin/usage`` is scoped to the cal
 from __future__ import annotations
 
 import json
-import os
 import uuid
 
 import httpx
 import pytest
 import redis
-from _server import start_server, wait_until
+from harness.bus import new_prefix
+from harness.server import wait_until
 from typer.testing import CliRunner
 
 from livelora.clients import (
@@ -22,52 +22,28 @@ from livelora.clients import (
     ServiceClient,
     TensorData,
 )
-from livelora.core.api_keys import TENANT_ROLES, KeyStore
+from livelora.core.api_keys import TENANT_ROLES
 from livelora.core.metering import Meter, Usage, UsageStore
 from livelora.core.redis_keys import KeyLayout
 
 MODEL = "smollm2-135m-instruct"
-PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}meter-{uuid.uuid4().hex[:8]}:"
+PREFIX = new_prefix("meter")
 CHAT = [{"role": "user", "content": "Name a color."}]
 #: a session without heartbeats expires (and frees its quota slot) this long after its last one
 SESSION_TTL_S = 6
 
 
-@pytest.fixture(scope="module")
-def home(livelora_home, base_ref, tmp_path_factory):
-    home = tmp_path_factory.mktemp("metering-home")
-    (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
-    return home
-
-
-@pytest.fixture(scope="module")
-def keys(home):
-    store = KeyStore(home)
-    acme = store.create(tenant="acme", roles=list(TENANT_ROLES), name="acme-all")
-    beta = store.create(tenant="beta", roles=list(TENANT_ROLES), name="beta-all")
-    operator = store.create(tenant="default", roles=["admin", "operator"], name="operator")
-    return {"acme": acme, "beta": beta, "default": operator}
-
-
-@pytest.fixture(scope="module")
-def server(home, keys):
-    from livelora.gateway.settings import GatewaySettings
-
-    live = start_server(
-        GatewaySettings(
-            model=MODEL,
-            home=home,
-            device="cpu",
-            redis_prefix=PREFIX,
-            max_batch_size=4,
-            max_waiting=8,
-            executor_in_process=True,
-            usage_rollup_s=0,
-            session_ttl_s=SESSION_TTL_S,
-        )
-    )
-    yield live
-    live.stop()
+#: the harness ``keys``: tenants acme and beta with every tenant role, an operator of tenant default
+KEYS = {"acme": ("acme", TENANT_ROLES), "beta": ("beta", TENANT_ROLES), "default": ("default", ["admin", "operator"])}
+#: the harness ``server``
+SERVER_SETTINGS = {
+    "redis_prefix": PREFIX,
+    "max_batch_size": 4,
+    "max_waiting": 8,
+    "executor_in_process": True,
+    "usage_rollup_s": 0,
+    "session_ttl_s": SESSION_TTL_S,
+}
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +56,11 @@ def r():
 
 
 def _key(keys, tenant: str) -> str:
-    return keys[tenant][1]
+    return keys[tenant]
 
 
 def _key_id(keys, tenant: str) -> str:
-    return keys[tenant][0].id
+    return keys.records[tenant].id
 
 
 def usage(server, keys, tenant="acme", **params) -> list[dict]:

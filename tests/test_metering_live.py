@@ -5,30 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-
-import pytest
 
 from livelora.adapters.endpoints import EndpointStore
 from livelora.clients.types.signals import PreferenceEvent, RatingEvent
-from livelora.core.bus import connect_sync, ensure_group
 from livelora.core.metering import Meter, UsageStore
-from livelora.core.redis_keys import KeyLayout
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler
 from livelora.trainer.settings import TrainingSection
 from livelora.trainer.worker import TrainerWorker
-
-
-@pytest.fixture
-def bus():
-    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
-    client = connect_sync("redis://127.0.0.1:6379/0")
-    ensure_group(client, keys)
-    yield client, keys
-    for k in client.scan_iter(match=keys.prefix + "*"):
-        client.delete(k)
-    client.close()
 
 
 def chat_ids(tokenizer, q: str) -> list[int]:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from _server import LiveServer, start_server, wait_until
+from harness.server import LiveServer, start_server, wait_until
 
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.signals import RatingEvent, VersionNotice, parse_stream_event

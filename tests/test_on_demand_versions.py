@@ -8,43 +8,37 @@ lineage ``acme.solo`` (no endpoint: @1 good, @2 rejected by the evaluation gate,
 
 from __future__ import annotations
 
-import os
 import threading
-import uuid
 
 import httpx
-import pytest
 import torch
-from _server import start_server, wait_until
+from harness.bus import new_prefix
+from harness.seeds import randomize_lora_b
+from harness.server import wait_until
 
 from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
-from livelora.core.api_keys import TENANT_ROLES, KeyStore
+from livelora.core.api_keys import TENANT_ROLES
 from livelora.core.owners import OwnerStore
 
 BASE = "smollm2-135m-instruct"
-PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}ondemand-{uuid.uuid4().hex[:8]}:"
+PREFIX = new_prefix("ondemand")
 REJECTED = {"against": "acme.solo@1", "verdicts": {"*": {"passed": False, "failed": ["probe_accuracy"]}}}
 
 
-@pytest.fixture(scope="module")
-def home(livelora_home, base_ref, tmp_path_factory):
-    """The store: versions with different random lora_B (so each version's logprobs differ from the base
-    model's and from each other's), owner records, one endpoint, one gate-rejected and one deleted version."""
+def seed_home(home, base_ref) -> None:
+    """The module's store (harness ``home``): versions with different random lora_B (so each version's logprobs
+    differ from the base model's and from each other's), owner records, one endpoint, one gate-rejected and one
+    deleted version."""
     from livelora.trainer.model import TrainingModel
 
-    home = tmp_path_factory.mktemp("ondemand-home")
-    (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
     store, owners = AdapterStore(home), OwnerStore(home)
     tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
     g = torch.Generator().manual_seed(1)
 
     def save(lineage: str, gate: dict | None = None) -> None:
-        with torch.no_grad():
-            for k, p in tm.lora_params.items():
-                if "lora_B" in k:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        randomize_lora_b(tm, g, 0.3)
         tm.save_weights(store, lineage, gate=gate)
 
     for lineage, tenant in (("acme.bot", "acme"), ("acme.solo", "acme"), ("beta.bot", "beta")):
@@ -57,32 +51,11 @@ def home(livelora_home, base_ref, tmp_path_factory):
     store.delete("acme.solo", 3)
     save("beta.bot")
     EndpointStore(home).create("acme.bot", "acme.bot", tenant="acme", who="test")
-    return home
 
 
-@pytest.fixture(scope="module")
-def keys(home):
-    store = KeyStore(home)
-    return {t: store.create(t, list(TENANT_ROLES), t)[1] for t in ("acme", "beta")}
-
-
-@pytest.fixture(scope="module")
-def server(home, keys):
-    from livelora.gateway.settings import GatewaySettings
-
-    live = start_server(
-        GatewaySettings(
-            model=BASE,
-            home=home,
-            device="cpu",
-            max_batch_size=4,
-            max_waiting=8,
-            redis_prefix=PREFIX,
-            max_on_demand_versions=2,
-        )
-    )
-    yield live
-    live.stop()
+#: the harness ``keys`` and ``server``
+KEYS = {t: (t, TENANT_ROLES) for t in ("acme", "beta")}
+SERVER_SETTINGS = {"max_batch_size": 4, "max_waiting": 8, "redis_prefix": PREFIX, "max_on_demand_versions": 2}
 
 
 def http(server, key: str) -> httpx.Client:

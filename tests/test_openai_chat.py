@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from _server import MODEL, live_server, sse_events  # noqa: F401  (live_server is a fixture)
+from harness.server import MODEL, sse_events
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from _server import MODEL, live_server, sse_events  # noqa: F401  (fixture)
+from harness.server import MODEL, sse_events
 
 PROMPT = "The capital of France is"
 

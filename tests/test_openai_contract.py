@@ -13,7 +13,7 @@ import threading
 import httpx
 import openai
 import pytest
-from _server import MODEL, live_server, sse_events, wait_until  # noqa: F401  (live_server is a fixture)
+from harness.server import MODEL, sse_events, wait_until
 
 from livelora.clients.errors import InternalError
 

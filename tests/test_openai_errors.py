@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from _server import MODEL, live_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]

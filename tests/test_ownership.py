@@ -5,13 +5,12 @@ gradients refused, every op committed exactly once; and the install binding of a
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import pytest
-import redis
 import torch
-from _sessions_server import MODEL, delete_prefix
+from harness.bus import future, run_until, send
+from harness.server import MODEL
 
 from livelora.core.install import InstallMismatchError, bind_install, store_id
 from livelora.core.redis_keys import KeyLayout
@@ -21,32 +20,6 @@ from livelora.trainer.executor import OpExecutor
 from livelora.trainer.ownership import Leases
 
 URL = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture()
-def bus():
-    prefix = f"livelora-test-{uuid.uuid4().hex[:10]}:"
-    r = redis.Redis.from_url(URL, decode_responses=True)
-    yield r, KeyLayout(prefix)
-    delete_prefix(URL, prefix)
-    r.close()
-
-
-def send(r, keys, model_id, op: Op) -> None:
-    r.sadd(keys.models, model_id)
-    r.set(keys.future(op.request_id), json.dumps({"state": "pending"}))
-    r.xadd(keys.ops(model_id), {"op": op.to_json()})
-
-
-def future(r, keys, rid) -> dict:
-    return json.loads(r.get(keys.future(rid)))
-
-
-def run_until(ex, cond, timeout_s=120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        ex.poll(block_ms=50)
 
 
 def test_lease_fencing_refuses_a_stale_owner(bus, tmp_path):

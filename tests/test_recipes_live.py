@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from _sessions_server import sessions_server  # noqa: F401  (fixture)
 
 from livelora.clients.recipes import chat_sft, distill, dpo, gsm8k_rl, kto_ratings
 from livelora.clients.recipes.checkpoints import last_checkpoint, read_jsonl_lenient

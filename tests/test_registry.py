@@ -16,26 +16,14 @@ from livelora.clients.errors import BadRequestError, ModelNotFoundError
 from livelora.clients.types.tinker import LoraConfig
 from livelora.core.bus import connect_async, connect_sync, delete_prefix
 from livelora.core.redis_keys import KeyLayout
-from livelora.gateway.engines import create_engine
 from livelora.gateway.engines.base import SamplingParams
 from livelora.gateway.services.registry import AdapterRegistry
 
 EP = "smollm2-135m-instruct"  # the served base name is an endpoint; its lineage has the same name
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def engine(base_ref, loop):
-    eng = create_engine("transformers", model=base_ref.name, max_batch_size=4)
-    loop.run_until_complete(eng.start())
-    yield eng
-    loop.run_until_complete(eng.close())
+#: the harness ``engine`` (transformers)
+ENGINE_OPTIONS = {"max_batch_size": 4}
 
 
 @pytest.fixture(scope="module")

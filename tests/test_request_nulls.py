@@ -14,7 +14,7 @@ import importlib
 
 import httpx
 import pytest
-from _server import MODEL, live_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 from pydantic import BaseModel, ValidationError
 
 from livelora.clients.types.nulls import NullMeansOmitted, optional_keys

@@ -13,7 +13,7 @@ import uuid
 import httpx
 import pytest
 import redis
-from _cluster import MODEL, Cluster, corrupt_versions, new_store, recorded_counts, trained_counts
+from harness.cluster import MODEL, Cluster, corrupt_versions, new_store, recorded_counts, trained_counts
 
 from livelora.clients import AdamParams, ServiceClient
 from livelora.clients.errors import LiveloraError

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 import schemathesis
-from _server import start_server
+from harness.server import start_server
 from hypothesis import HealthCheck, given, settings
 
 from livelora.core.api_keys import TENANT_ROLES, KeyStore

@@ -7,7 +7,7 @@ import uuid
 import httpx
 import pytest
 import torch
-from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 from livelora.clients import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TensorData
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError

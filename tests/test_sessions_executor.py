@@ -2,49 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import time
 import uuid
 
 import pytest
-import redis
-from _sessions_server import MODEL, delete_prefix
+from harness.bus import future, run_until, send
+from harness.server import MODEL
 
-from livelora.core.redis_keys import KeyLayout
 from livelora.core.session_protocol import Op, model_id_for
 from livelora.core.settings import SessionSection
 from livelora.trainer.executor import OpExecutor
 
-URL = "redis://127.0.0.1:6379/0"
-
 
 @pytest.fixture()
-def setup(livelora_home):
-    prefix = f"livelora-test-{uuid.uuid4().hex[:10]}:"
-    r = redis.Redis.from_url(URL, decode_responses=True)
-    keys = KeyLayout(prefix)
+def setup(bus, livelora_home):
+    r, keys = bus
     ex = OpExecutor(r, keys, livelora_home, MODEL, SessionSection(session_ttl_s=2, gap_timeout_s=3), device="cpu")
     yield r, keys, ex
     for model_id in list(ex.slots):
         ex.free(model_id, "test over")
-    delete_prefix(URL, prefix)
-
-
-def send(r, keys, model_id, op: Op) -> None:
-    r.sadd(keys.models, model_id)
-    r.set(keys.future(op.request_id), json.dumps({"state": "pending"}))
-    r.xadd(keys.ops(model_id), {"op": op.to_json()})
-
-
-def future(r, keys, rid) -> dict:
-    return json.loads(r.get(keys.future(rid)))
-
-
-def run_until(ex, cond, timeout_s=60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        ex.poll(block_ms=50)
 
 
 def test_executor_orders_buffers_dedupes_and_expires(setup, tokenizer):

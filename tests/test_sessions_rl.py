@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 from livelora.clients import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TensorData
 from livelora.trainer.losses import group_advantages

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 tinker = pytest.importorskip("tinker", reason="the official tinker SDK is not installed (pip install tinker==0.24.1)")
 

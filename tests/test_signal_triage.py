@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 import redis
-from _server import MODEL, live_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.signals import (
@@ -25,9 +25,8 @@ from livelora.clients.types.signals import (
     PreferenceEvent,
     RatingEvent,
 )
-from livelora.core.bus import connect_sync, ensure_group
 from livelora.core.chat_tokens import model_context_length
-from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
+from livelora.core.redis_keys import TRAINERS_GROUP
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler
 from livelora.trainer.settings import TrainingSection
@@ -126,17 +125,6 @@ def test_door_refuses_ratings_and_completion_preferences_beyond_the_trainer_cont
 
 
 # ------------------------------------------------------------------------------------------ in the trainer
-
-
-@pytest.fixture
-def bus():
-    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
-    client = connect_sync("redis://127.0.0.1:6379/0")
-    ensure_group(client, keys)
-    yield client, keys
-    for k in client.scan_iter(match=keys.prefix + "*"):
-        client.delete(k)
-    client.close()
 
 
 @pytest.fixture(scope="module")

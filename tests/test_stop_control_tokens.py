@@ -13,7 +13,7 @@ import json
 
 import httpx
 import pytest
-from _server import MODEL, live_server, sse_events  # noqa: F401  (fixture)
+from harness.server import MODEL, sse_events
 
 from livelora.clients.errors import BadRequestError
 from livelora.gateway.engines.base import SamplingParams, resolve_stop_strings

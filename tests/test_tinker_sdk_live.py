@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import zstandard
-from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 from livelora.core.base_models import HUB_IDS
 

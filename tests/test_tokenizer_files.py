@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _sessions_server import MODEL, sessions_server  # noqa: F401  (fixture)
+from harness.server import MODEL
 
 from livelora.clients import ServiceClient
 from livelora.clients.tokenizer_files import TOKENIZER_FILES, files_revision, from_response, read_tokenizer_dir

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _cluster import MODEL, free_port, new_store
-from _server import wait_until
+from harness.cluster import MODEL, free_port, new_store
+from harness.server import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from livelora.cli.trainer_process import available_cores, default_trainer_threads

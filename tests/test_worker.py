@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
-from livelora.core.bus import connect_sync, ensure_group
 from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler, kto_class_weights
@@ -27,17 +26,6 @@ from livelora.trainer.settings import TrainingSection
 from livelora.trainer.worker import TRAINED_FILE, TrainerWorker, dataset_dir, read_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def bus():
-    keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
-    client = connect_sync("redis://127.0.0.1:6379/0")
-    ensure_group(client, keys)
-    yield client, keys
-    for k in client.scan_iter(match=keys.prefix + "*"):
-        client.delete(k)
-    client.close()
 
 
 @pytest.fixture(scope="module")
