@@ -5,7 +5,8 @@ is not a ``livelora`` sub-command (or passes an option it does not have), a LIVE
 variable no settings class reads (ignored without a word) or whose value does not
 validate, volumes or ports that do not line up, a health check on a route the app does
 not serve, a build target the Dockerfile lacks. Everything is introspected: the typer app
-of ``livelora.cli.main``, each process's settings object (``livelora.cli.settings.PROCESS_SETTINGS``), ``create_app``'s routes
+of ``livelora.cli.main``, each process's settings object (``livelora.cli.settings.PROCESS_SETTINGS``),
+``create_app``'s routes
 (no model is loaded), the Dockerfile's ``FROM ... AS`` stages.
 """
 
@@ -239,7 +240,8 @@ def test_build_targets_exist_in_the_dockerfile_and_images_are_built_once(service
 
 
 def test_every_dockerfile_stage_copies_every_package_folder():
-    """``pip install .`` in an image needs every folder of pyproject's ``package-dir`` (a new package is easy to forget)."""
+    """``pip install .`` in an image needs every folder of pyproject's ``package-dir`` (a new package is easy to
+    forget)."""
     import tomllib
 
     folders = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
