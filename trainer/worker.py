@@ -70,6 +70,7 @@ from livelora.core.bus import ensure_group, publish_notice, redis_unavailable
 from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.trainer import triage
 from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
+from livelora.trainer.learning_status import LearningReporter
 from livelora.trainer.retention import VersionRoom
 from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
 
@@ -226,6 +227,9 @@ class TrainerWorker:
         self._handoff = client.register_script(_HANDOFF)
         self._last_claim = float("-inf")
         self._started = False
+        self.learning = LearningReporter(client, keys, self.scheduler.config)  # GET /v1/learning/{endpoint}
+        if hasattr(backend, "progress"):
+            backend.progress = self.learning.progress
 
     # ------------------------------------------------------------------ reading
 
@@ -239,6 +243,7 @@ class TrainerWorker:
         entries = own[0][1] if own else []
         self._ingest([(sid, f) for sid, f in entries if f])
         self._started = True
+        self.learning.started()
         if self._keeper is None:
             self._keeper_stop.clear()
             self._keeper = threading.Thread(target=self._keep_claims, name="livelora-claim-keeper", daemon=True)
@@ -342,7 +347,7 @@ class TrainerWorker:
                 continue  # a forgotten user's event is neither recorded nor trained (admit() drops it)
             records.append((ev.id, {"stream_id": sid, "received": now, "event": json.loads(ev.model_dump_json())}))
         self.dataset.append(day, records)  # durable BEFORE any ack; once per event id
-        ack = list(bad)
+        ack, touched = list(bad), {}
         done = self.trained_ids([ev.id for _, ev in parsed])
         for sid, ev in parsed:
             if ev.id in done:  # trained before a crash that came before its ack, or by a peer
@@ -357,8 +362,10 @@ class TrainerWorker:
                 continue
             self._hold([sid])
             ack += self.scheduler.add(lineage, sid, ev, now)
+            touched[lineage] = ev.endpoint
         if ack:
             self._ack(ack)
+        self.learning.queued(self.scheduler, touched, [sid for sid, _ in entries])
 
     def _ack(self, ids: list[str]) -> None:
         """Acknowledge and delete entries still pending for this worker (nothing is marked trained)."""
@@ -483,6 +490,7 @@ class TrainerWorker:
                 return None
             if self.governor is not None:
                 batch = self.governor.weigh(batch)  # rater agreement weights
+            self.learning.training(batch, self.scheduler)
             manifest = self.backend.train(batch)
         except LiveloraError as exc:
             if exc.category == "user":
@@ -534,12 +542,14 @@ class TrainerWorker:
         except UnavailableError as exc:  # gateways catch up from the store
             log.warning("version %s written but its notice was not published: %s", notice.name, exc)
         log.info("published %s (%s, %d events)", notice.name, batch.kind, len(batch.events))
+        self.learning.outcome(batch, manifest, self.scheduler)
         return notice
 
     def _failed(self, batch: Batch, key: str, exc: BaseException) -> None:
         n = self._failures.get(key, 0) + 1
         self._failures[key] = n
         log.exception("training step for %s failed (%d/%d): %s", batch.lineage, n, self.max_failures, exc)
+        self.learning.failed(batch, self.scheduler, f"{type(exc).__name__}: {exc}")
         if n >= self.max_failures:
             self._failures.pop(key, None)
             self._dead_letter(batch, f"{type(exc).__name__}: {exc}")
@@ -571,6 +581,7 @@ class TrainerWorker:
         lines = triage.rejected_lines(batch, dict.fromkeys(range(len(batch.events)), reason))
         append_lines(dataset_dir(self.home) / "rejected.jsonl", lines)
         self._ack(batch.stream_ids)
+        self.learning.failed(batch, self.scheduler, f"dead-lettered: {reason}")
 
     def run(self, stop: threading.Event, retry_s: float = 1.0) -> None:
         """Poll until ``stop`` is set (:func:`run_loop`)."""
