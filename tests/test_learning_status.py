@@ -5,13 +5,16 @@ endpoints show`` prints it, and another tenant's endpoint is a 404 like on every
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
 import threading
 import time
 import uuid
 
 import httpx
 import pytest
+from _doc_blocks import REPO, blocks
 from _server import start_server
 from typer.testing import CliRunner
 
@@ -120,8 +123,15 @@ def test_rating_to_a_published_version_is_watchable(live, caplog):
     assert "forward/backward and optimizer step" in [m.detail for m in marks]
     assert [m.check for m in marks if m.stage == "gate"] == ["probes", "replies", "verdict"]
     logged = [r.getMessage() for r in caplog.records if r.name == "livelora.trainer.learning_status"]
-    for what in ("training", "gate (probes)", "gate (verdict)", f"published ({EP}@1)"):
+    for what in (f"training (kto step on {BATCH} event(s))", "gate (probes)", "gate (verdict)", f"published ({EP}@1)"):
         assert f"learning {EP}: {what}" in logged, logged
+
+    # the page's example (docs/live-loop.md), against this server, for tenant acme
+    [block] = [b for b in blocks(REPO / "docs" / "live-loop.md") if "/v1/learning/" in b.code and b.lang == "bash"]
+    code = block.code.replace("localhost:8000", server.base_url).replace("smollm2-135m-instruct", EP)
+    code = code.replace("curl -s ", f"curl -s -H 'Authorization: Bearer {keys['acme']}' ")
+    doc = json.loads(subprocess.run(["bash", "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert doc["stage"] == "published" and doc["version"] == f"{EP}@1"
 
     shown = CliRunner().invoke(cli, ["endpoints", "show", EP, "--url", server.base_url, "--api-key", keys["acme"]])
     assert shown.exit_code == 0, shown.output
