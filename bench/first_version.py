@@ -129,6 +129,12 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
         shutil.rmtree(home, ignore_errors=True)
+        from livelora.core.bus import connect_sync
+
+        redis = connect_sync(CommonSettings().redis_url)
+        for key in redis.scan_iter(match=env["LIVELORA_REDIS_PREFIX"] + "*", count=500):
+            redis.delete(key)
+        redis.close()
     marks = [
         (m["stage"], m.get("check") or m.get("detail") or m.get("version"), m["at"] - wall_last)
         for m in status.get("stages", [])

@@ -79,6 +79,8 @@ class LearningReporter:
                 st = None
             if st is None:
                 st = LearningStatus(endpoint=endpoint, lineage=lineage, stage="idle")
+            elif st.stage in ("waiting", "training", "gate"):  # a step this trainer did not finish: its events return
+                st.stage, st.stages = "idle", []
             st.batch_size, st.max_wait_s = self.config.kto_min_batch, self.config.max_wait_s
             self._status[lineage] = st
         st.endpoint = endpoint or st.endpoint

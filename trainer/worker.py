@@ -591,6 +591,7 @@ class TrainerWorker:
 def run_loop(worker: TrainerWorker, stop: threading.Event, retry_s: float = 1.0) -> None:
     """Poll ``worker`` until ``stop`` is set; Redis outages are logged and retried every ``retry_s`` seconds.
     First the backend builds its model ahead (``warm_up``), so the first update is not slower."""
+    worker.learning.started()  # the batch size for GET /v1/learning while the model is built
     warm_up = getattr(worker.backend, "warm_up", None)
     if warm_up is not None:
         try:

@@ -2,7 +2,8 @@
 
 Stages, in order: ``waiting`` (ratings queued, n of the batch size), ``training`` (forward/backward and the
 optimizer step), ``gate`` (the evaluation gate, ``check`` names the pass running), then ``published`` (the
-version) or ``rejected`` (why). ``idle``: no trainer has reported on the lineage yet. Times are Unix seconds.
+version) or ``rejected`` (why). ``idle``: no step reported since the trainer started, nothing queued. Times are
+Unix seconds.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class LearningStatus(BaseModel):
     def summary(self) -> str:
         """One line for people, e.g. ``waiting: 3 of 8 ratings (5 more start a step)``."""
         if self.stage == "idle":
-            return "idle: no trainer has reported on this lineage yet"
+            return "idle: nothing queued, no step since the trainer started"
         if self.stage == "waiting":
             s = f"waiting: {self.ratings_waiting} of {self.batch_size} ratings"
             if self.ratings_to_step:

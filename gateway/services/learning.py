@@ -55,6 +55,8 @@ def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None
             return
         if step is not None:
             st.eta_s, st.eta_basis = wait + step, basis + (" plus the batch's remaining wait" if wait else "")
+        else:
+            st.eta_basis = "no step timed yet"
 
 
 class LearningService:
@@ -125,7 +127,7 @@ class LearningService:
                 st.stages = []
         base = trainer.get("base_measure") or {}
         estimate(st, base.get("seconds"), time.time())
-        if base.get("state") == "measuring" and st.stage == "waiting" and st.eta_basis:
+        if base and base.get("state") != "ready" and st.stage == "waiting" and st.eta_basis:
             st.eta_basis += "; the gate's base measurement runs first (once per store)"
         return st
 
