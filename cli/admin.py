@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import getpass
 import io
+import json
 import os
 import tarfile
 import time
@@ -106,6 +107,34 @@ class Backend:
 
     def list_endpoints_one(self, name: str) -> dict:
         return self.local.get_endpoint(name) if self.home else self.http("GET", f"/admin/endpoints/{name}")
+
+    def learning(self, name: str) -> dict | None:
+        """The learning status of ``name`` (``GET /v1/learning/{name}``; with ``--home``, read from Redis without
+        the ratings the trainer has not read yet); None when Redis is unreachable in ``--home`` mode."""
+        if not self.home:
+            return self.http("GET", f"/v1/learning/{name}")
+        from livelora.clients.types.learning import LearningStatus
+        from livelora.core.bus import connect_sync
+        from livelora.core.redis_keys import KeyLayout
+        from livelora.core.settings import CommonSettings
+        from livelora.gateway.services.learning import estimate
+
+        settings, lineage = CommonSettings(), self.local.get_endpoint(name)["lineage"]
+        keys = KeyLayout(settings.redis_prefix)
+        try:
+            client = connect_sync(settings.redis_url, timeout_s=1.0)
+            raw, trainer = client.mget(keys.learning(lineage), keys.learning_trainer)
+            client.close()
+        except Exception:
+            return None
+        t = json.loads(trainer) if trainer else {}
+        st = (
+            LearningStatus.model_validate_json(raw)
+            if raw
+            else LearningStatus(endpoint=name, lineage=lineage, stage="idle")
+        )
+        estimate(st, (t.get("base_measure") or {}).get("seconds"), time.time())
+        return st.model_dump(mode="json")
 
     def create_endpoint(self, **body) -> dict:
         if self.home:
@@ -249,6 +278,23 @@ def endpoints_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt
         table.add_row(
             e["name"], e["lineage"], e["mode"], e["serving"], e["rollback_to"] or "-", e["tenant"] or "(public)"
         )
+    out.print(table)
+
+
+@endpoints_app.command("show")
+def endpoints_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+    """One endpoint: its binding, the version it serves, and where its next version stands (learning)."""
+    from livelora.clients.types.learning import LearningStatus
+
+    backend = Backend(url, api_key, home)
+    e = _run(lambda: backend.list_endpoints_one(name))
+    table = Table(title=e["name"], show_header=False)
+    for key in ("lineage", "mode", "serving", "rollback_to", "tenant"):
+        table.add_row(key.replace("_", " "), str(e.get(key) or "-"))
+    learning = _run(lambda: backend.learning(name))
+    table.add_row(
+        "learning", LearningStatus.model_validate(learning).summary() if learning else "- (Redis unreachable)"
+    )
     out.print(table)
 
 

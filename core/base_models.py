@@ -203,6 +203,20 @@ def resolve_base_model(name: str, home: Path) -> BaseModelRef:
     return BaseModelRef(name, name, False)
 
 
+def base_identity(ref: BaseModelRef) -> str:
+    """A string that changes when the base weights change: the converted model's recorded ``weights_sha256``; for
+    another local directory the names, sizes and modification times of its weight files; for a hub id the id."""
+    if not ref.is_local:
+        return f"hub:{ref.path}"
+    root = Path(ref.path)
+    try:
+        return "sha256:" + json.loads((root / MANIFEST).read_text())["weights_sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf") and p.is_file())
+    return "files:" + ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+
+
 def load_tokenizer(ref: BaseModelRef) -> PreTrainedTokenizerBase:
     """Load the tokenizer (with its chat template) of a resolved base model."""
     import_model_libraries()

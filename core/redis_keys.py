@@ -58,6 +58,17 @@ class KeyLayout:
         overwrites its field, so each (completion, rater) counts once."""
         return f"{self.prefix}stats:{endpoint}:ratings:{version}"
 
+    def learning(self, lineage: str) -> str:
+        """``{prefix}learning:lineage:{lineage}``: where the lineage's next version stands (JSON, SET by the trainer
+        at each stage change; ``trainer/learning_status.py``)."""
+        return f"{self.prefix}learning:lineage:{lineage}"
+
+    @property
+    def learning_trainer(self) -> str:
+        """``{prefix}learning:trainer``: the trainer's batch settings, step-time estimate and the newest signals
+        stream id it has read (JSON)."""
+        return f"{self.prefix}learning:trainer"
+
     @property
     def signals(self) -> str:
         """``{prefix}signals``: the stream of accepted signal events (group :data:`TRAINERS_GROUP`)."""

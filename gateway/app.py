@@ -35,7 +35,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from fastapi import FastAPI
 
 from livelora.core.api_keys import KeyStore
-from livelora.gateway.api import admin, chat, completions, health, models, observability, signals, tinker
+from livelora.gateway.api import admin, chat, completions, health, learning, models, observability, signals, tinker
 from livelora.gateway.api.deps import GatewayServices, attach
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.api.logprobs import TokenTexts
@@ -132,6 +132,7 @@ def create_app(
         log.info("serving %s with the %s engine", settings.model_id, settings.inference.engine)
         live = await start_live_loop(settings, served)  # completion log, signals, adapter registry
         services.registry, services.completions, services.signals = live.registry, live.completions, live.signals
+        services.learning = live.learning
         services.metering = metering = MeteringService(settings)
         await metering.start()
         services.serving = Serving(
@@ -162,6 +163,6 @@ def create_app(
     app.add_middleware(AuthMiddleware, services=services, max_body_bytes=settings.server.max_body_bytes)
     app.add_middleware(DrainMiddleware, drain=services.drain)  # refuses before auth reads a body
     app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, 401s and 503s included
-    for module in (health, models, chat, completions, tinker, signals, admin, observability):
+    for module in (health, models, chat, completions, tinker, signals, learning, admin, observability):
         app.include_router(module.router)
     return app

@@ -69,7 +69,7 @@ POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/api/v1/tokenizer"), AUTHENTICATED),
     ("GET", re.compile(r"/(docs|redoc|openapi\.json|docs/oauth2-redirect)"), PUBLIC),
     ("*", re.compile(r"/v1/(chat/completions|completions|models(/.*)?)"), "inference"),
-    ("*", re.compile(r"/v1/(feedback|preferences|demonstrations)"), "feedback"),
+    ("*", re.compile(r"/v1/(feedback|preferences|demonstrations|learning/.+)"), "feedback"),
     ("*", re.compile(r"/api/v1/.*"), "train"),
     ("*", re.compile(r"/admin(/.*)?"), "admin"),
 ]

@@ -373,6 +373,7 @@ CASES: dict[tuple[str, str], Case] = {
             for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")
         ]
     ),  # @2: loaded by A's sampling session
+    ("GET", "/v1/learning/{endpoint}"): Case(lambda o: [(f"/v1/learning/{o['endpoint']}", None)]),
     ("POST", "/v1/completions"): Case(
         lambda o: [
             ("", {"model": m, "max_tokens": 1, "prompt": "x"})

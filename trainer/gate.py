@@ -5,22 +5,28 @@ One :class:`EvaluationGate` per :class:`~livelora.trainer.online.OnlineTrainer`.
 measurement exists, and :meth:`EvaluationGate.judge` measures the new weights and judges them per endpoint
 (:mod:`livelora.core.rails`). After a rejection the model is restored from the snapshot, so training continues
 from the last version that passed. One rating or preference pair in ``holdout_every`` (:func:`held_out`, by
-the sha256 of its event id) is kept for the signal check instead of trained. The steps in full:
-``docs/internals/rails.md``.
+the sha256 of its event id) is kept for the signal check instead of trained. The base model's measurement is
+kept in the store (``models/gate-base/``, keyed by the probe set and the base weights), so it is taken once per
+store, not once per trainer start. The steps in full: ``docs/internals/rails.md``.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import io
+import json
 import logging
+import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from livelora.adapters.endpoints import EndpointStore
+from livelora.core.atomic import atomic_write_bytes
 from livelora.core.rails import GateCheck, GateResult, GateThresholds, bound_of, judge
 from livelora.trainer.gate_measure import HeldOut, Measurement, ProbeSuite, compare, heldout_items
 
@@ -32,6 +38,34 @@ def held_out(event_id: str, every: int) -> bool:
     if every <= 0:
         return False
     return int.from_bytes(hashlib.sha256(event_id.encode()).digest()[:8], "big") % every == 0
+
+
+#: Where the base model's gate measurements are kept, under the store.
+BASE_CACHE_DIR = Path("models") / "gate-base"
+
+
+def save_measurement(path: Path, m: Measurement, seconds: float) -> None:
+    """Write ``m`` (and the ``seconds`` it took) atomically as a ``torch.save`` file."""
+    buf = io.BytesIO()
+    doc = {"probe_right": m.probe_right, "logp_M_V": m.logp_M_V, "degenerate": m.degenerate}
+    doc.update({"mean_len": m.mean_len, "replies": m.replies, "seconds": seconds})
+    torch.save(doc, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_measurement(path: Path) -> tuple[Measurement, float] | None:
+    """``(measurement, seconds it took)`` read back by :func:`save_measurement`; None when absent or unreadable."""
+    try:
+        d = torch.load(path, weights_only=True)
+        m = Measurement(
+            list(d["probe_right"]), d["logp_M_V"], float(d["degenerate"]), float(d["mean_len"]), d["replies"]
+        )
+        return m, float(d["seconds"])
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a torn or foreign file: measured again and rewritten
+        log.warning("cached base measurement %s unreadable (%s): measuring again", path, exc)
+        return None
 
 
 class EvaluationGate:
@@ -53,8 +87,14 @@ class EvaluationGate:
         holdout_every: int = 10,
         heldout_max: int = 8,
         gen_tokens: int = 24,
+        base_id: str | None = None,
     ):
         self.tokenizer = tokenizer
+        #: the base weights' identity (:func:`~livelora.core.base_models.base_identity`); None: never cached
+        self.base_id = base_id
+        self._base_lock = threading.Lock()
+        self.base_source: str | None = None  # "cache" or "measured", once :meth:`base` has run
+        self.base_seconds: float | None = None  # what measuring the base model took (read from the cache too)
         self.endpoints = EndpointStore(home)
         self.chat_pair = chat_pair
         self.holdout_every = holdout_every
@@ -122,14 +162,67 @@ class EvaluationGate:
         return n
 
     # ------------------------------------------------------------------ around a step
-    def base(self, model: Any) -> Measurement:
-        """The base model's measurement (adapter off; computed once)."""
-        if self._base is None:
-            self._base = self.suite.measure(model, adapter=False)
-        return self._base
+    def base_cache_path(self, model: Any) -> Path | None:
+        """``<home>/models/gate-base/<sha256(base)[:16]>-<sha256(probes, base, device, dtype)[:16]>.pt`` (None
+        without ``base_id``)."""
+        if self.base_id is None:
+            return None
+        dtype = str(next(model.peft_model.parameters()).dtype)
+        key = json.dumps([self.suite.fingerprint(), self.base_id, str(model.device), dtype])
+        stem = hashlib.sha256(self.base_id.encode()).hexdigest()[:16]
+        return self.endpoints.home / BASE_CACHE_DIR / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
-    def before_step(self, model: Any, lineage: str, label: str) -> None:
-        """Snapshot ``model`` and make sure the current weights (``label``) are measured, held-out items too."""
+    def base(self, model: Any, on_check: Any = None) -> Measurement:
+        """The base model's measurement (adapter off): taken once per process, read from the store's cache when
+        the probe set and base weights match (:meth:`base_cache_path`), else measured and written there (the
+        same base model's files for other probe sets are removed). Thread-safe: a second caller waits."""
+        with self._base_lock:
+            if self._base is not None:
+                return self._base
+            path = self.base_cache_path(model)
+            got = load_measurement(path) if path is not None else None
+            if got is not None:
+                self._base, self.base_seconds = got
+                self.base_source = "cache"
+                log.info("evaluation gate: base model measurement read from %s (took %.1f s once)", path, got[1])
+                return self._base
+            t0 = time.perf_counter()
+            self._base = self.suite.measure(model, adapter=False, on_check=on_check)
+            self.base_seconds, self.base_source = time.perf_counter() - t0, "measured"
+            log.info("evaluation gate: base model measured in %.1f s", self.base_seconds)
+            if path is not None:
+                try:
+                    for old in path.parent.glob(path.name.split("-")[0] + "-*.pt"):
+                        old.unlink(missing_ok=True)  # the same base model under another probe set: stale
+                    save_measurement(path, self._base, self.base_seconds)
+                except OSError as exc:
+                    log.warning("base measurement not cached at %s: %s", path, exc)
+            return self._base
+
+    def base_in_background(self, model: Any, busy: Any, report: Any) -> threading.Thread:
+        """Start a daemon thread taking (or reading from the store) the base measurement on ``model``, under the
+        training flags as a step is (``busy``: :class:`~livelora.core.core_share.TrainingFlag`); ``report(None,
+        "base", state=..., source=..., seconds=...)`` as it starts and ends. A step waits for it (:meth:`base` is
+        locked); if it fails, the first step measures."""
+        from livelora.core.core_share import training_step
+
+        def run() -> None:
+            report(None, "base", state="measuring")
+            try:
+                with training_step(), busy.held():
+                    self.base(model)
+                report(None, "base", state="ready", source=self.base_source, seconds=self.base_seconds)
+            except Exception as exc:
+                log.exception("the gate's base measurement at start-up failed")
+                report(None, "base", state="failed", reason=str(exc)[:300])
+
+        thread = threading.Thread(target=run, name="livelora-gate-base", daemon=True)
+        thread.start()
+        return thread
+
+    def before_step(self, model: Any, lineage: str, label: str, on_check: Any = None) -> None:
+        """Snapshot ``model`` and make sure the current weights (``label``) are measured, held-out items too;
+        ``on_check(name)`` as each measuring pass starts (``base model: probes``, ``current version: replies``...)."""
         self._snapshot = {
             "params": {k: p.detach().clone() for k, p in model.lora_params.items()},
             "optimizer": copy.deepcopy(model.optimizer.state_dict()),
@@ -138,7 +231,8 @@ class EvaluationGate:
             "lineage": model.lineage,
             "data_counts": dict(model.data_counts),
         }
-        self.base(model)
+        tell = on_check or (lambda name: None)
+        self.base(model, on_check=lambda c: tell(f"base model: {c}"))
         have = self._current.get(lineage)
         items = self.items(lineage)
         if have is None or have[0] != label:
@@ -146,19 +240,23 @@ class EvaluationGate:
                 b = self._base
                 have = (label, Measurement(b.probe_right, b.logp_M_V, b.degenerate, b.mean_len, b.replies, {}))
             else:
-                have = (label, self.suite.measure(model, heldout=items))
+                have = (label, self.suite.measure(model, heldout=items, on_check=lambda c: tell(f"{label}: {c}")))
             self._current[lineage] = have
         missing = [i for i in items if i.key not in have[1].signal]
         if missing:
+            tell(f"{label}: signal")
             have[1].signal.update(self.suite.score(model, missing))
 
-    def judge(self, model: Any, lineage: str, endpoint: str) -> tuple[GateResult, Measurement]:
+    def judge(self, model: Any, lineage: str, endpoint: str, on_check: Any = None) -> tuple[GateResult, Measurement]:
         """Measure the stepped ``model`` and judge it for every follow endpoint of ``lineage`` (plus
-        ``endpoint`` and the defaults, key ``"*"``)."""
+        ``endpoint`` and the defaults, key ``"*"``); ``on_check(name)`` as each pass starts (``probes``,
+        ``replies``, ``signal``, then ``verdict``)."""
         t0 = time.perf_counter()
+        tell = on_check or (lambda name: None)
         label, current = self._current[lineage]
         items = self.items(lineage)
-        new = self.suite.measure(model, heldout=items)
+        new = self.suite.measure(model, heldout=items, on_check=tell)
+        tell("verdict")
         values = compare(new, current, self._base, items, GateThresholds().min_signal_examples)
         judged: dict[str, GateThresholds] = {"*": GateThresholds(), endpoint: self.endpoints.get(endpoint).thresholds}
         for name, b in self.endpoints.all().items():

@@ -10,6 +10,7 @@ margin (mean per-token logprob of desirable/chosen minus undesirable/rejected co
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import re
@@ -198,6 +199,19 @@ class ProbeSuite:
         #: leading tokens every probe shares (the template and system message): run once per measurement
         self.shared = min(common_prefix(self.seqs, minimum=1), min(self.reply_start) - 1)
 
+    def fingerprint(self) -> str:
+        """sha256 of everything a measurement depends on besides the weights: the probes' token ids, reply
+        positions and accepted answers, the open prompts, ``gen_tokens`` and the end-of-sequence id."""
+        doc = {
+            "seqs": self.seqs,
+            "reply_start": self.reply_start,
+            "accept": [[p.accept, p.case_sensitive] for p in self.probes],
+            "open": self.open_ids,
+            "gen_tokens": self.gen_tokens,
+            "eos": self.eos,
+        }
+        return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+
     def _render(self, question: str) -> list[int]:
         text = self.tokenizer.apply_chat_template(
             [{"role": "system", "content": PROBE_SYSTEM}, {"role": "user", "content": question}],
@@ -292,12 +306,20 @@ class ProbeSuite:
         lps = model.logprobs(inputs, targets, adapter=adapter, keep_pos=keep)
         return {i.key: float(lp[k].mean()) for i, lp, k in zip(items, lps, keep)}
 
-    def measure(self, model: Any, *, adapter: bool = True, heldout: Sequence[HeldOut] = ()) -> Measurement:
-        """Every measure of ``model`` (adapter on, or the base model with ``adapter=False``)."""
+    def measure(
+        self, model: Any, *, adapter: bool = True, heldout: Sequence[HeldOut] = (), on_check: Any = None
+    ) -> Measurement:
+        """Every measure of ``model`` (adapter on, or the base model with ``adapter=False``); ``on_check(name)`` is
+        called as each pass starts (``probes``, ``replies``, ``signal``)."""
+        tell = on_check or (lambda name: None)
+        tell("probes")
         right, logp = self.probe_logprobs(model, adapter=adapter)
         step_yield()  # serving may go first between the gate's passes (core/core_share.py)
+        tell("replies")
         texts, lens = self.generate(model, adapter=adapter)
         degenerate = sum(reply_degenerate(t, n) for t, n in zip(texts, lens)) / max(1, len(texts))
+        if heldout:
+            tell("signal")
         return Measurement(
             right, logp, degenerate, sum(lens) / max(1, len(lens)), texts, self.score(model, heldout, adapter=adapter)
         )

@@ -12,6 +12,7 @@ datum layouts: ``docs/internals/live-training.md``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, Pref
 from livelora.clients.types.tinker import AdamParams, Datum, ModelInput, TensorData
 from livelora.core import metrics as prom
 from livelora.core.api_keys import DEFAULT_TENANT
-from livelora.core.base_models import BaseModelRef, load_tokenizer
+from livelora.core.base_models import BaseModelRef, base_identity, load_tokenizer
 from livelora.core.chat_tokens import chat_pair, rated_completion_ids
 from livelora.core.core_share import TrainingFlag, training_step
 from livelora.core.metering import Meter, Usage
@@ -94,6 +95,8 @@ class OnlineTrainer:
         self._tokenizer = None
         self._models: dict[str, Any] = {}
         self._fresh = None  # a TrainingModel built ahead by warm_up(), taken by the next lineage model_for() needs
+        self._base_thread: threading.Thread | None = None
+        self.progress: Any = None  # (lineage | None, stage, **fields) → the learning status (learning_status.py)
 
     def warm_up(self) -> None:
         """Load the tokenizer and build one TrainingModel (base weights, LoRA layers of ``config.lora``) ahead of
@@ -105,6 +108,12 @@ class OnlineTrainer:
         _ = self.tokenizer
         if self._fresh is None:
             self._fresh = TrainingModel(self.base_ref, self.config.lora, device=self.config.device)
+        if self.gate is not None and self._base_thread is None:  # the gate's base measurement, in the background
+            self._base_thread = self.gate.base_in_background(self._fresh, self.busy, self._report)
+
+    def _report(self, lineage: str | None, stage: str, **fields: Any) -> None:
+        if self.progress is not None:
+            self.progress(lineage, stage, **fields)
 
     @property
     def tokenizer(self):
@@ -129,6 +138,7 @@ class OnlineTrainer:
                 holdout_every=g.gate_holdout_every,
                 heldout_max=g.gate_heldout_max,
                 gen_tokens=g.gate_gen_tokens,
+                base_id=base_identity(self.base_ref),
             )
         return self._gate
 
@@ -152,6 +162,8 @@ class OnlineTrainer:
         model = self._models.get(lineage)
         if model is None:
             versions = [m for m in self.store.list(lineage) if not (m.gate or {}).get("continued_from")]
+            if self._base_thread is not None and self._fresh is not None:
+                self._base_thread.join()  # the start-up base measurement runs on the model built ahead
             fresh, self._fresh = self._fresh, None
             if versions:
                 latest = versions[-1]
@@ -289,12 +301,15 @@ class OnlineTrainer:
         gate = self.gate
         if gate is not None:
             gate.distrusted = {r for r, a in (getattr(batch, "rater_weights", None) or {}).items() if a < 0.5}
-            gate.before_step(model, batch.lineage, f"{batch.lineage}@{model.parent}" if model.parent else "base")
+            label = f"{batch.lineage}@{model.parent}" if model.parent else "base"
+            tell = lambda c: self._report(batch.lineage, "training", detail=f"measuring {c} for the gate")  # noqa: E731
+            gate.before_step(model, batch.lineage, label, on_check=tell)
         # a trainer process: its duty while serving, all cores while nothing is served (core_share); the engine on
         # this machine leaves a core to the step while the flag is held
         with training_step(), self.busy.held():
             stepped = False
             try:
+                self._report(batch.lineage, "training", detail="forward/backward and optimizer step")
                 out = model.forward_backward(data, loss_fn, cfg, loss_positions_only=True)  # only metrics are read
                 opt = model.optim_step(
                     AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm, eps=1e-8)
@@ -302,7 +317,8 @@ class OnlineTrainer:
                 stepped = True
                 result = new = None
                 if gate is not None:
-                    result, new = gate.judge(model, batch.lineage, batch.endpoint)
+                    tell = lambda c: self._report(batch.lineage, "gate", check=c)  # noqa: E731
+                    result, new = gate.judge(model, batch.lineage, batch.endpoint, on_check=tell)
                     if not result.verdicts[batch.endpoint].passed:
                         result.continued_from = result.against
             except BaseException:

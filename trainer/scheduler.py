@@ -129,6 +129,14 @@ class BatchScheduler:
         """Stream ids of every queued event."""
         return [sid for q in self._queues.values() for sid, _, _ in q.items.values()]
 
+    def queued(self, lineage: str) -> dict[str, tuple[int, float | None]]:
+        """``{kind: (events queued, receive time of the oldest or None)}`` of one lineage, for every kind."""
+        out: dict[str, tuple[int, float | None]] = {}
+        for kind in ("kto", "sft", "dpo"):
+            q = self._queues.get((lineage, kind))
+            out[kind] = (len(q.items), q.oldest()) if q is not None and q.items else (0, None)
+        return out
+
     def __len__(self) -> int:
         return sum(len(q.items) for q in self._queues.values())
 

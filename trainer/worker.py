@@ -62,6 +62,7 @@ from livelora.core.redis_keys import KeyLayout
 from livelora.trainer import triage
 from livelora.trainer.claims import Entry, SignalClaims
 from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
+from livelora.trainer.learning_status import LearningReporter
 from livelora.trainer.retention import VersionRoom
 from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
 
@@ -162,6 +163,9 @@ class TrainerWorker:
         self.dead_letters = triage.DeadLetters(self.home, self.claims, self.scheduler, clock)
         self._last_claim = float("-inf")
         self._started = False
+        self.learning = LearningReporter(client, keys, self.scheduler.config)  # GET /v1/learning/{endpoint}
+        if hasattr(backend, "progress"):
+            backend.progress = self.learning.progress
 
     # ------------------------------------------------------------------ reading
 
@@ -172,6 +176,7 @@ class TrainerWorker:
         self.trained.refresh()
         self._ingest(self.claims.own_pending())
         self._started = True
+        self.learning.started()
         self.claims.start_keeper()
 
     def close(self) -> None:
@@ -212,7 +217,7 @@ class TrainerWorker:
                 continue  # a forgotten user's event is neither recorded nor trained (admit() drops it)
             records.append((ev.id, {"stream_id": sid, "received": now, "event": json.loads(ev.model_dump_json())}))
         self.dataset.append(day, records)  # durable BEFORE any ack; once per event id
-        ack = list(bad)
+        ack, touched = list(bad), {}
         done = self.trained_ids([ev.id for _, ev in parsed])
         for sid, ev in parsed:
             if ev.id in done:  # trained before a crash that came before its ack, or by a peer
@@ -227,8 +232,10 @@ class TrainerWorker:
                 continue
             self.claims.hold([sid])
             ack += self.scheduler.add(lineage, sid, ev, now)
+            touched[lineage] = ev.endpoint
         if ack:
             self.claims.ack(ack)
+        self.learning.queued(self.scheduler, touched, [sid for sid, _ in entries])
 
     # ------------------------------------------------------------------ stepping
 
@@ -313,6 +320,7 @@ class TrainerWorker:
                 return None
             if self.governor is not None:
                 batch = self.governor.weigh(batch)  # rater agreement weights
+            self.learning.training(batch, self.scheduler)
             manifest = self.backend.train(batch)
         except LiveloraError as exc:
             if exc.category == "user":
@@ -324,6 +332,7 @@ class TrainerWorker:
                     "dropping a %s batch of %d event(s) for %s: %s", batch.kind, len(batch.events), batch.lineage, exc
                 )
                 self.dead_letters.all(batch, str(exc))
+                self.learning.failed(batch, self.scheduler, f"dead-lettered: {exc}")
                 return None
             return self._failed(batch, key, exc)
         except Exception as exc:  # a transient or internal fault: retry later
@@ -364,15 +373,18 @@ class TrainerWorker:
         except UnavailableError as exc:  # gateways catch up from the store
             log.warning("version %s written but its notice was not published: %s", notice.name, exc)
         log.info("published %s (%s, %d events)", notice.name, batch.kind, len(batch.events))
+        self.learning.outcome(batch, manifest, self.scheduler)
         return notice
 
     def _failed(self, batch: Batch, key: str, exc: BaseException) -> None:
         n = self._failures.get(key, 0) + 1
         self._failures[key] = n
         log.exception("training step for %s failed (%d/%d): %s", batch.lineage, n, self.max_failures, exc)
+        self.learning.failed(batch, self.scheduler, f"{type(exc).__name__}: {exc}")
         if n >= self.max_failures:
             self._failures.pop(key, None)
             self.dead_letters.all(batch, f"{type(exc).__name__}: {exc}")
+            self.learning.failed(batch, self.scheduler, f"dead-lettered: {type(exc).__name__}: {exc}")
         else:
             self.scheduler.requeue(batch, self.clock())
 
@@ -384,6 +396,7 @@ class TrainerWorker:
 def run_loop(worker: TrainerWorker, stop: threading.Event, retry_s: float = 1.0) -> None:
     """Poll ``worker`` until ``stop`` is set; Redis outages are logged and retried every ``retry_s`` seconds.
     First the backend builds its model ahead (``warm_up``), so the first update is not slower."""
+    worker.learning.started()  # the batch size for GET /v1/learning while the model is built
     warm_up = getattr(worker.backend, "warm_up", None)
     if warm_up is not None:
         try:

@@ -149,6 +149,11 @@ class FeedbackResponse(_Strict):
     user: str | None = None
     replaces: str | None = Field(default=None, description="Id of this user's earlier rating it replaces.")
     created: int
+    ratings_to_step: int | None = Field(
+        default=None,
+        description="More ratings of this endpoint that start a training step (0: one starts when the trainer is "
+        "free; None: no trainer has reported). GET /v1/learning/{endpoint} follows the step.",
+    )
 
 
 class PreferenceResponse(_Strict):

@@ -28,6 +28,7 @@ from livelora.gateway.services.admin import GatewayAdmin
 from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.services.drain import Drain
+from livelora.gateway.services.learning import LearningService
 from livelora.gateway.services.registry import AdapterRegistry
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions import Checkpoints, SamplingSessions, SessionService, TrainingOps
@@ -56,6 +57,7 @@ class GatewayServices:
         sessions: the Tinker training-session service.
         drain: the graceful-drain state (set by the process wiring on SIGTERM/SIGINT).
         metering: token counters and the usage report.
+        learning: the learning status of endpoints (live loop).
     """
 
     settings: GatewaySettings
@@ -71,6 +73,7 @@ class GatewayServices:
     sessions: SessionService | None = None
     drain: Drain | None = None
     metering: MeteringService | None = None
+    learning: LearningService | None = None
 
 
 def attach(app: FastAPI, services: GatewayServices) -> None:
@@ -137,6 +140,12 @@ def get_signal_service(services: ServicesDep) -> SignalService:
     return services.signals
 
 
+def get_learning(services: ServicesDep) -> LearningService:
+    if services.learning is None:
+        raise UnavailableError("the learning status is not available (the gateway is starting or stopping)")
+    return services.learning
+
+
 def get_sessions(services: ServicesDep) -> SessionService:
     if services.sessions is None:
         raise UnavailableError("training sessions are not available (the gateway is starting or stopping)")
@@ -177,6 +186,7 @@ ServingDep = Annotated[Serving, Depends(get_serving)]
 TokenTextsDep = Annotated[TokenTexts, Depends(get_token_texts)]
 CallerDep = Annotated[str | None, Depends(get_caller)]
 SignalsDep = Annotated[SignalService, Depends(get_signal_service)]
+LearningDep = Annotated[LearningService, Depends(get_learning)]
 SessionsDep = Annotated[SessionService, Depends(get_sessions)]
 TrainingOpsDep = Annotated[TrainingOps, Depends(get_training_ops)]
 CheckpointsDep = Annotated[Checkpoints, Depends(get_checkpoints)]

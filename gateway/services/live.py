@@ -16,6 +16,7 @@ from livelora.core.bus import connect_async, ensure_group_async
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.learning import LearningService
 from livelora.gateway.services.live_stats import LiveStats
 from livelora.gateway.services.registry import AdapterRegistry
 from livelora.gateway.services.signals import SignalService
@@ -33,6 +34,7 @@ class LiveLoop:
     completions: CompletionLog
     signals: SignalService
     registry: AdapterRegistry
+    learning: LearningService
 
     async def close(self) -> None:
         if self.registry.stats is not None:
@@ -67,6 +69,7 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
         await stats.count_rating(endpoint, adapter, rating_key, up)
         await stats.after_rating(registry, endpoint)
 
+    learning = LearningService(client, keys, registry)
     signals = SignalService(
         client,
         keys,
@@ -76,6 +79,7 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
         check_trainable=registry.check_trainable,
         check_event=signal_checker(settings),
         on_rating=on_rating,
+        ratings_to_step=learning.ratings_to_step,
     )
     try:
         await ensure_group_async(client, keys)
@@ -86,7 +90,7 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
             exc,
         )
     await registry.start()
-    return LiveLoop(keys, client, completions, signals, registry)
+    return LiveLoop(keys, client, completions, signals, registry, learning)
 
 
 def signal_checker(settings):

@@ -106,9 +106,11 @@ class SignalService:
         check_trainable: Callable[[str], None] | None = None,
         check_event: Callable[[Any], None] | None = None,
         on_rating: Callable[..., Any] | None = None,
+        ratings_to_step: Callable[[str], Any] | None = None,
     ):
         self.client = client
         self.on_rating = on_rating  # async (endpoint, adapter, rating_key, up): live statistics, rollback
+        self.ratings_to_step = ratings_to_step  # async endpoint -> int | None (gateway/services/learning.py)
         self.keys = keys
         self.completions = completions
         self.resolve_endpoint = resolve_endpoint or (lambda name: name)
@@ -233,6 +235,7 @@ class SignalService:
                 await self.on_rating(ev.endpoint, ev.adapter, ev.rating_key, ev.rating)
             except Exception:
                 log.exception("live statistics of a rating failed")
+        to_step = await self.ratings_to_step(ev.endpoint) if self.ratings_to_step is not None else None
         return FeedbackResponse(
             id=ev.id,
             completion_id=ev.completion_id,
@@ -243,6 +246,7 @@ class SignalService:
             user=ev.user,
             replaces=replaces,
             created=ev.created,
+            ratings_to_step=to_step,
         ), replayed
 
     async def preference(

@@ -1,0 +1,79 @@
+"""Wire type of ``GET /v1/learning/{endpoint}``: where the next version of an endpoint's lineage stands.
+
+Stages, in order: ``waiting`` (ratings queued, n of the batch size), ``training`` (forward/backward and the
+optimizer step), ``gate`` (the evaluation gate, ``check`` names the pass running), then ``published`` (the
+version) or ``rejected`` (why). ``idle``: no step reported since the trainer started, nothing queued. Times are
+Unix seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+Stage = Literal["idle", "waiting", "training", "gate", "published", "rejected"]
+
+
+class StageMark(BaseModel):
+    """One stage change of a step: when it began and what it concerned."""
+
+    stage: Stage
+    at: float
+    check: str | None = None
+    detail: str | None = None
+    version: str | None = None
+    reason: str | None = None
+
+
+class LearningStatus(BaseModel):
+    """Answer to ``GET /v1/learning/{endpoint}``."""
+
+    object: Literal["learning.status"] = "learning.status"
+    endpoint: str
+    lineage: str
+    stage: Stage
+    since: float | None = Field(default=None, description="When the current stage began.")
+    check: str | None = Field(default=None, description="Gate stage: the pass running (probes, replies, signal...).")
+    detail: str | None = Field(default=None, description="Training stage: what runs now.")
+    version: str | None = Field(default=None, description="Published or rejected: the version written.")
+    reason: str | None = Field(default=None, description="Rejected: the failed checks.")
+    ratings_waiting: int = Field(default=0, description="Ratings queued for the next KTO step.")
+    demonstrations_waiting: int = 0
+    preferences_waiting: int = 0
+    batch_size: int | None = Field(default=None, description="Ratings that start a KTO step (kto_min_batch).")
+    ratings_to_step: int | None = Field(default=None, description="More ratings that start a step now.")
+    max_wait_s: float | None = Field(
+        default=None, description="A smaller batch (≥ 2 ratings) starts once its oldest has waited this long."
+    )
+    oldest_waiting_at: float | None = None
+    stages: list[StageMark] = Field(default_factory=list, description="This step's stage changes, oldest first.")
+    last: StageMark | None = Field(default=None, description="The last step's outcome (published or rejected).")
+    step_seconds: float | None = Field(
+        default=None, description="Running estimate of one step (training start to outcome), seconds."
+    )
+    eta_s: float | None = Field(
+        default=None, description="Estimated seconds to the next version (None: more ratings are needed first)."
+    )
+    eta_basis: str | None = Field(default=None, description="How eta_s was estimated.")
+    updated: float | None = Field(default=None, description="When the trainer last reported.")
+
+    def summary(self) -> str:
+        """One line for people, e.g. ``waiting: 3 of 8 ratings (5 more start a step)``."""
+        if self.stage == "idle":
+            return "idle: nothing queued, no step since the trainer started"
+        if self.stage == "waiting":
+            s = f"waiting: {self.ratings_waiting} of {self.batch_size} ratings"
+            if self.ratings_to_step:
+                s += f" ({self.ratings_to_step} more start a step)"
+        elif self.stage == "training":
+            s = "training" + (f" ({self.detail})" if self.detail else "")
+        elif self.stage == "gate":
+            s = "evaluation gate" + (f": {self.check}" if self.check else "")
+        elif self.stage == "published":
+            s = f"published {self.version}"
+        else:
+            s = f"rejected {self.version}: {self.reason}"
+        if self.eta_s is not None:
+            s += f"; next version in about {self.eta_s:.0f} s"
+        return s

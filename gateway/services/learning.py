@@ -1,0 +1,140 @@
+"""The learning status of an endpoint (``GET /v1/learning/{endpoint}``, the feedback answer's ``ratings_to_step``).
+
+The trainer publishes where each lineage's next version stands (``trainer/learning_status.py``: stage, queued
+ratings, stage times, step-time estimate); :class:`LearningService` adds the ratings accepted since the trainer's
+last read (signals stream entries after its ``read_through`` id, at most :data:`MAX_UNREAD` looked at) and the
+running estimate of the time to the next version (:func:`estimate`). A tenant sees its own endpoints only: any
+other name is a 404 ``model_not_found``, as in every route.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from livelora.clients.errors import ModelNotFoundError
+from livelora.clients.types.learning import LearningStatus
+from livelora.core.bus import redis_unavailable
+from livelora.core.redis_keys import KeyLayout
+
+log = logging.getLogger(__name__)
+
+#: Unread stream entries looked at per request (the trainer reads every second unless a step runs).
+MAX_UNREAD = 2000
+#: KTO never trains fewer ratings (its KL reference point needs mismatched pairs).
+KTO_FLOOR = 2
+
+
+def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None:
+    """Set ``ratings_to_step``, ``eta_s`` and ``eta_basis`` of ``st`` in place.
+
+    One step costs ``step_seconds`` (the trainer's running mean of training start to outcome; before any step,
+    1.5 × the gate's base measurement, which the new weights' measurement repeats). Waiting with a full batch:
+    one step; with ≥ 2 ratings: what is left of ``max_wait_s`` after the oldest, plus one step; training or gate:
+    one step minus the time since training began (0: overdue); otherwise None (more ratings are needed).
+    """
+    if st.batch_size is not None:
+        st.ratings_to_step = max(0, st.batch_size - st.ratings_waiting)
+    step, basis = st.step_seconds, "running mean of this lineage's steps"
+    if step is None and base_seconds:
+        step, basis = 1.5 * base_seconds, "1.5 × the gate's base measurement (no step timed yet)"
+    st.eta_s, st.eta_basis = None, None
+    if st.stage in ("training", "gate"):
+        started = next((m.at for m in reversed(st.stages) if m.stage == "training"), st.since)
+        if step is not None and started is not None:
+            st.eta_s, st.eta_basis = max(0.0, started + step - now), basis + ", minus the time spent"
+    elif st.stage == "waiting" and st.batch_size is not None:
+        if st.ratings_waiting >= st.batch_size:
+            wait = 0.0
+        elif st.ratings_waiting >= KTO_FLOOR and st.oldest_waiting_at is not None and st.max_wait_s is not None:
+            wait = max(0.0, st.oldest_waiting_at + st.max_wait_s - now)
+        else:
+            st.eta_basis = f"{st.ratings_to_step} more rating(s) start a step"
+            return
+        if step is not None:
+            st.eta_s, st.eta_basis = wait + step, basis + (" plus the batch's remaining wait" if wait else "")
+        else:
+            st.eta_basis = "no step timed yet"
+
+
+class LearningService:
+    """Reads the trainer's learning status for the caller's endpoints.
+
+    Args:
+        client: asyncio Redis client (``decode_responses=True``).
+        keys: key layout.
+        registry: the adapter registry (endpoint bindings and who may see them).
+    """
+
+    def __init__(self, client: Any, keys: KeyLayout, registry: Any):
+        self.client, self.keys, self.registry = client, keys, registry
+
+    def _lineage(self, endpoint: str) -> str:
+        r = self.registry
+        if endpoint not in r.current or not r.visible(endpoint):
+            r.endpoint_for(endpoint)  # unknown or another tenant's: the 404 every route answers (ModelNotFoundError)
+        if endpoint not in r.current or not r.versions_visible(endpoint):  # a version name; the shared base model
+            shown = [ep for ep in r.current if r.visible(ep)]
+            raise ModelNotFoundError(
+                f"model {endpoint!r} does not exist; served endpoints: {', '.join(shown) or 'none'}", param="model"
+            )
+        return r.bindings[endpoint].lineage
+
+    async def _unread(self, lineage: str, read_through: str | None) -> tuple[int, float | None]:
+        """Ratings of ``lineage`` accepted after the trainer's last read: ``(count, Unix s of the oldest)``."""
+        eps = {ep for ep, b in self.registry.bindings.items() if b.lineage == lineage}
+        start = f"({read_through}" if read_through else "-"
+        entries = await self.client.xrange(self.keys.signals, min=start, max="+", count=MAX_UNREAD)
+        n, oldest = 0, None
+        for sid, fields in entries:
+            try:
+                ev = json.loads(fields.get("event") or "{}")
+            except ValueError:
+                continue
+            if ev.get("type") == "rating" and ev.get("endpoint") in eps:
+                n += 1
+                oldest = oldest if oldest is not None else int(sid.split("-")[0]) / 1000
+        return n, oldest
+
+    async def status(self, endpoint: str) -> LearningStatus:
+        """The stage of ``endpoint``'s next version.
+
+        Raises:
+            ModelNotFoundError: unknown endpoint, or another tenant's (404).
+            UnavailableError: Redis unreachable (503).
+        """
+        lineage = self._lineage(endpoint)
+        with redis_unavailable():
+            raw, trainer_raw = await self.client.mget(self.keys.learning(lineage), self.keys.learning_trainer)
+            trainer = json.loads(trainer_raw) if trainer_raw else {}
+            unread, unread_oldest = await self._unread(lineage, trainer.get("read_through"))
+        if raw:
+            st = LearningStatus.model_validate_json(raw)
+            st.endpoint = endpoint
+        else:
+            st = LearningStatus(endpoint=endpoint, lineage=lineage, stage="waiting" if trainer else "idle")
+            st.batch_size, st.max_wait_s = trainer.get("batch_size"), trainer.get("max_wait_s")
+        if st.step_seconds is None:
+            st.step_seconds = trainer.get("step_seconds")
+        if unread:
+            st.ratings_waiting += unread
+            if st.oldest_waiting_at is None:
+                st.oldest_waiting_at = unread_oldest
+            if st.stage in ("idle", "published", "rejected") and trainer:
+                st.stage, st.since, st.check, st.detail, st.version, st.reason = "waiting", None, None, None, None, None
+                st.stages = []
+        base = trainer.get("base_measure") or {}
+        estimate(st, base.get("seconds"), time.time())
+        if base and base.get("state") != "ready" and st.stage == "waiting" and st.eta_basis:
+            st.eta_basis += "; the gate's base measurement runs first (once per store)"
+        return st
+
+    async def ratings_to_step(self, endpoint: str) -> int | None:
+        """More ratings that start a step of ``endpoint``'s lineage (None when unknown; never raises)."""
+        try:
+            return (await self.status(endpoint)).ratings_to_step
+        except Exception as exc:  # the rating is accepted already; this figure is a courtesy
+            log.debug("learning status of %s unavailable: %s", endpoint, exc)
+            return None

@@ -1,0 +1,58 @@
+"""The evaluation gate's base-model measurement is taken once per store: at trainer start-up, in the background,
+kept in ``models/gate-base/`` keyed by the probe set and the base weights; a second start reads it, a changed
+probe set measures again (real SmolLM2 model)."""
+
+from __future__ import annotations
+
+import torch
+
+from livelora.core.base_models import base_identity, resolve_base_model
+from livelora.core.settings import DEFAULT_MODEL
+from livelora.trainer.gate import BASE_CACHE_DIR, EvaluationGate
+from livelora.trainer.gate_measure import ProbeSuite, load_probes
+from livelora.trainer.online import OnlineTrainer
+from livelora.trainer.settings import GateSection, TrainingSection
+
+
+def _store(tmp_path, livelora_home):
+    """A fresh store whose converted base model is the test store's (linked, not converted again)."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / DEFAULT_MODEL).symlink_to(livelora_home / "models" / DEFAULT_MODEL)
+    return tmp_path, resolve_base_model(DEFAULT_MODEL, tmp_path)
+
+
+def _start(ref, home) -> OnlineTrainer:
+    """A trainer start: warm_up builds the model and starts the base measurement; wait for it."""
+    trainer = OnlineTrainer(ref, home, TrainingSection(), gate=GateSection(gate_enabled=True))
+    trainer.warm_up()
+    trainer._base_thread.join()
+    return trainer
+
+
+def test_a_second_start_reads_the_measurement_and_new_probes_measure_again(tmp_path, livelora_home):
+    home, ref = _store(tmp_path, livelora_home)
+    first = _start(ref, home)
+    assert first.gate.base_source == "measured" and first.gate.base_seconds > 0
+    [path] = sorted((home / BASE_CACHE_DIR).glob("*.pt"))
+    assert path == first.gate.base_cache_path(first._fresh)
+
+    second = _start(ref, home)
+    assert second.gate.base_source == "cache"
+    assert second.gate.base_seconds == first.gate.base_seconds  # the original measurement's time, read back
+    a, b = first.gate._base, second.gate._base
+    assert torch.equal(a.logp_M_V, b.logp_M_V) and a.logp_M_V.shape[1] == first._fresh.vocab_size
+    assert (a.probe_right, a.replies, a.degenerate, a.mean_len) == (b.probe_right, b.replies, b.degenerate, b.mean_len)
+
+    # another base model (its weights' identity) is another file
+    other = EvaluationGate(first.tokenizer, home, first.chat_pair, base_id="sha256:other")
+    assert other.base_cache_path(first._fresh) != path
+
+    # a changed probe set: measured again, and the old probe set's file of this base model removed
+    changed = EvaluationGate(first.tokenizer, home, first.chat_pair, base_id=base_identity(ref))
+    changed.suite = ProbeSuite(first.tokenizer, load_probes()[:-1])
+    new_path = changed.base_cache_path(second._fresh)
+    assert new_path != path
+    m = changed.base(second._fresh)
+    assert changed.base_source == "measured"
+    assert m.probe_right == a.probe_right[:-1] and m.replies == a.replies
+    assert sorted((home / BASE_CACHE_DIR).glob("*.pt")) == [new_path]

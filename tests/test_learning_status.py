@@ -1,0 +1,146 @@
+"""Watchable learning on a live gateway with a trainer (real Redis, real SmolLM2, the evaluation gate on): the
+feedback answer counts down the ratings that start a step, ``GET /v1/learning/{endpoint}`` follows the step
+through training and the gate to the published version (the trainer logs the same stages), ``livelora
+endpoints show`` prints it, and another tenant's endpoint is a 404 like on every route."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+from _doc_blocks import REPO, blocks
+from _server import start_server
+from typer.testing import CliRunner
+
+from livelora.adapters.endpoints import EndpointStore
+from livelora.cli.main import app as cli
+from livelora.clients.types.learning import LearningStatus
+from livelora.core.api_keys import TENANT_ROLES, KeyStore
+from livelora.core.base_models import resolve_base_model
+from livelora.core.bus import connect_sync
+from livelora.core.redis_keys import KeyLayout
+from livelora.core.settings import DEFAULT_MODEL
+from livelora.gateway.settings import GatewaySettings
+from livelora.trainer.online import OnlineTrainer
+from livelora.trainer.scheduler import BatchScheduler
+from livelora.trainer.settings import GateSection, TrainingSection
+from livelora.trainer.worker import TrainerWorker, run_loop
+
+EP = "acme.learn"
+BATCH = 4
+ORDER = ["waiting", "training", "gate", "published"]
+PROMPTS = ["What is 2+2?", "Name a colour.", "Say hello.", "What is the capital of France?"]
+
+
+@pytest.fixture
+def live(tmp_path, livelora_home):
+    """A fresh store (the converted base model linked in), keys of tenants acme and beta, acme's endpoint, a
+    gateway and a trainer thread with the gate on (no held-out ratings: every rating counts toward the batch)."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / DEFAULT_MODEL).symlink_to(livelora_home / "models" / DEFAULT_MODEL)
+    store = KeyStore(tmp_path)
+    keys = {t: store.create(t, list(TENANT_ROLES), t)[1] for t in ("acme", "beta")}
+    EndpointStore(tmp_path).create(EP, EP, tenant="acme", who="test")
+    layout = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
+    server = start_server(
+        GatewaySettings(
+            model=DEFAULT_MODEL, home=tmp_path, redis_prefix=layout.prefix, device="cpu", executor_in_process=True
+        )
+    )
+    redis = connect_sync("redis://127.0.0.1:6379/0")
+    backend = OnlineTrainer(
+        resolve_base_model(DEFAULT_MODEL, tmp_path),
+        tmp_path,
+        TrainingSection(kto_lr=1e-3),
+        gate=GateSection(gate_enabled=True, gate_holdout_every=0),
+    )
+    scheduler = BatchScheduler(TrainingSection(kto_min_batch=BATCH, max_wait_s=3600))
+    worker = TrainerWorker(redis, layout, tmp_path, backend, scheduler, consumer="learn", block_ms=200)
+    stop = threading.Event()
+    thread = threading.Thread(target=run_loop, args=(worker, stop), daemon=True)
+    thread.start()
+    try:
+        yield server, keys
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        server.stop()
+        for k in redis.scan_iter(match=layout.prefix + "*"):
+            redis.delete(k)
+        redis.close()
+
+
+def test_rating_to_a_published_version_is_watchable(live, caplog):
+    server, keys = live
+    caplog.set_level(logging.INFO, logger="livelora.trainer.learning_status")
+    acme = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {keys['acme']}"}, timeout=300)
+    beta = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {keys['beta']}"}, timeout=300)
+
+    before = acme.get(f"/v1/learning/{EP}")
+    assert before.status_code == 200, before.text
+    assert LearningStatus.model_validate(before.json()).ratings_waiting == 0
+
+    to_step = []
+    for prompt in PROMPTS:
+        r = acme.post(
+            "/v1/chat/completions",
+            json={"model": EP, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        fb = acme.post("/v1/feedback", json={"completion_id": r.json()["id"], "rating": len(to_step) % 2 == 0})
+        assert fb.status_code == 200, fb.text
+        assert fb.json()["endpoint"] == EP and fb.json()["rating"] == (len(to_step) % 2 == 0)
+        to_step.append(fb.json()["ratings_to_step"])
+    # 3, 2, 1 more; after the 4th none (or, once the trainer took the batch, the next step's 4)
+    assert to_step[:3] == [3, 2, 1] and to_step[3] in (0, BATCH)
+
+    seen: list[str] = []
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        st = LearningStatus.model_validate(acme.get(f"/v1/learning/{EP}").json())
+        if not seen or seen[-1] != st.stage:
+            seen.append(st.stage)
+        if st.stage in ("published", "rejected"):
+            break
+        time.sleep(0.2)
+    assert st.stage == "published", st.model_dump()
+    assert [ORDER.index(s) for s in seen] == sorted(ORDER.index(s) for s in seen), seen  # never backwards
+    assert st.version == f"{EP}@1" and st.last.version == f"{EP}@1" and st.last.stage == "published"
+    assert st.ratings_waiting == 0 and st.ratings_to_step == BATCH and st.eta_s is None
+    assert st.step_seconds is not None and st.step_seconds > 0
+    marks = st.stages
+    assert [m.at for m in marks] == sorted(m.at for m in marks)
+    stages = [m.stage for m in marks]
+    assert stages[0] == "waiting" and stages[-1] == "published"
+    assert stages.index("training") < stages.index("gate")
+    assert f"kto step on {BATCH} event(s)" in [m.detail for m in marks]
+    assert "forward/backward and optimizer step" in [m.detail for m in marks]
+    assert [m.check for m in marks if m.stage == "gate"] == ["probes", "replies", "verdict"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "livelora.trainer.learning_status"]
+    for what in (f"training (kto step on {BATCH} event(s))", "gate (probes)", "gate (verdict)", f"published ({EP}@1)"):
+        assert f"learning {EP}: {what}" in logged, logged
+
+    # the page's example (docs/live-loop.md), against this server, for tenant acme
+    [block] = [b for b in blocks(REPO / "docs" / "live-loop.md") if "/v1/learning/" in b.code and b.lang == "bash"]
+    code = block.code.replace("localhost:8000", server.base_url).replace("smollm2-135m-instruct", EP)
+    code = code.replace("curl -s ", f"curl -s -H 'Authorization: Bearer {keys['acme']}' ")
+    doc = json.loads(subprocess.run(["bash", "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert doc["stage"] == "published" and doc["version"] == f"{EP}@1"
+
+    shown = CliRunner().invoke(cli, ["endpoints", "show", EP, "--url", server.base_url, "--api-key", keys["acme"]])
+    assert shown.exit_code == 0, shown.output
+    assert f"published {EP}@1" in shown.output and "learning" in shown.output
+
+    # another tenant: the 404 of every route (here the chat route's), for a name that exists and one that does not
+    theirs = beta.get(f"/v1/learning/{EP}")
+    chat = beta.post("/v1/chat/completions", json={"model": EP, "messages": [{"role": "user", "content": "x"}]})
+    assert theirs.status_code == chat.status_code == 404
+    assert theirs.json() == chat.json() and theirs.json()["error"]["code"] == "model_not_found"
+    unknown = acme.get("/v1/learning/acme.nosuch")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"

@@ -1,0 +1,197 @@
+"""Where each lineage's next version stands, published for ``GET /v1/learning/{endpoint}`` and logged at INFO.
+
+The worker calls :meth:`LearningReporter.queued` after reading signals, :meth:`~LearningReporter.training` when
+a step starts and :meth:`~LearningReporter.outcome` when its version is written (:meth:`~LearningReporter.failed`
+otherwise); the backend calls :meth:`~LearningReporter.progress` at each pass of the evaluation gate and for the
+start-up base measurement. Each change SETs one small JSON value (atomic): ``keys.learning(lineage)`` (a
+:class:`~livelora.clients.types.learning.LearningStatus` without the gateway's estimates) and
+``keys.learning_trainer`` (batch settings, step-time estimate, the newest stream id read). Reporting never fails
+the trainer: a Redis error is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from livelora.clients.types.learning import LearningStatus, StageMark
+
+log = logging.getLogger(__name__)
+
+#: Weight of the newest step in the running step-time estimate (exponential moving average).
+EMA_WEIGHT = 0.5
+#: Stage changes kept per step (gate passes included).
+MAX_MARKS = 24
+
+
+def _sid_key(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class LearningReporter:
+    """The trainer side of the learning status.
+
+    Args:
+        client: blocking Redis client (``decode_responses=True``).
+        keys: key layout.
+        config: the batching thresholds (``kto_min_batch``, ``max_wait_s``).
+        clock: Unix seconds.
+    """
+
+    def __init__(self, client: Any, keys: Any, config: Any, clock: Callable[[], float] = time.time):
+        self.client, self.keys, self.config, self.clock = client, keys, config, clock
+        self._status: dict[str, LearningStatus] = {}
+        self._lock = threading.Lock()
+        self.step_seconds: float | None = None  # over every lineage: the estimate of a lineage with no step yet
+        self.read_through: str | None = None
+        self.base_measure: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ writing
+    def _write(self, key: str, value: str) -> None:
+        try:
+            self.client.set(key, value)
+        except Exception as exc:  # the status is for people watching; training goes on without it
+            log.warning("learning status not published (%s): %s", key, exc)
+
+    def _trainer(self) -> None:
+        doc = {
+            "batch_size": self.config.kto_min_batch,
+            "max_wait_s": self.config.max_wait_s,
+            "step_seconds": self.step_seconds,
+            "read_through": self.read_through,
+            "base_measure": self.base_measure,
+            "updated": self.clock(),
+        }
+        self._write(self.keys.learning_trainer, json.dumps(doc))
+
+    def _get(self, lineage: str, endpoint: str) -> LearningStatus:
+        st = self._status.get(lineage)
+        if st is None:
+            try:  # a restarted trainer keeps the last outcome and the step-time estimate
+                raw = self.client.get(self.keys.learning(lineage))
+                st = LearningStatus.model_validate_json(raw) if raw else None
+            except Exception:
+                st = None
+            if st is None:
+                st = LearningStatus(endpoint=endpoint, lineage=lineage, stage="idle")
+            elif st.stage in ("waiting", "training", "gate"):  # a step this trainer did not finish: its events return
+                st.stage, st.stages = "idle", []
+            st.batch_size, st.max_wait_s = self.config.kto_min_batch, self.config.max_wait_s
+            self._status[lineage] = st
+        st.endpoint = endpoint or st.endpoint
+        return st
+
+    def _set_stage(self, st: LearningStatus, mark: StageMark, *, new_step: bool = False) -> None:
+        st.stage, st.since = mark.stage, mark.at
+        st.check, st.detail = mark.check, mark.detail
+        st.version, st.reason = mark.version, mark.reason
+        st.stages = ([] if new_step else st.stages)[-(MAX_MARKS - 1) :] + [mark]
+        what = mark.check or mark.detail or mark.reason or mark.version or ""
+        log.info(
+            "learning %s: %s%s",
+            st.lineage,
+            mark.stage if mark.stage != "waiting" else f"waiting, {st.ratings_waiting} of {st.batch_size} ratings",
+            f" ({what})" if what else "",
+            extra={"lineage": st.lineage, "endpoint": st.endpoint, "stage": mark.stage},
+        )
+
+    def _save(self, st: LearningStatus) -> None:
+        st.updated = self.clock()
+        self._write(self.keys.learning(st.lineage), st.model_dump_json())
+
+    def _counts(self, st: LearningStatus, scheduler: Any) -> None:
+        q = scheduler.queued(st.lineage)
+        st.ratings_waiting, st.oldest_waiting_at = q["kto"]
+        st.demonstrations_waiting, st.preferences_waiting = q["sft"][0], q["dpo"][0]
+
+    def _queued_any(self, st: LearningStatus) -> bool:
+        return bool(st.ratings_waiting or st.demonstrations_waiting or st.preferences_waiting)
+
+    # ------------------------------------------------------------------ the worker's calls
+    def started(self) -> None:
+        """The trainer's settings, at start-up."""
+        with self._lock:
+            self._trainer()
+
+    def queued(self, scheduler: Any, endpoints: dict[str, str], stream_ids: list[str]) -> None:
+        """After reading signals: the queues of the lineages in ``endpoints`` (lineage → newest event's endpoint)
+        and the newest stream id read."""
+        with self._lock:
+            for lineage, endpoint in endpoints.items():
+                st = self._get(lineage, endpoint)
+                before = st.ratings_waiting
+                self._counts(st, scheduler)
+                if st.stage in ("idle", "published", "rejected") and self._queued_any(st):
+                    self._set_stage(st, StageMark(stage="waiting", at=self.clock()), new_step=True)
+                elif st.stage == "waiting" and st.ratings_waiting != before:
+                    log.info("learning %s: waiting, %d of %d ratings", lineage, st.ratings_waiting, st.batch_size)
+                self._save(st)
+            newest = max(stream_ids, key=_sid_key, default=None)
+            if newest is not None and (self.read_through is None or _sid_key(newest) > _sid_key(self.read_through)):
+                self.read_through = newest
+            self._trainer()
+
+    def training(self, batch: Any, scheduler: Any) -> None:
+        """A step of ``batch`` starts (its events have left the queue)."""
+        with self._lock:
+            st = self._get(batch.lineage, batch.endpoint)
+            self._counts(st, scheduler)
+            detail = f"{batch.kind} step on {len(batch.events)} event(s)"
+            self._set_stage(st, StageMark(stage="training", at=self.clock(), detail=detail))
+            self._save(st)
+
+    def progress(self, lineage: str | None, stage: str, **fields: Any) -> None:
+        """From the backend: ``stage`` ``training`` or ``gate`` of ``lineage`` with ``check``/``detail``; or, with
+        ``lineage`` None and stage ``base``, the start-up base measurement (``state``, ``seconds``, ``source``)."""
+        with self._lock:
+            if lineage is None:
+                self.base_measure = {**fields, "at": self.clock()}
+                self._trainer()
+                return
+            st = self._status.get(lineage)
+            if st is None or st.stage not in ("training", "gate"):
+                return  # not a step the worker announced (a direct backend call)
+            self._set_stage(st, StageMark(stage=stage, at=self.clock(), **fields))
+            self._save(st)
+
+    def outcome(self, batch: Any, manifest: Any, scheduler: Any) -> None:
+        """The step's version is written: published, or rejected by the gate (``manifest.gate.continued_from``)."""
+        with self._lock:
+            st = self._get(batch.lineage, batch.endpoint)
+            now = self.clock()
+            started = next((m.at for m in reversed(st.stages) if m.stage == "training"), None)
+            gate = getattr(manifest, "gate", None) or {}
+            if gate.get("continued_from"):
+                failed = (gate.get("verdicts", {}).get(batch.endpoint) or {}).get("failed") or []
+                reason = f"{', '.join(failed) or 'gate'} failed; training continues from {gate['continued_from']}"
+                mark = StageMark(stage="rejected", at=now, version=manifest.name, reason=reason)
+            else:
+                mark = StageMark(stage="published", at=now, version=manifest.name)
+            if started is not None:
+                took = now - started
+                st.step_seconds = (
+                    took if st.step_seconds is None else EMA_WEIGHT * took + (1 - EMA_WEIGHT) * st.step_seconds
+                )
+                self.step_seconds = (
+                    took if self.step_seconds is None else EMA_WEIGHT * took + (1 - EMA_WEIGHT) * self.step_seconds
+                )
+            self._counts(st, scheduler)
+            self._set_stage(st, mark)
+            st.last = mark
+            if self._queued_any(st):  # the next version's ratings are already waiting
+                self._set_stage(st, StageMark(stage="waiting", at=now), new_step=True)
+            self._save(st)
+            self._trainer()
+
+    def failed(self, batch: Any, scheduler: Any, why: str) -> None:
+        """The step failed (retried later, or its events dead-lettered): back to waiting."""
+        with self._lock:
+            st = self._get(batch.lineage, batch.endpoint)
+            self._counts(st, scheduler)
+            self._set_stage(st, StageMark(stage="waiting", at=self.clock(), reason=f"step failed: {why}"[:300]))
+            self._save(st)
