@@ -28,7 +28,7 @@ from livelora.clients.types.openai import (
     ChunkChoice,
     CompletionUsage,
 )
-from livelora.gateway.api.deps import CallerDep, ServingDep, TokenTextsDep
+from livelora.gateway.api.deps import CallerDep, PrincipalDep, ServingDep, TokenTextsDep
 from livelora.gateway.api.logprobs import TokenTexts, chat_logprobs
 from livelora.gateway.api.streaming import respond, sse_data
 from livelora.gateway.chat_template import render_messages
@@ -108,17 +108,25 @@ def chat_jobs(body: ChatCompletionRequest, serving: Serving) -> list[Job]:
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, serving: ServingDep, texts: TokenTextsDep, caller: CallerDep
+    body: ChatCompletionRequest,
+    request: Request,
+    serving: ServingDep,
+    texts: TokenTextsDep,
+    caller: CallerDep,
+    principal: PrincipalDep,
 ) -> Response:
     """Create a chat completion with ``n`` choices, each its own generation in the engine batch."""
     log_ignored(body, "chat.completions")
     messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
-    await serving.load_on_demand(body.model)  # a stored <lineage>@<n> not loaded yet; then no await until begin
+    await serving.load_on_demand(
+        body.model, principal
+    )  # a stored <lineage>@<n> not loaded yet; then no await until begin
     served = serving.begin(
         body.model,
         lambda: chat_jobs(body, serving),
         id_prefix="chatcmpl",
         recording=Recording(caller=caller, user=body.user, messages=messages),
+        principal=principal,
     )
     return await respond(served, ChatEncoder(served, body, texts), request)
 

@@ -44,7 +44,7 @@ from livelora.clients.types.openai import (
     CompletionRequest,
     CompletionUsage,
 )
-from livelora.gateway.api.deps import CallerDep, ServingDep, TokenTextsDep
+from livelora.gateway.api.deps import CallerDep, PrincipalDep, ServingDep, TokenTextsDep
 from livelora.gateway.api.logprobs import TokenTexts, completion_logprobs
 from livelora.gateway.api.streaming import respond, sse_data
 from livelora.gateway.engines.base import GenerationChunk, TokenLogprob
@@ -123,16 +123,24 @@ def completion_jobs(body: CompletionRequest, serving: Serving, texts: TokenTexts
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(
-    body: CompletionRequest, request: Request, serving: ServingDep, texts: TokenTextsDep, caller: CallerDep
+    body: CompletionRequest,
+    request: Request,
+    serving: ServingDep,
+    texts: TokenTextsDep,
+    caller: CallerDep,
+    principal: PrincipalDep,
 ) -> Response:
     """Complete each prompt ``n`` times; each choice is its own generation in the engine batch."""
     log_ignored(body, "completions")
-    await serving.load_on_demand(body.model)  # a stored <lineage>@<n> not loaded yet; then no await until begin
+    await serving.load_on_demand(
+        body.model, principal
+    )  # a stored <lineage>@<n> not loaded yet; then no await until begin
     served = serving.begin(
         body.model,
         lambda: completion_jobs(body, serving, texts),
         id_prefix="cmpl",
         recording=Recording(caller=caller, user=body.user),
+        principal=principal,
     )
     return await respond(served, CompletionEncoder(served, body, texts), request)
 

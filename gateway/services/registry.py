@@ -44,6 +44,7 @@ from livelora.adapters.endpoints import EndpointBinding, EndpointStore, record_i
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore, Manifest, parse_version_name, sha256_file
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError, NotFoundError
 from livelora.core import metrics
+from livelora.core.api_keys import Principal
 from livelora.core.rails import gate_allows
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import AdapterCheck, Engine
@@ -168,51 +169,46 @@ class AdapterRegistry:
         """Endpoint names, the base endpoint first."""
         return list(self.current)
 
-    def endpoint_for(self, model: str) -> str:
-        """The endpoint a request's ``model`` names (an endpoint name, or a loaded version name's endpoint).
+    def endpoint_for(self, model: str, principal: Principal | None) -> str:
+        """The endpoint a request's ``model`` names (an endpoint name, or a loaded version name's endpoint) for
+        ``principal`` (``None``: outside requests, no tenant filtering).
 
         Raises:
             ModelNotFoundError: unknown name.
         """
-        if model in self.current and self.visible(model):
+        if model in self.current and self.visible(model, principal):
             return model
         if model in self.loaded:
             lineage = self.loaded[model].lineage
             for ep, b in self.bindings.items():
-                if b.lineage == lineage and self.visible(ep) and self.versions_visible(ep):
+                if b.lineage == lineage and self.visible(ep, principal) and self.versions_visible(ep, principal):
                     return ep
-        shown = [ep for ep in self.current if self.visible(ep)]
+        shown = [ep for ep in self.current if self.visible(ep, principal)]
         raise ModelNotFoundError(
             f"model {model!r} does not exist; served endpoints: {', '.join(shown) or 'none'}", param="model"
         )
 
-    def visible(self, endpoint: str) -> bool:
-        """Whether the current request's tenant may use ``endpoint`` (always, outside requests or open mode)."""
-        from livelora.gateway.auth import current_principal
-
-        principal = current_principal.get()
+    def visible(self, endpoint: str, principal: Principal | None) -> bool:
+        """Whether ``principal``'s tenant may use ``endpoint`` (always for ``None``: outside requests)."""
         binding = self.bindings.get(endpoint)
         return principal is None or binding is None or binding.visible_to(principal.tenant)
 
-    def versions_visible(self, endpoint: str) -> bool:
-        """Whether the current request's tenant may be served, and train, the trained versions of ``endpoint``'s
+    def versions_visible(self, endpoint: str, principal: Principal | None) -> bool:
+        """Whether ``principal``'s tenant may be served, and train, the trained versions of ``endpoint``'s
         lineage: the tenant that administers it. A public endpoint (the base model's name) belongs to tenant
         ``default``; other tenants may sample it but get the untouched base weights."""
-        from livelora.gateway.auth import current_principal
-
-        principal = current_principal.get()
         binding = self.bindings.get(endpoint)
         return principal is None or binding is None or binding.administered_by(principal.tenant)
 
-    def check_trainable(self, endpoint: str) -> None:
-        """Refuse a signal that would train ``endpoint``'s lineage for a tenant that does not own it.
+    def check_trainable(self, endpoint: str, principal: Principal | None) -> None:
+        """Refuse a signal of ``principal`` that would train ``endpoint``'s lineage its tenant does not own.
 
         Raises:
             ConflictError: the endpoint is public (the shared base model) and the caller is not its owner, or it is
                 a version no endpoint serves (:meth:`.OnDemandVersions.check_trainable`).
         """
         self.on_demand.check_trainable(endpoint)
-        if not self.versions_visible(endpoint):
+        if not self.versions_visible(endpoint, principal):
             raise ConflictError(
                 f"{endpoint!r} is the shared base model: its feedback trains the lineage of "
                 f"tenant default only. Create an endpoint of your own (livelora endpoints create) and "
@@ -221,24 +217,24 @@ class AdapterRegistry:
                 code="not_trainable",
             )
 
-    def resolve(self, model: str) -> tuple[str, str | None]:
-        """``(endpoint, adapter)`` that a request naming ``model`` gets now: an endpoint's current version,
-        or a loaded version name itself (one the caller may use, :meth:`.OnDemandVersions.target`; a stored one
+    def resolve(self, model: str, principal: Principal | None) -> tuple[str, str | None]:
+        """``(endpoint, adapter)`` that a request of ``principal`` naming ``model`` gets now: an endpoint's current
+        version, or a loaded version name itself (one the caller may use, :meth:`.OnDemandVersions.target`; a stored one
         is loaded first by :meth:`.OnDemandVersions.ensure`). Takes no lease (see :meth:`hold`).
 
         Raises:
             ModelNotFoundError: unknown model name, or another tenant's endpoint or version.
         """
-        held = None if model in self.current else self.on_demand.target(model)
+        held = None if model in self.current else self.on_demand.target(model, principal)
         if held is not None:
             return held
-        self.endpoint_for(model)  # raises for unknown and other tenants' names
+        self.endpoint_for(model, principal)  # raises for unknown and other tenants' names
         if model in self.current:
-            adapter = self.current[model] if self.versions_visible(model) else None
+            adapter = self.current[model] if self.versions_visible(model, principal) else None
             return model, (self.stats.route(model, adapter) if self.stats is not None else adapter)
         if model in self.loaded and model not in self.refused:
-            return self.endpoint_for(model), model
-        self.endpoint_for(model)  # raises ModelNotFoundError
+            return self.endpoint_for(model, principal), model
+        self.endpoint_for(model, principal)  # raises ModelNotFoundError
         raise AssertionError("unreachable")
 
     def hold(self, endpoint: str, adapter: str | None) -> Lease:
@@ -249,19 +245,19 @@ class AdapterRegistry:
             self.stats.note_request(endpoint, adapter)
         return Lease(endpoint, adapter, self)
 
-    def acquire(self, model: str) -> Lease:
+    def acquire(self, model: str, principal: Principal | None = None) -> Lease:
         """Lease the weights for a request naming ``model``: an endpoint (its current version) or a loaded
         version name (that exact version). Synchronous, so no pointer move can interleave.
 
         Raises:
             ModelNotFoundError: unknown model name.
         """
-        return self.hold(*self.resolve(model))
+        return self.hold(*self.resolve(model, principal))
 
     @contextlib.asynccontextmanager
-    async def lease(self, model: str) -> AsyncIterator[Lease]:
+    async def lease(self, model: str, principal: Principal | None = None) -> AsyncIterator[Lease]:
         """``async with registry.lease(model) as lease:`` — :meth:`acquire`, released on exit."""
-        held = self.acquire(model)
+        held = self.acquire(model, principal)
         try:
             yield held
         finally:

@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, Any
 from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.openai import Model
 from livelora.core import metrics
+from livelora.core.api_keys import DEFAULT_TENANT, Principal
 from livelora.core.logs import annotate
 from livelora.gateway.engines.base import Engine, TokenLogprob
 from livelora.gateway.services.admission import Admission, Ticket
 from livelora.gateway.services.completion_log import CompletionLog, CompletionRecorder
 from livelora.gateway.services.drain import Drain
 from livelora.gateway.services.generation import ChoiceStream, Job, new_id, now
+from livelora.gateway.services.usage import payer
 from livelora.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -70,8 +72,10 @@ class ServingTarget:
         return {VERSION_HEADER: self.version}
 
 
-def resolve_target(model: str, engine: Engine, settings: GatewaySettings, registry=None) -> ServingTarget:
-    """Map a request's ``model`` to the weights that serve it.
+def resolve_target(
+    model: str, engine: Engine, settings: GatewaySettings, registry=None, principal: Principal | None = None
+) -> ServingTarget:
+    """Map the ``model`` of a request of ``principal`` (``None``: outside requests) to the weights that serve it.
 
     With the live loop's :class:`~livelora.gateway.services.registry.AdapterRegistry`, an endpoint name resolves to
     its current version (:meth:`Serving.begin` leases it once admitted).
@@ -81,9 +85,9 @@ def resolve_target(model: str, engine: Engine, settings: GatewaySettings, regist
     """
     if registry is not None:
         try:
-            endpoint, adapter = registry.resolve(model)
+            endpoint, adapter = registry.resolve(model, principal)
         except ModelNotFoundError:
-            if tenant_scoped():  # with API keys only the registry's (tenant-checked) names serve
+            if tenant_scoped(principal):  # with API keys only the registry's (tenant-checked) names serve
                 raise
         else:
             return ServingTarget(model, adapter, adapter or BASE_VERSION, endpoint)
@@ -91,7 +95,7 @@ def resolve_target(model: str, engine: Engine, settings: GatewaySettings, regist
         return ServingTarget(model, None, BASE_VERSION)
     if model in engine.loaded_adapters():
         return ServingTarget(model, model, model)
-    known = ", ".join(m.id for m in list_models(engine, settings, registry))
+    known = ", ".join(m.id for m in list_models(engine, settings, registry, principal))
     raise ModelNotFoundError(f"model {model!r} does not exist; served models: {known}", param="model")
 
 
@@ -102,16 +106,15 @@ def context_length(engine: Engine, settings: GatewaySettings) -> int:
     return min(limit, cap) if cap else limit
 
 
-def tenant_scoped() -> bool:
-    """Whether the current request comes with an API key (key mode): names are then tenant-checked."""
-    from livelora.gateway.auth import current_principal
-
-    principal = current_principal.get()
+def tenant_scoped(principal: Principal | None) -> bool:
+    """Whether ``principal`` comes with an API key (key mode): names are then tenant-checked."""
     return principal is not None and principal.key_id is not None
 
 
-def list_models(engine: Engine, settings: GatewaySettings, registry=None) -> list[Model]:
-    """The ``/v1/models`` entries: the base model, then the endpoints the caller may use (``owned_by`` =
+def list_models(
+    engine: Engine, settings: GatewaySettings, registry=None, principal: Principal | None = None
+) -> list[Model]:
+    """The ``/v1/models`` entries: the base model, then the endpoints ``principal`` may use (``owned_by`` =
     their tenant), then (open mode only) adapters loaded in the engine under their version names."""
     created = int(getattr(engine, "created", None) or _STARTED)
     base = settings.model_id
@@ -119,12 +122,12 @@ def list_models(engine: Engine, settings: GatewaySettings, registry=None) -> lis
     seen = {base}
     if registry is not None:
         for endpoint in registry.endpoints():
-            if endpoint in seen or not registry.visible(endpoint):
+            if endpoint in seen or not registry.visible(endpoint, principal):
                 continue
             seen.add(endpoint)
             tenant = getattr(registry.bindings.get(endpoint), "tenant", None)
             out.append(Model(id=endpoint, created=created, owned_by=tenant or "livelora", root=base, parent=base))
-    if not tenant_scoped():
+    if not tenant_scoped(principal):
         out += [
             Model(id=name, created=created, owned_by="livelora", root=base, parent=base)
             for name in engine.loaded_adapters()
@@ -295,12 +298,12 @@ class Serving:
         """The engine's tokenizer."""
         return self.engine.tokenizer
 
-    def resolve(self, model: str) -> ServingTarget:
+    def resolve(self, model: str, principal: Principal | None) -> ServingTarget:
         """See :func:`resolve_target`. Raises: ModelNotFoundError (404)."""
-        return resolve_target(model, self.engine, self.settings, self.registry)
+        return resolve_target(model, self.engine, self.settings, self.registry, principal)
 
-    async def load_on_demand(self, model: str) -> None:
-        """Load a stored ``<lineage>@<n>`` that ``model`` names and the caller may use, if it is not loaded
+    async def load_on_demand(self, model: str, principal: Principal | None) -> None:
+        """Load a stored ``<lineage>@<n>`` that ``model`` names and ``principal`` may use, if it is not loaded
         (:meth:`~livelora.gateway.services.on_demand.OnDemandVersions.ensure`); call it before :meth:`begin`,
         with no ``await`` in between. Other names: nothing to do (:meth:`resolve` answers them).
 
@@ -309,42 +312,38 @@ class Serving:
             or it failed its load checks (409). RateLimitError: every version held on demand is in use (429).
         """
         if self.registry is not None:
-            await self.registry.on_demand.ensure(model)
+            await self.registry.on_demand.ensure(model, principal)
 
     def context_length(self) -> int:
         """See :func:`context_length` (tokens)."""
         return context_length(self.engine, self.settings)
 
-    async def check_quota(self, kinds: tuple[str, ...]) -> None:
-        """Refuse (429) a request of the current caller's tenant that would use ``kinds`` over a daily limit
+    async def check_quota(self, kinds: tuple[str, ...], principal: Principal | None) -> None:
+        """Refuse (429) a request of ``principal``'s tenant that would use ``kinds`` over a daily limit
         (:meth:`~livelora.gateway.services.limits.QuotaService.check_tokens`). Raises: RateLimitError."""
         if self.metering is not None:
-            from livelora.gateway.services.usage import payer
+            await self.metering.quotas.check_tokens(payer(principal)[0], kinds)
 
-            await self.metering.quotas.check_tokens(payer()[0], kinds)
-
-    def list_models(self) -> list[Model]:
+    def list_models(self, principal: Principal | None) -> list[Model]:
         """See :func:`list_models`."""
-        return list_models(self.engine, self.settings, self.registry)
+        return list_models(self.engine, self.settings, self.registry, principal)
 
-    def get_model(self, model_id: str) -> Model:
-        """One ``/v1/models`` entry by id: a listed one, or a stored ``<lineage>@<n>`` the caller may name
+    def get_model(self, model_id: str, principal: Principal | None) -> Model:
+        """One ``/v1/models`` entry by id: a listed one, or a stored ``<lineage>@<n>`` ``principal`` may name
         (not listed: :mod:`~livelora.gateway.services.on_demand` loads it when a request names it).
 
         Raises:
             ModelNotFoundError: unknown id (404 ``model_not_found``).
         """
-        for model in self.list_models():
+        for model in self.list_models(principal):
             if model.id == model_id:
                 return model
-        manifest = self.registry.on_demand.stored(model_id) if self.registry is not None else None
+        manifest = self.registry.on_demand.stored(model_id, principal) if self.registry is not None else None
         if manifest is not None:  # a stored version the caller may name (loaded on demand)
-            from livelora.gateway.auth import caller_tenant
-
             return Model(
                 id=model_id,
                 created=int(manifest.created),
-                owned_by=caller_tenant(),
+                owned_by=principal.tenant if principal is not None else DEFAULT_TENANT,
                 root=self.settings.model_id,
                 parent=self.settings.model_id,
             )
@@ -375,12 +374,14 @@ class Serving:
         id_prefix: str | None = None,
         recording: Recording | None = None,
         kind: str | None = None,
+        principal: Principal | None,
     ) -> ServedRequest:
         """Begin a served request: resolve ``model``, run ``plan``, admit its jobs, lease the version, make
         the recorder. Synchronous (no ``await``), so the version leased is the one resolved.
 
         Args:
             model: the request's ``model`` field, or an already known target (a sampling session's weights).
+            principal: who asks (names are tenant-checked for it; its tenant and key pay for the tokens).
             plan: the request's validation and engine jobs (one per choice); it runs after the target is
                 resolved, so an unknown model is reported before bad parameters.
             param: the field named when the request asks for more sequences than the gateway admits.
@@ -394,7 +395,7 @@ class Serving:
             LiveloraError: whatever ``plan`` raises (400s).
             BadRequestError: more sequences than the gateway ever admits. RateLimitError: busy now (429).
         """
-        target = model if isinstance(model, ServingTarget) else self.resolve(model)
+        target = model if isinstance(model, ServingTarget) else self.resolve(model, principal)
         jobs = list(plan())
         ticket = self.admission.acquire(len(jobs), param=param)
         if self.registry is not None and target.endpoint is not None and target.adapter is not None:
@@ -414,10 +415,8 @@ class Serving:
                 messages=recording.messages,
                 choice_prompts=[(list(job.prompt_ids), job.prompt_text) for job in jobs],
             )
-        from livelora.gateway.services.usage import payer
-
         kind = kind or {"chatcmpl": "chat", "cmpl": "completion"}.get(id_prefix or "", "sample")
-        tenant_key = payer()
+        tenant_key = payer(principal)
         annotate(
             completion_id=request_id or None,
             tenant=tenant_key[0],

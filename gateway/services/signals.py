@@ -22,7 +22,7 @@ Semantics:
   different body is a 409.
 
 Wiring: the live loop (:mod:`livelora.gateway.services.live`) builds the service; the routes pass the
-caller (the tenant, in key mode) that auth sets on the request.
+caller (the tenant, in key mode) and the principal that auth identified.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aredis
 
@@ -53,11 +53,15 @@ from livelora.clients.types.signals import (
     parse_stream_event,
 )
 from livelora.core import metrics
-from livelora.core.api_keys import DEFAULT_TENANT
+from livelora.core.api_keys import DEFAULT_TENANT, Principal
 from livelora.core.bus import dumps, redis_unavailable
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.services.completion_log import CompletionLog
 from livelora.gateway.settings import DEFAULT_IDEMPOTENCY_TTL_S
+
+if TYPE_CHECKING:
+    from livelora.gateway.services.live_stats import LiveStats
+    from livelora.gateway.services.registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
 
@@ -81,17 +85,19 @@ return {'new', stored}
 
 
 class SignalService:
-    """Validates signals and puts them on the bus.
+    """Validates signals and puts them on the bus; an accepted rating is then counted for the version that served
+    it and may end the endpoint's canary or roll the endpoint back (:meth:`feedback`, with ``stats``).
 
     Args:
         client: asyncio Redis client (``decode_responses=True``).
         keys: key layout.
         completions: the completion log (retention also bounds rating keys).
-        resolve_endpoint: maps a request's ``model`` to an endpoint name; raises
-            ``ModelNotFoundError`` for unknown names. ``None`` accepts any name as is.
+        registry: the endpoints: ``endpoint_for(model, principal)`` names a request's endpoint (raising
+            ``ModelNotFoundError``), ``check_trainable(endpoint, principal)`` raises ``ConflictError`` when the
+            caller may not train its lineage (:class:`~.registry.AdapterRegistry`). ``None``: any name as is.
+        stats: per-version statistics that each accepted rating is counted in, and the sequential test run
+            after it (canary end, automatic rollback); ``None``: ratings drive nothing.
         idempotency_ttl_s: lifetime of idempotency records (seconds).
-        check_trainable: raises (``ConflictError``) when the caller may not train an endpoint's lineage;
-            ``None`` allows every endpoint.
         check_event: raises (400) for an event the trainer could not train, before it is queued
             (:class:`livelora.gateway.signal_checks.SignalChecker`); run on a thread. ``None`` checks nothing.
     """
@@ -101,23 +107,41 @@ class SignalService:
         client: aredis.Redis,
         keys: KeyLayout,
         completions: CompletionLog,
-        resolve_endpoint: Callable[[str], str] | None = None,
+        registry: AdapterRegistry | None = None,
+        stats: LiveStats | None = None,
         idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
-        check_trainable: Callable[[str], None] | None = None,
         check_event: Callable[[Any], None] | None = None,
-        on_rating: Callable[..., Any] | None = None,
     ):
         self.client = client
-        self.on_rating = on_rating  # async (endpoint, adapter, rating_key, up): live statistics, rollback
         self.keys = keys
         self.completions = completions
-        self.resolve_endpoint = resolve_endpoint or (lambda name: name)
-        self.check_trainable = check_trainable or (lambda endpoint: None)
+        self.registry = registry
+        self.stats = stats
         self.check_event = check_event
         self.idempotency_ttl_s = int(idempotency_ttl_s)
         self._accept = client.register_script(_ACCEPT_LUA)
 
     # ------------------------------------------------------------ internals
+
+    def _endpoint(self, model: str, principal: Principal | None) -> str:
+        return model if self.registry is None else self.registry.endpoint_for(model, principal)
+
+    def _check_trainable(self, endpoint: str, principal: Principal | None) -> None:
+        if self.registry is not None:
+            self.registry.check_trainable(endpoint, principal)
+
+    async def _after_rating(self, ev: RatingEvent) -> None:
+        """Count an accepted rating for the version that served it, then run the endpoint's sequential test (which
+        may end its canary or roll it back, :meth:`~.live_stats.LiveStats.after_rating`). Never raises: the rating
+        is accepted already."""
+        if self.stats is None:
+            return
+        try:
+            await self.stats.count_rating(ev.endpoint, ev.adapter, ev.rating_key, ev.rating)
+            if self.registry is not None:
+                await self.stats.after_rating(self.registry, ev.endpoint)
+        except Exception:
+            log.exception("live statistics of a rating failed")
 
     async def _visible(self, completion_id: str, caller: str | None, param: str) -> CompletionRecord:
         try:
@@ -196,9 +220,16 @@ class SignalService:
     # -------------------------------------------------------------- routes
 
     async def feedback(
-        self, req: FeedbackRequest, *, caller: str | None = None, idempotency_key: str | None = None
+        self,
+        req: FeedbackRequest,
+        *,
+        caller: str | None = None,
+        principal: Principal | None = None,
+        idempotency_key: str | None = None,
     ) -> tuple[FeedbackResponse, bool]:
-        """Accept one rating; returns ``(response, replayed)``.
+        """Accept one rating, then count it and run the endpoint's rollback test (:meth:`_after_rating`); returns
+        ``(response, replayed)``. ``caller``: the tenant in key mode (completions are kept per caller);
+        ``principal``: whose lineages it may train (``None``: every one).
 
         Raises:
             NotFoundError: unknown, expired or not-visible completion id (404).
@@ -206,7 +237,7 @@ class SignalService:
             UnavailableError: Redis unreachable (503); nothing accepted.
         """
         rec = await self._visible(req.completion_id, caller, "completion_id")
-        self.check_trainable(rec.endpoint)
+        self._check_trainable(rec.endpoint, principal)
         rater = f"{caller or ''}/{req.user or ''}"
         event = RatingEvent(
             id=self._new_id("feedback"),
@@ -228,11 +259,8 @@ class SignalService:
         ev, replaces, replayed = await self._submit(
             "feedback", event, req, caller, idempotency_key, rating_key=self.keys.rating(rec.id, rater)
         )
-        if self.on_rating is not None and not replayed:
-            try:  # accepted already: statistics and the rollback test never fail the rating
-                await self.on_rating(ev.endpoint, ev.adapter, ev.rating_key, ev.rating)
-            except Exception:
-                log.exception("live statistics of a rating failed")
+        if not replayed:
+            await self._after_rating(ev)
         return FeedbackResponse(
             id=ev.id,
             completion_id=ev.completion_id,
@@ -246,7 +274,12 @@ class SignalService:
         ), replayed
 
     async def preference(
-        self, req: PreferenceRequest, *, caller: str | None = None, idempotency_key: str | None = None
+        self,
+        req: PreferenceRequest,
+        *,
+        caller: str | None = None,
+        principal: Principal | None = None,
+        idempotency_key: str | None = None,
     ) -> tuple[PreferenceResponse, bool]:
         """Accept one chosen/rejected pair (completion-id form or inline form).
 
@@ -287,7 +320,7 @@ class SignalService:
                 )
             if c.completion_token_ids == r.completion_token_ids:
                 raise BadRequestError("chosen and rejected completions are identical", param="rejected_completion_id")
-            self.check_trainable(c.endpoint)
+            self._check_trainable(c.endpoint, principal)
             event = PreferenceEvent(
                 id=self._new_id("preference"),
                 endpoint=c.endpoint,
@@ -312,8 +345,8 @@ class SignalService:
                 raise BadRequestError("chosen and rejected must be non-empty replies", param="chosen")
             if req.chosen == req.rejected:
                 raise BadRequestError("chosen and rejected are identical", param="rejected")
-            endpoint = self.resolve_endpoint(req.model)
-            self.check_trainable(endpoint)
+            endpoint = self._endpoint(req.model, principal)
+            self._check_trainable(endpoint, principal)
             event = PreferenceEvent(
                 id=self._new_id("preference"),
                 endpoint=endpoint,
@@ -335,7 +368,12 @@ class SignalService:
         ), replayed
 
     async def demonstration(
-        self, req: DemonstrationRequest, *, caller: str | None = None, idempotency_key: str | None = None
+        self,
+        req: DemonstrationRequest,
+        *,
+        caller: str | None = None,
+        principal: Principal | None = None,
+        idempotency_key: str | None = None,
     ) -> tuple[DemonstrationResponse, bool]:
         """Accept one demonstration (messages ending with the ideal assistant reply).
 
@@ -352,8 +390,8 @@ class SignalService:
             )
         if not any(m.role == "user" for m in req.messages[:-1]):
             raise BadRequestError("A demonstration needs at least one user message before the reply", param="messages")
-        endpoint = self.resolve_endpoint(req.model)
-        self.check_trainable(endpoint)
+        endpoint = self._endpoint(req.model, principal)
+        self._check_trainable(endpoint, principal)
         event = DemonstrationEvent(
             id=self._new_id("demonstration"),
             endpoint=endpoint,

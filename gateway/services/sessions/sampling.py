@@ -39,9 +39,9 @@ from livelora.clients.types.tinker import (
     UntypedAPIFuture,
 )
 from livelora.clients.types.tinker_ext import SampledSequenceV2, SampleRequestV2, SampleResponseV2
+from livelora.core.api_keys import Principal
 from livelora.core.bus import redis_unavailable
 from livelora.core.session_protocol import future_failed, new_request_id, resolve_checkpoint
-from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import SamplingParams as EngineParams
 from livelora.gateway.services.generation import Job
 from livelora.gateway.services.serving import BASE_VERSION, ServedRequest, Serving, ServingTarget
@@ -281,8 +281,9 @@ class SamplingSessions:
             logprobs=True,
         )
 
-    async def asample(self, req: SampleRequest) -> UntypedAPIFuture:
-        """Start sampling; the :class:`SampleResponse` arrives through ``retrieve_future``.
+    async def asample(self, req: SampleRequest, principal: Principal) -> UntypedAPIFuture:
+        """Start sampling for ``principal`` (its tenant's quotas and meters); the :class:`SampleResponse` arrives
+        through ``retrieve_future``.
 
         Raises:
             NotFoundError: unknown sampling session / checkpoint. BadRequestError: invalid parameters.
@@ -301,12 +302,13 @@ class SamplingSessions:
         if not prompt:
             raise BadRequestError("prompt has no tokens", param="prompt")
         params = self._engine_params(req, len(prompt))
-        await self.serving.check_quota(("sample_prompt", "sampled", "scored"))
+        await self.serving.check_quota(("sample_prompt", "sampled", "scored"), principal)
         adapter = record.get("adapter")
         served = self.serving.begin(
             ServingTarget(scope, adapter, adapter or BASE_VERSION),
             lambda: [Job(prompt, params)] * req.num_samples,
             param="num_samples",
+            principal=principal,
         )
         request_id = new_request_id(f"{scope}:{req.seq_id if req.seq_id is not None else 'x'}")
         seq_ids = [f"{request_id}:{i}" for i in range(req.num_samples)]
@@ -314,7 +316,7 @@ class SamplingSessions:
             await self.futures.create(request_id)
             if req.sampling_session_id is None:  # an ad-hoc sample's future is owned by its own record
                 await self.redis.set(
-                    self.keys.request_owner(request_id), caller_tenant(), ex=self.settings.future_ttl_s
+                    self.keys.request_owner(request_id), principal.tenant, ex=self.settings.future_ttl_s
                 )
         except BaseException:
             served.release()

@@ -38,6 +38,7 @@ from livelora.clients.types.tinker import (
     UntypedAPIFuture,
 )
 from livelora.clients.types.tinker_rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS
+from livelora.core.api_keys import Principal
 from livelora.core.bus import redis_unavailable
 from livelora.core.losses import validate_batch
 from livelora.core.owners import OwnerStore
@@ -53,7 +54,6 @@ from livelora.core.session_protocol import (
     resolve_checkpoint,
     session_of,
 )
-from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
 
@@ -84,7 +84,7 @@ class TrainingOps:
         self.base_model = ctx.base_model
         self.max_seq_len = ctx.max_seq_len
 
-    async def create_model(self, req: CreateModelRequest) -> UntypedAPIFuture:
+    async def create_model(self, req: CreateModelRequest, principal: Principal) -> UntypedAPIFuture:
         """Queue a new LoRA training model ``{session_id}:train:{model_seq_id}`` (op seq 0).
 
         Raises:
@@ -94,11 +94,11 @@ class TrainingOps:
         self.ctx.check_base(req.base_model)
         model_id = model_id_for(req.session_id, req.model_seq_id)
         return await self._enqueue_new_model(
-            model_id, "create_model", req.model_dump(mode="json"), req.lora_config.model_dump()
+            model_id, "create_model", req.model_dump(mode="json"), req.lora_config.model_dump(), principal.tenant
         )
 
     async def _enqueue_new_model(
-        self, model_id: str, kind: str, body: dict[str, Any], lora: dict[str, Any] | None
+        self, model_id: str, kind: str, body: dict[str, Any], lora: dict[str, Any] | None, tenant: str
     ) -> UntypedAPIFuture:
         record = {
             "model_id": model_id,
@@ -120,7 +120,6 @@ class TrainingOps:
                         code="model_exists",
                     ),
                 )
-            tenant = caller_tenant()  # the session's owner: the auth middleware checked it
             owners = OwnerStore(self.home)
             if not (owners.claim("model", model_id, tenant) and owners.claim("lineage", lineage_for(model_id), tenant)):
                 return await self._failed_future(
@@ -190,8 +189,8 @@ class TrainingOps:
                 return
             await self._enqueue(model_id, seq_id, "failed", {"undecodable": str(error)}, error)
 
-    async def submit_op(self, kind: str, raw: dict[str, Any], parse) -> UntypedAPIFuture:
-        """Validate and queue one training op given its raw JSON body.
+    async def submit_op(self, kind: str, raw: dict[str, Any], parse, principal: Principal) -> UntypedAPIFuture:
+        """Validate and queue one training op of ``principal`` (its tenant's quotas) given its raw JSON body.
 
         ``parse(raw)`` builds the typed request (raising on bad fields). The model id and seq id are read
         first, leniently, so that a body that fails validation still resolves its future with the error
@@ -208,10 +207,10 @@ class TrainingOps:
                 "seq_id is required: an integer >= 1, one per op of the model, in call order", param="seq_id"
             )
         if kind in ("forward", "forward_backward") and self.ctx.quotas is not None:  # 429 before any seq is used
-            from livelora.gateway.services.usage import payer
-
             with redis_unavailable():
-                await self.ctx.quotas.check_tokens(payer()[0], ("forward",) if kind == "forward" else ("trained",))
+                await self.ctx.quotas.check_tokens(
+                    principal.tenant, ("forward",) if kind == "forward" else ("trained",)
+                )
         if await self._model_record(model_id) is None:
             request_id = new_request_id(f"{model_id}:{seq_id}")
             await self.futures.create(request_id)
@@ -225,10 +224,8 @@ class TrainingOps:
             )
             return UntypedAPIFuture(request_id=request_id, model_id=model_id)
         if kind in SAVE_KINDS and self.ctx.quotas is not None:
-            from livelora.gateway.services.usage import payer
-
             # 429 before anything is queued or written: a save past the tenant's max_adapter_versions
-            await self.ctx.quotas.check_adapter_versions(payer()[0], self._new_versions(kind, model_id, raw))
+            await self.ctx.quotas.check_adapter_versions(principal.tenant, self._new_versions(kind, model_id, raw))
         with redis_unavailable():
             await self.redis.set(self.keys.model_last_request(model_id), now_iso(), ex=self.settings.future_ttl_s)
         error: LiveloraError | None = None
@@ -332,7 +329,7 @@ class TrainingOps:
             resolve_checkpoint(self.home, req.path, want="weights")
         return req.model_dump(mode="json", exclude_none=True)
 
-    async def create_via_load(self, req: LoadWeightsRequest) -> UntypedAPIFuture:
+    async def create_via_load(self, req: LoadWeightsRequest, principal: Principal) -> UntypedAPIFuture:
         """Create-via-load (``session_id`` + ``model_seq_id``; implicit seq 0): a model shaped like the
         checkpoint, its weights (and optimizer state when ``optimizer``) loaded.
 
@@ -350,7 +347,9 @@ class TrainingOps:
         index, _, _ = resolve_checkpoint(self.home, req.path, want="weights")
         lora = index.read().get("lora")
         model_id = model_id_for(req.session_id, req.model_seq_id)
-        return await self._enqueue_new_model(model_id, "create_via_load", req.model_dump(mode="json"), lora)
+        return await self._enqueue_new_model(
+            model_id, "create_via_load", req.model_dump(mode="json"), lora, principal.tenant
+        )
 
     async def get_info(self, model_id: str) -> GetInfoResponse:
         """Raises: NotFoundError for an unknown model."""
