@@ -60,7 +60,14 @@ from livelora.clients.types.tinker_rest import (
     SessionSearchRequest,
 )
 from livelora.gateway.api import tinker_wire as wire
-from livelora.gateway.api.deps import CheckpointsDep, PrincipalDep, SamplingDep, SessionsDep, TrainingOpsDep
+from livelora.gateway.api.deps import (
+    CheckpointsDep,
+    PrincipalDep,
+    SamplesDep,
+    SamplingDep,
+    SessionsDep,
+    TrainingOpsDep,
+)
 from livelora.gateway.api.errors import content_type_error
 from livelora.gateway.services.sessions import NotReady
 
@@ -443,8 +450,8 @@ async def get_sampler(sampler_id: str, sampling: SamplingDep) -> Response:
 
 
 @router.post("/asample", openapi_extra=body_schema(SampleRequestV2))
-async def asample(request: Request, sampling: SamplingDep, principal: PrincipalDep) -> Response:
-    return encode(await sampling.asample(await decode(request, SampleRequestV2), principal))
+async def asample(request: Request, samples: SamplesDep, principal: PrincipalDep) -> Response:
+    return encode(await samples.asample(await decode(request, SampleRequestV2), principal))
 
 
 @router.post("/join_sampling_session")
@@ -465,9 +472,9 @@ async def retrieve_futures(request: Request, sampling: SamplingDep) -> Response:
 
 
 @router.post("/cancel_future")
-async def cancel_future(request: Request, sampling: SamplingDep) -> Response:
+async def cancel_future(request: Request, samples: SamplesDep) -> Response:
     req = await decode(request, CancelFutureRequest)
-    return encode({"request_id": req.request_id, "cancelled": await sampling.cancel_future(req.request_id)})
+    return encode({"request_id": req.request_id, "cancelled": await samples.cancel_future(req.request_id)})
 
 
 # ------------------------------------------------------------------------------------------------ not built

@@ -1,41 +1,40 @@
-"""Serving: which weights answer a request, and the one place where a served request begins.
+"""Serving: which weights answer a request, and where every served request begins.
 
-* :func:`resolve_target` maps the request's ``model`` field to the engine adapter and the version label
-  reported to the client (``system_fingerprint`` and the ``X-Livelora-Adapter-Version`` header): an endpoint
-  name → its current adapter version (the live loop's :class:`~.registry.AdapterRegistry`), the base model's
-  name, or (open mode) an adapter loaded in the engine under its version name.
-* :meth:`Serving.begin` starts every generation the gateway serves (chat, legacy completions, Tinker
-  sampling): resolve the target, run the caller's plan (its validation and the engine jobs), take the
-  admission ticket (:mod:`.admission`), lease the version until the ticket is released, and make the
-  completion-log recorder. It never awaits, so the leased version is the one that was resolved.
-* :class:`ServedRequest` is what it returns: the target, the jobs, the ticket and the recorder, plus
-  :meth:`ServedRequest.generate` to start the jobs in the engine batch.
+* :func:`resolve_target` maps a request's ``model`` to the engine adapter and the version label reported to the
+  client (``system_fingerprint``, the ``X-Livelora-Adapter-Version`` header): an endpoint → its current version
+  (:class:`~.registry.AdapterRegistry`), the base model's name, or (open mode) an adapter loaded under its name.
+* :meth:`Serving.serve` is the one call of the chat and legacy completion routes: load a stored version the request
+  names, resolve it, plan the jobs (:mod:`.plans`), admit them, check the tenant's quota, score an echoed prompt
+  and start the choices; the :class:`~.served.ServedRequest` it returns records and meters them as they run.
+* :meth:`Serving.begin` (also under :meth:`serve`; Tinker samples call it directly) admits the jobs, leases the
+  version until the ticket is released and makes the completion-log recorder. It never awaits, so the leased
+  version is the one that was resolved.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from livelora.clients.errors import ModelNotFoundError
-from livelora.clients.types.openai import Model
-from livelora.core import metrics
+from livelora.clients.types.openai import ChatCompletionRequest, CompletionRequest, Model
 from livelora.core.api_keys import DEFAULT_TENANT, Principal
 from livelora.core.logs import annotate
-from livelora.gateway.engines.base import Engine, TokenLogprob
-from livelora.gateway.services.admission import Admission, Ticket
+from livelora.gateway.engines.base import Engine
+from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog, CompletionRecorder
 from livelora.gateway.services.drain import Drain
-from livelora.gateway.services.generation import ChoiceStream, Job, new_id, now
+from livelora.gateway.services.generation import Job, new_id, now
+from livelora.gateway.services.plans import log_ignored, plan_chat, plan_completion
+from livelora.gateway.services.served import ServedRequest
+from livelora.gateway.services.token_texts import TokenTexts
 from livelora.gateway.services.usage import payer
 from livelora.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
-    from livelora.gateway.engines.base import GenerationChunk
     from livelora.gateway.services.registry import AdapterRegistry
     from livelora.gateway.services.usage import MeteringService
 
@@ -154,116 +153,8 @@ class Recording:
     messages: list[dict] | None = None
 
 
-@dataclass
-class ServedRequest:
-    """An admitted request (see :meth:`Serving.begin`); :meth:`release` gives its slots and lease back.
-
-    Attributes:
-        id: the response id (``chatcmpl-…``/``cmpl-…``; ``""`` when none was asked for).
-        created: Unix time, seconds.
-        target: the weights serving it.
-        jobs: one engine generation per choice.
-        ticket: its admission ticket (the version lease is released with it).
-        engine: the engine that serves it.
-        recorder: collects the choices for the completion log (``None``: not logged).
-        drain: the gateway's drain state (``None``: never drained); a running request calls
-            ``drain.check_running()`` between chunks.
-        payer: ``(tenant, API key id)`` the request's tokens are metered for.
-        metering: the gateway's token counters (``None``: not metered).
-        kind: ``chat`` / ``completion`` / ``sample``: the label of its latency and token metrics.
-    """
-
-    id: str
-    created: int
-    target: ServingTarget
-    jobs: list[Job]
-    ticket: Ticket
-    engine: Engine
-    recorder: CompletionRecorder | None = field(default=None)
-    drain: Drain | None = field(default=None)
-    payer: tuple[str, str | None] = ("default", None)
-    metering: MeteringService | None = field(default=None)
-    kind: str = "chat"
-    started: float = field(default_factory=time.monotonic)
-    _last: dict[int, float] = field(default_factory=dict)
-    _accounted: bool = False
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """Response headers naming the weights that answer."""
-        return self.target.headers
-
-    def generate(self) -> ChoiceStream:
-        """Start every job in the engine batch; chunks come out interleaved as ``(choice index, chunk)``."""
-        return ChoiceStream(self.engine, self.jobs, self.target.adapter, self.id)
-
-    async def score(self, token_ids: Sequence[int], top_logprobs: int = 0) -> list[TokenLogprob | None]:
-        """Prompt logprobs of ``token_ids`` under the request's weights (:meth:`Engine.score`)."""
-        return await self.engine.score(token_ids, self.target.adapter, top_logprobs=top_logprobs)
-
-    def release(self) -> None:
-        """Give the admission slots and the version lease back (idempotent)."""
-        self.ticket.release()
-
-    def observe(self, index: int, chunk: GenerationChunk) -> None:
-        """Latency metrics of one engine chunk of choice ``index``: time to first token (first chunk of the
-        request), inter-token latency (a chunk of k tokens counts its gap / k, k times), generated tokens."""
-        n = len(chunk.token_ids)
-        if not n:
-            return
-        t = time.monotonic()
-        if not self._last:
-            metrics.TTFT.labels(self.kind).observe(t - self.started)
-        prev = self._last.get(index)
-        if prev is not None:
-            gap = (t - prev) / n
-            for _ in range(n):
-                metrics.INTER_TOKEN.labels(self.kind).observe(gap)
-        self._last[index] = t
-        metrics.GENERATED_TOKENS.labels(self.kind).inc(n)
-
-    async def account(self, tokens: dict[str, int], subject: str | None = None) -> None:
-        """Meter the request's ``tokens`` (``{kind: n}``, :data:`~livelora.core.metering.KINDS`) once for
-        :attr:`payer` and ``subject`` (default: the endpoint, else the model name); later calls do nothing."""
-        if self._accounted:
-            return
-        self._accounted = True
-        if "prompt" in tokens:
-            metrics.PROMPT_TOKENS.labels(self.kind).inc(tokens["prompt"])
-        done = tokens.get("completion", tokens.get("sampled", 0))
-        elapsed = time.monotonic() - self.started
-        if done and elapsed > 0:
-            metrics.TOKENS_PER_SECOND.labels(self.kind).observe(done / elapsed)
-        log.info(
-            "served %s %s: %s",
-            self.kind,
-            self.id or "-",
-            tokens,
-            extra={
-                "completion_id": self.id or None,
-                "tenant": self.payer[0],
-                "version": self.target.version,
-                "endpoint": subject or self.target.endpoint or self.target.model,
-            },
-        )
-        if self.metering is not None:
-            await self.metering.record(
-                self.payer[0], self.payer[1], subject or self.target.endpoint or self.target.model, tokens
-            )
-
-    def account_later(self, tokens: dict[str, int], subject: str | None = None) -> None:
-        """:meth:`account` from synchronous code (an aborted request): scheduled on the running loop."""
-        if not self._accounted:
-            task = asyncio.get_running_loop().create_task(self.account(tokens, subject))
-            _PENDING.add(task)
-            task.add_done_callback(_PENDING.discard)
-
-
-_PENDING: set[asyncio.Task] = set()
-
-
 class Serving:
-    """The gateway's serving service: model names, the context window, and :meth:`begin`.
+    """The gateway's serving service: model names, the context window, :meth:`serve` and :meth:`begin`.
 
     Args:
         engine: the started engine.
@@ -292,6 +183,7 @@ class Serving:
         self.completions = completions
         self.drain = drain
         self.metering = metering
+        self.texts = TokenTexts(engine.tokenizer)
 
     @property
     def tokenizer(self) -> Any:
@@ -365,38 +257,74 @@ class Serving:
             "adapters_loaded": len(self.engine.loaded_adapters()),
         }
 
+    async def serve(
+        self, body: ChatCompletionRequest | CompletionRequest, principal: Principal | None, *, caller: str | None
+    ) -> ServedRequest:
+        """Serve a chat (``chatcmpl-…``) or legacy completion (``cmpl-…``) request of ``principal``: the choices run
+        in the engine batch and are recorded (for ``caller``, the tenant in key mode) and metered as the returned
+        request is iterated.
+
+        Raises:
+            ModelNotFoundError: unknown ``model`` (404). ConflictError, RateLimitError: see :meth:`load_on_demand`.
+            BadRequestError, UnsupportedParameterError, ContextLengthExceededError: see :mod:`.plans` (400).
+            RateLimitError: the gateway is busy or the tenant is over a daily token limit (429).
+        """
+        chat = isinstance(body, ChatCompletionRequest)
+        log_ignored(body, "chat.completions" if chat else "completions")
+        await self.load_on_demand(body.model, principal)  # a stored <lineage>@<n>; then no await until begin
+        target = self.resolve(body.model, principal)  # an unknown model is reported before bad parameters
+        if chat:
+            plan = plan_chat(body, self.tokenizer, self.context_length())
+            messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
+        else:
+            plan, messages = plan_completion(body, self.tokenizer, self.context_length(), self.texts), None
+        served = self.begin(
+            target,
+            plan.jobs,
+            id_prefix="chatcmpl" if chat else "cmpl",
+            recording=Recording(caller=caller, user=body.user, messages=messages),
+            principal=principal,
+            per_prompt=plan.per_prompt,
+        )
+        try:
+            await self.check_quota(("prompt", "completion"), principal)  # over a daily token limit: 429, nothing runs
+            if plan.score_prompts is not None:
+                served.prompt_logprobs = [await served.score(ids, plan.score_prompts) for ids in served.prompts]
+            served.start()
+        except BaseException:
+            served.release()
+            raise
+        return served
+
     def begin(
         self,
-        model: str | ServingTarget,
-        plan: Callable[[], Sequence[Job]],
+        target: ServingTarget,
+        jobs: Sequence[Job],
         *,
         param: str = "n",
         id_prefix: str | None = None,
         recording: Recording | None = None,
         kind: str | None = None,
         principal: Principal | None,
+        per_prompt: int = 1,
     ) -> ServedRequest:
-        """Begin a served request: resolve ``model``, run ``plan``, admit its jobs, lease the version, make
-        the recorder. Synchronous (no ``await``), so the version leased is the one resolved.
+        """Begin a served request on ``target``: admit its ``jobs``, lease the version, make the recorder.
+        Synchronous (no ``await``), so the version leased is the one resolved.
 
         Args:
-            model: the request's ``model`` field, or an already known target (a sampling session's weights).
-            principal: who asks (names are tenant-checked for it; its tenant and key pay for the tokens).
-            plan: the request's validation and engine jobs (one per choice); it runs after the target is
-                resolved, so an unknown model is reported before bad parameters.
+            target: the weights (:meth:`resolve`, or a sampling session's).
+            jobs: the engine jobs, one per choice (``per_prompt`` consecutive ones per prompt).
             param: the field named when the request asks for more sequences than the gateway admits.
             id_prefix: ``chatcmpl`` / ``cmpl``: a new response id ``<prefix>-<32 hex>`` (``None``: no id).
             recording: log the choices in the completion log on behalf of this caller (``None``: not logged).
             kind: metrics label (default: ``chat`` for ``chatcmpl`` ids, ``completion`` for ``cmpl``, else
                 ``sample``).
+            principal: who asks; its tenant and key pay for the tokens.
 
         Raises:
-            ModelNotFoundError: unknown ``model`` (404).
-            LiveloraError: whatever ``plan`` raises (400s).
             BadRequestError: more sequences than the gateway ever admits. RateLimitError: busy now (429).
         """
-        target = model if isinstance(model, ServingTarget) else self.resolve(model, principal)
-        jobs = list(plan())
+        jobs = list(jobs)
         ticket = self.admission.acquire(len(jobs), param=param)
         if self.registry is not None and target.endpoint is not None and target.adapter is not None:
             ticket.also_release(self.registry.hold(target.endpoint, target.adapter).release)
@@ -435,4 +363,5 @@ class Serving:
             payer=tenant_key,
             metering=self.metering,
             kind=kind,
+            per_prompt=per_prompt,
         )

@@ -33,6 +33,7 @@ from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions.checkpoints import Checkpoints
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures, GoneError, NotReady
+from livelora.gateway.services.sessions.samples import Samples
 from livelora.gateway.services.sessions.sampling import SamplingSessions
 from livelora.gateway.services.sessions.training import TrainingOps
 from livelora.gateway.settings import GatewaySettings
@@ -46,7 +47,8 @@ class SessionService:
     Attributes:
         ops: training ops, model records, server capabilities (:mod:`.training`).
         checkpoints: training runs' checkpoints (:mod:`.checkpoints`).
-        sampling: sampling sessions and ``asample`` (:mod:`.sampling`).
+        sampling: sampling sessions (:mod:`.sampling`).
+        samples: ``asample`` and ``cancel_future`` (:mod:`.samples`).
         futures: op results (:mod:`.futures`).
         redis: the service's asyncio Redis client (also read by auth for session owners).
 
@@ -63,7 +65,8 @@ class SessionService:
         self.futures = Futures(ctx)
         self.ops = TrainingOps(ctx, self.futures)
         self.checkpoints = Checkpoints(ctx)
-        self.sampling = SamplingSessions(ctx, self.futures, serving)
+        self.sampling = SamplingSessions(ctx)
+        self.samples = Samples(ctx, self.futures, serving, self.sampling)
 
     async def start(self) -> None:
         """Subscribe to future notifications, start the janitor (unloads ended sessions' adapters) and the
@@ -91,6 +94,7 @@ class SessionService:
             with contextlib.suppress(BaseException):
                 await sweeper
         await self.futures.close()
+        await self.samples.close()
         await self.sampling.close()
         await self.redis.aclose()
 
