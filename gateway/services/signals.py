@@ -1,25 +1,11 @@
 """Signals: ratings, preferences and demonstrations validated and put on the Redis signals stream.
 
 :class:`SignalService` is what ``POST /v1/feedback``, ``/v1/preferences`` and ``/v1/demonstrations``
-(:mod:`livelora.gateway.api.signals`) call. The gateway answers 2xx only once the event is in the Redis signals stream; if
-Redis is unreachable it answers 503 with ``Retry-After`` and nothing is
-accepted (every write of one request happens in one Lua script, so either all
-of it lands or none).
-
-Semantics:
-
-* **Replace on re-rate.** A rating is keyed by (completion, rater), rater =
-  (caller, ``user``). The key ``rating:{completion}:{rater}`` holds the id of the
-  latest rating; a new rating swaps it and its event names the old one in
-  ``replaces``. The trainer keeps only the latest rating per key among the
-  events it has not trained on yet, so a batch never holds two ratings of one
-  completion by one rater. (A rating already trained on cannot be untrained;
-  the replacement is then trained in a later batch.)
-* **Idempotency.** With an ``Idempotency-Key`` header the first accepted
-  request's event is stored at ``idem:{route}/{caller}:{key}`` (TTL 24 h) in the
-  same script; a retry with the same key and body gets the same answer (header
-  ``Idempotent-Replayed: true``) and adds nothing; the same key with a
-  different body is a 409.
+(:mod:`livelora.gateway.api.signals`) call: it finds the completions rated (the caller's own only), checks the
+caller may train the endpoint's lineage and that the trainer could train the event, then hands it to
+:class:`~.signal_stream.SignalStream` (2xx only once it is in the stream; 503 with ``Retry-After`` while Redis is
+unreachable, nothing accepted; re-rates replace, ``Idempotency-Key`` replays). An accepted rating is then counted
+for the version that served it, which may end the endpoint's canary or roll it back (:meth:`SignalService.feedback`).
 
 Wiring: the live loop (:mod:`livelora.gateway.services.live`) builds the service; the routes pass the
 caller (the tenant, in key mode) and the principal that auth identified.
@@ -28,8 +14,6 @@ caller (the tenant, in key mode) and the principal that auth identified.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 import uuid
@@ -38,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aredis
 
-from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
+from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.clients.types.signals import (
     CompletionRecord,
     DemonstrationEvent,
@@ -50,13 +34,11 @@ from livelora.clients.types.signals import (
     PreferenceRequest,
     PreferenceResponse,
     RatingEvent,
-    parse_stream_event,
 )
-from livelora.core import metrics
 from livelora.core.api_keys import DEFAULT_TENANT, Principal
-from livelora.core.bus import dumps, redis_unavailable
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.signal_stream import SignalStream
 from livelora.gateway.settings import DEFAULT_IDEMPOTENCY_TTL_S
 
 if TYPE_CHECKING:
@@ -64,24 +46,6 @@ if TYPE_CHECKING:
     from livelora.gateway.services.registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
-
-# KEYS[1] signals stream, KEYS[2] idempotency key or "", KEYS[3] rating key or ""
-# ARGV[1] event JSON, ARGV[2] request fingerprint, ARGV[3] idem TTL s, ARGV[4] rating TTL s, ARGV[5] event id
-_ACCEPT_LUA = """
-if KEYS[2] ~= '' then
-  local prev = redis.call('GET', KEYS[2])
-  if prev then return {'replay', prev} end
-end
-local replaces = ''
-if KEYS[3] ~= '' then
-  replaces = redis.call('GET', KEYS[3]) or ''
-  redis.call('SET', KEYS[3], ARGV[5], 'EX', ARGV[4])
-end
-local sid = redis.call('XADD', KEYS[1], '*', 'event', ARGV[1], 'replaces', replaces)
-local stored = cjson.encode({fingerprint = ARGV[2], event = ARGV[1], replaces = replaces, stream_id = sid})
-if KEYS[2] ~= '' then redis.call('SET', KEYS[2], stored, 'EX', ARGV[3]) end
-return {'new', stored}
-"""
 
 
 class SignalService:
@@ -118,8 +82,7 @@ class SignalService:
         self.registry = registry
         self.stats = stats
         self.check_event = check_event
-        self.idempotency_ttl_s = int(idempotency_ttl_s)
-        self._accept = client.register_script(_ACCEPT_LUA)
+        self.stream = SignalStream(client, keys, idempotency_ttl_s, rating_ttl_s=completions.retention_s)
 
     # ------------------------------------------------------------ internals
 
@@ -162,56 +125,11 @@ class SignalService:
         caller: str | None,
         idempotency_key: str | None,
         rating_key: str | None = None,
-    ) -> tuple[Any, str, bool]:
-        """Run the accept script. Returns ``(event, replaces, replayed)`` where ``event`` is what the stream holds."""
+    ) -> tuple[Any, str | None, bool]:
+        """The door check (:attr:`check_event`, on a thread), then :meth:`.SignalStream.submit`."""
         if self.check_event is not None:
             await asyncio.to_thread(self.check_event, event)
-        fingerprint = hashlib.sha256((route + "\n" + dumps(body.model_dump(mode="json"))).encode()).hexdigest()
-        idem = self.keys.idem(f"{route}/{caller or '-'}", idempotency_key) if idempotency_key else ""
-        rkey = rating_key or ""
-        with redis_unavailable():
-            kind, stored = await self._accept(
-                keys=[self.keys.signals, idem, rkey],
-                args=[
-                    event.model_dump_json(),
-                    fingerprint,
-                    self.idempotency_ttl_s,
-                    self.completions.retention_s,
-                    event.id,
-                ],
-            )
-        rec = json.loads(stored)
-        if kind == "replay" and rec["fingerprint"] != fingerprint:
-            raise ConflictError(
-                f"Idempotency-Key {idempotency_key!r} was already used with a different "
-                f"request to {route}; use a new key for a new request",
-                param="Idempotency-Key",
-                code="idempotency_key_reused",
-            )
-        ev = parse_stream_event({"event": rec["event"], "replaces": rec["replaces"]})
-        if kind != "replay":
-            metrics.SIGNALS.labels("accepted", ev.type).inc()
-            log.info(
-                "accepted %s %s",
-                ev.type,
-                ev.id,
-                extra={
-                    "event_id": ev.id,
-                    "endpoint": ev.endpoint,
-                    "tenant": caller,
-                    "completion_id": getattr(ev, "completion_id", None),
-                    "completion_ids": [
-                        c
-                        for c in (
-                            getattr(ev, "chosen_completion_id", None),
-                            getattr(ev, "rejected_completion_id", None),
-                        )
-                        if c
-                    ]
-                    or None,
-                },
-            )
-        return ev, rec["replaces"] or None, kind == "replay"
+        return await self.stream.submit(route, event, body, caller, idempotency_key, rating_key)
 
     @staticmethod
     def _new_id(kind: str) -> str:
