@@ -38,7 +38,6 @@ from livelora.core.api_keys import KeyStore
 from livelora.gateway.api import admin, chat, completions, health, learning, models, observability, signals, tinker
 from livelora.gateway.api.deps import GatewayServices, attach
 from livelora.gateway.api.errors import install_error_handlers
-from livelora.gateway.api.logprobs import TokenTexts
 from livelora.gateway.auth import AuthMiddleware, check_bind
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admission import Admission
@@ -128,7 +127,6 @@ def create_app(
         await served.start()
         services.engine = served
         services.admission = Admission(settings)
-        services.token_texts = TokenTexts(served.tokenizer)
         log.info("serving %s with the %s engine", settings.model_id, settings.inference.engine)
         live = await start_live_loop(settings, served)  # completion log, signals, adapter registry
         services.registry, services.completions, services.signals = live.registry, live.completions, live.signals

@@ -12,9 +12,9 @@
 3. **Role.** :func:`required_role` maps each route to one role by path (the :data:`POLICY` table,
    first match wins); a route not in the table needs ``admin``, so a new route can never be public
    by accident. Lacking the role → 403. :data:`AUTHENTICATED` routes take any valid key.
-4. **Tenant.** The principal is put on ``request.state.principal`` and in :data:`current_principal`
-   (read by the registry to hide other tenants' endpoints); in key mode ``request.state.caller`` is
-   the tenant, which the completion log and the signal routes use to keep completions per tenant.
+4. **Tenant.** The principal is put on ``request.state.principal``, which routes take as a typed dependency
+   (``PrincipalDep``) and hand to the services as an argument; in key mode ``request.state.caller`` is the
+   tenant, which the completion log and the signal routes use to keep completions per tenant.
 5. **Training sessions.** A Tinker body is decoded once (:func:`decode_tinker_body`; the route gets that same
    object, ``request.state.tinker_body``) and every id it names (path parameters and the body fields of
    :data:`~livelora.core.object_ids.BODY_FIELDS`) is parsed in its one spelling (else 400) and its
@@ -30,7 +30,6 @@ import ipaddress
 import json
 import logging
 import re
-from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from livelora.clients.errors import (
@@ -41,7 +40,7 @@ from livelora.clients.errors import (
     PayloadTooLargeError,
     PermissionDeniedError,
 )
-from livelora.core.api_keys import DEFAULT_TENANT, OPEN_PRINCIPAL, KeyStore, Principal
+from livelora.core.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
 from livelora.core.object_ids import refs_of_request
 from livelora.core.owners import OwnerStore
 from livelora.core.redis_keys import KeyLayout
@@ -50,9 +49,6 @@ if TYPE_CHECKING:
     from livelora.gateway.api.deps import GatewayServices
 
 log = logging.getLogger(__name__)
-
-#: The principal of the request being handled (``None`` outside requests: no tenant filtering).
-current_principal: ContextVar[Principal | None] = ContextVar("livelora_principal", default=None)
 
 PUBLIC = "public"
 #: Role of routes any valid key may call, whatever its roles (``GET /api/v1/tokenizer``).
@@ -193,11 +189,7 @@ class AuthMiddleware:
             except LiveloraError as err:
                 return await _send_error(scope, send, err)
             receive = _replay(body, receive)
-        token = current_principal.set(principal)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            current_principal.reset(token)
+        await self.app(scope, receive, send)
 
     # -------------------------------------------------------------------------------- steps
 
@@ -257,20 +249,14 @@ class AuthMiddleware:
                     raise NotFoundError(f"request {ref.text!r} does not exist", param="request_id")
 
 
-def caller_tenant() -> str:
-    """The tenant of the request being handled (``default`` outside requests and in open mode)."""
-    principal = current_principal.get()
-    return principal.tenant if principal is not None else DEFAULT_TENANT
-
-
-def check_owner(home, kind: str, name: str, tenant: str | None = None) -> None:
-    """The one owner check of the gateway: ``tenant`` (default: the current request's) owns ``kind`` ``name``
+def check_owner(home, kind: str, name: str, tenant: str) -> None:
+    """The one owner check of the gateway: ``tenant`` owns ``kind`` ``name``
     (:meth:`livelora.core.owners.OwnerStore.check`: deny by default, one 404 for missing and foreign).
 
     Raises:
         NotFoundError: no owner record, or another tenant's.
     """
-    OwnerStore(home).check(kind, name, caller_tenant() if tenant is None else tenant)
+    OwnerStore(home).check(kind, name, tenant)
 
 
 #: Deepest nesting of objects/arrays a request body may have (Tinker bodies nest about 8 deep).

@@ -30,10 +30,18 @@ def anyio_backend():
     return "asyncio"
 
 
-def resolve(name: str) -> str:
-    if name not in ENDPOINTS:
-        raise ModelNotFoundError(f"unknown model {name!r}", param="model")
-    return name
+class Endpoints:
+    """The two endpoint names the signal service may name (the registry's role), every one trainable."""
+
+    @staticmethod
+    def endpoint_for(name: str, principal) -> str:
+        if name not in ENDPOINTS:
+            raise ModelNotFoundError(f"unknown model {name!r}", param="model")
+        return name
+
+    @staticmethod
+    def check_trainable(endpoint: str, principal) -> None:
+        return None
 
 
 def make_app(url: str, keys: KeyLayout, retention_s: int = 3600) -> tuple[FastAPI, aredis.Redis]:
@@ -42,7 +50,7 @@ def make_app(url: str, keys: KeyLayout, retention_s: int = 3600) -> tuple[FastAP
     app = FastAPI()
     install_error_handlers(app)
     app.include_router(router)
-    app.state.signals = SignalService(client, keys, log, resolve_endpoint=resolve)
+    app.state.signals = SignalService(client, keys, log, registry=Endpoints())
     app.dependency_overrides[get_signal_service] = lambda: app.state.signals
     app.state.log = log
     return app, client

@@ -22,7 +22,6 @@ from fastapi import Depends, FastAPI, Request
 
 from livelora.clients.errors import InternalError, UnavailableError
 from livelora.core.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
-from livelora.gateway.api.logprobs import TokenTexts
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admin import GatewayAdmin
 from livelora.gateway.services.admission import Admission
@@ -31,8 +30,9 @@ from livelora.gateway.services.drain import Drain
 from livelora.gateway.services.learning import LearningService
 from livelora.gateway.services.registry import AdapterRegistry
 from livelora.gateway.services.serving import Serving
-from livelora.gateway.services.sessions import Checkpoints, SamplingSessions, SessionService, TrainingOps
+from livelora.gateway.services.sessions import Checkpoints, Samples, SamplingSessions, SessionService, TrainingOps
 from livelora.gateway.services.signals import SignalService
+from livelora.gateway.services.token_texts import TokenTexts
 from livelora.gateway.services.usage import MeteringService
 from livelora.gateway.settings import GatewaySettings
 
@@ -49,7 +49,6 @@ class GatewayServices:
             ``False`` for good once a key exists (:mod:`livelora.gateway.auth`).
         engine: the started engine.
         admission: the sequence bound (429 beyond it).
-        token_texts: token text and bytes for logprobs.
         serving: target resolution, models, the start of every served request.
         registry: endpoints → adapter versions (live loop).
         completions: the completion log (live loop).
@@ -65,7 +64,6 @@ class GatewayServices:
     auth_open: bool
     engine: Engine | None = None
     admission: Admission | None = None
-    token_texts: TokenTexts | None = None
     serving: Serving | None = None
     registry: AdapterRegistry | None = None
     completions: CompletionLog | None = None
@@ -98,7 +96,7 @@ def get_serving(services: ServicesDep) -> Serving:
 
 
 def get_token_texts(services: ServicesDep) -> TokenTexts:
-    return services.token_texts
+    return services.serving.texts
 
 
 def get_principal(request: Request) -> Principal:
@@ -164,6 +162,10 @@ def get_sampling_sessions(sessions: Annotated[SessionService, Depends(get_sessio
     return sessions.sampling
 
 
+def get_samples(sessions: Annotated[SessionService, Depends(get_sessions)]) -> Samples:
+    return sessions.samples
+
+
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
@@ -191,6 +193,7 @@ SessionsDep = Annotated[SessionService, Depends(get_sessions)]
 TrainingOpsDep = Annotated[TrainingOps, Depends(get_training_ops)]
 CheckpointsDep = Annotated[Checkpoints, Depends(get_checkpoints)]
 SamplingDep = Annotated[SamplingSessions, Depends(get_sampling_sessions)]
+SamplesDep = Annotated[Samples, Depends(get_samples)]
 AdminDep = Annotated[GatewayAdmin, Depends(get_admin)]
 MeteringDep = Annotated[MeteringService, Depends(get_metering)]
 AuthOpenDep = Annotated[bool, Depends(get_auth_open)]

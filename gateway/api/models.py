@@ -5,23 +5,23 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from livelora.clients.types.openai import Model, ModelList
-from livelora.gateway.api.deps import ServingDep
+from livelora.gateway.api.deps import PrincipalDep, ServingDep
 
 router = APIRouter(tags=["models"])
 
 
 @router.get("/v1/models")
-async def get_models(serving: ServingDep) -> ModelList:
+async def get_models(serving: ServingDep, principal: PrincipalDep) -> ModelList:
     """The base model and every endpoint the caller may use (open mode: also loaded adapter versions)."""
-    return ModelList(data=serving.list_models())
+    return ModelList(data=serving.list_models(principal))
 
 
 @router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, serving: ServingDep) -> Model:
+async def get_model(model_id: str, serving: ServingDep, principal: PrincipalDep) -> Model:
     """One model by id: a listed one, or a stored ``<lineage>@<n>`` the caller may name (the list leaves those
     out; a request naming one loads it, gateway/services/on_demand.py).
 
     Raises:
         ModelNotFoundError: unknown id (404 ``model_not_found``).
     """
-    return serving.get_model(model_id)
+    return serving.get_model(model_id, principal)

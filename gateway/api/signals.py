@@ -17,7 +17,7 @@ from livelora.clients.types.signals import (
     PreferenceRequest,
     PreferenceResponse,
 )
-from livelora.gateway.api.deps import CallerDep, SignalsDep
+from livelora.gateway.api.deps import CallerDep, PrincipalDep, SignalsDep
 
 router = APIRouter(tags=["signals"])
 
@@ -40,11 +40,12 @@ async def post_feedback(
     body: FeedbackRequest,
     signals: SignalsDep,
     caller: CallerDep,
+    principal: PrincipalDep,
     response: Response,
     idempotency_key: str | None = _IDEM_HEADER,
 ) -> FeedbackResponse:
     """Rate one served completion (thumbs up/down, optional score and comment)."""
-    out, replayed = await signals.feedback(body, caller=caller, idempotency_key=idempotency_key)
+    out, replayed = await signals.feedback(body, caller=caller, principal=principal, idempotency_key=idempotency_key)
     _mark(response, replayed)
     return out
 
@@ -54,11 +55,12 @@ async def post_preference(
     body: PreferenceRequest,
     signals: SignalsDep,
     caller: CallerDep,
+    principal: PrincipalDep,
     response: Response,
     idempotency_key: str | None = _IDEM_HEADER,
 ) -> PreferenceResponse:
     """Submit a chosen/rejected pair (two completion ids, or prompt + replies inline)."""
-    out, replayed = await signals.preference(body, caller=caller, idempotency_key=idempotency_key)
+    out, replayed = await signals.preference(body, caller=caller, principal=principal, idempotency_key=idempotency_key)
     _mark(response, replayed)
     return out
 
@@ -68,10 +70,13 @@ async def post_demonstration(
     body: DemonstrationRequest,
     signals: SignalsDep,
     caller: CallerDep,
+    principal: PrincipalDep,
     response: Response,
     idempotency_key: str | None = _IDEM_HEADER,
 ) -> DemonstrationResponse:
     """Submit a conversation ending with the ideal assistant reply."""
-    out, replayed = await signals.demonstration(body, caller=caller, idempotency_key=idempotency_key)
+    out, replayed = await signals.demonstration(
+        body, caller=caller, principal=principal, idempotency_key=idempotency_key
+    )
     _mark(response, replayed)
     return out

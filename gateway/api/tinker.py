@@ -64,6 +64,7 @@ from livelora.gateway.api.deps import (
     CheckpointsDep,
     PrincipalDep,
     PublicUrlDep,
+    SamplesDep,
     SamplingDep,
     SessionsDep,
     TrainingOpsDep,
@@ -190,8 +191,8 @@ async def get_tokenizer(request: Request, ops: TrainingOpsDep) -> Response:
 
 # ------------------------------------------------------------------------------------------------ sessions
 @router.post("/create_session", openapi_extra=body_schema(CreateSessionRequest))
-async def create_session(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.create_session(await decode(request, CreateSessionRequest)))
+async def create_session(request: Request, sessions: SessionsDep, principal: PrincipalDep) -> Response:
+    return encode(await sessions.create_session(await decode(request, CreateSessionRequest), principal))
 
 
 @router.post("/session_heartbeat", openapi_extra=body_schema(SessionHeartbeatRequest))
@@ -201,20 +202,20 @@ async def session_heartbeat(request: Request, sessions: SessionsDep) -> Response
 
 
 @router.post("/sessions/{session_id}/finish", openapi_extra=body_schema(SessionFinishRequest))
-async def finish_session(session_id: str, request: Request, sessions: SessionsDep) -> Response:
+async def finish_session(session_id: str, request: Request, sessions: SessionsDep, principal: PrincipalDep) -> Response:
     req = await decode(request, SessionFinishRequest)
-    await sessions.finish_session(session_id, req.reason.type, req.detail)
+    await sessions.finish_session(session_id, principal, req.reason.type, req.detail)
     return encode({"session_id": session_id, "status": "finished"})
 
 
 @router.get("/sessions")
-async def list_sessions(sessions: SessionsDep, limit: int = 20, offset: int = 0) -> Response:
-    return encode(await sessions.list_sessions(limit, offset))
+async def list_sessions(sessions: SessionsDep, principal: PrincipalDep, limit: int = 20, offset: int = 0) -> Response:
+    return encode(await sessions.list_sessions(principal, limit, offset))
 
 
 @router.post("/sessions/search")
-async def search_sessions(request: Request, sessions: SessionsDep) -> Response:
-    return encode(await sessions.search_sessions(await decode(request, SessionSearchRequest)))
+async def search_sessions(request: Request, sessions: SessionsDep, principal: PrincipalDep) -> Response:
+    return encode(await sessions.search_sessions(await decode(request, SessionSearchRequest), principal))
 
 
 @router.get("/sessions/{session_id}")
@@ -224,8 +225,8 @@ async def get_session(session_id: str, sessions: SessionsDep) -> Response:
 
 # ------------------------------------------------------------------------------------------------ training ops
 @router.post("/create_model", openapi_extra=body_schema(CreateModelRequest))
-async def create_model(request: Request, ops: TrainingOpsDep) -> Response:
-    return encode(await ops.create_model(await decode(request, CreateModelRequest)))
+async def create_model(request: Request, ops: TrainingOpsDep, principal: PrincipalDep) -> Response:
+    return encode(await ops.create_model(await decode(request, CreateModelRequest), principal))
 
 
 @router.post("/get_info", openapi_extra=body_schema(GetInfoRequest))
@@ -234,12 +235,14 @@ async def get_info(request: Request, ops: TrainingOpsDep) -> Response:
 
 
 @router.post("/forward", openapi_extra=body_schema(ForwardRequest))
-async def forward(request: Request, ops: TrainingOpsDep) -> Response:
-    return encode(await ops.submit_op("forward", await body_json(request), lambda d: ForwardRequest.model_validate(d)))
+async def forward(request: Request, ops: TrainingOpsDep, principal: PrincipalDep) -> Response:
+    return encode(
+        await ops.submit_op("forward", await body_json(request), lambda d: ForwardRequest.model_validate(d), principal)
+    )
 
 
 @router.post("/forward_backward", openapi_extra=body_schema(ForwardBackwardRequest))
-async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
+async def forward_backward(request: Request, ops: TrainingOpsDep, principal: PrincipalDep) -> Response:
     """JSON (SDK ≤0.24) or protobuf, optionally zstd (SDK ≥0.25; ``forward_only`` is a forward pass), decoded once
     by the auth middleware; the typed protobuf request is what the service queues."""
     decoded = await tinker_body(request)
@@ -248,54 +251,68 @@ async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
         raise decoded
     if isinstance(decoded, dict):
         return encode(
-            await ops.submit_op("forward_backward", decoded, lambda d: ForwardBackwardRequest.model_validate(d))
+            await ops.submit_op(
+                "forward_backward", decoded, lambda d: ForwardBackwardRequest.model_validate(d), principal
+            )
         )
     kind = "forward" if decoded.forward_only else "forward_backward"
-    return encode(await ops.submit_op(kind, decoded.model_dump(mode="json", exclude_none=True), lambda _: decoded))
+    return encode(
+        await ops.submit_op(kind, decoded.model_dump(mode="json", exclude_none=True), lambda _: decoded, principal)
+    )
 
 
 @router.post("/optim_step", openapi_extra=body_schema(OptimStepRequest))
-async def optim_step(request: Request, ops: TrainingOpsDep) -> Response:
+async def optim_step(request: Request, ops: TrainingOpsDep, principal: PrincipalDep) -> Response:
     return encode(
-        await ops.submit_op("optim_step", await body_json(request), lambda d: OptimStepRequest.model_validate(d))
+        await ops.submit_op(
+            "optim_step", await body_json(request), lambda d: OptimStepRequest.model_validate(d), principal
+        )
     )
 
 
 @router.post("/save_weights", openapi_extra=body_schema(SaveWeightsRequest))
-async def save_weights(request: Request, ops: TrainingOpsDep) -> Response:
+async def save_weights(request: Request, ops: TrainingOpsDep, principal: PrincipalDep) -> Response:
     return encode(
-        await ops.submit_op("save_weights", await body_json(request), lambda d: SaveWeightsRequest.model_validate(d))
+        await ops.submit_op(
+            "save_weights", await body_json(request), lambda d: SaveWeightsRequest.model_validate(d), principal
+        )
     )
 
 
 @router.post("/save_weights_for_sampler", openapi_extra=body_schema(SaveWeightsForSamplerRequest))
-async def save_weights_for_sampler(request: Request, ops: TrainingOpsDep) -> Response:
+async def save_weights_for_sampler(request: Request, ops: TrainingOpsDep, principal: PrincipalDep) -> Response:
     return encode(
         await ops.submit_op(
             "save_weights_for_sampler",
             await body_json(request),
             lambda d: SaveWeightsForSamplerRequest.model_validate(d),
+            principal,
         )
     )
 
 
 @router.post("/save_weights_external", openapi_extra=body_schema(SaveWeightsExternalRequest))
-async def save_weights_external(request: Request, ops: TrainingOpsDep) -> Response:
+async def save_weights_external(request: Request, ops: TrainingOpsDep, principal: PrincipalDep) -> Response:
     """The run's current LoRA weights as a PEFT adapter directory, ``tinker://<model_id>/external_weights/<path>``
     (its files: ``…/checkpoints/external_weights/<path>/external_weights_urls``)."""
     return encode(
         await ops.submit_op(
-            "save_weights_external", await body_json(request), lambda d: SaveWeightsExternalRequest.model_validate(d)
+            "save_weights_external",
+            await body_json(request),
+            lambda d: SaveWeightsExternalRequest.model_validate(d),
+            principal,
         )
     )
 
 
 @router.post("/load_weights", openapi_extra=body_schema(LoadWeightsRequest))
-async def load_weights(request: Request, ops: TrainingOpsDep) -> Response:
+async def load_weights(request: Request, ops: TrainingOpsDep, principal: PrincipalDep) -> Response:
     data = await body_json(request)
     if data.get("model_id") is not None or data.get("seq_id") is not None:  # load into an existing model
-        return encode(await ops.submit_op("load_weights", data, lambda d: LoadWeightsRequest.model_validate(d)))
-    return encode(await ops.create_via_load(parse(LoadWeightsRequest, data)))
+        return encode(
+            await ops.submit_op("load_weights", data, lambda d: LoadWeightsRequest.model_validate(d), principal)
+        )
+    return encode(await ops.create_via_load(parse(LoadWeightsRequest, data), principal))
 
 
 @router.post("/retrieve_future", openapi_extra=body_schema(FutureRetrieveRequest))
@@ -316,8 +333,10 @@ async def weights_info(request: Request, checkpoints: CheckpointsDep) -> Respons
 
 
 @router.get("/training_runs")
-async def list_training_runs(checkpoints: CheckpointsDep, limit: int = 20, offset: int = 0) -> Response:
-    return encode(await checkpoints.list_training_runs(limit, offset))
+async def list_training_runs(
+    checkpoints: CheckpointsDep, principal: PrincipalDep, limit: int = 20, offset: int = 0
+) -> Response:
+    return encode(await checkpoints.list_training_runs(principal, limit, offset))
 
 
 @router.get("/training_runs/{model_id}")
@@ -331,8 +350,10 @@ async def list_checkpoints(model_id: str, checkpoints: CheckpointsDep) -> Respon
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(checkpoints: CheckpointsDep, limit: int = 100, offset: int = 0) -> Response:
-    return encode(checkpoints.list_user_checkpoints(limit, offset))
+async def list_user_checkpoints(
+    checkpoints: CheckpointsDep, principal: PrincipalDep, limit: int = 100, offset: int = 0
+) -> Response:
+    return encode(checkpoints.list_user_checkpoints(principal, limit, offset))
 
 
 @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive")
@@ -410,8 +431,8 @@ async def get_sampler(sampler_id: str, sampling: SamplingDep) -> Response:
 
 
 @router.post("/asample", openapi_extra=body_schema(SampleRequestV2))
-async def asample(request: Request, sampling: SamplingDep) -> Response:
-    return encode(await sampling.asample(await decode(request, SampleRequestV2)))
+async def asample(request: Request, samples: SamplesDep, principal: PrincipalDep) -> Response:
+    return encode(await samples.asample(await decode(request, SampleRequestV2), principal))
 
 
 @router.post("/join_sampling_session")
@@ -432,9 +453,9 @@ async def retrieve_futures(request: Request, sampling: SamplingDep) -> Response:
 
 
 @router.post("/cancel_future")
-async def cancel_future(request: Request, sampling: SamplingDep) -> Response:
+async def cancel_future(request: Request, samples: SamplesDep) -> Response:
     req = await decode(request, CancelFutureRequest)
-    return encode({"request_id": req.request_id, "cancelled": await sampling.cancel_future(req.request_id)})
+    return encode({"request_id": req.request_id, "cancelled": await samples.cancel_future(req.request_id)})
 
 
 # ------------------------------------------------------------------------------------------------ not built

@@ -1,13 +1,12 @@
 """The gateway's services: what the routes of :mod:`livelora.gateway.api` call (never the other way round).
 
-* :mod:`.serving` — which weights answer a ``model`` name, and :meth:`~.serving.Serving.begin`, the one place a
-  served request begins (target, admission ticket, version lease, completion recorder);
-* :mod:`.admission` — the gateway's bound on admitted sequences (429 beyond it);
-* :mod:`.generation` — OpenAI sampling fields → engine jobs, and the choices of one request run together;
-* :mod:`.completion_log` — every served completion in Redis, and the recorder that logs a request's choices;
-* :mod:`.signals` — ratings, preferences and demonstrations onto the Redis signals stream;
-* :mod:`.registry` — endpoints → adapter versions: leases, checked hot-swaps, drained unloads;
-* :mod:`.live` — the live-loop wiring (Redis client, completion log, signals, registry) of a gateway process;
-* :mod:`.admin` — endpoints, adapter versions, exports and API keys of a tenant;
-* :mod:`.sessions` — the Tinker training-session API (sessions, training ops, futures, checkpoints, sampling).
+Serving — :mod:`.serving` (``model`` → weights; :meth:`~.serving.Serving.serve`, the one call of a chat or
+completion request), :mod:`.plans` (request → engine jobs), :mod:`.served` (a running request, recorded and
+metered), :mod:`.generation` (jobs, choices run together), :mod:`.admission` (sequence bound),
+:mod:`.token_texts` (token text and bytes), :mod:`.drain` (graceful shutdown), :mod:`.observe` (request metrics).
+Live loop — :mod:`.live` (its wiring), :mod:`.completion_log`, :mod:`.signals` and :mod:`.signal_stream` (signals
+onto the Redis stream), :mod:`.live_stats` (per-version statistics, canary, rollback), :mod:`.registry`
+(endpoints → versions, leases), :mod:`.version_checks`, :mod:`.store_sync`, :mod:`.on_demand` (stored versions).
+Tenants — :mod:`.usage` (token metering), :mod:`.limits` (quotas), :mod:`.store_admin` and :mod:`.admin` (the
+``/admin`` service). Training sessions — :mod:`.sessions` (the Tinker API).
 """

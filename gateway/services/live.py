@@ -63,22 +63,16 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
         resync_s=live.resync_s,
         max_on_demand=live.max_on_demand_versions,
     )
-    registry.stats = stats = LiveStats(client, keys, live, home=settings.home)
-
-    async def on_rating(endpoint: str, adapter: str | None, rating_key: str, up: bool) -> None:
-        await stats.count_rating(endpoint, adapter, rating_key, up)
-        await stats.after_rating(registry, endpoint)
-
+    registry.stats = LiveStats(client, keys, live, home=settings.home)  # counts requests; canaries
     learning = LearningService(client, keys, registry)
     signals = SignalService(
         client,
         keys,
         completions,
-        resolve_endpoint=registry.endpoint_for,
+        registry=registry,
+        stats=registry.stats,  # each accepted rating: counted, then the rollback test
         idempotency_ttl_s=live.idempotency_ttl_s,
-        check_trainable=registry.check_trainable,
         check_event=signal_checker(settings),
-        on_rating=on_rating,
         ratings_to_step=learning.ratings_to_step,
     )
     try:

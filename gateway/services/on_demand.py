@@ -37,6 +37,7 @@ from livelora.clients.errors import (
     NotFoundError,
     RateLimitError,
 )
+from livelora.core.api_keys import Principal
 from livelora.core.owners import OwnerStore
 from livelora.core.rails import gate_allows
 
@@ -74,42 +75,43 @@ class OnDemandVersions:
 
     # ------------------------------------------------------------------ who may use what
 
-    def may_use(self, lineage: str) -> bool:
-        """Whether the current request may be served versions of ``lineage``: outside requests and in open mode
+    def may_use(self, lineage: str, principal: Principal | None) -> bool:
+        """Whether ``principal`` may be served versions of ``lineage``: outside requests (``None``) and in open mode
         always; in key mode when its tenant is the lineage's recorded owner."""
-        from livelora.gateway.auth import current_principal
-
-        principal = current_principal.get()
         if principal is None or principal.key_id is None:
             return True
         return self.owners.owns("lineage", lineage, principal.tenant)
 
-    def endpoint_of(self, lineage: str) -> str | None:
+    def endpoint_of(self, lineage: str, principal: Principal | None) -> str | None:
         """The endpoint a version of ``lineage`` is counted under: the first of its endpoints whose versions the
         caller may be served, else ``None`` (a lineage no endpoint binds, e.g. a training run's)."""
         reg = self.registry
         for endpoint, binding in reg.bindings.items():
-            if binding.lineage == lineage and reg.visible(endpoint) and reg.versions_visible(endpoint):
+            if (
+                binding.lineage == lineage
+                and reg.visible(endpoint, principal)
+                and reg.versions_visible(endpoint, principal)
+            ):
                 return endpoint
         return None
 
-    def target(self, model: str) -> tuple[str, str] | None:
-        """``(endpoint, adapter)`` for a loaded version ``model`` the caller may use, noting the use (least
+    def target(self, model: str, principal: Principal | None) -> tuple[str, str] | None:
+        """``(endpoint, adapter)`` for a loaded version ``model`` that ``principal`` may use, noting the use (least
         recently used order); ``None`` otherwise. The endpoint is :meth:`endpoint_of`, else the version name."""
         reg = self.registry
         manifest = reg.loaded.get(model)
-        if manifest is None or model in reg.refused or not self.may_use(manifest.lineage):
+        if manifest is None or model in reg.refused or not self.may_use(manifest.lineage, principal):
             return None
         if model in self.held:
             self.held.move_to_end(model)
-        return self.endpoint_of(manifest.lineage) or model, model
+        return self.endpoint_of(manifest.lineage, principal) or model, model
 
-    def stored(self, model: str) -> Manifest | None:
-        """The manifest of ``model`` if it names a stored version the caller may use (loaded or not), else
+    def stored(self, model: str, principal: Principal | None) -> Manifest | None:
+        """The manifest of ``model`` if it names a stored version ``principal`` may use (loaded or not), else
         ``None`` (not a version name, not stored, or another tenant's)."""
         try:
             lineage, version = parse_version_name(model)
-            if not self.may_use(lineage):
+            if not self.may_use(lineage, principal):
                 return None
             return self.registry.store.get(lineage, version)
         except (BadRequestError, NotFoundError, ValueError):
@@ -135,8 +137,8 @@ class OnDemandVersions:
 
     # ------------------------------------------------------------------ loading
 
-    async def ensure(self, model: str) -> None:
-        """Make ``model`` servable if it names a stored version the caller may use that is not loaded; names
+    async def ensure(self, model: str, principal: Principal | None) -> None:
+        """Make ``model`` servable if it names a stored version ``principal`` may use that is not loaded; names
         that are not version names, loaded versions and names the caller may not use are left to
         :meth:`~.registry.AdapterRegistry.resolve` (which answers the one 404 for the last).
 
@@ -152,7 +154,7 @@ class OnDemandVersions:
             lineage, version = parse_version_name(model)
         except (BadRequestError, ValueError):
             return
-        if not self.may_use(lineage):
+        if not self.may_use(lineage, principal):
             return
         if model in reg.loaded and model in self.held:
             if not (reg.store.version_dir(lineage, version) / MANIFEST_FILE).is_file():
@@ -175,7 +177,7 @@ class OnDemandVersions:
             if reg.store.was_allocated(lineage, version):
                 raise self._deleted(model, lineage) from None
             return
-        endpoint = self.endpoint_of(lineage)
+        endpoint = self.endpoint_of(lineage, principal)
         if not gate_allows(manifest.gate, endpoint or "*"):
             raise ConflictError(
                 f"model {model!r} is stored but cannot be served: the evaluation gate rejected it"

@@ -1,39 +1,40 @@
-"""Serving: which weights answer a request, and the one place where a served request begins.
+"""Serving: which weights answer a request, and where every served request begins.
 
-* :func:`resolve_target` maps the request's ``model`` field to the engine adapter and the version label
-  reported to the client (``system_fingerprint`` and the ``X-Livelora-Adapter-Version`` header): an endpoint
-  name → its current adapter version (the live loop's :class:`~.registry.AdapterRegistry`), the base model's
-  name, or (open mode) an adapter loaded in the engine under its version name.
-* :meth:`Serving.begin` starts every generation the gateway serves (chat, legacy completions, Tinker
-  sampling): resolve the target, run the caller's plan (its validation and the engine jobs), take the
-  admission ticket (:mod:`.admission`), lease the version until the ticket is released, and make the
-  completion-log recorder. It never awaits, so the leased version is the one that was resolved.
-* :class:`ServedRequest` is what it returns: the target, the jobs, the ticket and the recorder, plus
-  :meth:`ServedRequest.generate` to start the jobs in the engine batch.
+* :func:`resolve_target` maps a request's ``model`` to the engine adapter and the version label reported to the
+  client (``system_fingerprint``, the ``X-Livelora-Adapter-Version`` header): an endpoint → its current version
+  (:class:`~.registry.AdapterRegistry`), the base model's name, or (open mode) an adapter loaded under its name.
+* :meth:`Serving.serve` is the one call of the chat and legacy completion routes: load a stored version the request
+  names, resolve it, plan the jobs (:mod:`.plans`), admit them, check the tenant's quota, score an echoed prompt
+  and start the choices; the :class:`~.served.ServedRequest` it returns records and meters them as they run.
+* :meth:`Serving.begin` (also under :meth:`serve`; Tinker samples call it directly) admits the jobs, leases the
+  version until the ticket is released and makes the completion-log recorder. It never awaits, so the leased
+  version is the one that was resolved.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from livelora.clients.errors import ModelNotFoundError
-from livelora.clients.types.openai import Model
-from livelora.core import metrics
+from livelora.clients.types.openai import ChatCompletionRequest, CompletionRequest, Model
+from livelora.core.api_keys import DEFAULT_TENANT, Principal
 from livelora.core.logs import annotate
-from livelora.gateway.engines.base import Engine, TokenLogprob
-from livelora.gateway.services.admission import Admission, Ticket
+from livelora.gateway.engines.base import Engine
+from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog, CompletionRecorder
 from livelora.gateway.services.drain import Drain
-from livelora.gateway.services.generation import ChoiceStream, Job, new_id, now
+from livelora.gateway.services.generation import Job, new_id, now
+from livelora.gateway.services.plans import log_ignored, plan_chat, plan_completion
+from livelora.gateway.services.served import ServedRequest
+from livelora.gateway.services.token_texts import TokenTexts
+from livelora.gateway.services.usage import payer
 from livelora.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
-    from livelora.gateway.engines.base import GenerationChunk
     from livelora.gateway.services.registry import AdapterRegistry
     from livelora.gateway.services.usage import MeteringService
 
@@ -70,8 +71,10 @@ class ServingTarget:
         return {VERSION_HEADER: self.version}
 
 
-def resolve_target(model: str, engine: Engine, settings: GatewaySettings, registry=None) -> ServingTarget:
-    """Map a request's ``model`` to the weights that serve it.
+def resolve_target(
+    model: str, engine: Engine, settings: GatewaySettings, registry=None, principal: Principal | None = None
+) -> ServingTarget:
+    """Map the ``model`` of a request of ``principal`` (``None``: outside requests) to the weights that serve it.
 
     With the live loop's :class:`~livelora.gateway.services.registry.AdapterRegistry`, an endpoint name resolves to
     its current version (:meth:`Serving.begin` leases it once admitted).
@@ -81,9 +84,9 @@ def resolve_target(model: str, engine: Engine, settings: GatewaySettings, regist
     """
     if registry is not None:
         try:
-            endpoint, adapter = registry.resolve(model)
+            endpoint, adapter = registry.resolve(model, principal)
         except ModelNotFoundError:
-            if tenant_scoped():  # with API keys only the registry's (tenant-checked) names serve
+            if tenant_scoped(principal):  # with API keys only the registry's (tenant-checked) names serve
                 raise
         else:
             return ServingTarget(model, adapter, adapter or BASE_VERSION, endpoint)
@@ -91,7 +94,7 @@ def resolve_target(model: str, engine: Engine, settings: GatewaySettings, regist
         return ServingTarget(model, None, BASE_VERSION)
     if model in engine.loaded_adapters():
         return ServingTarget(model, model, model)
-    known = ", ".join(m.id for m in list_models(engine, settings, registry))
+    known = ", ".join(m.id for m in list_models(engine, settings, registry, principal))
     raise ModelNotFoundError(f"model {model!r} does not exist; served models: {known}", param="model")
 
 
@@ -102,16 +105,15 @@ def context_length(engine: Engine, settings: GatewaySettings) -> int:
     return min(limit, cap) if cap else limit
 
 
-def tenant_scoped() -> bool:
-    """Whether the current request comes with an API key (key mode): names are then tenant-checked."""
-    from livelora.gateway.auth import current_principal
-
-    principal = current_principal.get()
+def tenant_scoped(principal: Principal | None) -> bool:
+    """Whether ``principal`` comes with an API key (key mode): names are then tenant-checked."""
     return principal is not None and principal.key_id is not None
 
 
-def list_models(engine: Engine, settings: GatewaySettings, registry=None) -> list[Model]:
-    """The ``/v1/models`` entries: the base model, then the endpoints the caller may use (``owned_by`` =
+def list_models(
+    engine: Engine, settings: GatewaySettings, registry=None, principal: Principal | None = None
+) -> list[Model]:
+    """The ``/v1/models`` entries: the base model, then the endpoints ``principal`` may use (``owned_by`` =
     their tenant), then (open mode only) adapters loaded in the engine under their version names."""
     created = int(getattr(engine, "created", None) or _STARTED)
     base = settings.model_id
@@ -119,12 +121,12 @@ def list_models(engine: Engine, settings: GatewaySettings, registry=None) -> lis
     seen = {base}
     if registry is not None:
         for endpoint in registry.endpoints():
-            if endpoint in seen or not registry.visible(endpoint):
+            if endpoint in seen or not registry.visible(endpoint, principal):
                 continue
             seen.add(endpoint)
             tenant = getattr(registry.bindings.get(endpoint), "tenant", None)
             out.append(Model(id=endpoint, created=created, owned_by=tenant or "livelora", root=base, parent=base))
-    if not tenant_scoped():
+    if not tenant_scoped(principal):
         out += [
             Model(id=name, created=created, owned_by="livelora", root=base, parent=base)
             for name in engine.loaded_adapters()
@@ -151,116 +153,8 @@ class Recording:
     messages: list[dict] | None = None
 
 
-@dataclass
-class ServedRequest:
-    """An admitted request (see :meth:`Serving.begin`); :meth:`release` gives its slots and lease back.
-
-    Attributes:
-        id: the response id (``chatcmpl-…``/``cmpl-…``; ``""`` when none was asked for).
-        created: Unix time, seconds.
-        target: the weights serving it.
-        jobs: one engine generation per choice.
-        ticket: its admission ticket (the version lease is released with it).
-        engine: the engine that serves it.
-        recorder: collects the choices for the completion log (``None``: not logged).
-        drain: the gateway's drain state (``None``: never drained); a running request calls
-            ``drain.check_running()`` between chunks.
-        payer: ``(tenant, API key id)`` the request's tokens are metered for.
-        metering: the gateway's token counters (``None``: not metered).
-        kind: ``chat`` / ``completion`` / ``sample``: the label of its latency and token metrics.
-    """
-
-    id: str
-    created: int
-    target: ServingTarget
-    jobs: list[Job]
-    ticket: Ticket
-    engine: Engine
-    recorder: CompletionRecorder | None = field(default=None)
-    drain: Drain | None = field(default=None)
-    payer: tuple[str, str | None] = ("default", None)
-    metering: MeteringService | None = field(default=None)
-    kind: str = "chat"
-    started: float = field(default_factory=time.monotonic)
-    _last: dict[int, float] = field(default_factory=dict)
-    _accounted: bool = False
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """Response headers naming the weights that answer."""
-        return self.target.headers
-
-    def generate(self) -> ChoiceStream:
-        """Start every job in the engine batch; chunks come out interleaved as ``(choice index, chunk)``."""
-        return ChoiceStream(self.engine, self.jobs, self.target.adapter, self.id)
-
-    async def score(self, token_ids: Sequence[int], top_logprobs: int = 0) -> list[TokenLogprob | None]:
-        """Prompt logprobs of ``token_ids`` under the request's weights (:meth:`Engine.score`)."""
-        return await self.engine.score(token_ids, self.target.adapter, top_logprobs=top_logprobs)
-
-    def release(self) -> None:
-        """Give the admission slots and the version lease back (idempotent)."""
-        self.ticket.release()
-
-    def observe(self, index: int, chunk: GenerationChunk) -> None:
-        """Latency metrics of one engine chunk of choice ``index``: time to first token (first chunk of the
-        request), inter-token latency (a chunk of k tokens counts its gap / k, k times), generated tokens."""
-        n = len(chunk.token_ids)
-        if not n:
-            return
-        t = time.monotonic()
-        if not self._last:
-            metrics.TTFT.labels(self.kind).observe(t - self.started)
-        prev = self._last.get(index)
-        if prev is not None:
-            gap = (t - prev) / n
-            for _ in range(n):
-                metrics.INTER_TOKEN.labels(self.kind).observe(gap)
-        self._last[index] = t
-        metrics.GENERATED_TOKENS.labels(self.kind).inc(n)
-
-    async def account(self, tokens: dict[str, int], subject: str | None = None) -> None:
-        """Meter the request's ``tokens`` (``{kind: n}``, :data:`~livelora.core.metering.KINDS`) once for
-        :attr:`payer` and ``subject`` (default: the endpoint, else the model name); later calls do nothing."""
-        if self._accounted:
-            return
-        self._accounted = True
-        if "prompt" in tokens:
-            metrics.PROMPT_TOKENS.labels(self.kind).inc(tokens["prompt"])
-        done = tokens.get("completion", tokens.get("sampled", 0))
-        elapsed = time.monotonic() - self.started
-        if done and elapsed > 0:
-            metrics.TOKENS_PER_SECOND.labels(self.kind).observe(done / elapsed)
-        log.info(
-            "served %s %s: %s",
-            self.kind,
-            self.id or "-",
-            tokens,
-            extra={
-                "completion_id": self.id or None,
-                "tenant": self.payer[0],
-                "version": self.target.version,
-                "endpoint": subject or self.target.endpoint or self.target.model,
-            },
-        )
-        if self.metering is not None:
-            await self.metering.record(
-                self.payer[0], self.payer[1], subject or self.target.endpoint or self.target.model, tokens
-            )
-
-    def account_later(self, tokens: dict[str, int], subject: str | None = None) -> None:
-        """:meth:`account` from synchronous code (an aborted request): scheduled on the running loop."""
-        if not self._accounted:
-            task = asyncio.get_running_loop().create_task(self.account(tokens, subject))
-            _PENDING.add(task)
-            task.add_done_callback(_PENDING.discard)
-
-
-_PENDING: set[asyncio.Task] = set()
-
-
 class Serving:
-    """The gateway's serving service: model names, the context window, and :meth:`begin`.
+    """The gateway's serving service: model names, the context window, :meth:`serve` and :meth:`begin`.
 
     Args:
         engine: the started engine.
@@ -289,18 +183,19 @@ class Serving:
         self.completions = completions
         self.drain = drain
         self.metering = metering
+        self.texts = TokenTexts(engine.tokenizer)
 
     @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer."""
         return self.engine.tokenizer
 
-    def resolve(self, model: str) -> ServingTarget:
+    def resolve(self, model: str, principal: Principal | None) -> ServingTarget:
         """See :func:`resolve_target`. Raises: ModelNotFoundError (404)."""
-        return resolve_target(model, self.engine, self.settings, self.registry)
+        return resolve_target(model, self.engine, self.settings, self.registry, principal)
 
-    async def load_on_demand(self, model: str) -> None:
-        """Load a stored ``<lineage>@<n>`` that ``model`` names and the caller may use, if it is not loaded
+    async def load_on_demand(self, model: str, principal: Principal | None) -> None:
+        """Load a stored ``<lineage>@<n>`` that ``model`` names and ``principal`` may use, if it is not loaded
         (:meth:`~livelora.gateway.services.on_demand.OnDemandVersions.ensure`); call it before :meth:`begin`,
         with no ``await`` in between. Other names: nothing to do (:meth:`resolve` answers them).
 
@@ -309,42 +204,38 @@ class Serving:
             or it failed its load checks (409). RateLimitError: every version held on demand is in use (429).
         """
         if self.registry is not None:
-            await self.registry.on_demand.ensure(model)
+            await self.registry.on_demand.ensure(model, principal)
 
     def context_length(self) -> int:
         """See :func:`context_length` (tokens)."""
         return context_length(self.engine, self.settings)
 
-    async def check_quota(self, kinds: tuple[str, ...]) -> None:
-        """Refuse (429) a request of the current caller's tenant that would use ``kinds`` over a daily limit
+    async def check_quota(self, kinds: tuple[str, ...], principal: Principal | None) -> None:
+        """Refuse (429) a request of ``principal``'s tenant that would use ``kinds`` over a daily limit
         (:meth:`~livelora.gateway.services.limits.QuotaService.check_tokens`). Raises: RateLimitError."""
         if self.metering is not None:
-            from livelora.gateway.services.usage import payer
+            await self.metering.quotas.check_tokens(payer(principal)[0], kinds)
 
-            await self.metering.quotas.check_tokens(payer()[0], kinds)
-
-    def list_models(self) -> list[Model]:
+    def list_models(self, principal: Principal | None) -> list[Model]:
         """See :func:`list_models`."""
-        return list_models(self.engine, self.settings, self.registry)
+        return list_models(self.engine, self.settings, self.registry, principal)
 
-    def get_model(self, model_id: str) -> Model:
-        """One ``/v1/models`` entry by id: a listed one, or a stored ``<lineage>@<n>`` the caller may name
+    def get_model(self, model_id: str, principal: Principal | None) -> Model:
+        """One ``/v1/models`` entry by id: a listed one, or a stored ``<lineage>@<n>`` ``principal`` may name
         (not listed: :mod:`~livelora.gateway.services.on_demand` loads it when a request names it).
 
         Raises:
             ModelNotFoundError: unknown id (404 ``model_not_found``).
         """
-        for model in self.list_models():
+        for model in self.list_models(principal):
             if model.id == model_id:
                 return model
-        manifest = self.registry.on_demand.stored(model_id) if self.registry is not None else None
+        manifest = self.registry.on_demand.stored(model_id, principal) if self.registry is not None else None
         if manifest is not None:  # a stored version the caller may name (loaded on demand)
-            from livelora.gateway.auth import caller_tenant
-
             return Model(
                 id=model_id,
                 created=int(manifest.created),
-                owned_by=caller_tenant(),
+                owned_by=principal.tenant if principal is not None else DEFAULT_TENANT,
                 root=self.settings.model_id,
                 parent=self.settings.model_id,
             )
@@ -366,36 +257,74 @@ class Serving:
             "adapters_loaded": len(self.engine.loaded_adapters()),
         }
 
+    async def serve(
+        self, body: ChatCompletionRequest | CompletionRequest, principal: Principal | None, *, caller: str | None
+    ) -> ServedRequest:
+        """Serve a chat (``chatcmpl-…``) or legacy completion (``cmpl-…``) request of ``principal``: the choices run
+        in the engine batch and are recorded (for ``caller``, the tenant in key mode) and metered as the returned
+        request is iterated.
+
+        Raises:
+            ModelNotFoundError: unknown ``model`` (404). ConflictError, RateLimitError: see :meth:`load_on_demand`.
+            BadRequestError, UnsupportedParameterError, ContextLengthExceededError: see :mod:`.plans` (400).
+            RateLimitError: the gateway is busy or the tenant is over a daily token limit (429).
+        """
+        chat = isinstance(body, ChatCompletionRequest)
+        log_ignored(body, "chat.completions" if chat else "completions")
+        await self.load_on_demand(body.model, principal)  # a stored <lineage>@<n>; then no await until begin
+        target = self.resolve(body.model, principal)  # an unknown model is reported before bad parameters
+        if chat:
+            plan = plan_chat(body, self.tokenizer, self.context_length())
+            messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
+        else:
+            plan, messages = plan_completion(body, self.tokenizer, self.context_length(), self.texts), None
+        served = self.begin(
+            target,
+            plan.jobs,
+            id_prefix="chatcmpl" if chat else "cmpl",
+            recording=Recording(caller=caller, user=body.user, messages=messages),
+            principal=principal,
+            per_prompt=plan.per_prompt,
+        )
+        try:
+            await self.check_quota(("prompt", "completion"), principal)  # over a daily token limit: 429, nothing runs
+            if plan.score_prompts is not None:
+                served.prompt_logprobs = [await served.score(ids, plan.score_prompts) for ids in served.prompts]
+            served.start()
+        except BaseException:
+            served.release()
+            raise
+        return served
+
     def begin(
         self,
-        model: str | ServingTarget,
-        plan: Callable[[], Sequence[Job]],
+        target: ServingTarget,
+        jobs: Sequence[Job],
         *,
         param: str = "n",
         id_prefix: str | None = None,
         recording: Recording | None = None,
         kind: str | None = None,
+        principal: Principal | None,
+        per_prompt: int = 1,
     ) -> ServedRequest:
-        """Begin a served request: resolve ``model``, run ``plan``, admit its jobs, lease the version, make
-        the recorder. Synchronous (no ``await``), so the version leased is the one resolved.
+        """Begin a served request on ``target``: admit its ``jobs``, lease the version, make the recorder.
+        Synchronous (no ``await``), so the version leased is the one resolved.
 
         Args:
-            model: the request's ``model`` field, or an already known target (a sampling session's weights).
-            plan: the request's validation and engine jobs (one per choice); it runs after the target is
-                resolved, so an unknown model is reported before bad parameters.
+            target: the weights (:meth:`resolve`, or a sampling session's).
+            jobs: the engine jobs, one per choice (``per_prompt`` consecutive ones per prompt).
             param: the field named when the request asks for more sequences than the gateway admits.
             id_prefix: ``chatcmpl`` / ``cmpl``: a new response id ``<prefix>-<32 hex>`` (``None``: no id).
             recording: log the choices in the completion log on behalf of this caller (``None``: not logged).
             kind: metrics label (default: ``chat`` for ``chatcmpl`` ids, ``completion`` for ``cmpl``, else
                 ``sample``).
+            principal: who asks; its tenant and key pay for the tokens.
 
         Raises:
-            ModelNotFoundError: unknown ``model`` (404).
-            LiveloraError: whatever ``plan`` raises (400s).
             BadRequestError: more sequences than the gateway ever admits. RateLimitError: busy now (429).
         """
-        target = model if isinstance(model, ServingTarget) else self.resolve(model)
-        jobs = list(plan())
+        jobs = list(jobs)
         ticket = self.admission.acquire(len(jobs), param=param)
         if self.registry is not None and target.endpoint is not None and target.adapter is not None:
             ticket.also_release(self.registry.hold(target.endpoint, target.adapter).release)
@@ -414,10 +343,8 @@ class Serving:
                 messages=recording.messages,
                 choice_prompts=[(list(job.prompt_ids), job.prompt_text) for job in jobs],
             )
-        from livelora.gateway.services.usage import payer
-
         kind = kind or {"chatcmpl": "chat", "cmpl": "completion"}.get(id_prefix or "", "sample")
-        tenant_key = payer()
+        tenant_key = payer(principal)
         annotate(
             completion_id=request_id or None,
             tenant=tenant_key[0],
@@ -436,4 +363,5 @@ class Serving:
             payer=tenant_key,
             metering=self.metering,
             kind=kind,
+            per_prompt=per_prompt,
         )

@@ -1,44 +1,28 @@
 """Signals: ratings, preferences and demonstrations validated and put on the Redis signals stream.
 
 :class:`SignalService` is what ``POST /v1/feedback``, ``/v1/preferences`` and ``/v1/demonstrations``
-(:mod:`livelora.gateway.api.signals`) call. The gateway answers 2xx only once the event is in the Redis signals stream; if
-Redis is unreachable it answers 503 with ``Retry-After`` and nothing is
-accepted (every write of one request happens in one Lua script, so either all
-of it lands or none).
-
-Semantics:
-
-* **Replace on re-rate.** A rating is keyed by (completion, rater), rater =
-  (caller, ``user``). The key ``rating:{completion}:{rater}`` holds the id of the
-  latest rating; a new rating swaps it and its event names the old one in
-  ``replaces``. The trainer keeps only the latest rating per key among the
-  events it has not trained on yet, so a batch never holds two ratings of one
-  completion by one rater. (A rating already trained on cannot be untrained;
-  the replacement is then trained in a later batch.)
-* **Idempotency.** With an ``Idempotency-Key`` header the first accepted
-  request's event is stored at ``idem:{route}/{caller}:{key}`` (TTL 24 h) in the
-  same script; a retry with the same key and body gets the same answer (header
-  ``Idempotent-Replayed: true``) and adds nothing; the same key with a
-  different body is a 409.
+(:mod:`livelora.gateway.api.signals`) call: it finds the completions rated (the caller's own only), checks the
+caller may train the endpoint's lineage and that the trainer could train the event, then hands it to
+:class:`~.signal_stream.SignalStream` (2xx only once it is in the stream; 503 with ``Retry-After`` while Redis is
+unreachable, nothing accepted; re-rates replace, ``Idempotency-Key`` replays). An accepted rating is then counted
+for the version that served it, which may end the endpoint's canary or roll it back (:meth:`SignalService.feedback`).
 
 Wiring: the live loop (:mod:`livelora.gateway.services.live`) builds the service; the routes pass the
-caller (the tenant, in key mode) that auth sets on the request.
+caller (the tenant, in key mode) and the principal that auth identified.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aredis
 
-from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
+from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.clients.types.signals import (
     CompletionRecord,
     DemonstrationEvent,
@@ -50,48 +34,34 @@ from livelora.clients.types.signals import (
     PreferenceRequest,
     PreferenceResponse,
     RatingEvent,
-    parse_stream_event,
 )
-from livelora.core import metrics
-from livelora.core.api_keys import DEFAULT_TENANT
-from livelora.core.bus import dumps, redis_unavailable
+from livelora.core.api_keys import DEFAULT_TENANT, Principal
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.signal_stream import SignalStream
 from livelora.gateway.settings import DEFAULT_IDEMPOTENCY_TTL_S
+
+if TYPE_CHECKING:
+    from livelora.gateway.services.live_stats import LiveStats
+    from livelora.gateway.services.registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] signals stream, KEYS[2] idempotency key or "", KEYS[3] rating key or ""
-# ARGV[1] event JSON, ARGV[2] request fingerprint, ARGV[3] idem TTL s, ARGV[4] rating TTL s, ARGV[5] event id
-_ACCEPT_LUA = """
-if KEYS[2] ~= '' then
-  local prev = redis.call('GET', KEYS[2])
-  if prev then return {'replay', prev} end
-end
-local replaces = ''
-if KEYS[3] ~= '' then
-  replaces = redis.call('GET', KEYS[3]) or ''
-  redis.call('SET', KEYS[3], ARGV[5], 'EX', ARGV[4])
-end
-local sid = redis.call('XADD', KEYS[1], '*', 'event', ARGV[1], 'replaces', replaces)
-local stored = cjson.encode({fingerprint = ARGV[2], event = ARGV[1], replaces = replaces, stream_id = sid})
-if KEYS[2] ~= '' then redis.call('SET', KEYS[2], stored, 'EX', ARGV[3]) end
-return {'new', stored}
-"""
-
 
 class SignalService:
-    """Validates signals and puts them on the bus.
+    """Validates signals and puts them on the bus; an accepted rating is then counted for the version that served
+    it and may end the endpoint's canary or roll the endpoint back (:meth:`feedback`, with ``stats``).
 
     Args:
         client: asyncio Redis client (``decode_responses=True``).
         keys: key layout.
         completions: the completion log (retention also bounds rating keys).
-        resolve_endpoint: maps a request's ``model`` to an endpoint name; raises
-            ``ModelNotFoundError`` for unknown names. ``None`` accepts any name as is.
+        registry: the endpoints: ``endpoint_for(model, principal)`` names a request's endpoint (raising
+            ``ModelNotFoundError``), ``check_trainable(endpoint, principal)`` raises ``ConflictError`` when the
+            caller may not train its lineage (:class:`~.registry.AdapterRegistry`). ``None``: any name as is.
+        stats: per-version statistics that each accepted rating is counted in, and the sequential test run
+            after it (canary end, automatic rollback); ``None``: ratings drive nothing.
         idempotency_ttl_s: lifetime of idempotency records (seconds).
-        check_trainable: raises (``ConflictError``) when the caller may not train an endpoint's lineage;
-            ``None`` allows every endpoint.
         check_event: raises (400) for an event the trainer could not train, before it is queued
             (:class:`livelora.gateway.signal_checks.SignalChecker`); run on a thread. ``None`` checks nothing.
     """
@@ -101,25 +71,42 @@ class SignalService:
         client: aredis.Redis,
         keys: KeyLayout,
         completions: CompletionLog,
-        resolve_endpoint: Callable[[str], str] | None = None,
+        registry: AdapterRegistry | None = None,
+        stats: LiveStats | None = None,
         idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
-        check_trainable: Callable[[str], None] | None = None,
         check_event: Callable[[Any], None] | None = None,
-        on_rating: Callable[..., Any] | None = None,
         ratings_to_step: Callable[[str], Any] | None = None,
     ):
         self.client = client
-        self.on_rating = on_rating  # async (endpoint, adapter, rating_key, up): live statistics, rollback
         self.ratings_to_step = ratings_to_step  # async endpoint -> int | None (gateway/services/learning.py)
         self.keys = keys
         self.completions = completions
-        self.resolve_endpoint = resolve_endpoint or (lambda name: name)
-        self.check_trainable = check_trainable or (lambda endpoint: None)
+        self.registry = registry
+        self.stats = stats
         self.check_event = check_event
-        self.idempotency_ttl_s = int(idempotency_ttl_s)
-        self._accept = client.register_script(_ACCEPT_LUA)
+        self.stream = SignalStream(client, keys, idempotency_ttl_s, rating_ttl_s=completions.retention_s)
 
     # ------------------------------------------------------------ internals
+
+    def _endpoint(self, model: str, principal: Principal | None) -> str:
+        return model if self.registry is None else self.registry.endpoint_for(model, principal)
+
+    def _check_trainable(self, endpoint: str, principal: Principal | None) -> None:
+        if self.registry is not None:
+            self.registry.check_trainable(endpoint, principal)
+
+    async def _after_rating(self, ev: RatingEvent) -> None:
+        """Count an accepted rating for the version that served it, then run the endpoint's sequential test (which
+        may end its canary or roll it back, :meth:`~.live_stats.LiveStats.after_rating`). Never raises: the rating
+        is accepted already."""
+        if self.stats is None:
+            return
+        try:
+            await self.stats.count_rating(ev.endpoint, ev.adapter, ev.rating_key, ev.rating)
+            if self.registry is not None:
+                await self.stats.after_rating(self.registry, ev.endpoint)
+        except Exception:
+            log.exception("live statistics of a rating failed")
 
     async def _visible(self, completion_id: str, caller: str | None, param: str) -> CompletionRecord:
         try:
@@ -140,56 +127,11 @@ class SignalService:
         caller: str | None,
         idempotency_key: str | None,
         rating_key: str | None = None,
-    ) -> tuple[Any, str, bool]:
-        """Run the accept script. Returns ``(event, replaces, replayed)`` where ``event`` is what the stream holds."""
+    ) -> tuple[Any, str | None, bool]:
+        """The door check (:attr:`check_event`, on a thread), then :meth:`.SignalStream.submit`."""
         if self.check_event is not None:
             await asyncio.to_thread(self.check_event, event)
-        fingerprint = hashlib.sha256((route + "\n" + dumps(body.model_dump(mode="json"))).encode()).hexdigest()
-        idem = self.keys.idem(f"{route}/{caller or '-'}", idempotency_key) if idempotency_key else ""
-        rkey = rating_key or ""
-        with redis_unavailable():
-            kind, stored = await self._accept(
-                keys=[self.keys.signals, idem, rkey],
-                args=[
-                    event.model_dump_json(),
-                    fingerprint,
-                    self.idempotency_ttl_s,
-                    self.completions.retention_s,
-                    event.id,
-                ],
-            )
-        rec = json.loads(stored)
-        if kind == "replay" and rec["fingerprint"] != fingerprint:
-            raise ConflictError(
-                f"Idempotency-Key {idempotency_key!r} was already used with a different "
-                f"request to {route}; use a new key for a new request",
-                param="Idempotency-Key",
-                code="idempotency_key_reused",
-            )
-        ev = parse_stream_event({"event": rec["event"], "replaces": rec["replaces"]})
-        if kind != "replay":
-            metrics.SIGNALS.labels("accepted", ev.type).inc()
-            log.info(
-                "accepted %s %s",
-                ev.type,
-                ev.id,
-                extra={
-                    "event_id": ev.id,
-                    "endpoint": ev.endpoint,
-                    "tenant": caller,
-                    "completion_id": getattr(ev, "completion_id", None),
-                    "completion_ids": [
-                        c
-                        for c in (
-                            getattr(ev, "chosen_completion_id", None),
-                            getattr(ev, "rejected_completion_id", None),
-                        )
-                        if c
-                    ]
-                    or None,
-                },
-            )
-        return ev, rec["replaces"] or None, kind == "replay"
+        return await self.stream.submit(route, event, body, caller, idempotency_key, rating_key)
 
     @staticmethod
     def _new_id(kind: str) -> str:
@@ -198,9 +140,16 @@ class SignalService:
     # -------------------------------------------------------------- routes
 
     async def feedback(
-        self, req: FeedbackRequest, *, caller: str | None = None, idempotency_key: str | None = None
+        self,
+        req: FeedbackRequest,
+        *,
+        caller: str | None = None,
+        principal: Principal | None = None,
+        idempotency_key: str | None = None,
     ) -> tuple[FeedbackResponse, bool]:
-        """Accept one rating; returns ``(response, replayed)``.
+        """Accept one rating, then count it and run the endpoint's rollback test (:meth:`_after_rating`); returns
+        ``(response, replayed)``. ``caller``: the tenant in key mode (completions are kept per caller);
+        ``principal``: whose lineages it may train (``None``: every one).
 
         Raises:
             NotFoundError: unknown, expired or not-visible completion id (404).
@@ -208,7 +157,7 @@ class SignalService:
             UnavailableError: Redis unreachable (503); nothing accepted.
         """
         rec = await self._visible(req.completion_id, caller, "completion_id")
-        self.check_trainable(rec.endpoint)
+        self._check_trainable(rec.endpoint, principal)
         rater = f"{caller or ''}/{req.user or ''}"
         event = RatingEvent(
             id=self._new_id("feedback"),
@@ -230,11 +179,8 @@ class SignalService:
         ev, replaces, replayed = await self._submit(
             "feedback", event, req, caller, idempotency_key, rating_key=self.keys.rating(rec.id, rater)
         )
-        if self.on_rating is not None and not replayed:
-            try:  # accepted already: statistics and the rollback test never fail the rating
-                await self.on_rating(ev.endpoint, ev.adapter, ev.rating_key, ev.rating)
-            except Exception:
-                log.exception("live statistics of a rating failed")
+        if not replayed:
+            await self._after_rating(ev)
         to_step = await self.ratings_to_step(ev.endpoint) if self.ratings_to_step is not None else None
         return FeedbackResponse(
             id=ev.id,
@@ -250,7 +196,12 @@ class SignalService:
         ), replayed
 
     async def preference(
-        self, req: PreferenceRequest, *, caller: str | None = None, idempotency_key: str | None = None
+        self,
+        req: PreferenceRequest,
+        *,
+        caller: str | None = None,
+        principal: Principal | None = None,
+        idempotency_key: str | None = None,
     ) -> tuple[PreferenceResponse, bool]:
         """Accept one chosen/rejected pair (completion-id form or inline form).
 
@@ -291,7 +242,7 @@ class SignalService:
                 )
             if c.completion_token_ids == r.completion_token_ids:
                 raise BadRequestError("chosen and rejected completions are identical", param="rejected_completion_id")
-            self.check_trainable(c.endpoint)
+            self._check_trainable(c.endpoint, principal)
             event = PreferenceEvent(
                 id=self._new_id("preference"),
                 endpoint=c.endpoint,
@@ -316,8 +267,8 @@ class SignalService:
                 raise BadRequestError("chosen and rejected must be non-empty replies", param="chosen")
             if req.chosen == req.rejected:
                 raise BadRequestError("chosen and rejected are identical", param="rejected")
-            endpoint = self.resolve_endpoint(req.model)
-            self.check_trainable(endpoint)
+            endpoint = self._endpoint(req.model, principal)
+            self._check_trainable(endpoint, principal)
             event = PreferenceEvent(
                 id=self._new_id("preference"),
                 endpoint=endpoint,
@@ -339,7 +290,12 @@ class SignalService:
         ), replayed
 
     async def demonstration(
-        self, req: DemonstrationRequest, *, caller: str | None = None, idempotency_key: str | None = None
+        self,
+        req: DemonstrationRequest,
+        *,
+        caller: str | None = None,
+        principal: Principal | None = None,
+        idempotency_key: str | None = None,
     ) -> tuple[DemonstrationResponse, bool]:
         """Accept one demonstration (messages ending with the ideal assistant reply).
 
@@ -356,8 +312,8 @@ class SignalService:
             )
         if not any(m.role == "user" for m in req.messages[:-1]):
             raise BadRequestError("A demonstration needs at least one user message before the reply", param="messages")
-        endpoint = self.resolve_endpoint(req.model)
-        self.check_trainable(endpoint)
+        endpoint = self._endpoint(req.model, principal)
+        self._check_trainable(endpoint, principal)
         event = DemonstrationEvent(
             id=self._new_id("demonstration"),
             endpoint=endpoint,

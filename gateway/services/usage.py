@@ -3,7 +3,7 @@
 The counting itself, the Redis layout and the store files are :mod:`livelora.core.metering`'s; this
 service adds what belongs to a gateway process:
 
-* :func:`payer` — the tenant and API key of the request being handled (from :mod:`livelora.gateway.auth`);
+* :func:`payer` — the tenant and API key a request's principal is metered for;
 * :meth:`MeteringService.record` — one counter update, never failing the request (a Redis fault is logged and
   counted in the ``livelora_redis_errors_total`` metric);
 * a rollup task every ``LIVELORA_USAGE_ROLLUP_S`` seconds and one more on shutdown;
@@ -28,11 +28,9 @@ from livelora.gateway.settings import GatewaySettings
 log = logging.getLogger(__name__)
 
 
-def payer() -> tuple[str, str | None]:
-    """``(tenant, API key id)`` of the request being handled (open mode and outside requests: ``default``, None)."""
-    from livelora.gateway.auth import current_principal
-
-    principal = current_principal.get() or OPEN_PRINCIPAL
+def payer(principal: Principal | None) -> tuple[str, str | None]:
+    """``(tenant, API key id)`` that ``principal`` is metered as (open mode and ``None``: ``default``, None)."""
+    principal = principal or OPEN_PRINCIPAL
     return principal.tenant, principal.key_id
 
 

@@ -11,13 +11,15 @@ decoder/encoder pair. One module per concern:
   the op executor on ``ops:{model_id}``, model records, server capabilities;
 * :mod:`.futures` — :class:`Futures`: op results in Redis, long-polled (408 ``try_again``; 410 when unknown);
 * :mod:`.checkpoints` — :class:`Checkpoints`: ``tinker://`` checkpoints of training runs;
-* :mod:`.sampling` — :class:`SamplingSessions`: sampling on the gateway's engine, never on the trainer;
+* :mod:`.sampling` — :class:`SamplingSessions`: sampling sessions on the gateway's engine, never on the trainer;
+* :mod:`.samples` — :class:`Samples`: ``asample`` (admitted, metered, cancellable) on those sessions;
 * :mod:`.context` — :class:`SessionContext`: what they share (Redis, engine, store, base model).
 """
 
 from livelora.gateway.services.sessions.checkpoints import Checkpoints
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures, GoneError, NotReady
+from livelora.gateway.services.sessions.samples import Samples
 from livelora.gateway.services.sessions.sampling import SamplingSessions
 from livelora.gateway.services.sessions.service import SessionService, start_sessions
 from livelora.gateway.services.sessions.training import TrainingOps
@@ -27,6 +29,7 @@ __all__ = [
     "Futures",
     "GoneError",
     "NotReady",
+    "Samples",
     "SamplingSessions",
     "SessionContext",
     "SessionService",

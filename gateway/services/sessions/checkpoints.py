@@ -51,6 +51,7 @@ from livelora.clients.types.tinker_rest import (
     TrainingRunsResponse,
     TrainingRunV2,
 )
+from livelora.core.api_keys import Principal
 from livelora.core.owners import OwnerStore
 from livelora.core.session_protocol import (
     CHECKPOINT_KINDS,
@@ -61,7 +62,6 @@ from livelora.core.session_protocol import (
     resolve_checkpoint,
     tinker_path,
 )
-from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 
 #: Lifetime of a signed archive or external-weights file URL (seconds).
@@ -144,9 +144,11 @@ class Checkpoints:
         owners = OwnerStore(self.home)
         return [m for m in ids if owners.owns("session", m.split(":", 1)[0], tenant)]
 
-    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponseV2:
-        """Every checkpoint of the caller's tenant's training runs, newest first (``limit``/``offset`` page them)."""
-        items = [self._checkpoint(m, k, v) for m in self.run_ids(caller_tenant()) for k, v in self._entries(m)]
+    def list_user_checkpoints(
+        self, principal: Principal, limit: int = 100, offset: int = 0
+    ) -> CheckpointsListResponseV2:
+        """Every checkpoint of ``principal``'s tenant's training runs, newest first (``limit``/``offset`` page them)."""
+        items = [self._checkpoint(m, k, v) for m in self.run_ids(principal.tenant) for k, v in self._entries(m)]
         items.sort(key=lambda c: c.time, reverse=True)
         return CheckpointsListResponseV2(
             checkpoints=items[offset : offset + limit],
@@ -174,10 +176,10 @@ class Checkpoints:
             user_metadata=_str_dict(data.get("user_metadata")),
         )
 
-    async def list_training_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
-        """The caller's tenant's training runs, most recent request first."""
+    async def list_training_runs(self, principal: Principal, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
+        """``principal``'s tenant's training runs, most recent request first."""
         runs = []
-        for model_id in self.run_ids(caller_tenant()):
+        for model_id in self.run_ids(principal.tenant):
             with contextlib.suppress(NotFoundError):
                 runs.append(await self.training_run(model_id))
         runs.sort(key=lambda r: r.last_request_time, reverse=True)

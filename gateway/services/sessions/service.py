@@ -23,16 +23,17 @@ from livelora.clients.types.tinker_rest import (
     SessionSearchResponse,
     SessionSummary,
 )
+from livelora.core.api_keys import Principal
 from livelora.core.base_models import HUB_IDS
 from livelora.core.bus import redis_unavailable
 from livelora.core.owners import OwnerStore
 from livelora.core.redis_keys import KeyLayout
-from livelora.gateway.auth import caller_tenant
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions.checkpoints import Checkpoints
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures, GoneError, NotReady
+from livelora.gateway.services.sessions.samples import Samples
 from livelora.gateway.services.sessions.sampling import SamplingSessions
 from livelora.gateway.services.sessions.training import TrainingOps
 from livelora.gateway.settings import GatewaySettings
@@ -46,7 +47,8 @@ class SessionService:
     Attributes:
         ops: training ops, model records, server capabilities (:mod:`.training`).
         checkpoints: training runs' checkpoints (:mod:`.checkpoints`).
-        sampling: sampling sessions and ``asample`` (:mod:`.sampling`).
+        sampling: sampling sessions (:mod:`.sampling`).
+        samples: ``asample`` and ``cancel_future`` (:mod:`.samples`).
         futures: op results (:mod:`.futures`).
         redis: the service's asyncio Redis client (also read by auth for session owners).
 
@@ -63,7 +65,8 @@ class SessionService:
         self.futures = Futures(ctx)
         self.ops = TrainingOps(ctx, self.futures)
         self.checkpoints = Checkpoints(ctx)
-        self.sampling = SamplingSessions(ctx, self.futures, serving)
+        self.sampling = SamplingSessions(ctx)
+        self.samples = Samples(ctx, self.futures, serving, self.sampling)
 
     async def start(self) -> None:
         """Subscribe to future notifications, start the janitor (unloads ended sessions' adapters) and the
@@ -91,19 +94,22 @@ class SessionService:
             with contextlib.suppress(BaseException):
                 await sweeper
         await self.futures.close()
+        await self.samples.close()
         await self.sampling.close()
         await self.redis.aclose()
 
-    async def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse:
-        """Create a session; it holds one of its tenant's ``max_sessions`` slots until finished or expired.
+    async def create_session(self, req: CreateSessionRequest, principal: Principal) -> CreateSessionResponse:
+        """Create a session of ``principal``'s tenant; it holds one of the tenant's ``max_sessions`` slots until
+        finished or expired.
 
         Raises:
             RateLimitError: every slot of the tenant is held (429 naming the limit and when a slot frees).
         """
-        from livelora.gateway.services.usage import payer
-
         sid = uuid.uuid4().hex
-        tenant, key_id = payer()  # the op executor meters the session's ops for them (``tenant``, ``key_id``)
+        tenant, key_id = (
+            principal.tenant,
+            principal.key_id,
+        )  # the op executor meters the session's ops for them (``tenant``, ``key_id``)
         record = {
             "created": time.time(),
             "tags": req.tags,
@@ -122,7 +128,7 @@ class SessionService:
                     await self.redis.delete(self.keys.session(sid))  # over the limit: nothing is created
                     raise
             await self.redis.hset(self.keys.session_history, sid, json.dumps(summary))
-        OwnerStore(self.ctx.home).claim("session", sid, caller_tenant())  # before its id leaves the server
+        OwnerStore(self.ctx.home).claim("session", sid, tenant)  # before its id leaves the server
         return CreateSessionResponse(session_id=sid)
 
     async def heartbeat(self, session_id: str) -> None:
@@ -138,15 +144,15 @@ class SessionService:
                     param="session_id",
                 )
 
-    async def finish_session(self, session_id: str, reason: str = "success", detail: str | None = None) -> None:
-        """End a session: its models are freed by the trainer and its sampler adapters unloaded; its summary
-        records ``client_finished`` with ``reason`` (success, errored, interrupted).
+    async def finish_session(
+        self, session_id: str, principal: Principal, reason: str = "success", detail: str | None = None
+    ) -> None:
+        """End a session of ``principal``'s tenant: its models are freed by the trainer and its sampler adapters
+        unloaded; its summary records ``client_finished`` with ``reason`` (success, errored, interrupted).
 
         Raises:
             NotFoundError: unknown session (already finished or expired sessions are fine: no-op).
         """
-        from livelora.gateway.services.usage import payer
-
         with redis_unavailable():
             raw = await self.redis.hget(self.keys.session_history, session_id)
             if raw is not None:
@@ -156,7 +162,7 @@ class SessionService:
             await self.redis.delete(self.keys.session(session_id))
             await self.redis.publish(self.keys.sessions_channel, session_id)
             if self.ctx.quotas is not None:
-                await self.ctx.quotas.release_session(payer()[0], session_id)
+                await self.ctx.quotas.release_session(principal.tenant, session_id)
         await self.sampling.unload_ended_sessions()
 
     async def _summary(self, sid: str, raw: str) -> SessionSummary:
@@ -205,11 +211,11 @@ class SessionService:
             display_name=data.get("display_name"),
         )
 
-    async def list_sessions(self, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
-        """The caller's tenant's session ids, newest first."""
+    async def list_sessions(self, principal: Principal, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
+        """``principal``'s tenant's session ids, newest first."""
         with redis_unavailable():
             rows = await self.redis.hgetall(self.keys.session_history)
-        owners, tenant = OwnerStore(self.ctx.home), caller_tenant()
+        owners, tenant = OwnerStore(self.ctx.home), principal.tenant
         ids = [
             sid
             for sid, raw in sorted(rows.items(), key=lambda kv: -json.loads(kv[1])["created"])
@@ -217,9 +223,9 @@ class SessionService:
         ]
         return ListSessionsResponse(sessions=ids[offset : offset + limit])
 
-    async def search_sessions(self, req: SessionSearchRequest) -> SessionSearchResponse:
-        """Sessions matching ``session_id``, ``display_name``, ``user_metadata`` (all pairs) and ``statuses``
-        (types), newest first, ``limit`` per page after ``cursor``.
+    async def search_sessions(self, req: SessionSearchRequest, principal: Principal) -> SessionSearchResponse:
+        """``principal``'s tenant's sessions matching ``session_id``, ``display_name``, ``user_metadata`` (all pairs)
+        and ``statuses`` (types), newest first, ``limit`` per page after ``cursor``.
 
         Raises: BadRequestError for an owner filter other than own/accessible (one owner per store).
         """
@@ -227,7 +233,7 @@ class SessionService:
             raise BadRequestError("livelora has one owner per store: search with owner {'type': 'own'}", param="owner")
         with redis_unavailable():
             rows = await self.redis.hgetall(self.keys.session_history)
-            owners, tenant = OwnerStore(self.ctx.home), caller_tenant()
+            owners, tenant = OwnerStore(self.ctx.home), principal.tenant
             found = [
                 await self._summary(sid, raw)
                 for sid, raw in rows.items()

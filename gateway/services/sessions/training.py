@@ -40,6 +40,7 @@ from livelora.clients.types.tinker import (
     UntypedAPIFuture,
 )
 from livelora.clients.types.tinker_rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS
+from livelora.core.api_keys import Principal
 from livelora.core.bus import redis_unavailable
 from livelora.core.losses import validate_batch
 from livelora.core.owners import OwnerStore
@@ -56,7 +57,6 @@ from livelora.core.session_protocol import (
     resolve_checkpoint,
     session_of,
 )
-from livelora.gateway.auth import caller_tenant
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
 from livelora.gateway.services.sessions.seq_order import SeqOrder
@@ -89,7 +89,7 @@ class TrainingOps:
         self.max_seq_len = ctx.max_seq_len
         self.order = SeqOrder(ctx.redis, ctx.keys, ctx.settings)
 
-    async def create_model(self, req: CreateModelRequest) -> UntypedAPIFuture:
+    async def create_model(self, req: CreateModelRequest, principal: Principal) -> UntypedAPIFuture:
         """Queue a new LoRA training model ``{session_id}:train:{model_seq_id}`` (op seq 0).
 
         Raises:
@@ -99,11 +99,11 @@ class TrainingOps:
         self.ctx.check_base(req.base_model)
         model_id = model_id_for(req.session_id, req.model_seq_id)
         return await self._enqueue_new_model(
-            model_id, "create_model", req.model_dump(mode="json"), req.lora_config.model_dump()
+            model_id, "create_model", req.model_dump(mode="json"), req.lora_config.model_dump(), principal.tenant
         )
 
     async def _enqueue_new_model(
-        self, model_id: str, kind: str, body: dict[str, Any], lora: dict[str, Any] | None
+        self, model_id: str, kind: str, body: dict[str, Any], lora: dict[str, Any] | None, tenant: str
     ) -> UntypedAPIFuture:
         record = {
             "model_id": model_id,
@@ -125,7 +125,6 @@ class TrainingOps:
                         code="model_exists",
                     ),
                 )
-            tenant = caller_tenant()  # the session's owner: the auth middleware checked it
             owners = OwnerStore(self.home)
             if not (owners.claim("model", model_id, tenant) and owners.claim("lineage", lineage_for(model_id), tenant)):
                 return await self._failed_future(
@@ -195,7 +194,7 @@ class TrainingOps:
         if record is not None:
             await self.order.refuse(model_id, seq_id, error, record)
 
-    async def submit_op(self, kind: str, raw: dict[str, Any], parse) -> UntypedAPIFuture:
+    async def submit_op(self, kind: str, raw: dict[str, Any], parse, principal: Principal) -> UntypedAPIFuture:
         """Validate and queue one training op given its decoded body (a JSON object, or the dump of the typed
         protobuf request; ``parse(raw)`` builds the typed request the op runs, raising on bad fields).
 
@@ -234,7 +233,7 @@ class TrainingOps:
             ):
                 return await self._failed_future(model_id, seq_id, dropped_error(model_id, seq_id, next_seq))
         try:
-            await self._check_quotas(kind, model_id, raw)
+            await self._check_quotas(kind, model_id, raw, principal)
         except LiveloraError as exc:  # 429 before any seq is used
             await self.refuse(model_id, seq_id, exc)
             raise
@@ -258,18 +257,18 @@ class TrainingOps:
                 await self._enqueue(model_id, seq, "failed", {}, failed=failed)
             return await self._enqueue(model_id, seq_id, kind, body, error)
 
-    async def _check_quotas(self, kind: str, model_id: str, raw: dict[str, Any]) -> None:
+    async def _check_quotas(self, kind: str, model_id: str, raw: dict[str, Any], principal: Principal) -> None:
         """Raises: QuotaExceededError (429) over the tenant's token quota (forward, forward_backward) or its
         ``max_adapter_versions`` (the saves)."""
         if self.ctx.quotas is None:
             return
-        from livelora.gateway.services.usage import payer
-
         if kind in ("forward", "forward_backward"):
             with redis_unavailable():
-                await self.ctx.quotas.check_tokens(payer()[0], ("forward",) if kind == "forward" else ("trained",))
+                await self.ctx.quotas.check_tokens(
+                    principal.tenant, ("forward",) if kind == "forward" else ("trained",)
+                )
         if kind in SAVE_KINDS:
-            await self.ctx.quotas.check_adapter_versions(payer()[0], self._new_versions(kind, model_id, raw))
+            await self.ctx.quotas.check_adapter_versions(principal.tenant, self._new_versions(kind, model_id, raw))
 
     def _new_versions(self, kind: str, model_id: str, raw: dict[str, Any]) -> int:
         """Counted adapter versions a save adds (``max_adapter_versions``): 1 for a new named checkpoint; 0 for
@@ -355,7 +354,7 @@ class TrainingOps:
             resolve_checkpoint(self.home, req.path, want="weights")
         return req.model_dump(mode="json", exclude_none=True)
 
-    async def create_via_load(self, req: LoadWeightsRequest) -> UntypedAPIFuture:
+    async def create_via_load(self, req: LoadWeightsRequest, principal: Principal) -> UntypedAPIFuture:
         """Create-via-load (``session_id`` + ``model_seq_id``; implicit seq 0): a model shaped like the
         checkpoint, its weights (and optimizer state when ``optimizer``) loaded.
 
@@ -373,7 +372,9 @@ class TrainingOps:
         index, _, _ = resolve_checkpoint(self.home, req.path, want="weights")
         lora = index.read().get("lora")
         model_id = model_id_for(req.session_id, req.model_seq_id)
-        return await self._enqueue_new_model(model_id, "create_via_load", req.model_dump(mode="json"), lora)
+        return await self._enqueue_new_model(
+            model_id, "create_via_load", req.model_dump(mode="json"), lora, principal.tenant
+        )
 
     async def get_info(self, model_id: str) -> GetInfoResponse:
         """Raises: NotFoundError for an unknown model."""
