@@ -10,12 +10,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from livelora.clients.types.learning import LearningStatus
-from livelora.gateway.api.deps import LearningDep
+from livelora.gateway.api.deps import LearningDep, PrincipalDep
 
 router = APIRouter(tags=["signals"])
 
 
 @router.get("/v1/learning/{endpoint}")
-async def get_learning(endpoint: str, learning: LearningDep) -> LearningStatus:
+async def get_learning(endpoint: str, learning: LearningDep, principal: PrincipalDep) -> LearningStatus:
     """The learning status of ``endpoint`` (404 ``model_not_found`` for unknown and other tenants' endpoints)."""
-    return await learning.status(endpoint)
+    return await learning.status(endpoint, principal)

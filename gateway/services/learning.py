@@ -17,6 +17,7 @@ from typing import Any
 from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.learning import LearningStatus
 from livelora.core.bus import redis_unavailable
+from livelora.core.api_keys import Principal
 from livelora.core.redis_keys import KeyLayout
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,14 @@ class LearningService:
     def __init__(self, client: Any, keys: KeyLayout, registry: Any):
         self.client, self.keys, self.registry = client, keys, registry
 
-    def _lineage(self, endpoint: str) -> str:
+    def _lineage(self, endpoint: str, principal: Principal | None) -> str:
         r = self.registry
-        if endpoint not in r.current or not r.visible(endpoint):
-            r.endpoint_for(endpoint)  # unknown or another tenant's: the 404 every route answers (ModelNotFoundError)
-        if endpoint not in r.current or not r.versions_visible(endpoint):  # a version name; the shared base model
-            shown = [ep for ep in r.current if r.visible(ep)]
+        if endpoint not in r.current or not r.visible(endpoint, principal):
+            r.endpoint_for(
+                endpoint, principal
+            )  # unknown or another tenant's: the 404 every route answers (ModelNotFoundError)
+        if endpoint not in r.current or not r.versions_visible(endpoint, principal):  # a version; the shared base
+            shown = [ep for ep in r.current if r.visible(ep, principal)]
             raise ModelNotFoundError(
                 f"model {endpoint!r} does not exist; served endpoints: {', '.join(shown) or 'none'}", param="model"
             )
@@ -98,14 +101,15 @@ class LearningService:
                 oldest = oldest if oldest is not None else int(sid.split("-")[0]) / 1000
         return n, oldest
 
-    async def status(self, endpoint: str) -> LearningStatus:
-        """The stage of ``endpoint``'s next version.
+    async def status(self, endpoint: str, principal: Principal | None = None) -> LearningStatus:
+        """The stage of ``endpoint``'s next version, as ``principal`` may see it (``None``: an accepted rating's
+        own endpoint, already checked).
 
         Raises:
             ModelNotFoundError: unknown endpoint, or another tenant's (404).
             UnavailableError: Redis unreachable (503).
         """
-        lineage = self._lineage(endpoint)
+        lineage = self._lineage(endpoint, principal)
         with redis_unavailable():
             raw, trainer_raw = await self.client.mget(self.keys.learning(lineage), self.keys.learning_trainer)
             trainer = json.loads(trainer_raw) if trainer_raw else {}
