@@ -34,6 +34,7 @@ from livelora.gateway.api.streaming import respond, sse_data
 from livelora.gateway.chat_template import render_messages
 from livelora.gateway.engines.base import GenerationChunk
 from livelora.gateway.services.generation import Job, budget, check_common, log_ignored, sampling_params
+from livelora.gateway.services.sampling_defaults import for_settings
 from livelora.gateway.services.serving import Recording, ServedRequest, Serving
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def chat_jobs(body: ChatCompletionRequest, serving: Serving) -> list[Job]:
         ContextLengthExceededError: the prompt and the token budget do not fit the context window.
     """
     check_chat(body)
+    body = for_settings(serving.settings).apply(body)  # omitted sampling fields: the model's defaults
     prompt = render_messages(serving.tokenizer, body.messages)
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"

@@ -49,6 +49,7 @@ from livelora.gateway.api.logprobs import TokenTexts, completion_logprobs
 from livelora.gateway.api.streaming import respond, sse_data
 from livelora.gateway.engines.base import GenerationChunk, TokenLogprob
 from livelora.gateway.services.generation import Job, budget, check_common, log_ignored, sampling_params
+from livelora.gateway.services.sampling_defaults import for_settings
 from livelora.gateway.services.serving import Recording, ServedRequest, Serving
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ def completion_jobs(body: CompletionRequest, serving: Serving, texts: TokenTexts
         ContextLengthExceededError: a prompt and the token budget do not fit the context window.
     """
     check_completion(body)
+    body = for_settings(serving.settings).apply(body)  # omitted sampling fields: the model's defaults
     prompts = prompt_token_ids(body, serving.tokenizer)
     max_len = serving.context_length()
     jobs = []
