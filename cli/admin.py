@@ -398,7 +398,8 @@ def adapters_list(
             title=Text(f"lineage {name}: {len(versions)} version(s)" + (f" ({'; '.join(what)})" if what else ""))
         )
         table.add_column("version", no_wrap=True)  # the one column that tells rows apart: never shortened
-        for col in ("parent", "step", "created", "data", "checkpoint", "serving"):
+        run = bool(first.get("training_run"))  # a checkpoint column for a training run's lineage only
+        for col in ("parent", "step", "created", "data", *(["checkpoint"] if run else []), "serving"):
             table.add_column(col, overflow="fold")  # narrow terminals wrap these instead of cutting them
         for m in versions:
             parent = m["parent"]
@@ -409,7 +410,7 @@ def adapters_list(
                 str(m["step"]),
                 _when(m["created"]),
                 data,
-                ", ".join(m.get("checkpoints") or []) or ("unnamed sampler save" if m.get("training_run") else "-"),
+                *([", ".join(m.get("checkpoints") or []) or "unnamed sampler save"] if run else []),
                 ", ".join(m["serving"]) or "-",
             )
             table.add_row(*map(Text, cells))
