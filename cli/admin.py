@@ -29,6 +29,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from livelora.core.api_keys import ROLES
 
@@ -415,23 +416,52 @@ def adapters_list(
     api_key: _Key = None,
     home: _HomeOpt = None,
 ) -> None:
-    """Stored versions, with the endpoints serving each."""
+    """Every stored version the caller's tenant owns (with --home: every tenant's), one table per lineage: the
+    live loop's versions of an endpoint's lineage and the versions of training runs (sessions, recipes) with the
+    checkpoints naming them. A re-saved checkpoint name replaces its version, and an unnamed sampler save is
+    deleted when its session ends, so a parent can be gone (shown as 'N (deleted)')."""
     rows = _run(lambda: Backend(url, api_key, home).list_adapters(lineage))
-    table = Table(title="adapter versions")
-    table.add_column("version", no_wrap=True)  # the one column that tells rows apart: never shortened
-    for col in ("parent", "step", "created", "data", "serving"):
-        table.add_column(col, overflow="fold")  # narrow terminals wrap these instead of cutting them
-    for m in rows:
-        data = ", ".join(f"{k}={v}" for k, v in (m.get("data_counts") or {}).items()) or "-"
-        table.add_row(
-            m["name"],
-            str(m["parent"] or "-"),
-            str(m["step"]),
-            _when(m["created"]),
-            data,
-            ", ".join(m["serving"]) or "-",
+    if not rows:
+        whose = "in this store" if home else "that this key's tenant owns"
+        where = f" in lineage {lineage}" if lineage else ""
+        out.print(
+            f"no adapter versions {whose}{where}: the live loop stores one when an endpoint learns from ratings, "
+            "a training session when it saves weights (livelora adapters list --help)",
+            soft_wrap=True,
         )
-    out.print(table)
+        return
+    groups: dict[str, list[dict]] = {}
+    for m in rows:
+        groups.setdefault(m["lineage"], []).append(m)
+    for name, versions in groups.items():
+        first = versions[0]
+        what = [f"endpoints {', '.join(first.get('endpoints') or [])}"] if first.get("endpoints") else []
+        if first.get("training_run"):
+            what.append(f"training run {first['training_run']}")
+        kept = {m["version"] for m in versions}
+        # Text, not str: rich would read ":train:" in a model id as an emoji code
+        table = Table(
+            title=Text(f"lineage {name}: {len(versions)} version(s)" + (f" ({'; '.join(what)})" if what else ""))
+        )
+        table.add_column("version", no_wrap=True)  # the one column that tells rows apart: never shortened
+        run = bool(first.get("training_run"))  # a checkpoint column for a training run's lineage only
+        for col in ("parent", "step", "created", "data", *(["checkpoint"] if run else []), "serving"):
+            table.add_column(col, overflow="fold")  # narrow terminals wrap these instead of cutting them
+        for m in versions:
+            parent = m["parent"]
+            data = ", ".join(f"{k}={v}" for k, v in (m.get("data_counts") or {}).items()) or "-"
+            cells = (
+                m["name"],
+                "-" if parent is None else str(parent) + ("" if parent in kept else " (deleted)"),
+                str(m["step"]),
+                _when(m["created"]),
+                data,
+                *([", ".join(m.get("checkpoints") or []) or "unnamed sampler save"] if run else []),
+                ", ".join(m["serving"]) or "-",
+            )
+            table.add_row(*map(Text, cells))
+        out.print(table)
+    out.print(f"{len(rows)} version(s) in {len(groups)} lineage(s)")
 
 
 @adapters_app.command("show")

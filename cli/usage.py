@@ -1,8 +1,9 @@
 """``livelora usage``: tokens used per tenant, API key, endpoint or session and kind (a rich table, or ``--json``).
 
 Over HTTP (default) it reads the running gateway's ``GET /admin/usage`` with an admin key (only that key's
-tenant); with ``--home`` it reads the store's rolled-up counters plus Redis's live ones
-(``LIVELORA_REDIS_URL``, ``LIVELORA_REDIS_PREFIX``; the store alone when Redis is unreachable), for every tenant.
+tenant; an operator key, or a gateway in open mode, sees every tenant); with ``--home`` it reads the store's
+rolled-up counters plus Redis's live ones (``LIVELORA_REDIS_URL``, ``LIVELORA_REDIS_PREFIX``; the store alone when
+Redis is unreachable), for every tenant.
 
 Example::
 
@@ -95,7 +96,12 @@ def _explain_empty(client, home: Path, prefix: str, redis_url: str) -> None:
 
 
 def usage(
-    tenant: Annotated[str | None, typer.Option(help="Only this tenant (over HTTP: your own).")] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            help="Only this tenant (default: every tenant the key may read: its own, or all with an operator key)."
+        ),
+    ] = None,
     key: Annotated[str | None, typer.Option(help="Only this API key id.")] = None,
     subject: Annotated[str | None, typer.Option(help="Only this endpoint, model or session id.")] = None,
     kind: Annotated[
@@ -114,7 +120,11 @@ def usage(
     api_key: _Key = None,
     home: _HomeOpt = None,
 ) -> None:
-    """Tokens used per tenant, API key, endpoint or session and kind."""
+    """Tokens used per tenant, API key, endpoint or session and kind.
+
+    A tenant's admin key reads its own tenant; an operator key (or a gateway in open mode, or --home) reads every
+    tenant, one row per tenant with --group-by tenant.
+    """
     params = {
         k: v
         for k, v in {

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from livelora.clients.errors import BadRequestError, ModelNotFoundError
 from livelora.clients.tokenizer_files import TOKENIZER_FILES as _TOKENIZER_FILES
 from livelora.clients.tokenizer_files import install_in_hub_cache, read_tokenizer_dir, scrub_paths
-from livelora.core.atomic import atomic_dir, file_lock
+from livelora.core.atomic import atomic_dir, atomic_write_json, file_lock
 from livelora.core.settings import DEFAULT_MODEL
 
 if TYPE_CHECKING:  # heavy imports stay lazy
@@ -39,6 +39,12 @@ BUILTIN_GGUF: dict[str, tuple[str, str]] = {
 #: Built-in models' canonical Hugging Face hub ids (also accepted as the base-model name by the Tinker API and
 #: reported as its ``tokenizer_id``, so ``get_tokenizer()`` and tinker-cookbook resolve it by that id).
 HUB_IDS: dict[str, str] = {DEFAULT_MODEL: "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+#: Built-in models' sampling defaults, written into the converted ``generation_config.json`` (a request that omits
+#: them gets them: gateway/services/sampling_defaults.py). SmolLM2-135M-Instruct: its model card's example samples
+#: at temperature 0.2, top_p 0.9; at OpenAI's temperature 1.0 the 135M model answers with word salad.
+BUILTIN_SAMPLING: dict[str, dict[str, Any]] = {DEFAULT_MODEL: {"do_sample": True, "temperature": 0.2, "top_p": 0.9}}
+GENERATION_CONFIG = "generation_config.json"
 
 #: Tokenizer files served by ``GET /api/v1/tokenizer`` and copied into the Hugging Face cache by
 #: :func:`install_in_hf_cache` (those present; never weights).
@@ -161,8 +167,31 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
 
 
+def _missing_sampling(model_dir: Path, sampling: dict[str, Any]) -> bool:
+    try:
+        config = json.loads((model_dir / GENERATION_CONFIG).read_text())
+    except (FileNotFoundError, ValueError):
+        return bool(sampling)
+    return any(key not in config for key in sampling)
+
+
+def add_sampling_defaults(model_dir: Path, sampling: dict[str, Any]) -> None:
+    """Add the ``sampling`` keys that ``model_dir/generation_config.json`` lacks (a key it sets is kept); the file
+    is rewritten atomically, and only when something is missing."""
+    if not _missing_sampling(model_dir, sampling):
+        return
+    path = Path(model_dir) / GENERATION_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        config = {}
+    atomic_write_json(path, {**sampling, **config})
+    log.info("sampling defaults %s written into %s", {k: v for k, v in sampling.items() if k not in config}, path)
+
+
 def resolve_base_model(name: str, home: Path) -> BaseModelRef:
-    """Resolve a base-model name, converting and caching a built-in GGUF model on first use.
+    """Resolve a base-model name, converting and caching a built-in GGUF model on first use (with its
+    :data:`BUILTIN_SAMPLING` in ``generation_config.json``, added to a store converted before them).
 
     Args:
         name: built-in name, local directory, or Hugging Face id.
@@ -176,7 +205,11 @@ def resolve_base_model(name: str, home: Path) -> BaseModelRef:
         raise BadRequestError("base model name is empty", param="model")
     if name in BUILTIN_GGUF:
         target = Path(home) / "models" / name
+        sampling = BUILTIN_SAMPLING.get(name, {})
         if (target / MANIFEST).is_file():
+            if _missing_sampling(target, sampling):  # a store converted before the defaults existed
+                with file_lock(Path(home) / "models" / f".{name}.lock"):
+                    add_sampling_defaults(target, sampling)
             return BaseModelRef(name, str(target), True)
         gguf = _gguf_location(name)
         with file_lock(Path(home) / "models" / f".{name}.lock"):
@@ -184,6 +217,7 @@ def resolve_base_model(name: str, home: Path) -> BaseModelRef:
                 started = time.time()
                 with atomic_dir(target) as tmp:
                     _convert_gguf(gguf, tmp)
+                    add_sampling_defaults(tmp, sampling)
                     manifest = {
                         "name": name,
                         "source": f"gguf:{gguf.name}",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from livelora.core.settings import (
@@ -97,6 +97,21 @@ class InferenceSection(Section):
         None, description="Name clients pass as `model` for the base model (default: the --model name)."
     )
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After (seconds) sent with 429 queue-full answers.")
+    generation_config: str = Field(
+        "auto",
+        min_length=1,
+        description="Sampling defaults for requests that omit temperature, top_p or top_k (vLLM's "
+        "--generation-config): 'auto' takes the served model's generation_config.json, 'none' "
+        "OpenAI's (1, 1, off), or a directory holding a generation_config.json "
+        "(gateway/services/sampling_defaults.py).",
+    )
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, value: str) -> str:
+        if value not in ("auto", "none") and not (Path(value).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"{value!r} is neither 'auto', 'none' nor a directory holding a generation_config.json")
+        return value
 
     @property
     def max_sequences(self) -> int:

@@ -128,7 +128,7 @@ def run(
         adam = r.sdk.adam(cfg.learning_rate)
         for step, batch, staleness in sampled_batches(r, sample, cfg.max_staleness):
             t0 = time.monotonic()
-            data, qs, masks, rewards, correct, fmt, n_tok = [], [], [], [], 0, 0, 0
+            data, qs, masks, rewards, correct, fmt, n_tok, equal = [], [], [], [], 0, 0, 0, 0
             for pt, seqs, scored in batch["groups"]:
                 rs = [s[0] for s in scored]
                 rewards += rs
@@ -136,6 +136,7 @@ def run(
                 fmt += sum(s[2] for s in scored)
                 advs = group_advantages(rs, cfg.advantage)
                 if not any(advs):
+                    equal += 1
                     continue  # a zero-variance group: no learning signal
                 for s, a in zip(seqs, advs):
                     data.append(rl_datum(r.sdk, pt, s.tokens, s.logprobs, a))
@@ -147,6 +148,8 @@ def run(
                 "train/accuracy": correct / len(rewards),
                 "train/format": fmt / len(rewards),
                 "train/datums": len(data),
+                "train/groups": len(batch["groups"]),
+                "train/groups_equal": equal,
                 "train/tokens": n_tok,
                 "train/staleness": staleness,
             }

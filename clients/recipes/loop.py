@@ -62,7 +62,8 @@ class RecipeConfig(BaseModel):
 
 @dataclass
 class Summary:
-    """What a recipe returns: evaluation before and after, steps, wall time (seconds, all sessions)."""
+    """What a recipe returns: evaluation before and after, steps, wall time (seconds, all sessions, up to the end of
+    the final evaluation: :meth:`Run.elapsed`)."""
 
     recipe: str
     log_dir: Path
@@ -91,6 +92,7 @@ class Run:
         sdk: Sdk | None = None,
         on_step: Callable[[int, dict[str, float]], None] | None = None,
     ):
+        self._t0 = time.monotonic()  # the run's one clock: set-up, steps and evaluations (Summary.wall_s)
         self.cfg, self.recipe, self.on_step = cfg, recipe, on_step
         self.sdk = sdk or Sdk.load(cfg.sdk, cfg.base_url)
         self.log_dir = Path(cfg.log_dir)
@@ -114,11 +116,11 @@ class Run:
         self.tokenizer = self.sdk.tokenizer(self.tc)
         earlier = read_metrics(self.log_dir).get(self.start_step, {})
         self._elapsed0 = float(earlier.get("time/elapsed_s", 0.0)) if self.resumed else 0.0
-        self._t0 = time.monotonic()
         self._last_ckpt = self.start_step
 
     def elapsed(self) -> float:
-        """Seconds of training wall time so far, summed over the run's sessions (up to the resume point)."""
+        """Seconds of wall time so far (set-up, steps, evaluations), summed over the run's sessions: the
+        ``time/elapsed_s`` of each step line and the summary's ``wall_s`` read this one clock."""
         return self._elapsed0 + time.monotonic() - self._t0
 
     def steps(self) -> Iterator[int]:
@@ -164,7 +166,7 @@ class Run:
             self.recipe,
             self.log_dir,
             n,
-            float(by_step.get(n, {}).get("time/elapsed_s", self.elapsed())),
+            self.elapsed(),
             evals(0),
             evals(n),
             train,

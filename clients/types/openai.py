@@ -265,7 +265,8 @@ class Completion(_Response):
 class Model(_Response):
     """An entry of ``GET /v1/models``: ``id`` is exactly the name to pass as ``model``.
 
-    ``root`` / ``parent`` (vLLM's fields) name the base model of an adapter.
+    ``root`` / ``parent`` (vLLM's fields) name the base model of an adapter. ``sampling_defaults`` (livelora,
+    ``GET /v1/models/{id}`` only): what a request that omits ``temperature`` / ``top_p`` / ``top_k`` gets.
     """
 
     id: str
@@ -274,6 +275,7 @@ class Model(_Response):
     owned_by: str
     root: str | None = None
     parent: str | None = None
+    sampling_defaults: dict[str, Any] | None = Field(None, exclude_if=_omit_none)
 
 
 class ModelList(_Response):

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from livelora.clients.types.openai import Model, ModelList
 from livelora.gateway.api.deps import PrincipalDep, ServingDep
+from livelora.gateway.services.sampling_defaults import for_settings
 
 router = APIRouter(tags=["models"])
 
@@ -21,7 +22,11 @@ async def get_model(model_id: str, serving: ServingDep, principal: PrincipalDep)
     """One model by id: a listed one, or a stored ``<lineage>@<n>`` the caller may name (the list leaves those
     out; a request naming one loads it, gateway/services/on_demand.py).
 
+    ``sampling_defaults`` says what a request omitting ``temperature`` / ``top_p`` / ``top_k`` gets (every served
+    model shares the base model's; gateway/services/sampling_defaults.py).
+
     Raises:
         ModelNotFoundError: unknown id (404 ``model_not_found``).
     """
-    return serving.get_model(model_id, principal)
+    model = serving.get_model(model_id, principal)
+    return model.model_copy(update={"sampling_defaults": for_settings(serving.settings).describe()})

@@ -1,4 +1,5 @@
-"""``GET /admin/usage`` (role ``admin``, scoped to the caller's tenant), ``GET /admin/quotas`` and
+"""``GET /admin/usage`` (role ``admin``, scoped to the caller's tenant; every tenant for an operator),
+``GET /admin/quotas`` and
 ``PUT /admin/quotas`` (per-tenant limits), and ``GET /metrics`` (Prometheus text; public unless
 ``LIVELORA_METRICS_REQUIRE_KEY``, see :mod:`livelora.gateway.auth`)."""
 
@@ -40,7 +41,8 @@ async def usage(
 
     Query: ``tenant``, ``key`` (API key id), ``subject`` (endpoint, model or session id), ``kind``, ``from`` /
     ``to`` (Unix s or ISO 8601, UTC hours overlapping the range), ``group_by`` (comma-separated: tenant, key,
-    subject, kind, hour, day). A tenant's key sees only its tenant (403 for another).
+    subject, kind, hour, day). A tenant's key sees only its tenant (403 for another); an operator key (and open
+    mode) sees every tenant, each in its own rows, unless ``tenant`` picks one.
     """
     return await metering.usage(
         principal,

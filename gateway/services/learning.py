@@ -16,8 +16,8 @@ from typing import Any
 
 from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.learning import LearningStatus
-from livelora.core.bus import redis_unavailable
 from livelora.core.api_keys import Principal
+from livelora.core.bus import redis_unavailable
 from livelora.core.redis_keys import KeyLayout
 
 log = logging.getLogger(__name__)

@@ -29,6 +29,7 @@ from livelora.gateway.services.completion_log import CompletionLog, CompletionRe
 from livelora.gateway.services.drain import Drain
 from livelora.gateway.services.generation import Job, new_id, now
 from livelora.gateway.services.plans import log_ignored, plan_chat, plan_completion
+from livelora.gateway.services.sampling_defaults import for_settings
 from livelora.gateway.services.served import ServedRequest
 from livelora.gateway.services.token_texts import TokenTexts
 from livelora.gateway.services.usage import payer
@@ -273,6 +274,7 @@ class Serving:
         log_ignored(body, "chat.completions" if chat else "completions")
         await self.load_on_demand(body.model, principal)  # a stored <lineage>@<n>; then no await until begin
         target = self.resolve(body.model, principal)  # an unknown model is reported before bad parameters
+        body = for_settings(self.settings).apply(body)  # omitted sampling fields: the model's generation_config
         if chat:
             plan = plan_chat(body, self.tokenizer, self.context_length())
             messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]

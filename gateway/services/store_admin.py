@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -78,6 +79,30 @@ def parse_version_ref(ref: str | int | None, lineage: str) -> int | None:
             f"{ref} is a version of lineage {other!r}, but the endpoint serves {lineage!r}", param="version"
         )
     return n
+
+
+def version_rows(
+    home: Path, versions: list[Manifest], targets: dict[str, list[str]], endpoints: list[str]
+) -> list[dict[str, Any]]:
+    """One lineage's versions as ``list_adapters`` rows: the manifest plus ``serving`` (endpoints serving it now),
+    ``endpoints`` (bound to its lineage) and, for a training run's lineage, ``training_run`` (its model id) and
+    ``checkpoints`` (the names that map to the version, ``sampler_weights/<name>``...; empty for an unnamed
+    sampler save, deleted when its session ends)."""
+    run: dict[str, Any] = {}
+    if versions:
+        with contextlib.suppress(FileNotFoundError, ValueError):  # the training run's checkpoint index
+            run = json.loads((Path(home) / "sessions" / f"{versions[0].lineage}.json").read_text())
+    named = run.get("checkpoints", {})
+    return [
+        {
+            **m.model_dump(mode="json"),
+            "serving": sorted(targets.get(m.name, [])),
+            "endpoints": endpoints,
+            "training_run": run.get("model_id"),
+            "checkpoints": sorted(k for k, e in named.items() if e.get("version") == m.version),
+        }
+        for m in versions
+    ]
 
 
 class AdminService:
@@ -297,18 +322,17 @@ class AdminService:
     # ------------------------------------------------------------------ adapters
 
     def list_adapters(self, lineage: str | None = None) -> list[dict[str, Any]]:
-        """Visible versions (oldest first per lineage), each with the endpoints currently serving it."""
+        """Visible versions (oldest first per lineage), each with the endpoints serving it (:func:`version_rows`)."""
         lineages = [validate_lineage(lineage)] if lineage else self.store.lineages()
         if lineage and not self._sees_lineage(lineage):
             raise NotFoundError(f"adapter lineage {lineage!r} does not exist", param="lineage")
-        targets = self.endpoints.targets(self.store)
-        out = []
-        for name in lineages:
-            if not self._sees_lineage(name):
-                continue
-            for m in self.store.list(name):
-                out.append({**m.model_dump(mode="json"), "serving": sorted(targets.get(m.name, []))})
-        return out
+        targets, bound = self.endpoints.targets(self.store), {}
+        for endpoint, binding in self.endpoints.bindings().items():
+            bound.setdefault(binding.lineage, []).append(endpoint)
+        rows = []
+        for name in (n for n in lineages if self._sees_lineage(n)):
+            rows += version_rows(self.home, self.store.list(name), targets, sorted(bound.get(name, [])))
+        return rows
 
     def show_adapter(self, name: str) -> dict[str, Any]:
         """One version's manifest, files, integrity and serving endpoints. Raises: NotFoundError."""

@@ -131,15 +131,15 @@ class MeteringService:
         the UTC hours overlapping ``[start, end)``, one row per group (``group_by``: comma-separated dimensions
         of :data:`~livelora.core.metering.GROUP_BY`; default ``tenant,key,subject,kind``).
 
-        A caller with an API key sees only its own tenant (``tenant`` defaults to it); in open mode every
-        tenant is visible.
+        A caller with an API key sees only its own tenant (``tenant`` defaults to it); in open mode and with an
+        ``operator`` key every tenant is visible (``tenant`` unset: all of them).
 
         Raises:
             PermissionDeniedError: ``tenant`` names another tenant (403).
             BadRequestError: a bad time, dimension or kind (400).
             UnavailableError: Redis is unreachable (503).
         """
-        if not open_mode:
+        if not open_mode and "operator" not in principal.roles:
             tenant = self.scoped_tenant(principal, tenant, open_mode)
         dims = [g.strip() for g in group_by.split(",") if g.strip()] if group_by else list(GROUP_BY[:4])
         lo, hi = parse_time(start, "from"), parse_time(end, "to")

@@ -1,0 +1,134 @@
+"""Operator views on a live gateway in key mode (real SmolLM2, real Redis, two tenants and an operator key):
+``GET /admin/usage`` and ``livelora usage`` list every tenant for the operator and only the caller's own for a
+tenant's admin; ``livelora adapters list`` shows every version a tenant owns, grouped by lineage, with the
+checkpoints of its training runs, and says so when there is none."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import httpx
+import pytest
+import redis
+from _server import start_server
+from typer.testing import CliRunner
+
+from livelora.clients import ServiceClient
+from livelora.core.api_keys import TENANT_ROLES, KeyStore
+
+MODEL = "smollm2-135m-instruct"
+PREFIX = f"{os.environ['LIVELORA_REDIS_PREFIX']}opviews-{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture(scope="module")
+def home(livelora_home, base_ref, tmp_path_factory):
+    home = tmp_path_factory.mktemp("operator-views-home")
+    (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
+    return home
+
+
+@pytest.fixture(scope="module")
+def keys(home):
+    store = KeyStore(home)
+    return {
+        "acme": store.create(tenant="acme", roles=list(TENANT_ROLES), name="acme-all")[1],
+        "beta": store.create(tenant="beta", roles=list(TENANT_ROLES), name="beta-all")[1],
+        "operator": store.create(tenant="default", roles=["admin", "operator"], name="operator")[1],
+    }
+
+
+@pytest.fixture(scope="module")
+def server(home, keys):
+    from livelora.gateway.settings import GatewaySettings
+
+    live = start_server(
+        GatewaySettings(
+            model=MODEL,
+            home=home,
+            device="cpu",
+            redis_prefix=PREFIX,
+            max_batch_size=4,
+            max_waiting=8,
+            executor_in_process=True,
+            usage_rollup_s=0,
+        )
+    )
+    yield live
+    live.stop()
+    client = redis.Redis()
+    for key in client.scan_iter(f"{PREFIX}*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+def cli(*args: str) -> str:
+    from livelora.cli.main import app
+
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_the_operator_reads_every_tenants_usage_and_a_tenant_only_its_own(server, keys):
+    for tenant in ("acme", "beta"):
+        r = httpx.post(
+            server.url("/v1/chat/completions"),
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0},
+            headers={"Authorization": f"Bearer {keys[tenant]}"},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+
+    def tenants(key: str, **params) -> set[str]:
+        r = httpx.get(
+            server.url("/admin/usage"),
+            params={"group_by": "tenant", **params},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        return {row["tenant"] for row in r.json()["data"]}
+
+    assert tenants(keys["operator"]) >= {"acme", "beta"}
+    assert tenants(keys["operator"], tenant="beta") == {"beta"}
+    assert tenants(keys["acme"]) == {"acme"}
+    # the CLI over HTTP: the same answer, and its help says whose usage a key reads
+    answer = json.loads(
+        cli("usage", "--group-by", "tenant", "--json", "--url", server.base_url, "--api-key", keys["operator"])
+    )
+    assert {row["tenant"] for row in answer["data"]} >= {"acme", "beta"}
+    table = cli("usage", "--group-by", "tenant", "--url", server.base_url, "--api-key", keys["operator"])
+    assert "acme" in table and "beta" in table
+    assert "operator key" in " ".join(cli("usage", "--help").split())
+
+
+def test_adapters_list_shows_every_version_a_tenant_owns_grouped_by_lineage(server, keys):
+    def listing(tenant: str) -> str:
+        return cli("adapters", "list", "--url", server.base_url, "--api-key", keys[tenant])
+
+    assert "no adapter versions that this key's tenant owns" in " ".join(listing("beta").split())
+    with ServiceClient(server.base_url, api_key=keys["acme"], heartbeat_s=2.0) as svc:
+        tc = svc.create_lora_training_client(MODEL, rank=2, seed=0)
+        tc.save_weights_for_sampler("first").result(timeout=120)
+        tc.save_weights_for_sampler("second").result(timeout=120)
+        tc.save_weights_for_sampler("first").result(timeout=120)  # replaces its version (deleted)
+        tc.save_weights_and_get_sampling_client()  # an unnamed save: kept while the session lives
+        rows = httpx.get(
+            server.url("/admin/adapters"), headers={"Authorization": f"Bearer {keys['acme']}"}, timeout=30
+        ).json()["data"]
+        assert [(r["version"], r["checkpoints"]) for r in rows] == [
+            (2, ["sampler_weights/second"]),
+            (3, ["sampler_weights/first"]),
+            (4, []),
+        ]
+        assert {r["training_run"] for r in rows} == {tc.model_id}
+        text = " ".join(listing("acme").split())
+        lineage = rows[0]["lineage"]
+        assert f"lineage {lineage}: 3 version(s) (training run {tc.model_id})" in text
+        assert "sampler_weights/second" in text and "sampler_weights/first" in text and "unnamed sampler save" in text
+        assert "3 version(s) in 1 lineage(s)" in text
+        # each save's parent is the save before it; @1 ("first", replaced by @3) is shown as deleted
+        assert [r["parent"] for r in rows] == [1, 2, 3] and "1 (deleted)" in text
+    assert "no adapter versions that this key's tenant owns" in " ".join(listing("beta").split())
