@@ -14,7 +14,6 @@ import time
 
 import pytest
 from _doc_blocks import REPO, blocks
-from _sessions_server import sessions_server  # noqa: F401  (fixture)
 
 from livelora.clients.recipes.cli import step_text
 from livelora.clients.recipes.metrics import read_metrics
