@@ -5,7 +5,8 @@ grows) and its own immutable path, a private snapshot copy (``/dev/shm`` when pr
 place or sets ``load_inplace``: vLLM caches adapters by id, compares requests by name, keys prefix-cache blocks
 by ``(name, path)`` and reloads evicted adapters lazily from their path, so reusing any of them serves stale
 weights (vllm #5105, #33791). A version is removed only when no unfinished request uses it
-(:class:`AdapterLeases` counts its users). vLLM is imported only inside :meth:`VLLMAdapters.load`. The rules and why: ``docs/internals/engines.md``.
+(:class:`AdapterLeases` counts its users). vLLM is imported only inside :meth:`VLLMAdapters.load`. The rules
+and why: ``docs/internals/engines.md``.
 """
 
 from __future__ import annotations
