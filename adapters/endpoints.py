@@ -3,7 +3,7 @@
 :class:`EndpointStore` reads and changes ``LIVELORA_HOME/endpoints.json`` (atomic writes under a file lock): a
 binding is ``follow`` (serve the lineage's newest version that passes the gateway's checks) or ``pinned`` (serve
 one version until promoted or rolled back), has an owning tenant (``null``: public) and a rollback stack.
-Every change is appended to ``history.jsonl`` (:class:`HistoryEntry`) under the same lock. A name not in the
+Every change is appended to ``history.jsonl`` (:class:`EndpointHistory`) under the same lock. A name not in the
 file is an implicit ``follow`` endpoint of the lineage of the same name. The file is the source of truth; Redis
 notices only make gateways move sooner. The format: ``docs/internals/store-layout.md``.
 """
@@ -103,13 +103,69 @@ def lineage_for_name(name: str) -> str:
     return validate_lineage(cleaned)
 
 
+class EndpointHistory:
+    """``history.jsonl``: the audit log of endpoint changes, one :class:`HistoryEntry` a line. The caller appends
+    under the endpoints' file lock, so a change and its line are written together."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def entry(
+        self,
+        endpoint: str,
+        action: str,
+        *,
+        who: str,
+        to: str,
+        from_: str | None = None,
+        reason: str = "",
+        details: dict | None = None,
+        tenant: str | None = None,
+    ) -> HistoryEntry:
+        """An entry stamped with the current time (validated; not written yet: :meth:`write`)."""
+        return HistoryEntry(
+            time=time.time(),
+            who=who,
+            tenant=tenant,
+            endpoint=endpoint,
+            action=action,
+            from_=from_,
+            to=to,
+            reason=reason,
+            details=details,
+        )
+
+    def write(self, entry: HistoryEntry) -> HistoryEntry:
+        """Append ``entry`` as one line; return it."""
+        append_line(self.path, entry.model_dump_json(by_alias=True))
+        return entry
+
+    def read(self, endpoint: str | None = None, tenant: str | None = None) -> list[HistoryEntry]:
+        """Entries, oldest first; filtered by endpoint and by the tenant that administers it."""
+        if not self.path.is_file():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                entry = HistoryEntry.model_validate_json(line)
+            except ValueError:
+                continue  # a torn last line after a crash
+            if endpoint is not None and entry.endpoint != endpoint:
+                continue
+            if tenant is not None and (entry.tenant or DEFAULT_TENANT) != tenant:
+                continue
+            out.append(entry)
+        return out
+
+
 class EndpointStore:
-    """Read and change ``endpoints.json`` (and append ``history.jsonl``) under ``home``."""
+    """Read and change ``endpoints.json`` under ``home``; every audited change appends a line to :attr:`log`."""
 
     def __init__(self, home: Path | str, implicit: tuple[str, ...] | list[str] = ()):
         self.home = Path(home)
         self.path = self.home / ENDPOINTS_FILE
-        self.history_path = self.home / HISTORY_FILE
+        #: ``history.jsonl``, written under this store's lock
+        self.log = EndpointHistory(self.home / HISTORY_FILE)
         #: served base-model names whose implicit endpoints administration shows and may change (a change makes
         #: one explicit); names that are not valid endpoint names are left out
         self.implicit = tuple(n for n in implicit if _valid_implicit(n))
@@ -181,20 +237,12 @@ class EndpointStore:
     ) -> HistoryEntry:
         """Append one history line for a decision that does not change the binding (a gate verdict, a
         quarantine, a deletion of a user's data, an automatic rollback's statistics)."""
-        entry = HistoryEntry(
-            time=time.time(),
-            who=who,
-            tenant=tenant,
-            endpoint=endpoint,
-            action=action,
-            from_=from_,
-            to=to,
-            reason=reason[:1000],
-            details=details,
-        )
         with file_lock(self.path.with_suffix(".lock")):
-            append_line(self.history_path, entry.model_dump_json(by_alias=True))
-        return entry
+            return self.log.write(
+                self.log.entry(
+                    endpoint, action, who=who, to=to, from_=from_, reason=reason[:1000], details=details, tenant=tenant
+                )
+            )
 
     def block(
         self, endpoint: str, version: int, *, who: str, reason: str, to: str, details: dict | None = None
@@ -209,19 +257,17 @@ class EndpointStore:
             current = {k: v.model_dump() for k, v in bindings.items()}
             current[endpoint] = new.model_dump()
             atomic_write_json(self.path, {"endpoints": current})
-            entry = HistoryEntry(
-                time=time.time(),
+            entry = self.log.entry(
+                endpoint,
+                "auto_rollback",
                 who=who,
-                tenant=new.tenant,
-                endpoint=endpoint,
-                action="auto_rollback",
-                from_=version_label(new.lineage, version),
                 to=to,
+                from_=version_label(new.lineage, version),
                 reason=reason[:1000],
                 details=details,
+                tenant=new.tenant,
             )
-            append_line(self.history_path, entry.model_dump_json(by_alias=True))
-        return entry
+            return self.log.write(entry)
 
     def set_gate(
         self, endpoint: str, thresholds: GateThresholds | None, *, tenant: str, who: str, reason: str = ""
@@ -261,20 +307,11 @@ class EndpointStore:
                 if new.mode == "pinned"
                 else f"follow:{version_label(new.lineage, self.served_version(new, store, endpoint))}"
             )
-            entry = HistoryEntry(
-                time=time.time(),
-                who=who,
-                tenant=tenant,
-                endpoint=endpoint,
-                action=action,
-                from_=before,
-                to=after,
-                reason=reason,
-            )
+            entry = self.log.entry(endpoint, action, who=who, to=after, from_=before, reason=reason, tenant=tenant)
             current = {k: v.model_dump() for k, v in bindings.items()}
             current[endpoint] = new.model_dump()
             atomic_write_json(self.path, {"endpoints": current})
-            append_line(self.history_path, entry.model_dump_json(by_alias=True))
+            self.log.write(entry)
         return new, entry
 
     def create(
@@ -382,20 +419,7 @@ class EndpointStore:
 
     def history(self, endpoint: str | None = None, tenant: str | None = None) -> list[HistoryEntry]:
         """Audit entries, oldest first; filtered by endpoint and by the tenant that administers it."""
-        if not self.history_path.is_file():
-            return []
-        out = []
-        for line in self.history_path.read_text().splitlines():
-            try:
-                entry = HistoryEntry.model_validate_json(line)
-            except ValueError:
-                continue  # a torn last line after a crash
-            if endpoint is not None and entry.endpoint != endpoint:
-                continue
-            if tenant is not None and (entry.tenant or DEFAULT_TENANT) != tenant:
-                continue
-            out.append(entry)
-        return out
+        return self.log.read(endpoint, tenant)
 
     def targets(self, store: AdapterStore | None = None) -> dict[str, list[str]]:
         """``<lineage>@<n>`` → endpoints whose current target it is (pins, and follow endpoints' newest)."""

@@ -1,24 +1,11 @@
 """The training-session protocol shared by the gateway (routes) and the op executor (trainer): ids, ``tinker://``
-paths, queued ops, future records and the checkpoint index. Redis key names are in
-:class:`~livelora.core.redis_keys.KeyLayout`. Torch-free.
+paths, queued ops (:class:`Op`), future records (:func:`future_done`, :func:`future_failed`) and the checkpoint
+index (:class:`CheckpointIndex`, fenced by the owner's lease token: :class:`StaleOwnerError`). Redis key names
+are in :class:`~livelora.core.redis_keys.KeyLayout`. Torch-free.
 
-Flow of one training op (design.md "Training sessions"; tinker_protocol.md §2.5)::
-
-    gateway: validate → SET seq:{model}:{seq} NX (dedupe) → SET future:{rid} pending → XADD ops:{model}
-    owner (the executor holding lease:model:{model}): XREAD ops:{model} → buffer by seq_id → run strictly in
-        seq order → fenced SET future:{rid} + PUBLISH futures → trim the entries whose effect is saved
-
-Ownership (:mod:`livelora.trainer.ownership`): exactly one executor owns a model at a time, by a Redis lease
-carrying a fencing token (INCR, never reused). Writes to the checkpoint index carry that token: the index
-records the highest token that wrote it (``fence``) and refuses a lower one (:class:`StaleOwnerError`).
-
-Ids: a training model is ``{session_id}:train:{model_seq_id}``, a sampling session
-``{session_id}:sample:{sampling_session_seq_id}``, a request ``{scope}:{12 hex}``.
-
-Checkpoints (tinker paths ``tinker://<model_id>/<weights|sampler_weights|external_weights>/<name>``) are
-adapter-store versions of the lineage :func:`lineage_for` the model (``external_weights``: a PEFT export for
-download, ``save_weights_external``); the name → version map lives in
-``LIVELORA_HOME/sessions/<lineage>.json`` (:class:`CheckpointIndex`), written atomically under a lock.
+Ids: a training model is ``{session_id}:train:{model_seq_id}`` (:func:`model_id_for`); its checkpoints are
+adapter-store versions of the lineage :func:`lineage_for` the model. The flow of one op, ownership and the
+checkpoint paths: ``docs/internals/training-sessions.md``.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from harness.seeds import TARGETS, peft_versions
 from safetensors.torch import load_file, save_file
 
 from livelora.clients.errors import BadRequestError
+from livelora.gateway.engines.hf_calls import on_worker
 
 LP_TOL = 1e-4  # nats, fp32
 
@@ -77,8 +78,8 @@ async def _generate(engine, prompt, params, adapter):
 def _slots(loop, engine):
     """(version → slot name, free slot names) once the worker's queued commands (spare slots) have run."""
     worker = engine._worker
-    loop.run_until_complete(engine._on_worker(worker, lambda: None))
-    loop.run_until_complete(engine._on_worker(worker, lambda: None))
+    loop.run_until_complete(on_worker(worker, lambda: None))
+    loop.run_until_complete(on_worker(worker, lambda: None))
     return {v: s.name for v, s in worker.slots.versions.items()}, [s.name for s in worker.slots.free_slots]
 
 
@@ -278,6 +279,6 @@ def test_a_version_is_not_unloaded_under_a_sequence_taken_for_prefill(engine, lo
             worker.admitting = []
 
     with pytest.raises(ConflictError):
-        loop.run_until_complete(engine._on_worker(worker, unload_while_admitting))
+        loop.run_until_complete(on_worker(worker, unload_while_admitting))
     assert engine.loaded_adapters() == ["held@1"]
     loop.run_until_complete(engine.unload_adapter("held@1"))

@@ -1,45 +1,12 @@
 """The op executor: runs training-session ops from Redis on :class:`~livelora.trainer.model.TrainingModel` s.
 
-The protocol it speaks (ids, ops, futures, checkpoint index) is :mod:`livelora.core.session_protocol`; the
-Redis keys are :class:`~livelora.core.redis_keys.KeyLayout`'s. The gateway validates and queues ops; an
-executor runs them. ``livelora trainer`` and ``livelora serve`` run one in a thread; ``livelora gateway`` only
-when ``LIVELORA_EXECUTOR_IN_PROCESS`` is true (:mod:`livelora.cli.processes`). Any number of executors may
-share one Redis prefix and one store.
-
-Semantics the executor guarantees:
-
-* **one owner per model**: an executor runs a model's ops only while it holds the model's lease
-  (:mod:`livelora.trainer.ownership`); every write it makes (futures, op counts, stream trims, checkpoint
-  index, recovery snapshot) is fenced by the lease's token, so a stale owner's write is refused;
-* a model's ops run strictly in ``seq_id`` order (create/create-via-load is seq 0, then 1, 2, ...);
-  ops that arrive early wait in a buffer; an op whose seq already ran or is buffered is dropped (retries
-  are deduplicated on ``(model_id, seq_id)``);
-* every op ends with its future resolved: the result, or ``{"error", "category"}``; a failed op still
-  consumes its seq_id, so later ops run;
-* ops stay in the model's stream until their effect is saved: an op without lasting in-memory effect
-  (``forward``, the saves, a failed op) is trimmed once its result is committed; a ``forward_backward`` is
-  trimmed with the next recovery snapshot;
-* when a session's key expires (no heartbeat for ``session_ttl_s``) or the session finishes, its models
-  are freed and their buffered ops fail; buffered ops waiting for a seq_id that never arrives fail after
-  ``gap_timeout_s``. Nothing stays pending forever.
-
-**Take-over** (the owner died; its lease expired after at most ``lease_ttl_s``): the next executor restores
-the model from its recovery snapshot (:mod:`livelora.trainer.recovery`, written after every ``create``,
-``optim_step`` and ``load_weights``: weights, AdamW state, step) and then, in seq order:
-
-* an op the dead owner had committed (``opruns``) is not run again;
-* an op it had not committed runs now; that includes the op it was running when it died (a
-  ``forward_backward`` recomputes its gradients; a ``save_weights`` that had reached the index is recognised
-  by its request id and not saved twice);
-* an ``optim_step`` whose gradients came, even in part, from ``forward_backward`` ops committed by the dead
-  owner fails with ``InternalError`` (code ``trainer_lost``) naming those seqs: an optimizer step is never
-  applied on lost gradients. The accumulated gradients are dropped, so the client repeats its
-  ``forward_backward`` ops and steps again;
-* a snapshot whose op's future was not yet written (the owner died in between) resolves that future from
-  the snapshot.
-
-Ephemeral sampler saves are adapter versions too; when a model is freed every version of its lineage that
-no named checkpoint references is deleted.
+:class:`OpExecutor` reads the ops the gateway queued (:mod:`livelora.core.session_protocol`; keys
+:class:`~livelora.core.redis_keys.KeyLayout`'s) and runs each model's ops strictly in ``seq_id`` order while it
+holds the model's lease, resolving every op's future (a failed op still consumes its seq id). Its components: the
+models it owns (:class:`~livelora.trainer.model_slots.ModelSlots`: leases, fenced writes, take-over from a
+recovery snapshot) and what each op does (:class:`~livelora.trainer.session_ops.SessionOps`). Any number of
+executors may share one Redis prefix and one store; where they run: :mod:`livelora.cli.processes`. The
+guarantees (ordering, deduplication, trimming, expiry, take-over): ``docs/internals/training-sessions.md``.
 """
 
 from __future__ import annotations

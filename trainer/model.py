@@ -1,30 +1,12 @@
 """The training model: a PEFT LoRA adapter over a base model, driven by Tinker-style operations.
 
-``TrainingModel`` does ``forward`` (logprobs + loss, no grad), ``forward_backward``
-(same, gradients **accumulate** across calls until ``optim_step``), ``optim_step``
-(AdamW) and versioned saves/loads through :class:`~livelora.adapters.store.AdapterStore`.
-
-Conventions (Tinker, ``shared/reference/tinker_protocol.md`` §3): position ``i`` of
-``model_input`` predicts token ``i+1``; every per-token ``loss_fn_inputs`` tensor has
-shape ``(N,)``; ``target_tokens[i]`` is the token after input ``i``. A batch is
-right-padded with an attention mask; padded positions are sliced away before the
-loss, so they contribute exactly nothing. Every batch is checked by the shared
-:func:`livelora.core.losses.validate_batch` (the gateway's check) before anything runs; the loss's
-spec says which positions need gradients and which inputs the trainer adds, and the tensor function comes
-from :mod:`livelora.trainer.losses` (token losses are sums; KTO/DPO means over examples).
-
-LoRA: rank ``r``, ``alpha`` (scale ``alpha/r``), dropout 0, peft's default init
-(``lora_A`` Kaiming-uniform from ``seed``, ``lora_B`` = 0, so a fresh adapter equals the
-base model). Targets: attention ``q,k,v,o_proj``, MLP ``gate,up,down_proj`` and the
-unembedding ``lm_head``. SmolLM2 ties ``lm_head`` to ``embed_tokens``: the LoRA on
-``lm_head`` changes only the output projection (the input embedding lookup is untouched);
-:mod:`livelora.adapters.export` unties the two before merging.
-
-Reference logprobs for ``kto``/``dpo`` come from the same weights with the adapter
-disabled (``peft_model.disable_adapter()``, no grad), i.e. the base model (TRL's choice for
-a LoRA policy; losses.md §1). Optimizer: ``torch.optim.AdamW`` (decoupled weight decay:
-``p ← p·(1 − lr·wd)`` before the Adam update), hyperparameters taken from each
-``optim_step``'s :class:`AdamParams`.
+:class:`TrainingModel` does ``forward`` (logprobs + loss, no grad), ``forward_backward`` (same; gradients
+**accumulate** until ``optim_step``), ``optim_step`` (AdamW) and versioned saves and loads through
+:class:`~livelora.adapters.store.AdapterStore`. Tinker's alignment: position ``i`` of ``model_input`` predicts
+token ``i+1``. Every batch is checked by :func:`livelora.core.losses.validate_batch` before anything runs; the
+loss's tensor function comes from :mod:`livelora.trainer.losses`; reference logprobs for ``kto``/``dpo`` are the
+base model's (the adapter disabled). Padding, the LoRA targets, the reference model and the optimizer:
+``docs/internals/training-sessions.md``.
 """
 
 from __future__ import annotations

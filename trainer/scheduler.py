@@ -1,29 +1,12 @@
 """The batching scheduler of the live loop: when the signals buffered for a lineage become a training step.
 
-Per lineage there are three queues, one per signal kind:
-
-* **ratings → KTO** (Ethayarajh et al. 2024, arXiv 2402.01306): thumbs up is
-  *desirable*, thumbs down *undesirable*. Only the latest rating per
-  ``rating_key`` (completion, rater) is kept: a re-rate replaces the queued one,
-  whose stream id is returned for acknowledgement (it is already on disk). A
-  step fires when ``kto_min_batch`` ratings are queued (8 by default, TRL's
-  per-step batch ≥ 4 rule with headroom, ../shared/reference/losses.md §5), or
-  when the oldest has waited ``max_wait_s`` and at least 2 are queued (the KL
-  reference point needs mismatched pairs, so KTO never runs on one example).
-  Class weights follow paper Eq. 8: λ_D·n_D / (λ_U·n_U) must lie in [1, 4/3];
-  :func:`kto_class_weights` sets the ratio to exactly 1 by down-weighting the
-  majority class (weights stay ≤ 1, so a lone minority example never gets a
-  huge weight).
-* **demonstrations → SFT** (cross-entropy on the assistant reply): fires at
-  ``sft_min_batch`` or after ``max_wait_s`` with ≥ 1.
-* **preference pairs → DPO** (Rafailov et al. 2023): fires at ``dpo_min_batch``
-  or after ``max_wait_s`` with ≥ 1.
-
-A batch holds at most ``max_batch`` events; the rest stay queued. While events of several raters are
-queued, one rater fills at most ``rater_max_batch_share`` of a batch (feedback governance,
-``trainer/signal_governor.py``). The thresholds are the trainer's
-:class:`~livelora.trainer.settings.TrainingSection`. The scheduler is pure bookkeeping (no Redis, no torch),
-so its decisions are unit-testable.
+:class:`BatchScheduler` keeps one queue per lineage and signal kind (ratings → KTO, demonstrations → SFT,
+preference pairs → DPO; only a rater's latest rating of a completion is kept) and hands out a :class:`Batch`
+when a queue reaches its minimum size or its oldest event has waited ``max_wait_s``, with no rater over
+``rater_max_batch_share`` of it. :func:`kto_class_weights` balances KTO's classes (Ethayarajh et al. 2024,
+Eq. 8). Pure bookkeeping (no Redis, no torch). The thresholds are the trainer's
+:class:`~livelora.trainer.settings.TrainingSection`; the rules and their sources:
+``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations

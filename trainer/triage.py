@@ -1,18 +1,12 @@
 """One bad signal never takes good ones with it: split a batch into the events to dead-letter and the rest.
 
-The worker (:mod:`livelora.trainer.worker`) trains a due batch in three moves:
-
-1. the backend's ``screen(batch)`` names the events that cannot be trained, each checked alone (its datums
-   build, fit the context, use in-vocabulary ids: :meth:`livelora.trainer.online.OnlineTrainer.screen`);
-   they are dead-lettered (``rejected.jsonl``, acknowledged) and :func:`without` gives the batch of the rest;
-2. the rest trains; if the step still refuses the data (a user-category error) and the error names a datum
-   (``param`` ``data[i]...``, as :mod:`livelora.core.losses` does), :func:`culprit` maps it to its event,
-   which alone is dead-lettered, and the rest is tried again;
-3. only an error that names no datum dead-letters the whole batch, as before.
-
-A KTO remainder of a single rating is not trained (KTO pairs each prompt with another datum's completion) nor
-rejected: :func:`trainable` says so and the worker puts it back in the scheduler's queue to wait for more.
-:class:`DeadLetters` writes the dead-lettered events and acknowledges them.
+The worker (:mod:`livelora.trainer.worker`) first dead-letters the events the backend's ``screen(batch)`` names
+(each checked alone: :meth:`livelora.trainer.online.OnlineTrainer.screen`) and trains the rest (:func:`without`);
+when the step still refuses the data with an error naming a datum (``param`` ``data[i]...``), :func:`culprit`
+maps it to its event, which alone is dead-lettered, and the rest is tried again; only an error that names no
+datum dead-letters the whole batch. :func:`trainable` keeps a lone KTO rating queued (KTO needs a second datum's
+completion). :class:`DeadLetters` writes the dead-lettered events and acknowledges them. The three moves:
+``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations

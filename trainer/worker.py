@@ -1,42 +1,13 @@
 """The trainer worker: signals stream → dataset of record → scheduler → training step → version → notice.
 
-One loop iteration (:meth:`TrainerWorker.poll`):
-
-1. Every ``claim_interval_s``, ``XAUTOCLAIM`` entries that sat unacknowledged in
-   the ``trainers`` group for longer than ``claim_idle_s`` (their worker died),
-   and take them over. A worker restarted under the same consumer name first
-   re-reads its own pending entries (``XREADGROUP … 0``).
-2. ``XREADGROUP`` new entries (blocking up to ``block_ms``).
-3. Append every entry read to ``LIVELORA_HOME/data/signals/<UTC date>.jsonl``
-   and fsync, **before** anything is acknowledged, once per event id across all
-   workers (:class:`~livelora.trainer.dataset.DatasetOfRecord`: under a file
-   lock, after reading what peers appended).
-4. Queue the events in the :class:`~livelora.trainer.scheduler.BatchScheduler`;
-   ratings it supersedes are acknowledged at once (they are on disk and will not
-   be trained). Events already trained are acknowledged, not queued; so are the events the backend holds
-   out for the evaluation gate's signal check (``backend.hold_out``, :mod:`.gated`).
-5. For each due batch: events trained meanwhile by any worker (the shared Redis
-   sorted set ``signals:trained`` and ``trained.jsonl``) and entries no longer claimed by
-   this worker are taken out; each example gets its rater's agreement weight
-   (``governor.weigh``, :mod:`.governance`); under the tenant's ``max_adapter_versions`` room is made for
-   the version or the batch is held back (:mod:`.retention`); the backend trains one step and writes a new
-   adapter version (parent = previous); the event ids go to ``trained.jsonl``
-   (fsync); then one Lua script adds them to ``signals:trained`` and acknowledges
-   **and deletes** the batch's entries (``XACK`` + ``XDEL``, only those still
-   pending for this worker); then a ``version_published`` notice goes out. A
-   crash before the version is written leaves the entries pending, so they are
-   reclaimed and trained (never lost); a crash between version and commit makes
-   the redelivered entries be acknowledged without training them
-   (``trained.jsonl`` is read again at every batch). An event that cannot be
-   trained is dead-lettered alone (``rejected.jsonl``, then acknowledged) while
-   the rest of its batch trains (:mod:`.triage`).
-
-The entries a worker holds, their claims, acknowledgement and trimming are :mod:`.claims`'.
-
-No event is trained twice as long as a worker is not frozen for longer than
-``claim_idle_s`` (its claims then lapse and a peer takes its entries); a commit
-that finds events already in ``signals:trained`` counts them in
-``signals:retrained`` (it stays 0 in the tests and the soak bench).
+:class:`TrainerWorker` reads the ``trainers`` consumer group (reclaiming a dead worker's entries), appends every
+event to the dataset of record before acknowledging it, queues it in the
+:class:`~livelora.trainer.scheduler.BatchScheduler`, and for each due batch trains one step through its
+:class:`TrainingBackend`, commits the trained event ids, acknowledges and deletes the entries and publishes a
+``version_published`` notice (:meth:`TrainerWorker.poll` is one iteration). The entries it holds are
+:mod:`.claims`'; events that cannot be trained are dead-lettered alone (:mod:`.triage`). Entry points:
+:func:`build_worker`, :func:`run_worker`. The loop step by step and why no event is lost or trained twice:
+``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@ here; the classes live in modules by concern).
 
 Field names follow the ``tinker`` SDK 0.38 JSON forms exactly, so an unmodified tinker SDK and livelora's own SDK
 serialise to the same bodies. Request models (:class:`StrictModel`) reject unknown fields: a misspelt parameter is
-a clear 400, never silently ignored. Response models (:class:`LenientModel`) ignore extra fields, so an older
-client keeps working when the server adds a field.
+a clear 400, never silently ignored. Response models (:class:`LenientModel`) ignore extra fields.
 
 * :mod:`.tinker_data`: the bases, token chunks, :class:`ModelInput`, :class:`TensorData`, :class:`Datum`;
 * :mod:`.tinker_training`: ``create_model``, ``forward``/``forward_backward``, ``optim_step``, ``get_info``;
@@ -12,9 +11,7 @@ client keeps working when the server adds a field.
 * :mod:`.tinker_sampling`: sampling sessions and ``asample``;
 * :mod:`.tinker_sessions`: sessions, futures, server capabilities.
 
-Token alignment (Tinker convention): position ``i`` of ``model_input`` predicts token ``i+1``; every per-token
-``loss_fn_inputs`` tensor has shape ``(N,)`` with ``N = model_input.length``, and ``target_tokens[i]`` is the token
-after input ``i``.
+Token alignment (Tinker's, ``docs/internals/losses.md`` §1): position ``i`` of ``model_input`` predicts token ``i+1``.
 """
 
 from livelora.clients.types.tinker_data import (

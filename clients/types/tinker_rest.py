@@ -1,33 +1,12 @@
 """REST, session and future-polling types of the tinker SDK 0.38 (``RestClient``, ``tinker checkpoint ...``).
 
-JSON bodies of the routes SDK 0.38 calls besides the training and sampling ops (field names are the SDK's;
-the SDK validates responses strictly: required fields and literals must match, extra fields are ignored):
-
-==========================================================  ===========================  ==========================
-route                                                       request                      response
-==========================================================  ===========================  ==========================
-``GET  training_runs/{id}?access_scope=owned|accessible``   —                            :class:`TrainingRunV2`
-``GET  training_runs?limit&offset&access_scope[&project_id]`` —                          :class:`TrainingRunsResponse`
-``GET  training_runs/{id}/checkpoints``                     —                            :class:`CheckpointsListResponseV2`
-``GET  checkpoints?limit&offset``                           —                            :class:`CheckpointsListResponseV2`
-``DELETE training_runs/{id}/checkpoints/{kind}/{name}``     —                            any 2xx
-``POST|DELETE …/checkpoints/{kind}/{name}/publish``         —                            any 2xx
-``PUT  …/checkpoints/{kind}/{name}/ttl``                    :class:`CheckpointTtlRequest` any 2xx
-``GET  …/checkpoints/external_weights/{name}/external_weights_urls``  —                  :class:`ExternalWeightsUrlsResponse`
-``GET  …/checkpoints/{kind}/{name}/archive`` (SDK ≤0.24)    —                            302 + ``Location`` or :class:`CheckpointArchiveUrlResponse`
-``POST copy_weights``                                       :class:`CopyWeightsRequest`  :class:`CopyWeightsResponse`
-``GET  sessions?limit&offset&access_scope``                 —                            :class:`ListSessionsResponse`
-``GET  sessions/{id}?access_scope``                         —                            :class:`GetSessionResponse`
-``POST sessions/search``                                    :class:`SessionSearchRequest` :class:`SessionSearchResponse`
-``POST join_sampling_session``                              :class:`JoinSamplingSessionRequest` :class:`JoinSamplingSessionResponse`
-``POST retrieve_futures``                                   :class:`FuturesRetrieveRequest` :class:`FuturesRetrieveResponse`
-``POST cancel_future``                                      :class:`CancelFutureRequest` any 2xx
-``POST client/dynamic_config``                              ``{"sdk_version"}``          :class:`ClientDynamicConfigResponse`
-``GET|DELETE auth/apikey/me`` (``tinker auth login|logout``) —                           :class:`SelfApiKeyResponse`
-==========================================================  ===========================  ==========================
-
-All paths are under ``/api/v1``. Checkpoint ids contain a slash (``weights/<name>``) and training-run ids
-colons (``<session>:train:<n>``).
+JSON bodies of the routes SDK 0.38 calls besides the training and sampling ops: training runs and checkpoints
+(:class:`TrainingRunV2`, :class:`CheckpointsListResponseV2`, :class:`CheckpointTtlRequest`, ``copy_weights``),
+sessions (:class:`ListSessionsResponse`, :class:`SessionSearchRequest`, ``join_sampling_session``), futures
+(:class:`FuturesRetrieveRequest`, :class:`CancelFutureRequest`), the client's dynamic config and the caller's own
+API key. Field names are the SDK's; the SDK validates responses strictly (required fields and literals must
+match, extra fields are ignored). Every route with its request and response type:
+``docs/internals/wire-types.md``.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Sequence:
-    """One generation request as the worker sees it."""
+    """One generation request as the worker sees it: its state, its delivery, and what a sampled token does
+    to it (:meth:`advance`)."""
 
     request_id: str
     prompt: list[int]
@@ -47,6 +48,46 @@ class Sequence:
     finished: bool = False
     cancelled: bool = False
     outbox: list[Any] = field(default_factory=list)
+
+    def send(self, items: list[Any]) -> None:
+        """Hand ``items`` to the consumer; a closed consumer event loop (nobody listening) cancels the sequence."""
+        try:
+            self.deliver(items)
+        except RuntimeError:
+            self.cancelled = True
+
+    def fail(self, err: BaseException) -> None:
+        """Finish with ``err`` (delivered to the consumer, who raises it) unless already finished."""
+        if not self.finished:
+            self.finished = True
+            self.send([err])
+
+    def advance(self, tok: int, lp: float, top: list[tuple[int, float]], eos_ids: set[int]) -> GenerationChunk:
+        """Account one sampled token (stop token, stop string, ``max_tokens``); return the chunk to stream."""
+        p = self.params
+        self.num_generated += 1
+        self.next_token = tok
+        want_lp = p.logprobs
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_ids):
+            text, matched = self.stopper.feed(self.detok.flush())
+            if matched is None:
+                text += self.stopper.flush()
+            self.finished = True
+            reason = matched if matched is not None else (tok if tok in p.stop_token_ids else None)
+            return GenerationChunk([], text, [] if want_lp else None, "stop", reason)
+        token_lp = [TokenLogprob(tok, lp, top)] if want_lp else None
+        text, matched = self.stopper.feed(self.detok.push(tok))
+        if matched is None and self.num_generated >= p.max_tokens:
+            more, matched = self.stopper.feed(self.detok.flush())
+            text += more
+            if matched is None:
+                text += self.stopper.flush()
+                self.finished = True
+                return GenerationChunk([tok], text, token_lp, "length", None)
+        if matched is not None:
+            self.finished = True
+            return GenerationChunk([tok], text, token_lp, "stop", matched)
+        return GenerationChunk([tok], text, token_lp)
 
 
 class Worker:
@@ -158,7 +199,7 @@ class Worker:
                 log.exception("engine step failed")
                 err = exc if isinstance(exc, LiveloraError) else InternalError(f"engine step failed: {exc}")
                 for s in self.running + [s for group in groups for s in group]:  # admitted ones too
-                    self._finish_with_error(s, err)
+                    s.fail(err)
                 self.running, self.batch, self.admitting = [], KVBatch(), []
         self._abort_all()
 
@@ -192,19 +233,8 @@ class Worker:
             pending = list(self.running) + list(self.waiting)
             self.waiting.clear()
         for s in pending:
-            self._finish_with_error(s, err)
+            s.fail(err)
         self.running, self.batch = [], KVBatch()
-
-    def _finish_with_error(self, seq: Sequence, err: BaseException) -> None:
-        if not seq.finished:
-            seq.finished = True
-            self._send(seq, [err])
-
-    def _send(self, seq: Sequence, items: list[Any]) -> None:
-        try:
-            seq.deliver(items)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-            seq.cancelled = True
 
     # ----- forward passes -------------------------------------------------------------
     def forward(self, adapters: list[str | None], **kw) -> torch.Tensor:
@@ -285,35 +315,7 @@ class Worker:
             if seq.cancelled:
                 seq.finished = True
                 continue
-            chunk = self._advance(seq, step.token_ids[i], step.logprobs[i], step.top[i])
-            self._send(seq, [chunk])
-
-    def _advance(self, seq: Sequence, tok: int, lp: float, top: list[tuple[int, float]]) -> GenerationChunk:
-        """Account one sampled token to ``seq``; return the chunk to stream."""
-        p = seq.params
-        seq.num_generated += 1
-        seq.next_token = tok
-        want_lp = p.logprobs
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-            text, matched = seq.stopper.feed(seq.detok.flush())
-            if matched is None:
-                text += seq.stopper.flush()
-            seq.finished = True
-            reason = matched if matched is not None else (tok if tok in p.stop_token_ids else None)
-            return GenerationChunk([], text, [] if want_lp else None, "stop", reason)
-        token_lp = [TokenLogprob(tok, lp, top)] if want_lp else None
-        text, matched = seq.stopper.feed(seq.detok.push(tok))
-        if matched is None and seq.num_generated >= p.max_tokens:
-            more, matched = seq.stopper.feed(seq.detok.flush())
-            text += more
-            if matched is None:
-                text += seq.stopper.flush()
-                seq.finished = True
-                return GenerationChunk([tok], text, token_lp, "length", None)
-        if matched is not None:
-            seq.finished = True
-            return GenerationChunk([tok], text, token_lp, "stop", matched)
-        return GenerationChunk([tok], text, token_lp)
+            seq.send([seq.advance(step.token_ids[i], step.logprobs[i], step.top[i], self.eos_ids)])
 
     # ----- commands (run on this thread between steps) ----------------------------------
     def score(self, token_ids: list[int], adapter: str | None, top_k: int) -> list[TokenLogprob | None]:

@@ -1,12 +1,11 @@
 """transformers + peft inference engine with continuous batching (CPU or one GPU).
 
 :class:`TransformersEngine` is the asyncio face; the model lives on one worker thread (:mod:`.hf_worker`) that
-steps every running sequence together: requests that arrive while others run are prefilled between decode
-steps and join the batch, finished or cancelled ones leave it. A sequence's tokens do not depend on its batch
-companions, streamed text never holds half a character or part of a stop string, and adapters load and unload
-between steps; one batch may mix the base model and several adapter versions (``tests/test_engine_contract.py``).
-Validation errors are raised by :meth:`TransformersEngine.generate` itself, before iteration. The guarantees in
-full: ``docs/internals/engines.md``.
+steps every running sequence together, reached through :mod:`.hf_calls`; the adapter names it serves are held by
+:class:`~.hf_adapters.LoadedAdapters`. Requests that arrive while others run join the batch between decode steps,
+a sequence's tokens do not depend on its batch companions, and one batch may mix the base model and several
+adapter versions (``tests/test_engine_contract.py``). Validation errors are raised by
+:meth:`TransformersEngine.generate` itself, before iteration. The guarantees in full: ``docs/internals/engines.md``.
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
 
-from livelora.clients.errors import BadRequestError, ConflictError, ModelNotFoundError, RateLimitError, UnavailableError
+from livelora.clients.errors import BadRequestError, RateLimitError, UnavailableError
 from livelora.gateway.engines.base import (
     AdapterCheck,
     Engine,
@@ -30,9 +28,9 @@ from livelora.gateway.engines.base import (
     resolve_stop_strings,
 )
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
+from livelora.gateway.engines.hf_adapters import LoadedAdapters
+from livelora.gateway.engines.hf_calls import no_consumer, on_worker, stream
 from livelora.gateway.engines.sampling import RowSampling, make_generator
-
-#: Most alternatives per position that ``top_logprobs`` may ask for (OpenAI's limit).
 
 
 class TransformersEngine(Engine):
@@ -94,8 +92,7 @@ class TransformersEngine(Engine):
         self.merge_lora = merge_lora
         self._tokenizer = None
         self._worker = None
-        self._adapters: dict[str, str] = {}  # name -> path, loaded and servable
-        self._loading: set[str] = set()  # names whose load is in progress
+        self._adapters = LoadedAdapters(device)  # names loaded and loading; loads and unloads on the worker
         self.vocab_size = 0
 
     # ----- lifecycle -----------------------------------------------------------------
@@ -184,10 +181,6 @@ class TransformersEngine(Engine):
     def _check_tokens(self, token_ids: Sequence[int], param: str) -> list[int]:
         return check_token_ids(token_ids, self.vocab_size, param)
 
-    def _check_adapter(self, adapter: str | None) -> None:
-        if adapter is not None and adapter not in self._adapters:
-            raise ModelNotFoundError(f"adapter {adapter!r} is not loaded", param="model")
-
     def _check_params(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
         check_sampling_params(p, prompt_len, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         return resolve_stop_strings(p, self._tokenizer)  # "<|im_end|>" as a stop string → its token id
@@ -214,7 +207,7 @@ class TransformersEngine(Engine):
         worker = self._require_worker()
         prompt = self._check_tokens(prompt_token_ids, "prompt")
         params = self._check_params(params, len(prompt))
-        self._check_adapter(adapter)
+        self._adapters.check(adapter)
         if len(worker.waiting) >= self.max_waiting:
             raise RateLimitError(f"{len(worker.waiting)} requests are queued; retry later", retry_after=1.0)
         sampling = RowSampling(
@@ -232,31 +225,9 @@ class TransformersEngine(Engine):
             sampling,
             IncrementalDetokenizer(self._tokenizer),
             StopStringMatcher(params.stop),
-            deliver=_no_consumer,
+            deliver=no_consumer,
         )
-        return self._stream(worker, seq)
-
-    async def _stream(self, worker, seq) -> AsyncIterator[GenerationChunk]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-
-        def deliver(items: list[Any]) -> None:  # worker thread
-            loop.call_soon_threadsafe(_put_all, queue, items)
-
-        seq.deliver = deliver
-        worker.submit(seq)
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if not seq.finished:
-                seq.cancelled = True
-                worker.wake()
+        return stream(worker, seq)
 
     async def score(
         self, token_ids: Sequence[int], adapter: str | None = None, top_logprobs: int = 0
@@ -270,22 +241,8 @@ class TransformersEngine(Engine):
         """
         worker = self._require_worker()
         ids = check_score_request(token_ids, top_logprobs, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        self._check_adapter(adapter)
-        return await self._on_worker(worker, lambda: worker.score(ids, adapter, top_logprobs))
-
-    async def _on_worker(self, worker, fn):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def run() -> None:  # worker thread
-            try:
-                result, exc = fn(), None
-            except BaseException as e:  # handed to the caller
-                result, exc = None, e
-            loop.call_soon_threadsafe(_settle, fut, result, exc)
-
-        worker.call(run)
-        return await fut
+        self._adapters.check(adapter)
+        return await on_worker(worker, lambda: worker.score(ids, adapter, top_logprobs))
 
     # ----- adapters ------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str) -> None:
@@ -296,7 +253,7 @@ class TransformersEngine(Engine):
             BadRequestError: empty name, missing directory, not LoRA, or weights that do not fit.
             ConflictError: ``name`` is loaded (names are never reloaded in place).
         """
-        await self._load(name, path, None)
+        await self._adapters.load(self._require_worker(), name, path, None)
 
     async def load_and_check(self, name: str, path: str, canary_token_ids: Sequence[int]) -> AdapterCheck:
         """See :meth:`Engine.load_and_check`: the weights file is read once, and its sha256 is that of
@@ -306,28 +263,10 @@ class TransformersEngine(Engine):
             The errors of :meth:`load_adapter` and :meth:`score` (nothing stays loaded if the canary
             request itself is invalid).
         """
-        self._require_worker()
-        ids = check_score_request(canary_token_ids, 0, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        digest, canary = await self._load(name, path, ids)
-        return AdapterCheck(sha256=digest, canary=canary)
-
-    async def _load(self, name: str, path: str, canary: list[int] | None) -> tuple[str, Any]:
         worker = self._require_worker()
-        if not isinstance(name, str) or not name.strip() or name == "__base__":
-            raise BadRequestError(f"invalid adapter name {name!r}", param="name")
-        if name in self._adapters or name in self._loading:
-            raise ConflictError(f"adapter {name!r} is already loaded; load new weights under a new name", param="name")
-        p = Path(path)
-        if not (p / "adapter_config.json").is_file():
-            raise BadRequestError(f"{path} is not a PEFT adapter directory (no adapter_config.json)", param="path")
-        self._loading.add(name)  # reserves the name; generate() rejects it until the load is done
-        try:
-            config, weights, digest = await asyncio.to_thread(_read_adapter, p, self.device)
-            result = await self._on_worker(worker, lambda: worker.load_adapter(name, config, weights, str(p), canary))
-            self._adapters[name] = str(p)
-        finally:
-            self._loading.discard(name)
-        return digest, result
+        ids = check_score_request(canary_token_ids, 0, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        digest, canary = await self._adapters.load(worker, name, path, ids)
+        return AdapterCheck(sha256=digest, canary=canary)
 
     async def unload_adapter(self, name: str) -> None:
         """See :meth:`Engine.unload_adapter`.
@@ -336,64 +275,7 @@ class TransformersEngine(Engine):
             ModelNotFoundError: ``name`` is not loaded.
             ConflictError: a queued or running sequence still uses it (nothing changes).
         """
-        worker = self._require_worker()
-        if name not in self._adapters:
-            raise ModelNotFoundError(f"adapter {name!r} is not loaded", param="model")
-        path = self._adapters.pop(name)  # new requests for it fail from now on
-        try:
-            await self._on_worker(worker, lambda: worker.unload_adapter(name))
-        except BaseException:
-            self._adapters[name] = path
-            raise
+        await self._adapters.unload(self._require_worker(), name)
 
     def loaded_adapters(self) -> list[str]:
-        return list(self._adapters)
-
-
-def _read_adapter(path: Path, device: str) -> tuple[Any, dict[str, Any], str]:
-    """Read a PEFT adapter directory: ``(LoraConfig, state dict on device, sha256 hex of the weights file)``.
-
-    ``adapter_model.safetensors`` is read once; the digest is of exactly the bytes parsed. A directory with
-    only ``adapter_model.bin`` is read by peft (digest of that file).
-
-    Raises:
-        BadRequestError: unreadable config or weights.
-    """
-    import hashlib
-
-    from peft import PeftConfig
-    from peft.utils import load_peft_weights
-
-    try:
-        config = PeftConfig.from_pretrained(str(path))
-        st = path / "adapter_model.safetensors"
-        if st.is_file():
-            from safetensors.torch import load as load_safetensors
-
-            data = st.read_bytes()
-            digest = hashlib.sha256(data).hexdigest()
-            weights = {k: v.to(device) for k, v in load_safetensors(data).items()}
-        else:
-            weights = load_peft_weights(str(path), device=device)
-            digest = hashlib.sha256((path / "adapter_model.bin").read_bytes()).hexdigest()
-    except Exception as exc:
-        raise BadRequestError(f"cannot read adapter at {path}: {exc}", param="path") from exc
-    return config, weights, digest
-
-
-def _no_consumer(items: list[Any]) -> None:
-    raise RuntimeError("sequence has no consumer")
-
-
-def _put_all(queue: asyncio.Queue, items: list[Any]) -> None:
-    for item in items:
-        queue.put_nowait(item)
-
-
-def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
+        return self._adapters.names()

