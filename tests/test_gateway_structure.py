@@ -18,7 +18,7 @@ import pytest
 from test_layering import REPO, imports_of, package_dirs
 
 MAX_FILE_LINES = 600
-MAX_CLASS_LINES = 350
+MAX_CLASS_LINES = 300
 #: ``path::Class`` (or ``path`` for a file) → why it is still over budget. Remove an entry when it is split.
 KNOWN_OVERSIZE: dict[str, str] = {}
 DEPS = "gateway/api/deps.py"
