@@ -64,6 +64,8 @@ class CompletionRecord(_Strict):
         created: Unix time, seconds.
         caller: the authenticated caller (API-key id) or ``None`` without auth.
         user: the OpenAI ``user`` field of the request, if any.
+        prompt_of: as stored only: the prompt is kept once per request, in entry ``prompt_index`` of the
+            prompt record under this response id (the completion log fills it back in when it reads a record).
     """
 
     id: str
@@ -80,6 +82,8 @@ class CompletionRecord(_Strict):
     created: int
     caller: str | None = None
     user: str | None = None
+    prompt_of: str | None = None
+    prompt_index: int | None = None
 
 
 # -------------------------------------------------------------------- requests

@@ -34,6 +34,7 @@ from livelora.gateway.api.streaming import respond, sse_data
 from livelora.gateway.chat_template import render_messages
 from livelora.gateway.engines.base import GenerationChunk
 from livelora.gateway.services.generation import Job, budget, check_common, log_ignored, sampling_params
+from livelora.gateway.services.prompt_limits import chat_prompt
 from livelora.gateway.services.serving import Recording, ServedRequest, Serving
 
 log = logging.getLogger(__name__)
@@ -85,20 +86,27 @@ def check_chat(body: ChatCompletionRequest) -> None:
         raise UnsupportedParameterError("audio output is not supported", param="audio")
 
 
-def chat_jobs(body: ChatCompletionRequest, serving: Serving) -> list[Job]:
+def chat_jobs(
+    body: ChatCompletionRequest, serving: Serving, prompt: list[int] | None = None, cap: int | None = None
+) -> list[Job]:
     """The request's ``n`` engine jobs: one rendered prompt, one seed per choice (``seed + i``).
+
+    ``prompt``: the messages already rendered (:func:`~livelora.gateway.services.prompt_limits.chat_prompt`);
+    ``cap``: the largest default budget per choice when no max-token field is set.
 
     Raises:
         BadRequestError, UnsupportedParameterError: see :func:`check_chat`.
         ContextLengthExceededError: the prompt and the token budget do not fit the context window.
     """
     check_chat(body)
-    prompt = render_messages(serving.tokenizer, body.messages)
+    prompt = render_messages(serving.tokenizer, body.messages) if prompt is None else prompt
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = body.max_tokens, "max_tokens"
     max_tokens = budget(len(prompt), requested, param, serving.context_length(), "messages")
+    if requested is None and cap is not None:  # the tenant's max_n_tokens bounds the default budget
+        max_tokens = min(max_tokens, cap)
     # logprobs are always computed: the completion log keeps them (responses only carry them on request)
     return [
         Job(prompt, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.top_logprobs or 0))
@@ -113,10 +121,12 @@ async def create_chat_completion(
     """Create a chat completion with ``n`` choices, each its own generation in the engine batch."""
     log_ignored(body, "chat.completions")
     messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
+    check_chat(body)
+    prompt, cap = await chat_prompt(body, serving)  # cheap limits first, then the template off the event loop
     await serving.load_on_demand(body.model)  # a stored <lineage>@<n> not loaded yet; then no await until begin
     served = serving.begin(
         body.model,
-        lambda: chat_jobs(body, serving),
+        lambda: chat_jobs(body, serving, prompt, cap),
         id_prefix="chatcmpl",
         recording=Recording(caller=caller, user=body.user, messages=messages),
     )

@@ -49,6 +49,7 @@ from livelora.gateway.api.logprobs import TokenTexts, completion_logprobs
 from livelora.gateway.api.streaming import respond, sse_data
 from livelora.gateway.engines.base import GenerationChunk, TokenLogprob
 from livelora.gateway.services.generation import Job, budget, check_common, log_ignored, sampling_params
+from livelora.gateway.services.prompt_limits import completion_prompts
 from livelora.gateway.services.serving import Recording, ServedRequest, Serving
 
 log = logging.getLogger(__name__)
@@ -99,20 +100,29 @@ def prompt_token_ids(body: CompletionRequest, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def completion_jobs(body: CompletionRequest, serving: Serving, texts: TokenTexts) -> list[Job]:
+def completion_jobs(
+    body: CompletionRequest,
+    serving: Serving,
+    texts: TokenTexts,
+    prompts: list[list[int]] | None = None,
+    cap: int | None = None,
+) -> list[Job]:
     """The request's engine jobs: ``n`` per prompt, choice ``k = prompt_index * n + i`` seeded ``seed + i``; each
-    job keeps its prompt's text for the completion log.
+    job keeps its prompt's text for the completion log. ``prompts``: already tokenized; ``cap``: the largest
+    default budget per choice when ``max_tokens`` is unset.
 
     Raises:
         BadRequestError, UnsupportedParameterError: see :func:`check_completion`, :func:`prompt_token_ids`.
         ContextLengthExceededError: a prompt and the token budget do not fit the context window.
     """
     check_completion(body)
-    prompts = prompt_token_ids(body, serving.tokenizer)
+    prompts = prompt_token_ids(body, serving.tokenizer) if prompts is None else prompts
     max_len = serving.context_length()
     jobs = []
     for ids, text in zip(prompts, prompt_texts(body, prompts, texts)):
         max_tokens = budget(len(ids), body.max_tokens, "max_tokens", max_len, "prompt")
+        if body.max_tokens is None and cap is not None:  # the tenant's max_n_tokens bounds the default budget
+            max_tokens = min(max_tokens, cap)
         # logprobs are always computed: the completion log keeps them (responses only carry them on request)
         jobs += [
             Job(ids, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.logprobs or 0), text)
@@ -127,10 +137,12 @@ async def create_completion(
 ) -> Response:
     """Complete each prompt ``n`` times; each choice is its own generation in the engine batch."""
     log_ignored(body, "completions")
+    check_completion(body)
+    prompts, cap = await completion_prompts(body, serving, prompt_token_ids)  # cheap limits, then off the loop
     await serving.load_on_demand(body.model)  # a stored <lineage>@<n> not loaded yet; then no await until begin
     served = serving.begin(
         body.model,
-        lambda: completion_jobs(body, serving, texts),
+        lambda: completion_jobs(body, serving, texts, prompts, cap),
         id_prefix="cmpl",
         recording=Recording(caller=caller, user=body.user),
     )

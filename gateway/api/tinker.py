@@ -60,8 +60,16 @@ from livelora.clients.types.tinker_rest import (
     SessionSearchRequest,
 )
 from livelora.gateway.api import tinker_wire as wire
-from livelora.gateway.api.deps import CheckpointsDep, PrincipalDep, SamplingDep, SessionsDep, TrainingOpsDep
+from livelora.gateway.api.deps import (
+    CheckpointsDep,
+    PrincipalDep,
+    SamplingDep,
+    SessionsDep,
+    TrainingOpsDep,
+    services_of,
+)
 from livelora.gateway.api.errors import content_type_error
+from livelora.gateway.services.prompt_limits import off_loop
 from livelora.gateway.services.sessions import NotReady
 
 router = APIRouter(prefix="/api/v1", tags=["training sessions"])
@@ -248,7 +256,8 @@ async def forward_backward(request: Request, ops: TrainingOpsDep) -> Response:
                     "forward_backward", await body_json(request), lambda d: ForwardBackwardRequest.model_validate(d)
                 )
             )
-        req = wire.decode_forward_backward(wire.decode_content(raw, encoding))
+        limit = services_of(request.app).settings.server.max_body_bytes  # inflated bodies too: the body limit
+        req = await off_loop(lambda: wire.decode_forward_backward(wire.decode_content(raw, encoding, max_bytes=limit)))
     except wire.WireDecodeError as exc:
         await ops.reject_undecodable(exc.model_id, exc.seq_id, exc)
         raise

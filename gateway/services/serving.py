@@ -191,8 +191,9 @@ class ServedRequest:
         return self.target.headers
 
     def generate(self) -> ChoiceStream:
-        """Start every job in the engine batch; chunks come out interleaved as ``(choice index, chunk)``."""
-        return ChoiceStream(self.engine, self.jobs, self.target.adapter, self.id)
+        """Start every job in the engine batch (each once it holds a batch slot, :meth:`Ticket.run_slot`);
+        chunks come out interleaved as ``(choice index, chunk)``."""
+        return ChoiceStream(self.engine, self.jobs, self.target.adapter, self.id, gate=self.ticket.run_slot)
 
     async def score(self, token_ids: Sequence[int], top_logprobs: int = 0) -> list[TokenLogprob | None]:
         """Prompt logprobs of ``token_ids`` under the request's weights (:meth:`Engine.score`)."""
@@ -396,7 +397,7 @@ class Serving:
         """
         target = model if isinstance(model, ServingTarget) else self.resolve(model)
         jobs = list(plan())
-        ticket = self.admission.acquire(len(jobs), param=param)
+        ticket = self.admission.acquire(len(jobs), param=param, tokens=sum(j.params.max_tokens for j in jobs))
         if self.registry is not None and target.endpoint is not None and target.adapter is not None:
             ticket.also_release(self.registry.hold(target.endpoint, target.adapter).release)
         request_id = new_id(id_prefix) if id_prefix else ""
