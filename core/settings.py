@@ -186,11 +186,11 @@ class QuotaSection(Section):
     )
     quota_max_lora_rank: int | None = Field(64, ge=1, description="Largest LoRA rank of a training model.")
     quota_max_models_per_session: int | None = Field(
-        8, ge=0, description="Training models alive at once in one training session."
+        32, ge=0, description="Training models alive at once in one training session."
     )
-    quota_max_models: int | None = Field(16, ge=0, description="Training models a tenant may have alive at once.")
+    quota_max_models: int | None = Field(64, ge=0, description="Training models a tenant may have alive at once.")
     quota_max_trainer_bytes: int | None = Field(
-        4 * 1024**3,
+        16 * 1024**3,
         ge=0,
         description="Trainer memory of a tenant's live training models (bytes, estimated as LoRA parameters "
         "× 16: weights, gradients and two Adam moments in float32).",
