@@ -1,4 +1,5 @@
-"""Per-tenant limits: concurrent training sessions, adapter versions kept, and tokens per UTC day per kind.
+"""Per-tenant limits: training sessions and models, adapter versions kept, tokens per UTC day per kind, and the
+per-request and storage ceilings (choices per request, LoRA rank, trainer memory, completion-log bytes).
 
 Limits come from the settings (:class:`~livelora.core.settings.QuotaSection`: ``LIVELORA_QUOTA_SESSIONS``,
 ``LIVELORA_QUOTA_MAX_ADAPTER_VERSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY``: the defaults of every tenant) and from
@@ -50,14 +51,35 @@ class Limits(BaseModel):
         max_sessions: training sessions alive at once (a session holds its slot until finished, or until it has
             had no heartbeat for ``LIVELORA_SESSION_TTL_S``).
         max_adapter_versions: adapter versions kept in the store (see the module docstring for what counts).
+        max_n, max_n_tokens: choices of one served request, and its choices × their ``max_tokens``.
+        max_lora_rank, max_models_per_session, max_models, max_trainer_bytes: a training model's rank, live
+            models per session and per tenant, and their estimated trainer memory (bytes).
+        max_completion_log_bytes: bytes of the tenant's completion-log records within the retention period.
         tokens_per_day: ``{kind: tokens}`` per UTC day (kinds of :data:`~livelora.core.metering.KINDS`).
     """
 
     #: the limits with one number (``tokens_per_day.<kind>`` are named per kind)
-    SCALARS: ClassVar[tuple[str, ...]] = ("max_sessions", "max_adapter_versions")
+    SCALARS: ClassVar[tuple[str, ...]] = (
+        "max_sessions",
+        "max_adapter_versions",
+        "max_n",
+        "max_n_tokens",
+        "max_lora_rank",
+        "max_models_per_session",
+        "max_models",
+        "max_trainer_bytes",
+        "max_completion_log_bytes",
+    )
 
     max_sessions: int | None = Field(None, ge=0)
     max_adapter_versions: int | None = Field(None, ge=0)
+    max_n: int | None = Field(None, ge=1)
+    max_n_tokens: int | None = Field(None, ge=1)
+    max_lora_rank: int | None = Field(None, ge=1)
+    max_models_per_session: int | None = Field(None, ge=0)
+    max_models: int | None = Field(None, ge=0)
+    max_trainer_bytes: int | None = Field(None, ge=0)
+    max_completion_log_bytes: int | None = Field(None, ge=0)
     tokens_per_day: dict[str, int | None] = Field(default_factory=dict)
 
     @field_validator("tokens_per_day")
@@ -74,10 +96,12 @@ class Limits(BaseModel):
     @classmethod
     def from_settings(cls, section: Any) -> Limits:
         """Every tenant's defaults from a :class:`~livelora.core.settings.QuotaSection`."""
+        scalars = {name: getattr(section, f"quota_{name}") for name in cls.SCALARS[2:]}
         return cls(
             max_sessions=section.quota_sessions,
             max_adapter_versions=section.quota_max_adapter_versions,
             tokens_per_day=dict(section.quota_tokens_per_day),
+            **scalars,
         )
 
     @classmethod

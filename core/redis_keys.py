@@ -29,6 +29,11 @@ class KeyLayout:
         """``{prefix}completion:{id}``: the completion record (JSON string, TTL = retention)."""
         return f"{self.prefix}completion:{completion_id}"
 
+    def completion_bytes(self, tenant: str, day: str) -> str:
+        """``{prefix}complog:bytes:{tenant}:{day}``: bytes of completion-log records the tenant wrote that UTC day
+        (``YYYYMMDD``; TTL = retention + 1 day)."""
+        return f"{self.prefix}complog:bytes:{tenant}:{day}"
+
     def rating(self, completion_id: str, user: str) -> str:
         """``{prefix}rating:{completion_id}:{user}``: id of the latest rating (replace-on-re-rate)."""
         return f"{self.prefix}rating:{completion_id}:{user}"

@@ -158,7 +158,8 @@ class QuotaSection(Section):
     """Every tenant's default limits (``PUT /admin/quotas`` overrides them per tenant; unset: unlimited); read by
     the gateway (requests over a limit answer 429) and the trainer (the live loop's ``max_adapter_versions``).
     Environment ``LIVELORA_QUOTA_SESSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY`` (JSON object),
-    ``LIVELORA_QUOTA_MAX_ADAPTER_VERSIONS``. :class:`livelora.core.quotas.Limits` reads them."""
+    ``LIVELORA_QUOTA_MAX_ADAPTER_VERSIONS``, ``LIVELORA_QUOTA_MAX_N``, ... (one per field; ``null`` in
+    ``quotas.json`` or ``unlimited`` lifts one). :class:`livelora.core.quotas.Limits` reads them."""
 
     quota_sessions: int | None = Field(
         None,
@@ -182,6 +183,32 @@ class QuotaSection(Section):
         "ephemeral sampler weights do not count). Unset: unlimited. "
         "A save over it answers 429; the live loop first deletes the "
         "lineage's oldest versions no endpoint uses.",
+    )
+    quota_max_n: int | None = Field(
+        16, ge=1, description="Choices one request may ask for (chat/completions n, prompts × n, num_samples)."
+    )
+    quota_max_n_tokens: int | None = Field(
+        65536,
+        ge=1,
+        description="Completion tokens one request may ask for: n × max_tokens (with max_tokens unset, each "
+        "choice's default budget is at most this / n).",
+    )
+    quota_max_lora_rank: int | None = Field(64, ge=1, description="Largest LoRA rank of a training model.")
+    quota_max_models_per_session: int | None = Field(
+        32, ge=0, description="Training models alive at once in one training session."
+    )
+    quota_max_models: int | None = Field(64, ge=0, description="Training models a tenant may have alive at once.")
+    quota_max_trainer_bytes: int | None = Field(
+        16 * 1024**3,
+        ge=0,
+        description="Trainer memory of a tenant's live training models (bytes, estimated as LoRA parameters "
+        "× 16: weights, gradients and two Adam moments in float32).",
+    )
+    quota_max_completion_log_bytes: int | None = Field(
+        1024**3,
+        ge=0,
+        description="Bytes of completion-log records a tenant's served requests may hold in Redis over the "
+        "retention period; over it requests that would be logged answer 429.",
     )
 
 

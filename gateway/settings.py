@@ -97,6 +97,21 @@ class InferenceSection(Section):
         None, description="Name clients pass as `model` for the base model (default: the --model name)."
     )
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After (seconds) sent with 429 queue-full answers.")
+    tenant_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of the admitted sequences and of the batch slots one tenant may hold (key mode); "
+        "beyond it only idle capacity, while share_reserve of it stays free (gateway/services/admission.py).",
+    )
+    key_share: float = Field(0.5, gt=0, le=1, description="Share of its tenant's share one API key may hold.")
+    share_reserve: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="Share of the admitted sequences and batch slots a tenant or key beyond its share "
+        "leaves free for the others.",
+    )
     generation_config: str = Field(
         "auto",
         min_length=1,

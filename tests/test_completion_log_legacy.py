@@ -35,7 +35,13 @@ def record(store, cid: str) -> dict:
     client, keys = store
     raw = client.get(keys.completion(cid))
     assert raw is not None, f"completion {cid} is not in the completion log"
-    return json.loads(raw)
+    rec = json.loads(raw)
+    if rec.get("prompt_of") is not None:  # several choices: the prompt is kept once, in the response's record
+        assert rec["messages"] is None and rec["prompt"] is None and rec["prompt_token_ids"] == []
+        shared = json.loads(client.get(keys.completion(rec["prompt_of"])))
+        entry = shared["prompts"][rec["prompt_index"]]
+        rec.update(messages=shared["messages"], prompt=entry["prompt"], prompt_token_ids=entry["prompt_token_ids"])
+    return rec
 
 
 def complete(live_server, **body) -> httpx.Response:
@@ -151,7 +157,9 @@ def test_multi_prompt_choices_are_logged_per_choice(live_server, store, tokenize
     cid = body["id"]
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     client, keys = store
-    assert not client.exists(keys.completion(cid))  # several choices: only {id}-{k} ids
+    shared = json.loads(client.get(keys.completion(cid)))  # several choices: {id} keeps each prompt once
+    assert shared["kind"] == "prompt" and shared["choices"] == 4
+    assert [p["prompt"] for p in shared["prompts"]] == [PROMPT, PROMPT2]
     for k, choice in enumerate(body["choices"]):
         prompt = [PROMPT, PROMPT2][k // 2]
         rec = record(store, f"{cid}-{k}")

@@ -111,7 +111,16 @@ class QuotaUpdateRequest(_Request):
         "ephemeral sampler weights do not count).",
     )
     tokens_per_day: dict[str, int] | None = Field(None, description="{kind: tokens per UTC day}.")
+    max_n: int | None = Field(None, ge=1, description="Choices one served request may ask for.")
+    max_n_tokens: int | None = Field(None, ge=1, description="n × max_tokens of one served request.")
+    max_lora_rank: int | None = Field(None, ge=1, description="Largest LoRA rank of a training model.")
+    max_models_per_session: int | None = Field(None, ge=0, description="Live training models per session.")
+    max_models: int | None = Field(None, ge=0, description="Live training models of the tenant.")
+    max_trainer_bytes: int | None = Field(None, ge=0, description="Estimated trainer memory of its models (bytes).")
+    max_completion_log_bytes: int | None = Field(
+        None, ge=0, description="Completion-log bytes within the retention period."
+    )
     unlimited: list[str] = Field(
         default_factory=list,
-        description="Limits to lift: 'max_sessions', 'max_adapter_versions' or 'tokens_per_day.<kind>'.",
+        description="Limits to lift: a scalar limit's name (e.g. 'max_sessions') or 'tokens_per_day.<kind>'.",
     )

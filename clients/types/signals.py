@@ -53,6 +53,8 @@ class CompletionRecord(_Strict):
         created: Unix time, seconds.
         caller: the authenticated caller (API-key id) or ``None`` without auth.
         user: the OpenAI ``user`` field of the request, if any.
+        prompt_of: as stored only: the prompt is kept once per request, in entry ``prompt_index`` of the
+            prompt record under this response id (the completion log fills it back in when it reads a record).
     """
 
     id: str
@@ -69,6 +71,8 @@ class CompletionRecord(_Strict):
     created: int
     caller: str | None = None
     user: str | None = None
+    prompt_of: str | None = None
+    prompt_index: int | None = None
 
 
 # -------------------------------------------------------------------- requests

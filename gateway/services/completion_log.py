@@ -6,18 +6,26 @@ Feedback on a completion looks its record up here; an expired or unknown id is
 a 404. Records hold the exact prompt and completion token ids, so training
 uses the tokens that were served, never a re-tokenization.
 
+A response with several choices keeps its prompt(s) once: a **prompt record** (``"kind": "prompt"``) under the
+response id holds the distinct prompts, and each choice record ``{id}-{k}`` names its entry (``prompt_of``,
+``prompt_index``); :meth:`CompletionLog.get` puts the prompt back. Every tenant's record bytes are counted per
+UTC day (``complog:bytes:{tenant}:{day}``) so that ``max_completion_log_bytes`` can be checked before serving.
+
 :class:`CompletionRecorder` collects one served request's choices as they stream and logs them when it is
 done; a Redis failure there is logged, never turned into a failed response (:func:`record_completion`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import TYPE_CHECKING
+import math
+import time
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aredis
 
-from livelora.clients.errors import BadRequestError, InternalError, NotFoundError, UnavailableError
+from livelora.clients.errors import BadRequestError, InternalError, NotFoundError, RateLimitError, UnavailableError
 from livelora.clients.types.signals import CompletionRecord
 from livelora.core.api_keys import DEFAULT_TENANT
 from livelora.core.bus import dumps, redis_unavailable
@@ -58,12 +66,66 @@ class CompletionLog:
             UnavailableError: Redis unreachable (the caller decides whether serving goes on).
             InternalError: the id is already recorded (ids must be unique per completion).
         """
+        await self._write(rec.id, rec.model_dump(mode="json"), rec.caller)
+
+    async def record_prompt(self, response_id: str, choices: int, prompts: list[dict[str, Any]], **fields) -> None:
+        """Store the prompt record of a response with ``choices`` choices (``prompts``: ``[{"prompt",
+        "prompt_token_ids"}]``; ``fields``: ``endpoint``, ``messages``, ``caller``, ``user``, ``created``).
+
+        Raises:
+            UnavailableError: Redis unreachable. InternalError: the id is already recorded.
+        """
+        record = {"kind": "prompt", "id": response_id, "choices": choices, "prompts": prompts, **fields}
+        await self._write(response_id, record, fields.get("caller"))
+
+    async def _write(self, record_id: str, record: dict[str, Any], caller: str | None) -> None:
+        raw = dumps(record)
+        day_key = self.keys.completion_bytes(caller or DEFAULT_TENANT, time.strftime("%Y%m%d", time.gmtime()))
         with redis_unavailable():
-            ok = await self.client.set(
-                self.keys.completion(rec.id), dumps(rec.model_dump(mode="json")), ex=self.retention_s, nx=True
-            )
+            ok = await self.client.set(self.keys.completion(record_id), raw, ex=self.retention_s, nx=True)
+            if ok:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    pipe.incrby(day_key, len(raw))
+                    pipe.expire(day_key, self.retention_s + 86400)
+                    await pipe.execute()
         if not ok:
-            raise InternalError(f"completion id {rec.id!r} is already recorded")
+            raise InternalError(f"completion id {record_id!r} is already recorded")
+
+    async def held_bytes(self, tenant: str) -> int:
+        """Bytes of records ``tenant`` wrote on the UTC days the retention period reaches (an upper bound of
+        what Redis still holds). Raises: UnavailableError."""
+        days = math.ceil(self.retention_s / 86400) + 1
+        now = time.time()
+        keys = [
+            self.keys.completion_bytes(tenant, time.strftime("%Y%m%d", time.gmtime(now - d * 86400)))
+            for d in range(days)
+        ]
+        with redis_unavailable():
+            values = await self.client.mget(keys)
+        return sum(int(v or 0) for v in values)
+
+    async def check_room(self, tenant: str, limit: int | None) -> None:
+        """Refuse (429) a request to be logged when ``tenant``'s records reached ``limit`` bytes (``None``:
+        unlimited; Redis unreachable: not checked, the record would not be written either).
+
+        Raises:
+            RateLimitError: ``max_completion_log_bytes`` reached (``param`` names it).
+        """
+        if limit is None:
+            return
+        try:
+            held = await self.held_bytes(tenant)
+        except UnavailableError:
+            return
+        if held >= limit:
+            raise RateLimitError(
+                f"tenant {tenant!r}'s completion log holds {held} bytes of its {limit} (limit "
+                "max_completion_log_bytes: LIVELORA_QUOTA_MAX_COMPLETION_LOG_BYTES or PUT /admin/quotas); records "
+                f"expire after {self.retention_s} s",
+                param="max_completion_log_bytes",
+                code="quota_exceeded",
+                retry_after=3600.0,
+            )
 
     async def get(self, completion_id: str, *, caller: str | None = None) -> CompletionRecord:
         """The record of ``completion_id``.
@@ -81,16 +143,38 @@ class CompletionLog:
         """
         with redis_unavailable():
             raw = await self.client.get(self.keys.completion(completion_id))
+        data = _loads(raw)
+        if data is not None and data.get("kind") == "prompt":  # a response with several choices: name them
+            if (data.get("caller") or DEFAULT_TENANT) != (caller or DEFAULT_TENANT):
+                raise self.missing(completion_id)
+            raise _choices_missing(completion_id, int(data.get("choices") or 0))
+        if raw is not None:
+            rec = CompletionRecord.model_validate_json(raw)
+            return rec if rec.prompt_of is None else await self._with_prompt(rec)
         if raw is None:
             choices = await self.choices_of(completion_id, caller=caller)
             if choices:
-                raise NotFoundError(
-                    f"No completion {completion_id!r}: that response had {choices} choices, each "
-                    f"rated by its own id: '{completion_id}-0' to '{completion_id}-{choices - 1}'",
-                    param="completion_id",
-                )
+                raise _choices_missing(completion_id, choices)
             raise self.missing(completion_id)
         return CompletionRecord.model_validate_json(raw)
+
+    async def _with_prompt(self, rec: CompletionRecord) -> CompletionRecord:
+        """``rec`` with its prompt from the response's prompt record. Raises: NotFoundError (it expired)."""
+        with redis_unavailable():
+            data = _loads(await self.client.get(self.keys.completion(rec.prompt_of)))
+        try:
+            entry = data["prompts"][rec.prompt_index or 0]
+        except (TypeError, KeyError, IndexError):
+            raise self.missing(rec.id) from None
+        return rec.model_copy(
+            update={
+                "messages": data.get("messages"),
+                "prompt": entry.get("prompt"),
+                "prompt_token_ids": list(entry["prompt_token_ids"]),
+                "prompt_of": None,
+                "prompt_index": None,
+            }
+        )
 
     def missing(self, completion_id: str, param: str = "completion_id") -> NotFoundError:
         """The one 404 for a completion id this caller cannot use: unknown, expired, or another tenant's."""
@@ -125,6 +209,22 @@ class CompletionLog:
                 if not hit:
                     return count
                 count += 1
+
+
+def _loads(raw: str | None) -> dict[str, Any] | None:
+    try:
+        data = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _choices_missing(completion_id: str, choices: int) -> NotFoundError:
+    return NotFoundError(
+        f"No completion {completion_id!r}: that response had {choices} choices, each "
+        f"rated by its own id: '{completion_id}-0' to '{completion_id}-{choices - 1}'",
+        param="completion_id",
+    )
 
 
 async def record_completion(completions: CompletionLog | None, record: CompletionRecord) -> bool:
@@ -212,12 +312,40 @@ class CompletionRecorder:
         """The completion-log id of choice ``index``: the response id alone, else ``{id}-{index}``."""
         return self.id if self.n == 1 else f"{self.id}-{index}"
 
+    async def _save_prompts(self, endpoint: str) -> list[int] | None:
+        """With several choices, the prompt record (each distinct prompt once); returns each choice's entry, or
+        ``None`` when there is one choice or the record could not be written (then every choice keeps its own)."""
+        if self.n == 1 or self.completions is None:
+            return None
+        distinct: dict[tuple[tuple[int, ...], str | None], int] = {}
+        index = [distinct.setdefault((tuple(ids), text), len(distinct)) for ids, text in self.prompts]
+        prompts = [{"prompt": text, "prompt_token_ids": list(ids)} for ids, text in distinct]
+        try:
+            await self.completions.record_prompt(
+                self.id,
+                self.n,
+                prompts,
+                endpoint=endpoint,
+                messages=self.messages,
+                caller=self.caller,
+                user=self.user,
+                created=self.created,
+            )
+        except (UnavailableError, InternalError) as exc:
+            log.warning("prompt of %s not logged once: %s", self.id, exc)
+            return None
+        return index
+
     async def save(self) -> None:
         """Log every choice (errors are logged, never raised)."""
         endpoint = getattr(self.target, "endpoint", None) or self.target.model
+        shared = await self._save_prompts(endpoint)
         for i in range(self.n):
             lps = self.logprobs[i] if len(self.logprobs[i]) == len(self.tokens[i]) else None
             prompt_ids, prompt = self.prompts[i]
+            kept = {"messages": self.messages, "prompt": prompt, "prompt_token_ids": prompt_ids}
+            if shared is not None:
+                kept = {"prompt_token_ids": [], "prompt_of": self.id, "prompt_index": shared[i]}
             await record_completion(
                 self.completions,
                 CompletionRecord(
@@ -225,9 +353,7 @@ class CompletionRecorder:
                     endpoint=endpoint,
                     model=self.target.model,
                     adapter=self.target.adapter,
-                    messages=self.messages,
-                    prompt=prompt,
-                    prompt_token_ids=prompt_ids,
+                    **kept,
                     completion_token_ids=self.tokens[i],
                     logprobs=lps,
                     completion="".join(self.texts[i]),

@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from livelora.gateway.engines.base import Engine, GenerationChunk, SamplingParams
@@ -51,8 +53,16 @@ class ChoiceStream:
     abandoned (idempotent, never awaits).
     """
 
-    def __init__(self, engine: Engine, jobs: Sequence[Job], adapter: str | None, request_id: str):
+    def __init__(
+        self,
+        engine: Engine,
+        jobs: Sequence[Job],
+        adapter: str | None,
+        request_id: str,
+        gate: Callable[[], AbstractAsyncContextManager] | None = None,
+    ):
         self._engine = engine
+        self._gate = gate or contextlib.nullcontext
         self._queue: asyncio.Queue = asyncio.Queue()
         self._running = len(jobs)
         self._tasks = [
@@ -64,20 +74,22 @@ class ChoiceStream:
     async def _run(self, index: int, job: Job, adapter: str | None, request_id: str) -> None:
         gen = None
         try:
-            gen = self._engine.generate(job.prompt_ids, job.params, adapter=adapter, request_id=request_id)
-            async for chunk in gen:
-                self._queue.put_nowait((index, chunk))
+            async with self._gate():  # a batch slot of the caller's share (admission), held until the end
+                try:
+                    gen = self._engine.generate(job.prompt_ids, job.params, adapter=adapter, request_id=request_id)
+                    async for chunk in gen:
+                        self._queue.put_nowait((index, chunk))
+                finally:
+                    aclose = getattr(gen, "aclose", None)
+                    if aclose is not None:
+                        try:
+                            await aclose()
+                        except BaseException:
+                            pass
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             self._queue.put_nowait((index, exc))
-        finally:
-            aclose = getattr(gen, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except BaseException:
-                    pass
 
     def __aiter__(self) -> ChoiceStream:
         return self

@@ -163,21 +163,27 @@ def check_chat(body: ChatCompletionRequest) -> None:
         raise UnsupportedParameterError("audio output is not supported", param="audio")
 
 
-def plan_chat(body: ChatCompletionRequest, tokenizer, max_len: int) -> Plan:
+def plan_chat(
+    body: ChatCompletionRequest, tokenizer, max_len: int, prompt: list[int] | None = None, cap: int | None = None
+) -> Plan:
     """The request's ``n`` engine jobs: one rendered prompt, one seed per choice (``seed + i``); ``max_len`` is
-    the context window (tokens).
+    the context window (tokens). ``prompt``: the messages already rendered
+    (:func:`~livelora.gateway.services.prompt_limits.chat_prompt`); ``cap``: the largest default budget per choice
+    when no max-token field is set (the tenant's ``max_n_tokens``).
 
     Raises:
         BadRequestError, UnsupportedParameterError: see :func:`check_chat`.
         ContextLengthExceededError: the prompt and the token budget do not fit the context window.
     """
     check_chat(body)
-    prompt = render_messages(tokenizer, body.messages)
+    prompt = render_messages(tokenizer, body.messages) if prompt is None else prompt
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = body.max_tokens, "max_tokens"
     max_tokens = budget(len(prompt), requested, param, max_len, "messages")
+    if requested is None and cap is not None:
+        max_tokens = min(max_tokens, cap)
     # logprobs are always computed: the completion log keeps them (responses only carry them on request)
     jobs = [
         Job(prompt, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.top_logprobs or 0))
@@ -239,19 +245,29 @@ def prompt_texts(body: CompletionRequest, prompts: list[list[int]], texts: Token
     return [item if isinstance(item, str) else texts.decode(ids) for item, ids in zip(items, prompts)]
 
 
-def plan_completion(body: CompletionRequest, tokenizer, max_len: int, texts: TokenTexts) -> Plan:
+def plan_completion(
+    body: CompletionRequest,
+    tokenizer,
+    max_len: int,
+    texts: TokenTexts,
+    prompts: list[list[int]] | None = None,
+    cap: int | None = None,
+) -> Plan:
     """The request's engine jobs: ``n`` per prompt, choice ``k = prompt_index * n + i`` seeded ``seed + i``; each
     job keeps its prompt's text for the completion log. An echoed prompt with ``logprobs`` is scored first.
+    ``prompts``: already tokenized; ``cap``: the largest default budget per choice when ``max_tokens`` is unset.
 
     Raises:
         BadRequestError, UnsupportedParameterError: see :func:`check_completion`, :func:`prompt_token_ids`.
         ContextLengthExceededError: a prompt and the token budget do not fit the context window.
     """
     check_completion(body)
-    prompts = prompt_token_ids(body, tokenizer)
+    prompts = prompt_token_ids(body, tokenizer) if prompts is None else prompts
     jobs = []
     for ids, text in zip(prompts, prompt_texts(body, prompts, texts)):
         max_tokens = budget(len(ids), body.max_tokens, "max_tokens", max_len, "prompt")
+        if body.max_tokens is None and cap is not None:
+            max_tokens = min(max_tokens, cap)
         # logprobs are always computed: the completion log keeps them (responses only carry them on request)
         jobs += [
             Job(ids, sampling_params(body, max_tokens, i, logprobs=True, top_logprobs=body.logprobs or 0), text)

@@ -28,7 +28,15 @@ from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog, CompletionRecorder
 from livelora.gateway.services.drain import Drain
 from livelora.gateway.services.generation import Job, new_id, now
-from livelora.gateway.services.plans import log_ignored, plan_chat, plan_completion
+from livelora.gateway.services.plans import (
+    check_chat,
+    check_completion,
+    log_ignored,
+    plan_chat,
+    plan_completion,
+    prompt_token_ids,
+)
+from livelora.gateway.services.prompt_limits import chat_prompt, completion_prompts
 from livelora.gateway.services.sampling_defaults import for_settings
 from livelora.gateway.services.served import ServedRequest
 from livelora.gateway.services.token_texts import TokenTexts
@@ -275,11 +283,17 @@ class Serving:
         await self.load_on_demand(body.model, principal)  # a stored <lineage>@<n>; then no await until begin
         target = self.resolve(body.model, principal)  # an unknown model is reported before bad parameters
         body = for_settings(self.settings).apply(body)  # omitted sampling fields: the model's generation_config
-        if chat:
-            plan = plan_chat(body, self.tokenizer, self.context_length())
+        who = payer(principal)
+        if chat:  # cheap limits first, then the template off the event loop
+            check_chat(body)
+            prompt, cap = await chat_prompt(body, self, who)
+            plan = plan_chat(body, self.tokenizer, self.context_length(), prompt, cap)
             messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
         else:
-            plan, messages = plan_completion(body, self.tokenizer, self.context_length(), self.texts), None
+            check_completion(body)
+            prompts, cap = await completion_prompts(body, self, prompt_token_ids, who)
+            plan = plan_completion(body, self.tokenizer, self.context_length(), self.texts, prompts, cap)
+            messages = None
         served = self.begin(
             target,
             plan.jobs,
@@ -327,7 +341,8 @@ class Serving:
             BadRequestError: more sequences than the gateway ever admits. RateLimitError: busy now (429).
         """
         jobs = list(jobs)
-        ticket = self.admission.acquire(len(jobs), param=param)
+        tokens = sum(j.params.max_tokens for j in jobs)
+        ticket = self.admission.acquire(len(jobs), payer(principal), param=param, tokens=tokens)
         if self.registry is not None and target.endpoint is not None and target.adapter is not None:
             ticket.also_release(self.registry.hold(target.endpoint, target.adapter).release)
         request_id = new_id(id_prefix) if id_prefix else ""

@@ -252,13 +252,14 @@ class Samples:
         tokens: list[int] = []
         logprobs: list[float] = []
         finish, stop_reason = "length", None
-        async for chunk in self.engine.generate(prompt, params, adapter=adapter, request_id=engine_request_id):
-            if served is not None:
-                served.observe(index, chunk)
-            tokens += chunk.token_ids
-            logprobs += [lp.logprob for lp in chunk.logprobs or []]
-            if chunk.finish_reason is not None:
-                finish, stop_reason = chunk.finish_reason, chunk.stop_reason
+        async with served.ticket.run_slot() if served is not None else contextlib.nullcontext():  # a batch slot
+            async for chunk in self.engine.generate(prompt, params, adapter=adapter, request_id=engine_request_id):
+                if served is not None:
+                    served.observe(index, chunk)
+                tokens += chunk.token_ids
+                logprobs += [lp.logprob for lp in chunk.logprobs or []]
+                if chunk.finish_reason is not None:
+                    finish, stop_reason = chunk.finish_reason, chunk.stop_reason
         if finish == "stop" and isinstance(stop_reason, int):  # the stop token: part of the sample, scored
             tokens.append(stop_reason)
             scored = await self.engine.score([*prompt, *tokens], adapter)

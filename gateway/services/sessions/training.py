@@ -57,6 +57,7 @@ from livelora.core.session_protocol import (
     resolve_checkpoint,
     session_of,
 )
+from livelora.gateway.services.model_ceilings import check_new_model
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
 from livelora.gateway.services.sessions.seq_order import SeqOrder
@@ -111,8 +112,11 @@ class TrainingOps:
             "base_model": self.base_model,
             "lora": lora,
             "state": "creating",
+            "tenant": tenant,
         }
         with redis_unavailable():
+            if not await self.redis.exists(self.keys.model(model_id)):  # a new model: its tenant's ceilings first
+                await check_new_model(self.ctx, model_id, lora, tenant)
             if not await self.redis.set(self.keys.model(model_id), json.dumps(record), nx=True):
                 if await self.redis.get(self.keys.seq(model_id, 0)) is not None:  # a retry: the first one's future
                     return await self._enqueue(model_id, 0, kind, body)

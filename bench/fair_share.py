@@ -1,0 +1,154 @@
+"""Fair share: a quiet tenant's time to first token while another tenant floods the engine.
+
+Starts a gateway in this process (key mode, a fresh store whose base models are linked from ``$LIVELORA_HOME``)
+with two tenants. Tenant ``quiet`` sends ``--requests`` ordinary streaming chats one after another
+(``--max-tokens`` each), first alone, then while tenant ``flood`` keeps ``--flooders`` streams busy with the
+largest requests it may send (``n = max_n``, ``max_tokens = max_n_tokens / n``, ``ignore_eos``; refused ones
+are retried at once). Prints the quiet tenant's TTFT p50/p99 (seconds, from request to first content chunk)
+and error count in both phases, the flooded/quiet p99 ratio, and how many of the flood's requests were
+admitted or refused (429).
+
+    python bench/fair_share.py                        # the defaults (engine batch 8, 64 waiting)
+    python bench/fair_share.py --no-share             # tenant_share 1, share_reserve 0: the old behaviour
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+BASE = "smollm2-135m-instruct"
+
+
+def p(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def start(home: Path, **settings):
+    import uvicorn
+
+    from livelora.cli.processes import gateway_app
+    from livelora.gateway.settings import GatewaySettings
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    app = gateway_app(GatewaySettings(model=BASE, home=home, executor_in_process=False, **settings))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    for _ in range(3000):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url, app, server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("the gateway did not start")
+
+
+async def ttft(c: httpx.AsyncClient, max_tokens: int, i: int) -> float | None:
+    body = {
+        "model": BASE,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "seed": i,
+        "messages": [{"role": "user", "content": f"Tell me one fact about the number {i}."}],
+    }
+    t0 = time.monotonic()
+    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return None
+        first = None
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                first = time.monotonic() - t0
+        return first
+
+
+async def quiet_phase(url: str, key: str, n: int, max_tokens: int) -> tuple[list[float], int]:
+    times, errors = [], 0
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers={"Authorization": f"Bearer {key}"}) as c:
+        for i in range(n):
+            t = await ttft(c, max_tokens, i)
+            if t is None:
+                errors += 1
+            else:
+                times.append(t)
+    return times, errors
+
+
+async def flood(url: str, key: str, body: dict, stop: asyncio.Event, counts: dict) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=None, headers={"Authorization": f"Bearer {key}"}) as c:
+        while not stop.is_set():
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                counts[r.status_code] = counts.get(r.status_code, 0) + 1
+                if r.status_code != 200:
+                    await r.aread()
+                    await asyncio.sleep(0.05)
+                    continue
+                async for _ in r.aiter_lines():
+                    if stop.is_set():
+                        break
+
+
+async def run(args) -> None:
+    from livelora.core.api_keys import TENANT_ROLES, KeyStore
+    from livelora.core.quotas import Limits
+    from livelora.core.settings import QuotaSection
+
+    home = Path(tempfile.mkdtemp(prefix="fair-share-"))
+    (home / "models").symlink_to(Path(os.environ["LIVELORA_HOME"]) / "models", target_is_directory=True)
+    keys = {t: KeyStore(home).create(t, list(TENANT_ROLES), t)[1] for t in ("flood", "quiet")}
+    shares = {"tenant_share": 1.0, "key_share": 1.0, "share_reserve": 0.0} if args.no_share else {}
+    url, _, server = start(home, device="cpu", redis_prefix=f"bench-fair-{os.getpid()}:", **shares)
+    limits = Limits.from_settings(QuotaSection())
+    n = limits.max_n or 16
+    per = (limits.max_n_tokens or 65536) // n
+    largest = {
+        "model": BASE,
+        "stream": True,
+        "n": n,
+        "max_tokens": per,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+    }
+    await quiet_phase(url, keys["quiet"], 2, args.max_tokens)  # warm-up
+    quiet, quiet_err = await quiet_phase(url, keys["quiet"], args.requests, args.max_tokens)
+    stop, counts = asyncio.Event(), {}
+    tasks = [asyncio.create_task(flood(url, keys["flood"], largest, stop, counts)) for _ in range(args.flooders)]
+    await asyncio.sleep(args.settle_s)
+    flooded, flooded_err = await quiet_phase(url, keys["quiet"], args.requests, args.max_tokens)
+    stop.set()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    server.should_exit = True
+    print(f"shares: {'off (--no-share)' if args.no_share else 'on (defaults)'}; flood request: n={n} × {per} tokens")
+    for name, times, errors in (("quiet", quiet, quiet_err), ("flooded", flooded, flooded_err)):
+        print(f"{name:8}: TTFT p50 {p(times, 0.5):.3f} s  p99 {p(times, 0.99):.3f} s  errors {errors}/{args.requests}")
+    print(f"p99 flooded / quiet: {p(flooded, 0.99) / p(quiet, 0.99):.2f}")
+    print(f"flood requests by status: {dict(sorted(counts.items()))}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=20, help="quiet tenant's chats per phase")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--flooders", type=int, default=4, help="concurrent flood streams")
+    ap.add_argument("--settle-s", type=float, default=5.0, help="flood time before the quiet tenant starts")
+    ap.add_argument("--no-share", action="store_true", help="turn the shares off (tenant_share 1, reserve 0)")
+    asyncio.run(run(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
