@@ -13,7 +13,7 @@ import time
 
 import httpx
 import zstandard
-from _server import MODEL, live_server  # noqa: F401  (fixture)
+from _server import MODEL
 
 CHAT = "/v1/chat/completions"
 
