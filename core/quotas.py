@@ -1,28 +1,11 @@
 """Per-tenant limits: training sessions and models, adapter versions kept, tokens per UTC day per kind, and the
 per-request and storage ceilings (choices per request, LoRA rank, trainer memory, completion-log bytes).
 
-Limits come from the settings (:class:`~livelora.core.settings.QuotaSection`: ``LIVELORA_QUOTA_SESSIONS``,
-``LIVELORA_QUOTA_MAX_ADAPTER_VERSIONS``, ``LIVELORA_QUOTA_TOKENS_PER_DAY``: the defaults of every tenant) and from
-``<home>/quotas.json`` (``{"<tenant>": {"max_sessions": n|null, "max_adapter_versions": n|null,
-"tokens_per_day": {kind: n|null}}}``, written atomically by ``PUT /admin/quotas``), whose fields override the
-defaults. :class:`Limits` is the one place that says what a limit's value means: ``None`` (or a kind absent) is
-unlimited, ``unlimited: [name, ...]`` in an update sets it so, a count is over a limit when it would pass it.
-
-The gateway enforces sessions and tokens (:mod:`livelora.gateway.services.limits`; the day's counts are the
-metering's ``usage:day:{day}:{tenant}`` hashes, :mod:`livelora.core.metering`). Adapter versions are counted
-on the store by :class:`AdapterVersions`, which the gateway asks before a session save and the live loop asks
-(and prunes with) before it writes a version.
-
-**What counts as a kept version.** Every version of every lineage the tenant owns (its recorded owner,
-:mod:`livelora.core.owners`): live-loop versions of its endpoints' lineages and named session checkpoints
-(``save_state`` / ``save_weights``, ``save_weights_for_sampler`` with a ``path``, and ``save_weights_external``
-exports), which stay until deleted or their ``ttl_seconds`` passes. A session's **ephemeral sampler weights** (``save_weights_for_sampler`` with a
-``sampling_session_seq_id``, the version behind ``save_weights_and_get_sampling_client``) do not count: they are
-scratch copies for one sampling session that the op executor deletes with their training model (when the
-session finishes or expires, so the session limit bounds them), the Tinker API gives the user no way to delete
-them, and refusing them would stop an RL loop in the middle of a run. In a session's lineage (one with a
-checkpoint index ``<home>/sessions/<lineage>.json``) the versions no named checkpoint references are those
-ephemeral ones: the same rule the executor frees them by.
+:class:`Limits` is the one place that says what a limit's value means (``None`` is unlimited); the defaults come
+from :class:`~livelora.core.settings.QuotaSection`, overridden per tenant by ``<home>/quotas.json``.
+:class:`QuotaStore` reads and writes that file. The gateway enforces the limits
+(:mod:`livelora.gateway.services.limits`). The file format and what counts as a kept version:
+``docs/internals/metering.md``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Settings: one object per process kind, made of sections, read from ``LIVELORA_*`` environment variables.
 
-Each process kind has exactly one settings class: :class:`~livelora.gateway.settings.GatewaySettings`,
-:class:`~livelora.trainer.settings.TrainerSettings`, and ``ServeSettings`` (both in one process,
-:mod:`livelora.cli.settings`). Each is a :class:`ProcessSettings`: the fields every process reads
-(:class:`CommonSettings`: store, base model, Redis) plus nested **sections**, one per concern
-(``server``, ``inference``, ``vllm``, ``live``, ``sessions``, ``training``). A section reads its own flat
-environment variables, so the variable names do not show the nesting: ``LIVELORA_PORT`` is
-``settings.server.port``, ``LIVELORA_KTO_LR`` is ``settings.training.kto_lr`` (vLLM's section reads
-``LIVELORA_VLLM_*``). Keyword arguments may be given flat as well (``GatewaySettings(port=0,
-max_batch_size=4)``, which is what CLI flags do): each goes to the section that owns the field, and a name
-no section owns is an error.
-
-Sections shared by several process kinds live here (:class:`SessionSection`); the others live with their
-process (``gateway/settings.py``, ``trainer/settings.py``).
+Each process kind has one :class:`ProcessSettings` subclass (``GatewaySettings``, ``TrainerSettings``,
+``ServeSettings``): the fields every process reads (:class:`CommonSettings`: store, base model, Redis) plus one
+section per concern. A section reads its own flat variables (``LIVELORA_PORT`` is ``settings.server.port``);
+flat keyword arguments go to the section that owns the field, and a name no section owns is an error. Sections
+shared by several process kinds live here (:class:`SessionSection`); the others live with their process.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The gateway's FastAPI application factory.
+"""The gateway's FastAPI application factory, :func:`create_app`.
 
 Example::
 
@@ -8,22 +8,8 @@ Example::
     app = create_app(GatewaySettings(model="smollm2-135m-instruct"))
     # uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Nothing is created at import: the engine is built and started in the app's
-lifespan (unless one is passed in), and closed when the app stops (only if the
-app created it). The lifespan builds the gateway's services
-(:mod:`livelora.gateway.services`) into one
-:class:`~livelora.gateway.api.deps.GatewayServices`, which routes reach through
-the typed dependencies of :mod:`livelora.gateway.api.deps`.
-
-Start-up order: engine → admission → live loop (completion log, signals,
-adapter registry) → serving → training sessions → components; shutdown runs
-the other way (components, live loop, sessions, then the engine it owns).
-
-``components`` lets the process wiring (:mod:`livelora.cli.processes`) run other
-parts of the process for the app's lifetime without the gateway importing them:
-each is a callable ``component(services) -> async context manager``, entered after
-the engine and the gateway's services have started and exited before they stop
-(``livelora serve`` and ``livelora gateway`` start the op executor this way).
+Nothing is created at import: the lifespan builds the engine and the services into one
+:class:`~livelora.gateway.api.deps.GatewayServices` (start-up order and ``components``: docs/architecture.md).
 """
 
 from __future__ import annotations

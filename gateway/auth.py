@@ -1,27 +1,10 @@
 """Who may call what: API keys → principal (tenant + roles), the route policy, body-size limits.
 
-:class:`AuthMiddleware` (pure ASGI, installed by ``create_app``) runs before every route:
-
-1. **Body size.** A request whose ``Content-Length`` exceeds ``max_body_bytes``, or whose streamed body
-   grows past it, gets 413 in the OpenAI envelope (:class:`~livelora.clients.errors.PayloadTooLargeError`).
-2. **Key.** ``Authorization: Bearer <key>`` (OpenAI SDKs) or ``X-API-Key: <key>`` (tinker SDK,
-   tinker_protocol.md §2.1). In open mode (no key configured when the gateway started, see
-   :func:`check_bind`) every caller is :data:`~livelora.core.api_keys.OPEN_PRINCIPAL`; once any key exists
-   the gateway switches to key mode for good (it never falls back to open). Missing, unknown or revoked
-   key → 401.
-3. **Role.** :func:`required_role` maps each route to one role by path (the :data:`POLICY` table,
-   first match wins); a route not in the table needs ``admin``, so a new route can never be public
-   by accident. Lacking the role → 403. :data:`AUTHENTICATED` routes take any valid key.
-4. **Tenant.** The principal is put on ``request.state.principal``, which routes take as a typed dependency
-   (``PrincipalDep``) and hand to the services as an argument; in key mode ``request.state.caller`` is the
-   tenant, which the completion log and the signal routes use to keep completions per tenant.
-5. **Training sessions.** A Tinker body is decoded once (:func:`decode_tinker_body`; the route gets that same
-   object, ``request.state.tinker_body``) and every id it names (path parameters and the body fields of
-   :data:`~livelora.core.object_ids.BODY_FIELDS`) is parsed in its one spelling (else 400) and its
-   session's recorded owner (:mod:`livelora.core.owners`, written by ``create_session``) must be the
-   caller's tenant: a missing record or another tenant's answers the same 404 (:func:`check_owner`).
-
-Errors answer in the OpenAI envelope through the app's one handler (:func:`error_response`).
+:class:`AuthMiddleware` (pure ASGI, installed by ``create_app``) runs before every route: body size (413), key
+(``Authorization: Bearer`` or ``X-API-Key``; 401), role by path (:data:`POLICY`, unlisted routes need ``admin``;
+403), the principal on ``request.state``, and the owner of every training-session id a Tinker body names
+(:func:`check_owner`; 404). Each step's rules: ``docs/internals/tenancy.md``. Errors answer in the OpenAI
+envelope through the app's one handler (:func:`error_response`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
-"""``POST /v1/completions``: the legacy text-completion route (contract §1.6).
+"""``POST /v1/completions``: the legacy text-completion route.
 
-``prompt`` is a string, a list of strings, a list of token ids or a list of
-token-id lists; each prompt gets ``n`` choices, indexed ``prompt_index * n + i``
-(as OpenAI does). ``max_tokens`` defaults to 16 (``null`` too, as for every
-optional field). A text prompt is the model's raw input, templates included:
-control-token text in it (``<|im_start|>``) becomes those control tokens, as
-vLLM and OpenAI's legacy route read it (OpenAI documents ``<|endoftext|>`` in a
-prompt as the document separator); the caller writes the whole prompt, so no
-turn boundary of anyone else can be forged. Chat message content, by contrast,
-is always plain text (``livelora.core.chat_tokens``). ``echo`` prepends the prompt (with its logprobs from
-:meth:`Engine.score` when ``logprobs`` is set). ``logprobs`` (0..5) uses the
-legacy parallel-list layout. ``max_completion_tokens`` is not a parameter of
-this route and is rejected rather than silently ignored (vllm-ascend #15931);
-so are ``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``.
-Streamed chunks have the response's own shape (``object: "text_completion"``).
-
-The handler hands the parsed request to
-:meth:`~livelora.gateway.services.serving.Serving.serve` (prompts, budgets and
-jobs: :func:`~livelora.gateway.services.plans.plan_completion`) and encodes
-what it serves with :class:`CompletionEncoder` through
-:func:`~livelora.gateway.api.streaming.respond`.
-
-Every choice served is recorded in the completion log (so it can be rated with
-``POST /v1/feedback``): the exact prompt and generated token ids (never the
-echoed prompt) and the generated tokens' logprobs, which are always computed
-and only returned when ``logprobs`` is set. A response with one choice is
-logged under its id; otherwise choice ``k`` is logged as ``{id}-{k}``.
+The handler hands the parsed request to :meth:`~livelora.gateway.services.serving.Serving.serve` (prompts,
+budgets and jobs: :func:`~livelora.gateway.services.plans.plan_completion`) and encodes what it serves with
+:class:`CompletionEncoder` through :func:`~livelora.gateway.api.streaming.respond`. Prompt forms, ``echo``,
+legacy ``logprobs``, refused parameters and how choices are logged: ``docs/internals/wire-types.md``.
 """
 
 from __future__ import annotations

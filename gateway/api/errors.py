@@ -1,19 +1,9 @@
 """The gateway's one error handler: every failure becomes an OpenAI error envelope.
 
-``{"error": {"message", "type", "param", "code"}}`` with all four keys, built
-only from :class:`~livelora.clients.errors.LiveloraError` (contract §1.4):
-
-* ``LiveloraError`` → its own status; ``Retry-After`` when it carries ``retry_after``.
-* ``RequestValidationError`` (bad field, missing field, malformed JSON, a body
-  declared other than JSON: :func:`content_type_error`) → 400,
-  never FastAPI's 422 ``{"detail": [...]}`` (SGLang PR #7487). The message is
-  built from the error's ``loc``/``msg`` strings only: ``ctx`` may hold
-  exception objects that are not JSON-serialisable (agno PR #9744).
-* Starlette ``HTTPException`` (unknown route 404, wrong method 405, ...) → same
-  status, envelope body.
-* Anything else → 500 ``internal_error`` with ``x-should-retry: false``.
-
-Streams that already sent their headers use :func:`error_event` instead.
+``{"error": {"message", "type", "param", "code"}}`` with all four keys, built only from
+:class:`~livelora.clients.errors.LiveloraError`: request validation errors are 400 (never FastAPI's 422),
+Starlette's ``HTTPException`` keeps its status, anything else is 500 ``internal_error``
+(``docs/internals/wire-types.md``). Streams that already sent their headers use :func:`error_event` instead.
 """
 
 from __future__ import annotations

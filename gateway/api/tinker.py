@@ -1,19 +1,10 @@
 """The Tinker training-session API under ``/api/v1``: JSON of tinker SDK ≤0.24 and the protobuf + zstd of SDK
-≥0.25 (:mod:`livelora.gateway.api.tinker_wire`; protocol §2).
+≥0.25 (:mod:`livelora.gateway.api.tinker_wire`).
 
-Handlers only decode a body (JSON, or a protobuf ``forward_backward``) into a :mod:`livelora.clients.types`
-model, call one method of a session service (:mod:`livelora.gateway.services.sessions`: sessions, training
-ops, checkpoints, sampling) and encode its answer (:func:`encode`; ``SampleResponse`` and
-``ForwardBackwardOutput`` future results as protobuf when the client's ``Accept`` admits it); the operations
-themselves know nothing about the wire. The body is decoded once, by the auth middleware
-(:mod:`~livelora.gateway.api.tinker_wire.body`), which checks its owner on that decoded object; handlers get
-the same object (:func:`~livelora.gateway.api.deps.tinker_body`). A body that cannot be decoded is a 400 at once;
-when the decoder had read its ``model_id``/``seq_id``, that refusal is recorded (:meth:`TrainingOps.refuse`).
-
-Errors: synchronous failures raise :mod:`livelora.clients.errors` classes and go through the gateway's one
-error handler; failures of queued ops are the future's ``{"error", "category"}`` (HTTP 200), as the
-protocol requires. ``retrieve_future`` answers 408 ``{"type": "try_again", ...}`` when the op is still
-running after the long-poll, and 410 for an unknown or expired request id.
+Handlers decode a body into a :mod:`livelora.clients.types` model (the auth middleware decoded it once,
+:func:`~livelora.gateway.api.deps.tinker_body`), call one method of a session service
+(:mod:`livelora.gateway.services.sessions`) and encode its answer (:func:`encode`). Error rules:
+``docs/internals/training-sessions.md``.
 """
 
 from __future__ import annotations

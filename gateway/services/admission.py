@@ -3,20 +3,14 @@
 :class:`Admission` bounds the sequences in the gateway at two levels, both :class:`SharePool` s:
 
 * **admitted** (``max_batch_size + max_waiting``): a request that would exceed its share gets 429 with
-  ``Retry-After`` (contract §1.4: the SDK retries 429 and honours the header). Every generation (chat, legacy
-  completions, Tinker sampling) is admitted by :meth:`livelora.gateway.services.serving.Serving.begin`;
+  ``Retry-After``. Every generation (chat, legacy completions, Tinker sampling) is admitted by
+  :meth:`livelora.gateway.services.serving.Serving.begin`;
 * **running** (``max_batch_size``): an admitted sequence waits in the gateway for a batch slot
-  (:meth:`Ticket.run_slot`) and the engine only sees sequences that hold one, so one tenant's queued sequences
-  never stand in front of another's in the engine's FIFO queue. A freed slot goes to the waiter whose tenant
-  runs the fewest sequences.
+  (:meth:`Ticket.run_slot`), so one tenant's queued sequences never stand in front of another's in the engine.
 
-**Share rule** (per-tenant caps with borrowing of idle capacity; key mode only, open mode has one caller): a
-tenant may hold up to ``tenant_share`` of a pool and each of its keys ``key_share`` of that; beyond either cap
-it may borrow idle slots only while ``share_reserve`` of the pool stays free for the others. Nothing is ever
-pre-empted, so the reserve is what another tenant finds free at once when one is flooding.
-
-:meth:`Admission.check_request` enforces the per-tenant ``max_n`` / ``max_n_tokens`` ceilings
-(:mod:`livelora.core.quotas`) as 400 naming the limit, before any work.
+A tenant may hold ``tenant_share`` of a pool and each key ``key_share`` of that, and borrow idle slots only while
+``share_reserve`` stays free (the share rule and why: docs/tenants.md). :meth:`Admission.check_request` enforces
+the per-tenant ``max_n`` / ``max_n_tokens`` ceilings (:mod:`livelora.core.quotas`) as 400, before any work.
 """
 
 from __future__ import annotations

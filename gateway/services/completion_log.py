@@ -1,10 +1,9 @@
 """The completion log: every served completion, kept in Redis for a retention period.
 
-Each record is one JSON string at ``{prefix}completion:{id}`` with a TTL of
-``retention_s`` (default 7 days, :data:`~livelora.gateway.settings.DEFAULT_RETENTION_S`).
-Feedback on a completion looks its record up here; an expired or unknown id is
-a 404. Records hold the exact prompt and completion token ids, so training
-uses the tokens that were served, never a re-tokenization.
+Each record is one JSON string at ``{prefix}completion:{id}`` with a TTL of ``retention_s`` (default 7 days,
+:data:`~livelora.gateway.settings.DEFAULT_RETENTION_S`). Feedback on a completion looks its record up here; an
+expired or unknown id is a 404. Records hold the exact prompt and completion token ids, so training uses the
+tokens that were served, never a re-tokenization.
 
 A response with several choices keeps its prompt(s) once: a **prompt record** (``"kind": "prompt"``) under the
 response id holds the distinct prompts, and each choice record ``{id}-{k}`` names its entry (``prompt_of``,

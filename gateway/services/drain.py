@@ -1,18 +1,9 @@
-"""Graceful drain: what a gateway does between SIGTERM/SIGINT and its exit.
+"""Graceful drain: what a gateway does between SIGTERM/SIGINT and its exit (docs/scaling-out.md).
 
-1. **Stop admitting.** Every new request gets 503 ``service_unavailable`` with ``Retry-After`` (a load balancer
-   or an SDK retries it on another gateway); ``GET /health`` answers 503 ``{"status": "draining"}`` so that
-   readiness probes take the gateway out of rotation. The listening socket stays open meanwhile, so nobody gets a
-   refused connection.
-2. **Let running requests finish** for ``LIVELORA_DRAIN_GRACE_S`` seconds (the server section's
-   ``drain_grace_s``): streams keep streaming, non-streaming requests complete.
-3. **End what is still open at the deadline**: a stream gets one ``data: {"error": ...}`` event
-   (``service_unavailable``, saying the gateway shut down and to retry) followed by ``data: [DONE]``; a
-   non-streaming request answers 503. Generation stops (its admission slot and version lease are released).
-4. **Exit** once no admitted sequence is left (or shortly after the deadline, whatever still runs).
-
-The process wiring (:mod:`livelora.cli.processes`) turns the first signal into :meth:`Drain.begin` and a second
-one into an immediate exit; this module holds the state and the ASGI middleware of step 1.
+New requests get 503 with ``Retry-After`` and ``/health`` says ``draining``; running requests get
+``drain_grace_s`` to finish; what is still open then ends with an error (a stream: an error event and
+``[DONE]``). The process wiring (:mod:`livelora.cli.processes`) turns the first signal into :meth:`Drain.begin`
+and a second one into an immediate exit; this module holds the state and the ASGI middleware.
 """
 
 from __future__ import annotations

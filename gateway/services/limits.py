@@ -1,21 +1,9 @@
-"""Enforcing the per-tenant limits of :mod:`livelora.core.quotas` in the gateway.
+"""Enforcing the per-tenant limits of :mod:`livelora.core.quotas` in the gateway: :class:`QuotaService`.
 
-* **Sessions.** :meth:`QuotaService.acquire_session` runs one Lua script: it drops from the tenant's set
-  ``quota:sessions:{tenant}`` every session whose ``session:{sid}`` key is gone (finished, or expired for lack of
-  heartbeats: the op executor frees its training models as it always did), then adds the new session if a slot is
-  free, else answers the milliseconds until the earliest live session expires (its ``PTTL``). Over the limit →
-  429 naming the limit and when a slot frees (``Retry-After``), and no session is created.
-  :meth:`~QuotaService.release_session` frees the slot at once when a session finishes.
-* **Tokens per day.** :meth:`QuotaService.check_tokens` reads the day's counters the metering keeps
-  (``usage:day:{day}:{tenant}``) before an operation starts: a tenant at or over a kind's limit gets 429 until
-  00:00 UTC, and nothing runs. An operation admitted below the limit runs to its end, so a day's total can pass
-  the limit by at most the operations admitted just before it was reached.
-* **Adapter versions kept.** :meth:`QuotaService.check_adapter_versions` counts the tenant's versions in the
-  store (:class:`~livelora.adapters.kept_versions.AdapterVersions`) before a session save is queued: a save that would
-  pass ``max_adapter_versions`` gets 429 naming the limit, the count and how to free it; nothing is queued, no
-  seq id is used, nothing is written. The op executor checks again before it writes (saves queued together
-  just below the limit: the one that would pass it fails with the same error). Overwriting a named checkpoint
-  keeps the count and is always allowed; ephemeral sampler weights do not count.
+:meth:`~QuotaService.acquire_session` / :meth:`~QuotaService.release_session` (concurrent sessions, one Lua
+script), :meth:`~QuotaService.check_tokens` (tokens per UTC day) and :meth:`~QuotaService.check_adapter_versions`
+(versions kept, before a save is queued) each answer 429 before any work starts. The rules:
+``docs/internals/metering.md``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Per-version live statistics of each endpoint (requests, ratings, thumbs-up rate with a 95 % Wilson interval),
 kept in Redis so that every gateway counts into the same numbers, and the automatic rollback they drive.
 
-Requests are counted when a request leases its version (:meth:`AdapterRegistry.hold`); ratings when the
-gateway accepts them (``POST /v1/feedback``), under the version that served the rated completion, once per
-(completion, rater): a re-rate overwrites. After each rating :meth:`LiveStats.after_rating` runs the sequential
-test of :func:`livelora.core.rails.sprt_thumbs` on the endpoint's serving version against the version it
-replaced, and asks the registry to roll back when the test says so.
-
-**Canary.** With ``LIVELORA_CANARY_SHARE`` > 0 a version that would move a follow endpoint first serves that
-share of its new requests (:meth:`LiveStats.route`, drawn per request). After each rating of the endpoint the
-same sequential test compares the canary with the incumbent: a regression ends the canary (the version is
-blocked, ``auto_rollback`` in the history); ``canary_min_ratings`` ratings without one complete the switch
-(``canary`` history lines mark start and end). The canary state lives in each gateway's memory: with several
-gateways each runs the same canary on the shared statistics.
+Requests are counted when a request leases its version, ratings when the gateway accepts them.
+:meth:`LiveStats.after_rating` runs :func:`livelora.core.rails.sprt_thumbs` (rollback, or the canary's verdict);
+:meth:`LiveStats.route` draws the canary share per request. The rules: ``docs/rails.md``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Stored adapter versions served on demand: a request may name any stored ``<lineage>@<n>`` it may use.
 
-An endpoint serves its lineage's current version (:mod:`.registry`); older versions of that lineage, other
-lineages' versions and the checkpoints of training runs stay in the store. A chat or completion request whose
-``model`` names such a version loads it into the engine first (:meth:`OnDemandVersions.ensure`, awaited before
-:meth:`~livelora.gateway.services.serving.Serving.begin`):
-
-* **Who may.** In key mode, the tenant recorded as the owner of the version's lineage
-  (:mod:`livelora.core.owners`: deny by default; tenants create lineages in their own namespace only,
-  :mod:`livelora.core.namespaces`). A missing version and another tenant's version both fall through to the
-  registry's one ``model_not_found`` 404, the same message as any unknown name, so existence is not leaked. In
-  open mode (no API keys) every stored version may be named.
-* **Once.** Concurrent requests for a version that is loading wait for the same load (one task per name); the
-  load is the registry's checked install (:meth:`~.registry.AdapterRegistry.install` with ``move=False``: sha256
-  and canary checks; no endpoint moves).
-* **Bounded.** At most ``limit`` versions are held on demand (``LIVELORA_MAX_ON_DEMAND_VERSIONS``, default 4);
-  to load another, the least recently used one with no running request is unloaded. A version with running
-  requests (a lease, :class:`~.registry.Lease`) is never evicted: when every held version is in use the request
-  gets 429 with ``Retry-After``. Versions that endpoints serve (current or canary) do not count.
-* **Refused.** A version whose evaluation-gate verdict rejects it, or that failed its load checks, answers 409
-  (``version_rejected`` / ``version_refused``); a version that was deleted from the store answers 404 saying
-  so (to its owner only); a held version deleted meanwhile is dropped at its next request.
+:meth:`OnDemandVersions.ensure` (awaited before :meth:`~livelora.gateway.services.serving.Serving.begin`) checks
+the caller may use the version, loads it once however many requests wait for it, and holds at most ``limit``
+such versions (least recently used idle one evicted; 429 when all are in use). Who may, and the refusals:
+``docs/internals/tenancy.md`` and ``docs/internals/engines.md``.
 """
 
 from __future__ import annotations

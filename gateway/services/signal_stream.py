@@ -1,19 +1,8 @@
 """The signals stream's door: every accepted signal event is written in one Lua script, all of it or none.
 
-Semantics:
-
-* **Replace on re-rate.** A rating is keyed by (completion, rater), rater =
-  (caller, ``user``). The key ``rating:{completion}:{rater}`` holds the id of the
-  latest rating; a new rating swaps it and its event names the old one in
-  ``replaces``. The trainer keeps only the latest rating per key among the
-  events it has not trained on yet, so a batch never holds two ratings of one
-  completion by one rater. (A rating already trained on cannot be untrained;
-  the replacement is then trained in a later batch.)
-* **Idempotency.** With an ``Idempotency-Key`` header the first accepted
-  request's event is stored at ``idem:{route}/{caller}:{key}`` (TTL 24 h) in the
-  same script; a retry with the same key and body gets the same answer (header
-  ``Idempotent-Replayed: true``) and adds nothing; the same key with a
-  different body is a 409.
+A re-rate of a completion by the same rater replaces the queued rating (``rating:{completion}:{rater}``); an
+``Idempotency-Key`` stores the first answer (``idem:...``, 24 h) so a retry adds nothing and a different body
+with that key is a 409. The rules: ``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations

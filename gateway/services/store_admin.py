@@ -1,22 +1,9 @@
-"""Administration of endpoints, adapter versions and API keys: one service used by the ``/admin`` routes
-(over HTTP, scoped to the caller's tenant) and by the CLI's ``--home`` mode (directly on the store).
+"""Administration of endpoints, adapter versions and API keys on the store: :class:`AdminService`.
 
-:class:`AdminService` works on the store alone (synchronous, no gateway needed);
-:class:`~livelora.gateway.services.admin.GatewayAdmin` is what the ``/admin`` routes call: it runs the store work off the event loop, applies an endpoint change to
-this gateway's registry before answering (so the next request here gets the new version) and announces it
-on the notices channel so every other gateway re-reads ``endpoints.json`` at once.
-
-Tenancy: endpoints carry their tenant; a lineage (with its versions and exports) belongs to the tenant of its
-recorded owner (:mod:`livelora.core.owners`), claimed by the first endpoint created on it or by the training
-model it was made for; the base model's lineage belongs to ``default``. No record: no tenant sees it. Whatever a
-tenant may not see answers 404 exactly like a missing object. New endpoint and lineage names lie in the owner's
-namespace (:mod:`livelora.core.namespaces`: ``acme.<rest>`` for tenant ``acme``), so creating one never tells
-whether another tenant holds a name.
-
-Exports are deterministic (versions are immutable): ``<home>/exports/<lineage>@<n>.peft`` (a PEFT
-adapter directory: ``adapter_model.safetensors`` + ``adapter_config.json`` + ``livelora_export.json``)
-and ``<home>/exports/<lineage>@<n>.merged`` (a full Hugging Face model, :mod:`livelora.adapters.export`);
-a second export of the same version returns the existing directory.
+Used directly by the CLI's ``--home`` mode (synchronous, every tenant) and, through
+:class:`~livelora.gateway.services.admin.GatewayAdmin`, by the ``/admin`` routes (scoped to the caller's tenant).
+Exports are deterministic: ``<home>/exports/<lineage>@<n>.peft`` and ``.merged``; a second export of a version
+returns the existing directory. Tenancy rules: ``docs/internals/tenancy.md``.
 
 Example::
 

@@ -1,20 +1,9 @@
 """The protobuf messages of the tinker wire format, declared in Python (no ``.proto`` file, no generated code).
 
-Why descriptors built at import time rather than a ``.proto`` compiled at build time: the schema is small
-(24 messages), the ``protobuf`` runtime builds message classes from a ``FileDescriptorProto`` directly, and
-so the package needs no ``protoc`` / ``grpcio-tools`` step, no generated module to keep in sync, and
-nothing to regenerate when the runtime's major version changes. The field table below is the one source of
-truth; :mod:`livelora.gateway.api.tinker_wire` documents it in prose.
-
-The messages live in their own :class:`~google.protobuf.descriptor_pool.DescriptorPool` under the package
-name ``livelora.tinker_wire``: only field numbers and types travel on the wire, so the names need not match
-the SDK's, and a private pool never collides with another copy of the schema loaded in the same process.
-
-Field declarations are ``(name, number, type, flags)``:
-
-* ``type``: a scalar (``"string"``, ``"bytes"``, ``"int32"``, ``"int64"``, ``"uint32"``, ``"uint64"``,
-  ``"bool"``, ``"float"``, ``"double"``), a message or enum name of this schema, or ``"map<K,V>"``;
-* ``flags``: ``"repeated"``, ``"optional"`` (proto3 explicit presence) or ``"oneof:<name>"``.
+The field table below is the one source of truth; ``docs/internals/wire-types.md`` gives it in prose and says
+why it is declared this way. The messages live in a private descriptor pool under ``livelora.tinker_wire``.
+Field declarations are ``(name, number, type, flags)``: ``type`` a scalar, a message or enum name of this schema,
+or ``"map<K,V>"``; ``flags`` ``"repeated"``, ``"optional"`` or ``"oneof:<name>"``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """Checkpoints of Tinker training runs: ``tinker://`` paths → adapter versions in the store; the RestClient surface.
 
-Each training run keeps a checkpoint index (:class:`~livelora.core.session_protocol.CheckpointIndex`,
-``sessions/<lineage>.json``) mapping checkpoint ids (``weights/<name>``, ``sampler_weights/<name>``,
-``external_weights/<name>``) to store versions plus ``time``, ``expires_at`` (from ``ttl_seconds``), ``public``
-and ``user_metadata``; the op executor writes new entries, these methods read them, delete them (with their
-versions), publish/unpublish them and change their TTL.
-
-**Expiry** (:meth:`Checkpoints.expire_due`, run by the session service's housekeeping every
-``checkpoint_sweep_s``): an entry whose ``expires_at`` has passed is deleted with its version, unless the
-version is in use: loaded in this gateway's engine (a sampling session or an OpenAI request serves it) or
-bound to an endpoint (``livelora endpoints``); such an entry is retried at the next sweep.
-
-**Archive download** (tinker SDK ≤0.24 ``tinker checkpoint download``): ``GET …/archive`` answers a URL valid
-for :data:`SIGNED_URL_TTL_S` that carries its own HMAC-SHA256 signature (the CLI downloads it with plain
-``urllib``, without the API key); the URL serves a tar of the adapter files plus ``checkpoint_complete``.
-
-**External weights** (tinker SDK 0.38 ``tinker checkpoint download``, ``RestClient.get_external_weights_urls``):
-``save_weights_external`` (an op of the executor) writes the run's LoRA weights as an adapter version without
-optimizer state, indexed as ``external_weights/<name>``; ``GET …/external_weights/<name>/external_weights_urls``
-answers one signed URL per file of :data:`EXPORT_FILES` (a standard PEFT adapter directory), valid
-:data:`SIGNED_URL_TTL_S`, each serving that file's bytes with no API key. Exports are listed, re-timed, deleted
-and expired like every other checkpoint. A signature binds its purpose (``archive`` or ``file``), so one kind
-of URL cannot be replayed as the other.
+:class:`Checkpoints` reads a run's checkpoint index (:class:`~livelora.core.session_protocol.CheckpointIndex`,
+written by the op executor), deletes entries with their versions, publishes them and changes their TTL;
+:meth:`Checkpoints.expire_due` deletes expired ones not in use; archive and external-weights downloads go through
+URLs signed for :data:`SIGNED_URL_TTL_S`. The rules: ``docs/internals/training-sessions.md``.
 """
 
 from __future__ import annotations

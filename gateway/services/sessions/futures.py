@@ -29,7 +29,8 @@ class GoneError(NotFoundError):
 
 
 class NotReady:
-    """Returned by :meth:`~livelora.gateway.services.sessions.SessionService.retrieve_future` when the op is still running (route answers 408)."""
+    """Returned by :meth:`~livelora.gateway.services.sessions.SessionService.retrieve_future` when the op is still
+    running (the route answers 408)."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
