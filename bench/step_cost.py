@@ -32,7 +32,7 @@ REPLY = (
 
 def build_datums(tokenizer, n: int, completion_tokens: int, history_turns: int):
     from livelora.clients.types.tinker import TensorData
-    from livelora.trainer.online import completion_datum
+    from livelora.trainer.event_datums import completion_datum
 
     reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)[:completion_tokens]
     data = []

@@ -176,15 +176,15 @@ class Backend:
     # -------------------------------------------------------------- adapters
     def list_adapters(self, lineage: str | None) -> list[dict]:
         if self.home:
-            return self.local.list_adapters(lineage)
+            return self.local.versions.list_adapters(lineage)
         return self.http("GET", "/admin/adapters", params={"lineage": lineage} if lineage else None)["data"]
 
     def show_adapter(self, name: str) -> dict:
-        return self.local.show_adapter(name) if self.home else self.http("GET", f"/admin/adapters/{name}")
+        return self.local.versions.show_adapter(name) if self.home else self.http("GET", f"/admin/adapters/{name}")
 
     def delete_adapter(self, name: str) -> None:
         if self.home:
-            self.local.delete_adapter(name)
+            self.local.versions.delete_adapter(name)
         else:
             self.http("DELETE", f"/admin/adapters/{name}")
 
@@ -201,7 +201,7 @@ class Backend:
         ) as progress:
             task = progress.add_task(f"exporting {name} ({fmt})", total=None)
             if self.home:
-                path = self.local.export(name, fmt, dest)
+                path = self.local.versions.export(name, fmt, dest)
                 progress.update(task, total=1, completed=1)
                 return path
             self.http("POST", f"/admin/adapters/{name}/export", json={"format": fmt})
@@ -234,7 +234,7 @@ class Backend:
     # -------------------------------------------------------------- keys
     def create_key(self, roles: list[str], tenant: str | None, name: str) -> dict:
         if self.home:
-            info, key = self.local.create_key(roles, tenant=tenant, name=name)
+            info, key = self.local.keys.create_key(roles, tenant=tenant, name=name)
             return {**info, "key": key}
         body: dict[str, Any] = {"roles": roles, "name": name}
         if tenant is not None:  # the server accepts the admin key's own tenant only
@@ -242,10 +242,10 @@ class Backend:
         return self.http("POST", "/admin/keys", json=body)
 
     def list_keys(self) -> list[dict]:
-        return self.local.list_keys() if self.home else self.http("GET", "/admin/keys")["data"]
+        return self.local.keys.list_keys() if self.home else self.http("GET", "/admin/keys")["data"]
 
     def revoke_key(self, key_id: str) -> dict:
-        return self.local.revoke_key(key_id) if self.home else self.http("DELETE", f"/admin/keys/{key_id}")
+        return self.local.keys.revoke_key(key_id) if self.home else self.http("DELETE", f"/admin/keys/{key_id}")
 
 
 def _run(fn):

@@ -571,8 +571,8 @@ def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
         assert (load_model(base_ref)(ids).logits - logits_merged).abs().max().item() > 1e-3
     # the API export path writes the same directory once (versions are immutable)
     svc = AdminService(home, tenant="acme")
-    first = svc.export("acme.support@2", "peft")
-    assert svc.export("acme.support@2", "peft") == first and (first / "adapter_config.json").is_file()
+    first = svc.versions.export("acme.support@2", "peft")
+    assert svc.versions.export("acme.support@2", "peft") == first and (first / "adapter_config.json").is_file()
 
 
 def test_open_mode_and_public_bind_rules(tmp_path):
@@ -606,7 +606,10 @@ def test_the_served_base_models_own_endpoint_is_administered_like_the_others(bas
     [shown] = svc.list_endpoints()
     assert (shown["name"], shown["lineage"], shown["mode"], shown["serving"]) == (base, base, "follow", f"{base}@2")
     assert svc.get_endpoint(base)["serving"] == f"{base}@2"
-    assert [(a["name"], a["serving"]) for a in svc.list_adapters(base)] == [(f"{base}@1", []), (f"{base}@2", [base])]
+    assert [(a["name"], a["serving"]) for a in svc.versions.list_adapters(base)] == [
+        (f"{base}@1", []),
+        (f"{base}@2", [base]),
+    ]
     entry = svc.promote(base, "1", who="key:test", reason="pin the first")
     assert (entry.action, entry.from_, entry.to) == ("promote", f"follow:{base}@2", f"{base}@1")
     assert svc.get_endpoint(base)["serving"] == f"{base}@1"

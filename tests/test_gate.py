@@ -326,7 +326,9 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
     from livelora.cli.main import app
     from livelora.gateway.services.store_admin import AdminService
 
-    shown2 = {c["name"]: c for c in AdminService(home, tenant=None).show_adapter(f"{lineage}@2")["gate"]["checks"]}
+    shown2 = {
+        c["name"]: c for c in AdminService(home, tenant=None).versions.show_adapter(f"{lineage}@2")["gate"]["checks"]
+    }
     assert shown2["probes_base"] == checks2["probes_base"]
     cli = CliRunner().invoke(app, ["adapters", "show", f"{lineage}@2", "--home", str(home)])
     assert cli.exit_code == 0, cli.output

@@ -271,14 +271,14 @@ def test_the_trainer_trains_every_spec_on_a_batch_built_from_the_spec(trainer_mo
 
 # ------------------------------------------------------------------------------------------------ gateway door
 def test_the_gateway_refuses_a_bad_loss_at_the_door_with_the_shared_validation(sessions_server):
-    sessions = sessions_server.services.sessions.ops  # the training ops validate at the door
+    checks = sessions_server.services.sessions.ops.checks  # the training ops validate at the door
 
     def request(loss_fn, data):
         return ForwardBackwardRequest(
             model_id="m:train:0", seq_id=1, forward_backward_input=ForwardBackwardInput(data=data, loss_fn=loss_fn)
         )
 
-    assert sessions._validate("forward_backward", request("ppo", batch(LOSS_SPECS["ppo"])))["input"]["loss_fn"] == "ppo"
+    assert checks.validate("forward_backward", request("ppo", batch(LOSS_SPECS["ppo"])))["input"]["loss_fn"] == "ppo"
     cases = [
         ("hinge", batch(LOSS_SPECS["ppo"]), "loss_fn"),
         ("kto", batch(LOSS_SPECS["kto"], 1), "data"),
@@ -287,7 +287,7 @@ def test_the_gateway_refuses_a_bad_loss_at_the_door_with_the_shared_validation(s
     ]
     for loss_fn, data, param in cases:
         with pytest.raises(BadRequestError) as err:
-            sessions._validate("forward_backward", request(loss_fn, data))
+            checks.validate("forward_backward", request(loss_fn, data))
         assert (err.value.status, err.value.param) == (400, param), loss_fn
 
 

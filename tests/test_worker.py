@@ -188,7 +188,7 @@ def test_dpo_then_sft_steps_on_one_lineage(bus, base_ref, pair_tokens, tmp_path)
     # SFT: the completion is the reply plus the template's end-of-turn tokens, and its NLL went down
     prompt, completion = backend.chat_pair(msgs[:1], "Paris.")
     assert backend.tokenizer.decode(completion) == "Paris.<|im_end|>\n"
-    from livelora.trainer.online import completion_datum
+    from livelora.trainer.event_datums import completion_datum
 
     before = store.get("ep", 2).metrics["loss:sum"]
     after = backend.model_for("ep").forward([completion_datum(prompt, completion)], "cross_entropy").metrics["loss:sum"]

@@ -19,45 +19,19 @@ from typing import Any
 
 from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.store import AdapterStore, Manifest
-from livelora.clients.errors import BadRequestError, ContextLengthExceededError, LiveloraError
+from livelora.clients.errors import BadRequestError
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
-from livelora.clients.types.tinker import AdamParams, Datum, ModelInput, TensorData
+from livelora.clients.types.tinker import AdamParams, Datum
 from livelora.core import metrics as prom
 from livelora.core.api_keys import DEFAULT_TENANT
-from livelora.core.base_models import BaseModelRef, base_identity, load_tokenizer
-from livelora.core.chat_tokens import chat_pair, rated_completion_ids
+from livelora.core.base_models import BaseModelRef, base_identity
 from livelora.core.core_share import TrainingFlag, training_step
 from livelora.core.metering import Meter, Usage
+from livelora.trainer.event_datums import EventDatums
 from livelora.trainer.scheduler import Batch
 from livelora.trainer.settings import GateSection, TrainingSection
 
 log = logging.getLogger(__name__)
-
-
-def completion_datum(
-    prompt_ids: list[int], completion_ids: list[int], extra: dict[str, TensorData] | None = None
-) -> Datum:
-    """A datum over ``prompt + completion`` whose weights select the completion targets.
-
-    Shapes: ``model_input`` N = P + C − 1 tokens; ``target_tokens`` and ``weights`` (N,).
-
-    Raises:
-        BadRequestError: empty prompt or empty completion.
-    """
-    if not prompt_ids or not completion_ids:
-        raise BadRequestError(
-            "a training example needs a non-empty prompt and a non-empty completion", param="completion"
-        )
-    tokens = list(prompt_ids) + list(completion_ids)
-    n = len(tokens) - 1
-    weights = [0.0] * (len(prompt_ids) - 1) + [1.0] * len(completion_ids)
-    inputs = {
-        "target_tokens": TensorData.from_list(tokens[1:], "int64"),
-        "weights": TensorData.from_list(weights, "float32"),
-    }
-    assert len(weights) == n
-    inputs.update(extra or {})
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
 
 class OnlineTrainer:
@@ -90,9 +64,9 @@ class OnlineTrainer:
         self.store = AdapterStore(home)
         self.busy = TrainingFlag(home)
         self.config = config or TrainingSection()
+        self.examples = EventDatums(base_ref, self.config)
         self.gate_config = gate if gate is not None and gate.gate_enabled else None
         self._gate = None
-        self._tokenizer = None
         self._models: dict[str, Any] = {}
         self._fresh = None  # a TrainingModel built ahead by warm_up(), taken by the next lineage model_for() needs
         self._base_thread: threading.Thread | None = None
@@ -116,13 +90,6 @@ class OnlineTrainer:
             self.progress(lineage, stage, **fields)
 
     @property
-    def tokenizer(self):
-        """The base model's tokenizer (loaded on first use)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.base_ref)
-        return self._tokenizer
-
-    @property
     def gate(self):
         """The :class:`~livelora.trainer.gate.EvaluationGate` (built on first use), or ``None`` without one."""
         if self.gate_config is None:
@@ -134,7 +101,7 @@ class OnlineTrainer:
             self._gate = EvaluationGate(
                 self.tokenizer,
                 self.home,
-                self.chat_pair,
+                self.examples.chat_pair,
                 holdout_every=g.gate_holdout_every,
                 heldout_max=g.gate_heldout_max,
                 gen_tokens=g.gate_gen_tokens,
@@ -187,101 +154,28 @@ class OnlineTrainer:
             self._models[lineage] = model
         return model
 
-    # ------------------------------------------------------------------ tokenization
+    # ------------------------------------------------------------------ events → datums (:class:`EventDatums`)
+
+    @property
+    def tokenizer(self):
+        return self.examples.tokenizer
 
     def chat_pair(self, prompt: list[ChatMessage], reply: str) -> tuple[list[int], list[int]]:
-        """``(prompt_ids, completion_ids)`` of a reply to ``prompt`` under the chat template
-        (the completion includes the template's end-of-turn tokens; see
-        :func:`livelora.core.chat_tokens.chat_pair`)."""
-        return chat_pair(self.tokenizer, [{"role": m.role, "content": m.content} for m in prompt], reply)
-
-    # ------------------------------------------------------------------ batches → datums
+        return self.examples.chat_pair(prompt, reply)
 
     def rated_completion(self, ev: RatingEvent) -> list[int]:
-        """The completion ids a rating trains on: the served ids, plus the tokenizer's end-of-turn (EOS) id
-        when the reply ended with ``finish_reason == "stop"`` (:func:`livelora.core.chat_tokens.
-        rated_completion_ids`, which the gateway's door check uses too)."""
-        return rated_completion_ids(self.tokenizer, ev.completion_token_ids, ev.finish_reason)
+        return self.examples.rated_completion(ev)
 
     def event_datums(self, ev: RatingEvent | DemonstrationEvent | PreferenceEvent) -> list[Datum]:
-        """The datums of one event: one for a rating (``kto``, with its ``label``) or a demonstration
-        (``cross_entropy``), two for a preference (chosen, rejected).
-
-        Raises:
-            BadRequestError: the event cannot become a training example (e.g. empty completion).
-        """
-        if isinstance(ev, RatingEvent):
-            return [
-                completion_datum(
-                    ev.prompt_token_ids,
-                    self.rated_completion(ev),
-                    {"label": TensorData.from_list([1.0 if ev.rating else 0.0], "float32")},
-                )
-            ]
-        if isinstance(ev, DemonstrationEvent):
-            return [completion_datum(*self.chat_pair(ev.messages[:-1], ev.messages[-1].content))]
-        if ev.prompt_token_ids is not None:
-            prompt, chosen, rejected = ev.prompt_token_ids, ev.chosen_token_ids, ev.rejected_token_ids
-        else:
-            prompt, chosen = self.chat_pair(ev.messages, ev.chosen)
-            _, rejected = self.chat_pair(ev.messages, ev.rejected)
-        return [completion_datum(prompt, chosen or []), completion_datum(prompt, rejected or [])]
-
-    def screen(self, batch: Batch) -> dict[int, str]:
-        """The events of ``batch`` that cannot be trained, as ``{index in batch.events: reason}``.
-
-        Each event is checked alone, as the step would check it: its datums can be built, every datum's
-        ``model_input`` fits the lineage model's context (``max_seq_len`` tokens, reason code
-        ``context_length_exceeded``) and its input and target token ids lie in the vocabulary. The worker
-        dead-letters these events alone and trains the rest of the batch.
-        """
-        model = self.model_for(batch.lineage)
-        bad: dict[int, str] = {}
-        for i, ev in enumerate(batch.events):
-            try:
-                data = self.event_datums(ev)
-                for datum in data:
-                    tokens = datum.model_input.to_ints()
-                    if len(tokens) > model.max_seq_len:
-                        raise ContextLengthExceededError(
-                            f"{len(tokens)} tokens exceed the trainer's context length of {model.max_seq_len}"
-                        )
-                    targets = datum.loss_fn_inputs["target_tokens"].data
-                    out = next((t for t in (*tokens, *targets) if not 0 <= t < model.vocab_size), None)
-                    if out is not None:
-                        raise BadRequestError(f"token id {out} is outside the vocabulary [0, {model.vocab_size})")
-            except LiveloraError as exc:
-                if exc.category != "user":
-                    raise
-                bad[i] = f"{exc.code}: {exc.message}" if exc.code else exc.message
-        return bad
+        return self.examples.event_datums(ev)
 
     def datums(self, batch: Batch) -> tuple[list[Datum], str, dict[str, float], float]:
-        """``(datums, loss_fn, loss_fn_config, learning_rate)`` for one batch (:meth:`event_datums` of each
-        event, in order: datum ``i`` of a KTO/SFT batch is event ``i``; datums ``2i, 2i+1`` of a DPO batch).
-        With ``batch.example_weights`` each KTO/DPO datum carries its event's weight as ``example_weight``.
+        return self.examples.datums(batch)
 
-        Raises:
-            BadRequestError: an event cannot become a training example (e.g. empty completion).
-        """
-        c = self.config
-        data = [d for ev in batch.events for d in self.event_datums(ev)]
-        weights = getattr(batch, "example_weights", None)
-        if weights is not None and batch.kind in ("kto", "dpo"):  # rater agreement (trainer/signal_governor.py)
-            per = len(data) // max(len(batch.events), 1)
-            for i, a in enumerate(weights):
-                for d in data[i * per : (i + 1) * per]:
-                    d.loss_fn_inputs["example_weight"] = TensorData.from_list([float(a)], "float32")
-        if batch.kind == "kto":
-            cfg = {
-                "beta": c.beta,
-                "desirable_weight": batch.desirable_weight,
-                "undesirable_weight": batch.undesirable_weight,
-            }
-            return data, "kto", cfg, c.kto_lr
-        if batch.kind == "sft":
-            return data, "cross_entropy", {}, c.sft_lr
-        return data, "dpo", {"beta": c.beta}, c.dpo_lr
+    def screen(self, batch: Batch) -> dict[int, str]:
+        """The events of ``batch`` the lineage's model cannot train (:meth:`EventDatums.screen`)."""
+        model = self.model_for(batch.lineage)
+        return self.examples.screen(batch, model.max_seq_len, model.vocab_size)
 
     # ------------------------------------------------------------------ one step
 

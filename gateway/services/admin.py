@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from livelora.adapters.endpoints import HistoryEntry
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.core.api_keys import DEFAULT_TENANT, Principal
-from livelora.gateway.services.store_admin import AdminService, ExportFormat, endpoint_notice
+from livelora.gateway.services.store_admin import AdminService, endpoint_notice
+from livelora.gateway.services.version_admin import ExportFormat
 
 if TYPE_CHECKING:
     from livelora.gateway.services.registry import AdapterRegistry
@@ -218,18 +219,18 @@ class GatewayAdmin:
     # ------------------------------------------------------------------ adapters
 
     def list_adapters(self, lineage: str | None = None) -> list[dict[str, Any]]:
-        return self.store.list_adapters(lineage)
+        return self.store.versions.list_adapters(lineage)
 
     async def show_adapter(self, name: str) -> dict[str, Any]:
-        return await asyncio.to_thread(self.store.show_adapter, name)
+        return await asyncio.to_thread(self.store.versions.show_adapter, name)
 
     async def delete_adapter(self, name: str) -> None:
-        await asyncio.to_thread(self.store.delete_adapter, name)
+        await asyncio.to_thread(self.store.versions.delete_adapter, name)
 
     async def export(self, name: str, fmt: ExportFormat) -> tuple[Path, dict[str, int]]:
         """Export into ``<home>/exports/<name>.<format>`` (reused when it exists); returns the directory and its
         files' sizes (bytes)."""
-        path = await asyncio.to_thread(self.store.export, name, fmt)
+        path = await asyncio.to_thread(self.store.versions.export, name, fmt)
         files = {p.name: p.stat().st_size for p in sorted(Path(path).iterdir()) if p.is_file()}
         return path, files
 
@@ -239,10 +240,10 @@ class GatewayAdmin:
         Raises:
             NotFoundError: another tenant's or a missing version. BadRequestError: unknown format.
         """
-        self.store.manifest(name)  # 404 for other tenants' versions
-        path = self.store.export_dir(name, fmt)
+        self.store.versions.manifest(name)  # 404 for other tenants' versions
+        path = self.store.versions.export_dir(name, fmt)
         if not path.is_dir():
-            path = await asyncio.to_thread(self.store.export, name, fmt)
+            path = await asyncio.to_thread(self.store.versions.export, name, fmt)
 
         def pack() -> bytes:
             buf = io.BytesIO()
@@ -257,7 +258,7 @@ class GatewayAdmin:
     # ------------------------------------------------------------------ keys
 
     def list_keys(self) -> list[dict]:
-        return self.store.list_keys()
+        return self.store.keys.list_keys()
 
     def create_key(self, roles: list[str], name: str, tenant: str | None = None) -> dict:
         """A new key for the caller's tenant, with ``key`` (shown in this answer only).
@@ -266,8 +267,8 @@ class GatewayAdmin:
             BadRequestError: ``tenant`` names another tenant than the caller's (``param='tenant'``).
             PermissionDeniedError: the ``operator`` role (made on the store only).
         """
-        info, key = self.store.create_key(roles, name=name, tenant=tenant)
+        info, key = self.store.keys.create_key(roles, name=name, tenant=tenant)
         return {**info, "key": key}
 
     def revoke_key(self, key_id: str) -> dict:
-        return self.store.revoke_key(key_id)
+        return self.store.keys.revoke_key(key_id)

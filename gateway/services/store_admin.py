@@ -15,34 +15,22 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, version_label
-from livelora.adapters.store import (
-    CONFIG_FILE,
-    MANIFEST_FILE,
-    WEIGHTS_FILE,
-    AdapterStore,
-    Manifest,
-    parse_version_name,
-    validate_lineage,
-)
-from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError, PermissionDeniedError
-from livelora.core.api_keys import DEFAULT_TENANT, KeyStore, validate_endpoint_name
-from livelora.core.atomic import atomic_dir
+from livelora.adapters.store import AdapterStore, parse_version_name, validate_lineage
+from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
+from livelora.core.api_keys import DEFAULT_TENANT, validate_endpoint_name
 from livelora.core.namespaces import require_own_namespace
 from livelora.core.owners import OwnerStore
+from livelora.gateway.services.key_admin import KeyAdmin
+from livelora.gateway.services.version_admin import VersionAdmin
 
 log = logging.getLogger(__name__)
-
-ExportFormat = Literal["peft", "merged"]
-EXPORTS_DIR = "exports"
 
 
 def parse_version_ref(ref: str | int | None, lineage: str) -> int | None:
@@ -68,32 +56,10 @@ def parse_version_ref(ref: str | int | None, lineage: str) -> int | None:
     return n
 
 
-def version_rows(
-    home: Path, versions: list[Manifest], targets: dict[str, list[str]], endpoints: list[str]
-) -> list[dict[str, Any]]:
-    """One lineage's versions as ``list_adapters`` rows: the manifest plus ``serving`` (endpoints serving it now),
-    ``endpoints`` (bound to its lineage) and, for a training run's lineage, ``training_run`` (its model id) and
-    ``checkpoints`` (the names that map to the version, ``sampler_weights/<name>``...; empty for an unnamed
-    sampler save, deleted when its session ends)."""
-    run: dict[str, Any] = {}
-    if versions:
-        with contextlib.suppress(FileNotFoundError, ValueError):  # the training run's checkpoint index
-            run = json.loads((Path(home) / "sessions" / f"{versions[0].lineage}.json").read_text())
-    named = run.get("checkpoints", {})
-    return [
-        {
-            **m.model_dump(mode="json"),
-            "serving": sorted(targets.get(m.name, [])),
-            "endpoints": endpoints,
-            "training_run": run.get("model_id"),
-            "checkpoints": sorted(k for k, e in named.items() if e.get("version") == m.version),
-        }
-        for m in versions
-    ]
-
-
 class AdminService:
-    """Tenant-scoped administration.
+    """Tenant-scoped administration: endpoints (create, promote, rollback, gate, history) and feedback governance
+    here; the adapter versions in :attr:`versions` (:class:`VersionAdmin`: list, show, delete, export) and the API
+    keys in :attr:`keys` (:class:`KeyAdmin`).
 
     Args:
         home: ``LIVELORA_HOME``.
@@ -105,8 +71,9 @@ class AdminService:
         self.tenant = tenant
         self.endpoints = EndpointStore(home, implicit=base_endpoints)
         self.store = AdapterStore(home)
-        self.keys = KeyStore(home)
         self.owners = OwnerStore(home)
+        self.versions = VersionAdmin(self.home, tenant, self.store, self.endpoints, self.owners)
+        self.keys = KeyAdmin(home, tenant)
 
     # ------------------------------------------------------------------ visibility
 
@@ -116,11 +83,6 @@ class AdminService:
     def _sees_endpoint(self, binding: EndpointBinding) -> bool:
         return self.tenant is None or binding.administered_by(self.tenant)
 
-    def _sees_lineage(self, lineage: str) -> bool:
-        """Whether the caller's tenant owns ``lineage`` by its recorded owner (:mod:`livelora.core.owners`;
-        no record: nobody but local store access)."""
-        return self.owners.owns("lineage", lineage, self.tenant)
-
     def _acting_tenant(self, endpoint: str) -> str:
         """The tenant a change to ``endpoint`` is made as (local access: the endpoint's own)."""
         if self.tenant is not None:
@@ -129,17 +91,6 @@ class AdminService:
         if binding is None:
             raise NotFoundError(f"endpoint {endpoint!r} does not exist", param="endpoint")
         return self._admin_tenant(binding)
-
-    def manifest(self, name: str) -> Manifest:
-        """The manifest of ``<lineage>@<n>`` if this tenant may see it.
-
-        Raises:
-            BadRequestError: malformed name. NotFoundError: missing or not visible.
-        """
-        lineage, n = parse_version_name(name)
-        if not self._sees_lineage(lineage):
-            raise NotFoundError(f"adapter version {name} does not exist", param="adapter")
-        return self.store.get(lineage, n)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -305,150 +256,6 @@ class AdminService:
         if name is not None:
             validate_endpoint_name(name)
         return self.endpoints.history(name, tenant=self.tenant)
-
-    # ------------------------------------------------------------------ adapters
-
-    def list_adapters(self, lineage: str | None = None) -> list[dict[str, Any]]:
-        """Visible versions (oldest first per lineage), each with the endpoints serving it (:func:`version_rows`)."""
-        lineages = [validate_lineage(lineage)] if lineage else self.store.lineages()
-        if lineage and not self._sees_lineage(lineage):
-            raise NotFoundError(f"adapter lineage {lineage!r} does not exist", param="lineage")
-        targets, bound = self.endpoints.targets(self.store), {}
-        for endpoint, binding in self.endpoints.bindings().items():
-            bound.setdefault(binding.lineage, []).append(endpoint)
-        rows = []
-        for name in (n for n in lineages if self._sees_lineage(n)):
-            rows += version_rows(self.home, self.store.list(name), targets, sorted(bound.get(name, [])))
-        return rows
-
-    def show_adapter(self, name: str) -> dict[str, Any]:
-        """One version's manifest, files, integrity and serving endpoints. Raises: NotFoundError."""
-        m = self.manifest(name)
-        vdir = self.store.version_dir(m.lineage, m.version)
-        files = {p.name: p.stat().st_size for p in sorted(vdir.iterdir()) if p.is_file()}
-        return {
-            **m.model_dump(mode="json"),
-            "files": files,
-            "verified": self.store.verify(m.lineage, m.version),
-            "serving": sorted(self.endpoints.targets(self.store).get(m.name, [])),
-        }
-
-    def delete_adapter(self, name: str) -> None:
-        """Delete a version unless an endpoint targets it.
-
-        Raises:
-            NotFoundError: missing or not visible. ConflictError: an endpoint serves it (409).
-        """
-        m = self.manifest(name)
-        serving = self.endpoints.targets(self.store).get(m.name, [])
-        if serving:
-            raise ConflictError(
-                f"{m.name} is the current target of endpoint(s) {', '.join(sorted(serving))}; "
-                "promote another version there first",
-                param="adapter",
-                code="version_in_use",
-            )
-        self.store.delete(m.lineage, m.version)
-
-    def export(self, name: str, fmt: ExportFormat = "peft", out: Path | str | None = None) -> Path:
-        """Export a version as a PEFT adapter directory or a merged full model.
-
-        Args:
-            out: destination (must not exist); ``None`` = ``<home>/exports/<name>.<fmt>`` (reused if there).
-
-        Returns:
-            The directory written.
-
-        Raises:
-            NotFoundError: missing or not visible. BadRequestError: unknown format, bad weights.
-            ConflictError: ``out`` exists.
-        """
-        if fmt not in ("peft", "merged"):
-            raise BadRequestError(f"export format must be 'peft' or 'merged', not {fmt!r}", param="format")
-        m = self.manifest(name)
-        if out is None:
-            dest = self.export_dir(name, fmt)
-            if dest.is_dir():
-                return dest
-        else:
-            dest = Path(out)
-            if dest.exists():
-                raise ConflictError(f"export destination {dest} already exists", param="out")
-        if fmt == "merged":
-            from livelora.adapters.export import export_merged
-            from livelora.core.base_models import resolve_base_model
-
-            return export_merged(self.store, m.lineage, m.version, resolve_base_model(m.base_model, self.home), dest)
-        if not self.store.verify(m.lineage, m.version):
-            raise BadRequestError(f"{m.name}: weights file does not match its sha256", param="adapter")
-        vdir = self.store.version_dir(m.lineage, m.version)
-        with atomic_dir(dest) as tmp:
-            for f in (WEIGHTS_FILE, CONFIG_FILE):
-                shutil.copy2(vdir / f, tmp / f)
-            shutil.copy2(vdir / MANIFEST_FILE, tmp / "livelora_manifest.json")
-            (tmp / "livelora_export.json").write_text(
-                json.dumps(
-                    {
-                        "adapter": m.name,
-                        "adapter_sha256": m.sha256,
-                        "base_model": m.base_model,
-                        "created": time.time(),
-                        "format": "peft",
-                    },
-                    indent=2,
-                )
-            )
-        return dest
-
-    def export_dir(self, name: str, fmt: str) -> Path:
-        """``<home>/exports/<lineage>@<n>.<fmt>`` (validated name)."""
-        lineage, n = parse_version_name(name)
-        if fmt not in ("peft", "merged"):
-            raise BadRequestError(f"export format must be 'peft' or 'merged', not {fmt!r}", param="format")
-        return self.home / EXPORTS_DIR / f"{lineage}@{n}.{fmt}"
-
-    # ------------------------------------------------------------------ keys
-
-    def create_key(self, roles: list[str], *, tenant: str | None = None, name: str = "") -> tuple[dict, str]:
-        """A new key for the caller's tenant (local access: any ``tenant``). Returns ``(record, key)``."""
-        if self.tenant is not None and tenant not in (None, self.tenant):
-            raise BadRequestError(
-                f"this admin key belongs to tenant {self.tenant}: it creates keys in that tenant "
-                "only (a key of another tenant is made on the store: livelora keys create --home "
-                "<store> --tenant <tenant>)",
-                param="tenant",
-            )
-        if self.tenant is not None and "operator" in roles:
-            raise PermissionDeniedError(
-                "an operator key is created on the store only: livelora keys create "
-                "--home <store> --roles admin,operator",
-                param="roles",
-            )
-        record, key = self.keys.create(self.tenant or tenant or DEFAULT_TENANT, roles, name)
-        return _key_info(record), key
-
-    def list_keys(self) -> list[dict]:
-        """The tenant's keys (hash never shown)."""
-        return [
-            _key_info(r)
-            for r in sorted(self.keys.all().values(), key=lambda r: r.created)
-            if self.tenant is None or r.tenant == self.tenant
-        ]
-
-    def revoke_key(self, key_id: str) -> dict:
-        """Revoke a key. Raises: NotFoundError (missing or another tenant's)."""
-        return _key_info(self.keys.revoke(key_id, tenant=self.tenant))
-
-
-def _key_info(record) -> dict:
-    return {
-        "id": record.id,
-        "name": record.name,
-        "tenant": record.tenant,
-        "roles": list(record.roles),
-        "created": record.created,
-        "revoked": record.revoked,
-    }
 
 
 def endpoint_notice(endpoint: str) -> str:

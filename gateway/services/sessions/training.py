@@ -26,28 +26,21 @@ from livelora.clients.errors import (
     LiveloraError,
     NotFoundError,
     PayloadTooLargeError,
-    UnsupportedParameterError,
 )
 from livelora.clients.types.tinker import (
     CreateModelRequest,
-    ForwardBackwardInput,
     GetInfoResponse,
     GetServerCapabilitiesResponse,
     LoadWeightsRequest,
     ModelData,
-    SaveWeightsForSamplerRequest,
     SupportedModel,
     UntypedAPIFuture,
 )
-from livelora.clients.types.tinker_rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS
 from livelora.core.api_keys import Principal
 from livelora.core.bus import redis_unavailable
-from livelora.core.losses import validate_batch
 from livelora.core.owners import OwnerStore
 from livelora.core.session_protocol import (
-    CheckpointIndex,
     Op,
-    check_checkpoint_name,
     dropped_error,
     future_failed,
     lineage_for,
@@ -60,18 +53,13 @@ from livelora.core.session_protocol import (
 from livelora.gateway.services.model_ceilings import check_new_model
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
+from livelora.gateway.services.sessions.op_checks import OpChecks
 from livelora.gateway.services.sessions.seq_order import SeqOrder
-
-#: save op → the kind of checkpoint it writes
-SAVE_KINDS = {
-    "save_weights": "weights",
-    "save_weights_for_sampler": "sampler_weights",
-    "save_weights_external": "external_weights",
-}
 
 
 class TrainingOps:
-    """Validate and queue training ops; model records and server capabilities.
+    """Queue training ops in seq order (dedupe, refusals, the new-model path); model records and server
+    capabilities. What a body must pass before it is queued is :attr:`checks` (:class:`OpChecks`).
 
     Args:
         ctx: the session services' shared context (Redis, engine, store, base model).
@@ -89,6 +77,7 @@ class TrainingOps:
         self.base_model = ctx.base_model
         self.max_seq_len = ctx.max_seq_len
         self.order = SeqOrder(ctx.redis, ctx.keys, ctx.settings)
+        self.checks = OpChecks(ctx)
 
     async def create_model(self, req: CreateModelRequest, principal: Principal) -> UntypedAPIFuture:
         """Queue a new LoRA training model ``{session_id}:train:{model_seq_id}`` (op seq 0).
@@ -237,7 +226,7 @@ class TrainingOps:
             ):
                 return await self._failed_future(model_id, seq_id, dropped_error(model_id, seq_id, next_seq))
         try:
-            await self._check_quotas(kind, model_id, raw, principal)
+            await self.checks.check_quotas(kind, model_id, raw, principal)
         except LiveloraError as exc:  # 429 before any seq is used
             await self.refuse(model_id, seq_id, exc)
             raise
@@ -247,8 +236,8 @@ class TrainingOps:
         body: dict[str, Any] = {}
         try:
             req = parse(raw)
-            self._check_limits(kind, req)
-            body = self._validate(kind, req)
+            self.checks.check_limits(kind, req)
+            body = self.checks.validate(kind, req)
         except PayloadTooLargeError as exc:  # answered 413 now; the seq stays free
             await self.refuse(model_id, seq_id, exc)
             raise
@@ -260,103 +249,6 @@ class TrainingOps:
             for seq, failed in await self.order.take_refused(model_id, seq_id):
                 await self._enqueue(model_id, seq, "failed", {}, failed=failed)
             return await self._enqueue(model_id, seq_id, kind, body, error)
-
-    async def _check_quotas(self, kind: str, model_id: str, raw: dict[str, Any], principal: Principal) -> None:
-        """Raises: QuotaExceededError (429) over the tenant's token quota (forward, forward_backward) or its
-        ``max_adapter_versions`` (the saves)."""
-        if self.ctx.quotas is None:
-            return
-        if kind in ("forward", "forward_backward"):
-            with redis_unavailable():
-                await self.ctx.quotas.check_tokens(
-                    principal.tenant, ("forward",) if kind == "forward" else ("trained",)
-                )
-        if kind in SAVE_KINDS:
-            await self.ctx.quotas.check_adapter_versions(principal.tenant, self._new_versions(kind, model_id, raw))
-
-    def _new_versions(self, kind: str, model_id: str, raw: dict[str, Any]) -> int:
-        """Counted adapter versions a save adds (``max_adapter_versions``): 1 for a new named checkpoint; 0 for
-        ephemeral sampler weights (no ``path``; not counted), for a name that exists (an overwrite replaces its
-        version, a refused one writes nothing) and for an invalid name (refused by validation)."""
-        name = raw.get("path")
-        if name is None or not isinstance(name, str):
-            return 0 if kind == "save_weights_for_sampler" else 1
-        key = f"{SAVE_KINDS[kind]}/{name}"
-        try:
-            return 0 if key in CheckpointIndex(self.home, model_id).read().get("checkpoints", {}) else 1
-        except LiveloraError:
-            return 1
-
-    def _check_limits(self, kind: str, req: Any) -> None:
-        """Bounded work per op: at most ``max_datums_per_op`` datums and ``max_tokens_per_op`` input tokens.
-
-        Raises:
-            PayloadTooLargeError: over a limit (413; the message names the limit and its setting).
-        """
-        if kind not in ("forward", "forward_backward"):
-            return
-        # a forward is a ForwardRequest (forward_input) or, from SDK >= 0.25, forward_backward with forward_only
-        data = (getattr(req, "forward_input", None) or req.forward_backward_input).data
-        limit = self.settings.max_datums_per_op
-        if len(data) > limit:
-            raise PayloadTooLargeError(
-                f"{kind} carries {len(data)} datums, more than the limit of {limit} per op "
-                "(LIVELORA_MAX_DATUMS_PER_OP); split the batch",
-                param="data",
-                code="too_many_datums",
-            )
-        tokens, limit = sum(d.model_input.length for d in data), self.settings.max_tokens_per_op
-        if tokens > limit:
-            raise PayloadTooLargeError(
-                f"{kind} carries {tokens} input tokens, more than the limit of {limit} per "
-                "op (LIVELORA_MAX_TOKENS_PER_OP); split the batch",
-                param="data",
-                code="too_many_tokens",
-            )
-
-    def _validate(self, kind: str, req: Any) -> dict[str, Any]:
-        if kind in ("forward", "forward_backward"):
-            fb: ForwardBackwardInput = getattr(req, "forward_input", None) or req.forward_backward_input
-            validate_batch(
-                fb.data,
-                fb.loss_fn,
-                fb.loss_fn_config,
-                vocab_size=int(self.engine.vocab_size),
-                max_seq_len=int(self.max_seq_len or self.engine.max_model_len),
-            )
-            # provenance spans (SDK ≥0.26) were checked for tiling by the request model; only stable_reinforce
-            # (refused above) reads them, so the executor gets the plain datums
-            spans = {"model_input_spans", "loss_fn_input_spans"}
-            return {"input": fb.model_dump(mode="json", exclude={"data": {"__all__": spans}})}
-        if (
-            kind in SAVE_KINDS
-            and req.ttl_seconds is not None
-            and not MIN_TTL_SECONDS <= req.ttl_seconds <= MAX_TTL_SECONDS
-        ):
-            raise BadRequestError(
-                f"ttl_seconds must be between {MIN_TTL_SECONDS} (1 hour) and {MAX_TTL_SECONDS} "
-                f"(10 years), or omitted to keep the checkpoint until deleted; got {req.ttl_seconds}",
-                param="ttl_seconds",
-            )
-        if kind == "save_weights_external":
-            check_checkpoint_name(req.path)
-            if req.age_encryption_recipients:
-                raise UnsupportedParameterError(
-                    "age_encryption_recipients is not supported: livelora stores and serves external weights "
-                    "unencrypted (behind signed URLs); omit it, or encrypt the downloaded files yourself with `age`",
-                    param="age_encryption_recipients",
-                )
-        if kind == "save_weights_for_sampler":
-            req: SaveWeightsForSamplerRequest
-            if (req.path is None) == (req.sampling_session_seq_id is None):
-                raise BadRequestError(
-                    "give exactly one of path (a named sampler checkpoint) and "
-                    "sampling_session_seq_id (ephemeral weights for a sampling session)",
-                    param="path",
-                )
-        if kind == "load_weights":
-            resolve_checkpoint(self.home, req.path, want="weights")
-        return req.model_dump(mode="json", exclude_none=True)
 
     async def create_via_load(self, req: LoadWeightsRequest, principal: Principal) -> UntypedAPIFuture:
         """Create-via-load (``session_id`` + ``model_seq_id``; implicit seq 0): a model shaped like the
