@@ -448,7 +448,7 @@ class OpExecutor(SessionOps):
                 self._drop(slot.model_id, str(exc))
 
     def free(self, model_id: str, reason: str) -> None:
-        """Drop a model we own: fail its buffered ops, delete its stream, records, recovery snapshots and the
+        """Drop a model we own: fail its buffered and unread ops, delete its stream, records, recovery snapshots and the
         versions of its lineage no named checkpoint references (ephemeral sampler saves); release the lease."""
         from livelora.trainer.recovery import drop_snapshots
 
@@ -464,6 +464,12 @@ class OpExecutor(SessionOps):
                     future_failed(NotFoundError(f"model {model_id} was freed: {reason}", param="model_id")),
                     seq,
                 )
+            # ops not read yet (a new owner freeing a model whose session ended, an op queued as it was freed)
+            for _, fields in self.redis.xrange(self.keys.ops(model_id)):
+                op = Op.from_json(fields["op"])
+                if json.loads(self.redis.get(self.keys.future(op.request_id)) or "{}").get("state") == "pending":
+                    error = NotFoundError(f"model {model_id} was freed: {reason}", param="model_id")
+                    self._resolve_only(slot, op.request_id, error)
         except _Stale as exc:
             self._drop(model_id, str(exc))
             return
