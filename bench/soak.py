@@ -5,9 +5,9 @@ time, with streamed chat completions, ratings and a training session, while a ra
 It prints requests served and failed (and how many failures a kill explains: the gateway serving them was
 killed while they ran), session ops done / failed clearly (``trainer_lost``) / failed otherwise, session ops
 stalled (no result within ``--op-timeout-s``, model creation included, each with the model's server-side state:
-lease, highest committed seq, the ops left in its stream and their futures), signals
-accepted / recorded / trained / lost / duplicated, corrupt versions (sha256 against the manifest) and Redis
-memory at the end. Figures only: nothing is asserted.
+lease, highest committed seq, the ops left in its stream and their futures), signals accepted / recorded /
+trained / held out by the gate (one rating in ``gate_holdout_every``, never trained) / lost / duplicated, corrupt
+versions (sha256 against the manifest) and Redis memory at the end. Figures only: nothing is asserted.
 
     nice -n 10 python bench/soak.py --gateways 2 --trainers 2 --duration 300 --kill-every 45 --max-kills 5
 
@@ -307,7 +307,13 @@ class Soak:
             gaps += (max(committed) + 1 - len(committed)) if committed else 0
         queued = {json.loads(f["event"])["id"] for _, f in r.xrange(self.c.prefix + "signals")} if stream_len else set()
         r.close()
-        lonely = accepted - set(trained) - dead
+        from livelora.trainer.gate import held_out
+        from livelora.trainer.settings import GateSection
+
+        gate = GateSection()  # the trainers' gate holds one rating in gate_holdout_every out of training, by design
+        every = gate.gate_holdout_every if gate.gate_enabled else 0
+        held = {e for e in accepted - set(trained) if held_out(e, every)}
+        lonely = accepted - set(trained) - dead - held
         lonely = lonely if len(lonely) == 1 and lonely <= queued else set()  # a lone KTO rating waits for a partner
         cut = [f for f in s.failed if self.cut_by_kill(*f[:3])]
         out = {
@@ -335,7 +341,8 @@ class Soak:
             "signals_trained": len(accepted & set(trained)),
             "signals_dead_lettered": len(accepted & dead),
             "signals_waiting_alone_for_a_kto_partner": len(lonely),
-            "signals_lost": len(accepted - set(trained) - dead - lonely),
+            "signals_held_out_by_the_gate": len(held),
+            "signals_lost": len(accepted - set(trained) - dead - lonely - held),
             "signals_duplicated": (
                 sum(1 for v in trained.values() if v > 1) + sum(1 for v in recorded.values() if v > 1)
             ),
