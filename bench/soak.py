@@ -3,9 +3,11 @@ time, with streamed chat completions, ratings and a training session, while a ra
 (SIGKILL) every K seconds (a bounded number of times) and restarted.
 
 It prints requests served and failed (and how many failures a kill explains: the gateway serving them was
-killed while they ran), session ops done / failed clearly (``trainer_lost``) / failed otherwise, signals
-accepted / recorded / trained / lost / duplicated, corrupt versions (sha256 against the manifest) and Redis
-memory at the end. Figures only: nothing is asserted.
+killed while they ran), session ops done / failed clearly (``trainer_lost``) / failed otherwise, session ops
+stalled (no result within ``--op-timeout-s``, model creation included, each with the model's server-side state:
+lease, highest committed seq, the ops left in its stream and their futures), signals accepted / recorded /
+trained / held out by the gate (one rating in ``gate_holdout_every``, never trained) / lost / duplicated, corrupt
+versions (sha256 against the manifest) and Redis memory at the end. Figures only: nothing is asserted.
 
     nice -n 10 python bench/soak.py --gateways 2 --trainers 2 --duration 300 --kill-every 45 --max-kills 5
 
@@ -47,6 +49,7 @@ class Stats:
     ops_done: int = 0
     ops_lost: int = 0  # failed clearly: trainer_lost
     ops_failed: list[str] = field(default_factory=list)
+    stalled: list[str] = field(default_factory=list)  # ops with no result within --op-timeout-s, and why
     sessions: int = 0
     kills: list[tuple[str, float, float]] = field(default_factory=list)  # (process, killed at, ready again at)
 
@@ -133,9 +136,31 @@ class Soak:
             except Exception as exc:
                 self.stats.add(failed=(self.name(g2), t1, time.time(), f"feedback: {type(exc).__name__}: {exc}"[:200]))
 
+    def diagnose(self, model_id: str | None) -> str:
+        """A model's server-side state: lease holder, highest committed seq, the ops left in its stream with their
+        futures' states."""
+        if model_id is None:
+            return "no model yet"
+        p = self.c.prefix
+        r = redis.Redis.from_url(self.c.redis_url, decode_responses=True)
+        try:
+            left = []
+            for _, f in r.xrange(f"{p}ops:{model_id}"):
+                op = json.loads(f["op"])
+                state = json.loads(r.get(f"{p}future:{op['request_id']}") or '{"state": "missing"}')["state"]
+                left.append(f"{op['seq_id']}:{op['kind']}:{state}")
+            alive = bool(r.exists(f"{p}session:" + model_id.split(":train:")[0]))
+            return (
+                f"lease {r.get(f'{p}lease:model:{model_id}')}, applied {r.hget(f'{p}opruns:{model_id}', 'applied')}, "
+                f"session alive {alive}, stream [{', '.join(left)}]"
+            )
+        finally:
+            r.close()
+
     def session_loop(self, tokenizer) -> None:
         from livelora.clients import AdamParams, ServiceClient
         from livelora.clients.errors import LiveloraError
+        from livelora.clients.futures import APIFuture
         from livelora.clients.types.tinker import Datum, ModelInput, SamplingParams, TensorData
 
         def datum(text: str) -> Datum:
@@ -154,10 +179,14 @@ class Soak:
                 time.sleep(0.5)
                 continue
             g = self.rng.choice(gws)
-            t0, service = time.time(), None
+            t0, service, model_id = time.time(), None, None
             try:
                 service = ServiceClient(g.url)
-                training = service.create_lora_training_client(base_model=MODEL, rank=2)
+                self.phase = f"create_model on {self.name(g)}"
+                training = APIFuture.from_callable(
+                    lambda s=service: s.create_lora_training_client(base_model=MODEL, rank=2)
+                ).result(timeout=self.args.op_timeout_s)
+                model_id = training.model_id
                 self.stats.add(sessions=1, ops_done=1)
                 n = 0
                 while not self.stop.is_set():
@@ -190,6 +219,9 @@ class Soak:
                             ).result(timeout=self.args.op_timeout_s)
                         self.stats.add(served=1)
             except Exception as exc:
+                if isinstance(exc, TimeoutError):
+                    t = time.time() - self.t0
+                    self.stats.add(stalled=f"@{t:.0f}s {self.phase}: {self.diagnose(model_id)}"[:400])
                 self.stats.add(
                     failed=(
                         self.name(g),
@@ -275,7 +307,13 @@ class Soak:
             gaps += (max(committed) + 1 - len(committed)) if committed else 0
         queued = {json.loads(f["event"])["id"] for _, f in r.xrange(self.c.prefix + "signals")} if stream_len else set()
         r.close()
-        lonely = accepted - set(trained) - dead
+        from livelora.trainer.gate import held_out
+        from livelora.trainer.settings import GateSection
+
+        gate = GateSection()  # the trainers' gate holds one rating in gate_holdout_every out of training, by design
+        every = gate.gate_holdout_every if gate.gate_enabled else 0
+        held = {e for e in accepted - set(trained) if held_out(e, every)}
+        lonely = accepted - set(trained) - dead - held
         lonely = lonely if len(lonely) == 1 and lonely <= queued else set()  # a lone KTO rating waits for a partner
         cut = [f for f in s.failed if self.cut_by_kill(*f[:3])]
         out = {
@@ -296,12 +334,15 @@ class Soak:
             "session_ops_committed_not_exactly_once": sum(1 for _, v in seqs if v != 1),
             "session_seq_gaps": gaps,
             "session_steps_refused_trainer_lost": s.ops_lost,
+            "session_ops_stalled": len(s.stalled),
+            "session_stalls": s.stalled[:5],
             "signals_accepted": len(accepted),
             "signals_recorded": len(accepted & set(recorded)),
             "signals_trained": len(accepted & set(trained)),
             "signals_dead_lettered": len(accepted & dead),
             "signals_waiting_alone_for_a_kto_partner": len(lonely),
-            "signals_lost": len(accepted - set(trained) - dead - lonely),
+            "signals_held_out_by_the_gate": len(held),
+            "signals_lost": len(accepted - set(trained) - dead - lonely - held),
             "signals_duplicated": (
                 sum(1 for v in trained.values() if v > 1) + sum(1 for v in recorded.values() if v > 1)
             ),

@@ -5,12 +5,18 @@ loadable by ``PeftModel.from_pretrained`` and vLLM) and, for ``save_state``, ``o
 state) and ``trainer_state.json`` (step, data counts, seed, torch RNG state), written atomically by
 :meth:`~livelora.adapters.store.AdapterStore.write_version`. Reading checks everything before the model
 changes, so a bad checkpoint leaves the model as it was.
+
+Test hook: with ``LIVELORA_TEST_PAUSE_SAVES_IN`` set to a directory, a file there named after a lineage makes the
+next save of that lineage (in any process) stop after writing its weights file, until the process is killed; the
+file is renamed ``<lineage>.paused-<pid>`` first (tests/test_session_kill_during_save.py).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +34,20 @@ from livelora.clients.errors import BadRequestError, NotFoundError
 
 if TYPE_CHECKING:
     from livelora.trainer.model import TrainingModel
+
+#: test hook (see the module docstring): a directory of lineage names whose next save stops half written
+PAUSE_SAVES_ENV = "LIVELORA_TEST_PAUSE_SAVES_IN"
+
+
+def _pause_if_armed(lineage: str) -> None:
+    folder = os.environ.get(PAUSE_SAVES_ENV)
+    if not folder:
+        return
+    try:  # one process claims the armed file
+        os.rename(Path(folder) / lineage, Path(folder) / f"{lineage}.paused-{os.getpid()}")
+    except FileNotFoundError:
+        return
+    threading.Event().wait()
 
 
 def write_version(
@@ -63,6 +83,7 @@ def write_version(
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        _pause_if_armed(lineage)
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=list))
         if opt_state is not None:
             torch.save(opt_state, tmp / OPTIMIZER_FILE)

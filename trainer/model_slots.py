@@ -5,6 +5,7 @@ ops in order is :class:`~livelora.trainer.executor.OpExecutor`'s."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -187,7 +188,7 @@ class ModelSlots:
 
     # -------------------------------------------------------------------------------- giving models up
     def free(self, model_id: str, reason: str) -> None:
-        """Drop a model we own: fail its buffered ops, delete its stream, records, recovery snapshots and the
+        """Drop a model we own: fail its buffered and unread ops, delete its stream, records, recovery snapshots and the
         versions of its lineage no named checkpoint references (ephemeral sampler saves); release the lease."""
         from livelora.trainer.recovery import drop_snapshots
 
@@ -203,6 +204,12 @@ class ModelSlots:
                     future_failed(NotFoundError(f"model {model_id} was freed: {reason}", param="model_id")),
                     seq,
                 )
+            # ops not read yet (a new owner freeing a model whose session ended, an op queued as it was freed)
+            for _, fields in self.redis.xrange(self.keys.ops(model_id)):
+                op = Op.from_json(fields["op"])
+                if json.loads(self.redis.get(self.keys.future(op.request_id)) or "{}").get("state") == "pending":
+                    error = NotFoundError(f"model {model_id} was freed: {reason}", param="model_id")
+                    self.commit(slot, op.request_id, future_failed(error), None)  # fails it, counts no seq
         except Stale as exc:
             self.drop(model_id, str(exc))
             return
