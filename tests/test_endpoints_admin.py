@@ -167,6 +167,7 @@ def _fill(path: str) -> str:
     for name, value in (
         ("{model_id:path}", "acme.prod"),
         ("{name:path}", "acme.prod"),
+        ("{endpoint}", "acme.prod"),
         ("{name}", "acme.support@1"),
         ("{fmt}", "peft"),
         ("{key_id}", "nokey"),

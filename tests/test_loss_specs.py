@@ -82,7 +82,7 @@ def test_every_spec_names_its_paper_or_docs_and_a_formula():
 
 def test_the_sdk_loss_type_documents_every_built_in_and_refused_loss():
     """``LossFnType`` is a plain ``str`` (the server owns the list); its docstring must still name them all."""
-    tree = ast.parse((REPO / "clients/types/tinker.py").read_text())
+    tree = ast.parse((REPO / "clients/types/tinker_training.py").read_text())
     body = tree.body
     at = next(
         i

@@ -31,7 +31,7 @@ MODULES = [
 #: used for the model itself and wherever it is nested.
 HAND_MADE = {
     ("openai", "ChatMessage"): {"role": "user", "content": "hi"},
-    ("tinker", "TensorData"): {"data": [1.0], "dtype": "float32"},
+    ("tinker_data", "TensorData"): {"data": [1.0], "dtype": "float32"},
 }
 
 
@@ -103,10 +103,10 @@ def test_every_wire_module_is_covered_and_bodies_validate():
         "signals.DemonstrationRequest",
         "admin.CreateEndpointRequest",
         "admin.PromoteRequest",
-        "tinker.SampleRequest",
-        "tinker.SamplingParams",
-        "tinker.ForwardBackwardRequest",
-        "tinker.CreateModelRequest",
+        "tinker_sampling.SampleRequest",
+        "tinker_sampling.SamplingParams",
+        "tinker_training.ForwardBackwardRequest",
+        "tinker_training.CreateModelRequest",
     ):
         assert f"livelora.clients.types.{expected}" in names
     for cls in MODELS:

@@ -9,6 +9,7 @@ Live loop — :mod:`.live` (its wiring), :mod:`.completion_log`, :mod:`.signals`
 onto the Redis stream), :mod:`.learning` (an endpoint's learning status), :mod:`.live_stats` (per-version
 statistics, canary, rollback), :mod:`.registry` (endpoints → versions, leases), :mod:`.version_checks`,
 :mod:`.store_sync`, :mod:`.on_demand` (stored versions). Tenants — :mod:`.usage` (token metering), :mod:`.limits`
-(quotas), :mod:`.model_ceilings` (training-model ceilings), :mod:`.store_admin` and :mod:`.admin` (the ``/admin``
-service). Training sessions — :mod:`.sessions` (the Tinker API).
+(quotas), :mod:`.model_ceilings` (training-model ceilings), :mod:`.store_admin`, :mod:`.version_admin`,
+:mod:`.key_admin` and :mod:`.admin` (the ``/admin`` service). Training sessions — :mod:`.sessions` (the Tinker
+API).
 """

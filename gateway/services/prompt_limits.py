@@ -111,9 +111,9 @@ async def chat_prompt(body, serving, payer: tuple[str, str | None]) -> tuple[lis
         requested, param = body.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = body.max_tokens, "max_tokens"
-    cap = serving.admission.check_request(body.n, requested, payer, tokens_param=param)
+    context = serving.context_length()  # a budget beyond the window is the context check's to refuse
+    cap = serving.admission.check_request(body.n, _within(requested, context), payer, tokens_param=param)
     await check_log_room(serving, payer[0])
-    context = serving.context_length()
     if requested is None or requested < context:  # else the exact check names the numbers
         texts = (message_text(m, i) for i, m in enumerate(body.messages))
         await check_prompt_size(serving.tokenizer, texts, context, requested, tokens_param=param)
@@ -135,14 +135,19 @@ async def completion_prompts(
     """
     raw = body.prompt
     prompts = [raw] if isinstance(raw, str) or (raw and all(isinstance(x, int) for x in raw)) else list(raw or [])
-    cap = serving.admission.check_request(max(len(prompts), 1) * body.n, body.max_tokens, payer)
-    await check_log_room(serving, payer[0])
     context = serving.context_length()
+    cap = serving.admission.check_request(max(len(prompts), 1) * body.n, _within(body.max_tokens, context), payer)
+    await check_log_room(serving, payer[0])
     if body.max_tokens is None or body.max_tokens < context:
         for text in prompts:
             if isinstance(text, str):
                 await check_prompt_size(serving.tokenizer, [text], context, body.max_tokens, param="prompt")
     return await off_loop(tokenize, body, serving.tokenizer), cap
+
+
+def _within(max_tokens: int | None, context: int) -> int | None:
+    """``max_tokens`` as the per-tenant ceiling counts it: never more than the context window (tokens)."""
+    return None if max_tokens is None else min(max_tokens, context)
 
 
 async def check_log_room(serving, tenant: str) -> None:
