@@ -171,11 +171,11 @@ def plan_chat(
     (:func:`~livelora.gateway.services.prompt_limits.chat_prompt`); ``cap``: the largest default budget per choice
     when no max-token field is set (the tenant's ``max_n_tokens``).
 
+    The caller has run :func:`check_chat` (before the cheap prompt limits).
+
     Raises:
-        BadRequestError, UnsupportedParameterError: see :func:`check_chat`.
         ContextLengthExceededError: the prompt and the token budget do not fit the context window.
     """
-    check_chat(body)
     prompt = render_messages(tokenizer, body.messages) if prompt is None else prompt
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
@@ -256,12 +256,12 @@ def plan_completion(
     """The request's engine jobs: ``n`` per prompt, choice ``k = prompt_index * n + i`` seeded ``seed + i``; each
     job keeps its prompt's text for the completion log. An echoed prompt with ``logprobs`` is scored first.
     ``prompts``: already tokenized; ``cap``: the largest default budget per choice when ``max_tokens`` is unset.
+    The caller has run :func:`check_completion`.
 
     Raises:
         BadRequestError, UnsupportedParameterError: see :func:`check_completion`, :func:`prompt_token_ids`.
         ContextLengthExceededError: a prompt and the token budget do not fit the context window.
     """
-    check_completion(body)
     prompts = prompt_token_ids(body, tokenizer) if prompts is None else prompts
     jobs = []
     for ids, text in zip(prompts, prompt_texts(body, prompts, texts)):
