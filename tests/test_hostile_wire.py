@@ -22,13 +22,12 @@ import numpy as np
 import pytest
 import redis
 import zstandard
-from _server import start_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from livelora.clients.errors import BadRequestError, LiveloraError
 from livelora.clients.types.tinker_ext import ForwardBackwardRequestV2
-from livelora.core.api_keys import TENANT_ROLES, KeyStore
+from livelora.core.api_keys import TENANT_ROLES
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.api.tinker_wire import WireDecodeError, schema
 from livelora.gateway.api.tinker_wire.body import decode_body, owner_fields
@@ -248,38 +247,16 @@ def test_the_sdk_encoder_output_is_strict():
 
 
 # ---------------------------------------------------------------------------------------------- live gateway
-@pytest.fixture(scope="module")
-def home(livelora_home, tmp_path_factory):
-    home = tmp_path_factory.mktemp("hostile-home")
-    (home / "models").symlink_to(livelora_home / "models", target_is_directory=True)
-    return home
-
-
-@pytest.fixture(scope="module")
-def keys(home):
-    store = KeyStore(home)
-    return {t: store.create(t, list(TENANT_ROLES), t)[1] for t in ("acme", "beta")}
-
-
-@pytest.fixture(scope="module")
-def server(home, keys):
-    from livelora.gateway.settings import GatewaySettings
-
-    live = start_server(
-        GatewaySettings(
-            model=BASE,
-            home=home,
-            device="cpu",
-            max_batch_size=2,
-            max_waiting=4,
-            redis_prefix=PREFIX,
-            executor_in_process=True,
-            max_datums_per_op=2,
-            gap_timeout_s=GAP_S,
-        )
-    )
-    yield live
-    live.stop()
+#: the harness's ``keys`` and ``server`` fixtures (tests/harness/plugin.py): two tenants on a gateway of this module
+KEYS = {t: (t, TENANT_ROLES) for t in ("acme", "beta")}
+SERVER_SETTINGS = {
+    "max_batch_size": 2,
+    "max_waiting": 4,
+    "redis_prefix": PREFIX,
+    "executor_in_process": True,
+    "max_datums_per_op": 2,
+    "gap_timeout_s": GAP_S,
+}
 
 
 def http(server, key: str) -> httpx.Client:
