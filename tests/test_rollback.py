@@ -9,11 +9,9 @@ import asyncio
 import uuid
 
 import pytest
-import torch
+from harness.seeds import saved_versions
 
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.store import AdapterStore
-from livelora.clients.types.tinker import LoraConfig
 from livelora.core.bus import connect_async
 from livelora.core.rails import sprt_thumbs, wilson_interval
 from livelora.core.redis_keys import KeyLayout
@@ -38,17 +36,7 @@ def test_sequential_test_and_interval_values():
 
 
 def test_injected_regression_rolls_back_with_no_failed_request(base_ref, tmp_path):
-    from livelora.trainer.model import TrainingModel
-
-    store = AdapterStore(tmp_path)
-    tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
-    g = torch.Generator().manual_seed(1)
-    for _ in (1, 2):
-        with torch.no_grad():
-            for k, p in tm.lora_params.items():
-                if "lora_B" in k:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-        tm.save_weights(store, EP)
+    saved_versions(base_ref, tmp_path, EP, seed=1)
     keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
     loop = asyncio.new_event_loop()
     engine = create_engine("transformers", model=base_ref.name, max_batch_size=4)
@@ -116,17 +104,7 @@ async def _generate(engine, adapter, prompt, n=6):
 def test_canary_serves_its_share_counted_and_completes_without_regression(base_ref, tmp_path):
     import random
 
-    from livelora.trainer.model import TrainingModel
-
-    store = AdapterStore(tmp_path)
-    tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
-    g = torch.Generator().manual_seed(2)
-    for _ in (1, 2):
-        with torch.no_grad():
-            for k, p in tm.lora_params.items():
-                if "lora_B" in k:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-        tm.save_weights(store, EP)
+    saved_versions(base_ref, tmp_path, EP, seed=2)
     keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
     loop = asyncio.new_event_loop()
     engine = create_engine("transformers", model=base_ref.name, max_batch_size=4)

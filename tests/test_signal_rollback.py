@@ -8,12 +8,10 @@ import asyncio
 import time
 import uuid
 
-import torch
+from harness.seeds import saved_versions
 
 from livelora.adapters.endpoints import EndpointStore
-from livelora.adapters.store import AdapterStore
 from livelora.clients.types.signals import CompletionRecord, FeedbackRequest
-from livelora.clients.types.tinker import LoraConfig
 from livelora.core.bus import connect_async, ensure_group_async
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines import create_engine
@@ -43,17 +41,7 @@ def _completion(cid: str, adapter: str) -> CompletionRecord:
 
 
 def test_thumbs_down_on_the_new_version_roll_it_back_through_the_signal_service(base_ref, tmp_path):
-    from livelora.trainer.model import TrainingModel
-
-    store = AdapterStore(tmp_path)
-    tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
-    g = torch.Generator().manual_seed(1)
-    for _ in (1, 2):
-        with torch.no_grad():
-            for k, p in tm.lora_params.items():
-                if "lora_B" in k:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-        tm.save_weights(store, EP)
+    saved_versions(base_ref, tmp_path, EP, seed=1)
     keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
     loop = asyncio.new_event_loop()
     engine = create_engine("transformers", model=base_ref.name, max_batch_size=4)

@@ -19,6 +19,21 @@ def randomize_lora_b(training_model, generator: torch.Generator, scale: float) -
                 p.copy_(torch.randn(p.shape, generator=generator) * scale)
 
 
+def saved_versions(base_ref, home: Path, lineage: str, seed: int, n: int = 2, scale: float = 0.05) -> None:
+    """``<lineage>@1 .. @n`` in the store at ``home``: a rank-2 attention-only
+    :class:`~livelora.trainer.model.TrainingModel` saved after each :func:`randomize_lora_b` draw."""
+    from livelora.adapters.store import AdapterStore
+    from livelora.clients.types.tinker import LoraConfig
+    from livelora.trainer.model import TrainingModel
+
+    store = AdapterStore(home)
+    model = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        randomize_lora_b(model, generator, scale)
+        model.save_weights(store, lineage)
+
+
 def peft_versions(
     base_ref,
     root: Path,
