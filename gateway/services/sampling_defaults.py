@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from livelora.clients.errors import UnsupportedParameterError
-from livelora.clients.types.openai import _SamplingFields
+from livelora.clients.types.openai import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ OPENAI_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "to
 #: Fields vLLM also reads from a generation config that no engine here honours, with their neutral value.
 NOT_HONOURED: dict[str, Any] = {"repetition_penalty": 1.0, "min_p": 0.0, "max_new_tokens": None}
 
-Body = TypeVar("Body", bound=_SamplingFields)
+Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
 
 
 @dataclass(frozen=True)
