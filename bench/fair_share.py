@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -128,16 +129,17 @@ async def run(args) -> None:
     tasks = [asyncio.create_task(flood(url, keys["flood"], largest, stop, counts)) for _ in range(args.flooders)]
     await asyncio.sleep(args.settle_s)
     flooded, flooded_err = await quiet_phase(url, keys["quiet"], args.requests, args.max_tokens)
-    stop.set()
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    server.should_exit = True
     print(f"shares: {'off (--no-share)' if args.no_share else 'on (defaults)'}; flood request: n={n} × {per} tokens")
     for name, times, errors in (("quiet", quiet, quiet_err), ("flooded", flooded, flooded_err)):
         print(f"{name:8}: TTFT p50 {p(times, 0.5):.3f} s  p99 {p(times, 0.99):.3f} s  errors {errors}/{args.requests}")
     print(f"p99 flooded / quiet: {p(flooded, 0.99) / p(quiet, 0.99):.2f}")
     print(f"flood requests by status: {dict(sorted(counts.items()))}")
+    sys.stdout.flush()  # the figures first: stopping the flood's long streams can take a while
+    stop.set()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    server.should_exit = True
 
 
 def main() -> None:
