@@ -92,7 +92,7 @@ class ServedRequest:
     # ------------------------------------------------------------------ the choices
     def start(self) -> None:
         """Start every job in the engine batch (the chunks come out of iterating the request)."""
-        self._choices = ChoiceStream(self.engine, self.jobs, self.target.adapter, self.id)
+        self._choices = ChoiceStream(self.engine, self.jobs, self.target.adapter, self.id, gate=self.ticket.run_slot)
 
     def __aiter__(self) -> ServedRequest:
         return self
