@@ -398,6 +398,9 @@ def test_a13_queue_full_answers_429_with_retry_after(http, live_server):
         assert int(refused.headers["retry-after"]) >= 1
     assert_error(http.post(CHAT, json={**body, "n": limit + 1}), 400, "integer_above_max_value", "n")
     assert wait_until(lambda: live_server.engine.num_unfinished_requests() == 0, 60)
+    # the disconnect cancelled choices still waiting for a batch slot: every slot and admission comes back
+    assert wait_until(lambda: live_server.admission.active == 0, 30)
+    assert live_server.admission.running.pool.total == 0 and not live_server.admission.running.waiters
 
 
 def test_a14_unknown_model_is_404_and_listed_ids_are_usable(http, client):

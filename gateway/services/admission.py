@@ -107,6 +107,8 @@ class _RunSlots:
     def dispatch(self) -> None:
         """Grant free slots: each to the allowed waiter whose tenant runs the fewest, then the oldest."""
         while self.waiters:
+            # a waiter cancelled before its task resumed still stands here with a cancelled future: drop it
+            self.waiters = [w for w in self.waiters if not w[3].done()]
             allowed = [w for w in self.waiters if self.pool.allows(w[1], w[2], 1)]
             if not allowed:
                 return
