@@ -56,6 +56,19 @@ from livelora.gateway.services.sessions.futures import Futures
 from livelora.gateway.services.sessions.op_checks import OpChecks
 from livelora.gateway.services.sessions.seq_order import SeqOrder
 
+# KEYS: seq claim, future, models set, ops stream; ARGV: claim, future record, model id, op JSON, TTL (s).
+# Claims the seq and queues its op in one step (a gateway killed between the two would leave a seq claimed with
+# nothing queued, and the model's later ops waiting); returns nil, or the earlier claim when the seq was taken.
+_CLAIM_AND_QUEUE = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[5]) then
+  return redis.call('GET', KEYS[1]) or ''
+end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[5])
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('XADD', KEYS[4], '*', 'op', ARGV[4])
+return nil
+"""
+
 
 class TrainingOps:
     """Queue training ops in seq order (dedupe, refusals, the new-model path); model records and server
@@ -78,6 +91,7 @@ class TrainingOps:
         self.max_seq_len = ctx.max_seq_len
         self.order = SeqOrder(ctx.redis, ctx.keys, ctx.settings)
         self.checks = OpChecks(ctx)
+        self._claim_and_queue = ctx.redis.register_script(_CLAIM_AND_QUEUE)
 
     async def create_model(self, req: CreateModelRequest, principal: Principal) -> UntypedAPIFuture:
         """Queue a new LoRA training model ``{session_id}:train:{model_seq_id}`` (op seq 0).
@@ -147,13 +161,26 @@ class TrainingOps:
         error: LiveloraError | None = None,
         failed: str | None = None,
     ) -> UntypedAPIFuture:
-        """Dedupe on (model_id, seq_id), create the future, XADD the op (or a ``failed`` marker + the error, or
-        the ready future record ``failed``)."""
+        """Dedupe on (model_id, seq_id); claim the seq, create the future and XADD the op (or a ``failed`` marker
+        + the error, or the ready future record ``failed``) in one Redis script."""
         digest = hashlib.sha256(json.dumps([kind, body], sort_keys=True).encode()).hexdigest()
         request_id = new_request_id(f"{model_id}:{seq_id}")
         claim = json.dumps({"request_id": request_id, "digest": digest})
-        if not await self.redis.set(self.keys.seq(model_id, seq_id), claim, nx=True, ex=self.settings.future_ttl_s):
-            first = json.loads(await self.redis.get(self.keys.seq(model_id, seq_id)) or "{}")
+        resolved = error is not None or failed is not None
+        if resolved:
+            record, kind, body = failed or future_failed(error), "failed", {}
+        else:
+            record = json.dumps({"state": "pending"})
+        op = Op(kind, seq_id, request_id, body).to_json()
+        keys = [
+            self.keys.seq(model_id, seq_id),
+            self.keys.future(request_id),
+            self.keys.models,
+            self.keys.ops(model_id),
+        ]
+        first = await self._claim_and_queue(keys=keys, args=[claim, record, model_id, op, self.settings.future_ttl_s])
+        if first is not None:  # the seq was claimed before: the same op again, or another one under its seq
+            first = json.loads(first or "{}")
             if first.get("digest") not in (None, digest):
                 return await self._failed_future(
                     model_id,
@@ -166,14 +193,8 @@ class TrainingOps:
                     ),
                 )
             return UntypedAPIFuture(request_id=first["request_id"], model_id=model_id)
-        await self.futures.create(request_id)
-        if error is not None or failed is not None:
-            await self.futures.resolve(request_id, failed or future_failed(error))
-            kind, body = "failed", {}
-        pipe = self.redis.pipeline()
-        pipe.sadd(self.keys.models, model_id)
-        pipe.xadd(self.keys.ops(model_id), {"op": Op(kind, seq_id, request_id, body).to_json()})
-        await pipe.execute()
+        if resolved:
+            await self.futures.resolve(request_id, record)  # wakes waiters (the script wrote the record)
         return UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
     async def _model_record(self, model_id: str) -> dict[str, Any] | None:
