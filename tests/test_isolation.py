@@ -674,10 +674,12 @@ def test_ops_over_the_datum_or_token_limit_are_413_and_later_ops_run(server, key
         assert done["loss_fn_outputs"] and "error" not in done
 
 
-def test_malformed_or_deeply_nested_json_is_400_on_every_route(server, keys):
+def test_malformed_nested_or_repeated_key_json_is_400_on_every_route(server, keys):
     bodies = {
         "malformed": b'{"model": [',
         "deep": b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        "repeated-key": b'{"model": "a", "model_id": "x", "model": "b"}',  # a check and a reader could differ
+        "repeated-nested-key": b'{"x": [{"completion_id": "a", "completion_id": "b"}]}',
         "deep-in-strings-is-fine": None,
     }
     with http(server, keys["acme"]) as a:
