@@ -19,7 +19,7 @@ import pytest
 
 from harness.bus import REDIS_URL, delete_prefix, new_prefix
 from harness.cluster import new_store
-from harness.engines import ENGINE_KWARGS
+from harness.engines import ENGINE_KWARGS, skip_unless_installed
 from harness.server import MODEL, TEST_SETTINGS, LiveServer, start_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,6 +196,7 @@ def engine(request, base_ref, loop):
     from livelora.gateway.engines import create_engine
 
     kind = getattr(request, "param", "transformers")
+    skip_unless_installed(kind)
     kwargs = {**ENGINE_KWARGS.get(kind, {}), **getattr(request.module, "ENGINE_OPTIONS", {})}
     eng = create_engine(kind, model=base_ref.name, **kwargs)
     eng.kind = kind
