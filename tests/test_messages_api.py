@@ -332,10 +332,10 @@ def test_keys_in_either_header_and_the_inference_role(server, keys):
 def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event():
     """After ``message_start`` a failure is one ``error`` event in Anthropic's envelope (the SDK raises it)."""
     from livelora.clients.errors import RateLimitError
-    from livelora.gateway.api.messages import MessagesEncoder
+    from livelora.gateway.api.messages import error_event
 
     for exc, kind in ((RuntimeError("engine died"), "api_error"), (RateLimitError("busy"), "rate_limit_error")):
-        [event] = list(MessagesEncoder.failure(None, exc))
+        event = error_event(exc)
         assert event["event"] == "error"
         data = json.loads(event["data"])
         assert data["type"] == "error" and data["error"]["type"] == kind and set(data["error"]) == {"type", "message"}

@@ -70,6 +70,12 @@ def _event(payload: BaseModel) -> dict[str, str]:
     return {"event": data["type"], "data": sse_data(data)}
 
 
+def error_event(exc: BaseException) -> dict[str, str]:
+    """The ``error`` event ending a stream that failed after its headers (Anthropic's envelope as its data)."""
+    err = exc if isinstance(exc, LiveloraError) else InternalError(f"generation failed: {type(exc).__name__}")
+    return {"event": "error", "data": sse_data(anthropic_error(err))}
+
+
 class MessagesEncoder:
     """Messages API shapes of one request (:class:`~livelora.gateway.api.streaming.ChoiceEncoder`, one choice)."""
 
@@ -131,8 +137,7 @@ class MessagesEncoder:
         yield _event(MessageStopEvent())
 
     def failure(self, exc: BaseException) -> Iterable[Event]:
-        err = exc if isinstance(exc, LiveloraError) else InternalError(f"generation failed: {type(exc).__name__}")
-        yield {"event": "error", "data": sse_data(anthropic_error(err))}
+        yield error_event(exc)
 
     # ------------------------------------------------------------------ JSON
     def add(self, index: int, chunk: GenerationChunk) -> None:
