@@ -46,7 +46,8 @@ REQUEST_LATENCY = Histogram(
 # ------------------------------------------------------------------ generation
 TTFT = Histogram(
     "livelora_time_to_first_token_seconds",
-    "Time from admission to a served request's first generated token (s), by route kind (chat, completion, sample).",
+    "Time from admission to a served request's first generated token (s), by route kind "
+    "(chat, completion, messages, sample).",
     ["kind"],
     buckets=_LATENCY,
 )

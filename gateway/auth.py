@@ -3,8 +3,8 @@
 :class:`AuthMiddleware` (pure ASGI, installed by ``create_app``) runs before every route: body size (413), key
 (``Authorization: Bearer`` or ``X-API-Key``; 401), role by path (:data:`POLICY`, unlisted routes need ``admin``;
 403), the principal on ``request.state``, and the owner of every training-session id a Tinker body names
-(:func:`check_owner`; 404). Each step's rules: ``docs/internals/tenancy.md``. Errors answer in the OpenAI
-envelope through the app's one handler (:func:`error_response`).
+(:func:`check_owner`; 404). Each step's rules: ``docs/internals/tenancy.md``. Errors answer in the route's
+envelope (OpenAI's; Anthropic's on the Messages API) through the app's one handler (:func:`error_response`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/api/v1/external_weights_files/[^/]+/[^/]+"), PUBLIC),  # signed URL, as above
     ("GET", re.compile(r"/api/v1/tokenizer"), AUTHENTICATED),
     ("GET", re.compile(r"/(docs|redoc|openapi\.json|docs/oauth2-redirect)"), PUBLIC),
-    ("*", re.compile(r"/v1/(chat/completions|completions|models(/.*)?)"), "inference"),
+    ("*", re.compile(r"/v1/(chat/completions|completions|models(/.*)?|messages(/count_tokens)?)"), "inference"),
     ("*", re.compile(r"/v1/(feedback|preferences|demonstrations|learning/.+)"), "feedback"),
     ("*", re.compile(r"/api/v1/.*"), "train"),
     ("*", re.compile(r"/admin(/.*)?"), "admin"),
@@ -202,7 +202,9 @@ class AuthMiddleware:
             return principal
         if principal is None:
             raise AuthenticationError(
-                "missing API key: send 'Authorization: Bearer <key>'" if not key else "invalid or revoked API key"
+                "missing API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
+                if not key
+                else "invalid or revoked API key"
             )
         if role != AUTHENTICATED and role not in principal.roles:
             raise PermissionDeniedError(
@@ -343,7 +345,7 @@ def _replay(body: bytes, receive):
 async def _send_error(scope, send, err: LiveloraError) -> None:
     from livelora.gateway.api.errors import error_response
 
-    response = error_response(err)
+    response = error_response(err, scope.get("path"))
     if isinstance(err, AuthenticationError):
         response.headers["WWW-Authenticate"] = 'Bearer realm="livelora"'
     await response(scope, _noop_receive, send)

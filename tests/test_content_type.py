@@ -13,6 +13,8 @@ import httpx
 import pytest
 from harness.server import MODEL
 
+from livelora.gateway.envelopes import is_anthropic
+
 #: POST routes that take no body at all (the tinker SDK's configuration probes).
 NO_BODY = {"/api/v1/client/config", "/api/v1/client/dynamic_config"}
 
@@ -27,6 +29,8 @@ def test_every_json_route_names_the_wrong_content_type(live_server):
     assert {
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/v1/feedback",
         "/admin/endpoints",
         "/api/v1/asample",
@@ -40,9 +44,12 @@ def test_every_json_route_names_the_wrong_content_type(live_server):
             r = httpx.post(live_server.url(path), content=body, headers={"content-type": ctype}, timeout=30)
             assert r.status_code == 400, (path, ctype, r.text)
             err = r.json()["error"]
-            assert err["code"] == "unsupported_content_type", (path, err)
             assert ctype in err["message"] and "content-type: application/json" in err["message"], err
-            assert err["type"] == "invalid_request_error" and err["param"] is None
+            assert err["type"] == "invalid_request_error"
+            if is_anthropic(path):  # Anthropic's envelope: {"type": "error", "error": {"type", "message"}}
+                assert r.json()["type"] == "error" and set(err) == {"type", "message"}, (path, err)
+            else:
+                assert err["code"] == "unsupported_content_type" and err["param"] is None, (path, err)
 
 
 @pytest.mark.parametrize("ctype", ["application/json", "application/json; charset=utf-8", "application/vnd.api+json"])

@@ -23,6 +23,7 @@ from livelora.clients.types.tinker import LoraConfig
 from livelora.core.api_keys import ROLES, TENANT_ROLES, KeyStore
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.auth import AUTHENTICATED, PUBLIC, app_routes, required_role
+from livelora.gateway.envelopes import is_anthropic
 
 LINEAGE = "acme.support"
 BASE = "smollm2-135m-instruct"
@@ -153,8 +154,13 @@ def chat(http, model="acme.prod", max_tokens=2, **kw):
 
 
 def error_of(r, status):
+    """The error object; the Messages API answers in Anthropic's envelope (whose error types are OpenAI's names
+    for 401 and 403: ``authentication_error``, ``permission_error``)."""
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()
+    if is_anthropic(r.request.url.path):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        return body["error"]
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
     return body["error"]
 

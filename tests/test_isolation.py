@@ -25,6 +25,7 @@ from livelora.clients.types.tinker import LoraConfig
 from livelora.core.api_keys import TENANT_ROLES
 from livelora.core.session_protocol import lineage_for
 from livelora.gateway.auth import app_routes
+from livelora.gateway.envelopes import is_anthropic
 
 BASE = "smollm2-135m-instruct"
 PREFIX = new_prefix("iso")
@@ -68,8 +69,14 @@ def future(c: httpx.Client, request_id: str) -> dict:
 
 
 def error_of(r: httpx.Response, status: int) -> dict:
+    """The error object, in the OpenAI envelope's keys; an answer of the Messages API must be Anthropic's envelope
+    (``{"type": "error", "error": {"type", "message"}}``; its ``param`` and ``code`` read as ``None``)."""
     assert r.status_code == status, (r.request.method, str(r.request.url), r.status_code, r.text)
-    err = r.json()["error"]
+    body = r.json()
+    if is_anthropic(r.request.url.path):
+        assert set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"}, body
+        return {**body["error"], "param": None, "code": None}
+    err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}
     return err
 
@@ -136,6 +143,7 @@ def objs(server, keys) -> dict[str, str]:
         "version": f"{lineage}@1",
         "wpath": f"tinker://{model}/weights/w1",
         "spath": f"tinker://{model}/sampler_weights/s1",
+        "base_spath": f"{BASE};tinker://{model}/sampler_weights/s1",
         "epath": f"tinker://{model}/external_weights/e1",
         "endpoint": "acme.ep",
         "cid": cid,
@@ -278,6 +286,29 @@ def test_a_dash_spelled_model_id_reaches_nothing(server, keys, objs):
         assert names == {"weights/w1", "sampler_weights/s1", "external_weights/e1"}
 
 
+def test_a_checkpoint_path_as_model_serves_its_owner_only(server, keys, objs):
+    """The path of A's sampler checkpoint names a model for A (raw URL and body); for B it is the missing one's 404;
+    a training-state path is one 400 for everyone."""
+    missing = objs["spath"].replace("/s1", "/s7")
+    chat = {"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    with http(server, keys["acme"]) as a, http(server, keys["beta"]) as b:
+        assert ok(a.get(f"/v1/models/{objs['spath']}"))["id"] == objs["spath"]
+        assert (
+            ok(a.post("/v1/chat/completions", json={"model": objs["base_spath"], **chat}))["model"]
+            == objs["base_spath"]
+        )
+        messages = set()
+        for c, model in ((b, objs["spath"]), (b, objs["base_spath"]), (b, missing), (a, missing)):
+            for r in (c.get(f"/v1/models/{model}"), c.post("/v1/chat/completions", json={"model": model, **chat})):
+                messages.add(error_of(r, 404)["message"].replace(model, "M"))
+        assert len(messages) == 1, messages
+        refused = {
+            error_of(c.post("/v1/chat/completions", json={"model": objs["wpath"], **chat}), 400)["message"]
+            for c in (a, b)
+        }
+        assert len(refused) == 1 and "save_weights_for_sampler" in refused.pop()
+
+
 def test_external_weights_urls_are_the_owners_and_need_no_key(server, keys, objs):
     """An export's file URLs: only its run's tenant gets them; fetching one needs no key (the SDK uses urllib)."""
     route = f"/api/v1/training_runs/{objs['model']}/checkpoints/external_weights/e1/external_weights_urls"
@@ -342,6 +373,14 @@ def _none(o):
 
 
 PROMPT = {"chunks": [{"tokens": [1, 2, 3]}]}
+
+
+def _model_names(o) -> list[str]:
+    """A's names a request may give as ``model``: its endpoint, its stored versions (@2: loaded by A's sampling
+    session), its sampler checkpoint's path, alone and as ``<base>;<path>``."""
+    return [o["endpoint"], o["version"], f"{o['lineage']}@2", o["spath"], o["base_spath"]]
+
+
 FB = {
     "data": [
         {
@@ -360,25 +399,23 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/redoc"): Case(_none, "own"),
     ("GET", "/health"): Case(_none, "own"),
     ("GET", "/v1/models"): Case(_none, "own"),
-    ("GET", "/v1/models/{model_id:path}"): Case(
-        lambda o: [
-            (f"/v1/models/{o['endpoint']}", None),
-            (f"/v1/models/{o['version']}", None),
-            (f"/v1/models/{o['lineage']}@2", None),
-        ]
-    ),
+    ("GET", "/v1/models/{model_id:path}"): Case(lambda o: [(f"/v1/models/{m}", None) for m in _model_names(o)]),
     ("POST", "/v1/chat/completions"): Case(
         lambda o: [
-            ("", {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
-            for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")
+            ("", {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}) for m in _model_names(o)
         ]
-    ),  # @2: loaded by A's sampling session
+    ),
+    ("POST", "/v1/messages"): Case(
+        lambda o: [
+            ("", {"model": m, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}) for m in _model_names(o)
+        ]
+    ),
+    ("POST", "/v1/messages/count_tokens"): Case(
+        lambda o: [("", {"model": m, "messages": [{"role": "user", "content": "x"}]}) for m in _model_names(o)]
+    ),
     ("GET", "/v1/learning/{endpoint}"): Case(lambda o: [(f"/v1/learning/{o['endpoint']}", None)]),
     ("POST", "/v1/completions"): Case(
-        lambda o: [
-            ("", {"model": m, "max_tokens": 1, "prompt": "x"})
-            for m in (o["endpoint"], o["version"], f"{o['lineage']}@2")
-        ]
+        lambda o: [("", {"model": m, "max_tokens": 1, "prompt": "x"}) for m in _model_names(o)]
     ),
     ("POST", "/api/v1/client/config"): Case(_none, "own"),
     ("POST", "/api/v1/client/dynamic_config"): Case(_none, "own"),
@@ -615,11 +652,14 @@ def _variants(o) -> list[tuple[str, str]]:
 
 
 def test_other_spellings_of_an_id_are_400(server, keys, objs):
+    """Every id in another spelling is 400, on the Tinker routes and as a checkpoint path named as ``model``."""
     with http(server, keys["acme"]) as a:
         for (method, path), case in CASES.items():
-            if case.expect != 404 or not path.startswith("/api/v1/"):
+            if case.expect != 404 or not path.startswith(("/api/v1/", "/v1/")):
                 continue
             for suffix, body in case.tries(objs):
+                if not path.startswith("/api/v1/") and "tinker://" not in str(body) + suffix:
+                    continue  # an OpenAI / Messages route: its ids are the checkpoint paths named as model
                 for good, bad in _variants(objs):
                     text = str(body) + suffix
                     if good not in text:
@@ -635,7 +675,11 @@ def test_other_spellings_of_an_id_are_400(server, keys, objs):
                     r = a.request(method, url, json=bad_body)
                     assert r.status_code in (400, 404, 405) and r.status_code != 200, (method, url, bad_body, r.text)
                     if r.status_code != 405 and "%" not in url:
-                        assert error_of(r, 400)["code"] in ("invalid_id", "invalid_value"), (method, url, bad_body)
+                        err = error_of(r, 400)
+                        if is_anthropic(path):  # Anthropic's envelope has no code: the message says it
+                            assert err["message"].startswith("invalid model"), (method, url, bad_body, err)
+                        else:
+                            assert err["code"] in ("invalid_id", "invalid_value"), (method, url, bad_body)
 
 
 # ---------------------------------------------------------------------------------------------- bounded work
@@ -692,7 +736,12 @@ def test_malformed_nested_or_repeated_key_json_is_400_on_every_route(server, key
                 if raw is None:
                     continue
                 r = a.request(method, url, content=raw, headers={"content-type": "application/json"})
-                assert error_of(r, 400)["code"] == "invalid_json", (method, path, what, r.text)
+                err = error_of(r, 400)
+                if is_anthropic(path):  # Anthropic's envelope: no code, the message says it
+                    assert err["type"] == "invalid_request_error", (method, path, what)
+                    assert err["message"].startswith("request body "), (method, path, what, err)
+                else:
+                    assert err["code"] == "invalid_json", (method, path, what, r.text)
     from livelora.gateway.auth import check_json_depth
 
     check_json_depth(b'{"a": "' + b"[" * 5000 + b'"}', 64)  # brackets inside strings do not count

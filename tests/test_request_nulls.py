@@ -21,6 +21,7 @@ from livelora.clients.types.nulls import NullMeansOmitted, optional_keys
 
 MODULES = [
     "livelora.clients.types.openai",
+    "livelora.clients.types.anthropic",
     "livelora.clients.types.signals",
     "livelora.clients.types.admin",
     "livelora.clients.types.tinker",
@@ -98,6 +99,8 @@ def test_every_wire_module_is_covered_and_bodies_validate():
     for expected in (
         "openai.ChatCompletionRequest",
         "openai.CompletionRequest",
+        "anthropic.MessagesRequest",
+        "anthropic.CountTokensRequest",
         "signals.FeedbackRequest",
         "signals.PreferenceRequest",
         "signals.DemonstrationRequest",
@@ -191,6 +194,13 @@ def test_generation_routes_take_null_for_every_optional_field(live_server):
     r = httpx.post(live_server.url("/v1/completions"), json=legacy, timeout=120)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 2
+    from livelora.clients.types.anthropic import MessagesRequest
+
+    messages = all_null(
+        MessagesRequest, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    )
+    r = httpx.post(live_server.url("/v1/messages"), json=messages, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] <= 2, r.text
     for path, body in (
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
         ("/v1/completions", {"prompt": "Hi"}),

@@ -28,7 +28,7 @@ from livelora.clients.types.openai import (
 )
 from livelora.gateway.api.deps import CallerDep, PrincipalDep, ServingDep, TokenTextsDep
 from livelora.gateway.api.logprobs import TokenTexts, chat_logprobs
-from livelora.gateway.api.streaming import respond, sse_data
+from livelora.gateway.api.streaming import OpenAIStreamEnd, respond, sse_data
 from livelora.gateway.engines.base import GenerationChunk
 from livelora.gateway.services.served import ServedRequest
 
@@ -50,7 +50,7 @@ async def create_chat_completion(
     return await respond(served, ChatEncoder(served, body, texts), request)
 
 
-class ChatEncoder:
+class ChatEncoder(OpenAIStreamEnd):
     """Chat shapes of one request (:class:`~livelora.gateway.api.streaming.ChoiceEncoder`): ``chat.completion``
     and ``chat.completion.chunk``; a choice's logprobs are returned only when the request asks for them."""
 

@@ -24,7 +24,7 @@ from livelora.clients.types.openai import (
 )
 from livelora.gateway.api.deps import CallerDep, PrincipalDep, ServingDep, TokenTextsDep
 from livelora.gateway.api.logprobs import TokenTexts, completion_logprobs
-from livelora.gateway.api.streaming import respond, sse_data
+from livelora.gateway.api.streaming import OpenAIStreamEnd, respond, sse_data
 from livelora.gateway.engines.base import GenerationChunk
 from livelora.gateway.services.served import ServedRequest
 
@@ -46,7 +46,7 @@ async def create_completion(
     return await respond(served, CompletionEncoder(served, body, texts), request)
 
 
-class CompletionEncoder:
+class CompletionEncoder(OpenAIStreamEnd):
     """Legacy completion shapes of one request (:class:`~livelora.gateway.api.streaming.ChoiceEncoder`): echo
     text, text offsets, token counts; streamed chunks have the response's own shape."""
 

@@ -1,9 +1,10 @@
-"""The gateway's one error handler: every failure becomes an OpenAI error envelope.
+"""The gateway's one error handler: every failure becomes an error envelope.
 
-``{"error": {"message", "type", "param", "code"}}`` with all four keys, built only from
-:class:`~livelora.clients.errors.LiveloraError`: request validation errors are 400 (never FastAPI's 422),
-Starlette's ``HTTPException`` keeps its status, anything else is 500 ``internal_error``
-(``docs/internals/wire-types.md``). Streams that already sent their headers use :func:`error_event` instead.
+``{"error": {"message", "type", "param", "code"}}`` with all four keys (Anthropic's envelope on the Messages API
+routes: :mod:`livelora.gateway.envelopes`), built only from :class:`~livelora.clients.errors.LiveloraError`:
+request validation errors are 400 (never FastAPI's 422), Starlette's ``HTTPException`` keeps its status, anything
+else is 500 ``internal_error`` (``docs/internals/wire-types.md``). Streams that already sent their headers use
+:func:`error_event` instead.
 """
 
 from __future__ import annotations
@@ -24,19 +25,21 @@ from livelora.clients.errors import (
     NotFoundError,
     UnsupportedParameterError,
 )
+from livelora.gateway.envelopes import error_body
 
 log = logging.getLogger(__name__)
 
 
-def error_response(err: LiveloraError) -> JSONResponse:
-    """The HTTP response for ``err``: its status, the envelope, ``Retry-After`` if it has one."""
+def error_response(err: LiveloraError, path: str | None = None) -> JSONResponse:
+    """The HTTP response for ``err`` on ``path``: its status, the envelope (:func:`error_body`), ``Retry-After``
+    if it has one."""
     headers: dict[str, str] = {}
     retry_after = getattr(err, "retry_after", None)
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, round(retry_after)))
     if err.status >= 500 and retry_after is None:
         headers["x-should-retry"] = "false"
-    return JSONResponse({"error": err.to_dict()}, status_code=err.status, headers=headers)
+    return JSONResponse(error_body(err, path), status_code=err.status, headers=headers)
 
 
 def error_event(err: BaseException) -> str:
@@ -126,11 +129,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _livelora(request: Request, exc: LiveloraError) -> JSONResponse:
         if exc.status >= 500:
             log.error("%s %s failed: %s", request.method, request.url.path, exc)
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc, request))
+        return error_response(validation_error(exc, request), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -146,7 +149,7 @@ def install_error_handlers(app: FastAPI) -> None:
             err.status = exc.status_code
         else:
             err = InternalError(str(exc.detail))
-        response = error_response(err)
+        response = error_response(err, request.url.path)
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         return response
@@ -154,4 +157,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(InternalError(f"internal error: {type(exc).__name__}"))
+        return error_response(InternalError(f"internal error: {type(exc).__name__}"), request.url.path)

@@ -13,6 +13,7 @@ import logging
 import time
 
 from livelora.clients.errors import UnavailableError
+from livelora.gateway.envelopes import error_body
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ class Drain:
 
 class DrainMiddleware:
     """ASGI middleware: while draining, every new HTTP request but ``GET /health`` gets 503 + ``Retry-After``
-    in the OpenAI error envelope, before any other work (authentication, body reading)."""
+    in the route's error envelope (:mod:`livelora.gateway.envelopes`), before any other work (authentication,
+    body reading)."""
 
     def __init__(self, app, drain: Drain):
         self.app = app
@@ -89,7 +91,7 @@ class DrainMiddleware:
         if scope["type"] != "http" or not self.drain.draining or scope.get("path") in _ALWAYS_SERVED:
             return await self.app(scope, receive, send)
         err = self.drain.refusal()
-        body = json.dumps({"error": err.to_dict()}).encode()
+        body = json.dumps(error_body(err, scope.get("path"))).encode()
         await send(
             {
                 "type": "http.response.start",

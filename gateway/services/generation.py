@@ -23,9 +23,13 @@ from livelora.gateway.engines.base import Engine, GenerationChunk, SamplingParam
 log = logging.getLogger(__name__)
 
 
+#: response id prefix → the route kind its metrics are labelled with
+KINDS = {"chatcmpl": "chat", "cmpl": "completion", "msg": "messages"}
+
+
 def new_id(prefix: str) -> str:
-    """``chatcmpl-<32 hex>`` / ``cmpl-<32 hex>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """``chatcmpl-<32 hex>`` / ``cmpl-<32 hex>``; ``msg_<32 hex>`` (the Messages API's spelling)."""
+    return f"{prefix}{'_' if prefix == 'msg' else '-'}{uuid.uuid4().hex}"
 
 
 def now() -> int:

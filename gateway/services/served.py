@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Response header carrying the completion id (what ``POST /v1/feedback`` takes) of a served request.
+COMPLETION_HEADER = "X-Livelora-Completion-Id"
+
 
 @dataclass
 class ServedRequest:
@@ -74,8 +77,8 @@ class ServedRequest:
 
     @property
     def headers(self) -> dict[str, str]:
-        """Response headers naming the weights that answer."""
-        return self.target.headers
+        """Response headers naming the weights that answer and the completion id (when the request has one)."""
+        return {**self.target.headers, COMPLETION_HEADER: self.id} if self.id else self.target.headers
 
     @property
     def prompts(self) -> list[list[int]]:

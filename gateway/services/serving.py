@@ -3,9 +3,11 @@
 * :func:`resolve_target` maps a request's ``model`` to the engine adapter and the version label reported to the
   client (``system_fingerprint``, the ``X-Livelora-Adapter-Version`` header): an endpoint → its current version
   (:class:`~.registry.AdapterRegistry`), the base model's name, or (open mode) an adapter loaded under its name.
-* :meth:`Serving.serve` is the one call of the chat and legacy completion routes: load a stored version the request
-  names, resolve it, plan the jobs (:mod:`.plans`), admit them, check the tenant's quota, score an echoed prompt
-  and start the choices; the :class:`~.served.ServedRequest` it returns records and meters them as they run.
+* :meth:`Serving.serve` is the one call of the chat and legacy completion routes (and of the Messages API, as the
+  chat it asks for: :meth:`Serving.serve_messages`): load a stored version or sampler checkpoint the request names
+  (:mod:`.checkpoint_names`), resolve it, plan the jobs (:mod:`.plans`), admit them, check the tenant's quota,
+  score an echoed prompt and start the choices; the :class:`~.served.ServedRequest` it returns records and meters
+  them as they run.
 * :meth:`Serving.begin` (also under :meth:`serve`; Tinker samples call it directly) admits the jobs, leases the
   version until the ticket is released and makes the completion-log recorder. It never awaits, so the leased
   version is the one that was resolved.
@@ -16,18 +18,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from livelora.clients.errors import ModelNotFoundError
+from livelora.clients.types.anthropic import CountTokensRequest, MessagesRequest
 from livelora.clients.types.openai import ChatCompletionRequest, CompletionRequest, Model
 from livelora.core.api_keys import DEFAULT_TENANT, Principal
+from livelora.core.base_models import HUB_IDS
 from livelora.core.logs import annotate
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admission import Admission
+from livelora.gateway.services.checkpoint_names import checkpoint_version
 from livelora.gateway.services.completion_log import CompletionLog, CompletionRecorder
 from livelora.gateway.services.drain import Drain
-from livelora.gateway.services.generation import Job, new_id, now
+from livelora.gateway.services.generation import KINDS, Job, new_id, now
+from livelora.gateway.services.messages import chat_messages, chat_request
 from livelora.gateway.services.plans import (
     check_chat,
     check_completion,
@@ -36,7 +42,7 @@ from livelora.gateway.services.plans import (
     plan_completion,
     prompt_token_ids,
 )
-from livelora.gateway.services.prompt_limits import chat_prompt, completion_prompts
+from livelora.gateway.services.prompt_limits import chat_prompt, completion_prompts, off_loop
 from livelora.gateway.services.sampling_defaults import for_settings
 from livelora.gateway.services.served import ServedRequest
 from livelora.gateway.services.token_texts import TokenTexts
@@ -193,6 +199,9 @@ class Serving:
         self.drain = drain
         self.metering = metering
         self.texts = TokenTexts(engine.tokenizer)
+        #: the base model's names a ``<base>;<checkpoint path>`` model may give, the served name first
+        names = (settings.model_id, settings.model, HUB_IDS.get(settings.model))
+        self.base_names: list[str] = [n for n in dict.fromkeys(names) if n]
 
     @property
     def tokenizer(self) -> Any:
@@ -202,6 +211,27 @@ class Serving:
     def resolve(self, model: str, principal: Principal | None) -> ServingTarget:
         """See :func:`resolve_target`. Raises: ModelNotFoundError (404)."""
         return resolve_target(model, self.engine, self.settings, self.registry, principal)
+
+    def checkpoint_version(self, model: str, principal: Principal | None) -> str | None:
+        """The stored version a sampler checkpoint path ``model`` names (``None``: not a path); see
+        :func:`~.checkpoint_names.checkpoint_version`. Raises: BadRequestError (400), ModelNotFoundError (404)."""
+        may_use = self.registry.on_demand.may_use if self.registry is not None else (lambda _l, _p: False)
+        return checkpoint_version(
+            model, principal, home=self.settings.home, base_names=self.base_names, may_use=may_use
+        )
+
+    async def target(self, model: str, principal: Principal | None) -> ServingTarget:
+        """The weights serving a request of ``principal`` naming ``model``: a sampler checkpoint path's stored
+        version, a stored ``<lineage>@<n>`` (loaded on demand), an endpoint, the base model; ``model`` as asked.
+
+        Raises:
+            ModelNotFoundError (404), BadRequestError (400): see :meth:`checkpoint_version`, :meth:`resolve`.
+            ConflictError, RateLimitError: see :meth:`load_on_demand`.
+        """
+        name = self.checkpoint_version(model, principal) or model
+        await self.load_on_demand(name, principal)  # then no await until begin
+        target = self.resolve(name, principal)
+        return target if name == model else replace(target, model=model)
 
     async def load_on_demand(self, model: str, principal: Principal | None) -> None:
         """Load a stored ``<lineage>@<n>`` that ``model`` names and ``principal`` may use, if it is not loaded
@@ -230,16 +260,19 @@ class Serving:
         return list_models(self.engine, self.settings, self.registry, principal)
 
     def get_model(self, model_id: str, principal: Principal | None) -> Model:
-        """One ``/v1/models`` entry by id: a listed one, or a stored ``<lineage>@<n>`` ``principal`` may name
-        (not listed: :mod:`~livelora.gateway.services.on_demand` loads it when a request names it).
+        """One ``/v1/models`` entry by id: a listed one, or a stored ``<lineage>@<n>`` or sampler checkpoint path
+        ``principal`` may name (not listed: :mod:`~livelora.gateway.services.on_demand` loads it when a request
+        names it).
 
         Raises:
-            ModelNotFoundError: unknown id (404 ``model_not_found``).
+            ModelNotFoundError: unknown id (404 ``model_not_found``). BadRequestError: see
+                :meth:`checkpoint_version` (400).
         """
         for model in self.list_models(principal):
             if model.id == model_id:
                 return model
-        manifest = self.registry.on_demand.stored(model_id, principal) if self.registry is not None else None
+        name = self.checkpoint_version(model_id, principal) or model_id
+        manifest = self.registry.on_demand.stored(name, principal) if self.registry is not None else None
         if manifest is not None:  # a stored version the caller may name (loaded on demand)
             return Model(
                 id=model_id,
@@ -267,21 +300,26 @@ class Serving:
         }
 
     async def serve(
-        self, body: ChatCompletionRequest | CompletionRequest, principal: Principal | None, *, caller: str | None
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        principal: Principal | None,
+        *,
+        caller: str | None,
+        id_prefix: str | None = None,
     ) -> ServedRequest:
-        """Serve a chat (``chatcmpl-…``) or legacy completion (``cmpl-…``) request of ``principal``: the choices run
-        in the engine batch and are recorded (for ``caller``, the tenant in key mode) and metered as the returned
-        request is iterated.
+        """Serve a chat (``chatcmpl-…``; ``id_prefix`` another id form, :data:`~.generation.KINDS`) or legacy
+        completion (``cmpl-…``) request of ``principal``: the choices run in the engine batch and are recorded (for
+        ``caller``, the tenant in key mode) and metered as the returned request is iterated.
 
         Raises:
             ModelNotFoundError: unknown ``model`` (404). ConflictError, RateLimitError: see :meth:`load_on_demand`.
-            BadRequestError, UnsupportedParameterError, ContextLengthExceededError: see :mod:`.plans` (400).
+            BadRequestError, UnsupportedParameterError, ContextLengthExceededError: see :mod:`.plans`,
+                :meth:`checkpoint_version` (400).
             RateLimitError: the gateway is busy or the tenant is over a daily token limit (429).
         """
         chat = isinstance(body, ChatCompletionRequest)
         log_ignored(body, "chat.completions" if chat else "completions")
-        await self.load_on_demand(body.model, principal)  # a stored <lineage>@<n>; then no await until begin
-        target = self.resolve(body.model, principal)  # an unknown model is reported before bad parameters
+        target = await self.target(body.model, principal)  # an unknown model is reported before bad parameters
         body = for_settings(self.settings).apply(body)  # omitted sampling fields: the model's generation_config
         who = payer(principal)
         if chat:  # cheap limits first, then the template off the event loop
@@ -297,7 +335,7 @@ class Serving:
         served = self.begin(
             target,
             plan.jobs,
-            id_prefix="chatcmpl" if chat else "cmpl",
+            id_prefix=id_prefix or ("chatcmpl" if chat else "cmpl"),
             recording=Recording(caller=caller, user=body.user, messages=messages),
             principal=principal,
             per_prompt=plan.per_prompt,
@@ -311,6 +349,29 @@ class Serving:
             served.release()
             raise
         return served
+
+    async def serve_messages(
+        self, body: MessagesRequest, principal: Principal | None, *, caller: str | None
+    ) -> ServedRequest:
+        """Serve an Anthropic Messages request (``msg_…``) as the chat it asks for (:func:`.messages.chat_request`).
+
+        Raises:
+            UnsupportedParameterError, BadRequestError: what cannot be honoured (:mod:`.messages`); else as
+                :meth:`serve`.
+        """
+        return await self.serve(chat_request(body), principal, caller=caller, id_prefix="msg")
+
+    async def count_message_tokens(self, body: CountTokensRequest, principal: Principal | None) -> int:
+        """The prompt tokens a Messages request with these messages would have (chat template included).
+
+        Raises:
+            ModelNotFoundError (404), BadRequestError (400): see :meth:`get_model`; what :mod:`.messages` refuses.
+        """
+        from livelora.gateway.chat_template import render_messages
+
+        self.get_model(body.model, principal)
+        messages = chat_messages(body)
+        return len(await off_loop(render_messages, self.tokenizer, messages))
 
     def begin(
         self,
@@ -331,10 +392,10 @@ class Serving:
             target: the weights (:meth:`resolve`, or a sampling session's).
             jobs: the engine jobs, one per choice (``per_prompt`` consecutive ones per prompt).
             param: the field named when the request asks for more sequences than the gateway admits.
-            id_prefix: ``chatcmpl`` / ``cmpl``: a new response id ``<prefix>-<32 hex>`` (``None``: no id).
+            id_prefix: ``chatcmpl`` / ``cmpl`` / ``msg``: a new response id (:func:`~.generation.new_id`; ``None``:
+                no id).
             recording: log the choices in the completion log on behalf of this caller (``None``: not logged).
-            kind: metrics label (default: ``chat`` for ``chatcmpl`` ids, ``completion`` for ``cmpl``, else
-                ``sample``).
+            kind: metrics label (default: :data:`~.generation.KINDS` of ``id_prefix``, else ``sample``).
             principal: who asks; its tenant and key pay for the tokens.
 
         Raises:
@@ -360,7 +421,7 @@ class Serving:
                 messages=recording.messages,
                 choice_prompts=[(list(job.prompt_ids), job.prompt_text) for job in jobs],
             )
-        kind = kind or {"chatcmpl": "chat", "cmpl": "completion"}.get(id_prefix or "", "sample")
+        kind = kind or KINDS.get(id_prefix or "", "sample")
         tenant_key = payer(principal)
         annotate(
             completion_id=request_id or None,

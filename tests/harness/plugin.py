@@ -241,7 +241,12 @@ LIVE_FILES = {
     "test_trainer_process.py",
 }
 SDK_FIXTURES = {"sdk"}
-SDK_FILES = {"test_sessions_tinker_sdk.py", "test_tinker_sdk_live.py", "test_tinker_wire_sdk.py"}
+SDK_FILES = {
+    "test_checkpoint_models.py",
+    "test_sessions_tinker_sdk.py",
+    "test_tinker_sdk_live.py",
+    "test_tinker_wire_sdk.py",
+}
 #: the `live` and `sdk` tests of the fast run (``pytest -m "not slow"``): ``file`` or ``file::test`` patterns
 #: (fnmatch, parameters ignored); every other `live` or `sdk` test is `slow`, `unit` tests never are
 FAST = {
