@@ -27,6 +27,7 @@ from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.auth import AuthMiddleware, check_bind
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admission import Admission
+from livelora.gateway.services.console_login import ConsoleLogins
 from livelora.gateway.services.drain import Drain, DrainMiddleware
 from livelora.gateway.services.live import start_live_loop
 from livelora.gateway.services.observe import MetricsMiddleware
@@ -99,6 +100,7 @@ def create_app(
         check_bind(settings.server.host, keys, settings.server.allow_open),
         drain=Drain(settings.server.drain_grace_s, settings.inference.retry_after_s),
     )
+    services.console = ConsoleLogins(settings.home, keys, lambda: services.auth_open)
     if services.auth_open:
         log.warning(
             "no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "

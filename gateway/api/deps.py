@@ -26,6 +26,7 @@ from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admin import GatewayAdmin
 from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.console_login import ConsoleLogins
 from livelora.gateway.services.drain import Drain
 from livelora.gateway.services.learning import LearningService
 from livelora.gateway.services.registry import AdapterRegistry
@@ -57,6 +58,7 @@ class GatewayServices:
         drain: the graceful-drain state (set by the process wiring on SIGTERM/SIGINT).
         metering: token counters and the usage report.
         learning: the learning status of endpoints (live loop).
+        console: the admin console's log-ins (sessions, CSRF tokens).
     """
 
     settings: GatewaySettings
@@ -72,6 +74,7 @@ class GatewayServices:
     drain: Drain | None = None
     metering: MeteringService | None = None
     learning: LearningService | None = None
+    console: ConsoleLogins | None = None
 
 
 def attach(app: FastAPI, services: GatewayServices) -> None:
