@@ -21,7 +21,19 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from fastapi import FastAPI
 
 from livelora.core.api_keys import KeyStore
-from livelora.gateway.api import admin, chat, completions, health, learning, models, observability, signals, tinker
+from livelora.gateway.api import (
+    admin,
+    chat,
+    completions,
+    console,
+    console_actions,
+    health,
+    learning,
+    models,
+    observability,
+    signals,
+    tinker,
+)
 from livelora.gateway.api.deps import GatewayServices, attach
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.auth import AuthMiddleware, check_bind
@@ -149,6 +161,18 @@ def create_app(
     app.add_middleware(AuthMiddleware, services=services, max_body_bytes=settings.server.max_body_bytes)
     app.add_middleware(DrainMiddleware, drain=services.drain)  # refuses before auth reads a body
     app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, 401s and 503s included
-    for module in (health, models, chat, completions, tinker, signals, learning, admin, observability):
+    for module in (
+        health,
+        models,
+        chat,
+        completions,
+        tinker,
+        signals,
+        learning,
+        admin,
+        observability,
+        console,
+        console_actions,
+    ):
         app.include_router(module.router)
     return app

@@ -56,7 +56,9 @@ class ConsoleLogins:
         self.ended_dir = self.home / "console" / "ended"
 
     def _mac(self, purpose: str, payload: str) -> str:
-        return hmac.new(store_secret(self.home, "console_secret"), f"{purpose}:{payload}".encode(), "sha256").hexdigest()
+        return hmac.new(
+            store_secret(self.home, "console_secret"), f"{purpose}:{payload}".encode(), "sha256"
+        ).hexdigest()
 
     # ------------------------------------------------------------------ log-in / log-out
     def log_in(self, key: str | None) -> tuple[str, Principal]:
@@ -79,8 +81,9 @@ class ConsoleLogins:
                     param="key",
                 )
         payload = _b64(
-            json.dumps({"sid": secrets.token_hex(16), "kid": principal.key_id, "exp": int(time.time()) + self.ttl_s})
-            .encode()
+            json.dumps(
+                {"sid": secrets.token_hex(16), "kid": principal.key_id, "exp": int(time.time()) + self.ttl_s}
+            ).encode()
         )
         return f"{payload}.{self._mac('session', payload)}", principal
 
