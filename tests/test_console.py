@@ -11,13 +11,12 @@ import httpx
 import pytest
 import torch
 from harness.bus import new_prefix
-from harness.console import CSRF, console_client, login
+from harness.console import console_client, login
 from harness.seeds import randomize_lora_b
 
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
 from livelora.core.api_keys import TENANT_ROLES
-from livelora.gateway.auth import app_routes
 
 LINEAGE = "acme.support"
 PREFIX = new_prefix("console")
@@ -78,7 +77,7 @@ def test_log_in_sets_a_signed_httponly_strict_cookie_not_the_key(server, keys, e
     assert "Secure" not in cookie  # served over plain http here: a Secure cookie would never come back
     value = re.match(r"livelora_console=([^;]+)", cookie).group(1)
     assert keys["acme"] not in value and keys["acme"].split("-")[2] not in value
-    payload, mac = value.split(".")
+    _payload, mac = value.split(".")
     assert len(mac) == 64
 
 

@@ -31,8 +31,14 @@ def loss(points: list[tuple[int, float]], title: str) -> Markup:
 
 def requests(rows: list[dict[str, Any]]) -> Markup:
     """Requests served per endpoint and version (live statistics)."""
+
+    def short(version: str) -> str:
+        return "@" + version.rsplit("@", 1)[1] if "@" in version else version
+
     return bar_chart(
-        [(f"{r['endpoint']} {r['version']}", r["requests"]) for r in rows], title="requests per endpoint and version"
+        [(f"{r['endpoint']} {short(r['version'])}", r["requests"]) for r in rows],
+        title="requests per endpoint and version",
+        y_label=lambda v: f"{v:.0f}",
     )
 
 

@@ -20,7 +20,7 @@ from markupsafe import Markup, escape
 
 #: Series colours (colour-blind safe, Okabe & Ito 2008).
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
-W, H, LEFT, RIGHT, TOP, BOTTOM = 640, 240, 56, 16, 24, 40
+W, H, LEFT, RIGHT, TOP, BOTTOM = 760, 260, 56, 24, 28, 40
 
 
 @dataclass
@@ -34,6 +34,21 @@ class Series:
 def clock(t: float) -> str:
     """A Unix time as ``MM-DD HH:MM`` (local time)."""
     return time.strftime("%m-%d %H:%M", time.localtime(t))
+
+
+def clock_for(lo: float, hi: float) -> Callable[[float], str]:
+    """Time labels that tell ticks of the span ``[lo, hi]`` (seconds) apart: seconds under an hour, minutes under
+    two days, else dates."""
+    fmt = "%H:%M:%S" if hi - lo < 3600 else "%m-%d %H:%M" if hi - lo < 2 * 86400 else "%Y-%m-%d"
+    return lambda t: time.strftime(fmt, time.localtime(t))
+
+
+def nice_top(top: float) -> float:
+    """The smallest 4 × (1, 2 or 5 × 10^k) ≥ ``top``: four gridlines at round values."""
+    if top <= 0:
+        return 1.0
+    step = 10 ** math.floor(math.log10(top / 4))
+    return 4 * next(m * step for m in (1, 2, 5, 10) if 4 * m * step >= top)
 
 
 def number(v: float) -> str:
@@ -56,6 +71,7 @@ def _frame(title: str, body: list[str], legend: Sequence[str] = ()) -> Markup:
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" '
         f'aria-label="{escape(title)}" class="chart">',
         f"<title>{escape(title)}</title>",
+        _text(W - RIGHT, 15, title, "end", 12, "#1d232a"),
         *body,
     ]
     for i, label in enumerate(legend):
@@ -81,7 +97,7 @@ def _axes(
         out.append(_text(LEFT - 4, py(y) + 4, y_label(y), "end", 10))
     for i in range(4):
         x = x0 + (x1 - x0) * i / 3
-        out.append(_text(px(x), H - BOTTOM + 14, x_label(x), "middle", 10))
+        out.append(_text(px(x), H - BOTTOM + 14, x_label(x), ("start", "middle", "middle", "end")[i], 10))
     return out, px, py
 
 
@@ -99,13 +115,25 @@ def line_chart(
     ys = [y for s in series for _, y in s.points if y is not None and math.isfinite(y)]
     if not ys:
         return _frame(title, [_text(W / 2, H / 2, "no data yet")])
+    if x_label is clock:
+        x_label = clock_for(min(xs), max(xs))
     body, px, py = _axes((min(xs), max(xs)), y_range or (min(ys), max(ys)), x_label, y_label)
     for i, (x, label) in enumerate(marks):
         body.append(
             f'<line x1="{px(x):.1f}" y1="{TOP}" x2="{px(x):.1f}" y2="{H - BOTTOM}" stroke="#888" '
             f'stroke-dasharray="4 3"><title>{escape(label)} ({escape(clock(x))})</title></line>'
         )
-        body.append(_text(px(x) + 3, TOP + 10 + 11 * (i % 3), label[:28], "start", 9, "#555"))
+        right = px(x) > W / 2  # labels right of the middle end at their line, so none runs off the chart
+        body.append(
+            _text(
+                px(x) + (-3 if right else 3),
+                TOP + 10 + 11 * (i % 3),
+                label[:32],
+                "end" if right else "start",
+                9,
+                "#555",
+            )
+        )
     for i, s in enumerate(series):
         colour, run = PALETTE[i % len(PALETTE)], []
         for x, y in [*s.points, (None, None)]:
@@ -127,7 +155,7 @@ def bar_chart(bars: Sequence[tuple[str, float]], *, title: str, y_label: Callabl
     """One bar per ``(label, value)``, labels under the bars (every n-th when crowded)."""
     if not bars:
         return _frame(title, [_text(W / 2, H / 2, "no data yet")])
-    top = max(v for _, v in bars) or 1.0
+    top = nice_top(max(v for _, v in bars))
     body, _, py = _axes((0, len(bars)), (0, top), lambda x: "", y_label)
     slot = (W - LEFT - RIGHT) / len(bars)
     every = max(1, math.ceil(len(bars) / 12))
@@ -138,7 +166,7 @@ def bar_chart(bars: Sequence[tuple[str, float]], *, title: str, y_label: Callabl
             f'fill="{PALETTE[0]}"><title>{escape(label)}: {escape(y_label(v))}</title></rect>'
         )
         if i % every == 0:
-            body.append(_text(x + slot * 0.35, H - BOTTOM + 14, label[:16], "middle", 9))
+            body.append(_text(x + slot * 0.35, H - BOTTOM + 14, label[:22], "middle", 9))
     return _frame(title, body)
 
 
