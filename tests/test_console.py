@@ -25,6 +25,7 @@ KEYS = {
     "acme": ("acme", TENANT_ROLES),
     "beta": ("beta", TENANT_ROLES),
     "acme-inference": ("acme", ("inference", "feedback")),
+    "ops": ("default", ("admin", "operator")),
 }
 SERVER_SETTINGS = {"max_batch_size": 4, "max_waiting": 8, "redis_prefix": PREFIX, "executor_in_process": True}
 PROMPT = [{"role": "user", "content": "Say something about the sea."}]
@@ -301,3 +302,17 @@ def test_the_vendored_htmx_is_the_file_its_note_names_and_ships_its_licence():
     assert "Zero-Clause BSD" in files.joinpath("static", "htmx.LICENSE").read_text()
     templates = [p.name for p in files.joinpath("templates").iterdir()]
     assert all("cdn" not in files.joinpath("templates", t).read_text().lower() for t in templates)
+
+
+def test_the_operator_sees_every_tenants_usage_and_latency_a_tenant_does_not(server, keys, endpoints):
+    chat(server, keys["beta"], "beta.ep")
+    chat(server, keys["acme"], "acme.prod")
+    with console_client(server.base_url, keys["ops"]) as o, console_client(server.base_url, keys["acme"]) as a:
+        charts = o.get("/console/charts").text
+        assert "HTTP latency of this gateway process" in charts and "POST /v1/chat/completions" in charts
+        assert "HTTP latency" not in a.get("/console/charts").text
+        usage = o.get("/console/sessions").text
+        assert "<td>acme</td>" in usage and "<td>beta</td>" in usage and "tenant beta" in usage
+        mine = a.get("/console/sessions").text
+        assert "tenant acme" in mine and "beta" not in mine
+        assert "acme.prod" not in o.get("/console/endpoints").text  # objects stay per tenant, as on /admin

@@ -105,9 +105,12 @@ def served(server, key: str, model: str) -> tuple[str, str]:
 
 
 def log_in(browser, base: str, key: str):
-    """A new browser context logged in with ``key`` (through the log-in form the console sends it to)."""
+    """A new browser context logged in with ``key`` (through the log-in form the console sends it to); every
+    message the page logs goes to ``page.logged`` (a Content-Security-Policy violation would show there)."""
     context = browser.new_context(base_url=base)
     page = context.new_page()
+    page.logged = []
+    page.on("console", lambda m: page.logged.append(m.text))
     page.goto("/console/endpoints")
     assert page.url.endswith("/console/login?next=/console/endpoints")
     page.fill("#key", key)
@@ -168,6 +171,10 @@ def test_log_in_see_promote_with_a_reason_and_roll_back(browser, site, server, k
     )
     assert served(server, keys["acme"], "acme.prod")[1] == "acme.support@1"
 
+    with page.expect_request("**/console/charts") as nav:  # htmx (hx-boost) runs under the console's CSP
+        page.click("header nav >> text=Charts")
+    assert nav.value.headers.get("hx-request") == "true"
+    expect(page.locator("h1")).to_have_text("Charts")
     for path, name in (
         (f"/console/lineages/{LINEAGE}", "lineage"),
         (f"/console/versions/{LINEAGE}@3", "version"),
@@ -180,6 +187,7 @@ def test_log_in_see_promote_with_a_reason_and_roll_back(browser, site, server, k
         shot(page, name)
     assert page.goto(f"/console/versions/{LINEAGE}@3").status == 200
     assert page.locator("#sha256").inner_text() == AdapterStore(home).get(LINEAGE, 3).sha256
+    assert not [m for m in page.logged if "Content Security Policy" in m], page.logged
     context.close()
 
 
