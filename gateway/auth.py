@@ -3,8 +3,9 @@
 :class:`AuthMiddleware` (pure ASGI, installed by ``create_app``) runs before every route: body size (413), key
 (``Authorization: Bearer`` or ``X-API-Key``; under ``/console`` the console's session cookie instead; 401), role by
 path (:data:`POLICY`, unlisted routes need ``admin``; 403), the principal on ``request.state``, and the owner of
-every training-session id a Tinker body names (:func:`check_owner`; 404). Each step's rules: ``docs/internals/tenancy.md``. Errors answer in the OpenAI
-envelope through the app's one handler (:func:`error_response`).
+every training-session id a Tinker body names (:func:`check_owner`; 404). Each step's rules:
+``docs/internals/tenancy.md``. Errors answer in the OpenAI envelope through the app's one handler
+(:func:`error_response`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ onto the Redis stream), :mod:`.learning` (an endpoint's learning status), :mod:`
 statistics, canary, rollback), :mod:`.registry` (endpoints → versions, leases), :mod:`.version_checks`,
 :mod:`.store_sync`, :mod:`.on_demand` (stored versions). Tenants — :mod:`.usage` (token metering), :mod:`.limits`
 (quotas), :mod:`.model_ceilings` (training-model ceilings), :mod:`.store_admin`, :mod:`.version_admin`,
-:mod:`.key_admin` and :mod:`.admin` (the ``/admin`` service). Admin console — :mod:`.console_login` (browser
-sessions, CSRF tokens), :mod:`.console_views` and :mod:`.console_reports` (what its pages show). Training sessions —
-:mod:`.sessions` (the Tinker API).
+:mod:`.key_admin` and :mod:`.admin` (the ``/admin`` service). Console — :mod:`.console_login` (sessions, CSRF),
+:mod:`.console_views` and :mod:`.console_reports` (its pages' data). Training sessions — :mod:`.sessions` (Tinker).
 """
