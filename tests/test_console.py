@@ -316,3 +316,26 @@ def test_the_operator_sees_every_tenants_usage_and_latency_a_tenant_does_not(ser
         mine = a.get("/console/sessions").text
         assert "tenant acme" in mine and "beta" not in mine
         assert "acme.prod" not in o.get("/console/endpoints").text  # objects stay per tenant, as on /admin
+
+
+def test_open_mode_enters_with_one_button_and_the_first_key_ends_those_sessions(tmp_path):
+    """A gateway without keys: the log-in page offers to enter, the session works (its actions still need the
+    CSRF token); once a key exists, the open session is refused and a key is asked for."""
+    from fastapi.testclient import TestClient
+
+    from livelora.core.api_keys import KeyStore
+    from livelora.gateway.app import create_app
+    from livelora.gateway.settings import GatewaySettings
+
+    app = create_app(GatewaySettings(home=tmp_path, model="smollm2-135m-instruct"))
+    web = TestClient(app)  # no lifespan: the endpoints page reads the store only
+    assert 'id="login">Enter the console' in web.get("/console/login").text
+    r = web.post("/console/login", data={}, headers={"Origin": "http://testserver"}, follow_redirects=False)
+    assert r.status_code == 303
+    page = web.get("/console/endpoints", headers={"Accept": "text/html"})
+    assert page.status_code == 200 and 'id="tenant">default<' in page.text
+    r = web.post("/console/endpoints/x/pause", data={"reason": "r"}, headers={"Origin": "http://testserver"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "csrf"
+    KeyStore(tmp_path).create("acme", ["admin"])
+    assert web.get("/console/endpoints").status_code == 401
+    assert 'id="key"' in web.get("/console/login").text

@@ -110,7 +110,7 @@ def log_in(browser, base: str, key: str):
     context = browser.new_context(base_url=base)
     page = context.new_page()
     page.logged = []
-    page.on("console", lambda m: page.logged.append(m.text))
+    page.on("console", lambda m: page.logged.append(f"{page.url}: {m.text}"))
     page.goto("/console/endpoints")
     assert page.url.endswith("/console/login?next=/console/endpoints")
     page.fill("#key", key)
