@@ -51,6 +51,9 @@ class EndpointBinding(BaseModel):
         default_factory=list,
         description="Versions a follow endpoint skips: rolled back automatically (live statistics).",
     )
+    learning_paused: bool = Field(
+        default=False, description="No training step for its lineage while set: signals stay queued (admin pause)."
+    )
 
     @property
     def thresholds(self) -> GateThresholds:
@@ -76,7 +79,18 @@ class HistoryEntry(BaseModel):
     tenant: str | None
     endpoint: str
     action: Literal[
-        "create", "promote", "rollback", "gate", "configure", "forget", "quarantine", "auto_rollback", "canary", "prune"
+        "create",
+        "promote",
+        "rollback",
+        "gate",
+        "configure",
+        "forget",
+        "quarantine",
+        "auto_rollback",
+        "canary",
+        "prune",
+        "pause",
+        "resume",
     ]
     from_: str | None = Field(default=None, alias="from")
     to: str
@@ -284,6 +298,27 @@ class EndpointStore:
 
         new, entry = self._change(endpoint, update, who=who, action="configure", reason=reason, tenant=tenant)
         return new, entry
+
+    def set_learning(
+        self, endpoint: str, paused: bool, *, tenant: str, who: str, reason: str = ""
+    ) -> tuple[EndpointBinding, HistoryEntry]:
+        """Pause (``paused``) or resume the training of an endpoint's lineage; recorded as ``pause``/``resume``.
+        While any endpoint of a lineage is paused, trainers keep its signals queued and take no step.
+
+        Raises:
+            NotFoundError: unknown endpoint (or another tenant's).
+        """
+        binding = self._visible(endpoint, tenant)
+
+        def update(old):
+            return (old or binding).model_copy(update={"learning_paused": paused})
+
+        action = "pause" if paused else "resume"
+        return self._change(endpoint, update, who=who, action=action, reason=reason, tenant=tenant)
+
+    def paused_lineages(self) -> set[str]:
+        """Lineages with an endpoint whose learning is paused (:meth:`set_learning`)."""
+        return {b.lineage for b in self.all().values() if b.learning_paused}
 
     def _change(
         self, endpoint: str, update, *, who: str, action: str, reason: str, tenant: str | None

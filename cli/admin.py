@@ -31,8 +31,6 @@ from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, Te
 from rich.table import Table
 from rich.text import Text
 
-from livelora.core.api_keys import ROLES
-
 out = Console()
 err = Console(stderr=True)
 
@@ -40,7 +38,6 @@ endpoints_app = typer.Typer(
     help="Named serving targets: list, create, promote, roll back, audit history.", no_args_is_help=True
 )
 adapters_app = typer.Typer(help="Stored adapter versions: list, show, export, delete.", no_args_is_help=True)
-keys_app = typer.Typer(help="API keys (stored hashed; each has a tenant and roles).", no_args_is_help=True)
 
 _Url = Annotated[str, typer.Option(envvar="LIVELORA_URL", help="Gateway base URL (HTTP mode).")]
 _Key = Annotated[str | None, typer.Option(envvar="LIVELORA_API_KEY", help="Admin API key (HTTP mode).")]
@@ -159,6 +156,14 @@ class Backend:
             self.notify(name)
             return entry.model_dump(mode="json", by_alias=True)
         return self.http("POST", f"/admin/endpoints/{name}/rollback", json={"reason": reason})["history"]
+
+    def set_learning(self, name: str, paused: bool, reason: str) -> dict:
+        if self.home:
+            entry = self.local.set_learning(name, paused, who=self.who, reason=reason)
+            self.notify(name)
+            return entry.model_dump(mode="json", by_alias=True)
+        action = "pause" if paused else "resume"
+        return self.http("POST", f"/admin/endpoints/{name}/{action}", json={"reason": reason})["history"]
 
     def set_gate(self, name: str, thresholds: dict | None, reason: str) -> dict:
         if self.home:
@@ -292,6 +297,7 @@ def endpoints_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, hom
     table = Table(title=e["name"], show_header=False)
     for key in ("lineage", "mode", "serving", "rollback_to", "tenant"):
         table.add_row(key.replace("_", " "), str(e.get(key) or "-"))
+    table.add_row("learning paused", "yes" if e.get("learning_paused") else "no")
     learning = _run(lambda: backend.learning(name))
     table.add_row(
         "learning", LearningStatus.model_validate(learning).summary() if learning else "- (Redis unreachable)"
@@ -350,6 +356,28 @@ def endpoints_rollback(
 ) -> None:
     """Return an endpoint to the version it served before its last promotion."""
     _print_change(_run(lambda: Backend(url, api_key, home).rollback(name, reason)))
+
+
+@endpoints_app.command("pause")
+def endpoints_pause(
+    name: str, reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None
+) -> None:
+    """Stop training the endpoint's lineage (its signals stay queued; serving is unchanged) until resume."""
+    entry = _run(lambda: Backend(url, api_key, home).set_learning(name, True, reason))
+    out.print(f"[bold]{entry['endpoint']}[/]: learning paused by {entry['who']}" + _why(entry))
+
+
+@endpoints_app.command("resume")
+def endpoints_resume(
+    name: str, reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None
+) -> None:
+    """Train the endpoint's lineage again (the queued signals first)."""
+    entry = _run(lambda: Backend(url, api_key, home).set_learning(name, False, reason))
+    out.print(f"[bold]{entry['endpoint']}[/]: learning resumed by {entry['who']}" + _why(entry))
+
+
+def _why(entry: dict) -> str:
+    return f" ({entry['reason']!r})" if entry["reason"] else ""
 
 
 @endpoints_app.command("history")
@@ -525,56 +553,10 @@ def adapters_delete(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, ho
     out.print(f"deleted {name}")
 
 
-# ====================================================================================== keys
-@keys_app.command("create")
-def keys_create(
-    roles: Annotated[
-        str, typer.Option(help=f"Comma list of {', '.join(ROLES)} (operator: with --home only).")
-    ] = "inference,feedback",
-    tenant: Annotated[
-        str | None,
-        typer.Option(
-            help="Tenant (with --home any, default 'default'; over HTTP the admin key's own tenant, the default)."
-        ),
-    ] = None,
-    name: Annotated[str, typer.Option(help="Label for lists and audit logs.")] = "",
-    url: _Url = DEFAULT_URL,
-    api_key: _Key = None,
-    home: _HomeOpt = None,
-) -> None:
-    """Create a key; it is printed once and only its sha256 is stored."""
-    role_list = [r.strip() for r in roles.split(",") if r.strip()]
-    k = _run(lambda: Backend(url, api_key, home).create_key(role_list, tenant, name))
-    err.print(
-        f"key [bold]{k['id']}[/] for tenant [cyan]{k['tenant']}[/], roles {', '.join(k['roles'])}. "
-        "Store it now: it cannot be shown again."
-    )
-    typer.echo(k["key"])
-
-
-@keys_app.command("list")
-def keys_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
-    """Keys (ids, tenants, roles; never the keys themselves)."""
-    rows = _run(lambda: Backend(url, api_key, home).list_keys())
-    table = Table(title="API keys")
-    for col in ("id", "name", "tenant", "roles", "created", "revoked"):
-        table.add_column(col)
-    for k in rows:
-        table.add_row(
-            k["id"], k["name"] or "-", k["tenant"], ",".join(k["roles"]), _when(k["created"]), _when(k["revoked"])
-        )
-    out.print(table)
-
-
-@keys_app.command("revoke")
-def keys_revoke(key_id: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
-    """Revoke a key (every gateway refuses it from its next request)."""
-    k = _run(lambda: Backend(url, api_key, home).revoke_key(key_id))
-    out.print(f"revoked {k['id']} (tenant {k['tenant']})")
-
-
 def register(app: typer.Typer) -> None:
     """Add ``endpoints``, ``adapters`` and ``keys`` to the root ``livelora`` app."""
     app.add_typer(endpoints_app, name="endpoints")
     app.add_typer(adapters_app, name="adapters")
+    from livelora.cli.admin_keys import keys_app
+
     app.add_typer(keys_app, name="keys")

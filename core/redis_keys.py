@@ -63,6 +63,11 @@ class KeyLayout:
         overwrites its field, so each (completion, rater) counts once."""
         return f"{self.prefix}stats:{endpoint}:ratings:{version}"
 
+    def version_rated_at(self, endpoint: str, version: str) -> str:
+        """``{prefix}stats:{endpoint}:rated_at:{version}``: hash rating key → Unix s of its latest rating (the
+        fields of :meth:`version_ratings`, for liked share over time)."""
+        return f"{self.prefix}stats:{endpoint}:rated_at:{version}"
+
     def learning(self, lineage: str) -> str:
         """``{prefix}learning:lineage:{lineage}``: where the lineage's next version stands (JSON, SET by the trainer
         at each stage change; ``trainer/learning_status.py``)."""

@@ -25,6 +25,8 @@ from livelora.gateway.api import (
     admin,
     chat,
     completions,
+    console,
+    console_actions,
     health,
     learning,
     messages,
@@ -38,6 +40,7 @@ from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.auth import AuthMiddleware, check_bind
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admission import Admission
+from livelora.gateway.services.console_login import ConsoleLogins
 from livelora.gateway.services.drain import Drain, DrainMiddleware
 from livelora.gateway.services.live import start_live_loop
 from livelora.gateway.services.observe import MetricsMiddleware
@@ -110,6 +113,7 @@ def create_app(
         check_bind(settings.server.host, keys, settings.server.allow_open),
         drain=Drain(settings.server.drain_grace_s, settings.inference.retry_after_s),
     )
+    services.console = ConsoleLogins(settings.home, keys, lambda: services.auth_open)
     if services.auth_open:
         log.warning(
             "no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "
@@ -158,6 +162,19 @@ def create_app(
     app.add_middleware(AuthMiddleware, services=services, max_body_bytes=settings.server.max_body_bytes)
     app.add_middleware(DrainMiddleware, drain=services.drain)  # refuses before auth reads a body
     app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, 401s and 503s included
-    for module in (health, models, chat, completions, messages, tinker, signals, learning, admin, observability):
+    for module in (
+        health,
+        models,
+        chat,
+        completions,
+        messages,
+        tinker,
+        signals,
+        learning,
+        admin,
+        observability,
+        console,
+        console_actions,
+    ):
         app.include_router(module.router)
     return app

@@ -1,10 +1,11 @@
 """Who may call what: API keys → principal (tenant + roles), the route policy, body-size limits.
 
 :class:`AuthMiddleware` (pure ASGI, installed by ``create_app``) runs before every route: body size (413), key
-(``Authorization: Bearer`` or ``X-API-Key``; 401), role by path (:data:`POLICY`, unlisted routes need ``admin``;
-403), the principal on ``request.state``, and the owner of every training-session id a Tinker body names
-(:func:`check_owner`; 404). Each step's rules: ``docs/internals/tenancy.md``. Errors answer in the route's
-envelope (OpenAI's; Anthropic's on the Messages API) through the app's one handler (:func:`error_response`).
+(``Authorization: Bearer`` or ``X-API-Key``; under ``/console`` the console's session cookie instead; 401), role by
+path (:data:`POLICY`, unlisted routes need ``admin``; 403), the principal on ``request.state``, and the owner of
+every training-session id a Tinker body names (:func:`check_owner`; 404). Each step's rules:
+``docs/internals/tenancy.md``. Errors answer in the route's envelope (OpenAI's; Anthropic's on the Messages API)
+through the app's one handler (:func:`error_response`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ POLICY: list[tuple[str, re.Pattern[str], str]] = [
     ("*", re.compile(r"/v1/(feedback|preferences|demonstrations|learning/.+)"), "feedback"),
     ("*", re.compile(r"/api/v1/.*"), "train"),
     ("*", re.compile(r"/admin(/.*)?"), "admin"),
+    ("*", re.compile(r"/console/login"), PUBLIC),  # the log-in form and its POST (the key is in the form)
+    ("GET", re.compile(r"/console/static/[^/]+"), PUBLIC),  # the console's own CSS and htmx
+    ("*", re.compile(r"/console(/.*)?"), "admin"),  # the session cookie's key must hold the role
 ]
+#: Paths whose credential is the console's session cookie, not a key header (:mod:`.services.console_login`).
+CONSOLE = re.compile(r"/console(/.*)?")
 
 
 def required_role(method: str, path: str, *, metrics_key: bool = False) -> str:
@@ -193,9 +199,11 @@ class AuthMiddleware:
             scope.get("path", ""),
             metrics_key=services.settings.observability.metrics_require_key,
         )
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if CONSOLE.fullmatch(scope.get("path", "")):
+            return self.console_principal(scope, headers, role)
         if services.auth_open:
             return OPEN_PRINCIPAL
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         key = bearer_key(headers)
         principal = keys.verify(key)
         if role == PUBLIC:
@@ -211,6 +219,33 @@ class AuthMiddleware:
                 f"this key (tenant {principal.tenant!r}, roles "
                 f"{', '.join(sorted(principal.roles))}) lacks the {role!r} role needed "
                 f"for {scope.get('method')} {scope.get('path')}"
+            )
+        return principal
+
+    def console_principal(self, scope, headers: dict[str, str], role: str) -> Principal | None:
+        """The caller of a ``/console`` request: the key of its session cookie, as the key store says now (open
+        mode too: a console action needs the session's CSRF token). Public console paths need none.
+
+        Raises:
+            AuthenticationError: no valid session (401; a browser is sent to the log-in page instead).
+            PermissionDeniedError: the session's key lacks the route's role (403).
+        """
+        from starlette.requests import cookie_parser
+
+        from livelora.gateway.services.console_login import COOKIE
+
+        token = cookie_parser(headers.get("cookie", "")).get(COOKIE)
+        logins = self.services.console
+        principal = logins.principal(token) if logins is not None and token else None
+        if role == PUBLIC:
+            return principal
+        if principal is None:
+            raise AuthenticationError(
+                "no console session (or it expired, was ended, or its key was revoked): log in at /console/login"
+            )
+        if role != AUTHENTICATED and role not in principal.roles:
+            raise PermissionDeniedError(
+                f"this key (tenant {principal.tenant!r}) lacks the {role!r} role needed for {scope.get('path')}"
             )
         return principal
 
@@ -346,9 +381,28 @@ async def _send_error(scope, send, err: LiveloraError) -> None:
     from livelora.gateway.api.errors import error_response
 
     response = error_response(err, scope.get("path"))
+    path = scope.get("path", "")
+    if isinstance(err, AuthenticationError) and CONSOLE.fullmatch(path) and path != "/console/login":
+        response = _console_login_redirect(scope, path) or response
     if isinstance(err, AuthenticationError):
         response.headers["WWW-Authenticate"] = 'Bearer realm="livelora"'
     await response(scope, _noop_receive, send)
+
+
+def _console_login_redirect(scope, path: str):
+    """A browser without a console session goes to the log-in page (htmx: ``HX-Redirect``); other clients get
+    the 401 envelope."""
+    from urllib.parse import quote
+
+    from starlette.responses import RedirectResponse, Response
+
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    target = "/console/login?next=" + quote(path)
+    if headers.get("hx-request"):
+        return Response(status_code=401, headers={"HX-Redirect": target})
+    if scope.get("method") == "GET" and "text/html" in headers.get("accept", ""):
+        return RedirectResponse(target, status_code=303)
+    return None
 
 
 async def _noop_receive():

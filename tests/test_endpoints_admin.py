@@ -14,6 +14,7 @@ import pytest
 import redis
 import torch
 from harness.bus import new_prefix
+from harness.console import console_client, login
 from harness.seeds import randomize_lora_b
 from harness.server import start_server
 from typer.testing import CliRunner
@@ -181,12 +182,36 @@ def _fill(path: str) -> str:
         ("{model_id}", "nosession:train:0"),
         ("{checkpoint_id:path}", "x"),
         ("{sampler_id}", "nosession:sample:0"),
+        ("{lineage}", "acme.support"),
         ("{token}", "forged.0000"),
         ("{file_name}", "adapter_config.json"),
     ):
         out = out.replace(name, value)
     assert "{" not in out, path
     return out
+
+
+def console_roles(server, keys, method: str, url: str, role: str) -> None:
+    """A console route's credential is a session made by logging in with a key: no, a bad or a revoked key is
+    401 at log-in, a key without ``admin`` 403; an admin key's session reaches the route (anything but 401/403),
+    and the route without a session is 401."""
+    for who in ("none", "bad", "revoked", *ROLES):
+        key = {"none": None, "bad": "tml-000000000000-not-a-key"}.get(who, keys.get(who))
+        r = login(server.base_url, key)
+        if who in ("none", "bad", "revoked"):
+            assert error_of(r, 401)["type"] == "authentication_error", (url, who)
+        elif who not in (role, "admin"):
+            assert error_of(r, 403)["type"] == "permission_error", (url, who)
+        else:
+            assert r.status_code == 303, (url, who, r.text)
+    if url == "/console/login":
+        return
+    with console_client(server.base_url, keys["admin"]) as c:
+        form = {"version": "acme.support@99", "reason": "roles", "format": "bogus", "user": "nobody"}
+        url = url.replace("acme.prod", "acme.nope") if method == "POST" else url  # an action changes nothing
+        r = c.request(method, url, data=form if method == "POST" else None)
+        assert r.status_code not in (401, 403), (method, url, r.status_code, r.text)
+    assert error_of(httpx.request(method, server.base_url + url), 401)["type"] == "authentication_error"
 
 
 def test_every_route_answers_401_403_by_role(server, keys):
@@ -202,11 +227,16 @@ def test_every_route_answers_401_403_by_role(server, keys):
             body = {"roles": []}  # a valid admin call would mint a key: an invalid body still proves access
         if "promote" in path or "rollback" in path or path.endswith("/export"):
             body = {"version": "nope"} if "promote" in path else {"format": "bogus"}
+        if path.startswith("/console") and (role != PUBLIC or path == "/console/login"):
+            console_roles(server, keys, method, url, role)
+            continue
         for who in ("none", "bad", "revoked", *ROLES):
             key = {"none": None, "bad": "tml-000000000000-not-a-key"}.get(who, keys.get(who))
             with client(server, key) as http:
                 if method == "DELETE" and "/adapters/" in path and who == "admin":
                     url_used = url.replace("acme.support@1", "acme.support@99")
+                elif path.endswith(("/pause", "/resume")) and who == "admin":  # reaches the route, changes nothing
+                    url_used = url.replace("acme.prod", "acme.nope")
                 else:
                     url_used = url
                 r = http.request(method, url_used, json=body)

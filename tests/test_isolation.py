@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from harness.bus import new_prefix
+from harness.console import console_client
 
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
@@ -53,7 +54,12 @@ SERVER_SETTINGS = {
 
 
 def http(server, key: str) -> httpx.Client:
-    return httpx.Client(base_url=server.base_url, timeout=120, headers={"X-API-Key": key})
+    """A client with ``key`` in its headers, also logged into the console with it (cookie, CSRF token, Origin)."""
+    return console_client(server.base_url, key, headers={"X-API-Key": key})
+
+
+class Form(dict):
+    """A try's body sent as an HTML form (the console's POST routes), not as JSON."""
 
 
 def ok(r: httpx.Response, status: int = 200) -> dict:
@@ -572,6 +578,12 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/api/v1/auth/apikey/me"): Case(_none, "own"),
     ("DELETE", "/api/v1/auth/apikey/me"): Case(_none, "own"),
     # update-safety rails
+    ("POST", "/admin/endpoints/{name:path}/pause"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/pause", {"reason": "b"})]
+    ),
+    ("POST", "/admin/endpoints/{name:path}/resume"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/resume", {"reason": "b"})]
+    ),
     ("GET", "/admin/endpoints/{name:path}/stats"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/stats", None)]),
     ("PUT", "/admin/endpoints/{name:path}/gate"): Case(
         lambda o: [(f"/admin/endpoints/{o['endpoint']}/gate", {"reset": True, "reason": "b"})]
@@ -583,6 +595,33 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/admin/quotas"): Case(lambda o: [("", None), ("?tenant=acme", None)], "own"),
     ("PUT", "/admin/quotas"): Case(lambda o: [("", {"tenant": "nosuch", "max_sessions": 3})], "own"),
     ("GET", "/metrics"): Case(_none, "own"),
+    # the admin console (HTML; its credential is the session cookie the client logged in with)
+    ("GET", "/console"): Case(_none, "own"),
+    ("GET", "/console/login"): Case(_none, "own"),
+    ("POST", "/console/login"): Case(lambda o: [("", Form(key="tml-000000000000-not-a-key"))], 401),
+    ("POST", "/console/logout"): Case(lambda o: [("", Form(csrf_token="0"))], "own"),  # a wrong token: 403
+    ("GET", "/console/static/{name}"): Case(
+        lambda o: [("/console/static/htmx.min.js", None), ("/console/static/svg.py", None)], "own"
+    ),
+    ("GET", "/console/endpoints"): Case(_none, "own"),
+    ("GET", "/console/endpoints/{name:path}"): Case(lambda o: [(f"/console/endpoints/{o['endpoint']}", None)]),
+    ("GET", "/console/lineages/{lineage}"): Case(lambda o: [(f"/console/lineages/{o['lineage']}", None)]),
+    ("GET", "/console/versions/{name}"): Case(lambda o: [(f"/console/versions/{o['version']}", None)]),
+    ("GET", "/console/charts"): Case(_none, "own"),
+    ("GET", "/console/feedback"): Case(_none, "own"),
+    ("GET", "/console/sessions"): Case(_none, "own"),
+    **{
+        ("POST", f"/console/endpoints/{{name:path}}/{action}"): Case(
+            lambda o, action=action: [
+                (f"/console/endpoints/{o['endpoint']}/{action}", Form(version=o["version"], reason="b"))
+            ]
+        )
+        for action in ("promote", "follow", "rollback", "pause", "resume")
+    },
+    ("POST", "/console/versions/{name}/export"): Case(
+        lambda o: [(f"/console/versions/{o['version']}/export", Form(format="peft"))]
+    ),
+    ("POST", "/console/users/forget"): Case(lambda o: [("", Form(user="someone", reason="b"))], "own"),
 }
 
 
@@ -614,14 +653,15 @@ def test_another_tenant_gets_404_on_every_route(server, keys, objs, who):
     with http(server, keys[who]) as c:
         for (method, path), case in CASES.items():
             for suffix, body in case.tries(objs):
-                r = c.request(method, _url(path, suffix), json=body)
+                sent = {"data": body} if isinstance(body, Form) else {"json": body}
+                r = c.request(method, _url(path, suffix), **sent)
                 where = (who, method, path, suffix, r.status_code, r.text[:300])
                 assert r.status_code < 500, where
                 assert str(server.services.settings.home) not in r.text, where
                 if case.expect == "own":
                     asked = suffix + str(body)  # a name B gave may be echoed; no other of A's may appear
                     assert not any(s in r.text for s in secrets if s not in asked), where
-                    assert r.status_code in (200, 201, 400, 403, 404, 409, 422), where
+                    assert r.status_code in (200, 201, 303, 400, 403, 404, 409, 422), where
                 else:
                     err = error_of(r, case.expect)
                     banned = ("'acme'", "acme's", "tenant acme", str(server.services.settings.home))

@@ -478,3 +478,31 @@ def test_live_loop_prunes_oldest_unused_versions_and_holds_back_when_none_can_go
     [n9] = worker.poll()
     assert n9.name == "acme.qlin@9" and len(store.version_numbers("acme.qlin")) == 7
     worker.close()
+
+
+def test_a_paused_lineage_keeps_its_ratings_queued_until_resumed(bus, base_ref, pair_tokens, tmp_path):
+    """An admin's pause (``POST /admin/endpoints/{name}/pause``) holds the lineage's due batch in the queue (no
+    version, the entries stay pending); after resume the same ratings train one version."""
+    from livelora.adapters.endpoints import EndpointStore
+
+    client, keys = bus
+    (p1, c1), (p2, c2) = pair_tokens
+    store = EndpointStore(tmp_path)
+    store.create("held", "held-l", tenant="default", who="t")
+    store.set_learning("held", True, tenant="default", who="t", reason="reviewing the ratings")
+    assert store.paused_lineages() == {"held-l"} and store.history("held")[-1].action == "pause"
+    ids = [
+        xadd(client, keys, rating("held", p, c, up, f"chatcmpl-h{i}"))
+        for i, (p, c, up) in enumerate([(p1, c1, True), (p2, c2, False)])
+    ]
+    backend = OnlineTrainer(base_ref, tmp_path, TrainingSection(kto_lr=1e-3))
+    worker = TrainerWorker(
+        client, keys, tmp_path, backend, BatchScheduler(TrainingSection(kto_min_batch=2)), consumer="w1", block_ms=100
+    )
+    assert worker.poll() == [] and worker.poll() == []
+    assert AdapterStore(tmp_path).list("held-l") == [] and pending(client, keys) == 2
+    assert worker.scheduler.queued("held-l")["kto"][0] == 2
+    store.set_learning("held", False, tenant="default", who="t", reason="looks fine")
+    [notice] = worker.poll()
+    assert notice.name == "held-l@1" and AdapterStore(tmp_path).get("held-l", 1).metrics["events:sum"] == 2
+    assert pending(client, keys) == 0 and len(ids) == 2

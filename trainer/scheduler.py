@@ -123,13 +123,14 @@ class BatchScheduler:
     def __len__(self) -> int:
         return sum(len(q.items) for q in self._queues.values())
 
-    def due(self, now: float) -> list[Batch]:
-        """Remove and return the batches ready at ``now`` (seconds, same clock as :meth:`add`)."""
+    def due(self, now: float, hold: set[str] | frozenset[str] = frozenset()) -> list[Batch]:
+        """Remove and return the batches ready at ``now`` (seconds, same clock as :meth:`add`); the queues of the
+        lineages in ``hold`` (learning paused by an admin) stay as they are."""
         c = self.config
         out: list[Batch] = []
         for (lineage, kind), q in self._queues.items():
             n = len(q.items)
-            if n == 0:
+            if n == 0 or lineage in hold:
                 continue
             threshold = {"kto": c.kto_min_batch, "sft": c.sft_min_batch, "dpo": c.dpo_min_batch}[kind]
             floor = 2 if kind == "kto" else 1

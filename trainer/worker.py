@@ -225,7 +225,8 @@ class TrainerWorker:
         self._ingest(self.claims.read_new(self.read_count, self.block_ms if block_ms is None else block_ms))
         self._hand_off_lonely()
         out = []
-        for batch in self.scheduler.due(self.clock()):
+        paused = self.endpoints.paused_lineages() if len(self.scheduler) else set()  # an admin's pause
+        for batch in self.scheduler.due(self.clock(), hold=paused):
             if self.room is not None and self.room.waiting(batch, self.clock()):
                 continue  # held back by max_adapter_versions (trainer/retention.py)
             batch = self._screen(batch)

@@ -52,6 +52,12 @@ class RollbackRequest(_Request):
     reason: str = Field("", max_length=1000, description="Audit-log note.")
 
 
+class LearningPauseRequest(_Request):
+    """Body of ``POST /admin/endpoints/{name}/pause`` and ``.../resume``."""
+
+    reason: str = Field("", max_length=1000, description="Audit-log note.")
+
+
 class GateRequest(_Request):
     """``PUT /admin/endpoints/{name}/gate``: the endpoint's evaluation-gate thresholds (docs/rails.md;
     names and defaults: ``GateThresholds`` in ``core/rails.py``). Give ``thresholds`` or ``reset``."""

@@ -57,6 +57,9 @@ class LearningStatus(BaseModel):
     )
     eta_basis: str | None = Field(default=None, description="How eta_s was estimated.")
     updated: float | None = Field(default=None, description="When the trainer last reported.")
+    paused: bool = Field(
+        default=False, description="An admin paused the lineage's learning: signals stay queued, no step starts."
+    )
 
     def summary(self) -> str:
         """One line for people, e.g. ``waiting: 3 of 8 ratings (5 more start a step)``."""
@@ -74,6 +77,8 @@ class LearningStatus(BaseModel):
             s = f"published {self.version}"
         else:
             s = f"rejected {self.version}: {self.reason}"
+        if self.paused:
+            return s + "; learning paused by an admin (signals stay queued)"
         if self.eta_s is not None:
             s += f"; next version in about {self.eta_s:.0f} s"
         return s

@@ -15,6 +15,7 @@ from livelora.clients.types.admin import (
     ExportRequest,
     ForgetRequest,
     GateRequest,
+    LearningPauseRequest,
     PromoteRequest,
     RollbackRequest,
 )
@@ -59,6 +60,20 @@ async def promote(name: str, body: PromoteRequest, admin: AdminDep) -> dict:
 async def rollback(name: str, body: RollbackRequest, admin: AdminDep) -> dict:
     """Back to the version served before the last promotion."""
     entry, endpoint = await admin.rollback(name, reason=body.reason)
+    return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": endpoint}
+
+
+@router.post("/endpoints/{name:path}/pause")
+async def pause_learning(name: str, body: LearningPauseRequest, admin: AdminDep) -> dict:
+    """Stop training the endpoint's lineage (signals stay queued) until ``resume``; serving is unchanged."""
+    entry, endpoint = await admin.set_learning(name, True, reason=body.reason)
+    return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": endpoint}
+
+
+@router.post("/endpoints/{name:path}/resume")
+async def resume_learning(name: str, body: LearningPauseRequest, admin: AdminDep) -> dict:
+    """Train the endpoint's lineage again (the queued signals first)."""
+    entry, endpoint = await admin.set_learning(name, False, reason=body.reason)
     return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": endpoint}
 
 

@@ -26,6 +26,8 @@ from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.admin import GatewayAdmin
 from livelora.gateway.services.admission import Admission
 from livelora.gateway.services.completion_log import CompletionLog
+from livelora.gateway.services.console_login import ConsoleLogins
+from livelora.gateway.services.console_views import ConsoleContext
 from livelora.gateway.services.drain import Drain
 from livelora.gateway.services.learning import LearningService
 from livelora.gateway.services.registry import AdapterRegistry
@@ -57,6 +59,7 @@ class GatewayServices:
         drain: the graceful-drain state (set by the process wiring on SIGTERM/SIGINT).
         metering: token counters and the usage report.
         learning: the learning status of endpoints (live loop).
+        console: the admin console's log-ins (sessions, CSRF tokens).
     """
 
     settings: GatewaySettings
@@ -72,6 +75,7 @@ class GatewayServices:
     drain: Drain | None = None
     metering: MeteringService | None = None
     learning: LearningService | None = None
+    console: ConsoleLogins | None = None
 
 
 def attach(app: FastAPI, services: GatewayServices) -> None:
@@ -184,6 +188,32 @@ def get_admin(services: ServicesDep, principal: PrincipalDep) -> GatewayAdmin:
     return GatewayAdmin(services.settings.home, principal, services.registry)
 
 
+def get_console_logins(services: ServicesDep) -> ConsoleLogins:
+    if services.console is None:  # wiring bug
+        raise InternalError("console routes are mounted without console log-ins")
+    return services.console
+
+
+def get_console(
+    services: ServicesDep,
+    principal: PrincipalDep,
+    admin: Annotated[GatewayAdmin, Depends(get_admin)],
+    public_url: Annotated[str, Depends(get_public_url)],
+) -> ConsoleContext:
+    """What one console page reads with (the caller's ``/admin`` service and the services it shows)."""
+    return ConsoleContext(
+        admin=admin,
+        principal=principal,
+        learning=services.learning,
+        canary_share=services.settings.live.canary_share,
+        texts=services.serving.texts if services.serving is not None else None,
+        sessions=services.sessions,
+        metering=services.metering,
+        open_mode=services.auth_open,
+        public_url=public_url,
+    )
+
+
 ServingDep = Annotated[Serving, Depends(get_serving)]
 TokenTextsDep = Annotated[TokenTexts, Depends(get_token_texts)]
 CallerDep = Annotated[str | None, Depends(get_caller)]
@@ -198,3 +228,5 @@ AdminDep = Annotated[GatewayAdmin, Depends(get_admin)]
 MeteringDep = Annotated[MeteringService, Depends(get_metering)]
 AuthOpenDep = Annotated[bool, Depends(get_auth_open)]
 PublicUrlDep = Annotated[str, Depends(get_public_url)]
+ConsoleLoginsDep = Annotated[ConsoleLogins, Depends(get_console_logins)]
+ConsoleDep = Annotated[ConsoleContext, Depends(get_console)]

@@ -88,6 +88,12 @@ class GatewayAdmin:
         await self._apply(name)
         return entry, self.store.get_endpoint(name)
 
+    async def set_learning(self, name: str, paused: bool, *, reason: str) -> tuple[HistoryEntry, dict[str, Any]]:
+        """See :meth:`AdminService.set_learning`; returns the audit entry and the endpoint."""
+        entry = await asyncio.to_thread(self.store.set_learning, name, paused, who=self.who, reason=reason)
+        await self._apply(name)
+        return entry, self.store.get_endpoint(name)
+
     async def set_gate(
         self, name: str, thresholds: dict[str, Any] | None, *, reset: bool = False, reason: str
     ) -> tuple[HistoryEntry, dict[str, Any]]:

@@ -131,6 +131,9 @@ class LearningService:
                 st.stages = []
         base = trainer.get("base_measure") or {}
         estimate(st, base.get("seconds"), time.time())
+        st.paused = any(b.lineage == lineage and b.learning_paused for b in self.registry.bindings.values())
+        if st.paused:
+            st.eta_s, st.eta_basis = None, "learning is paused (POST /admin/endpoints/{name}/resume)"
         if base and base.get("state") != "ready" and st.stage == "waiting" and st.eta_basis:
             st.eta_basis += "; the gate's base measurement runs first (once per store)"
         return st

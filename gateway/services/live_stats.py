@@ -177,8 +177,23 @@ class LiveStats:
             log.debug("request counts not flushed: %s", exc)
 
     async def count_rating(self, endpoint: str, version: str | None, rating_key: str, up: bool) -> None:
-        """One rating (a re-rate by the same rater of the same completion overwrites its earlier one)."""
-        await self.client.hset(self.keys.version_ratings(endpoint, version or "base"), rating_key, int(up))
+        """One rating (a re-rate by the same rater of the same completion overwrites its earlier one), with its
+        time (:meth:`ratings_over_time`)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.version_ratings(endpoint, version or "base"), rating_key, int(up))
+            pipe.hset(self.keys.version_rated_at(endpoint, version or "base"), rating_key, f"{time.time():.3f}")
+            await pipe.execute()
+
+    async def ratings_over_time(self, endpoint: str) -> list[tuple[float, str, bool]]:
+        """Every counted rating of ``endpoint`` as ``(Unix s, version label, thumbs up)``, oldest first (ratings
+        counted before their times were kept are left out)."""
+        out = []
+        for row in await self.endpoint(endpoint):
+            v = row["version"]
+            ups = await self.client.hgetall(self.keys.version_ratings(endpoint, v))
+            times = await self.client.hgetall(self.keys.version_rated_at(endpoint, v))
+            out += [(float(times[k]), v, bool(int(up))) for k, up in ups.items() if k in times]
+        return sorted(out)
 
     async def version(self, endpoint: str, version: str) -> dict[str, Any]:
         """``{"version", "requests", "ratings", "thumbs_up", "thumbs_up_rate", "ci95"}`` of one version."""

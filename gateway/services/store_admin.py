@@ -105,6 +105,7 @@ class AdminService:
             "rollback_to": (version_label(binding.lineage, binding.previous[-1]) if binding.previous else None),
             "created": binding.created,
             "gate": binding.thresholds.model_dump(mode="json"),
+            "learning_paused": binding.learning_paused,
         }
 
     def list_endpoints(self) -> list[dict[str, Any]]:
@@ -187,6 +188,12 @@ class AdminService:
     def rollback(self, name: str, *, who: str, reason: str = "") -> HistoryEntry:
         """Back to the version served before the last promotion. Raises: NotFoundError, ConflictError."""
         _, entry = self.endpoints.rollback(name, tenant=self._acting_tenant(name), who=who, reason=reason)
+        return entry
+
+    def set_learning(self, name: str, paused: bool, *, who: str, reason: str = "") -> HistoryEntry:
+        """Pause or resume the training of an endpoint's lineage, audited as ``pause``/``resume``
+        (:meth:`EndpointStore.set_learning`). Raises: NotFoundError (unknown or another tenant's endpoint)."""
+        _, entry = self.endpoints.set_learning(name, paused, tenant=self._acting_tenant(name), who=who, reason=reason)
         return entry
 
     def set_gate(self, name: str, thresholds: dict[str, Any] | None, *, who: str, reason: str = "") -> HistoryEntry:

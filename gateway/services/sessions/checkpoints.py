@@ -14,8 +14,6 @@ import hashlib
 import hmac
 import io
 import json
-import os
-import secrets
 import tarfile
 import time
 from datetime import UTC, datetime
@@ -44,6 +42,7 @@ from livelora.core.session_protocol import (
     resolve_checkpoint,
     tinker_path,
 )
+from livelora.core.store_secret import store_secret
 from livelora.gateway.services.sessions.context import SessionContext
 
 #: Lifetime of a signed archive or external-weights file URL (seconds).
@@ -232,18 +231,7 @@ class Checkpoints:
 
     # -------------------------------------------------------------------------------- signed URLs
     def _secret(self) -> bytes:
-        path = self.home / "archive_secret"
-        if not path.is_file():
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the key of every signed URL
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-            with contextlib.suppress(FileExistsError):
-                os.link(tmp, path)  # first writer wins; every process then signs with the same secret
-            tmp.unlink(missing_ok=True)
-        if path.stat().st_mode & 0o077:  # a secret written by an older version: owner only
-            os.chmod(path, 0o600)
-        return path.read_text().strip().encode()
+        return store_secret(self.home, "archive_secret")  # the key of every signed URL
 
     def _sign(self, purpose: str, fields: list[Any]) -> tuple[str, datetime]:
         """``(token, expiry)``: ``fields`` plus an expiry :data:`SIGNED_URL_TTL_S` from now, as URL-safe base64,
