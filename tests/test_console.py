@@ -315,7 +315,30 @@ def test_the_operator_sees_every_tenants_usage_and_latency_a_tenant_does_not(ser
         assert "<td>acme</td>" in usage and "<td>beta</td>" in usage and "tenant beta" in usage
         mine = a.get("/console/sessions").text
         assert "tenant acme" in mine and "beta" not in mine
-        assert "acme.prod" not in o.get("/console/endpoints").text  # objects stay per tenant, as on /admin
+
+
+def test_the_operator_sees_every_tenants_endpoints_and_versions_but_changes_none(server, keys, endpoints):
+    acme = httpx.Client(base_url=server.base_url, headers={"X-API-Key": keys["acme"]})
+    before = acme.get("/admin/endpoints/acme.prod").json()
+    with console_client(server.base_url, keys["ops"]) as o, console_client(server.base_url, keys["beta"]) as b:
+        page = o.get("/console/endpoints").text
+        for name, tenant in (("acme.prod", "acme"), ("acme.live", "acme"), ("beta.ep", "beta")):
+            row = re.search(rf'<tr data-endpoint="{re.escape(name)}">(.*?)</tr>', page, re.S).group(1)
+            assert f'<td class="tenant">{tenant}</td>' in row and "its tenant's admins" in row
+            assert "/promote" not in row  # no action forms on another tenant's endpoint
+        one = o.get("/console/endpoints/acme.prod")
+        assert one.status_code == 200 and "Tenant acme's endpoint" in one.text
+        version = o.get(f"/console/versions/{LINEAGE}@1")
+        assert (
+            version.status_code == 200 and "Another tenant's version" in version.text and "/export" not in version.text
+        )
+        r = o.post("/console/endpoints/acme.prod/promote", data={"version": f"{LINEAGE}@2", "reason": "not mine"})
+        assert r.status_code == 404  # changes stay in the operator's own tenant
+        assert o.post(f"/console/versions/{LINEAGE}@1/export", data={"format": "peft"}).status_code == 404
+        assert "acme.prod" not in b.get("/console/endpoints").text  # a tenant's admin sees its own only
+        assert b.get("/console/endpoints/acme.prod").status_code == 404
+    assert acme.get("/admin/endpoints/acme.prod").json() == before  # unchanged
+    acme.close()
 
 
 def test_open_mode_enters_with_one_button_and_the_first_key_ends_those_sessions(tmp_path):

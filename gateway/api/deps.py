@@ -195,12 +195,16 @@ def get_console_logins(services: ServicesDep) -> ConsoleLogins:
 
 
 def get_console(
+    request: Request,
     services: ServicesDep,
     principal: PrincipalDep,
     admin: Annotated[GatewayAdmin, Depends(get_admin)],
     public_url: Annotated[str, Depends(get_public_url)],
 ) -> ConsoleContext:
-    """What one console page reads with (the caller's ``/admin`` service and the services it shows)."""
+    """What one console page reads with (the caller's ``/admin`` service and the services it shows). The
+    operator's pages (``GET``) read every tenant's endpoints and versions; its changes stay in its own tenant."""
+    if "operator" in principal.roles and request.method == "GET":
+        admin = GatewayAdmin(services.settings.home, principal, services.registry, every_tenant=True)
     return ConsoleContext(
         admin=admin,
         principal=principal,

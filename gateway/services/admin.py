@@ -32,11 +32,21 @@ class GatewayAdmin:
         home: ``LIVELORA_HOME``.
         principal: the caller (its tenant scopes everything; ``who`` goes to the audit log).
         registry: this gateway's adapter registry (``None``: no live loop, nothing to apply).
+        every_tenant: scope to every tenant instead (the operator's read-only console views; never for changes).
     """
 
-    def __init__(self, home: Path | str, principal: Principal, registry: AdapterRegistry | None = None):
+    def __init__(
+        self,
+        home: Path | str,
+        principal: Principal,
+        registry: AdapterRegistry | None = None,
+        *,
+        every_tenant: bool = False,
+    ):
         self.store = AdminService(
-            home, principal.tenant, base_endpoints=(registry.base_endpoint,) if registry is not None else ()
+            home,
+            None if every_tenant else principal.tenant,
+            base_endpoints=(registry.base_endpoint,) if registry is not None else (),
         )
         self.who = principal.who
         self.registry = registry

@@ -12,7 +12,7 @@ from typing import Any
 
 from livelora.adapters.endpoints import HistoryEntry
 from livelora.clients.errors import LiveloraError, NotFoundError
-from livelora.core.api_keys import Principal
+from livelora.core.api_keys import DEFAULT_TENANT, Principal
 from livelora.gateway.services.admin import GatewayAdmin
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ class ConsoleViews:
         serving = self.serving_now(info["name"], info["serving"])
         return {
             **info,
+            "mine": (info.get("tenant") or DEFAULT_TENANT) == self.ctx.principal.tenant,  # else: the operator's view
             "serving": serving,
             "liked": await self._liked(info["name"], serving),
             "canary": self._canary(info["name"]),
@@ -126,7 +127,8 @@ class ConsoleViews:
         }
 
     async def endpoints(self) -> list[dict[str, Any]]:
-        """Every endpoint the caller's tenant administers, as :meth:`endpoint_row` rows."""
+        """Every endpoint the caller's tenant administers (the operator: every tenant's), as :meth:`endpoint_row`
+        rows."""
         last: dict[str, HistoryEntry] = {}
         for entry in self.admin.history():
             last[entry.endpoint] = entry
@@ -196,4 +198,5 @@ class ConsoleViews:
             s = await self._liked(ep, name)
             if s is not None:
                 live.append({**s, "endpoint": ep})
-        return {"version": m, "size": sum(m["files"].values()), "live": live, "endpoints": bound}
+        mine = self.admin.store.owners.owns("lineage", m["lineage"], self.ctx.principal.tenant)
+        return {"version": m, "size": sum(m["files"].values()), "live": live, "endpoints": bound, "mine": mine}
