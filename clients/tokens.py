@@ -74,6 +74,11 @@ def encode_text(tokenizer, text: str, *, add_special_tokens: bool = False) -> li
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
 
 
+#: Most stop strings (or stop token ids) one sequence may carry, and the longest stop string (characters): every
+#: route's request types and the engines' one parameter check refuse more (400), before any work.
+MAX_STOP_SEQUENCES, MAX_STOP_CHARS = 64, 1024
+
+
 def split_stop_strings(tokenizer, stops: Iterable[str], param: str = "stop") -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Sort stop strings into text stops and control-token stops.
 
@@ -89,12 +94,11 @@ def split_stop_strings(tokenizer, stops: Iterable[str], param: str = "stop") -> 
             generated text never contains control tokens, so it could never match.
     """
     controls = control_tokens(tokenizer)
-    texts: list[str] = []
-    ids: list[int] = []
+    texts: dict[str, None] = {}  # insertion-ordered sets
+    ids: dict[int, None] = {}
     for s in stops:
         if s in controls:
-            if controls[s] not in ids:
-                ids.append(controls[s])
+            ids[controls[s]] = None
             continue
         found = find_control_text(tokenizer, s)
         if found is not None:
@@ -104,6 +108,5 @@ def split_stop_strings(tokenizer, stops: Iterable[str], param: str = "stop") -> 
                 f"the generated text, which never contains control tokens)",
                 param=param,
             )
-        if s not in texts:
-            texts.append(s)
+        texts[s] = None
     return tuple(texts), tuple(ids)

@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import zstandard
 from _server import MODEL
 
@@ -105,3 +106,57 @@ def test_zstd_bodies_inflate_only_up_to_the_body_limit(live_server):
             assert f"{live_server.services.settings.server.max_body_bytes}" in err["message"]
         time.sleep(0.2)
     assert probe.answers and all(s == 200 for _, _, s in probe.answers)
+
+
+def test_a_stop_list_beyond_the_bound_is_400_on_every_route_and_health_answers(live_server, tokenizer):
+    """200,000 stop strings (2.4 MB) once took the event loop for minutes (deduplicating them was quadratic)."""
+    stops = [f"zz{i}" for i in range(200_000)]
+    hi = [{"role": "user", "content": "Hi"}]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": tokenizer.encode("Hi")}]}
+    cases = [
+        (CHAT, {"model": MODEL, "max_tokens": 1, "messages": hi, "stop": stops}),
+        ("/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": "Hi", "stop": stops}),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": hi, "stop_sequences": stops}),
+        (
+            "/api/v1/asample",
+            {"base_model": MODEL, "prompt": prompt, "sampling_params": {"max_tokens": 1, "stop": stops}},
+        ),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": hi, "stop_sequences": ["x" * 1025]}),
+    ]
+    with HealthProbe(live_server.url("/health")) as probe:
+        for path, body in cases:
+            r = httpx.post(live_server.url(path), json=body, timeout=120)
+            assert r.status_code == 400 and "stop" in r.text, (path, r.text[:300])
+        allowed = {"model": MODEL, "max_tokens": 1, "messages": hi, "stop_sequences": [f"zz{i}" for i in range(64)]}
+        assert httpx.post(live_server.url("/v1/messages"), json=allowed, timeout=120).status_code == 200
+    assert probe.answers and all(s == 200 for _, _, s in probe.answers)
+    assert live_server.admission.active == 0
+
+
+def test_count_tokens_refuses_messages_that_cannot_fit_from_their_size(live_server):
+    """``/v1/messages/count_tokens`` of a 7 MB text is refused from its size, as ``/v1/messages`` is."""
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "a " * 3_500_000}]}
+    with HealthProbe(live_server.url("/health")) as probe:
+        r = httpx.post(live_server.url("/v1/messages/count_tokens"), json=huge, timeout=120)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "at least" in r.json()["error"]["message"]  # from the byte size, not tokenized
+    assert probe.answers and all(s == 200 for _, _, s in probe.answers)
+    small = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    assert httpx.post(live_server.url("/v1/messages/count_tokens"), json=small, timeout=60).json()["input_tokens"] > 1
+
+
+def test_the_engines_refuse_more_stop_strings_than_the_bound():
+    from livelora.clients.errors import BadRequestError
+    from livelora.clients.tokens import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+    from livelora.gateway.engines.base import SamplingParams, check_sampling_params
+
+    limits = {"vocab_size": 100, "max_model_len": 64}
+    check_sampling_params(SamplingParams(stop=tuple(f"s{i}" for i in range(MAX_STOP_SEQUENCES))), 4, **limits)
+    for bad, param in (
+        (SamplingParams(stop=tuple(f"s{i}" for i in range(MAX_STOP_SEQUENCES + 1))), "stop"),
+        (SamplingParams(stop_token_ids=tuple(range(MAX_STOP_SEQUENCES + 1))), "stop_token_ids"),
+        (SamplingParams(stop=("x" * (MAX_STOP_CHARS + 1),)), "stop"),
+    ):
+        with pytest.raises(BadRequestError) as err:
+            check_sampling_params(bad, 4, **limits)
+        assert err.value.param == param

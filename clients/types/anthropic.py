@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from livelora.clients.tokens import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from livelora.clients.types.nulls import NullMeansOmitted
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
@@ -81,15 +82,15 @@ class MessagesRequest(_MessagesFields):
     temperature: float | None = Field(None, ge=0, le=1, description="0 means greedy decoding.")
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0, description="Keep only the k most likely tokens (0 = off).")
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     stream: bool | None = False
     metadata: Metadata | None = None
 
     @field_validator("stop_sequences")
     @classmethod
     def _non_empty(cls, stops: list[str] | None) -> list[str] | None:
-        if stops is not None and any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
+        if stops is not None and any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must have 1 to {MAX_STOP_CHARS} characters")
         return stops
 
 

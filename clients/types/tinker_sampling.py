@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from livelora.clients.tokens import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from livelora.clients.types.tinker_data import LenientModel, ModelInput, StrictModel
 
 
@@ -48,6 +49,16 @@ class SamplingParams(StrictModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_k: int = Field(default=-1, ge=-1)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | list[int] | None) -> str | list[str] | list[int] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop accepts at most {MAX_STOP_SEQUENCES} strings or token ids")
+        texts = [stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
+        if any(len(s) > MAX_STOP_CHARS for s in texts):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return stop
 
 
 class SampleRequest(StrictModel):

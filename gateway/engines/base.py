@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError
-from livelora.clients.tokens import split_stop_strings
+from livelora.clients.tokens import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, split_stop_strings
 
 #: Most alternatives per position ``top_logprobs`` may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -146,6 +146,14 @@ def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int
         raise BadRequestError(f"seed must be an integer, got {p.seed!r}", param="seed")
     if isinstance(p.stop, str) or any(not isinstance(s, str) or not s for s in p.stop):
         raise BadRequestError("stop must be a sequence of non-empty strings", param="stop")
+    if len(p.stop) > MAX_STOP_SEQUENCES or len(p.stop_token_ids) > MAX_STOP_SEQUENCES:
+        raise BadRequestError(
+            f"at most {MAX_STOP_SEQUENCES} stop strings and {MAX_STOP_SEQUENCES} stop token ids per request",
+            param="stop" if len(p.stop) > MAX_STOP_SEQUENCES else "stop_token_ids",
+            code="array_above_max_length",
+        )
+    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
+        raise BadRequestError(f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
     for t in p.stop_token_ids:
         if not isinstance(t, int) or not 0 <= t < vocab_size:
             raise BadRequestError(f"stop token id {t!r} is outside the vocabulary", param="stop_token_ids")

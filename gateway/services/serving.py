@@ -42,7 +42,7 @@ from livelora.gateway.services.plans import (
     plan_completion,
     prompt_token_ids,
 )
-from livelora.gateway.services.prompt_limits import chat_prompt, completion_prompts, off_loop
+from livelora.gateway.services.prompt_limits import chat_prompt, check_prompt_size, completion_prompts, off_loop
 from livelora.gateway.services.sampling_defaults import for_settings
 from livelora.gateway.services.served import ServedRequest
 from livelora.gateway.services.token_texts import TokenTexts
@@ -366,11 +366,14 @@ class Serving:
 
         Raises:
             ModelNotFoundError (404), BadRequestError (400): see :meth:`get_model`; what :mod:`.messages` refuses.
+            ContextLengthExceededError: messages that cannot fit the context window, from their size alone.
         """
-        from livelora.gateway.chat_template import render_messages
+        from livelora.gateway.chat_template import message_text, render_messages
 
         self.get_model(body.model, principal)
         messages = chat_messages(body)
+        texts = (message_text(m, i) for i, m in enumerate(messages))
+        await check_prompt_size(self.tokenizer, texts, self.context_length(), None)  # cheap bound first
         return len(await off_loop(render_messages, self.tokenizer, messages))
 
     def begin(
