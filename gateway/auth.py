@@ -15,6 +15,7 @@ import json
 import logging
 import re
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from livelora.clients.errors import (
     AuthenticationError,
@@ -117,6 +118,10 @@ def check_bind(host: str, keys: KeyStore, allow_open: bool) -> bool:
     return True
 
 
+#: Host names that address this machine's loopback interface (``Host`` values an open gateway answers).
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 def bearer_key(headers: dict[str, str]) -> str | None:
     """The key from ``Authorization: Bearer`` or ``X-API-Key`` (``None`` if neither)."""
     auth = headers.get("authorization", "")
@@ -145,6 +150,7 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         try:
             principal = self.authenticate(scope)
+            self.check_open_host(scope)
         except LiveloraError as err:
             return await _send_error(scope, send, err)
         state = scope.setdefault("state", {})
@@ -181,6 +187,28 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     # -------------------------------------------------------------------------------- steps
+
+    def check_open_host(self, scope) -> None:
+        """In open mode on loopback, only a loopback ``Host`` (or ``LIVELORA_PUBLIC_URL``'s) reaches a route: a web
+        page whose name was rebound to 127.0.0.1 (DNS rebinding) would otherwise drive the keyless API.
+
+        Raises:
+            BadRequestError: another ``Host`` (400, ``host_not_allowed``).
+        """
+        server = self.services.settings.server
+        if not self.services.auth_open or server.allow_open:
+            return
+        host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), "")
+        name = urlsplit(f"//{host}").hostname or ""
+        public = urlsplit(server.public_url).hostname if server.public_url else None
+        if name in LOOPBACK_NAMES or name.endswith(".localhost") or name == public:
+            return
+        raise BadRequestError(
+            f"Host {host!r} is not this gateway's: without API keys it answers only requests addressed to "
+            "127.0.0.1, localhost or [::1] (or LIVELORA_PUBLIC_URL), so that no web page can reach it through "
+            "DNS rebinding; create an API key to serve other names",
+            code="host_not_allowed",
+        )
 
     def authenticate(self, scope) -> Principal | None:
         """The request's principal (``None`` for public routes without a key).

@@ -62,7 +62,7 @@ async def env():
     app, client = make_app(REDIS_URL, keys)
     await ensure_group_async(client, keys)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
         yield app, client, keys, http
     await delete_prefix(client, keys.prefix)
     await client.aclose()
@@ -276,7 +276,7 @@ async def test_demonstrations(env):
 async def test_redis_down_is_503_with_retry_after_and_accepts_nothing():
     keys = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:")
     app, client = make_app("redis://127.0.0.1:1/0", keys)  # nothing listens on port 1
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
         for path, body in [
             ("/v1/feedback", {"completion_id": "c", "rating": True}),
             (

@@ -351,13 +351,13 @@ def test_open_mode_enters_with_one_button_and_the_first_key_ends_those_sessions(
     from livelora.gateway.settings import GatewaySettings
 
     app = create_app(GatewaySettings(home=tmp_path, model="smollm2-135m-instruct"))
-    web = TestClient(app)  # no lifespan: the endpoints page reads the store only
+    web = TestClient(app, base_url="http://localhost")  # no lifespan: the endpoints page reads the store only
     assert 'id="login">Enter the console' in web.get("/console/login").text
-    r = web.post("/console/login", data={}, headers={"Origin": "http://testserver"}, follow_redirects=False)
+    r = web.post("/console/login", data={}, headers={"Origin": "http://localhost"}, follow_redirects=False)
     assert r.status_code == 303
     page = web.get("/console/endpoints", headers={"Accept": "text/html"})
     assert page.status_code == 200 and 'id="tenant">default<' in page.text
-    r = web.post("/console/endpoints/x/pause", data={"reason": "r"}, headers={"Origin": "http://testserver"})
+    r = web.post("/console/endpoints/x/pause", data={"reason": "r"}, headers={"Origin": "http://localhost"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "csrf"
     KeyStore(tmp_path).create("acme", ["admin"])
     assert web.get("/console/endpoints").status_code == 401

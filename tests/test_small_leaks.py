@@ -122,3 +122,27 @@ def test_forget_on_signals_keeps_other_tenants_events(tmp_path):
     assert forget_user(tmp_path, "bob", "default", lambda ep: True, who="t") == {"ep": 1}
     left = [json.loads(line)["event"]["caller"] for line in (folder / "20250101.jsonl").read_text().splitlines()]
     assert left == ["acme"]
+
+
+def test_an_open_gateway_answers_only_requests_addressed_to_loopback(tmp_path):
+    """DNS rebinding: a web page whose name resolves to 127.0.0.1 must not drive a keyless gateway."""
+    from fastapi.testclient import TestClient
+
+    from livelora.gateway.app import create_app
+    from livelora.gateway.settings import GatewaySettings
+
+    def get(base_url: str, settings=None, path="/admin/endpoints"):
+        app = create_app(settings or GatewaySettings(home=tmp_path, model="smollm2-135m-instruct"))
+        return TestClient(app, base_url=base_url).get(path)  # no lifespan: these routes read the store only
+
+    for host in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000", "http://app.localhost"):
+        assert get(host).status_code == 200, host
+    for host in ("http://attacker.example:8000", "http://127.0.0.1.nip.io", "http://10.0.0.5:8000"):
+        for path in ("/admin/endpoints", "/v1/models", "/console/login"):
+            r = get(host, path=path)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed", (host, path)
+    public = GatewaySettings(home=tmp_path, model="smollm2-135m-instruct", public_url="https://lora.example.com")
+    assert get("https://lora.example.com", public).status_code == 200
+    assert get("http://attacker.example", public).status_code == 400
+    KeyStore(tmp_path).create("acme", ["admin"])  # key mode: the key is what protects, any Host may ask
+    assert get("http://attacker.example").status_code == 401
