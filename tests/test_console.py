@@ -335,6 +335,7 @@ def test_the_operator_sees_every_tenants_endpoints_and_versions_but_changes_none
         r = o.post("/console/endpoints/acme.prod/promote", data={"version": f"{LINEAGE}@2", "reason": "not mine"})
         assert r.status_code == 404  # changes stay in the operator's own tenant
         assert o.post(f"/console/versions/{LINEAGE}@1/export", data={"format": "peft"}).status_code == 404
+        assert "acme.support" not in o.get("/console/feedback").text  # end users' ids stay with their tenant
         assert "acme.prod" not in b.get("/console/endpoints").text  # a tenant's admin sees its own only
         assert b.get("/console/endpoints/acme.prod").status_code == 404
     assert acme.get("/admin/endpoints/acme.prod").json() == before  # unchanged

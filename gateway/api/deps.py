@@ -194,6 +194,10 @@ def get_console_logins(services: ServicesDep) -> ConsoleLogins:
     return services.console
 
 
+#: Console pages on which the operator reads every tenant's objects (read-only).
+OPERATOR_PAGES = ("/console/endpoints", "/console/lineages", "/console/versions", "/console/charts")
+
+
 def get_console(
     request: Request,
     services: ServicesDep,
@@ -202,8 +206,9 @@ def get_console(
     public_url: Annotated[str, Depends(get_public_url)],
 ) -> ConsoleContext:
     """What one console page reads with (the caller's ``/admin`` service and the services it shows). The
-    operator's pages (``GET``) read every tenant's endpoints and versions; its changes stay in its own tenant."""
-    if "operator" in principal.roles and request.method == "GET":
+    operator's endpoint, version and chart pages (``GET``) read every tenant's; its feedback page (end users' ids)
+    and its changes stay in its own tenant."""
+    if "operator" in principal.roles and request.method == "GET" and request.url.path.startswith(OPERATOR_PAGES):
         admin = GatewayAdmin(services.settings.home, principal, services.registry, every_tenant=True)
     return ConsoleContext(
         admin=admin,
