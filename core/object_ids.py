@@ -33,6 +33,7 @@ _PATTERNS: dict[str, re.Pattern[str]] = {
         rf"tinker://(?P<session>{_SESSION}):train:(?P<n>{_INT})"
         rf"/(?P<ckind>weights|sampler_weights|external_weights)/(?P<name>{_NAME})"
     ),
+    "checkpoint": re.compile(rf"(?P<ckind>weights|sampler_weights|external_weights)/(?P<name>{_NAME})"),
 }
 _SPELLING = {
     "session": "a session id as create_session answers it (32 lower-case hex digits)",
@@ -40,6 +41,7 @@ _SPELLING = {
     "sampler": "<session_id>:sample:<n>",
     "request": "a request_id as the server answered it",
     "path": "tinker://<session_id>:train:<n>/<weights|sampler_weights|external_weights>/<name>",
+    "checkpoint": "<weights|sampler_weights|external_weights>/<name> (a name of letters, digits, '.', '_', '-')",
 }
 
 

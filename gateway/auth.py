@@ -180,6 +180,13 @@ class AuthMiddleware:
                     state["tinker_body"] = decoded = decode_tinker_body(path, body, headers, self.max_body_bytes)
                     await self.check_sessions(path, tinker_owner_fields(decoded), principal)
                 else:
+                    if headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+                        raise BadRequestError(
+                            f"unsupported Content-Encoding {headers['content-encoding']!r}: {path} takes an "
+                            "uncompressed body (the Tinker routes, /api/v1/..., also take zstd and gzip)",
+                            param="Content-Encoding",
+                            code="unsupported_content_encoding",
+                        )
                     json_body(body, headers.get("content-type"))
             except LiveloraError as err:
                 return await _send_error(scope, send, err)

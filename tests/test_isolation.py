@@ -13,6 +13,7 @@ answer 400, also for A.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -758,6 +759,28 @@ def test_ops_over_the_datum_or_token_limit_are_413_and_later_ops_run(server, key
         assert done["loss_fn_outputs"] and "error" not in done
 
 
+def test_checkpoint_ids_in_rest_paths_have_one_spelling(server, keys, objs):
+    """The owner's own checkpoint ``weights/w1`` in any other spelling is 400 ``invalid_id``, as in a path."""
+    run = f"/api/v1/training_runs/{objs['model']}/checkpoints"
+    with http(server, keys["acme"]) as a:
+        ok(a.get(f"{run}/weights/w1/archive"))
+        for spelling in (
+            "weights//w1",
+            "weights/w1/",
+            "weights/..%2Fw1",
+            "weights/%2E%2E",
+            "Weights/w1",
+            "sampler_weights/w1/x",
+        ):
+            for method, suffix in (("GET", "/archive"), ("PUT", "/ttl"), ("POST", "/publish"), ("DELETE", "")):
+                r = a.request(
+                    method, f"{run}/{spelling}{suffix}", json={"ttl_seconds": 7200} if method == "PUT" else None
+                )
+                err = error_of(r, 400)
+                assert err["code"] == "invalid_id" and err["param"] == "checkpoint_id", (spelling, method, r.text)
+        ok(a.get(f"{run}/weights/w1/archive"))  # nothing was deleted or changed
+
+
 def test_malformed_nested_or_repeated_key_json_is_400_on_every_route(server, keys):
     bodies = {
         "malformed": b'{"model": [',
@@ -782,6 +805,11 @@ def test_malformed_nested_or_repeated_key_json_is_400_on_every_route(server, key
                     assert err["message"].startswith("request body "), (method, path, what, err)
                 else:
                     assert err["code"] == "invalid_json", (method, path, what, r.text)
+            if not path.startswith("/api/v1/"):  # only the Tinker routes inflate compressed bodies
+                zipped = {"content-type": "application/json", "content-encoding": "gzip"}
+                r = a.request(method, url, content=gzip.compress(b'{"model": "a"}'), headers=zipped)
+                err = error_of(r, 400)
+                assert err["message"].startswith("unsupported Content-Encoding 'gzip'"), (method, path, r.text)
     from livelora.gateway.auth import check_json_depth
 
     check_json_depth(b'{"a": "' + b"[" * 5000 + b'"}', 64)  # brackets inside strings do not count

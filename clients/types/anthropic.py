@@ -9,7 +9,7 @@ is refused: ``docs/clients.md``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -55,7 +55,7 @@ class MessageParam(_Request):
     """One turn of ``messages``: ``content`` is a string or a list of content blocks."""
 
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlockParam]
+    content: Annotated[str, Field(min_length=1)] | Annotated[list[ContentBlockParam], Field(min_length=1)]
 
 
 class Metadata(_Request):
@@ -78,12 +78,12 @@ class _MessagesFields(_Request):
 class MessagesRequest(_MessagesFields):
     """``POST /v1/messages`` body."""
 
-    max_tokens: int = Field(ge=1, description="Completion-token budget (tokens).")
-    temperature: float | None = Field(None, ge=0, le=1, description="0 means greedy decoding.")
-    top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=0, description="Keep only the k most likely tokens (0 = off).")
+    max_tokens: int = Field(ge=1, strict=True, description="Completion-token budget (tokens).")
+    temperature: float | None = Field(None, ge=0, le=1, strict=True, description="0 means greedy decoding.")
+    top_p: float | None = Field(None, ge=0, le=1, strict=True)
+    top_k: int | None = Field(None, ge=0, strict=True, description="Keep only the k most likely tokens (0 = off).")
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
-    stream: bool | None = False
+    stream: bool | None = Field(False, strict=True)
     metadata: Metadata | None = None
 
     @field_validator("stop_sequences")

@@ -32,6 +32,7 @@ from livelora.clients.types.tinker_rest import (
     TrainingRunV2,
 )
 from livelora.core.api_keys import Principal
+from livelora.core.object_ids import parse_ref
 from livelora.core.owners import OwnerStore
 from livelora.core.session_protocol import (
     CHECKPOINT_KINDS,
@@ -331,15 +332,10 @@ class Checkpoints:
 def _split_id(checkpoint_id: str) -> tuple[str, str]:
     """``(kind, name)`` of a checkpoint id ``<kind>/<name>``.
 
-    Raises: BadRequestError: another form, or an unknown kind.
+    Raises: BadRequestError: another form, an unknown kind or a name in another spelling (``invalid_id``).
     """
+    parse_ref("checkpoint", checkpoint_id, param="checkpoint_id")  # one spelling, as in a tinker:// path
     kind, _, name = checkpoint_id.partition("/")
-    if kind not in CHECKPOINT_KINDS or not name:
-        raise BadRequestError(
-            f"invalid checkpoint id {checkpoint_id!r}: expected weights/<name>, "
-            "sampler_weights/<name> or external_weights/<name>",
-            param="checkpoint_id",
-        )
     return kind, name
 
 
