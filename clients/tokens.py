@@ -74,11 +74,6 @@ def encode_text(tokenizer, text: str, *, add_special_tokens: bool = False) -> li
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
 
 
-#: Most stop strings (or stop token ids) one sequence may carry, and the longest stop string (characters): every
-#: route's request types and the engines' one parameter check refuse more (400), before any work.
-MAX_STOP_SEQUENCES, MAX_STOP_CHARS = 64, 1024
-
-
 def split_stop_strings(tokenizer, stops: Iterable[str], param: str = "stop") -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Sort stop strings into text stops and control-token stops.
 

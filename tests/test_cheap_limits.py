@@ -147,7 +147,7 @@ def test_count_tokens_refuses_messages_that_cannot_fit_from_their_size(live_serv
 
 def test_the_engines_refuse_more_stop_strings_than_the_bound():
     from livelora.clients.errors import BadRequestError
-    from livelora.clients.tokens import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+    from livelora.clients.types.limits import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
     from livelora.gateway.engines.base import SamplingParams, check_sampling_params
 
     limits = {"vocab_size": 100, "max_model_len": 64}

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from livelora.clients.tokens import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from livelora.clients.types.limits import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from livelora.clients.types.nulls import NullMeansOmitted
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]

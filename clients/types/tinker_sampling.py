@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from livelora.clients.tokens import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from livelora.clients.types.limits import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from livelora.clients.types.tinker_data import LenientModel, ModelInput, StrictModel
 
 
