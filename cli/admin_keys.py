@@ -35,7 +35,8 @@ def keys_create(
     k = _run(lambda: Backend(url, api_key, home).create_key(role_list, tenant, name))
     err.print(
         f"key [bold]{k['id']}[/] for tenant [cyan]{k['tenant']}[/], roles {', '.join(k['roles'])}. "
-        "Store it now: it cannot be shown again."
+        "Store it now: it cannot be shown again.",
+        soft_wrap=True,
     )
     typer.echo(k["key"])
 
