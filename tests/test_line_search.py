@@ -157,9 +157,12 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
     reporter = LearningReporter(client, keys, config)
     seen: dict[float, dict[str, torch.Tensor]] = {}  # α → the weights the model held when the gate measured it
     checks: list[tuple[str, float]] = []
+    details: list[str] = []
 
     def progress(lineage, stage, **fields):
         reporter.progress(lineage, stage, **fields)
+        if stage == "training":
+            details.append(fields["detail"])
         if stage == "gate":
             checks.append((fields["check"], fields["step_scale"]))
         if stage == "gate" and fields["check"] == "probes":
@@ -228,8 +231,11 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
     # the loop keeps learning: a step whose full size fails a cheap check (the probes, against the base model)
     # is measured no further; whatever α passes is published from @1, else training continues from @1
     EndpointStore(home).set_gate(ep, t.model_copy(update={"probe_base_margin": 0.05}), tenant="default", who="test")
+    assert "measuring base model: probes for the gate" in details  # the current version of a first step
     checks.clear()
+    details.clear()
     v2 = trainer.train(_wrong_answers(ep))
+    assert not [d for d in details if d.startswith("measuring")]  # @1 was measured as a candidate: reused
     g2 = v2.gate
     assert v2.parent == 1 and g2["against"] == f"{ep}@1"
     first = g2["line_search"][0]

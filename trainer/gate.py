@@ -340,7 +340,11 @@ class EvaluationGate:
             if endpoint == "*":
                 continue
             b = self.endpoints.get(endpoint)
-            reason = "passed" if verdict.passed else "rejected: " + ", ".join(verdict.failed or verdict.skipped)
+            reason = (
+                "passed"
+                if verdict.passed
+                else "rejected: " + (", ".join(verdict.failed) or "not measured (" + ", ".join(verdict.skipped) + ")")
+            )
             checks = {c.name: {"value": c.value, "current": c.current, "bound": c.bound} for c in result.checks}
             self.endpoints.record(
                 endpoint,
