@@ -894,6 +894,8 @@ def plot_curves(
 ) -> None:
     """Liked share per run (and probe accuracy, and rater weights when given) as a PNG at ``path``; the
     figures as JSON next to it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))  # figures first
     import matplotlib
 
     matplotlib.use("Agg")
@@ -942,12 +944,13 @@ def plot_curves(
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
     print(f"plot: {path}  figures: {path.with_suffix('.json')}")
 
 
 def plot_d(out: dict, path: Path) -> None:
     """Scenario (d): the disliked version's thumbs-up count per rating until the rollback."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))  # figures first
     import matplotlib
 
     matplotlib.use("Agg")
@@ -985,7 +988,6 @@ def plot_d(out: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
     print(f"plot: {path}  figures: {path.with_suffix('.json')}")
 
 
