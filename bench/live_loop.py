@@ -478,9 +478,19 @@ class Session:
             verdict = (gate.get("verdicts") or {}).get(EP) or (gate.get("verdicts") or {}).get("*") or {}
             u["failed"] = verdict.get("failed", [])
             u["probe_accuracy_gate"] = (gate.get("measures") or {}).get("probe_accuracy")
+            tries = gate.get("line_search") or []
+            u["step_scale"] = gate.get("step_scale", 1.0) if gate else None
+            u["line_search"] = [[t["step_scale"], t["passed"], t["failed"]] for t in tries]
+            u["candidates_rejected"] = sum(1 for t in tries if not t["passed"])
+            searched = "; line search " + ", ".join(
+                f"α {t['step_scale']:g} " + ("passed" if t["passed"] else "failed " + "+".join(t["failed"]))
+                for t in tries
+            )
             print(
-                f"  [{self.label}] {u['version']}: {'passed' if u['passed'] else 'REJECTED ' + str(u['failed'])}"
-                f"; train+gate+save {u['train_gate_save_s']:.2f} s"
+                f"  [{self.label}] {u['version']}: "
+                + (f"passed at α {u['step_scale']:g}" if u["passed"] else "REJECTED " + str(u["failed"]))
+                + (searched if len(tries) > 1 else "")
+                + f"; train+gate+save {u['train_gate_save_s']:.2f} s"
                 + (f" (gate {u['gate_s']:.2f} s)" if u["gate_s"] else "")
                 + (f", swap {u['swap_s']:.2f} s, update {u['update_s']:.2f} s" if "swap_s" in u else ""),
                 flush=True,
@@ -491,14 +501,23 @@ class Session:
     def update_summary(self) -> dict:
         done = [u["update_s"] for u in self.updates if "update_s" in u]
         if not done:
-            return {}
+            return {"line_search": self.line_search_summary()}
         return {
+            "line_search": self.line_search_summary(),
             "p50": percentile(done, 50),
             "max": max(done),
             "n": len(done),
             "train_gate_save_p50": statistics.median(u["train_gate_save_s"] for u in self.updates),
             "swap_p50": statistics.median(u["swap_s"] for u in self.updates if "swap_s" in u),
             "rejected": sum(1 for u in self.updates if not u["passed"]),
+        }
+
+    def line_search_summary(self) -> dict:
+        """The gate's line search over the run: candidates rejected, and the α of each version that passed."""
+        return {
+            "candidates_rejected": sum(u.get("candidates_rejected", 0) for u in self.updates),
+            "versions_rejected": sum(1 for u in self.updates if not u["passed"]),
+            "alpha": {u["version"]: u.get("step_scale") for u in self.updates if u["passed"]},
         }
 
     def close(self) -> None:
@@ -550,7 +569,14 @@ def taste(args, *, rails: bool, label: str, probes: bool = False) -> dict:
 
 def print_update(r: dict) -> None:
     u = r["update"]
-    if u:
+    ls = u.get("line_search")
+    if ls and r["rails"]:
+        print(
+            f"[{r['label']}] line search: {ls['candidates_rejected']} candidate(s) rejected, "
+            f"{ls['versions_rejected']} version(s) held back; α per published version: "
+            + (", ".join(f"{v.rsplit('@', 1)[1]}:{a:g}" for v, a in ls["alpha"].items()) or "-")
+        )
+    if "p50" in u:
         print(
             f"[{r['label']}] update (train + {'gate + ' if r['rails'] else ''}save + swap): p50 {u['p50']:.2f} s, "
             f"max {u['max']:.2f} s over {u['n']} served updates (train+gate+save p50 {u['train_gate_save_p50']:.2f}"
@@ -605,6 +631,13 @@ def scenario_b(args) -> dict:
         gain = 100 * (max(p["liked"] for p in r["curve"] if p["events"] <= 200) - r["curve"][0]["liked"])
         r["gain_within_200_pp"] = gain
         print(f"[{r['label']}] liked share gain within 200 ratings {gain:+.1f} pp")
+        if r["rails"]:  # issue 34's target for the rails-on arm
+            best = max(p["liked"] for p in r["curve"] if p["events"] <= 200)
+            r["target_met"] = best >= 0.9 - 1e-9 and r["probe_within_5pp"]
+            print(
+                f"[{r['label']}] target (liked share >= 90 % within 200 ratings: {best:.1%}; lowest served probe "
+                f"accuracy within 5 points of the base): {'MET' if r['target_met'] else 'NOT MET'}"
+            )
     print(load_line())
     plot_curves(
         out, runs, Path(args.plot).with_name("live_loop_b.png"), "(b) blunt taste, rails off vs on", probes=True
@@ -739,10 +772,12 @@ def scenario_d(args) -> dict:
         bad = s.loop.settle(before)
         s.updates += [{"version": u["version"], "passed": u["passed"]} for u in bad]
         bad_names = [u["version"] for u in bad]
-        verdicts = {
+        verdicts = {  # (passed, failed checks, α written, the line search: [α, passed, failed] per candidate)
             u["version"]: (
                 u["passed"],
-                (loop.manifest(u["version"]).gate or {}).get("verdicts", {}).get(EP, {}).get("failed"),
+                (g := loop.manifest(u["version"]).gate or {}).get("verdicts", {}).get(EP, {}).get("failed"),
+                g.get("step_scale"),
+                [[t["step_scale"], t["passed"], t["failed"]] for t in g.get("line_search") or []],
             )
             for u in bad
         }
@@ -859,6 +894,8 @@ def plot_curves(
 ) -> None:
     """Liked share per run (and probe accuracy, and rater weights when given) as a PNG at ``path``; the
     figures as JSON next to it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))  # figures first
     import matplotlib
 
     matplotlib.use("Agg")
@@ -907,12 +944,13 @@ def plot_curves(
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
     print(f"plot: {path}  figures: {path.with_suffix('.json')}")
 
 
 def plot_d(out: dict, path: Path) -> None:
     """Scenario (d): the disliked version's thumbs-up count per rating until the rollback."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))  # figures first
     import matplotlib
 
     matplotlib.use("Agg")
@@ -950,7 +988,6 @@ def plot_d(out: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
     print(f"plot: {path}  figures: {path.with_suffix('.json')}")
 
 

@@ -507,7 +507,7 @@ def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home
     if gate:
         verdicts = ", ".join(
             f"{'other endpoints (default thresholds)' if ep == '*' else ep}: "
-            f"{'passed' if v['passed'] else 'rejected (' + ', '.join(v['failed']) + ')'}"
+            f"{'passed' if v['passed'] else 'rejected (' + ', '.join(v['failed'] or ['not measured']) + ')'}"
             for ep, v in gate["verdicts"].items()
         )
         table.add_row(
@@ -515,8 +515,26 @@ def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home
             f"against {gate['against']} in {gate['seconds']:.1f} s; {verdicts}"
             + (f"; training continues from {gate['continued_from']}" if gate.get("continued_from") else ""),
         )
+        tries = gate.get("line_search") or []
+        table.add_row(
+            "step scale",
+            f"{gate.get('step_scale', 1.0):g} of the trained step"
+            + (
+                " (line search: "
+                + ", ".join(
+                    f"{t['step_scale']:g} " + ("passed" if t["passed"] else "failed " + ", ".join(t["failed"]))
+                    for t in tries
+                )
+                + ")"
+                if len(tries) > 1 or (tries and not tries[0]["passed"])
+                else ""
+            ),
+        )
         base = (gate.get("measures") or {}).get("probe_accuracy_base")
         for c in gate["checks"]:
+            if c.get("skipped"):  # an earlier, cheaper check failed: the gate measured no further
+                table.add_row(f"  {c['name']}", "skipped (an earlier check failed)")
+                continue
             if c["value"] is None:  # e.g. the signal check before enough held-out ratings: it did not count
                 table.add_row(f"  {c['name']}", "not measured (passes)")
                 continue

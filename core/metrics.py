@@ -115,6 +115,19 @@ TRAIN_LOSS = Gauge(
     ["endpoint"],
     multiprocess_mode="livemax",
 )
+STEP_SCALE = Gauge(
+    "livelora_live_step_scale",
+    "Fraction of its trained step the latest published live-loop version holds (the gate's line search: 1, 0.5, "
+    "0.25, ...), by endpoint.",
+    ["endpoint"],
+    multiprocess_mode="livemostrecent",
+)
+GATE_CANDIDATES = Counter(
+    "livelora_gate_candidates_total",
+    "Candidates the evaluation gate judged (each step scale of the line search), by endpoint and outcome "
+    "(passed, rejected).",
+    ["endpoint", "outcome"],
+)
 VERSIONS_PRUNED = Counter(
     "livelora_adapter_versions_pruned_total",
     "Adapter versions the live loop deleted to stay "

@@ -9,6 +9,7 @@ the gate runs in the trainer and how the defaults were chosen: ``docs/internals/
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -96,6 +97,11 @@ class GateCheck(BaseModel):
     current: float | None = Field(default=None, description="The same measure for the current version.")
     bound: float | None = Field(default=None, description="The threshold it is compared with.")
     passed: bool
+    skipped: bool = Field(
+        default=False,
+        description="Not measured: an earlier, cheaper check had already failed for the endpoint of the batch "
+        "(the gate stops there); a skipped check does not pass.",
+    )
 
 
 class GateVerdict(BaseModel):
@@ -105,7 +111,23 @@ class GateVerdict(BaseModel):
 
     passed: bool
     failed: list[str] = Field(default_factory=list, description="Names of the checks that failed.")
+    skipped: list[str] = Field(
+        default_factory=list, description="Checks not measured (an earlier one failed): the version does not pass."
+    )
     thresholds: GateThresholds = Field(default_factory=GateThresholds)
+
+
+class GateTry(BaseModel):
+    """One candidate of the line search: the step scaled by ``step_scale`` and how the gate judged it for the
+    endpoint of the batch."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    step_scale: float = Field(description="α: the candidate is θ₀ + α·(θ₁ − θ₀) on the LoRA factors (docs/rails.md).")
+    passed: bool
+    failed: list[str] = Field(default_factory=list, description="The checks it failed.")
+    skipped: list[str] = Field(default_factory=list, description="The checks not measured after the failure.")
+    seconds: float = 0.0
 
 
 class GateResult(BaseModel):
@@ -116,7 +138,9 @@ class GateResult(BaseModel):
         measures: raw measures of the new version (probe accuracy, KL values, degeneracy, lengths, margin).
         verdicts: endpoint → :class:`GateVerdict`; key ``"*"`` is the verdict under the default thresholds,
             used for endpoints created later.
-        seconds: wall time of the evaluation.
+        seconds: wall time of the evaluation (every candidate of the line search).
+        step_scale: α of the weights written (1: the full step).
+        line_search: every candidate judged, largest α first.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -133,13 +157,22 @@ class GateResult(BaseModel):
         "version training continues from instead (the "
         "one it was compared with). null: this one.",
     )
+    step_scale: float = Field(
+        default=1.0,
+        description="The fraction α of the trained step this version holds: its LoRA factors are "
+        "θ₀ + α·(θ₁ − θ₀), θ₀ the version compared with, θ₁ the step's result (docs/rails.md). 1: the full step; "
+        "a version rejected at every α holds the full step.",
+    )
+    line_search: list[GateTry] = Field(
+        default_factory=list, description="The candidates judged, largest α first; the last one that passed is this."
+    )
 
     def verdict(self, endpoint: str) -> GateVerdict | None:
         """The verdict for ``endpoint`` (its own, else the default thresholds' one)."""
         return self.verdicts.get(endpoint) or self.verdicts.get("*")
 
 
-def judge(checks: dict[str, dict[str, float | None]], t: GateThresholds) -> GateVerdict:
+def judge(checks: dict[str, dict[str, float | None]], t: GateThresholds, skipped: Sequence[str] = ()) -> GateVerdict:
     """Apply thresholds ``t`` to measured values.
 
     Args:
@@ -148,15 +181,20 @@ def judge(checks: dict[str, dict[str, float | None]], t: GateThresholds) -> Gate
             "signal": {"value", "current"}}`` (probe accuracies are fractions of the probes, ``base`` is the base
             model's); a ``None`` value (not measurable) passes, and so does a check whose bound needs a missing
             ``current`` or ``base``.
+        skipped: checks that were not measured (an earlier check failed for the batch's endpoint).
 
     Returns:
-        The verdict: each failed check's name; passed when none failed or the gate is disabled.
+        The verdict: each failed check's name; passed when none failed and none was skipped, or the gate is
+        disabled.
     """
     failed = []
     for name, c in checks.items():
         if not _passes(name, c.get("value"), c.get("current"), t, c.get("base")):
             failed.append(name)
-    return GateVerdict(passed=(not failed) or not t.enabled, failed=failed, thresholds=t)
+    skipped = [n for n in skipped if n not in checks]
+    return GateVerdict(
+        passed=(not failed and not skipped) or not t.enabled, failed=failed, skipped=skipped, thresholds=t
+    )
 
 
 def bound_of(name: str, current: float | None, t: GateThresholds, base: float | None = None) -> float | None:

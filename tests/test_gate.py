@@ -265,7 +265,8 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
     home = tmp_path
     ep = lineage = "gated"
     EndpointStore(home).create(ep, lineage, tenant="default", who="test")
-    gate = GateSection(gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12)  # on despite conftest's env
+    # on despite conftest's env; no line search (floor 1): a rejected step is held back whole, as it was before
+    gate = GateSection(gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12, gate_min_step_scale=1.0)
     trainer = OnlineTrainer(base_ref, home, TrainingSection(sft_lr=3e-3), gate=gate)
 
     v1 = trainer.train(_ratings(trainer, ep))  # a normal live-loop step

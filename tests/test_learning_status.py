@@ -122,6 +122,8 @@ def test_rating_to_a_published_version_is_watchable(live, caplog):
     assert f"kto step on {BATCH} event(s)" in [m.detail for m in marks]
     assert "forward/backward and optimizer step" in [m.detail for m in marks]
     assert [m.check for m in marks if m.stage == "gate"] == ["probes", "replies", "verdict"]
+    assert {m.step_scale for m in marks if m.stage == "gate"} == {1.0}  # the full step passed: no line search
+    assert st.step_scale == st.last.step_scale == 1.0
     logged = [r.getMessage() for r in caplog.records if r.name == "livelora.trainer.learning_status"]
     for what in (f"training (kto step on {BATCH} event(s))", "gate (probes)", "gate (verdict)", f"published ({EP}@1)"):
         assert f"learning {EP}: {what}" in logged, logged

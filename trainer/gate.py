@@ -1,13 +1,14 @@
 """The evaluation gate's bookkeeping in the online trainer: held-out examples, cached measurements, snapshots.
 
 One :class:`EvaluationGate` per :class:`~livelora.trainer.online.OnlineTrainer`. Around every live-loop step,
-:meth:`EvaluationGate.before_step` snapshots the lineage model and makes sure the current version's
-measurement exists, and :meth:`EvaluationGate.judge` measures the new weights and judges them per endpoint
-(:mod:`livelora.core.rails`). After a rejection the model is restored from the snapshot, so training continues
-from the last version that passed. One rating or preference pair in ``holdout_every`` (:func:`held_out`, by
-the sha256 of its event id) is kept for the signal check instead of trained. The base model's measurement is
-kept in the store (``models/gate-base/``, keyed by the probe set and the base weights), so it is taken once per
-store, not once per trainer start. The steps in full: ``docs/internals/rails.md``.
+:meth:`EvaluationGate.before_step` snapshots the lineage model and makes sure the current version's measurement
+exists, and :meth:`EvaluationGate.judge` measures candidate weights pass by pass, cheapest first, stopping at the
+first failing check, and judges them per endpoint (:mod:`livelora.core.rails`; the candidates come from
+:mod:`livelora.trainer.line_search`). After a rejection the model is restored from the snapshot, so training
+continues from the last version that passed. One rating or preference pair in ``holdout_every`` (:func:`held_out`,
+by the sha256 of its event id) is kept for the signal check instead of trained. The base model's measurement is kept
+in the store (``models/gate-base/``, keyed by the probe set and the base weights), so it is taken once per store,
+not once per trainer start. The steps in full: ``docs/internals/rails.md``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,18 @@ import torch
 
 from livelora.adapters.endpoints import EndpointStore
 from livelora.core.atomic import atomic_write_bytes
+from livelora.core.core_share import step_yield
 from livelora.core.rails import GateCheck, GateResult, GateThresholds, bound_of, judge
-from livelora.trainer.gate_measure import HeldOut, Measurement, ProbeSuite, compare, heldout_items
+from livelora.trainer.gate_measure import (
+    CHECKS,
+    PASSES,
+    HeldOut,
+    Measurement,
+    ProbeSuite,
+    compare,
+    heldout_items,
+    signal_countable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -247,28 +258,44 @@ class EvaluationGate:
             tell(f"{label}: signal")
             have[1].signal.update(self.suite.score(model, missing))
 
+    @property
+    def start_params(self) -> dict[str, torch.Tensor]:
+        """The LoRA tensors :meth:`before_step` saw (the current version's weights θ₀)."""
+        return self._snapshot["params"]
+
     def judge(self, model: Any, lineage: str, endpoint: str, on_check: Any = None) -> tuple[GateResult, Measurement]:
-        """Measure the stepped ``model`` and judge it for every follow endpoint of ``lineage`` (plus
-        ``endpoint`` and the defaults, key ``"*"``); ``on_check(name)`` as each pass starts (``probes``,
-        ``replies``, ``signal``, then ``verdict``)."""
+        """Measure the stepped ``model`` pass by pass (:data:`PASSES`, cheapest first) and judge it for every follow
+        endpoint of ``lineage`` (plus ``endpoint`` and the defaults, key ``"*"``). After the first pass with a check
+        that fails for ``endpoint`` nothing more is measured: the remaining checks are ``skipped`` and the version
+        passes for no endpoint (bar those with the gate disabled). ``on_check(name)`` as each pass starts
+        (``probes``, ``signal`` when enough held-out examples count, ``replies``), then ``verdict``."""
         t0 = time.perf_counter()
         tell = on_check or (lambda name: None)
         label, current = self._current[lineage]
         items = self.items(lineage)
-        new = self.suite.measure(model, heldout=items, on_check=tell)
-        tell("verdict")
-        values = compare(new, current, self._base, items, GateThresholds().min_signal_examples)
         judged: dict[str, GateThresholds] = {"*": GateThresholds(), endpoint: self.endpoints.get(endpoint).thresholds}
         for name, b in self.endpoints.all().items():
             if b.lineage == lineage and b.mode == "follow":
                 judged[name] = b.thresholds
-        verdicts = {}
-        for name, t in judged.items():
-            vals = dict(values)
-            if t.min_signal_examples != GateThresholds().min_signal_examples:
-                vals = compare(new, current, self._base, items, t.min_signal_examples)
-            verdicts[name] = judge(vals, t)
         mine = judged[endpoint]
+        # too few held-out examples for any endpoint: the signal check is decided (not measurable) unmeasured
+        countable = signal_countable(items, min(t.min_signal_examples for t in judged.values()))
+        new, done = Measurement(), ([] if countable else ["signal"])
+        for i, name in enumerate(n for n in PASSES if n != "signal" or countable):
+            if i:
+                step_yield()  # serving may go first between the gate's passes (core/core_share.py)
+            tell(name)
+            self.suite.run_pass(name, model, new, heldout=items)
+            done += PASSES[name]
+            if not judge(compare(new, current, self._base, items, mine.min_signal_examples, done), mine).passed:
+                break  # a cheaper check failed already: the candidate is rejected, nothing more is measured
+        tell("verdict")
+        skipped = [c for c in CHECKS if c not in done]
+        verdicts = {
+            name: judge(compare(new, current, self._base, items, t.min_signal_examples, done), t, skipped)
+            for name, t in judged.items()
+        }
+        values = compare(new, current, self._base, items, mine.min_signal_examples, done)
         checks = [
             GateCheck(
                 name=k,
@@ -278,7 +305,7 @@ class EvaluationGate:
                 passed=k not in verdicts[endpoint].failed,
             )
             for k, v in values.items()
-        ]
+        ] + [GateCheck(name=k, value=None, passed=False, skipped=True) for k in skipped]
         measures = {
             "probe_accuracy": new.accuracy,
             "probe_accuracy_current": current.accuracy,
@@ -313,7 +340,11 @@ class EvaluationGate:
             if endpoint == "*":
                 continue
             b = self.endpoints.get(endpoint)
-            reason = "passed" if verdict.passed else "rejected: " + ", ".join(verdict.failed)
+            reason = (
+                "passed"
+                if verdict.passed
+                else "rejected: " + (", ".join(verdict.failed) or "not measured (" + ", ".join(verdict.skipped) + ")")
+            )
             checks = {c.name: {"value": c.value, "current": c.current, "bound": c.bound} for c in result.checks}
             self.endpoints.record(
                 endpoint,
@@ -327,6 +358,8 @@ class EvaluationGate:
                     "failed": verdict.failed,
                     "checks": checks,
                     "continued_from": result.continued_from,
+                    "step_scale": result.step_scale,
+                    "line_search": [t.model_dump(mode="json") for t in result.line_search],
                 },
                 tenant=b.tenant,
             )

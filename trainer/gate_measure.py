@@ -1,10 +1,11 @@
 """The evaluation gate's measures of one set of weights, taken in the trainer right after a step.
 
-:meth:`ProbeSuite.measure` → :class:`Measurement`: capability probes (``trainer/rails/probes.jsonl``, greedy next token
-against accepted answers), drift (mean per-token KL of the new weights against the current version and the
-base model over the probe replies), degeneracy of greedy replies to open prompts, and the held-out signal
-margin (mean per-token logprob of desirable/chosen minus undesirable/rejected completions, nats);
-:func:`compare` lines them up against the current version's. Thresholds and verdicts are in
+:meth:`ProbeSuite.measure` → :class:`Measurement`: capability probes (``trainer/rails/probes.jsonl``, greedy next
+token against accepted answers), drift (mean per-token KL of the new weights against the current version and the
+base model over the probe replies), degeneracy of greedy replies to open prompts, and the held-out signal margin
+(mean per-token logprob of desirable/chosen minus undesirable/rejected completions, nats); :func:`compare` lines
+them up against the current version's. The measures come in three passes (:data:`PASSES`, cheapest first,
+:meth:`ProbeSuite.run_pass`), so that a candidate can be judged after each. Thresholds and verdicts are in
 :mod:`livelora.core.rails`; the measures and why they are taken in the trainer: ``docs/internals/rails.md``.
 """
 
@@ -14,7 +15,7 @@ import hashlib
 import itertools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,28 +95,40 @@ def reply_degenerate(text: str, n_tokens: int) -> bool:
     return len(words) >= 6 and len(set(bigrams)) < 0.5 * len(bigrams)
 
 
+#: The gate's measuring passes, cheapest first (docs/rails.md: measured seconds), each with the checks its measures
+#: decide. A candidate is judged after every pass and measured no further once a check failed.
+PASSES: dict[str, tuple[str, ...]] = {
+    "probes": ("probes", "probes_base", "kl_current", "kl_base"),
+    "signal": ("signal",),
+    "replies": ("degenerate", "length_ratio"),
+}
+CHECKS: tuple[str, ...] = tuple(c for checks in PASSES.values() for c in checks)
+
+
 @dataclass
 class Measurement:
-    """The gate's measures of one set of weights.
+    """The gate's measures of one set of weights (``None``: that pass was not run).
 
     Attributes:
         probe_right: per probe, whether it was answered right.
         logp_M_V: log-softmax over the vocabulary at the M reply positions of the probes (float32, CPU).
         degenerate: share of degenerate open-prompt replies; ``mean_len``: their mean length in tokens.
-        signal: held-out example key → mean per-token logprob of its completion (nats).
         replies: the open-prompt replies (text), for the record.
+        signal: held-out example key → mean per-token logprob of its completion (nats).
     """
 
-    probe_right: list[bool]
-    logp_M_V: torch.Tensor
-    degenerate: float
-    mean_len: float
-    replies: list[str]
+    probe_right: list[bool] | None = None
+    logp_M_V: torch.Tensor | None = None
+    degenerate: float | None = None
+    mean_len: float | None = None
+    replies: list[str] | None = None
     signal: dict[str, float] = field(default_factory=dict)
 
     @property
-    def accuracy(self) -> float:
-        """Fraction of probes answered right."""
+    def accuracy(self) -> float | None:
+        """Fraction of probes answered right (None: not measured)."""
+        if self.probe_right is None:
+            return None
         return sum(self.probe_right) / max(1, len(self.probe_right))
 
 
@@ -172,6 +185,13 @@ def signal_margin(scores: dict[str, float], items: Sequence[HeldOut], min_exampl
     if len(pos) + len(neg) < min_examples or not pos or not neg:
         return None
     return sum(pos) / len(pos) - sum(neg) / len(neg)
+
+
+def signal_countable(items: Sequence[HeldOut], min_examples: int) -> bool:
+    """Whether :func:`signal_margin` can count on ``items`` (enough scorable examples, both classes): if not, the
+    gate skips scoring them."""
+    signs = [i.sign for i in items if i.prompt and i.completion]
+    return len(signs) >= min_examples and 1 in signs and -1 in signs
 
 
 class ProbeSuite:
@@ -306,23 +326,34 @@ class ProbeSuite:
         lps = model.logprobs(inputs, targets, adapter=adapter, keep_pos=keep)
         return {i.key: float(lp[k].mean()) for i, lp, k in zip(items, lps, keep)}
 
+    def run_pass(
+        self, name: str, model: Any, m: Measurement, *, adapter: bool = True, heldout: Sequence[HeldOut] = ()
+    ) -> None:
+        """Run the measuring pass ``name`` (a key of :data:`PASSES`) on ``model`` and fill its fields of ``m``."""
+        if name == "probes":
+            m.probe_right, m.logp_M_V = self.probe_logprobs(model, adapter=adapter)
+        elif name == "signal":
+            m.signal.update(self.score(model, heldout, adapter=adapter))
+        elif name == "replies":
+            texts, lens = self.generate(model, adapter=adapter)
+            m.degenerate = sum(reply_degenerate(t, n) for t, n in zip(texts, lens)) / max(1, len(texts))
+            m.mean_len, m.replies = sum(lens) / max(1, len(lens)), texts
+        else:
+            raise ValueError(f"unknown gate pass {name!r}")
+
     def measure(
         self, model: Any, *, adapter: bool = True, heldout: Sequence[HeldOut] = (), on_check: Any = None
     ) -> Measurement:
-        """Every measure of ``model`` (adapter on, or the base model with ``adapter=False``); ``on_check(name)`` is
-        called as each pass starts (``probes``, ``replies``, ``signal``)."""
+        """Every measure of ``model`` (adapter on, or the base model with ``adapter=False``), pass by pass in the
+        order of :data:`PASSES` (``signal`` only with ``heldout`` items); ``on_check(name)`` as each starts."""
         tell = on_check or (lambda name: None)
-        tell("probes")
-        right, logp = self.probe_logprobs(model, adapter=adapter)
-        step_yield()  # serving may go first between the gate's passes (core/core_share.py)
-        tell("replies")
-        texts, lens = self.generate(model, adapter=adapter)
-        degenerate = sum(reply_degenerate(t, n) for t, n in zip(texts, lens)) / max(1, len(texts))
-        if heldout:
-            tell("signal")
-        return Measurement(
-            right, logp, degenerate, sum(lens) / max(1, len(lens)), texts, self.score(model, heldout, adapter=adapter)
-        )
+        m = Measurement()
+        for i, name in enumerate(p for p in PASSES if p != "signal" or heldout):
+            if i:
+                step_yield()  # serving may go first between the gate's passes (core/core_share.py)
+            tell(name)
+            self.run_pass(name, model, m, adapter=adapter, heldout=heldout)
+        return m
 
 
 class _null:
@@ -334,24 +365,36 @@ class _null:
 
 
 def compare(
-    new: Measurement, current: Measurement, base: Measurement, items: Sequence[HeldOut], min_signal_examples: int
+    new: Measurement,
+    current: Measurement,
+    base: Measurement,
+    items: Sequence[HeldOut],
+    min_signal_examples: int,
+    only: Collection[str] | None = None,
 ) -> dict[str, dict[str, float | None]]:
     """The check values :func:`livelora.core.rails.judge` takes, from three measurements.
 
     ``new``, ``current`` and ``base``: the stepped weights, the version they would replace, the base model
-    (adapter off). ``probes`` compares the probe accuracy with the current version's, ``probes_base`` (same
+    (adapter off); ``only``: the checks to compute (default every one; ``new`` must hold their passes'
+    measures). ``probes`` compares the probe accuracy with the current version's, ``probes_base`` (same
     value and current) with the base model's (``base``).
     """
-    cur_len = max(current.mean_len, 1e-9)
-    return {
-        "probes": {"value": new.accuracy, "current": current.accuracy},
-        "probes_base": {"value": new.accuracy, "current": current.accuracy, "base": base.accuracy},
-        "kl_current": {"value": kl_mean(new.logp_M_V, current.logp_M_V), "current": None},
-        "kl_base": {"value": kl_mean(new.logp_M_V, base.logp_M_V), "current": kl_mean(current.logp_M_V, base.logp_M_V)},
-        "degenerate": {"value": new.degenerate, "current": current.degenerate},
-        "length_ratio": {"value": new.mean_len / cur_len, "current": 1.0},
-        "signal": {
+    want = set(CHECKS if only is None else only)
+    out: dict[str, dict[str, float | None]] = {}
+    if want & set(PASSES["probes"]):
+        out["probes"] = {"value": new.accuracy, "current": current.accuracy}
+        out["probes_base"] = {"value": new.accuracy, "current": current.accuracy, "base": base.accuracy}
+        out["kl_current"] = {"value": kl_mean(new.logp_M_V, current.logp_M_V), "current": None}
+        out["kl_base"] = {
+            "value": kl_mean(new.logp_M_V, base.logp_M_V),
+            "current": kl_mean(current.logp_M_V, base.logp_M_V),
+        }
+    if want & set(PASSES["replies"]):
+        out["degenerate"] = {"value": new.degenerate, "current": current.degenerate}
+        out["length_ratio"] = {"value": new.mean_len / max(current.mean_len, 1e-9), "current": 1.0}
+    if "signal" in want:
+        out["signal"] = {
             "value": signal_margin(new.signal, items, min_signal_examples),
             "current": signal_margin(current.signal, items, min_signal_examples),
-        },
-    }
+        }
+    return {k: v for k, v in out.items() if k in want}

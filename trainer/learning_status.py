@@ -89,9 +89,11 @@ class LearningReporter:
     def _set_stage(self, st: LearningStatus, mark: StageMark, *, new_step: bool = False) -> None:
         st.stage, st.since = mark.stage, mark.at
         st.check, st.detail = mark.check, mark.detail
-        st.version, st.reason = mark.version, mark.reason
+        st.version, st.reason, st.step_scale = mark.version, mark.reason, mark.step_scale
         st.stages = ([] if new_step else st.stages)[-(MAX_MARKS - 1) :] + [mark]
         what = mark.check or mark.detail or mark.reason or mark.version or ""
+        if mark.step_scale is not None and mark.step_scale != 1:
+            what += f", step scaled by {mark.step_scale:g}"
         log.info(
             "learning %s: %s%s",
             st.lineage,
@@ -166,12 +168,16 @@ class LearningReporter:
             now = self.clock()
             started = next((m.at for m in reversed(st.stages) if m.stage == "training"), None)
             gate = getattr(manifest, "gate", None) or {}
+            tries = gate.get("line_search") or []
             if gate.get("continued_from"):
                 failed = (gate.get("verdicts", {}).get(batch.endpoint) or {}).get("failed") or []
-                reason = f"{', '.join(failed) or 'gate'} failed; training continues from {gate['continued_from']}"
+                scaled = f" at every step scale down to {tries[-1]['step_scale']:g}" if len(tries) > 1 else ""
+                reason = (
+                    f"{', '.join(failed) or 'gate'} failed{scaled}; training continues from {gate['continued_from']}"
+                )
                 mark = StageMark(stage="rejected", at=now, version=manifest.name, reason=reason)
             else:
-                mark = StageMark(stage="published", at=now, version=manifest.name)
+                mark = StageMark(stage="published", at=now, version=manifest.name, step_scale=gate.get("step_scale"))
             if started is not None:
                 took = now - started
                 st.step_seconds = (

@@ -28,6 +28,7 @@ from livelora.core.base_models import BaseModelRef, base_identity
 from livelora.core.core_share import TrainingFlag, training_step
 from livelora.core.metering import Meter, Usage
 from livelora.trainer.event_datums import EventDatums
+from livelora.trainer.line_search import line_search, step_scales
 from livelora.trainer.scheduler import Batch
 from livelora.trainer.settings import GateSection, TrainingSection
 
@@ -210,10 +211,12 @@ class OnlineTrainer:
                 )
                 stepped = True
                 result = new = None
-                if gate is not None:
-                    tell = lambda c: self._report(batch.lineage, "gate", check=c)  # noqa: E731
-                    result, new = gate.judge(model, batch.lineage, batch.endpoint, on_check=tell)
-                    if not result.verdicts[batch.endpoint].passed:
+                if gate is not None:  # the largest fraction of the step that passes (trainer/line_search.py)
+                    tell = lambda c, a: self._report(batch.lineage, "gate", check=c, step_scale=a)  # noqa: E731
+                    scales = step_scales(self.gate_config.gate_min_step_scale)
+                    result, new, passed = line_search(gate, model, batch.lineage, batch.endpoint, scales, tell)
+                    opt["update_norm:mean"] *= result.step_scale  # θ_α − θ₀ = α·(θ₁ − θ₀)
+                    if not passed:
                         result.continued_from = result.against
             except BaseException:
                 model.zero_grad()
@@ -264,15 +267,20 @@ class OnlineTrainer:
             passed = result.continued_from is None
             gate.settle(model, batch.lineage, passed, manifest.name, new)
             gate.record(result, manifest.name, batch.lineage)
+            tries = result.line_search
+            prom.GATE_CANDIDATES.labels(batch.endpoint, "passed").inc(sum(t.passed for t in tries))
+            prom.GATE_CANDIDATES.labels(batch.endpoint, "rejected").inc(sum(not t.passed for t in tries))
+            if passed:
+                prom.STEP_SCALE.labels(batch.endpoint).set(result.step_scale)
             log.info(
-                "%s: evaluation gate %s in %.2f s%s",
+                "%s: evaluation gate %s in %.2f s (%s)%s",
                 manifest.name,
-                "passed" if passed else "REJECTED",
+                f"passed at step scale {result.step_scale:g}" if passed else "REJECTED",
                 result.seconds,
-                ""
-                if passed
-                else f" ({', '.join(result.verdicts[batch.endpoint].failed)});"
-                f" training continues from {result.continued_from}",
+                ", ".join(
+                    f"α {t.step_scale:g} " + ("passed" if t.passed else "failed " + "+".join(t.failed)) for t in tries
+                ),
+                "" if passed else f"; training continues from {result.continued_from}",
             )
         return manifest
 

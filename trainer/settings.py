@@ -124,6 +124,13 @@ class GateSection(Section):
     gate_gen_tokens: int = Field(
         24, ge=4, le=256, description="Greedy tokens generated per open prompt for the degeneracy check."
     )
+    gate_min_step_scale: float = Field(
+        0.125,
+        gt=0,
+        le=1,
+        description="Smallest fraction of a rejected step the gate's line search tries: the step θ₁ − θ₀ is "
+        "scaled by 1, 1/2, 1/4, ... down to this, and the largest that passes is published (1: no line search).",
+    )
 
 
 class TrainerSettings(ProcessSettings):

@@ -1,9 +1,9 @@
 """Wire type of ``GET /v1/learning/{endpoint}``: where the next version of an endpoint's lineage stands.
 
 Stages, in order: ``waiting`` (ratings queued, n of the batch size), ``training`` (forward/backward and the
-optimizer step), ``gate`` (the evaluation gate, ``check`` names the pass running), then ``published`` (the
-version) or ``rejected`` (why). ``idle``: no step reported since the trainer started, nothing queued. Times are
-Unix seconds.
+optimizer step), ``gate`` (the evaluation gate, ``check`` names the pass running, ``step_scale`` the fraction of
+the step judged), then ``published`` (the version and its ``step_scale``) or ``rejected`` (why). ``idle``: no
+step reported since the trainer started, nothing queued. Times are Unix seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ class StageMark(BaseModel):
     detail: str | None = None
     version: str | None = None
     reason: str | None = None
+    step_scale: float | None = Field(
+        default=None,
+        description="Gate: the fraction α of the step being judged (line search: 1, 0.5, 0.25, ...); published: "
+        "the α of the version.",
+    )
 
 
 class LearningStatus(BaseModel):
@@ -38,6 +43,11 @@ class LearningStatus(BaseModel):
     detail: str | None = Field(default=None, description="Training stage: what runs now.")
     version: str | None = Field(default=None, description="Published or rejected: the version written.")
     reason: str | None = Field(default=None, description="Rejected: the failed checks.")
+    step_scale: float | None = Field(
+        default=None,
+        description="Gate: the fraction α of the step being judged (1, then 0.5, 0.25, ... after a rejection); "
+        "published: the fraction the version holds.",
+    )
     ratings_waiting: int = Field(default=0, description="Ratings queued for the next KTO step.")
     demonstrations_waiting: int = 0
     preferences_waiting: int = 0
@@ -73,8 +83,12 @@ class LearningStatus(BaseModel):
             s = "training" + (f" ({self.detail})" if self.detail else "")
         elif self.stage == "gate":
             s = "evaluation gate" + (f": {self.check}" if self.check else "")
+            if self.step_scale is not None and self.step_scale != 1:
+                s += f" (step scaled by {self.step_scale:g})"
         elif self.stage == "published":
             s = f"published {self.version}"
+            if self.step_scale is not None and self.step_scale != 1:
+                s += f" (step scaled by {self.step_scale:g})"
         else:
             s = f"rejected {self.version}: {self.reason}"
         if self.paused:
