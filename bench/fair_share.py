@@ -125,6 +125,7 @@ async def run(args) -> None:
     }
     await quiet_phase(url, keys["quiet"], 2, args.max_tokens)  # warm-up
     quiet, quiet_err = await quiet_phase(url, keys["quiet"], args.requests, args.max_tokens)
+    print(f"quiet phase done: TTFT p99 {p(quiet, 0.99):.3f} s, errors {quiet_err}", flush=True)
     stop, counts = asyncio.Event(), {}
     tasks = [asyncio.create_task(flood(url, keys["flood"], largest, stop, counts)) for _ in range(args.flooders)]
     await asyncio.sleep(args.settle_s)
