@@ -1,8 +1,9 @@
 """Run one untrusted Python program: bubblewrap namespaces + rlimits, a wall clock, capped output, full cleanup.
 
 Isolation (docs/code-rl.md has the why and what the hostile-program tests observed): ``bwrap --unshare-all``
-(no network, own PID/IPC/UTS/user namespaces), a read-only ``/usr``, a private work directory (the program's
-files) at ``/sandbox``, a small private ``/tmp``, nothing else of the host (no ``/etc``, ``/home``, store or keys).
+(no network, own PID/IPC/UTS/user namespaces), a read-only ``/usr`` (with ``/etc/alternatives`` and
+``/etc/ld.so.cache`` for shared libraries), a private work directory (the program's files) at ``/sandbox``, a
+small private ``/tmp``, nothing else of the host (no rest of ``/etc``, no ``/home``, store or keys).
 Limits are rlimits set before ``bwrap`` runs (CPU seconds, address space, processes, file size) and a wall clock
 kept here; on the wall limit, output limit or exit, the whole process tree is killed (``bwrap``'s process group,
 ``--die-with-parent``, and the PID namespace dies with its init). Run as root, each run gets its own uid from a
@@ -157,6 +158,9 @@ class Sandbox:
                 binds += ["--symlink", os.readlink(top), top]
             elif os.path.isdir(top):
                 binds += ["--ro-bind", top, top]
+        for shared in ("/etc/alternatives", "/etc/ld.so.cache"):  # shared-library links (numpy's BLAS); no secrets
+            if os.path.exists(shared):
+                binds += ["--ro-bind", shared, shared]
         real = os.path.realpath(exe)
         if not real.startswith(("/usr/", "/bin/", "/lib")):
             prefix = str(Path(real).parent.parent)
@@ -217,6 +221,8 @@ class Sandbox:
             "--bind",
             str(work),
             INSIDE,
+            "--remount-ro",  # the sandbox's own root (its mount points) read-only too: only /sandbox, /tmp write
+            "/",
             "--chdir",
             INSIDE,
             *run,
