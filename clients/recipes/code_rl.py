@@ -1,18 +1,17 @@
 """code-rl: reinforcement learning on programming tasks graded in a sandbox, two turns with a ``check_solution`` tool.
 
 Each step: ``tasks_per_step`` tasks (the generated easy set, HumanEval, or both) x ``group_size`` episodes. An
-episode: the model writes a reply; when it calls ``check_solution`` (``--tool-call auto``: it writes the word
-after a code block; ``always``: every first reply with a code block is checked) the public tests run on its
-last code block, their result comes back as the next user turn, and the model replies again. Reward (the
-managed services' code_rl): 1 when the final code block passes every hidden test, 0 otherwise, −0.1 when the
-episode has no code block. Advantages are group-relative; both assistant turns are trained with the sampler's
-logprobs (``cispo`` by default), tool turns masked out; the gradient is accumulated over ``minibatches``
-``forward_backward`` calls. With ``max_staleness`` > 0 a sampler thread runs ahead; batches more than
-``max_staleness`` steps old are dropped (:mod:`livelora.clients.recipes.async_rl`).
+episode: the model replies; when it calls ``check_solution`` (``--tool-call auto``: it writes the word after a
+code block; ``always``: every first reply with a code block is checked) the public tests run on its last code
+block, their result comes back as the next user turn, and the model replies again. Reward: 1 when the final code
+block passes every hidden test, 0 otherwise, −0.1 without a code block. Advantages are group-relative; both
+assistant turns train with the sampler's logprobs (``cispo``), tool turns masked; the gradient is accumulated
+over ``minibatches`` ``forward_backward`` calls. With ``max_staleness`` > 0 a sampler thread runs ahead and
+batches more than ``max_staleness`` steps old are dropped (:mod:`livelora.clients.recipes.async_rl`).
 
-Programs run in the local bubblewrap sandbox (:mod:`livelora.clients.sandbox`) or, with ``--sandbox-url``, on
-any SandboxFusion server (``livelora sandbox``). Evaluation: greedy pass rate on the easy held-out split and on
-HumanEval held-out tasks, before / after. docs/code-rl.md has the details and measured figures.
+Programs run in the local bubblewrap sandbox (:mod:`livelora.clients.sandbox`) or, with ``--sandbox-url``, on a
+SandboxFusion server (``livelora sandbox``). Evaluation: greedy pass rate on the easy held-out split and on
+HumanEval held-out tasks. docs/code-rl.md has the details.
 """
 
 from __future__ import annotations
