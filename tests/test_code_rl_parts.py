@@ -99,3 +99,18 @@ def test_episode_datum_trains_only_sampled_tokens_with_the_sampler_logprobs():
     assert d.loss_fn_inputs["target_tokens"].tolist() == [2, 3, 4, 5, 6]
     assert d.loss_fn_inputs["advantages"].tolist() == [0.0, 0.75, 0.0, 0.75, 0.75]
     assert d.loss_fn_inputs["logprobs"].tolist() == [0.0, -0.5, 0.0, -1.0, -2.0]
+
+
+def test_cli_flags_and_a_humaneval_evaluation_without_its_data_is_refused(tmp_path):
+    from typer.testing import CliRunner
+
+    from livelora.cli.main import app
+
+    runner = CliRunner()
+    help_text = " ".join(runner.invoke(app, ["recipe", "code-rl", "--help"]).output.split())
+    for flag in ("--max-staleness", "--sandbox-url", "--tool-call", "--minibatches", "--humaneval"):
+        assert flag in help_text
+    args = ["recipe", "code-rl", "--humaneval-eval-size", "3", "--log-dir", str(tmp_path / "r")]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 1 and "--humaneval is needed" in " ".join(refused.output.split())
+    assert not (tmp_path / "r").exists()  # refused before any session or run directory
