@@ -123,6 +123,10 @@ def test_cookbook_sandboxfusion_client_grades_through_livelora_sandbox(url):
     python = Path(os.environ.get("LIVELORA_TINKER038_PYTHON", ROOT / ".venv-tinker038" / "bin" / "python"))
     if not python.exists():
         pytest.skip("no tinker-cookbook venv (.venv-tinker038): run .ci/setup-tinker-sdks 038")
+    if not Sandbox().run("import numpy").ok:
+        pytest.skip(
+            "the sandbox's python3 has no numpy (the cookbook's test runner imports it): apt install python3-numpy"
+        )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "PYTHON"))}
     env.update(SANDBOX_URL=f"{url}/run_code", TINKER_TELEMETRY="0")
     done = subprocess.run([python, "-c", COOKBOOK_SCRIPT], env=env, capture_output=True, text=True, timeout=120)

@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
@@ -36,6 +37,10 @@ Status = Literal["finished", "timeout", "output_limit", "sandbox_error"]
 #: The program's file name in its work directory (the work directory is its cwd and ``sys.path[0]``).
 PROGRAM = "__sandbox_main__.py"
 INSIDE = "/sandbox"
+
+
+_POOLS: dict[tuple[int, int], queue.Queue[int]] = {}
+_POOLS_LOCK = threading.Lock()
 
 
 class IsolationUnavailableError(RuntimeError):
@@ -96,6 +101,25 @@ def _user_processes(uid: int) -> int:
     return n
 
 
+def _end_uid(uid: int, timeout_s: float = 10.0) -> None:
+    """Kill every process of the run's own ``uid`` and wait until none is left (the PID namespace's members die
+    asynchronously after its init), so that nothing outlives the run and the uid returns to the pool empty."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = []
+        for entry in os.scandir("/proc"):
+            with contextlib.suppress(OSError):
+                if entry.name.isdigit() and entry.stat().st_uid == uid:
+                    pids.append(int(entry.name))
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+    log.warning("sandbox uid %d still has processes after %.0f s", uid, timeout_s)
+
+
 def _probe_bwrap(bwrap: str | None, binds: list[str]) -> str:
     """'' when ``bwrap`` runs a namespace here, else why not."""
     if bwrap is None:
@@ -146,9 +170,12 @@ class Sandbox:
                 self.why_not_isolated,
             )
         self._root = os.geteuid() == 0
-        self._uids: queue.Queue[int] = queue.Queue()
-        for uid in range(uid_base, uid_base + uid_pool):
-            self._uids.put(uid)
+        with _POOLS_LOCK:  # one pool per uid range in this process, shared by every Sandbox on it
+            if (uid_base, uid_pool) not in _POOLS:
+                _POOLS[(uid_base, uid_pool)] = pool = queue.Queue()
+                for uid in range(uid_base, uid_base + uid_pool):
+                    pool.put(uid)
+            self._uids: queue.Queue[int] = _POOLS[(uid_base, uid_pool)]
 
     @staticmethod
     def _system_binds(exe: str) -> list[str]:
@@ -192,6 +219,8 @@ class Sandbox:
                 for p in [work, *work.rglob("*")]:
                     os.chown(p, uid, uid)
             result = self._execute(work, uid, lim, stdin.encode() if isinstance(stdin, str) else stdin)
+            if self._root:
+                _end_uid(uid)
             for name in fetch_files:
                 result.files.update(self._fetch(work, name, lim))
             return result
