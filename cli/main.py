@@ -366,6 +366,10 @@ from livelora.cli.settings_table import settings as _settings_command  # noqa: E
 
 app.command("settings")(_settings_command)
 
+from livelora.cli.sandbox import sandbox as _sandbox_command  # noqa: E402  (livelora sandbox)
+
+app.command("sandbox")(_sandbox_command)
+
 from livelora.clients.recipes.cli import recipe_app  # noqa: E402  (livelora recipe NAME)
 
 app.add_typer(recipe_app, name="recipe")

@@ -36,7 +36,7 @@ def smoke(recipe: str, url: str, *flags: str) -> tuple[str, float]:
     return out, time.monotonic() - started
 
 
-RECIPES = ["chat-sft", "gsm8k-rl", "kto-ratings", "dpo", "distill"]
+RECIPES = ["chat-sft", "gsm8k-rl", "kto-ratings", "dpo", "distill", "code-rl"]
 
 
 def doc_lines() -> list[str]:

@@ -396,7 +396,7 @@ def test_recipe_cli_lists_the_recipes_and_validates_flags(tmp_path):
     runner = CliRunner()
     out = runner.invoke(app, ["recipe", "--help"])
     assert out.exit_code == 0
-    for name in ("chat-sft", "gsm8k-rl", "kto-ratings", "dpo", "distill"):
+    for name in ("chat-sft", "gsm8k-rl", "kto-ratings", "dpo", "distill", "code-rl"):
         assert name in out.output
     help_text = runner.invoke(app, ["recipe", "gsm8k-rl", "--help"]).output
     assert "--max-staleness" in help_text and "--learning-rate" in help_text

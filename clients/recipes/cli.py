@@ -34,11 +34,12 @@ RECIPES = {
     "kto-ratings": "livelora.clients.recipes.kto_ratings",
     "dpo": "livelora.clients.recipes.dpo",
     "distill": "livelora.clients.recipes.distill",
+    "code-rl": "livelora.clients.recipes.code_rl",
 }
 
 recipe_app = typer.Typer(
     help="Training recipes over the training-session API (chat SFT, GSM8K RL, KTO, DPO, "
-    "distillation): metrics, checkpoints, exact resume.",
+    "distillation, code RL in a sandbox): metrics, checkpoints, exact resume.",
     no_args_is_help=True,
 )
 console = Console(stderr=True)

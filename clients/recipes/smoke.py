@@ -32,6 +32,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_tokens": 8,
         "eval_size": 2,
     },
+    "code-rl": {
+        "tasks_per_step": 2,
+        "group_size": 2,
+        "max_tokens": 48,
+        "eval_size": 2,
+        "tool_call": "always",
+        "minibatches": 2,
+        "max_staleness": 1,
+    },
 }
 
 

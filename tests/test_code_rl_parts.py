@@ -1,0 +1,116 @@
+"""code-rl's parts without a server: the shipped tasks grade right in the sandbox, code extraction, the reward,
+the tool turn's token layout and the datum's masks (the real SmolLM2 tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from livelora.clients.recipes.code_rl import Config, Episodes, Grader, _datum, reward
+from livelora.clients.recipes.code_tasks import (
+    TEMPLATES,
+    easy_tasks,
+    extract_code,
+    grading_program,
+    humaneval_tasks,
+    public_check_program,
+)
+from livelora.clients.recipes.renderers import ChatRenderer
+from livelora.clients.recipes.sdk import Sdk
+from livelora.clients.sandbox import IsolationUnavailableError, Sandbox
+
+HUMANEVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval"
+HUMANEVAL = HUMANEVAL if HUMANEVAL.exists() else Path("/work/shared/data/humaneval")
+
+
+@pytest.fixture(scope="module")
+def grader() -> Grader:
+    try:
+        Sandbox(require_isolation=True)
+    except IsolationUnavailableError as exc:
+        pytest.skip(f"no isolation here: {exc}")
+    return Grader(None, 6.0)
+
+
+def test_every_easy_template_reference_passes_its_tests_and_a_wrong_one_fails(grader):
+    tasks = easy_tasks(0)
+    assert len(tasks) == 160 and len({t.task_id for t in tasks}) == 160
+    assert all(len(t.public_tests) == 2 and t.hidden_tests.count("assert") == 4 for t in tasks)
+    by_fn = {t.entry_point: t for t in tasks}
+    programs, expected = [], []
+    for name, statement, ref, _ in TEMPLATES:
+        k, c = 2, "a"
+        fn = f"{name}_{k}" if "{k}" in statement else (f"{name}_{c}" if "{c}" in statement else f"{name}_v0")
+        task = by_fn[fn]
+        right = f"{fn} = {ref.format(k=k, c=c)}"
+        programs += [
+            grading_program(right, task.hidden_tests),
+            grading_program(f"def {fn}(*a):\n    return None", task.hidden_tests),
+        ]
+        expected += [True, False]
+    assert [grader.run(p)[0] for p in programs] == expected
+
+
+def test_humaneval_canonical_solutions_pass_hidden_and_public_tests(grader):
+    rows = [json.loads(x) for x in (HUMANEVAL / "HumanEval.jsonl").read_text().splitlines()[:4]]
+    tasks = humaneval_tasks(HUMANEVAL)[:4]
+    assert len(humaneval_tasks(HUMANEVAL)) == 164
+    for row, task in zip(rows, tasks):
+        solution = row["prompt"] + row["canonical_solution"]
+        assert grader.run(grading_program(solution, task.hidden_tests))[0], task.task_id
+        assert not grader.run(grading_program(row["prompt"] + "    pass\n", task.hidden_tests))[0], task.task_id
+    ok, out, secs = grader.run(
+        public_check_program(rows[0]["prompt"] + rows[0]["canonical_solution"], tasks[0].public_tests)
+    )
+    assert ok and out.count("PASS") == len(tasks[0].public_tests) == 2 and secs > 0
+    _, out, _ = grader.run(
+        public_check_program("def has_close_elements(a, b):\n    return True", tasks[0].public_tests)
+    )
+    assert out.splitlines()[0].startswith("FAIL") and out.splitlines()[1].startswith("PASS")
+
+
+def test_code_extraction_and_reward():
+    assert extract_code("Here:\n```python\ndef f():\n    return 1\n```\nand\n```\nx = 2\n```") == "x = 2"
+    assert extract_code("def f(): return 1") is None
+    assert (reward(None, False, 0.1), reward("x", False, 0.1), reward("x", True, 0.1)) == (-0.1, 0.0, 1.0)
+
+
+def test_the_tool_turn_continues_the_sampled_tokens_as_the_template_renders_it(tokenizer):
+    renderer = ChatRenderer(tokenizer)
+    ep = Episodes(Config(log_dir="unused"), None, renderer, None)
+    msgs = ep.messages(easy_tasks(0)[0])
+    reply = "```python\ndef add_2(x):\n    return x + 2\n```\ncheck_solution"
+    tool = {"role": "user", "content": "check_solution result:\nPASS assert add_2(34) == 36"}
+    sampled = renderer.completion_tokens(reply)  # the reply's tokens and the end-of-turn token, as a sampler stops
+    cont = ep._continuation(msgs, reply, tool, stopped=True)
+    full = renderer.prompt_tokens([*msgs, {"role": "assistant", "content": reply}, tool])
+    assert renderer.prompt_tokens(msgs) + sampled + cont == full
+    cut = ep._continuation(msgs, reply, tool, stopped=False)  # cut by max_tokens: the end-of-turn token is added
+    assert cut == renderer.stop_token_ids + cont
+
+
+def test_episode_datum_trains_only_sampled_tokens_with_the_sampler_logprobs():
+    sdk = Sdk.load("livelora", "http://unused")
+    e = {"tokens": [1, 2, 3, 4, 5, 6], "mask": [0, 0, 1, 0, 1, 1], "logprobs": [0, 0, -0.5, 0, -1.0, -2.0]}
+    d = _datum(sdk, e, 0.75)
+    assert d.model_input.to_ints() == [1, 2, 3, 4, 5]
+    assert d.loss_fn_inputs["target_tokens"].tolist() == [2, 3, 4, 5, 6]
+    assert d.loss_fn_inputs["advantages"].tolist() == [0.0, 0.75, 0.0, 0.75, 0.75]
+    assert d.loss_fn_inputs["logprobs"].tolist() == [0.0, -0.5, 0.0, -1.0, -2.0]
+
+
+def test_cli_flags_and_a_humaneval_evaluation_without_its_data_is_refused(tmp_path):
+    from typer.testing import CliRunner
+
+    from livelora.cli.main import app
+
+    runner = CliRunner()
+    help_text = " ".join(runner.invoke(app, ["recipe", "code-rl", "--help"]).output.split())
+    for flag in ("--max-staleness", "--sandbox-url", "--tool-call", "--minibatches", "--humaneval"):
+        assert flag in help_text
+    args = ["recipe", "code-rl", "--humaneval-eval-size", "3", "--log-dir", str(tmp_path / "r")]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 1 and "--humaneval is needed" in " ".join(refused.output.split())
+    assert not (tmp_path / "r").exists()  # refused before any session or run directory
