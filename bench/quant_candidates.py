@@ -3,12 +3,13 @@
 The model is SmolLM2-135M-Instruct with a rank-16 LoRA on every linear layer merged into its weights
 (``W + s·B A``, B drawn at scale 0.05), as the engine serves a version every row uses. Candidates: ``fp32``,
 ``bf16`` (the whole model), ``int8`` (weight-only, ``gateway/engines/quantized.py``) and ``int8-dynamic``
-(``torch.ao`` dynamic quantization, per-channel int8 weights and per-batch int8 activations). Speed: greedy
-``generate`` of ``--tokens`` tokens (prefill included), candidates alternating over ``--rounds`` rounds, median
-reported. Fidelity: mean per-token KL(p_fp32 ‖ p_candidate) over fp32's greedy continuations of the prompts
-(teacher-forced), and the share of prompts whose greedy reply equals fp32's.
+(``torch.ao`` dynamic quantization, per-channel int8 weights and per-batch int8 activations). Speed: tok/s of
+one decode step (median of ``--steps`` after prefilling 1 or 8 prompts), candidates alternating over ``--rounds``
+rounds, median reported; on a shared machine run it with ``OMP_NUM_THREADS=1`` (docs/serving.md). Fidelity:
+mean per-token KL(p_fp32 ‖ p_candidate) over fp32's greedy continuations of the prompts (teacher-forced), and
+the share of prompts whose greedy reply equals fp32's.
 
-    python bench/quant_candidates.py --rounds 3 --tokens 32
+    OMP_NUM_THREADS=1 python bench/quant_candidates.py --rounds 3
 """
 
 from __future__ import annotations
@@ -83,10 +84,22 @@ def greedy(model, batch: dict, tokens: int) -> torch.Tensor:
     return out[:, batch["input_ids"].shape[1] :]
 
 
-def tok_per_s(model, batch: dict, tokens: int) -> float:
-    t0 = time.perf_counter()
-    greedy(model, batch, tokens)
-    return batch["input_ids"].shape[0] * tokens / (time.perf_counter() - t0)
+def tok_per_s(model, batch: dict, steps: int) -> float:
+    """Rows / median seconds of one decode step (after the prefill of ``batch``)."""
+    from transformers import DynamicCache
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    rows, times = ids.shape[0], []
+    with torch.inference_mode():
+        cache = DynamicCache()
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], 1)
+            t0 = time.perf_counter()
+            out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t0)
+    return rows / statistics.median(times)
 
 
 def fidelity(ref, model, tok, tokens: int) -> tuple[float, float]:
@@ -107,7 +120,8 @@ def fidelity(ref, model, tok, tokens: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per reply for the fidelity figures")
+    parser.add_argument("--steps", type=int, default=6, help="decode steps timed per candidate and batch size")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--only", nargs="*", help="candidate names (default: all)")
     args = parser.parse_args()
@@ -119,8 +133,8 @@ def main() -> None:
     speeds: dict[str, dict[int, list[float]]] = {k: {1: [], 8: []} for k in models}
     for r in range(args.rounds):
         for name, model in models.items():
-            speeds[name][1].append(tok_per_s(model, b1, args.tokens))
-            speeds[name][8].append(tok_per_s(model, b8, args.tokens))
+            speeds[name][1].append(tok_per_s(model, b1, args.steps))
+            speeds[name][8].append(tok_per_s(model, b8, args.steps))
         print(f"round {r + 1} done, load {os.getloadavg()[0]:.2f}", flush=True)
     print(f"{'weights':14} {'b1 tok/s':>9} {'b8 tok/s':>9} {'KL/token':>10} {'greedy same':>12}")
     for name, model in models.items():
