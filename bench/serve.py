@@ -241,6 +241,11 @@ def main() -> None:
     parser.add_argument("--anchors", action="store_true", help="adapter on every request vs offline peft anchors")
     parser.add_argument("--rounds", type=int, default=2, help="--anchors: alternating rounds")
     parser.add_argument("--rank", type=int, default=16, help="--anchors: LoRA rank of the adapter")
+    parser.add_argument(
+        "--weights",
+        default="fp32",
+        help="--anchors: comma-separated LIVELORA_ENGINE_WEIGHTS values, one gateway each, measured in the same run",
+    )
     parser.add_argument("--ab-on-first", action="store_true", help="with --metering-ab: start and run 'on' first")
     args = parser.parse_args()
     if args.metering_ab:
@@ -327,30 +332,48 @@ def anchors(args) -> None:
 
     settings = CommonSettings()
     ref = resolve_base_model(args.model, settings.home)
-    home = Path(tempfile.mkdtemp(prefix="livelora-anchors-"))
-    (home / "models").symlink_to(Path(settings.home) / "models", target_is_directory=True)
-    keys = KeyLayout(f"livelora-bench-anchors-{uuid.uuid4().hex[:8]}:")
-    env = {"LIVELORA_HOME": str(home), "LIVELORA_REDIS_PREFIX": keys.prefix, "LIVELORA_METERING": "false"}
-    proc, url = spawn(
-        args.engine, args.model, args.max_batch_size, args.device, env, ["--served-model-name", hotswap.EP]
-    )
-    rows: dict[str, list[dict]] = {"gateway_n": [], "static_n": [], "gateway_1": [], "generate_1": []}
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    gateways: dict[str, tuple[subprocess.Popen, str, Path]] = {}  # weights → (process, url, home)
+    rows: dict[str, list[dict]] = {}
+    for w in weights:
+        rows[f"gateway_n[{w}]"] = []
+        if w == weights[0]:
+            rows["static_n"] = []
+    for w in weights:
+        rows[f"gateway_1[{w}]"] = []
+        if w == weights[0]:
+            rows["generate_1"] = []
     try:
-        publisher = hotswap.Publisher(ref, home, keys, redis.Redis.from_url(settings.redis_url), args.rank)
-        name, _, _ = publisher.publish()
-        del publisher
+        for w in weights:  # one store and prefix per gateway; the same seeded version published to each
+            home = Path(tempfile.mkdtemp(prefix="livelora-anchors-"))
+            (home / "models").symlink_to(Path(settings.home) / "models", target_is_directory=True)
+            keys = KeyLayout(f"livelora-bench-anchors-{uuid.uuid4().hex[:8]}:")
+            env = {
+                "LIVELORA_HOME": str(home),
+                "LIVELORA_REDIS_PREFIX": keys.prefix,
+                "LIVELORA_METERING": "false",
+                "LIVELORA_ENGINE_WEIGHTS": w,
+            }
+            proc, url = spawn(
+                args.engine, args.model, args.max_batch_size, args.device, env, ["--served-model-name", hotswap.EP]
+            )
+            gateways[w] = (proc, url, home)
+            publisher = hotswap.Publisher(ref, home, keys, redis.Redis.from_url(settings.redis_url), args.rank)
+            name, _, _ = publisher.publish()
+            del publisher
 
-        async def served() -> str | None:
-            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-                for _ in range(600):
-                    r = await hotswap.stream_chat(client, "probe", "Hello", 1)
-                    if r.version == name:
-                        return r.version
-                    await asyncio.sleep(0.1)
-            return None
+            async def served(url=url, name=name) -> str | None:
+                async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                    for _ in range(600):
+                        r = await hotswap.stream_chat(client, "probe", "Hello", 1)
+                        if r.version == name:
+                            return r.version
+                        await asyncio.sleep(0.1)
+                return None
 
-        if asyncio.run(served()) != name:
-            raise SystemExit(f"the gateway did not serve {name} within a minute")
+            if asyncio.run(served()) != name:
+                raise SystemExit(f"the {w} gateway did not serve {name} within a minute")
+        home = gateways[weights[0]][2]
         tokenizer = load_tokenizer(ref)
         model = PeftModel.from_pretrained(
             load_model(ref, device=args.device or "cpu"), str(AdapterStore(home).version_dir(hotswap.EP, 1))
@@ -363,9 +386,10 @@ def anchors(args) -> None:
         for r in range(args.rounds):
             for kind in rows:
                 load = os.getloadavg()[0]
-                if kind == "gateway_n":
+                url = gateways[kind[10:-1]][1] if kind.startswith("gateway") else ""
+                if kind.startswith("gateway_n"):
                     res = asyncio.run(run_gateway(url, hotswap.EP, n, args.requests, args.max_tokens))
-                elif kind == "gateway_1":
+                elif kind.startswith("gateway_1"):
                     res = asyncio.run(run_gateway(url, hotswap.EP, 1, ones, args.max_tokens))
                 elif kind == "static_n":
                     res = offline_generate(model, tokenizer, prompts, args.max_tokens, n)
@@ -374,27 +398,30 @@ def anchors(args) -> None:
                 res["load"] = load
                 rows[kind].append(res)
                 print(
-                    f"round {r + 1} {kind:10}: {res['tokens_per_s']:.1f} tokens/s ({res['tokens']} tokens in "
+                    f"round {r + 1} {kind:16}: {res['tokens_per_s']:.1f} tokens/s ({res['tokens']} tokens in "
                     f"{res['elapsed_s']:.1f} s; load avg 1 min {load:.2f})",
                     flush=True,
                 )
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        for proc, _, _ in gateways.values():
+            proc.terminate()
+            proc.wait(timeout=60)
     med = {k: percentile([x["tokens_per_s"] for x in v], 0.5) for k, v in rows.items()}
     print(
         f"median of {args.rounds} rounds, adapter {name} (rank {args.rank}) on every request, "
         f"{args.max_tokens} tokens per request (load avg 1/5/15 min now "
         f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}):"
     )
-    print(
-        f"  gateway {n} streams {med['gateway_n']:.1f} tok/s vs static batch {n} {med['static_n']:.1f} tok/s: "
-        f"{med['gateway_n'] / med['static_n']:.2f}x"
-    )
-    print(
-        f"  gateway 1 stream  {med['gateway_1']:.1f} tok/s vs generate batch 1 {med['generate_1']:.1f} tok/s: "
-        f"{med['gateway_1'] / med['generate_1']:.2f}x"
-    )
+    for w in weights:
+        gn, g1 = med[f"gateway_n[{w}]"], med[f"gateway_1[{w}]"]
+        print(
+            f"  [{w}] gateway {n} streams {gn:.1f} tok/s vs static batch {n} (fp32) {med['static_n']:.1f} tok/s: "
+            f"{gn / med['static_n']:.2f}x; vs [{weights[0]}] {gn / med[f'gateway_n[{weights[0]}]']:.2f}x"
+        )
+        print(
+            f"  [{w}] gateway 1 stream  {g1:.1f} tok/s vs generate batch 1 (fp32) {med['generate_1']:.1f} tok/s: "
+            f"{g1 / med['generate_1']:.2f}x; vs [{weights[0]}] {g1 / med[f'gateway_1[{weights[0]}]']:.2f}x"
+        )
 
 
 def metering_ab(args) -> None:

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -88,6 +89,13 @@ class InferenceSection(Section):
         "row of the batch uses from merged weights (one copy of "
         "the adapted layers: 425 MB for SmolLM2-135M in float32; "
         "gateway/engines/lora_slots.py).",
+    )
+    engine_weights: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32",
+        description="Transformers engine: format of the served weights: 'fp32' (what training uses), 'bf16' "
+        "(the model in bfloat16), or 'int8' (weight-only int8 per output channel, each version's merged "
+        "weights re-quantized; gateway/engines/quantized.py). Measured and why fp32 stays the default: "
+        "docs/serving.md.",
     )
     max_waiting: int = Field(64, ge=0, description="Sequences allowed to wait for a batch slot; more get 429.")
     max_model_len: int | None = Field(

@@ -100,6 +100,7 @@ class Worker:
         max_batch_size: running sequences at most; more wait in the queue.
         max_prefill_tokens: padded prompt tokens per prefill forward (at least one prompt is admitted).
         merge_lora: serve a version that every row uses from merged weights (:class:`~.lora_slots.MergedVersion`).
+        quantize: the model's linear layers serve int8 weights (:mod:`.quantized`); merged versions are re-quantized.
         serving: a :class:`~livelora.core.core_share.ServingFlag` beaten while sequences run or wait (a trainer
             process on this machine then keeps to its thread budget), or ``None``.
     """
@@ -115,6 +116,7 @@ class Worker:
         device: str,
         share: tuple[Any, int, int] | None = None,
         merge_lora: bool = True,
+        quantize: bool = False,
         serving: Any = None,
     ):
         self.model = model  # the plain transformers model (LoRA layers are injected into it when adapters load)
@@ -132,7 +134,7 @@ class Worker:
         self.cond = threading.Condition()
         self.stopping = False
         #: adapter versions in LoRA slots, and the forward pass that serves each row its own version
-        self.slots = LoraSlots(model, self.call, merge=merge_lora)
+        self.slots = LoraSlots(model, self.call, merge=merge_lora, quantize=quantize)
         self.steps = 0  # decode steps run (for tests and stats)
         #: ``(TrainingFlag, threads when idle, threads while a training step runs)`` or None (never changed)
         self.share = share

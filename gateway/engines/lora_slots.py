@@ -25,6 +25,7 @@ import torch
 
 from livelora.clients.errors import BadRequestError, LiveloraError
 from livelora.core.base_models import MODEL_BUILD_LOCK
+from livelora.gateway.engines.quantized import Int8Weight
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,9 @@ class LoraSlots:
         schedule: runs a callable on the worker thread between two forward passes (spare slots are made so).
         merge: serve a version used alone by :data:`MERGE_AFTER_STEPS` consecutive batches from merged weights
             (:class:`MergedVersion`; costs one copy of the adapted layers' weights, 425 MB in float32 for
-            SmolLM2-135M with LoRA on every linear layer).
+            SmolLM2-135M with LoRA on every linear layer; 1 byte a weight with ``quantize``).
+        quantize: merged weights are re-quantized to int8 (:class:`~.quantized.Int8Weight`), as the base
+            layers are when the engine serves ``int8``.
 
     Attributes:
         peft: the ``PeftModel`` wrapping ``model`` while any slot exists, else ``None``.
@@ -48,7 +51,9 @@ class LoraSlots:
         stacks: slot names of a mixed batch → ``{id(LoRA module): (A, B) stacks}`` (see :class:`MixedRows`).
     """
 
-    def __init__(self, model, schedule: Callable[[Callable[[], None]], None], *, merge: bool = True):
+    def __init__(
+        self, model, schedule: Callable[[Callable[[], None]], None], *, merge: bool = True, quantize: bool = False
+    ):
         self.model = model
         self.schedule = schedule
         self.peft = None
@@ -63,6 +68,7 @@ class LoraSlots:
         #: merged weights of the version most recently served alone (see :class:`MergedVersion`), or None
         self.merged: MergedVersion | None = None
         self.merge_enabled = merge
+        self.quantize = quantize
         self._alone: tuple[LoraSlot | None, int] = (None, 0)  # the slot batches used alone, for how many passes
 
     def forward(self, adapters: list[str | None], **kw) -> torch.Tensor:
@@ -105,7 +111,7 @@ class LoraSlots:
         if count < MERGE_AFTER_STEPS:
             return None
         t0 = time.perf_counter()
-        merged = MergedVersion.build(self.peft, first, reuse=self.merged)
+        merged = MergedVersion.build(self.peft, first, reuse=self.merged, quantize=self.quantize)
         if merged.slot is None:  # a layer that cannot be merged: this slot is always served stacked
             first.mergeable = False
             return None
@@ -395,25 +401,28 @@ class MergedVersion:
     not a plain ``nn.Linear`` in ``(d_out, d_in)`` layout (``fan_in_fan_out``) are not merged: a version with
     any such layer is never merged (:meth:`build` returns one that serves nothing; the stacked pass runs).
 
+    With ``quantize`` (the engine serves ``int8``), ``W'`` is computed in float32 and re-quantized as a whole
+    (:class:`~.quantized.Int8Weight`), so the version's rows are served ``quantize(W + s·B A)``.
+
     Attributes:
         slot: the slot whose weights were merged (``None`` once they changed: the buffers are stale).
-        weights: ``id(LoRA layer) → W'``.
+        weights: ``id(LoRA layer) → W'`` (a tensor, or an :class:`~.quantized.Int8Weight`).
     """
 
-    def __init__(self, slot: LoraSlot | None, weights: dict[int, torch.Tensor]):
+    def __init__(self, slot: LoraSlot | None, weights: dict[int, torch.Tensor | Int8Weight]):
         self.slot, self.weights = slot, weights
 
     @classmethod
-    def build(cls, peft, slot: LoraSlot, reuse: MergedVersion | None = None) -> MergedVersion:
+    def build(cls, peft, slot: LoraSlot, reuse: MergedVersion | None = None, quantize: bool = False) -> MergedVersion:
         """Merge ``slot``'s weights (runs on the worker thread, between forward passes; about 0.1 s for
-        SmolLM2-135M at rank 16 on every linear layer on 2 CPU cores)."""
+        SmolLM2-135M at rank 16 on every linear layer on 2 CPU cores, more with ``quantize``)."""
         from peft.tuners.lora.layer import Linear as LoraLinear
 
         layers = [m for m in peft.modules() if isinstance(m, LoraLinear) and slot.name in m.lora_A]
         # checked before any buffer is written: the buffers may still hold the merged version being served
         if any(not isinstance(m.base_layer, torch.nn.Linear) or getattr(m, "fan_in_fan_out", False) for m in layers):
             return cls(None, {})
-        old = reuse.weights if reuse is not None else {}
+        old = reuse.weights if reuse is not None and not quantize else {}
         weights: dict[int, torch.Tensor] = {}
         # always in inference mode: the buffers are inference tensors (built during a decode step or a scoring
         # command alike), and an inference tensor may only be written in place inside inference mode
@@ -431,7 +440,7 @@ class MergedVersion:
                     alpha=module.scaling[slot.name],
                     out=out,
                 )
-                weights[id(module)] = out
+                weights[id(module)] = Int8Weight(out) if quantize else out
         return cls(slot, weights)
 
 
@@ -510,7 +519,11 @@ def _lora_linear_forward(slots: LoraSlots, module, peft_forward, x: torch.Tensor
     if rows.merged is not None:
         weight = rows.merged.weights.get(id(module))
         base = module.base_layer
-        return base(x, *args, **kwargs) if weight is None else torch.nn.functional.linear(x, weight, base.bias)
+        if weight is None:
+            return base(x, *args, **kwargs)
+        if isinstance(weight, Int8Weight):
+            return weight.linear(x, base.bias)
+        return torch.nn.functional.linear(x, weight, base.bias)
     result = module.base_layer(x, *args, **kwargs)
     layer = rows.layer(module)
     if layer is None:

@@ -55,6 +55,8 @@ class TransformersEngine(Engine):
             thread budget).
         merge_lora: serve an adapter version that every row of a batch uses from merged weights
             (:class:`~.lora_slots.MergedVersion`; ``LIVELORA_ENGINE_MERGE_LORA``).
+        weights: served weight format, ``fp32``, ``bf16`` or ``int8`` (:mod:`.quantized`;
+            ``LIVELORA_ENGINE_WEIGHTS``); ``bf16`` loads the model in bfloat16 whatever ``dtype`` says.
     """
 
     def __init__(
@@ -72,16 +74,21 @@ class TransformersEngine(Engine):
         share_cores: bool = False,
         threads_while_training: int | None = None,
         merge_lora: bool = True,
+        weights: str = "fp32",
     ):
         from livelora.core.settings import CommonSettings
+        from livelora.gateway.engines.quantized import WEIGHT_FORMATS
 
+        if weights not in WEIGHT_FORMATS:
+            raise BadRequestError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}", param="weights")
         if max_batch_size < 1:
             raise BadRequestError("max_batch_size must be >= 1", param="max_batch_size")
         settings = CommonSettings()
         self.model_name = model or settings.model
         self._home = Path(home) if home is not None else settings.home
         self.device = device
-        self.dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+        self.dtype = "bfloat16" if weights == "bf16" else dtype or ("float32" if device == "cpu" else "bfloat16")
+        self.weights = weights
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self._max_model_len_arg = max_model_len
@@ -122,6 +129,10 @@ class TransformersEngine(Engine):
         ref = resolve_base_model(self.model_name, self._home)
         tokenizer = load_tokenizer(ref)
         model = load_model(ref, dtype=self.dtype, device=self.device)
+        if self.weights == "int8":
+            from livelora.gateway.engines.quantized import quantize_linears
+
+            quantize_linears(model)
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
         if self._max_model_len_arg and self._max_model_len_arg > limit:
             raise BadRequestError(
@@ -153,6 +164,7 @@ class TransformersEngine(Engine):
             device=self.device,
             share=share,
             merge_lora=self.merge_lora,
+            quantize=self.weights == "int8",
             serving=serving,
         )
         worker.thread.start()
