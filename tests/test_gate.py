@@ -308,8 +308,28 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
     model = trainer.model_for(lineage)
     saved = load_file(str(AdapterStore(home).version_dir(lineage, 1) / WEIGHTS_FILE))
     assert all(torch.equal(model.lora_params[k].detach(), saved[k]) for k in saved)
-    v3 = trainer.train(_ratings(trainer, ep))
+    # ... with version 1's second moments and step count, and no first moment: the held-back direction is not
+    # stepped again (docs/rails.md, "After a hold-back"); a restarted trainer resumes the same way
+    v1_opt = torch.load(AdapterStore(home).version_dir(lineage, 1) / "optimizer.pt", weights_only=True)["state"]
+    for restored in (model, OnlineTrainer(base_ref, home, TrainingSection(sft_lr=3e-3), gate=gate).model_for(ep)):
+        state = restored.optimizer.state_dict()["state"]
+        assert restored.step == 1 and state.keys() == v1_opt.keys()
+        assert all(float(s["step"]) == 1.0 and not s["exp_avg"].any() for s in state.values())
+        assert all(torch.equal(s["exp_avg_sq"], v1_opt[i]["exp_avg_sq"]) for i, s in state.items())
+    assert any(s["exp_avg"].any() for s in v1_opt.values())  # version 1 itself had a first moment
+    # so the next step's first moment is (1 − β₁)·g of its own batch alone (g clipped to the global norm 1)
+    batch3 = _ratings(trainer, ep)
+    data, loss_fn, cfg, _ = trainer.datums(batch3)
+    model.forward_backward(data, loss_fn, cfg, loss_positions_only=True)
+    grads = [p.grad.clone() for p in model.lora_params.values()]
+    model.zero_grad()
+    clip = min(1.0, 1.0 / (float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) + 1e-6))
+    v3 = trainer.train(batch3)
     assert v3.parent == 1 and v3.gate["continued_from"] is None
+    state = model.optimizer.state_dict()["state"]
+    assert all(float(s["step"]) == 2.0 for s in state.values())
+    for i, g in enumerate(grads):
+        assert torch.allclose(state[i]["exp_avg"], 0.1 * clip * g, rtol=1e-4, atol=1e-10), i
     assert {c["name"]: c for c in v3.gate["checks"]}["probes_base"]["passed"]
 
     history = [h for h in EndpointStore(home).history(ep) if h.action == "gate"]

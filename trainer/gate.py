@@ -5,10 +5,11 @@ One :class:`EvaluationGate` per :class:`~livelora.trainer.online.OnlineTrainer`.
 exists, and :meth:`EvaluationGate.judge` measures candidate weights pass by pass, cheapest first, stopping at the
 first failing check, and judges them per endpoint (:mod:`livelora.core.rails`; the candidates come from
 :mod:`livelora.trainer.line_search`). After a rejection the model is restored from the snapshot, so training
-continues from the last version that passed. One rating or preference pair in ``holdout_every`` (:func:`held_out`,
-by the sha256 of its event id) is kept for the signal check instead of trained. The base model's measurement is kept
-in the store (``models/gate-base/``, keyed by the probe set and the base weights), so it is taken once per store,
-not once per trainer start. The steps in full: ``docs/internals/rails.md``.
+continues from the last version that passed, with AdamW's first moment zeroed (:func:`forget_direction`). One
+rating or preference pair in ``holdout_every`` (:func:`held_out`, by the sha256 of its event id) is kept for the
+signal check instead of trained. The base model's measurement is kept in the store (``models/gate-base/``, keyed
+by the probe set and the base weights), so it is taken once per store, not once per trainer start. The steps in
+full: ``docs/internals/rails.md``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ from livelora.trainer.gate_measure import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def forget_direction(optimizer: torch.optim.Optimizer) -> None:
+    """Zero AdamW's first moment (``exp_avg``) of every parameter, keeping the second moment and the step count:
+    after a held-back step the next one moves along its own batch's gradient, not the direction just rejected
+    (with β₁ = 0.9 nine tenths of a step are the first moment's). Why: docs/rails.md, "After a hold-back"."""
+    for state in optimizer.state.values():
+        if "exp_avg" in state:
+            state["exp_avg"].zero_()
 
 
 def held_out(event_id: str, every: int) -> bool:
@@ -331,6 +341,7 @@ class EvaluationGate:
             for k, p in model.lora_params.items():
                 p.copy_(snap["params"][k])
         model.optimizer.load_state_dict(snap["optimizer"])
+        forget_direction(model.optimizer)
         model.step, model.parent, model.lineage = snap["step"], snap["parent"], snap["lineage"]
         model.data_counts = snap["data_counts"]
 

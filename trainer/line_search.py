@@ -4,8 +4,9 @@
 θ₀ + α·(θ₁ − θ₀) for α = 1, ½, ¼, … down to the floor (``gate_min_step_scale``), each judged by
 :meth:`~livelora.trainer.gate.EvaluationGate.judge` (cheapest pass first, stopping at the first failure; the
 current version's measurement is measured once and reused). The first candidate that passes is published with
-its α; when none does, the full step is written as rejected and training continues from θ₀. What the factor
-interpolation does to ΔW = B·A and why AdamW's moments are kept: docs/rails.md.
+its α; when none does, the full step is written as rejected and training continues from θ₀, with AdamW's first
+moment zeroed (:func:`~livelora.trainer.gate.forget_direction`). What the factor interpolation does to ΔW = B·A,
+why AdamW's moments are kept after a scaled step and why the first moment is not after a hold-back: docs/rails.md.
 """
 
 from __future__ import annotations

@@ -124,12 +124,13 @@ class OnlineTrainer:
 
     def model_for(self, lineage: str):
         """The lineage's TrainingModel, resumed from its newest version that the gate did not reject (the
-        newest version if none was judged)."""
+        newest version if none was judged; AdamW's first moment zeroed when a held-back version followed it)."""
         from livelora.trainer.model import TrainingModel
 
         model = self._models.get(lineage)
         if model is None:
-            versions = [m for m in self.store.list(lineage) if not (m.gate or {}).get("continued_from")]
+            stored = self.store.list(lineage)
+            versions = [m for m in stored if not (m.gate or {}).get("continued_from")]
             if self._base_thread is not None and self._fresh is not None:
                 self._base_thread.join()  # the start-up base measurement runs on the model built ahead
             fresh, self._fresh = self._fresh, None
@@ -150,6 +151,10 @@ class OnlineTrainer:
                         with_optimizer=latest.has_optimizer,
                         device=self.config.device,
                     )
+                if stored[-1].version != latest.version:  # held back after it: as after a hold-back in this process
+                    from livelora.trainer.gate import forget_direction
+
+                    forget_direction(model.optimizer)
             else:
                 model = fresh or TrainingModel(self.base_ref, self.config.lora, device=self.config.device)
             self._models[lineage] = model
