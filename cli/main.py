@@ -301,16 +301,17 @@ def hf_cache(
         typer.Option(help="Key for --url (default $LIVELORA_API_KEY, else $TINKER_API_KEY, else tml-local)."),
     ] = None,
 ) -> None:
-    """Make the base model's tokenizer resolvable offline under its hub id (for tinker SDK get_tokenizer() and
-    tinker-cookbook), by placing it in the local Hugging Face cache: from this machine's store, or with --url
-    from a remote server (for a client machine that reaches neither the hub nor the server's disk)."""
+    """Make the base model's tokenizer resolvable offline under its hub id and its served name (for tinker SDK
+    get_tokenizer() and tinker-cookbook), by placing it in the local Hugging Face cache: from this machine's
+    store, or with --url from a remote server (for a client machine that reaches neither the hub nor the
+    server's disk)."""
     from livelora.clients.errors import LiveloraError
     from livelora.core.base_models import HUB_IDS, install_in_hf_cache, resolve_base_model
     from livelora.core.settings import DEFAULT_MODEL, default_home
 
     try:
         if url is not None:
-            target, snapshot = _hf_cache_from_server(url, api_key, hub_id, cache_dir)
+            target, snapshot, aliases = _hf_cache_from_server(url, api_key, hub_id, cache_dir)
         else:
             name = model or os.environ.get("LIVELORA_MODEL") or DEFAULT_MODEL
             store = Path(home or os.environ.get("LIVELORA_HOME") or default_home())
@@ -318,18 +319,23 @@ def hf_cache(
             if target is None:
                 console.print(f"[red]error[/]: {name} has no known hub id; pass --hub-id org/name")
                 raise typer.Exit(2)
-            snapshot = install_in_hf_cache(resolve_base_model(name, store), target, cache_dir)
+            ref = resolve_base_model(name, store)
+            snapshot = install_in_hf_cache(ref, target, cache_dir)
+            aliases = {alias: install_in_hf_cache(ref, alias, cache_dir) for alias in {name} - {target}}
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
     print(f"{target} -> {snapshot}")
+    for alias, path in sorted(aliases.items()):
+        print(f"{alias} -> {path}")
 
 
 def _hf_cache_from_server(
     url: str, api_key: str | None, hub_id: str | None, cache_dir: Path | None
-) -> tuple[str, Path]:
-    """``(hub id, snapshot)``: the server's tokenizer files placed in the HF cache under ``hub_id`` (default: the
-    server's ``tokenizer_id``). Raises: LiveloraError subclasses (unreachable server, bad key, bad id)."""
+) -> tuple[str, Path, dict[str, Path]]:
+    """``(hub id, snapshot, {alias: snapshot})``: the server's tokenizer files placed in the HF cache under
+    ``hub_id`` (default: the server's ``tokenizer_id``) and the base model's other names it reports. Raises:
+    LiveloraError subclasses (unreachable server, bad key, bad id)."""
     from livelora.clients._http import Transport, configured_api_key
     from livelora.clients.tokenizer_files import from_response, install_in_hub_cache
     from livelora.clients.types.tinker_ext import TokenizerFilesResponse
@@ -340,7 +346,9 @@ def _hf_cache_from_server(
     finally:
         transport.close()
     target = hub_id or res.tokenizer_id
-    return target, install_in_hub_cache(from_response(res), target, cache_dir)
+    files = from_response(res)
+    aliases = {alias: install_in_hub_cache(files, alias, cache_dir) for alias in set(res.aliases) - {target}}
+    return target, install_in_hub_cache(files, target, cache_dir), aliases
 
 
 def _trainer_note(trainer, whole_loop: bool) -> str:

@@ -102,15 +102,18 @@ def files_revision(files: Mapping[str, bytes]) -> str:
     return digest.hexdigest()
 
 
-def to_response(tokenizer_id: str, files: Mapping[str, bytes]) -> TokenizerFilesResponse:
-    """The wire form of ``files``: text files as UTF-8, others as base64."""
+def to_response(tokenizer_id: str, files: Mapping[str, bytes], aliases: list[str] = ()) -> TokenizerFilesResponse:
+    """The wire form of ``files``: text files as UTF-8, others as base64; ``aliases``: the base model's other
+    names."""
     out = []
     for name in sorted(files):
         try:
             out.append(TokenizerFile(name=name, encoding="utf-8", content=files[name].decode("utf-8")))
         except UnicodeDecodeError:
             out.append(TokenizerFile(name=name, encoding="base64", content=base64.b64encode(files[name]).decode()))
-    return TokenizerFilesResponse(tokenizer_id=tokenizer_id, revision=files_revision(files), files=out)
+    return TokenizerFilesResponse(
+        tokenizer_id=tokenizer_id, revision=files_revision(files), files=out, aliases=list(aliases)
+    )
 
 
 def from_response(res: TokenizerFilesResponse) -> dict[str, bytes]:

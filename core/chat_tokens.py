@@ -21,14 +21,20 @@ from livelora.clients.tokens import control_pattern, control_tokens, encode_text
 Conversation = Sequence[Mapping[str, str]]
 
 
-def _template(tokenizer, conversation: Conversation, add_generation_prompt: bool) -> str:
+def _template(tokenizer, conversation: Conversation, add_generation_prompt: bool, options: Mapping) -> str:
     return tokenizer.apply_chat_template(
-        [dict(m) for m in conversation], add_generation_prompt=add_generation_prompt, tokenize=False
+        [dict(m) for m in conversation], add_generation_prompt=add_generation_prompt, tokenize=False, **options
     )
 
 
 def render_chat(
-    tokenizer, conversation: Conversation, *, add_generation_prompt: bool, param: str = "messages"
+    tokenizer,
+    conversation: Conversation,
+    *,
+    add_generation_prompt: bool,
+    param: str = "messages",
+    continue_final_message: bool = False,
+    template_kwargs: Mapping | None = None,
 ) -> list[int]:
     """Token ids of ``conversation`` under the tokenizer's chat template.
 
@@ -37,6 +43,9 @@ def render_chat(
         conversation: ``[{"role": str, "content": str}, ...]`` (content is plain text).
         add_generation_prompt: end with the template's assistant header (a prompt to answer).
         param: the request field named in errors.
+        continue_final_message: end right after the final message's content (no end of turn), so a reply
+            continues it (transformers' ``continue_final_message``, as vLLM).
+        template_kwargs: extra variables for the template (vLLM's ``chat_template_kwargs``).
 
     Returns:
         Token ids, shape ``(T,)``; control tokens only from the template.
@@ -49,11 +58,14 @@ def render_chat(
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequestError("the served model has no chat template; use /v1/completions", param=param)
     conversation = [dict(m) for m in conversation]
+    options = dict(template_kwargs or {})
+    if continue_final_message:
+        options["continue_final_message"] = True
     try:
-        real = _template(tokenizer, conversation, add_generation_prompt)
+        real = _template(tokenizer, conversation, add_generation_prompt, options)
     except Exception as exc:  # jinja2 TemplateError, raise_exception() in templates, TypeError
         raise BadRequestError(f"the model's chat template cannot render these messages: {exc}", param=param) from exc
-    ids = _segmented(tokenizer, conversation, add_generation_prompt, real)
+    ids = _segmented(tokenizer, conversation, add_generation_prompt, real, options)
     if ids is not None:
         return ids
     for i, m in enumerate(conversation):
@@ -62,7 +74,11 @@ def render_chat(
             continue
         if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
             out = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True, sanitize_control_tokens=True
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                sanitize_control_tokens=True,
+                **options,
             )
             return [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
         raise BadRequestError(
@@ -73,19 +89,26 @@ def render_chat(
     return list(tokenizer.encode(real, add_special_tokens=False))
 
 
-def _segmented(tokenizer, conversation: list[dict], add_generation_prompt: bool, real: str) -> list[int] | None:
-    """The ids by the placeholder method, or ``None`` when the template does not copy contents verbatim."""
+def _segmented(
+    tokenizer, conversation: list[dict], add_generation_prompt: bool, real: str, options: Mapping
+) -> list[int] | None:
+    """The ids by the placeholder method, or ``None`` when the template does not copy contents verbatim. With
+    ``continue_final_message`` the skeleton ends right after the final message's placeholder."""
+    options = dict(options)
+    cut = options.pop("continue_final_message", False)
     contents = [str(m.get("content") or "") for m in conversation]
     nonce = secrets.token_hex(8)
     marks = [f"@@livelora{nonce}x{i}@@" for i in range(len(conversation))]
     try:
         skeleton = _template(
-            tokenizer, [{**m, "content": mark} for m, mark in zip(conversation, marks)], add_generation_prompt
+            tokenizer, [{**m, "content": mark} for m, mark in zip(conversation, marks)], add_generation_prompt, options
         )
     except Exception:  # a template that inspects content: fall back
         return None
     if not contents or any(skeleton.count(mark) != 1 for mark in marks):
         return None
+    if cut:
+        skeleton = skeleton[: skeleton.index(marks[-1]) + len(marks[-1])]
     pieces: list[tuple[bool, str]] = []  # (is_content, text)
     rest = skeleton
     order = sorted(range(len(marks)), key=lambda i: skeleton.index(marks[i]))

@@ -49,12 +49,36 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def render_messages(tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
-    """Prompt token ids for ``messages``, ending with the assistant generation prompt.
+def render_request(tokenizer, body) -> list[int]:
+    """Prompt token ids of a chat request (a :class:`~livelora.clients.types.openai.ChatCompletionRequest`), with
+    its template extensions: ``add_generation_prompt`` (default true), ``continue_final_message``,
+    ``chat_template_kwargs``. Raises: as :func:`render_messages`."""
+    cont = bool(body.continue_final_message)
+    add = body.add_generation_prompt if body.add_generation_prompt is not None else not cont
+    return render_messages(
+        tokenizer,
+        body.messages,
+        add_generation_prompt=add,
+        continue_final_message=cont,
+        template_kwargs=body.chat_template_kwargs,
+    )
+
+
+def render_messages(
+    tokenizer,
+    messages: Sequence[ChatMessage],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Prompt token ids for ``messages``, ending with the assistant generation prompt (by default; or right after
+    the final message with ``continue_final_message``).
 
     Args:
         tokenizer: a Hugging Face tokenizer with a ``chat_template``.
         messages: the request's messages (non-empty).
+        template_kwargs: extra template variables (``chat_template_kwargs``).
 
     Returns:
         Token ids, shape ``(T,)``; control tokens come from the template only, never from content.
@@ -68,4 +92,11 @@ def render_messages(tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
     conversation = [
         {"role": _ROLE_MAP.get(m.role, m.role), "content": message_text(m, i)} for i, m in enumerate(messages)
     ]
-    return render_chat(tokenizer, conversation, add_generation_prompt=True, param="messages")
+    return render_chat(
+        tokenizer,
+        conversation,
+        add_generation_prompt=add_generation_prompt,
+        param="messages",
+        continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
+    )

@@ -105,6 +105,12 @@ class InferenceSection(Section):
         None, description="Name clients pass as `model` for the base model (default: the --model name)."
     )
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After (seconds) sent with 429 queue-full answers.")
+    unknown_fields: Literal["reject", "ignore"] = Field(
+        "reject",
+        description="A chat or completion request field that is neither OpenAI's nor a served extension: "
+        "'reject' answers 400 unknown_parameter (as OpenAI); 'ignore' serves the request and names the fields "
+        "in the X-Livelora-Ignored-Fields header (gateway/services/request_fields.py).",
+    )
     tenant_share: float = Field(
         0.5,
         gt=0,

@@ -126,17 +126,19 @@ def test_a05_n2_stream_has_both_indices_own_finish_and_usage_counts_both(http):
     chunks = chunks_of(http.post(CHAT, json=body))
     tokens = {0: 0, 1: 0}
     finishes = {0: 0, 1: 0}
+    stopped = 0  # a choice ended by the end-of-turn token has its entry, which usage does not count
     roles = {0: 0, 1: 0}
     for c in chunks[:-1]:
         (choice,) = c["choices"]
         i = choice["index"]
         roles[i] += choice["delta"].get("role") == "assistant"
         finishes[i] += choice["finish_reason"] is not None
+        stopped += choice["finish_reason"] == "stop"
         if choice["logprobs"]:
             tokens[i] += len(choice["logprobs"]["content"])
     assert roles == {0: 1, 1: 1} and finishes == {0: 1, 1: 1}
     assert tokens[0] >= 1 and tokens[1] >= 1
-    assert chunks[-1]["usage"]["completion_tokens"] == tokens[0] + tokens[1]
+    assert chunks[-1]["usage"]["completion_tokens"] == tokens[0] + tokens[1] - stopped
 
 
 def test_a06_sse_data_is_ascii_safe_and_charset_is_utf8(http):
@@ -220,7 +222,8 @@ def test_a09_logprobs_without_top_logprobs_and_limits(http):
     assert response.status_code == 200, response.text
     data = response.json()
     content = data["choices"][0]["logprobs"]["content"]
-    assert len(content) == data["usage"]["completion_tokens"]
+    stopped = data["choices"][0]["finish_reason"] == "stop"  # then the end-of-turn token's entry ends the list
+    assert len(content) == data["usage"]["completion_tokens"] + stopped
     assert all(set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["top_logprobs"] == [] for e in content)
     two = http.post(CHAT, json={**body, "top_logprobs": 2}).json()["choices"][0]["logprobs"]["content"]
     assert all(len(e["top_logprobs"]) == 2 for e in two)

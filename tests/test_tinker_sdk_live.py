@@ -69,6 +69,10 @@ def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer, 
     out = run_live(version, sessions_server.base_url, tokenizer, tmp_path / "hub")
     assert out["info"]["tokenizer_id"] == HUB_IDS[MODEL]
     assert out["sdk_tokenizer"] == tokenizer.encode("The sky is blue."), out["sdk_tokenizer"]
+    # SamplingClient.get_tokenizer() loads by the sampler's base model: the hub id the server reports, or the served
+    # name given as base_model; `livelora hf-cache` placed the tokenizer under both (issue 29)
+    assert out["sampler_tokenizer"] == tokenizer.encode("The sky is blue."), out["sampler_tokenizer"]
+    assert out["named_sampler_tokenizer"] == tokenizer.encode("The sky is blue."), out["named_sampler_tokenizer"]
     assert out["hub_id_accepted"].endswith(":train:1")
     assert out["version"].startswith("0.38" if version == "038" else "0.24")
     assert out["fb_logprob_lens"] == [len(tokenizer.encode(t)) - 1 for t in ("The sky is blue.", "Grass is green.")]

@@ -117,6 +117,13 @@ def main() -> dict[str, Any]:
 
     # sampling: ephemeral sampler, sample_sequence_ids, top-k of the samples, prompt logprobs
     sampler = tc.save_weights_and_get_sampling_client()
+    # the sampler's tokenizer, by the base-model name the server reports, and by the served name a user gives
+    named = lambda: service.create_sampling_client(base_model=spec["base_model"])  # noqa: E731
+    for key, make in (("sampler_tokenizer", lambda: sampler), ("named_sampler_tokenizer", named)):
+        try:
+            out[key] = make().get_tokenizer().encode("The sky is blue.")
+        except Exception as exc:
+            out[key] = _err(exc)
     prompt = types.ModelInput.from_ints(spec["prompt"])
     params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=0)
     kw = {"topk_sample_logprobs": 3} if v038 else {}

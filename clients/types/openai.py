@@ -1,8 +1,9 @@
 """OpenAI wire types (Chat Completions, legacy Completions, Models), shared by gateway and SDK.
 
-Field names and shapes follow openai-python (``src/openai/types/``, SDK 3.x). Request models **accept unknown
-fields** (``extra="allow"``; the gateway logs the names it ignores), so SDKs and plugins that send newer fields
-keep working; only malformed values of known fields are rejected. Response models ignore unknown fields. Token
+Field names and shapes follow openai-python (``src/openai/types/``, SDK 3.x), plus the vLLM extensions livelora
+honours (their vLLM names). Request models keep unknown fields (``extra="allow"``) so the gateway can name them:
+it accepts OpenAI fields that change nothing it serves and refuses the rest (``gateway/services/request_fields.py``,
+``docs/clients.md``); malformed values of known fields are rejected. Response models ignore unknown fields. Token
 counts are in tokens of the served model's tokenizer; ``created`` is Unix seconds; logprobs are in nats. Why:
 ``docs/internals/wire-types.md``.
 """
@@ -101,6 +102,14 @@ class _SamplingFields(_Request):
     # livelora extensions (vLLM names), honoured by every engine:
     top_k: int | None = Field(None, ge=0, description="Extension: keep only the k most likely tokens (0 = off).")
     ignore_eos: bool | None = Field(None, description="Extension: keep generating past end-of-sequence tokens.")
+    min_tokens: int | None = Field(
+        None, ge=0, description="Extension: no end-of-sequence or stop token before this many tokens."
+    )
+    stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end generation.")
+    include_stop_str_in_output: bool | None = Field(None, description="Extension: keep the matched stop string.")
+    skip_special_tokens: bool | None = Field(None, description="Extension: leave special tokens out of the text.")
+    repetition_penalty: float | None = Field(None, gt=0, description="Extension: only 1 (off) is served.")
+    min_p: float | None = Field(None, ge=0, le=1, description="Extension: only 0 (off) is served.")
 
     @field_validator("stop")
     @classmethod
@@ -132,6 +141,14 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     parallel_tool_calls: bool | None = None
+    # livelora extensions (vLLM names): how the chat template renders the messages
+    add_generation_prompt: bool | None = Field(None, description="Extension: end with the assistant header (default).")
+    continue_final_message: bool | None = Field(
+        None, description="Extension: the reply continues the final assistant message (no end of turn after it)."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extension: extra variables for the chat template."
+    )
 
 
 class CompletionRequest(_SamplingFields):

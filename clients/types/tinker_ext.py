@@ -305,9 +305,12 @@ class TokenizerFilesResponse(LenientModel):
         revision: sha1 (40 hex digits) of the files' names and bytes; also the response's ``ETag``, and the
             snapshot name ``livelora hf-cache`` gives them in the Hugging Face cache.
         files: the files (tokenizer, chat template, vocabulary, the model config; never weights).
+        aliases: the base model's other names (its served name), under which ``livelora hf-cache`` places the
+            files too, so a client loading the tokenizer by the name it gave as ``base_model`` finds it offline.
     """
 
     type: Literal["tokenizer"] | None = "tokenizer"
     tokenizer_id: str
     revision: str
     files: list[TokenizerFile]
+    aliases: list[str] = Field(default_factory=list)

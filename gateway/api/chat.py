@@ -84,10 +84,10 @@ class ChatEncoder(OpenAIStreamEnd):
             yield self.chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
 
     def events(self, index: int, chunk: GenerationChunk) -> Iterable[str]:
-        if chunk.text or (chunk.logprobs and self.logprobs):
+        if chunk.text or ((chunk.logprobs or chunk.stop_token) and self.logprobs):
             lp = (
-                ChoiceLogprobs(content=chat_logprobs(self.texts, chunk.logprobs, self.top_n))
-                if chunk.logprobs and self.logprobs
+                ChoiceLogprobs(content=chat_logprobs(self.texts, chunk.logprobs, self.top_n, chunk.stop_token))
+                if (chunk.logprobs or chunk.stop_token) and self.logprobs
                 else None
             )
             yield self.chunk([ChunkChoice(index=index, delta=ChoiceDelta(content=chunk.text), logprobs=lp)])
@@ -100,8 +100,8 @@ class ChatEncoder(OpenAIStreamEnd):
     # ------------------------------------------------------------------ JSON
     def add(self, index: int, chunk: GenerationChunk) -> None:
         self.pieces[index].append(chunk.text)
-        if chunk.logprobs and self.logprobs:
-            self.choice_logprobs[index] += chat_logprobs(self.texts, chunk.logprobs, self.top_n)
+        if (chunk.logprobs or chunk.stop_token) and self.logprobs:
+            self.choice_logprobs[index] += chat_logprobs(self.texts, chunk.logprobs or [], self.top_n, chunk.stop_token)
         if chunk.finish_reason is not None:
             self.finish[index] = chunk.finish_reason
 

@@ -23,7 +23,7 @@ from livelora.clients.types.openai import (
     CompletionUsage,
 )
 from livelora.gateway.api.deps import CallerDep, PrincipalDep, ServingDep, TokenTextsDep
-from livelora.gateway.api.logprobs import TokenTexts, completion_logprobs
+from livelora.gateway.api.logprobs import TextOffsets, TokenTexts, completion_logprobs
 from livelora.gateway.api.streaming import OpenAIStreamEnd, respond, sse_data
 from livelora.gateway.engines.base import GenerationChunk
 from livelora.gateway.services.served import ServedRequest
@@ -60,7 +60,8 @@ class CompletionEncoder(OpenAIStreamEnd):
         self.stream = bool(body.stream)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.prompt_texts = [texts.decode(ids) for ids in self.prompts] if body.echo else []
-        self.offsets = [0] * len(served.jobs)
+        self.prompt_only = body.max_tokens == 0  # echo with max_tokens 0: the prompt's logprobs, no generation
+        self.offsets = [TextOffsets() for _ in served.jobs]
         self.parts: list[list[CompletionChoice]] = [[] for _ in self.offsets]
         if self.echo and not self.stream:  # each choice starts with its echo
             for i in range(len(self.parts)):
@@ -71,19 +72,21 @@ class CompletionEncoder(OpenAIStreamEnd):
         p = index // self.n
         lp = None
         if self.want_lp:
-            lp = completion_logprobs(self.texts, self.served.prompt_logprobs[p], self.prompts[p], self.top_n, 0)
-        self.offsets[index] = len(self.prompt_texts[p])
-        return CompletionChoice(index=index, text=self.prompt_texts[p], logprobs=lp)
+            lp = completion_logprobs(
+                self.texts, self.served.prompt_logprobs[p], self.prompts[p], self.top_n, self.offsets[index]
+            )
+        else:
+            self.offsets[index].chars = len(self.prompt_texts[p])
+        finish = "length" if self.prompt_only else None
+        return CompletionChoice(index=index, text=self.prompt_texts[p], logprobs=lp, finish_reason=finish)
 
     def step(self, index: int, chunk: GenerationChunk) -> CompletionChoice:
         """The part of choice ``index`` that ``chunk`` adds."""
         lp = None
         if self.want_lp:
             items = chunk.logprobs or []
-            lp = completion_logprobs(
-                self.texts, list(items), [i.token_id for i in items], self.top_n, self.offsets[index]
-            )
-        self.offsets[index] += len(chunk.text)
+            ids = [i.token_id for i in items]
+            lp = completion_logprobs(self.texts, list(items), ids, self.top_n, self.offsets[index], chunk.stop_token)
         return CompletionChoice(index=index, text=chunk.text, logprobs=lp, finish_reason=chunk.finish_reason)
 
     def _body(self, choices: list[CompletionChoice], usage: CompletionUsage | None) -> dict[str, Any]:

@@ -49,6 +49,10 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS tokens.
         logprobs: return the logprob of each sampled token.
         top_logprobs: also return the k most likely alternatives per position (0..20).
+        min_tokens: end-of-sequence and stop tokens cannot be sampled before this many tokens (vLLM's
+            ``min_tokens``; stop strings still apply).
+        include_stop_str_in_output: a matched stop string ends the text instead of being cut off.
+        skip_special_tokens: leave special tokens out of the text (their logprob entries stay).
     """
 
     max_tokens: int = 16
@@ -61,6 +65,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -87,6 +94,8 @@ class GenerationChunk:
         logprobs: one entry per ``token_ids`` item when ``SamplingParams.logprobs``.
         finish_reason: ``None`` until the final chunk of the sequence.
         stop_reason: the matched stop string or stop token id, if any.
+        stop_token: on the final chunk of a sequence ended by an end-of-sequence or stop token, with
+            ``SamplingParams.logprobs``: that token's entry (it is in neither ``token_ids`` nor ``text``).
     """
 
     token_ids: list[int]
@@ -94,6 +103,7 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    stop_token: TokenLogprob | None = None
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
@@ -133,6 +143,11 @@ def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int
         )
     if not (isinstance(p.top_p, (int, float)) and 0 < p.top_p <= 1):
         raise BadRequestError(f"top_p must be in (0, 1], got {p.top_p!r}", param="top_p")
+    if not isinstance(p.min_tokens, int) or not 0 <= p.min_tokens <= p.max_tokens:
+        raise BadRequestError(
+            f"min_tokens must be an integer in 0..max_tokens ({p.max_tokens}), got {p.min_tokens!r}",
+            param="min_tokens",
+        )
     if not isinstance(p.top_k, int) or p.top_k < 0:
         raise BadRequestError(f"top_k must be an integer >= 0 (0 disables), got {p.top_k!r}", param="top_k")
     if not isinstance(p.top_logprobs, int) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:

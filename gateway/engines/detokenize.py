@@ -72,10 +72,12 @@ class StopStringMatcher:
 
     Args:
         stops: the stop strings (empty strings are ignored).
+        include: a matched stop string is emitted (it ends the text) instead of cut off.
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
         self.stops = tuple(s for s in stops if s)
+        self.include = include
         self._max_len = max((len(s) for s in self.stops), default=0)
         self._text = ""
         self._sent = 0  # characters of _text already emitted
@@ -96,8 +98,9 @@ class StopStringMatcher:
                 best = (p, s)
         if best is not None:
             p, s = best
-            out = self._text[self._sent : p] if p > self._sent else ""
-            self._sent = max(self._sent, p)
+            end = p + len(s) if self.include else p
+            out = self._text[self._sent : end] if end > self._sent else ""
+            self._sent = max(self._sent, end)
             self.matched = s
             return out, s
         hold = 0

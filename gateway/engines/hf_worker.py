@@ -67,6 +67,8 @@ class Sequence:
         p = self.params
         self.num_generated += 1
         self.next_token = tok
+        if self.sampling.banned and self.num_generated >= p.min_tokens:
+            self.sampling.banned = ()  # end tokens may be sampled from now on
         want_lp = p.logprobs
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_ids):
             text, matched = self.stopper.feed(self.detok.flush())
@@ -74,7 +76,8 @@ class Sequence:
                 text += self.stopper.flush()
             self.finished = True
             reason = matched if matched is not None else (tok if tok in p.stop_token_ids else None)
-            return GenerationChunk([], text, [] if want_lp else None, "stop", reason)
+            stop_lp = TokenLogprob(tok, lp, top) if want_lp else None
+            return GenerationChunk([], text, [] if want_lp else None, "stop", reason, stop_lp)
         token_lp = [TokenLogprob(tok, lp, top)] if want_lp else None
         text, matched = self.stopper.feed(self.detok.push(tok))
         if matched is None and self.num_generated >= p.max_tokens:

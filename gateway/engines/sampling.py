@@ -27,6 +27,7 @@ class RowSampling:
     top_k: int
     generator: torch.Generator | None  # CPU generator; None only for greedy rows
     top_logprobs: int = 0
+    banned: tuple[int, ...] = ()  # token ids that cannot be sampled now (min_tokens); logprobs stay raw
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +72,11 @@ def sample_batch(logits: torch.Tensor, rows: list[RowSampling]) -> StepSample:
     logits = logits.float()
     bsz, _vocab = logits.shape
     logprobs_all = torch.log_softmax(logits, dim=-1)
+    if any(r.banned for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.banned:
+                logits[i, list(r.banned)] = float("-inf")
     tokens = logits.argmax(dim=-1)
     # Rows with and without top-k/top-p take different (sorted / unsorted) inverse-CDF paths; the split
     # depends only on each row's own settings, so a seed's draws never depend on the batch companions.

@@ -229,14 +229,17 @@ class TransformersEngine(Engine):
             make_generator(params.seed),
             int(params.top_logprobs),
         )
+        if params.min_tokens:
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            sampling.banned = tuple(sorted(ends))
         seq = _Seq(
             request_id or uuid.uuid4().hex,
             prompt,
             params,
             adapter,
             sampling,
-            IncrementalDetokenizer(self._tokenizer),
-            StopStringMatcher(params.stop),
+            IncrementalDetokenizer(self._tokenizer, skip_special_tokens=params.skip_special_tokens),
+            StopStringMatcher(params.stop, params.include_stop_str_in_output),
             deliver=no_consumer,
         )
         return stream(worker, seq)

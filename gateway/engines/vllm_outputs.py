@@ -3,7 +3,8 @@
 Text: vLLM is asked for token ids only (``detokenize=False``); :class:`DeltaChunks` decodes them with the
 same incremental detokenizer and stop-string matcher as the transformers engine, so both engines stream the
 same text for the same tokens, never emit part of a stop string, and report stop tokens the same way (not
-included in ``token_ids``/text). vLLM is imported only inside :func:`vllm_sampling_params`.
+included in ``token_ids``/text; their logprob entry in ``stop_token``). vLLM is imported only inside
+:func:`vllm_sampling_params`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def vllm_sampling_params(p: SamplingParams) -> Any:
         # EOS / stop tokens are handled by vLLM; stop strings here (detokenize=False).
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=bool(p.ignore_eos),
+        min_tokens=int(p.min_tokens),
         logprobs=(int(p.top_logprobs) if p.logprobs else None),
         detokenize=False,
         skip_special_tokens=True,
@@ -48,8 +50,8 @@ class DeltaChunks:
     """
 
     def __init__(self, tokenizer, params: SamplingParams, lora: Any = None):
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stopper = StopStringMatcher(params.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stopper = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.params = params
         self.lora = lora
 
@@ -74,13 +76,17 @@ class DeltaChunks:
         lps = comp.logprobs or []
         done = comp.finish_reason is not None
         stop_tok: int | None = None
+        stop_lp: TokenLogprob | None = None
         if (
             done
             and comp.finish_reason == "stop"
             and toks
             and (comp.stop_reason is None or isinstance(comp.stop_reason, int))
         ):
-            stop_tok = toks.pop()  # EOS or a stop token id: not part of the completion
+            stop_tok = toks.pop()  # EOS or a stop token id: not part of the completion (its logprob apart)
+            if want_lp:
+                entry = lps[len(toks)] if len(toks) < len(lps) else None
+                stop_lp = token_logprob(stop_tok, entry, params.top_logprobs)
         chunk_ids: list[int] = []
         chunk_lps: list[TokenLogprob] = []
         text = ""
@@ -110,7 +116,8 @@ class DeltaChunks:
                 stop_reason = stop_tok if stop_tok in params.stop_token_ids else None
             else:  # "abort": vLLM aborted it (engine shutting down)
                 raise UnavailableError(f"vLLM ended the request: {comp.finish_reason}")
-            return GenerationChunk(chunk_ids, text, chunk_lps if want_lp else None, reason, stop_reason), True
+            chunk = GenerationChunk(chunk_ids, text, chunk_lps if want_lp else None, reason, stop_reason, stop_lp)
+            return chunk, True
         if chunk_ids or text:
             return GenerationChunk(chunk_ids, text, chunk_lps if want_lp else None), False
         return None, False

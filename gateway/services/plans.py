@@ -2,8 +2,8 @@
 
 :func:`plan_chat` and :func:`plan_completion` turn a request into a :class:`Plan` (one engine job per choice),
 raising a 400 naming ``param`` for what cannot be honoured; :meth:`~.serving.Serving.serve` runs them once the
-``model`` is resolved, so an unknown model is reported before bad parameters. Unknown fields are accepted and
-ignored (contract A07, :func:`log_ignored`).
+``model`` is resolved, so an unknown model is reported before bad parameters. Which fields are honoured, accepted
+without effect or refused: :mod:`.request_fields`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError, UnsupportedParameterError
 from livelora.clients.types.openai import ChatCompletionRequest, CompletionRequest
-from livelora.gateway.chat_template import render_messages
+from livelora.gateway.chat_template import render_request
 from livelora.gateway.engines.base import SamplingParams
 from livelora.gateway.services.generation import Job
+from livelora.gateway.services.request_fields import check_fields, check_template_kwargs
 from livelora.gateway.services.token_texts import TokenTexts
 
 log = logging.getLogger(__name__)
@@ -33,33 +34,26 @@ class Plan:
         per_prompt: choices per prompt (``n``).
         score_prompts: score each prompt's logprobs with this many alternatives before generating (an echoed
             prompt with ``logprobs``); ``None``: no scoring.
+        generate: ``False`` for an echo with ``max_tokens: 0`` (the prompt and its logprobs only, as vLLM).
     """
 
     jobs: list[Job]
     per_prompt: int = 1
     score_prompts: int | None = None
+    generate: bool = True
 
 
-def log_ignored(body: SamplingRequest, route: str) -> None:
-    """Log (debug) the unknown fields a request carried; they are accepted and ignored (contract A07)."""
-    extra = sorted(body.model_extra or {})
-    if extra:
-        log.debug("%s: ignoring fields %s", route, ", ".join(extra))
-
-
-def check_common(body: SamplingRequest) -> None:
-    """Reject sampling parameters no engine honours.
+def check_common(body: SamplingRequest, ignore_unknown: bool = False) -> list[str]:
+    """Reject fields that cannot be honoured (:func:`~.request_fields.check_fields`); return the unknown fields
+    ignored (``ignore_unknown``).
 
     Raises:
-        UnsupportedParameterError: non-zero ``frequency_penalty`` / ``presence_penalty``,
-            or a non-empty ``logit_bias``.
+        UnsupportedParameterError, BadRequestError: see :func:`~.request_fields.check_fields`.
     """
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(body, name)
-        if value not in (None, 0):
-            raise UnsupportedParameterError(f"{name} is not supported by this server; send 0 or omit it", param=name)
-    if body.logit_bias:
-        raise UnsupportedParameterError("logit_bias is not supported by this server; omit it", param="logit_bias")
+    ignored = check_fields(body, ignore_unknown=ignore_unknown)
+    if ignored:
+        log.info("ignoring unknown fields %s", ", ".join(ignored))
+    return ignored
 
 
 def budget(prompt_len: int, requested: int | None, param: str, max_len: int, prompt_param: str) -> int:
@@ -111,22 +105,27 @@ def sampling_params(
         top_k=body.top_k or 0,
         seed=None if body.seed is None else body.seed + choice,
         stop=body.stop_tuple(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        min_tokens=body.min_tokens or 0,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        skip_special_tokens=body.skip_special_tokens is not False,
     )
 
 
 # ------------------------------------------------------------------------------------------------ chat
-def check_chat(body: ChatCompletionRequest) -> None:
-    """Reject chat parameters that cannot be honoured (400 naming ``param``).
+def check_chat(body: ChatCompletionRequest, ignore_unknown: bool = False) -> list[str]:
+    """Reject chat parameters that cannot be honoured (400 naming ``param``); return the unknown fields ignored.
 
     Raises:
-        BadRequestError: both max-token fields, or ``top_logprobs`` without ``logprobs``.
+        BadRequestError: both max-token fields, ``top_logprobs`` without ``logprobs``, an unknown field,
+            ``continue_final_message`` without a final assistant message or with ``add_generation_prompt``.
         UnsupportedParameterError: ``tools``/``functions``, ``tool_choice`` other than ``none``,
-            ``response_format`` other than ``text``, audio output, penalties, ``logit_bias``.
+            ``response_format`` other than ``text``, what :mod:`.request_fields` refuses.
     """
-    check_common(body)
+    ignored = check_common(body, ignore_unknown)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise BadRequestError(
             "set only one of max_tokens and max_completion_tokens (max_tokens is deprecated)",
@@ -156,11 +155,20 @@ def check_chat(body: ChatCompletionRequest) -> None:
         raise BadRequestError(
             "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_parameter_combination"
         )
-    extra = body.model_extra or {}
-    if any(m != "text" for m in extra.get("modalities") or []):
-        raise UnsupportedParameterError("only the 'text' modality is supported", param="modalities")
-    if extra.get("audio") is not None:
-        raise UnsupportedParameterError("audio output is not supported", param="audio")
+    if body.continue_final_message:
+        if body.messages[-1].role != "assistant":
+            raise BadRequestError(
+                "continue_final_message needs a final assistant message to continue", param="continue_final_message"
+            )
+        if body.add_generation_prompt:
+            raise BadRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true (send add_generation_prompt: "
+                "false)",
+                param="continue_final_message",
+                code="invalid_parameter_combination",
+            )
+    check_template_kwargs(body.chat_template_kwargs)
+    return ignored
 
 
 def plan_chat(
@@ -176,7 +184,7 @@ def plan_chat(
     Raises:
         ContextLengthExceededError: the prompt and the token budget do not fit the context window.
     """
-    prompt = render_messages(tokenizer, body.messages) if prompt is None else prompt
+    prompt = render_request(tokenizer, body) if prompt is None else prompt
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
     else:
@@ -193,19 +201,17 @@ def plan_chat(
 
 
 # ------------------------------------------------------------------------------------------------ completions
-def check_completion(body: CompletionRequest) -> None:
-    """Reject parameters of the legacy route that cannot be honoured (400 naming ``param``)."""
-    check_common(body)
-    if (body.model_extra or {}).get("max_completion_tokens") is not None:
-        raise UnsupportedParameterError(
-            "max_completion_tokens is not a parameter of /v1/completions; use max_tokens", param="max_completion_tokens"
-        )
+def check_completion(body: CompletionRequest, ignore_unknown: bool = False) -> list[str]:
+    """Reject parameters of the legacy route that cannot be honoured (400 naming ``param``); return the unknown
+    fields ignored."""
+    ignored = check_common(body, ignore_unknown)
     if body.suffix:
         raise UnsupportedParameterError("suffix (fill-in-the-middle) is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise UnsupportedParameterError(
             "best_of other than n is not supported (choices are not re-ranked)", param="best_of"
         )
+    return ignored
 
 
 def prompt_token_ids(body: CompletionRequest, tokenizer) -> list[list[int]]:
@@ -256,15 +262,20 @@ def plan_completion(
     """The request's engine jobs: ``n`` per prompt, choice ``k = prompt_index * n + i`` seeded ``seed + i``; each
     job keeps its prompt's text for the completion log. An echoed prompt with ``logprobs`` is scored first.
     ``prompts``: already tokenized; ``cap``: the largest default budget per choice when ``max_tokens`` is unset.
-    The caller has run :func:`check_completion`.
+    ``echo`` with ``max_tokens: 0`` generates nothing (:attr:`Plan.generate`). The caller has run
+    :func:`check_completion`.
 
     Raises:
         BadRequestError, UnsupportedParameterError: see :func:`check_completion`, :func:`prompt_token_ids`.
         ContextLengthExceededError: a prompt and the token budget do not fit the context window.
     """
     prompts = prompt_token_ids(body, tokenizer) if prompts is None else prompts
+    generate = not (body.echo and body.max_tokens == 0)
     jobs = []
     for ids, text in zip(prompts, prompt_texts(body, prompts, texts)):
+        if not generate:  # echo only: the jobs name the prompts, nothing runs
+            jobs += [Job(ids, sampling_params(body, 0, i), text) for i in range(body.n)]
+            continue
         max_tokens = budget(len(ids), body.max_tokens, "max_tokens", max_len, "prompt")
         if body.max_tokens is None and cap is not None:
             max_tokens = min(max_tokens, cap)
@@ -274,4 +285,4 @@ def plan_completion(
             for i in range(body.n)
         ]
     score = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
-    return Plan(jobs, per_prompt=body.n, score_prompts=score)
+    return Plan(jobs, per_prompt=body.n, score_prompts=score, generate=generate)

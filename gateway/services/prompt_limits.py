@@ -105,7 +105,7 @@ async def chat_prompt(body, serving, payer: tuple[str, str | None]) -> tuple[lis
         RateLimitError: the tenant's completion log is full (``max_completion_log_bytes``).
         ContextLengthExceededError: the messages are certainly too long (:func:`check_prompt_size`).
     """
-    from livelora.gateway.chat_template import message_text, render_messages
+    from livelora.gateway.chat_template import message_text, render_request
 
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
@@ -117,7 +117,7 @@ async def chat_prompt(body, serving, payer: tuple[str, str | None]) -> tuple[lis
     if requested is None or requested < context:  # else the exact check names the numbers
         texts = (message_text(m, i) for i, m in enumerate(body.messages))
         await check_prompt_size(serving.tokenizer, texts, context, requested, tokens_param=param)
-    return await off_loop(render_messages, serving.tokenizer, body.messages), cap
+    return await off_loop(render_request, serving.tokenizer, body), cap
 
 
 async def completion_prompts(

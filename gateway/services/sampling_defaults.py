@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from livelora.clients.errors import UnsupportedParameterError
 from livelora.clients.types.openai import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -50,16 +49,8 @@ class SamplingDefaults:
 
     def apply(self, body: Body) -> Body:
         """``body`` with each omitted field of :data:`OPENAI_DEFAULTS` set from :attr:`values` (as given otherwise).
-
-        Raises:
-            UnsupportedParameterError: ``repetition_penalty`` other than 1 or ``min_p`` other than 0 (400).
-        """
-        extra = body.model_extra or {}
-        for name in ("repetition_penalty", "min_p"):
-            if extra.get(name) not in (None, NOT_HONOURED[name]):
-                raise UnsupportedParameterError(
-                    f"{name} is not supported by this server; send {NOT_HONOURED[name]:g} or omit it", param=name
-                )
+        A request's ``repetition_penalty`` / ``min_p`` are checked with the other fields
+        (:mod:`.request_fields`)."""
         missing = {k: v for k, v in self.values.items() if getattr(body, k) is None}
         return body.model_copy(update=missing) if missing else body
 

@@ -24,6 +24,7 @@ from livelora.gateway.services.admission import Ticket
 from livelora.gateway.services.completion_log import CompletionRecorder
 from livelora.gateway.services.drain import Drain
 from livelora.gateway.services.generation import ChoiceStream, Job
+from livelora.gateway.services.request_fields import IGNORED_HEADER
 
 if TYPE_CHECKING:
     from livelora.gateway.services.serving import ServingTarget
@@ -53,6 +54,7 @@ class ServedRequest:
         kind: ``chat`` / ``completion`` / ``sample``: the label of its latency and token metrics.
         per_prompt: choices per prompt (``n``).
         prompt_logprobs: per prompt, its scored logprobs (an echoed prompt with ``logprobs``; else empty).
+        ignored: the unknown request fields ignored (``LIVELORA_UNKNOWN_FIELDS=ignore``), named in a header.
     """
 
     id: str
@@ -68,6 +70,7 @@ class ServedRequest:
     kind: str = "chat"
     per_prompt: int = 1
     prompt_logprobs: list[list[TokenLogprob | None]] = field(default_factory=list)
+    ignored: tuple[str, ...] = ()
     started: float = field(default_factory=time.monotonic)
     _last: dict[int, float] = field(default_factory=dict)
     _accounted: bool = False
@@ -77,8 +80,12 @@ class ServedRequest:
 
     @property
     def headers(self) -> dict[str, str]:
-        """Response headers naming the weights that answer and the completion id (when the request has one)."""
-        return {**self.target.headers, COMPLETION_HEADER: self.id} if self.id else self.target.headers
+        """Response headers naming the weights that answer, the completion id (when the request has one) and the
+        unknown fields ignored (when any)."""
+        headers = {**self.target.headers, COMPLETION_HEADER: self.id} if self.id else dict(self.target.headers)
+        if self.ignored:
+            headers[IGNORED_HEADER] = ", ".join(self.ignored)
+        return headers
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -86,7 +93,8 @@ class ServedRequest:
         return [list(job.prompt_ids) for job in self.jobs[:: self.per_prompt]]
 
     def usage(self) -> CompletionUsage:
-        """Tokens so far: every prompt once, every generated token (what the ``usage`` field says and is metered)."""
+        """Tokens so far: every prompt once, every generated token (what the ``usage`` field says and is metered;
+        the end-of-sequence or stop token that ends a choice is not counted, as the completion log keeps it)."""
         prompt = sum(len(job.prompt_ids) for job in self.jobs[:: self.per_prompt])
         return CompletionUsage(
             prompt_tokens=prompt, completion_tokens=self._generated, total_tokens=prompt + self._generated
@@ -108,6 +116,8 @@ class ServedRequest:
             DrainExpired: the gateway's grace period is over (503). LiveloraError: what the engine raised.
         """
         try:
+            if self._choices is None:  # nothing to generate (an echo with max_tokens 0)
+                raise StopAsyncIteration
             index, chunk = await anext(self._choices)
         except StopAsyncIteration:
             await self._finish()

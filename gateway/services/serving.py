@@ -37,7 +37,6 @@ from livelora.gateway.services.messages import chat_messages, chat_request
 from livelora.gateway.services.plans import (
     check_chat,
     check_completion,
-    log_ignored,
     plan_chat,
     plan_completion,
     prompt_token_ids,
@@ -318,17 +317,17 @@ class Serving:
             RateLimitError: the gateway is busy or the tenant is over a daily token limit (429).
         """
         chat = isinstance(body, ChatCompletionRequest)
-        log_ignored(body, "chat.completions" if chat else "completions")
         target = await self.target(body.model, principal)  # an unknown model is reported before bad parameters
         body = for_settings(self.settings).apply(body)  # omitted sampling fields: the model's generation_config
         who = payer(principal)
+        ignore = self.settings.inference.unknown_fields == "ignore"
         if chat:  # cheap limits first, then the template off the event loop
-            check_chat(body)
+            ignored = check_chat(body, ignore)
             prompt, cap = await chat_prompt(body, self, who)
             plan = plan_chat(body, self.tokenizer, self.context_length(), prompt, cap)
             messages = [m.model_dump(mode="json", exclude_none=True) for m in body.messages]
         else:
-            check_completion(body)
+            ignored = check_completion(body, ignore)
             prompts, cap = await completion_prompts(body, self, prompt_token_ids, who)
             plan = plan_completion(body, self.tokenizer, self.context_length(), self.texts, prompts, cap)
             messages = None
@@ -336,15 +335,17 @@ class Serving:
             target,
             plan.jobs,
             id_prefix=id_prefix or ("chatcmpl" if chat else "cmpl"),
-            recording=Recording(caller=caller, user=body.user, messages=messages),
+            recording=Recording(caller=caller, user=body.user, messages=messages) if plan.generate else None,
             principal=principal,
             per_prompt=plan.per_prompt,
         )
+        served.ignored = tuple(ignored)
         try:
             await self.check_quota(("prompt", "completion"), principal)  # over a daily token limit: 429, nothing runs
             if plan.score_prompts is not None:
                 served.prompt_logprobs = [await served.score(ids, plan.score_prompts) for ids in served.prompts]
-            served.start()
+            if plan.generate:
+                served.start()
         except BaseException:
             served.release()
             raise

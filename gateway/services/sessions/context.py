@@ -97,5 +97,6 @@ class SessionContext:
         from livelora.core.base_models import tokenizer_files
 
         source = str(getattr(self.engine.tokenizer, "name_or_path", "") or self.base_model)
-        res = to_response(self.tokenizer_id(), tokenizer_files(source))
+        aliases = sorted({self.base_model} - {self.tokenizer_id()})
+        res = to_response(self.tokenizer_id(), tokenizer_files(source), aliases)
         return res.revision, res.model_dump_json().encode()

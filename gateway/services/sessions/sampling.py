@@ -130,9 +130,12 @@ class SamplingSessions:
 
     async def get_sampler(self, sampling_id: str) -> GetSamplerResponse:
         record = await self.record(sampling_id)
+        base = record["base_model"]
         return GetSamplerResponse(
             sampler_id=sampling_id,
-            base_model=record["base_model"],
+            # the base model under its hub id (the tokenizer's; the served name is an alias of it), so SDK 0.38's
+            # SamplingClient.get_tokenizer(), which loads the tokenizer by this name, resolves it
+            base_model=self.ctx.tokenizer_id() if base == self.base_model else base,
             model_path=record.get("model_path"),
             adapter=record.get("adapter"),
         )
