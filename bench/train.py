@@ -249,7 +249,12 @@ def main() -> None:
     if args.nproc >= 1:  # the same steps on a group: torchrun starts the ranks, rank 0 prints and compares
         sys.stdout.flush()
         expect = ",".join(f"{r[5] if r[0] == 'SFT' else r[4]!r}" for r in rows if r[1] == "livelora")
-        argv = [a for a in sys.argv[1:] if a != "--skip-trl"] + ["--skip-trl", "--as-rank", f"--expect={expect}"]
+        argv, skip = [], False  # the script's arguments without --nproc (torchrun would take it for its own)
+        for a in sys.argv[1:]:
+            if not skip and not a.startswith("--nproc") and a != "--skip-trl":
+                argv.append(a)
+            skip = a == "--nproc"
+        argv += ["--skip-trl", "--as-rank", f"--expect={expect}"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
         sys.exit(subprocess.run([*cmd, __file__, *argv]).returncode)
 
@@ -260,7 +265,7 @@ def group_ranks(args, ref, sft_data, sft_tokens: int, kto_data, kto_tokens: int)
 
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     if device == "cpu":  # the machine's cores shared between the ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     group = TrainerGroup.join(device=device, timeout_s=600)
     rows = []
     for kind, data, loss_fn, tokens in (
