@@ -3,8 +3,9 @@
 Starts the gateway with the vllm engine on the built-in SmolLM2-135M-Instruct, then checks, each step printed
 with its figures (exit status 1 if one fails): a stream stays on its adapter version while newer versions are
 published (its logprobs match its own version's teacher-forced scores); throughput at 1 and 32 streams; and
-logprob parity of vLLM against a transformers fp32 reference within ``--tol-mean`` / ``--tol-max`` nats. The steps
-and tolerances: ``docs/internals/bench.md``.
+logprob parity of vLLM against a transformers fp32 reference within ``--tol-mean`` / ``--tol-max`` nats; and a
+trainer group (``bench/train.py --nproc N``, nccl, one GPU per rank, ``--group-ranks``) against one process. The
+steps and tolerances: ``docs/internals/bench.md``; the group: ``docs/scaling-out.md``.
 
 Usage on a GPU box (needs vllm, and the store holding the converted model)::
 
@@ -21,6 +22,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -316,6 +318,18 @@ async def main(args) -> int:
         f"(tol {args.tol_max}); vLLM {args.dtype or 'default dtype'} vs transformers float32",
     )
 
+    if args.group_ranks:  # a trainer group on nccl (docs/scaling-out.md): bench/train.py --nproc N, one GPU per rank
+        cmd = [sys.executable, str(Path(__file__).with_name("train.py")), "--skip-trl", "--steps", "2"]
+        run = subprocess.run(
+            [*cmd, "--batch", "8", "--seq-len", "128", f"--nproc={args.group_ranks}"], text=True, capture_output=True
+        )
+        print(run.stdout[-2000:], run.stderr[-2000:] if run.returncode else "", flush=True)
+        check(
+            f"trainer group of {args.group_ranks} (nccl) vs one process",
+            run.returncode == 0,
+            f"bench/train.py --nproc {args.group_ranks}: exit status {run.returncode}",
+        )
+
     print(
         f"total {time.perf_counter() - t_all:.1f} s; {sum(ok for _, ok, _ in results)}/{len(results)} checks passed",
         flush=True,
@@ -352,4 +366,7 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the engine must be
     )
     parser.add_argument("--tol-mean", type=float, default=0.05, help="vLLM vs transformers, mean |Δ| (nats)")
     parser.add_argument("--tol-max", type=float, default=0.5, help="vLLM vs transformers, max |Δ| (nats)")
+    parser.add_argument(
+        "--group-ranks", type=int, default=1, help="ranks (GPUs) of the trainer-group check on nccl; 0 skips it"
+    )
     sys.exit(asyncio.run(run_check(parser.parse_args())))

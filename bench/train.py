@@ -6,7 +6,12 @@ side, AdamW lr 1e-4. Prints time per step (forward + backward + optimizer step, 
 and the first step's losses (which must agree) for SFT and KTO. Figures only. The setup in detail:
 ``docs/internals/bench.md``.
 
-Usage: ``python bench/train.py [--steps 1] [--batch 8] [--seq-len 256] [--rank 16] [--skip-trl]``
+With ``--nproc N`` the same livelora steps also run on a trainer group of N ranks (``torchrun`` on this machine,
+gloo on CPU, nccl with one GPU per rank; ``docs/scaling-out.md``): tokens/s of the group against one process, the
+seconds per step each rank spends in collectives, and the group's first loss against the one process's (exit
+status 1 when they differ by more than 1e-5 of their size).
+
+Usage: ``python bench/train.py [--steps 1] [--batch 8] [--seq-len 256] [--rank 16] [--skip-trl] [--nproc N]``
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -69,23 +76,28 @@ def datum(tokens: list[int], first_trained: int, label: float | None = None):
     return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
 
-def run_ours(ref, data, loss_fn: str, steps: int, rank: int) -> tuple[float, float]:
-    """Seconds per step (mean over ``steps``) and the first step's loss."""
+def run_ours(ref, data, loss_fn: str, steps: int, rank: int, group=None, device: str = "cpu") -> tuple[float, ...]:
+    """Seconds per step (mean over ``steps``), the first step's loss and (in a group) this rank's seconds per step
+    in collectives."""
     from livelora.clients.types import AdamParams, LoraConfig
     from livelora.trainer.model import TrainingModel
 
-    model = TrainingModel(ref, LoraConfig(rank=rank, alpha=2.0 * rank, seed=0, train_unembed=False))
+    lora = LoraConfig(rank=rank, alpha=2.0 * rank, seed=0, train_unembed=False)
+    model = TrainingModel(ref, lora, group=group, device=device)
     adam = AdamParams(learning_rate=1e-4, beta2=0.95)
-    times, first_loss = [], None
+    times, comm, first_loss = [], [], None
     for _ in range(steps):
+        c0 = group.collective_s if group is not None else 0.0
         t0 = time.perf_counter()
         out = model.forward_backward(data, loss_fn, {"beta": 0.1} if loss_fn == "kto" else None)
         model.optim_step(adam)
         times.append(time.perf_counter() - t0)
+        comm.append((group.collective_s if group is not None else 0.0) - c0)
         first_loss = out.metrics["loss:sum"] if first_loss is None else first_loss
     del model
     timed = times[1:] if len(times) > 1 else times  # the first step warms up allocators and thread pools
-    return sum(timed) / len(timed), float(first_loss)
+    comm = comm[1:] if len(comm) > 1 else comm
+    return sum(timed) / len(timed), float(first_loss), sum(comm) / len(comm)
 
 
 def _trl_common(tmp: str, batch: int, steps: int) -> dict:
@@ -183,6 +195,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256, help="trained positions per sequence")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--nproc", type=int, default=0, help="also run the livelora steps on a group of N ranks")
+    parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)  # set for the group's ranks
+    parser.add_argument("--expect", default="", help=argparse.SUPPRESS)  # the one process's first losses
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -206,13 +221,17 @@ def main() -> None:
     kto_data = [datum(p + c, len(p) - 1, 1.0 if lab else 0.0) for p, c, lab in zip(p_ids, c_ids, labels)]
     kto_tokens = sum(len(p) + len(c) - 1 for p, c in zip(p_ids, c_ids))
 
+    if args.as_rank:
+        group_ranks(args, ref, sft_data, sft_tokens, kto_data, kto_tokens)
+        return
     rows = []
-    t, loss = run_ours(ref, sft_data, "cross_entropy", args.steps, args.rank)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t, loss, _ = run_ours(ref, sft_data, "cross_entropy", args.steps, args.rank, device=dev)
     rows.append(("SFT", "livelora", t, sft_tokens / t, loss / sft_tokens, loss))
     if not args.skip_trl:
         t, loss = run_trl(ref, tokenizer, "sft", args.steps, args.rank, args.batch, seqs=seqs)
         rows.append(("SFT", "TRL SFTTrainer", t, sft_tokens / t, loss, loss * sft_tokens))
-    t, loss = run_ours(ref, kto_data, "kto", args.steps, args.rank)
+    t, loss, _ = run_ours(ref, kto_data, "kto", args.steps, args.rank, device=dev)
     rows.append(("KTO", "livelora", t, kto_tokens / t, loss, None))
     if not args.skip_trl:
         t, loss = run_trl(ref, tokenizer, "kto", args.steps, args.rank, args.batch, kto=(prompts, completions, labels))
@@ -227,6 +246,46 @@ def main() -> None:
         pair = [r for r in rows if r[0] == kind]
         if len(pair) == 2:
             print(f"{kind} speed ratio livelora / TRL: {pair[0][3] / pair[1][3]:.2f}x")
+    if args.nproc >= 1:  # the same steps on a group: torchrun starts the ranks, rank 0 prints and compares
+        sys.stdout.flush()
+        expect = ",".join(f"{r[5] if r[0] == 'SFT' else r[4]!r}" for r in rows if r[1] == "livelora")
+        argv, skip = [], False  # the script's arguments without --nproc (torchrun would take it for its own)
+        for a in sys.argv[1:]:
+            if not skip and not a.startswith("--nproc") and a != "--skip-trl":
+                argv.append(a)
+            skip = a == "--nproc"
+        argv += ["--skip-trl", "--as-rank", f"--expect={expect}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+        sys.exit(subprocess.run([*cmd, __file__, *argv]).returncode)
+
+
+def group_ranks(args, ref, sft_data, sft_tokens: int, kto_data, kto_tokens: int) -> None:
+    """One rank of ``--nproc``: the livelora SFT and KTO steps on the group; rank 0 prints the figures."""
+    from livelora.trainer.distributed import TrainerGroup
+
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # the machine's cores shared between the ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+    group = TrainerGroup.join(device=device, timeout_s=600)
+    rows = []
+    for kind, data, loss_fn, tokens in (
+        ("SFT", sft_data, "cross_entropy", sft_tokens),
+        ("KTO", kto_data, "kto", kto_tokens),
+    ):
+        t, loss, comm = run_ours(ref, data, loss_fn, args.steps, args.rank, group=group, device=device)
+        rows.append((kind, t, tokens / t, comm, loss))
+    if group.leader:
+        print(f"\ngroup of {group.world_size} ({group.backend}, {torch.get_num_threads()} threads per rank)")
+        print(f"{'step':<5}{'s/step':>9}{'tokens/s':>11}{'collectives s/step':>20}{'first loss (sum)':>18}")
+        for kind, t, tps, comm, loss in rows:
+            print(f"{kind:<5}{t:9.2f}{tps:11.1f}{comm:20.3f}{loss:18.5f}")
+        if args.expect:  # the group's first losses against the one process's (exit status 1 when they differ)
+            diffs = [abs(r[4] - float(e)) / max(1.0, abs(float(e))) for r, e in zip(rows, args.expect.split(","))]
+            print(f"first loss vs one process: relative |Δ| {max(diffs):.2e} (tolerance 1e-5)")
+            if max(diffs) > 1e-5:
+                group.close()
+                sys.exit(1)
+    group.close()
 
 
 if __name__ == "__main__":

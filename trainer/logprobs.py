@@ -73,6 +73,7 @@ class LogprobPass:
         keep_pos: list[Tensor] | None = None,
         share_prefix: list[int] | None = None,
         prefix_kv: PromptKV | None = None,
+        rows: range | None = None,
     ) -> Any:
         """Target logprobs of right-padded sequences (nats).
 
@@ -90,13 +91,24 @@ class LogprobPass:
             prefix_kv: continue from these keys/values: ``inputs[b]`` follows the first ``prefix_kv.prefix[b]``
                 positions of row ``b`` of the pass that captured them. Without it, a prefix of 16+ tokens that
                 every sequence shares (:func:`~livelora.trainer.prompt_kv.common_prefix`) runs once.
+            rows: run only these sequences (a trainer group rank's slice; the other arguments still describe the
+                whole batch, ``prefix_kv`` excepted, which holds these rows): the padded width, the attention mask
+                and the shared prefix are the whole batch's, so each row's logprobs equal a one-process pass over
+                the whole batch, mostly bit for bit (``docs/scaling-out.md``). No rows: nothing runs.
 
         Returns:
             per sequence, logprobs shaped like its targets; with ``share_prefix``, ``(logprobs, PromptKV)``.
         """
         step_yield()  # serving may go first between the passes of a step (core/core_share.py)
+        whole = inputs
+        if rows is not None:
+            pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
+            inputs, targets, grad_pos, keep_pos = pick(inputs), pick(targets), pick(grad_pos), pick(keep_pos)
+            share_prefix = pick(share_prefix)
+            if not rows:
+                return ([], None) if share_prefix is not None else []
         lengths = [len(x) for x in inputs]
-        b_n, t_max = len(inputs), max(lengths)
+        b_n, t_max = len(inputs), max(len(x) for x in whole)
         k_max = max(1 if t.ndim == 1 else t.shape[1] for t in targets)
         ids_B_T = torch.full((b_n, t_max), self.pad_id, dtype=torch.long)
         tgt_B_T_K = torch.zeros((b_n, t_max, k_max), dtype=torch.long)
@@ -113,18 +125,18 @@ class LogprobPass:
             grad_B_T[b, :n] = True if grad_pos is None else grad_pos[b]
         grad_B_T &= keep_B_T
         rest_B_T = keep_B_T & ~grad_B_T
-        padded = any(n != t_max for n in lengths)
+        padded = any(len(x) != t_max for x in whole)
         dev = self.device
         causal_lm = self.peft_model.get_base_model()
         ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
         # a prefix every row shares runs once at batch 1, the rows continue from its keys/values (prompt_kv.py)
         c = (
-            common_prefix(inputs)
-            if prefix_kv is None and kv_bytes(causal_lm.config, b_n, t_max) <= PROMPT_KV_MAX_BYTES
+            common_prefix(whole)
+            if prefix_kv is None and kv_bytes(causal_lm.config, len(whole), t_max) <= PROMPT_KV_MAX_BYTES
             else 0
         )
         if prefix_kv is not None:
-            kw = prefix_kv.continuation(lengths, dev, causal_lm.config)
+            kw = prefix_kv.continuation(lengths, dev, causal_lm.config, width=t_max)
         elif not c:
             kw = {"use_cache": share_prefix is not None, "attention_mask": valid_B_T.long().to(dev) if padded else None}
         # models with logit scaling / soft-capping use their own forward (logits), the others decoder + head
@@ -136,7 +148,7 @@ class LogprobPass:
                 kw = (
                     PromptKV.capture(cache_of(pre), [c], detach=False)
                     .expand(b_n)
-                    .continuation([n - c for n in lengths], dev, causal_lm.config)
+                    .continuation([n - c for n in lengths], dev, causal_lm.config, width=t_max - c)
                 )
             res = decoder(input_ids=ids_B_T[:, c:].to(dev), **kw)
             hidden_B_T_H = res.last_hidden_state if self.plain_head else res.logits
@@ -165,12 +177,19 @@ class LogprobPass:
         return (out, kv) if share_prefix is not None else out
 
     def kl_logratios(
-        self, data: list[Datum], inputs_D: list[dict[str, Tensor]], kv: tuple[PromptKV, PromptKV] | None = None
+        self,
+        data: list[Datum],
+        inputs_D: list[dict[str, Tensor]],
+        kv: tuple[PromptKV, PromptKV] | None = None,
+        rows: range | None = None,
     ) -> Tensor:
         """KTO's mismatched-pair log-ratios ``Σ_completion(lp − lp_ref)`` of ``(x_i, y_perm(i))`` (no grad;
         pairs from :func:`~livelora.trainer.prompt_kv.kl_pairs`). ``kv``: the (policy, reference) keys/values of
-        the matched pairs' prompts; the pairs then run from each prompt's last token on."""
+        the matched pairs' prompts; the pairs then run from each prompt's last token on. ``rows``: only the pairs
+        ``i in rows`` (a trainer group rank's slice; ``kv`` then holds those rows' prompts)."""
         ins, tgts, keep = kl_pairs(data, inputs_D, self.max_seq_len, shared=kv is not None)
-        policy = self(ins, tgts, adapter=True, keep_pos=keep, prefix_kv=kv[0] if kv else None)
-        ref = self(ins, tgts, adapter=False, keep_pos=keep, prefix_kv=kv[1] if kv else None)
+        if rows is not None and not rows:
+            return torch.zeros(0)
+        policy = self(ins, tgts, adapter=True, keep_pos=keep, prefix_kv=kv[0] if kv else None, rows=rows)
+        ref = self(ins, tgts, adapter=False, keep_pos=keep, prefix_kv=kv[1] if kv else None, rows=rows)
         return torch.stack([(p - r).sum() for p, r in zip(policy, ref)])

@@ -25,6 +25,7 @@ from livelora.core.base_models import BaseModelRef, import_model_libraries, load
 from livelora.core.core_share import step_yield
 from livelora.core.losses import ResolvedLoss, validate_batch
 from livelora.trainer.checkpoints import read_version, write_version
+from livelora.trainer.distributed import TrainerGroup
 from livelora.trainer.logprobs import LogprobPass, datum_inputs, grad_positions
 from livelora.trainer.lora_peft import lora_config_of, wrap_lora
 from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput
@@ -48,6 +49,8 @@ class TrainingModel:
         max_seq_len: longest accepted ``model_input`` in tokens (default: the model's
             ``max_position_embeddings``).
         base_model: an already loaded base model to wrap (it is modified in place by peft).
+        group: the trainer group that runs this model with this process (every rank builds the same model and
+            makes the same calls; ``docs/scaling-out.md``); None: this process alone.
 
     Raises:
         BadRequestError: a target module group the architecture does not have.
@@ -62,6 +65,7 @@ class TrainingModel:
         dtype: torch.dtype = torch.float32,
         max_seq_len: int | None = None,
         base_model: Any = None,
+        group: TrainerGroup | None = None,
     ):
         import_model_libraries()
         self.base_ref = base_ref
@@ -89,6 +93,8 @@ class TrainingModel:
         self.lineage: str | None = None
         self.parent: int | None = None
         self.data_counts: dict[str, int] = {"datums": 0, "tokens": 0}
+        #: the trainer group this model runs on (None: this process alone; trainer/distributed.py)
+        self.group: TrainerGroup | None = group
 
     # ------------------------------------------------------------------------------------------ internals
     def new_optimizer(self) -> torch.optim.AdamW:
@@ -121,22 +127,30 @@ class TrainingModel:
             share = None
         grad_pos = [grad_positions(spec, x) for x in inputs_D]
         keep = grad_pos if loss_positions_only else None  # the loss multiplies every other position by 0
+        # in a group each rank runs its slice's passes, the per-datum results are all-gathered and every rank
+        # computes the whole batch's loss, its own logprobs carrying gradient (trainer/distributed.py)
+        group, n = self.group, len(data)
+        rows = group.shard(n) if group is not None else None
+        gather = (lambda xs: group.gather(n, list(xs))) if group is not None else (lambda xs: xs)
         ref_D: list[Tensor] = []
         if spec.needs_reference:
-            ref_D = self.logprobs(tokens_D, targets_D, adapter=False, share_prefix=share, keep_pos=keep)
+            ref_D = self.logprobs(tokens_D, targets_D, adapter=False, share_prefix=share, keep_pos=keep, rows=rows)
             if share:
                 ref_D, ref_kv = ref_D
-            ref_D = [r.detach() for r in ref_D]
+            ref_D = gather([r.detach() for r in ref_D])
             for x, r in zip(inputs_D, ref_D):
                 x["ref_logprobs"] = r
             if kl and not share:
-                for x, k in zip(inputs_D, self.logprobs.kl_logratios(data, inputs_D)):
+                for x, k in zip(inputs_D, gather(self.logprobs.kl_logratios(data, inputs_D, rows=rows))):
                     x["kl_logratio"] = k.reshape(1)
-        lp_D = self.logprobs(tokens_D, targets_D, grad=grad, share_prefix=share, grad_pos=grad_pos, keep_pos=keep)
+        lp_D = self.logprobs(
+            tokens_D, targets_D, grad=grad, share_prefix=share, grad_pos=grad_pos, keep_pos=keep, rows=rows
+        )
         if share:
             lp_D, policy_kv = lp_D
-            for x, k in zip(inputs_D, self.logprobs.kl_logratios(data, inputs_D, (policy_kv, ref_kv))):
+            for x, k in zip(inputs_D, gather(self.logprobs.kl_logratios(data, inputs_D, (policy_kv, ref_kv), rows))):
                 x["kl_logratio"] = k.reshape(1)
+        lp_D = gather(lp_D)
         with torch.set_grad_enabled(grad):  # inputs validated above; the trainer-filled ones are built here
             out: LossOutput = LOSS_FUNCTIONS[spec.name](lp_D, inputs_D, resolved.config)
         if grad:
@@ -219,6 +233,8 @@ class TrainingModel:
                 eps=params.eps,
                 weight_decay=params.weight_decay,
             )
+        if self.group is not None:  # the whole batch's gradient: the sum of the ranks' (trainer/distributed.py)
+            self.group.all_reduce_grads(plist)
         grads = [p.grad for p in plist if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if params.grad_clip_norm > 0:

@@ -79,14 +79,16 @@ class PromptKV:
         layers = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in self.layers]
         return PromptKV(layers, self.prefix * batch)
 
-    def continuation(self, lengths: list[int], device: torch.device, config: Any) -> dict[str, Any]:
+    def continuation(
+        self, lengths: list[int], device: torch.device, config: Any, width: int | None = None
+    ) -> dict[str, Any]:
         """Keyword arguments for the decoder's forward over right-padded continuations of ``lengths[b]`` tokens
         (row ``b`` continues its own prefix): the K/V cache under the decoder's keyword (``cache`` or
         ``past_key_values``: a fresh ``DynamicCache``; the forward appends to it), ``attention_mask`` (B, L + T)
-        and ``position_ids`` (B, T)."""
+        and ``position_ids`` (B, T). ``width``: T (default ``max(lengths)``; a group rank pads as the whole batch)."""
         from transformers import DynamicCache
 
-        b_n, t_max, length = len(lengths), max(lengths), max(self.prefix)
+        b_n, t_max, length = len(lengths), width or max(lengths), max(self.prefix)
         mask = torch.zeros((b_n, length + t_max), dtype=torch.long)
         for b, (p, n) in enumerate(zip(self.prefix, lengths)):
             mask[b, :p] = 1

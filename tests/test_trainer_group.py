@@ -1,0 +1,114 @@
+"""A trainer group of 2 ranks (gloo, fp32, spawned processes) against one process on the same batches: the loss,
+the logprobs, every LoRA gradient and the weights after ``optim_step`` agree within 1e-6, for every built-in loss,
+a live-loop KTO step, an uneven split (3 datums on 2 ranks), a DPO pair split across the ranks, one datum per op
+(a rank with no datum) and sequences of 4 to 41 tokens. fp32 sums in another order differ in the last bits: the
+loss within 1e-6 of its size, every gradient element within 1e-6 of the gradient's L2 norm (or 1e-6 when that
+is below 1), the weights within 1e-6 (Adam's ε in the steps: harness/group_cases.py), per-token logprobs within 1e-5
+of the datum's largest |logprob|.
+One group launch runs every case (harness/group_cases.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+
+import pytest
+import torch
+from harness.group_cases import cases, launch_group, new_model, run_cases, start_group
+
+from livelora.core.losses import LOSS_SPECS
+from livelora.trainer.distributed import shard
+
+TOL = 1e-6
+LP_TOL = 1e-5
+
+
+def test_shard_splits_contiguously_and_evenly():
+    assert [shard(3, r, 2) for r in range(2)] == [range(0, 2), range(2, 3)]
+    assert [shard(1, r, 2) for r in range(2)] == [range(0, 1), range(1, 1)]
+    assert [list(shard(7, r, 3)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+@pytest.fixture(scope="module")
+def runs(base_ref, tmp_path_factory):
+    out = tmp_path_factory.mktemp("group") / "rank0.pt"
+    assert launch_group(out, 2) == [0, 0]
+    group = torch.load(out, weights_only=False)
+    torch.set_num_threads(1)
+    alone = run_cases(new_model(base_ref), cases(base_ref))
+    return alone, group
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+CASES = [
+    "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+    "kto",
+    "dpo",
+    "live_kto_step",
+    "one_datum_per_op",
+]
+
+
+def test_every_builtin_loss_has_a_case():
+    assert set(LOSS_SPECS) <= set(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_group_of_two_equals_one_process(runs, case):
+    alone, group = runs[0][case], runs[1][case]
+    assert len(alone["fb"]) == len(group["fb"])
+    for (m1, lp1), (m2, lp2) in zip(alone["fb"], group["fb"]):
+        assert math.isfinite(m1["loss:sum"]) and m1["loss:sum"] != 0.0
+        assert set(m1) == set(m2)
+        for k in m1:  # the loss and counts within 1e-6 of their size; means of log-ratios (β·Σ(lp − ref), a
+            # difference of two sums of ~-5 nat terms) within 10x that
+            tol = TOL * max(1.0, abs(m1[k])) if k == "loss:sum" or k.startswith("num_") else 10 * TOL
+            assert abs(m1[k] - m2[k]) <= tol, (k, m1[k], m2[k])
+        assert [x.shape for x in lp1] == [x.shape for x in lp2]
+        for a, b in zip(lp1, lp2):  # nats per token: often bit-equal (the slices pad as the whole batch); else the
+            # last bits of a float32 log-sum-exp over 49,152 logits (|lp| up to ~25 nats, 1 ulp ~2e-6)
+            assert _close(a, b) <= LP_TOL * max(1.0, float(a.abs().max()))
+    # every element within 1e-6 of the gradient's L2 norm over all LoRA tensors (what clipping and the step see)
+    nonzero, scale = 0, math.sqrt(sum(float(g.double().pow(2).sum()) for g in alone["grads"].values()))
+    for k, g1 in alone["grads"].items():
+        assert _close(g1, group["grads"][k]) <= TOL * max(1.0, scale), (k, _close(g1, group["grads"][k]), scale)
+        nonzero += bool(g1.abs().max() > 0)
+    assert nonzero == len(alone["grads"])  # every LoRA gradient took part
+    for k in ("grad_norm:mean", "update_norm:mean", "step:max"):
+        assert abs(alone["opt"][k] - group["opt"][k]) <= TOL * max(1.0, abs(alone["opt"][k]))
+    for k, w1 in alone["weights"].items():
+        assert _close(w1, group["weights"][k]) <= TOL
+
+
+@pytest.mark.parametrize("mode", ["hang", "kill"])
+def test_a_hung_or_dead_rank_makes_the_group_fail(tmp_path, mode):
+    """Rank 1 stops taking part (sleeps, or is SIGKILLed): rank 0's next collective raises (the group's timeout,
+    5 s here, or the closed connection) instead of waiting forever, so its trainer can give its leases back."""
+    out = tmp_path / "rank0.json"
+    procs = start_group("harness.group_fail", [mode, str(out)])
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "rank0.json.ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if mode == "kill":
+            procs[1].send_signal(signal.SIGKILL)
+        assert procs[0].wait(timeout=300) == 3
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    result = json.loads(out.read_text())
+    assert result["error"] is not None and result["mode"] == mode
+    if mode == "hang":  # waited for the timeout (5 s), not for ever
+        assert result["after_s"] >= 4.0
