@@ -258,7 +258,8 @@ class Soak:
             kills += 1
 
     def cut_by_kill(self, gateway: str, start: float, end: float) -> bool:
-        return any(name == gateway and start - 1 <= k <= end + 1 for name, k, _ in self.stats.kills)
+        """Whether ``gateway`` was killed or down (killed, not yet ready again) while the request ran."""
+        return any(name == gateway and k - 1 <= end and start <= ready + 1 for name, k, ready in self.stats.kills)
 
     # ---------------------------------------------------------------- run
     def run(self, tokenizer) -> dict:
