@@ -167,7 +167,9 @@ def test_hf_cache_url_places_the_servers_tokenizer_under_its_hub_id(sessions_ser
     )
     rev = files_revision(read_tokenizer_dir(sessions_server.services.engine.tokenizer.name_or_path))
     snapshot = tmp_path / "client" / "hf" / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / rev
-    assert stdout.strip() == f"{HUB_ID} -> {snapshot}"  # the same snapshot `livelora hf-cache` makes locally
+    local = tmp_path / "client" / "hf" / "hub" / "models--smollm2-135m-instruct" / "snapshots" / rev
+    # the same snapshot `livelora hf-cache` makes locally, under the hub id and under the served name
+    assert stdout.strip().splitlines() == [f"{HUB_ID} -> {snapshot}", f"smollm2-135m-instruct -> {local}"]
     code = (
         "import sys; from transformers import AutoTokenizer; "
         "print(AutoTokenizer.from_pretrained(sys.argv[1]).encode(sys.argv[2]))"
