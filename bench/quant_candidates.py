@@ -22,21 +22,11 @@ import time
 import warnings
 
 import torch
+from serve import PROMPTS  # the same prompts as bench/serve.py (this script's folder is on sys.path)
 
 from livelora.core.base_models import load_model, load_tokenizer, resolve_base_model
 from livelora.core.settings import CommonSettings
 from livelora.gateway.engines.quantized import quantize_linears
-
-PROMPTS = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain how rain forms.",
-    "List some tips for learning a new language.",
-    "Describe a busy market in the morning.",
-    "What makes a good friend?",
-    "Tell me about the history of bicycles.",
-    "Give advice to a new gardener.",
-    "Describe the ocean to someone who has never seen it.",
-]
 
 
 def merged_model(rank: int, seed: int):
