@@ -184,9 +184,7 @@ class Cluster:
             try:
                 if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != proc.pid:
                     continue
-                env = dict(
-                    kv.split("=", 1) for kv in (stat.parent / "environ").read_text().split("\0") if "=" in kv
-                )
+                env = dict(kv.split("=", 1) for kv in (stat.parent / "environ").read_text().split("\0") if "=" in kv)
             except (OSError, ValueError, IndexError):
                 continue
             if "RANK" in env:
