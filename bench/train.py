@@ -1,10 +1,10 @@
 """Training-step throughput: livelora's TrainingModel vs TRL's SFTTrainer and KTOTrainer on one identical batch.
 
-Batch: 8 sequences x 256 trained positions built from GSM8K (``../shared/data/gsm8k/train.jsonl`` beside the
-repository), LoRA rank 16 on every linear layer of the decoder, float32, no gradient checkpointing on either
-side, AdamW lr 1e-4. Prints time per step (forward + backward + optimizer step, after a warm-up step), tokens/s
-and the first step's losses (which must agree) for SFT and KTO. Figures only. The setup in detail:
-``docs/internals/bench.md``.
+Batch: 8 sequences x 256 trained positions built from GSM8K (``$LIVELORA_GSM8K``, else
+``shared/data/gsm8k/train.jsonl`` beside the repository), LoRA rank 16 on every linear layer of the decoder,
+float32, no gradient checkpointing on either side, AdamW lr 1e-4. Prints time per step (forward + backward +
+optimizer step, after a warm-up step), tokens/s and the first step's losses (which must agree) for SFT and KTO.
+Figures only. The setup in detail: ``docs/internals/bench.md``.
 
 With ``--nproc N`` the same livelora steps also run on a trainer group of N ranks (``torchrun`` on this machine,
 gloo on CPU, nccl with one GPU per rank; ``docs/scaling-out.md``): tokens/s of the group against one process, the
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = Path(os.environ.get("LIVELORA_GSM8K") or REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT_TOKENS = 64
 
