@@ -38,6 +38,15 @@ def state_stamp(model: Any) -> tuple:
     return (id(model.optimizer), model.step, *((id(t), t._version) for t in tensors))
 
 
+def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it copied to the CPU (so a rank unpickles none onto rank 0's GPU)."""
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_cpu(v) for v in value)
+    return value.cpu() if hasattr(value, "cpu") and hasattr(value, "_version") else value
+
+
 class GroupLeader:
     """Rank 0's side: broadcasts the mirrored calls, the heartbeat and the end of the group.
 
@@ -104,7 +113,7 @@ class GroupLeader:
         with self._lock:
             key = self._key(model)
             stamp = state_stamp(model)
-            state = None if self._synced.get(key) == stamp else model_state(model)
+            state = None if self._synced.get(key) == stamp else _on_cpu(model_state(model))
             spec = {"max_seq_len": model.max_seq_len}
             fresh = not model.has_gradients()
             self._send({"kind": "call", "key": key, "name": name, "args": args, "kwargs": kwargs, "state": state,
