@@ -114,10 +114,9 @@ class GroupLeader:
             key = self._key(model)
             stamp = state_stamp(model)
             state = None if self._synced.get(key) == stamp else _on_cpu(model_state(model))
-            spec = {"max_seq_len": model.max_seq_len}
-            fresh = not model.has_gradients()
-            self._send({"kind": "call", "key": key, "name": name, "args": args, "kwargs": kwargs, "state": state,
-                        "spec": spec, "fresh_grads": fresh})  # fmt: skip
+            message = {"kind": "call", "key": key, "name": name, "args": args, "kwargs": kwargs, "state": state}
+            message.update(spec={"max_seq_len": model.max_seq_len}, fresh_grads=not model.has_gradients())
+            self._send(message)
             try:
                 yield
             except GroupFailedError:
