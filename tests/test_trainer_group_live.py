@@ -1,9 +1,9 @@
 """A trainer group on a live server: a ``livelora gateway``, a ``livelora trainer --nproc 2`` (torchrun, gloo) and a
 standby single ``livelora trainer`` on the real Redis. The group owns a training session's model; rank 1 is
-SIGKILLed in the middle of a ``forward_backward``; the group fails, rank 0 gives its leases back, the standby takes
-the model over from the recovery snapshot and runs the uncommitted ops. Every loss and the weights after the last
-``optim_step`` equal a run of the same ops in this process (one process, no kill) within 1e-6, and every op is
-committed exactly once.
+SIGKILLed in the middle of a ``forward_backward``; the group fails, rank 0 gives its leases back (before their
+10 s TTL lapses), the standby takes the model over from the recovery snapshot and runs the uncommitted ops. Every
+loss and the weights after the last ``optim_step`` equal a run of the same ops in this process (one process, no
+kill) within 1e-6, and every op is committed exactly once.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 URL = "redis://127.0.0.1:6379/0"
 ENV = {
-    "LIVELORA_LEASE_TTL_S": "2",
+    "LIVELORA_LEASE_TTL_S": "10",
     "LIVELORA_SESSION_TTL_S": "300",
     "LIVELORA_GROUP_TIMEOUT_S": "30",
     "LIVELORA_GATE_ENABLED": "false",
@@ -94,6 +94,7 @@ def test_rank_1_killed_mid_step_the_standby_finishes_the_session_with_the_same_r
         results.append(fut.result(timeout=300))
     assert group.popen.wait(timeout=300) != 0  # the group failed as a whole
     assert "trainer group failed" in group.tail(200_000)
+    assert f"gave back the leases of {model_id}" in group.tail(200_000)  # rank 0 released them (TTL 10 s)
     assert cluster.owner_of(model_id) is standby
     assert "took over training model" in standby.tail(200_000)
     r = redis.Redis.from_url(URL, decode_responses=True)

@@ -153,7 +153,10 @@ class OpExecutor:
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
             self._thread = None
+        held = sorted(self.leases.held)
         self.leases.stop(release=True)
+        if held:
+            log.info("op executor %s stopped: gave back the leases of %s", self.owner, ", ".join(held))
 
     def run_forever(self) -> None:
         while not self._stop.is_set():
