@@ -1,15 +1,16 @@
 """Training-step throughput: livelora's TrainingModel vs TRL's SFTTrainer and KTOTrainer on one identical batch.
 
-Batch: 8 sequences x 256 trained positions built from GSM8K (``../shared/data/gsm8k/train.jsonl`` beside the
-repository), LoRA rank 16 on every linear layer of the decoder, float32, no gradient checkpointing on either
-side, AdamW lr 1e-4. Prints time per step (forward + backward + optimizer step, after a warm-up step), tokens/s
-and the first step's losses (which must agree) for SFT and KTO. Figures only. The setup in detail:
-``docs/internals/bench.md``.
+Batch: 8 sequences x 256 trained positions built from GSM8K (``$LIVELORA_GSM8K``, else
+``shared/data/gsm8k/train.jsonl`` beside the repository), LoRA rank 16 on every linear layer of the decoder,
+float32, no gradient checkpointing on either side, AdamW lr 1e-4. Prints time per step (forward + backward +
+optimizer step, after a warm-up step), tokens/s and the first step's losses (which must agree) for SFT and KTO.
+Figures only. The setup in detail: ``docs/internals/bench.md``.
 
 With ``--nproc N`` the same livelora steps also run on a trainer group of N ranks (``torchrun`` on this machine,
 gloo on CPU, nccl with one GPU per rank; ``docs/scaling-out.md``): tokens/s of the group against one process, the
 seconds per step each rank spends in collectives, and the group's first loss against the one process's (exit
-status 1 when they differ by more than 1e-5 of their size).
+status 1 when they differ by more than 1e-5 of their size); then the SFT step again with rank 0 leading and the
+other ranks mirroring its model, as in ``livelora trainer --nproc N`` (its collectives include the broadcasts).
 
 Usage: ``python bench/train.py [--steps 1] [--batch 8] [--seq-len 256] [--rank 16] [--skip-trl] [--nproc N]``
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = Path(os.environ.get("LIVELORA_GSM8K") or REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT_TOKENS = 64
 
@@ -266,7 +267,7 @@ def group_ranks(args, ref, sft_data, sft_tokens: int, kto_data, kto_tokens: int)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     if device == "cpu":  # the machine's cores shared between the ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
-    group = TrainerGroup.join(device=device, timeout_s=600)
+    group = TrainerGroup.join(device=device, timeout_s=600, current=True)
     rows = []
     for kind, data, loss_fn, tokens in (
         ("SFT", sft_data, "cross_entropy", sft_tokens),
@@ -274,13 +275,27 @@ def group_ranks(args, ref, sft_data, sft_tokens: int, kto_data, kto_tokens: int)
     ):
         t, loss, comm = run_ours(ref, data, loss_fn, args.steps, args.rank, group=group, device=device)
         rows.append((kind, t, tokens / t, comm, loss))
+    # the group process's path (livelora trainer --nproc N): rank 0 leads and broadcasts each call (with the
+    # model's state the first time), the other ranks make it on their replica (trainer/group_mirror.py)
+    from livelora.trainer.group_mirror import GroupLeader, follow
+    from livelora.trainer.recovery import restore_model
+
+    if group.leader:
+        leader = GroupLeader(group, lambda: None, heartbeat_s=60)
+        t, loss, comm = run_ours(ref, sft_data, "cross_entropy", args.steps, args.rank, group=group, device=device)
+        leader.close()
+        rows.append(("SFT, rank 0 leading", t, sft_tokens / t, comm, loss))
+    else:
+        follow(group, lambda state, spec: restore_model(state, ref, device=device, max_seq_len=spec["max_seq_len"]))
     if group.leader:
         print(f"\ngroup of {group.world_size} ({group.backend}, {torch.get_num_threads()} threads per rank)")
-        print(f"{'step':<5}{'s/step':>9}{'tokens/s':>11}{'collectives s/step':>20}{'first loss (sum)':>18}")
+        print(f"{'step':<20}{'s/step':>9}{'tokens/s':>11}{'collectives s/step':>20}{'first loss (sum)':>18}")
         for kind, t, tps, comm, loss in rows:
-            print(f"{kind:<5}{t:9.2f}{tps:11.1f}{comm:20.3f}{loss:18.5f}")
+            print(f"{kind:<20}{t:9.2f}{tps:11.1f}{comm:20.3f}{loss:18.5f}")
         if args.expect:  # the group's first losses against the one process's (exit status 1 when they differ)
-            diffs = [abs(r[4] - float(e)) / max(1.0, abs(float(e))) for r, e in zip(rows, args.expect.split(","))]
+            expect = args.expect.split(",")
+            expect.append(expect[0])  # rank 0 leading: the same SFT step
+            diffs = [abs(r[4] - float(e)) / max(1.0, abs(float(e))) for r, e in zip(rows, expect)]
             print(f"first loss vs one process: relative |Δ| {max(diffs):.2e} (tolerance 1e-5)")
             if max(diffs) > 1e-5:
                 group.close()

@@ -15,6 +15,7 @@ Heavy imports (torch, the gateway, the trainer) happen inside the commands, so
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -111,9 +112,18 @@ def trainer(
         float | None, typer.Option(help="Seconds before a smaller batch trains (default 30).")
     ] = None,
     served_model_name: _Served = None,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Ranks of a trainer group on this machine (torchrun; one GPU each on CUDA); several machines: "
+            "torchrun ... -m livelora.cli.trainer_process (docs/scaling-out.md).",
+        ),
+    ] = 1,
 ) -> None:
     """Run a trainer: consume the signals stream (KTO/SFT/DPO steps, new adapter versions) and execute the
-    ops of training sessions (one owner per training model; any number of trainers may share a Redis)."""
+    ops of training sessions (one owner per training model; any number of trainers may share a Redis).
+    With --nproc N > 1 the trainer is a group of N ranks whose rank 0 is its only voice on Redis."""
     import logging
 
     from livelora.cli.processes import run_trainer
@@ -133,6 +143,11 @@ def trainer(
         "served_model_name": served_model_name,
     }
     settings = _settings(TrainerSettings, overrides)
+    if nproc > 1:  # torchrun starts the ranks (python -m livelora.cli.trainer_process) and fails them together
+        os.environ.update({f"LIVELORA_{k.upper()}": str(v) for k, v in overrides.items() if v is not None})
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
+        console.print(f"[bold]livelora[/] trainer group of {nproc} ranks for [cyan]{settings.model}[/]")
+        os.execv(sys.executable, [sys.executable, *launcher, "-m", "livelora.cli.trainer_process"])
     from livelora.core.logs import configure_logging
 
     configure_logging(settings.observability.log_format, logging.INFO)  # LIVELORA_LOG_FORMAT: text or json

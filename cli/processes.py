@@ -58,7 +58,8 @@ def build_executor(
     max_seq_len: int | None = None,
     served_name: str | None = None,
 ) -> Any:
-    """An :class:`~livelora.trainer.executor.OpExecutor` on the settings' Redis, prefix and store (not started)."""
+    """An :class:`~livelora.trainer.executor.OpExecutor` on the settings' Redis, prefix and store (not started); a
+    trainer's (settings with a ``group`` section) takes the models its placement accepts."""
     import redis
 
     from livelora.adapters.kept_versions import AdapterVersions
@@ -71,8 +72,14 @@ def build_executor(
     observability = getattr(settings, "observability", None)
     quotas = getattr(settings, "quotas", None)
     meter = Meter(keys, enabled=observability.metering if observability is not None else True)
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    placement = None
+    if getattr(settings, "group", None) is not None:  # a trainer's take rules (trainer/placement.py)
+        from livelora.trainer.placement import placement_of
+
+        placement = placement_of(settings, client, keys)
     return OpExecutor(
-        redis.Redis.from_url(settings.redis_url, decode_responses=True),
+        client,
         keys,
         settings.home,
         settings.model,
@@ -82,6 +89,7 @@ def build_executor(
         served_name=served_name,
         meter=meter,
         versions=AdapterVersions(settings.home, Limits.from_settings(quotas)) if quotas else None,
+        placement=placement,
     )
 
 

@@ -190,3 +190,63 @@ def _forget_metrics_of(pid: int) -> None:
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(pid)
+
+
+def run_group(settings: Any) -> int:
+    """One rank of a trainer group (``livelora trainer --nproc N``, or ``torchrun ... -m
+    livelora.cli.trainer_process``; ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` from the launcher).
+    Rank 0 runs the trainer (:func:`~livelora.cli.processes.run_trainer`) with every training model on the group;
+    the other ranks mirror its models (:mod:`livelora.trainer.group_mirror`) and touch neither Redis nor the store.
+    Returns the exit status: 0 after a clean stop, 3 when the group failed (a rank died or hung)."""
+    from livelora.trainer.distributed import GroupFailedError, TrainerGroup
+    from livelora.trainer.group_mirror import GroupLeader, follow
+
+    g = settings.group
+    device = settings.training.device
+    group = TrainerGroup.join(backend=g.group_backend, timeout_s=g.group_timeout_s, device=device, current=True)
+    log.info("trainer group rank %d of %d (%s), pid %d", group.rank, group.world_size, group.backend, os.getpid())
+    if not group.leader:
+        signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: rank %d ends when rank 0 does", group.rank))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+        def build(state: dict[str, Any], spec: dict[str, Any]) -> Any:
+            from livelora.core.base_models import resolve_base_model
+            from livelora.trainer.recovery import restore_model
+
+            base = resolve_base_model(settings.model, settings.home)
+            return restore_model(state, base, device=device, max_seq_len=spec["max_seq_len"])
+
+        try:
+            follow(group, build)
+        except GroupFailedError as exc:
+            log.error("rank %d stops: %s", group.rank, exc)
+            return 3
+        group.close()
+        return 0
+    from livelora.cli.processes import run_trainer
+
+    stop = threading.Event()
+    leader = GroupLeader(group, stop.set, heartbeat_s=g.group_timeout_s / 4)
+    leader.start()
+    try:
+        run_trainer(settings, stop)
+    finally:
+        leader.close()
+    if leader.failed:
+        return 3
+    group.close()
+    return 0
+
+
+def main() -> None:
+    """``python -m livelora.cli.trainer_process`` under a launcher: one rank of a trainer group, its settings from
+    the environment (``LIVELORA_*``)."""
+    from livelora.trainer.settings import TrainerSettings
+
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    sys.exit(run_group(TrainerSettings()))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,8 @@ a live-loop KTO step, an uneven split (3 datums on 2 ranks), a DPO pair split ac
 loss within 1e-6 of its size, every gradient element within 1e-6 of the gradient's L2 norm (or 1e-6 when that
 is below 1), the weights within 1e-6 (Adam's ε in the steps: harness/group_cases.py), per-token logprobs within 1e-5
 of the datum's largest |logprob|.
-One group launch runs every case (harness/group_cases.py).
+One group launch runs every case (harness/group_cases.py), then two live-loop steps with rank 0 leading and rank 1
+mirroring its models as in ``livelora trainer --nproc 2`` (harness/group_live_loop.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import pytest
 import torch
 from harness.group_cases import cases, launch_group, new_model, run_cases, start_group
+from harness.group_live_loop import steps
 
 from livelora.core.losses import LOSS_SPECS
 from livelora.trainer.distributed import shard
@@ -39,7 +41,7 @@ def runs(base_ref, tmp_path_factory):
     group = torch.load(out, weights_only=False)
     torch.set_num_threads(1)
     alone = run_cases(new_model(base_ref), cases(base_ref))
-    return alone, group
+    return alone, group["cases"], steps(base_ref, out.with_name("one-store")), group["live_loop"]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -112,3 +114,15 @@ def test_a_hung_or_dead_rank_makes_the_group_fail(tmp_path, mode):
     assert result["error"] is not None and result["mode"] == mode
     if mode == "hang":  # waited for the timeout (5 s), not for ever
         assert result["after_s"] >= 4.0
+
+
+def test_live_loop_steps_on_a_group_process_equal_one_process(runs):
+    """Two live-loop KTO steps (``OnlineTrainer.train``) on the group with rank 0 leading and rank 1 mirroring its
+    models, as in ``livelora trainer --nproc 2``, the weights halved in place on rank 0 between them (as the gate's
+    line search moves them): the same losses (the second one only if rank 1 got the halved weights) and second
+    version as one process."""
+    alone, group = runs[2], runs[3]
+    for m1, m2 in zip(alone["metrics"], group["metrics"]):
+        assert abs(m1["loss:sum"] - m2["loss:sum"]) <= TOL * max(1.0, abs(m1["loss:sum"])), (m1, m2)
+    for k, w in alone["tensors"].items():  # Adam's ε 1e-3 as in the other cases
+        assert _close(w, group["tensors"][k]) <= TOL, (k, _close(w, group["tensors"][k]))

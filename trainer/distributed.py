@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,35 @@ from torch import Tensor
 
 #: Environment variables a launcher (``torchrun``, ``livelora trainer --nproc``) sets for each rank.
 RANK_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_CURRENT: TrainerGroup | None = None
+
+
+class GroupFailedError(RuntimeError):
+    """A collective of the trainer group failed: a rank died, hung past the group's timeout, or the group was
+    already failed. The op or step that met it is not committed; the rank's trainer stops."""
+
+
+def current_group() -> TrainerGroup | None:
+    """The group this process is a rank of (:meth:`TrainerGroup.join` with ``current=True``), else None; every
+    :class:`~livelora.trainer.model.TrainingModel` built without ``group=`` runs on it."""
+    return _CURRENT
+
+
+def mirrored(method: Callable) -> Callable:
+    """Decorate a :class:`~livelora.trainer.model.TrainingModel` method that runs collectives: on rank 0 of a
+    group with a leader (:class:`~livelora.trainer.group_mirror.GroupLeader`) the call is first broadcast to the
+    other ranks, which make it on their replica; elsewhere the method runs as it is."""
+
+    @functools.wraps(method)
+    def call(model: Any, *args: Any, **kwargs: Any) -> Any:
+        leader = getattr(model.group, "leader_of_group", None)
+        if leader is None:
+            return method(model, *args, **kwargs)
+        with leader.call(model, method.__name__, args, kwargs):
+            return method(model, *args, **kwargs)
+
+    return call
 
 
 def shard(n: int, rank: int, world_size: int) -> range:
@@ -44,6 +74,9 @@ class TrainerGroup:
         backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
         device: the torch device collectives run on (``cpu`` for gloo, this rank's GPU for nccl).
         collective_s: seconds this rank has spent in the group's collectives (waiting for the others included).
+        leader_of_group: rank 0's :class:`~livelora.trainer.group_mirror.GroupLeader` in a group process (None:
+            the ranks make the same calls themselves, as in tests and ``bench/train.py``).
+        failed: the first collective error (then every collective raises :class:`GroupFailedError`).
     """
 
     rank: int
@@ -51,12 +84,19 @@ class TrainerGroup:
     backend: str
     device: torch.device
     collective_s: float = field(default=0.0, compare=False)
+    leader_of_group: Any = field(default=None, compare=False, repr=False)
+    failed: BaseException | None = field(default=None, compare=False, repr=False)
 
     @contextlib.contextmanager
     def _timed(self):
+        if self.failed is not None:
+            raise GroupFailedError(f"trainer group failed before: {self.failed}")
         start = time.perf_counter()
         try:
             yield
+        except Exception as exc:
+            self.failed = exc
+            raise GroupFailedError(f"rank {self.rank}: a collective of the trainer group failed: {exc}") from exc
         finally:
             self.collective_s += time.perf_counter() - start
 
@@ -66,11 +106,14 @@ class TrainerGroup:
         return self.rank == 0
 
     @classmethod
-    def join(cls, *, backend: str | None = None, timeout_s: float = 60.0, device: str = "cpu") -> TrainerGroup:
+    def join(
+        cls, *, backend: str | None = None, timeout_s: float = 60.0, device: str = "cpu", current: bool = False
+    ) -> TrainerGroup:
         """Join (or create) the default process group from the launcher's environment (``RANK``, ``WORLD_SIZE``,
         ``MASTER_ADDR``, ``MASTER_PORT``). ``backend``: None = ``nccl`` on a CUDA ``device``, else ``gloo``.
         ``timeout_s``: how long a collective waits for a dead or hung rank before it raises (the group then
-        fails and rank 0 gives its leases back).
+        fails and rank 0 gives its leases back). ``current``: models built in this process run on it
+        (:func:`current_group`).
 
         Raises:
             RuntimeError: the rendezvous fails or times out.
@@ -83,7 +126,11 @@ class TrainerGroup:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         collective_dev = dev if backend == "nccl" else torch.device("cpu")
-        return cls(dist.get_rank(), dist.get_world_size(), backend, collective_dev)
+        group = cls(dist.get_rank(), dist.get_world_size(), backend, collective_dev)
+        if current:
+            global _CURRENT
+            _CURRENT = group
+        return group
 
     def shard(self, n: int) -> range:
         """This rank's datums of a batch of ``n`` (:func:`shard`)."""
@@ -133,12 +180,14 @@ class TrainerGroup:
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank."""
         t = torch.tensor([0 if flag else 1], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        with self._timed():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return int(t.item()) == 0
 
     def barrier(self) -> None:
         """Wait for every rank (raises after the group's timeout when one is dead or hung)."""
-        dist.barrier()
+        with self._timed():
+            dist.barrier()
 
     def close(self) -> None:
         """Leave the process group."""

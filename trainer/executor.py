@@ -35,6 +35,7 @@ from livelora.core.session_protocol import (
     gap_expired,
 )
 from livelora.core.settings import SessionSection
+from livelora.trainer.distributed import GroupFailedError
 from livelora.trainer.model_slots import ModelSlot, ModelSlots, Stale
 from livelora.trainer.ownership import Leases
 from livelora.trainer.session_ops import SessionOps
@@ -77,6 +78,7 @@ class OpExecutor:
             ops that succeed, per session (default: a :class:`~livelora.core.metering.Meter` on ``keys``).
         versions: the tenants' ``max_adapter_versions`` (:class:`~livelora.adapters.kept_versions.AdapterVersions`),
             checked again before a named checkpoint is written (``None``: only the gateway's check).
+        placement: which models it takes (:class:`~livelora.trainer.placement.Placement`; None: every one).
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class OpExecutor:
         owner: str | None = None,
         meter: Meter | None = None,
         versions: Any = None,
+        placement: Any = None,
     ):
         self.redis = redis_client
         self.keys = keys
@@ -114,7 +117,9 @@ class OpExecutor:
             served_name=served_name,
             versions=versions,
         )
-        self.owned = ModelSlots(redis_client, keys, self.home, self.store, self.settings, owner, self.ops.restore)
+        self.owned = ModelSlots(
+            redis_client, keys, self.home, self.store, self.settings, owner, self.ops.restore, placement
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_housekeeping = 0.0
@@ -148,12 +153,18 @@ class OpExecutor:
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
             self._thread = None
+        held = sorted(self.leases.held)
         self.leases.stop(release=True)
+        if held:
+            log.info("op executor %s stopped: gave back the leases of %s", self.owner, ", ".join(held))
 
     def run_forever(self) -> None:
         while not self._stop.is_set():
             try:
                 self.poll(block_ms=200)
+            except GroupFailedError as exc:  # the op that met it is not committed: a peer runs it again
+                log.error("op executor %s stops: %s", self.owner, exc)
+                self._stop.set()
             except Exception:  # keep serving other models; Redis hiccups included
                 log.exception("op executor poll failed")
                 time.sleep(0.5)
@@ -224,7 +235,7 @@ class OpExecutor:
                     result = self.ops.run(slot, op)
                 record = future_done(result)
                 changed = op.kind in STATE_OPS and slot.model is not None
-            except StaleOwnerError:
+            except (StaleOwnerError, GroupFailedError):
                 raise
             except Exception as exc:
                 if not isinstance(exc, LiveloraError):

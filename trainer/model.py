@@ -25,7 +25,7 @@ from livelora.core.base_models import BaseModelRef, import_model_libraries, load
 from livelora.core.core_share import step_yield
 from livelora.core.losses import ResolvedLoss, validate_batch
 from livelora.trainer.checkpoints import read_version, write_version
-from livelora.trainer.distributed import TrainerGroup
+from livelora.trainer.distributed import TrainerGroup, current_group, mirrored
 from livelora.trainer.logprobs import LogprobPass, datum_inputs, grad_positions
 from livelora.trainer.lora_peft import lora_config_of, wrap_lora
 from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput
@@ -50,7 +50,7 @@ class TrainingModel:
             ``max_position_embeddings``).
         base_model: an already loaded base model to wrap (it is modified in place by peft).
         group: the trainer group that runs this model with this process (every rank builds the same model and
-            makes the same calls; ``docs/scaling-out.md``); None: this process alone.
+            makes the same calls; ``docs/scaling-out.md``); None: :func:`current_group` (None: this process alone).
 
     Raises:
         BadRequestError: a target module group the architecture does not have.
@@ -94,13 +94,14 @@ class TrainingModel:
         self.parent: int | None = None
         self.data_counts: dict[str, int] = {"datums": 0, "tokens": 0}
         #: the trainer group this model runs on (None: this process alone; trainer/distributed.py)
-        self.group: TrainerGroup | None = group
+        self.group: TrainerGroup | None = group if group is not None else current_group()
 
     # ------------------------------------------------------------------------------------------ internals
     def new_optimizer(self) -> torch.optim.AdamW:
         """A fresh AdamW over the LoRA parameters (its hyperparameters are set by each :meth:`optim_step`)."""
         return torch.optim.AdamW(list(self.lora_params.values()), lr=0.0, foreach=False)
 
+    @mirrored
     def _run(
         self,
         data: list[Datum],
@@ -209,6 +210,7 @@ class TrainingModel:
         """Whether any gradient has been accumulated since the last optimizer step."""
         return any(p.grad is not None for p in self.lora_params.values())
 
+    @mirrored
     def optim_step(self, params: AdamParams | None = None) -> dict[str, float]:
         """Apply one AdamW step with the accumulated gradients, then zero them.
 

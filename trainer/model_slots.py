@@ -57,6 +57,7 @@ class ModelSlots:
         owner: this executor's id in leases (default ``{host}-{pid}-{4 hex}``).
         restore: builds a training model from a recovery snapshot's state
             (:meth:`~livelora.trainer.session_ops.SessionOps.restore`).
+        placement: which models to take (:class:`~livelora.trainer.placement.Placement`; None: every one).
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class ModelSlots:
         settings: SessionSection,
         owner: str | None,
         restore: Callable[[dict[str, Any]], Any],
+        placement: Any = None,
     ):
         self.redis = redis_client
         self.keys = keys
@@ -80,6 +82,7 @@ class ModelSlots:
         self._lost_lock = threading.Lock()
         self.leases = Leases(redis_client, keys, settings.lease_ttl_s, owner, on_lost=self._mark_lost)
         self._retry_at: dict[str, float] = {}
+        self.placement = placement
 
     def _mark_lost(self, model_id: str) -> None:
         with self._lost_lock:
@@ -102,10 +105,14 @@ class ModelSlots:
 
     # -------------------------------------------------------------------------------- taking models
     def claim(self) -> None:
-        """Take every registered model nobody holds (a failed take is retried after 5 s, a held one after 0.5 s)."""
+        """Take every registered model nobody holds that the placement accepts (a failed take or a refused model is
+        looked at again after 5 s, a held one after 0.5 s)."""
         now = time.monotonic()
         for model_id in self.redis.smembers(self.keys.models):
             if model_id in self.slots or self._retry_at.get(model_id, 0.0) > now:
+                continue
+            if self.placement is not None and not self.placement.accepts(model_id):
+                self._retry_at[model_id] = now + 5.0  # another executor's (placement.py)
                 continue
             token = self.leases.acquire(model_id)
             if token is None:

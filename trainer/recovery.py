@@ -54,13 +54,7 @@ def write_snapshot(index: CheckpointIndex, model: Any, *, seq: int, fence: int, 
         "result": result,
         "request_id": request_id,
         "time": time.time(),
-        "lora": {**model.lora.model_dump(), "alpha": model.alpha},
-        "tensors": model.adapter_state(),
-        "optimizer": model.optimizer.state_dict(),
-        "step": int(model.step),
-        "data_counts": dict(model.data_counts),
-        "lineage": model.lineage or "",
-        "parent": -1 if model.parent is None else int(model.parent),
+        **model_state(model),
     }
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -110,6 +104,17 @@ def restore_model(state: dict[str, Any], base_ref: Any, *, device: str = "cpu", 
     from livelora.trainer.model import TrainingModel
 
     model = TrainingModel(base_ref, LoraConfig.model_validate(state["lora"]), device=device, max_seq_len=max_seq_len)
+    load_into(model, state)
+    return model
+
+
+def load_into(model: Any, state: dict[str, Any]) -> None:
+    """Put a snapshot's (or :func:`model_state`'s) weights, AdamW state, step and saved-version chain into
+    ``model``, a TrainingModel of the same LoRA shape; its gradients are left as they are.
+
+    Raises:
+        InternalError: the state does not fit the model.
+    """
     tensors = state["tensors"]
     if set(tensors) != set(model.lora_params):
         raise InternalError(
@@ -127,7 +132,20 @@ def restore_model(state: dict[str, Any], base_ref: Any, *, device: str = "cpu", 
     model.data_counts = dict(state["data_counts"])
     model.lineage = state["lineage"] or None
     model.parent = None if int(state["parent"]) < 0 else int(state["parent"])
-    return model
+
+
+def model_state(model: Any) -> dict[str, Any]:
+    """What :func:`load_into` and :func:`restore_model` read: LoRA shape, tensors (CPU copies), AdamW state, step,
+    data counts and saved-version chain of a TrainingModel."""
+    return {
+        "lora": {**model.lora.model_dump(), "alpha": model.alpha},
+        "tensors": model.adapter_state(),
+        "optimizer": model.optimizer.state_dict(),
+        "step": int(model.step),
+        "data_counts": dict(model.data_counts),
+        "lineage": model.lineage or "",
+        "parent": -1 if model.parent is None else int(model.parent),
+    }
 
 
 def drop_snapshots(index: CheckpointIndex, fence: int | None = None) -> None:

@@ -133,12 +133,45 @@ class GateSection(Section):
     )
 
 
+class GroupSection(Section):
+    """A trainer group (``livelora trainer --nproc N``, docs/scaling-out.md) and which session models an op
+    executor takes (every trainer reads the ``take_*`` fields; a group with large-model settings, single trainers
+    with small-model ones)."""
+
+    group_backend: str | None = Field(
+        None, description="Backend of a trainer group: gloo or nccl (default nccl on CUDA, else gloo)."
+    )
+    group_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A collective of a trainer group waits this long for a hung rank before the group fails (a dead "
+        "rank fails it at once); rank 0 then gives its leases back.",
+    )
+    take_tenants: str = Field(
+        "", description="Comma-separated tenants whose training-session models this trainer takes (empty: all)."
+    )
+    take_min_base_params: int = Field(
+        0, ge=0, description="Take session models only when the base model has at least this many parameters."
+    )
+    take_max_base_params: int = Field(
+        0, ge=0, description="Take session models only when the base model has at most this many parameters (0: any)."
+    )
+    take_memory_share: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Take session models only when the base weights fit in this share of one rank's device memory "
+        "(a GPU's, or the machine's RAM divided by the ranks on it).",
+    )
+
+
 class TrainerSettings(ProcessSettings):
     """The trainer process's settings: common fields plus ``training``, ``gate``, ``sessions``, ``observability``
-    and ``quotas`` sections."""
+    ``quotas`` and ``group`` sections."""
 
     training: TrainingSection = Field(default_factory=TrainingSection)
     gate: GateSection = Field(default_factory=GateSection)
     sessions: SessionSection = Field(default_factory=SessionSection)
     observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
     quotas: QuotaSection = Field(default_factory=QuotaSection)
+    group: GroupSection = Field(default_factory=GroupSection)

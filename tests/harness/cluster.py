@@ -119,12 +119,12 @@ class Cluster:
         proc.start()
         return proc
 
-    def add_trainer(self) -> Proc:
+    def add_trainer(self, nproc: int = 1) -> Proc:
+        """A ``livelora trainer`` (``nproc`` > 1: a trainer group of that many ranks under torchrun)."""
         i = len(self.trainers)
         env = {**self._env(), "LIVELORA_CONSUMER": f"trainer-{i}"}
-        proc = Proc(
-            "trainer", i, [sys.executable, "-m", "livelora.cli.main", "trainer"], env, self.home / f"trainer-{i}.log"
-        )
+        args = [sys.executable, "-m", "livelora.cli.main", "trainer", *(["--nproc", str(nproc)] if nproc > 1 else [])]
+        proc = Proc("trainer", i, args, env, self.home / f"trainer-{i}.log")
         self.trainers.append(proc)
         proc.start()
         return proc
@@ -177,6 +177,20 @@ class Cluster:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.popen.wait()
 
+    def ranks(self, proc: Proc) -> dict[int, int]:
+        """``{rank: pid}`` of a trainer group's ranks (the launcher's children with ``RANK`` set; Linux ``/proc``)."""
+        out = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != proc.pid:
+                    continue
+                env = dict(kv.split("=", 1) for kv in (stat.parent / "environ").read_text().split("\0") if "=" in kv)
+            except (OSError, ValueError, IndexError):
+                continue
+            if "RANK" in env:
+                out[int(env["RANK"])] = int(stat.parent.name)
+        return out
+
     def owner_of(self, model_id: str) -> Proc | None:
         """The trainer whose executor holds the model's lease (None: nobody)."""
         r = redis.Redis.from_url(self.redis_url, decode_responses=True)
@@ -187,7 +201,7 @@ class Cluster:
         if value is None:
             return None
         pid = int(value.split(":", 1)[1].rsplit("-", 2)[1])
-        return next((p for p in self.trainers if p.alive() and p.pid == pid), None)
+        return next((p for p in self.trainers if p.alive() and pid in (p.pid, self.ranks(p).get(0))), None)
 
 
 # ------------------------------------------------------------------------------------------- store checks

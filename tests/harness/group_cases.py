@@ -1,8 +1,9 @@
 """The trainer-group exactness cases: the same ops run by one process and by every rank of a group.
 
 ``python -m harness.group_cases OUT`` (with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set, e.g.
-by :func:`launch_group`) joins a gloo group, runs :func:`cases` on the real model and rank 0 writes the results to
-``OUT`` (``torch.save``); :func:`run_cases` without a group is the one-process run they are compared with.
+by :func:`launch_group`) joins a gloo group, runs :func:`cases` on the real model, then the live-loop steps of
+:mod:`harness.group_live_loop` with rank 0 leading, and rank 0 writes both results to ``OUT`` (``torch.save``);
+:func:`run_cases` without a group is the one-process run they are compared with.
 Each case starts from the same LoRA weights (B ≠ 0, so every LoRA gradient is non-zero) and a fresh optimizer.
 """
 
@@ -79,13 +80,24 @@ def live_kto_step(base_ref) -> list[tuple]:
     """The live loop's KTO step: three rated chat replies through :class:`EventDatums` (the rater weights too),
     then ``forward_backward`` on the positions the loss reads and ``optim_step`` with the live loop's learning rate
     and clip, as ``OnlineTrainer.train`` (ε: :data:`STEP_EPS`)."""
-    from livelora.clients.types.signals import ChatMessage, RatingEvent
     from livelora.trainer.event_datums import EventDatums
-    from livelora.trainer.scheduler import Batch
     from livelora.trainer.settings import TrainingSection
 
     config = TrainingSection()
     examples = EventDatums(base_ref, config)
+    data, loss_fn, cfg, lr = examples.datums(live_kto_batch(examples))
+    return [
+        ("fb", data, loss_fn, cfg, {"loss_positions_only": True}),
+        ("step", AdamParams(learning_rate=lr, grad_clip_norm=config.grad_clip_norm, eps=STEP_EPS)),
+    ]
+
+
+def live_kto_batch(examples):
+    """A live-loop KTO batch (lineage ``lin``, endpoint ``ep``) of three rated chat replies, with rater weights;
+    ``examples``: an :class:`EventDatums` (its chat template)."""
+    from livelora.clients.types.signals import ChatMessage, RatingEvent
+    from livelora.trainer.scheduler import Batch
+
     events = []
     for k, (q, a, liked) in enumerate(
         [
@@ -108,12 +120,7 @@ def live_kto_step(base_ref) -> list[tuple]:
                 finish_reason="length",
             )
         )
-    batch = Batch("lin", "kto", events, [f"{k}-0" for k in range(3)], 1.0, 1.5, example_weights=[1.0, 0.5, 0.8])
-    data, loss_fn, cfg, lr = examples.datums(batch)
-    return [
-        ("fb", data, loss_fn, cfg, {"loss_positions_only": True}),
-        ("step", AdamParams(learning_rate=lr, grad_clip_norm=config.grad_clip_norm, eps=STEP_EPS)),
-    ]
+    return Batch("lin", "kto", events, [f"{k}-0" for k in range(3)], 1.0, 1.5, example_weights=[1.0, 0.5, 0.8])
 
 
 def cases(base_ref) -> dict[str, list[tuple]]:
@@ -228,14 +235,18 @@ def main() -> None:
     from livelora.trainer.distributed import TrainerGroup
 
     torch.set_num_threads(1)
-    group = TrainerGroup.join(backend="gloo", timeout_s=120)
+    group = TrainerGroup.join(backend="gloo", timeout_s=120, current=True)
     base_ref = resolve_base_model(DEFAULT_MODEL, os.environ["LIVELORA_HOME"])
     todo = cases(base_ref)
     if os.environ.get("GROUP_CASES"):  # a subset, by name (comma-separated)
         todo = {k: v for k, v in todo.items() if k in os.environ["GROUP_CASES"].split(",")}
     results = run_cases(new_model(base_ref, group), todo)
+    # then the live loop on the group as in a group process: rank 0 leads, rank 1 mirrors (harness/group_live_loop.py)
+    from harness.group_live_loop import steps_on
+
+    live = steps_on(group, base_ref, Path(sys.argv[1]).with_name("group-store"))
     if group.leader:
-        torch.save(results, sys.argv[1])
+        torch.save({"cases": results, "live_loop": live}, sys.argv[1])
     group.barrier()
     group.close()
 

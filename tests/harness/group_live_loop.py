@@ -1,0 +1,59 @@
+"""Live-loop steps on a trainer group as in a group process (:func:`steps_on`, run by ``harness.group_cases``).
+
+Rank 0 runs :func:`steps` (the live loop's :class:`~livelora.trainer.online.OnlineTrainer`) with a
+:class:`~livelora.trainer.group_mirror.GroupLeader`; the other ranks mirror its models (``follow``) as in
+``livelora trainer --nproc 2``. :func:`steps` without a group is the one-process run they are compared with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+
+
+def steps(base_ref, home: Path) -> dict[str, Any]:
+    """Two KTO steps of one lineage, with the weights halved in place between them as the evaluation gate's line
+    search moves them (rank 0 alone; the group must send the new state). Returns each step's metrics and the
+    LoRA tensors of the second version."""
+    from safetensors.torch import load_file
+
+    from harness.group_cases import STEP_EPS, live_kto_batch
+    from livelora.adapters.store import AdapterStore
+    from livelora.clients.types.tinker import AdamParams
+    from livelora.trainer.online import OnlineTrainer
+    from livelora.trainer.settings import TrainingSection
+
+    trainer = OnlineTrainer(base_ref, home, TrainingSection(), gate=None)
+    batch = live_kto_batch(trainer.examples)
+    # Adam's ε as in the other cases (group_cases.STEP_EPS; the live loop's 1e-8 lets rounding-level gradient
+    # elements move their weight by up to lr under another summation order)
+    smooth = lambda **kw: AdamParams(**{**kw, "eps": STEP_EPS})  # noqa: E731
+    with mock.patch("livelora.trainer.online.AdamParams", smooth):
+        first = trainer.train(batch)
+        model = trainer.model_for(batch.lineage)
+        with torch.no_grad():
+            for p in model.lora_params.values():
+                p.mul_(0.5)
+        second = trainer.train(batch)
+    tensors = load_file(AdapterStore(home).version_dir(second.lineage, second.version) / "adapter_model.safetensors")
+    return {"metrics": [first.metrics, second.metrics], "tensors": tensors}
+
+
+def steps_on(group, base_ref, home: Path) -> dict[str, Any] | None:
+    """:func:`steps` on a joined group as in a group process: rank 0 leads, the others mirror; rank 0's results."""
+    from livelora.trainer.group_mirror import GroupLeader, follow
+    from livelora.trainer.recovery import restore_model
+
+    if not group.leader:
+        follow(group, lambda state, spec: restore_model(state, base_ref, max_seq_len=spec["max_seq_len"]))
+        return None
+    leader = GroupLeader(group, lambda: None, heartbeat_s=30)
+    leader.start()
+    try:
+        return steps(base_ref, home)
+    finally:
+        leader.close()
+        group.leader_of_group = None
