@@ -2,8 +2,9 @@
 
     python bench/clients_check.py [--url http://127.0.0.1:8000] [--model smollm2-135m-instruct]
 
-openai-python (chat, stream, legacy completions with logprobs, ``extra_body`` vLLM extensions), LangChain's
-``ChatOpenAI`` (invoke, stream, batch) and LiteLLM (``completion``, streaming) are imported only if installed
+openai-python (chat, stream, legacy completions with logprobs, ``extra_body`` vLLM extensions, the
+penalties), LangChain's ``ChatOpenAI`` (invoke, stream, batch, the penalties) and LiteLLM (``completion``,
+streaming, the penalties) are imported only if installed
 (``pip install langchain-openai litellm``; not livelora dependencies). Prints one line per check: the client, its
 version, ``ok`` or the error. The results go to docs/clients.md.
 """
@@ -52,6 +53,9 @@ def main() -> None:
             max_tokens=8,
             extra_body={"continue_final_message": True, "add_generation_prompt": False, "min_tokens": 2},
         )
+        penalties = {"frequency_penalty": 0.5, "presence_penalty": 0.3}
+        vllm = {"repetition_penalty": 1.2, "min_p": 0.05, "top_k": 20}
+        c.chat.completions.create(model=model, messages=q, max_tokens=8, extra_body=vllm, **penalties)
         return r.choices[0].message.content
 
     def langchain_calls():
@@ -60,6 +64,8 @@ def main() -> None:
         llm = ChatOpenAI(model=model, base_url=base, api_key="unused", max_tokens=8)
         llm.batch(["Hi", "Hello"])
         "".join(str(c.content) for c in llm.stream("Hi"))
+        penalties = {"frequency_penalty": 0.5, "presence_penalty": 0.3}
+        ChatOpenAI(model=model, base_url=base, api_key="unused", **penalties).invoke("Hi")
         return llm.invoke("What is the capital of France?").content
 
     def litellm_calls():
@@ -67,6 +73,7 @@ def main() -> None:
 
         kw = {"model": f"openai/{model}", "api_base": base, "api_key": "unused", "messages": q, "max_tokens": 8}
         "".join(c.choices[0].delta.content or "" for c in litellm.completion(stream=True, **kw))
+        litellm.completion(frequency_penalty=0.5, presence_penalty=0.3, **kw)
         return litellm.completion(**kw).choices[0].message.content
 
     check("openai-python", "openai", openai_calls)

@@ -1,9 +1,10 @@
 """Run lm-evaluation-harness on the tiny tasks of ``tests/lm_eval_tasks`` and print what each item got.
 
-Run as ``<lm-eval venv>/bin/python tests/lm_eval_run.py`` (``.ci/setup-lm-eval``) with the working directory
+Run as ``python tests/lm_eval_run.py`` (lm-eval is in the dev extra) with the working directory
 ``tests/lm_eval_tasks`` and ``{run name: {"model": "local-completions" | "local-chat-completions" | "hf",
-"model_args": str, "tasks": [...], "chat": bool}}`` (JSON) on stdin: the runs share one process (lm-eval's imports
-take longer than these runs). Prints one JSON object ``{run name: {task: [[response, ...] per doc]}}`` (a
+"model_args": str, "tasks": [...], "chat": bool}}`` (JSON) on stdin: the runs share one process and the runs of one
+model one model object (lm-eval's imports and model loads take longer than these runs). Prints each run's seconds
+(wall, this process's CPU) on stderr and one JSON object ``{run name: {task: [[response, ...] per doc]}}`` (a
 loglikelihood response is ``[logprob, is_greedy]``, a generation its text). Nothing here imports livelora: lm-eval
 is used as a user runs it. :mod:`tests.test_lm_eval_parity` asserts on the output.
 """
@@ -12,20 +13,18 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 
-def run(spec: dict, tasks) -> dict:
+def run(spec: dict, lm, tasks) -> dict:
     import lm_eval
 
     results = lm_eval.simple_evaluate(
-        model=spec["model"],
-        model_args=spec["model_args"],
+        model=lm,
         tasks=spec["tasks"],
         task_manager=tasks,
-        batch_size=1,
         log_samples=True,
         apply_chat_template=spec.get("chat", False),
-        device="cpu",
     )
     out = {}
     for task, samples in results["samples"].items():
@@ -35,10 +34,20 @@ def run(spec: dict, tasks) -> dict:
 
 
 def main() -> dict:
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
     tasks = TaskManager(include_path=".")
-    return {name: run(spec, tasks) for name, spec in json.load(sys.stdin).items()}
+    models, out = {}, {}
+    for name, spec in json.load(sys.stdin).items():
+        t0, c0 = time.monotonic(), time.process_time()
+        key = (spec["model"], spec["model_args"])  # one model object for its chat and plain runs
+        if key not in models:
+            models[key] = get_model(key[0]).create_from_arg_string(key[1], {"batch_size": 1, "device": "cpu"})
+        out[name] = run(spec, models[key], tasks)
+        took = f"{time.monotonic() - t0:.1f} s, cpu {time.process_time() - c0:.1f} s"
+        print(f"[lm_eval_run] {name}: {took}", file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

@@ -85,9 +85,7 @@ def test_both_max_token_fields_is_invalid_parameter_combination(http):
     assert error["code"] == "invalid_parameter_combination" and error["param"] == "max_tokens"
 
 
-@pytest.mark.parametrize(
-    "field,value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {"42": 5})]
-)
+@pytest.mark.parametrize("field,value", [("logit_bias", {"42": 5})])
 def test_unsupported_sampling_values_are_400_naming_param(http, field, value):
     error = envelope(http.post(CHAT, json={"model": MODEL, "messages": HI, "max_tokens": 1, field: value}), 400)
     assert error["param"] == field and error["code"] == "unsupported_parameter"

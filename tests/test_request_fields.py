@@ -22,10 +22,6 @@ MESSAGES = [{"role": "user", "content": "Say hello in one short sentence."}]
 LIST = [{"role": "user", "content": "List three fruits."}, {"role": "assistant", "content": "1. Apple\n2."}]
 #: A value each refused / neutral-only field cannot be served with (any other refused field: ``1``).
 REFUSED_VALUES = {
-    "frequency_penalty": 0.5,
-    "presence_penalty": 0.5,
-    "repetition_penalty": 1.2,
-    "min_p": 0.1,
     "modalities": ["text", "audio"],
     "echo": True,
 }

@@ -66,6 +66,8 @@ def test_models_route_says_which_defaults_apply(live_server, none_server):
     assert auto == {
         **BUILT_IN,
         "top_k": 0,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
         "from_generation_config": ["temperature", "top_p"],
         "generation_config": "auto",
     }
@@ -74,6 +76,8 @@ def test_models_route_says_which_defaults_apply(live_server, none_server):
         "temperature": 1.0,
         "top_p": 1.0,
         "top_k": 0,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
         "from_generation_config": [],
         "generation_config": "none",
     }
@@ -133,21 +137,12 @@ def test_none_gives_openai_defaults_and_an_explicit_value_wins(live_server, none
     assert tokens(chat(live_server, temperature=1.0)) == tokens(chat(none_server, temperature=1.0, top_p=0.9))
 
 
-def test_sampling_fields_no_engine_honours_are_refused(live_server):
-    for field, value in (("repetition_penalty", 1.3), ("min_p", 0.05)):
-        r = httpx.post(
-            live_server.url("/v1/chat/completions"),
-            json={"model": MODEL, "messages": QUESTION, "max_tokens": 2, field: value},
-            timeout=60,
-        )
-        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
-    assert chat(live_server, max_tokens=2, repetition_penalty=1.0, min_p=0)["finish_reason"] in ("stop", "length")
-
-
 def test_a_generation_config_the_server_cannot_honour_is_reported_not_applied(tmp_path):
-    got = read_defaults({"temperature": 0.6, "top_k": 20, "top_p": 1.5, "repetition_penalty": 1.05}, "directory")
-    assert got.values == {"temperature": 0.6, "top_k": 20}
-    assert set(got.not_applied) == {"top_p", "repetition_penalty"}
+    config = {"temperature": 0.6, "top_k": 20, "top_p": 1.5, "repetition_penalty": 1.05, "min_p": 2}
+    config["max_new_tokens"] = 9
+    got = read_defaults(config, "directory")
+    assert got.values == {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.05}
+    assert set(got.not_applied) == {"top_p", "min_p", "max_new_tokens"}
     assert got.describe()["top_p"] == 1.0 and "not_applied" in got.describe()
     with pytest.raises(ValidationError, match="generation_config"):
         GatewaySettings(generation_config=str(tmp_path / "missing"))

@@ -93,8 +93,8 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(None, ge=0, le=1, description="Nucleus probability mass.")
     seed: int | None = Field(None, description="Choice i uses seed + i: the same seed gives the same texts.")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings, not included in the output.")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's: minus count × this.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's: minus this once used.")
     logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -108,8 +108,8 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end generation.")
     include_stop_str_in_output: bool | None = Field(None, description="Extension: keep the matched stop string.")
     skip_special_tokens: bool | None = Field(None, description="Extension: leave special tokens out of the text.")
-    repetition_penalty: float | None = Field(None, gt=0, description="Extension: only 1 (off) is served.")
-    min_p: float | None = Field(None, ge=0, le=1, description="Extension: only 0 (off) is served.")
+    repetition_penalty: float | None = Field(None, gt=0, description="Extension: CTRL's, on prompt and output (1 off).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Extension: drop tokens below min_p × the top one's.")
 
     @field_validator("stop")
     @classmethod

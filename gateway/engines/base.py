@@ -53,6 +53,8 @@ class SamplingParams:
             ``min_tokens``; stop strings still apply).
         include_stop_str_in_output: a matched stop string ends the text instead of being cut off.
         skip_special_tokens: leave special tokens out of the text (their logprob entries stay).
+        repetition_penalty: > 0, 1 off; presence_penalty, frequency_penalty: in [-2, 2], 0 off; min_p: in [0, 1],
+            0 off (vLLM's names and formulas: :class:`~.sampling.Penalties`; logprobs stay raw).
     """
 
     max_tokens: int = 16
@@ -68,6 +70,10 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -148,6 +154,13 @@ def check_sampling_params(p: SamplingParams, prompt_len: int, *, vocab_size: int
             f"min_tokens must be an integer in 0..max_tokens ({p.max_tokens}), got {p.min_tokens!r}",
             param="min_tokens",
         )
+    for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
+        value = getattr(p, name)
+        if not (isinstance(value, (int, float)) and low <= value <= high):
+            raise BadRequestError(f"{name} must be in [{low}, {high}], got {value!r}", param=name)
+    rp = p.repetition_penalty
+    if not (isinstance(rp, (int, float)) and math.isfinite(rp) and rp > 0):
+        raise BadRequestError(f"repetition_penalty must be > 0 (1 disables), got {rp!r}", param="repetition_penalty")
     if not isinstance(p.top_k, int) or p.top_k < 0:
         raise BadRequestError(f"top_k must be an integer >= 0 (0 disables), got {p.top_k!r}", param="top_k")
     if not isinstance(p.top_logprobs, int) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:

@@ -67,6 +67,8 @@ class Sequence:
         p = self.params
         self.num_generated += 1
         self.next_token = tok
+        if self.sampling.penalties:
+            self.sampling.penalties.record(tok)
         if self.sampling.banned and self.num_generated >= p.min_tokens:
             self.sampling.banned = ()  # end tokens may be sampled from now on
         want_lp = p.logprobs

@@ -30,7 +30,7 @@ from livelora.gateway.engines.base import (
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
 from livelora.gateway.engines.hf_adapters import LoadedAdapters
 from livelora.gateway.engines.hf_calls import no_consumer, on_worker, stream
-from livelora.gateway.engines.sampling import RowSampling, make_generator
+from livelora.gateway.engines.sampling import Penalties, RowSampling, make_generator
 
 
 class TransformersEngine(Engine):
@@ -228,7 +228,12 @@ class TransformersEngine(Engine):
             int(params.top_k),
             make_generator(params.seed),
             int(params.top_logprobs),
+            min_p=float(params.min_p),
         )
+        if (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) != (1, 0, 0):
+            sampling.penalties = Penalties(
+                params.repetition_penalty, params.presence_penalty, params.frequency_penalty, tuple(prompt)
+            )
         if params.min_tokens:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             sampling.banned = tuple(sorted(ends))

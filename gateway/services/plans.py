@@ -112,6 +112,10 @@ def sampling_params(
         min_tokens=body.min_tokens or 0,
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         skip_special_tokens=body.skip_special_tokens is not False,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        min_p=body.min_p or 0.0,
     )
 
 

@@ -27,6 +27,7 @@ HONOURED: dict[str, frozenset[str]] = {
             *("tools", "tool_choice", "functions"),
             *("top_k", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output"),
             *("skip_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"),
+            *("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"),
         }
     ),
     "completions": frozenset(
@@ -34,7 +35,7 @@ HONOURED: dict[str, frozenset[str]] = {
             *("model", "prompt", "n", "temperature", "top_p", "seed", "stop", "stream", "stream_options"),
             *("max_tokens", "echo", "logprobs", "logit_bias", "suffix", "best_of"),
             *("top_k", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output"),
-            "skip_special_tokens",
+            *("skip_special_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"),
         }
     ),
 }
@@ -55,10 +56,6 @@ NO_EFFECT: dict[str, str] = {
 
 #: Declared fields served only at one value (name → (values served, why)); another value is a 400.
 NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "frequency_penalty": ((0,), "frequency_penalty is not supported by this server; send 0 or omit it"),
-    "presence_penalty": ((0,), "presence_penalty is not supported by this server; send 0 or omit it"),
-    "repetition_penalty": ((1,), "repetition_penalty is not supported by this server; send 1 or omit it"),
-    "min_p": ((0,), "min_p is not supported by this server; send 0 or omit it"),
     "modalities": ((["text"],), "only the 'text' modality is supported"),
 }
 

@@ -1,13 +1,12 @@
 """Sampling defaults for chat and legacy completion requests that omit them, taken as vLLM takes them.
 
-A request that omits ``temperature``, ``top_p`` or ``top_k`` gets, field by field, the value the served model's
-``generation_config.json`` sets (``LIVELORA_GENERATION_CONFIG=auto``, the default, like vLLM's
-``--generation-config auto``), else OpenAI's (temperature 1, top_p 1, top_k off); a value the request gives always
-wins. ``none`` ignores the file (vLLM's ``--generation-config vllm``); a directory reads the
-``generation_config.json`` in it instead. ``do_sample`` is not read (nor by vLLM): ``temperature: 0`` asks for
-greedy decoding. Fields of the file no engine here honours (``repetition_penalty`` other than 1, ``min_p`` other
-than 0, ``max_new_tokens``) are not applied, and :meth:`SamplingDefaults.describe` (``GET /v1/models/{id}``) lists
-them; a request that sets ``repetition_penalty`` or ``min_p`` to a value that changes sampling is refused.
+A request that omits ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` or ``min_p`` gets, field by
+field, the value the served model's ``generation_config.json`` sets (``LIVELORA_GENERATION_CONFIG=auto``, the
+default, like vLLM's ``--generation-config auto``), else OpenAI's (temperature 1, top_p 1, the others off); a value
+the request gives always wins. ``none`` ignores the file (vLLM's ``--generation-config vllm``); a directory reads
+the ``generation_config.json`` in it instead. ``do_sample`` is not read (nor by vLLM): ``temperature: 0`` asks for
+greedy decoding. ``max_new_tokens`` (which vLLM also reads) and values out of range are not applied, and
+:meth:`SamplingDefaults.describe` (``GET /v1/models/{id}``) lists them.
 The defaults change which tokens are drawn, not what a logprob is (:mod:`livelora.gateway.engines.base`).
 """
 
@@ -25,9 +24,15 @@ from livelora.clients.types.openai import ChatCompletionRequest, CompletionReque
 log = logging.getLogger(__name__)
 
 #: Fields a generation config may default, with OpenAI's value when it does not.
-OPENAI_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+OPENAI_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+}
 #: Fields vLLM also reads from a generation config that no engine here honours, with their neutral value.
-NOT_HONOURED: dict[str, Any] = {"repetition_penalty": 1.0, "min_p": 0.0, "max_new_tokens": None}
+NOT_HONOURED: dict[str, Any] = {"max_new_tokens": None}
 
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
 
@@ -39,7 +44,7 @@ class SamplingDefaults:
     Attributes:
         setting: ``auto``, ``none`` or ``directory`` (never the path: clients see it).
         values: the fields the generation config sets and the engines honour (``temperature`` >= 0,
-            ``top_p`` in (0, 1], ``top_k`` >= 0 with 0 off).
+            ``top_p`` in (0, 1], ``top_k`` >= 0 with 0 off, ``repetition_penalty`` > 0, ``min_p`` in [0, 1]).
         not_applied: fields of the file that were not applied, with the reason.
     """
 
@@ -48,14 +53,12 @@ class SamplingDefaults:
     not_applied: dict[str, str] = field(default_factory=dict)
 
     def apply(self, body: Body) -> Body:
-        """``body`` with each omitted field of :data:`OPENAI_DEFAULTS` set from :attr:`values` (as given otherwise).
-        A request's ``repetition_penalty`` / ``min_p`` are checked with the other fields
-        (:mod:`.request_fields`)."""
+        """``body`` with each omitted field of :data:`OPENAI_DEFAULTS` set from :attr:`values` (as given otherwise)."""
         missing = {k: v for k, v in self.values.items() if getattr(body, k) is None}
         return body.model_copy(update=missing) if missing else body
 
     def describe(self) -> dict[str, Any]:
-        """``{"temperature", "top_p", "top_k", "from_generation_config": [...], "generation_config": setting}``
+        """``{<each field of OPENAI_DEFAULTS>, "from_generation_config": [...], "generation_config": setting}``
         (plus ``"not_applied": {field: reason}`` when the file sets fields the server cannot honour)."""
         out: dict[str, Any] = {**OPENAI_DEFAULTS, **self.values}
         out["from_generation_config"] = sorted(self.values)
@@ -80,13 +83,15 @@ def read_defaults(config: dict[str, Any], setting: str) -> SamplingDefaults:
             (name == "temperature" and 0 <= value <= 2)
             or (name == "top_p" and 0 < value <= 1)
             or (name == "top_k" and float(value).is_integer())
+            or (name == "repetition_penalty" and 0 < value < float("inf"))
+            or (name == "min_p" and 0 <= value <= 1)
         ):
             values[name] = int(value) if name == "top_k" else float(value)
         else:
             skipped[name] = f"{value!r} is out of range"
     for name, neutral in NOT_HONOURED.items():
         if config.get(name) not in (None, neutral):
-            skipped[name] = f"{config[name]!r}: not supported by this server's engines"
+            skipped[name] = f"{config[name]!r}: not read (a request's max_tokens decides)"
     return SamplingDefaults(setting, values, skipped)
 
 
