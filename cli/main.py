@@ -200,13 +200,13 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     if whole_loop and settings.placement.trainer_process and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         metrics_dir = _shared_metrics_dir(settings.home)  # before prometheus_client is imported (below)
     from livelora.cli.processes import DrainingServer, check_install, gateway_app, start_trainer_thread
-    from livelora.gateway.api.deps import services_of
 
     if settings.observability.log_format == "json":  # LIVELORA_LOG_FORMAT=json: uvicorn's lines too
         from livelora.core.logs import configure_logging
 
         configure_logging("json", log_level)
     embedded, stop, worker_thread, trainer = None, threading.Event(), None, None
+    sock = _listen(settings.server.host, settings.server.port)  # a taken port fails now, before any loading
     try:
         redis_note = ""
         if whole_loop:
@@ -249,18 +249,13 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}{redis_note})")
         # checks the install binding; refuses a public bind without keys (unless --allow-open)
         app = gateway_app(settings, executor=True if whole_loop and trainer is None else None)
-        if services_of(app).auth_open:
-            console.print(
-                "[yellow]warning[/]: no API keys configured: running OPEN (every caller has every "
-                "role). Create keys with `livelora keys create --home <store>`."
-            )
         DrainingServer(
             app,
             server.host,
             server.port,
             log_level,  # SIGTERM/SIGINT: graceful drain
             json_logs=settings.observability.log_format == "json",
-        ).run()
+        ).run(sock)
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
@@ -276,6 +271,22 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             import shutil
 
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _listen(host: str, port: int):
+    """A socket bound to ``host:port`` for uvicorn; exits 1 with the reason when it cannot be bound."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(addr)
+    except OSError as exc:
+        console.print(f"[red]error[/]: cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port)")
+        raise typer.Exit(1) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _shared_metrics_dir(home: Path) -> Path:

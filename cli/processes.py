@@ -179,9 +179,9 @@ class DrainingServer:
             return True
         return drain.clock() >= drain.deadline + self.MARGIN_S
 
-    def run(self) -> None:
-        """Serve until drained (blocking)."""
-        self.server.run()
+    def run(self, sock=None) -> None:
+        """Serve until drained (blocking), on ``sock`` (a bound socket) when given."""
+        self.server.run(sockets=[sock] if sock is not None else None)
 
 
 def start_trainer_thread(settings: TrainerSettings, stop: threading.Event) -> threading.Thread:

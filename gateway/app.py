@@ -118,7 +118,8 @@ def create_app(
     if services.auth_open:
         log.warning(
             "no API keys in %s: the gateway runs OPEN (every caller is tenant 'default' with every "
-            "role); create one with `livelora keys create`",
+            "role); create one with `livelora keys create --home %s`",
+            settings.home,
             settings.home,
         )
 

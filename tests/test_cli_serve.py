@@ -133,3 +133,17 @@ def test_settings_lists_every_variable_of_a_process_kind_as_the_environment_read
     result = CliRunner().invoke(app, ["settings", "serve", "--grep", "merge_lora"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "LIVELORA_ENGINE_MERGE_LORA" in result.output
     assert CliRunner().invoke(app, ["settings", "nope"]).exit_code == 2
+
+
+def test_a_taken_port_fails_at_once_before_anything_loads(livelora_home, monkeypatch):
+    monkeypatch.setenv("LIVELORA_REDIS_URL", "redis://127.0.0.1:1/0")  # never reached: the port is checked first
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for command in ("serve", "gateway"):
+            result = CliRunner().invoke(app, [command, "--port", str(port), "--home", str(livelora_home)])
+            assert result.exit_code == 1, result.output
+            out = " ".join(result.output.split())
+            assert f"cannot listen on 127.0.0.1:{port}" in out and "in use" in out, out
+            assert "serving" not in out and "Redis" not in out  # nothing was started or loaded

@@ -155,6 +155,7 @@ def test_every_console_post_needs_its_own_origin_and_the_sessions_csrf_token(ser
                 assert r.status_code == 403 and r.json()["error"]["code"] == "cross_site", (url, origin, r.text)
             r = httpx.post(server.base_url + url, data=form, cookies=cookies, headers={"X-CSRF-Token": token})
             assert r.status_code == 403 and r.json()["error"]["code"] == "cross_site", (url, "no origin", r.text)
+            assert "(origin (none);" in r.json()["error"]["message"]
             referer = {"Referer": f"{server.base_url}/console/endpoints", "X-CSRF-Token": "0" * 64}
             r = httpx.post(server.base_url + url, data=form, cookies=cookies, headers=referer)
             assert r.status_code == 403 and r.json()["error"]["code"] == "csrf", (url, "referer, wrong token")

@@ -101,13 +101,15 @@ def check_same_origin(request: Request, public_url: str | None) -> None:
     Raises:
         PermissionDeniedError: another site's, an opaque (``null``) or no origin (403, code ``cross_site``).
     """
-    sent = request.headers.get("origin") or origin_of(request.headers.get("referer", "")) or "(none)"
+    referer = request.headers.get("referer")
+    sent = request.headers.get("origin") or (origin_of(referer) if referer else "") or "(none)"
     own = {f"{request.url.scheme}://{request.headers.get('host', '')}".lower()}
     if public_url:
         own.add(origin_of(public_url))
     if sent.lower() not in own:
         raise PermissionDeniedError(
-            f"cross-site request refused: a console form is posted from its own pages (origin {sent})",
+            f"cross-site request refused: a console form is posted from its own pages (origin {sent}; a script "
+            "sends Origin: this server's address)",
             code="cross_site",
         )
 
