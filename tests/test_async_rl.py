@@ -43,6 +43,31 @@ def test_async_sampler_records_versions_and_drops_stale_batches():
         pool.close()
 
 
+def test_async_sampler_draws_no_batch_past_the_last_unless_one_was_dropped():
+    drawn, started1, gate = [], threading.Event(), threading.Event()
+
+    def sample(index: int, sampler: str) -> int:
+        drawn.append(index)
+        if index == 1:
+            started1.set()
+            gate.wait(10)
+        return index
+
+    pool = AsyncSampler(sample, "w0", 0, queue_size=5, last_index=2)
+    try:
+        assert pool.next_fresh(0, 0)[0].data == 0
+        assert started1.wait(10)
+        pool.update("w5", 5)  # batch 1 was drawn at version 0: staleness 5 at trainer version 5
+        gate.set()
+        assert [(b.index, b.sampler_version, d) for b, d in [pool.next_fresh(5, 0)]] == [(2, 5, 1)]
+        assert [(b.index, b.sampler_version, d) for b, d in [pool.next_fresh(5, 0)]] == [(3, 5, 0)]  # replaces 1
+    finally:
+        pool.close()
+    for t in pool._threads:
+        t.join(10)
+    assert drawn == [0, 1, 2, 3]  # never 4: batches 0, 2 and 3 train, batch 1 was dropped
+
+
 def test_a_sampler_error_reaches_the_trainer():
     def sample(index, sampler):
         raise RuntimeError(f"sampling {index} failed")

@@ -70,6 +70,10 @@ def test_every_recipe_has_a_smoke_preset_whose_lines_and_summary_share_one_clock
     logged = read_metrics(log_dir)
     assert sorted(k for k in logged if k) == [1, 2]
     assert f"{steps[1]:.0f}" == f"{logged[2]['time/elapsed_s']:.0f}"  # the step line prints the run's elapsed_s
+    if recipe == "code-rl":  # the short preset still runs check_solution turns in the sandbox and updates the LoRA
+        assert max(logged[s]["train/tool_call_rate"] for s in (1, 2)) > 0, logged
+        assert min(logged[s]["time/sandbox_s"] for s in (1, 2)) > 0, logged
+        assert sum(logged[s]["train/datums"] for s in (1, 2)) > 0 and "train/loss" in logged[1] | logged[2], logged
 
 
 def test_a_flag_given_with_smoke_wins_and_a_step_without_datums_says_why(sessions_server, tmp_path):

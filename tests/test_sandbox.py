@@ -199,3 +199,20 @@ def test_without_bubblewrap_it_warns_or_refuses(monkeypatch, caplog):
     assert _host_processes_with("987.6544") == []  # its children die with it (same session)
     hog = loose.run("x = bytearray(1 << 30)")
     assert hog.stderr.rstrip().endswith("MemoryError")
+
+
+def test_cleanup_does_not_wait_for_zombies():
+    # bwrap exits without reaping its namespace's init: the zombie is dead, and the host's PID 1 reaps it later
+    from livelora.clients.sandbox.runner import _zombie
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        for _ in range(500):  # until the exited child shows as a zombie (not yet reaped)
+            if _zombie(str(pid)):
+                break
+            os.sched_yield()
+        assert _zombie(str(pid)) and not _zombie(str(os.getpid()))
+    finally:
+        os.waitpid(pid, 0)

@@ -44,6 +44,7 @@ class AsyncSampler:
         sample: ``(index, sampling_client) -> data`` (runs in a worker thread).
         sampler, version: the first sampling client and its version.
         first_index: the first batch index (a resumed run starts past the batches it trained).
+        last_index: draw no batch past it (the run's last step), plus one more for each batch dropped.
 
     :meth:`update` publishes new weights after an optimizer step; :meth:`next_fresh` returns the next batch
     within the staleness bound (dropping older ones); :meth:`close` stops the workers. An exception raised
@@ -59,10 +60,11 @@ class AsyncSampler:
         workers: int = 1,
         queue_size: int = 1,
         first_index: int = 0,
+        last_index: int | None = None,
     ):
         self._sample, self._current = sample, (sampler, version)
-        self._lock = threading.Lock()
-        self._next = first_index
+        self._lock = threading.Condition()
+        self._next, self._last = first_index, last_index
         self._done = threading.Event()
         self._out: queue.Queue[Batch | BaseException] = queue.Queue(maxsize=max(1, queue_size))
         self._threads = [
@@ -79,6 +81,9 @@ class AsyncSampler:
     def _work(self) -> None:
         while not self._done.is_set():
             with self._lock:
+                if self._last is not None and self._next > self._last:
+                    self._lock.wait(0.2)  # every batch the run needs is drawn, unless one is dropped
+                    continue
                 index, (sampler, version) = self._next, self._current
                 self._next += 1
             try:
@@ -105,9 +110,15 @@ class AsyncSampler:
             if fresh_enough(item, trainer_version, max_staleness):
                 return item, dropped
             dropped += 1
+            with self._lock:
+                if self._last is not None:
+                    self._last += 1
+                    self._lock.notify_all()
 
     def close(self) -> None:
         self._done.set()
+        with self._lock:
+            self._lock.notify_all()
         while True:  # unblock workers waiting on a full queue
             try:
                 self._out.get_nowait()

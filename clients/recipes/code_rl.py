@@ -257,7 +257,13 @@ def run(
         sampler = r.tc.save_weights_and_get_sampling_client()
         if cfg.max_staleness:
             pool = AsyncSampler(
-                sample, sampler, r.start_step, workers=1, queue_size=cfg.max_staleness, first_index=r.start_step
+                sample,
+                sampler,
+                r.start_step,
+                workers=1,
+                queue_size=cfg.max_staleness,
+                first_index=r.start_step,
+                last_index=cfg.steps - 1,
             )
         for step in r.steps():
             t_wait = time.monotonic()

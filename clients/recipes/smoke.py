@@ -35,7 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "code-rl": {
         "tasks_per_step": 2,
         "group_size": 2,
-        "max_tokens": 48,
+        "max_tokens": 32,
         "eval_size": 2,
         "tool_call": "always",
         "minibatches": 2,

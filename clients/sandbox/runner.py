@@ -101,15 +101,21 @@ def _user_processes(uid: int) -> int:
     return n
 
 
+def _zombie(pid: str) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].split()[0] == b"Z"
+
+
 def _end_uid(uid: int, timeout_s: float = 10.0) -> None:
-    """Kill every process of the run's own ``uid`` and wait until none is left (the PID namespace's members die
-    asynchronously after its init), so that nothing outlives the run and the uid returns to the pool empty."""
+    """Kill every process of the run's own ``uid`` and wait until none is left alive (the PID namespace's members
+    die asynchronously after its init), so that nothing outlives the run. Zombies are dead already: bwrap exits
+    without reaping its namespace's init, whose zombie waits for the host's PID 1 (seconds, in some containers)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         pids = []
         for entry in os.scandir("/proc"):
             with contextlib.suppress(OSError):
-                if entry.name.isdigit() and entry.stat().st_uid == uid:
+                if entry.name.isdigit() and entry.stat().st_uid == uid and not _zombie(entry.name):
                     pids.append(int(entry.name))
         if not pids:
             return
