@@ -187,6 +187,11 @@ class LogprobPass:
             out.append(lp[:, 0] if t.ndim == 1 else lp[:, : t.shape[1]])
         return (out, kv) if share_prefix is not None else out
 
+    def tied(self, loss: Tensor) -> Tensor:
+        """``loss`` plus :attr:`tie` (then cleared), or ``loss`` as it is when there is none."""
+        tie, self.tie = self.tie, None
+        return loss if tie is None else loss + tie
+
     def kl_logratios(
         self,
         data: list[Datum],

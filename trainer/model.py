@@ -74,17 +74,14 @@ class TrainingModel:
         self.alpha = float(self.lora.alpha if self.lora.alpha is not None else DEFAULT_ALPHA)
         self.seed = int(self.lora.seed if self.lora.seed is not None else 0)
         self.device = torch.device(device)
-        #: the trainer group this model runs on (None: this process alone; trainer/distributed.py)
-        self.group: TrainerGroup | None = group if group is not None else current_group()
-        sharded = self.group is not None and self.group.shard_base  # loaded on the CPU, then sharded to the device
-        load_on = "cpu" if sharded else device
+        self.group: TrainerGroup | None = group if group is not None else current_group()  # None: alone
+        load_on = "cpu" if self.group is not None and self.group.shard_base else device  # sharded below
         model = base_model if base_model is not None else load_model(base_ref, dtype=dtype, device=load_on)
         self.peft_model, self.peft_config = wrap_lora(
             model, self.lora, alpha=self.alpha, seed=self.seed, base_name=base_ref.name
         )
         self.peft_model.eval()  # no dropout anywhere; gradients still flow
-        if sharded:  # the frozen base weights over the ranks, the LoRA weights whole (trainer/shard_base.py)
-            shard_base(self.peft_model, self.group.world_size, self.group.device)
+        sharded = shard_base(self.peft_model, self.group)  # the base weights over the group's ranks, if it says so
         config = self.peft_model.base_model.model.config
         self.vocab_size = int(self.peft_model.get_input_embeddings().num_embeddings)
         self.max_seq_len = int(max_seq_len or getattr(config, "max_position_embeddings", 2048))
@@ -160,9 +157,7 @@ class TrainingModel:
         with torch.set_grad_enabled(grad):  # inputs validated above; the trainer-filled ones are built here
             out: LossOutput = LOSS_FUNCTIONS[spec.name](lp_D, inputs_D, resolved.config)
         if grad:
-            loss, tie = out.loss, self.logprobs.tie  # sharded: every rank backpropagates through every layer
-            if tie is not None:
-                loss, self.logprobs.tie = loss + tie, None
+            loss = self.logprobs.tied(out.loss)  # sharded: every rank's backward runs through every layer
             if loss.requires_grad:
                 step_yield()
                 loss.backward()

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 
-def shard_base(peft_model: Any, world_size: int, device: torch.device) -> None:
-    """Shard ``peft_model``'s base weights in place over the default process group (``world_size`` ranks; the
-    shards move to ``device``: ``cpu`` with gloo, this rank's GPU with nccl).
+def shard_base(peft_model: Any, group: Any) -> bool:
+    """Shard ``peft_model``'s base weights in place over ``group`` (a
+    :class:`~livelora.trainer.distributed.TrainerGroup`; the shards move to its device: ``cpu`` with gloo, this
+    rank's GPU with nccl) when it has ``shard_base``; returns whether it did (None: no group, False).
 
     Raises:
         ValueError: the model has no list of decoder layers (``model.layers``) to shard one by one.
@@ -25,15 +26,18 @@ def shard_base(peft_model: Any, world_size: int, device: torch.device) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if group is None or not group.shard_base:
+        return False
     causal_lm = peft_model.get_base_model()
     layers = getattr(getattr(causal_lm, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"cannot shard the base weights of {type(causal_lm).__name__}: no model.layers")
     lora = {p for p in peft_model.parameters() if p.requires_grad}
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = init_device_mesh(group.device.type, (group.world_size,))
     for layer in layers:
         fully_shard(layer, mesh=mesh, ignored_params=lora)
     fully_shard(causal_lm, mesh=mesh, ignored_params=lora)
+    return True
 
 
 def base_bytes(peft_model: Any) -> tuple[int, int]:
