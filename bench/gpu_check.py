@@ -320,15 +320,18 @@ async def main(args) -> int:
 
     if args.group_ranks:  # a trainer group on nccl (docs/scaling-out.md): bench/train.py --nproc N, one GPU per rank
         cmd = [sys.executable, str(Path(__file__).with_name("train.py")), "--skip-trl", "--steps", "2"]
-        run = subprocess.run(
-            [*cmd, "--batch", "8", "--seq-len", "128", f"--nproc={args.group_ranks}"], text=True, capture_output=True
-        )
-        print(run.stdout[-2000:], run.stderr[-2000:] if run.returncode else "", flush=True)
-        check(
-            f"trainer group of {args.group_ranks} (nccl) vs one process",
-            run.returncode == 0,
-            f"bench/train.py --nproc {args.group_ranks}: exit status {run.returncode}",
-        )
+        for extra in ([], ["--shard-base"]):  # then the base weights sharded over the ranks (FSDP2)
+            run = subprocess.run(
+                [*cmd, "--batch", "8", "--seq-len", "128", f"--nproc={args.group_ranks}", *extra],
+                text=True,
+                capture_output=True,
+            )
+            print(run.stdout[-2000:], run.stderr[-2000:] if run.returncode else "", flush=True)
+            check(
+                f"trainer group of {args.group_ranks} (nccl{', base sharded' if extra else ''}) vs one process",
+                run.returncode == 0,
+                f"bench/train.py --nproc {args.group_ranks} {' '.join(extra)}: exit status {run.returncode}",
+            )
 
     print(
         f"total {time.perf_counter() - t_all:.1f} s; {sum(ok for _, ok, _ in results)}/{len(results)} checks passed",

@@ -12,7 +12,8 @@ seconds per step each rank spends in collectives, and the group's first loss aga
 status 1 when they differ by more than 1e-5 of their size); then the SFT step again with rank 0 leading and the
 other ranks mirroring its model, as in ``livelora trainer --nproc N`` (its collectives include the broadcasts).
 
-Usage: ``python bench/train.py [--steps 1] [--batch 8] [--seq-len 256] [--rank 16] [--skip-trl] [--nproc N]``
+Usage: ``python bench/train.py [--steps 1] [--batch 8] [--seq-len 256] [--rank 16] [--skip-trl] [--nproc N]
+[--shard-base]`` (``--shard-base``: the group's base weights sharded with FSDP2).
 """
 
 from __future__ import annotations
@@ -197,6 +198,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--nproc", type=int, default=0, help="also run the livelora steps on a group of N ranks")
+    parser.add_argument(
+        "--shard-base", action="store_true", help="with --nproc: the group shards the base weights (FSDP2)"
+    )
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)  # set for the group's ranks
     parser.add_argument("--expect", default="", help=argparse.SUPPRESS)  # the one process's first losses
     args = parser.parse_args()
@@ -267,7 +271,7 @@ def group_ranks(args, ref, sft_data, sft_tokens: int, kto_data, kto_tokens: int)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     if device == "cpu":  # the machine's cores shared between the ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
-    group = TrainerGroup.join(device=device, timeout_s=600, current=True)
+    group = TrainerGroup.join(device=device, timeout_s=600, current=True, shard_base=args.shard_base)
     rows = []
     for kind, data, loss_fn, tokens in (
         ("SFT", sft_data, "cross_entropy", sft_tokens),

@@ -203,7 +203,13 @@ def run_group(settings: Any) -> int:
 
     g = settings.group
     device = settings.training.device
-    group = TrainerGroup.join(backend=g.group_backend, timeout_s=g.group_timeout_s, device=device, current=True)
+    group = TrainerGroup.join(
+        backend=g.group_backend,
+        timeout_s=g.group_timeout_s,
+        device=device,
+        current=True,
+        shard_base=g.group_shard_base,
+    )
     log.info("trainer group rank %d of %d (%s), pid %d", group.rank, group.world_size, group.backend, os.getpid())
     if not group.leader:
         signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: rank %d ends when rank 0 does", group.rank))

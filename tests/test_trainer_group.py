@@ -5,7 +5,8 @@ a live-loop KTO step, an uneven split (3 datums on 2 ranks), a DPO pair split ac
 loss within 1e-6 of its size, every gradient element within 1e-6 of the gradient's L2 norm (or 1e-6 when that
 is below 1), the weights within 1e-6 (Adam's ε in the steps: harness/group_cases.py), per-token logprobs within 1e-5
 of the datum's largest |logprob|.
-One group launch runs every case (harness/group_cases.py), then two live-loop steps with rank 0 leading and rank 1
+One group launch runs every case (harness/group_cases.py), three of them again with the base weights sharded
+(FSDP2), then two live-loop steps with rank 0 leading and rank 1
 mirroring its models as in ``livelora trainer --nproc 2`` (harness/group_live_loop.py).
 """
 
@@ -18,7 +19,7 @@ import time
 
 import pytest
 import torch
-from harness.group_cases import cases, launch_group, new_model, run_cases, start_group
+from harness.group_cases import SHARDED_CASES, cases, launch_group, new_model, run_cases, start_group
 from harness.group_live_loop import steps
 
 from livelora.core.losses import LOSS_SPECS
@@ -41,7 +42,7 @@ def runs(base_ref, tmp_path_factory):
     group = torch.load(out, weights_only=False)
     torch.set_num_threads(1)
     alone = run_cases(new_model(base_ref), cases(base_ref))
-    return alone, group["cases"], steps(base_ref, out.with_name("one-store")), group["live_loop"]
+    return alone, group["cases"], steps(base_ref, out.with_name("one-store")), group["live_loop"], group["sharded"]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,7 +69,27 @@ def test_every_builtin_loss_has_a_case():
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_group_of_two_equals_one_process(runs, case):
-    alone, group = runs[0][case], runs[1][case]
+    _assert_equal(runs[0][case], runs[1][case])
+
+
+@pytest.mark.parametrize("case", SHARDED_CASES)
+def test_a_group_of_two_with_the_base_sharded_equals_one_process(runs, case):
+    """The base weights sharded over the 2 ranks with FSDP2 (LoRA and AdamW state whole on each rank): the same
+    loss, gradients and weights after ``optim_step`` as one process, a rank without datums included."""
+    _assert_equal(runs[0][case], runs[4][case])
+
+
+def test_each_rank_holds_half_of_the_sharded_base_weights(runs):
+    held, whole = runs[4]["base_bytes"]
+    assert whole > 500e6  # SmolLM2-135M in float32: 134.5M parameters, 538 MB
+    assert abs(held - whole / 2) <= 0.001 * whole, (held, whole)  # even dims split in half, odd ones one row apart
+    print(
+        f"base weights held per rank: {held / 1e6:.1f} MB of {whole / 1e6:.1f} MB; sharded cases on the group: "
+        f"{runs[4]['seconds']:.1f} s"
+    )
+
+
+def _assert_equal(alone, group):
     assert len(alone["fb"]) == len(group["fb"])
     for (m1, lp1), (m2, lp2) in zip(alone["fb"], group["fb"]):
         assert math.isfinite(m1["loss:sum"]) and m1["loss:sum"] != 0.0

@@ -77,6 +77,8 @@ class TrainerGroup:
         leader_of_group: rank 0's :class:`~livelora.trainer.group_mirror.GroupLeader` in a group process (None:
             the ranks make the same calls themselves, as in tests and ``bench/train.py``).
         failed: the first collective error (then every collective raises :class:`GroupFailedError`).
+        shard_base: models built on this group shard their frozen base weights over the ranks with FSDP2
+            (:mod:`livelora.trainer.shard_base`; ``LIVELORA_GROUP_SHARD_BASE``).
     """
 
     rank: int
@@ -86,6 +88,7 @@ class TrainerGroup:
     collective_s: float = field(default=0.0, compare=False)
     leader_of_group: Any = field(default=None, compare=False, repr=False)
     failed: BaseException | None = field(default=None, compare=False, repr=False)
+    shard_base: bool = False
 
     @contextlib.contextmanager
     def _timed(self):
@@ -107,13 +110,19 @@ class TrainerGroup:
 
     @classmethod
     def join(
-        cls, *, backend: str | None = None, timeout_s: float = 60.0, device: str = "cpu", current: bool = False
+        cls,
+        *,
+        backend: str | None = None,
+        timeout_s: float = 60.0,
+        device: str = "cpu",
+        current: bool = False,
+        shard_base: bool = False,
     ) -> TrainerGroup:
         """Join (or create) the default process group from the launcher's environment (``RANK``, ``WORLD_SIZE``,
         ``MASTER_ADDR``, ``MASTER_PORT``). ``backend``: None = ``nccl`` on a CUDA ``device``, else ``gloo``.
         ``timeout_s``: how long a collective waits for a dead or hung rank before it raises (the group then
         fails and rank 0 gives its leases back). ``current``: models built in this process run on it
-        (:func:`current_group`).
+        (:func:`current_group`). ``shard_base``: see the class's attributes.
 
         Raises:
             RuntimeError: the rendezvous fails or times out.
@@ -126,7 +135,7 @@ class TrainerGroup:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         collective_dev = dev if backend == "nccl" else torch.device("cpu")
-        group = cls(dist.get_rank(), dist.get_world_size(), backend, collective_dev)
+        group = cls(dist.get_rank(), dist.get_world_size(), backend, collective_dev, shard_base=shard_base)
         if current:
             global _CURRENT
             _CURRENT = group

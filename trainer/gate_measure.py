@@ -345,7 +345,17 @@ class ProbeSuite:
         self, model: Any, *, adapter: bool = True, heldout: Sequence[HeldOut] = (), on_check: Any = None
     ) -> Measurement:
         """Every measure of ``model`` (adapter on, or the base model with ``adapter=False``), pass by pass in the
-        order of :data:`PASSES` (``signal`` only with ``heldout`` items); ``on_check(name)`` as each starts."""
+        order of :data:`PASSES` (``signal`` only with ``heldout`` items); ``on_check(name)`` as each starts.
+
+        Raises:
+            RuntimeError: ``model``'s base weights are sharded over a trainer group (its passes would need every
+                rank; the gate runs on rank 0 alone).
+        """
+        if getattr(getattr(model, "group", None), "shard_base", False):
+            raise RuntimeError(
+                "the evaluation gate cannot measure a model whose base weights are sharded over a "
+                "trainer group (LIVELORA_GROUP_SHARD_BASE): not built; use the group for sessions only"
+            )
         tell = on_check or (lambda name: None)
         m = Measurement()
         for i, name in enumerate(p for p in PASSES if p != "signal" or heldout):

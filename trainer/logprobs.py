@@ -46,10 +46,17 @@ class LogprobPass:
         pad_id: token id right padding uses (masked out).
         device: torch device of the model.
         max_seq_len: longest sequence of a KL pair (tokens).
+        sharded: the base weights are sharded over a trainer group (:mod:`livelora.trainer.shard_base`): every
+            rank then makes every pass (a rank with no rows runs the batch's first datum and returns nothing), the
+            head runs inside the model's forward, and a pass with ``grad`` leaves :attr:`tie`.
     """
 
-    def __init__(self, peft_model: Any, pad_id: int, device: torch.device, max_seq_len: int):
+    def __init__(self, peft_model: Any, pad_id: int, device: torch.device, max_seq_len: int, sharded: bool = False):
         self.peft_model = peft_model
+        self.sharded = sharded
+        #: after a sharded pass with ``grad``: 0 × the sum of its logits, which the caller adds to its loss so
+        #: that every rank's backward reaches every layer (each layer's backward is a collective)
+        self.tie: Tensor | None = None
         self.pad_id = pad_id
         self.device = device
         self.max_seq_len = max_seq_len
@@ -57,7 +64,8 @@ class LogprobPass:
         config = causal_lm.config
         #: Decoder + unembedding can be run separately (no logit scaling or soft-capping in these classes).
         self.plain_head = (
-            type(causal_lm).__name__ in PLAIN_HEAD_CLASSES
+            not sharded
+            and type(causal_lm).__name__ in PLAIN_HEAD_CLASSES
             and hasattr(causal_lm, "model")
             and not any(getattr(config, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
         )
@@ -100,7 +108,8 @@ class LogprobPass:
             per sequence, logprobs shaped like its targets; with ``share_prefix``, ``(logprobs, PromptKV)``.
         """
         step_yield()  # serving may go first between the passes of a step (core/core_share.py)
-        whole = inputs
+        whole, dummy = inputs, self.sharded and rows is not None and not rows
+        rows = range(0, 1) if dummy else rows
         if rows is not None:
             pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
             inputs, targets, grad_pos, keep_pos = pick(inputs), pick(targets), pick(grad_pos), pick(keep_pos)
@@ -170,11 +179,18 @@ class LogprobPass:
                 with torch.no_grad():
                     rest_M_K = head_logprobs(rest_B_T)
                 lp_B_T_K = lp_B_T_K.index_put((rest_B_T.to(dev),), rest_M_K)
+        if grad and self.sharded:
+            self.tie = hidden_B_T_H.sum() * 0.0
         out = []
-        for b, (n, t) in enumerate(zip(lengths, targets)):
+        for b, (n, t) in enumerate(zip(lengths, targets) if not dummy else ()):
             lp = lp_B_T_K[b, :n]
             out.append(lp[:, 0] if t.ndim == 1 else lp[:, : t.shape[1]])
         return (out, kv) if share_prefix is not None else out
+
+    def tied(self, loss: Tensor) -> Tensor:
+        """``loss`` plus :attr:`tie` (then cleared), or ``loss`` as it is when there is none."""
+        tie, self.tie = self.tie, None
+        return loss if tie is None else loss + tie
 
     def kl_logratios(
         self,
@@ -188,8 +204,10 @@ class LogprobPass:
         the matched pairs' prompts; the pairs then run from each prompt's last token on. ``rows``: only the pairs
         ``i in rows`` (a trainer group rank's slice; ``kv`` then holds those rows' prompts)."""
         ins, tgts, keep = kl_pairs(data, inputs_D, self.max_seq_len, shared=kv is not None)
-        if rows is not None and not rows:
+        if rows is not None and not rows and not self.sharded:
             return torch.zeros(0)
         policy = self(ins, tgts, adapter=True, keep_pos=keep, prefix_kv=kv[0] if kv else None, rows=rows)
         ref = self(ins, tgts, adapter=False, keep_pos=keep, prefix_kv=kv[1] if kv else None, rows=rows)
+        if not policy:  # a sharded rank with no rows made the passes for the others
+            return torch.zeros(0)
         return torch.stack([(p - r).sum() for p, r in zip(policy, ref)])

@@ -30,6 +30,7 @@ from livelora.trainer.logprobs import LogprobPass, datum_inputs, grad_positions
 from livelora.trainer.lora_peft import lora_config_of, wrap_lora
 from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput
 from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, kv_bytes
+from livelora.trainer.shard_base import shard_base
 
 ADAPTER = "default"
 DEFAULT_ALPHA = 32.0
@@ -73,17 +74,20 @@ class TrainingModel:
         self.alpha = float(self.lora.alpha if self.lora.alpha is not None else DEFAULT_ALPHA)
         self.seed = int(self.lora.seed if self.lora.seed is not None else 0)
         self.device = torch.device(device)
-        model = base_model if base_model is not None else load_model(base_ref, dtype=dtype, device=device)
+        self.group: TrainerGroup | None = group if group is not None else current_group()  # None: alone
+        load_on = "cpu" if self.group is not None and self.group.shard_base else device  # sharded below
+        model = base_model if base_model is not None else load_model(base_ref, dtype=dtype, device=load_on)
         self.peft_model, self.peft_config = wrap_lora(
             model, self.lora, alpha=self.alpha, seed=self.seed, base_name=base_ref.name
         )
         self.peft_model.eval()  # no dropout anywhere; gradients still flow
+        sharded = shard_base(self.peft_model, self.group)  # the base weights over the group's ranks, if it says so
         config = self.peft_model.base_model.model.config
         self.vocab_size = int(self.peft_model.get_input_embeddings().num_embeddings)
         self.max_seq_len = int(max_seq_len or getattr(config, "max_position_embeddings", 2048))
         self.pad_id = int(getattr(config, "pad_token_id", None) or 0)
         #: the batched logprob pass (padding, shared prompt prefixes, where the unembedding runs)
-        self.logprobs = LogprobPass(self.peft_model, self.pad_id, self.device, self.max_seq_len)
+        self.logprobs = LogprobPass(self.peft_model, self.pad_id, self.device, self.max_seq_len, sharded=sharded)
         #: LoRA parameters in a fixed order, keyed by their standard PEFT file key (no adapter-name infix).
         self.lora_params: dict[str, torch.nn.Parameter] = {
             n.replace(f".{ADAPTER}.", "."): p for n, p in self.peft_model.named_parameters() if p.requires_grad
@@ -93,8 +97,6 @@ class TrainingModel:
         self.lineage: str | None = None
         self.parent: int | None = None
         self.data_counts: dict[str, int] = {"datums": 0, "tokens": 0}
-        #: the trainer group this model runs on (None: this process alone; trainer/distributed.py)
-        self.group: TrainerGroup | None = group if group is not None else current_group()
 
     # ------------------------------------------------------------------------------------------ internals
     def new_optimizer(self) -> torch.optim.AdamW:
@@ -155,9 +157,10 @@ class TrainingModel:
         with torch.set_grad_enabled(grad):  # inputs validated above; the trainer-filled ones are built here
             out: LossOutput = LOSS_FUNCTIONS[spec.name](lp_D, inputs_D, resolved.config)
         if grad:
-            if out.loss.requires_grad:
+            loss = self.logprobs.tied(out.loss)  # sharded: every rank's backward runs through every layer
+            if loss.requires_grad:
                 step_yield()
-                out.loss.backward()
+                loss.backward()
             else:  # every position has weight exactly 0 (e.g. a GRPO group with equal rewards): zero gradient
                 for p in self.lora_params.values():
                     if p.grad is None:

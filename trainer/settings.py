@@ -147,6 +147,12 @@ class GroupSection(Section):
         description="A collective of a trainer group waits this long for a hung rank before the group fails (a dead "
         "rank fails it at once); rank 0 then gives its leases back.",
     )
+    group_shard_base: bool = Field(
+        False,
+        description="A trainer group shards each training model's frozen base weights over its ranks with FSDP2 "
+        "(fully_shard; the LoRA weights and AdamW state stay whole on every rank), for base models larger than one "
+        "device.",
+    )
     take_tenants: str = Field(
         "", description="Comma-separated tenants whose training-session models this trainer takes (empty: all)."
     )

@@ -1,7 +1,8 @@
 """The trainer-group exactness cases: the same ops run by one process and by every rank of a group.
 
 ``python -m harness.group_cases OUT`` (with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set, e.g.
-by :func:`launch_group`) joins a gloo group, runs :func:`cases` on the real model, then the live-loop steps of
+by :func:`launch_group`) joins a gloo group, runs :func:`cases` on the real model, :data:`SHARDED_CASES` on it with
+the base weights sharded (``shard_base``), then the live-loop steps of
 :mod:`harness.group_live_loop` with rank 0 leading, and rank 0 writes both results to ``OUT`` (``torch.save``);
 :func:`run_cases` without a group is the one-process run they are compared with.
 Each case starts from the same LoRA weights (B ≠ 0, so every LoRA gradient is non-zero) and a fresh optimizer.
@@ -9,15 +10,20 @@ Each case starts from the same LoRA weights (B ≠ 0, so every LoRA gradient is 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
+
+#: the cases also run with the base weights sharded (cross entropy, an RL loss, a rank with no datum)
+SHARDED_CASES = ("cross_entropy", "ppo", "one_datum_per_op")
 
 #: sequence lengths (tokens of model_input) that differ a lot: padding runs to the longest row of each slice
 LENGTHS = (4, 41, 15, 27, 7, 20)
@@ -171,7 +177,7 @@ def run_cases(model, ops_by_case: dict[str, list[tuple]]) -> dict[str, dict[str,
         with torch.no_grad():
             for k, p in model.lora_params.items():
                 p.copy_(start[k])
-        model.optimizer = model.new_optimizer()
+        model.optimizer, model.step = model.new_optimizer(), 0
         model.zero_grad()
         res: dict[str, Any] = {"fb": []}
         for op in ops:
@@ -241,12 +247,21 @@ def main() -> None:
     if os.environ.get("GROUP_CASES"):  # a subset, by name (comma-separated)
         todo = {k: v for k, v in todo.items() if k in os.environ["GROUP_CASES"].split(",")}
     results = run_cases(new_model(base_ref, group), todo)
+    # the same cases with the base weights sharded over the ranks (FSDP2, trainer/shard_base.py)
+    from livelora.trainer.shard_base import base_bytes
+
+    start = time.perf_counter()
+    sharded_model = new_model(base_ref, dataclasses.replace(group, shard_base=True))
+    sharded = run_cases(sharded_model, {k: v for k, v in todo.items() if k in SHARDED_CASES})
+    sharded["base_bytes"] = base_bytes(sharded_model.peft_model)
+    sharded["seconds"] = time.perf_counter() - start  # printed by the test (the cost of these cases)
+    del sharded_model
     # then the live loop on the group as in a group process: rank 0 leads, rank 1 mirrors (harness/group_live_loop.py)
     from harness.group_live_loop import steps_on
 
     live = steps_on(group, base_ref, Path(sys.argv[1]).with_name("group-store"))
     if group.leader:
-        torch.save({"cases": results, "live_loop": live}, sys.argv[1])
+        torch.save({"cases": results, "live_loop": live, "sharded": sharded}, sys.argv[1])
     group.barrier()
     group.close()
 
