@@ -23,11 +23,11 @@ def shard_base(peft_model: Any, group: Any) -> bool:
     Raises:
         ValueError: the model has no list of decoder layers (``model.layers``) to shard one by one.
     """
+    if group is None or not group.shard_base:
+        return False
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if group is None or not group.shard_base:
-        return False
     causal_lm = peft_model.get_base_model()
     layers = getattr(getattr(causal_lm, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
