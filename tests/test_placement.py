@@ -11,7 +11,7 @@ from safetensors import safe_open
 from livelora.core.session_protocol import model_id_for
 from livelora.core.settings import SessionSection
 from livelora.trainer.model_slots import ModelSlots
-from livelora.trainer.placement import Placement, base_parameters
+from livelora.trainer.placement import Placement, base_parameters, rank_base_bytes
 
 
 def test_the_base_model_is_counted_without_loading_it(base_ref):
@@ -47,3 +47,16 @@ def test_takes_only_its_tenants_sizes_and_what_fits(bus, tmp_path):
     roomy = Placement(r, keys, tenants=set(), base_params=params, base_bytes=4 * params, memory_bytes=2**30)
     assert "do not fit 0.8 of one rank's memory" in tight.refusal and not tight.accepts(models["small-co"])
     assert roomy.refusal is None and roomy.accepts(models["small-co"])
+
+
+def test_a_group_that_shards_the_base_counts_a_ranks_share(bus, tmp_path):
+    r, keys = bus
+    params = 134_515_008  # SmolLM2-135M: 538 MB of fp32 weights, over 0.8 of 512 MiB whole, under it halved
+    assert rank_base_bytes(params) == 4 * params and rank_base_bytes(params, 2) == 2 * params
+    whole = Placement(
+        r, keys, tenants=set(), base_params=params, base_bytes=rank_base_bytes(params), memory_bytes=2**29
+    )
+    halves = Placement(
+        r, keys, tenants=set(), base_params=params, base_bytes=rank_base_bytes(params, 2), memory_bytes=2**29
+    )
+    assert whole.refusal and halves.refusal is None

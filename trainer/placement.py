@@ -93,9 +93,16 @@ class Placement:
         return tenant in self.tenants
 
 
+def rank_base_bytes(params: int, shard_ranks: int = 1) -> int:
+    """Bytes of fp32 base weights one rank holds: all of them, or ``1/shard_ranks`` when a group shards them
+    (``LIVELORA_GROUP_SHARD_BASE``; :mod:`livelora.trainer.shard_base`)."""
+    return -(-4 * params // max(1, shard_ranks))
+
+
 def placement_of(settings: Any, redis_client: Any, keys: KeyLayout) -> Placement:
     """The placement of a trainer's :class:`~livelora.trainer.settings.TrainerSettings` (base model counted
-    once; fp32 weights; ``LOCAL_WORLD_SIZE`` ranks on this machine, as torchrun sets it)."""
+    once; fp32 weights, a rank's share of them when the group shards them over its ``WORLD_SIZE`` ranks;
+    ``LOCAL_WORLD_SIZE`` ranks on this machine, as torchrun sets it)."""
     import os
 
     from livelora.core.base_models import resolve_base_model
@@ -107,7 +114,7 @@ def placement_of(settings: Any, redis_client: Any, keys: KeyLayout) -> Placement
         keys,
         tenants={t.strip() for t in g.take_tenants.split(",") if t.strip()},
         base_params=params,
-        base_bytes=4 * params,
+        base_bytes=rank_base_bytes(params, int(os.environ.get("WORLD_SIZE", "1")) if g.group_shard_base else 1),
         min_base_params=g.take_min_base_params,
         max_base_params=g.take_max_base_params,
         memory_bytes=rank_memory_bytes(settings.training.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
