@@ -6,14 +6,20 @@ Short TTLs come from the environment (lease 2 s, signal claims 5 s), batches are
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 
 import httpx
 import pytest
 import redis
-from harness.cluster import MODEL, Cluster, corrupt_versions, new_store, recorded_counts, trained_counts
+from harness.cluster import (
+    MODEL,
+    Cluster,
+    cluster_on_new_store,
+    corrupt_versions,
+    new_store,
+    recorded_counts,
+    trained_counts,
+)
 
 from livelora.clients import AdamParams, ServiceClient
 from livelora.clients.errors import LiveloraError
@@ -33,14 +39,9 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def cluster(livelora_home, base_ref, tmp_path_factory):
-    home = new_store(tmp_path_factory.mktemp("scaleout-home"), livelora_home)
-    prefix = f"{os.environ['LIVELORA_REDIS_PREFIX']}scale-{uuid.uuid4().hex[:8]}:"
-    c = Cluster(home, prefix, ENV, URL)
-    try:
+    with cluster_on_new_store(livelora_home, tmp_path_factory, "scale", ENV, URL) as c:
         c.start(gateways=2, trainers=2)
         yield c
-    finally:
-        c.stop()
 
 
 def chat(url: str, text: str) -> dict:

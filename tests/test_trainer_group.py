@@ -6,7 +6,7 @@ loss within 1e-6 of its size, every gradient element within 1e-6 of the gradient
 is below 1), the weights within 1e-6 (Adam's ε in the steps: harness/group_cases.py), per-token logprobs within 1e-5
 of the datum's largest |logprob|.
 One group launch runs every case (harness/group_cases.py), three of them again with the base weights sharded
-(FSDP2), then two live-loop steps with rank 0 leading and rank 1
+(FSDP2) and the evaluation gate's passes on that sharded model, then two live-loop steps with rank 0 leading and rank 1
 mirroring its models as in ``livelora trainer --nproc 2`` (harness/group_live_loop.py).
 """
 
@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 from harness.group_cases import SHARDED_CASES, cases, launch_group, new_model, run_cases, start_group
-from harness.group_live_loop import steps
+from harness.group_live_loop import gate_measure, steps
 
 from livelora.core.losses import LOSS_SPECS
 from livelora.trainer.distributed import shard
@@ -147,3 +147,13 @@ def test_live_loop_steps_on_a_group_process_equal_one_process(runs):
         assert abs(m1["loss:sum"] - m2["loss:sum"]) <= TOL * max(1.0, abs(m1["loss:sum"])), (m1, m2)
     for k, w in alone["tensors"].items():  # Adam's ε 1e-3 as in the other cases
         assert _close(w, group["tensors"][k]) <= TOL, (k, _close(w, group["tensors"][k]))
+
+
+def test_the_gate_measures_a_sharded_model_on_every_rank_as_one_process_does(base_ref, runs):
+    gate = runs[4]["gate"]  # rank 0 leading, rank 1 making every pass on its sharded replica
+    torch.set_num_threads(1)
+    alone = gate_measure(new_model(base_ref))
+    assert gate["right"] == alone["right"] and gate["replies"] == alone["replies"]
+    assert _close(gate["logp"], alone["logp"]) < LP_TOL
+    assert gate["signal"].keys() == {"a", "b"}
+    assert all(abs(gate["signal"][k] - alone["signal"][k]) < LP_TOL for k in "ab")

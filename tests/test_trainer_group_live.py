@@ -12,13 +12,12 @@ import json
 import os
 import signal
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import redis
 import torch
-from harness.cluster import MODEL, Cluster, new_store
+from harness.cluster import MODEL, cluster_on_new_store
 from harness.group_cases import STEP_EPS, _datum, _ids, sft
 
 from livelora.clients import AdamParams, ServiceClient
@@ -53,16 +52,11 @@ def ops(small, big) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def cluster(livelora_home, base_ref, tmp_path_factory):
-    home = new_store(tmp_path_factory.mktemp("group-live-home"), livelora_home)
-    prefix = f"{os.environ['LIVELORA_REDIS_PREFIX']}group-{uuid.uuid4().hex[:8]}:"
-    c = Cluster(home, prefix, ENV, URL)
-    try:
+    with cluster_on_new_store(livelora_home, tmp_path_factory, "group-live", ENV, URL) as c:
         c.add_gateway()
         c.add_trainer(nproc=2)
         c.wait_ready()
         yield c
-    finally:
-        c.stop()
 
 
 def test_rank_1_killed_mid_step_the_standby_finishes_the_session_with_the_same_results(cluster, base_ref):

@@ -327,9 +327,30 @@ class ProbeSuite:
         return {i.key: float(lp[k].mean()) for i, lp, k in zip(items, lps, keep)}
 
     def run_pass(
-        self, name: str, model: Any, m: Measurement, *, adapter: bool = True, heldout: Sequence[HeldOut] = ()
+        self,
+        name: str,
+        model: Any,
+        m: Measurement,
+        *,
+        adapter: bool = True,
+        heldout: Sequence[HeldOut] = (),
+        mirror: bool = True,
     ) -> None:
-        """Run the measuring pass ``name`` (a key of :data:`PASSES`) on ``model`` and fill its fields of ``m``."""
+        """Run the measuring pass ``name`` (a key of :data:`PASSES`) on ``model`` and fill its fields of ``m``.
+        A model whose base weights are sharded over a trainer group runs it on every rank (each forward is a
+        collective): rank 0's group leader broadcasts the pass (``mirror``) and the other ranks make it too.
+
+        Raises:
+            RuntimeError: a sharded model without a group leader (the other ranks would not join its passes).
+        """
+        group = getattr(model, "group", None)
+        if mirror and getattr(group, "shard_base", False):
+            leader = getattr(group, "leader_of_group", None)
+            if leader is None:
+                raise RuntimeError("a model with sharded base weights is measured only by its group's leader")
+            kwargs = {"adapter": adapter, "heldout": heldout}
+            with leader.call(model, f"gate {name}", (self, name, m), kwargs, fn=_pass_on_replica):
+                return self.run_pass(name, model, m, **kwargs, mirror=False)
         if name == "probes":
             m.probe_right, m.logp_M_V = self.probe_logprobs(model, adapter=adapter)
         elif name == "signal":
@@ -345,17 +366,7 @@ class ProbeSuite:
         self, model: Any, *, adapter: bool = True, heldout: Sequence[HeldOut] = (), on_check: Any = None
     ) -> Measurement:
         """Every measure of ``model`` (adapter on, or the base model with ``adapter=False``), pass by pass in the
-        order of :data:`PASSES` (``signal`` only with ``heldout`` items); ``on_check(name)`` as each starts.
-
-        Raises:
-            RuntimeError: ``model``'s base weights are sharded over a trainer group (its passes would need every
-                rank; the gate runs on rank 0 alone).
-        """
-        if getattr(getattr(model, "group", None), "shard_base", False):
-            raise RuntimeError(
-                "the evaluation gate cannot measure a model whose base weights are sharded over a "
-                "trainer group (LIVELORA_GROUP_SHARD_BASE): not built; use the group for sessions only"
-            )
+        order of :data:`PASSES` (``signal`` only with ``heldout`` items); ``on_check(name)`` as each starts."""
         tell = on_check or (lambda name: None)
         m = Measurement()
         for i, name in enumerate(p for p in PASSES if p != "signal" or heldout):
@@ -364,6 +375,11 @@ class ProbeSuite:
             tell(name)
             self.run_pass(name, model, m, adapter=adapter, heldout=heldout)
         return m
+
+
+def _pass_on_replica(model: Any, suite: ProbeSuite, name: str, m: Measurement, **kwargs: Any) -> None:
+    """A rank other than 0: make the pass rank 0 broadcast (:meth:`ProbeSuite.run_pass`) on its replica."""
+    suite.run_pass(name, model, m, **kwargs, mirror=False)
 
 
 class _null:

@@ -13,6 +13,7 @@ How to launch a group and what fails how: ``docs/scaling-out.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -101,9 +102,10 @@ class GroupLeader:
         self._dropped.put(key)
 
     @contextlib.contextmanager
-    def call(self, model: Any, name: str, args: tuple, kwargs: dict) -> Iterator[None]:
-        """Hold the group for one mirrored call of ``model.name(*args, **kwargs)``: broadcast it (with the model's
-        state when it changed), then run it here; a failed collective in it fails the group.
+    def call(self, model: Any, name: str, args: tuple, kwargs: dict, fn: Callable | None = None) -> Iterator[None]:
+        """Hold the group for one mirrored call of ``model.name(*args, **kwargs)`` (or of ``fn(model, *args,
+        **kwargs)``, ``fn`` a module-level function): broadcast it (with the model's state when it changed), then
+        run it here; a failed collective in it fails the group.
 
         Raises:
             GroupFailedError: the group failed (now or before).
@@ -115,6 +117,7 @@ class GroupLeader:
             stamp = state_stamp(model)
             state = None if self._synced.get(key) == stamp else _on_cpu(model_state(model))
             message = {"kind": "call", "key": key, "name": name, "args": args, "kwargs": kwargs, "state": state}
+            message["fn"] = fn
             message.update(spec={"max_seq_len": model.max_seq_len}, fresh_grads=not model.has_gradients())
             self._send(message)
             try:
@@ -178,6 +181,8 @@ def follow(group: TrainerGroup, build: Callable[[dict[str, Any], dict[str, Any]]
         if message["fresh_grads"]:
             model.zero_grad()
         try:
-            getattr(model, message["name"])(*message["args"], **message["kwargs"])
+            fn = message.get("fn")
+            call = functools.partial(fn, model) if fn is not None else getattr(model, message["name"])
+            call(*message["args"], **message["kwargs"])
         except LiveloraError as exc:  # rank 0 meets the same error on the same input
             log.info("mirrored %s failed as on rank 0: %s", message["name"], exc)

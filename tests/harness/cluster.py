@@ -20,6 +20,9 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,6 +208,20 @@ class Cluster:
 
 
 # ------------------------------------------------------------------------------------------- store checks
+@contextmanager
+def cluster_on_new_store(
+    models_from: Path, tmp_path_factory, name: str, env: dict[str, str], redis_url: str
+) -> Iterator[Cluster]:
+    """A :class:`Cluster` (nothing started) on a fresh store (base models linked from ``models_from``) and a
+    Redis prefix of its own under the test run's; every process it started is stopped on exit."""
+    home = new_store(tmp_path_factory.mktemp(f"{name}-home"), models_from)
+    c = Cluster(home, f"{os.environ['LIVELORA_REDIS_PREFIX']}{name}-{uuid.uuid4().hex[:8]}:", env, redis_url)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
 def trained_counts(home: Path) -> dict[str, int]:
     """Event id → how many versions were trained on it (``trained.jsonl``)."""
     path = Path(home) / "data" / "signals" / "trained.jsonl"

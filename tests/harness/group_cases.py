@@ -256,6 +256,10 @@ def main() -> None:
     sharded["base_bytes"] = base_bytes(sharded_model.peft_model)
     sharded["seconds"] = time.perf_counter() - start  # printed by the test (the cost of these cases)
     del sharded_model
+    # the evaluation gate's passes on a sharded model: rank 0 leads, rank 1 makes every pass with it
+    from harness.group_live_loop import gate_on_sharded
+
+    sharded["gate"] = gate_on_sharded(dataclasses.replace(group, shard_base=True), base_ref, new_model)
     # then the live loop on the group as in a group process: rank 0 leads, rank 1 mirrors (harness/group_live_loop.py)
     from harness.group_live_loop import steps_on
 

@@ -57,3 +57,37 @@ def steps_on(group, base_ref, home: Path) -> dict[str, Any] | None:
     finally:
         leader.close()
         group.leader_of_group = None
+
+
+def gate_measure(model) -> dict[str, Any]:
+    """The evaluation gate's measurement of ``model`` (adapter on): every pass, with two held-out items."""
+    from livelora.core.base_models import load_tokenizer
+    from livelora.trainer.gate_measure import HeldOut, ProbeSuite
+
+    suite = ProbeSuite(load_tokenizer(model.base_ref))
+    heldout = [HeldOut("a", [1, 504, 3287], [314, 2], 1), HeldOut("b", [1, 1073], [338, 28, 2], -1)]
+    m = suite.measure(model, heldout=heldout)
+    return {"right": m.probe_right, "logp": m.logp_M_V, "replies": m.replies, "signal": m.signal}
+
+
+def gate_on_sharded(group, base_ref, new_model) -> dict[str, Any] | None:
+    """:func:`gate_measure` on ``new_model(base_ref, group)`` with the base weights sharded over ``group``
+    (``shard_base``): rank 0 leads, the others build their replicas sharded too and make every pass."""
+    from livelora.trainer import distributed
+    from livelora.trainer.group_mirror import GroupLeader, follow
+    from livelora.trainer.recovery import restore_model
+
+    previous, distributed._CURRENT = distributed._CURRENT, group  # replicas are built on the sharded group
+    try:
+        if not group.leader:
+            follow(group, lambda state, spec: restore_model(state, base_ref, max_seq_len=spec["max_seq_len"]))
+            return None
+        leader = GroupLeader(group, lambda: None, heartbeat_s=30)
+        leader.start()
+        try:
+            return gate_measure(new_model(base_ref, group))
+        finally:
+            leader.close()
+            group.leader_of_group = None
+    finally:
+        distributed._CURRENT = previous
