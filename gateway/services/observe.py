@@ -63,9 +63,9 @@ class MetricsMiddleware:
                     **message,
                     "headers": [*message.get("headers", []), (b"x-request-id", rid.encode("latin-1"))],
                 }
-            await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                finish()
+                finish()  # before the last body leaves: a client that has its response sees it counted
+            await send(message)
 
         try:
             await self.app(scope, receive, counted)
