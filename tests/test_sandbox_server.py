@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from harness.cluster import free_port
+from harness.sdks import sdk_python
 from harness.server import wait_until
 
 from livelora.clients.sandbox import IsolationUnavailableError, Sandbox
@@ -120,8 +121,8 @@ COOKBOOK_SCRIPT = textwrap.dedent(
 
 
 def test_cookbook_sandboxfusion_client_grades_through_livelora_sandbox(url):
-    python = Path(os.environ.get("LIVELORA_TINKER038_PYTHON", ROOT / ".venv-tinker038" / "bin" / "python"))
-    if not python.exists():
+    python = sdk_python("038")
+    if python is None:
         pytest.skip("no tinker-cookbook venv (.venv-tinker038): run .ci/setup-tinker-sdks 038")
     if not Sandbox().run("import numpy").ok:
         pytest.skip(

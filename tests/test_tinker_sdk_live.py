@@ -22,7 +22,7 @@ from livelora.core.base_models import HUB_IDS
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_tinker_wire_sdk import sdk_python  # noqa: E402
+from harness.sdks import sdk_python  # noqa: E402
 
 
 def run_live(version: str, base_url: str, tokenizer, hf_cache: Path) -> dict:

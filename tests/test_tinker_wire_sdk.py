@@ -30,14 +30,8 @@ from livelora.gateway.api.tinker_wire import schema
 ROOT = Path(__file__).resolve().parent.parent
 ORACLE = Path(__file__).resolve().parent / "tinker_sdk_oracle.py"
 sys.path.insert(0, str(ORACLE.parent))
+from harness.sdks import sdk_python  # noqa: E402
 from tinker_sdk_oracle import descriptor_signature  # noqa: E402  (found through the sys.path entry above)
-
-
-def sdk_python(version: str) -> Path | None:
-    """The python of the venv holding tinker ``version`` ("038" or "024"), or None."""
-    env = os.environ.get(f"LIVELORA_TINKER{version}_PYTHON")
-    path = Path(env) if env else ROOT / f".venv-tinker{version}" / "bin" / "python"
-    return path if path.exists() else None
 
 
 def run_oracle(version: str, ops: dict[str, dict]) -> dict[str, dict]:
