@@ -7,6 +7,7 @@ Rank 0 runs :func:`steps` (the live loop's :class:`~livelora.trainer.online.Onli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -42,8 +43,9 @@ def steps(base_ref, home: Path) -> dict[str, Any]:
     return {"metrics": [first.metrics, second.metrics], "tensors": tensors}
 
 
-def steps_on(group, base_ref, home: Path) -> dict[str, Any] | None:
-    """:func:`steps` on a joined group as in a group process: rank 0 leads, the others mirror; rank 0's results."""
+def led(group, base_ref, run: Callable[[], Any]) -> Any:
+    """``run()`` on rank 0 with a :class:`~livelora.trainer.group_mirror.GroupLeader` (its result), while every
+    other rank mirrors rank 0's models (``follow``, replicas restored from ``base_ref``; None there)."""
     from livelora.trainer.group_mirror import GroupLeader, follow
     from livelora.trainer.recovery import restore_model
 
@@ -53,10 +55,15 @@ def steps_on(group, base_ref, home: Path) -> dict[str, Any] | None:
     leader = GroupLeader(group, lambda: None, heartbeat_s=30)
     leader.start()
     try:
-        return steps(base_ref, home)
+        return run()
     finally:
         leader.close()
         group.leader_of_group = None
+
+
+def steps_on(group, base_ref, home: Path) -> dict[str, Any] | None:
+    """:func:`steps` on a joined group as in a group process: rank 0 leads, the others mirror; rank 0's results."""
+    return led(group, base_ref, lambda: steps(base_ref, home))
 
 
 def gate_measure(model) -> dict[str, Any]:
@@ -74,20 +81,9 @@ def gate_on_sharded(group, base_ref, new_model) -> dict[str, Any] | None:
     """:func:`gate_measure` on ``new_model(base_ref, group)`` with the base weights sharded over ``group``
     (``shard_base``): rank 0 leads, the others build their replicas sharded too and make every pass."""
     from livelora.trainer import distributed
-    from livelora.trainer.group_mirror import GroupLeader, follow
-    from livelora.trainer.recovery import restore_model
 
     previous, distributed._CURRENT = distributed._CURRENT, group  # replicas are built on the sharded group
     try:
-        if not group.leader:
-            follow(group, lambda state, spec: restore_model(state, base_ref, max_seq_len=spec["max_seq_len"]))
-            return None
-        leader = GroupLeader(group, lambda: None, heartbeat_s=30)
-        leader.start()
-        try:
-            return gate_measure(new_model(base_ref, group))
-        finally:
-            leader.close()
-            group.leader_of_group = None
+        return led(group, base_ref, lambda: gate_measure(new_model(base_ref, group)))
     finally:
         distributed._CURRENT = previous
