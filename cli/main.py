@@ -196,6 +196,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     if options.get("home") is not None:
         os.environ["LIVELORA_HOME"] = str(options["home"])
     settings = _settings(ServeSettings if whole_loop else GatewaySettings, options)
+    sock = _listen(settings.server.host, settings.server.port)  # a taken port fails now, before any loading
     metrics_dir = None
     if whole_loop and settings.placement.trainer_process and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         metrics_dir = _shared_metrics_dir(settings.home)  # before prometheus_client is imported (below)
@@ -206,7 +207,6 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
 
         configure_logging("json", log_level)
     embedded, stop, worker_thread, trainer = None, threading.Event(), None, None
-    sock = _listen(settings.server.host, settings.server.port)  # a taken port fails now, before any loading
     try:
         redis_note = ""
         if whole_loop:
@@ -271,6 +271,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             import shutil
 
             shutil.rmtree(metrics_dir, ignore_errors=True)
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # an in-process caller (tests) keeps its own registry
 
 
 def _listen(host: str, port: int):

@@ -62,6 +62,15 @@ def _tokenizer_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_metrics_dir():
+    """A test that runs ``livelora serve`` in-process must leave ``PROMETHEUS_MULTIPROC_DIR`` as it found it: set,
+    it sends every later ``/metrics`` of the session to that directory's files (and child processes write there)."""
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    yield
+    assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == before, "the test left PROMETHEUS_MULTIPROC_DIR set"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _redis_prefix_cleanup():
     """Delete the session's Redis keys (prefix ``$LIVELORA_REDIS_PREFIX``) when the tests end."""
