@@ -553,7 +553,9 @@ def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home
 def adapters_export(
     name: str,
     out_dir: Annotated[Path, typer.Option("--out", help="Destination directory (must not exist).")],
-    format: Annotated[str, typer.Option(help="peft (adapter directory) or merged (full HF model).")] = "peft",
+    format: Annotated[
+        str, typer.Option(help="peft (adapter directory), merged (full HF model) or gguf (llama.cpp LoRA adapter).")
+    ] = "peft",
     url: _Url = DEFAULT_URL,
     api_key: _Key = None,
     home: _HomeOpt = None,

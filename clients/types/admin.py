@@ -84,8 +84,10 @@ class ForgetRequest(_Request):
 class ExportRequest(_Request):
     """``POST /admin/adapters/{name}/export``."""
 
-    format: Literal["peft", "merged"] = Field(
-        "peft", description="peft: adapter directory; merged: full Hugging Face model with the adapter merged."
+    format: Literal["peft", "merged", "gguf"] = Field(
+        "peft",
+        description="peft: adapter directory; merged: full Hugging Face model with the adapter merged; gguf: "
+        "llama.cpp LoRA adapter file (llama-architecture bases).",
     )
 
 

@@ -107,7 +107,7 @@ async def resume(name: str, request: Request, ctx: ConsoleDep, logins: ConsoleLo
 
 @router.post("/versions/{name}/export")
 async def export(name: str, request: Request, ctx: ConsoleDep, logins: ConsoleLoginsDep) -> Response:
-    """The version exported in the form's ``format`` (``peft`` or ``merged``) as a tar download (what
+    """The version exported in the form's ``format`` (``peft``, ``merged`` or ``gguf``) as a tar download (what
     ``GET /admin/exports/{name}/{format}`` answers)."""
 
     async def run(form):

@@ -2,8 +2,8 @@
 
 Used directly by the CLI's ``--home`` mode (synchronous, every tenant) and, through
 :class:`~livelora.gateway.services.admin.GatewayAdmin`, by the ``/admin`` routes (scoped to the caller's tenant).
-Exports are deterministic: ``<home>/exports/<lineage>@<n>.peft`` and ``.merged``; a second export of a version
-returns the existing directory. Tenancy rules: ``docs/internals/tenancy.md``.
+Exports are deterministic: ``<home>/exports/<lineage>@<n>.peft``, ``.merged`` and ``.gguf``; a second export of a
+version returns the existing directory. Tenancy rules: ``docs/internals/tenancy.md``.
 
 Example::
 

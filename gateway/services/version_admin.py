@@ -24,7 +24,8 @@ from livelora.clients.errors import BadRequestError, ConflictError, NotFoundErro
 from livelora.core.atomic import atomic_dir
 from livelora.core.owners import OwnerStore
 
-ExportFormat = Literal["peft", "merged"]
+ExportFormat = Literal["peft", "merged", "gguf"]
+EXPORT_FORMATS = ("peft", "merged", "gguf")
 EXPORTS_DIR = "exports"
 
 
@@ -139,8 +140,8 @@ class VersionAdmin:
             NotFoundError: missing or not visible. BadRequestError: unknown format, bad weights.
             ConflictError: ``out`` exists.
         """
-        if fmt not in ("peft", "merged"):
-            raise BadRequestError(f"export format must be 'peft' or 'merged', not {fmt!r}", param="format")
+        if fmt not in EXPORT_FORMATS:
+            raise BadRequestError(f"export format must be 'peft', 'merged' or 'gguf', not {fmt!r}", param="format")
         m = self.manifest(name)
         if out is None:
             dest = self.export_dir(name, fmt)
@@ -155,6 +156,11 @@ class VersionAdmin:
             from livelora.core.base_models import resolve_base_model
 
             return export_merged(self.store, m.lineage, m.version, resolve_base_model(m.base_model, self.home), dest)
+        if fmt == "gguf":
+            from livelora.adapters.gguf_export import export_gguf
+            from livelora.core.base_models import resolve_base_model
+
+            return export_gguf(self.store, m.lineage, m.version, resolve_base_model(m.base_model, self.home), dest)
         if not self.store.verify(m.lineage, m.version):
             raise BadRequestError(f"{m.name}: weights file does not match its sha256", param="adapter")
         vdir = self.store.version_dir(m.lineage, m.version)
@@ -179,6 +185,6 @@ class VersionAdmin:
     def export_dir(self, name: str, fmt: str) -> Path:
         """``<home>/exports/<lineage>@<n>.<fmt>`` (validated name)."""
         lineage, n = parse_version_name(name)
-        if fmt not in ("peft", "merged"):
-            raise BadRequestError(f"export format must be 'peft' or 'merged', not {fmt!r}", param="format")
+        if fmt not in EXPORT_FORMATS:
+            raise BadRequestError(f"export format must be 'peft', 'merged' or 'gguf', not {fmt!r}", param="format")
         return self.home / EXPORTS_DIR / f"{lineage}@{n}.{fmt}"

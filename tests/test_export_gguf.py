@@ -1,0 +1,121 @@
+"""GGUF export: a version as a llama.cpp LoRA adapter, checked against the built-in model's own GGUF file (the
+rotary row order of ``q``/``k``) and, where llama-cpp-python is installed, by llama.cpp itself."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from livelora.adapters.gguf_export import GGUF_FILE, export_gguf, rope_permute
+from livelora.adapters.store import AdapterStore
+from livelora.clients.errors import BadRequestError, ConflictError
+from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
+from livelora.core.base_models import DEFAULT_MODEL, _gguf_location
+from livelora.trainer.model import TrainingModel
+
+TEXT = "A llama.cpp user must get what the gateway serves."
+
+
+def _trained(base_ref, tokenizer, store, lineage: str, **lora) -> tuple[TrainingModel, int]:
+    m = TrainingModel(base_ref, LoraConfig(rank=4, seed=5, **lora))
+    ids = tokenizer(TEXT)["input_ids"]
+    datum = Datum(
+        model_input=ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(ids[1:], "int64"),
+            "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32"),
+        },
+    )
+    for _ in range(3):
+        m.forward_backward([datum])
+        m.optim_step(AdamParams(learning_rate=1e-2))
+    return m, m.save_weights(store, lineage).version
+
+
+@pytest.fixture(scope="module")
+def exported(base_ref, tokenizer, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gguf")
+    store = AdapterStore(tmp / "home")
+    m, version = _trained(base_ref, tokenizer, store, "ggufed", train_unembed=False)
+    return m, store, version, export_gguf(store, "ggufed", version, base_ref, tmp / "out"), base_ref
+
+
+def test_the_adapter_file_applied_to_the_base_gguf_equals_the_merged_weights(exported):
+    """Layer by layer: ``W_gguf + lora_b · lora_a`` (what llama.cpp computes) equals the peft-merged weight in the
+    GGUF row order, with ``W_gguf`` dequantized from the built-in model's file, not derived from ours."""
+    import gguf
+
+    m, _, _, out, _ = exported
+    adapter = gguf.GGUFReader(out / GGUF_FILE)
+    fields = {f.name: f for f in adapter.fields.values()}
+    assert fields["general.type"].contents() == "adapter" and fields["adapter.type"].contents() == "lora"
+    assert fields["general.architecture"].contents() == "llama" and fields["adapter.lora.alpha"].contents() == 0.0
+    lora = {t.name: torch.from_numpy(t.data.copy()).reshape(tuple(reversed(t.shape.tolist()))) for t in adapter.tensors}
+    assert len(lora) == 30 * 7 * 2  # every attention and MLP projection of the 30 layers, a and b
+    base = {t.name: t for t in gguf.GGUFReader(_gguf_location(DEFAULT_MODEL)).tensors}
+    cfg = m.peft_model.config
+    layers = m.peft_model.base_model.model.model.layers
+    for i in (0, 29):
+        for name, module, n_head in (
+            ("attn_q", layers[i].self_attn.q_proj, cfg.num_attention_heads),
+            ("attn_k", layers[i].self_attn.k_proj, cfg.num_key_value_heads),
+            ("ffn_down", layers[i].mlp.down_proj, None),
+        ):
+            t = base[f"blk.{i}.{name}.weight"]
+            w_gguf = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+            w_hf = module.base_layer.weight.detach()
+            delta = module.get_delta_weight("default").detach()
+            order = (lambda w, n=n_head: rope_permute(w, n)) if n_head else (lambda w: w)
+            assert torch.allclose(w_gguf, order(w_hf), atol=1e-6), name  # the row order is GGUF's
+            applied = w_gguf + lora[f"blk.{i}.{name}.weight.lora_b"] @ lora[f"blk.{i}.{name}.weight.lora_a"]
+            assert torch.allclose(applied, order(w_hf + delta), atol=1e-6), name
+            assert delta.abs().max() > 1e-4  # trained: the check is not on zeros
+
+
+def test_refusals(exported, base_ref, tokenizer, tmp_path):
+    from livelora.gateway.services.store_admin import AdminService
+
+    _, store, version, out, _ = exported
+    versions = AdminService(store.home, tenant=None).versions  # what the CLI and POST /admin/.../export call
+    assert (versions.export(f"ggufed@{version}", "gguf") / GGUF_FILE).read_bytes() == (out / GGUF_FILE).read_bytes()
+    with pytest.raises(BadRequestError, match="'peft', 'merged' or 'gguf'"):
+        versions.export(f"ggufed@{version}", "onnx")
+    with pytest.raises(ConflictError, match="already exists"):
+        export_gguf(store, "ggufed", version, base_ref, out)
+    _trained(base_ref, tokenizer, store, "unembed")  # train_unembed: a LoRA on the tied lm_head
+    with pytest.raises(BadRequestError, match="attention and MLP projections only") as e:
+        export_gguf(store, "unembed", 1, base_ref, tmp_path / "refused")
+    assert e.value.param == "format" and not (tmp_path / "refused").exists()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp from source)",
+)
+def test_llama_cpp_with_the_adapter_predicts_what_peft_does(exported, tokenizer):
+    from llama_cpp import Llama
+
+    m, _, _, out, _ = exported
+    ids = tokenizer(TEXT)["input_ids"]
+
+    def last_logits(lora: str | None) -> torch.Tensor:
+        kw = {"lora_path": str(out / GGUF_FILE)} if lora else {}
+        llm = Llama(str(_gguf_location(DEFAULT_MODEL)), n_ctx=128, logits_all=True, verbose=False, **kw)
+        llm.eval(ids)
+        got = torch.tensor(llm.scores[: len(ids)])
+        llm.close()
+        return got
+
+    with torch.no_grad():
+        peft_logits = m.peft_model(input_ids=torch.tensor([ids])).logits[0]
+        with m.peft_model.disable_adapter():
+            base_logits = m.peft_model(input_ids=torch.tensor([ids])).logits[0]
+    adapted, plain = last_logits("lora"), last_logits(None)
+    # llama.cpp multiplies Q4_1 weights by 8-bit activations: logits differ by a little from float32 peft, so
+    # compare against the adapter's effect, which is much larger
+    err = (adapted - peft_logits).abs().max().item()
+    assert err < 0.5 * (peft_logits - base_logits).abs().max().item()
+    assert (adapted - plain).abs().max().item() > 0.5 * (peft_logits - base_logits).abs().max().item()
+    assert (adapted.argmax(-1) == peft_logits.argmax(-1)).float().mean().item() >= 0.9
