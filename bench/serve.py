@@ -311,10 +311,30 @@ def offline_generate(model, tokenizer, prompts: list[str], max_tokens: int, batc
     return {"elapsed_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed}
 
 
+def llama_cpp_generate(llm, tokenizer, prompts: list[str], max_tokens: int) -> dict:
+    """``prompts`` one at a time through llama.cpp (``llama_cpp.Llama``: the built-in GGUF with the version's
+    ``--format gguf`` export as its LoRA), greedy, exactly ``max_tokens`` new tokens each (end-of-sequence
+    suppressed, as ``min_new_tokens`` does offline); returns elapsed seconds, output tokens and tokens/s."""
+    tokens, start = 0, time.perf_counter()
+    for p in prompts:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out = llm.create_completion(
+            ids, max_tokens=max_tokens, temperature=0.0, logit_bias={tokenizer.eos_token_id: -1e9}
+        )
+        tokens += out["usage"]["completion_tokens"]
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed}
+
+
 def anchors(args) -> None:
     """The gateway with an adapter on every request against offline ``generate`` with the same adapter (see the
     module docstring): ``--rounds`` alternating rounds of gateway N streams, static batch N, gateway 1 stream,
-    batch 1; prints each and the medians."""
+    batch 1 (and llama.cpp at one stream on the built-in GGUF with the same version, where llama-cpp-python is
+    installed); prints each and the medians."""
+    import importlib.util
     import tempfile
     import uuid
     from pathlib import Path
@@ -343,6 +363,11 @@ def anchors(args) -> None:
         rows[f"gateway_1[{w}]"] = []
         if w == weights[0]:
             rows["generate_1"] = []
+    llm = None
+    if importlib.util.find_spec("llama_cpp") is not None and args.model == "smollm2-135m-instruct":
+        rows["llama_cpp_1"] = []
+    else:
+        print("llama.cpp anchor left out: llama-cpp-python is not installed, or --model is not the built-in GGUF")
     try:
         for w in weights:  # one store and prefix per gateway; the same seeded version published to each
             home = Path(tempfile.mkdtemp(prefix="livelora-anchors-"))
@@ -380,6 +405,21 @@ def anchors(args) -> None:
         )
         model.eval()
         offline_generate(model, tokenizer, PROMPTS[:2], 2, 2)  # warm-up
+        if "llama_cpp_1" in rows:
+            from llama_cpp import Llama
+
+            from livelora.adapters.gguf_export import GGUF_FILE, export_gguf
+            from livelora.core.base_models import DEFAULT_MODEL, _gguf_location
+
+            lora = export_gguf(AdapterStore(home), hotswap.EP, 1, ref, Path(tempfile.mkdtemp()) / "gguf") / GGUF_FILE
+            llm = Llama(
+                str(_gguf_location(DEFAULT_MODEL)),
+                lora_path=str(lora),
+                n_ctx=1024,
+                n_threads=os.cpu_count(),
+                verbose=False,
+            )
+            llama_cpp_generate(llm, tokenizer, PROMPTS[:1], 2)  # warm-up
         n = args.concurrency
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
         ones = max(2, args.requests // n)
@@ -393,6 +433,8 @@ def anchors(args) -> None:
                     res = asyncio.run(run_gateway(url, hotswap.EP, 1, ones, args.max_tokens))
                 elif kind == "static_n":
                     res = offline_generate(model, tokenizer, prompts, args.max_tokens, n)
+                elif kind == "llama_cpp_1":
+                    res = llama_cpp_generate(llm, tokenizer, prompts[:ones], args.max_tokens)
                 else:
                     res = offline_generate(model, tokenizer, prompts[:ones], args.max_tokens, 1)
                 res["load"] = load
@@ -422,6 +464,11 @@ def anchors(args) -> None:
             f"  [{w}] gateway 1 stream  {g1:.1f} tok/s vs generate batch 1 (fp32) {med['generate_1']:.1f} tok/s: "
             f"{g1 / med['generate_1']:.2f}x; vs [{weights[0]}] {g1 / med[f'gateway_1[{weights[0]}]']:.2f}x"
         )
+        if "llama_cpp_1" in med:
+            print(
+                f"  [{w}] gateway 1 stream  {g1:.1f} tok/s vs llama.cpp 1 stream (Q4_1 GGUF + the version as a "
+                f"GGUF LoRA) {med['llama_cpp_1']:.1f} tok/s: {g1 / med['llama_cpp_1']:.2f}x"
+            )
 
 
 def metering_ab(args) -> None:
