@@ -29,28 +29,39 @@ from livelora.core.settings import CommonSettings
 from livelora.gateway.engines.quantized import quantize_linears
 
 
-def merged_model(rank: int, seed: int):
-    """The fp32 base with a seeded rank-``rank`` LoRA on every linear layer merged in."""
+def merged_model(rank: int, seed: int, base_weights: str | None = None, head: str | None = None):
+    """The fp32 base with a seeded rank-``rank`` LoRA on every linear layer merged in; with ``base_weights``
+    (``int4``) the base layers serve that format and the LoRA stays unmerged beside them in float32, as the
+    engine serves ``int4`` (``head``: a format for ``lm_head`` alone, quantized first)."""
     from peft import LoraConfig, get_peft_model
 
     settings = CommonSettings()
     model = load_model(resolve_base_model(settings.model, settings.home))
+    if head:
+        quantize_linears(model.lm_head, head)
+    if base_weights:
+        quantize_linears(model, base_weights)
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
+    torch.manual_seed(seed)  # lora_A's initialisation: the same factors in every candidate
     peft = get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return peft.merge_and_unload().eval()
+    return (peft if base_weights else peft.merge_and_unload()).eval()
 
 
-def candidates(ref) -> dict:
-    """Name → model serving the candidate format (copies of ``ref``)."""
+def candidates(ref, rank: int) -> dict:
+    """Name → model serving the candidate format (copies of ``ref``; ``int4`` rebuilt from the base, the same
+    seeded LoRA unmerged)."""
     out = {"fp32": ref, "bf16": copy.deepcopy(ref).to(torch.bfloat16)}
     int8 = copy.deepcopy(ref)
     quantize_linears(int8)
     out["int8"] = int8
+    out["int4"] = merged_model(rank, seed=0, base_weights="int4")
+    out["int4+int8-head"] = merged_model(rank, seed=0, base_weights="int4", head="int8")
+    out["int4+bf16-head"] = merged_model(rank, seed=0, base_weights="int4", head="bf16")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
@@ -118,7 +129,7 @@ def main() -> None:
     print(f"load: {os.getloadavg()[0]:.2f}  threads: {torch.get_num_threads()}", flush=True)
     tok = load_tokenizer(resolve_base_model(CommonSettings().model, CommonSettings().home))
     ref = merged_model(args.rank, seed=0)
-    models = {k: v for k, v in candidates(ref).items() if not args.only or k in args.only or k == "fp32"}
+    models = {k: v for k, v in candidates(ref, args.rank).items() if not args.only or k in args.only or k == "fp32"}
     b1, b8 = encode(tok, PROMPTS[:1]), encode(tok, PROMPTS)
     speeds: dict[str, dict[int, list[float]]] = {k: {1: [], 8: []} for k in models}
     for r in range(args.rounds):

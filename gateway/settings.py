@@ -90,11 +90,13 @@ class InferenceSection(Section):
         "the adapted layers: 425 MB for SmolLM2-135M in float32; "
         "gateway/engines/lora_slots.py).",
     )
-    engine_weights: Literal["fp32", "bf16", "int8"] = Field(
+    engine_weights: Literal["fp32", "bf16", "int8", "int4"] = Field(
         "fp32",
         description="Transformers engine: format of the served weights: 'fp32' (what training uses), 'bf16' "
-        "(the model in bfloat16), or 'int8' (weight-only int8 per output channel, each version's merged "
-        "weights re-quantized; gateway/engines/quantized.py). Measured and why fp32 stays the default: "
+        "(the model in bfloat16), 'int8' (weight-only int8 per output channel, each version's merged "
+        "weights re-quantized) or 'int4' (attention and MLP weight-only int4 in groups of 32, the GGUF Q4_1 "
+        "grid of the built-in model; lm_head in bfloat16; adapter versions never merged; "
+        "gateway/engines/quantized.py). Measured and why fp32 stays the default: "
         "docs/serving.md.",
     )
     max_waiting: int = Field(64, ge=0, description="Sequences allowed to wait for a batch slot; more get 429.")

@@ -1,6 +1,6 @@
-"""Served weight formats of the transformers engine (``LIVELORA_ENGINE_WEIGHTS``): the int8 path against fp32 on
-the evaluation gate's probe prompts (greedy replies, per-token KL), and a version swapped in under int8 served
-from its own re-quantized merged weights ``quantize(W + s·B A)``."""
+"""Served weight formats of the transformers engine (``LIVELORA_ENGINE_WEIGHTS``): the int8 and int4 paths against
+fp32 on the evaluation gate's probe prompts (greedy replies, per-token KL), a version swapped in under int8 served
+from its own re-quantized merged weights ``quantize(W + s·B A)``, and under int4 never merged."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from test_engine_contract import collect, greedy
 
 from livelora.gateway.engines import create_engine
 from livelora.gateway.engines.hf_calls import on_worker
-from livelora.gateway.engines.quantized import Int8Weight
+from livelora.gateway.engines.quantized import INT4_GROUP, Int4Weight, Int8Weight
 from livelora.trainer.gate_measure import ProbeSuite, load_probes
 
 #: Mean per-token KL(fp32 ‖ int8) bound, nats (measured: docs/serving.md).
@@ -36,19 +36,39 @@ def test_int8_weight_rounds_each_weight_to_its_row_scale():
     assert torch.allclose(q.linear(x), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
 
 
+def test_int4_weight_keeps_a_q4_1_grid_up_to_bfloat16_rounding():
+    """A weight on GGUF's Q4_1 grid (``d·q + m``, q in 0..15 per group of 32, both ends used, as the built-in
+    model's layers are) is served with only the bfloat16 rounding of ``d`` and ``m``."""
+    g = torch.Generator().manual_seed(0)
+    d = torch.rand(48, 64 // INT4_GROUP, 1, generator=g) * 0.02 + 1e-3
+    m = -torch.rand(48, 64 // INT4_GROUP, 1, generator=g) * 0.1
+    q = torch.randint(0, 16, (48, 64 // INT4_GROUP, INT4_GROUP), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # llama.cpp's Q4_1 puts the group's min at 0 and its max at 15
+    w = (d * q + m).reshape(48, 64)
+    served = Int4Weight(w)
+    assert served.packed.dtype == torch.uint8 and served.packed.numel() == w.numel() // 2
+    # bfloat16 rounds by 2⁻⁸ at most: d (times |q - 8| ≤ 8), m + 8·d and the output (≤ |m| + 15·d) together stay
+    # under d/8 + |m|/64; re-rounding to a neighbouring grid point would cost d
+    bound = (d / 8 + m.abs() / 64).repeat_interleave(INT4_GROUP, 1)[:, :, 0]
+    assert torch.all((served.dequantize() - w).abs() <= bound)
+    x = torch.randn(3, 5, 64, generator=g)
+    ref = x.bfloat16().float() @ served.dequantize().t()
+    assert torch.allclose(served.linear(x), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
 def test_engine_weights_setting_refuses_an_unknown_format(monkeypatch):
     from pydantic import ValidationError
 
     from livelora.clients.errors import BadRequestError
     from livelora.gateway.settings import GatewaySettings
 
-    monkeypatch.setenv("LIVELORA_ENGINE_WEIGHTS", "int4")
+    monkeypatch.setenv("LIVELORA_ENGINE_WEIGHTS", "fp8")
     with pytest.raises(ValidationError, match="engine_weights"):
         GatewaySettings()
-    monkeypatch.setenv("LIVELORA_ENGINE_WEIGHTS", "int8")
-    assert GatewaySettings().inference.engine_weights == "int8"
-    with pytest.raises(BadRequestError, match="weights must be one of fp32, bf16, int8"):
-        create_engine("transformers", device="cpu", weights="int4")
+    monkeypatch.setenv("LIVELORA_ENGINE_WEIGHTS", "int4")
+    assert GatewaySettings().inference.engine_weights == "int4"
+    with pytest.raises(BadRequestError, match="weights must be one of fp32, bf16, int8, int4"):
+        create_engine("transformers", device="cpu", weights="fp8")
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +79,9 @@ def versions(base_ref, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(base_ref, loop, versions):
-    """``{"fp32": engine, "int8": engine}``, both serving version 1 as ``probe@1``."""
+    """``{"fp32": engine, "int8": engine, "int4": engine}``, each serving version 1 as ``probe@1``."""
     out = {}
-    for weights in ("fp32", "int8"):
+    for weights in ("fp32", "int8", "int4"):
         eng = create_engine("transformers", model=base_ref.name, device="cpu", max_batch_size=8, weights=weights)
         loop.run_until_complete(eng.start())
         loop.run_until_complete(eng.load_adapter("probe@1", str(versions[0])))
@@ -102,17 +122,18 @@ async def _mean_kl(ref, other, pairs, ref_adapter: str, other_adapter: str) -> f
     return float(torch.cat(kls).mean())
 
 
-def test_int8_greedy_probe_replies_and_kl_match_fp32(engines, run):
-    fp32, int8 = engines["fp32"], engines["int8"]
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_greedy_probe_replies_and_kl_match_fp32(engines, run, weights):
+    fp32, quantized = engines["fp32"], engines[weights]
     ref = run(_replies(fp32, "probe@1"))
-    got = run(_replies(int8, "probe@1"))
+    got = run(_replies(quantized, "probe@1"))
     answers = sum(a[1][0] == b[1][0] for a, b in zip(ref, got)) / len(ref)
     replies = sum(a[1] == b[1] for a, b in zip(ref, got)) / len(ref)
-    kl = run(_mean_kl(fp32, int8, ref, "probe@1", "probe@1"))
-    print(f"int8 vs fp32: probe answers {answers:.0%} equal, {REPLY_TOKENS}-token replies {replies:.0%}, KL {kl:.2e}")
+    kl = run(_mean_kl(fp32, quantized, ref, "probe@1", "probe@1"))
+    print(f"{weights} vs fp32: probe answers {answers:.0%}, {REPLY_TOKENS}-token replies {replies:.0%}, KL {kl:.2e}")
     assert len(ref) == len(load_probes()) >= 20
     assert answers >= AGREEMENT, f"{answers:.0%} of greedy probe answers equal fp32's"
-    assert 0 < kl < KL_BOUND  # int8 serves weights of its own (KL > 0), close to fp32's
+    assert 0 < kl < KL_BOUND  # it serves weights of its own (KL > 0), close to fp32's
 
 
 def test_a_version_swapped_in_under_int8_serves_its_own_requantized_weights(engines, run, versions):
@@ -135,4 +156,20 @@ def test_a_version_swapped_in_under_int8_serves_its_own_requantized_weights(engi
     kl_v1 = run(_mean_kl(fp32, int8, pairs, "probe@2", "probe@1"))
     assert kl_v2 < KL_BOUND and kl_v2 < kl_v1 / 2  # int8 on v2 is fp32's v2, much closer than to the previous version
     for eng in (fp32, int8):
+        run(eng.unload_adapter("probe@2"))
+
+
+def test_a_version_under_int4_is_served_unmerged_beside_the_int4_base(engines, run, versions):
+    fp32, int4 = engines["fp32"], engines["int4"]
+    for eng in (fp32, int4):
+        run(eng.load_adapter("probe@2", str(versions[1])))
+    pairs = run(_replies(int4, "probe@2"))[:4]
+    slots = int4._worker.slots
+    assert slots.merged is None  # every row on v2, and still not merged: a merge would leave the int4 grid
+    served = [m._livelora_quantized for m in int4._worker.model.modules() if hasattr(m, "_livelora_quantized")]
+    assert sum(isinstance(w, Int4Weight) for w in served) == 30 * 7  # attention and MLP; lm_head in bfloat16
+    kl_v2 = run(_mean_kl(fp32, int4, pairs, "probe@2", "probe@2"))
+    kl_v1 = run(_mean_kl(fp32, int4, pairs, "probe@2", "probe@1"))
+    assert kl_v2 < KL_BOUND and kl_v2 < kl_v1 / 2
+    for eng in (fp32, int4):
         run(eng.unload_adapter("probe@2"))

@@ -55,7 +55,7 @@ class TransformersEngine(Engine):
             thread budget).
         merge_lora: serve an adapter version that every row of a batch uses from merged weights
             (:class:`~.lora_slots.MergedVersion`; ``LIVELORA_ENGINE_MERGE_LORA``).
-        weights: served weight format, ``fp32``, ``bf16`` or ``int8`` (:mod:`.quantized`;
+        weights: served weight format, ``fp32``, ``bf16``, ``int8`` or ``int4`` (:mod:`.quantized`;
             ``LIVELORA_ENGINE_WEIGHTS``); ``bf16`` loads the model in bfloat16 whatever ``dtype`` says.
     """
 
@@ -129,10 +129,12 @@ class TransformersEngine(Engine):
         ref = resolve_base_model(self.model_name, self._home)
         tokenizer = load_tokenizer(ref)
         model = load_model(ref, dtype=self.dtype, device=self.device)
-        if self.weights == "int8":
+        if self.weights in ("int8", "int4"):
             from livelora.gateway.engines.quantized import quantize_linears
 
-            quantize_linears(model)
+            if self.weights == "int4":  # lm_head first: its GGUF block is Q8_0, int4 would round it
+                quantize_linears(model.get_output_embeddings(), "bf16")
+            quantize_linears(model, self.weights)
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
         if self._max_model_len_arg and self._max_model_len_arg > limit:
             raise BadRequestError(
@@ -163,7 +165,7 @@ class TransformersEngine(Engine):
             max_prefill_tokens=self.max_prefill_tokens,
             device=self.device,
             share=share,
-            merge_lora=self.merge_lora,
+            merge_lora=self.merge_lora and self.weights != "int4",  # a merge would leave the int4 grid
             quantize=self.weights == "int8",
             serving=serving,
         )
