@@ -177,8 +177,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
-def check_streams(ref, store, keys, redis_client, streams: list[Request], published: list[str], tol: float):
-    """Teacher-forced check of every finished stream against the version its header named.
+def check_streams(
+    ref, store, keys, redis_client, streams: list[Request], published: list[str], tol: float, weights: str = "fp32"
+):
+    """Teacher-forced check of every finished stream against the version its header named (the base model
+    serving ``weights``, the versions unmerged beside it, as the engine serves ``fp32`` or ``int4``).
 
     Returns ``(mixed count, checked count, max |diff| to own version, min over streams of max |diff| to a
     neighbour version)``.
@@ -188,12 +191,14 @@ def check_streams(ref, store, keys, redis_client, streams: list[Request], publis
 
     from livelora.adapters.store import parse_version_name
     from livelora.core.base_models import load_model
+    from livelora.gateway.engines.quantized import serve_weights
 
     names = sorted(
         {n for n in published} | {s.version for s in streams if s.version and s.version != "base"},
         key=lambda n: parse_version_name(n)[1],
     )
     base = load_model(ref)
+    serve_weights(base, weights)
     model = None
     for name in names:
         path = str(store.version_dir(*parse_version_name(name)))
@@ -264,6 +269,7 @@ async def run(args) -> None:
         "LIVELORA_RESYNC_S": "0",
         "LIVELORA_REDIS_URL": settings.redis_url,
         **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}),
+        "LIVELORA_ENGINE_WEIGHTS": args.weights,
     }
     cmd = [
         sys.executable,
@@ -355,11 +361,11 @@ async def run(args) -> None:
     from livelora.adapters.store import AdapterStore
 
     mixed, checked, own_max, neighbour_min = check_streams(
-        ref, AdapterStore(home), keys, redis_client, streams, [r[0] for r in rows], args.tol
+        ref, AdapterStore(home), keys, redis_client, streams, [r[0] for r in rows], args.tol, args.weights
     )
 
     print(
-        f"device=cpu rank={args.rank} streams={args.streams} max_tokens={args.max_tokens} "
+        f"device=cpu weights={args.weights} rank={args.rank} streams={args.streams} max_tokens={args.max_tokens} "
         f"versions={args.versions} interval≈{args.interval} s"
     )
     print(f"{'version':<14} {'save s':>7} {'install s':>9} {'→switch s':>10} {'→served s':>10} {'probes':>6}")
@@ -427,4 +433,11 @@ if __name__ == "__main__":
     ap.add_argument("--probe-every", type=float, default=0.1, help="seconds between probes after a publish")
     ap.add_argument("--tol", type=float, default=1e-3, help="nats: served vs teacher-forced logprobs")
     ap.add_argument("--keep-store", action="store_true")
+    ap.add_argument(
+        "--weights",
+        default="fp32",
+        choices=["fp32", "int4"],
+        help="LIVELORA_ENGINE_WEIGHTS of the gateway; the check's reference serves the same (int8 is left out: "
+        "its merged versions are re-quantized, which a teacher-forced peft reference does not reproduce)",
+    )
     asyncio.run(run(ap.parse_args()))

@@ -124,6 +124,16 @@ def quantize_linears(model: torch.nn.Module, weights: str = "int8") -> int:
     return count
 
 
+def serve_weights(model: torch.nn.Module, weights: str) -> None:
+    """Make ``model`` (a float model, before any LoRA layer is injected) serve ``weights``: ``int8`` every
+    linear layer; ``int4`` the attention and MLP layers, ``lm_head`` in bfloat16 (quantized first: the built-in
+    model's GGUF keeps it in Q8_0, which int4 would round); ``fp32``/``bf16`` nothing (the dtype does it)."""
+    if weights == "int4":
+        quantize_linears(model.get_output_embeddings(), "bf16")
+    if weights in ("int8", "int4"):
+        quantize_linears(model, weights)
+
+
 def torch_dtype(weights: str, dtype: str | None) -> str:
     """The dtype the engine loads the model in for ``weights`` (``bf16`` → ``bfloat16``; ``int8`` keeps the
     float dtype of the non-quantized parts, ``float32`` by default).

@@ -129,12 +129,9 @@ class TransformersEngine(Engine):
         ref = resolve_base_model(self.model_name, self._home)
         tokenizer = load_tokenizer(ref)
         model = load_model(ref, dtype=self.dtype, device=self.device)
-        if self.weights in ("int8", "int4"):
-            from livelora.gateway.engines.quantized import quantize_linears
+        from livelora.gateway.engines.quantized import serve_weights
 
-            if self.weights == "int4":  # lm_head first: its GGUF block is Q8_0, int4 would round it
-                quantize_linears(model.get_output_embeddings(), "bf16")
-            quantize_linears(model, self.weights)
+        serve_weights(model, self.weights)
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
         if self._max_model_len_arg and self._max_model_len_arg > limit:
             raise BadRequestError(
