@@ -237,12 +237,15 @@ def check_streams(
         diff = max(abs(a - b) for a, b in zip(served, own))
         checked += 1
         own_max = max(own_max, diff)
-        if diff > tol or len(served) != len(own):
-            mixed += 1
         k = 0 if s.version == "base" else parse_version_name(s.version)[1]
         others = [n for n in names if parse_version_name(n)[1] in (k - 1, k + 1)]
-        for other in others:
-            neighbour_min = min(neighbour_min, max(abs(a - b) for a, b in zip(served, lps(tokens, n_prompt, other))))
+        nearest = min(
+            (max(abs(a - b) for a, b in zip(served, lps(tokens, n_prompt, other))) for other in others),
+            default=float("inf"),
+        )
+        neighbour_min = min(neighbour_min, nearest)
+        if diff > tol or diff >= nearest or len(served) != len(own):  # off its own version, or as near another
+            mixed += 1
     return mixed, checked, own_max, neighbour_min
 
 
@@ -431,7 +434,13 @@ if __name__ == "__main__":
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the gateway (0: inherit)")
     ap.add_argument("--probe-every", type=float, default=0.1, help="seconds between probes after a publish")
-    ap.add_argument("--tol", type=float, default=1e-3, help="nats: served vs teacher-forced logprobs")
+    ap.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="nats: served vs teacher-forced logprobs (default 1e-3; 0.25 with --weights int4, whose lm_head "
+        "answers bfloat16 logits: a logit near 20 moves in steps of 0.125)",
+    )
     ap.add_argument("--keep-store", action="store_true")
     ap.add_argument(
         "--weights",
@@ -440,4 +449,7 @@ if __name__ == "__main__":
         help="LIVELORA_ENGINE_WEIGHTS of the gateway; the check's reference serves the same (int8 is left out: "
         "its merged versions are re-quantized, which a teacher-forced peft reference does not reproduce)",
     )
-    asyncio.run(run(ap.parse_args()))
+    args = ap.parse_args()
+    if args.tol is None:
+        args.tol = 0.25 if args.weights == "int4" else 1e-3
+    asyncio.run(run(args))

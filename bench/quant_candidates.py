@@ -2,8 +2,10 @@
 
 The model is SmolLM2-135M-Instruct with a rank-16 LoRA on every linear layer merged into its weights
 (``W + s·B A``, B drawn at scale 0.05), as the engine serves a version every row uses. Candidates: ``fp32``,
-``bf16`` (the whole model), ``int8`` (weight-only, ``gateway/engines/quantized.py``) and ``int8-dynamic``
-(``torch.ao`` dynamic quantization, per-channel int8 weights and per-batch int8 activations). Speed: tok/s of
+``bf16`` (the whole model), ``int8`` (weight-only, ``gateway/engines/quantized.py``), ``int4`` (the base in int4
+with ``lm_head`` in bfloat16 and the same LoRA unmerged, as the engine serves it; ``int4-head-fp32`` and
+``int4-head-int4`` vary ``lm_head``) and ``int8-dynamic`` (``torch.ao`` dynamic quantization, per-channel int8
+weights and per-batch int8 activations). Speed: tok/s of
 one decode step (median of ``--steps`` after prefilling 1 or 8 prompts), candidates alternating over ``--rounds``
 rounds, median reported; on a shared machine run it with ``OMP_NUM_THREADS=1`` (docs/serving.md). Fidelity:
 mean per-token KL(p_fp32 ‖ p_candidate) over fp32's greedy continuations of the prompts (teacher-forced), and
@@ -37,10 +39,10 @@ def merged_model(rank: int, seed: int, base_weights: str | None = None, head: st
 
     settings = CommonSettings()
     model = load_model(resolve_base_model(settings.model, settings.home))
-    if head:
+    if head and head != "fp32":
         quantize_linears(model.lm_head, head)
     if base_weights:
-        quantize_linears(model, base_weights)
+        quantize_linears(model, base_weights, skip=(model.lm_head,) if head == "fp32" else ())
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
     torch.manual_seed(seed)  # lora_A's initialisation: the same factors in every candidate
     peft = get_peft_model(model, cfg)
@@ -59,9 +61,9 @@ def candidates(ref, rank: int) -> dict:
     int8 = copy.deepcopy(ref)
     quantize_linears(int8)
     out["int8"] = int8
-    out["int4"] = merged_model(rank, seed=0, base_weights="int4")
-    out["int4+int8-head"] = merged_model(rank, seed=0, base_weights="int4", head="int8")
-    out["int4+bf16-head"] = merged_model(rank, seed=0, base_weights="int4", head="bf16")
+    out["int4"] = merged_model(rank, seed=0, base_weights="int4", head="bf16")  # as the engine serves it
+    out["int4-head-fp32"] = merged_model(rank, seed=0, base_weights="int4", head="fp32")
+    out["int4-head-int4"] = merged_model(rank, seed=0, base_weights="int4")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic

@@ -1,17 +1,13 @@
 """Served weight formats of the transformers engine on the CPU (``LIVELORA_ENGINE_WEIGHTS``).
 
-At one stream a CPU decode step reads every weight once, so its speed is bounded by the bytes read:
-``fp32`` (4 bytes a weight, what training uses), ``bf16`` (2) and ``int8`` (1, plus one scale per output
-channel). ``int8`` is weight-only: each ``nn.Linear`` weight ``W`` ``(d_out, d_in)`` is stored as
-``q = round(W / s)`` clamped to ±127 with ``s = max|W_row| / 127`` per output row (symmetric, per channel),
-and ``y = (x_bf16 @ qᵀ) · s`` is computed by ``torch._weight_int8pack_mm`` (activations in bfloat16, the
-result cast back to the activations' dtype); a row's result never depends on the other rows of the batch.
-An adapter version served from merged weights is re-quantized as a whole, ``quantize(W + s·B A)``
-(:class:`~.lora_slots.MergedVersion`). ``int4`` is weight-only, asymmetric, in groups of 32 along ``d_in``
-(GGUF's ``Q4_1`` grid): ``W ≈ d·q + m`` with ``q`` in 0..15, ``d = (max - min) / 15`` and ``m = min`` per group,
-computed by ``torch._weight_int4pack_mm_for_cpu`` with bfloat16 activations; the built-in model's attention and
-MLP weights are ``Q4_1`` in its GGUF file, so on them only the bfloat16 rounding of activations, ``d`` and ``m``
-remains. Adapter versions are never merged into ``int4`` weights (their float32 LoRA runs beside them).
+``fp32`` (what training uses), ``bf16``, ``int8`` and ``int4``. ``int8`` is weight-only: ``W`` ``(d_out, d_in)``
+stored as ``q = round(W / s)`` clamped to ±127, ``s = max|W_row| / 127`` per output row, ``y = (x_bf16 @ qᵀ) · s``
+by ``torch._weight_int8pack_mm``; a version served merged is re-quantized as a whole, ``quantize(W + s·B A)``
+(:class:`~.lora_slots.MergedVersion`). ``int4`` is weight-only, asymmetric, in groups of 32 along ``d_in`` (GGUF's
+``Q4_1`` grid, on which the built-in model's attention and MLP weights lie): ``W ≈ d·q + m``, ``q`` in 0..15,
+``d = (max - min) / 15``, ``m = min`` per group, by ``torch._weight_int4pack_mm_for_cpu`` with bfloat16
+activations; ``lm_head`` stays bfloat16 and versions are never merged into it (:func:`serve_weights`). Results
+are cast back to the activations' dtype; a row's result never depends on the other rows of the batch.
 Measurements and the choice: ``docs/serving.md``.
 """
 
@@ -108,15 +104,15 @@ def _quantized_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
     return module._livelora_quantized.linear(x, module.bias)
 
 
-def quantize_linears(model: torch.nn.Module, weights: str = "int8") -> int:
+def quantize_linears(model: torch.nn.Module, weights: str = "int8", skip: tuple = ()) -> int:
     """Serve every ``nn.Linear`` of ``model`` (before any LoRA layer is injected) from an :class:`Int8Weight`
     (``weights="int8"``), :class:`Int4Weight` (``"int4"``; layers whose ``d_in`` is not a multiple of 32 get
     int8) or :class:`Bf16Weight` (``"bf16"``) copy of its weight; a layer already served so is left alone.
     The float weight stays (it is what an adapter version is merged into, and what peft reads shapes from).
-    Returns the number of layers quantized."""
+    ``skip``: modules left as they are. Returns the number of layers quantized."""
     count = 0
     for module in list(model.modules()):
-        if type(module) is torch.nn.Linear and not hasattr(module, "_livelora_quantized"):
+        if type(module) is torch.nn.Linear and not hasattr(module, "_livelora_quantized") and module not in skip:
             kind = "int8" if weights == "int4" and module.in_features % INT4_GROUP else weights
             module._livelora_quantized = _KINDS[kind](module.weight)
             module.forward = functools.partial(_quantized_forward, module)
