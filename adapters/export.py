@@ -84,6 +84,7 @@ def export_merged(
             model.config.get_text_config().tie_word_embeddings = False
     with MODEL_BUILD_LOCK, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*tied layer.*")  # untied above
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft asks transformers 5
         merged = PeftModel.from_pretrained(model, str(vdir)).merge_and_unload(safe_merge=True)
     merged = merged.to(dtype)
     tokenizer = load_tokenizer(base_ref)

@@ -51,6 +51,7 @@ def wrap_lora(model: Any, lora: LoraConfig, *, alpha: float, seed: int, base_nam
     with MODEL_BUILD_LOCK, torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # handled, see trainer/model.py
         warnings.filterwarnings("ignore", message=".*tied layer.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft asks transformers 5
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, peft_config)
     return peft_model, peft_config

@@ -209,7 +209,8 @@ class LoraSlots:
         created = self.peft is None
         t0 = time.perf_counter()
         try:
-            with MODEL_BUILD_LOCK:  # another thread may be loading a model (see the lock's doc)
+            with MODEL_BUILD_LOCK, warnings.catch_warnings():  # another thread may be loading a model (lock's doc)
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft on transformers 5
                 if created:
                     self.peft = PeftModel(self.model, config, adapter_name=slot.name)
                     self.peft.eval()
