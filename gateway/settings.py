@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from livelora.core.settings import (
@@ -136,6 +136,16 @@ class InferenceSection(Section):
         "OpenAI's (1, 1, off), or a directory holding a generation_config.json "
         "(gateway/services/sampling_defaults.py).",
     )
+
+    @field_validator("engine_weights")
+    @classmethod
+    def _engine_weights(cls, value: str, info: ValidationInfo) -> str:
+        if value != "fp32" and info.data.get("engine") == "vllm":
+            raise ValueError(
+                f"{value!r} is a transformers-engine format that the vllm engine does not serve "
+                "(it loads the model in LIVELORA_DTYPE): leave LIVELORA_ENGINE_WEIGHTS at fp32"
+            )
+        return value
 
     @field_validator("generation_config")
     @classmethod

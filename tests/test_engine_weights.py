@@ -67,6 +67,10 @@ def test_engine_weights_setting_refuses_an_unknown_format(monkeypatch):
         GatewaySettings()
     monkeypatch.setenv("LIVELORA_ENGINE_WEIGHTS", "int4")
     assert GatewaySettings().inference.engine_weights == "int4"
+    monkeypatch.setenv("LIVELORA_ENGINE", "vllm")  # a format vllm would silently not serve: refused
+    with pytest.raises(ValidationError, match="transformers-engine format"):
+        GatewaySettings()
+    monkeypatch.delenv("LIVELORA_ENGINE")
     with pytest.raises(BadRequestError, match="weights must be one of fp32, bf16, int8, int4"):
         create_engine("transformers", device="cpu", weights="fp8")
 
