@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from livelora.adapters.store import CONFIG_FILE, AdapterStore
+from livelora.adapters.store import CONFIG_FILE, AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError, ConflictError
 from livelora.core.atomic import atomic_dir
 from livelora.core.base_models import MODEL_BUILD_LOCK, BaseModelRef, load_model, load_tokenizer
@@ -31,6 +31,37 @@ if TYPE_CHECKING:  # torch loads only when an export runs
     import torch
 
 EXPORT_MANIFEST = "livelora_export.json"
+
+
+def checked_version(store: AdapterStore, lineage: str, version: int, base_ref: BaseModelRef, out: Path) -> Manifest:
+    """The version's manifest, once it is known to export to ``out`` on ``base_ref``.
+
+    Raises:
+        NotFoundError: no such version. BadRequestError: another base model, or a weights file failing its
+            sha256 check. ConflictError: ``out`` exists.
+    """
+    manifest = store.get(lineage, version)
+    if manifest.base_model != base_ref.name:
+        raise BadRequestError(
+            f"{manifest.name} was trained on {manifest.base_model!r}, not {base_ref.name!r}", param="base_model"
+        )
+    if not store.verify(lineage, version):
+        raise BadRequestError(f"{manifest.name}: weights file does not match its sha256", param="adapter")
+    if out.exists():
+        raise ConflictError(f"export destination {out} already exists")
+    return manifest
+
+
+def write_export_manifest(directory: Path, manifest: Manifest, **fields) -> None:
+    """``directory/livelora_export.json``: the source version, its sha256, base model, time, plus ``fields``."""
+    record = {
+        "adapter": manifest.name,
+        "adapter_sha256": manifest.sha256,
+        "base_model": manifest.base_model,
+        "created": time.time(),
+        **fields,
+    }
+    (directory / EXPORT_MANIFEST).write_text(json.dumps(record, indent=2))
 
 
 def export_merged(
@@ -64,15 +95,7 @@ def export_merged(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     out = Path(out_dir)
-    manifest = store.get(lineage, version)
-    if manifest.base_model != base_ref.name:
-        raise BadRequestError(
-            f"{manifest.name} was trained on {manifest.base_model!r}, not {base_ref.name!r}", param="base_model"
-        )
-    if not store.verify(lineage, version):
-        raise BadRequestError(f"{manifest.name}: weights file does not match its sha256", param="adapter")
-    if out.exists():
-        raise ConflictError(f"export destination {out} already exists")
+    manifest = checked_version(store, lineage, version, base_ref, out)
     vdir = store.version_dir(lineage, version)
     targets = set(json.loads((vdir / CONFIG_FILE).read_text()).get("target_modules") or [])
     model = load_model(base_ref, dtype=torch.float64)  # W + s·B·A rounded once, from float64
@@ -94,16 +117,5 @@ def export_merged(
         template = Path(base_ref.path) / "chat_template.jinja"
         if base_ref.is_local and template.is_file() and not (tmp / "chat_template.jinja").exists():
             shutil.copy(template, tmp / "chat_template.jinja")
-        (tmp / EXPORT_MANIFEST).write_text(
-            json.dumps(
-                {
-                    "adapter": manifest.name,
-                    "adapter_sha256": manifest.sha256,
-                    "base_model": base_ref.name,
-                    "created": time.time(),
-                    "dtype": str(dtype).removeprefix("torch."),
-                },
-                indent=2,
-            )
-        )
+        write_export_manifest(tmp, manifest, dtype=str(dtype).removeprefix("torch."))
     return out

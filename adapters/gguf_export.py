@@ -12,11 +12,11 @@ stores ``q``/``k`` rows interleaved per rotary pair where Hugging Face keeps the
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
+from livelora.adapters.export import checked_version, write_export_manifest
 from livelora.adapters.store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore
-from livelora.clients.errors import BadRequestError, ConflictError
+from livelora.clients.errors import BadRequestError
 from livelora.core.atomic import atomic_dir
 from livelora.core.base_models import BaseModelRef
 
@@ -99,15 +99,7 @@ def export_gguf(store: AdapterStore, lineage: str, version: int, base_ref: BaseM
     from transformers import AutoConfig
 
     out = Path(out_dir)
-    manifest = store.get(lineage, version)
-    if manifest.base_model != base_ref.name:
-        raise BadRequestError(
-            f"{manifest.name} was trained on {manifest.base_model!r}, not {base_ref.name!r}", param="base_model"
-        )
-    if not store.verify(lineage, version):
-        raise BadRequestError(f"{manifest.name}: weights file does not match its sha256", param="adapter")
-    if out.exists():
-        raise ConflictError(f"export destination {out} already exists")
+    manifest = checked_version(store, lineage, version, base_ref, out)
     tensors = gguf_lora_tensors(store.version_dir(lineage, version), AutoConfig.from_pretrained(base_ref.path))
     with atomic_dir(out) as tmp:
         writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), arch="llama")
@@ -121,16 +113,5 @@ def export_gguf(store: AdapterStore, lineage: str, version: int, base_ref: BaseM
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        (tmp / "livelora_export.json").write_text(
-            json.dumps(
-                {
-                    "adapter": manifest.name,
-                    "adapter_sha256": manifest.sha256,
-                    "base_model": base_ref.name,
-                    "created": time.time(),
-                    "format": "gguf",
-                },
-                indent=2,
-            )
-        )
+        write_export_manifest(tmp, manifest, format="gguf")
     return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -163,23 +162,14 @@ class VersionAdmin:
             return export_gguf(self.store, m.lineage, m.version, resolve_base_model(m.base_model, self.home), dest)
         if not self.store.verify(m.lineage, m.version):
             raise BadRequestError(f"{m.name}: weights file does not match its sha256", param="adapter")
+        from livelora.adapters.export import write_export_manifest
+
         vdir = self.store.version_dir(m.lineage, m.version)
         with atomic_dir(dest) as tmp:
             for f in (WEIGHTS_FILE, CONFIG_FILE):
                 shutil.copy2(vdir / f, tmp / f)
             shutil.copy2(vdir / MANIFEST_FILE, tmp / "livelora_manifest.json")
-            (tmp / "livelora_export.json").write_text(
-                json.dumps(
-                    {
-                        "adapter": m.name,
-                        "adapter_sha256": m.sha256,
-                        "base_model": m.base_model,
-                        "created": time.time(),
-                        "format": "peft",
-                    },
-                    indent=2,
-                )
-            )
+            write_export_manifest(tmp, m, format="peft")
         return dest
 
     def export_dir(self, name: str, fmt: str) -> Path:
