@@ -5,6 +5,7 @@ from its own re-quantized merged weights ``quantize(W + s·B A)``, and under int
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -140,40 +141,41 @@ def test_greedy_probe_replies_and_kl_match_fp32(engines, run, weights):
     assert 0 < kl < KL_BOUND  # it serves weights of its own (KL > 0), close to fp32's
 
 
-def test_a_version_swapped_in_under_int8_serves_its_own_requantized_weights(engines, run, versions):
-    fp32, int8 = engines["fp32"], engines["int8"]
-    for eng in (fp32, int8):
+@contextlib.contextmanager
+def _version_2(engines, run, versions, weights: str):
+    """Version 2 loaded on fp32 and on ``weights`` as ``probe@2``; yields ``(engine, pairs)`` (4 probes' greedy
+    replies under ``weights``), then checks that its KL to fp32's v2 is below the bound and under half its KL to v1
+    (it serves v2, not a mix), and unloads it."""
+    fp32, quantized = engines["fp32"], engines[weights]
+    for eng in (fp32, quantized):
         run(eng.load_adapter("probe@2", str(versions[1])))
-    pairs = run(_replies(int8, "probe@2"))[:4]
-    slots = int8._worker.slots
-    slot = slots.versions["probe@2"]
-    assert slots.merged is not None and slots.merged.slot is slot  # every row on v2: served merged
-    # one layer's served weight is the int8 quantization of W + s·B A of version 2's own factors
-    layer = next(m for m in slots.peft.modules() if id(m) in slots.merged.weights)
-    served = slots.merged.weights[id(layer)]
-    assert isinstance(served, Int8Weight)
-    a, b = layer.lora_A[slot.name].weight, layer.lora_B[slot.name].weight
-    with torch.inference_mode():
-        expected = Int8Weight(torch.addmm(layer.base_layer.weight, b, a, alpha=layer.scaling[slot.name]))
-    assert torch.equal(served.q, expected.q) and torch.equal(served.scales, expected.scales)
-    kl_v2 = run(_mean_kl(fp32, int8, pairs, "probe@2", "probe@2"))
-    kl_v1 = run(_mean_kl(fp32, int8, pairs, "probe@2", "probe@1"))
-    assert kl_v2 < KL_BOUND and kl_v2 < kl_v1 / 2  # int8 on v2 is fp32's v2, much closer than to the previous version
-    for eng in (fp32, int8):
+    pairs = run(_replies(quantized, "probe@2"))[:4]
+    yield quantized, pairs
+    kl_v2 = run(_mean_kl(fp32, quantized, pairs, "probe@2", "probe@2"))
+    kl_v1 = run(_mean_kl(fp32, quantized, pairs, "probe@2", "probe@1"))
+    assert kl_v2 < KL_BOUND and kl_v2 < kl_v1 / 2
+    for eng in (fp32, quantized):
         run(eng.unload_adapter("probe@2"))
+
+
+def test_a_version_swapped_in_under_int8_serves_its_own_requantized_weights(engines, run, versions):
+    with _version_2(engines, run, versions, "int8") as (int8, _):
+        slots = int8._worker.slots
+        slot = slots.versions["probe@2"]
+        assert slots.merged is not None and slots.merged.slot is slot  # every row on v2: served merged
+        # one layer's served weight is the int8 quantization of W + s·B A of version 2's own factors
+        layer = next(m for m in slots.peft.modules() if id(m) in slots.merged.weights)
+        served = slots.merged.weights[id(layer)]
+        assert isinstance(served, Int8Weight)
+        a, b = layer.lora_A[slot.name].weight, layer.lora_B[slot.name].weight
+        with torch.inference_mode():
+            expected = Int8Weight(torch.addmm(layer.base_layer.weight, b, a, alpha=layer.scaling[slot.name]))
+        assert torch.equal(served.q, expected.q) and torch.equal(served.scales, expected.scales)
 
 
 def test_a_version_under_int4_is_served_unmerged_beside_the_int4_base(engines, run, versions):
-    fp32, int4 = engines["fp32"], engines["int4"]
-    for eng in (fp32, int4):
-        run(eng.load_adapter("probe@2", str(versions[1])))
-    pairs = run(_replies(int4, "probe@2"))[:4]
-    slots = int4._worker.slots
-    assert slots.merged is None  # every row on v2, and still not merged: a merge would leave the int4 grid
-    served = [m._livelora_quantized for m in int4._worker.model.modules() if hasattr(m, "_livelora_quantized")]
-    assert sum(isinstance(w, Int4Weight) for w in served) == 30 * 7  # attention and MLP; lm_head in bfloat16
-    kl_v2 = run(_mean_kl(fp32, int4, pairs, "probe@2", "probe@2"))
-    kl_v1 = run(_mean_kl(fp32, int4, pairs, "probe@2", "probe@1"))
-    assert kl_v2 < KL_BOUND and kl_v2 < kl_v1 / 2
-    for eng in (fp32, int4):
-        run(eng.unload_adapter("probe@2"))
+    with _version_2(engines, run, versions, "int4") as (int4, _):
+        assert int4._worker.slots.merged is None  # every row on v2, still not merged: a merge leaves the int4 grid
+        model = int4._worker.model
+        served = [m._livelora_quantized for m in model.modules() if hasattr(m, "_livelora_quantized")]
+        assert sum(isinstance(w, Int4Weight) for w in served) == 30 * 7  # attention and MLP; lm_head in bfloat16
