@@ -4,12 +4,14 @@ rotary row order of ``q``/``k``) and, where llama-cpp-python is installed, by ll
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from livelora.adapters.gguf_export import GGUF_FILE, export_gguf, rope_permute
-from livelora.adapters.store import AdapterStore
+from livelora.adapters.gguf_export import GGUF_FILE, export_gguf, gguf_lora_tensors, rope_permute
+from livelora.adapters.store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError, ConflictError
 from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
 from livelora.core.base_models import DEFAULT_MODEL, _gguf_location
@@ -37,6 +39,8 @@ def _trained(base_ref, tokenizer, store, lineage: str, **lora) -> tuple[Training
 @pytest.fixture(scope="module")
 def exported(base_ref, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gguf")
+    (tmp / "home").mkdir()
+    (tmp / "home" / "models").symlink_to(Path(base_ref.path).parent)  # the converted base, not a second conversion
     store = AdapterStore(tmp / "home")
     m, version = _trained(base_ref, tokenizer, store, "ggufed", train_unembed=False)
     return m, store, version, export_gguf(store, "ggufed", version, base_ref, tmp / "out"), base_ref
@@ -74,7 +78,7 @@ def test_the_adapter_file_applied_to_the_base_gguf_equals_the_merged_weights(exp
             assert delta.abs().max() > 1e-4  # trained: the check is not on zeros
 
 
-def test_refusals(exported, base_ref, tokenizer, tmp_path):
+def test_refusals(exported, base_ref, tmp_path):
     from livelora.gateway.services.store_admin import AdminService
 
     _, store, version, out, _ = exported
@@ -84,10 +88,27 @@ def test_refusals(exported, base_ref, tokenizer, tmp_path):
         versions.export(f"ggufed@{version}", "onnx")
     with pytest.raises(ConflictError, match="already exists"):
         export_gguf(store, "ggufed", version, base_ref, out)
-    _trained(base_ref, tokenizer, store, "unembed")  # train_unembed: a LoRA on the tied lm_head
-    with pytest.raises(BadRequestError, match="attention and MLP projections only") as e:
-        export_gguf(store, "unembed", 1, base_ref, tmp_path / "refused")
-    assert e.value.param == "format" and not (tmp_path / "refused").exists()
+    # adapters llama.cpp cannot apply: the stored version's files, changed one way each
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    src, config = store.version_dir("ggufed", version), AutoConfig.from_pretrained(base_ref.path)
+    weights, cfg = load_file(str(src / WEIGHTS_FILE)), json.loads((src / CONFIG_FILE).read_text())
+    lm_head = {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 576)}  # train_unembed: the tied lm_head
+    for case, tensors, changed, match in (
+        ("head", {**weights, **lm_head}, {}, "attention and MLP projections only"),
+        ("dora", weights, {"use_dora": True}, "use_dora"),
+        ("pattern", weights, {"rank_pattern": {"q_proj": 8}}, "rank or alpha patterns"),
+    ):
+        (tmp_path / case).mkdir()
+        save_file(tensors, str(tmp_path / case / WEIGHTS_FILE))
+        (tmp_path / case / CONFIG_FILE).write_text(json.dumps({**cfg, **changed}))
+        with pytest.raises(BadRequestError, match=match) as e:
+            gguf_lora_tensors(tmp_path / case, config)
+        assert e.value.param == "format"
+    config.model_type = "qwen2"
+    with pytest.raises(BadRequestError, match="llama-architecture"):
+        gguf_lora_tensors(src, config)
 
 
 @pytest.mark.skipif(
