@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from livelora.adapters.store import CONFIG_FILE, AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError, ConflictError
 from livelora.core.atomic import atomic_dir
-from livelora.core.base_models import MODEL_BUILD_LOCK, BaseModelRef, load_model, load_tokenizer
+from livelora.core.base_models import BaseModelRef, building_lora, load_model, load_tokenizer
 
 if TYPE_CHECKING:  # torch loads only when an export runs
     import torch
@@ -105,9 +105,8 @@ def export_merged(
         model.config.tie_word_embeddings = False
         if hasattr(model.config, "get_text_config"):
             model.config.get_text_config().tie_word_embeddings = False
-    with MODEL_BUILD_LOCK, warnings.catch_warnings():
+    with building_lora(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*tied layer.*")  # untied above
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft asks transformers 5
         merged = PeftModel.from_pretrained(model, str(vdir)).merge_and_unload(safe_merge=True)
     merged = merged.to(dtype)
     tokenizer = load_tokenizer(base_ref)

@@ -346,7 +346,7 @@ def anchors(args) -> None:
     import hotswap  # the trainer-side publisher of bench/hotswap.py
 
     from livelora.adapters.store import AdapterStore
-    from livelora.core.base_models import load_model, load_tokenizer, resolve_base_model
+    from livelora.core.base_models import BUILTIN_GGUF, load_model, load_tokenizer, resolve_base_model
     from livelora.core.redis_keys import KeyLayout
     from livelora.core.settings import CommonSettings
 
@@ -364,7 +364,7 @@ def anchors(args) -> None:
         if w == weights[0]:
             rows["generate_1"] = []
     llm = None
-    if importlib.util.find_spec("llama_cpp") is not None and args.model == "smollm2-135m-instruct":
+    if importlib.util.find_spec("llama_cpp") is not None and args.model in BUILTIN_GGUF:
         rows["llama_cpp_1"] = []
     else:
         print("llama.cpp anchor left out: llama-cpp-python is not installed, or --model is not the built-in GGUF")
@@ -409,11 +409,11 @@ def anchors(args) -> None:
             from llama_cpp import Llama
 
             from livelora.adapters.gguf_export import GGUF_FILE, export_gguf
-            from livelora.core.base_models import DEFAULT_MODEL, _gguf_location
+            from livelora.core.base_models import gguf_location
 
             lora = export_gguf(AdapterStore(home), hotswap.EP, 1, ref, Path(tempfile.mkdtemp()) / "gguf") / GGUF_FILE
             llm = Llama(
-                str(_gguf_location(DEFAULT_MODEL)),
+                str(gguf_location(args.model)),
                 lora_path=str(lora),
                 n_ctx=1024,
                 n_threads=os.cpu_count(),

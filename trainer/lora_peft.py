@@ -11,7 +11,7 @@ import torch
 
 from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import LoraConfig
-from livelora.core.base_models import MODEL_BUILD_LOCK
+from livelora.core.base_models import building_lora
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -48,10 +48,9 @@ def wrap_lora(model: Any, lora: LoraConfig, *, alpha: float, seed: int, base_nam
     peft_config = PeftLoraConfig(
         r=lora.rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, bias="none", task_type="CAUSAL_LM"
     )
-    with MODEL_BUILD_LOCK, torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    with building_lora(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # handled, see trainer/model.py
         warnings.filterwarnings("ignore", message=".*tied layer.*")
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft asks transformers 5
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, peft_config)
     return peft_model, peft_config

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from livelora.clients.errors import BadRequestError, LiveloraError
-from livelora.core.base_models import MODEL_BUILD_LOCK
+from livelora.core.base_models import building_lora
 from livelora.gateway.engines.quantized import Int8Weight
 
 log = logging.getLogger(__name__)
@@ -209,8 +209,7 @@ class LoraSlots:
         created = self.peft is None
         t0 = time.perf_counter()
         try:
-            with MODEL_BUILD_LOCK, warnings.catch_warnings():  # another thread may be loading a model (lock's doc)
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft on transformers 5
+            with building_lora():  # another thread may be loading a model (see MODEL_BUILD_LOCK's doc)
                 if created:
                     self.peft = PeftModel(self.model, config, adapter_name=slot.name)
                     self.peft.eval()
