@@ -10,7 +10,9 @@ import torch
 from livelora.adapters.export import export_merged
 from livelora.adapters.store import AdapterStore
 from livelora.clients.errors import ConflictError
-from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
+from livelora.clients.recipes.datums import supervised_datum
+from livelora.clients.recipes.sdk import Sdk
+from livelora.clients.types import AdamParams, LoraConfig
 from livelora.trainer.model import TrainingModel
 
 
@@ -22,13 +24,7 @@ def test_merged_export_matches_base_plus_adapter_and_unties_embeddings(base_ref,
     store = AdapterStore(tmp_path / "home")
     m = TrainingModel(base_ref, LoraConfig(rank=4, seed=11))  # all linear, lm_head included
     ids = tokenizer("Merging must not change what the model says.")["input_ids"]
-    datum = Datum(
-        model_input=ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={
-            "target_tokens": TensorData.from_list(ids[1:], "int64"),
-            "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32"),
-        },
-    )
+    datum = supervised_datum(Sdk.load("livelora"), ids, [1.0] * len(ids))
     for _ in range(2):
         m.forward_backward([datum])
         m.optim_step(AdamParams(learning_rate=5e-3))

@@ -13,27 +13,13 @@ import torch
 from livelora.adapters.gguf_export import GGUF_FILE, export_gguf, gguf_lora_tensors, rope_permute
 from livelora.adapters.store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError, ConflictError
-from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
+from livelora.clients.recipes.datums import supervised_datum
+from livelora.clients.recipes.sdk import Sdk
+from livelora.clients.types import AdamParams, LoraConfig
 from livelora.core.base_models import DEFAULT_MODEL, gguf_location
 from livelora.trainer.model import TrainingModel
 
 TEXT = "A llama.cpp user must get what the gateway serves."
-
-
-def _trained(base_ref, tokenizer, store, lineage: str, **lora) -> tuple[TrainingModel, int]:
-    m = TrainingModel(base_ref, LoraConfig(rank=4, seed=5, **lora))
-    ids = tokenizer(TEXT)["input_ids"]
-    datum = Datum(
-        model_input=ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={
-            "target_tokens": TensorData.from_list(ids[1:], "int64"),
-            "weights": TensorData.from_list([1.0] * (len(ids) - 1), "float32"),
-        },
-    )
-    for _ in range(3):
-        m.forward_backward([datum])
-        m.optim_step(AdamParams(learning_rate=1e-2))
-    return m, m.save_weights(store, lineage).version
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +28,12 @@ def exported(base_ref, tokenizer, tmp_path_factory):
     (tmp / "home").mkdir()
     (tmp / "home" / "models").symlink_to(Path(base_ref.path).parent)  # the converted base, not a second conversion
     store = AdapterStore(tmp / "home")
-    m, version = _trained(base_ref, tokenizer, store, "ggufed", train_unembed=False)
+    m = TrainingModel(base_ref, LoraConfig(rank=4, seed=5, train_unembed=False))  # attention and MLP
+    ids = tokenizer(TEXT)["input_ids"]
+    for _ in range(3):
+        m.forward_backward([supervised_datum(Sdk.load("livelora"), ids, [1.0] * len(ids))])
+        m.optim_step(AdamParams(learning_rate=1e-2))
+    version = m.save_weights(store, "ggufed").version
     return m, store, version, export_gguf(store, "ggufed", version, base_ref, tmp / "out"), base_ref
 
 
