@@ -560,7 +560,11 @@ def adapters_export(
     api_key: _Key = None,
     home: _HomeOpt = None,
 ) -> None:
-    """Export a version as a PEFT adapter directory or a merged Hugging Face model."""
+    """Export a version as a PEFT adapter directory, a merged Hugging Face model or a llama.cpp LoRA (GGUF)."""
+    from livelora.gateway.services.version_admin import EXPORT_FORMATS
+
+    if format not in EXPORT_FORMATS:  # before any spinner or request
+        raise typer.BadParameter(f"{format!r} is not one of {', '.join(EXPORT_FORMATS)}", param_hint="--format")
     path = _run(lambda: Backend(url, api_key, home).export(name, format, out_dir))
     size = sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
     out.print(f"exported {name} ({format}) to [bold]{path}[/] ({size / 1e6:.1f} MB)")

@@ -241,9 +241,11 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
                 worker_thread = start_trainer_thread(settings.trainer_settings(), stop)
         server = settings.server
         base_url = f"http://{server.host}:{server.port}/v1"
+        inference = settings.inference
+        weights = f" ({inference.engine_weights} weights)" if inference.engine_weights != "fp32" else ""
         console.print(
-            f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {settings.inference.engine} "
-            f"engine on [green]{base_url}[/] (store: {settings.home}"
+            f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {inference.engine} engine{weights} "
+            f"on [green]{base_url}[/] (store: {settings.home}"
             f"{_trainer_note(trainer, whole_loop)})"
         )
         console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}{redis_note})")

@@ -131,3 +131,16 @@ def test_llama_cpp_with_the_adapter_predicts_what_peft_does(exported, tokenizer)
     assert err < 0.5 * (peft_logits - base_logits).abs().max().item()
     assert (adapted - plain).abs().max().item() > 0.5 * (peft_logits - base_logits).abs().max().item()
     assert (adapted.argmax(-1) == peft_logits.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_the_cli_refuses_an_unknown_format_before_it_starts(tmp_path):
+    from typer.testing import CliRunner
+
+    from livelora.cli.main import app
+
+    result = CliRunner().invoke(
+        app, ["adapters", "export", "x@1", "--format", "onnx", "--out", str(tmp_path / "o"), "--home", str(tmp_path)]
+    )
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and "'onnx' is not one of peft, merged, gguf" in out, out
+    assert "exporting" not in out and not (tmp_path / "o").exists()
