@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -104,6 +105,38 @@ def test_episode_datum_trains_only_sampled_tokens_with_the_sampler_logprobs():
     assert d.loss_fn_inputs["target_tokens"].tolist() == [2, 3, 4, 5, 6]
     assert d.loss_fn_inputs["advantages"].tolist() == [0.0, 0.75, 0.0, 0.75, 0.75]
     assert d.loss_fn_inputs["logprobs"].tolist() == [0.0, -0.5, 0.0, -1.0, -2.0]
+
+
+class _ScriptedSampler:
+    """Greedy requests get a right solution; sampled ones (n episodes) get right, wrong, no code, right, ..."""
+
+    def __init__(self, renderer: ChatRenderer, fn: str):
+        replies = [f"```python\ndef {fn}(x):\n    return x + 2\n```", f"```python\ndef {fn}(x):\n    return x\n```"]
+        self.tokens = [renderer.completion_tokens(r) for r in [*replies, "I cannot."]]
+        self.temperatures: list[float] = []
+
+    def sample(self, prompt, n, params):
+        self.temperatures.append(params.temperature)
+        picks = [0] if params.temperature < 0.01 else [i % 3 for i in range(n)]
+        seqs = [
+            SimpleNamespace(tokens=self.tokens[p], logprobs=[-1.0] * len(self.tokens[p]), stop_reason="stop")
+            for p in picks
+        ]
+        return SimpleNamespace(result=lambda: SimpleNamespace(sequences=seqs))
+
+
+def test_sampled_evaluation_is_the_mean_pass_rate_of_n_episodes_per_task_at_the_rollout_temperature(grader, tokenizer):
+    task = next(t for t in easy_tasks(0) if t.entry_point == "add_2")
+    renderer = ChatRenderer(tokenizer)
+    cfg = Config(log_dir="unused", tool_call="never", eval_samples=3, temperature=0.7)
+    ep = Episodes(cfg, SimpleNamespace(sdk=Sdk.load("livelora", "http://unused")), renderer, grader)
+    sampler = _ScriptedSampler(renderer, "add_2")
+    out = ep.pass_rate(sampler, [task, task], "easy")
+    assert out == {"eval/easy_pass": 1.0, "eval/easy_code_block": 1.0, "eval/easy_pass_sampled": pytest.approx(1 / 3)}
+    assert sorted(set(sampler.temperatures)) == [1e-4, 0.7]
+    assert set(
+        Episodes(Config(log_dir="unused", tool_call="never"), ep.r, renderer, grader).pass_rate(sampler, [task], "easy")
+    ) == {"eval/easy_pass", "eval/easy_code_block"}
 
 
 def test_cli_flags_and_a_humaneval_evaluation_without_its_data_is_refused(tmp_path):

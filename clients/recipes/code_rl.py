@@ -10,8 +10,8 @@ over ``minibatches`` ``forward_backward`` calls. With ``max_staleness`` > 0 a sa
 batches more than ``max_staleness`` steps old are dropped (:mod:`livelora.clients.recipes.async_rl`).
 
 Programs run in the local bubblewrap sandbox (:mod:`livelora.clients.sandbox`) or, with ``--sandbox-url``, on a
-SandboxFusion server (``livelora sandbox``). Evaluation: greedy pass rate on the easy held-out split and on
-HumanEval held-out tasks. docs/code-rl.md has the details.
+SandboxFusion server (``livelora sandbox``). Evaluation: greedy pass rate (and, with ``eval_samples``, sampled)
+on the easy held-out split and on HumanEval held-out tasks. docs/code-rl.md has the details.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class Config(RecipeConfig):
     easy_held_out: int = Field(40, ge=1, description="Easy tasks held out (the rest train).")
     humaneval_held_out: int = Field(40, ge=1, description="HumanEval tasks held out.")
     eval_size: int = Field(40, ge=1, description="Held-out easy tasks evaluated.")
+    eval_samples: int = Field(
+        0, ge=0, description="Also N episodes per held-out task at --temperature (eval/*_pass_sampled); 0: greedy only."
+    )
     humaneval_eval_size: int | None = Field(
         None, ge=0, description="Held-out HumanEval tasks evaluated (default 20 with --humaneval, else 0)."
     )
@@ -210,14 +213,21 @@ class Episodes:
         return mode == "always" or (mode == "auto" and "check_solution" in reply)
 
     def pass_rate(self, sampler: Any, tasks: list[CodeTask], name: str) -> dict[str, float]:
-        """Greedy (temperature ~0) episodes: ``eval/{name}_pass`` and ``eval/{name}_code_block``."""
+        """Greedy (temperature ~0) episodes: ``eval/{name}_pass`` and ``eval/{name}_code_block``; with
+        ``eval_samples`` N > 0 also ``eval/{name}_pass_sampled``: the mean pass rate of N episodes per task at the
+        rollouts' temperature (pass@1 estimated from N samples)."""
         if not tasks:
             return {}
         eps = [g[0] for g in self.run(sampler, tasks, 1, 1e-4, 0)]
-        return {
+        out = {
             f"eval/{name}_pass": sum(e["passed"] for e in eps) / len(eps),
             f"eval/{name}_code_block": sum(e["code"] is not None for e in eps) / len(eps),
         }
+        if self.cfg.eval_samples:
+            n = self.cfg.eval_samples
+            sampled = [e for g in self.run(sampler, tasks, n, self.cfg.temperature, 7_919) for e in g]
+            out[f"eval/{name}_pass_sampled"] = sum(e["passed"] for e in sampled) / len(sampled)
+        return out
 
 
 def _datum(sdk: Sdk, e: dict, advantage: float) -> Any:
