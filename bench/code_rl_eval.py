@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from types import SimpleNamespace
 
-from livelora.clients.recipes.code_rl import Config, Episodes, Grader, _tasks
+from livelora.clients.recipes.code_rl import Config, Episodes, Grader, task_splits
 from livelora.clients.recipes.renderers import ChatRenderer
 from livelora.clients.recipes.sdk import Sdk
 
@@ -33,31 +32,28 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--samples", type=int, default=0, help="episodes per task at --temperature (0: greedy only)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lora-rank", type=int, default=32)
     a = p.parse_args()
     cfg = Config(
         log_dir="unused",
         humaneval=a.humaneval,
         humaneval_eval_size=a.humaneval_size if a.humaneval else 0,
-        eval_size=max(1, a.easy_size),
+        eval_size=a.easy_size,
         max_tokens=a.max_tokens,
         eval_samples=a.samples,
         temperature=a.temperature,
         tool_call="always",
     )
-    _, easy_held, he_held = _tasks(cfg)
-    easy_held = easy_held[: a.easy_size]
+    _, easy_held, he_held = task_splits(cfg)
     sdk = Sdk.load("livelora", a.base_url)
     service = sdk.service()
     tc = (
         service.create_training_client_from_state(a.state)
         if a.state
-        else service.create_lora_training_client(base_model=cfg.base_model, rank=a.lora_rank)
+        else service.create_lora_training_client(base_model=cfg.base_model, rank=cfg.lora_rank)
     )
     t0 = time.monotonic()
-    ep = Episodes(cfg, SimpleNamespace(sdk=sdk), ChatRenderer(sdk.tokenizer(tc)), Grader(None, cfg.test_timeout_s))
-    sampler = tc.save_weights_and_get_sampling_client()
-    metrics = {**ep.pass_rate(sampler, easy_held, "easy"), **ep.pass_rate(sampler, he_held, "humaneval")}
+    ep = Episodes(cfg, sdk, ChatRenderer(sdk.tokenizer(tc)), Grader(None, cfg.test_timeout_s))
+    metrics = ep.evaluate(tc.save_weights_and_get_sampling_client(), easy_held, he_held)
     print(
         json.dumps(
             {

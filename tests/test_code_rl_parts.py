@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from livelora.clients.recipes.code_rl import Config, Episodes, Grader, _datum, reward
+from livelora.clients.recipes.code_rl import Config, Episodes, Grader, _datum, reward, task_splits
 from livelora.clients.recipes.code_tasks import (
     TEMPLATES,
     easy_tasks,
@@ -129,14 +129,20 @@ def test_sampled_evaluation_is_the_mean_pass_rate_of_n_episodes_per_task_at_the_
     task = next(t for t in easy_tasks(0) if t.entry_point == "add_2")
     renderer = ChatRenderer(tokenizer)
     cfg = Config(log_dir="unused", tool_call="never", eval_samples=3, temperature=0.7)
-    ep = Episodes(cfg, SimpleNamespace(sdk=Sdk.load("livelora", "http://unused")), renderer, grader)
+    ep = Episodes(cfg, Sdk.load("livelora", "http://unused"), renderer, grader)
     sampler = _ScriptedSampler(renderer, "add_2")
-    out = ep.pass_rate(sampler, [task, task], "easy")
+    out = ep.evaluate(sampler, [task, task], [])
     assert out == {"eval/easy_pass": 1.0, "eval/easy_code_block": 1.0, "eval/easy_pass_sampled": pytest.approx(1 / 3)}
     assert sorted(set(sampler.temperatures)) == [1e-4, 0.7]
-    assert set(
-        Episodes(Config(log_dir="unused", tool_call="never"), ep.r, renderer, grader).pass_rate(sampler, [task], "easy")
-    ) == {"eval/easy_pass", "eval/easy_code_block"}
+    greedy_only = Episodes(Config(log_dir="unused", tool_call="never"), ep.sdk, renderer, grader)
+    assert set(greedy_only.pass_rate(sampler, [task], "easy")) == {"eval/easy_pass", "eval/easy_code_block"}
+
+
+def test_the_held_out_splits_are_disjoint_from_training_and_eval_size_0_evaluates_no_easy_task():
+    train, easy, humaneval = task_splits(Config(log_dir="unused", eval_size=5))
+    assert (len(train), len(easy), humaneval) == (120, 5, [])
+    assert not {t.entry_point for t in easy} & {t.entry_point for t in train}
+    assert task_splits(Config(log_dir="unused", eval_size=0))[1] == []
 
 
 def test_cli_flags_and_a_humaneval_evaluation_without_its_data_is_refused(tmp_path):

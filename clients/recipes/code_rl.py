@@ -43,6 +43,7 @@ SYSTEM = (
     "You write Python functions. Put your code in a ```python code block. To run the public tests on your code, "
     "write check_solution after the code block; you will see the results and can reply once more."
 )
+EVAL_SEED = 7_919  # sampled evaluation: the same draws before and after training
 
 
 class Config(RecipeConfig):
@@ -50,7 +51,7 @@ class Config(RecipeConfig):
     humaneval: str | None = Field(None, description="HumanEval folder or .jsonl (needed by humaneval/mixed/eval).")
     easy_held_out: int = Field(40, ge=1, description="Easy tasks held out (the rest train).")
     humaneval_held_out: int = Field(40, ge=1, description="HumanEval tasks held out.")
-    eval_size: int = Field(40, ge=1, description="Held-out easy tasks evaluated.")
+    eval_size: int = Field(40, ge=0, description="Held-out easy tasks evaluated (0: none).")
     eval_samples: int = Field(
         0, ge=0, description="Also N episodes per held-out task at --temperature (eval/*_pass_sampled); 0: greedy only."
     )
@@ -103,7 +104,8 @@ def reward(code: str | None, passed: bool, no_code_penalty: float = 0.1) -> floa
     return float(passed) - (no_code_penalty if code is None else 0.0)
 
 
-def _tasks(cfg: Config) -> tuple[list[CodeTask], list[CodeTask], list[CodeTask]]:
+def task_splits(cfg: Config) -> tuple[list[CodeTask], list[CodeTask], list[CodeTask]]:
+    """(training tasks, held-out easy tasks evaluated, held-out HumanEval tasks evaluated)."""
     easy_train, easy_held = train_heldout(easy_tasks(0), cfg.easy_held_out, 0)
     he_train, he_held = [], []
     he_eval = cfg.humaneval_eval_size if cfg.humaneval_eval_size is not None else (20 if cfg.humaneval else 0)
@@ -118,8 +120,8 @@ def _tasks(cfg: Config) -> tuple[list[CodeTask], list[CodeTask], list[CodeTask]]
 class Episodes:
     """Two-turn episodes of a sampler: token layout, tool turn, reward."""
 
-    def __init__(self, cfg: Config, r: Run, renderer: ChatRenderer, grader: Grader):
-        self.cfg, self.r, self.renderer, self.grader = cfg, r, renderer, grader
+    def __init__(self, cfg: Config, sdk: Sdk, renderer: ChatRenderer, grader: Grader):
+        self.cfg, self.sdk, self.renderer, self.grader = cfg, sdk, renderer, grader
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="code-rl-grader")
 
     def messages(self, task: CodeTask) -> list[dict[str, str]]:
@@ -137,7 +139,7 @@ class Episodes:
 
     def run(self, sampler: Any, tasks: list[CodeTask], n: int, temperature: float, seed: int) -> list[list[dict]]:
         """``n`` episodes per task; each ``{tokens, sampled mask, logprobs, reward, passed, code, tool, sandbox_s}``."""
-        sdk, cfg = self.r.sdk, self.cfg
+        sdk, cfg = self.sdk, self.cfg
         stop = self.renderer.stop_token_ids or None
         params = lambda i: sdk.sampling_params(  # noqa: E731
             max_tokens=cfg.max_tokens, temperature=temperature, seed=seed + i, stop=stop
@@ -225,9 +227,13 @@ class Episodes:
         }
         if self.cfg.eval_samples:
             n = self.cfg.eval_samples
-            sampled = [e for g in self.run(sampler, tasks, n, self.cfg.temperature, 7_919) for e in g]
+            sampled = [e for g in self.run(sampler, tasks, n, self.cfg.temperature, EVAL_SEED) for e in g]
             out[f"eval/{name}_pass_sampled"] = sum(e["passed"] for e in sampled) / len(sampled)
         return out
+
+    def evaluate(self, sampler: Any, easy: list[CodeTask], humaneval: list[CodeTask]) -> dict[str, float]:
+        """``pass_rate`` on the held-out easy and HumanEval tasks (``eval/easy_*``, ``eval/humaneval_*``)."""
+        return {**self.pass_rate(sampler, easy, "easy"), **self.pass_rate(sampler, humaneval, "humaneval")}
 
 
 def _datum(sdk: Sdk, e: dict, advantage: float) -> Any:
@@ -246,15 +252,14 @@ def run(
     cfg: Config, *, sdk: Sdk | None = None, on_step: Callable[[int, dict[str, float]], None] | None = None
 ) -> Summary:
     """Train ``cfg.steps`` RL steps (resuming from ``cfg.log_dir`` if it holds a checkpoint)."""
-    train, easy_held, he_held = _tasks(cfg)
+    train, easy_held, he_held = task_splits(cfg)
     r = Run(cfg, "code-rl", sdk=sdk, on_step=on_step)
     pool = None
     try:
-        ep = Episodes(cfg, r, ChatRenderer(r.tokenizer), Grader(cfg.sandbox_url, cfg.test_timeout_s))
+        ep = Episodes(cfg, r.sdk, ChatRenderer(r.tokenizer), Grader(cfg.sandbox_url, cfg.test_timeout_s))
 
         def evaluate(step: int) -> dict[str, float]:
-            sampler = r.tc.save_weights_and_get_sampling_client()
-            return {**ep.pass_rate(sampler, easy_held, "easy"), **ep.pass_rate(sampler, he_held, "humaneval")}
+            return ep.evaluate(r.tc.save_weights_and_get_sampling_client(), easy_held, he_held)
 
         def sample(index: int, sampler: Any) -> dict[str, Any]:
             t0 = time.monotonic()
