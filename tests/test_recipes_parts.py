@@ -406,6 +406,11 @@ def test_recipe_cli_lists_the_recipes_and_validates_flags(tmp_path):
     assert bad.exit_code == 2
     assert "--steps" in bad.output and "--loss" in bad.output  # every error at once, before any request
     assert not (tmp_path / "r").exists()
+    # no server at the URL: the error says what a recipe needs
+    down = runner.invoke(app, ["recipe", "dpo", "--smoke", "--base-url", "http://127.0.0.1:9", "--no-mlflow"])
+    down_text = " ".join(down.output.split())
+    assert down.exit_code == 1 and "cannot reach http://127.0.0.1:9" in down_text
+    assert "start `livelora serve`, or pass --base-url" in down_text
     # a flag the chosen task would leave unused is refused, not ignored (--task arithmetic generates its problems)
     unused = runner.invoke(
         app,

@@ -27,6 +27,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from livelora.clients.errors import UnavailableError
+
 #: recipe command -> module (each has ``Config`` and ``run(cfg, sdk=, on_step=)``).
 RECIPES = {
     "chat-sft": "livelora.clients.recipes.chat_sft",
@@ -68,7 +70,7 @@ def _parameters(config_cls: type, recipe: str) -> list[inspect.Parameter]:
                 bool,
                 typer.Option(
                     "--smoke",
-                    help="A preset that runs in under a minute on a 2-core CPU (2 steps on built-in sample "
+                    help="A preset that runs in about a minute on an idle 2-core CPU (2 steps on built-in sample "
                     "data, in a fresh temporary --log-dir): checks the pipeline, not the learning. Flags given "
                     "with it win.",
                 ),
@@ -188,7 +190,10 @@ def _make_command(recipe: str, module_name: str):
                 summary = module.run(cfg, on_step=on_step)
             except (ValueError, RuntimeError, ImportError, OSError) as exc:
                 progress.stop()
-                console.print(f"[red]error[/]: {exc}")
+                hint = ""
+                if isinstance(exc, UnavailableError) and exc.__cause__ is not None:  # no connection at all
+                    hint = " (a recipe drives a running server: start `livelora serve`, or pass --base-url)"
+                console.print(f"[red]error[/]: {exc}{hint}", soft_wrap=True)
                 raise typer.Exit(1) from None
         Console().print(summary_table(summary))
 

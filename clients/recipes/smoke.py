@@ -1,5 +1,5 @@
 """``livelora recipe NAME --smoke``: a preset per recipe that checks the whole pipeline (session, sampling, a loss,
-optimizer steps, evaluation before and after, checkpoint, summary) in under a minute on a 2-core CPU.
+optimizer steps, evaluation before and after, checkpoint, summary) in about a minute on an idle 2-core CPU.
 
 Each preset is 2 optimizer steps on a few short examples: built-in sample data written into the run directory
 (``smoke-data/``) for the recipes that read a file, generated arithmetic problems for ``gsm8k-rl``. A flag given
