@@ -24,14 +24,14 @@ from livelora.clients.recipes.sdk import Sdk
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", required=True)
+    p.add_argument("--base-url", required=True, help="a running livelora server")
     p.add_argument("--state", help="a training state path (tinker://...); default: the base model")
     p.add_argument("--humaneval", help="HumanEval folder or .jsonl")
-    p.add_argument("--humaneval-size", type=int, default=20)
+    p.add_argument("--humaneval-size", type=int, default=20, help="held-out HumanEval tasks (with --humaneval)")
     p.add_argument("--easy-size", type=int, default=40, help="held-out easy tasks (0: none)")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per turn")
     p.add_argument("--samples", type=int, default=0, help="episodes per task at --temperature (0: greedy only)")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="of the sampled episodes (greedy: 1e-4)")
     a = p.parse_args()
     cfg = Config(
         log_dir="unused",

@@ -65,7 +65,9 @@ class Config(RecipeConfig):
     tool_call: Literal["auto", "always", "never"] = Field("auto", description="When check_solution runs.")
     loss: Literal["importance_sampling", "ppo", "cispo"] = Field("cispo", description="RL loss.")
     advantage: Estimator = Field("mean", description="mean (Dr. GRPO), mean_std (GRPO) or loo (RLOO).")
-    no_code_penalty: float = Field(0.1, ge=0, description="Subtracted when an episode has no code block.")
+    no_code_penalty: float = Field(
+        0.1, ge=0, description="Amount subtracted from the reward of an episode with no code block (0: none)."
+    )
     minibatches: int = Field(2, ge=1, description="forward_backward calls per optimizer step.")
     max_staleness: int = Field(0, ge=0, description="Sample ahead, dropping batches older than N steps (0: sync).")
     sandbox_url: str | None = Field(None, description="SandboxFusion /run_code URL (default: local sandbox).")
