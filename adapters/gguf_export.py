@@ -40,7 +40,17 @@ def rope_permute(w, n_head: int):
 
 
 def gguf_lora_tensors(adapter_dir: Path, config) -> dict[str, object]:
-    """``{gguf name: float32 tensor}`` of a peft adapter directory for a llama-architecture ``config``.
+    """``{gguf name: float32 tensor}`` of a peft adapter directory for a llama-architecture ``config``
+    (:func:`gguf_lora_from_state`)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((adapter_dir / CONFIG_FILE).read_text())
+    return gguf_lora_from_state(cfg, load_file(str(adapter_dir / WEIGHTS_FILE)), config)
+
+
+def gguf_lora_from_state(cfg: dict, state: dict, config) -> dict[str, object]:
+    """``{gguf name: float32 tensor}`` of a peft adapter (its ``adapter_config.json`` as ``cfg``, its state dict)
+    for a llama-architecture ``config``.
 
     Raises:
         BadRequestError: a base that is not llama-architecture, or an adapter llama.cpp cannot apply (a LoRA on
@@ -49,13 +59,11 @@ def gguf_lora_tensors(adapter_dir: Path, config) -> dict[str, object]:
     import math
 
     import torch
-    from safetensors.torch import load_file
 
     if getattr(config, "model_type", None) != "llama":
         raise BadRequestError(
             f"gguf export supports llama-architecture base models, not {config.model_type!r}", param="format"
         )
-    cfg = json.loads((adapter_dir / CONFIG_FILE).read_text())
     for key in ("use_dora", "lora_bias"):
         if cfg.get(key):
             raise BadRequestError(f"gguf export cannot write an adapter with {key}", param="format")
@@ -66,7 +74,7 @@ def gguf_lora_tensors(adapter_dir: Path, config) -> dict[str, object]:
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(adapter_dir / WEIGHTS_FILE)).items():
+    for key, tensor in state.items():
         module, _, kind = key.rpartition(".lora_")
         parts = module.split(".layers.", 1)
         tail = parts[1].split(".", 1) if len(parts) == 2 else []
@@ -88,6 +96,23 @@ def gguf_lora_tensors(adapter_dir: Path, config) -> dict[str, object]:
     return out
 
 
+def write_gguf_lora(path: Path | str, tensors: dict[str, object], name: str) -> None:
+    """Write ``tensors`` (:func:`gguf_lora_from_state`) as the llama.cpp LoRA adapter file ``path``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 0.0)  # 0: scale 1, the scaling is in lora_b
+    writer.add_name(name)
+    for key, t in tensors.items():
+        writer.add_tensor(key, t.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def export_gguf(store: AdapterStore, lineage: str, version: int, base_ref: BaseModelRef, out_dir: Path | str) -> Path:
     """Write ``<lineage>@<version>`` as ``out_dir/adapter.gguf`` plus ``livelora_export.json``.
 
@@ -95,23 +120,12 @@ def export_gguf(store: AdapterStore, lineage: str, version: int, base_ref: BaseM
         NotFoundError: no such version. BadRequestError: base mismatch, bad weights, or see
             :func:`gguf_lora_tensors`. ConflictError: ``out_dir`` exists.
     """
-    import gguf
     from transformers import AutoConfig
 
     out = Path(out_dir)
     manifest = checked_version(store, lineage, version, base_ref, out)
     tensors = gguf_lora_tensors(store.version_dir(lineage, version), AutoConfig.from_pretrained(base_ref.path))
     with atomic_dir(out) as tmp:
-        writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), arch="llama")
-        writer.add_type(gguf.GGUFType.ADAPTER)
-        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 0.0)  # 0: scale 1, the scaling is in lora_b
-        writer.add_name(manifest.name)
-        for name, t in tensors.items():
-            writer.add_tensor(name, t.numpy())
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        write_gguf_lora(tmp / GGUF_FILE, tensors, manifest.name)
         write_export_manifest(tmp, manifest, format="gguf")
     return out

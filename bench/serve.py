@@ -244,7 +244,8 @@ def main() -> None:
     parser.add_argument(
         "--weights",
         default="fp32",
-        help="--anchors: comma-separated LIVELORA_ENGINE_WEIGHTS values, one gateway each, measured in the same run",
+        help="--anchors: comma-separated LIVELORA_ENGINE_WEIGHTS values, one gateway each, measured in the same "
+        "run; 'llama_cpp' is a gateway with --engine llama_cpp",
     )
     parser.add_argument("--ab-on-first", action="store_true", help="with --metering-ab: start and run 'on' first")
     args = parser.parse_args()
@@ -377,10 +378,15 @@ def anchors(args) -> None:
                 "LIVELORA_HOME": str(home),
                 "LIVELORA_REDIS_PREFIX": keys.prefix,
                 "LIVELORA_METERING": "false",
-                "LIVELORA_ENGINE_WEIGHTS": w,
+                "LIVELORA_ENGINE_WEIGHTS": "fp32" if w == "llama_cpp" else w,
             }
             proc, url = spawn(
-                args.engine, args.model, args.max_batch_size, args.device, env, ["--served-model-name", hotswap.EP]
+                "llama_cpp" if w == "llama_cpp" else args.engine,
+                args.model,
+                args.max_batch_size,
+                args.device,
+                env,
+                ["--served-model-name", hotswap.EP],
             )
             gateways[w] = (proc, url, home)
             publisher = hotswap.Publisher(ref, home, keys, redis.Redis.from_url(settings.redis_url), args.rank)

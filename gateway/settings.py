@@ -69,7 +69,11 @@ class InferenceSection(Section):
     """Inference: engine kind, device, batching and admission (``LIVELORA_ENGINE``, ``LIVELORA_DEVICE``,
     ``LIVELORA_MAX_BATCH_SIZE``, ...)."""
 
-    engine: str = Field("transformers", description="Inference engine kind: 'transformers' or 'vllm'.")
+    engine: str = Field(
+        "transformers",
+        description="Inference engine kind: 'transformers', 'vllm' (GPU) or 'llama_cpp' (CPU, a built-in GGUF "
+        "model's quantized weights; needs the llamacpp extra; docs/serving.md).",
+    )
     device: str | None = Field(None, description="Torch device for the engine (default: cuda if available, else cpu).")
     dtype: str | None = Field(None, description="Weights dtype for the engine (default: engine's choice).")
     max_batch_size: int = Field(8, ge=1, description="Sequences the engine decodes together in one step.")
@@ -144,6 +148,11 @@ class InferenceSection(Section):
             raise ValueError(
                 f"{value!r} is a transformers-engine format that the vllm engine does not serve "
                 "(it loads the model in LIVELORA_DTYPE): leave LIVELORA_ENGINE_WEIGHTS at fp32"
+            )
+        if value != "fp32" and info.data.get("engine") == "llama_cpp":
+            raise ValueError(
+                f"{value!r} is a transformers-engine format; the llama_cpp engine serves the GGUF file's own "
+                "weights: leave LIVELORA_ENGINE_WEIGHTS at fp32"
             )
         return value
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 
 import pytest
 import torch
@@ -84,10 +85,16 @@ def versions(base_ref, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(base_ref, loop, versions):
-    """``{"fp32": engine, "int8": engine, "int4": engine}``, each serving version 1 as ``probe@1``."""
+    """``{"fp32": engine, "int8": engine, "int4": engine, "llama_cpp": engine}``, each serving version 1 as
+    ``probe@1`` (llama_cpp where llama-cpp-python is installed)."""
     out = {}
-    for weights in ("fp32", "int8", "int4"):
-        eng = create_engine("transformers", model=base_ref.name, device="cpu", max_batch_size=8, weights=weights)
+    for weights in ("fp32", "int8", "int4", "llama_cpp"):
+        if weights == "llama_cpp":
+            if importlib.util.find_spec("llama_cpp") is None:
+                continue
+            eng = create_engine("llama_cpp", model=base_ref.name, max_batch_size=8)
+        else:
+            eng = create_engine("transformers", model=base_ref.name, device="cpu", max_batch_size=8, weights=weights)
         loop.run_until_complete(eng.start())
         loop.run_until_complete(eng.load_adapter("probe@1", str(versions[0])))
         out[weights] = eng
@@ -110,6 +117,8 @@ async def _logprobs(engine, adapter: str, ids: list[int]) -> torch.Tensor:
     worker = engine._worker
 
     def forward():
+        if engine.weights == "gguf":  # llama.cpp
+            return worker.logits(ids, adapter).float().log_softmax(-1)
         with torch.inference_mode():
             return worker.slots.forward([adapter], input_ids=torch.tensor([ids])).float().log_softmax(-1)[0]
 
@@ -127,8 +136,10 @@ async def _mean_kl(ref, other, pairs, ref_adapter: str, other_adapter: str) -> f
     return float(torch.cat(kls).mean())
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "llama_cpp"])
 def test_greedy_probe_replies_and_kl_match_fp32(engines, run, weights):
+    if weights not in engines:
+        pytest.skip("llama-cpp-python is not installed here (pip install -e '.[dev]' builds it)")
     fp32, quantized = engines["fp32"], engines[weights]
     ref = run(_replies(fp32, "probe@1"))
     got = run(_replies(quantized, "probe@1"))
@@ -179,3 +190,11 @@ def test_a_version_under_int4_is_served_unmerged_beside_the_int4_base(engines, r
         model = int4._worker.model
         served = [m._livelora_quantized for m in model.modules() if hasattr(m, "_livelora_quantized")]
         assert sum(isinstance(w, Int4Weight) for w in served) == 30 * 7  # attention and MLP; lm_head in bfloat16
+
+
+def test_a_version_under_llama_cpp_is_served_from_its_own_gguf_lora(engines, run, versions):
+    if "llama_cpp" not in engines:
+        pytest.skip("llama-cpp-python is not installed here (pip install -e '.[dev]' builds it)")
+    with _version_2(engines, run, versions, "llama_cpp") as (llama, _):
+        assert set(llama._worker.llama.adapters) == {"probe@1", "probe@2"}
+    assert set(llama._worker.llama.adapters) == {"probe@1"}  # unloaded: llama.cpp's copy freed

@@ -18,7 +18,7 @@ from livelora.clients.errors import BadRequestError
 from livelora.gateway.engines.base import Engine, FinishReason, GenerationChunk, SamplingParams, TokenLogprob
 
 #: Engine kinds :func:`create_engine` knows.
-ENGINE_KINDS = ("transformers", "vllm")
+ENGINE_KINDS = ("transformers", "vllm", "llama_cpp")
 
 
 def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
@@ -27,7 +27,8 @@ def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
     Args:
         kind: ``"transformers"`` (transformers + peft; CPU or one GPU) or ``"vllm"``
             (vLLM's AsyncLLM with multi-LoRA; needs vLLM installed, see
-            :class:`~.vllm_engine.VLLMEngine`).
+            :class:`~.vllm_engine.VLLMEngine`) or ``"llama_cpp"`` (a built-in GGUF model on the CPU; needs
+            llama-cpp-python, see :class:`~.llama_cpp_engine.LlamaCppEngine`).
         **kwargs: passed to the engine's constructor, e.g. for ``transformers``:
             ``model``, ``home``, ``device``, ``dtype``, ``max_batch_size``,
             ``max_model_len``, ``num_threads`` (see
@@ -44,6 +45,10 @@ def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
         from livelora.gateway.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(**kwargs)
+    if kind == "llama_cpp":
+        from livelora.gateway.engines.llama_cpp_engine import LlamaCppEngine
+
+        return LlamaCppEngine(**kwargs)
     raise BadRequestError(f"unknown engine kind {kind!r}; available: {', '.join(ENGINE_KINDS)}", param="engine")
 
 

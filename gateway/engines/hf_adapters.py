@@ -15,10 +15,10 @@ from livelora.gateway.engines.hf_calls import on_worker
 
 
 class LoadedAdapters:
-    """Adapter names of one :class:`~.transformers_engine.TransformersEngine`; weights go to ``device``."""
+    """Adapter names of one :class:`~.transformers_engine.TransformersEngine` (the worker reads and installs the
+    weights: ``worker.read_adapter`` on a thread, ``worker.load_adapter`` between decode steps)."""
 
-    def __init__(self, device: str):
-        self.device = device
+    def __init__(self):
         self.paths: dict[str, str] = {}  # name -> path, loaded and servable
         self.loading: set[str] = set()  # names whose load is in progress
 
@@ -46,7 +46,7 @@ class LoadedAdapters:
             raise BadRequestError(f"{path} is not a PEFT adapter directory (no adapter_config.json)", param="path")
         self.loading.add(name)  # reserves the name; generate() rejects it until the load is done
         try:
-            config, weights, digest = await asyncio.to_thread(read_adapter, p, self.device)
+            config, weights, digest = await asyncio.to_thread(worker.read_adapter, p)
             result = await on_worker(worker, lambda: worker.load_adapter(name, config, weights, str(p), canary))
             self.paths[name] = str(p)
         finally:

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,7 +140,7 @@ class Worker:
         self.cond = threading.Condition()
         self.stopping = False
         #: adapter versions in LoRA slots, and the forward pass that serves each row its own version
-        self.slots = LoraSlots(model, self.call, merge=merge_lora, quantize=quantize)
+        self.slots = self._new_slots(merge_lora, quantize)
         self.steps = 0  # decode steps run (for tests and stats)
         #: ``(TrainingFlag, threads when idle, threads while a training step runs)`` or None (never changed)
         self.share = share
@@ -207,7 +208,8 @@ class Worker:
                 err = exc if isinstance(exc, LiveloraError) else InternalError(f"engine step failed: {exc}")
                 for s in self.running + [s for group in groups for s in group]:  # admitted ones too
                     s.fail(err)
-                self.running, self.batch, self.admitting = [], KVBatch(), []
+                self._reset_batch()
+                self.admitting = []
         self._abort_all()
 
     def _share_cores(self) -> None:
@@ -241,7 +243,21 @@ class Worker:
             self.waiting.clear()
         for s in pending:
             s.fail(err)
+        self._reset_batch()
+
+    # ----- what a model backend provides (:mod:`.llama_cpp_worker` replaces these) ------------
+    def _new_slots(self, merge: bool, quantize: bool) -> LoraSlots:
+        return LoraSlots(self.model, self.call, merge=merge, quantize=quantize)
+
+    def _reset_batch(self) -> None:
+        """Forget every running sequence and its cache (after a failed step, or when closing)."""
         self.running, self.batch = [], KVBatch()
+
+    def read_adapter(self, path: Path) -> tuple[Any, Any, str]:
+        """Read a PEFT directory off the worker thread: ``(config, weights for load_adapter, sha256)``."""
+        from livelora.gateway.engines.hf_adapters import read_adapter
+
+        return read_adapter(path, self.device)
 
     # ----- forward passes -------------------------------------------------------------
     def forward(self, adapters: list[str | None], **kw) -> torch.Tensor:
@@ -359,6 +375,11 @@ class Worker:
 
         Its slot becomes free for the next version of the same shape (:meth:`~.lora_slots.LoraSlots.release`).
         """
+        self._check_unused(name)
+        self.slots.release(name)
+
+    def _check_unused(self, name: str) -> None:
+        """Raises :class:`ConflictError` while a queued, admitted or running sequence uses adapter ``name``."""
         users = [
             s
             for s in list(self.running) + list(self.waiting) + self.admitting
@@ -366,7 +387,6 @@ class Worker:
         ]
         if users:
             raise ConflictError(f"adapter {name!r} is in use by {len(users)} running or queued sequences", param="name")
-        self.slots.release(name)
 
 
 #: Admission rounds per decode step: sequences that arrive while the first round prefills are admitted

