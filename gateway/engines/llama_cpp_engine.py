@@ -14,7 +14,8 @@ import os
 from livelora.clients.errors import BadRequestError
 from livelora.gateway.engines.transformers_engine import TransformersEngine
 
-#: Default prompt + completion limit: llama.cpp keeps ``max_batch_size + 1`` sequences of this many KV cells.
+#: Default prompt + completion limit: llama.cpp keeps KV cells for ``max_batch_size + 3`` sequences of this many
+#: tokens (running rows, scoring, prompt-prefix caches).
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -46,7 +47,7 @@ class LlamaCppEngine(TransformersEngine):
         from transformers import AutoConfig, GenerationConfig
 
         from livelora.core.base_models import BUILTIN_GGUF, gguf_location, load_tokenizer, resolve_base_model
-        from livelora.gateway.engines.llama_cpp_worker import LlamaModel, LlamaWorker
+        from livelora.gateway.engines.llama_cpp_worker import PREFIX_CACHES, LlamaModel, LlamaWorker
 
         if importlib.util.find_spec("llama_cpp") is None:
             raise BadRequestError(
@@ -71,7 +72,7 @@ class LlamaCppEngine(TransformersEngine):
         threads = self.num_threads or os.cpu_count() or 1
         llama = LlamaModel(
             gguf_location(self.model_name),
-            n_seq=self.max_batch_size + 1,
+            n_seq=self.max_batch_size + 1 + PREFIX_CACHES,
             n_ctx_seq=self.max_model_len,
             n_threads=threads,
         )

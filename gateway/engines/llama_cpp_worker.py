@@ -29,16 +29,22 @@ from livelora.gateway.engines.sampling import prompt_logprobs
 
 log = logging.getLogger(__name__)
 
+#: Adapters (the base counts as one) whose last shared prompt prefix is kept, each in a sequence id of its own.
+PREFIX_CACHES = 2
+#: Shortest prefix worth keeping or reusing, in tokens.
+MIN_PREFIX = 8
 #: Tokens per ``llama_decode`` call (llama.cpp's ``n_batch`` and ``n_ubatch``); also bounds the float32 logits
 #: buffer of a scoring chunk (``512 × vocab``).
 DECODE_CHUNK = 512
 
 
 class LlamaModel:
-    """A GGUF base model and one llama.cpp context with ``n_seq`` sequence ids of ``n_ctx_seq`` tokens each.
+    """A GGUF base model and one llama.cpp context: ``n_seq`` sequence ids of ``n_ctx_seq`` KV cells each. Each
+    sequence attends over its own cells only, so a row's logits do not depend on the other rows (llama.cpp's
+    unified cache would change the order of the attention sums with them).
 
     Args:
-        gguf: the base model's GGUF file. n_seq: sequence ids (running rows plus one for scoring).
+        gguf: the base model's GGUF file. n_seq: sequence ids (running rows, one for scoring, the prefix caches).
         n_ctx_seq: KV cells per sequence. n_threads: llama.cpp threads.
 
     Raises:
@@ -59,7 +65,7 @@ class LlamaModel:
         cparams.n_ctx = n_seq * n_ctx_seq
         cparams.n_batch = cparams.n_ubatch = DECODE_CHUNK
         cparams.n_seq_max = n_seq
-        cparams.kv_unified = False  # each sequence attends over its own cells only
+        cparams.kv_unified = False
         cparams.n_threads = cparams.n_threads_batch = n_threads
         cparams.no_perf = True
         self.n_threads = n_threads
@@ -114,6 +120,12 @@ class LlamaModel:
         """Free every KV cell of ``seq_id``."""
         self.lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Make ``dst``'s cells a copy of ``src``'s positions ``0 .. n - 1`` (llama.cpp copies a sequence's whole
+        buffer between sequences, then the tail is dropped)."""
+        self.lc.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        self.lc.llama_memory_seq_rm(self.memory, dst, n, -1)
+
     def load_adapter(self, name: str, path: Path) -> None:
         """Load the GGUF LoRA ``path`` as ``name``. Raises :class:`BadRequestError` if llama.cpp refuses it."""
         ptr = self.lc.llama_adapter_lora_init(self.model, str(path).encode())
@@ -142,9 +154,15 @@ class LlamaWorker(Worker):
     def __init__(self, llama: LlamaModel, tokenizer, base_config, **kw):
         self.llama = llama
         self.base_config = base_config
-        self.free_ids = list(range(llama_rows(llama)))
-        self.score_id = llama_rows(llama)
+        rows = llama_rows(llama)
+        self.free_ids = list(range(rows))
+        self.score_id = rows
+        self.cache_ids = list(range(rows + 1, rows + 1 + PREFIX_CACHES))
         self.seq_ids: dict[int, int] = {}  # id(Sequence) -> llama.cpp sequence id
+        #: adapter -> (sequence id holding a prompt prefix's cells, its tokens), most recently used last
+        self.prefixes: dict[str | None, tuple[int, list[int]]] = {}
+        self.last_prompt: dict[str | None, list[int]] = {}  # adapter -> its last prompt prefilled
+        self.prefix_tokens_reused = 0  # prompt tokens taken from a prefix cache instead of computed
         self.tmp = Path(tempfile.mkdtemp(prefix="livelora-gguf-lora-"))
         super().__init__(None, tokenizer, device="cpu", **kw)
         self.threads = llama.n_threads
@@ -169,18 +187,60 @@ class LlamaWorker(Worker):
     def _prefill(self, group: list[Sequence]) -> None:
         for adapter in dict.fromkeys(s.adapter for s in group):
             rows = [s for s in group if s.adapter == adapter]
-            for s in rows:
-                self.seq_ids[id(s)] = self.free_ids.pop()
             self.llama.use(adapter)
-            tokens = [
-                (tok, pos, self.seq_ids[id(s)], pos == len(s.prompt) - 1)
-                for s in rows
-                for pos, tok in enumerate(s.prompt)
-            ]
+            tokens = []
+            for s in rows:
+                sid = self.seq_ids[id(s)] = self.free_ids.pop()
+                start = self._reuse_prefix(adapter, s.prompt, sid)
+                n = len(s.prompt)
+                tokens += [(s.prompt[pos], pos, sid, pos == n - 1) for pos in range(start, n)]
             logits = [self.llama.decode(tokens[i : i + DECODE_CHUNK]) for i in range(0, len(tokens), DECODE_CHUNK)]
+            for s in rows:
+                self._keep_prefix(adapter, s.prompt, self.seq_ids[id(s)])
             self._sample_and_emit(rows, torch.from_numpy(np.concatenate(logits)))
             self.running.extend(s for s in rows if not s.finished)
             self._release([s for s in rows if s.finished])
+
+    def _reuse_prefix(self, adapter: str | None, prompt: list[int], sid: int) -> int:
+        """Share the cached prefix cells of ``adapter`` that ``prompt`` starts with into ``sid`` (at least
+        :data:`MIN_PREFIX` tokens; the prompt's last token is always computed, for its logits); returns the
+        first position left to compute."""
+        if adapter not in self.prefixes:
+            return 0
+        cid, cached = self.prefixes.pop(adapter)
+        self.prefixes[adapter] = (cid, cached)  # most recently used
+        n = min(common_prefix(prompt, cached), len(prompt) - 1)
+        if n < MIN_PREFIX:
+            return 0
+        self.llama.copy(cid, sid, n)
+        self.prefix_tokens_reused += n
+        return n
+
+    def _keep_prefix(self, adapter: str | None, prompt: list[int], sid: int) -> None:
+        """Cache the prefix ``prompt`` shares with the previous prompt on ``adapter`` (a chat template's system
+        turn, a few-shot header) when it is longer than what is cached; the least recently used adapter's cache
+        makes room."""
+        n = common_prefix(prompt, self.last_prompt.get(adapter, []))
+        self.last_prompt[adapter] = prompt
+        cid, cached = self.prefixes.get(adapter, (None, []))
+        if n < MIN_PREFIX or common_prefix(prompt, cached) >= n:
+            return
+        if cid is None:
+            if not self.cache_ids:
+                self._drop_prefix(next(iter(self.prefixes)))
+            cid = self.cache_ids.pop()
+        else:
+            self.llama.forget(cid)
+        self.llama.copy(sid, cid, n)
+        self.prefixes.pop(adapter, None)
+        self.prefixes[adapter] = (cid, prompt[:n])
+
+    def _drop_prefix(self, adapter: str | None) -> None:
+        self.last_prompt.pop(adapter, None)
+        if adapter in self.prefixes:
+            cid, _ = self.prefixes.pop(adapter)
+            self.llama.forget(cid)
+            self.cache_ids.append(cid)
 
     def _decode_step(self) -> None:
         for adapter in dict.fromkeys(s.adapter for s in self.running):
@@ -207,6 +267,8 @@ class LlamaWorker(Worker):
                 self.free_ids.append(sid)
 
     def _reset_batch(self) -> None:
+        for adapter in list(self.prefixes):
+            self._drop_prefix(adapter)
         for sid in range(self.score_id + 1):  # the running rows' cells and any a failed prefill wrote
             self.llama.forget(sid)
         self.running = []
@@ -294,6 +356,7 @@ class LlamaWorker(Worker):
 
     def unload_adapter(self, name: str) -> None:
         self._check_unused(name)
+        self._drop_prefix(name)
         self.llama.free_adapter(name)
 
 
@@ -319,5 +382,14 @@ def _log_callback():
 
 
 def llama_rows(llama: LlamaModel) -> int:
-    """Sequence ids for running rows (all but the scoring one)."""
-    return int(llama.lc.llama_n_seq_max(llama.ctx)) - 1
+    """Sequence ids for running rows (all but the scoring one and the prefix caches)."""
+    return int(llama.lc.llama_n_seq_max(llama.ctx)) - 1 - PREFIX_CACHES
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
