@@ -23,7 +23,8 @@ class LlamaCppEngine(TransformersEngine):
     """Serve a built-in GGUF base model (plus LoRA adapter versions) with llama.cpp.
 
     Args: as :class:`~.transformers_engine.TransformersEngine` (``device`` must be ``cpu``; ``weights``, ``dtype``
-    and ``merge_lora`` do not apply); ``num_threads`` is llama.cpp's thread count (default: all cores);
+    and ``merge_lora`` do not apply); ``num_threads`` is llama.cpp's thread count (default: all cores; torch, which
+    only samples here, gets one thread in this process);
     ``max_model_len`` defaults to :data:`DEFAULT_MAX_MODEL_LEN` (at most the model's training context).
 
     Raises:
@@ -70,6 +71,12 @@ class LlamaCppEngine(TransformersEngine):
             )
         self.max_model_len = self._max_model_len_arg or min(limit, DEFAULT_MAX_MODEL_LEN)
         threads = self.num_threads or os.cpu_count() or 1
+        import torch
+
+        # torch only samples here; its OpenMP workers, spinning after each sampling op, would take the cores
+        # llama.cpp's own OpenMP team needs next (8 streams: 102-106 tok/s with torch's default threads, 118-123
+        # with one, docs/serving.md)
+        torch.set_num_threads(1)
         llama = LlamaModel(
             gguf_location(self.model_name),
             n_seq=self.max_batch_size + 1 + PREFIX_CACHES,

@@ -1,0 +1,85 @@
+"""What the llama_cpp engine does beyond the engine contract (tests/test_engine_contract.py runs that on it): its
+prompt-prefix cache, its adapter versions' lifetime in llama.cpp, and the settings it refuses. Real model, real
+llama.cpp; skipped where llama-cpp-python is not installed."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+from harness.seeds import peft_versions
+from test_engine_contract import chat, collect, greedy
+
+from livelora.clients.errors import BadRequestError
+from livelora.gateway.engines import SamplingParams, create_engine
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed here (pip install -e '.[dev]' builds it)",
+)
+
+
+@pytest.fixture(scope="module")
+def llama(base_ref, loop):
+    engine = create_engine("llama_cpp", model=base_ref.name, max_batch_size=4, max_model_len=1024)
+    loop.run_until_complete(engine.start())
+    yield engine
+    loop.run_until_complete(engine.close())
+
+
+def test_a_shared_prompt_prefix_is_reused_and_changes_nothing(llama, run):
+    worker = llama._worker
+    prompts = [chat(llama, q) for q in ("Name a fruit.", "Name a colour.", "Name a planet.")]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2])) if a != b)  # the system turn and more
+    assert shared >= 8 and prompts[2][:shared] == prompts[0][:shared]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, ignore_eos=True)
+    for p in prompts[:2]:  # the second finds what it shares with the first and keeps it
+        run(collect(llama, p, params))
+    before = worker.prefix_tokens_reused
+    tokens, _, chunks = run(collect(llama, prompts[2], params))  # its first `shared` tokens come from the cache
+    assert worker.prefix_tokens_reused - before == shared
+    served = [lp.logprob for c in chunks for lp in c.logprobs]
+    scored = [x.logprob for x in run(llama.score(prompts[2] + tokens))[len(prompts[2]) :]]  # from scratch
+    assert served == pytest.approx(scored, abs=1e-4)
+    # the same prompt twice more: the second time all of it is reused but its last token (its logits start the reply)
+    run(collect(llama, prompts[2], params))
+    before = worker.prefix_tokens_reused
+    again, _, _ = run(collect(llama, prompts[2], params))
+    assert worker.prefix_tokens_reused - before == len(prompts[2]) - 1 and again == tokens
+
+
+def test_prefixes_are_kept_per_version_and_dropped_with_it(llama, run, base_ref, tmp_path):
+    worker = llama._worker
+    version = peft_versions(base_ref, tmp_path, (3,), rank=4, b_scale=0.3)[0]
+    run(llama.load_adapter("t@1", str(version)))
+    prompts = [chat(llama, q) for q in ("One.", "Two.", "Three.")]
+
+    async def replies(adapter):
+        return [r[0] for r in await asyncio.gather(*(collect(llama, p, greedy(4), adapter=adapter) for p in prompts))]
+
+    on_version = run(replies("t@1"))
+    on_version_again = run(replies("t@1"))  # now from t@1's own prefix cache
+    assert "t@1" in worker.prefixes and on_version_again == on_version
+    on_base = run(replies(None))
+    assert on_base != on_version  # the base's cells never serve the version, nor the reverse
+    cid, _ = worker.prefixes["t@1"]
+    run(llama.unload_adapter("t@1"))
+    assert "t@1" not in worker.prefixes and cid in worker.cache_ids
+    assert "t@1" not in worker.llama.adapters  # llama.cpp's copy freed
+
+
+def test_settings_and_arguments_it_cannot_honour_are_refused(monkeypatch, tmp_path):
+    from pydantic import ValidationError
+
+    from livelora.gateway.settings import GatewaySettings
+
+    monkeypatch.setenv("LIVELORA_ENGINE", "llama_cpp")
+    monkeypatch.setenv("LIVELORA_ENGINE_WEIGHTS", "int4")
+    with pytest.raises(ValidationError, match="llama_cpp engine serves the GGUF file's own weights"):
+        GatewaySettings()
+    with pytest.raises(BadRequestError, match="runs on the CPU"):
+        create_engine("llama_cpp", device="cuda")
+    engine = create_engine("llama_cpp", model=str(tmp_path), home=tmp_path)
+    with pytest.raises(BadRequestError, match="serves the built-in GGUF models"):
+        engine.start_sync()
