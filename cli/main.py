@@ -40,7 +40,9 @@ _Model = Annotated[str | None, typer.Option(help="Base model: built-in name, HF 
 _Host = Annotated[str | None, typer.Option(help="Interface to bind (default 127.0.0.1).")]
 _Port = Annotated[int | None, typer.Option(help="TCP port (default 8000).")]
 _Home = Annotated[Path | None, typer.Option(help="Store root, LIVELORA_HOME (models, adapters, data).")]
-_Engine = Annotated[str | None, typer.Option(help="Inference engine kind (default transformers).")]
+_Engine = Annotated[
+    str | None, typer.Option(help="Inference engine kind: transformers (default), vllm (GPU) or llama_cpp (CPU).")
+]
 _Device = Annotated[str | None, typer.Option(help="Torch device, e.g. cpu or cuda (default: auto).")]
 _Batch = Annotated[int | None, typer.Option(help="Sequences decoded together (default 8).")]
 _Served = Annotated[str | None, typer.Option(help="Name clients pass as `model` (default: --model).")]
