@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from livelora.cli.main import app
@@ -33,7 +35,10 @@ def test_invalid_flag_value_exits_with_a_message(monkeypatch):
     assert "LIVELORA_ENGINE_MERGE_LORA (engine_merge_lora)" in " ".join(result.output.split())
 
 
-def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
+@pytest.mark.parametrize("engine", ["transformers", "llama_cpp"])
+def test_serve_answers_chat_completions_on_the_given_port(livelora_home, engine):
+    if engine == "llama_cpp" and importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed here (pip install -e '.[dev]' builds it)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -49,6 +54,8 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
             str(livelora_home),
             "--max-batch-size",
             "2",
+            "--engine",
+            engine,
             "--log-level",
             "warning",
         ],
@@ -62,7 +69,8 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
         ready = False
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                ready = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                ready = health.status_code == 200 and health.json()["engine"] == engine
             except httpx.HTTPError:
                 pass
             if ready:
@@ -76,7 +84,7 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home):
                 "model": "smollm2-135m-instruct",
                 "temperature": 0,
                 "max_tokens": 8,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
             },
         )
         assert reply.status_code == 200 and "Paris" in reply.json()["choices"][0]["message"]["content"]
