@@ -58,7 +58,17 @@ class LearningReporter:
         except Exception as exc:  # the status is for people watching; training goes on without it
             log.warning("learning status not published (%s): %s", key, exc)
 
+    def _write_many(self, values: dict[str, str]) -> None:
+        """SET every key of ``values`` in one MSET (atomic: a reader never sees half of them)."""
+        try:
+            self.client.mset(values)
+        except Exception as exc:  # the status is for people watching; training goes on without it
+            log.warning("learning status not published (%s): %s", ", ".join(values), exc)
+
     def _trainer(self) -> None:
+        self._write(*self._trainer_doc())
+
+    def _trainer_doc(self) -> tuple[str, str]:
         doc = {
             "batch_size": self.config.kto_min_batch,
             "max_wait_s": self.config.max_wait_s,
@@ -67,7 +77,7 @@ class LearningReporter:
             "base_measure": self.base_measure,
             "updated": self.clock(),
         }
-        self._write(self.keys.learning_trainer, json.dumps(doc))
+        return self.keys.learning_trainer, json.dumps(doc)
 
     def _get(self, lineage: str, endpoint: str) -> LearningStatus:
         st = self._status.get(lineage)
@@ -103,8 +113,11 @@ class LearningReporter:
         )
 
     def _save(self, st: LearningStatus) -> None:
+        self._write(*self._status_doc(st))
+
+    def _status_doc(self, st: LearningStatus) -> tuple[str, str]:
         st.updated = self.clock()
-        self._write(self.keys.learning(st.lineage), st.model_dump_json())
+        return self.keys.learning(st.lineage), st.model_dump_json()
 
     def _counts(self, st: LearningStatus, scheduler: Any) -> None:
         q = scheduler.queued(st.lineage)
@@ -124,6 +137,7 @@ class LearningReporter:
         """After reading signals: the queues of the lineages in ``endpoints`` (lineage → newest event's endpoint)
         and the newest stream id read."""
         with self._lock:
+            writes: dict[str, str] = {}
             for lineage, endpoint in endpoints.items():
                 st = self._get(lineage, endpoint)
                 before = st.ratings_waiting
@@ -132,11 +146,14 @@ class LearningReporter:
                     self._set_stage(st, StageMark(stage="waiting", at=self.clock()), new_step=True)
                 elif st.stage == "waiting" and st.ratings_waiting != before:
                     log.info("learning %s: waiting, %d of %d ratings", lineage, st.ratings_waiting, st.batch_size)
-                self._save(st)
+                writes.update([self._status_doc(st)])
             newest = max(stream_ids, key=_sid_key, default=None)
             if newest is not None and (self.read_through is None or _sid_key(newest) > _sid_key(self.read_through)):
                 self.read_through = newest
-            self._trainer()
+            # the counts and the stream id they include in one write: the gateway adds the events after
+            # read_through to the counts, so a reader between two writes would count the newest events twice
+            writes.update([self._trainer_doc()])
+            self._write_many(writes)
 
     def training(self, batch: Any, scheduler: Any) -> None:
         """A step of ``batch`` starts (its events have left the queue)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,9 @@ class LlamaWorker(Worker):
 
     def stop(self) -> None:
         super().stop()
-        self.llama.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if not self.thread.is_alive():  # a step still running after the join's timeout keeps llama.cpp's memory
+            self.llama.close()
 
     # ----- forward passes -------------------------------------------------------------
     def _prefill(self, group: list[Sequence]) -> None:
