@@ -79,6 +79,10 @@ def test_settings_and_arguments_it_cannot_honour_are_refused(monkeypatch, tmp_pa
         GatewaySettings()
     with pytest.raises(BadRequestError, match="runs on the CPU"):
         create_engine("llama_cpp", device="cuda")
+    for arg, value in (("weights", "int4"), ("dtype", "bfloat16"), ("merge_lora", True)):
+        with pytest.raises(BadRequestError) as err:
+            create_engine("llama_cpp", **{arg: value})
+        assert err.value.param == arg
     engine = create_engine("llama_cpp", model=str(tmp_path), home=tmp_path)
     with pytest.raises(BadRequestError, match="serves the built-in GGUF models"):
         engine.start_sync()

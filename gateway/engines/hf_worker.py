@@ -361,7 +361,7 @@ class Worker:
             BadRequestError: not a LoRA config, or the weights do not fit (missing tensors, wrong shapes);
                 nothing changes.
         """
-        self.slots.install(name, config, weights, source)
+        self._install(name, config, weights, source)
         if canary is None:
             return None
         try:
@@ -377,6 +377,10 @@ class Worker:
         """
         self._check_unused(name)
         self.slots.release(name)
+
+    def _install(self, name: str, config, weights, source: str) -> None:
+        """Put version ``name`` where the forward passes find it (a LoRA slot here)."""
+        self.slots.install(name, config, weights, source)
 
     def _check_unused(self, name: str) -> None:
         """Raises :class:`ConflictError` while a queued, admitted or running sequence uses adapter ``name``."""

@@ -22,21 +22,31 @@ DEFAULT_MAX_MODEL_LEN = 4096
 class LlamaCppEngine(TransformersEngine):
     """Serve a built-in GGUF base model (plus LoRA adapter versions) with llama.cpp.
 
-    Args: as :class:`~.transformers_engine.TransformersEngine` (``device`` must be ``cpu``; ``weights``, ``dtype``
-    and ``merge_lora`` do not apply); ``num_threads`` is llama.cpp's thread count (default: all cores; torch, which
-    only samples here, gets one thread in this process);
-    ``max_model_len`` defaults to :data:`DEFAULT_MAX_MODEL_LEN` (at most the model's training context).
+    Args: as :class:`~.transformers_engine.TransformersEngine` but ``device`` must be ``cpu``, ``dtype`` unset,
+    ``weights`` ``fp32`` and ``merge_lora`` not given; ``num_threads`` is llama.cpp's thread count (default: all
+    cores; torch, which only samples here, gets one thread in this process); ``max_model_len`` defaults to
+    :data:`DEFAULT_MAX_MODEL_LEN` (at most the model's training context).
 
     Raises:
-        BadRequestError: a device other than the CPU, or (from :meth:`start`) a base model that is not a
-            built-in GGUF, or llama-cpp-python missing.
+        BadRequestError: a device other than the CPU, a dtype, weights other than fp32, merge_lora, or (from
+            :meth:`start`) a base model that is not a built-in GGUF, or llama-cpp-python missing.
     """
 
-    def __init__(self, model: str | None = None, *, device: str = "cpu", **kw):
+    def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str | None = None, **kw):
         if device != "cpu":
             raise BadRequestError("the llama_cpp engine runs on the CPU", param="device")
-        kw.pop("weights", None)
-        kw.pop("merge_lora", None)
+        if dtype is not None:
+            raise BadRequestError(
+                "the llama_cpp engine serves the GGUF file's own types; leave dtype unset", param="dtype"
+            )
+        if kw.get("weights", "fp32") != "fp32":
+            raise BadRequestError(
+                "the llama_cpp engine serves the GGUF file's own weights: leave them fp32", param="weights"
+            )
+        if "merge_lora" in kw:
+            raise BadRequestError(
+                "merge_lora does not apply to the llama_cpp engine (versions stay unmerged)", param="merge_lora"
+            )
         super().__init__(model, device=device, **kw)
         self.weights = "gguf"
 

@@ -337,10 +337,8 @@ class LlamaWorker(Worker):
         write_gguf_lora(out, tensors, path.name)
         return cfg, out, hashlib.sha256(data).hexdigest()
 
-    def load_adapter(
-        self, name: str, config, weights: Path, source: str, canary: list[int] | None = None
-    ) -> list[TokenLogprob | None] | None:
-        """Load the GGUF LoRA ``weights`` (:meth:`read_adapter`) as version ``name``; with ``canary``, score it.
+    def _install(self, name: str, config, weights: Path, source: str) -> None:
+        """Load the GGUF LoRA ``weights`` (:meth:`read_adapter`) into llama.cpp as version ``name``.
 
         Raises:
             BadRequestError: llama.cpp cannot apply the file to this base; nothing changes.
@@ -349,13 +347,6 @@ class LlamaWorker(Worker):
             self.llama.load_adapter(name, weights)  # llama.cpp copies the tensors: the file can go
         finally:
             weights.unlink(missing_ok=True)
-        if canary is None:
-            return None
-        try:
-            return self.score(canary, name, 0)
-        except BaseException:
-            self.unload_adapter(name)
-            raise
 
     def unload_adapter(self, name: str) -> None:
         self._check_unused(name)
