@@ -212,15 +212,19 @@ def peft_reference(ref, store, names: list[str], weights: str):
     return lps
 
 
-def llama_cpp_reference(ref, store, names: list[str]):
+#: ``--weights`` values that run the llama_cpp engine -> its LIVELORA_ENGINE_WEIGHTS.
+LLAMA_CPP = {"llama_cpp": "f16", "llama_cpp:gguf": "gguf"}
+
+
+def llama_cpp_reference(ref, store, names: list[str], weights: str):
     """``lps(tokens, n_prompt, version)`` teacher-forced by a llama.cpp engine of this process (the gateway's
-    engine kind, the same GGUF and GGUF LoRA conversion), every version loaded."""
+    engine kind serving ``weights``, the same GGUF and GGUF LoRA conversion), every version loaded."""
     import torch
 
     from livelora.adapters.store import parse_version_name
     from livelora.gateway.engines.llama_cpp_engine import LlamaCppEngine
 
-    engine = LlamaCppEngine(ref.name, max_batch_size=1, num_threads=1)
+    engine = LlamaCppEngine(ref.name, max_batch_size=1, num_threads=1, weights=weights)
     engine.start_sync()
     worker = engine._worker
 
@@ -260,15 +264,14 @@ def check_streams(
         {n for n in published} | {s.version for s in streams if s.version and s.version != "base"},
         key=lambda n: parse_version_name(n)[1],
     )
-    lps = (
-        llama_cpp_reference(ref, store, names) if weights == "llama_cpp" else peft_reference(ref, store, names, weights)
-    )
+    gguf = LLAMA_CPP.get(weights)
+    lps = llama_cpp_reference(ref, store, names, gguf) if gguf else peft_reference(ref, store, names, weights)
     mixed, checked, own_max, neighbour_min = 0, 0, 0.0, float("inf")
 
     def dist(a: list[float], b: list[float]) -> float:
         """Max |a - b| over a stream's tokens; under llama_cpp the mean (see the --tol help)."""
         diffs = [abs(x - y) for x, y in zip(a, b)]
-        return sum(diffs) / len(diffs) if weights == "llama_cpp" else max(diffs)
+        return sum(diffs) / len(diffs) if weights == "llama_cpp:gguf" else max(diffs)
 
     for s in streams:
         if s.error or s.version is None:
@@ -323,8 +326,8 @@ async def run(args) -> None:
         "LIVELORA_RESYNC_S": "0",
         "LIVELORA_REDIS_URL": settings.redis_url,
         **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}),
-        "LIVELORA_ENGINE_WEIGHTS": "fp32" if args.weights == "llama_cpp" else args.weights,
-        **({"LIVELORA_ENGINE": "llama_cpp"} if args.weights == "llama_cpp" else {}),
+        "LIVELORA_ENGINE_WEIGHTS": LLAMA_CPP.get(args.weights, args.weights),
+        **({"LIVELORA_ENGINE": "llama_cpp"} if args.weights in LLAMA_CPP else {}),
     }
     cmd = [
         sys.executable,
@@ -332,7 +335,7 @@ async def run(args) -> None:
         "livelora.cli.main",
         "gateway",
         "--model",
-        ref.name if args.weights == "llama_cpp" else str(ref.path),  # llama.cpp serves a built-in's GGUF
+        ref.name if args.weights in LLAMA_CPP else str(ref.path),  # llama.cpp serves a built-in's GGUF
         "--served-model-name",
         EP,
         "--port",
@@ -466,7 +469,7 @@ async def run(args) -> None:
     for r in failed[:5]:
         print(f"  {r.kind}: {r.error}")
     print(
-        f"mixed-version streams: {mixed} of {checked} checked ({'mean' if args.weights == 'llama_cpp' else 'max'} "
+        f"mixed-version streams: {mixed} of {checked} checked ({'mean' if args.weights == 'llama_cpp:gguf' else 'max'} "
         f"|served - own version| at most {own_max:.2e} nats, "
         f"tol {args.tol:g}; nearest other version ≥ {neighbour_min:.2e} nats)"
     )
@@ -492,8 +495,9 @@ if __name__ == "__main__":
         type=float,
         default=None,
         help="nats: served vs teacher-forced logprobs (default 1e-3; 0.25 with --weights int4, whose lm_head "
-        "answers bfloat16 logits: a logit near 20 moves in steps of 0.125; with llama_cpp the bound is on the "
-        "mean |diff| over a stream's tokens, default 0.1: with an adapter, llama.cpp's one-row decode steps "
+        "answers bfloat16 logits: a logit near 20 moves in steps of 0.125; 1e-2 with llama_cpp (float16 activations); "
+        "with llama_cpp:gguf the bound is on the mean |diff| over a stream's tokens, default 0.1: with an "
+        "adapter, llama.cpp's one-row decode steps "
         "and its many-row teacher-forced pass differ in the last bits of the LoRA product, which its 8-bit "
         "activation rounding turns into differences up to ~0.4 nats on a few tokens)",
     )
@@ -501,12 +505,13 @@ if __name__ == "__main__":
     ap.add_argument(
         "--weights",
         default="fp32",
-        choices=["fp32", "int4", "llama_cpp"],
+        choices=["fp32", "int4", *LLAMA_CPP],
         help="LIVELORA_ENGINE_WEIGHTS of the gateway; the check's reference serves the same (int8 is left out: "
         "its merged versions are re-quantized, which a teacher-forced peft reference does not reproduce); "
-        "llama_cpp: the llama_cpp engine, checked against llama.cpp in this process",
+        "llama_cpp: the llama_cpp engine (its default weights, f16; llama_cpp:gguf: the GGUF file's own types), "
+        "checked against llama.cpp in this process",
     )
     args = ap.parse_args()
     if args.tol is None:
-        args.tol = {"int4": 0.25, "llama_cpp": 0.1}.get(args.weights, 1e-3)
+        args.tol = {"int4": 0.25, "llama_cpp": 1e-2, "llama_cpp:gguf": 0.1}.get(args.weights, 1e-3)
     asyncio.run(run(args))

@@ -245,7 +245,8 @@ def main() -> None:
         "--weights",
         default="fp32",
         help="--anchors: comma-separated LIVELORA_ENGINE_WEIGHTS values, one gateway each, measured in the same "
-        "run; 'llama_cpp' is a gateway with --engine llama_cpp",
+        "run; 'llama_cpp' is a gateway with --engine llama_cpp (its default weights, f16), 'llama_cpp:gguf' one "
+        "serving the GGUF file's own types",
     )
     parser.add_argument("--ab-on-first", action="store_true", help="with --metering-ab: start and run 'on' first")
     args = parser.parse_args()
@@ -364,9 +365,11 @@ def anchors(args) -> None:
         rows[f"gateway_1[{w}]"] = []
         if w == weights[0]:
             rows["generate_1"] = []
-    llm = None
+    llms = {}  # llama.cpp anchor format -> llama_cpp.Llama
     if importlib.util.find_spec("llama_cpp") is not None and args.model in BUILTIN_GGUF:
-        rows["llama_cpp_1"] = []
+        # llama.cpp on the built-in GGUF as shipped, and on each other format a llama_cpp gateway serves
+        for fmt in dict.fromkeys(["gguf"] + [llama_format(w) for w in weights if llama_format(w)]):
+            rows[f"llama_cpp_1[{fmt}]"] = []
     else:
         print("llama.cpp anchor left out: llama-cpp-python is not installed, or --model is not the built-in GGUF")
     try:
@@ -378,10 +381,11 @@ def anchors(args) -> None:
                 "LIVELORA_HOME": str(home),
                 "LIVELORA_REDIS_PREFIX": keys.prefix,
                 "LIVELORA_METERING": "false",
-                "LIVELORA_ENGINE_WEIGHTS": "fp32" if w == "llama_cpp" else w,
             }
+            if not llama_format(w) or ":" in w:  # a llama_cpp gateway without ':' serves its default format
+                env["LIVELORA_ENGINE_WEIGHTS"] = llama_format(w) or w
             proc, url = spawn(
-                "llama_cpp" if w == "llama_cpp" else args.engine,
+                "llama_cpp" if llama_format(w) else args.engine,
                 args.model,
                 args.max_batch_size,
                 args.device,
@@ -411,21 +415,19 @@ def anchors(args) -> None:
         )
         model.eval()
         offline_generate(model, tokenizer, PROMPTS[:2], 2, 2)  # warm-up
-        if "llama_cpp_1" in rows:
+        if any(k.startswith("llama_cpp_1") for k in rows):
             from llama_cpp import Llama
 
             from livelora.adapters.gguf_export import GGUF_FILE, export_gguf
             from livelora.core.base_models import gguf_location
+            from livelora.gateway.engines.llama_cpp_worker import served_gguf
 
             lora = export_gguf(AdapterStore(home), hotswap.EP, 1, ref, Path(tempfile.mkdtemp()) / "gguf") / GGUF_FILE
-            llm = Llama(
-                str(gguf_location(args.model)),
-                lora_path=str(lora),
-                n_ctx=1024,
-                n_threads=os.cpu_count(),
-                verbose=False,
-            )
-            llama_cpp_generate(llm, tokenizer, PROMPTS[:1], 2)  # warm-up
+            for kind in [k for k in rows if k.startswith("llama_cpp_1")]:
+                fmt = kind[12:-1]
+                gguf = served_gguf(gguf_location(args.model), fmt, Path(settings.home) / "models" / "gguf")
+                llms[fmt] = Llama(str(gguf), lora_path=str(lora), n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
+                llama_cpp_generate(llms[fmt], tokenizer, PROMPTS[:1], 2)  # warm-up
         n = args.concurrency
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
         ones = max(2, args.requests // n)
@@ -439,8 +441,8 @@ def anchors(args) -> None:
                     res = asyncio.run(run_gateway(url, hotswap.EP, 1, ones, args.max_tokens))
                 elif kind == "static_n":
                     res = offline_generate(model, tokenizer, prompts, args.max_tokens, n)
-                elif kind == "llama_cpp_1":
-                    res = llama_cpp_generate(llm, tokenizer, prompts[:ones], args.max_tokens)
+                elif kind.startswith("llama_cpp_1"):
+                    res = llama_cpp_generate(llms[kind[12:-1]], tokenizer, prompts[:ones], args.max_tokens)
                 else:
                     res = offline_generate(model, tokenizer, prompts[:ones], args.max_tokens, 1)
                 res["load"] = load
@@ -470,11 +472,20 @@ def anchors(args) -> None:
             f"  [{w}] gateway 1 stream  {g1:.1f} tok/s vs generate batch 1 (fp32) {med['generate_1']:.1f} tok/s: "
             f"{g1 / med['generate_1']:.2f}x; vs [{weights[0]}] {g1 / med[f'gateway_1[{weights[0]}]']:.2f}x"
         )
-        if "llama_cpp_1" in med:
+        for fmt in [k[12:-1] for k in med if k.startswith("llama_cpp_1")]:
+            a = med[f"llama_cpp_1[{fmt}]"]
             print(
-                f"  [{w}] gateway 1 stream  {g1:.1f} tok/s vs llama.cpp 1 stream (Q4_1 GGUF + the version as a "
-                f"GGUF LoRA) {med['llama_cpp_1']:.1f} tok/s: {g1 / med['llama_cpp_1']:.2f}x"
+                f"  [{w}] gateway 1 stream  {g1:.1f} tok/s vs llama.cpp 1 stream (the GGUF in format {fmt} + the "
+                f"version as a GGUF LoRA) {a:.1f} tok/s: {g1 / a:.2f}x"
             )
+
+
+def llama_format(w: str) -> str | None:
+    """The llama_cpp engine's weights named by a ``--weights`` entry (``llama_cpp``: its default, ``f16``;
+    ``llama_cpp:gguf``: ``gguf``), or ``None`` for a transformers-engine format."""
+    if not w.startswith("llama_cpp"):
+        return None
+    return w.partition(":")[2] or "f16"
 
 
 def metering_ab(args) -> None:

@@ -244,7 +244,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         server = settings.server
         base_url = f"http://{server.host}:{server.port}/v1"
         inference = settings.inference
-        weights = f" ({inference.engine_weights} weights)" if inference.engine_weights != "fp32" else ""
+        weights = f" ({inference.engine_weights} weights)" if inference.engine_weights not in (None, "fp32") else ""
         console.print(
             f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {inference.engine} engine{weights} "
             f"on [green]{base_url}[/] (store: {settings.home}"

@@ -82,7 +82,8 @@ def build_engine(settings: GatewaySettings) -> Engine:
     else:
         if inference.engine_threads:
             kwargs["num_threads"] = inference.engine_threads
-        kwargs["weights"] = inference.engine_weights
+        if inference.engine_weights is not None:
+            kwargs["weights"] = inference.engine_weights
         if inference.engine == "transformers":
             kwargs["merge_lora"] = inference.engine_merge_lora
         if device == "cpu" and inference.engine_threads_while_training != 0:

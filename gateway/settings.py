@@ -36,6 +36,14 @@ DEFAULT_IDEMPOTENCY_TTL_S = 24 * 3600
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+#: The ``LIVELORA_ENGINE_WEIGHTS`` values each engine kind serves (the first is its default).
+ENGINE_WEIGHTS = {
+    "transformers": ("fp32", "bf16", "int8", "int4"),
+    "llama_cpp": ("f16", "gguf"),
+    "vllm": ("fp32",),
+}
+
+
 class ServerSection(Section):
     """HTTP server: ``LIVELORA_HOST``, ``LIVELORA_PORT``, ``LIVELORA_PUBLIC_URL``, ``LIVELORA_ALLOW_OPEN``,
     ``LIVELORA_MAX_BODY_BYTES``."""
@@ -94,14 +102,14 @@ class InferenceSection(Section):
         "the adapted layers: 425 MB for SmolLM2-135M in float32; "
         "gateway/engines/lora_slots.py).",
     )
-    engine_weights: Literal["fp32", "bf16", "int8", "int4"] = Field(
-        "fp32",
-        description="Transformers engine: format of the served weights: 'fp32' (what training uses), 'bf16' "
-        "(the model in bfloat16), 'int8' (weight-only int8 per output channel, each version's merged "
-        "weights re-quantized) or 'int4' (attention and MLP weight-only int4 in groups of 32, the GGUF Q4_1 "
-        "grid of the built-in model; lm_head in bfloat16; adapter versions never merged; "
-        "gateway/engines/quantized.py). Measured and why fp32 stays the default: "
-        "docs/serving.md.",
+    engine_weights: Literal["fp32", "bf16", "int8", "int4", "f16", "gguf"] | None = Field(
+        None,
+        description="Format of the served weights (default: the engine's). Transformers engine: 'fp32' "
+        "(default; what training uses), 'bf16' (the model in bfloat16), 'int8' (weight-only int8 per output "
+        "channel, each version's merged weights re-quantized) or 'int4' (attention and MLP weight-only int4 in "
+        "groups of 32, the GGUF Q4_1 grid of the built-in model; lm_head in bfloat16; versions never merged; "
+        "gateway/engines/quantized.py). llama_cpp engine: 'f16' (default; the GGUF's weights converted to "
+        "float16 once) or 'gguf' (the file's own quantized types). Measured side by side: docs/serving.md.",
     )
     max_waiting: int = Field(64, ge=0, description="Sequences allowed to wait for a batch slot; more get 429.")
     max_model_len: int | None = Field(
@@ -143,16 +151,13 @@ class InferenceSection(Section):
 
     @field_validator("engine_weights")
     @classmethod
-    def _engine_weights(cls, value: str, info: ValidationInfo) -> str:
-        if value != "fp32" and info.data.get("engine") == "vllm":
+    def _engine_weights(cls, value: str | None, info: ValidationInfo) -> str | None:
+        engine = info.data.get("engine")
+        allowed = ENGINE_WEIGHTS.get(engine)
+        if value is not None and allowed is not None and value not in allowed:
             raise ValueError(
-                f"{value!r} is a transformers-engine format that the vllm engine does not serve "
-                "(it loads the model in LIVELORA_DTYPE): leave LIVELORA_ENGINE_WEIGHTS at fp32"
-            )
-        if value != "fp32" and info.data.get("engine") == "llama_cpp":
-            raise ValueError(
-                f"{value!r} is a transformers-engine format; the llama_cpp engine serves the GGUF file's own "
-                "weights: leave LIVELORA_ENGINE_WEIGHTS at fp32"
+                f"the {engine} engine serves LIVELORA_ENGINE_WEIGHTS {', '.join(allowed)}, not {value!r}"
+                + (" (it loads the model in LIVELORA_DTYPE)" if engine == "vllm" else "")
             )
         return value
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from harness.engines import engine_kinds_under_test
+from harness.engines import engine_kinds_under_test, logprob_tolerance
 from harness.seeds import peft_versions
 
 from livelora.clients.errors import BadRequestError, ConflictError, ContextLengthExceededError, ModelNotFoundError
@@ -149,7 +149,7 @@ def test_logprobs_match_score_and_top_logprobs_are_sorted(engine, run):
     assert len(scored) == len(prompt) + len(tokens) and scored[0] is None
     for lp, ref in zip(lps, scored[len(prompt) :]):
         assert ref.token_id == lp.token_id
-        assert lp.logprob == pytest.approx(ref.logprob, abs=1e-4)
+        assert lp.logprob == pytest.approx(ref.logprob, abs=logprob_tolerance(engine))
         values = [v for _, v in lp.top]
         assert len(lp.top) == 5 and values == sorted(values, reverse=True)
         assert [t for t, _ in lp.top] == [t for t, _ in ref.top]
@@ -234,32 +234,6 @@ def lora_dir(base_ref, tmp_path_factory):
     return peft_versions(base_ref, tmp_path_factory.mktemp("lora"), (0,), rank=4, b_scale=0.02)[0]
 
 
-def _check_adapter_effect(engine, run, base_ref, tmp_path, tokens: list[int]) -> None:
-    """llama.cpp multiplies Q4_1 weights by 8-bit activations: its logprobs are near fp32's but not equal, and the
-    rounding swamps this module's small adapter. A stronger one (lora_B 10x) is loaded, and its effect on every
-    logit, served minus served base, is compared with peft's, adapted minus base."""
-    from peft import PeftModel
-
-    from livelora.core.base_models import load_model
-    from livelora.gateway.engines.hf_calls import on_worker
-
-    strong = peft_versions(base_ref, tmp_path, (0,), rank=4, b_scale=0.2)[0]
-    run(engine.load_adapter("test@strong", str(strong)))
-    worker = engine._worker
-    adapted = run(on_worker(worker, lambda: worker.logits(tokens, "test@strong")))
-    plain = run(on_worker(worker, lambda: worker.logits(tokens, None)))
-    run(engine.unload_adapter("test@strong"))
-    with torch.no_grad():
-        ref = PeftModel.from_pretrained(load_model(base_ref), str(strong)).eval()
-        peft_adapted = ref(input_ids=torch.tensor([tokens])).logits[0]
-        with ref.disable_adapter():
-            peft_plain = ref(input_ids=torch.tensor([tokens])).logits[0]
-    served, expected = (adapted - plain).flatten(), (peft_adapted - peft_plain).flatten()
-    corr = torch.corrcoef(torch.stack([served, expected]))[0, 1].item()
-    ratio = (served.norm() / expected.norm()).item()
-    assert corr > 0.95 and 0.9 < ratio < 1.1, (corr, ratio)
-
-
 def test_adapter_load_generate_score_unload(engine, run, paris, lora_dir, base_ref, tmp_path):
     from peft import PeftModel
 
@@ -282,11 +256,9 @@ def test_adapter_load_generate_score_unload(engine, run, paris, lora_dir, base_r
     expected = ref_lp.gather(1, pick).squeeze(1)
     got = torch.tensor([x.logprob for x in run(engine.score(tokens, adapter="test@1"))[1:]])
     base = torch.tensor([x.logprob for x in run(engine.score(tokens))[1:]])
-    if engine.weights == "gguf":
-        _check_adapter_effect(engine, run, base_ref, tmp_path, tokens)
-    else:
-        assert got.tolist() == pytest.approx(expected.tolist(), abs=1e-4)
-        assert (got - base).abs().max().item() > 1e-2
+    tol = logprob_tolerance(engine)
+    assert got.tolist() == pytest.approx(expected.tolist(), abs=tol)
+    assert (got - base).abs().max().item() > 3 * tol  # the adapter's effect stands out of the rounding
 
     async def mixed():  # base and adapter sequences in one batch
         return await asyncio.gather(
@@ -297,13 +269,7 @@ def test_adapter_load_generate_score_unload(engine, run, paris, lora_dir, base_r
     assert mixed_base == base_tokens
     ad_lps = [lp.logprob for c in ad_chunks for lp in (c.logprobs or [])]
     ad_ref = [x.logprob for x in run(engine.score(prompt + ad_tokens, adapter="test@1"))[len(prompt) :]]
-    if engine.weights == "gguf":
-        # llama.cpp's LoRA product differs in its last bits between one row (this version's group in the mixed
-        # batch) and many (the score), and its 8-bit activation rounding can amplify that (docs/internals/engines.md)
-        diffs = [abs(a - b) for a, b in zip(ad_lps, ad_ref)]
-        assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < 0.5
-    else:
-        assert ad_lps == pytest.approx(ad_ref[: len(ad_lps)], abs=1e-4)
+    assert ad_lps == pytest.approx(ad_ref[: len(ad_lps)], abs=tol)
 
     run(engine.unload_adapter("test@1"))
     assert engine.loaded_adapters() == []

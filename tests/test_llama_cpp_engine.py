@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from harness.engines import logprob_tolerance
 from harness.seeds import peft_versions
 from test_engine_contract import chat, collect, greedy
 
@@ -40,7 +41,7 @@ def test_a_shared_prompt_prefix_is_reused_and_changes_nothing(llama, run):
     assert worker.prefix_tokens_reused - before == shared
     served = [lp.logprob for c in chunks for lp in c.logprobs]
     scored = [x.logprob for x in run(llama.score(prompts[2] + tokens))[len(prompts[2]) :]]  # from scratch
-    assert served == pytest.approx(scored, abs=1e-4)
+    assert served == pytest.approx(scored, abs=logprob_tolerance(llama))  # one row vs many: docs/internals/engines.md
     # the same prompt twice more: the second time all of it is reused but its last token (its logits start the reply)
     run(collect(llama, prompts[2], params))
     before = worker.prefix_tokens_reused
@@ -75,8 +76,12 @@ def test_settings_and_arguments_it_cannot_honour_are_refused(monkeypatch, tmp_pa
 
     monkeypatch.setenv("LIVELORA_ENGINE", "llama_cpp")
     monkeypatch.setenv("LIVELORA_ENGINE_WEIGHTS", "int4")
-    with pytest.raises(ValidationError, match="llama_cpp engine serves the GGUF file's own weights"):
+    with pytest.raises(ValidationError, match="llama_cpp engine serves LIVELORA_ENGINE_WEIGHTS f16, gguf, not 'int4'"):
         GatewaySettings()
+    monkeypatch.setenv("LIVELORA_ENGINE_WEIGHTS", "gguf")
+    assert GatewaySettings().inference.engine_weights == "gguf"
+    monkeypatch.delenv("LIVELORA_ENGINE_WEIGHTS")
+    assert GatewaySettings().inference.engine_weights is None  # the engine's default: f16
     with pytest.raises(BadRequestError, match="runs on the CPU"):
         create_engine("llama_cpp", device="cuda")
     for arg, value in (("weights", "int4"), ("dtype", "bfloat16"), ("merge_lora", True)):
@@ -86,3 +91,28 @@ def test_settings_and_arguments_it_cannot_honour_are_refused(monkeypatch, tmp_pa
     engine = create_engine("llama_cpp", model=str(tmp_path), home=tmp_path)
     with pytest.raises(BadRequestError, match="serves the built-in GGUF models"):
         engine.start_sync()
+
+
+def test_the_f16_file_holds_the_shipped_weights_in_float16_and_is_written_once(tmp_path):
+    import gguf
+    import numpy as np
+
+    from livelora.core.base_models import gguf_location
+    from livelora.gateway.engines.llama_cpp_worker import served_gguf
+
+    shipped = gguf_location("smollm2-135m-instruct")
+    assert served_gguf(shipped, "gguf", tmp_path) == shipped  # the file's own types: the file itself
+    f16 = served_gguf(shipped, "f16", tmp_path)
+    assert f16.parent == tmp_path and [p.name for p in tmp_path.glob("*.gguf")] == [f16.name]  # no temp file left
+    stamp = f16.stat().st_mtime_ns
+    assert served_gguf(shipped, "f16", tmp_path) == f16 and f16.stat().st_mtime_ns == stamp  # converted once
+    original = {t.name: t for t in gguf.GGUFReader(shipped).tensors}
+    converted = {t.name: t for t in gguf.GGUFReader(f16).tensors}
+    assert converted.keys() == original.keys()
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight"):
+        src, out = original[name], converted[name]
+        assert src.tensor_type != gguf.GGMLQuantizationType.F16 and out.tensor_type == gguf.GGMLQuantizationType.F16
+        want = gguf.quants.dequantize(src.data, src.tensor_type).astype(np.float16)
+        assert np.array_equal(np.asarray(out.data).reshape(want.shape), want)
+    with pytest.raises(BadRequestError, match="weights must be one of gguf, f16"):
+        served_gguf(shipped, "q2_k", tmp_path)

@@ -1,10 +1,11 @@
 """llama.cpp inference engine on the CPU (``LIVELORA_ENGINE=llama_cpp``; needs ``llama-cpp-python``).
 
-:class:`LlamaCppEngine` serves a built-in model's own GGUF file (its quantized weights, as llama.cpp reads them)
-with continuous batching (:mod:`.llama_cpp_worker`); tokenization, sampling, stop handling, logprobs and the
-adapter table are the transformers engine's, so both refuse and return the same things. Each adapter version is
-converted to a GGUF LoRA when it loads and applied by llama.cpp, unmerged. Logprobs are those of the weights
-served. Measurements and fidelity: ``docs/serving.md``.
+:class:`LlamaCppEngine` serves a built-in model's GGUF file with continuous batching (:mod:`.llama_cpp_worker`):
+by default its weights converted to float16 (``weights="f16"``; as close to the fp32 weights training uses as
+float16 rounding allows), or the file's own quantized types (``weights="gguf"``). Tokenization, sampling, stop
+handling, logprobs and the adapter table are the transformers engine's, so both refuse and return the same things.
+Each adapter version is converted to a GGUF LoRA when it loads and applied by llama.cpp, unmerged. Logprobs are
+those of the weights served. Measurements and fidelity: ``docs/serving.md``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 
 from livelora.clients.errors import BadRequestError
+from livelora.gateway.engines.llama_cpp_worker import GGUF_FORMATS
 from livelora.gateway.engines.transformers_engine import TransformersEngine
 
 #: Default prompt + completion limit: llama.cpp keeps KV cells for ``max_batch_size + 3`` sequences of this many
@@ -23,32 +25,37 @@ class LlamaCppEngine(TransformersEngine):
     """Serve a built-in GGUF base model (plus LoRA adapter versions) with llama.cpp.
 
     Args: as :class:`~.transformers_engine.TransformersEngine` but ``device`` must be ``cpu``, ``dtype`` unset,
-    ``weights`` ``fp32`` and ``merge_lora`` not given; ``num_threads`` is llama.cpp's thread count (default: all
+    ``weights`` ``f16`` (default) or ``gguf`` (:data:`~.llama_cpp_worker.GGUF_FORMATS`) and ``merge_lora`` not
+    given; ``num_threads`` is llama.cpp's thread count (default: all
     cores; torch, which only samples here, gets one thread in this process); ``max_model_len`` defaults to
     :data:`DEFAULT_MAX_MODEL_LEN` (at most the model's training context).
 
     Raises:
-        BadRequestError: a device other than the CPU, a dtype, weights other than fp32, merge_lora, or (from
+        BadRequestError: a device other than the CPU, a dtype, weights other than f16 and gguf, merge_lora, or (from
             :meth:`start`) a base model that is not a built-in GGUF, or llama-cpp-python missing.
     """
 
-    def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str | None = None, **kw):
+    def __init__(
+        self, model: str | None = None, *, device: str = "cpu", dtype: str | None = None, weights: str = "f16", **kw
+    ):
         if device != "cpu":
             raise BadRequestError("the llama_cpp engine runs on the CPU", param="device")
         if dtype is not None:
             raise BadRequestError(
                 "the llama_cpp engine serves the GGUF file's own types; leave dtype unset", param="dtype"
             )
-        if kw.get("weights", "fp32") != "fp32":
+        if weights not in GGUF_FORMATS:
             raise BadRequestError(
-                "the llama_cpp engine serves the GGUF file's own weights: leave them fp32", param="weights"
+                f"the llama_cpp engine serves weights 'f16' (the GGUF's weights in float16) or 'gguf' (the file's "
+                f"own types), not {weights!r}",
+                param="weights",
             )
         if "merge_lora" in kw:
             raise BadRequestError(
                 "merge_lora does not apply to the llama_cpp engine (versions stay unmerged)", param="merge_lora"
             )
         super().__init__(model, device=device, **kw)
-        self.weights = "gguf"
+        self.weights = weights
 
     def start_sync(self) -> None:
         if self._worker is not None:
@@ -58,7 +65,7 @@ class LlamaCppEngine(TransformersEngine):
         from transformers import AutoConfig, GenerationConfig
 
         from livelora.core.base_models import BUILTIN_GGUF, gguf_location, load_tokenizer, resolve_base_model
-        from livelora.gateway.engines.llama_cpp_worker import PREFIX_CACHES, LlamaModel, LlamaWorker
+        from livelora.gateway.engines.llama_cpp_worker import PREFIX_CACHES, LlamaModel, LlamaWorker, served_gguf
 
         if importlib.util.find_spec("llama_cpp") is None:
             raise BadRequestError(
@@ -87,8 +94,9 @@ class LlamaCppEngine(TransformersEngine):
         # llama.cpp's own OpenMP team needs next (8 streams: 102-106 tok/s with torch's default threads, 118-123
         # with one, docs/serving.md)
         torch.set_num_threads(1)
+        gguf = served_gguf(gguf_location(self.model_name), self.weights, self._home / "models" / "gguf")
         llama = LlamaModel(
-            gguf_location(self.model_name),
+            gguf,
             n_seq=self.max_batch_size + 1 + PREFIX_CACHES,
             n_ctx_seq=self.max_model_len,
             n_threads=threads,

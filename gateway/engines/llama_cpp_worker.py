@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,6 +38,48 @@ MIN_PREFIX = 8
 #: Tokens per ``llama_decode`` call (llama.cpp's ``n_batch`` and ``n_ubatch``); also bounds the float32 logits
 #: buffer of a scoring chunk (``512 × vocab``).
 DECODE_CHUNK = 512
+#: Served weight formats (``LIVELORA_ENGINE_WEIGHTS``): the file's own types, or every tensor converted to
+#: float16 (llama.cpp's ``LLAMA_FTYPE_MOSTLY_F16``); measured side by side in ``docs/serving.md``.
+GGUF_FORMATS = {"gguf": None, "f16": 1}
+
+
+def served_gguf(gguf: Path, weights: str, cache: Path) -> Path:
+    """The GGUF file that serves ``gguf`` in format ``weights`` (:data:`GGUF_FORMATS`): ``gguf`` itself, or its
+    conversion by llama.cpp's own quantizer, written once into ``cache`` (atomically, under a file lock; about 1 s
+    for SmolLM2-135M).
+
+    Raises:
+        BadRequestError: an unknown format; InternalError: llama.cpp could not convert the file.
+    """
+    if weights not in GGUF_FORMATS:
+        raise BadRequestError(f"weights must be one of {', '.join(GGUF_FORMATS)}", param="weights")
+    ftype = GGUF_FORMATS[weights]
+    if ftype is None:
+        return gguf
+    import llama_cpp as lc
+
+    from livelora.core.atomic import file_lock, fsync_dir, private_dir
+
+    out = cache / f"{gguf.stem}.{weights}.gguf"
+    private_dir(cache)
+    with file_lock(cache / f".{out.name}.lock"):
+        if out.is_file():
+            return out
+        lc.llama_log_set(_log_callback(), None)
+        lc.llama_backend_init()
+        params = lc.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = ftype, True, os.cpu_count() or 1
+        tmp = out.with_name(f".{out.name}.tmp")
+        try:
+            if lc.llama_model_quantize(str(gguf).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+                raise InternalError(f"llama.cpp could not convert {gguf.name} to {weights}")
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, out)
+            fsync_dir(cache)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return out
 
 
 class LlamaModel:
@@ -104,12 +147,17 @@ class LlamaModel:
             InternalError: llama.cpp refused the batch (no KV cells left, or a failed computation).
         """
         lc, b = self.lc, self.batch
-        outs = []
-        for i, (tok, pos, sid, want) in enumerate(tokens):
+        # by sequence id: llama.cpp's per-sequence caches take a run of consecutive ids per micro-batch, so rows
+        # out of id order would be split into several passes over the weights
+        order = sorted(range(len(tokens)), key=lambda i: (tokens[i][2], tokens[i][1]))
+        slot = {}
+        for i, k in enumerate(order):
+            tok, pos, sid, want = tokens[k]
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, want
             b.seq_id[i][0] = sid
             if want:
-                outs.append(i)
+                slot[k] = i
+        outs = [slot[k] for k in range(len(tokens)) if k in slot]
         b.n_tokens = len(tokens)
         rc = lc.llama_decode(self.ctx, b)
         if rc != 0:
@@ -193,7 +241,8 @@ class LlamaWorker(Worker):
             self.llama.use(adapter)
             tokens = []
             for s in rows:
-                sid = self.seq_ids[id(s)] = self.free_ids.pop()
+                sid = self.seq_ids[id(s)] = min(self.free_ids)  # the lowest: running rows' ids stay a run
+                self.free_ids.remove(sid)
                 start = self._reuse_prefix(adapter, s.prompt, sid)
                 n = len(s.prompt)
                 tokens += [(s.prompt[pos], pos, sid, pos == n - 1) for pos in range(start, n)]
