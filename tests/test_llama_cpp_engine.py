@@ -13,6 +13,7 @@ from test_engine_contract import chat, collect, greedy
 
 from livelora.clients.errors import BadRequestError
 from livelora.gateway.engines import SamplingParams, create_engine
+from livelora.gateway.engines.hf_calls import on_worker
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
@@ -47,6 +48,8 @@ def test_a_shared_prompt_prefix_is_reused_and_changes_nothing(llama, run):
     before = worker.prefix_tokens_reused
     again, _, _ = run(collect(llama, prompts[2], params))
     assert worker.prefix_tokens_reused - before == len(prompts[2]) - 1 and again == tokens
+    # reused in place: the finished row's id keeps its prompt's cells, and the next row takes the lowest free id
+    assert run(on_worker(worker, lambda: worker.kept[min(worker.free_ids)])) == (None, prompts[2])
 
 
 def test_prefixes_are_kept_per_version_and_dropped_with_it(llama, run, base_ref, tmp_path):
@@ -66,6 +69,9 @@ def test_prefixes_are_kept_per_version_and_dropped_with_it(llama, run, base_ref,
     cid, _ = worker.prefixes["t@1"]
     run(llama.unload_adapter("t@1"))
     assert "t@1" not in worker.prefixes and cid in worker.cache_ids
+    assert all(
+        adapter != "t@1" for adapter, _ in run(on_worker(worker, lambda: list(worker.kept.values())))
+    )  # no row reuses a gone version's cells
     assert "t@1" not in worker.llama.adapters  # llama.cpp's copy freed
 
 

@@ -165,9 +165,9 @@ class LlamaModel:
         v = self.vocab_size
         return np.stack([np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, i), shape=(v,)) for i in outs])
 
-    def forget(self, seq_id: int) -> None:
-        """Free every KV cell of ``seq_id``."""
-        self.lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+    def forget(self, seq_id: int, start: int = -1) -> None:
+        """Free the KV cells of ``seq_id`` from position ``start`` on (every one by default)."""
+        self.lc.llama_memory_seq_rm(self.memory, seq_id, start, -1)
 
     def copy(self, src: int, dst: int, n: int) -> None:
         """Make ``dst``'s cells a copy of ``src``'s positions ``0 .. n - 1`` (llama.cpp copies a sequence's whole
@@ -205,6 +205,9 @@ class LlamaWorker(Worker):
         self.base_config = base_config
         rows = llama_rows(llama)
         self.free_ids = list(range(rows))
+        #: free sequence id -> (adapter, prompt) whose cells it still holds (reused in place by the next prompt
+        #: on that adapter that starts the same way; cheaper than a prefix cache's copy of a whole KV stream)
+        self.kept: dict[int, tuple[str | None, list[int]]] = {}
         self.score_id = rows
         self.cache_ids = list(range(rows + 1, rows + 1 + PREFIX_CACHES))
         self.seq_ids: dict[int, int] = {}  # id(Sequence) -> llama.cpp sequence id
@@ -243,7 +246,7 @@ class LlamaWorker(Worker):
             for s in rows:
                 sid = self.seq_ids[id(s)] = min(self.free_ids)  # the lowest: running rows' ids stay a run
                 self.free_ids.remove(sid)
-                start = self._reuse_prefix(adapter, s.prompt, sid)
+                start = self._reuse_kept(adapter, s.prompt, sid) or self._reuse_prefix(adapter, s.prompt, sid)
                 n = len(s.prompt)
                 tokens += [(s.prompt[pos], pos, sid, pos == n - 1) for pos in range(start, n)]
             logits = [self.llama.decode(tokens[i : i + DECODE_CHUNK]) for i in range(0, len(tokens), DECODE_CHUNK)]
@@ -252,6 +255,20 @@ class LlamaWorker(Worker):
             self._sample_and_emit(rows, torch.from_numpy(np.concatenate(logits)))
             self.running.extend(s for s in rows if not s.finished)
             self._release([s for s in rows if s.finished])
+
+    def _reuse_kept(self, adapter: str | None, prompt: list[int], sid: int) -> int:
+        """Keep the cells ``sid`` still holds of its last prompt as far as ``prompt`` starts the same way on the same
+        adapter and at least as far as ``adapter``'s prefix cache would (free the rest); returns the first position
+        left to compute (0: nothing kept)."""
+        kept_adapter, kept = self.kept.pop(sid, (None, []))
+        n = min(common_prefix(prompt, kept), len(prompt) - 1) if kept and kept_adapter == adapter else 0
+        cached = common_prefix(prompt, self.prefixes[adapter][1]) if adapter in self.prefixes else 0
+        if n < MIN_PREFIX or n < min(cached, len(prompt) - 1):
+            self.llama.forget(sid)
+            return 0
+        self.llama.forget(sid, n)
+        self.prefix_tokens_reused += n
+        return n
 
     def _reuse_prefix(self, adapter: str | None, prompt: list[int], sid: int) -> int:
         """Share the cached prefix cells of ``adapter`` that ``prompt`` starts with into ``sid`` (at least
@@ -314,8 +331,8 @@ class LlamaWorker(Worker):
     def _release(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             sid = self.seq_ids.pop(id(s), None)
-            if sid is not None:
-                self.llama.forget(sid)
+            if sid is not None:  # its prompt's cells stay until the id is taken again (_reuse_kept)
+                self.kept[sid] = (s.adapter, s.prompt)
                 self.free_ids.append(sid)
 
     def _reset_batch(self) -> None:
@@ -326,6 +343,7 @@ class LlamaWorker(Worker):
         self.running = []
         self.free_ids = list(range(self.score_id))
         self.seq_ids.clear()
+        self.kept.clear()
 
     # ----- commands (run on this thread between steps) ----------------------------------
     def logits(self, token_ids: list[int], adapter: str | None) -> torch.Tensor:
@@ -400,6 +418,9 @@ class LlamaWorker(Worker):
     def unload_adapter(self, name: str) -> None:
         self._check_unused(name)
         self._drop_prefix(name)
+        for sid in [sid for sid, (adapter, _) in self.kept.items() if adapter == name]:
+            del self.kept[sid]
+            self.llama.forget(sid)
         self.llama.free_adapter(name)
 
 
