@@ -495,7 +495,8 @@ if __name__ == "__main__":
         type=float,
         default=None,
         help="nats: served vs teacher-forced logprobs (default 1e-3; 0.25 with --weights int4, whose lm_head "
-        "answers bfloat16 logits: a logit near 20 moves in steps of 0.125; 1e-2 with llama_cpp (float16 activations); "
+        "answers bfloat16 logits: a logit near 20 moves in steps of 0.125; 0.05 with llama_cpp, whose one-row decode "
+        "steps and many-row teacher-forced pass sum float16 products in another order (measured up to 0.03); "
         "with llama_cpp:gguf the bound is on the mean |diff| over a stream's tokens, default 0.1: with an "
         "adapter, llama.cpp's one-row decode steps "
         "and its many-row teacher-forced pass differ in the last bits of the LoRA product, which its 8-bit "
@@ -513,5 +514,5 @@ if __name__ == "__main__":
     )
     args = ap.parse_args()
     if args.tol is None:
-        args.tol = {"int4": 0.25, "llama_cpp": 1e-2, "llama_cpp:gguf": 0.1}.get(args.weights, 1e-3)
+        args.tol = {"int4": 0.25, "llama_cpp": 0.05, "llama_cpp:gguf": 0.1}.get(args.weights, 1e-3)
     asyncio.run(run(args))
