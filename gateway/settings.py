@@ -149,6 +149,13 @@ class InferenceSection(Section):
         "(gateway/services/sampling_defaults.py).",
     )
 
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("engine") == "llama_cpp" and value not in (None, "cpu"):
+            raise ValueError(f"the llama_cpp engine runs on the CPU, not {value!r}")
+        return value
+
     @field_validator("engine_weights")
     @classmethod
     def _engine_weights(cls, value: str | None, info: ValidationInfo) -> str | None:

@@ -88,6 +88,10 @@ def test_settings_and_arguments_it_cannot_honour_are_refused(monkeypatch, tmp_pa
     assert GatewaySettings().inference.engine_weights == "gguf"
     monkeypatch.delenv("LIVELORA_ENGINE_WEIGHTS")
     assert GatewaySettings().inference.engine_weights is None  # the engine's default: f16
+    monkeypatch.setenv("LIVELORA_DEVICE", "cuda")  # refused before anything starts, not by the engine's start
+    with pytest.raises(ValidationError, match="the llama_cpp engine runs on the CPU, not 'cuda'"):
+        GatewaySettings()
+    monkeypatch.delenv("LIVELORA_DEVICE")
     with pytest.raises(BadRequestError, match="runs on the CPU"):
         create_engine("llama_cpp", device="cuda")
     for arg, value in (("weights", "int4"), ("dtype", "bfloat16"), ("merge_lora", True)):
