@@ -368,7 +368,7 @@ def anchors(args) -> None:
     llms = {}  # llama.cpp anchor format -> llama_cpp.Llama
     if importlib.util.find_spec("llama_cpp") is not None and args.model in BUILTIN_GGUF:
         # llama.cpp on the built-in GGUF as shipped, and on each other format a llama_cpp gateway serves
-        for fmt in dict.fromkeys(["gguf"] + [llama_format(w) for w in weights if llama_format(w)]):
+        for fmt in dict.fromkeys(["gguf"] + [hotswap.LLAMA_CPP[w] for w in weights if w in hotswap.LLAMA_CPP]):
             rows[f"llama_cpp_1[{fmt}]"] = []
     else:
         print("llama.cpp anchor left out: llama-cpp-python is not installed, or --model is not the built-in GGUF")
@@ -382,10 +382,9 @@ def anchors(args) -> None:
                 "LIVELORA_REDIS_PREFIX": keys.prefix,
                 "LIVELORA_METERING": "false",
             }
-            if not llama_format(w) or ":" in w:  # a llama_cpp gateway without ':' serves its default format
-                env["LIVELORA_ENGINE_WEIGHTS"] = llama_format(w) or w
+            env["LIVELORA_ENGINE_WEIGHTS"] = hotswap.LLAMA_CPP.get(w, w)
             proc, url = spawn(
-                "llama_cpp" if llama_format(w) else args.engine,
+                "llama_cpp" if w in hotswap.LLAMA_CPP else args.engine,
                 args.model,
                 args.max_batch_size,
                 args.device,
@@ -478,14 +477,6 @@ def anchors(args) -> None:
                 f"  [{w}] gateway 1 stream  {g1:.1f} tok/s vs llama.cpp 1 stream (the GGUF in format {fmt} + the "
                 f"version as a GGUF LoRA) {a:.1f} tok/s: {g1 / a:.2f}x"
             )
-
-
-def llama_format(w: str) -> str | None:
-    """The llama_cpp engine's weights named by a ``--weights`` entry (``llama_cpp``: its default, ``f16``;
-    ``llama_cpp:gguf``: ``gguf``), or ``None`` for a transformers-engine format."""
-    if not w.startswith("llama_cpp"):
-        return None
-    return w.partition(":")[2] or "f16"
 
 
 def metering_ab(args) -> None:
