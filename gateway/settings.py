@@ -36,6 +36,12 @@ DEFAULT_IDEMPOTENCY_TTL_S = 24 * 3600
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+#: Why the llama_cpp engine cannot start without its package, and how to get it.
+LLAMA_CPP_MISSING = (
+    "the llama_cpp engine needs llama-cpp-python: pip install -e '.[llamacpp]' in the livelora checkout "
+    "(compiles llama.cpp, about 5 minutes on 2 cores)"
+)
+
 #: The ``LIVELORA_ENGINE_WEIGHTS`` values each engine kind serves (the first is its default).
 ENGINE_WEIGHTS = {
     "transformers": ("fp32", "bf16", "int8", "int4"),
@@ -148,6 +154,15 @@ class InferenceSection(Section):
         "OpenAI's (1, 1, off), or a directory holding a generation_config.json "
         "(gateway/services/sampling_defaults.py).",
     )
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, value: str) -> str:
+        import importlib.util
+
+        if value == "llama_cpp" and importlib.util.find_spec("llama_cpp") is None:
+            raise ValueError(LLAMA_CPP_MISSING)
+        return value
 
     @field_validator("device")
     @classmethod

@@ -92,6 +92,13 @@ def test_settings_and_arguments_it_cannot_honour_are_refused(monkeypatch, tmp_pa
     with pytest.raises(ValidationError, match="the llama_cpp engine runs on the CPU, not 'cuda'"):
         GatewaySettings()
     monkeypatch.delenv("LIVELORA_DEVICE")
+    import importlib.util
+
+    real = importlib.util.find_spec  # without the package: refused by the settings, before anything starts
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(ValidationError, match=r"needs llama-cpp-python: pip install -e '\.\[llamacpp\]'"):
+        GatewaySettings()
+    monkeypatch.setattr(importlib.util, "find_spec", real)
     with pytest.raises(BadRequestError, match="runs on the CPU"):
         create_engine("llama_cpp", device="cuda")
     for arg, value in (("weights", "int4"), ("dtype", "bfloat16"), ("merge_lora", True)):

@@ -15,6 +15,7 @@ import os
 from livelora.clients.errors import BadRequestError
 from livelora.gateway.engines.llama_cpp_worker import GGUF_FORMATS
 from livelora.gateway.engines.transformers_engine import TransformersEngine
+from livelora.gateway.settings import LLAMA_CPP_MISSING
 
 #: Default prompt + completion limit: llama.cpp keeps KV cells for ``max_batch_size + 3`` sequences of this many
 #: tokens (running rows, scoring, prompt-prefix caches).
@@ -68,9 +69,7 @@ class LlamaCppEngine(TransformersEngine):
         from livelora.gateway.engines.llama_cpp_worker import PREFIX_CACHES, LlamaModel, LlamaWorker, served_gguf
 
         if importlib.util.find_spec("llama_cpp") is None:
-            raise BadRequestError(
-                "the llama_cpp engine needs llama-cpp-python: pip install 'livelora[llamacpp]'", param="engine"
-            )
+            raise BadRequestError(LLAMA_CPP_MISSING, param="engine")
         if self.model_name not in BUILTIN_GGUF:
             raise BadRequestError(
                 f"the llama_cpp engine serves the built-in GGUF models ({', '.join(BUILTIN_GGUF)}), "
