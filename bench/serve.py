@@ -419,7 +419,7 @@ def anchors(args) -> None:
 
             from livelora.adapters.gguf_export import GGUF_FILE, export_gguf
             from livelora.core.base_models import gguf_location
-            from livelora.gateway.engines.llama_cpp_worker import served_gguf
+            from livelora.gateway.engines.llama_cpp_model import served_gguf
 
             lora = export_gguf(AdapterStore(home), hotswap.EP, 1, ref, Path(tempfile.mkdtemp()) / "gguf") / GGUF_FILE
             for kind in [k for k in rows if k.startswith("llama_cpp_1")]:

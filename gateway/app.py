@@ -84,8 +84,7 @@ def build_engine(settings: GatewaySettings) -> Engine:
             kwargs["num_threads"] = inference.engine_threads
         if inference.engine_weights is not None:
             kwargs["weights"] = inference.engine_weights
-        if inference.engine == "transformers":
-            kwargs["merge_lora"] = inference.engine_merge_lora
+        kwargs["merge_lora"] = inference.engine_merge_lora
         if device == "cpu" and inference.engine_threads_while_training != 0:
             kwargs.update(share_cores=True, threads_while_training=inference.engine_threads_while_training)
     return create_engine(inference.engine, **kwargs)

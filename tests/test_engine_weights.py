@@ -112,6 +112,12 @@ def engines(base_ref, loop, versions):
         loop.run_until_complete(eng.load_adapter("probe@1", str(versions[0])))
         # steady state: the version has served alone for MERGE_AFTER_STEPS passes, so every probe meets it merged
         loop.run_until_complete(collect(eng, [1, 2, 3], greedy(MERGE_AFTER_STEPS + 1, ignore_eos=True), "probe@1"))
+        if weights == "llama_cpp":  # f16: the merged lane is built off the worker thread; the next prefill takes it
+            for _ in range(200):
+                if eng._worker.ready is not None or eng._worker.hot is not None:
+                    break
+                loop.run_until_complete(asyncio.sleep(0.05))
+            assert eng._worker.ready is not None or eng._worker.hot is not None
         out[weights] = eng
     yield out
     for eng in out.values():
@@ -167,6 +173,7 @@ def test_greedy_probe_replies_and_kl_match_fp32(engines, run, weights):
     assert answers >= AGREEMENT.get(weights, 0.9), f"{answers:.0%} of greedy probe answers equal fp32's"
     assert 0 < kl < KL_BOUND  # it serves weights of its own (KL > 0), close to fp32's
     if weights == "llama_cpp":  # float16 weights and activations: the issue's bound on whole replies holds
+        assert engines[weights]._worker.hot.version == "probe@1"  # replies from the merged lane (KL: the LoRA's)
         assert replies >= REPLIES_F16 and kl < KL_F16, (replies, kl)
 
 

@@ -4,7 +4,9 @@ llama.cpp; skipped where llama-cpp-python is not installed."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import json
 
 import pytest
 from harness.engines import logprob_tolerance
@@ -23,7 +25,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def llama(base_ref, loop):
-    engine = create_engine("llama_cpp", model=base_ref.name, max_batch_size=4, max_model_len=1024)
+    """Versions stay LoRAs here (merge_lora=False): the cache tests follow one lane's cells."""
+    engine = create_engine("llama_cpp", model=base_ref.name, max_batch_size=4, max_model_len=1024, merge_lora=False)
     loop.run_until_complete(engine.start())
     yield engine
     loop.run_until_complete(engine.close())
@@ -49,7 +52,7 @@ def test_a_shared_prompt_prefix_is_reused_and_changes_nothing(llama, run):
     again, _, _ = run(collect(llama, prompts[2], params))
     assert worker.prefix_tokens_reused - before == len(prompts[2]) - 1 and again == tokens
     # reused in place: the finished row's id keeps its prompt's cells, and the next row takes the lowest free id
-    assert run(on_worker(worker, lambda: worker.kept[min(worker.free_ids)])) == (None, prompts[2])
+    assert run(on_worker(worker, lambda: worker.base.kept[min(worker.base.free_ids)])) == (None, prompts[2])
 
 
 def test_prefixes_are_kept_per_version_and_dropped_with_it(llama, run, base_ref, tmp_path):
@@ -63,16 +66,84 @@ def test_prefixes_are_kept_per_version_and_dropped_with_it(llama, run, base_ref,
 
     on_version = run(replies("t@1"))
     on_version_again = run(replies("t@1"))  # now from t@1's own prefix cache
-    assert "t@1" in worker.prefixes and on_version_again == on_version
+    assert "t@1" in worker.base.prefixes and on_version_again == on_version
     on_base = run(replies(None))
     assert on_base != on_version  # the base's cells never serve the version, nor the reverse
-    cid, _ = worker.prefixes["t@1"]
+    cid, _ = worker.base.prefixes["t@1"]
     run(llama.unload_adapter("t@1"))
-    assert "t@1" not in worker.prefixes and cid in worker.cache_ids
+    assert "t@1" not in worker.base.prefixes and cid in worker.base.cache_ids
     assert all(
-        adapter != "t@1" for adapter, _ in run(on_worker(worker, lambda: list(worker.kept.values())))
+        adapter != "t@1" for adapter, _ in run(on_worker(worker, lambda: list(worker.base.kept.values())))
     )  # no row reuses a gone version's cells
     assert "t@1" not in worker.llama.adapters  # llama.cpp's copy freed
+
+
+def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop, run, tmp_path):
+    """A version that serves every row for MERGE_AFTER_STEPS steps gets a merged float16 lane; its new rows run
+    there (no LoRA in the graph) with the version's replies, the base and other versions stay on the base lane,
+    scoring stays exact, and unloading the version closes the lane."""
+    import gguf
+    import numpy as np
+
+    from livelora.gateway.engines.llama_cpp_lane import merge_gguf_lora
+
+    engine = create_engine("llama_cpp", model=base_ref.name, max_batch_size=4, max_model_len=512)
+    loop.run_until_complete(engine.start())
+    worker = engine._worker
+    v1, v2 = peft_versions(base_ref, tmp_path, (5, 6), rank=8, b_scale=0.2)
+    try:
+        run(engine.load_adapter("m@1", str(v1)))
+        run(engine.load_adapter("m@2", str(v2)))
+        prompt = chat(engine, "Name a river.")
+        params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
+        first, _, chunks = run(collect(engine, prompt, params, adapter="m@1"))  # on the base lane, as a LoRA
+        for _ in range(100):  # built off the worker thread; taken by the next prefill
+            if worker.ready is not None or worker.hot is not None:
+                break
+            run(asyncio.sleep(0.05))
+        merged, _, merged_chunks = run(collect(engine, prompt, params, adapter="m@1"))
+        assert worker.hot is not None and worker.hot.version == "m@1" and worker.hot.llama.adapters == {}
+        kept = run(on_worker(worker, lambda: dict(worker.hot.kept)))  # (read between steps: the row is released)
+        assert list(kept.values()) == [("m@1", prompt)]  # the second request ran on the merged lane
+        assert merged == first  # float16 rounding of W + B A instead of W and the LoRA apart: same greedy reply
+        lora_lps = [lp.logprob for c in chunks for lp in c.logprobs]
+        merged_lps = [lp.logprob for c in merged_chunks for lp in c.logprobs]
+        assert merged_lps == pytest.approx(lora_lps, abs=logprob_tolerance(engine))
+        on_v2, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True), adapter="m@2"))
+        on_base, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True)))
+        assert len({tuple(first), tuple(on_v2), tuple(on_base)}) == 3  # each on its own weights
+        run(engine.unload_adapter("m@1"))
+        assert worker.hot is None and "m@1" not in worker.lora_files
+    finally:
+        loop.run_until_complete(engine.close())
+    # the merged file holds W + B A of the GGUF LoRA's factors, rounded to float16; other tensors untouched
+    from livelora.core.base_models import gguf_location
+    from livelora.gateway.engines.llama_cpp_model import served_gguf
+
+    f16 = served_gguf(gguf_location(base_ref.name), "f16", tmp_path / "gguf")
+    lora = tmp_path / "v1.gguf"
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from livelora.adapters.gguf_export import gguf_lora_from_state, write_gguf_lora
+
+    cfg = json.loads((v1 / "adapter_config.json").read_text())
+    factors = gguf_lora_from_state(
+        cfg, load_file(v1 / "adapter_model.safetensors"), AutoConfig.from_pretrained(base_ref.path)
+    )
+    write_gguf_lora(lora, factors, "v1")
+    merge_gguf_lora(f16, lora, tmp_path / "merged.gguf")
+    base = {t.name: t for t in gguf.GGUFReader(f16).tensors}
+    out = {t.name: t for t in gguf.GGUFReader(tmp_path / "merged.gguf").tensors}
+    assert out.keys() == base.keys()
+    a, b = (np.asarray(factors[f"blk.3.attn_q.weight.{k}"], dtype=np.float32) for k in ("lora_a", "lora_b"))
+    w = np.asarray(base["blk.3.attn_q.weight"].data).astype(np.float32).reshape(b.shape[0], a.shape[1])
+    want = (w + b @ a).astype(np.float16)
+    assert np.array_equal(np.asarray(out["blk.3.attn_q.weight"].data).reshape(want.shape), want)
+    assert np.array_equal(np.asarray(out["token_embd.weight"].data), np.asarray(base["token_embd.weight"].data))
+    shipped = gguf_location(base_ref.name)  # a quantized file cannot take the update
+    with pytest.raises(BadRequestError, match="not F16"):
+        merge_gguf_lora(shipped, lora, tmp_path / "refused.gguf")
 
 
 def test_settings_and_arguments_it_cannot_honour_are_refused(monkeypatch, tmp_path):
@@ -101,7 +172,7 @@ def test_settings_and_arguments_it_cannot_honour_are_refused(monkeypatch, tmp_pa
     monkeypatch.setattr(importlib.util, "find_spec", real)
     with pytest.raises(BadRequestError, match="runs on the CPU"):
         create_engine("llama_cpp", device="cuda")
-    for arg, value in (("weights", "int4"), ("dtype", "bfloat16"), ("merge_lora", True)):
+    for arg, value in (("weights", "int4"), ("dtype", "bfloat16")):
         with pytest.raises(BadRequestError) as err:
             create_engine("llama_cpp", **{arg: value})
         assert err.value.param == arg
@@ -115,7 +186,7 @@ def test_the_f16_file_holds_the_shipped_weights_in_float16_and_is_written_once(t
     import numpy as np
 
     from livelora.core.base_models import gguf_location
-    from livelora.gateway.engines.llama_cpp_worker import served_gguf
+    from livelora.gateway.engines.llama_cpp_model import served_gguf
 
     shipped = gguf_location("smollm2-135m-instruct")
     assert served_gguf(shipped, "gguf", tmp_path) == shipped  # the file's own types: the file itself

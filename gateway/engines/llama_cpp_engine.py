@@ -4,8 +4,9 @@
 by default its weights converted to float16 (``weights="f16"``; as close to the fp32 weights training uses as
 float16 rounding allows), or the file's own quantized types (``weights="gguf"``). Tokenization, sampling, stop
 handling, logprobs and the adapter table are the transformers engine's, so both refuse and return the same things.
-Each adapter version is converted to a GGUF LoRA when it loads and applied by llama.cpp, unmerged. Logprobs are
-those of the weights served. Measurements and fidelity: ``docs/serving.md``.
+Each adapter version is converted to a GGUF LoRA when it loads and applied by llama.cpp; a version serving alone
+is merged into a float16 copy of its own (:mod:`.llama_cpp_lane`). Logprobs are those of the weights served.
+Measurements and fidelity: ``docs/serving.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 
 from livelora.clients.errors import BadRequestError
-from livelora.gateway.engines.llama_cpp_worker import GGUF_FORMATS
+from livelora.gateway.engines.llama_cpp_model import GGUF_FORMATS
 from livelora.gateway.engines.transformers_engine import TransformersEngine
 from livelora.gateway.settings import LLAMA_CPP_MISSING
 
@@ -26,13 +27,14 @@ class LlamaCppEngine(TransformersEngine):
     """Serve a built-in GGUF base model (plus LoRA adapter versions) with llama.cpp.
 
     Args: as :class:`~.transformers_engine.TransformersEngine` but ``device`` must be ``cpu``, ``dtype`` unset,
-    ``weights`` ``f16`` (default) or ``gguf`` (:data:`~.llama_cpp_worker.GGUF_FORMATS`) and ``merge_lora`` not
-    given; ``num_threads`` is llama.cpp's thread count (default: all
-    cores; torch, which only samples here, gets one thread in this process); ``max_model_len`` defaults to
-    :data:`DEFAULT_MAX_MODEL_LEN` (at most the model's training context).
+    ``weights`` ``f16`` (default) or ``gguf`` (:data:`~.llama_cpp_model.GGUF_FORMATS`); ``merge_lora``: a version
+    that serves every row for a few steps gets a merged float16 copy of the model and a context of its own (f16
+    weights only; +270 MB and a KV cache as large as the base's for SmolLM2-135M); ``num_threads`` is llama.cpp's
+    thread count (default: all cores; torch, which only samples here, gets one thread in this process);
+    ``max_model_len`` defaults to :data:`DEFAULT_MAX_MODEL_LEN` (at most the model's training context).
 
     Raises:
-        BadRequestError: a device other than the CPU, a dtype, weights other than f16 and gguf, merge_lora, or (from
+        BadRequestError: a device other than the CPU, a dtype, weights other than f16 and gguf, or (from
             :meth:`start`) a base model that is not a built-in GGUF, or llama-cpp-python missing.
     """
 
@@ -51,10 +53,6 @@ class LlamaCppEngine(TransformersEngine):
                 f"own types), not {weights!r}",
                 param="weights",
             )
-        if "merge_lora" in kw:
-            raise BadRequestError(
-                "merge_lora does not apply to the llama_cpp engine (versions stay unmerged)", param="merge_lora"
-            )
         super().__init__(model, device=device, **kw)
         self.weights = weights
 
@@ -66,7 +64,9 @@ class LlamaCppEngine(TransformersEngine):
         from transformers import AutoConfig, GenerationConfig
 
         from livelora.core.base_models import BUILTIN_GGUF, gguf_location, load_tokenizer, resolve_base_model
-        from livelora.gateway.engines.llama_cpp_worker import PREFIX_CACHES, LlamaModel, LlamaWorker, served_gguf
+        from livelora.gateway.engines.llama_cpp_lane import PREFIX_CACHES
+        from livelora.gateway.engines.llama_cpp_model import LlamaModel, served_gguf
+        from livelora.gateway.engines.llama_cpp_worker import LlamaWorker
 
         if importlib.util.find_spec("llama_cpp") is None:
             raise BadRequestError(LLAMA_CPP_MISSING, param="engine")
@@ -119,6 +119,8 @@ class LlamaCppEngine(TransformersEngine):
             llama,
             tokenizer,
             config,
+            gguf=gguf if self.weights == "f16" else None,  # a quantized file cannot take a merged version
+            merge_lora=self.merge_lora,
             eos_ids=set(eos_ids),
             max_batch_size=self.max_batch_size,
             max_prefill_tokens=self.max_prefill_tokens,
