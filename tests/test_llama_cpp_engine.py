@@ -81,7 +81,7 @@ def test_prefixes_are_kept_per_version_and_dropped_with_it(llama, run, base_ref,
 def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop, run, tmp_path):
     """A version that serves every row for MERGE_AFTER_STEPS steps gets a merged float16 lane; its new rows run
     there (no LoRA in the graph) with the version's replies, the base and other versions stay on the base lane,
-    scoring stays exact, and unloading the version closes the lane."""
+    the next version alone takes the lane's place once it is idle, and unloading the version closes it."""
     import gguf
     import numpy as np
 
@@ -109,11 +109,19 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
         lora_lps = [lp.logprob for c in chunks for lp in c.logprobs]
         merged_lps = [lp.logprob for c in merged_chunks for lp in c.logprobs]
         assert merged_lps == pytest.approx(lora_lps, abs=logprob_tolerance(engine))
-        on_v2, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True), adapter="m@2"))
+        on_v2, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True), adapter="m@2"))  # m@2 alone: built
         on_base, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True)))
         assert len({tuple(first), tuple(on_v2), tuple(on_base)}) == 3  # each on its own weights
+        for _ in range(100):
+            if worker.ready is not None or worker.hot.version == "m@2":
+                break
+            run(asyncio.sleep(0.05))
+        again_v2, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True), adapter="m@2"))
+        assert worker.hot.version == "m@2" and again_v2 == on_v2  # m@1's idle lane gave way to m@2's
         run(engine.unload_adapter("m@1"))
-        assert worker.hot is None and "m@1" not in worker.lora_files
+        assert worker.hot.version == "m@2" and "m@1" not in worker.lora_files
+        run(engine.unload_adapter("m@2"))
+        assert worker.hot is None and not worker.lora_files
     finally:
         loop.run_until_complete(engine.close())
     # the merged file holds W + B A of the GGUF LoRA's factors, rounded to float16; other tensors untouched

@@ -92,7 +92,9 @@ class LlamaWorker(Worker):
 
     # ----- forward passes -------------------------------------------------------------
     def _lane_for(self, adapter: str | None) -> Lane:
-        return self.hot if self.hot is not None and adapter is not None and self.hot.version == adapter else self.base
+        """The merged lane for its version's new rows, unless a newer one waits for it to drain."""
+        hot = self.hot
+        return hot if hot is not None and hot.version == adapter and self.ready is None else self.base
 
     def _prefill(self, group: list[Sequence]) -> None:
         self._take_ready()
@@ -181,8 +183,9 @@ class LlamaWorker(Worker):
             merge_gguf_lora(self.gguf, lora, out)
             llama = LlamaModel(out, n_seq=base.n_seq, n_ctx_seq=base.n_ctx_seq, n_threads=self.threads)
         except Exception:
-            log.exception("could not build a merged lane for %s; it stays served as a LoRA", version)
-            self.merge = False  # (a file that cannot take a merge cannot take the next one either)
+            if self.lora_files.get(version) == lora:  # (not just unloaded meanwhile, its file gone)
+                log.exception("could not build a merged lane for %s; versions stay served as LoRAs", version)
+                self.merge = False  # a file that cannot take a merge cannot take the next one either
         finally:
             out.unlink(missing_ok=True)  # llama.cpp maps it: the pages stay while the model lives
             with self.lock:
