@@ -26,7 +26,7 @@ from pathlib import Path
 from livelora.core.atomic import private_dir
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (another user's counts as running)."""
     try:
         os.kill(pid, 0)
@@ -77,7 +77,7 @@ class TrainingFlag:
             pid = int(self.path.read_text().strip())
         except (OSError, ValueError):
             return False
-        return _alive(pid)
+        return pid_alive(pid)
 
 
 #: Seconds since the engine's last beat during which it counts as serving (it beats at least every
@@ -122,7 +122,7 @@ class ServingFlag:
             pid = int(self.path.read_text().strip())
         except (OSError, ValueError):
             return False
-        return age <= within_s and _alive(pid)
+        return age <= within_s and pid_alive(pid)
 
 
 class StepThreads:

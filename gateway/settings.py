@@ -92,7 +92,10 @@ class InferenceSection(Section):
     dtype: str | None = Field(None, description="Weights dtype for the engine (default: engine's choice).")
     max_batch_size: int = Field(8, ge=1, description="Sequences the engine decodes together in one step.")
     engine_threads: int | None = Field(
-        None, ge=1, description="Torch threads of the transformers engine (process-wide; default: torch's, all cores)."
+        None,
+        ge=1,
+        description="Threads of the engine's forward passes: torch's for the transformers engine (process-wide), "
+        "llama.cpp's for the llama_cpp engine; default all cores.",
     )
     engine_threads_while_training: int | None = Field(
         None,

@@ -154,6 +154,26 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
         merge_gguf_lora(shipped, lora, tmp_path / "refused.gguf")
 
 
+def test_a_killed_workers_gguf_directory_is_swept_by_the_next_one(tmp_path, monkeypatch):
+    """A worker keeps each version's GGUF LoRA in its own temp directory until the version unloads; a process killed
+    before it stops leaves the directory, which the next worker on the machine removes (a live process's stays)."""
+    import os
+    import subprocess
+    import sys
+
+    from livelora.gateway.engines import llama_cpp_worker as lw
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{lw.TMP_PREFIX}{gone.stdout.strip()}-abc"
+    live = tmp_path / f"{lw.TMP_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "livelora-gguf-lora-notapid"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "v.gguf").write_bytes(b"x" * 10)
+    lw.sweep_stale_dirs(tmp_path)
+    assert not dead.exists() and live.exists() and other.exists()
+
+
 def test_settings_and_arguments_it_cannot_honour_are_refused(monkeypatch, tmp_path):
     from pydantic import ValidationError
 

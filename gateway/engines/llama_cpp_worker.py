@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 
 from livelora.clients.errors import BadRequestError
 from livelora.core import metrics
+from livelora.core.core_share import pid_alive
 from livelora.gateway.engines.base import TokenLogprob
 from livelora.gateway.engines.hf_worker import Sequence, Worker
 from livelora.gateway.engines.llama_cpp_lane import Lane, merge_gguf_lora
@@ -33,6 +36,10 @@ from livelora.gateway.engines.lora_slots import MERGE_AFTER_STEPS
 from livelora.gateway.engines.sampling import prompt_logprobs
 
 log = logging.getLogger(__name__)
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # three INFO lines for every GGUF LoRA written
+
+#: Name of a worker's directory for its GGUF LoRAs and merged files: ``<prefix><pid>-<random>`` in the temp dir.
+TMP_PREFIX = "livelora-gguf-lora-"
 
 
 class LlamaWorker(Worker):
@@ -48,7 +55,8 @@ class LlamaWorker(Worker):
         self.base_config = base_config
         self.seq_ids: dict[int, tuple[Lane, int]] = {}  # id(Sequence) -> its lane and llama.cpp sequence id
         self.prefix_tokens_reused = 0  # prompt tokens taken from kept cells or a prefix cache instead of computed
-        self.tmp = Path(tempfile.mkdtemp(prefix="livelora-gguf-lora-"))
+        sweep_stale_dirs(Path(tempfile.gettempdir()))
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
         self.lora_files: dict[str, Path] = {}  # version -> its GGUF LoRA (kept for a merge)
         self.alone: tuple[str | None, int] = (None, 0)  # the version every running row used, for how many steps
         self.building: threading.Thread | None = None
@@ -169,6 +177,7 @@ class LlamaWorker(Worker):
         ):
             return
         lora = self.lora_files[version]
+        log.info("building a merged lane for version %s", version)
         self.building = threading.Thread(
             target=self._build, args=(version, lora), name="livelora-llama-merge", daemon=True
         )
@@ -178,7 +187,7 @@ class LlamaWorker(Worker):
         """(Its own thread.) Write ``version``'s merged GGUF and load it with a context shaped as the base lane's."""
         base = self.base.llama
         out = self.tmp / f"merged-{lora.stem}.gguf"
-        llama = None
+        llama, start = None, time.monotonic()
         try:
             merge_gguf_lora(self.gguf, lora, out)
             llama = LlamaModel(out, n_seq=base.n_seq, n_ctx_seq=base.n_ctx_seq, n_threads=self.threads)
@@ -191,6 +200,7 @@ class LlamaWorker(Worker):
             with self.lock:
                 if llama is not None:
                     self.ready = (version, lora, llama)
+                    log.info("merged lane for version %s built in %.1f s", version, time.monotonic() - start)
                 self.building = None
         self.wake()
 
@@ -293,3 +303,11 @@ class LlamaWorker(Worker):
         lora = self.lora_files.pop(name, None)
         if lora is not None:
             lora.unlink(missing_ok=True)
+
+
+def sweep_stale_dirs(tmp: Path) -> None:
+    """Remove the GGUF directories of workers whose process is gone (killed before :meth:`LlamaWorker.stop`)."""
+    for path in tmp.glob(f"{TMP_PREFIX}*-*"):
+        pid = path.name[len(TMP_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
