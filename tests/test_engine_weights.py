@@ -113,7 +113,7 @@ def engines(base_ref, loop, versions):
         # steady state: the version has served alone for MERGE_AFTER_STEPS passes, so every probe meets it merged
         loop.run_until_complete(collect(eng, [1, 2, 3], greedy(MERGE_AFTER_STEPS + 1, ignore_eos=True), "probe@1"))
         if weights == "llama_cpp":  # f16: the merged lane is built off the worker thread; the next prefill takes it
-            for _ in range(200):
+            for _ in range(1200):
                 if eng._worker.ready is not None or eng._worker.hot is not None:
                     break
                 loop.run_until_complete(asyncio.sleep(0.05))

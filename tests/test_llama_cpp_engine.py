@@ -97,7 +97,9 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
         prompt = chat(engine, "Name a river.")
         params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
         first, _, chunks = run(collect(engine, prompt, params, adapter="m@1"))  # on the base lane, as a LoRA
-        for _ in range(100):  # built off the worker thread; taken by the next prefill
+        for _ in range(
+            1200
+        ):  # built off the worker thread (about 3 s alone; a minute allowed), taken by the next prefill
             if worker.ready is not None or worker.hot is not None:
                 break
             run(asyncio.sleep(0.05))
@@ -112,7 +114,7 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
         on_v2, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True), adapter="m@2"))  # m@2 alone: built
         on_base, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True)))
         assert len({tuple(first), tuple(on_v2), tuple(on_base)}) == 3  # each on its own weights
-        for _ in range(100):
+        for _ in range(1200):
             if worker.ready is not None or worker.hot.version == "m@2":
                 break
             run(asyncio.sleep(0.05))
