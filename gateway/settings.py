@@ -109,7 +109,7 @@ class InferenceSection(Section):
         description="Serve an adapter version that every row of the batch uses from merged weights. "
         "Transformers engine: one copy of the adapted layers (425 MB for SmolLM2-135M in float32; "
         "gateway/engines/lora_slots.py). llama_cpp engine with f16 weights: a merged copy of the model and a "
-        "context of its own (270 MB plus a KV cache as large as the base's; gateway/engines/llama_cpp_lane.py).",
+        "context of its own (258 MB plus a KV cache as large as the base's; gateway/engines/llama_cpp_lane.py).",
     )
     engine_weights: Literal["fp32", "bf16", "int8", "int4", "f16", "gguf"] | None = Field(
         None,

@@ -29,7 +29,7 @@ class LlamaCppEngine(TransformersEngine):
     Args: as :class:`~.transformers_engine.TransformersEngine` but ``device`` must be ``cpu``, ``dtype`` unset,
     ``weights`` ``f16`` (default) or ``gguf`` (:data:`~.llama_cpp_model.GGUF_FORMATS`); ``merge_lora``: a version
     that serves every row for a few steps gets a merged float16 copy of the model and a context of its own (f16
-    weights only; +270 MB and a KV cache as large as the base's for SmolLM2-135M); ``num_threads`` is llama.cpp's
+    weights only; +258 MB and a KV cache as large as the base's for SmolLM2-135M); ``num_threads`` is llama.cpp's
     thread count (default: all cores; torch, which only samples here, gets one thread in this process);
     ``max_model_len`` defaults to :data:`DEFAULT_MAX_MODEL_LEN` (at most the model's training context).
 

@@ -35,7 +35,7 @@ class Lane:
     def __init__(self, llama: LlamaModel, version: str | None = None):
         self.llama = llama
         self.version = version
-        rows = int(llama.lc.llama_n_seq_max(llama.ctx)) - 1 - PREFIX_CACHES
+        rows = llama.n_seq - 1 - PREFIX_CACHES
         self.rows = rows
         self.free_ids = list(range(rows))
         #: free sequence id -> (adapter, prompt) whose cells it still holds (reused in place by the next prompt
