@@ -66,6 +66,11 @@ class OnlineTrainer:
         self.busy = TrainingFlag(home)
         self.config = config or TrainingSection()
         self.examples = EventDatums(base_ref, self.config)
+        self.rehearsal = None  # the base model's replies to general prompts, trained along (trainer/rehearsal.py)
+        if self.config.rehearsal_per_step:
+            from livelora.trainer.rehearsal import Rehearsal
+
+            self.rehearsal = Rehearsal(base_ref, self.home, self.examples, self.config, base_identity(base_ref))
         self.gate_config = gate if gate is not None and gate.gate_enabled else None
         self._gate = None
         self._models: dict[str, Any] = {}
@@ -83,6 +88,8 @@ class OnlineTrainer:
         _ = self.tokenizer
         if self._fresh is None:
             self._fresh = TrainingModel(self.base_ref, self.config.lora, device=self.config.device)
+        if self.rehearsal is not None:
+            self.rehearsal.in_background()
         if self.gate is not None and self._base_thread is None:  # the gate's base measurement, in the background
             self._base_thread = self.gate.base_in_background(self._fresh, self.busy, self._report)
 
@@ -210,6 +217,8 @@ class OnlineTrainer:
             stepped = False
             try:
                 self._report(batch.lineage, "training", detail="forward/backward and optimizer step")
+                # rehearsal + KL gradients add to the batch's before the one optimizer step (not metered: _observe)
+                extra = self.rehearsal.add_gradients(model) if self.rehearsal and model.group is None else {}
                 out = model.forward_backward(data, loss_fn, cfg, loss_positions_only=True)  # only metrics are read
                 opt = model.optim_step(
                     AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm, eps=1e-8)
@@ -228,7 +237,7 @@ class OnlineTrainer:
                 if gate is not None and stepped:
                     gate.settle(model, batch.lineage, False, "", None)  # undo a step whose judging failed
                 raise
-        metrics = {**out.metrics, **opt, "events:sum": float(len(batch.events))}
+        metrics = {**out.metrics, **opt, **extra, "events:sum": float(len(batch.events))}
         if loss_fn == "kto":
             metrics.update(
                 {"desirable_weight:mean": batch.desirable_weight, "undesirable_weight:mean": batch.undesirable_weight}

@@ -13,7 +13,9 @@ Example::
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from livelora.clients.types.tinker import LoraConfig
 from livelora.core.settings import ObservabilitySection, ProcessSettings, QuotaSection, Section, SessionSection
@@ -94,11 +96,44 @@ class TrainingSection(Section):
     rater_agreement_window: int = Field(
         2000, ge=2, description="Newest labels per lineage the agreement weights are computed from."
     )
+    lora_targets: Literal["all", "attn", "mlp"] = Field(
+        "all", description="Module groups of new lineages' adapters: attention + MLP, attention only or MLP only."
+    )
+    rehearsal_per_step: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="General prompts (trainer/rails/rehearsal_prompts.jsonl, rotating) whose base-model greedy "
+        "replies each live step also trains on (0: none); their tokens are not metered to the tenant.",
+    )
+    rehearsal_weight: float = Field(
+        1.0, ge=0, description="Coefficient of the rehearsal cross-entropy (mean nats per reply token)."
+    )
+    rehearsal_max_tokens: int = Field(48, ge=4, le=256, description="Longest base reply to a rehearsal prompt.")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Coefficient of KL(base || new) per token over the vocabulary at the rehearsal replies' "
+        "positions (0: none; needs rehearsal_per_step > 0).",
+    )
+
+    @model_validator(mode="after")
+    def _kl_needs_prompts(self) -> TrainingSection:
+        if self.kl_coef > 0 and self.rehearsal_per_step == 0:
+            raise ValueError("kl_coef > 0 needs rehearsal_per_step > 0 (the KL is taken on the rehearsal prompts)")
+        return self
 
     @property
     def lora(self) -> LoraConfig:
-        """Shape of new lineages' adapters: ``lora_rank``/``lora_alpha`` on attention + MLP (not the unembedding)."""
-        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, train_unembed=False)
+        """Shape of new lineages' adapters: ``lora_rank``/``lora_alpha`` on ``lora_targets`` (not the unembedding)."""
+        t = self.lora_targets
+        return LoraConfig(
+            rank=self.lora_rank,
+            alpha=self.lora_alpha,
+            train_unembed=False,
+            train_attn=t != "mlp",
+            train_mlp=t != "attn",
+        )
 
 
 class GateSection(Section):

@@ -1,0 +1,134 @@
+"""Rehearsal and the KL toward the base model (trainer/rehearsal.py): the pool, the cached base replies, the
+gradients a step gains, the KL's value."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from livelora.clients.types import LoraConfig, TensorData
+from livelora.clients.types.signals import ChatMessage
+from livelora.core.base_models import load_model
+from livelora.trainer.event_datums import EventDatums, completion_datum
+from livelora.trainer.model import TrainingModel
+from livelora.trainer.rehearsal import POOL_FILE, Rehearsal, kl_base_new, load_prompts
+from livelora.trainer.settings import TrainingSection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fold(text: str) -> str:
+    return re.sub(r"[^a-z0-9 ]", "", text.lower()).strip()
+
+
+def test_pool_is_large_varied_and_disjoint_from_every_evaluation_and_example():
+    prompts = load_prompts()
+    kinds = {json.loads(line)["kind"] for line in POOL_FILE.read_text().splitlines() if line.strip()}
+    assert len(prompts) >= 64 and len(set(map(fold, prompts))) == len(prompts) and len(kinds) >= 6
+    held = [json.loads(line)["prompt"] for f in sorted((ROOT / "trainer/rails").glob("*.jsonl")) if f != POOL_FILE
+            for line in f.read_text().splitlines() if line.strip()]  # fmt: skip
+    assert len(held) >= 24  # the probes, and the free-form capability sets once they are there
+    spec = importlib.util.spec_from_file_location("live_loop", ROOT / "bench/live_loop.py")
+    live_loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(live_loop)
+    held += live_loop.PROMPTS
+    assert not {fold(p) for p in prompts} & {fold(p) for p in held}
+    pages = " ".join(fold(p.read_text()) for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+    assert [p for p in prompts if fold(p) in pages] == []
+
+
+def test_kl_matches_a_hand_computation_and_is_zero_for_equal_rows():
+    base = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    new = torch.log(torch.tensor([[0.25, 0.75], [0.9, 0.1]]))
+    # row 1: 0.5·ln(0.5/0.25) + 0.5·ln(0.5/0.75) = 0.5·ln(4/3); row 2: 0
+    assert float(kl_base_new(base, new)) == pytest.approx(0.5 * 0.5 * math.log(4 / 3), rel=1e-6)
+    assert float(kl_base_new(base, base)) == 0.0
+    assert float(kl_base_new(new, base)) != pytest.approx(float(kl_base_new(base, new)))  # not symmetric
+
+
+def test_settings_refuse_a_kl_without_prompts_and_map_lora_targets():
+    with pytest.raises(ValidationError, match="kl_coef > 0 needs rehearsal_per_step"):
+        TrainingSection(kl_coef=0.1)
+    assert TrainingSection(kl_coef=0.1, rehearsal_per_step=2).kl_coef == 0.1
+    attn = TrainingSection(lora_targets="attn").lora
+    assert (attn.train_attn, attn.train_mlp, attn.train_unembed) == (True, False, False)
+    mlp = TrainingSection(lora_targets="mlp").lora
+    assert (mlp.train_attn, mlp.train_mlp) == (False, True)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return TrainingSection(rehearsal_per_step=3, rehearsal_max_tokens=8, kl_coef=0.5)
+
+
+@pytest.fixture(scope="module")
+def rehearsal(base_ref, tmp_path_factory, config):
+    home, examples = tmp_path_factory.mktemp("home"), EventDatums(base_ref, config)
+    return Rehearsal(base_ref, home, examples, config, "base-a", prompts=load_prompts()[:4])
+
+
+def test_rehearsal_replies_are_the_base_models_greedy_replies_and_cached(base_ref, tokenizer, rehearsal, config):
+    replies = rehearsal.replies()
+    assert rehearsal.source == "generated" and len(replies) == 4
+    base = load_model(base_ref)
+    eos = tokenizer.eos_token_id
+    for r in replies[:2]:  # each alone, no batch: what a user would get at temperature 0
+        text = tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert r.prompt_ids == ids
+        out = base.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=eos)
+        want = out[0, len(ids) :].tolist()
+        assert r.reply_ids == (want[: want.index(eos) + 1] if eos in want else want)
+        assert len(tokenizer.decode(r.reply_ids, skip_special_tokens=True).split()) >= 1
+    pool = rehearsal.prompts
+    again = Rehearsal(base_ref, rehearsal.home, rehearsal.examples, config, "base-a", pool)
+    assert again.replies() == replies and again.source == "cache" and rehearsal.cache_path().exists()
+    other = Rehearsal(base_ref, rehearsal.home, rehearsal.examples, config, "base-b", pool)
+    assert other.cache_path() != rehearsal.cache_path() and not other.cache_path().exists()
+    nine = config.model_copy(update={"rehearsal_max_tokens": 9})
+    assert Rehearsal(base_ref, rehearsal.home, rehearsal.examples, nine, "base-a", pool).cache_path() != (
+        rehearsal.cache_path()
+    )
+    assert Rehearsal(base_ref, rehearsal.home, rehearsal.examples, config, "base-a", pool[:3]).cache_path() != (
+        rehearsal.cache_path()
+    )
+
+
+def grads(model: TrainingModel) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.lora_params.values()])
+
+
+def test_a_step_with_rehearsal_adds_its_gradients_and_the_kl_is_zero_at_a_zero_adapter(base_ref, tokenizer, rehearsal):
+    model = TrainingModel(base_ref, LoraConfig(rank=4, seed=0, train_unembed=False))
+    ex = rehearsal.examples
+    batch = [
+        completion_datum(*ex.chat_pair([ChatMessage(role="user", content=p)], r), {"label": _label(y)})
+        for p, r, y in [("Say hi.", "Hi!", 1), ("Say bye.", "Goodbye, see you soon, take care.", 0)]
+    ]
+    cfg = {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0}
+    model.forward_backward(batch, "kto", cfg)
+    alone = grads(model)
+    model.zero_grad()
+    rehearsal._next = 0
+    metrics = rehearsal.add_gradients(model)  # lora_B = 0: the new model is the base, so the KL is 0
+    assert metrics["rehearsal_kl:mean"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["rehearsal_prompts:sum"] == 3 and metrics["rehearsal_tokens:sum"] > 3 * 8
+    assert metrics["rehearsal_loss:mean"] > 0
+    only = grads(model)
+    model.forward_backward(batch, "kto", cfg)
+    both = grads(model)
+    assert not torch.allclose(both, alone) and only.abs().sum() > 0
+    torch.testing.assert_close(both, alone + only, rtol=1e-4, atol=1e-7)  # gradients accumulate
+    model.zero_grad()
+
+
+def _label(y: int) -> TensorData:
+    return TensorData.from_list([float(y)], "float32")

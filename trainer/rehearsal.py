@@ -1,0 +1,227 @@
+"""Updates that keep what the base model could do: rehearsal of the base model's own greedy replies to a pool of
+general prompts (``rails/rehearsal_prompts.jsonl``) and a KL toward the base model at those replies' positions,
+added to every live step's gradients (:class:`Rehearsal`, called by :meth:`OnlineTrainer.train`). Method and
+measurements: docs/live-loop.md ("Learning a taste without forgetting").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from livelora.core.atomic import atomic_write_bytes
+from livelora.core.base_models import BaseModelRef, load_model
+from livelora.trainer.settings import TrainingSection
+
+log = logging.getLogger(__name__)
+
+POOL_FILE = Path(__file__).resolve().parent / "rails" / "rehearsal_prompts.jsonl"
+#: Where the base model's replies to the pool are kept, under the store.
+CACHE_DIR = Path("models") / "rehearsal-base"
+
+
+def load_prompts(path: Path = POOL_FILE) -> list[str]:
+    """The pool's prompts, in file order (one JSON object with a ``prompt`` per line)."""
+    return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def kl_base_new(base_logp_M_V: Tensor, new_logp_M_V: Tensor) -> Tensor:
+    """Mean over M positions of KL(base ‖ new) = Σ_v p_base(v)·(log p_base(v) − log p_new(v)), in nats.
+
+    Shapes: both (M, V) log-softmax rows. 0 when the two are equal; its gradient in ``new`` is the soft-label
+    cross-entropy's, −Σ_v p_base(v)·∇log p_new(v) (distillation toward the base, mass-covering).
+    """
+    return (base_logp_M_V.exp() * (base_logp_M_V - new_logp_M_V)).sum(-1).mean()
+
+
+@dataclass(frozen=True)
+class BaseReply:
+    """A pool prompt under the chat template and the base model's greedy reply (ending with EOS if it stopped)."""
+
+    prompt: str
+    prompt_ids: list[int]
+    reply_ids: list[int]
+
+
+@torch.no_grad()
+def greedy_replies(causal_lm: Any, tokenizer: Any, prompts: list[str], max_tokens: int) -> list[BaseReply]:
+    """Greedy replies of ``causal_lm`` (no adapter) to ``prompts`` as user turns, ``max_tokens`` at most. Prompts
+    of equal token length share a batch, so no row is padded (a padded batch can flip a near-tie argmax)."""
+    eos = tokenizer.eos_token_id
+    rendered = [
+        list(
+            tokenizer.encode(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                ),
+                add_special_tokens=False,
+            )
+        )
+        for p in prompts
+    ]
+    by_len: dict[int, list[int]] = {}
+    for i, ids in enumerate(rendered):
+        by_len.setdefault(len(ids), []).append(i)
+    dev = next(causal_lm.parameters()).device
+    replies: list[list[int]] = [[] for _ in prompts]
+    for n, rows in by_len.items():
+        out = causal_lm.generate(
+            input_ids=torch.tensor([rendered[i] for i in rows], device=dev),
+            attention_mask=torch.ones((len(rows), n), dtype=torch.long, device=dev),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=eos,
+            eos_token_id=eos,
+        )
+        for i, row in zip(rows, out[:, n:].tolist()):
+            replies[i] = row[: row.index(eos) + 1] if eos in row else row
+    return [BaseReply(p, ids, r) for p, ids, r in zip(prompts, rendered, replies) if r]
+
+
+class Rehearsal:
+    """The pool's base replies (cached per store and base model) and each step's rehearsal + KL gradients.
+
+    Args:
+        base_ref: the base model; ``base_id``: its identity (:func:`livelora.core.base_models.base_identity`).
+        home: ``LIVELORA_HOME`` (the cache lives in ``models/rehearsal-base/``).
+        examples: the trainer's :class:`~livelora.trainer.event_datums.EventDatums` (its ``tokenizer``).
+        config: ``rehearsal_per_step``, ``rehearsal_weight``, ``rehearsal_max_tokens``, ``kl_coef``, ``device``.
+        prompts: the pool (default: :data:`POOL_FILE`'s).
+    """
+
+    def __init__(
+        self,
+        base_ref: BaseModelRef,
+        home: Path,
+        examples: Any,
+        config: TrainingSection,
+        base_id: str,
+        prompts: list[str] | None = None,
+    ):
+        self.base_ref, self.home, self.examples, self.config, self.base_id = base_ref, home, examples, config, base_id
+        self._thread: threading.Thread | None = None
+        self.prompts = prompts if prompts is not None else load_prompts()
+        self._replies: list[BaseReply] | None = None
+        self._lock = threading.Lock()
+        self._next = 0
+        self.source, self.seconds = "", 0.0
+
+    def cache_path(self) -> Path:
+        """``<home>/models/rehearsal-base/<sha256(base)[:16]>-<sha256(pool, base, max_tokens, device)[:16]>.json``."""
+        key = json.dumps([self.prompts, self.base_id, self.config.rehearsal_max_tokens, self.config.device])
+        stem = hashlib.sha256(self.base_id.encode()).hexdigest()[:16]
+        return self.home / CACHE_DIR / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+    def replies(self) -> list[BaseReply]:
+        """The base replies: read from :meth:`cache_path`, else generated on a base model of its own (loaded for
+        this, then dropped) and written there atomically. Thread-safe: a second caller waits."""
+        with self._lock:
+            if self._replies is not None:
+                return self._replies
+            path = self.cache_path()
+            try:
+                doc = json.loads(path.read_text())
+                self._replies = [BaseReply(**r) for r in doc["replies"]]
+                self.source, self.seconds = "cache", float(doc["seconds"])
+                return self._replies
+            except FileNotFoundError:
+                pass
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("cached rehearsal replies %s unreadable (%s): generating again", path, exc)
+            t0 = time.perf_counter()
+            base = load_model(self.base_ref, dtype=torch.float32, device=self.config.device)
+            base.eval()
+            self._replies = greedy_replies(
+                base, self.examples.tokenizer, self.prompts, self.config.rehearsal_max_tokens
+            )
+            del base
+            self.source, self.seconds = "generated", time.perf_counter() - t0
+            log.info("rehearsal: base replies to %d pool prompts in %.1f s", len(self._replies), self.seconds)
+            doc = {"replies": [r.__dict__ for r in self._replies], "seconds": self.seconds}
+            try:
+                atomic_write_bytes(path, json.dumps(doc).encode())
+            except OSError as exc:
+                log.warning("rehearsal replies not cached at %s: %s", path, exc)
+            return self._replies
+
+    def in_background(self) -> threading.Thread:
+        """Start (once) a daemon thread that makes :meth:`replies` ready (a step waits for it through the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._ready, name="livelora-rehearsal-base", daemon=True)
+            self._thread.start()
+        return self._thread
+
+    def _ready(self) -> None:
+        try:
+            self.replies()
+        except Exception:
+            log.exception("rehearsal: the base replies at start-up failed (the first step tries again)")
+
+    def pick(self, n: int) -> list[BaseReply]:
+        """The next ``n`` base replies, rotating through the pool in file order."""
+        pool = self.replies()
+        out = [pool[(self._next + i) % len(pool)] for i in range(min(n, len(pool)))]
+        self._next = (self._next + len(out)) % len(pool)
+        return out
+
+    def add_gradients(self, model: Any) -> dict[str, float]:
+        """Backpropagate ``rehearsal_weight · CE + kl_coef · KL(base ‖ new)`` over the reply tokens of the next
+        ``rehearsal_per_step`` pool prompts into ``model``'s LoRA gradients (they add to the step's batch before
+        its one optimizer step). CE and KL are means per reply token; the base side runs with the adapter off.
+
+        Returns: ``rehearsal_loss:mean`` (CE, nats/token), ``rehearsal_kl:mean`` (nats/token, with ``kl_coef``),
+        ``rehearsal_tokens:sum`` (prompt + reply tokens run), ``rehearsal_prompts:sum``.
+        """
+        c = self.config
+        items = self.pick(c.rehearsal_per_step)
+        seqs = [r.prompt_ids + r.reply_ids for r in items]
+        b_n, t_max = len(seqs), max(len(s) for s in seqs) - 1
+        ids = torch.full((b_n, t_max), model.pad_id, dtype=torch.long)
+        mask = torch.zeros((b_n, t_max), dtype=torch.long)
+        sel = torch.zeros((b_n, t_max), dtype=torch.bool)
+        targets = []
+        for b, (r, s) in enumerate(zip(items, seqs)):
+            ids[b, : len(s) - 1] = torch.tensor(s[:-1])
+            mask[b, : len(s) - 1] = 1
+            sel[b, len(r.prompt_ids) - 1 : len(s) - 1] = True  # position i predicts token i + 1
+            targets += r.reply_ids
+        dev = model.device
+        ids, mask, sel = ids.to(dev), mask.to(dev), sel.to(dev)
+        causal_lm = model.peft_model.get_base_model()
+        plain = model.logprobs.plain_head  # decoder, then the unembedding at the reply positions only
+
+        def logp(grad: bool) -> Tensor:
+            with torch.set_grad_enabled(grad):
+                if plain:
+                    hidden = causal_lm.model(input_ids=ids, attention_mask=mask).last_hidden_state
+                    logits = causal_lm.get_output_embeddings()(hidden[sel])
+                else:
+                    logits = causal_lm(input_ids=ids, attention_mask=mask).logits[sel]
+                return torch.log_softmax(logits.float(), -1)
+
+        new_M_V = logp(True)
+        ce = -new_M_V.gather(1, torch.tensor(targets, device=dev)[:, None]).mean()
+        loss = c.rehearsal_weight * ce
+        metrics = {
+            "rehearsal_loss:mean": float(ce.detach()),
+            "rehearsal_tokens:sum": float(sum(len(s) for s in seqs)),
+            "rehearsal_prompts:sum": float(b_n),
+        }
+        if c.kl_coef > 0:
+            with model.peft_model.disable_adapter():
+                base_M_V = logp(False)
+            kl = kl_base_new(base_M_V, new_M_V)
+            loss = loss + c.kl_coef * kl
+            metrics["rehearsal_kl:mean"] = float(kl.detach())
+        if loss.requires_grad:
+            loss.backward()
+        return metrics
