@@ -2,11 +2,11 @@
 
 Deterministic: the tables and templates below (answers known), split so that no fact, operand pair, instruction
 topic or passage filling is in both sets; a prompt the project trains or demonstrates on (the probes, the live
-loop's prompts, the README's and docs' quoted questions) is left out. ``--gsm8k PATH`` adds single-step GSM8K test
-questions (MIT licence, OpenAI 2021), tagged ``gsm8k:test:<line>``. ``--max-tokens FILE`` takes each item's
-``max_tokens`` from a calibration (``{id: n}``, written by ``bench/freeform_base.py``).
+loop's prompts, the README's and docs' quoted questions) is left out. ``--calibrate`` generates the base model's
+greedy replies (cached in ``bench/out/``), sets each item's ``max_tokens`` to what its right reply needs and prints
+the base model's accuracy per category; otherwise an unchanged item keeps the shipped ``max_tokens``.
 
-    python bench/make_freeform_sets.py [--gsm8k ../shared/data/gsm8k/test.jsonl] [--max-tokens bench/out/mt.json]
+    python bench/make_freeform_sets.py [--calibrate]
 """
 
 from __future__ import annotations
@@ -16,18 +16,20 @@ import ast
 import json
 import random
 import re
-import sys
 from pathlib import Path
 
+from livelora.trainer.capability import CATEGORIES, CapabilityItem, stratified
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 RAILS = REPO / "trainer" / "rails"
 GATE_SHARE = 0.62  # of each table's rows; the rest go to the bench's set
 SIZES = {
     "gate": {"arithmetic": 84, "instruction": 68, "reading": 50},
     "bench": {"arithmetic": 52, "instruction": 44, "reading": 32},
 }
-MAX_TOKENS = {"fact": 32, "arithmetic": 48, "reading": 32, "instruction": 48}
+MAX_TOKENS = {"fact": 32, "arithmetic": 48, "reading": 32, "instruction": 48}  # before a calibration
+GEN_TOKENS = {"fact": 40, "arithmetic": 48, "reading": 40, "instruction": 80}  # the calibration's replies
+FLOOR = {"fact": 24, "arithmetic": 24, "reading": 24, "instruction": 32}  # least max_tokens after it
 
 # fact tables: (domain, prompt, answer) -- answer: "a|b" accepted alternatives, or an int (a number check)
 FACTS: list[tuple[str, str, str | int]] = []
@@ -375,7 +377,8 @@ def instruction_items(rng: random.Random, sizes: dict[str, int]) -> dict[str, li
             topic, thing, word = tq[i % len(tq)], kq[i % len(kq)], wq[i % len(wq)]
             kind = i % 11
             if kind == 0:
-                p, c = f"Name a {thing}. Answer with one word only.", {"kind": "one_word"}
+                article = "an" if thing[0] in "aeiou" else "a"
+                p, c = f"Name {article} {thing}. Answer with one word only.", {"kind": "one_word"}
             elif kind == 1:
                 k = 2 + i % 4
                 p, c = f"Give exactly {k} bullet points about {topic}.", {"kind": "bullets", "n": k}
@@ -417,171 +420,117 @@ def instruction_items(rng: random.Random, sizes: dict[str, int]) -> dict[str, li
                 c = {"kind": "all_of", "checks": [{"kind": "lowercase"}, {"kind": "max_words", "n": 10}]}
             else:
                 p = f"Give a JSON list of three {thing} names and nothing else."
-                c = {"kind": "json"}
+                c = {"kind": "json", "type": "array"}
             rows.append({"category": "instruction", "prompt": p, "check": c, "source": f"template:instr-{c['kind']}"})
         out[name] = rows
     return out
 
 
 def reading_items(rng: random.Random, sizes: dict[str, int]) -> dict[str, list[dict]]:
-    """A 2-4 sentence made-up passage (fictional names and towns) and a question answered in it."""
+    """A 2-4 sentence made-up passage (fictional names and towns) and a question answered in it. A passage names
+    a second value of the asked kind (another pet, colour, job, ...), rejected in the reply: a reply that only
+    repeats the passage names both and is wrong."""
 
-    def passage(i: int) -> tuple[str, str, str | int, str]:
-        name, other = rng.sample(NAMES, 2)
-        town = rng.choice(TOWNS)
-        pet = rng.choice(["Biscuit", "Pepper", "Shadow", "Maple", "Ziggy", "Noodle", "Pip", "Comet", "Bramble"])
-        day = rng.choice(["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"])
-        colour = rng.choice(["red", "blue", "green", "yellow", "purple", "orange", "white", "black"])
+    def two(options: list[str]) -> list[str]:
+        return rng.sample(options, 2)
+
+    def passage(i: int) -> tuple[str, str, str | int, str | None]:
+        (name, other), town = two(NAMES), rng.choice(TOWNS)
+        pet, pet2 = two(["Biscuit", "Pepper", "Shadow", "Maple", "Ziggy", "Noodle", "Pip", "Comet", "Bramble"])
+        day, day2 = two(["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"])
+        colour, colour2 = two(["red", "blue", "green", "yellow", "purple", "orange", "white", "black"])
         food = rng.choice(["bread", "cheese", "apples", "honey", "soup", "rice", "carrots", "fish"])
-        job = rng.choice(["teacher", "baker", "nurse", "pilot", "farmer", "painter", "driver", "chef"])
+        job, job2 = two(["teacher", "baker", "nurse", "pilot", "farmer", "painter", "driver", "chef"])
         t = i % 8
         if t == 0:
             text = (
-                f"{name} lives in {town} with a dog called {pet}. "
-                f"Every {day} they walk to the market together, and {name} buys {food} there."
+                f"{name} lives in {town} with a dog called {pet} and a cat called {pet2}. "
+                f"Every {day} they walk to the market, where {name} buys {food}."
             )
-            q = rng.choice(
-                [
-                    (f"What is the name of {name}'s dog?", pet),
-                    ("On which day do they walk to the market?", day),
-                    (f"What does {name} buy at the market?", food),
-                ]
-            )
+            q = [
+                (f"What is the name of {name}'s dog?", pet, pet2),
+                (f"What does {name} buy at the market?", food, None),
+            ]
         elif t == 1:
             h = rng.randint(6, 10)
             text = (
-                f"The small shop in {town} opens at {h} o'clock every morning. "
-                f"It is run by {name}, who used to work as a {job}. The most popular thing it sells is {food}."
+                f"The small shop in {town} opens at {h} o'clock every morning. It is run by {name}, who used to work "
+                f"as a {job}. {name}'s friend {other} works there too and used to be a {job2}."
             )
-            q = rng.choice(
-                [
-                    ("Who runs the shop?", name),
-                    (f"What did {name} work as before?", job),
-                    ("At what time does the shop open?", h),
-                ]
-            )
+            q = [("Who runs the shop?", name, other), (f"What did {name} work as before?", job, job2)]
         elif t == 2:
             n, k = rng.randint(6, 12), rng.randint(2, 5)
-            fruit = rng.choice(["cherry", "plum", "lemon", "pear", "peach"])
+            fruit, fruit2 = two(["cherry", "plum", "lemon", "pear", "peach"])
             text = (
-                f"{name} planted {n} apple trees last spring. "
-                f"Only {k} of them survived the dry summer. Next year {name} wants to plant {fruit} trees instead."
+                f"{name} planted {n} {fruit} trees last spring. Only {k} of them survived the dry summer. "
+                f"Next year {name} wants to plant {fruit2} trees instead."
             )
-            q = rng.choice(
-                [
-                    ("How many of the trees survived?", k),
-                    (f"How many apple trees did {name} plant?", n),
-                    (f"Which trees does {name} want to plant next year?", fruit),
-                ]
-            )
+            q = [
+                ("How many of the trees survived?", k, None),
+                (f"Which trees did {name} plant last spring?", fruit, fruit2),
+            ]
         elif t == 3:
-            month = rng.choice(["March", "April", "May", "June", "July", "September", "October"])
-            p = rng.randint(3, 15)
+            month, month2 = two(["March", "April", "May", "June", "July", "September", "October"])
             text = (
-                f"The music festival will be held in {town} in {month}. "
-                f"Tickets cost {p} dollars. The main singer is a woman called {name}."
+                f"The music festival will be held in {town} in {month}. Last year it took place in {month2}. "
+                f"The main singer is {name}, and {other} plays the drums."
             )
-            q = rng.choice(
-                [
-                    ("In which town will the festival be held?", town),
-                    ("In which month is the festival?", month),
-                    ("Who is the main singer?", name),
-                    ("How much does a ticket cost in dollars?", p),
-                ]
-            )
+            q = [("In which month is the festival this year?", month, month2), ("Who is the main singer?", name, other)]
         elif t == 4:
-            hobby = rng.choice(["chess", "painting", "fishing", "gardening", "swimming", "cycling"])
             text = (
-                f"{name} works as a {job} in {town}. "
-                f"{name} drives a {colour} car to work. At the weekend, {name} enjoys {hobby}."
+                f"{name} works as a {job} in {town} and drives a {colour} car. "
+                f"{name}'s neighbour {other} is a {job2} with a {colour2} car."
             )
-            q = rng.choice(
-                [
-                    (f"What is {name}'s job?", job),
-                    (f"What colour is {name}'s car?", colour),
-                    (f"What does {name} enjoy at the weekend?", hobby),
-                ]
-            )
+            q = [(f"What is {name}'s job?", job, job2), (f"What colour is {other}'s car?", colour2, colour)]
         elif t == 5:
             place = rng.choice(["library", "station", "bakery", "river", "school", "park"])
             text = (
-                f"A small cat named {pet} was found near the {place} in {town}. "
-                f"It wore a {colour} collar and was very hungry. "
-                f"A neighbour called {name} took it home and gave it some {food}."
+                f"A small cat named {pet} was found near the {place} in {town}. It wore a {colour} collar with a "
+                f"{colour2} bell. A neighbour called {name} took it home and gave it some {food}."
             )
-            q = rng.choice(
-                [
-                    ("What colour was the cat's collar?", colour),
-                    ("Who took the cat home?", name),
-                    (f"Where was {pet} found?", place),
-                    (f"What did {name} give the cat?", food),
-                ]
-            )
+            q = [("What colour was the cat's collar?", colour, colour2), (f"Where was {pet} found?", place, None)]
         elif t == 6:
-            transport = rng.choice(["train", "boat", "bus", "car", "plane"])
-            days = rng.randint(3, 14)
+            transport, transport2 = two(["train", "boat", "bus", "car", "plane"])
             text = (
-                f"Last summer, {name} and {other} travelled to {town} by {transport}. "
-                f"They stayed for {days} days. Every evening they ate {food} by the lake."
+                f"Last summer, {name} travelled to {town} by {transport}, and {other} followed two days later by "
+                f"{transport2}. Every evening they ate {food} by the lake."
             )
-            q = rng.choice(
-                [
-                    (f"How did {name} and {other} travel to {town}?", transport),
-                    ("How many days did they stay?", days),
-                    ("What did they eat every evening?", food),
-                ]
-            )
+            q = [(f"How did {name} travel to {town}?", transport, transport2), ("Who arrived later?", other, name)]
         else:
             members = rng.randint(5, 30)
-            subject = rng.choice(["birds", "space", "the ocean", "old castles", "volcanoes", "trains"])
+            subject, subject2 = two(["birds", "space", "the ocean", "castles", "volcanoes", "trains"])
             text = (
-                f"The reading club of {town} meets every {day}. "
-                f"It has {members} members, and its leader is {name}. "
-                f"This month the club is reading a book about {subject}."
+                f"The reading club of {town} meets every {day}, and the chess club every {day2}. The reading club "
+                f"has {members} members. Last month it read a book about {subject2}; this month it reads one "
+                f"about {subject}."
             )
-            q = rng.choice(
-                [
-                    ("On which day does the club meet?", day),
-                    ("Who is the leader of the club?", name),
-                    ("How many members does the club have?", members),
-                    ("What is this month's book about?", subject.removeprefix("the ").removeprefix("old ")),
-                ]
-            )
-        return text, q[0], q[1], f"template:reading-{t}"
+            q = [
+                ("On which day does the reading club meet?", day, day2),
+                ("What is this month's book about?", subject.removeprefix("the "), subject2.removeprefix("the ")),
+            ]
+        question, answer, distractor = rng.choice(q)
+        return text, question, answer, distractor
 
     out: dict[str, list[dict]] = {}
     for name, n in sizes.items():
         rows = []
         for i in range(n):
-            text, question, answer, source = passage(i)
-            check = (
-                {"kind": "number", "value": answer}
-                if isinstance(answer, int)
-                else {"kind": "contains", "accept": [str(answer).lower()]}
-            )
+            text, question, answer, distractor = passage(i)
+            if isinstance(answer, int):
+                check: dict = {"kind": "number", "value": answer}
+            else:
+                check = {"kind": "contains", "accept": [answer.lower()]}
+                if distractor:
+                    check["reject"] = [distractor.lower()]
             prompt = f"Read the text and answer the question.\n\nText: {text}\n\nQuestion: {question}"
-            rows.append({"category": "reading", "prompt": prompt, "check": check, "source": source})
+            rows.append(
+                {"category": "reading", "prompt": prompt, "check": check, "source": f"template:reading-{i % 8}"}
+            )
         out[name] = rows
     return out
 
 
-def gsm8k_items(path: Path, n: int) -> list[dict]:
-    """Up to ``n`` GSM8K test questions whose worked answer is one calculation (one ``<<...>>``)."""
-    rows = []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        d = json.loads(line)
-        if d["answer"].count("<<") != 1 or len(d["question"]) > 240:
-            continue
-        value = float(d["answer"].rsplit("####", 1)[1].strip().replace(",", ""))
-        value = int(value) if value.is_integer() else value
-        check = {"kind": "number", "value": value}
-        rows.append(
-            {"category": "arithmetic", "prompt": d["question"], "check": check, "source": f"gsm8k:test:{line_no}"}
-        )
-    return rows[:n]
-
-
-def build(gsm8k: Path | None = None, max_tokens: dict[str, int] | None = None) -> dict[str, list[dict]]:
+def build() -> dict[str, list[dict]]:
     """``{"gate": rows, "bench": rows}``: each row a :class:`~livelora.trainer.capability.CapabilityItem` dict."""
     rng = random.Random(45)
     sets = fact_items()
@@ -592,10 +541,6 @@ def build(gsm8k: Path | None = None, max_tokens: dict[str, int] | None = None) -
     ):
         for name in sets:
             sets[name] += part[name]
-    if gsm8k:
-        extra = gsm8k_items(gsm8k, 24)
-        sets["gate"] += extra[::2]
-        sets["bench"] += extra[1::2]
     skip, seen = excluded(), set()
     for name, rows in sets.items():
         kept, counts = [], {}
@@ -606,27 +551,156 @@ def build(gsm8k: Path | None = None, max_tokens: dict[str, int] | None = None) -
             seen.add(key)
             counts[row["category"]] = counts.get(row["category"], 0) + 1
             row["id"] = f"{name}-{row['category']}-{counts[row['category']]:03d}"
-            row["max_tokens"] = (max_tokens or {}).get(row["id"], MAX_TOKENS[row["category"]])
+            row["max_tokens"] = MAX_TOKENS[row["category"]]
             kept.append(row)
         sets[name] = kept
     return sets
 
 
+def _home() -> Path:
+    import os
+
+    return Path(os.environ.get("LIVELORA_HOME") or REPO / ".livelora-home")
+
+
+def generate(rows: list[dict], cache: Path, batch: int = 16) -> None:
+    """Greedy reply token ids of the base model to each row not yet in ``cache`` (``{prompt: ids}``, written after
+    each batch, so that a run can stop and go on): chat template with its default system message, no forced lead,
+    :data:`GEN_TOKENS` of its category at most, in ``rows`` order (64 rows at a time, batched by category)."""
+    import torch
+
+    from livelora.core.base_models import load_model, load_tokenizer, resolve_base_model
+    from livelora.core.settings import DEFAULT_MODEL
+
+    done = json.loads(cache.read_text()) if cache.is_file() else {}
+    todo = [r for r in rows if r["prompt"] not in done]
+    ref = resolve_base_model(DEFAULT_MODEL, _home())
+    tok, model = load_tokenizer(ref), load_model(ref)
+    eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    window = [todo[i : i + 64] for i in range(0, len(todo), 64)]
+    parts = [
+        sorted(same, key=lambda r: len(r["prompt"]))[j : j + batch]
+        for w in window
+        for c in CATEGORIES
+        if (same := [r for r in w if r["category"] == c])
+        for j in range(0, len(same), batch)
+    ]
+    for part in parts:
+        ids = [
+            tok.encode(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False
+                ),
+                add_special_tokens=False,
+            )
+            for r in part
+        ]
+        width = max(map(len, ids))
+        x = torch.tensor([[pad] * (width - len(s)) + s for s in ids])
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in ids])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=x,
+                attention_mask=mask,
+                max_new_tokens=GEN_TOKENS[part[0]["category"]],
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=eos,
+            )
+        for r, row in zip(part, out[:, width:].tolist()):
+            done[r["prompt"]] = row[: row.index(eos)] if eos in row else row
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(done))
+        print(f"replies: {len(done)} cached, {sum(r['prompt'] not in done for r in todo)} to go", flush=True)
+
+
+def calibrate(sets: dict[str, list[dict]], cache: Path, dump: Path) -> None:
+    """Set the ``max_tokens`` of each row with a cached base-model reply (:func:`generate`) and print the base
+    model's accuracy per category at those limits; ``dump`` gets every judged reply, to read."""
+    from livelora.core.base_models import load_tokenizer, resolve_base_model
+    from livelora.core.settings import DEFAULT_MODEL
+
+    tok = load_tokenizer(resolve_base_model(DEFAULT_MODEL, _home()))
+    cached = json.loads(cache.read_text())
+    listing = []
+    for name, rows in sets.items():
+        need: dict[str, int] = {}
+        measured = [r for r in rows if r["prompt"] in cached]
+        for r in measured:
+            item, ids = _item(r), cached[r["prompt"]]
+            if item.right(tok.decode(ids, skip_special_tokens=True)):
+                n = next(n for n in range(1, len(ids) + 1) if item.right(tok.decode(ids[:n], skip_special_tokens=True)))
+                need[r["id"]] = n
+        by_kind: dict[str, list[int]] = {}
+        for r in measured:
+            if r["id"] in need:
+                by_kind.setdefault(_kind(r), []).append(_limit(r, need[r["id"]]))
+        right: dict[str, list[bool]] = {}
+        for r in measured:
+            fallback = sorted(by_kind.get(_kind(r)) or [FLOOR[r["category"]]])
+            r["max_tokens"] = _limit(r, need[r["id"]]) if r["id"] in need else fallback[(len(fallback) * 3) // 4]
+            item, ids = _item(r), cached[r["prompt"]]
+            text = tok.decode(ids[: r["max_tokens"]], skip_special_tokens=True)
+            ok = item.right(text) and item.right(tok.decode(ids, skip_special_tokens=True))
+            right.setdefault(r["category"], []).append(ok)
+            listing.append(
+                {
+                    "id": r["id"],
+                    "right": ok,
+                    "max_tokens": r["max_tokens"],
+                    "prompt": r["prompt"],
+                    "check": r["check"],
+                    "reply": text,
+                }
+            )
+        every = [x for v in right.values() for x in v]
+        shares = {c: f"{sum(v)}/{len(v)} = {sum(v) / len(v):.0%}" for c, v in right.items()}
+        score = f"{sum(every)}/{len(every)} = {sum(every) / max(len(every), 1):.1%}"
+        print(f"{name}: {len(measured)} of {len(rows)} items measured; base right {score}; {shares}")
+        print(f"{name}: max_tokens mean {sum(r['max_tokens'] for r in rows) / len(rows):.1f}")
+    dump.write_text(json.dumps(listing, indent=1, ensure_ascii=False))
+
+
+def _item(row: dict) -> CapabilityItem:
+    return CapabilityItem(**{k: row[k] for k in ("id", "category", "prompt", "check", "max_tokens", "source")})
+
+
+def _kind(row: dict) -> str:
+    return f"{row['category']}:{row['check']['kind']}"
+
+
+def _limit(row: dict, need: int) -> int:
+    """A right reply's token need plus a margin (a bullet list's next line must show), in steps of 8."""
+    margin = 16 if row["check"]["kind"] == "bullets" else 6
+    return min(GEN_TOKENS[row["category"]], max(FLOOR[row["category"]], -(-(need + margin) // 8) * 8))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gsm8k", type=Path, help="GSM8K test.jsonl: add single-step questions")
-    ap.add_argument("--max-tokens", type=Path, help="JSON {id: max_tokens} from a calibration")
-    ap.add_argument("--drop", type=Path, help="JSON list of ids to leave out (items the checker misjudged)")
+    ap.add_argument("--generate", action="store_true", help="cache the base model's replies in bench/out/ (slow)")
+    ap.add_argument("--calibrate", action="store_true", help="set max_tokens from the cached replies")
     ap.add_argument("--out", type=Path, default=RAILS)
     args = ap.parse_args()
-    mt = json.loads(args.max_tokens.read_text()) if args.max_tokens else None
-    drop = set(json.loads(args.drop.read_text())) if args.drop else set()
-    for name, rows in build(args.gsm8k, mt).items():
-        rows = [r for r in rows if r["id"] not in drop]
+    sets = build()
+    for name, rows in sets.items():  # keep the shipped calibration of an unchanged item
+        shipped = RAILS / f"freeform_{name}.jsonl"
+        old = {d["id"]: d for d in map(json.loads, shipped.read_text().splitlines())} if shipped.is_file() else {}
+        for r in rows:
+            if (o := old.get(r["id"])) and o["prompt"] == r["prompt"] and o["check"] == r["check"]:
+                r["max_tokens"] = o["max_tokens"]
+    out = REPO / "bench" / "out"
+    if args.generate:
+        by_id = {r["id"]: r for rows in sets.values() for r in rows}
+        order = [by_id[i.id] for rows in sets.values() for i in stratified([_item(r) for r in rows])]
+        generate(order, out / "freeform_base_replies.json")
+        return
+    if args.calibrate:
+        calibrate(sets, out / "freeform_base_replies.json", out / "freeform_base_judged.json")
+    for name, rows in sets.items():
         path = args.out / f"freeform_{name}.jsonl"
         keys = ("id", "category", "prompt", "check", "max_tokens", "source")
         path.write_text("".join(json.dumps({k: r[k] for k in keys}, ensure_ascii=False) + "\n" for r in rows))
-        cats = {c: sum(r["category"] == c for r in rows) for c in ("fact", "arithmetic", "instruction", "reading")}
+        cats = {c: sum(r["category"] == c for r in rows) for c in CATEGORIES}
         print(f"{path}: {len(rows)} items {cats}")
 
 

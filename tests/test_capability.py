@@ -81,6 +81,10 @@ def test_numbers_are_parsed_from_digits_and_from_words_when_there_are_no_digits(
         ("What is 12 + 30?", "**42**", 42, True),
         ("What is 12 + 30?", "Forty-two.", 42, True),
         ("What is 12 + 30?", "12 + 30 = 43", 42, False),
+        ("What is 10 × 4?", "10 × 4 = 40\n\nThat is, adding 1 ten four times.", 40, True),  # the result after =
+        ("What is 3 × 12?", "Multiply 3 by itself, which is 9. So, 3 × 12 = 36.", 36, True),
+        ("What is 3 × 12?", "3 × 12 = 36, which is 9.", 9, False),
+        ("What is 108 / 9?", "108 divided by 9 equals 12.", 12, True),
         ("What is 12 + 30?", "42. Then 42 + 1 = 43", 42, False),  # the reply goes on to another result
         ("Tom had 8 apples and gave 3 away. How many are left?", "5 apples. He had 8 and gave 3.", 5, True),
         ("Tom had 8 apples and gave 3 away. How many are left?", "8 - 3 = 5", 5, True),
@@ -134,6 +138,9 @@ def test_json_parses_the_reply_or_its_single_fenced_block():
     assert not right(keys, '["name", "colour"]')
     assert not right(keys, "{name: sea}")
     assert right({"kind": "json"}, '["a", "b", "c"]')
+    assert right({"kind": "json", "type": "array"}, '["a", "b", "c"]')
+    assert not right({"kind": "json", "type": "array"}, '{"a": 1}')
+    assert right({"kind": "json", "type": "object"}, '{"a": 1}')
     assert not right({"kind": "json"}, "```\n[1]\n```\n```\n[2]\n```")  # two blocks: which one?
 
 
@@ -166,6 +173,7 @@ def test_load_items_refuses_bad_lines(tmp_path):
         "unknown check": {**good, "check": {"kind": "vibes"}},
         "needs accept": {**good, "check": {"kind": "contains"}},
         "language 'xx'": {**good, "check": {"kind": "language", "lang": "xx"}},
+        "type is array or object": {**good, "check": {"kind": "json", "type": "list"}},
         "checks[0]": {**good, "check": {"kind": "all_of", "checks": [{"kind": "nope"}]}},
         "unexpected keyword": {**good, "colour": "red"},
         "empty prompt": {**good, "prompt": " "},

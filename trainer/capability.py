@@ -99,13 +99,16 @@ def _contains(reply: str, check: dict, prompt: str) -> bool:
 
 
 def _number(reply: str, check: dict, prompt: str) -> bool:
-    """Right when the reply's last number is the expected one, or the expected one appears and every other
-    number is one the prompt gave (a restated operand: ``"8 apples: 5 and 3 more"``)."""
+    """Right when the reply's result is the expected number (the first number after its last ``=``, else its
+    last number), or the expected number appears and every other one is a number the prompt gave (a restated
+    operand: ``"5 apples: he had 8 and gave 3"``)."""
     want, found = float(check["value"]), numbers(reply)
-    if not found or want not in found:
+    if want not in found:
         return False
+    after = numbers(reply.rsplit("=", 1)[1]) if "=" in reply else []
+    result = after[0] if after else found[-1]
     given = set(numbers(prompt))
-    return found[-1] == want or all(n == want or n in given for n in found)
+    return result == want or all(n == want or n in given for n in found)
 
 
 def _one_word(reply: str, check: dict, prompt: str) -> bool:
@@ -131,7 +134,9 @@ def _json(reply: str, check: dict, prompt: str) -> bool:
         value = json.loads(_json_text(reply).strip())
     except ValueError:
         return False
-    keys = check.get("keys", ())
+    keys, kind = check.get("keys", ()), check.get("type")
+    if kind and not isinstance(value, {"array": list, "object": dict}[kind]):
+        return False
     return not keys or (isinstance(value, dict) and all(k in value for k in keys))
 
 
@@ -200,6 +205,8 @@ def validate(check: Any, where: str = "check") -> None:
     missing = [f for f in REQUIRED.get(check["kind"], ()) if f not in check]
     if missing:
         raise ValueError(f"{where}: a {check['kind']!r} check needs {', '.join(missing)}")
+    if check["kind"] == "json" and check.get("type", "array") not in ("array", "object"):
+        raise ValueError(f"{where}: a json check's type is array or object, not {check['type']!r}")
     if check["kind"] == "language" and check["lang"] not in STOP_WORDS:
         raise ValueError(f"{where}: language {check['lang']!r} is not one of {', '.join(STOP_WORDS)}")
     for i, sub in enumerate(check.get("checks", ()) if check["kind"] == "all_of" else ()):
