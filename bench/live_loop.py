@@ -488,7 +488,7 @@ class Session:
             )
             print(
                 f"  [{self.label}] {u['version']}: "
-                + (f"passed at α {u['step_scale']:g}" if u["passed"] else "REJECTED " + str(u["failed"]))
+                + (f"passed at α {u['step_scale'] or 1:g}" if u["passed"] else "REJECTED " + str(u["failed"]))
                 + (searched if len(tries) > 1 else "")
                 + f"; train+gate+save {u['train_gate_save_s']:.2f} s"
                 + (f" (gate {u['gate_s']:.2f} s)" if u["gate_s"] else "")
