@@ -306,7 +306,7 @@ def arithmetic_items(rng: random.Random, sizes: dict[str, int]) -> dict[str, lis
     def pick(op: str, lo: int, hi: int) -> tuple[int, int]:
         while True:
             a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-            if op in ("-", "/") and a < b:
+            if op[0] in "-/" and a < b:
                 a, b = b, a
             if a != b and (op, a, b) not in used:
                 used.add((op, a, b))

@@ -62,6 +62,11 @@ def test_contains_multiword_accents_and_rejects():
     assert not right(yes, "Yes and no.")
     assert not right(yes, "No.")
     assert right(yes, "Yes, nobody doubts it.")  # "nobody" is not "no"
+    chef = {"kind": "contains", "accept": ["chef"], "reject": ["baker"]}
+    assert right(chef, "Adam is a chef, not a baker.")  # a negated distractor does not count
+    assert right(chef, "A chef rather than a baker.") and right(chef, "Chef, instead of baker")
+    assert not right(chef, "Adam is a chef. His friend is a baker.")
+    assert not right(chef, "Not a chef but a baker.")
 
 
 def test_numbers_are_parsed_from_digits_and_from_words_when_there_are_no_digits():
@@ -241,6 +246,7 @@ def test_the_sets_are_disjoint_balanced_and_hold_no_trained_or_shown_prompt():
             assert lo <= counts[category] / len(items) <= hi, (category, counts)
         assert len({norm(i.prompt) for i in items}) == len(items)
         assert all(8 <= i.max_tokens <= 128 and i.source for i in items)
+        assert all(i.check["value"] >= 0 for i in items if i.category == "arithmetic")  # no "gave 9 of 7 away"
     assert not {norm(i.prompt) for i in gate} & {norm(i.prompt) for i in bench}
     assert not {i.id for i in gate} & {i.id for i in bench}
     forbidden = trained_or_shown_prompts()

@@ -92,8 +92,22 @@ def _json_text(reply: str) -> str:
     return blocks[0] if len(blocks) == 1 else reply
 
 
+def asserts_phrase(reply: str, phrase: str) -> bool:
+    """Whether ``reply`` names ``phrase`` (as :func:`has_phrase`) other than negated: an occurrence right after
+    ``not``, ``not a/an/the``, ``rather than`` or ``instead of`` does not count (``"a chef, not a baker"``)."""
+    text, p = f" {fold(reply)} ", f" {fold(phrase)} "
+    start = text.find(p)
+    while p.strip() and start >= 0:
+        before = text[:start].split()
+        before = before[:-1] if before[-1:] in (["a"], ["an"], ["the"]) else before
+        if before[-1:] != ["not"] and before[-2:] not in (["rather", "than"], ["instead", "of"]):
+            return True
+        start = text.find(p, start + 1)
+    return False
+
+
 def _contains(reply: str, check: dict, prompt: str) -> bool:
-    if any(has_phrase(reply, r) for r in check.get("reject", ())):
+    if any(asserts_phrase(reply, r) for r in check.get("reject", ())):
         return False
     return any(has_phrase(reply, a) for a in check["accept"])
 
