@@ -31,6 +31,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, Te
 from rich.table import Table
 from rich.text import Text
 
+from livelora.cli.gate_rows import freeform_rows
+from livelora.cli.gate_rows import num as _num
+
 out = Console()
 err = Console(stderr=True)
 
@@ -262,10 +265,6 @@ def _run(fn):
     except LiveloraError as exc:
         err.print(f"[red]error[/] ({exc.status}): {exc}")
         raise typer.Exit(1) from None
-
-
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.4g}"
 
 
 def _when(ts: float | None) -> str:
@@ -544,6 +543,7 @@ def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home
                 f"{_num(c['value'])} (current {_num(c['current'])}{extra}, "
                 f"bound {_num(c['bound'])}) {'ok' if c['passed'] else 'FAILED'}",
             )
+        freeform_rows(table, (gate.get("measures") or {}).get("freeform"))
     else:
         table.add_row("gate", "not evaluated")
     out.print(table)

@@ -45,6 +45,21 @@ class GateThresholds(BaseModel):
         "bounds what a chain of steps, each within "
         "probe_margin, may lose in total.",
     )
+    freeform_margin: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="Largest allowed drop of the free-form capability score (share of the capability items whose "
+        "greedy free-form reply is right) below the current version's, on the same items.",
+    )
+    freeform_base_margin: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="Largest allowed drop of the free-form capability score below the base model's, on the same "
+        "items; a lineage already below that bound may not lose more than it has (the bound is min(base − margin, "
+        "current)).",
+    )
     max_kl_current: float = Field(
         0.08,
         gt=0,
@@ -178,7 +193,8 @@ def judge(checks: dict[str, dict[str, float | None]], t: GateThresholds, skipped
     Args:
         checks: ``{"probes": {"value", "current"}, "probes_base": {"value", "current", "base"},
             "kl_current": {"value"}, "kl_base": {"value"}, "degenerate": {"value"}, "length_ratio": {"value"},
-            "signal": {"value", "current"}}`` (probe accuracies are fractions of the probes, ``base`` is the base
+            "signal": {"value", "current"}, "freeform": {"value", "current"}, "freeform_base": {"value", "current",
+            "base"}}`` (probe accuracies are fractions of the probes, ``base`` is the base
             model's); a ``None`` value (not measurable) passes, and so does a check whose bound needs a missing
             ``current`` or ``base``.
         skipped: checks that were not measured (an earlier check failed for the batch's endpoint).
@@ -200,16 +216,20 @@ def judge(checks: dict[str, dict[str, float | None]], t: GateThresholds, skipped
 def bound_of(name: str, current: float | None, t: GateThresholds, base: float | None = None) -> float | None:
     """The bound a check's value is compared with (None for an unknown check or a missing reference value).
 
-    ``probes`` and ``signal`` are relative to the current version's value ``current``; ``probes_base`` to the base
-    model's probe accuracy ``base``: ``min(base − probe_base_margin, current)``, so that a lineage whose current
-    version is already below ``base − probe_base_margin`` (trained before the check existed, or after the margin
-    was tightened) is not stalled: its next version may not lose more, and may climb back; the others are
-    absolute thresholds.
+    ``probes``, ``freeform`` and ``signal`` are relative to the current version's value ``current``;
+    ``probes_base`` and ``freeform_base`` to the base model's ``base``: ``min(base − margin, current)``, so that a
+    lineage whose current version is already below ``base − margin`` (trained before the check existed, or after
+    the margin was tightened) is not stalled: its next version may not lose more, and may climb back; the others
+    are absolute thresholds.
     """
     if name == "probes":
         return None if current is None else current - t.probe_margin
     if name == "probes_base":  # a lineage already below the bound may still step, if it loses nothing more
         return None if base is None else min(base - t.probe_base_margin, current if current is not None else 1.0)
+    if name == "freeform":
+        return None if current is None else current - t.freeform_margin
+    if name == "freeform_base":
+        return None if base is None else min(base - t.freeform_base_margin, current if current is not None else 1.0)
     if name == "signal":
         return None if current is None else current - t.signal_tolerance
     return {

@@ -42,6 +42,11 @@ def test_a_second_start_reads_the_measurement_and_new_probes_measure_again(tmp_p
     a, b = first.gate._base, second.gate._base
     assert torch.equal(a.logp_M_V, b.logp_M_V) and a.logp_M_V.shape[1] == first._fresh.vocab_size
     assert (a.probe_right, a.replies, a.degenerate, a.mean_len) == (b.probe_right, b.replies, b.degenerate, b.mean_len)
+    # the free-form replies to the whole sample are part of it
+    assert len(a.freeform) == len(first.gate.suite.freeform) and (a.freeform, a.freeform_texts) == (
+        b.freeform,
+        b.freeform_texts,
+    )
 
     # another base model (its weights' identity) is another file
     other = EvaluationGate(first.tokenizer, home, first.chat_pair, base_id="sha256:other")
@@ -49,10 +54,12 @@ def test_a_second_start_reads_the_measurement_and_new_probes_measure_again(tmp_p
 
     # a changed probe set: measured again, and the old probe set's file of this base model removed
     changed = EvaluationGate(first.tokenizer, home, first.chat_pair, base_id=base_identity(ref))
-    changed.suite = ProbeSuite(first.tokenizer, load_probes()[:-1])
+    changed.suite = ProbeSuite(first.tokenizer, load_probes()[:-1], freeform_items=40)
     new_path = changed.base_cache_path(second._fresh)
     assert new_path != path
     m = changed.base(second._fresh)
     assert changed.base_source == "measured"
     assert m.probe_right == a.probe_right[:-1] and m.replies == a.replies
+    # the first 40 items of the stratified order, generated in the same batch: the same replies
+    assert m.freeform_texts == {it.id: a.freeform_texts[it.id] for it in changed.suite.freeform.items}
     assert sorted((home / BASE_CACHE_DIR).glob("*.pt")) == [new_path]

@@ -71,9 +71,10 @@ def test_candidate_weights_are_the_formula_exactly():
 def test_a_candidate_measured_up_to_its_first_failure_passes_for_no_endpoint():
     """The verdict of a partly measured candidate: the checks not measured are ``skipped`` and it does not pass,
     unless the gate is disabled; the measuring passes cover every check once, cheapest (probes) first."""
-    assert list(PASSES) == ["probes", "signal", "replies"]
+    assert list(PASSES) == ["probes", "signal", "replies", "freeform"]
     assert sorted(CHECKS) == sorted(
-        ["probes", "probes_base", "kl_current", "kl_base", "signal"] + ["degenerate", "length_ratio"]
+        ["probes", "probes_base", "kl_current", "kl_base", "signal"]
+        + ["degenerate", "length_ratio", "freeform", "freeform_base"]
     )
     probes_pass = {
         "probes": {"value": 0.8, "current": 0.83},
@@ -148,6 +149,8 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
         max_degenerate=1.0,
         min_length_ratio=0.5,
         signal_tolerance=100.0,
+        freeform_margin=1.0,
+        freeform_base_margin=1.0,
     )
     EndpointStore(home).set_gate(ep, t, tenant="default", who="test", reason="the length check binds")
     gate = GateSection(gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=16)  # floor 1/8 (the default)
@@ -183,18 +186,25 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
     assert g["against"] == "base" and g["continued_from"] is None and g["verdicts"][ep]["passed"]
     assert g["step_scale"] == 0.5
     full, half = g["line_search"]
-    assert (full["step_scale"], full["passed"], full["failed"], full["skipped"]) == (1.0, False, ["length_ratio"], [])
+    assert (full["step_scale"], full["passed"], full["failed"], full["skipped"]) == (
+        1.0,
+        False,
+        ["length_ratio"],
+        ["freeform", "freeform_base"],
+    )
     assert (half["step_scale"], half["passed"], half["failed"]) == (0.5, True, [])
     by_name = {c["name"]: c for c in g["checks"]}
     assert 0.5 <= by_name["length_ratio"]["value"] < 1.0 and by_name["length_ratio"]["bound"] == 0.5
     assert not any(c["skipped"] for c in g["checks"]) and set(by_name) == set(CHECKS)
-    # the gate measured the probes, then the replies, for each candidate (no held-out examples: no signal pass)
+    # the gate measured the probes, then the replies, for each candidate (no held-out examples: no signal pass),
+    # and the free-form replies of the one that passed them (one chunk: with a margin of 1 the verdict is clear)
     assert checks == [
         ("probes", 1.0),
         ("replies", 1.0),
         ("verdict", 1.0),
         ("probes", 0.5),
         ("replies", 0.5),
+        ("freeform", 0.5),
         ("verdict", 0.5),
     ]
 
@@ -242,7 +252,7 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
     assert (first["step_scale"], first["failed"], first["skipped"]) == (
         1.0,
         ["probes_base"],
-        ["degenerate", "length_ratio"],
+        ["degenerate", "length_ratio", "freeform", "freeform_base"],
     )
     assert checks[:2] == [("probes", 1.0), ("verdict", 1.0)]  # the replies were never generated
     for tried in g2["line_search"]:
@@ -255,7 +265,7 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
         assert [x["step_scale"] for x in g2["line_search"]] == [1.0, 0.5, 0.25, 0.125]
         assert g2["step_scale"] == 1.0 and g2["continued_from"] == f"{ep}@1"  # the full step, written rejected
         skipped = {c["name"] for c in g2["checks"] if c["skipped"]}
-        assert skipped == {"degenerate", "length_ratio"}
+        assert skipped == {"degenerate", "length_ratio", "freeform", "freeform_base"}
         parent = 1
     EndpointStore(home).set_gate(ep, t, tenant="default", who="test")
     v3 = trainer.train(_ratings(trainer, ep))  # normal ratings: a step that passes, at some α

@@ -31,6 +31,7 @@ from livelora.adapters.endpoints import EndpointStore
 from livelora.core.atomic import atomic_write_bytes
 from livelora.core.core_share import step_yield
 from livelora.core.rails import GateCheck, GateResult, GateThresholds, bound_of, judge
+from livelora.trainer.gate_freeform import FreeformGate
 from livelora.trainer.gate_measure import (
     CHECKS,
     PASSES,
@@ -70,6 +71,7 @@ def save_measurement(path: Path, m: Measurement, seconds: float) -> None:
     buf = io.BytesIO()
     doc = {"probe_right": m.probe_right, "logp_M_V": m.logp_M_V, "degenerate": m.degenerate}
     doc.update({"mean_len": m.mean_len, "replies": m.replies, "seconds": seconds})
+    doc.update({"freeform": m.freeform, "freeform_texts": m.freeform_texts})
     torch.save(doc, buf)
     atomic_write_bytes(path, buf.getvalue())
 
@@ -81,6 +83,7 @@ def load_measurement(path: Path) -> tuple[Measurement, float] | None:
         m = Measurement(
             list(d["probe_right"]), d["logp_M_V"], float(d["degenerate"]), float(d["mean_len"]), d["replies"]
         )
+        m.freeform, m.freeform_texts = dict(d.get("freeform", {})), dict(d.get("freeform_texts", {}))
         return m, float(d["seconds"])
     except FileNotFoundError:
         return None
@@ -96,7 +99,8 @@ class EvaluationGate:
         tokenizer: the base model's tokenizer.
         home: ``LIVELORA_HOME`` (endpoint thresholds and history).
         chat_pair: ``(messages, reply) -> (prompt_ids, completion_ids)`` for inline preference pairs.
-        holdout_every / heldout_max / gen_tokens: :class:`~livelora.trainer.settings.GateSection`.
+        holdout_every / heldout_max / gen_tokens / freeform_items / freeform_chunk:
+            :class:`~livelora.trainer.settings.GateSection`.
     """
 
     def __init__(
@@ -108,6 +112,8 @@ class EvaluationGate:
         holdout_every: int = 10,
         heldout_max: int = 8,
         gen_tokens: int = 24,
+        freeform_items: int = 160,
+        freeform_chunk: int = 40,
         base_id: str | None = None,
     ):
         self.tokenizer = tokenizer
@@ -119,7 +125,10 @@ class EvaluationGate:
         self.endpoints = EndpointStore(home)
         self.chat_pair = chat_pair
         self.holdout_every = holdout_every
-        self.suite = ProbeSuite(tokenizer, gen_tokens=gen_tokens)
+        self.suite = ProbeSuite(
+            tokenizer, gen_tokens=gen_tokens, freeform_items=freeform_items, freeform_chunk=freeform_chunk
+        )
+        self.freeform = FreeformGate(self.suite)
         self.heldout: dict[str, deque[HeldOut]] = {}
         self.heldout_max = heldout_max
         self._base: Measurement | None = None
@@ -208,7 +217,8 @@ class EvaluationGate:
                 log.info("evaluation gate: base model measurement read from %s (took %.1f s once)", path, got[1])
                 return self._base
             t0 = time.perf_counter()
-            self._base = self.suite.measure(model, adapter=False, on_check=on_check)
+            everything = len(self.suite.freeform) if self.suite.freeform is not None else None
+            self._base = self.suite.measure(model, adapter=False, on_check=on_check, freeform_upto=everything)
             self.base_seconds, self.base_source = time.perf_counter() - t0, "measured"
             log.info("evaluation gate: base model measured in %.1f s", self.base_seconds)
             if path is not None:
@@ -260,6 +270,7 @@ class EvaluationGate:
             if label == "base":  # a new lineage's adapter is zero (lora_B = 0): its measures are the base model's
                 b = self._base
                 have = (label, Measurement(b.probe_right, b.logp_M_V, b.degenerate, b.mean_len, b.replies, {}))
+                have[1].freeform, have[1].freeform_texts = dict(b.freeform), dict(b.freeform_texts)
             else:
                 have = (label, self.suite.measure(model, heldout=items, on_check=lambda c: tell(f"{label}: {c}")))
             self._current[lineage] = have
@@ -290,22 +301,26 @@ class EvaluationGate:
         mine = judged[endpoint]
         # too few held-out examples for any endpoint: the signal check is decided (not measurable) unmeasured
         countable = signal_countable(items, min(t.min_signal_examples for t in judged.values()))
-        new, done = Measurement(), ([] if countable else ["signal"])
-        for i, name in enumerate(n for n in PASSES if n != "signal" or countable):
+        unmeasured = {p for p, off in (("signal", not countable), ("freeform", self.suite.freeform is None)) if off}
+        new, done = Measurement(), [c for p in unmeasured for c in PASSES[p]]
+        for i, name in enumerate(n for n in PASSES if n not in unmeasured):
             if i:
                 step_yield()  # serving may go first between the gate's passes (core/core_share.py)
             tell(name)
-            self.suite.run_pass(name, model, new, heldout=items)
+            if name == "freeform":
+                self.freeform.judge(model, new, current, self._base, self._snapshot["params"], mine, tell)
+            else:
+                self.suite.run_pass(name, model, new, heldout=items)
             done += PASSES[name]
-            if not judge(compare(new, current, self._base, items, mine.min_signal_examples, done), mine).passed:
+            if not judge(self._compare(new, current, items, mine.min_signal_examples, done), mine).passed:
                 break  # a cheaper check failed already: the candidate is rejected, nothing more is measured
         tell("verdict")
         skipped = [c for c in CHECKS if c not in done]
         verdicts = {
-            name: judge(compare(new, current, self._base, items, t.min_signal_examples, done), t, skipped)
+            name: judge(self._compare(new, current, items, t.min_signal_examples, done), t, skipped)
             for name, t in judged.items()
         }
-        values = compare(new, current, self._base, items, mine.min_signal_examples, done)
+        values = self._compare(new, current, items, mine.min_signal_examples, done)
         checks = [
             GateCheck(
                 name=k,
@@ -324,10 +339,17 @@ class EvaluationGate:
             "heldout_examples": len(items),
             "replies": new.replies,
         }
+        if new.freeform_upto:
+            measures["freeform"] = self.freeform.summary(new, current, self._base)
         result = GateResult(
             against=label, measures=measures, checks=checks, verdicts=verdicts, seconds=time.perf_counter() - t0
         )
         return result, new
+
+    def _compare(self, new: Measurement, current: Measurement, items: list[HeldOut], min_examples: int, done: list):
+        ff = self.suite.freeform
+        ids = [it.id for it in ff.items[: new.freeform_upto]] if ff is not None else []
+        return compare(new, current, self._base, items, min_examples, done, freeform_ids=ids)
 
     def settle(self, model: Any, lineage: str, passed: bool, name: str, new: Measurement) -> None:
         """After the version is written: a passed one becomes current; a rejected step is undone."""
@@ -345,32 +367,33 @@ class EvaluationGate:
         model.step, model.parent, model.lineage = snap["step"], snap["parent"], snap["lineage"]
         model.data_counts = snap["data_counts"]
 
-    def record(self, result: GateResult, name: str, lineage: str) -> None:
-        """One ``gate`` history line per judged endpoint (not the ``"*"`` default verdict)."""
-        for endpoint, verdict in result.verdicts.items():
-            if endpoint == "*":
-                continue
-            b = self.endpoints.get(endpoint)
-            reason = (
-                "passed"
-                if verdict.passed
-                else "rejected: " + (", ".join(verdict.failed) or "not measured (" + ", ".join(verdict.skipped) + ")")
-            )
-            checks = {c.name: {"value": c.value, "current": c.current, "bound": c.bound} for c in result.checks}
-            self.endpoints.record(
-                endpoint,
-                "gate",
-                who="trainer",
-                from_=result.against,
-                to=name,
-                reason=reason,
-                details={
-                    "passed": verdict.passed,
-                    "failed": verdict.failed,
-                    "checks": checks,
-                    "continued_from": result.continued_from,
-                    "step_scale": result.step_scale,
-                    "line_search": [t.model_dump(mode="json") for t in result.line_search],
-                },
-                tenant=b.tenant,
-            )
+
+def record_verdicts(endpoints: EndpointStore, result: GateResult, name: str) -> None:
+    """One ``gate`` history line of version ``name`` per endpoint ``result`` judged (not the ``"*"`` default)."""
+    for endpoint, verdict in result.verdicts.items():
+        if endpoint == "*":
+            continue
+        b = endpoints.get(endpoint)
+        reason = (
+            "passed"
+            if verdict.passed
+            else "rejected: " + (", ".join(verdict.failed) or "not measured (" + ", ".join(verdict.skipped) + ")")
+        )
+        checks = {c.name: {"value": c.value, "current": c.current, "bound": c.bound} for c in result.checks}
+        endpoints.record(
+            endpoint,
+            "gate",
+            who="trainer",
+            from_=result.against,
+            to=name,
+            reason=reason,
+            details={
+                "passed": verdict.passed,
+                "failed": verdict.failed,
+                "checks": checks,
+                "continued_from": result.continued_from,
+                "step_scale": result.step_scale,
+                "line_search": [t.model_dump(mode="json") for t in result.line_search],
+            },
+            tenant=b.tenant,
+        )

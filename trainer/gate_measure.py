@@ -24,6 +24,7 @@ import torch
 
 from livelora.core.chat_tokens import rated_completion_ids
 from livelora.core.core_share import step_yield
+from livelora.trainer.gate_freeform import freeform_score
 from livelora.trainer.prompt_kv import PromptKV, cache_of, common_prefix
 
 PROBES_FILE = Path(__file__).resolve().parent / "rails" / "probes.jsonl"
@@ -101,6 +102,7 @@ PASSES: dict[str, tuple[str, ...]] = {
     "probes": ("probes", "probes_base", "kl_current", "kl_base"),
     "signal": ("signal",),
     "replies": ("degenerate", "length_ratio"),
+    "freeform": ("freeform", "freeform_base"),
 }
 CHECKS: tuple[str, ...] = tuple(c for checks in PASSES.values() for c in checks)
 
@@ -115,6 +117,8 @@ class Measurement:
         degenerate: share of degenerate open-prompt replies; ``mean_len``: their mean length in tokens.
         replies: the open-prompt replies (text), for the record.
         signal: held-out example key → mean per-token logprob of its completion (nats).
+        freeform: capability item id → whether the greedy free-form reply was right (:mod:`.gate_freeform`);
+            ``freeform_texts`` the replies; ``freeform_upto`` how many of the suite's items the last judgement used.
     """
 
     probe_right: list[bool] | None = None
@@ -123,6 +127,9 @@ class Measurement:
     mean_len: float | None = None
     replies: list[str] | None = None
     signal: dict[str, float] = field(default_factory=dict)
+    freeform: dict[str, bool] = field(default_factory=dict)
+    freeform_texts: dict[str, str] = field(default_factory=dict)
+    freeform_upto: int = 0
 
     @property
     def accuracy(self) -> float | None:
@@ -203,8 +210,22 @@ class ProbeSuite:
         gen_tokens: greedy tokens generated per open prompt.
     """
 
-    def __init__(self, tokenizer: Any, probes: list[Probe] | None = None, *, gen_tokens: int = 24):
+    def __init__(
+        self,
+        tokenizer: Any,
+        probes: list[Probe] | None = None,
+        *,
+        gen_tokens: int = 24,
+        freeform_items: int = 160,
+        freeform_chunk: int = 40,
+    ):
+        from livelora.trainer.gate_freeform import FreeformSuite
+
         self.tokenizer = tokenizer
+        #: the free-form capability check (None: ``freeform_items`` 0, the pass is not run)
+        self.freeform = (
+            FreeformSuite(tokenizer, max_items=freeform_items, chunk=freeform_chunk) if freeform_items > 0 else None
+        )
         self.probes = probes if probes is not None else load_probes()
         self.gen_tokens = gen_tokens
         self.seqs: list[list[int]] = []
@@ -229,6 +250,7 @@ class ProbeSuite:
             "open": self.open_ids,
             "gen_tokens": self.gen_tokens,
             "eos": self.eos,
+            "freeform": self.freeform.fingerprint() if self.freeform is not None else None,
         }
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
@@ -334,10 +356,12 @@ class ProbeSuite:
         *,
         adapter: bool = True,
         heldout: Sequence[HeldOut] = (),
+        upto: int | None = None,
         mirror: bool = True,
     ) -> None:
         """Run the measuring pass ``name`` (a key of :data:`PASSES`) on ``model`` and fill its fields of ``m``.
-        A model whose base weights are sharded over a trainer group runs it on every rank (each forward is a
+        ``freeform`` judges the replies to the free-form items below ``upto`` not yet in ``m`` (default: the first
+        chunk). A model whose base weights are sharded over a trainer group runs it on every rank (each forward is a
         collective): rank 0's group leader broadcasts the pass (``mirror``) and the other ranks make it too.
 
         Raises:
@@ -348,7 +372,7 @@ class ProbeSuite:
             leader = getattr(group, "leader_of_group", None)
             if leader is None:
                 raise RuntimeError("a model with sharded base weights is measured only by its group's leader")
-            kwargs = {"adapter": adapter, "heldout": heldout}
+            kwargs = {"adapter": adapter, "heldout": heldout, "upto": upto}
             with leader.call(model, f"gate {name}", (self, name, m), kwargs, fn=_pass_on_replica):
                 return self.run_pass(name, model, m, **kwargs, mirror=False)
         if name == "probes":
@@ -359,21 +383,34 @@ class ProbeSuite:
             texts, lens = self.generate(model, adapter=adapter)
             m.degenerate = sum(reply_degenerate(t, n) for t, n in zip(texts, lens)) / max(1, len(texts))
             m.mean_len, m.replies = sum(lens) / max(1, len(lens)), texts
+        elif name == "freeform":
+            if self.freeform is not None:
+                end = upto if upto is not None else self.freeform.chunk_end(1)
+                self.freeform.measure(model, m.freeform, end, adapter=adapter, texts=m.freeform_texts)
         else:
             raise ValueError(f"unknown gate pass {name!r}")
 
     def measure(
-        self, model: Any, *, adapter: bool = True, heldout: Sequence[HeldOut] = (), on_check: Any = None
+        self,
+        model: Any,
+        *,
+        adapter: bool = True,
+        heldout: Sequence[HeldOut] = (),
+        on_check: Any = None,
+        freeform_upto: int | None = None,
     ) -> Measurement:
         """Every measure of ``model`` (adapter on, or the base model with ``adapter=False``), pass by pass in the
-        order of :data:`PASSES` (``signal`` only with ``heldout`` items); ``on_check(name)`` as each starts."""
+        order of :data:`PASSES` (``signal`` only with ``heldout`` items; free-form items below ``freeform_upto``,
+        default the first chunk); ``on_check(name)`` as each starts."""
         tell = on_check or (lambda name: None)
         m = Measurement()
-        for i, name in enumerate(p for p in PASSES if p != "signal" or heldout):
+        for i, name in enumerate(
+            p for p in PASSES if (p != "signal" or heldout) and (p != "freeform" or self.freeform)
+        ):
             if i:
                 step_yield()  # serving may go first between the gate's passes (core/core_share.py)
             tell(name)
-            self.run_pass(name, model, m, adapter=adapter, heldout=heldout)
+            self.run_pass(name, model, m, adapter=adapter, heldout=heldout, upto=freeform_upto)
         return m
 
 
@@ -397,13 +434,15 @@ def compare(
     items: Sequence[HeldOut],
     min_signal_examples: int,
     only: Collection[str] | None = None,
+    freeform_ids: Sequence[str] = (),
 ) -> dict[str, dict[str, float | None]]:
     """The check values :func:`livelora.core.rails.judge` takes, from three measurements.
 
     ``new``, ``current`` and ``base``: the stepped weights, the version they would replace, the base model
     (adapter off); ``only``: the checks to compute (default every one; ``new`` must hold their passes'
     measures). ``probes`` compares the probe accuracy with the current version's, ``probes_base`` (same
-    value and current) with the base model's (``base``).
+    value and current) with the base model's (``base``); ``freeform`` and ``freeform_base`` the share of the
+    free-form items ``freeform_ids`` answered right with the current version's and the base model's on the same items.
     """
     want = set(CHECKS if only is None else only)
     out: dict[str, dict[str, float | None]] = {}
@@ -418,6 +457,10 @@ def compare(
     if want & set(PASSES["replies"]):
         out["degenerate"] = {"value": new.degenerate, "current": current.degenerate}
         out["length_ratio"] = {"value": new.mean_len / max(current.mean_len, 1e-9), "current": 1.0}
+    if want & set(PASSES["freeform"]):
+        score = lambda m: freeform_score(m, freeform_ids)  # noqa: E731
+        out["freeform"] = {"value": score(new), "current": score(current)}
+        out["freeform_base"] = {"value": score(new), "current": score(current), "base": score(base)}
     if "signal" in want:
         out["signal"] = {
             "value": signal_margin(new.signal, items, min_signal_examples),

@@ -195,6 +195,7 @@ class LearningReporter:
                 mark = StageMark(stage="rejected", at=now, version=manifest.name, reason=reason)
             else:
                 mark = StageMark(stage="published", at=now, version=manifest.name, step_scale=gate.get("step_scale"))
+            mark.freeform = freeform_verdict(gate, batch.endpoint)
             if started is not None:
                 took = now - started
                 st.step_seconds = (
@@ -218,3 +219,13 @@ class LearningReporter:
             self._counts(st, scheduler)
             self._set_stage(st, StageMark(stage="waiting", at=self.clock(), reason=f"step failed: {why}"[:300]))
             self._save(st)
+
+
+def freeform_verdict(gate: dict, endpoint: str) -> dict[str, Any] | None:
+    """The free-form capability check of a manifest's gate result for a learning status: the measures'
+    ``freeform`` summary less its examples, with ``passed`` (neither free-form check failed for ``endpoint``)."""
+    ff = (gate.get("measures") or {}).get("freeform")
+    if not ff:
+        return None
+    failed = (gate.get("verdicts", {}).get(endpoint) or gate.get("verdicts", {}).get("*") or {}).get("failed") or []
+    return {k: v for k, v in ff.items() if k != "lost"} | {"passed": not {"freeform", "freeform_base"} & set(failed)}

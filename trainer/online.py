@@ -28,6 +28,7 @@ from livelora.core.base_models import BaseModelRef, base_identity
 from livelora.core.core_share import TrainingFlag, training_step
 from livelora.core.metering import Meter, Usage
 from livelora.trainer.event_datums import EventDatums
+from livelora.trainer.gate import record_verdicts
 from livelora.trainer.line_search import line_search, step_scales
 from livelora.trainer.scheduler import Batch
 from livelora.trainer.settings import GateSection, TrainingSection
@@ -113,6 +114,8 @@ class OnlineTrainer:
                 holdout_every=g.gate_holdout_every,
                 heldout_max=g.gate_heldout_max,
                 gen_tokens=g.gate_gen_tokens,
+                freeform_items=g.gate_freeform_items,
+                freeform_chunk=g.gate_freeform_chunk,
                 base_id=base_identity(self.base_ref),
             )
         return self._gate
@@ -280,7 +283,7 @@ class OnlineTrainer:
         if gate is not None:
             passed = result.continued_from is None
             gate.settle(model, batch.lineage, passed, manifest.name, new)
-            gate.record(result, manifest.name, batch.lineage)
+            record_verdicts(gate.endpoints, result, manifest.name)
             tries = result.line_search
             prom.GATE_CANDIDATES.labels(batch.endpoint, "passed").inc(sum(t.passed for t in tries))
             prom.GATE_CANDIDATES.labels(batch.endpoint, "rejected").inc(sum(not t.passed for t in tries))

@@ -159,6 +159,17 @@ class GateSection(Section):
     gate_gen_tokens: int = Field(
         24, ge=4, le=256, description="Greedy tokens generated per open prompt for the degeneracy check."
     )
+    gate_freeform_items: int = Field(
+        160,
+        ge=0,
+        le=10000,
+        description="Most capability items (a stratified sample of trainer/rails/freeform_gate.jsonl) whose greedy "
+        "free-form replies the gate judges per candidate; it stops earlier once the verdict is clear (0: no "
+        "free-form check).",
+    )
+    gate_freeform_chunk: int = Field(
+        40, ge=1, description="Free-form items generated in one batch, between which the gate may stop early."
+    )
     gate_min_step_scale: float = Field(
         0.125,
         gt=0,

@@ -8,7 +8,7 @@ step reported since the trainer started, nothing queued. Times are Unix seconds.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -28,6 +28,12 @@ class StageMark(BaseModel):
         default=None,
         description="Gate: the fraction α of the step being judged (line search: 1, 0.5, 0.25, ...); published: "
         "the α of the version.",
+    )
+    freeform: dict[str, Any] | None = Field(
+        default=None,
+        description="Published or rejected: the gate's free-form capability check of the version (``score``, "
+        "``current``, ``base``: shares right of the ``items`` judged; ``passed``; ``categories``: per category "
+        "``n`` and the items right for the version (``new``), the current version and the base model).",
     )
 
 
@@ -89,6 +95,9 @@ class LearningStatus(BaseModel):
             s = f"published {self.version}"
             if self.step_scale is not None and self.step_scale != 1:
                 s += f" (step scaled by {self.step_scale:g})"
+            ff = self.last.freeform if self.last is not None else None
+            if ff and ff.get("score") is not None and ff.get("base") is not None:
+                s += f"; free-form capability {ff['score']:.0%} (base model {ff['base']:.0%}, {ff['items']} items)"
         else:
             s = f"rejected {self.version}: {self.reason}"
         if self.paused:

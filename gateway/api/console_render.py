@@ -48,12 +48,20 @@ def _num(v: float | None) -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.4g}"
 
 
+def _ci(right: int, n: int) -> str:
+    """The 95 % Wilson interval of ``right`` of ``n`` as percentages."""
+    from livelora.core.rails import wilson_interval
+
+    got = wilson_interval(right, n)
+    return "-" if got is None else f"{100 * got[0]:.0f}–{100 * got[1]:.0f} %"
+
+
 def _when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
 ENV = Environment(loader=PackageLoader("livelora.gateway.console", "templates"), autoescape=select_autoescape())
-ENV.filters.update(pct=_pct, size=_size, num=_num, when=_when)
+ENV.filters.update(pct=_pct, size=_size, num=_num, when=_when, ci=_ci)
 ENV.globals.update(charts=charts)
 
 

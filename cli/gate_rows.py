@@ -1,0 +1,30 @@
+"""Rows of ``livelora adapters show`` for the gate's free-form capability check (docs/rails.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from livelora.core.rails import wilson_interval
+
+
+def num(v: float | None) -> str:
+    """A measure for a table cell: 4 significant digits, ``-`` when not measured."""
+    return "-" if v is None else f"{v:.4g}"
+
+
+def freeform_rows(table: Any, ff: dict | None) -> None:
+    """The gate's free-form capability check of a version: overall, per category (with the 95 % Wilson interval of
+    the version's share) and the items lost against the current version."""
+    if not ff:
+        return
+    table.add_row(
+        "free-form",
+        f"{num(ff['score'])} right of {ff['items']} items (current {num(ff['current'])}, base model {num(ff['base'])})",
+    )
+    for cat, c in ff.get("categories", {}).items():
+        lo, hi = wilson_interval(c["new"], c["n"]) or (0.0, 1.0)
+        table.add_row(
+            f"  {cat}", f"{c['new']}/{c['n']} [{lo:.2f}, {hi:.2f}] (current {c['current']}, base model {c['base']})"
+        )
+    for ex in ff.get("lost", []):
+        table.add_row("  lost", f"{ex['prompt']!r} -> {ex['reply']!r} (was {ex['was']!r})")

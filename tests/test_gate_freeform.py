@@ -1,0 +1,127 @@
+"""The gate's free-form capability check (docs/rails.md): the curtailed sequential sample, its thresholds, and on
+the real SmolLM2 model a version trained to be short at any cost is rejected by the free-form check while the old
+probes pass it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from livelora.core.rails import GateThresholds, bound_of, judge
+from livelora.trainer.gate_freeform import curtail
+
+
+def test_curtail_stops_when_the_whole_sample_verdict_is_clear():
+    """Hand-computed with margin 0.02 of 160 items (the final verdict fails at a net of 4 items lost)."""
+    same = [True] * 20 + [False] * 20
+    # 40 items, none changed: rest's net ~ N(0, 120·(2·0.5/41)) = N(0, 1.711²); P(> 3.5) = 0.0204 < 0.05
+    assert curtail(same, same, 160, 0.02) == "pass"
+    six_lost = [False] * 6 + same[6:]
+    assert curtail(six_lost, same, 160, 0.02) == "fail"  # net 6 already, projected 23.6
+    one_lost = [False] + same[1:]
+    # net 1 > 0.8 here; projected 1 + 120·(1.5 − 0.5)/41 = 3.93 ± 2.40: P(> 3.5) = 0.57, not clear
+    assert curtail(one_lost, same, 160, 0.02) == "continue"
+    one_gained = same[:20] + [True] + same[21:]
+    assert curtail(one_gained, same, 160, 0.02) == "pass"
+    # the whole sample: the point estimate decides (net ≤ margin·total)
+    full = [True] * 160
+    assert curtail([False] * 3 + full[3:], full, 160, 0.02) == "pass"
+    assert curtail([False] * 4 + full[4:], full, 160, 0.02) == "fail"
+    assert curtail([False] * 4 + full[4:], full, 160, 0.05) == "pass"
+
+
+def test_freeform_thresholds_bound_against_current_and_base():
+    t = GateThresholds()
+    assert t.freeform_margin == t.freeform_base_margin == 0.02
+    assert bound_of("freeform", 0.60, t) == pytest.approx(0.58)
+    assert bound_of("freeform_base", 0.60, t, 0.55) == pytest.approx(0.53)
+    # a lineage already below base − margin may not lose more than it has
+    assert bound_of("freeform_base", 0.50, t, 0.55) == pytest.approx(0.50)
+    assert bound_of("freeform_base", 0.50, t) is None
+    checks = {
+        "freeform": {"value": 0.55, "current": 0.60},
+        "freeform_base": {"value": 0.55, "current": 0.60, "base": 0.58},
+    }
+    assert judge(checks, t).failed == ["freeform", "freeform_base"]
+    assert judge(checks, GateThresholds(freeform_margin=0.05, freeform_base_margin=0.05)).passed
+    assert judge({"freeform": {"value": None, "current": 0.6}}, t).passed  # not measured: passes
+
+
+# ---------------------------------------------------------------------------------- the real model
+
+#: Demonstrations that answer everything in one word: "short at any cost" (none is a capability item).
+ONE_WORD = {
+    "What is a good name for a dog?": "Max.",
+    "How do I boil an egg?": "Boil.",
+    "Why do leaves change colour?": "Autumn.",
+    "What should I wear to a wedding?": "Suit.",
+    "Give me a word that rhymes with cat.": "Hat.",
+    "How do I stay calm before an exam?": "Breathe.",
+    "What is photosynthesis?": "Light.",
+    "Suggest a breakfast.": "Oats.",
+}
+
+
+@pytest.mark.timeout(1800)
+def test_a_version_short_at_any_cost_is_rejected_by_the_freeform_check_while_the_probes_pass(base_ref, tmp_path):
+    from livelora.adapters.endpoints import EndpointStore
+    from livelora.clients.types.signals import ChatMessage, DemonstrationEvent
+    from livelora.trainer.online import OnlineTrainer
+    from livelora.trainer.scheduler import Batch
+    from livelora.trainer.settings import GateSection, TrainingSection
+
+    home, ep = tmp_path, "short"
+    EndpointStore(home).create(ep, ep, tenant="default", who="test")
+    # everything but the probe checks and the free-form checks loosened: the outcome is theirs alone
+    loose = GateThresholds(max_kl_current=100.0, max_kl_base=100.0, max_degenerate=1.0, min_length_ratio=0.0)
+    EndpointStore(home).set_gate(ep, loose, tenant="default", who="test", reason="probes and free-form bind")
+    gate = GateSection(gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12, gate_min_step_scale=1.0)
+    trainer = OnlineTrainer(base_ref, home, TrainingSection(sft_lr=2e-3), gate=gate)
+    evs = [
+        DemonstrationEvent(
+            id=f"demo-{uuid.uuid4().hex}",
+            endpoint=ep,
+            created=int(time.time()),
+            messages=[ChatMessage(role="user", content=q), ChatMessage(role="assistant", content=a)],
+        )
+        for q, a in ONE_WORD.items()
+    ]
+    v1 = trainer.train(Batch(ep, "sft", evs, [f"1-{i}" for i in range(len(evs))]))
+    g = v1.gate
+    checks = {c["name"]: c for c in g["checks"]}
+    # the old probes (the reply's start forced, the next token read) still find the answers ...
+    assert checks["probes"]["passed"] and checks["probes_base"]["passed"], checks
+    # ... but the replies users get lost them: rejected by the free-form check, training continues from the base
+    assert g["continued_from"] == "base" and not g["verdicts"][ep]["passed"]
+    assert set(g["verdicts"][ep]["failed"]) <= {"freeform", "freeform_base"} and g["verdicts"][ep]["failed"]
+    ff = g["measures"]["freeform"]
+    assert ff["score"] < ff["base"] - loose.freeform_base_margin and ff["current"] == ff["base"]
+    assert checks["freeform_base"]["value"] == ff["score"] and not checks["freeform_base"]["passed"]
+    assert ff["items"] % 40 == 0 and set(ff["categories"]) <= {"fact", "arithmetic", "instruction", "reading"}
+    assert sum(c["n"] for c in ff["categories"].values()) == ff["items"]
+    assert ff["lost"] and all(ex["was"] and ex["reply"] != ex["was"] for ex in ff["lost"])
+
+
+def test_the_learning_status_carries_the_freeform_verdict_per_category():
+    from livelora.clients.types.learning import LearningStatus, StageMark
+    from livelora.trainer.learning_status import freeform_verdict
+
+    ff = {
+        "items": 40,
+        "of": 160,
+        "score": 0.45,
+        "current": 0.55,
+        "base": 0.55,
+        "categories": {"fact": {"n": 10, "new": 3, "current": 6, "base": 6}},
+        "lost": [{"id": "x", "prompt": "q", "reply": "r", "was": "w"}],
+    }
+    gate = {"measures": {"freeform": ff}, "verdicts": {"ep": {"passed": False, "failed": ["freeform_base"]}}}
+    got = freeform_verdict(gate, "ep")
+    assert got == {k: v for k, v in ff.items() if k != "lost"} | {"passed": False}
+    assert freeform_verdict(gate, "other")["passed"]  # no verdict of its own, none under the defaults: not failed
+    assert freeform_verdict({"measures": {}}, "ep") is None
+    mark = StageMark(stage="published", at=0.0, version="l@1", freeform=got | {"passed": True})
+    st = LearningStatus(endpoint="ep", lineage="l", stage="published", version="l@1", last=mark)
+    assert "free-form capability 45% (base model 55%, 40 items)" in st.summary()

@@ -1,0 +1,271 @@
+"""The gate's free-form capability check: greedy replies to the capability set, judged on content.
+
+:class:`FreeformSuite` renders the gate's capability items (:mod:`livelora.trainer.capability`, stratified order)
+with the chat template and its default system message, no forced lead, and generates greedy replies chunk by chunk
+(:meth:`FreeformSuite.measure`); an item is right when :meth:`CapabilityItem.right` accepts its reply.
+:func:`curtail` decides after each chunk whether the verdict on the whole sample is already clear (stochastic
+curtailment of the fixed-sample test ``score(new) ≥ score(ref) − margin``). Why and how: ``docs/internals/rails.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from livelora.core.core_share import step_yield
+from livelora.trainer.capability import CATEGORIES, GATE_FILE, CapabilityItem, load_items, stratified
+
+#: Conditional probability of the other final verdict below which the sample stops early (two-sided: 5 %).
+CLEAR = 0.05
+#: Free-form items lost against the current version kept in a gate result (``measures.freeform.lost``).
+LOST_EXAMPLES = 5
+
+
+class FreeformSuite:
+    """The gate's free-form items for one tokenizer.
+
+    Args:
+        tokenizer: the base model's tokenizer (chat template).
+        items: default the gate set (:data:`~livelora.trainer.capability.GATE_FILE`), in stratified order.
+        max_items: the sample size at most (a stratified prefix); ``chunk``: items per measuring step.
+    """
+
+    def __init__(
+        self, tokenizer: Any, items: Sequence[CapabilityItem] | None = None, *, max_items: int = 160, chunk: int = 40
+    ):
+        self.tokenizer = tokenizer
+        self.items = stratified(list(items) if items is not None else load_items(GATE_FILE))[: max(1, max_items)]
+        self.chunk = max(1, chunk)
+        self.prompts = [
+            list(
+                tokenizer.encode(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": it.prompt}], add_generation_prompt=True, tokenize=False
+                    ),
+                    add_special_tokens=False,
+                )
+            )
+            for it in self.items
+        ]
+        self.eos = tokenizer.eos_token_id
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def fingerprint(self) -> str:
+        """sha256 of what a measurement depends on besides the weights: prompt ids, checks, token budgets, chunks."""
+        doc = {
+            "prompts": self.prompts,
+            "checks": [[it.id, it.check, it.max_tokens] for it in self.items],
+            "chunk": self.chunk,
+            "eos": self.eos,
+        }
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def chunk_end(self, k: int) -> int:
+        """Items measured after ``k`` chunks (``k`` ≥ 1)."""
+        return min(len(self.items), k * self.chunk)
+
+    @torch.no_grad()
+    def replies(self, model: Any, lo: int, hi: int, *, adapter: bool = True) -> list[str]:
+        """Greedy replies to items ``lo:hi`` in one left-padded batch (each cut at its item's ``max_tokens``);
+        the batch is always one whole chunk, so a reply does not depend on which weights asked before."""
+        peft = model.peft_model
+        seqs = self.prompts[lo:hi]
+        budget = [it.max_tokens for it in self.items[lo:hi]]
+        b_n, t_max = len(seqs), max(len(s) for s in seqs)
+        ids = torch.full((b_n, t_max), model.pad_id, dtype=torch.long)
+        mask = torch.zeros((b_n, t_max), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, t_max - len(s) :] = torch.tensor(s)
+            mask[b, t_max - len(s) :] = 1
+        causal_lm, was_training = peft.get_base_model(), peft.training
+        peft.eval()  # in training mode gradient checkpointing turns the KV cache off: every step re-reads the row
+        try:
+            with peft.disable_adapter() if not adapter else _Null():
+                out = causal_lm.generate(
+                    input_ids=ids.to(model.device),
+                    attention_mask=mask.to(model.device),
+                    max_new_tokens=max(budget),
+                    do_sample=False,
+                    pad_token_id=model.pad_id,
+                    eos_token_id=self.eos,
+                    stopping_criteria=StoppingCriteriaList([_Budget(t_max, budget)]),
+                )
+        finally:
+            peft.train(was_training)
+        texts = []
+        for row, n_max in zip(out[:, t_max:].tolist(), budget):
+            row = row[:n_max]
+            n = row.index(self.eos) if self.eos in row else len(row)
+            texts.append(self.tokenizer.decode(row[:n], skip_special_tokens=True))
+        return texts
+
+    def measure(self, model: Any, right: dict[str, bool], upto: int, *, adapter: bool = True, texts: Any = None) -> int:
+        """Judge the replies of every chunk below item ``upto`` whose items are not in ``right`` yet (item id →
+        right); ``texts`` (a dict) receives the replies. Returns the number of items generated."""
+        done = 0
+        for lo in range(0, min(upto, len(self.items)), self.chunk):
+            hi = min(lo + self.chunk, len(self.items))
+            if all(it.id in right for it in self.items[lo:hi]):
+                continue
+            for it, text in zip(self.items[lo:hi], self.replies(model, lo, hi, adapter=adapter)):
+                right[it.id] = it.right(text)
+                if texts is not None:
+                    texts[it.id] = text
+            done += hi - lo
+        return done
+
+    def score(self, right: dict[str, bool], upto: int) -> float | None:
+        """Share right of items ``:upto`` (None when any of them is unmeasured)."""
+        ids = [it.id for it in self.items[:upto]]
+        if not ids or any(i not in right for i in ids):
+            return None
+        return sum(right[i] for i in ids) / len(ids)
+
+    def categories(self, new: dict[str, bool], refs: dict[str, dict[str, bool]], upto: int) -> dict[str, dict]:
+        """Per category of items ``:upto``: ``n`` and the items right for ``new`` and each reference (name → map)."""
+        out: dict[str, dict] = {}
+        for it in self.items[:upto]:
+            c = out.setdefault(it.category, {"n": 0, "new": 0, **{r: 0 for r in refs}})
+            c["n"] += 1
+            c["new"] += bool(new.get(it.id))
+            for r, m in refs.items():
+                c[r] += bool(m.get(it.id))
+        return {k: out[k] for k in CATEGORIES if k in out} | {k: v for k, v in out.items() if k not in CATEGORIES}
+
+
+class FreeformGate:
+    """The free-form check of one candidate inside :meth:`EvaluationGate.judge`: measured chunk by chunk (the
+    current version's replies too, where missing) until :func:`curtail` finds both comparisons clear.
+
+    Args:
+        suite: the gate's :class:`~livelora.trainer.gate_measure.ProbeSuite` (its ``freeform`` and ``run_pass``).
+    """
+
+    def __init__(self, suite: Any):
+        self.suite = suite
+
+    def judge(self, model: Any, new: Any, current: Any, base: Any, start: dict, t: Any, tell: Any) -> None:
+        """Fill ``new`` (the stepped ``model``'s measurement) chunk by chunk until the verdicts against
+        ``current`` (weights ``start``) and ``base`` under thresholds ``t`` are clear or the sample is exhausted;
+        ``new.freeform_upto`` is the sample judged; ``tell(check)`` as each further chunk starts."""
+        ff = self.suite.freeform
+        for k in range(1, -(-len(ff) // ff.chunk) + 1):
+            upto = ff.chunk_end(k)
+            if k > 1:
+                step_yield()
+                tell(f"freeform ({upto} of {len(ff)} items)")
+            self.suite.run_pass("freeform", model, new, upto=upto)
+            self._current(model, current, start, upto)
+            new.freeform_upto = upto
+            ids = [it.id for it in ff.items[:upto]]
+            got = [new.freeform[i] for i in ids]
+            outcomes = [
+                curtail(got, [ref.freeform[i] for i in ids], len(ff), margin)
+                for ref, margin in ((current, t.freeform_margin), (base, t.freeform_base_margin))
+            ]
+            if "fail" in outcomes or outcomes == ["pass", "pass"]:
+                return
+
+    def _current(self, model: Any, current: Any, start: dict, upto: int) -> None:
+        """The current version's replies below item ``upto`` where missing: its weights ``start`` are loaded for
+        that and the candidate's put back."""
+        ff = self.suite.freeform
+        if all(it.id in current.freeform for it in ff.items[:upto]):
+            return
+        with torch.no_grad():
+            candidate = {k: p.detach().clone() for k, p in model.lora_params.items()}
+            for k, p in model.lora_params.items():
+                p.copy_(start[k])
+            try:
+                self.suite.run_pass("freeform", model, current, upto=upto)
+            finally:
+                for k, p in model.lora_params.items():
+                    p.copy_(candidate[k])
+
+    def summary(self, new: Any, current: Any, base: Any) -> dict[str, Any]:
+        """A judged candidate's free-form measures: scores on the sample, per-category counts, and up to
+        :data:`LOST_EXAMPLES` items the current version answered right and the candidate did not."""
+        ff, upto = self.suite.freeform, new.freeform_upto
+        ids = [it.id for it in ff.items[:upto]]
+        lost = [
+            {"id": i, "prompt": it.prompt, "reply": new.freeform_texts.get(i, ""), "was": current.freeform_texts.get(i)}
+            for it, i in zip(ff.items[:upto], ids)
+            if current.freeform.get(i) and not new.freeform.get(i)
+        ]
+        return {
+            "items": upto,
+            "of": len(ff),
+            "score": freeform_score(new, ids),
+            "current": freeform_score(current, ids),
+            "base": freeform_score(base, ids),
+            "categories": ff.categories(new.freeform, {"current": current.freeform, "base": base.freeform}, upto),
+            "lost": lost[:LOST_EXAMPLES],
+        }
+
+
+def freeform_score(m: Any, ids: Sequence[str]) -> float | None:
+    """Share of the free-form items ``ids`` that measurement ``m`` answered right (None: no items, or one not
+    measured)."""
+    if not ids or any(i not in m.freeform for i in ids):
+        return None
+    return sum(m.freeform[i] for i in ids) / len(ids)
+
+
+def curtail(new: Sequence[bool], ref: Sequence[bool], total: int, margin: float) -> str:
+    """Whether the fixed-sample verdict "``score(new) ≥ score(ref) − margin`` over ``total`` items" is already clear
+    after the first ``len(new)`` paired items: ``"pass"``, ``"fail"`` or ``"continue"``.
+
+    net = losses − gains (items ``ref`` got right and ``new`` wrong, minus the reverse); the verdict fails when the
+    final net exceeds ``margin·total``. The rest's net is projected as a normal with the observed loss and gain
+    rates (each with half a pseudo-count: Jeffreys); the sample stops when the observed sample's own verdict and the
+    projected final one agree with probability ≥ 1 − :data:`CLEAR`. Source: stochastic curtailment, Lan, Simon &
+    Halperin (1982), "Stochastically curtailed tests in long-term clinical trials".
+    """
+    n = len(new)
+    if n >= total:
+        return "pass" if _net(new, ref) <= margin * n + 1e-9 else "fail"
+    net = _net(new, ref)
+    losses = sum(r and not x for x, r in zip(new, ref))
+    gains = sum(x and not r for x, r in zip(new, ref))
+    p_l, p_g = (losses + 0.5) / (n + 1), (gains + 0.5) / (n + 1)
+    rest = total - n
+    mean = net + rest * (p_l - p_g)
+    sd = math.sqrt(max(rest * (p_l + p_g - (p_l - p_g) ** 2), 1e-12))
+    limit = math.floor(margin * total + 1e-9) + 0.5  # the integer net fails above margin·total: continuity-corrected
+    p_fail = 0.5 * math.erfc((limit - mean) / (sd * math.sqrt(2)))  # P(final net > margin·total)
+    here_passes = net <= margin * n + 1e-9
+    if here_passes and p_fail < CLEAR:
+        return "pass"
+    if not here_passes and p_fail > 1 - CLEAR:
+        return "fail"
+    return "continue"
+
+
+def _net(new: Sequence[bool], ref: Sequence[bool]) -> int:
+    return sum(int(r) - int(x) for x, r in zip(new, ref))
+
+
+class _Budget(StoppingCriteria):
+    """Per row: done once it generated its own token budget (the batch ends when every row is done or ended)."""
+
+    def __init__(self, start: int, budget: list[int]):
+        self.start, self.budget = start, torch.tensor(budget)
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return (input_ids.shape[1] - self.start) >= self.budget.to(input_ids.device)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
