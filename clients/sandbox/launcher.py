@@ -86,8 +86,7 @@ def main():
         fetch(out, name, head["max_file"])
     out.write(json.dumps({"filled": sorted(seen)}).encode() + b"\n")
     out.close()
-    code = os.waitstatus_to_exitcode(status)
-    os._exit(128 - code if code < 0 else code)
+    os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 
 
 if __name__ == "__main__":
