@@ -11,7 +11,9 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -124,7 +126,7 @@ def test_writing_outside_its_directory_fails(box, tmp_path):
     target = tmp_path / "escape.txt"
     code = textwrap.dedent(
         f"""
-        for path in [{str(target)!r}, "/usr/escape.txt", "/etc/passwd"]:
+        for path in [{str(target)!r}, "/usr/escape.txt", "/etc/passwd", "/dev/big"]:
             try:
                 open(path, "w").write("pwned")
                 print(path, "written")
@@ -137,6 +139,7 @@ def test_writing_outside_its_directory_fails(box, tmp_path):
         f"{target} FileNotFoundError",
         "/usr/escape.txt OSError",
         "/etc/passwd OSError",  # read-only file system (the sandbox's root)
+        "/dev/big OSError",  # /dev's tmpfs has no size limit: read-only
     ], r
     assert not target.exists() and not os.path.exists("/usr/escape.txt")
 
@@ -217,3 +220,96 @@ def test_cleanup_does_not_wait_for_zombies():
         assert _zombie(str(pid)) and not _zombie(str(os.getpid()))
     finally:
         os.waitpid(pid, 0)
+
+
+#: Writes 64 x 16 MiB files (1 GiB) into each directory of argv until one fails, printing the count of whole
+#: files and the error; keeps the files 1 s (so that the host's memory can be sampled meanwhile).
+FILL = textwrap.dedent(
+    """
+    import errno, os, sys, time
+    for d in sys.argv[1:]:
+        n = 0
+        try:
+            for i in range(64):
+                with open(os.path.join(d, f"fill{i}"), "wb") as f:
+                    f.write(b"x" * (16 << 20))
+                n += 1
+                print(d, n, flush=True)
+            print(d, n, "done")
+        except OSError as exc:
+            print(d, n, errno.errorcode[exc.errno], flush=True)
+    time.sleep(1)
+    """
+)
+
+
+def _shmem_bytes() -> int:
+    """The host's shared memory (tmpfs and shm pages, ``Shmem`` of /proc/meminfo) in bytes."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("Shmem:"))
+
+
+def _fill_run(box: Sandbox, dirs: list[str], limits: Limits):
+    """Run FILL on ``dirs``; return ``(result, the largest growth of host shared memory during the run, of
+    host /dev/shm's used bytes, of the host temp file system's used bytes)``."""
+    code = f"import sys\nsys.argv[1:] = {dirs!r}\n" + FILL
+    probes = [_shmem_bytes, lambda: shutil.disk_usage("/dev/shm").used, lambda: shutil.disk_usage("/tmp").used]
+    base = [p() for p in probes]
+    peak = list(base)
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(box.run(code, limits=limits)))
+    worker.start()
+    while worker.is_alive():
+        peak = [max(m, p()) for m, p in zip(peak, probes, strict=True)]
+        time.sleep(0.02)
+    worker.join()
+    return done[0], *(m - b for m, b in zip(peak, base, strict=True))
+
+
+FILL_LIMITS = Limits(wall_s=60.0, cpu_s=60.0, memory_mb=256, max_processes=16)  # default sizes: 64/256/64 MiB
+
+
+def test_dev_shm_is_private_and_capped(box):
+    marker = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="livelora-host-")
+    with marker:
+        r = box.run("import os\nprint(os.listdir('/dev/shm'))")
+        assert r.stdout == "[]\n", r  # not the host's /dev/shm
+        r, shmem, dev_shm, _ = _fill_run(box, ["/dev/shm"], FILL_LIMITS)
+    assert (r.status, r.exit_code) == ("finished", 0), r
+    assert r.stdout.splitlines()[-1] == "/dev/shm 4 ENOSPC", r.stdout  # 64 MiB: the 5th file of 16 MiB fails
+    assert r.filled == ["shm_mb"] and "/dev/shm full (shm_mb 64 MiB)" in r.message, r
+    assert dev_shm < 16 << 20  # the host's /dev/shm did not grow (what else runs here may add a little)
+    assert shmem < 256 << 20, shmem  # host shared memory grew by the run's 64 MiB at most (1 GiB without the cap)
+
+
+def test_work_directory_and_tmp_are_capped(box):
+    r, shmem, _, host_tmp = _fill_run(box, [".", "/tmp"], FILL_LIMITS)
+    assert (r.status, r.exit_code) == ("finished", 0), r
+    lines = [line for line in r.stdout.splitlines() if "ENOSPC" in line or "done" in line]
+    assert lines == [". 15 ENOSPC", "/tmp 4 ENOSPC"], r.stdout  # 256 MiB less the program's page; 64 MiB
+    assert r.filled == ["work_mb", "tmp_mb"], r
+    assert "work directory full (work_mb 256 MiB)" in r.message and "/tmp full (tmp_mb 64 MiB)" in r.message
+    assert host_tmp < 512 << 20, host_tmp  # not on the host's disk (1 GiB there without the cap; others write too)
+    assert shmem < (256 + 64 + 192) << 20, shmem  # in RAM, within the two tmpfs sizes
+
+
+def test_files_given_are_counted_against_the_limits(box):
+    small = Limits(work_mb=1, max_file_mb=1)
+    with pytest.raises(ValueError, match="over max_file_mb 1 MiB"):
+        box.run("pass", files={"big.bin": b"x" * ((1 << 20) + 1)}, limits=small)
+    with pytest.raises(ValueError, match="over the work directory's work_mb 1 MiB"):
+        box.run("pass", files={f"f{i}": b"x" * 4096 for i in range(256)}, limits=small)
+    r = box.run("import os\nprint(sum(os.path.getsize(f) for f in os.listdir('.')))", files={"a": b"x" * 900_000})
+    assert r.ok and int(r.stdout) > 900_000, r
+
+
+def test_without_bubblewrap_the_work_directory_total_is_watched(monkeypatch):
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
+    loose = Sandbox(LIMITS)
+    code = "import sys\nsys.argv[1:] = ['.']\n" + FILL
+    r = loose.run(code, limits=Limits(wall_s=60.0, cpu_s=60.0, memory_mb=256, work_mb=32))
+    assert (r.status, r.exit_code, r.filled) == ("disk_limit", None, ["work_mb"]), r
+    assert "over work_mb 32 MiB" in r.message
+    written = int(r.stdout.split()[-1]) if r.stdout else 0
+    assert 2 <= written < 64, r.stdout  # stopped after its 32 MiB, well before 1 GiB

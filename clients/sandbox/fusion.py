@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 from typing import Any, Literal
 
 import httpx
@@ -20,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from livelora.clients.sandbox.runner import Limits, RunResult, Sandbox, with_limits
 
 LANGUAGES = ("python", "python3")
+#: The environment variable holding ``livelora sandbox``'s API key, on the server and in :class:`FusionClient`.
+API_KEY_ENV = "LIVELORA_SANDBOX_API_KEY"
 
 
 class RunCodeRequest(BaseModel):
@@ -105,11 +108,13 @@ def run_request(sandbox: Sandbox, req: RunCodeRequest, limits: Limits | None = N
 
 class FusionClient:
     """Calls a SandboxFusion-compatible ``/run_code`` URL (e.g. ``livelora sandbox``'s) and returns the
-    :class:`RunCodeResponse`. Raises: httpx.HTTPError on a non-200 answer or a transport failure."""
+    :class:`RunCodeResponse`; sends ``Authorization: Bearer`` with ``api_key`` (default: ``$LIVELORA_SANDBOX_API_KEY``,
+    none when unset). Raises: httpx.HTTPError on a non-200 answer or a transport failure."""
 
-    def __init__(self, url: str, timeout_s: float = 120.0):
+    def __init__(self, url: str, timeout_s: float = 120.0, api_key: str | None = None):
         self.url = url if url.rstrip("/").endswith("/run_code") else url.rstrip("/") + "/run_code"
-        self._http = httpx.Client(timeout=timeout_s)
+        key = api_key or os.environ.get(API_KEY_ENV)
+        self._http = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None)
 
     def run(self, code: str, *, files: dict[str, bytes] | None = None, run_timeout: float = 10.0, **extra: Any):
         body = {

@@ -3,17 +3,18 @@
 Isolation (docs/code-rl.md has the why and what the hostile-program tests observed): ``bwrap --unshare-all``
 (no network, own PID/IPC/UTS/user namespaces), a read-only ``/usr`` (with ``/etc/alternatives`` and
 ``/etc/ld.so.cache`` for shared libraries), a private work directory (the program's files) at ``/sandbox``, a
-small private ``/tmp``, nothing else of the host (no rest of ``/etc``, no ``/home``, store or keys).
-Limits are rlimits set before ``bwrap`` runs (CPU seconds, address space, processes, file size) and a wall clock
-kept here; on the wall limit, output limit or exit, the whole process tree is killed (``bwrap``'s process group,
-``--die-with-parent``, and the PID namespace dies with its init). Run as root, each run gets its own uid from a
-pool so that the process limit counts that run alone. Without bubblewrap: rlimited subprocesses in their own
-session (a loud warning; no network or file-system isolation) or, with ``require_isolation``, a refusal.
+size-limited tmpfs for the work directory (``/sandbox``), ``/tmp`` and ``/dev/shm`` each (``/dev`` read-only),
+nothing else of the host. :mod:`.launcher` writes the files in and fetches them out. Limits: rlimits set before
+``bwrap`` runs (CPU, address space, processes, file size) and a wall clock kept here; on the wall limit, output
+limit or exit the whole process tree is killed. Run as root, each run gets its own uid from a pool. Without
+bubblewrap: rlimited subprocesses in their own session with a watchdog on the work directory's total (a loud
+warning; no network or file-system isolation) or, with ``require_isolation``, a refusal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -22,21 +23,28 @@ import resource
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
 log = logging.getLogger("livelora.sandbox")
 
-Status = Literal["finished", "timeout", "output_limit", "sandbox_error"]
+Status = Literal["finished", "timeout", "output_limit", "disk_limit", "sandbox_error"]
 
 #: The program's file name in its work directory (the work directory is its cwd and ``sys.path[0]``).
 PROGRAM = "__sandbox_main__.py"
 INSIDE = "/sandbox"
+#: Each size-limited mount inside the sandbox, by its :class:`Limits` field.
+MOUNTS = {"work_mb": INSIDE, "tmp_mb": "/tmp", "shm_mb": "/dev/shm"}
+_WHAT = {"work_mb": "work directory", "tmp_mb": "/tmp", "shm_mb": "/dev/shm"}
+_LAUNCHER = (Path(__file__).with_name("launcher.py")).read_text()
+_PAGE = 4096
 
 
 _POOLS: dict[tuple[int, int], queue.Queue[int]] = {}
@@ -52,7 +60,8 @@ class Limits:
     """Per-run limits. ``wall_s`` / ``cpu_s``: seconds (CPU rounded up to whole seconds, per process);
     ``memory_mb``: address space per process (MiB); ``max_processes``: processes and threads of the run;
     ``max_output_bytes``: stdout and stderr each (the pipe is cut there); ``max_file_mb``: largest file written;
-    ``tmp_mb``: the private ``/tmp`` (bubblewrap only)."""
+    ``work_mb``: the work directory's total (files, program, what it writes); ``tmp_mb``, ``shm_mb``: the private
+    ``/tmp`` and ``/dev/shm`` (MiB of RAM each, tmpfs; bubblewrap only)."""
 
     wall_s: float = 10.0
     cpu_s: float = 10.0
@@ -60,7 +69,9 @@ class Limits:
     max_processes: int = 32
     max_output_bytes: int = 1_000_000
     max_file_mb: int = 16
+    work_mb: int = 256
     tmp_mb: int = 64
+    shm_mb: int = 64
 
 
 @dataclass
@@ -79,6 +90,7 @@ class RunResult:
     isolated: bool = True
     message: str = ""
     files: dict[str, bytes] = field(default_factory=dict)
+    filled: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -211,34 +223,82 @@ class Sandbox:
     ) -> RunResult:
         """Run ``code`` (Python source) as ``python3 __sandbox_main__.py`` in a fresh work directory holding
         ``files`` (relative name → bytes), with ``stdin``; return what happened (never raises for the program's
-        behaviour). Raises: ValueError for a file name outside the work directory."""
+        behaviour; files are fetched when the program exits by itself). Raises: ValueError for a file name outside
+        the work directory, a file over ``max_file_mb`` or files and code over ``work_mb``."""
         lim = limits or self.limits
-        names = {str(_safe_name(n)): data for n, data in (files or {}).items()}
+        names = {str(_safe_name(n)): data for n, data in {**(files or {}), PROGRAM: code.encode()}.items()}
+        _check_sizes(names, lim)
+        fetch = [str(_safe_name(n)) for n in fetch_files]
+        stdin = stdin.encode() if isinstance(stdin, str) else stdin
         uid = self._uids.get() if self._root else os.getuid()
+        try:
+            if self.isolated:
+                result = self._run_isolated(names, fetch, uid, lim, stdin)
+            else:
+                result = self._run_loose(names, fetch, uid, lim, stdin)
+            return result
+        finally:
+            if self._root:
+                self._uids.put(uid)
+
+    def _run_isolated(self, names: dict[str, bytes], fetch: list[str], uid: int, lim: Limits, stdin: bytes):
+        head = {
+            "files": [[n, len(d)] for n, d in names.items()],
+            "fetch": fetch,
+            "max_file": lim.max_file_mb << 20,
+            "argv": [self.python, "-s", "-B", PROGRAM],
+            "mounts": MOUNTS,
+        }
+        with tempfile.TemporaryFile() as given:
+            given.write(json.dumps(head).encode() + b"\n")
+            for data in names.values():
+                given.write(data)
+            given.seek(0)
+            report_r, report_w = os.pipe()
+            try:
+                cmd = [*self._bwrap(lim), self.python, "-I", "-S", "-c", _LAUNCHER, str(given.fileno()), str(report_w)]
+                cap = len(fetch) * ((lim.max_file_mb << 20) + 4096) + 65536
+                fds = (given.fileno(), report_w)
+                result, report = self._execute(cmd, Path("/"), uid, lim, stdin, fds, (report_r, cap, report_w))
+            finally:
+                os.close(report_r)
+        if self._root:
+            _end_uid(uid)
+        return _with_report(result, report, lim)
+
+    def _run_loose(self, names: dict[str, bytes], fetch: list[str], uid: int, lim: Limits, stdin: bytes):
         work = Path(tempfile.mkdtemp(prefix="livelora-sandbox-"))
         try:
-            for name, data in {**names, PROGRAM: code.encode()}.items():
+            for name, data in names.items():
                 path = work / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
             if self._root:
                 for p in [work, *work.rglob("*")]:
                     os.chown(p, uid, uid)
-            result = self._execute(work, uid, lim, stdin.encode() if isinstance(stdin, str) else stdin)
+
+            def watch() -> str:
+                used = _tree_bytes(work)
+                return (
+                    f"work directory {used >> 20} MiB, over work_mb {lim.work_mb} MiB"
+                    if used > lim.work_mb << 20
+                    else ""
+                )
+
+            cmd = [self.python, "-s", "-B", PROGRAM]
+            result, _ = self._execute(cmd, work, uid, lim, stdin, (), None, watch)
+            if result.status == "disk_limit":
+                result.filled = ["work_mb"]
             if self._root:
                 _end_uid(uid)
-            for name in fetch_files:
-                result.files.update(self._fetch(work, name, lim))
+            for name in fetch if result.status == "finished" else ():
+                result.files.update(_fetch(work, name, lim))
             return result
         finally:
             shutil.rmtree(work, ignore_errors=True)
-            if self._root:
-                self._uids.put(uid)
 
-    def _command(self, work: Path, lim: Limits) -> list[str]:
-        run = [self.python, "-s", "-B", PROGRAM]
-        if not self.isolated:
-            return run
+    def _bwrap(self, lim: Limits) -> list[str]:
+        sized = lambda limit, path: ["--size", str(getattr(lim, limit) << 20), "--tmpfs", path]  # noqa: E731
         return [
             "bwrap",
             "--unshare-all",
@@ -249,22 +309,29 @@ class Sandbox:
             "/proc",
             "--dev",
             "/dev",
-            "--size",
-            str(lim.tmp_mb << 20),
-            "--tmpfs",
-            "/tmp",
-            "--bind",
-            str(work),
-            INSIDE,
-            "--remount-ro",  # the sandbox's own root (its mount points) read-only too: only /sandbox, /tmp write
+            *sized("shm_mb", "/dev/shm"),
+            "--remount-ro",  # /dev's own tmpfs has no size: nothing may be written there
+            "/dev",
+            *sized("tmp_mb", "/tmp"),
+            *sized("work_mb", INSIDE),
+            "--remount-ro",  # the sandbox's own root (its mount points) read-only too: only the sized mounts write
             "/",
             "--chdir",
             INSIDE,
-            *run,
         ]
 
-    def _execute(self, work: Path, uid: int, lim: Limits, stdin: bytes) -> RunResult:
-        nproc = lim.max_processes + (0 if self._root else _user_processes(uid))
+    def _execute(
+        self,
+        cmd: list[str],
+        cwd: Path,
+        uid: int,
+        lim: Limits,
+        stdin: bytes,
+        pass_fds: tuple[int, ...] = (),
+        report: tuple[int, int, int] | None = None,
+        watch: Callable[[], str] | None = None,
+    ) -> tuple[RunResult, bytes]:
+        nproc = lim.max_processes + (0 if self._root else _user_processes(uid)) + (report is not None)
         cpu = max(1, math.ceil(lim.cpu_s))
 
         def limit() -> None:  # in the child, before exec: inherited by bwrap and everything it starts
@@ -274,104 +341,164 @@ class Sandbox:
             resource.setrlimit(resource.RLIMIT_FSIZE, (lim.max_file_mb << 20, lim.max_file_mb << 20))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-        env = {"PATH": "/usr/bin:/bin", "HOME": INSIDE if self.isolated else str(work), "LANG": "C.UTF-8"}
+        env = {"PATH": "/usr/bin:/bin", "HOME": INSIDE if self.isolated else str(cwd), "LANG": "C.UTF-8"}
         t0 = time.monotonic()
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin)
             stdin_file.seek(0)
             try:
                 proc = subprocess.Popen(
-                    self._command(work, lim),
-                    cwd=work,
+                    cmd,
+                    cwd=cwd,
                     env=env,
                     stdin=stdin_file,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
+                    pass_fds=pass_fds,
                     user=uid if self._root else None,
                     group=uid if self._root else None,
                     extra_groups=[] if self._root else None,
                     preexec_fn=limit,
                 )
             except OSError as exc:
-                return RunResult("sandbox_error", None, "", "", 0.0, isolated=self.isolated, message=str(exc))
-        status, out, err, (wait_status, usage) = self._collect(proc, t0 + lim.wall_s, lim.max_output_bytes)
+                return RunResult("sandbox_error", None, "", "", 0.0, isolated=self.isolated, message=str(exc)), b""
+            finally:  # the child holds it now: the report pipe closes when the sandbox's last process exits
+                if report is not None:
+                    os.close(report[2])
+        status, out, err, extra, (wait_status, usage), why = _collect(proc, t0 + lim.wall_s, lim, report, watch)
         proc.returncode = os.waitstatus_to_exitcode(wait_status)
         wall = time.monotonic() - t0
         code = proc.returncode if status == "finished" else None
-        message = {"timeout": f"wall time limit {lim.wall_s:g} s", "output_limit": "output limit"}.get(status, "")
+        message = {"timeout": f"wall time limit {lim.wall_s:g} s", "output_limit": "output limit"}.get(status, why)
         sig = -code if code is not None and code < 0 else (code - 128 if code is not None and code > 128 else 0)
         if sig in (signal.SIGXCPU, signal.SIGKILL) and status == "finished":
             message = f"killed by {signal.Signals(sig).name} (CPU time limit {cpu} s or memory)"
         decode = lambda b: b.decode("utf-8", errors="replace")  # noqa: E731
-        return RunResult(
-            status,
-            code,
-            decode(out),
-            decode(err),
-            wall,
-            usage.ru_utime + usage.ru_stime,
-            self.isolated,
-            message,
+        result = RunResult(
+            status, code, decode(out), decode(err), wall, usage.ru_utime + usage.ru_stime, self.isolated, message
         )
+        return result, extra
 
-    @staticmethod
-    def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[Status, bytes, bytes, tuple]:
-        """Read stdout/stderr until both close, the wall deadline or the cap; then kill the process group and
-        reap the program (its wait status and rusage)."""
-        bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-        sel = selectors.DefaultSelector()
-        for fd in bufs:
-            os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_READ)
-        status: Status = "finished"
-        reaped = None
+
+def _check_sizes(names: dict[str, bytes], lim: Limits) -> None:
+    """Raises: ValueError for a file over ``max_file_mb`` or files over ``work_mb`` (in tmpfs pages)."""
+    for name, data in names.items():
+        if len(data) > lim.max_file_mb << 20:
+            raise ValueError(f"file {name!r} is {len(data)} bytes, over max_file_mb {lim.max_file_mb} MiB")
+    total = sum(-(-len(d) // _PAGE) * _PAGE for d in names.values())
+    if total > lim.work_mb << 20:
+        raise ValueError(f"files and code take {total} bytes, over the work directory's work_mb {lim.work_mb} MiB")
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes allocated under ``root`` (``st_blocks``; symbolic links not followed; entries vanishing meanwhile
+    are skipped)."""
+    total, todo = 0, [str(root)]
+    while todo:
+        with contextlib.suppress(OSError), os.scandir(todo.pop()) as entries:
+            for e in entries:
+                with contextlib.suppress(OSError):
+                    total += e.stat(follow_symlinks=False).st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+    return total
+
+
+def _with_report(result: RunResult, report: bytes, lim: Limits) -> RunResult:
+    """``result`` with the launcher's report: fetched files, the size limits filled, or why it failed."""
+    pos = 0
+    while pos < len(report):
+        end = report.find(b"\n", pos)
         try:
-            while sel.get_map():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    status = "timeout"
-                    break
-                for key, _ in sel.select(min(left, 0.2)):
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        sel.unregister(key.fd)
-                        continue
-                    buf = bufs[key.fd]
-                    buf += chunk[: cap + 1 - len(buf)]
-                    if len(buf) > cap:
-                        del buf[cap:]
-                        status = "output_limit"
-                if status == "output_limit":
-                    break
-                if reaped is None:
-                    pid, wait_status, usage = os.wait4(proc.pid, os.WNOHANG)
-                    reaped = (wait_status, usage) if pid else None
-                if reaped is None:
+            item = json.loads(report[pos:end]) if end >= 0 else None
+        except ValueError:
+            item = None
+        if not isinstance(item, dict):
+            break
+        pos = end + 1
+        if "file" in item:
+            size = min(int(item.get("size", 0)), lim.max_file_mb << 20)
+            result.files[str(item["file"])] = report[pos : pos + size]
+            pos += size
+        elif "error" in item:
+            return replace(result, status="sandbox_error", exit_code=None, message=str(item["error"]))
+        elif "filled" in item:
+            result.filled = [m for m in MOUNTS if m in item["filled"]]
+    if result.filled:
+        full = ", ".join(f"{_WHAT[m]} full ({m} {getattr(lim, m)} MiB)" for m in result.filled)
+        result.message = f"{result.message}; {full}" if result.message else full
+    return result
+
+
+def _collect(
+    proc: subprocess.Popen, deadline: float, lim: Limits, report: tuple | None, watch
+) -> tuple[Status, bytes, bytes, bytes, tuple, str]:
+    """Read stdout/stderr (and the launcher's report) until they close, the wall deadline, the output cap or
+    ``watch`` naming a reason (checked every 0.05 s); then kill the process group and reap the program (its wait
+    status and rusage)."""
+    cap = lim.max_output_bytes
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    caps = dict.fromkeys(bufs, cap)
+    if report is not None:
+        bufs[report[0]], caps[report[0]] = bytearray(), report[1]
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    status: Status = "finished"
+    reaped, why, checked = None, "", 0.0
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                status = "timeout"
+                break
+            for key, _ in sel.select(min(left, 0.05 if watch else 0.2)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fd)
                     continue
-                # the program has exited: children it left (same session) hold the pipes open; end them
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-        finally:
+                buf = bufs[key.fd]
+                buf += chunk[: caps[key.fd] + 1 - len(buf)]
+                if len(buf) > caps[key.fd]:
+                    del buf[caps[key.fd] :]
+                    if caps[key.fd] == cap:
+                        status = "output_limit"
+            if status == "output_limit":
+                break
+            if watch is not None and time.monotonic() - checked >= 0.05:
+                checked = time.monotonic()
+                if why := watch():
+                    status = "disk_limit"
+                    break
+            if reaped is None:
+                pid, wait_status, usage = os.wait4(proc.pid, os.WNOHANG)
+                reaped = (wait_status, usage) if pid else None
+            if reaped is None:
+                continue
+            # the program has exited: children it left (same session) hold the pipes open; end them
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            sel.close()
-            proc.stdout.close()
-            proc.stderr.close()
-            if reaped is None:
-                reaped = os.wait4(proc.pid, 0)[1:]
-        out, err = bufs.values()
-        return status, bytes(out), bytes(err), reaped
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        sel.close()
+        proc.stdout.close()
+        proc.stderr.close()
+        if reaped is None:
+            reaped = os.wait4(proc.pid, 0)[1:]
+    out, err, *extra = bufs.values()
+    return status, bytes(out), bytes(err), bytes(extra[0]) if extra else b"", reaped, why
 
-    @staticmethod
-    def _fetch(work: Path, name: str, lim: Limits) -> dict[str, bytes]:
-        path = work / _safe_name(name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return {}
-        with os.fdopen(fd, "rb") as f:
-            return {name: f.read(lim.max_file_mb << 20)}
+
+def _fetch(work: Path, name: str, lim: Limits) -> dict[str, bytes]:
+    try:
+        fd = os.open(work / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        return {name: f.read(lim.max_file_mb << 20)} if stat.S_ISREG(os.fstat(fd).st_mode) else {}
 
 
 def with_limits(base: Limits, *, wall_s: float | None = None, memory_mb: int | None = None) -> Limits:
