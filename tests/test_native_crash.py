@@ -98,7 +98,7 @@ def test_serve_refuses_to_start_when_the_canary_crashes(livelora_home):
     out = " ".join(output.split())
     assert proc.returncode == 1, out
     assert "canary generation (smollm2-135m-instruct, gguf weights) was killed by SIGSEGV (signal 11)" in out, out
-    assert "llama-cpp-python 0." in out and "use LIVELORA_ENGINE_WEIGHTS=f16" in out and "GGML_NATIVE=OFF" in out
+    assert "llama-cpp-python 0." in out and "serve LIVELORA_ENGINE_WEIGHTS=f16" in out and "GGML_NATIVE=OFF" in out
     assert "livelora serving" not in out and "Redis" not in out  # refused before anything started
 
 

@@ -53,10 +53,10 @@ def signal_name(returncode: int) -> str:
 
 def crash_advice(weights: str) -> str:
     """What to do when llama.cpp crashes serving ``weights``: the other format, a portable build, another engine."""
-    other = "LIVELORA_ENGINE_WEIGHTS=f16 (float16 weights, another kernel path), " if weights != "f16" else ""
+    other = "serve LIVELORA_ENGINE_WEIGHTS=f16 (float16 weights, other kernels), or " if weights != "f16" else ""
     return (
-        f"use {other}or reinstall llama-cpp-python as a portable build: {PORTABLE_BUILD} pip install "
-        "--force-reinstall --no-cache-dir llama-cpp-python, or serve with LIVELORA_ENGINE=transformers "
+        f"{other}reinstall llama-cpp-python as a portable build: {PORTABLE_BUILD} pip install --force-reinstall "
+        "--no-cache-dir --no-deps llama-cpp-python, or serve with LIVELORA_ENGINE=transformers "
         "(docs/serving.md, 'When llama.cpp crashes')"
     )
 
