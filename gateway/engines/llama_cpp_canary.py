@@ -99,7 +99,7 @@ def _canary(model: str, home: Path, weights: str, threads: int) -> None:
     from livelora.gateway.engines.llama_cpp_model import LlamaModel, served_gguf
 
     gguf = served_gguf(gguf_location(model), weights, home / "models" / "gguf")
-    llama = LlamaModel(gguf, n_seq=2, n_ctx_seq=64, n_threads=threads, role="canary")
+    llama = LlamaModel(gguf, n_seq=2, n_ctx_seq=512, n_threads=threads, role="canary")
     prompt = list(range(100, 124))
     llama.decode([(t, pos, row, pos == len(prompt) - 1) for row in (0, 1) for pos, t in enumerate(prompt)])
     pos = [len(prompt), len(prompt)]
