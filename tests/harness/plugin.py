@@ -247,6 +247,7 @@ LIVE_FILES = {
     "test_drain.py",
     "test_embedded_redis.py",
     "test_live_loop.py",
+    "test_native_crash.py",
     "test_trainer_process.py",
 }
 SDK_FIXTURES = {"sdk"}
