@@ -216,34 +216,78 @@ def peft_reference(ref, store, names: list[str], weights: str):
 LLAMA_CPP = {"llama_cpp": "f16", "llama_cpp:gguf": "gguf"}
 
 
-def llama_cpp_reference(ref, store, names: list[str], weights: str):
-    """``lps(tokens, n_prompt, version)`` teacher-forced by a llama.cpp engine of this process (the gateway's
-    engine kind serving ``weights``, the same GGUF and GGUF LoRA conversion), every version loaded."""
-    import torch
+def native_pool(initializer, initargs: tuple):
+    """A spawned one-process pool for a benchmark's llama.cpp work: a crash of llama.cpp's native code ends that
+    process, not the benchmark (read its results with :func:`native_result`)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    from livelora.adapters.store import parse_version_name
+    ctx = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(1, mp_context=ctx, initializer=initializer, initargs=initargs)
+
+
+def native_result(future, what: str, model: str, home: Path, weights: str):
+    """``future.result()``; if llama.cpp's process died, SystemExit naming ``what`` and what the canary generation
+    finds on this machine (the signal, CPU flags, llama-cpp-python version, alternatives)."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from livelora.gateway.engines.llama_cpp_canary import run_canary
+
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        failure = run_canary(model, home, weights)
+        raise SystemExit(
+            f"{what}: llama.cpp's child process died; "
+            + (failure.message if failure is not None else "the canary generation runs here (a crash of its own)")
+        ) from None
+
+
+_REFERENCE: list = []  # in the reference's child process: (engine, worker)
+
+
+def _reference_init(model: str, home: str, names: list[str], weights: str) -> None:
+    from livelora.adapters.store import AdapterStore, parse_version_name
     from livelora.gateway.engines.llama_cpp_engine import LlamaCppEngine
 
-    engine = LlamaCppEngine(ref.name, max_batch_size=1, num_threads=1, weights=weights)
+    engine = LlamaCppEngine(model, max_batch_size=1, num_threads=1, weights=weights)
     engine.start_sync()
     worker = engine._worker
-
-    def on_worker(fn):  # fn() on the engine's thread, between its steps
-        box, done = [], threading.Event()
-        worker.call(lambda: (box.append(fn()), done.set()))
-        done.wait()
-        return box[0]
-
     for name in names:
-        path = store.version_dir(*parse_version_name(name))
+        path = AdapterStore(Path(home)).version_dir(*parse_version_name(name))
         cfg, gguf, _ = worker.read_adapter(path)
-        on_worker(lambda name=name, cfg=cfg, gguf=gguf, path=path: worker.load_adapter(name, cfg, gguf, str(path)))
+        _on_worker(
+            worker, lambda name=name, cfg=cfg, gguf=gguf, path=path: worker.load_adapter(name, cfg, gguf, str(path))
+        )
+    _REFERENCE[:] = [engine, worker]
+
+
+def _on_worker(worker, fn):  # fn() on the engine's thread, between its steps
+    box, done = [], threading.Event()
+    worker.call(lambda: (box.append(fn()), done.set()))
+    done.wait()
+    return box[0]
+
+
+def _reference_lps(tokens: list[int], n_prompt: int, adapter: str) -> list[float]:
+    import torch
+
+    worker = _REFERENCE[1]
+    version = None if adapter == "base" else adapter
+    logits = _on_worker(worker, lambda: worker.logits(tokens, version))
+    lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+    return lp[n_prompt - 1 :].tolist()
+
+
+def llama_cpp_reference(ref, store, names: list[str], weights: str):
+    """``lps(tokens, n_prompt, version)`` teacher-forced by a llama.cpp engine in a child process (the gateway's
+    engine kind serving ``weights``, the same GGUF and GGUF LoRA conversion), every version loaded."""
+    home = Path(store.home)
+    pool = native_pool(_reference_init, (ref.name, str(home), names, weights))
 
     def lps(tokens, n_prompt, adapter):
-        version = None if adapter == "base" else adapter
-        logits = on_worker(lambda: worker.logits(tokens, version))
-        lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
-        return lp[n_prompt - 1 :].tolist()
+        future = pool.submit(_reference_lps, tokens, n_prompt, adapter)
+        return native_result(future, "the llama.cpp reference", ref.name, home, weights)
 
     return lps
 

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -331,6 +332,33 @@ def llama_cpp_generate(llm, tokenizer, prompts: list[str], max_tokens: int) -> d
     return {"elapsed_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed}
 
 
+_ANCHOR: list = []  # in an anchor's child process: (llama_cpp.Llama, tokenizer)
+
+
+def _anchor_init(model: str, home: str, fmt: str, lora: str) -> None:
+    from llama_cpp import Llama
+
+    from livelora.core.base_models import gguf_location, load_tokenizer, resolve_base_model
+    from livelora.gateway.engines.llama_cpp_model import served_gguf
+
+    gguf = served_gguf(gguf_location(model), fmt, Path(home) / "models" / "gguf")
+    llm = Llama(str(gguf), lora_path=lora, n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
+    _ANCHOR[:] = [llm, load_tokenizer(resolve_base_model(model, Path(home)))]
+
+
+def _anchor_generate(prompts: list[str], max_tokens: int) -> dict:
+    return llama_cpp_generate(_ANCHOR[0], _ANCHOR[1], prompts, max_tokens)
+
+
+def llama_cpp_anchor(pools: dict, fmt: str, prompts: list[str], max_tokens: int, model: str, home) -> dict:
+    """:func:`llama_cpp_generate` in the anchor's child process for ``fmt`` (timed there); a native crash is a
+    SystemExit naming the canary's finding (``bench/hotswap.py``'s :func:`native_result`)."""
+    import hotswap
+
+    future = pools[fmt].submit(_anchor_generate, prompts, max_tokens)
+    return hotswap.native_result(future, f"llama.cpp anchor [{fmt}]", model, Path(home), fmt)
+
+
 def anchors(args) -> None:
     """The gateway with an adapter on every request against offline ``generate`` with the same adapter (see the
     module docstring): ``--rounds`` alternating rounds of gateway N streams, static batch N, gateway 1 stream,
@@ -339,7 +367,6 @@ def anchors(args) -> None:
     import importlib.util
     import tempfile
     import uuid
-    from pathlib import Path
 
     import redis
     from peft import PeftModel
@@ -365,7 +392,7 @@ def anchors(args) -> None:
         rows[f"gateway_1[{w}]"] = []
         if w == weights[0]:
             rows["generate_1"] = []
-    llms = {}  # llama.cpp anchor format -> llama_cpp.Llama
+    llms = {}  # llama.cpp anchor format -> its child process (a one-process pool holding llama_cpp.Llama)
     if importlib.util.find_spec("llama_cpp") is not None and args.model in BUILTIN_GGUF:
         # llama.cpp on the built-in GGUF as shipped, and on each other format a llama_cpp gateway serves
         for fmt in dict.fromkeys(["gguf"] + [hotswap.LLAMA_CPP[w] for w in weights if w in hotswap.LLAMA_CPP]):
@@ -415,18 +442,17 @@ def anchors(args) -> None:
         model.eval()
         offline_generate(model, tokenizer, PROMPTS[:2], 2, 2)  # warm-up
         if any(k.startswith("llama_cpp_1") for k in rows):
-            from llama_cpp import Llama
-
             from livelora.adapters.gguf_export import GGUF_FILE, export_gguf
-            from livelora.core.base_models import gguf_location
-            from livelora.gateway.engines.llama_cpp_model import served_gguf
 
             lora = export_gguf(AdapterStore(home), hotswap.EP, 1, ref, Path(tempfile.mkdtemp()) / "gguf") / GGUF_FILE
-            for kind in [k for k in rows if k.startswith("llama_cpp_1")]:
+            for kind in [k for k in rows if k.startswith("llama_cpp_1")]:  # each in a child process of its own
                 fmt = kind[12:-1]
-                gguf = served_gguf(gguf_location(args.model), fmt, Path(settings.home) / "models" / "gguf")
-                llms[fmt] = Llama(str(gguf), lora_path=str(lora), n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
-                llama_cpp_generate(llms[fmt], tokenizer, PROMPTS[:1], 2)  # warm-up
+                llms[fmt] = hotswap.native_pool(_anchor_init, (args.model, str(settings.home), fmt, str(lora)))
+                try:  # warm-up; a native crash leaves this anchor out, with the canary's reason
+                    llama_cpp_anchor(llms, fmt, PROMPTS[:1], 2, args.model, settings.home)
+                except SystemExit as exc:
+                    print(f"llama.cpp anchor [{fmt}] left out: {exc}")
+                    del rows[kind], llms[fmt]
         n = args.concurrency
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
         ones = max(2, args.requests // n)
@@ -441,7 +467,9 @@ def anchors(args) -> None:
                 elif kind == "static_n":
                     res = offline_generate(model, tokenizer, prompts, args.max_tokens, n)
                 elif kind.startswith("llama_cpp_1"):
-                    res = llama_cpp_generate(llms[kind[12:-1]], tokenizer, prompts[:ones], args.max_tokens)
+                    res = llama_cpp_anchor(
+                        llms, kind[12:-1], prompts[:ones], args.max_tokens, args.model, settings.home
+                    )
                 else:
                     res = offline_generate(model, tokenizer, prompts[:ones], args.max_tokens, 1)
                 res["load"] = load
@@ -455,6 +483,8 @@ def anchors(args) -> None:
         for proc, _, _ in gateways.values():
             proc.terminate()
             proc.wait(timeout=60)
+        for pool in llms.values():
+            pool.shutdown(cancel_futures=True)
     med = {k: percentile([x["tokens_per_s"] for x in v], 0.5) for k, v in rows.items()}
     print(
         f"median of {args.rounds} rounds, adapter {name} (rank {args.rank}) on every request, "

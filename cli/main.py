@@ -199,6 +199,10 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         os.environ["LIVELORA_HOME"] = str(options["home"])
     settings = _settings(ServeSettings if whole_loop else GatewaySettings, options)
     sock = _listen(settings.server.host, settings.server.port)  # a taken port fails now, before any loading
+    if settings.inference.engine == "llama_cpp":  # a canary, then the server in a supervised child
+        from livelora.cli.supervisor import guard_native
+
+        guard_native(settings, sock, "serve" if whole_loop else "gateway", options, log_level)
     metrics_dir = None
     if whole_loop and settings.placement.trainer_process and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         metrics_dir = _shared_metrics_dir(settings.home)  # before prometheus_client is imported (below)
@@ -282,6 +286,11 @@ def _listen(host: str, port: int):
     """A socket bound to ``host:port`` for uvicorn; exits 1 with the reason when it cannot be bound."""
     import socket
 
+    from livelora.cli.supervisor import inherited_socket
+
+    inherited = inherited_socket()  # the supervised child of a llama_cpp server (cli/supervisor.py)
+    if inherited is not None:
+        return inherited
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)

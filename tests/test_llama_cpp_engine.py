@@ -10,6 +10,7 @@ import json
 
 import pytest
 from harness.engines import logprob_tolerance
+from harness.native import skip_if_native_crashes
 from harness.seeds import peft_versions
 from test_engine_contract import chat, collect, greedy
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def llama(base_ref, loop):
     """Versions stay LoRAs here (merge_lora=False): the cache tests follow one lane's cells."""
+    skip_if_native_crashes()
     engine = create_engine("llama_cpp", model=base_ref.name, max_batch_size=4, max_model_len=1024, merge_lora=False)
     loop.run_until_complete(engine.start())
     yield engine
@@ -87,6 +89,7 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
 
     from livelora.gateway.engines.llama_cpp_lane import merge_gguf_lora
 
+    skip_if_native_crashes()
     engine = create_engine("llama_cpp", model=base_ref.name, max_batch_size=4, max_model_len=512)
     loop.run_until_complete(engine.start())
     worker = engine._worker
@@ -218,6 +221,7 @@ def test_the_f16_file_holds_the_shipped_weights_in_float16_and_is_written_once(t
     from livelora.core.base_models import gguf_location
     from livelora.gateway.engines.llama_cpp_model import served_gguf
 
+    skip_if_native_crashes()  # llama.cpp's quantizer runs in this process
     shipped = gguf_location("smollm2-135m-instruct")
     assert served_gguf(shipped, "gguf", tmp_path) == shipped  # the file's own types: the file itself
     f16 = served_gguf(shipped, "f16", tmp_path)

