@@ -113,9 +113,20 @@ class KeyLayout:
         """``{prefix}session:{sid}``: the session record; its TTL is the session's life."""
         return f"{self.prefix}session:{sid}"
 
+    def session_summary(self, sid: str) -> str:
+        """``{prefix}sessionsummary:{sid}``: the session's summary (JSON: created, metadata, how it ended); its TTL
+        is ``session_history_ttl_s`` from the last heartbeat or finish, so it outlives the session key."""
+        return f"{self.prefix}sessionsummary:{sid}"
+
+    def session_index(self, tenant: str) -> str:
+        """``{prefix}sessionindex:{tenant}``: sorted set of the tenant's session ids by creation time (Unix s);
+        TTL ``session_history_ttl_s`` from the last create or finish, trimmed to the newest 10,000."""
+        return f"{self.prefix}sessionindex:{tenant}"
+
     @property
-    def session_history(self) -> str:
-        """Hash session id → its summary (created, metadata, how it ended); outlives the session key."""
+    def legacy_session_history(self) -> str:
+        """``{prefix}sessionhistory``: the hash of every summary that stores before 2026-12 kept without expiry;
+        a starting gateway moves it into :meth:`session_summary` keys and deletes it."""
         return f"{self.prefix}sessionhistory"
 
     def request_owner(self, request_id: str) -> str:

@@ -9,6 +9,8 @@ shared by several process kinds live here (:class:`SessionSection`); the others 
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -59,6 +61,25 @@ class SessionSection(Section):
         60.0, gt=0, description="A session expires this long after its last heartbeat (the SDKs beat every 10 s)."
     )
     future_ttl_s: int = Field(24 * 3600, ge=60, description="Futures and dedupe records live this long (s).")
+    session_history_ttl_s: float = Field(
+        7 * 24 * 3600,
+        gt=0,
+        description="A session's summary (listed by sessions/search, GET sessions/<id>) is kept this long (s) "
+        "after its last heartbeat or its finish.",
+    )
+    checkpoint_retention_s: int | None = Field(
+        30 * 24 * 3600,
+        ge=60,
+        description="A named checkpoint saved without ttl_seconds expires this long (s) after its save (never "
+        "while loaded for serving or bound to an endpoint); PUT .../ttl with null keeps one for good; null here: "
+        "kept until deleted.",
+    )
+    session_search_max_bytes: int = Field(
+        1024 * 1024,
+        ge=64 * 1024,
+        description="Largest sessions/search answer (bytes of its sessions' JSON); a page stops early, with "
+        "next_cursor, rather than pass it.",
+    )
     long_poll_s: float = Field(
         30.0,
         gt=0,
@@ -146,6 +167,30 @@ class ObservabilitySection(Section):
     )
 
 
+#: Bytes one saved rank-64 SmolLM2 checkpoint keeps under ``adapters/`` (measured 87 MB): the unit of the
+#: default version limit.
+VERSION_BYTES = 87 * 1000**2
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine (bytes)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_trainer_bytes() -> int:
+    """A tenant's default trainer memory: a quarter of the machine's memory, at most 16 GiB."""
+    return min(16 * 1024**3, machine_memory_bytes() // 4)
+
+
+def default_adapter_versions() -> int:
+    """A tenant's default kept versions: a tenth of the disk free under ``$LIVELORA_HOME`` (or the default
+    store's nearest existing parent) in :data:`VERSION_BYTES` units, at least 64."""
+    where = Path(os.environ.get("LIVELORA_HOME") or default_home())
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return max(64, shutil.disk_usage(where).free // 10 // VERSION_BYTES)
+
+
 class QuotaSection(Section):
     """Every tenant's default limits (``PUT /admin/quotas`` overrides them per tenant; unset: unlimited); read by
     the gateway (requests over a limit answer 429) and the trainer (the live loop's ``max_adapter_versions``).
@@ -154,7 +199,7 @@ class QuotaSection(Section):
     ``quotas.json`` or ``unlimited`` lifts one). :class:`livelora.core.quotas.Limits` reads them."""
 
     quota_sessions: int | None = Field(
-        None,
+        16,
         ge=0,
         description="Training sessions a tenant may have alive at once "
         "(a session frees its slot when finished or after "
@@ -168,11 +213,12 @@ class QuotaSection(Section):
         "00:00 UTC.",
     )
     quota_max_adapter_versions: int | None = Field(
-        None,
+        default_factory=default_adapter_versions,
         ge=0,
         description="Adapter versions a tenant may keep in "
         "the store (versions of the lineages it owns; a session's "
-        "ephemeral sampler weights do not count). Unset: unlimited. "
+        "ephemeral sampler weights do not count). Default: a tenth of the disk free under the store at start "
+        "in 87 MB units (a rank-64 checkpoint), at least 64. "
         "A save over it answers 429; the live loop first deletes the "
         "lineage's oldest versions no endpoint uses.",
     )
@@ -191,10 +237,11 @@ class QuotaSection(Section):
     )
     quota_max_models: int | None = Field(64, ge=0, description="Training models a tenant may have alive at once.")
     quota_max_trainer_bytes: int | None = Field(
-        16 * 1024**3,
+        default_factory=default_trainer_bytes,
         ge=0,
         description="Trainer memory of a tenant's live training models (bytes, estimated as LoRA parameters "
-        "× 16: weights, gradients and two Adam moments in float32).",
+        "× 16: weights, gradients and two Adam moments in float32). Default: a quarter of the machine's "
+        "memory, at most 16 GiB.",
     )
     quota_max_completion_log_bytes: int | None = Field(
         1024**3,

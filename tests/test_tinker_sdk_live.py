@@ -193,7 +193,10 @@ def test_checkpoint_ttl_expiry_spares_checkpoints_in_use(sessions_server):
     in_an_hour = datetime.now(UTC) + timedelta(hours=1)
     for cid in ("weights/t1", "sampler_weights/s1"):
         assert abs((datetime.fromisoformat(by_id[cid]["expires_at"]) - in_an_hour).total_seconds()) < 120
-    assert "expires_at" not in by_id["weights/keep"] and by_id["weights/t1"]["user_metadata"] == {"step": "1"}
+    # no ttl_seconds: the default retention, LIVELORA_CHECKPOINT_RETENTION_S (30 days)
+    in_30_days = datetime.now(UTC) + timedelta(days=30)
+    assert abs((datetime.fromisoformat(by_id["weights/keep"]["expires_at"]) - in_30_days).total_seconds()) < 120
+    assert by_id["weights/t1"]["user_metadata"] == {"step": "1"}
     # the sampler checkpoint is being served (a sampling session loaded it)
     r = httpx.post(
         f"{base}/api/v1/create_sampling_session",

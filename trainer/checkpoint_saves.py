@@ -76,8 +76,9 @@ class CheckpointSaves:
         user_metadata: dict[str, Any] | None = None,
         base_model_name_or_path: str | None = None,
     ) -> Manifest:
-        """Save a named checkpoint; ``ttl_seconds`` sets its ``expires_at`` (housekeeping deletes it after
-        that, never while in use: :meth:`livelora.gateway.services.sessions.Checkpoints.expire_due`).
+        """Save a named checkpoint; ``ttl_seconds`` (default ``checkpoint_retention_s``) sets its ``expires_at``
+        (housekeeping deletes it after that, never while in use:
+        :meth:`livelora.gateway.services.sessions.Checkpoints.expire_due`).
         ``base_model_name_or_path``: what the version's ``adapter_config.json`` names as its base (default: the
         served base-model name).
 
@@ -106,7 +107,7 @@ class CheckpointSaves:
             "time": now_iso(),
             "adapter": manifest.name,
             "request_id": request_id,
-            "expires_at": expires_at(ttl_seconds),
+            "expires_at": expires_at(ttl_seconds if ttl_seconds is not None else self.settings.checkpoint_retention_s),
             "user_metadata": user_metadata,
         }
         index.update(lambda d: d.setdefault("checkpoints", {}).__setitem__(key, entry), fence=slot.token)

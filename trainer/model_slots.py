@@ -223,6 +223,8 @@ class ModelSlots:
         pipe = self.redis.pipeline()
         pipe.srem(self.keys.models, model_id)
         pipe.delete(self.keys.ops(model_id), self.keys.model(model_id))
+        # the fence outlives any lease by far, then goes: a freed model id is never owned again
+        pipe.expire(self.keys.model_fence(model_id), self.settings.future_ttl_s)
         pipe.execute()
         index = CheckpointIndex(self.home, model_id)
         try:

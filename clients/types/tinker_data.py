@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from livelora.clients.types.nulls import NullMeansOmitted
+
+#: Longest string any field of a request model may hold (characters): ids, names, paths, tokens.
+MAX_TEXT_CHARS = 4096
+#: Largest ``user_metadata`` (its JSON, UTF-8 bytes) and most of its pairs; the server keeps it in Redis.
+MAX_METADATA_BYTES = 16 * 1024
+MAX_METADATA_PAIRS = 64
+#: Most tags of a session.
+MAX_TAGS = 64
+
+
+def _metadata_bound(value: dict[str, str] | None) -> dict[str, str] | None:
+    if value is None:
+        return value
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs allowed, got {len(value)}")
+    size = len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"at most {MAX_METADATA_BYTES} bytes of JSON allowed, got {size}")
+    return value
+
+
+#: ``user_metadata`` of a request: at most :data:`MAX_METADATA_PAIRS` pairs and :data:`MAX_METADATA_BYTES` of JSON.
+UserMetadata = Annotated[dict[str, str], AfterValidator(_metadata_bound)]
 
 
 class StrictModel(NullMeansOmitted):
     """Base of request models: unknown fields are an error; ``null`` for an optional field means "not given"
-    (:mod:`.nulls`)."""
+    (:mod:`.nulls`); no string longer than :data:`MAX_TEXT_CHARS`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_TEXT_CHARS)
 
 
 class LenientModel(BaseModel):

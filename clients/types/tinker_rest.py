@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from livelora.clients.types.tinker import Cursor, LenientModel, OptimizerConfig, StrictModel
+from livelora.clients.types.tinker_data import UserMetadata
 
 __all__ = [
     "MAX_TTL_SECONDS",
@@ -170,7 +171,7 @@ class SessionSearchRequest(StrictModel):
 
     session_id: str | None = None
     project_ids: list[str] | None = None
-    user_metadata: dict[str, str] = Field(default_factory=dict)
+    user_metadata: UserMetadata = Field(default_factory=dict)
     display_name: str | None = Field(default=None, min_length=1)
     owner: dict[str, Any] = Field(default_factory=lambda: {"type": "own"})
     statuses: list[dict[str, Any]] | None = Field(default=None, min_length=1)

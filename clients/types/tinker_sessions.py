@@ -7,14 +7,14 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from livelora.clients.types.tinker_data import LenientModel, StrictModel
+from livelora.clients.types.tinker_data import MAX_TAGS, LenientModel, StrictModel, UserMetadata
 
 
 class CreateSessionRequest(StrictModel):
     """``POST /api/v1/create_session`` body."""
 
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, str] | None = None
+    tags: list[str] = Field(default_factory=list, max_length=MAX_TAGS)
+    user_metadata: UserMetadata | None = None
     sdk_version: str | None = None
     project_id: str | None = None
     display_name: str | None = None

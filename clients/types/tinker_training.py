@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from livelora.clients.types.tinker_data import Datum, LenientModel, StrictModel, TensorData
+from livelora.clients.types.tinker_data import Datum, LenientModel, StrictModel, TensorData, UserMetadata
 
 LossFnType = str
 """Name of a server-side loss (``ForwardBackwardInput.loss_fn``): a plain string on purpose.
@@ -73,7 +73,7 @@ class CreateModelRequest(StrictModel):
     session_id: str
     model_seq_id: int = Field(ge=0)
     base_model: str
-    user_metadata: dict[str, str] | None = None
+    user_metadata: UserMetadata | None = None
     lora_config: LoraConfig = Field(default_factory=LoraConfig)
     optimizer_config: OptimizerConfig | None = None
     type: Literal["create_model"] = "create_model"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from livelora.clients.types.tinker_data import LenientModel, StrictModel
+from livelora.clients.types.tinker_data import LenientModel, StrictModel, UserMetadata
 from livelora.clients.types.tinker_training import OptimizerConfig
 
 
@@ -17,7 +17,7 @@ class SaveWeightsRequest(StrictModel):
     seq_id: int | None = None
     ttl_seconds: int | None = None
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: UserMetadata | None = None
     type: Literal["save_weights"] = "save_weights"
 
 
@@ -37,7 +37,7 @@ class SaveWeightsForSamplerRequest(StrictModel):
     seq_id: int | None = None
     ttl_seconds: int | None = None
     kind: Literal["snapshot", "inflight"] | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: UserMetadata | None = None
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 
@@ -63,7 +63,7 @@ class LoadWeightsRequest(StrictModel):
     session_id: str | None = None
     model_seq_id: int | None = None
     base_model: str | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: UserMetadata | None = None
     optimizer_config: OptimizerConfig | None = None
     path: str
     optimizer: bool = False

@@ -187,8 +187,8 @@ async def create_session(request: Request, sessions: SessionsDep, principal: Pri
 
 
 @router.post("/session_heartbeat", openapi_extra=body_schema(SessionHeartbeatRequest))
-async def session_heartbeat(request: Request, sessions: SessionsDep) -> Response:
-    await sessions.heartbeat((await decode(request, SessionHeartbeatRequest)).session_id)
+async def session_heartbeat(request: Request, sessions: SessionsDep, principal: PrincipalDep) -> Response:
+    await sessions.heartbeat((await decode(request, SessionHeartbeatRequest)).session_id, principal.tenant)
     return encode(SessionHeartbeatResponse())
 
 

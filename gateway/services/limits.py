@@ -40,6 +40,7 @@ for _, sid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[3]) then
   redis.call('SADD', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return -1
 end
 if soonest < 0 then soonest = 0 end
@@ -78,7 +79,7 @@ class QuotaService:
         if limit is None:
             return
         wait_ms = await self.redis.eval(
-            _ACQUIRE, 1, self.keys.quota_sessions(tenant), self.keys.session(""), sid, limit
+            _ACQUIRE, 1, self.keys.quota_sessions(tenant), self.keys.session(""), sid, limit, self._slot_ttl_ms()
         )
         if int(wait_ms) >= 0:
             metrics.REJECTIONS.labels("quota_sessions").inc()
@@ -92,6 +93,13 @@ class QuotaService:
                 code="quota_exceeded",
                 retry_after=max(wait_s, 1.0),
             )
+
+    def _slot_ttl_ms(self) -> int:
+        return int(self.settings.sessions.session_ttl_s * 1000) + 1000
+
+    async def touch_sessions(self, tenant: str) -> None:
+        """Keep the tenant's slot set alive while one of its sessions beats (it expires with the last one)."""
+        await self.redis.pexpire(self.keys.quota_sessions(tenant), self._slot_ttl_ms())
 
     async def release_session(self, tenant: str, sid: str) -> None:
         """Free ``sid``'s slot (a finished session)."""

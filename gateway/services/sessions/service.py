@@ -33,6 +33,7 @@ from livelora.gateway.services.serving import Serving
 from livelora.gateway.services.sessions.checkpoints import Checkpoints
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures, GoneError, NotReady
+from livelora.gateway.services.sessions.history import SessionHistory
 from livelora.gateway.services.sessions.samples import Samples
 from livelora.gateway.services.sessions.sampling import SamplingSessions
 from livelora.gateway.services.sessions.training import TrainingOps
@@ -67,10 +68,16 @@ class SessionService:
         self.checkpoints = Checkpoints(ctx)
         self.sampling = SamplingSessions(ctx)
         self.samples = Samples(ctx, self.futures, serving, self.sampling)
+        self.history = SessionHistory(ctx.redis, ctx.keys, ctx.settings.session_history_ttl_s)
 
     async def start(self) -> None:
         """Subscribe to future notifications, start the janitor (unloads ended sessions' adapters) and the
         checkpoint housekeeping (deletes expired checkpoints every ``checkpoint_sweep_s``)."""
+        try:
+            if moved := await self.history.migrate_legacy():
+                log.info("moved %d session summaries out of the legacy sessionhistory hash", moved)
+        except Exception as exc:  # Redis not there yet: the gateway still starts (its reads answer 503)
+            log.warning("session history: legacy hash not moved: %s", exc)
         await self.futures.start()
         await self.sampling.start()
         self._sweeper = asyncio.create_task(self._sweep_loop())
@@ -127,12 +134,12 @@ class SessionService:
                 except BaseException:
                     await self.redis.delete(self.keys.session(sid))  # over the limit: nothing is created
                     raise
-            await self.redis.hset(self.keys.session_history, sid, json.dumps(summary))
+            await self.history.put(sid, summary)
         OwnerStore(self.ctx.home).claim("session", sid, tenant)  # before its id leaves the server
         return CreateSessionResponse(session_id=sid)
 
-    async def heartbeat(self, session_id: str) -> None:
-        """Extend the session's life by ``session_ttl_s``.
+    async def heartbeat(self, session_id: str, tenant: str) -> None:
+        """Extend the session's life by ``session_ttl_s`` (and its summary's and ``tenant``'s slot set's).
 
         Raises:
             GoneError: the session finished or expired.
@@ -143,6 +150,9 @@ class SessionService:
                     f"session {session_id} has ended (finished, or no heartbeat for {self.settings.session_ttl_s:g} s)",
                     param="session_id",
                 )
+            await self.history.touch(session_id)
+            if self.ctx.quotas is not None:
+                await self.ctx.quotas.touch_sessions(tenant)
 
     async def finish_session(
         self, session_id: str, principal: Principal, reason: str = "success", detail: str | None = None
@@ -154,19 +164,17 @@ class SessionService:
             NotFoundError: unknown session (already finished or expired sessions are fine: no-op).
         """
         with redis_unavailable():
-            raw = await self.redis.hget(self.keys.session_history, session_id)
-            if raw is not None:
-                summary = json.loads(raw)
+            summary = await self.history.get(session_id)
+            if summary is not None:
                 summary["status"] = {"type": "client_finished", "reason": {"type": reason}, "detail": detail}
-                await self.redis.hset(self.keys.session_history, session_id, json.dumps(summary))
+                await self.history.put(session_id, summary)
             await self.redis.delete(self.keys.session(session_id))
             await self.redis.publish(self.keys.sessions_channel, session_id)
             if self.ctx.quotas is not None:
                 await self.ctx.quotas.release_session(principal.tenant, session_id)
         await self.sampling.unload_ended_sessions()
 
-    async def _summary(self, sid: str, raw: str) -> SessionSummary:
-        data = json.loads(raw)
+    async def _summary(self, sid: str, data: dict[str, Any]) -> SessionSummary:
         status = data.get("status")
         if status is None:
             alive = await self.redis.exists(self.keys.session(sid))
@@ -194,8 +202,8 @@ class SessionService:
         Raises: NotFoundError for a session this store never had.
         """
         with redis_unavailable():
-            raw = await self.redis.hget(self.keys.session_history, sid)
-            if raw is None:
+            data = await self.history.get(sid)
+            if data is None:
                 raise NotFoundError(f"session {sid!r} does not exist", param="session_id")
             samplers = sorted(
                 [
@@ -203,7 +211,6 @@ class SessionService:
                     async for k in self.redis.scan_iter(match=self.keys.sampler(f"{sid}:*"), count=1000)
                 ]
             )
-        data = json.loads(raw)
         return GetSessionResponse(
             training_run_ids=[m for m in self.checkpoints.run_ids() if m.startswith(f"{sid}:")],
             sampler_ids=samplers,
@@ -214,29 +221,28 @@ class SessionService:
     async def list_sessions(self, principal: Principal, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
         """``principal``'s tenant's session ids, newest first."""
         with redis_unavailable():
-            rows = await self.redis.hgetall(self.keys.session_history)
+            rows = await self.history.newest(principal.tenant)
         owners, tenant = OwnerStore(self.ctx.home), principal.tenant
-        ids = [
-            sid
-            for sid, raw in sorted(rows.items(), key=lambda kv: -json.loads(kv[1])["created"])
-            if owners.owns("session", sid, tenant)
-        ]
+        ids = [sid for sid, _ in rows if owners.owns("session", sid, tenant)]
         return ListSessionsResponse(sessions=ids[offset : offset + limit])
 
     async def search_sessions(self, req: SessionSearchRequest, principal: Principal) -> SessionSearchResponse:
         """``principal``'s tenant's sessions matching ``session_id``, ``display_name``, ``user_metadata`` (all pairs)
-        and ``statuses`` (types), newest first, ``limit`` per page after ``cursor``.
+        and ``statuses`` (types), newest first, ``limit`` per page after ``cursor``; a page ends early (with
+        ``next_cursor``) before its sessions' JSON passes ``session_search_max_bytes``.
 
         Raises: BadRequestError for an owner filter other than own/accessible (one owner per store).
         """
         if req.owner.get("type") not in ("own", "accessible"):
             raise BadRequestError("livelora has one owner per store: search with owner {'type': 'own'}", param="owner")
+        # the index's score is the float time; the cursor's microseconds may round below it (exact order below)
+        before = req.cursor.last_created_at.timestamp() + 1e-3 if req.cursor is not None else None
         with redis_unavailable():
-            rows = await self.redis.hgetall(self.keys.session_history)
+            rows = await self.history.newest(principal.tenant, before)
             owners, tenant = OwnerStore(self.ctx.home), principal.tenant
             found = [
-                await self._summary(sid, raw)
-                for sid, raw in rows.items()
+                await self._summary(sid, data)
+                for sid, data in rows
                 if req.session_id in (None, sid) and owners.owns("session", sid, tenant)
             ]
         wanted = {s.get("type") for s in req.statuses or ()}
@@ -251,8 +257,13 @@ class SessionService:
         if req.cursor is not None:
             after = (req.cursor.last_created_at, req.cursor.last_session_id)
             found = [s for s in found if (s.created_at, s.session_id) < after]
-        page = found[: req.limit]
-        more = len(found) > req.limit
+        page, size = [], 0
+        for s in found[: req.limit]:
+            size += len(s.model_dump_json())
+            if page and size > self.settings.session_search_max_bytes:
+                break
+            page.append(s)
+        more = len(found) > len(page)
         return SessionSearchResponse(
             sessions=page,
             next_cursor=SessionSearchCursor(last_created_at=page[-1].created_at, last_session_id=page[-1].session_id)
