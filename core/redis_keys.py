@@ -1,8 +1,8 @@
 """The Redis key layout: every key and channel livelora uses, built by one class, :class:`KeyLayout`.
 
 Every key starts with the configured prefix (``LIVELORA_REDIS_PREFIX``, ``livelora:`` by default; tests use a
-unique one). Nothing else in livelora builds a Redis key by hand. Each key's type and contents:
-``docs/internals/redis-keys.md``.
+unique one). Nothing else in livelora builds a Redis key by hand; user-supplied text enters a name only as its
+:func:`text_digest`. Each key's type and contents: ``docs/internals/redis-keys.md``.
 
 Example::
 
@@ -12,10 +12,17 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 #: Consumer group of the trainer workers on the signals stream.
 TRAINERS_GROUP = "trainers"
+
+
+def text_digest(text: str) -> str:
+    """``sha256(text)[:32]`` (hex): how user-supplied text appears in a key name (never raw: quotes, spaces,
+    colons or newlines would break tooling and could forge another key's shape)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -34,9 +41,10 @@ class KeyLayout:
         (``YYYYMMDD``; TTL = retention + 1 day)."""
         return f"{self.prefix}complog:bytes:{tenant}:{day}"
 
-    def rating(self, completion_id: str, user: str) -> str:
-        """``{prefix}rating:{completion_id}:{user}``: id of the latest rating (replace-on-re-rate)."""
-        return f"{self.prefix}rating:{completion_id}:{user}"
+    def rating(self, completion_id: str, rater: str) -> str:
+        """``{prefix}rated:{completion_id}:{text_digest(rater)}``: id of the latest rating (replace-on-re-rate);
+        ``rater`` is ``{caller}/{user}``, user text, so only its digest is in the name."""
+        return f"{self.prefix}rated:{completion_id}:{text_digest(rater)}"
 
     def rater(self, lineage: str, rater_digest: str) -> str:
         """``{prefix}rater:{lineage}:{sha256(rater)[:32]}``: sorted set of the rater's accepted event ids, scored
@@ -100,13 +108,20 @@ class KeyLayout:
         return f"{self.prefix}store_id"
 
     @property
+    def layout_version(self) -> str:
+        """``{prefix}layout``: ``"2"`` once the keys of the layout before digests were renamed
+        (:mod:`livelora.core.key_migration`)."""
+        return f"{self.prefix}layout"
+
+    @property
     def notices(self) -> str:
         """``{prefix}notices``: pub/sub channel of version and endpoint notices."""
         return f"{self.prefix}notices"
 
     def idem(self, scope: str, key: str) -> str:
-        """``{prefix}idem:{scope}:{key}``: idempotency record (SET NX, TTL)."""
-        return f"{self.prefix}idem:{scope}:{key}"
+        """``{prefix}idemkey:{scope}:{text_digest(key)}``: idempotency record (SET NX, TTL); ``key`` is the
+        client's ``Idempotency-Key``, so only its digest is in the name."""
+        return f"{self.prefix}idemkey:{scope}:{text_digest(key)}"
 
     # ------------------------------------------------------------------ training sessions
     def session(self, sid: str) -> str:

@@ -1,11 +1,11 @@
 """Who may call what: API keys → principal (tenant + roles), the route policy, body-size limits.
 
 :class:`AuthMiddleware` (pure ASGI, installed by ``create_app``) runs before every route: body size (413), key
-(``Authorization: Bearer`` or ``X-API-Key``; under ``/console`` the console's session cookie instead; 401), role by
-path (:data:`POLICY`, unlisted routes need ``admin``; 403), the principal on ``request.state``, and the owner of
-every training-session id a Tinker body names (:func:`check_owner`; 404). Each step's rules:
-``docs/internals/tenancy.md``. Errors answer in the route's envelope (OpenAI's; Anthropic's on the Messages API)
-through the app's one handler (:func:`error_response`).
+(``Authorization: Bearer`` or ``X-API-Key``, one key per request, else 400; under ``/console`` the console's
+session cookie instead; 401), role by path (:data:`POLICY`, unlisted routes need ``admin``; 403), the principal
+on ``request.state``, and the owner of every training-session id a Tinker body names (:func:`check_owner`; 404).
+Each step's rules: ``docs/internals/tenancy.md``. Errors answer in the route's envelope (OpenAI's; Anthropic's on
+the Messages API) through the app's one handler (:func:`error_response`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from livelora.core.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
 from livelora.core.object_ids import refs_of_request
 from livelora.core.owners import OwnerStore
 from livelora.core.redis_keys import KeyLayout
+from livelora.gateway.json_text import check_text
 
 if TYPE_CHECKING:
     from livelora.gateway.api.deps import GatewayServices
@@ -130,6 +131,39 @@ def bearer_key(headers: dict[str, str]) -> str | None:
     return headers.get("x-api-key") or None
 
 
+def check_one_credential(raw_headers: list[tuple[bytes, bytes]]) -> None:
+    """A request names at most one key: ``Authorization`` and ``X-API-Key`` each at most once, and when both are
+    sent they carry the same key (a reader taking the first and one taking the last would see two callers).
+
+    Raises:
+        BadRequestError: 400, code ``ambiguous_credentials``, ``param`` the header.
+    """
+    seen: dict[bytes, int] = {}
+    for name, _ in raw_headers:
+        if name.lower() in (b"authorization", b"x-api-key"):
+            seen[name.lower()] = seen.get(name.lower(), 0) + 1
+    if not seen:
+        return
+    for name, count in seen.items():
+        if count > 1:
+            header = "Authorization" if name == b"authorization" else "X-API-Key"
+            raise _ambiguous(f"the {header} header is sent {count} times; send one key, once", header)
+    if len(seen) == 2:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers}
+        auth = headers["authorization"]
+        bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        if bearer is not None and bearer != headers["x-api-key"].strip():
+            raise _ambiguous("Authorization and X-API-Key carry different keys; send one of them", "X-API-Key")
+
+
+def _ambiguous(message: str, header: str) -> BadRequestError:
+    return BadRequestError(
+        f"ambiguous credentials: {message} (livelora refuses rather than pick one)",
+        param=header,
+        code="ambiguous_credentials",
+    )
+
+
 class AuthMiddleware:
     """ASGI middleware doing the five steps of the module docstring.
 
@@ -221,9 +255,11 @@ class AuthMiddleware:
         """The request's principal (``None`` for public routes without a key).
 
         Raises:
+            BadRequestError: two keys in one request (:func:`check_one_credential`).
             AuthenticationError: missing, unknown or revoked key (401).
             PermissionDeniedError: the key lacks the route's role (403).
         """
+        check_one_credential(scope.get("headers", []))
         services = self.services
         keys: KeyStore = services.keys
         if services.auth_open and keys.active():
@@ -338,7 +374,8 @@ def json_body(body: bytes, content_type: str | None) -> object:
     Raises:
         BadRequestError: not valid JSON, nested deeper than :data:`MAX_JSON_DEPTH`, or an object that repeats a
             key (a reader keeping the first and one keeping the last would see two requests) (400,
-            ``invalid_json``).
+            ``invalid_json``); bytes that are not UTF-8, or a string holding a lone surrogate (400,
+            ``invalid_text``: :func:`livelora.gateway.json_text.check_text`).
     """
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if not (media == "application/json" or media.endswith("+json")):
@@ -347,13 +384,20 @@ def json_body(body: bytes, content_type: str | None) -> object:
         return {}
     check_json_depth(body, MAX_JSON_DEPTH)
     try:
-        return json.loads(body, object_pairs_hook=_no_repeated_keys)
+        data = json.loads(body, object_pairs_hook=_no_repeated_keys)
     except RecursionError:
         raise _too_deep() from None
     except BadRequestError:  # a repeated key
         raise
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(
+            f"request body is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start} ({exc.reason})",
+            code="invalid_text",
+        ) from None
     except ValueError as exc:
         raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    check_text(body, data)
+    return data
 
 
 def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:

@@ -14,6 +14,7 @@ answer 400, also for A.
 from __future__ import annotations
 
 import gzip
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -813,6 +814,125 @@ def test_malformed_nested_or_repeated_key_json_is_400_on_every_route(server, key
     from livelora.gateway.auth import check_json_depth
 
     check_json_depth(b'{"a": "' + b"[" * 5000 + b'"}', 64)  # brackets inside strings do not count
+
+
+def _body_routes(app) -> list[tuple[str, str, str]]:
+    """``(method, template, url)`` of every route that may take a body, its path parameters filled in."""
+    out = []
+    for method, path in _routes(app):
+        if method in ("POST", "PUT", "PATCH"):
+            url = path.replace("{session_id}", "0" * 32).replace("{name:path}", "x").replace("{name}", "x@1")
+            out.append((method, path, url))
+    return out
+
+
+def _redis_state(server) -> tuple[set[str], int, int]:
+    """The gateway's Redis keys (less those its background loops write on their own), the session history's size
+    and the signals stream's length."""
+    import redis
+
+    from livelora.core.redis_keys import KeyLayout
+
+    client = redis.Redis.from_url(server.services.settings.redis_url, decode_responses=True)
+    layout = KeyLayout(PREFIX)
+    background = tuple(PREFIX + s for s in ("usage", "lease:", "fence:", "learning:", "opruns:", "stats:"))
+    names = {k for k in client.scan_iter(match=PREFIX + "*", count=1000) if not k.startswith(background)}
+    return names, client.hlen(layout.session_history), client.xlen(layout.signals)
+
+
+def test_text_with_no_utf8_form_is_400_on_every_json_route_and_stores_nothing(server, keys, objs):
+    """A lone surrogate (escaped, raw, in a key) or bytes that are not UTF-8, on every route that takes a body: 400
+    ``invalid_text`` naming the field, in the route's envelope; no key, session or signal is written."""
+    bodies = {
+        "escaped": (
+            b'{"user_metadata": {"note": "a\\ud800b"}, "messages": [{"role": "user", "content": "x"}]}',
+            "user_metadata.note",
+        ),
+        "escaped-low": (b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
+        "in-a-key": (b'{"user_metadata": {"\\ud83d": "x"}}', "user_metadata.\\ud83d"),
+        "raw-bytes": (b'{"prompt": "\xed\xa0\x80"}', "prompt"),
+        "not-utf8": (b'{"prompt": "\xff"}', None),
+    }
+    before = _redis_state(server), snapshot(server, keys, objs)
+    with http(server, keys["acme"]) as a:
+        for method, path, url in _body_routes(server.app):
+            for what, (raw, param) in bodies.items():
+                r = a.request(method, url, content=raw, headers={"content-type": "application/json"})
+                err = error_of(r, 400)
+                where = (method, path, what, r.text)
+                if is_anthropic(path):
+                    assert err["message"].startswith("request body "), where
+                else:
+                    assert err["code"] == "invalid_text" and err["param"] == param, where
+        # a surrogate pair (escaped) is a character beyond U+FFFF and is fine; the session keeps it
+        sid = ok(a.post("/api/v1/create_session", json={"user_metadata": {"note": "\U0001f600"}}))["session_id"]
+        assert ok(a.get(f"/api/v1/sessions/{sid}"))
+        assert ok(
+            a.post(
+                "/api/v1/session_heartbeat",
+                content=b'{"session_id": "%s"}' % sid.encode(),
+                headers={"content-type": "application/json"},
+            )
+        )
+    after = _redis_state(server), snapshot(server, keys, objs)
+    assert after[1] == before[1]
+    new_keys = after[0][0] - before[0][0]
+    assert all(sid in k for k in new_keys), new_keys  # only the pair's session was written
+    assert after[0][1] == before[0][1] + 1 and after[0][2] == before[0][2]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("Authorization", "Bearer {acme}"), ("Authorization", "Bearer {beta}")],
+        [("Authorization", "Bearer {acme}"), ("Authorization", "Bearer {acme}")],
+        [("X-API-Key", "{acme}"), ("X-API-Key", "{beta}")],
+        [("Authorization", "Bearer {acme}"), ("X-API-Key", "{beta}")],
+    ],
+    ids=["two-authorization", "authorization-twice-same-key", "two-x-api-key", "both-headers-two-keys"],
+)
+def test_more_than_one_key_in_a_request_is_400_on_every_route(server, keys, headers):
+    """Two credentials in one request are refused before anything else, on every route (console and Tinker
+    included, public ones too): no reader can take the first while another takes the last."""
+    sent = [(k, v.format(**keys)) for k, v in headers]
+    with console_client(server.base_url, keys["acme"]) as c:  # a console session cookie as well
+        for method, path in _routes(server.app):
+            url = re.sub(r"\{[^}]+\}", "x", path)
+            r = c.request(method, url, headers=sent, json={} if method in ("POST", "PUT", "PATCH") else None)
+            err = error_of(r, 400)
+            assert err["message"].startswith("ambiguous credentials"), (method, path, r.text)
+            if not is_anthropic(path):
+                assert err["code"] == "ambiguous_credentials", (method, path, r.text)
+    with httpx.Client(base_url=server.base_url) as c:  # one key in both headers is one key
+        r = c.get("/v1/models", headers={"Authorization": f"Bearer {keys['acme']}", "X-API-Key": keys["acme"]})
+        assert r.status_code == 200, r.text
+
+
+def test_tinker_json_bodies_refuse_unknown_keys_as_protobuf_does(server, keys, objs):
+    """``"model_id "`` (a trailing space) is an unknown key on every Tinker route that reads its body: 400
+    ``unknown_parameter`` naming it. An op refused so leaves its seq free: the same seq then runs."""
+    unread = {"/api/v1/client/config", "/api/v1/client/dynamic_config", "/api/v1/telemetry"}  # docs/errors.md
+    with http(server, keys["acme"]) as a:
+        sid = ok(a.post("/api/v1/create_session", json={}))["session_id"]
+        for method, path, url in _body_routes(server.app):
+            if not path.startswith("/api/v1/") or path in unread:
+                continue
+            url = url.replace("0" * 32, sid).replace("{model_id}", objs["model"])
+            url = url.replace("{checkpoint_id:path}", "weights/w1")
+            r = a.request(method, url, json={"model_id ": objs["model"]})
+            err = error_of(r, 400)
+            if err["code"] == "not_implemented":  # create_custom_loss, copy_weights: refused whatever the body
+                continue
+            assert err["code"] == "unknown_parameter" and err["param"] == "model_id ", (method, path, r.text)
+        # an op refused for an unknown key leaves its seq free: the same seq, spelt right, runs
+        made = {"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 2}}
+        model = ok(a.post("/api/v1/create_model", json=made))["model_id"]
+        save = {"model_id": model, "seq_id": 1, "path": "u1"}
+        for body, param in (({**save, "model_id ": model}, "model_id "), ({**save, "paht": "u2"}, "paht")):
+            err = error_of(a.post("/api/v1/save_weights", json=body), 400)
+            assert err["code"] == "unknown_parameter" and err["param"] == param, err
+        done = future(a, ok(a.post("/api/v1/save_weights", json=save))["request_id"])
+        assert done["path"] == f"tinker://{model}/weights/u1", done
 
 
 def test_protobuf_bodies_go_through_the_same_check(server, keys, objs):

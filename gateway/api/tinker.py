@@ -95,16 +95,17 @@ async def body_json(request: Request) -> dict[str, Any]:
 
 
 def parse(model: type[M], data: dict[str, Any]) -> M:
-    """Validate ``data`` as ``model``; a bad or unknown field is a 400 naming it."""
+    """Validate ``data`` as ``model``; a bad or unknown field is a 400 naming it (an unknown one first, code
+    ``unknown_parameter``: a misspelt key also leaves its field missing)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = sorted(exc.errors(), key=lambda e: e.get("type") != "extra_forbidden")
+        first = errors[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
-        msgs = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in exc.errors()[:3]
-        )
-        raise BadRequestError(f"invalid {model.__name__}: {msgs}", param=loc or None, code="invalid_value") from None
+        msgs = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:3])
+        code = "unknown_parameter" if first.get("type") == "extra_forbidden" else "invalid_value"
+        raise BadRequestError(f"invalid {model.__name__}: {msgs}", param=loc or None, code=code) from None
 
 
 async def decode(request: Request, model: type[M]) -> M:
@@ -385,7 +386,12 @@ async def external_weights_file(token: str, file_name: str, checkpoints: Checkpo
 async def publish_checkpoint(
     model_id: str, checkpoint_id: str, request: Request, checkpoints: CheckpointsDep
 ) -> Response:
-    await body_json(request)  # no body is needed; one that is sent must be JSON
+    if data := await body_json(request):  # no body is needed; one that is sent must be an empty JSON object
+        raise BadRequestError(
+            f"publish takes no fields: unknown field {next(iter(data))!r}",
+            param=next(iter(data)),
+            code="unknown_parameter",
+        )
     checkpoints.set_public(model_id, checkpoint_id, True)
     return Response(status_code=204)
 

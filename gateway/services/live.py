@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from livelora.clients.errors import UnavailableError
-from livelora.core.bus import connect_async, ensure_group_async
+from livelora.core.bus import connect_async, ensure_group_async, redis_unavailable
+from livelora.core.key_migration import migrate_user_text_keys
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.completion_log import CompletionLog
@@ -77,6 +78,9 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
     )
     try:
         await ensure_group_async(client, keys)
+        with redis_unavailable():
+            if moved := await migrate_user_text_keys(client, keys):
+                log.info("renamed %d rating and idempotency keys to their digest form", moved)
     except UnavailableError as exc:
         log.warning(
             "Redis at %s is unreachable (%s): serving without the completion log and signal routes until it is back",

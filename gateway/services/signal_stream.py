@@ -1,7 +1,7 @@
 """The signals stream's door: every accepted signal event is written in one Lua script, all of it or none.
 
-A re-rate of a completion by the same rater replaces the queued rating (``rating:{completion}:{rater}``); an
-``Idempotency-Key`` stores the first answer (``idem:...``, 24 h) so a retry adds nothing and a different body
+A re-rate of a completion by the same rater replaces the queued rating (:meth:`KeyLayout.rating`); an
+``Idempotency-Key`` stores the first answer (:meth:`KeyLayout.idem`, 24 h) so a retry adds nothing and a different body
 with that key is a 409. The rules: ``docs/internals/live-training.md``.
 """
 

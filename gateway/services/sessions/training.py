@@ -214,14 +214,30 @@ class TrainingOps:
 
         The model id and seq id are read first, leniently, so that a body that fails validation still resolves
         its future with the error and consumes its seq id. Refused with an HTTP error (nothing queued, the seq
-        left free: :meth:`refuse`): a seq beyond the bound ahead (400), over a quota (429), over a per-op limit
-        (413). A seq behind the model's next op that no request claimed gets a failed future at once.
+        left free: :meth:`refuse`): an unknown field (400, as the protobuf decoder), a seq beyond the bound ahead
+        (400), over a quota (429), over a per-op limit (413). A seq behind the model's next op that no request
+        claimed gets a failed future at once.
 
         Raises:
-            BadRequestError: no ``model_id`` / ``seq_id`` (nothing can be queued without them); seq too far ahead.
+            BadRequestError: no ``model_id`` / ``seq_id`` (nothing can be queued without them); an unknown field;
+                seq too far ahead.
             QuotaExceededError, PayloadTooLargeError: see above.
         """
         model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
+        try:  # an unknown field is refused as the protobuf decoder refuses one: 400, nothing queued
+            req, parse_error = parse(raw), None
+        except ValueError as exc:  # pydantic.ValidationError
+            req, parse_error = None, exc
+            if (unknown := _unknown_field(exc)) is not None:
+                err = BadRequestError(
+                    f"invalid {kind} request: unknown field {unknown!r} (the request takes only the fields of its "
+                    "schema, as its protobuf form)",
+                    param=unknown,
+                    code="unknown_parameter",
+                )
+                if isinstance(model_id, str) and isinstance(seq_id, int):
+                    await self.refuse(model_id, seq_id, err)
+                raise err from None
         if not isinstance(model_id, str) or not model_id:
             raise BadRequestError("model_id is required", param="model_id")
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
@@ -256,7 +272,8 @@ class TrainingOps:
         error: LiveloraError | None = None
         body: dict[str, Any] = {}
         try:
-            req = parse(raw)
+            if parse_error is not None:
+                raise parse_error
             self.checks.check_limits(kind, req)
             body = self.checks.validate(kind, req)
         except PayloadTooLargeError as exc:  # answered 413 now; the seq stays free
@@ -325,6 +342,15 @@ class TrainingOps:
                 )
             ]
         )
+
+
+def _unknown_field(exc: Exception) -> str | None:
+    """The dotted path of the first field a pydantic error names as not allowed (``extra_forbidden``)."""
+    errors = getattr(exc, "errors", None)
+    for e in errors() if callable(errors) else ():
+        if e.get("type") == "extra_forbidden":
+            return ".".join(str(p) for p in e.get("loc", ()))
+    return None
 
 
 def _pydantic_message(exc: Exception) -> str:
