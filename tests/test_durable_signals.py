@@ -99,11 +99,15 @@ def _rate(url: str, completion_id: str, up: bool) -> httpx.Response:
 
 
 def _rate_new(url: str, n: int, tag: str) -> list[str]:
-    ids = []
+    """``n`` chats, then one rating of each (the ratings follow each other closely: none waits ``max_wait_s``)."""
+    chats = []
     for i in range(n):
         chat = _retry(_chat, url, f"Name a colour ({tag} {i}).")
         assert chat.status_code == 200, chat.text
-        r = _retry(_rate, url, chat.json()["id"], i % 2 == 0)
+        chats.append(chat.json()["id"])
+    ids = []
+    for i, completion_id in enumerate(chats):
+        r = _retry(_rate, url, completion_id, i % 2 == 0)
         assert r.status_code == 200, r.text
         ids.append(r.json()["id"])
     return ids
@@ -136,6 +140,8 @@ def test_redis_killed_between_acceptance_and_training(persist, livelora_home, ba
                 r.close()
                 own.kill()
                 own.start()
+                r = redis.Redis.from_url(own.url, decode_responses=True)
+                assert (r.xlen(c.prefix + "signals") == 6) is persist  # emptied without persistence
                 answer = waiting.result()
             if persist:  # the future survived: still pending (408 after the long poll)
                 assert answer.status_code == 408, answer.text
@@ -144,8 +150,6 @@ def test_redis_killed_between_acceptance_and_training(persist, livelora_home, ba
                 again = _retry(httpx.post, gw.url + "/api/v1/retrieve_future", json={"request_id": op}, timeout=60)
                 assert again.status_code == 404, again.text  # asked again: gone, at once
                 assert "Redis" in answer.json()["error"]["message"]
-            r = redis.Redis.from_url(own.url, decode_responses=True)
-            assert (r.xlen(c.prefix + "signals") == 6) is persist  # emptied without persistence
             accepted += _rate_new(gw.url, 2, "after")
             assert wait_until(lambda: set(trained_counts(c.home)) >= set(accepted), timeout_s=300, interval_s=1)
             counts = trained_counts(c.home)
