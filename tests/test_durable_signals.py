@@ -176,7 +176,7 @@ def _stream_ids(client, keys) -> list[str]:
 
 def test_state_lost_requeues_what_is_neither_trained_nor_queued(bus, tmp_path):
     client, keys = bus
-    log = AcceptLog(tmp_path)
+    log = AcceptLog(tmp_path, keys.prefix)
     for eid in ("demonstration-a", "demonstration-b", "demonstration-c", "demonstration-d"):
         log.append(_event(eid), "")
     client.xadd(keys.signals, {"event": _event("demonstration-a"), "replaces": ""})  # still queued
@@ -198,11 +198,12 @@ def test_state_lost_requeues_what_is_neither_trained_nor_queued(bus, tmp_path):
     assert sorted(_stream_ids(client, keys)) == ["demonstration-a", "demonstration-c", "demonstration-d"]
 
 
-def test_a_rerate_is_not_requeued_for_the_rating_it_replaced(bus, tmp_path):
+def test_neither_a_replaced_rating_nor_another_prefixs_event_is_requeued(bus, tmp_path):
     client, keys = bus
-    log = AcceptLog(tmp_path)
+    log = AcceptLog(tmp_path, keys.prefix)
     log.append(_event("feedback-old"), "")
     log.append(_event("feedback-new"), "feedback-old")
+    AcceptLog(tmp_path, keys.prefix + "other:").append(_event("feedback-other"), "")  # another install's: not ours
     assert BusRecovery(client, keys, tmp_path).recover() == 1
     assert _stream_ids(client, keys) == ["feedback-new"]
     assert client.xrange(keys.signals)[0][1]["replaces"] == "feedback-old"
@@ -210,7 +211,7 @@ def test_a_rerate_is_not_requeued_for_the_rating_it_replaced(bus, tmp_path):
 
 def test_entries_lost_are_requeued_and_settled_logs_pruned(bus, tmp_path):
     client, keys = bus
-    log = AcceptLog(tmp_path)
+    log = AcceptLog(tmp_path, keys.prefix)
     clock = [time.time()]
     rec = BusRecovery(client, keys, tmp_path, reconcile_s=10, clock=lambda: clock[0])
     assert rec.recover() == 0

@@ -2,6 +2,8 @@
 
 Two checks, each under ``data/accepted/.recover.lock`` and at most one requeue per event id:
 
+Only records of this worker's Redis prefix count (a store serves one install; test runs share one).
+
 * **State lost** (the ``bus:epoch`` key is gone or changed: a restart without persistence, a flush): every worker
   drops its queue; the first re-queues every logged event that is neither trained (``trained.jsonl``, the
   trained set), dead-lettered (``rejected.jsonl``), replaced by a re-rate, nor in the stream; then sets a new epoch.
@@ -144,7 +146,7 @@ class BusRecovery:
         """XADD (in acceptance order) every logged event not in ``done_ids()``, not replaced, not in the stream.
         Read in this order: the log (a logged event was added to the stream before), the stream, then what is
         done (an entry leaves the stream only after its event is recorded)."""
-        files = read_accepted(self.home)
+        files = read_accepted(self.home, self.keys.prefix)
         in_stream = self._in_stream()
         done = done_ids()
         recs: dict[str, dict[str, Any]] = {}
@@ -170,13 +172,18 @@ class BusRecovery:
     def _prune(self) -> None:
         """Delete past days' log files whose every event is in the dataset of record and out of the stream."""
         today = datetime.fromtimestamp(self.clock(), UTC).strftime("%Y-%m-%d")
-        files = read_accepted(self.home)
+        files = read_accepted(self.home)  # a file is pruned only when all of it is this prefix's and settled
         old = {name: recs for name, recs in files.items() if name[:10] < today}
         if not old:
             return
         in_stream = self._in_stream()
         recorded = self._dataset.log.refresh()  # after the stream: an entry leaves it once recorded
         for name, recs in old.items():
-            if all(r["event"]["id"] in recorded and r["event"]["id"] not in in_stream for r in recs):
+            if all(
+                r.get("prefix") == self.keys.prefix
+                and r["event"]["id"] in recorded
+                and r["event"]["id"] not in in_stream
+                for r in recs
+            ):
                 (accept_dir(self.home) / name).unlink(missing_ok=True)
                 log.info("accepted-signal log %s pruned: every event in it is settled", name)

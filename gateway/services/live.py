@@ -78,7 +78,7 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
         idempotency_ttl_s=live.idempotency_ttl_s,
         check_event=signal_checker(settings),
         ratings_to_step=learning.ratings_to_step,
-        accept_log=AcceptLog(settings.home),  # durable before the answer (docs/scaling-out.md)
+        accept_log=AcceptLog(settings.home, keys.prefix),  # durable before the answer (docs/scaling-out.md)
     )
     try:
         await ensure_group_async(client, keys)
