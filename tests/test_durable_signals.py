@@ -234,10 +234,9 @@ def test_entries_lost_are_requeued_and_settled_logs_pruned(bus, tmp_path):
     clock[0] += 11
     rec.reconcile()
     assert [p for p in os.listdir(accept_dir(tmp_path)) if p.endswith(".jsonl")] == ["2020-01-01" + name[10:]]
+    # y's user forgotten (the trainer drops y unrecorded): neither re-queued again nor keeping the file
     client.delete(keys.signals)
-    DatasetOfRecord(tmp_path).append(
-        "2026-01-01", [("demonstration-y", {"event": json.loads(_event("demonstration-y"))})]
-    )
+    rec.forgotten = lambda ev: ev.id == "demonstration-y"
     clock[0] += 11
     assert rec.reconcile() == 0
     assert [p for p in os.listdir(accept_dir(tmp_path)) if p.endswith(".jsonl")] == []

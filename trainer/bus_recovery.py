@@ -1,16 +1,15 @@
 """Re-queues accepted signals that Redis lost, from the gateways' accepted-signal log (:mod:`livelora.core.accept_log`).
 
-Two checks, each under ``data/accepted/.recover.lock`` and at most one requeue per event id:
-
-Only records of this worker's Redis prefix count (a store serves one install; test runs share one).
+Two checks, under ``data/accepted/.recover.lock``, on this worker's Redis prefix's records only:
 
 * **State lost** (the ``bus:epoch`` key is gone or changed: a restart without persistence, a flush): every worker
-  drops its queue; the first re-queues every logged event that is neither trained (``trained.jsonl``, the
-  trained set), dead-lettered (``rejected.jsonl``), replaced by a re-rate, nor in the stream; then sets a new epoch.
+  drops its queue; the first re-queues every logged event neither trained (``trained.jsonl``, the trained set),
+  dead-lettered (``rejected.jsonl``), replaced by a re-rate, a forgotten user's, nor in the stream; then sets a
+  new epoch.
 * **Entries lost** (every ``reconcile_s``; a failover to a replica that missed writes): re-queues logged events
-  that are neither in the dataset of record nor in the stream (never read by a trainer and gone).
+  neither in the dataset of record, a forgotten user's, nor in the stream (never read by a trainer and gone).
 
-Then past days' log files whose events are all settled (in the dataset of record and out of the stream) are
+Then past days' log files whose events are all settled (recorded or forgotten, and out of the stream) are
 deleted. Why this design: ``docs/scaling-out.md``.
 """
 
@@ -23,6 +22,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import redis
@@ -56,6 +56,8 @@ class BusRecovery:
         home: ``LIVELORA_HOME``.
         reconcile_s: seconds between "entries lost" checks (and log pruning).
         clock: Unix seconds.
+        forgotten: whether an event (attributes ``user``, ``caller``, ``endpoint``) is a forgotten user's: settled
+            without a record, so its log file is pruned too (:meth:`FeedbackGovernor.forgotten`); ``None``: none is.
     """
 
     def __init__(
@@ -65,8 +67,10 @@ class BusRecovery:
         home: Path,
         reconcile_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        forgotten: Callable[[Any], bool] | None = None,
     ):
         self.client, self.keys, self.home = client, keys, Path(home)
+        self.forgotten = forgotten
         self.reconcile_s, self.clock = reconcile_s, clock
         self.epoch: str | None = None  # the Redis state this worker's queue belongs to
         self.recovered = 0  # events this process re-queued
@@ -156,7 +160,11 @@ class BusRecovery:
             if rec.get("replaces"):
                 replaced.add(rec["replaces"])
         todo = sorted(
-            (r for eid, r in recs.items() if eid not in done and eid not in replaced and eid not in in_stream),
+            (
+                r
+                for eid, r in recs.items()
+                if eid not in done and eid not in replaced and eid not in in_stream and not self._forgotten(r)
+            ),
             key=lambda r: r.get("accepted", 0),
         )
         if todo:
@@ -179,11 +187,20 @@ class BusRecovery:
         in_stream = self._in_stream()
         recorded = self._dataset.log.refresh()  # after the stream: an entry leaves it once recorded
         for name, recs in old.items():
-            if all(
-                r.get("prefix") == self.keys.prefix
-                and r["event"]["id"] in recorded
-                and r["event"]["id"] not in in_stream
-                for r in recs
-            ):
+            if all(r.get("prefix") == self.keys.prefix and self._settled_rec(r, recorded, in_stream) for r in recs):
                 (accept_dir(self.home) / name).unlink(missing_ok=True)
                 log.info("accepted-signal log %s pruned: every event in it is settled", name)
+
+    def _settled_rec(self, rec: dict[str, Any], recorded: set[str], in_stream: set[str]) -> bool:
+        eid = rec["event"]["id"]
+        if eid in in_stream:
+            return False
+        return eid in recorded or self._forgotten(rec)
+
+    def _forgotten(self, rec: dict[str, Any]) -> bool:
+        """A forgotten user's event: dropped unrecorded by the trainer (or deleted from the dataset of record), so
+        settled without a record and never re-queued."""
+        try:
+            return self.forgotten is not None and self.forgotten(SimpleNamespace(**rec["event"]))
+        except Exception:  # e.g. an endpoint since deleted: not forgotten
+            return False

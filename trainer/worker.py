@@ -443,7 +443,7 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
         governor=governor,
         versions=AdapterVersions(s.home, Limits.from_settings(s.quotas)),
         quota_retry_s=t.quota_retry_s,
-        recovery=BusRecovery(client, keys, s.home, reconcile_s=t.reconcile_s),
+        recovery=BusRecovery(client, keys, s.home, reconcile_s=t.reconcile_s, forgotten=governor.forgotten),
     )
 
 
