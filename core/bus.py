@@ -69,6 +69,19 @@ def connect_sync(url: str, *, timeout_s: float = 2.0) -> redis.Redis:
     return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=timeout_s, health_check_interval=30)
 
 
+def volatile_warning(config: dict[str, str], url: str) -> str | None:
+    """A warning for a Redis whose ``CONFIG GET append*`` answer (``config``) shows it may lose acknowledged
+    writes on a restart (no AOF, or AOF not fsync'd at every write); ``None`` when it persists each write."""
+    if config.get("appendonly") == "yes" and config.get("appendfsync") == "always":
+        return None
+    how = "without append-only persistence" if config.get("appendonly") != "yes" else "with appendfsync "
+    how += "" if config.get("appendonly") != "yes" else config.get("appendfsync", "?")
+    return (
+        f"Redis at {url} runs {how}: a restart loses its queued signals, sessions and futures; accepted signals "
+        "are re-queued from LIVELORA_HOME/data/accepted, sessions and futures in flight fail (docs/scaling-out.md)"
+    )
+
+
 def dumps(obj: Any) -> str:
     """Compact JSON used for every value livelora writes to Redis."""
     return json.dumps(obj, separators=(",", ":"), sort_keys=True)

@@ -103,6 +103,12 @@ class KeyLayout:
         return f"{self.prefix}signals:retrained"
 
     @property
+    def bus_epoch(self) -> str:
+        """``{prefix}bus:epoch``: a random id the trainer sets after checking the signals stream against the
+        accepted-signal log; its absence or change means Redis lost its state (``trainer/bus_recovery.py``)."""
+        return f"{self.prefix}bus:epoch"
+
+    @property
     def store_id(self) -> str:
         """``{prefix}store_id``: the id of the store this prefix belongs to."""
         return f"{self.prefix}store_id"

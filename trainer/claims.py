@@ -156,6 +156,12 @@ class SignalClaims:
             self._held.difference_update(ids)
             self._lost.difference_update(ids)
 
+    def forget_all(self) -> None:
+        """Hold nothing (Redis lost the group: these entries no longer exist)."""
+        with self._held_lock:
+            self._held.clear()
+            self._lost.clear()
+
     def lost_of(self, ids: list[str]) -> set[str]:
         """Those of ``ids`` whose claim went to another consumer (:meth:`renew` found them)."""
         with self._held_lock:
@@ -207,23 +213,30 @@ class SignalClaims:
 
     def commit(self, event_ids: list[str], stream_ids: list[str]) -> int:
         """One script: add ``event_ids`` to the shared trained set, then XACK + XDEL the ``stream_ids`` still
-        pending for this consumer. Returns how many events were already in the set (should be 0)."""
+        pending for this consumer. Returns how many events were already in the set (should be 0); 0 when the group
+        is gone (Redis lost its state: ``trained.jsonl`` holds the step, ``bus_recovery.py`` re-queues the rest)."""
         now = time.time()
+        dup = 0
         with redis_unavailable():
-            dup = int(
-                self._commit_script(
-                    keys=[self.keys.signals, self.keys.signals_trained, self.keys.signals_retrained],
-                    args=[
-                        TRAINERS_GROUP,
-                        self.consumer,
-                        len(event_ids),
-                        now,
-                        now - TRAINED_SET_WINDOW_S,
-                        *event_ids,
-                        *stream_ids,
-                    ],
+            try:
+                dup = int(
+                    self._commit_script(
+                        keys=[self.keys.signals, self.keys.signals_trained, self.keys.signals_retrained],
+                        args=[
+                            TRAINERS_GROUP,
+                            self.consumer,
+                            len(event_ids),
+                            now,
+                            now - TRAINED_SET_WINDOW_S,
+                            *event_ids,
+                            *stream_ids,
+                        ],
+                    )
                 )
-            )
+            except redis.exceptions.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("commit found no signals group (Redis lost its state): %s", exc)
         self.release(stream_ids)
         return dup
 

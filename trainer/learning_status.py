@@ -50,6 +50,7 @@ class LearningReporter:
         self.step_seconds: float | None = None  # over every lineage: the estimate of a lineage with no step yet
         self.read_through: str | None = None
         self.base_measure: dict[str, Any] | None = None
+        self.recovered_signals: dict[str, Any] | None = None  # {"total", "count", "at", "why"}
 
     # ------------------------------------------------------------------ writing
     def _write(self, key: str, value: str) -> None:
@@ -75,6 +76,7 @@ class LearningReporter:
             "step_seconds": self.step_seconds,
             "read_through": self.read_through,
             "base_measure": self.base_measure,
+            "recovered": self.recovered_signals,
             "updated": self.clock(),
         }
         return self.keys.learning_trainer, json.dumps(doc)
@@ -128,6 +130,12 @@ class LearningReporter:
         return bool(st.ratings_waiting or st.demonstrations_waiting or st.preferences_waiting)
 
     # ------------------------------------------------------------------ the worker's calls
+    def recovered(self, total: int, last: dict[str, Any] | None) -> None:
+        """Signals re-queued from the accepted-signal log: ``total`` by this process, ``last`` the newest re-queue."""
+        with self._lock:
+            self.recovered_signals = {"total": total, **(last or {})}
+            self._trainer()
+
     def started(self) -> None:
         """The trainer's settings, at start-up."""
         with self._lock:

@@ -184,6 +184,12 @@ class BatchScheduler:
                 out.append((sid, ev))
         return out
 
+    def clear(self) -> int:
+        """Drop every queued event (Redis lost their entries: they come back re-queued); returns how many."""
+        n = len(self)
+        self._queues.clear()
+        return n
+
     def requeue(self, batch: Batch, now: float) -> None:
         """Put a batch whose step failed back at the front of its queue (it is retried later)."""
         q = self._queues.setdefault((batch.lineage, batch.kind), _Queue())

@@ -49,6 +49,12 @@ class TrainingSection(Section):
         description="Seconds the oldest queued event waits before a smaller batch is trained (KTO needs at least 2).",
     )
     claim_idle_s: float = Field(120.0, gt=0, description="Events pending this long in a dead worker are reclaimed.")
+    reconcile_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds between checks for accepted signals missing from Redis (re-queued from "
+        "data/accepted) and pruning of settled accepted-signal logs.",
+    )
     kto_lr: float = Field(
         1e-3,
         gt=0,

@@ -12,6 +12,7 @@ event to the dataset of record before acknowledging it, queues it in the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,9 +29,10 @@ import redis
 from livelora.adapters.endpoints import EndpointStore
 from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
-from livelora.core.bus import ensure_group, publish_notice, redis_unavailable
+from livelora.core.bus import ensure_group, publish_notice, redis_unavailable, volatile_warning
 from livelora.core.redis_keys import KeyLayout
 from livelora.trainer import triage
+from livelora.trainer.bus_recovery import BusRecovery
 from livelora.trainer.claims import Entry, SignalClaims
 from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
 from livelora.trainer.learning_status import LearningReporter
@@ -94,6 +96,7 @@ class TrainerWorker:
             rate limit and quarantine, forgotten users); ``None``: every event is admitted.
         versions, quota_retry_s: the ``max_adapter_versions`` limit (:class:`~livelora.core.quotas.
             AdapterVersions`; ``None``: none) and the wait of a held-back step (:mod:`livelora.trainer.retention`).
+        recovery: re-queues what Redis lost (:class:`~livelora.trainer.bus_recovery.BusRecovery`); ``None``: no.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class TrainerWorker:
         governor: Any = None,
         versions: Any = None,
         quota_retry_s: float = 30.0,
+        recovery: BusRecovery | None = None,
     ):
         self.client = client
         self.keys = keys
@@ -135,6 +139,7 @@ class TrainerWorker:
         self._last_claim = float("-inf")
         self._started = False
         self.learning = LearningReporter(client, keys, self.scheduler.config)  # GET /v1/learning/{endpoint}
+        self.recovery = recovery
         if hasattr(backend, "progress"):
             backend.progress = self.learning.progress
 
@@ -145,10 +150,17 @@ class TrainerWorker:
         start the claim keeper thread."""
         ensure_group(self.client, self.keys)
         self.trained.refresh()
+        self._check_bus()
         self._ingest(self.claims.own_pending())
         self._started = True
         self.learning.started()
         self.claims.start_keeper()
+
+    def _check_bus(self) -> None:
+        """Re-queue what Redis lost (:meth:`BusRecovery.check`); a loss of state first drops the queue here."""
+        drop = lambda: (self.scheduler.clear(), self.claims.forget_all(), self._failures.clear())  # noqa: E731
+        if self.recovery is not None and self.recovery.check(drop):
+            self.learning.recovered(self.recovery.recovered, self.recovery.last)
 
     def close(self) -> None:
         """Stop the claim keeper thread (entries still held are reclaimed by peers after ``claim_idle_s``)."""
@@ -216,8 +228,7 @@ class TrainerWorker:
         Raises:
             UnavailableError: Redis unreachable (nothing acknowledged; safe to call again).
         """
-        if not self._started:
-            self.start()
+        self.start() if not self._started else self._check_bus()  # start() checks the bus too
         now = self.clock()
         if now - self._last_claim >= self.claim_interval_s:
             self._last_claim = now
@@ -405,6 +416,10 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
     t = s.training
     client = client or connect_sync(s.redis_url)
     keys = KeyLayout(s.redis_prefix)
+    with contextlib.suppress(redis.exceptions.RedisError):  # unreachable, or CONFIG disabled: cannot tell
+        warning = volatile_warning(client.config_get("append*"), s.redis_url)
+        if warning:
+            log.warning(warning)
     meter = Meter(keys, enabled=s.observability.metering)
     backend = OnlineTrainer(resolve_base_model(s.model, s.home), s.home, t, gate=s.gate, meter=meter, redis=client)
     governor = FeedbackGovernor(
@@ -428,6 +443,7 @@ def build_worker(settings: Any = None, *, client: redis.Redis | None = None) -> 
         governor=governor,
         versions=AdapterVersions(s.home, Limits.from_settings(s.quotas)),
         quota_retry_s=t.quota_retry_s,
+        recovery=BusRecovery(client, keys, s.home, reconcile_s=t.reconcile_s, forgotten=governor.forgotten),
     )
 
 

@@ -73,6 +73,12 @@ class LearningStatus(BaseModel):
     )
     eta_basis: str | None = Field(default=None, description="How eta_s was estimated.")
     updated: float | None = Field(default=None, description="When the trainer last reported.")
+    recovered_signals: int = Field(
+        default=0,
+        description="Accepted signals the running trainer re-queued from the accepted-signal log after Redis lost "
+        "them (a restart without persistence, a flush, a failover).",
+    )
+    recovered_at: float | None = Field(default=None, description="When it last re-queued some.")
     paused: bool = Field(
         default=False, description="An admin paused the lineage's learning: signals stay queued, no step starts."
     )

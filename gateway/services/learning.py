@@ -129,6 +129,8 @@ class LearningService:
             if st.stage in ("idle", "published", "rejected") and trainer:
                 st.stage, st.since, st.check, st.detail, st.version, st.reason = "waiting", None, None, None, None, None
                 st.stages = []
+        recovered = trainer.get("recovered") or {}
+        st.recovered_signals, st.recovered_at = recovered.get("total", 0), recovered.get("at")
         base = trainer.get("base_measure") or {}
         estimate(st, base.get("seconds"), time.time())
         st.paused = any(b.lineage == lineage and b.learning_paused for b in self.registry.bindings.values())

@@ -7,12 +7,16 @@ not logged and the signal routes answer 503 with ``Retry-After`` until Redis is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from livelora.clients.errors import UnavailableError
-from livelora.core.bus import connect_async, ensure_group_async, redis_unavailable
+from livelora.core.accept_log import AcceptLog
+from livelora.core.bus import connect_async, ensure_group_async, redis_unavailable, volatile_warning
 from livelora.core.key_migration import migrate_user_text_keys
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import Engine
@@ -75,12 +79,17 @@ async def start_live_loop(settings: GatewaySettings, engine: Engine) -> LiveLoop
         idempotency_ttl_s=live.idempotency_ttl_s,
         check_event=signal_checker(settings),
         ratings_to_step=learning.ratings_to_step,
+        accept_log=AcceptLog(settings.home, keys.prefix),  # durable before the answer (docs/scaling-out.md)
     )
     try:
         await ensure_group_async(client, keys)
         with redis_unavailable():
             if moved := await migrate_user_text_keys(client, keys):
                 log.info("renamed %d rating and idempotency keys to their digest form", moved)
+        with contextlib.suppress(redis.exceptions.ResponseError):  # CONFIG disabled (managed Redis): cannot tell
+            warning = volatile_warning(await client.config_get("append*"), settings.redis_url)
+            if warning:
+                log.warning(warning)
     except UnavailableError as exc:
         log.warning(
             "Redis at %s is unreachable (%s): serving without the completion log and signal routes until it is back",

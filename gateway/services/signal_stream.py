@@ -2,11 +2,14 @@
 
 A re-rate of a completion by the same rater replaces the queued rating (:meth:`KeyLayout.rating`); an
 ``Idempotency-Key`` stores the first answer (:meth:`KeyLayout.idem`, 24 h) so a retry adds nothing and a different body
-with that key is a 409. The rules: ``docs/internals/live-training.md``.
+with that key is a 409. With an accepted-signal log (:class:`~livelora.core.accept_log.AcceptLog`) a new event is
+also appended there, fsync'd, before the answer: what Redis loses later is re-queued from it. The rules:
+``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -14,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from livelora.clients.errors import ConflictError
+from livelora.clients.errors import ConflictError, UnavailableError
 from livelora.clients.types.signals import parse_stream_event
 from livelora.core import metrics
 from livelora.core.bus import dumps, redis_unavailable
@@ -49,10 +52,14 @@ class SignalStream:
         keys: key layout.
         idempotency_ttl_s: lifetime of idempotency records (seconds).
         rating_ttl_s: lifetime of a rating key (seconds; the completion log's retention).
+        accept_log: where each new event is made durable before the answer (``None``: Redis alone).
     """
 
-    def __init__(self, client: aredis.Redis, keys: KeyLayout, idempotency_ttl_s: int, rating_ttl_s: int):
+    def __init__(
+        self, client: aredis.Redis, keys: KeyLayout, idempotency_ttl_s: int, rating_ttl_s: int, accept_log: Any = None
+    ):
         self.keys = keys
+        self.accept_log = accept_log
         self.idempotency_ttl_s = int(idempotency_ttl_s)
         self.rating_ttl_s = int(rating_ttl_s)
         self._accept = client.register_script(_ACCEPT_LUA)
@@ -75,7 +82,9 @@ class SignalStream:
 
         Raises:
             ConflictError: the idempotency key was used with another body (409).
-            UnavailableError: Redis unreachable (503); nothing accepted.
+            UnavailableError: Redis unreachable (503); nothing accepted. Or the accepted-signal log could not be
+                written (503): the event is queued but not durable; a retry with a new Idempotency-Key may queue
+                it twice (a re-rate replaces, so ratings are safe).
         """
         fingerprint = hashlib.sha256((route + "\n" + dumps(body.model_dump(mode="json"))).encode()).hexdigest()
         idem = self.keys.idem(f"{route}/{caller or '-'}", idempotency_key) if idempotency_key else ""
@@ -100,6 +109,16 @@ class SignalStream:
                 code="idempotency_key_reused",
             )
         ev = parse_stream_event({"event": rec["event"], "replaces": rec["replaces"]})
+        if kind != "replay" and self.accept_log is not None:
+            try:
+                await asyncio.to_thread(self.accept_log.append, rec["event"], rec["replaces"])
+            except OSError as exc:
+                log.error("accepted %s but the accepted-signal log failed: %s", ev.id, exc)
+                raise UnavailableError(
+                    f"the signal {ev.id} is queued but could not be written to the accepted-signal log ({exc}); "
+                    "it may still be trained",
+                    retry_after=5.0,
+                ) from exc
         if kind != "replay":
             metrics.SIGNALS.labels("accepted", ev.type).inc()
             log.info(

@@ -64,6 +64,7 @@ class SignalService:
         idempotency_ttl_s: lifetime of idempotency records (seconds).
         check_event: raises (400) for an event the trainer could not train, before it is queued
             (:class:`livelora.gateway.signal_checks.SignalChecker`); run on a thread. ``None`` checks nothing.
+        accept_log: the accepted-signal log (:class:`~livelora.core.accept_log.AcceptLog`); ``None``: none.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class SignalService:
         idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S,
         check_event: Callable[[Any], None] | None = None,
         ratings_to_step: Callable[[str], Any] | None = None,
+        accept_log: Any = None,
     ):
         self.client = client
         self.ratings_to_step = ratings_to_step  # async endpoint -> int | None (gateway/services/learning.py)
@@ -84,7 +86,9 @@ class SignalService:
         self.registry = registry
         self.stats = stats
         self.check_event = check_event
-        self.stream = SignalStream(client, keys, idempotency_ttl_s, rating_ttl_s=completions.retention_s)
+        self.stream = SignalStream(
+            client, keys, idempotency_ttl_s, rating_ttl_s=completions.retention_s, accept_log=accept_log
+        )
 
     # ------------------------------------------------------------ internals
 

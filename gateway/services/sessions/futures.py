@@ -98,7 +98,11 @@ class Futures:
                 with redis_unavailable():
                     raw = await self.redis.get(self.keys.future(request_id))
                 if raw is None:
-                    raise GoneError(f"request {request_id!r} is unknown or its result expired", param="request_id")
+                    raise GoneError(  # also when Redis restarted empty while the op ran: asked again within 1 s
+                        f"request {request_id!r} is unknown, its result expired, or Redis lost it (a restart "
+                        "without persistence or a flush); submit the op again",
+                        param="request_id",
+                    )
                 record = json.loads(raw)
                 if record["state"] == "done":
                     return record["result"]
