@@ -134,7 +134,8 @@ class TrainerWorker:
         self.dead_letters = triage.DeadLetters(self.home, self.claims, self.scheduler, clock)
         self._last_claim = float("-inf")
         self._started = False
-        self.learning = LearningReporter(client, keys, self.scheduler.config)  # GET /v1/learning/{endpoint}
+        every = getattr(getattr(backend, "gate_config", None), "gate_holdout_every", 0)  # GET /v1/learning/{endpoint}:
+        self.learning = LearningReporter(client, keys, self.scheduler.config, holdout_every=every)
         if hasattr(backend, "progress"):
             backend.progress = self.learning.progress
 
@@ -188,7 +189,7 @@ class TrainerWorker:
                 continue  # a forgotten user's event is neither recorded nor trained (admit() drops it)
             records.append((ev.id, {"stream_id": sid, "received": now, "event": json.loads(ev.model_dump_json())}))
         self.dataset.append(day, records)  # durable BEFORE any ack; once per event id
-        ack, touched = list(bad), {}
+        ack, touched, left_out = list(bad), {}, []
         done = self.trained_ids([ev.id for _, ev in parsed])
         for sid, ev in parsed:
             if ev.id in done:  # trained before a crash that came before its ack, or by a peer
@@ -196,17 +197,20 @@ class TrainerWorker:
                 continue
             lineage = self.endpoints.get(ev.endpoint).lineage
             hold_out = getattr(self.backend, "hold_out", None)  # kept for the gate's signal check, or governed out
-            if (self.governor is not None and self.governor.admit(lineage, ev, now)) or (
-                hold_out is not None and hold_out(lineage, ev)
-            ):
+            why = self.governor.admit(lineage, ev, now) if self.governor is not None else None
+            why = why or ("held_out" if hold_out is not None and hold_out(lineage, ev) else None)
+            if why:
                 ack.append(sid)
+                if ev.type == "rating" and why in ("held_out", "rate_limit"):
+                    left_out.append((lineage, why))
+                    touched[lineage] = ev.endpoint
                 continue
             self.claims.hold([sid])
             ack += self.scheduler.add(lineage, sid, ev, now)
             touched[lineage] = ev.endpoint
         if ack:
             self.claims.ack(ack)
-        self.learning.queued(self.scheduler, touched, [sid for sid, _ in entries])
+        self.learning.queued(self.scheduler, touched, [sid for sid, _ in entries], left_out)
 
     # ------------------------------------------------------------------ stepping
 
@@ -274,7 +278,8 @@ class TrainerWorker:
         )
         if not keep:
             return None
-        out = Batch(batch.lineage, batch.kind, [e for _, e in keep], [sid for sid, _ in keep])
+        out = Batch(batch.lineage, batch.kind, [e for _, e in keep], [sid for sid, _ in keep], min_size=batch.min_size)
+        out.waited = batch.waited
         if out.kind == "kto":
             if len(keep) < 2:  # KTO never runs on one example
                 self.scheduler.requeue(out, self.clock())
