@@ -1,13 +1,14 @@
 """Fair share: a quiet tenant's time to first token while another tenant floods the engine.
 
-Starts a gateway in a child process (key mode, a fresh store whose base models are linked from
-``$LIVELORA_HOME``) with two tenants; the flood runs in a second child, so no client shares the gateway's
-interpreter (an attacker's client runs elsewhere). Tenant ``quiet`` sends ``--requests`` ordinary streaming
-chats one after another (``--max-tokens`` each), first alone, then while tenant ``flood`` keeps ``--flooders``
-streams busy with the largest requests it may send (``n = max_n``, ``max_tokens = max_n_tokens / n``,
-``ignore_eos``; refused ones are retried after 50 ms). Prints the quiet tenant's TTFT p50/p99 (seconds, from
-request to first content chunk) and error count in both phases, the flooded/quiet p99 ratio, and how many of
-the flood's requests were admitted or refused (429).
+Starts a gateway in a child process (key mode, a fresh store whose base models are linked from the store of
+``livelora serve``: ``$LIVELORA_HOME`` or its default, the built-in model converted there if it is not yet) with
+two tenants, on the Redis of ``LIVELORA_REDIS_URL`` (default 127.0.0.1:6379); the flood runs in a second child,
+so no client shares the gateway's interpreter (an attacker's client runs elsewhere). Tenant ``quiet`` sends
+``--requests`` ordinary streaming chats one after another (``--max-tokens`` each), first alone, then while
+tenant ``flood`` keeps ``--flooders`` streams busy with the largest requests it may send (``n = max_n``,
+``max_tokens = max_n_tokens / n``, ``ignore_eos``; refused ones are retried after 50 ms). Prints the quiet
+tenant's TTFT p50/p99 (seconds, from request to first content chunk) and error count in both phases, the
+flooded/quiet p99 ratio, and how many of the flood's requests were admitted or refused (429).
 
     python bench/fair_share.py                        # the defaults (engine batch 8, 64 waiting)
     python bench/fair_share.py --no-share             # tenant_share 1, share_reserve 0: the old behaviour
@@ -130,11 +131,14 @@ def flood_process(url: str, key: str, body: dict, streams: int, stop, out) -> No
 
 async def run(args) -> None:
     from livelora.core.api_keys import TENANT_ROLES, KeyStore
+    from livelora.core.base_models import resolve_base_model
     from livelora.core.quotas import Limits
-    from livelora.core.settings import QuotaSection
+    from livelora.core.settings import CommonSettings, QuotaSection
 
+    store = CommonSettings().home  # $LIVELORA_HOME, else the default store of `livelora serve`
+    resolve_base_model(BASE, store)  # converts the built-in model once, as `livelora serve` would
     home = Path(tempfile.mkdtemp(prefix="fair-share-"))
-    (home / "models").symlink_to(Path(os.environ["LIVELORA_HOME"]) / "models", target_is_directory=True)
+    (home / "models").symlink_to(Path(store) / "models", target_is_directory=True)
     keys = {t: KeyStore(home).create(t, list(TENANT_ROLES), t)[1] for t in ("flood", "quiet")}
     shares = {"tenant_share": 1.0, "key_share": 1.0, "share_reserve": 0.0} if args.no_share else {}
     url, server = start(home, device="cpu", redis_prefix=f"bench-fair-{os.getpid()}:", **shares)

@@ -219,6 +219,49 @@ def spawn(
     raise SystemExit("the server did not become ready")
 
 
+def wait_idle(procs: list[subprocess.Popen], below: float = 0.05, window_s: float = 2.0, limit_s: float = 600) -> None:
+    """Block until the spawned gateways and their children (the trainer, the Redis a gateway started) use less than
+    ``below`` of one core, summed, over two windows of ``window_s`` in a row: the start-up work (the evaluation
+    gate's base measurement, loading a published version) is then done and no longer shares the cores with the
+    timed rounds. Prints how long it waited. Raises: SystemExit after ``limit_s``."""
+    import psutil
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for proc in procs:
+            try:
+                parent = psutil.Process(proc.pid)
+                for p in [parent, *parent.children(recursive=True)]:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+            except psutil.Error:  # a child that exited between listing and reading
+                continue
+        return total
+
+    start, quiet = time.monotonic(), 0
+    used = cpu_seconds()
+    while quiet < 2:
+        if time.monotonic() - start > limit_s:
+            raise SystemExit(f"the gateways stayed busy for {limit_s:.0f} s after start-up")
+        time.sleep(window_s)
+        now = cpu_seconds()
+        quiet = quiet + 1 if (now - used) / window_s < below else 0
+        used = now
+    print(
+        f"gateways idle after {time.monotonic() - start:.0f} s (their processes under {below:.0%} of a core "
+        f"for {2 * window_s:.0f} s; load avg 1 min {os.getloadavg()[0]:.2f})",
+        flush=True,
+    )
+
+
+def odd_rounds(value: str) -> int:
+    """argparse type: a positive odd number of rounds (the median is then one round's figure)."""
+    n = int(value)
+    if n < 1 or n % 2 == 0:
+        raise argparse.ArgumentTypeError(f"{n}: give an odd number of rounds (the median of an even count is no round)")
+    return n
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group()
@@ -234,13 +277,18 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument(
         "--metering-ab",
-        type=int,
+        type=odd_rounds,
         default=0,
         metavar="ROUNDS",
-        help="compare metering+metrics off vs on (two spawned gateways, alternating rounds)",
+        help="compare metering+metrics off vs on (two spawned gateways, alternating rounds; an odd number)",
     )
     parser.add_argument("--anchors", action="store_true", help="adapter on every request vs offline peft anchors")
-    parser.add_argument("--rounds", type=int, default=2, help="--anchors: alternating rounds")
+    parser.add_argument(
+        "--rounds",
+        type=odd_rounds,
+        default=3,
+        help="--anchors: alternating rounds (odd; each printed, then the median)",
+    )
     parser.add_argument("--rank", type=int, default=16, help="--anchors: LoRA rank of the adapter")
     parser.add_argument(
         "--weights",
@@ -262,6 +310,7 @@ def main() -> None:
     url = args.url
     if args.spawn:
         proc, url = spawn(args.engine, args.model, args.max_batch_size, args.device)
+        wait_idle([proc])
     try:
         gw = asyncio.run(run_gateway(url, args.model, args.concurrency, args.requests, args.max_tokens))
     finally:
@@ -456,6 +505,7 @@ def anchors(args) -> None:
         n = args.concurrency
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
         ones = max(2, args.requests // n)
+        wait_idle([proc for proc, _, _ in gateways.values()])
         for r in range(args.rounds):
             for kind in rows:
                 load = os.getloadavg()[0]
@@ -521,6 +571,7 @@ def metering_ab(args) -> None:
                 args.engine, args.model, args.max_batch_size, args.device, off_env if side == "off" else {}
             )
         runs: dict[str, list[dict]] = {"off": [], "on": []}
+        wait_idle([proc for proc, _ in servers.values()])
         for r in range(args.metering_ab):
             for side in order:
                 load = os.getloadavg()[0]

@@ -27,6 +27,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
@@ -38,9 +39,13 @@ out = Console()
 err = Console(stderr=True)
 
 endpoints_app = typer.Typer(
-    help="Named serving targets: list, create, promote, roll back, audit history.", no_args_is_help=True
+    help="Named serving targets: list, create, promote, roll back, audit history.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
-adapters_app = typer.Typer(help="Stored adapter versions: list, show, export, delete.", no_args_is_help=True)
+adapters_app = typer.Typer(
+    help="Stored adapter versions: list, show, export, delete.", no_args_is_help=True, rich_markup_mode=None
+)
 
 _Url = Annotated[str, typer.Option(envvar="LIVELORA_URL", help="Gateway base URL (HTTP mode).")]
 _Key = Annotated[str | None, typer.Option(envvar="LIVELORA_API_KEY", help="Admin API key (HTTP mode).")]
@@ -263,8 +268,16 @@ def _run(fn):
     try:
         return fn()
     except LiveloraError as exc:
-        err.print(f"[red]error[/] ({exc.status}): {exc}")
+        err.print(f"[red]error[/] ({exc.status}): {escape(key_hint(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+def key_hint(exc: Exception) -> str:
+    """``exc``'s message; for a 401, plus how this CLI sends a key (``--api-key`` or ``LIVELORA_API_KEY``)."""
+    text = str(exc)
+    if getattr(exc, "status", None) == 401 and "--api-key" not in text:
+        text += " (the CLI sends the key given by --api-key or $LIVELORA_API_KEY)"
+    return text
 
 
 def _when(ts: float | None) -> str:

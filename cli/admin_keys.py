@@ -11,7 +11,9 @@ from rich.table import Table
 from livelora.cli.admin import DEFAULT_URL, Backend, _HomeOpt, _Key, _run, _Url, _when, err, out
 from livelora.core.api_keys import ROLES
 
-keys_app = typer.Typer(help="API keys (stored hashed; each has a tenant and roles).", no_args_is_help=True)
+keys_app = typer.Typer(
+    help="API keys (stored hashed; each has a tenant and roles).", no_args_is_help=True, rich_markup_mode=None
+)
 
 
 @keys_app.command("create")

@@ -21,12 +21,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     name="livelora",
     help="Self-hosted OpenAI-compatible gateway whose model keeps learning.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # click's plain help: no <bool>/<str> type tags, paragraphs re-wrapped to the terminal
 )
 console = Console(stderr=True)
 
@@ -363,7 +365,9 @@ def hf_cache(
             snapshot = install_in_hf_cache(ref, target, cache_dir)
             aliases = {alias: install_in_hf_cache(ref, alias, cache_dir) for alias in {name} - {target}}
     except LiveloraError as exc:
-        console.print(f"[red]error[/]: {exc}")
+        from livelora.cli.admin import key_hint
+
+        console.print(f"[red]error[/]: {escape(key_hint(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None
     print(f"{target} -> {snapshot}")
     for alias, path in sorted(aliases.items()):

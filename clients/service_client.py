@@ -39,13 +39,13 @@ HEARTBEAT_S = 10.0
 
 
 def load_tokenizer(tokenizer_id: str, transport: Transport | None = None):
-    """``AutoTokenizer.from_pretrained(tokenizer_id)`` (a Hub id, from the local HF cache or the hub); when that
-    fails (offline, not cached) and ``transport`` is given, the tokenizer files the server serves, kept in
-    ``~/.cache/livelora/tokenizers`` (:func:`livelora.clients.tokenizer_files.load_tokenizer`).
+    """With ``transport``: the tokenizer files the server serves, kept in ``~/.cache/livelora/tokenizers`` (no
+    hub request); without, or for a server without them: ``AutoTokenizer.from_pretrained(tokenizer_id)``
+    (:func:`livelora.clients.tokenizer_files.load_tokenizer`).
 
     Raises:
         OSError/ValueError: the id does not resolve and there is no server to ask. UnavailableError: neither
-        the hub, the server nor the local cache has it.
+        the server, the local cache nor the hub has it.
     """
     from livelora.clients.tokenizer_files import load_tokenizer as load
 
@@ -229,7 +229,7 @@ class ServiceClient:
 
     def get_tokenizer(self):
         """The served base model's Hugging Face tokenizer, by the ``tokenizer_id`` the server reports (see
-        :func:`load_tokenizer`: the local HF cache or the hub, else the server's own files)."""
+        :func:`load_tokenizer`: the server's own files, no hub request)."""
         return load_tokenizer(self._tokenizer_id(), self.transport)
 
     # ------------------------------------------------------------------------------------------ checkpoints

@@ -1,11 +1,10 @@
 """A base model's tokenizer as plain files: what ``GET /api/v1/tokenizer`` serves, and where clients put it.
 
-:func:`load_tokenizer` loads by the ``tokenizer_id`` the server reports: from the local Hugging Face cache or the
-hub when it can, else from the server's files (:func:`fetch_tokenizer`), stored in the SDK's own cache
-(:func:`store_tokenizer`, one folder per revision) or placed in the Hugging Face hub cache
-(:func:`install_in_hub_cache`) so that ``AutoTokenizer.from_pretrained(hub_id)`` resolves offline. A revision is
-the sha1 of the files' names and bytes (:func:`files_revision`); only :data:`TOKENIZER_FILES` travel, never
-weights. The two cache layouts: ``docs/internals/tokens.md``.
+:func:`load_tokenizer` loads the served base model's tokenizer from the server's files (:func:`fetch_tokenizer`,
+no hub request), stored in the SDK's own cache (:func:`store_tokenizer`, one folder per revision) or placed in the
+Hugging Face hub cache (:func:`install_in_hub_cache`) so that ``AutoTokenizer.from_pretrained(hub_id)`` resolves
+offline. A revision is the sha1 of the files' names and bytes (:func:`files_revision`); only
+:data:`TOKENIZER_FILES` travel, never weights. The two cache layouts: ``docs/internals/tokens.md``.
 """
 
 from __future__ import annotations
@@ -259,35 +258,42 @@ def fetch_tokenizer(transport: Transport, tokenizer_id: str | None = None, root:
 
 
 def load_tokenizer(tokenizer_id: str, transport: Transport | None = None) -> Any:
-    """The tokenizer named ``tokenizer_id``: ``AutoTokenizer.from_pretrained(tokenizer_id)`` (the local Hugging
-    Face cache, or the hub when reachable); when that fails and ``transport`` is given, the files the server
-    serves (:func:`fetch_tokenizer`); when the server cannot be reached either, the revision last fetched.
+    """The tokenizer named ``tokenizer_id``. With ``transport``: the files the server serves
+    (:func:`fetch_tokenizer`; a cached revision is revalidated, not downloaded), with no request to the hub; when
+    the server cannot be reached, the revision last fetched. ``AutoTokenizer.from_pretrained(tokenizer_id)`` (the
+    local Hugging Face cache or the hub) only without ``transport``, for a server without ``GET /api/v1/tokenizer``,
+    or when neither the server nor the SDK's cache has it.
 
     Raises:
         OSError/ValueError: transformers' error when the id does not resolve and there is no server to ask.
-        UnavailableError: neither the hub, nor the server, nor the SDK's cache has it.
-        NotFoundError: the id does not resolve and the server has no ``GET /api/v1/tokenizer`` (an older one).
+        UnavailableError: neither the server, nor the SDK's cache, nor the hub has it.
+        NotFoundError: the server has no ``GET /api/v1/tokenizer`` (an older one) and the id does not resolve.
     """
     from transformers import AutoTokenizer
 
     from livelora.clients.errors import NotFoundError, UnavailableError
 
-    try:
+    if transport is None:
         return AutoTokenizer.from_pretrained(tokenizer_id)
-    except (OSError, ValueError) as exc:
-        if transport is None:
-            raise
-        hub_error = f"{type(exc).__name__}: {str(exc)[:200]}"
     try:
         folder = fetch_tokenizer(transport, tokenizer_id)
     except UnavailableError:
         folder = cached_tokenizer_dir(tokenizer_id)
         if folder is None:
-            raise
+            try:
+                return AutoTokenizer.from_pretrained(tokenizer_id)
+            except (OSError, ValueError):
+                raise UnavailableError(
+                    f"tokenizer {tokenizer_id!r}: the server cannot be reached, none is cached, and the id does "
+                    "not resolve here"
+                ) from None
     except NotFoundError as exc:  # a server without the route
-        raise NotFoundError(
-            f"tokenizer {tokenizer_id!r} does not resolve here ({hub_error}) and the server "
-            f"serves no tokenizer files (GET /api/v1/tokenizer: {exc})",
-            param="tokenizer_id",
-        ) from None
+        try:
+            return AutoTokenizer.from_pretrained(tokenizer_id)
+        except (OSError, ValueError) as hub:
+            raise NotFoundError(
+                f"tokenizer {tokenizer_id!r} does not resolve here ({type(hub).__name__}: {str(hub)[:200]}) and "
+                f"the server serves no tokenizer files (GET /api/v1/tokenizer: {exc})",
+                param="tokenizer_id",
+            ) from None
     return AutoTokenizer.from_pretrained(str(folder))

@@ -247,12 +247,12 @@ class TrainingClient:
         return self._info
 
     def get_tokenizer(self):
-        """The base model's Hugging Face tokenizer: ``AutoTokenizer`` on ``model_data.tokenizer_id`` (a hub id, from
-        the local HF cache or the hub), else the tokenizer files the server serves (``GET /api/v1/tokenizer``,
-        kept in ``~/.cache/livelora/tokenizers``), so it works offline on any machine that reaches the server.
+        """The base model's Hugging Face tokenizer, from the files the server serves (``GET /api/v1/tokenizer``,
+        kept in ``~/.cache/livelora/tokenizers``): no request to the hub, so it works offline on any machine that
+        reaches the server; by ``model_data.tokenizer_id`` from the hub only for a server without that route.
 
         Raises:
-            UnavailableError: neither the hub, the server nor the local cache has it.
+            UnavailableError: neither the server, the local cache nor the hub has it.
         """
         from livelora.clients.service_client import load_tokenizer
 

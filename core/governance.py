@@ -9,6 +9,7 @@ trainer applies them: ``docs/internals/live-training.md``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -235,3 +236,11 @@ def agreement_weights(
         }
         for r in raters
     }
+
+
+def held_out(event_id: str, every: int) -> bool:
+    """Whether the event with this id is held out for the evaluation gate: sha256(id) mod ``every`` == 0 (never
+    when ``every`` ≤ 0). The trainer keeps such events out of training; the feedback answer says so."""
+    if every <= 0:
+        return False
+    return int.from_bytes(hashlib.sha256(event_id.encode()).digest()[:8], "big") % every == 0

@@ -25,6 +25,31 @@ def test_help_lists_serve_and_its_flags():
         assert flag in result.output
 
 
+def _command_paths(group, path=()):
+    import typer
+
+    cmd = typer.main.get_command(group) if isinstance(group, typer.Typer) else group
+    yield path
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from _command_paths(sub, (*path, name))
+
+
+def test_every_help_page_tags_no_flag_and_wraps_whole_paragraphs():
+    paths = list(_command_paths(app))
+    assert ("serve",) in paths and ("adapters", "list") in paths and ("recipe", "gsm8k-rl") in paths
+    for path in paths:
+        result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "100"})
+        assert result.exit_code == 0, (path, result.output)
+        assert "<bool>" not in result.output, (path, result.output)  # a flag takes no value
+        lines = result.output.splitlines()
+        assert all(len(line) <= 100 for line in lines), path
+        # a description's line is broken by the wrapper, not where the docstring's source line ended
+        panels = [i for i, line in enumerate(lines) if line in ("Arguments:", "Options:", "Commands:")]
+        prose = [line.strip() for line in lines[1 : min(panels, default=len(lines))] if line.strip()]
+        short = [line for line in prose[:-1] if len(line) < 40 and not line.endswith((".", ":", ")"))]
+        assert not short, (path, short)
+
+
 def test_invalid_flag_value_exits_with_a_message(monkeypatch):
     result = CliRunner().invoke(app, ["serve", "--port", "70000"])
     assert result.exit_code == 2

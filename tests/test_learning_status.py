@@ -24,6 +24,7 @@ from livelora.clients.types.learning import LearningStatus
 from livelora.core.api_keys import TENANT_ROLES, KeyStore
 from livelora.core.base_models import resolve_base_model
 from livelora.core.bus import connect_sync
+from livelora.core.governance import held_out
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.settings import DEFAULT_MODEL
 from livelora.gateway.settings import GatewaySettings
@@ -39,9 +40,11 @@ PROMPTS = ["What is 2+2?", "Name a colour.", "Say hello.", "What is the capital 
 
 
 @pytest.fixture
-def live(tmp_path, livelora_home):
+def live(request, tmp_path, livelora_home):
     """A fresh store (the converted base model linked in), keys of tenants acme and beta, acme's endpoint, a
-    gateway and a trainer thread with the gate on (no held-out ratings: every rating counts toward the batch)."""
+    gateway and a trainer thread with the gate on. ``request.param``: ``(max_wait_s, gate_holdout_every)``,
+    default ``(3600, 0)``: no partial batch, no held-out ratings (every rating counts toward the batch)."""
+    max_wait_s, holdout_every = getattr(request, "param", (3600, 0))
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / DEFAULT_MODEL).symlink_to(livelora_home / "models" / DEFAULT_MODEL)
     store = KeyStore(tmp_path)
@@ -58,9 +61,9 @@ def live(tmp_path, livelora_home):
         resolve_base_model(DEFAULT_MODEL, tmp_path),
         tmp_path,
         TrainingSection(kto_lr=1e-3),
-        gate=GateSection(gate_enabled=True, gate_holdout_every=0),
+        gate=GateSection(gate_enabled=True, gate_holdout_every=holdout_every),
     )
-    scheduler = BatchScheduler(TrainingSection(kto_min_batch=BATCH, max_wait_s=3600))
+    scheduler = BatchScheduler(TrainingSection(kto_min_batch=BATCH, max_wait_s=max_wait_s))
     worker = TrainerWorker(redis, layout, tmp_path, backend, scheduler, consumer="learn", block_ms=200)
     stop = threading.Event()
     thread = threading.Thread(target=run_loop, args=(worker, stop), daemon=True)
@@ -86,7 +89,7 @@ def test_rating_to_a_published_version_is_watchable(live, caplog):
     assert before.status_code == 200, before.text
     assert LearningStatus.model_validate(before.json()).ratings_waiting == 0
 
-    to_step = []
+    to_step, notes = [], []
     for prompt in PROMPTS:
         r = acme.post(
             "/v1/chat/completions",
@@ -97,8 +100,11 @@ def test_rating_to_a_published_version_is_watchable(live, caplog):
         assert fb.status_code == 200, fb.text
         assert fb.json()["endpoint"] == EP and fb.json()["rating"] == (len(to_step) % 2 == 0)
         to_step.append(fb.json()["ratings_to_step"])
+        notes.append(fb.json()["training"])
     # 3, 2, 1 more; after the 4th none (or, once the trainer took the batch, the next step's 4)
     assert to_step[:3] == [3, 2, 1] and to_step[3] in (0, BATCH)
+    rule = f"a step starts at {BATCH}, or on fewer (a partial batch) once the oldest has waited 3600 s"
+    assert notes[:3] == [f"queued: {n} of {BATCH} ratings; {rule}" for n in (1, 2, 3)], notes
 
     seen: list[str] = []
     deadline = time.monotonic() + 900
@@ -119,13 +125,14 @@ def test_rating_to_a_published_version_is_watchable(live, caplog):
     stages = [m.stage for m in marks]
     assert stages[0] == "waiting" and stages[-1] == "published"
     assert stages.index("training") < stages.index("gate")
-    assert f"kto step on {BATCH} event(s)" in [m.detail for m in marks]
+    full = f"kto step on {BATCH} event(s): a full batch ({BATCH} start a step)"
+    assert full in [m.detail for m in marks] and st.detail == st.last.detail == full
     assert "forward/backward and optimizer step" in [m.detail for m in marks]
     assert [m.check for m in marks if m.stage == "gate"] == ["probes", "replies", "verdict"]
     assert {m.step_scale for m in marks if m.stage == "gate"} == {1.0}  # the full step passed: no line search
     assert st.step_scale == st.last.step_scale == 1.0
     logged = [r.getMessage() for r in caplog.records if r.name == "livelora.trainer.learning_status"]
-    for what in (f"training (kto step on {BATCH} event(s))", "gate (probes)", "gate (verdict)", f"published ({EP}@1)"):
+    for what in (f"training ({full})", "gate (probes)", "gate (verdict)", f"published ({EP}@1)"):
         assert f"learning {EP}: {what}" in logged, logged
 
     # the page's example (docs/live-loop.md), against this server, for tenant acme
@@ -135,9 +142,11 @@ def test_rating_to_a_published_version_is_watchable(live, caplog):
     doc = json.loads(subprocess.run(["bash", "-c", code], capture_output=True, text=True, check=True).stdout)
     assert doc["stage"] == "published" and doc["version"] == f"{EP}@1"
 
+    st = wait_serving(acme, f"{EP}@1")
+    assert st.summary().startswith(f"serving {EP}@1; trained: {full}")
     shown = CliRunner().invoke(cli, ["endpoints", "show", EP, "--url", server.base_url, "--api-key", keys["acme"]])
     assert shown.exit_code == 0, shown.output
-    assert f"published {EP}@1" in shown.output and "learning" in shown.output
+    assert f"serving {EP}@1" in shown.output and "learning" in shown.output
 
     # another tenant: the 404 of every route (here the chat route's), for a name that exists and one that does not
     theirs = beta.get(f"/v1/learning/{EP}")
@@ -146,3 +155,57 @@ def test_rating_to_a_published_version_is_watchable(live, caplog):
     assert theirs.json() == chat.json() and theirs.json()["error"]["code"] == "model_not_found"
     unknown = acme.get("/v1/learning/acme.nosuch")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def wait_serving(client: httpx.Client, version: str) -> LearningStatus:
+    """The status once the gateway serves ``version`` ("published, loading" until then)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        st = LearningStatus.model_validate(client.get(f"/v1/learning/{EP}").json())
+        if st.serving == version:
+            assert st.loading is None
+            return st
+        assert st.loading == version and f"published, loading {version}" in st.summary(), st.summary()
+        time.sleep(0.2)
+    raise AssertionError(f"{version} not served within 300 s")
+
+
+@pytest.mark.parametrize("live", [(4, 3)], indirect=True)
+def test_a_partial_batch_and_held_out_ratings_say_so(live):
+    """Two ratings then a pause longer than max_wait_s (a slow chat, a user who rates little): the step starts on
+    2 of 4 ratings and every answer says so; a held-out rating (1 in 3 here) says it is not trained on."""
+    server, keys = live
+    acme = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {keys['acme']}"}, timeout=300)
+    queued, held = 0, 0
+    for i in range(40):
+        r = acme.post(
+            "/v1/chat/completions",
+            json={"model": EP, "messages": [{"role": "user", "content": PROMPTS[i % 4]}], "max_tokens": 4},
+        )
+        assert r.status_code == 200, r.text
+        fb = acme.post("/v1/feedback", json={"completion_id": r.json()["id"], "rating": queued % 2 == 0}).json()
+        if held_out(fb["id"], 3):
+            held += 1
+            assert fb["training"].startswith("held out: the evaluation gate keeps one rating in 3"), fb
+        else:
+            queued += 1
+            assert fb["training"].startswith(f"queued: {queued} of {BATCH} ratings; a step starts at {BATCH}"), fb
+        if queued == 2 and held:
+            break
+    assert queued == 2 and held >= 1
+    deadline = time.monotonic() + 900  # the oldest waits max_wait_s (4 s), then the step and the gate run
+    while time.monotonic() < deadline:
+        st = LearningStatus.model_validate(acme.get(f"/v1/learning/{EP}").json())
+        if st.stage in ("published", "rejected"):
+            break
+        time.sleep(0.2)
+    assert st.stage == "published", st.model_dump()
+    partial = (
+        "kto step on 2 event(s): a partial batch (2 of 4), started because the oldest had waited max_wait_s 4 s; "
+        "later ratings wait for the next step"
+    )
+    assert st.last.detail == partial and partial in [m.detail for m in st.stages]
+    assert st.ratings_held_out == held and st.ratings_quarantined == 0
+    st = wait_serving(acme, f"{EP}@1")
+    summary = st.summary()  # the gate may have scaled the step: "serving acme.learn@1 (step scaled by 0.5); ..."
+    assert summary.startswith(f"serving {EP}@1") and f"; trained: {partial}; not trained on: {held} held out" in summary

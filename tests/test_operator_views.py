@@ -104,6 +104,17 @@ def test_the_operator_reads_every_tenants_usage_and_a_tenant_only_its_own(server
     assert "operator key" in " ".join(cli("usage", "--help").split())
 
 
+def test_a_401_from_the_cli_names_its_api_key_flag_and_variable(server, monkeypatch):
+    from livelora.cli.main import app
+
+    monkeypatch.delenv("LIVELORA_API_KEY", raising=False)
+    for args in (["adapters", "list"], ["endpoints", "list"], ["keys", "list"], ["usage"]):
+        result = CliRunner().invoke(app, [*args, "--url", server.base_url], env={"COLUMNS": "200"})
+        text = " ".join(result.output.split())
+        assert result.exit_code == 1 and "(401): missing API key" in text, (args, text)
+        assert "--api-key" in text and "$LIVELORA_API_KEY" in text, (args, text)
+
+
 def test_adapters_list_shows_every_version_a_tenant_owns_grouped_by_lineage(server, keys):
     def listing(tenant: str) -> str:
         return cli("adapters", "list", "--url", server.base_url, "--api-key", keys[tenant])

@@ -7,11 +7,15 @@ minute or several on 2 CPU cores (``-m 'not slow'`` skips it)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
+import httpx
 import pytest
 from _doc_blocks import REPO, blocks, section_blocks
 from harness.docs import run_bash, run_python, serve_process
+
+from livelora.clients.types.learning import LearningStatus
 
 pytestmark = pytest.mark.slow
 WALKTHROUGH = ("## Five minutes: chat, rate, watch a new version being served", "## Documentation")
@@ -46,6 +50,12 @@ def test_readme_walkthrough_runs_in_order_on_a_fresh_store(fresh_serve, tmp_path
     assert ns["version"] == "smollm2-135m-instruct@1", "no learned version within the loop's 15 minutes"
     assert printed[0].startswith("smollm2-135m-instruct@1 -> ")
     assert ns["reply"].system_fingerprint == "livelora-smollm2-135m-instruct@1"
+    # what the README says GET /v1/learning shows: what the step trained on, and the version served
+    status = LearningStatus.model_validate(httpx.get(f"{url}/v1/learning/smollm2-135m-instruct", timeout=60).json())
+    assert status.serving is not None and status.last is not None and status.last.stage == "published"
+    assert re.fullmatch(
+        r"kto step on \d+ event\(s\): a (full batch \(8 start a step\)|partial batch .+)", status.last.detail
+    )
 
     outputs = []
     for line in cli.code.strip().splitlines():

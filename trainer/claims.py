@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import redis
 
@@ -249,3 +250,19 @@ class SignalClaims:
             )
         self.release([sid])
         return new
+
+
+def hand_off_lonely(scheduler: Any, claims: SignalClaims, now: float) -> None:
+    """A rating alone in its KTO queue for ``2 × max_wait_s`` goes back to the group as a new entry (same event,
+    same id; one script adds it and acknowledges + deletes the old entry), so that with several workers it can meet a
+    partner in another worker's queue instead of waiting for the next rating here."""
+    max_wait = getattr(scheduler.config, "max_wait_s", 30.0)
+    for sid, ev in scheduler.take_lonely(now, 2 * max_wait):
+        new = claims.hand_back(sid, ev.model_dump_json(), ev.replaces or "")
+        log.info(
+            "lone rating %s handed back to the group (%s → %s): a KTO step needs two ratings of one "
+            "endpoint, so it trains with the next one",
+            ev.id,
+            sid,
+            new or "not ours",
+        )

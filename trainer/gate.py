@@ -30,6 +30,7 @@ import torch
 from livelora.adapters.endpoints import EndpointStore
 from livelora.core.atomic import atomic_write_bytes
 from livelora.core.core_share import step_yield
+from livelora.core.governance import held_out
 from livelora.core.rails import GateCheck, GateResult, GateThresholds, bound_of, judge
 from livelora.trainer.gate_freeform import FreeformGate
 from livelora.trainer.gate_measure import (
@@ -53,13 +54,6 @@ def forget_direction(optimizer: torch.optim.Optimizer) -> None:
     for state in optimizer.state.values():
         if "exp_avg" in state:
             state["exp_avg"].zero_()
-
-
-def held_out(event_id: str, every: int) -> bool:
-    """Whether the event with this id is held out: sha256(id) mod ``every`` == 0 (never when ``every`` ≤ 0)."""
-    if every <= 0:
-        return False
-    return int.from_bytes(hashlib.sha256(event_id.encode()).digest()[:8], "big") % every == 0
 
 
 #: Where the base model's gate measurements are kept, under the store.

@@ -33,6 +33,20 @@ def _sid_key(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def batch_detail(batch: Any, max_wait_s: float) -> str:
+    """What a step trains on and why it started now: a full batch, or a partial one after ``max_wait_s``."""
+    n, size = len(batch.events), getattr(batch, "min_size", None)
+    what = f"{batch.kind} step on {n} event(s)"
+    if size is None:
+        return what
+    if getattr(batch, "waited", False):
+        return (
+            f"{what}: a partial batch ({n} of {size}), started because the oldest had waited max_wait_s "
+            f"{max_wait_s:g} s; later ratings wait for the next step"
+        )
+    return f"{what}: a full batch ({size} start a step)"
+
+
 class LearningReporter:
     """The trainer side of the learning status.
 
@@ -41,11 +55,17 @@ class LearningReporter:
         keys: key layout.
         config: the batching thresholds (``kto_min_batch``, ``max_wait_s``).
         clock: Unix seconds.
+        holdout_every: the gate keeps one rating in this many out of training (0: none); published for the
+            feedback answer.
     """
 
-    def __init__(self, client: Any, keys: Any, config: Any, clock: Callable[[], float] = time.time):
+    def __init__(
+        self, client: Any, keys: Any, config: Any, clock: Callable[[], float] = time.time, holdout_every: int = 0
+    ):
         self.client, self.keys, self.config, self.clock = client, keys, config, clock
+        self.holdout_every = holdout_every
         self._status: dict[str, LearningStatus] = {}
+        self._batches: dict[str, str] = {}  # lineage → what its running step trains on
         self._lock = threading.Lock()
         self.step_seconds: float | None = None  # over every lineage: the estimate of a lineage with no step yet
         self.read_through: str | None = None
@@ -74,6 +94,7 @@ class LearningReporter:
             "batch_size": self.config.kto_min_batch,
             "max_wait_s": self.config.max_wait_s,
             "step_seconds": self.step_seconds,
+            "holdout_every": self.holdout_every,
             "read_through": self.read_through,
             "base_measure": self.base_measure,
             "recovered": self.recovered_signals,
@@ -103,7 +124,8 @@ class LearningReporter:
         st.check, st.detail = mark.check, mark.detail
         st.version, st.reason, st.step_scale = mark.version, mark.reason, mark.step_scale
         st.stages = ([] if new_step else st.stages)[-(MAX_MARKS - 1) :] + [mark]
-        what = mark.check or mark.detail or mark.reason or mark.version or ""
+        published = mark.version if mark.stage == "published" else None
+        what = mark.check or published or mark.detail or mark.reason or mark.version or ""
         if mark.step_scale is not None and mark.step_scale != 1:
             what += f", step scaled by {mark.step_scale:g}"
         log.info(
@@ -137,17 +159,30 @@ class LearningReporter:
             self._trainer()
 
     def started(self) -> None:
-        """The trainer's settings, at start-up."""
+        """The trainer's settings, at start-up; the step time measured by an earlier trainer on this Redis is kept
+        as the estimate until this one times a step."""
         with self._lock:
+            try:
+                before = json.loads(self.client.get(self.keys.learning_trainer) or "{}")
+            except Exception:
+                before = {}
+            if self.step_seconds is None and isinstance(before.get("step_seconds"), int | float):
+                self.step_seconds = float(before["step_seconds"])
             self._trainer()
 
-    def queued(self, scheduler: Any, endpoints: dict[str, str], stream_ids: list[str]) -> None:
-        """After reading signals: the queues of the lineages in ``endpoints`` (lineage → newest event's endpoint)
-        and the newest stream id read."""
+    def queued(self, scheduler: Any, endpoints: dict[str, str], stream_ids: list[str], left_out: list = ()) -> None:
+        """After reading signals: the queues of the lineages in ``endpoints`` (lineage → newest event's endpoint),
+        the newest stream id read, and the ratings kept out of training (``(lineage, "held_out" | "rate_limit")``
+        each)."""
         with self._lock:
             writes: dict[str, str] = {}
             for lineage, endpoint in endpoints.items():
                 st = self._get(lineage, endpoint)
+                for _, why in [x for x in left_out if x[0] == lineage]:
+                    if why == "held_out":
+                        st.ratings_held_out += 1
+                    else:
+                        st.ratings_quarantined += 1
                 before = st.ratings_waiting
                 self._counts(st, scheduler)
                 if st.stage in ("idle", "published", "rejected") and self._queued_any(st):
@@ -168,7 +203,7 @@ class LearningReporter:
         with self._lock:
             st = self._get(batch.lineage, batch.endpoint)
             self._counts(st, scheduler)
-            detail = f"{batch.kind} step on {len(batch.events)} event(s)"
+            detail = self._batches[batch.lineage] = batch_detail(batch, self.config.max_wait_s)
             self._set_stage(st, StageMark(stage="training", at=self.clock(), detail=detail))
             self._save(st)
 
@@ -202,7 +237,13 @@ class LearningReporter:
                 )
                 mark = StageMark(stage="rejected", at=now, version=manifest.name, reason=reason)
             else:
-                mark = StageMark(stage="published", at=now, version=manifest.name, step_scale=gate.get("step_scale"))
+                mark = StageMark(
+                    stage="published",
+                    at=now,
+                    version=manifest.name,
+                    step_scale=gate.get("step_scale"),
+                    detail=self._batches.pop(batch.lineage, None),
+                )
             mark.freeform = freeform_verdict(gate, batch.endpoint)
             if started is not None:
                 took = now - started

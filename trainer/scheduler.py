@@ -47,6 +47,8 @@ class Batch:
             by :meth:`~livelora.trainer.signal_governor.FeedbackGovernor.weigh`); ``None``: all 1.
         rater_weights: every known rater of the lineage → its weight when the batch was weighed (the gate leaves
             raters below ½ out of its signal check); ``None``: not weighed.
+        min_size: the kind's minimum batch (``kto_min_batch``, ...); ``waited``: the step started on fewer events
+            because the oldest had waited ``max_wait_s`` (a partial batch).
     """
 
     lineage: str
@@ -57,6 +59,8 @@ class Batch:
     undesirable_weight: float = 1.0
     example_weights: list[float] | None = None
     rater_weights: dict[str, float] | None = None
+    min_size: int | None = None
+    waited: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -141,7 +145,8 @@ class BatchScheduler:
             if not taken:
                 continue
             events = [e for _, e, _ in taken]
-            batch = Batch(lineage, kind, events, [sid for sid, _, _ in taken])
+            batch = Batch(lineage, kind, events, [sid for sid, _, _ in taken], min_size=threshold)
+            batch.waited = len(events) < threshold
             if kind == "kto":
                 n_d = sum(1 for e in events if e.rating)
                 batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n_d, len(events) - n_d)

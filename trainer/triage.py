@@ -36,7 +36,14 @@ def without(batch: Batch, drop: Mapping[int, object] | set[int]) -> Batch | None
     keep = [i for i in range(len(batch.events)) if i not in drop]
     if not keep:
         return None
-    rest = Batch(batch.lineage, batch.kind, [batch.events[i] for i in keep], [batch.stream_ids[i] for i in keep])
+    rest = Batch(
+        batch.lineage,
+        batch.kind,
+        [batch.events[i] for i in keep],
+        [batch.stream_ids[i] for i in keep],
+        min_size=batch.min_size,
+        waited=batch.waited,
+    )
     if rest.kind == "kto":
         n_d = sum(1 for e in rest.events if e.rating)
         rest.desirable_weight, rest.undesirable_weight = kto_class_weights(n_d, len(rest.events) - n_d)

@@ -33,7 +33,7 @@ from livelora.core.bus import ensure_group, publish_notice, redis_unavailable, v
 from livelora.core.redis_keys import KeyLayout
 from livelora.trainer import triage
 from livelora.trainer.bus_recovery import BusRecovery
-from livelora.trainer.claims import Entry, SignalClaims
+from livelora.trainer.claims import Entry, SignalClaims, hand_off_lonely
 from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
 from livelora.trainer.learning_status import LearningReporter
 from livelora.trainer.retention import VersionRoom
@@ -138,7 +138,8 @@ class TrainerWorker:
         self.dead_letters = triage.DeadLetters(self.home, self.claims, self.scheduler, clock)
         self._last_claim = float("-inf")
         self._started = False
-        self.learning = LearningReporter(client, keys, self.scheduler.config)  # GET /v1/learning/{endpoint}
+        every = getattr(getattr(backend, "gate_config", None), "gate_holdout_every", 0)  # GET /v1/learning/{endpoint}:
+        self.learning = LearningReporter(client, keys, self.scheduler.config, holdout_every=every)
         self.recovery = recovery
         if hasattr(backend, "progress"):
             backend.progress = self.learning.progress
@@ -200,7 +201,7 @@ class TrainerWorker:
                 continue  # a forgotten user's event is neither recorded nor trained (admit() drops it)
             records.append((ev.id, {"stream_id": sid, "received": now, "event": json.loads(ev.model_dump_json())}))
         self.dataset.append(day, records)  # durable BEFORE any ack; once per event id
-        ack, touched = list(bad), {}
+        ack, touched, left_out = list(bad), {}, []
         done = self.trained_ids([ev.id for _, ev in parsed])
         for sid, ev in parsed:
             if ev.id in done:  # trained before a crash that came before its ack, or by a peer
@@ -208,17 +209,20 @@ class TrainerWorker:
                 continue
             lineage = self.endpoints.get(ev.endpoint).lineage
             hold_out = getattr(self.backend, "hold_out", None)  # kept for the gate's signal check, or governed out
-            if (self.governor is not None and self.governor.admit(lineage, ev, now)) or (
-                hold_out is not None and hold_out(lineage, ev)
-            ):
+            why = self.governor.admit(lineage, ev, now) if self.governor is not None else None
+            why = why or ("held_out" if hold_out is not None and hold_out(lineage, ev) else None)
+            if why:
                 ack.append(sid)
+                if ev.type == "rating" and why in ("held_out", "rate_limit"):
+                    left_out.append((lineage, why))
+                    touched[lineage] = ev.endpoint
                 continue
             self.claims.hold([sid])
             ack += self.scheduler.add(lineage, sid, ev, now)
             touched[lineage] = ev.endpoint
         if ack:
             self.claims.ack(ack)
-        self.learning.queued(self.scheduler, touched, [sid for sid, _ in entries])
+        self.learning.queued(self.scheduler, touched, [sid for sid, _ in entries], left_out)
 
     # ------------------------------------------------------------------ stepping
 
@@ -234,7 +238,7 @@ class TrainerWorker:
             self._last_claim = now
             self._ingest(self.claims.reclaim())
         self._ingest(self.claims.read_new(self.read_count, self.block_ms if block_ms is None else block_ms))
-        self._hand_off_lonely()
+        hand_off_lonely(self.scheduler, self.claims, self.clock())
         out = []
         paused = self.endpoints.paused_lineages() if len(self.scheduler) else set()  # an admin's pause
         for batch in self.scheduler.due(self.clock(), hold=paused):
@@ -247,21 +251,6 @@ class TrainerWorker:
             if notice is not None:
                 out.append(notice)
         return out
-
-    def _hand_off_lonely(self) -> None:
-        """A rating alone in its KTO queue for ``2 × max_wait_s`` goes back to the group as a new entry (same
-        event, same id; one script adds it and acknowledges + deletes the old entry), so that with several
-        workers it can meet a partner in another worker's queue instead of waiting for the next rating here."""
-        max_wait = getattr(self.scheduler.config, "max_wait_s", 30.0)
-        for sid, ev in self.scheduler.take_lonely(self.clock(), 2 * max_wait):
-            new = self.claims.hand_back(sid, ev.model_dump_json(), ev.replaces or "")
-            log.info(
-                "lone rating %s handed back to the group (%s → %s): a KTO step needs two ratings of one "
-                "endpoint, so it trains with the next one",
-                ev.id,
-                sid,
-                new or "not ours",
-            )
 
     def _screen(self, batch: Batch) -> Batch | None:
         """Take out of a due batch the events trained meanwhile by any worker (acknowledged) and the entries
@@ -285,7 +274,8 @@ class TrainerWorker:
         )
         if not keep:
             return None
-        out = Batch(batch.lineage, batch.kind, [e for _, e in keep], [sid for sid, _ in keep])
+        out = Batch(batch.lineage, batch.kind, [e for _, e in keep], [sid for sid, _ in keep], min_size=batch.min_size)
+        out.waited = batch.waited
         if out.kind == "kto":
             if len(keep) < 2:  # KTO never runs on one example
                 self.scheduler.requeue(out, self.clock())

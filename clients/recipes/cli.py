@@ -43,6 +43,7 @@ recipe_app = typer.Typer(
     help="Training recipes over the training-session API (chat SFT, GSM8K RL, KTO, DPO, "
     "distillation, code RL in a sandbox): metrics, checkpoints, exact resume.",
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 console = Console(stderr=True)
 

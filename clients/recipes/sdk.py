@@ -89,25 +89,21 @@ class Sdk:
         return self.service_factory()
 
     def tokenizer(self, training_client: Any) -> Any:
-        """The base model's tokenizer for ``training_client``: its ``get_tokenizer()``; for the official SDK, when
-        that cannot resolve the reported ``tokenizer_id`` (a hub id, offline and not in the Hugging Face cache),
-        the files the server serves (``GET /api/v1/tokenizer``, kept in livelora's tokenizer cache), so that a
-        recipe needs no ``livelora hf-cache`` first.
+        """The base model's tokenizer for ``training_client``, with either SDK from the files the server serves
+        (``GET /api/v1/tokenizer``, kept in livelora's tokenizer cache): no hub request, no ``livelora hf-cache``.
 
         Raises:
             the SDK's error when neither resolves (:func:`livelora.clients.tokenizer_files.load_tokenizer`).
         """
         if self.name == "livelora":
-            return training_client.get_tokenizer()  # it falls back to the server's files itself
-        try:
-            return training_client.get_tokenizer()
-        except (OSError, ValueError):
-            from livelora.clients._http import Transport
-            from livelora.clients.tokenizer_files import load_tokenizer
+            return training_client.get_tokenizer()  # the server's files, no hub request
+        from livelora.clients._http import Transport
+        from livelora.clients.tokenizer_files import load_tokenizer
 
-            info = training_client.get_info()
-            tokenizer_id = getattr(info.model_data, "tokenizer_id", None) or info.model_name
-            return load_tokenizer(tokenizer_id, Transport(self.base_url, self.api_key))
+        # the official SDK's get_tokenizer() asks the hub first (retrying where there is no network): ask the server
+        info = training_client.get_info()
+        tokenizer_id = getattr(info.model_data, "tokenizer_id", None) or info.model_name
+        return load_tokenizer(tokenizer_id, Transport(self.base_url, self.api_key))
 
     def model_input(self, tokens: Sequence[int]) -> Any:
         return self.types.ModelInput.from_ints(list(tokens))

@@ -1,8 +1,9 @@
 """Wire type of ``GET /v1/learning/{endpoint}``: where the next version of an endpoint's lineage stands.
 
 Stages, in order: ``waiting`` (ratings queued, n of the batch size), ``training`` (forward/backward and the
-optimizer step), ``gate`` (the evaluation gate, ``check`` names the pass running, ``step_scale`` the fraction of
-the step judged), then ``published`` (the version and its ``step_scale``) or ``rejected`` (why). ``idle``: no
+optimizer step; ``detail`` says whether a full batch or ``max_wait_s`` started it), ``gate`` (the evaluation
+gate, ``check`` names the pass running, ``step_scale`` the fraction of the step judged), then ``published`` (the
+version and its ``step_scale``; ``loading`` until the gateway serves it) or ``rejected`` (why). ``idle``: no
 step reported since the trainer started, nothing queued. Times are Unix seconds.
 """
 
@@ -82,6 +83,23 @@ class LearningStatus(BaseModel):
     paused: bool = Field(
         default=False, description="An admin paused the lineage's learning: signals stay queued, no step starts."
     )
+    ratings_held_out: int = Field(
+        default=0,
+        description="Ratings the evaluation gate kept to judge new versions (one in gate_holdout_every, by the "
+        "rating id's hash), never trained on; counted since the trainer started.",
+    )
+    ratings_quarantined: int = Field(
+        default=0,
+        description="Ratings over their rater's rate limit, kept out of training (since the trainer started).",
+    )
+    serving: str | None = Field(
+        default=None, description="The version this endpoint serves now (None: the base model or unknown)."
+    )
+    loading: str | None = Field(
+        default=None,
+        description="A published version the gateway does not serve yet (it swaps it in within seconds; a pinned "
+        "endpoint moves only on promote).",
+    )
 
     def summary(self) -> str:
         """One line for people, e.g. ``waiting: 3 of 8 ratings (5 more start a step)``."""
@@ -90,7 +108,10 @@ class LearningStatus(BaseModel):
         if self.stage == "waiting":
             s = f"waiting: {self.ratings_waiting} of {self.batch_size} ratings"
             if self.ratings_to_step:
-                s += f" ({self.ratings_to_step} more start a step)"
+                s += f" ({self.ratings_to_step} more start a step"
+                if self.max_wait_s is not None and self.ratings_waiting >= 2:
+                    s += f"; once the oldest has waited {self.max_wait_s:g} s, these start a partial batch"
+                s += ")"
         elif self.stage == "training":
             s = "training" + (f" ({self.detail})" if self.detail else "")
         elif self.stage == "gate":
@@ -98,14 +119,31 @@ class LearningStatus(BaseModel):
             if self.step_scale is not None and self.step_scale != 1:
                 s += f" (step scaled by {self.step_scale:g})"
         elif self.stage == "published":
-            s = f"published {self.version}"
+            s = f"published {self.version}"  # without a gateway (livelora endpoints show --home) nothing more is known
+            if self.loading == self.version:
+                s = f"published, loading {self.version}"
+            elif self.serving == self.version:
+                s = f"serving {self.version}"
             if self.step_scale is not None and self.step_scale != 1:
                 s += f" (step scaled by {self.step_scale:g})"
+            if self.detail:
+                s += f"; trained: {self.detail}"
             ff = self.last.freeform if self.last is not None else None
             if ff and ff.get("score") is not None and ff.get("base") is not None:
                 s += f"; free-form capability {ff['score']:.0%} (base model {ff['base']:.0%}, {ff['items']} items)"
         else:
             s = f"rejected {self.version}: {self.reason}"
+        if self.loading and not (self.stage == "published" and self.version == self.loading):
+            s += f"; published, loading {self.loading}"
+        elif self.serving and self.stage != "published":
+            s += f"; serving {self.serving}"
+        left = [
+            f"{n} {what}"
+            for n, what in ((self.ratings_held_out, "held out by the gate"), (self.ratings_quarantined, "quarantined"))
+            if n
+        ]
+        if left:
+            s += f"; not trained on: {', '.join(left)}"
         if self.paused:
             return s + "; learning paused by an admin (signals stay queued)"
         if self.eta_s is not None:

@@ -158,6 +158,12 @@ class FeedbackResponse(_Strict):
         description="More ratings of this endpoint that start a training step (0: one starts when the trainer is "
         "free; None: no trainer has reported). GET /v1/learning/{endpoint} follows the step.",
     )
+    training: str | None = Field(
+        default=None,
+        description="What happens to this rating: queued (n of the batch; a step starts on a full batch, or on "
+        "fewer once the oldest has waited max_wait_s), or held out by the evaluation gate and never trained on. "
+        "None: no trainer has reported.",
+    )
 
 
 class PreferenceResponse(_Strict):

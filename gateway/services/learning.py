@@ -18,6 +18,7 @@ from livelora.clients.errors import ModelNotFoundError
 from livelora.clients.types.learning import LearningStatus
 from livelora.core.api_keys import Principal
 from livelora.core.bus import redis_unavailable
+from livelora.core.governance import held_out
 from livelora.core.redis_keys import KeyLayout
 
 log = logging.getLogger(__name__)
@@ -31,16 +32,17 @@ KTO_FLOOR = 2
 def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None:
     """Set ``ratings_to_step``, ``eta_s`` and ``eta_basis`` of ``st`` in place.
 
-    One step costs ``step_seconds`` (the trainer's running mean of training start to outcome; before any step,
-    1.5 × the gate's base measurement, which the new weights' measurement repeats). Waiting with a full batch:
-    one step; with ≥ 2 ratings: what is left of ``max_wait_s`` after the oldest, plus one step; training or gate:
-    one step minus the time since training began (0: overdue); otherwise None (more ratings are needed).
+    One step costs ``step_seconds`` (measured: the running mean of training start to outcome, kept across trainer
+    restarts on this Redis; before any step, the gate's measured base time, which the new weights' gate repeats:
+    a lower bound, training not timed yet). Waiting with a full batch: one step; with ≥ 2 ratings: what is left
+    of ``max_wait_s`` after the oldest, plus one step; training or gate: one step minus the time since training
+    began (0: overdue); otherwise None (more ratings are needed).
     """
     if st.batch_size is not None:
         st.ratings_to_step = max(0, st.batch_size - st.ratings_waiting)
-    step, basis = st.step_seconds, "running mean of this lineage's steps"
+    step, basis = st.step_seconds, "measured: running mean of the trainer's steps"
     if step is None and base_seconds:
-        step, basis = 1.5 * base_seconds, "1.5 × the gate's base measurement (no step timed yet)"
+        step, basis = base_seconds, "at least the gate's measured base time (no training step timed yet)"
     st.eta_s, st.eta_basis = None, None
     if st.stage in ("training", "gate"):
         started = next((m.at for m in reversed(st.stages) if m.stage == "training"), st.since)
@@ -85,8 +87,9 @@ class LearningService:
             )
         return r.bindings[endpoint].lineage
 
-    async def _unread(self, lineage: str, read_through: str | None) -> tuple[int, float | None]:
-        """Ratings of ``lineage`` accepted after the trainer's last read: ``(count, Unix s of the oldest)``."""
+    async def _unread(self, lineage: str, read_through: str | None, every: int = 0) -> tuple[int, float | None]:
+        """Ratings of ``lineage`` accepted after the trainer's last read, less those the gate will hold out (one
+        in ``every``): ``(count, Unix s of the oldest)``."""
         eps = {ep for ep, b in self.registry.bindings.items() if b.lineage == lineage}
         start = f"({read_through}" if read_through else "-"
         entries = await self.client.xrange(self.keys.signals, min=start, max="+", count=MAX_UNREAD)
@@ -96,7 +99,7 @@ class LearningService:
                 ev = json.loads(fields.get("event") or "{}")
             except ValueError:
                 continue
-            if ev.get("type") == "rating" and ev.get("endpoint") in eps:
+            if ev.get("type") == "rating" and ev.get("endpoint") in eps and not held_out(str(ev.get("id")), every):
                 n += 1
                 oldest = oldest if oldest is not None else int(sid.split("-")[0]) / 1000
         return n, oldest
@@ -113,7 +116,8 @@ class LearningService:
         with redis_unavailable():
             raw, trainer_raw = await self.client.mget(self.keys.learning(lineage), self.keys.learning_trainer)
             trainer = json.loads(trainer_raw) if trainer_raw else {}
-            unread, unread_oldest = await self._unread(lineage, trainer.get("read_through"))
+            every = trainer.get("holdout_every") or 0
+            unread, unread_oldest = await self._unread(lineage, trainer.get("read_through"), every)
         if raw:
             st = LearningStatus.model_validate_json(raw)
             st.endpoint = endpoint
@@ -131,6 +135,10 @@ class LearningService:
                 st.stages = []
         recovered = trainer.get("recovered") or {}
         st.recovered_signals, st.recovered_at = recovered.get("total", 0), recovered.get("at")
+        binding = self.registry.bindings[endpoint]
+        st.serving = self.registry.current.get(endpoint)
+        published = st.last.version if st.last is not None and st.last.stage == "published" else None
+        st.loading = published if binding.mode == "follow" and published and published != st.serving else None
         base = trainer.get("base_measure") or {}
         estimate(st, base.get("seconds"), time.time())
         st.paused = any(b.lineage == lineage and b.learning_paused for b in self.registry.bindings.values())
@@ -140,10 +148,28 @@ class LearningService:
             st.eta_basis += "; the gate's base measurement runs first (once per store)"
         return st
 
-    async def ratings_to_step(self, endpoint: str) -> int | None:
-        """More ratings that start a step of ``endpoint``'s lineage (None when unknown; never raises)."""
+    async def ratings_to_step(self, endpoint: str, rating_id: str | None = None) -> tuple[int | None, str | None]:
+        """``(more ratings that start a step of endpoint's lineage, what happens to rating rating_id)``; ``None``
+        where unknown (no trainer has reported). Never raises."""
         try:
-            return (await self.status(endpoint)).ratings_to_step
-        except Exception as exc:  # the rating is accepted already; this figure is a courtesy
+            st = await self.status(endpoint)
+            every = json.loads(await self.client.get(self.keys.learning_trainer) or "{}").get("holdout_every") or 0
+        except Exception as exc:  # the rating is accepted already; these figures are a courtesy
             log.debug("learning status of %s unavailable: %s", endpoint, exc)
-            return None
+            return None, None
+        if st.batch_size is None:
+            return st.ratings_to_step, None
+        if rating_id is not None and held_out(rating_id, every):
+            return st.ratings_to_step, (
+                f"held out: the evaluation gate keeps one rating in {every} (by its id) to judge new versions; "
+                "this one is not trained on"
+            )
+        note = (
+            f"queued: {st.ratings_waiting} of {st.batch_size} ratings; a step starts at {st.batch_size}, or on "
+            f"fewer (a partial batch) once the oldest has waited {st.max_wait_s:g} s"
+            if st.max_wait_s is not None
+            else f"queued: {st.ratings_waiting} of {st.batch_size} ratings"
+        )
+        if st.paused:
+            note += "; learning is paused by an admin"
+        return st.ratings_to_step, note

@@ -80,7 +80,9 @@ class SignalService:
         accept_log: Any = None,
     ):
         self.client = client
-        self.ratings_to_step = ratings_to_step  # async endpoint -> int | None (gateway/services/learning.py)
+        self.ratings_to_step = (
+            ratings_to_step  # async (endpoint, id) -> (int | None, str | None) (services/learning.py)
+        )
         self.keys = keys
         self.completions = completions
         self.registry = registry
@@ -185,7 +187,9 @@ class SignalService:
         )
         if not replayed:
             await self._after_rating(ev)
-        to_step = await self.ratings_to_step(ev.endpoint) if self.ratings_to_step is not None else None
+        to_step, note = (None, None)
+        if self.ratings_to_step is not None:
+            to_step, note = await self.ratings_to_step(ev.endpoint, ev.id)
         return FeedbackResponse(
             id=ev.id,
             completion_id=ev.completion_id,
@@ -197,6 +201,7 @@ class SignalService:
             replaces=replaces,
             created=ev.created,
             ratings_to_step=to_step,
+            training=note,
         ), replayed
 
     async def preference(
