@@ -54,12 +54,12 @@ def test_a_second_start_reads_the_measurement_and_new_probes_measure_again(tmp_p
 
     # a changed probe set: measured again, and the old probe set's file of this base model removed
     changed = EvaluationGate(first.tokenizer, home, first.chat_pair, base_id=base_identity(ref))
-    changed.suite = ProbeSuite(first.tokenizer, load_probes()[:-1], freeform_items=40)
+    changed.suite = ProbeSuite(first.tokenizer, load_probes()[:-1], freeform_items=30)
     new_path = changed.base_cache_path(second._fresh)
     assert new_path != path
     m = changed.base(second._fresh)
     assert changed.base_source == "measured"
     assert m.probe_right == a.probe_right[:-1] and m.replies == a.replies
-    # the first 40 items of the stratified order, generated in the same batch: the same replies
+    # the first 30 items of the stratified order, generated in the same batch: the same replies
     assert m.freeform_texts == {it.id: a.freeform_texts[it.id] for it in changed.suite.freeform.items}
     assert sorted((home / BASE_CACHE_DIR).glob("*.pt")) == [new_path]

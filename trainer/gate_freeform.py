@@ -21,8 +21,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from livelora.core.core_share import step_yield
 from livelora.trainer.capability import CATEGORIES, GATE_FILE, CapabilityItem, load_items, stratified
 
-#: Conditional probability of the other final verdict below which the sample stops early (two-sided: 5 %).
-CLEAR = 0.05
+#: Conditional probability of the other final verdict below which the sample stops early.
+CLEAR = 0.10
 #: Free-form items lost against the current version kept in a gate result (``measures.freeform.lost``).
 LOST_EXAMPLES = 5
 
@@ -37,7 +37,7 @@ class FreeformSuite:
     """
 
     def __init__(
-        self, tokenizer: Any, items: Sequence[CapabilityItem] | None = None, *, max_items: int = 160, chunk: int = 40
+        self, tokenizer: Any, items: Sequence[CapabilityItem] | None = None, *, max_items: int = 120, chunk: int = 30
     ):
         self.tokenizer = tokenizer
         self.items = stratified(list(items) if items is not None else load_items(GATE_FILE))[: max(1, max_items)]
@@ -85,21 +85,16 @@ class FreeformSuite:
         for b, s in enumerate(seqs):
             ids[b, t_max - len(s) :] = torch.tensor(s)
             mask[b, t_max - len(s) :] = 1
-        causal_lm, was_training = peft.get_base_model(), peft.training
-        peft.eval()  # in training mode gradient checkpointing turns the KV cache off: every step re-reads the row
-        try:
-            with peft.disable_adapter() if not adapter else _Null():
-                out = causal_lm.generate(
-                    input_ids=ids.to(model.device),
-                    attention_mask=mask.to(model.device),
-                    max_new_tokens=max(budget),
-                    do_sample=False,
-                    pad_token_id=model.pad_id,
-                    eos_token_id=self.eos,
-                    stopping_criteria=StoppingCriteriaList([_Budget(t_max, budget)]),
-                )
-        finally:
-            peft.train(was_training)
+        with peft.disable_adapter() if not adapter else _Null():
+            out = peft.get_base_model().generate(
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=max(budget),
+                do_sample=False,
+                pad_token_id=model.pad_id,
+                eos_token_id=self.eos,
+                stopping_criteria=StoppingCriteriaList([_Budget(t_max, budget)]),
+            )
         texts = []
         for row, n_max in zip(out[:, t_max:].tolist(), budget):
             row = row[:n_max]

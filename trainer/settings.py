@@ -166,7 +166,7 @@ class GateSection(Section):
         24, ge=4, le=256, description="Greedy tokens generated per open prompt for the degeneracy check."
     )
     gate_freeform_items: int = Field(
-        160,
+        120,
         ge=0,
         le=10000,
         description="Most capability items (a stratified sample of trainer/rails/freeform_gate.jsonl) whose greedy "
@@ -174,7 +174,7 @@ class GateSection(Section):
         "free-form check).",
     )
     gate_freeform_chunk: int = Field(
-        40, ge=1, description="Free-form items generated in one batch, between which the gate may stop early."
+        30, ge=1, description="Free-form items generated in one batch, between which the gate may stop early."
     )
     gate_min_step_scale: float = Field(
         0.125,
