@@ -160,6 +160,18 @@ def test_the_endpoint_page_counts_ratings_and_requests_across_its_versions(serve
     assert "serving</span>" in page.split(f'data-version="{LINEAGE}@2"')[1].split("</tr>")[0]
 
 
+def test_requests_the_base_model_answered_are_counted_with_its_ratings(server, keys, endpoints):
+    """beta.ep has no version yet: its chats are served by the base model and counted on the ``base`` row."""
+    with httpx.Client(base_url=server.base_url, headers={"X-API-Key": keys["beta"]}, timeout=60) as b:
+        cid = chat(server, keys["beta"], "beta.ep").json()["id"]
+        assert b.post("/v1/feedback", json={"completion_id": cid, "rating": False, "user": "bo"}).status_code == 200
+    with console_client(server.base_url, keys["beta"]) as c:
+        page = c.get("/console/endpoints/beta.ep").text
+    row = page.split('<tr data-version="base">')[1].split("</tr>")[0]
+    requests, ratings = (int(n) for n in re.findall(r"<td>(\d+)</td>", row)[:2])
+    assert requests >= 1 and ratings >= 1
+
+
 # ---------------------------------------------------------------------------------------------- CSRF
 
 
