@@ -119,3 +119,15 @@ def test_every_text_is_escaped_and_no_chart_has_a_script():
     assert spec_of(bars)["x"]["labels"] == [[evil, evil]] and spec_of(line)["title"] == evil  # read back intact
     tree = ET.fromstring(str(lineage_graph([{"version": 1, "name": evil, "parent": None}], serving=set(), href=str)))
     assert not list(tree.iter(f"{NS}script")) and any(evil in (t.text or "") for t in tree.iter(f"{NS}title"))
+
+
+def test_the_learning_cell_names_its_stage_once():
+    from livelora.clients.types.learning import LearningStatus
+    from livelora.gateway.api.console_render import ENV
+
+    cell = ENV.get_template("_macros.html").module.learning
+    published = LearningStatus(endpoint="a", lineage="l", stage="published", version="l@2")
+    waiting = LearningStatus(endpoint="a", lineage="l", stage="waiting", ratings_waiting=3, batch_size=8)
+    for st, hint in ((published, "l@2"), (waiting, "3 of 8 ratings")):
+        html = str(cell(st, False))
+        assert html.count(st.stage) == 2 and f'<span class="hint">{hint}' in html, html  # class name + badge
