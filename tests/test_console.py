@@ -306,8 +306,9 @@ def test_sessions_page_lists_the_tenants_runs_with_signed_archive_links(server, 
     with console_client(server.base_url, keys["acme"]) as c, console_client(server.base_url, keys["beta"]) as b:
         page = c.get("/console/sessions").text
         assert sid in page and made["model_id"] in page and "weights/w1" in page
-        used = re.search(r"<td>training sessions</td><td>(\d+)</td>", page).group(1)
-        assert int(used) >= 1  # the session just made holds a slot (no max_sessions set)
+        used = re.search(r"<td>training sessions alive now</td><td>(\d+)</td>", page).group(1)
+        alive = page.count('<span class="badge ok">alive</span>')
+        assert int(used) == alive >= 1  # the quota counts what the list shows alive
         url = re.search(r'href="([^"]+/api/v1/checkpoint_archives/[^"]+)"', page).group(1).replace("&amp;", "&")
         archive = httpx.get(url)
         assert archive.status_code == 200 and archive.content[257:262] == b"ustar"  # a tar file
