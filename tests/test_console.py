@@ -6,6 +6,7 @@ gateway on the real model and Redis (its own store: keys switch it to key mode).
 from __future__ import annotations
 
 import re
+from importlib import resources
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
 from livelora.core.api_keys import TENANT_ROLES
 from livelora.gateway.auth import app_routes
+from livelora.gateway.console import STATIC_FILES
 
 LINEAGE = "acme.support"
 PREFIX = new_prefix("console")
@@ -127,6 +129,47 @@ def test_every_console_page_answers_for_a_logged_in_admin(server, keys, endpoint
             )
         page = c.get("/console/endpoints").text
         assert "acme.prod" in page and "acme.live" in page and "beta.ep" not in page
+        for name, media in STATIC_FILES.items():  # each file the pages load, with its type; nothing else
+            r = c.get(f"/console/static/{name}")
+            assert r.status_code == 200 and r.headers["content-type"].startswith(media), name
+            assert r.content == resources.files("livelora.gateway.console").joinpath("static", name).read_bytes()
+        for other in ("../charts.py", "vendor/../../svg.py", "vendor/chart.umd.js"):
+            assert c.get(f"/console/static/{other}").status_code == 404, other
+
+
+def test_the_endpoint_page_counts_ratings_and_requests_across_its_versions(server, keys, endpoints):
+    """A rating on @1, then @2 promoted and served once: the endpoint's liked share pools both versions, the
+    serving version's own line says it has no rating yet, and the per-version table has a row for each."""
+    with httpx.Client(base_url=server.base_url, headers={"X-API-Key": keys["acme"]}, timeout=60) as a:
+        cid = chat(server, keys["acme"], "acme.prod").json()["id"]
+        assert a.post("/v1/feedback", json={"completion_id": cid, "rating": True, "user": "ann"}).status_code == 200
+        body = {"version": f"{LINEAGE}@2", "reason": "try @2"}
+        assert a.post("/admin/endpoints/acme.prod/promote", json=body).status_code == 200
+        try:
+            chat(server, keys["acme"], "acme.prod")
+            with console_client(server.base_url, keys["acme"]) as c:
+                page = c.get("/console/endpoints/acme.prod").text
+        finally:
+            assert a.post("/admin/endpoints/acme.prod/rollback", json={"reason": "back"}).status_code == 200
+    cell = lambda id_: re.sub(r"<[^>]+>|\s+", " ", re.search(rf'id="{id_}">(.*?)</td>', page, re.S).group(1))  # noqa: E731
+    ups, n, requests = re.search(r"\((\d+)/(\d+) ratings, (\d+) requests\)", cell("liked-all")).groups()
+    assert int(n) >= 1 and int(ups) >= 1 and int(requests) >= 2
+    assert "no ratings yet (1 requests)" in cell("liked-serving")
+    rows = re.findall(r'<tr data-version="([^"]+)">', page)
+    assert f"{LINEAGE}@1" in rows and f"{LINEAGE}@2" in rows and rows[-1] == "all"
+    assert "serving</span>" in page.split(f'data-version="{LINEAGE}@2"')[1].split("</tr>")[0]
+
+
+def test_requests_the_base_model_answered_are_counted_with_its_ratings(server, keys, endpoints):
+    """beta.ep has no version yet: its chats are served by the base model and counted on the ``base`` row."""
+    with httpx.Client(base_url=server.base_url, headers={"X-API-Key": keys["beta"]}, timeout=60) as b:
+        cid = chat(server, keys["beta"], "beta.ep").json()["id"]
+        assert b.post("/v1/feedback", json={"completion_id": cid, "rating": False, "user": "bo"}).status_code == 200
+    with console_client(server.base_url, keys["beta"]) as c:
+        page = c.get("/console/endpoints/beta.ep").text
+    row = page.split('<tr data-version="base">')[1].split("</tr>")[0]
+    requests, ratings = (int(n) for n in re.findall(r"<td>(\d+)</td>", row)[:2])
+    assert requests >= 1 and ratings >= 1
 
 
 # ---------------------------------------------------------------------------------------------- CSRF
@@ -263,6 +306,9 @@ def test_sessions_page_lists_the_tenants_runs_with_signed_archive_links(server, 
     with console_client(server.base_url, keys["acme"]) as c, console_client(server.base_url, keys["beta"]) as b:
         page = c.get("/console/sessions").text
         assert sid in page and made["model_id"] in page and "weights/w1" in page
+        used = re.search(r"<td>training sessions alive now</td><td>(\d+)</td>", page).group(1)
+        alive = page.count('<span class="badge ok">alive</span>')
+        assert int(used) == alive >= 1  # the quota counts what the list shows alive
         url = re.search(r'href="([^"]+/api/v1/checkpoint_archives/[^"]+)"', page).group(1).replace("&amp;", "&")
         archive = httpx.get(url)
         assert archive.status_code == 200 and archive.content[257:262] == b"ustar"  # a tar file
@@ -290,7 +336,7 @@ def test_the_cookie_is_secure_over_https(tmp_path):
     assert r.status_code == 403  # the http origin of the same host is another origin
 
 
-def test_the_vendored_htmx_is_the_file_its_note_names_and_ships_its_licence():
+def test_the_vendored_files_are_the_files_their_notes_name_and_ship_their_licences():
     import hashlib
     from importlib import resources
 
@@ -299,8 +345,9 @@ def test_the_vendored_htmx_is_the_file_its_note_names_and_ships_its_licence():
     files = resources.files("livelora.gateway.console")
     for name, note in VENDORED.items():
         assert hashlib.sha256(files.joinpath("static", name).read_bytes()).hexdigest() == note["sha256"]
-        assert name in STATIC_FILES and "htmx.LICENSE" in STATIC_FILES
+        assert name in STATIC_FILES and note["license"].split(", ")[1].removeprefix("static/") in STATIC_FILES
     assert "Zero-Clause BSD" in files.joinpath("static", "htmx.LICENSE").read_text()
+    assert "The MIT License" in files.joinpath("static", "vendor", "chart.js.LICENSE").read_text()
     templates = [p.name for p in files.joinpath("templates").iterdir()]
     assert all("cdn" not in files.joinpath("templates", t).read_text().lower() for t in templates)
 

@@ -3,6 +3,8 @@
 history row and the served version change (the next chat completion's ``x-livelora-adapter-version``), roll back;
 another tenant's key does not see the endpoint, a wrong key is refused, a cross-site form post is refused.
 
+Every chart of the Charts, endpoint and lineage pages is drawn with data and no two of its text labels overlap
+(boxes from Chart.js's own layout, ``window.liveloraCharts()``); those pages' screenshots go to ``docs/img/``.
 Every page's screenshot is written to ``test-output/console/`` (ignored by git) for a person to look at. Without
 a Chromium (``apt-get install chromium``; ``.ci/run`` installs it) the tests skip and say why.
 """
@@ -30,6 +32,7 @@ PREFIX = new_prefix("console-browser")
 KEYS = {"acme": ("acme", TENANT_ROLES), "beta": ("beta", TENANT_ROLES)}
 SERVER_SETTINGS = {"max_batch_size": 4, "max_waiting": 8, "redis_prefix": PREFIX}
 SHOTS = Path(__file__).resolve().parent.parent / "test-output" / "console"
+DOC_SHOTS = Path(__file__).resolve().parent.parent / "docs" / "img"
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -187,6 +190,57 @@ def test_log_in_see_promote_with_a_reason_and_roll_back(browser, site, server, k
         shot(page, name)
     assert page.goto(f"/console/versions/{LINEAGE}@3").status == 200
     assert page.locator("#sha256").inner_text() == AdapterStore(home).get(LINEAGE, 3).sha256
+    assert not [m for m in page.logged if "Content Security Policy" in m], page.logged
+    context.close()
+
+
+def overlaps(boxes: list[dict]) -> list[tuple[str, str]]:
+    """Pairs of text boxes (``left, top, width, height`` in CSS px) that overlap by more than half a pixel."""
+    out = []
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            dx = min(a["left"] + a["width"], b["left"] + b["width"]) - max(a["left"], b["left"])
+            dy = min(a["top"] + a["height"], b["top"] + b["height"]) - max(a["top"], b["top"])
+            if dx > 0.5 and dy > 0.5:
+                out.append((a["text"], b["text"]))
+    return out
+
+
+def test_every_chart_has_data_and_no_two_labels_overlap(browser, site, server, keys):
+    """Runs after the promote and rollback above, so acme.prod's liked-share chart has version changes."""
+    context, page = log_in(browser, site, keys["acme"])
+    page.set_viewport_size({"width": 1200, "height": 900})
+    expected = {
+        "/console/charts": {"liked share of acme.prod", "loss:sum of acme.support", "new versions per hour"},
+        "/console/endpoints/acme.prod": {"liked share of acme.prod"},
+        f"/console/lineages/{LINEAGE}": {"loss:sum of acme.support"},
+    }
+    for path, titles in expected.items():
+        assert page.goto(path).status == 200
+        page.wait_for_function("() => window.liveloraCharts && document.querySelector('figure.chart canvas')")
+        drawn = page.evaluate("window.liveloraCharts()")
+        assert titles <= {c["title"] for c in drawn}, (path, [c["title"] for c in drawn])
+        for chart in drawn:
+            texts = [b["text"] for b in chart["boxes"]]
+            assert chart["points"] > 0 and len(texts) >= 4, (path, chart["title"], texts)
+            assert not overlaps(chart["boxes"]), (path, chart["title"], overlaps(chart["boxes"]))
+            ticks = [b["text"] for b in chart["boxes"] if b["top"] > chart["height"] * 0.6]
+            assert len(ticks) == len(set(ticks)), (path, chart["title"], ticks)  # x labels do not repeat
+            inside = all(0 <= b["left"] and b["left"] + b["width"] <= chart["width"] + 0.5 for b in chart["boxes"])
+            assert inside, (path, chart["title"], chart["boxes"])  # nothing cut off
+        if path == "/console/endpoints/acme.prod":
+            liked = next(c for c in drawn if c["title"] == "liked share of acme.prod")
+            assert liked["marks"] >= 1  # the promote and rollback are labelled
+            assert "all versions" in page.locator("#per-version").inner_text()
+    shots = (
+        ("/console/charts", "console-charts"),
+        ("/console/endpoints/acme.prod", "console-endpoint"),
+        (f"/console/versions/{LINEAGE}@3", "console-version"),
+    )
+    for path, name in shots:
+        page.goto(path)
+        page.wait_for_load_state("networkidle")
+        page.screenshot(path=str(DOC_SHOTS / f"{name}.png"), full_page=True)
     assert not [m for m in page.logged if "Content Security Policy" in m], page.logged
     context.close()
 

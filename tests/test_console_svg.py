@@ -1,14 +1,20 @@
-"""The console's figures and SVG, without a server: liked share per time bucket, latency quantiles from a
-Prometheus histogram, the parent graph of a branching lineage, and that every text is escaped."""
+"""The console's figures, chart specs and SVG, without a server: liked share per time bucket, latency quantiles
+from a Prometheus histogram, time ticks, the charts' JSON specs, the parent graph of a branching lineage, and that
+every text is escaped."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import re
+import time
 import xml.etree.ElementTree as ET
 
 from prometheus_client import CollectorRegistry, Histogram
 
 from livelora.gateway.console import charts
-from livelora.gateway.console.svg import Series, bar_chart, line_chart, lineage_graph, nice_top
+from livelora.gateway.console.charts import MAX_TICKS, time_ticks
+from livelora.gateway.console.svg import lineage_graph
 from livelora.gateway.services.console_reports import latency_by_route
 from livelora.gateway.services.console_views import bucket_shares
 
@@ -66,17 +72,62 @@ def test_a_branch_starts_a_new_row_and_a_deleted_parent_is_dashed():
     assert lineage_graph([], serving=set(), href=str)  # an empty lineage draws a placeholder
 
 
+def spec_of(markup) -> dict:
+    """The JSON spec inside a chart's ``<script type="application/json">``."""
+    return json.loads(
+        re.search(r'<script type="application/json" class="chart-data">(.*?)</script>', str(markup)).group(1)
+    )
+
+
+def test_time_ticks_are_round_distinct_and_inside_the_span():
+    t0 = time.mktime((2026, 12, 6, 9, 7, 13, 0, 0, -1))
+    for span, step in ((50, 10), (40 * 60, 600), (5 * 3600, 3600), (30 * 3600, 6 * 3600), (6 * 86400, 86400)):
+        ticks = time_ticks(t0, t0 + span)
+        values, labels = [v for v, _ in ticks], [label for _, label in ticks]
+        assert 2 <= len(ticks) <= MAX_TICKS and len(set(labels)) == len(labels), (span, labels)
+        assert t0 <= values[0] and values[-1] <= t0 + span
+        assert all(b - a == step for a, b in itertools.pairwise(values)), (span, values)
+    assert [label for _, label in time_ticks(t0, t0 + 40 * 60)][:2] == ["09:10", "09:20"]
+
+
+def test_the_requests_chart_labels_each_bar_with_its_version_and_counts_whole_requests():
+    rows = [
+        {"endpoint": "acme.live", "version": "base", "requests": 0, "ratings": 8},
+        {"endpoint": "acme.live", "version": "acme.support@2", "requests": 3, "ratings": 1},
+    ]
+    spec = spec_of(charts.requests(rows))
+    assert spec["x"]["labels"] == [["acme.live", "base"], ["acme.live", "@2"]]
+    assert [d["data"] for d in spec["datasets"]] == [[0, 3], [8, 1]]
+    assert spec["y"] == {"min": 0, "integer": True}
+
+
+def test_the_liked_chart_marks_version_changes_with_the_version_served_from_then_on():
+    buckets = bucket_shares([(100.0, "a@1", True), (150.0, "a@2", False), (190.0, "a@2", True)], 4, 200.0)
+    marks = [(120.0, "published acme.support@2"), (160.0, "promote → base"), (900.0, "published acme.support@9")]
+    spec = spec_of(charts.liked(buckets, marks, "liked share of acme.live"))
+    assert [(m["x"], m["label"]) for m in spec["marks"]] == [(120.0, "@2"), (160.0, "base")]  # @9: after the span
+    assert [(p["y"], p["n"]) for p in spec["datasets"][0]["data"]] == [(1.0, 1), (0.0, 1), (1.0, 1)]
+    assert spec["y"] == {"min": 0, "max": 1, "percent": True}
+
+
 def test_every_text_is_escaped_and_no_chart_has_a_script():
     evil = '<script>alert(1)</script>"'
-    for svg in (
-        line_chart([Series(evil, [(0.0, 1.0), (1.0, 2.0)])], title=evil, marks=[(0.5, evil)]),
-        bar_chart([(evil, 3.0)], title=evil),
-        lineage_graph([{"version": 1, "name": evil, "parent": None}], serving=set(), href=lambda n: n),
-    ):
-        tree = ET.fromstring(str(svg))  # well-formed XML
-        assert not list(tree.iter(f"{NS}script")) and "<script>" not in str(svg)
-        assert any(evil in (t.text or "") for t in tree.iter(f"{NS}title"))
+    bars = charts.requests([{"endpoint": evil, "version": evil, "requests": 1, "ratings": 0}])
+    line = charts.loss([(1, 2.0)], evil)
+    for markup in (bars, line):
+        assert "<script>" not in str(markup) and str(markup).count("</script>") == 1
+    assert spec_of(bars)["x"]["labels"] == [[evil, evil]] and spec_of(line)["title"] == evil  # read back intact
+    tree = ET.fromstring(str(lineage_graph([{"version": 1, "name": evil, "parent": None}], serving=set(), href=str)))
+    assert not list(tree.iter(f"{NS}script")) and any(evil in (t.text or "") for t in tree.iter(f"{NS}title"))
 
 
-def test_round_axis_tops():
-    assert [nice_top(x) for x in (0, 3, 4, 5, 9, 170, 0.3)] == [1.0, 4, 4, 8, 20, 200, 0.4]
+def test_the_learning_cell_names_its_stage_once():
+    from livelora.clients.types.learning import LearningStatus
+    from livelora.gateway.api.console_render import ENV
+
+    cell = ENV.get_template("_macros.html").module.learning
+    published = LearningStatus(endpoint="a", lineage="l", stage="published", version="l@2")
+    waiting = LearningStatus(endpoint="a", lineage="l", stage="waiting", ratings_waiting=3, batch_size=8)
+    for st, hint in ((published, "l@2"), (waiting, "3 of 8 ratings")):
+        html = str(cell(st, False))
+        assert html.count(st.stage) == 2 and f'<span class="hint">{hint}' in html, html  # class name + badge

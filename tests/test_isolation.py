@@ -602,8 +602,13 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/console/login"): Case(_none, "own"),
     ("POST", "/console/login"): Case(lambda o: [("", Form(key="tml-000000000000-not-a-key"))], 401),
     ("POST", "/console/logout"): Case(lambda o: [("", Form(csrf_token="0"))], "own"),  # a wrong token: 403
-    ("GET", "/console/static/{name}"): Case(
-        lambda o: [("/console/static/htmx.min.js", None), ("/console/static/svg.py", None)], "own"
+    ("GET", "/console/static/{name:path}"): Case(
+        lambda o: [
+            ("/console/static/htmx.min.js", None),
+            ("/console/static/vendor/chart.umd.min.js", None),
+            ("/console/static/svg.py", None),
+        ],
+        "own",
     ),
     ("GET", "/console/endpoints"): Case(_none, "own"),
     ("GET", "/console/endpoints/{name:path}"): Case(lambda o: [(f"/console/endpoints/{o['endpoint']}", None)]),

@@ -85,9 +85,9 @@ async def login(request: Request, logins: ConsoleLoginsDep, services: ServicesDe
     return response
 
 
-@router.get("/static/{name}")
+@router.get("/static/{name:path}")
 async def static(name: str) -> Response:
-    """The console's CSS, htmx and htmx's licence (from the package: no CDN)."""
+    """The console's CSS, scripts (htmx, Chart.js, the chart drawer) and licences (from the package: no CDN)."""
     if name not in STATIC_FILES:
         raise NotFoundError(f"no console file {name!r}")
     body = resources.files("livelora.gateway.console").joinpath("static", name).read_bytes()
@@ -146,7 +146,8 @@ async def version_page(name: str, request: Request, ctx: ConsoleDep, logins: Con
 
 @router.get("/charts")
 async def charts_page(request: Request, ctx: ConsoleDep, logins: ConsoleLoginsDep) -> Response:
-    """Liked share over time, training loss, requests, tokens and updates per hour (SVG from the gateway)."""
+    """Liked share over time, training loss, requests, tokens and updates per hour (drawn by the vendored
+    Chart.js)."""
 
     async def load():
         return await ConsoleReports(ctx).charts()

@@ -200,12 +200,14 @@ class ConsoleReports:
 
     # ------------------------------------------------------------------ sessions and usage
     async def sessions(self) -> dict[str, Any]:
-        """The tenant's training sessions (newest first) with their runs, each run's checkpoints with a signed
-        archive URL, and usage against the quotas (the operator: every tenant's usage)."""
+        """The tenant's training sessions (newest first, each ``alive`` or not) with their runs, each run's
+        checkpoints with a signed archive URL, and usage against the quotas (the operator: every tenant's usage)."""
         svc, out = self.ctx.sessions, {"sessions": [], "runs": [], "usage": [], "quotas": []}
         if svc is not None:
             found = await svc.search_sessions(SessionSearchRequest(limit=50), self.ctx.principal)
-            out["sessions"] = [s.model_dump(mode="json") for s in found.sessions]
+            for s in found.sessions:  # alive: its record still exists (it holds a max_sessions slot)
+                alive = bool(await svc.redis.exists(svc.keys.session(s.session_id)))
+                out["sessions"].append({**s.model_dump(mode="json"), "alive": alive})
             runs = await svc.checkpoints.list_training_runs(self.ctx.principal, limit=50)
             for run in runs.training_runs:
                 ckpts = []

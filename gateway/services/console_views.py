@@ -13,6 +13,7 @@ from typing import Any
 from livelora.adapters.endpoints import HistoryEntry
 from livelora.clients.errors import LiveloraError, NotFoundError
 from livelora.core.api_keys import DEFAULT_TENANT, Principal
+from livelora.core.rails import wilson_interval
 from livelora.gateway.services.admin import GatewayAdmin
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,20 @@ def bucket_shares(ratings: list[tuple[float, str, bool]], buckets: int, end: flo
         b["ratings"] += 1
         b["up"] += int(up)
     return [{**b, "share": b["up"] / b["ratings"] if b["ratings"] else None} for b in out]
+
+
+def across(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sums of per-version statistics ``rows`` (``{"requests", "ratings", "thumbs_up", "thumbs_up_rate",
+    "ci95"}``, the 95 % Wilson interval of the pooled ratings)."""
+    n, up = sum(r["ratings"] for r in rows), sum(r["thumbs_up"] for r in rows)
+    ci = wilson_interval(up, n)
+    return {
+        "requests": sum(r["requests"] for r in rows),
+        "ratings": n,
+        "thumbs_up": up,
+        "thumbs_up_rate": up / n if n else None,
+        "ci95": list(ci) if ci else None,
+    }
 
 
 @dataclass
@@ -111,15 +126,34 @@ class ConsoleViews:
         c = stats.canaries.get(name) if stats is not None else None
         return None if c is None else {**c, "share": self.ctx.canary_share}
 
+    async def _per_version(self, name: str, serving: str) -> list[dict[str, Any]]:
+        """Statistics of every version ``name`` served or had rated, the serving one included (zeros) even
+        before its first request; ``[]`` without live statistics."""
+        stats = self.ctx.stats
+        if stats is None:
+            return []
+        try:
+            rows = await stats.endpoint(name)
+        except Exception as exc:  # Redis down: the page shows the rest
+            log.warning("live statistics of %s unavailable: %s", name, exc)
+            return []
+        if serving not in {r["version"] for r in rows}:
+            rows.append(await stats.version(name, serving))
+        return rows
+
     async def endpoint_row(self, info: dict[str, Any], last: HistoryEntry | None) -> dict[str, Any]:
-        """One endpoint's row: the binding, what it serves, its canary, liked share with the 95 % interval,
-        the learning stage of its next version, the last change and the versions it may be promoted to."""
+        """One endpoint's row: the binding, what it serves, its canary, liked share with the 95 % interval
+        (across its versions, ``liked``; and of the serving one, ``liked_serving``), the learning stage of its
+        next version, the last change, the versions it may be promoted to and statistics per version."""
         serving = self.serving_now(info["name"], info["serving"])
+        per_version = await self._per_version(info["name"], serving)
         return {
             **info,
             "mine": (info.get("tenant") or DEFAULT_TENANT) == self.ctx.principal.tenant,  # else: the operator's view
             "serving": serving,
-            "liked": await self._liked(info["name"], serving),
+            "per_version": per_version,
+            "liked": across(per_version) if self.ctx.stats is not None else None,
+            "liked_serving": next((r for r in per_version if r["version"] == serving), None),
             "canary": self._canary(info["name"]),
             "learning": await self._learning(info["name"]),
             "last_change": last,
@@ -144,12 +178,11 @@ class ConsoleViews:
         history = self.admin.history(name)
         row = await self.endpoint_row(info, history[-1] if history else None)
         stats = self.ctx.stats
-        per_version = await stats.endpoint(name) if stats is not None else []
         ratings = await stats.ratings_over_time(name) if stats is not None else []
         return {
             "endpoint": row,
             "history": list(reversed(history)),
-            "per_version": per_version,
+            "per_version": row["per_version"],
             "buckets": bucket_shares(ratings, 24, time.time()),
             "marks": self.serving_marks(name, info, history),
         }

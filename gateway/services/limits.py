@@ -70,16 +70,21 @@ class QuotaService:
 
     # ------------------------------------------------------------------ sessions
     async def acquire_session(self, tenant: str, sid: str) -> None:
-        """Take a concurrent-session slot for ``sid`` (call before the session exists).
+        """Take a concurrent-session slot for ``sid`` (call before the session exists); without a limit the
+        slot is still taken, so :meth:`report` counts the sessions held.
 
         Raises:
             RateLimitError: the tenant's ``max_sessions`` slots are held (429, ``Retry-After`` = when one frees).
         """
         limit = self.limits(tenant).limit("max_sessions")
-        if limit is None:
-            return
         wait_ms = await self.redis.eval(
-            _ACQUIRE, 1, self.keys.quota_sessions(tenant), self.keys.session(""), sid, limit, self._slot_ttl_ms()
+            _ACQUIRE,
+            1,
+            self.keys.quota_sessions(tenant),
+            self.keys.session(""),
+            sid,
+            2**31 if limit is None else limit,
+            self._slot_ttl_ms(),
         )
         if int(wait_ms) >= 0:
             metrics.REJECTIONS.labels("quota_sessions").inc()

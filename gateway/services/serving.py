@@ -408,7 +408,7 @@ class Serving:
         jobs = list(jobs)
         tokens = sum(j.params.max_tokens for j in jobs)
         ticket = self.admission.acquire(len(jobs), payer(principal), param=param, tokens=tokens)
-        if self.registry is not None and target.endpoint is not None and target.adapter is not None:
+        if self.registry is not None and target.endpoint is not None:  # the base model too: its requests count
             ticket.also_release(self.registry.hold(target.endpoint, target.adapter).release)
         request_id = new_id(id_prefix) if id_prefix else ""
         created = now()
