@@ -23,7 +23,8 @@ def _store(tmp_path, livelora_home):
 
 def _start(ref, home) -> OnlineTrainer:
     """A trainer start: warm_up builds the model and starts the base measurement; wait for it."""
-    trainer = OnlineTrainer(ref, home, TrainingSection(), gate=GateSection(gate_enabled=True))
+    gate = GateSection(gate_enabled=True, gate_freeform_items=30)
+    trainer = OnlineTrainer(ref, home, TrainingSection(), gate=gate)
     trainer.warm_up()
     trainer._base_thread.join()
     return trainer

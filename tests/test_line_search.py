@@ -186,25 +186,19 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
     assert g["against"] == "base" and g["continued_from"] is None and g["verdicts"][ep]["passed"]
     assert g["step_scale"] == 0.5
     full, half = g["line_search"]
-    assert (full["step_scale"], full["passed"], full["failed"], full["skipped"]) == (
-        1.0,
-        False,
-        ["length_ratio"],
-        ["freeform", "freeform_base"],
-    )
+    assert (full["step_scale"], full["passed"], full["failed"], full["skipped"]) == (1.0, False, ["length_ratio"], [])
     assert (half["step_scale"], half["passed"], half["failed"]) == (0.5, True, [])
     by_name = {c["name"]: c for c in g["checks"]}
     assert 0.5 <= by_name["length_ratio"]["value"] < 1.0 and by_name["length_ratio"]["bound"] == 0.5
     assert not any(c["skipped"] for c in g["checks"]) and set(by_name) == set(CHECKS)
-    # the gate measured the probes, then the replies, for each candidate (no held-out examples: no signal pass),
-    # and the free-form replies of the one that passed them (one chunk: with a margin of 1 the verdict is clear)
+    # the gate measured the probes, then the replies, for each candidate (no held-out examples: no signal pass; the
+    # free-form check is off by default)
     assert checks == [
         ("probes", 1.0),
         ("replies", 1.0),
         ("verdict", 1.0),
         ("probes", 0.5),
         ("replies", 0.5),
-        ("freeform", 0.5),
         ("verdict", 0.5),
     ]
 
@@ -252,7 +246,7 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
     assert (first["step_scale"], first["failed"], first["skipped"]) == (
         1.0,
         ["probes_base"],
-        ["degenerate", "length_ratio", "freeform", "freeform_base"],
+        ["degenerate", "length_ratio"],
     )
     assert checks[:2] == [("probes", 1.0), ("verdict", 1.0)]  # the replies were never generated
     for tried in g2["line_search"]:
@@ -265,7 +259,7 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
         assert [x["step_scale"] for x in g2["line_search"]] == [1.0, 0.5, 0.25, 0.125]
         assert g2["step_scale"] == 1.0 and g2["continued_from"] == f"{ep}@1"  # the full step, written rejected
         skipped = {c["name"] for c in g2["checks"] if c["skipped"]}
-        assert skipped == {"degenerate", "length_ratio", "freeform", "freeform_base"}
+        assert skipped == {"degenerate", "length_ratio"}
         parent = 1
     EndpointStore(home).set_gate(ep, t, tenant="default", who="test")
     v3 = trainer.train(_ratings(trainer, ep))  # normal ratings: a step that passes, at some α

@@ -68,27 +68,6 @@ def test_readme_walkthrough_runs_in_order_on_a_fresh_store(fresh_serve, tmp_path
     assert all(word in outputs[3] for word in ("create", "promote", "rollback"))
     assert "smollm2-135m-instruct@1" in outputs[4]
 
-    # the learned version keeps answering the walkthrough's factual questions: every one the base model (now on
-    # the rolled-back `prod`) answers right, @1 answers right too
-    facts = {
-        "What is the capital of Italy?": "rome",
-        "How many legs does a spider have?": "8",
-        "What is 2 + 3?": "5",
-        "What do bees make?": "honey",
-        "Which planet is closest to the sun?": "mercury",
-        "What is the opposite of hot?": "cold",
-        "What is the capital of France?": "paris",
-    }
-    right = {}
-    for question, answer in facts.items():
-        for model in ("prod", "smollm2-135m-instruct"):
-            reply, version = ns["chat"](question, model=model)
-            text = reply.choices[0].message.content.lower().replace("eight", "8").replace("five", "5")
-            right[question, version] = answer in text
-    kept = [q for q in facts if right[q, "base"]]
-    assert len(kept) >= 4, right  # the base model answers most of them
-    assert [q for q in kept if not right[q, "smollm2-135m-instruct@1"]] == [], right
-
     printed = run_python(session.code, url, ns).splitlines()
     losses = [float(line.split()[1]) for line in printed[:4]]
     assert losses[-1] < losses[0]

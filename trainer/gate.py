@@ -106,7 +106,7 @@ class EvaluationGate:
         holdout_every: int = 10,
         heldout_max: int = 8,
         gen_tokens: int = 24,
-        freeform_items: int = 120,
+        freeform_items: int = 0,
         freeform_chunk: int = 30,
         base_id: str | None = None,
     ):

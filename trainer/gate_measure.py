@@ -216,7 +216,7 @@ class ProbeSuite:
         probes: list[Probe] | None = None,
         *,
         gen_tokens: int = 24,
-        freeform_items: int = 120,
+        freeform_items: int = 0,
         freeform_chunk: int = 30,
     ):
         from livelora.trainer.gate_freeform import FreeformSuite

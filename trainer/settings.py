@@ -166,12 +166,13 @@ class GateSection(Section):
         24, ge=4, le=256, description="Greedy tokens generated per open prompt for the degeneracy check."
     )
     gate_freeform_items: int = Field(
-        120,
+        0,
         ge=0,
         le=10000,
         description="Most capability items (a stratified sample of trainer/rails/freeform_gate.jsonl) whose greedy "
-        "free-form replies the gate judges per candidate; it stops earlier once the verdict is clear (0: no "
-        "free-form check).",
+        "free-form replies the gate judges per candidate, stopping earlier once the verdict is clear; 0 (the "
+        "default): no free-form check. 120 is the measured setting; with it the default live loop's steps are "
+        "refused (docs/rails.md, 'Judging the replies users get').",
     )
     gate_freeform_chunk: int = Field(
         30, ge=1, description="Free-form items generated in one batch, between which the gate may stop early."
