@@ -832,8 +832,8 @@ def _body_routes(app) -> list[tuple[str, str, str]]:
 
 
 def _redis_state(server) -> tuple[set[str], int, int]:
-    """The gateway's Redis keys (less those its background loops write on their own), the session history's size
-    and the signals stream's length."""
+    """The gateway's Redis keys (less those its background loops write on their own), the number of sessions in the
+    tenants' session histories and the signals stream's length."""
     import redis
 
     from livelora.core.redis_keys import KeyLayout
@@ -842,7 +842,8 @@ def _redis_state(server) -> tuple[set[str], int, int]:
     layout = KeyLayout(PREFIX)
     background = tuple(PREFIX + s for s in ("usage", "lease:", "fence:", "learning:", "opruns:", "stats:"))
     names = {k for k in client.scan_iter(match=PREFIX + "*", count=1000) if not k.startswith(background)}
-    return names, client.hlen(layout.session_history), client.xlen(layout.signals)
+    histories = sum(client.zcard(k) for k in client.scan_iter(match=layout.session_index("*"), count=1000))
+    return names, histories, client.xlen(layout.signals)
 
 
 def test_text_with_no_utf8_form_is_400_on_every_json_route_and_stores_nothing(server, keys, objs):
@@ -882,7 +883,8 @@ def test_text_with_no_utf8_form_is_400_on_every_json_route_and_stores_nothing(se
     after = _redis_state(server), snapshot(server, keys, objs)
     assert after[1] == before[1]
     new_keys = after[0][0] - before[0][0]
-    assert all(sid in k for k in new_keys), new_keys  # only the pair's session was written
+    # only the pair's session was written (and, if it was acme's first, acme's session index and slot set)
+    assert all(sid in k or k.endswith(":acme") for k in new_keys), new_keys
     assert after[0][1] == before[0][1] + 1 and after[0][2] == before[0][2]
 
 
