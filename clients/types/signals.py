@@ -25,10 +25,11 @@ class _Strict(NullMeansOmitted):
     model_config = ConfigDict(extra="forbid")
 
 
-#: characters of one signal text: an inline ``chosen``/``rejected`` reply, one message's ``content``
-MAX_SIGNAL_TEXT_CHARS = 32_768
+#: characters of one signal text: an inline ``chosen``/``rejected`` reply, one message's ``content`` (16 per token
+#: of an 8,192-token context: text that fits the trainer's context meets the token check, not this bound)
+MAX_SIGNAL_TEXT_CHARS = 131_072
 #: messages of one preference prompt or demonstration
-MAX_SIGNAL_MESSAGES = 64
+MAX_SIGNAL_MESSAGES = 256
 #: characters of a signal's ``model`` (an endpoint name), ``user`` and ``completion_id``
 MAX_SIGNAL_NAME_CHARS = 256
 #: characters of a rating's ``comment``
