@@ -1,5 +1,6 @@
-"""The ``max_adapter_versions`` limit on the adapter store: count a tenant's kept versions, refuse a save over
-it, and make room for the live loop by deleting the oldest versions nothing uses.
+"""The ``max_adapter_versions`` and ``max_adapter_bytes`` limits on the adapter store: count a tenant's kept
+versions and their bytes, refuse a save over either, and make room for the live loop by deleting the oldest
+versions nothing uses (a live-loop version is taken to be as large as the lineage's newest).
 
 What is kept when room is made: :meth:`AdapterVersions.protected` and ``docs/internals/store-layout.md``.
 """
@@ -36,6 +37,7 @@ class Room:
         kept: versions it kept before any pruning.
         pruned: versions deleted to make room (``<lineage>@<n>``, oldest first).
         protected: versions of the lineage that could not be deleted, with why (``{"<lineage>@<n>": reason}``).
+        reason: when not ``ok``, the limit that holds the write back, with its numbers.
     """
 
     ok: bool
@@ -44,6 +46,7 @@ class Room:
     kept: int
     pruned: list[str] = field(default_factory=list)
     protected: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
 
 
 class AdapterVersions:
@@ -63,9 +66,9 @@ class AdapterVersions:
         self.endpoints = EndpointStore(home)
         self.quotas = QuotaStore(home)
 
-    def limit(self, tenant: str) -> int | None:
-        """The tenant's ``max_adapter_versions`` (``None``: unlimited)."""
-        return self.quotas.get(tenant, self.defaults).limit("max_adapter_versions")
+    def limit(self, tenant: str, name: str = "max_adapter_versions") -> int | None:
+        """The tenant's ``max_adapter_versions`` or ``max_adapter_bytes`` (``None``: unlimited)."""
+        return self.quotas.get(tenant, self.defaults).limit(name)
 
     # ------------------------------------------------------------------ counting
     def _named_checkpoints(self, lineage: str) -> set[int] | None:
@@ -93,6 +96,19 @@ class AdapterVersions:
         lineages = set(self.lineages_of(tenant)) | ({also} if also else set())
         return sum(len(self.kept(name)) for name in lineages)
 
+    def version_bytes(self, lineage: str, version: int) -> int:
+        """Bytes of the files of one stored version (0 when it is gone)."""
+        root = self.store.version_dir(lineage, version)
+        try:
+            return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+        except FileNotFoundError:
+            return 0
+
+    def bytes_kept(self, tenant: str, *, also: str | None = None) -> int:
+        """Bytes of the versions :meth:`count` counts."""
+        lineages = set(self.lineages_of(tenant)) | ({also} if also else set())
+        return sum(self.version_bytes(name, v) for name in lineages for v in self.kept(name))
+
     def tenant_of(self, lineage: str, endpoint: str | None = None) -> str:
         """The tenant whose limit a new version of ``lineage`` counts against: its recorded owner, else the
         tenant of ``endpoint`` (``default`` for a public one)."""
@@ -115,18 +131,33 @@ class AdapterVersions:
             retry_after=VERSIONS_RETRY_AFTER_S,
         )
 
-    def check(self, tenant: str, adding: int = 1) -> None:
-        """Refuse a request that would write ``adding`` more counted versions for ``tenant``.
+    def check(self, tenant: str, adding: int = 1, adding_bytes: int = 0) -> None:
+        """Refuse a request that would write ``adding`` more counted versions of ``adding_bytes`` in all for
+        ``tenant``.
 
         Raises:
-            RateLimitError: ``kept + adding`` would pass ``max_adapter_versions`` (429 ``quota_exceeded``).
+            RateLimitError: ``kept + adding`` would pass ``max_adapter_versions``, or the kept bytes plus
+                ``adding_bytes`` would pass ``max_adapter_bytes`` (429 ``quota_exceeded``, ``param`` the limit).
         """
         limits = self.quotas.get(tenant, self.defaults)
-        if limits.limit("max_adapter_versions") is None or adding <= 0:
+        if adding <= 0:
             return
-        kept = self.count(tenant)
-        if not limits.allows("max_adapter_versions", kept, adding):
-            raise self.over_limit_error(tenant, kept, limits.limit("max_adapter_versions"))
+        if limits.limit("max_adapter_versions") is not None:
+            kept = self.count(tenant)
+            if not limits.allows("max_adapter_versions", kept, adding):
+                raise self.over_limit_error(tenant, kept, limits.limit("max_adapter_versions"))
+        limit = limits.limit("max_adapter_bytes")
+        if limit is not None and (used := self.bytes_kept(tenant)) + adding_bytes > limit:
+            raise RateLimitError(
+                f"this save writes about {adding_bytes / 1e6:.1f} MB and tenant {tenant!r}'s adapter versions "
+                f"take {used / 1e6:.1f} MB of its limit max_adapter_bytes of {limit / 1e6:.1f} MB "
+                "(LIVELORA_QUOTA_MAX_ADAPTER_BYTES or PUT /admin/quotas); nothing was saved. Free room by deleting "
+                "versions: DELETE /api/v1/training_runs/<model_id>/checkpoints/<checkpoint_id>, or DELETE "
+                "/admin/adapters/<lineage>@<n> for a version no endpoint serves",
+                param="max_adapter_bytes",
+                code="quota_exceeded",
+                retry_after=VERSIONS_RETRY_AFTER_S,
+            )
 
     # ------------------------------------------------------------------ the live loop
     def protected(self, lineage: str, endpoint: str | None = None, keep: tuple[int, ...] = ()) -> dict[int, str]:
@@ -194,20 +225,35 @@ class AdapterVersions:
             A :class:`Room`.
         """
         tenant = self.tenant_of(lineage, endpoint)
-        limit = self.limit(tenant)
-        if limit is None:
+        limit, byte_limit = self.limit(tenant), self.limit(tenant, "max_adapter_bytes")
+        if limit is None and byte_limit is None:
             return Room(True, tenant, None, 0)
         kept = self.count(tenant, also=lineage)
-        need = kept + 1 - limit
-        if need <= 0:
+        need = 0 if limit is None else kept + 1 - limit
+        over_bytes = 0
+        if byte_limit is not None:
+            newest = self.store.version_numbers(lineage)[-1:]
+            adding = self.version_bytes(lineage, newest[0]) if newest else 0
+            over_bytes = self.bytes_kept(tenant, also=lineage) + adding - byte_limit
+        if need <= 0 and over_bytes <= 0:
             return Room(True, tenant, limit, kept)
         protected = self.protected(lineage, endpoint, keep)
         labels = {version_label(lineage, v): why for v, why in sorted(protected.items())}
         candidates = [v for v in self.kept(lineage) if v not in protected]
-        if len(candidates) < need:
-            return Room(False, tenant, limit, kept, protected=labels)
+        take = max(need, 0)
+        freed = sum(self.version_bytes(lineage, v) for v in candidates[:take])
+        while take < len(candidates) and freed < over_bytes:
+            freed += self.version_bytes(lineage, candidates[take])
+            take += 1
+        if len(candidates) < need or freed < over_bytes:
+            reason = (
+                f"keeps {kept} adapter versions, its max_adapter_versions is {limit}"
+                if need > 0
+                else f"would pass its max_adapter_bytes of {byte_limit} by {over_bytes} bytes"
+            )
+            return Room(False, tenant, limit, kept, protected=labels, reason=reason)
         pruned: list[str] = []
-        for v in candidates[:need]:
+        for v in candidates[:take]:
             self.store.delete(lineage, v)
             pruned.append(version_label(lineage, v))
         if endpoint:
@@ -217,10 +263,12 @@ class AdapterVersions:
                 who=who,
                 from_=pruned[0],
                 to=pruned[-1],
-                reason=f"max_adapter_versions: tenant {tenant!r} kept {kept} of {limit}; deleted the oldest "
-                f"unused version(s) {', '.join(pruned)} before writing a new one",
-                details={"deleted": pruned, "kept": kept, "limit": limit},
+                reason=f"max_adapter_versions / max_adapter_bytes: tenant {tenant!r} kept {kept} versions (limit "
+                f"{limit}, bytes limit {byte_limit}); deleted the oldest unused version(s) {', '.join(pruned)} "
+                "before writing a new one",
+                details={"deleted": pruned, "kept": kept, "limit": limit}
+                | ({} if byte_limit is None else {"byte_limit": byte_limit}),
                 tenant=self.endpoints.get(endpoint).tenant,
             )
-        log.info("pruned %s for tenant %s (max_adapter_versions %d, kept %d)", ", ".join(pruned), tenant, limit, kept)
+        log.info("pruned %s for tenant %s (limits %s versions, %s bytes)", ", ".join(pruned), tenant, limit, byte_limit)
         return Room(True, tenant, limit, kept, pruned=pruned, protected=labels)

@@ -1,5 +1,6 @@
 """Per-tenant limits: training sessions and models, adapter versions kept, tokens per UTC day per kind, and the
-per-request and storage ceilings (choices per request, LoRA rank, trainer memory, completion-log bytes).
+per-request and storage ceilings (choices per request, LoRA rank, trainer memory, completion-log and adapter
+bytes).
 
 :class:`Limits` is the one place that says what a limit's value means (``None`` is unlimited); the defaults come
 from :class:`~livelora.core.settings.QuotaSection`, overridden per tenant by ``<home>/quotas.json``.
@@ -38,6 +39,7 @@ class Limits(BaseModel):
         max_lora_rank, max_models_per_session, max_models, max_trainer_bytes: a training model's rank, live
             models per session and per tenant, and their estimated trainer memory (bytes).
         max_completion_log_bytes: bytes of the tenant's completion-log records within the retention period.
+        max_adapter_bytes: bytes on disk of the adapter versions it keeps (those ``max_adapter_versions`` counts).
         tokens_per_day: ``{kind: tokens}`` per UTC day (kinds of :data:`~livelora.core.metering.KINDS`).
     """
 
@@ -52,6 +54,7 @@ class Limits(BaseModel):
         "max_models",
         "max_trainer_bytes",
         "max_completion_log_bytes",
+        "max_adapter_bytes",
     )
 
     max_sessions: int | None = Field(None, ge=0)
@@ -63,6 +66,7 @@ class Limits(BaseModel):
     max_models: int | None = Field(None, ge=0)
     max_trainer_bytes: int | None = Field(None, ge=0)
     max_completion_log_bytes: int | None = Field(None, ge=0)
+    max_adapter_bytes: int | None = Field(None, ge=0)
     tokens_per_day: dict[str, int | None] = Field(default_factory=dict)
 
     @field_validator("tokens_per_day")

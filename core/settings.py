@@ -182,13 +182,24 @@ def default_trainer_bytes() -> int:
     return min(16 * 1024**3, machine_memory_bytes() // 4)
 
 
-def default_adapter_versions() -> int:
-    """A tenant's default kept versions: a tenth of the disk free under ``$LIVELORA_HOME`` (or the default
-    store's nearest existing parent) in :data:`VERSION_BYTES` units, at least 64."""
+def _store_free_bytes() -> int:
+    """Disk free under ``$LIVELORA_HOME`` (or the default store's nearest existing parent), bytes."""
     where = Path(os.environ.get("LIVELORA_HOME") or default_home())
     while not where.exists() and where != where.parent:
         where = where.parent
-    return max(64, shutil.disk_usage(where).free // 10 // VERSION_BYTES)
+    return shutil.disk_usage(where).free
+
+
+def default_adapter_versions() -> int:
+    """A tenant's default kept versions: a tenth of the disk free under the store in :data:`VERSION_BYTES`
+    units, at least 64."""
+    return max(64, _store_free_bytes() // 10 // VERSION_BYTES)
+
+
+def default_adapter_bytes() -> int:
+    """A tenant's default bytes of kept versions: a tenth of the disk free under the store, at least 64
+    :data:`VERSION_BYTES`."""
+    return max(64 * VERSION_BYTES, _store_free_bytes() // 10)
 
 
 class QuotaSection(Section):
@@ -248,6 +259,14 @@ class QuotaSection(Section):
         ge=0,
         description="Bytes of completion-log records a tenant's served requests may hold in Redis over the "
         "retention period; over it requests that would be logged answer 429.",
+    )
+    quota_max_adapter_bytes: int | None = Field(
+        default_factory=default_adapter_bytes,
+        ge=0,
+        description="Bytes on disk of the adapter versions a tenant keeps (those max_adapter_versions counts). "
+        "Default: a tenth of the disk free under the store at start, at least 64 × 87 MB. A save whose size "
+        "(from the LoRA shapes) would pass it answers 429 and writes nothing; the live loop first deletes the "
+        "lineage's oldest versions no endpoint uses, else holds the step back.",
     )
 
 

@@ -256,6 +256,17 @@ class LiveSection(Section):
     rollback_delta: float = Field(0.2, gt=0, lt=1, description="Drop in thumbs-up rate the test detects (H1).")
     rollback_alpha: float = Field(0.05, gt=0, lt=0.5, description="Chance of rolling back an equally good version.")
     rollback_beta: float = Field(0.2, gt=0, lt=0.5, description="Chance of keeping a version delta worse.")
+    stats_max_ratings: int = Field(
+        10_000,
+        ge=1,
+        description="Ratings kept per version for its statistics and the rollback test (the newest; older ones "
+        "are dropped in batches of a tenth once it is passed).",
+    )
+    stats_ttl_s: int = Field(
+        90 * 86400,
+        gt=0,
+        description="Lifetime of a version's rating statistics after its latest rating (seconds).",
+    )
 
 
 class GatewaySettings(ProcessSettings):

@@ -22,19 +22,27 @@ from harness.server import wait_until
 from pydantic import ValidationError
 
 import livelora.clients.types as client_types
+import livelora.clients.types.signals as signal_types
 from livelora.clients import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, TensorData
 from livelora.clients.types.tinker_data import MAX_METADATA_BYTES, MAX_TAGS, MAX_TEXT_CHARS, StrictModel
 from livelora.core.api_keys import TENANT_ROLES
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.settings import VERSION_BYTES, QuotaSection, machine_memory_bytes
+from livelora.gateway.services.live_stats import LiveStats
 from livelora.gateway.services.sessions.history import SessionHistory
+from livelora.gateway.settings import LiveSection
 
 MODEL = "smollm2-135m-instruct"
 PREFIX = new_prefix("bounded")
 SESSION_TTL_S = 3
 HISTORY_TTL_S = 5
 SEARCH_MAX_BYTES = 64 * 1024
-KEYS = {"acme": ("acme", TENANT_ROLES), "beta": ("beta", TENANT_ROLES)}
+KEYS = {
+    "acme": ("acme", TENANT_ROLES),
+    "beta": ("beta", TENANT_ROLES),
+    "gamma": ("gamma", TENANT_ROLES),
+    "op": ("default", ["admin", "operator"]),
+}
 SERVER_SETTINGS = {
     "redis_prefix": PREFIX,
     "max_batch_size": 2,
@@ -46,7 +54,7 @@ SERVER_SETTINGS = {
     "quota_sessions": 3,
 }
 #: keys without a TTL that the gateway keeps on purpose (docs/internals/redis-keys.md, "Durable keys")
-DURABLE = ("store_id", "signals", "usage:hours", "usage:pending", "usage:2", "trainer:models")
+DURABLE = ("store_id", "layout", "signals", "usage:hours", "usage:pending", "usage:2", "trainer:models")
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +117,75 @@ def test_an_oversized_session_field_is_refused_naming_it_before_any_write(server
     limit = {"user_metadata": MAX_METADATA_BYTES, "tags": MAX_TAGS}.get(field, MAX_TEXT_CHARS)
     assert str(limit) in err["message"]
     assert set(r.scan_iter(f"{PREFIX}*", count=1000)) - before == set()
+
+
+#: each signal request model → its route and a valid body (the oversized cases are generated from the schema)
+SIGNAL_ROUTES = {
+    signal_types.FeedbackRequest: ("/v1/feedback", {"completion_id": "chatcmpl-x", "rating": True}),
+    signal_types.PreferenceRequest: (
+        "/v1/preferences",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chosen": "a", "rejected": "b"},
+    ),
+    signal_types.DemonstrationRequest: (
+        "/v1/demonstrations",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    ),
+}
+
+
+def _bounded(prop: dict, defs: dict) -> dict:
+    """The string or array branch of a JSON-schema property (``anyOf`` with null unwrapped, ``$ref`` resolved)."""
+    for branch in prop.get("anyOf", [prop]):
+        if "$ref" in branch:
+            return defs[branch["$ref"].rsplit("/", 1)[1]]
+        if branch.get("type") in ("string", "array"):
+            return branch
+    return {}
+
+
+def _oversized_cases() -> list[tuple[str, dict, str, int]]:
+    """``(route, body, param, limit)``: for each string and array of each signal request (one level into array
+    items), its valid body with that one value one past its limit."""
+    cases = []
+    for model, (route, body) in SIGNAL_ROUTES.items():
+        schema = model.model_json_schema()
+        defs = schema.get("$defs", {})
+        for name, prop in schema["properties"].items():
+            spec = _bounded(prop, defs)
+            if spec.get("type") == "string" and "enum" not in spec and "const" not in spec:
+                cases.append((route, {**body, name: "x" * (spec["maxLength"] + 1)}, name, spec["maxLength"]))
+            elif spec.get("type") == "array":
+                first = body[name][0]
+                cases.append((route, {**body, name: [first] * (spec["maxItems"] + 1)}, name, spec["maxItems"]))
+                item = _bounded(spec["items"], defs)
+                for field, sub in item.get("properties", {}).items():
+                    if sub.get("type") == "string" and "enum" not in sub:
+                        long = [{**first, field: "x" * (sub["maxLength"] + 1)}, *body[name][1:]]
+                        cases.append((route, {**body, name: long}, f"{name}[0].{field}", sub["maxLength"]))
+    return cases
+
+
+def test_every_signal_request_model_has_a_route_here():
+    requests = {v for v in vars(signal_types).values() if isinstance(v, type) and v.__name__.endswith("Request")}
+    assert requests == set(SIGNAL_ROUTES)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param", "limit"), _oversized_cases(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_an_oversized_signal_text_is_refused_naming_it_before_any_write(server, keys, r, route, body, param, limit):
+    before = set(r.scan_iter(f"{PREFIX}*", count=1000))
+    got = post(server, keys, route, body)
+    assert got.status_code == 400, got.text
+    err = got.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and str(limit) in err["message"]
+    assert set(r.scan_iter(f"{PREFIX}*", count=1000)) - before == set()
+    assert limit in {
+        signal_types.MAX_SIGNAL_TEXT_CHARS,
+        signal_types.MAX_SIGNAL_MESSAGES,
+        signal_types.MAX_SIGNAL_NAME_CHARS,
+        signal_types.MAX_COMMENT_CHARS,
+    }
 
 
 def test_the_default_session_limit_answers_429_naming_it(server, keys):
@@ -197,6 +274,101 @@ def test_the_legacy_history_hash_moves_into_expiring_keys(r):
     moved, newest = asyncio.run(move())
     assert moved == 1 and newest == [("s1", summary)] and not r.exists(keys.legacy_session_history)
     assert 0 < r.pttl(keys.session_summary("s1")) <= 60_000 and 0 < r.pttl(keys.session_index("acme")) <= 60_000
+
+
+def test_the_adapter_byte_limit_answers_429_before_a_save_writes(server, keys, home):
+    from livelora.adapters.store import AdapterStore
+    from livelora.clients.futures import APIFuture
+    from livelora.core.session_protocol import CheckpointIndex
+
+    def admin(method: str, body: dict | None = None, tenant: str = "op") -> dict:
+        got = httpx.request(
+            method,
+            server.url("/admin/quotas"),
+            json=body,
+            timeout=30,
+            headers={"Authorization": f"Bearer {keys[tenant]}"},
+        )
+        assert got.status_code == 200, got.text
+        return got.json()
+
+    svc = ServiceClient(server.base_url, api_key=keys["gamma"], heartbeat_s=1.0)
+    try:
+        tc = svc.create_lora_training_client(MODEL, rank=2, seed=0)
+        tc.save_state("a").result(timeout=120)
+        lineage = CheckpointIndex(home, tc.model_id).lineage
+        used = admin("GET", tenant="gamma")["adapter_bytes"]
+        weights = 355_008 * 2 * 4  # SmolLM2-135M LoRA parameters per rank × rank 2 × float32
+        assert weights <= used < 3 * weights + 1_000_000  # weights, the Adam moments once stepped, small files
+        limit = used + 2 * weights  # room for weights alone, not for weights with the optimizer (3 × weights)
+        assert admin("PUT", {"tenant": "gamma", "max_adapter_bytes": limit})["max_adapter_bytes"] == limit
+        before = AdapterStore(home).version_numbers(lineage)
+
+        def save(seq: int, kind: str, **body) -> httpx.Response:
+            return post(
+                server, keys, f"/api/v1/{kind}", {"model_id": tc.model_id, "seq_id": seq, "type": kind, **body}, "gamma"
+            )
+
+        over = save(2, "save_weights", path="b")
+        assert over.status_code == 429, over.text
+        err = over.json()["error"]
+        assert err["param"] == "max_adapter_bytes" and err["code"] == "quota_exceeded"
+        assert f"{limit / 1e6:.1f} MB" in err["message"] and f"{used / 1e6:.1f} MB" in err["message"]
+        assert AdapterStore(home).version_numbers(lineage) == before  # nothing written
+        assert "weights/b" not in CheckpointIndex(home, tc.model_id).read()["checkpoints"]
+        fits = save(2, "save_weights_for_sampler", path="s")  # weights only: within the limit
+        assert fits.status_code == 200, fits.text
+        APIFuture.polling(svc.transport, fits.json()["request_id"], dict).result()
+        assert used + weights <= admin("GET", tenant="gamma")["adapter_bytes"] <= limit
+    finally:
+        admin("PUT", {"tenant": "gamma", "unlimited": ["max_adapter_bytes"]})
+        svc.close()
+
+
+def test_the_live_loop_prunes_unused_versions_for_the_byte_limit_or_holds_back(base_ref, tmp_path):
+    from harness.seeds import saved_versions
+
+    from livelora.adapters.kept_versions import AdapterVersions
+    from livelora.core.quotas import Limits
+
+    saved_versions(base_ref, tmp_path, "live", seed=0, n=3)
+    probe = AdapterVersions(tmp_path, Limits())
+    size = probe.version_bytes("live", 3)
+    assert size > 0 and probe.bytes_kept("default", also="live") == sum(
+        probe.version_bytes("live", v) for v in (1, 2, 3)
+    )
+    # room for three versions of this size: writing a fourth deletes the oldest unused one (v1)
+    room = AdapterVersions(tmp_path, Limits(max_adapter_bytes=3 * size + 100)).make_room("live")
+    assert room.ok and room.pruned == ["live@1"] and probe.store.version_numbers("live") == [2, 3]
+    # room for one: only v2 can go (v3, the newest, is what the loop trains from), and that is not enough
+    tight = AdapterVersions(tmp_path, Limits(max_adapter_bytes=size + 100))
+    held = tight.make_room("live")
+    assert not held.ok and held.pruned == [] and "max_adapter_bytes" in held.reason
+    assert probe.store.version_numbers("live") == [2, 3]  # nothing deleted when it cannot make enough room
+
+
+def test_a_versions_rating_hashes_keep_their_newest_and_expire(r):
+    keys = KeyLayout(f"{PREFIX}stats:")
+    live = LiveSection(stats_max_ratings=5, stats_ttl_s=600)
+
+    async def rate():
+        client = redis.asyncio.Redis(decode_responses=True)
+        try:
+            stats = LiveStats(client, keys, live)
+            for i in range(7):  # 7 > 5 + a tenth (at least 1): trimmed back to the newest 5
+                await stats.count_rating("ep", "ep@1", f"c{i}:u", i % 2 == 0)
+                await asyncio.sleep(0.01)  # distinct rating times, so "newest" is one set
+            return await stats.version("ep", "ep@1"), await stats.ratings_over_time("ep")
+        finally:
+            await client.aclose()
+
+    row, over_time = asyncio.run(rate())
+    ratings, rated_at = keys.version_ratings("ep", "ep@1"), keys.version_rated_at("ep", "ep@1")
+    assert sorted(r.hkeys(ratings)) == sorted(r.hkeys(rated_at)) == [f"c{i}:u" for i in range(2, 7)]
+    assert row["ratings"] == 5 and row["thumbs_up"] == 3  # c2, c4, c6
+    assert [up for _, _, up in over_time] == [True, False, True, False, True]
+    assert 0 < r.ttl(ratings) <= 600 and 0 < r.ttl(rated_at) <= 600
+    assert LiveSection().stats_max_ratings == 10_000 and LiveSection().stats_ttl_s == 90 * 86400
 
 
 def test_machine_derived_defaults(livelora_home, monkeypatch):

@@ -84,7 +84,8 @@ class CheckpointSaves:
 
         Raises:
             ConflictError: the name exists and not ``overwrite``.
-            RateLimitError: a new name past the tenant's ``max_adapter_versions`` (nothing is written).
+            RateLimitError: a new name past the tenant's ``max_adapter_versions`` or ``max_adapter_bytes`` (the
+                LoRA tensors in float32, × 3 with the optimizer; nothing is written).
         """
         index = CheckpointIndex(self.home, slot.model_id)
         key = f"{kind}/{name}"
@@ -98,7 +99,8 @@ class CheckpointSaves:
             )
         versions = self.versions  # max_adapter_versions, checked again here: saves queued
         if old is None and versions is not None:  # together below the limit must not all pass it
-            versions.check(versions.tenant_of(index.lineage))
+            size = sum(p.numel() * 4 for p in slot.model.lora_params.values()) * (3 if with_optimizer else 1)
+            versions.check(versions.tenant_of(index.lineage), adding_bytes=size)
         manifest = slot.model.save_weights(
             self.store, index.lineage, with_optimizer=with_optimizer, base_model_name_or_path=base_model_name_or_path
         )

@@ -1,5 +1,5 @@
-"""The live loop under the tenant's ``max_adapter_versions`` (:mod:`livelora.core.quotas`): before a step
-writes a version, make room for it or hold the step back.
+"""The live loop under the tenant's ``max_adapter_versions`` and ``max_adapter_bytes``
+(:mod:`livelora.core.quotas`): before a step writes a version, make room for it or hold the step back.
 
 :meth:`VersionRoom.admit` asks :meth:`~livelora.adapters.kept_versions.AdapterVersions.make_room`, which deletes the
 lineage's oldest versions that nothing uses (never a served, predecessor, pinned, rollback-stack or open-canary
@@ -61,15 +61,13 @@ class VersionRoom:
         self.scheduler.requeue(batch, now)
         if room is not None:
             log.warning(
-                "not training %d %s event(s) for %s: tenant %r keeps %d adapter versions, its "
-                "max_adapter_versions is %d, and no version of %s can be deleted (%s); the events stay "
-                "queued, retry in %.0f s",
+                "not training %d %s event(s) for %s: tenant %r %s, and no version of %s can be deleted (%s); "
+                "the events stay queued, retry in %.0f s",
                 len(batch.events),
                 batch.kind,
                 batch.endpoint,
                 room.tenant,
-                room.kept,
-                room.limit,
+                room.reason,
                 batch.lineage,
                 "; ".join(f"{k}: {v}" for k, v in room.protected.items()),
                 self.retry_s,

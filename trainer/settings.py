@@ -85,7 +85,7 @@ class TrainingSection(Section):
         30.0,
         gt=0,
         description="A live-loop step held back by the tenant's "
-        "max_adapter_versions (nothing could be freed) is tried "
+        "max_adapter_versions or max_adapter_bytes (nothing could be freed) is tried "
         "again after this many seconds; its signals stay queued.",
     )
     rater_max_batch_share: float = Field(

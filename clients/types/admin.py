@@ -128,6 +128,7 @@ class QuotaUpdateRequest(_Request):
     max_completion_log_bytes: int | None = Field(
         None, ge=0, description="Completion-log bytes within the retention period."
     )
+    max_adapter_bytes: int | None = Field(None, ge=0, description="Bytes on disk of the adapter versions kept.")
     unlimited: list[str] = Field(
         default_factory=list,
         description="Limits to lift: a scalar limit's name (e.g. 'max_sessions') or 'tokens_per_day.<kind>'.",

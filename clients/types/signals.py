@@ -25,11 +25,28 @@ class _Strict(NullMeansOmitted):
     model_config = ConfigDict(extra="forbid")
 
 
+#: characters of one signal text: an inline ``chosen``/``rejected`` reply, one message's ``content`` (16 per token
+#: of an 8,192-token context: text that fits the trainer's context meets the token check, not this bound)
+MAX_SIGNAL_TEXT_CHARS = 131_072
+#: messages of one preference prompt or demonstration
+MAX_SIGNAL_MESSAGES = 256
+#: characters of a signal's ``model`` (an endpoint name), ``user`` and ``completion_id``
+MAX_SIGNAL_NAME_CHARS = 256
+#: characters of a rating's ``comment``
+MAX_COMMENT_CHARS = 10_000
+
+
 class ChatMessage(_Strict):
     """A plain-text chat message (the only kind the trainer can learn from)."""
 
     role: Literal["system", "user", "assistant"]
     content: str
+
+
+class SignalMessage(ChatMessage):
+    """A chat message of a signal request: ``content`` at most :data:`MAX_SIGNAL_TEXT_CHARS`."""
+
+    content: str = Field(max_length=MAX_SIGNAL_TEXT_CHARS)
 
 
 # --------------------------------------------------------------------- records
@@ -80,7 +97,10 @@ class CompletionRecord(_Strict):
 _User = Annotated[
     str | None,
     Field(
-        default=None, min_length=1, max_length=256, description="End user giving the signal; defaults to the caller."
+        default=None,
+        min_length=1,
+        max_length=MAX_SIGNAL_NAME_CHARS,
+        description="End user giving the signal; defaults to the caller.",
     ),
 ]
 
@@ -88,7 +108,7 @@ _User = Annotated[
 class FeedbackRequest(_Strict):
     """Body of ``POST /v1/feedback``: one rating of one served completion."""
 
-    completion_id: str = Field(min_length=1, max_length=256, description="Id of a served completion.")
+    completion_id: str = Field(min_length=1, max_length=MAX_SIGNAL_NAME_CHARS, description="Id of a served completion.")
     rating: StrictBool = Field(
         description="Thumbs label: JSON true = up (KTO desirable), false = down "
         '(undesirable); "yes", 1 and other look-alikes are refused.'
@@ -98,7 +118,7 @@ class FeedbackRequest(_Strict):
         description="Optional numeric score (a finite JSON number; true/false and numeric strings are "
         "refused). Kept in the dataset of record; training uses `rating`.",
     )
-    comment: str | None = Field(default=None, max_length=10_000, description="Optional free-text comment.")
+    comment: str | None = Field(default=None, max_length=MAX_COMMENT_CHARS, description="Optional free-text comment.")
     user: _User = None
 
     @field_validator("score")
@@ -120,20 +140,32 @@ class PreferenceRequest(_Strict):
       ``chosen`` + ``rejected`` (assistant reply texts).
     """
 
-    chosen_completion_id: str | None = Field(default=None, min_length=1, max_length=256)
-    rejected_completion_id: str | None = Field(default=None, min_length=1, max_length=256)
-    model: str | None = Field(default=None, min_length=1, description="Endpoint (inline form).")
-    messages: list[ChatMessage] | None = Field(default=None, description="Prompt messages (inline form).")
-    chosen: str | None = Field(default=None, description="Preferred assistant reply (inline form).")
-    rejected: str | None = Field(default=None, description="Dispreferred assistant reply (inline form).")
+    chosen_completion_id: str | None = Field(default=None, min_length=1, max_length=MAX_SIGNAL_NAME_CHARS)
+    rejected_completion_id: str | None = Field(default=None, min_length=1, max_length=MAX_SIGNAL_NAME_CHARS)
+    model: str | None = Field(
+        default=None, min_length=1, max_length=MAX_SIGNAL_NAME_CHARS, description="Endpoint (inline form)."
+    )
+    messages: list[SignalMessage] | None = Field(
+        default=None, max_length=MAX_SIGNAL_MESSAGES, description="Prompt messages (inline form)."
+    )
+    chosen: str | None = Field(
+        default=None, max_length=MAX_SIGNAL_TEXT_CHARS, description="Preferred assistant reply (inline form)."
+    )
+    rejected: str | None = Field(
+        default=None, max_length=MAX_SIGNAL_TEXT_CHARS, description="Dispreferred assistant reply (inline form)."
+    )
     user: _User = None
 
 
 class DemonstrationRequest(_Strict):
     """Body of ``POST /v1/demonstrations``: a conversation ending with the ideal assistant reply."""
 
-    model: str = Field(min_length=1, description="Endpoint whose adapter should learn the demonstration.")
-    messages: list[ChatMessage] = Field(min_length=2)
+    model: str = Field(
+        min_length=1,
+        max_length=MAX_SIGNAL_NAME_CHARS,
+        description="Endpoint whose adapter should learn the demonstration.",
+    )
+    messages: list[SignalMessage] = Field(min_length=2, max_length=MAX_SIGNAL_MESSAGES)
     user: _User = None
 
 

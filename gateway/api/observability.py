@@ -62,8 +62,8 @@ async def get_quotas(
     metering: MeteringDep, principal: PrincipalDep, open_mode: AuthOpenDep, tenant: str | None = None
 ) -> dict:
     """The caller's tenant's limits and what it holds now: ``{"tenant", "limits": {"max_sessions",
-    "max_adapter_versions", "tokens_per_day"}, "sessions", "adapter_versions", "tokens_today", "day"}`` (open
-    mode: any ``tenant``, default ``default``)."""
+    "max_adapter_versions", "max_adapter_bytes", "tokens_per_day", ...}, "sessions", "adapter_versions",
+    "adapter_bytes", "tokens_today", "day"}`` (open mode: any ``tenant``, default ``default``)."""
     return await metering.quotas.report(metering.scoped_tenant(principal, tenant, open_mode))
 
 

@@ -148,26 +148,28 @@ class QuotaService:
                 )
 
     # ------------------------------------------------------------------ adapter versions kept
-    async def check_adapter_versions(self, tenant: str, adding: int = 1) -> None:
-        """Refuse a request that would write ``adding`` more counted adapter versions for ``tenant`` (call
-        before anything is queued or written).
+    async def check_adapter_versions(self, tenant: str, adding: int = 1, adding_bytes: int = 0) -> None:
+        """Refuse a request that would write ``adding`` more counted adapter versions of ``adding_bytes`` for
+        ``tenant`` (call before anything is queued or written).
 
         Raises:
-            RateLimitError: ``max_adapter_versions`` would be passed (429 ``quota_exceeded``, ``param:
-                max_adapter_versions``; the message names the count and how to free room).
+            RateLimitError: ``max_adapter_versions`` or ``max_adapter_bytes`` would be passed (429
+                ``quota_exceeded``, ``param`` the limit; the message names the usage and how to free room).
         """
-        if self.limits(tenant).limit("max_adapter_versions") is None:
+        limits = self.limits(tenant)
+        if limits.limit("max_adapter_versions") is None and limits.limit("max_adapter_bytes") is None:
             return
         try:
-            await asyncio.to_thread(self.versions.check, tenant, adding)
+            await asyncio.to_thread(self.versions.check, tenant, adding, adding_bytes)
         except RateLimitError:
             metrics.REJECTIONS.labels("quota_versions").inc()
             raise
 
     # ------------------------------------------------------------------ admin
     async def report(self, tenant: str) -> dict[str, Any]:
-        """``{"tenant", "limits", "sessions", "adapter_versions", "tokens_today": {kind: n}, "day"}`` of one
-        tenant (``adapter_versions``: the versions it keeps, as ``max_adapter_versions`` counts them)."""
+        """``{"tenant", "limits", "sessions", "adapter_versions", "adapter_bytes", "tokens_today": {kind: n},
+        "day"}`` of one tenant (``adapter_versions``/``adapter_bytes``: the versions it keeps and their bytes, as
+        ``max_adapter_versions``/``max_adapter_bytes`` count them)."""
         day = time.strftime("%Y%m%d", time.gmtime())
         today = await self.redis.hgetall(self.keys.usage_day(day, tenant))
         return {
@@ -175,6 +177,7 @@ class QuotaService:
             "limits": self.limits(tenant).model_dump(),
             "sessions": await self.sessions_held(tenant),
             "adapter_versions": await asyncio.to_thread(self.versions.count, tenant),
+            "adapter_bytes": await asyncio.to_thread(self.versions.bytes_kept, tenant),
             "tokens_today": {k: int(v) for k, v in today.items()},
             "day": day,
         }

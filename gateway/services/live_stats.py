@@ -22,6 +22,27 @@ from livelora.core.redis_keys import KeyLayout
 
 log = logging.getLogger(__name__)
 
+# KEYS[1] ratings hash, KEYS[2] rated-at hash; ARGV: rating key, 1/0, Unix s, keep, trim above, ttl s
+_COUNT_RATING = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+if redis.call('HLEN', KEYS[1]) > tonumber(ARGV[5]) then
+  local flat = redis.call('HGETALL', KEYS[2])
+  local rows = {}
+  for i = 1, #flat, 2 do rows[#rows + 1] = {flat[i], tonumber(flat[i + 1])} end
+  for _, k in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if redis.call('HEXISTS', KEYS[2], k) == 0 then rows[#rows + 1] = {k, 0} end
+  end
+  table.sort(rows, function(a, b) return a[2] < b[2] end)
+  for i = 1, #rows - tonumber(ARGV[4]) do
+    redis.call('HDEL', KEYS[1], rows[i][1])
+    redis.call('HDEL', KEYS[2], rows[i][1])
+  end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+"""
+
 
 class LiveStats:
     """Counts and reads per-version statistics; see the module docstring.
@@ -178,11 +199,22 @@ class LiveStats:
 
     async def count_rating(self, endpoint: str, version: str | None, rating_key: str, up: bool) -> None:
         """One rating (a re-rate by the same rater of the same completion overwrites its earlier one), with its
-        time (:meth:`ratings_over_time`)."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.version_ratings(endpoint, version or "base"), rating_key, int(up))
-            pipe.hset(self.keys.version_rated_at(endpoint, version or "base"), rating_key, f"{time.time():.3f}")
-            await pipe.execute()
+        time (:meth:`ratings_over_time`); past ``stats_max_ratings`` + a tenth the version keeps its newest
+        ``stats_max_ratings``; both hashes expire ``stats_ttl_s`` after the latest rating (one Lua script)."""
+        label = version or "base"
+        keep = self.live.stats_max_ratings
+        await self.client.eval(
+            _COUNT_RATING,
+            2,
+            self.keys.version_ratings(endpoint, label),
+            self.keys.version_rated_at(endpoint, label),
+            rating_key,
+            int(up),
+            f"{time.time():.3f}",
+            keep,
+            keep + max(1, keep // 10),
+            self.live.stats_ttl_s,
+        )
 
     async def ratings_over_time(self, endpoint: str) -> list[tuple[float, str, bool]]:
         """Every counted rating of ``endpoint`` as ``(Unix s, version label, thumbs up)``, oldest first (ratings

@@ -61,6 +61,12 @@ def lora_bytes(config: dict[str, Any], lora: dict[str, Any]) -> int:
     return int(lora.get("rank") or 32) * per_rank * BYTES_PER_PARAM
 
 
+def lora_save_bytes(config: dict[str, Any], lora: dict[str, Any], with_optimizer: bool) -> int:
+    """Bytes a save of the model writes: its LoRA parameters in float32, × 3 with AdamW's two moments
+    (``save_weights`` / ``save_state``); 0 when ``config`` lacks the shapes."""
+    return lora_bytes(config, lora) // BYTES_PER_PARAM * 4 * (3 if with_optimizer else 1)
+
+
 async def check_new_model(ctx, model_id: str, lora: dict[str, Any] | None, tenant: str) -> None:
     """Refuse a new training model of ``tenant`` that would pass one of its ceilings.
 

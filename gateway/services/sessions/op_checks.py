@@ -3,6 +3,7 @@ field validation against the served model)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from livelora.clients.errors import BadRequestError, LiveloraError, PayloadTooLargeError, UnsupportedParameterError
@@ -12,6 +13,7 @@ from livelora.core.api_keys import Principal
 from livelora.core.bus import redis_unavailable
 from livelora.core.losses import validate_batch
 from livelora.core.session_protocol import CheckpointIndex, check_checkpoint_name, resolve_checkpoint
+from livelora.gateway.services.model_ceilings import base_config, lora_save_bytes
 from livelora.gateway.services.sessions.context import SessionContext
 
 #: save op → the kind of checkpoint it writes
@@ -44,7 +46,19 @@ class OpChecks:
                     principal.tenant, ("forward",) if kind == "forward" else ("trained",)
                 )
         if kind in SAVE_KINDS:
-            await self.ctx.quotas.check_adapter_versions(principal.tenant, self._new_versions(kind, model_id, raw))
+            adding = self._new_versions(kind, model_id, raw)
+            await self.ctx.quotas.check_adapter_versions(
+                principal.tenant, adding, await self._save_bytes(kind, model_id) if adding else 0
+            )
+
+    async def _save_bytes(self, kind: str, model_id: str) -> int:
+        """Bytes the save will write, from the model's LoRA shapes (``max_adapter_bytes``; 0 when unknown)."""
+        try:
+            record = json.loads(await self.ctx.redis.get(self.ctx.keys.model(model_id)) or "{}")
+        except ValueError:
+            record = {}
+        config = base_config(self.ctx.engine.tokenizer)
+        return lora_save_bytes(config, record.get("lora") or {}, with_optimizer=kind == "save_weights")
 
     def _new_versions(self, kind: str, model_id: str, raw: dict[str, Any]) -> int:
         """Counted adapter versions a save adds (``max_adapter_versions``): 1 for a new named checkpoint; 0 for
