@@ -54,7 +54,7 @@ SERVER_SETTINGS = {
     "quota_sessions": 3,
 }
 #: keys without a TTL that the gateway keeps on purpose (docs/internals/redis-keys.md, "Durable keys")
-DURABLE = ("store_id", "layout", "signals", "usage:hours", "usage:pending", "usage:2", "trainer:models")
+DURABLE = ("store_id", "layout", "bus:epoch", "signals", "usage:hours", "usage:pending", "usage:2", "trainer:models")
 
 
 @pytest.fixture(scope="module")
