@@ -50,7 +50,8 @@ class GateThresholds(BaseModel):
         ge=0,
         le=1,
         description="Largest allowed drop of the free-form capability score (share of the capability items whose "
-        "greedy free-form reply is right) below the current version's, on the same items.",
+        "greedy free-form reply is right) below the current version's, on the same items. Applies only where "
+        "the trainer runs the free-form check (LIVELORA_GATE_FREEFORM_ITEMS > 0; off by default).",
     )
     freeform_base_margin: float = Field(
         0.02,

@@ -9,6 +9,7 @@ curtailment of the fixed-sample test ``score(new) ≥ score(ref) − margin``). 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -85,7 +86,7 @@ class FreeformSuite:
         for b, s in enumerate(seqs):
             ids[b, t_max - len(s) :] = torch.tensor(s)
             mask[b, t_max - len(s) :] = 1
-        with peft.disable_adapter() if not adapter else _Null():
+        with peft.disable_adapter() if not adapter else contextlib.nullcontext():
             out = peft.get_base_model().generate(
                 input_ids=ids.to(model.device),
                 attention_mask=mask.to(model.device),
@@ -256,11 +257,3 @@ class _Budget(StoppingCriteria):
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         return (input_ids.shape[1] - self.start) >= self.budget.to(input_ids.device)
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

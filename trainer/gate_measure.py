@@ -11,6 +11,7 @@ them up against the current version's. The measures come in three passes (:data:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -276,7 +277,7 @@ class ProbeSuite:
         for b, s in enumerate(rest):
             ids[b, : len(s)] = torch.tensor(s)
             sel[b, self.reply_start[b] - 1 - c : len(s)] = True
-        ctx = peft.disable_adapter() if not adapter else _null()
+        ctx = peft.disable_adapter() if not adapter else contextlib.nullcontext()
         decoder = causal_lm.model if model.logprobs.plain_head else causal_lm
         with ctx:
             if c:
@@ -314,7 +315,7 @@ class ProbeSuite:
         for b, s in enumerate(self.open_ids):  # left padding for generation
             ids[b, t_max - len(s) :] = torch.tensor(s)
             mask[b, t_max - len(s) :] = 1
-        ctx = peft.disable_adapter() if not adapter else _null()
+        ctx = peft.disable_adapter() if not adapter else contextlib.nullcontext()
         with ctx:
             out = peft.get_base_model().generate(
                 input_ids=ids.to(model.device),
@@ -417,14 +418,6 @@ class ProbeSuite:
 def _pass_on_replica(model: Any, suite: ProbeSuite, name: str, m: Measurement, **kwargs: Any) -> None:
     """A rank other than 0: make the pass rank 0 broadcast (:meth:`ProbeSuite.run_pass`) on its replica."""
     suite.run_pass(name, model, m, **kwargs, mirror=False)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def compare(
