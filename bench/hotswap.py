@@ -231,7 +231,7 @@ def native_result(future, what: str, model: str, home: Path, weights: str):
     finds on this machine (the signal, CPU flags, llama-cpp-python version, alternatives)."""
     from concurrent.futures.process import BrokenProcessPool
 
-    from livelora.gateway.engines.llama_cpp_canary import run_canary
+    from livelora.gateway.engines.llama_cpp.canary import run_canary
 
     try:
         return future.result()
@@ -248,7 +248,7 @@ _REFERENCE: list = []  # in the reference's child process: (engine, worker)
 
 def _reference_init(model: str, home: str, names: list[str], weights: str) -> None:
     from livelora.adapters.store import AdapterStore, parse_version_name
-    from livelora.gateway.engines.llama_cpp_engine import LlamaCppEngine
+    from livelora.gateway.engines.llama_cpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(model, max_batch_size=1, num_threads=1, weights=weights)
     engine.start_sync()

@@ -388,7 +388,7 @@ def _anchor_init(model: str, home: str, fmt: str, lora: str) -> None:
     from llama_cpp import Llama
 
     from livelora.core.base_models import gguf_location, load_tokenizer, resolve_base_model
-    from livelora.gateway.engines.llama_cpp_model import served_gguf
+    from livelora.gateway.engines.llama_cpp.model import served_gguf
 
     gguf = served_gguf(gguf_location(model), fmt, Path(home) / "models" / "gguf")
     llm = Llama(str(gguf), lora_path=lora, n_ctx=1024, n_threads=os.cpu_count(), verbose=False)

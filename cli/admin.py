@@ -61,7 +61,7 @@ class Backend:
         self.url, self.api_key, self.home = url.rstrip("/"), api_key, home
         if home is not None:
             from livelora.core.settings import CommonSettings
-            from livelora.gateway.services.store_admin import AdminService
+            from livelora.gateway.services.tenants.store_admin import AdminService
 
             # the served base model's own endpoint (implicit unless changed) is shown like the explicit ones
             served = os.environ.get("LIVELORA_SERVED_MODEL_NAME") or CommonSettings().model
@@ -94,7 +94,7 @@ class Backend:
         from livelora.core.bus import connect_sync
         from livelora.core.redis_keys import KeyLayout
         from livelora.core.settings import CommonSettings
-        from livelora.gateway.services.store_admin import endpoint_notice
+        from livelora.gateway.services.tenants.store_admin import endpoint_notice
 
         settings = CommonSettings()
         try:
@@ -123,7 +123,7 @@ class Backend:
         from livelora.core.bus import connect_sync
         from livelora.core.redis_keys import KeyLayout
         from livelora.core.settings import CommonSettings
-        from livelora.gateway.services.learning import estimate
+        from livelora.gateway.services.live.learning import estimate
 
         settings, lineage = CommonSettings(), self.local.get_endpoint(name)["lineage"]
         keys = KeyLayout(settings.redis_prefix)
@@ -574,7 +574,7 @@ def adapters_export(
     home: _HomeOpt = None,
 ) -> None:
     """Export a version as a PEFT adapter directory, a merged Hugging Face model or a llama.cpp LoRA (GGUF)."""
-    from livelora.gateway.services.version_admin import EXPORT_FORMATS
+    from livelora.gateway.services.tenants.version_admin import EXPORT_FORMATS
 
     if format not in EXPORT_FORMATS:  # before any spinner or request
         raise typer.BadParameter(f"{format!r} is not one of {', '.join(EXPORT_FORMATS)}", param_hint="--format")

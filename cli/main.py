@@ -418,7 +418,7 @@ from livelora.cli.settings_table import settings as _settings_command  # noqa: E
 
 app.command("settings")(_settings_command)
 
-from livelora.cli.sandbox import sandbox as _sandbox_command  # noqa: E402  (livelora sandbox)
+from livelora.clients.sandbox.server import sandbox as _sandbox_command  # noqa: E402  (livelora sandbox)
 
 app.command("sandbox")(_sandbox_command)
 

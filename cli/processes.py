@@ -135,7 +135,7 @@ def gateway_app(settings: GatewaySettings, engine: Engine | None = None, *, exec
 
 
 class DrainingServer:
-    """Runs a gateway app under uvicorn; the first SIGTERM/SIGINT drains it (:mod:`livelora.gateway.services.drain`:
+    """Runs a gateway app under uvicorn; the first SIGTERM/SIGINT drains it (:mod:`livelora.gateway.middleware.drain`:
     503 for new requests, ``/health`` draining, running requests get ``drain_grace_s``), then the server exits
     once no admitted sequence is left or the grace period (plus 2 s to write the last events) is over. A second
     signal exits at once.

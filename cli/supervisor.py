@@ -1,7 +1,7 @@
 """``livelora serve`` / ``gateway`` with the llama_cpp engine: native code cannot take the server down silently.
 
 Before the port listens, a canary generation with the chosen weights runs in a child process
-(:mod:`livelora.gateway.engines.llama_cpp_canary`); a crash refuses the start with its cause and the alternatives.
+(:mod:`livelora.gateway.engines.llama_cpp.canary`); a crash refuses the start with its cause and the alternatives.
 Then the command runs the server in a child process that inherits the bound socket and that it supervises: a
 child killed by a signal (a crash in llama.cpp) is reported with the signal, the build and the alternatives, and
 the command exits ``128 + signal``; SIGINT and SIGTERM are passed on (the child drains). The child writes Python's
@@ -51,7 +51,7 @@ def guard_native(settings, sock: socket.socket, command: str, options: dict, log
         faulthandler.enable(all_threads=True)
         return
     from livelora.core.base_models import BUILTIN_GGUF
-    from livelora.gateway.engines.llama_cpp_canary import run_canary
+    from livelora.gateway.engines.llama_cpp.canary import run_canary
 
     weights = settings.inference.engine_weights or "f16"
     if settings.model in BUILTIN_GGUF:  # another model: the engine's start refuses it with its own message
@@ -89,7 +89,7 @@ def _supervise(sock: socket.socket, command: str, options: dict, log_level: str,
     if code >= 0:
         return code
     shutil.rmtree(Path(home) / "run" / f"metrics-{proc.pid}", ignore_errors=True)  # the child's, left by the crash
-    from livelora.gateway.engines.llama_cpp_canary import crash_advice, native_build, signal_name
+    from livelora.gateway.engines.llama_cpp.canary import crash_advice, native_build, signal_name
 
     console.print(
         f"[red]error[/]: the serving process (pid {proc.pid}, llama_cpp engine, {weights} weights) was killed by "

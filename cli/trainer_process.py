@@ -55,7 +55,7 @@ def _trainer_main(
 
     torch.set_num_threads(threads)
     if idle_threads or duty < 1.0:  # steps while nothing is served take every core; the duty while serving
-        from livelora.core.core_share import configure_training_steps
+        from livelora.core.cpu_share import configure_training_steps
 
         configure_training_steps(settings.home, busy=threads, idle=idle_threads or threads, duty=duty)
     if getattr(getattr(settings, "observability", None), "log_format", "text") == "json":
@@ -78,9 +78,9 @@ class TrainerProcess:
             restarted child resumes the pending signals of the one before it.
         nice: added to the child's nice value (0-19). threads: the child's torch threads (>= 1).
         idle_threads: torch threads of a step that starts while no request is being served on this machine
-            (:func:`~livelora.core.core_share.configure_training_steps`; 0: always ``threads``).
+            (:func:`~livelora.core.cpu_share.configure_training_steps`; 0: always ``threads``).
         duty: largest share of wall time in training steps while requests are served (1: never pauses;
-            :class:`~livelora.core.core_share.StepPacer`).
+            :class:`~livelora.core.cpu_share.StepPacer`).
         log_level: the child's logging level.
 
     Example::

@@ -43,8 +43,8 @@ BUILTIN_GGUF: dict[str, tuple[str, str]] = {
 HUB_IDS: dict[str, str] = {DEFAULT_MODEL: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 #: Built-in models' sampling defaults, written into the converted ``generation_config.json`` (a request that omits
-#: them gets them: gateway/services/sampling_defaults.py). SmolLM2-135M-Instruct: its model card's example samples
-#: at temperature 0.2, top_p 0.9; at OpenAI's temperature 1.0 the 135M model answers with word salad.
+#: them gets them: gateway/services/serving/sampling_defaults.py). SmolLM2-135M-Instruct: its model card's example
+# samples : at temperature 0.2, top_p 0.9; at OpenAI's temperature 1.0 the 135M model answers with word salad.
 BUILTIN_SAMPLING: dict[str, dict[str, Any]] = {DEFAULT_MODEL: {"do_sample": True, "temperature": 0.2, "top_p": 0.9}}
 GENERATION_CONFIG = "generation_config.json"
 

@@ -5,7 +5,7 @@ bytes).
 :class:`Limits` is the one place that says what a limit's value means (``None`` is unlimited); the defaults come
 from :class:`~livelora.core.settings.QuotaSection`, overridden per tenant by ``<home>/quotas.json``.
 :class:`QuotaStore` reads and writes that file. The gateway enforces the limits
-(:mod:`livelora.gateway.services.limits`). The file format and what counts as a kept version:
+(:mod:`livelora.gateway.services.tenants.limits`). The file format and what counts as a kept version:
 ``docs/internals/metering.md``.
 """
 

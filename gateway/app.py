@@ -37,16 +37,16 @@ from livelora.gateway.api import (
 )
 from livelora.gateway.api.deps import GatewayServices, attach
 from livelora.gateway.api.errors import install_error_handlers
-from livelora.gateway.auth import AuthMiddleware, check_bind
 from livelora.gateway.engines.base import Engine
-from livelora.gateway.services.admission import Admission
-from livelora.gateway.services.console_login import ConsoleLogins
-from livelora.gateway.services.drain import Drain, DrainMiddleware
-from livelora.gateway.services.live import start_live_loop
-from livelora.gateway.services.observe import MetricsMiddleware
-from livelora.gateway.services.serving import Serving
+from livelora.gateway.middleware.auth import AuthMiddleware, check_bind
+from livelora.gateway.middleware.drain import Drain, DrainMiddleware
+from livelora.gateway.middleware.metrics import MetricsMiddleware
+from livelora.gateway.services.console.login import ConsoleLogins
+from livelora.gateway.services.live.wiring import start_live_loop
+from livelora.gateway.services.serving.admission import Admission
+from livelora.gateway.services.serving.serve import Serving
 from livelora.gateway.services.sessions import start_sessions
-from livelora.gateway.services.usage import MeteringService
+from livelora.gateway.services.tenants.usage import MeteringService
 from livelora.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def create_app(
     settings = settings or GatewaySettings()
 
     keys = KeyStore(settings.home)
-    # refuses a public bind without keys (BadRequestError) unless allow_open; see livelora.gateway.auth
+    # refuses a public bind without keys (BadRequestError) unless allow_open; see livelora.gateway.middleware.auth
     services = GatewayServices(
         settings,
         keys,

@@ -1,5 +1,5 @@
 """Text in a JSON request body must be Unicode that UTF-8 can encode: :func:`check_text`, called by the one body
-parser (:func:`livelora.gateway.auth.json_body`) for every route, Tinker routes included.
+parser (:func:`livelora.gateway.middleware.auth.json_body`) for every route, Tinker routes included.
 
 Python's ``json`` turns ``"\\ud800"`` (and the raw bytes ``ED A0 80``) into a lone surrogate, a ``str`` that
 cannot be written back as UTF-8 (to Redis, a file, a log or a response) and fails later, far from the request.

@@ -101,7 +101,7 @@ class InferenceSection(Section):
         None,
         ge=0,
         description="Torch threads of the transformers engine (CPU) while a training step runs on this "
-        "machine (core/core_share.py); default half the engine's threads, at least 1; "
+        "machine (core/cpu_share.py); default half the engine's threads, at least 1; "
         "0: never change them.",
     )
     engine_merge_lora: bool = Field(
@@ -109,7 +109,7 @@ class InferenceSection(Section):
         description="Serve an adapter version that every row of the batch uses from merged weights. "
         "Transformers engine: one copy of the adapted layers (425 MB for SmolLM2-135M in float32; "
         "gateway/engines/lora_slots.py). llama_cpp engine with f16 weights: a merged copy of the model and a "
-        "context of its own (258 MB plus a KV cache as large as the base's; gateway/engines/llama_cpp_lane.py).",
+        "context of its own (258 MB plus a KV cache as large as the base's; gateway/engines/llama_cpp/lane.py).",
     )
     engine_weights: Literal["fp32", "bf16", "int8", "int4", "f16", "gguf"] | None = Field(
         None,
@@ -132,14 +132,14 @@ class InferenceSection(Section):
         "reject",
         description="A chat or completion request field that is neither OpenAI's nor a served extension: "
         "'reject' answers 400 unknown_parameter (as OpenAI); 'ignore' serves the request and names the fields "
-        "in the X-Livelora-Ignored-Fields header (gateway/services/request_fields.py).",
+        "in the X-Livelora-Ignored-Fields header (gateway/services/serving/request_fields.py).",
     )
     tenant_share: float = Field(
         0.5,
         gt=0,
         le=1,
         description="Share of the admitted sequences and of the batch slots one tenant may hold (key mode); "
-        "beyond it only idle capacity, while share_reserve of it stays free (gateway/services/admission.py).",
+        "beyond it only idle capacity, while share_reserve of it stays free (gateway/services/serving/admission.py).",
     )
     key_share: float = Field(0.5, gt=0, le=1, description="Share of its tenant's share one API key may hold.")
     share_reserve: float = Field(
@@ -155,7 +155,7 @@ class InferenceSection(Section):
         description="Sampling defaults for requests that omit temperature, top_p or top_k (vLLM's "
         "--generation-config): 'auto' takes the served model's generation_config.json, 'none' "
         "OpenAI's (1, 1, off), or a directory holding a generation_config.json "
-        "(gateway/services/sampling_defaults.py).",
+        "(gateway/services/serving/sampling_defaults.py).",
     )
 
     @field_validator("engine")
@@ -232,7 +232,7 @@ class LiveSection(Section):
         description="Stored adapter versions (<lineage>@<n>) held in the "
         "engine because requests named them; loading one more "
         "unloads the least recently used idle one "
-        "(gateway/services/on_demand.py).",
+        "(gateway/services/live/on_demand.py).",
     )
     canary_share: float = Field(
         0.0,

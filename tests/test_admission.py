@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from livelora.gateway.services.admission import SharePool, _RunSlots
+from livelora.gateway.services.serving.admission import SharePool, _RunSlots
 
 
 def test_a_waiter_cancelled_before_it_resumes_gets_no_slot_and_loses_none():

@@ -28,7 +28,7 @@ from livelora.clients.types.tinker_data import MAX_METADATA_BYTES, MAX_TAGS, MAX
 from livelora.core.api_keys import TENANT_ROLES
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.settings import VERSION_BYTES, QuotaSection, machine_memory_bytes
-from livelora.gateway.services.live_stats import LiveStats
+from livelora.gateway.services.live.live_stats import LiveStats
 from livelora.gateway.services.sessions.history import SessionHistory
 from livelora.gateway.settings import LiveSection
 

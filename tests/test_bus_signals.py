@@ -18,8 +18,8 @@ from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
 from livelora.gateway.api.deps import get_signal_service
 from livelora.gateway.api.errors import install_error_handlers
 from livelora.gateway.api.signals import router
-from livelora.gateway.services.completion_log import CompletionLog
-from livelora.gateway.services.signals import SignalService
+from livelora.gateway.services.live.completion_log import CompletionLog
+from livelora.gateway.services.live.signals import SignalService
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 ENDPOINTS = {"default", "smollm2-135m-instruct"}

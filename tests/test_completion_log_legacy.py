@@ -15,7 +15,7 @@ from harness.server import MODEL, sse_events
 
 from livelora.clients.types.signals import RatingEvent, parse_stream_event
 from livelora.core.redis_keys import KeyLayout
-from livelora.gateway.services.serving import VERSION_HEADER
+from livelora.gateway.services.serving.serve import VERSION_HEADER
 
 PROMPT = "The capital of France is"
 PROMPT2 = "Two plus two is"

@@ -18,8 +18,8 @@ from harness.seeds import randomize_lora_b
 from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
 from livelora.core.api_keys import TENANT_ROLES
-from livelora.gateway.auth import app_routes
 from livelora.gateway.console import STATIC_FILES
+from livelora.gateway.middleware.auth import app_routes
 
 LINEAGE = "acme.support"
 PREFIX = new_prefix("console")

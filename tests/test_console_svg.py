@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from livelora.gateway.console import charts
 from livelora.gateway.console.charts import MAX_TICKS, time_ticks
 from livelora.gateway.console.svg import lineage_graph
-from livelora.gateway.services.console_reports import latency_by_route
-from livelora.gateway.services.console_views import bucket_shares
+from livelora.gateway.services.console.reports import latency_by_route
+from livelora.gateway.services.console.views import bucket_shares
 
 NS = "{http://www.w3.org/2000/svg}"
 

@@ -1,4 +1,4 @@
-"""Graceful drain of a real ``livelora gateway`` process on SIGTERM (livelora.gateway.services.drain).
+"""Graceful drain of a real ``livelora gateway`` process on SIGTERM (livelora.gateway.middleware.drain).
 
 While draining, new requests get 503 + ``Retry-After`` and ``/health`` says ``draining``; a stream that finishes
 within the grace period ends normally; one still open at the deadline ends with an error event and ``[DONE]``;

@@ -23,8 +23,8 @@ from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
 from livelora.core.api_keys import ROLES, TENANT_ROLES, KeyStore
 from livelora.core.redis_keys import KeyLayout
-from livelora.gateway.auth import AUTHENTICATED, PUBLIC, app_routes, required_role
 from livelora.gateway.envelopes import is_anthropic
+from livelora.gateway.middleware.auth import AUTHENTICATED, PUBLIC, app_routes, required_role
 
 LINEAGE = "acme.support"
 BASE = "smollm2-135m-instruct"
@@ -577,7 +577,7 @@ def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
     from peft import PeftModel
 
     from livelora.core.base_models import load_model
-    from livelora.gateway.services.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import AdminService
 
     peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
     _cli("adapters", "export", "acme.support@2", "--format", "peft", "--out", str(peft_dir), "--home", str(home))
@@ -614,7 +614,7 @@ def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
 
 def test_open_mode_and_public_bind_rules(tmp_path):
     from livelora.clients.errors import BadRequestError
-    from livelora.gateway.auth import check_bind
+    from livelora.gateway.middleware.auth import check_bind
 
     store = KeyStore(tmp_path)
     assert check_bind("127.0.0.1", store, False) is True and check_bind("::1", store, False) is True
@@ -631,7 +631,7 @@ def test_the_served_base_models_own_endpoint_is_administered_like_the_others(bas
     roll it back (a change makes it explicit); it belongs to tenant default, so another tenant sees none of it."""
     from livelora.adapters.endpoints import record_install_owners
     from livelora.clients.errors import NotFoundError
-    from livelora.gateway.services.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import AdminService
     from livelora.trainer.model import TrainingModel
 
     base = "smollm2-135m-instruct"

@@ -147,7 +147,7 @@ def test_vllm_engine_settings_are_checked_before_vllm_is_imported(run, monkeypat
     import importlib.util
 
     from livelora.clients.errors import BadRequestError, UnavailableError
-    from livelora.gateway.engines.vllm_engine import VLLMEngine
+    from livelora.gateway.engines.vllm.engine import VLLMEngine
 
     for bad in ({"max_loras": 1}, {"max_lora_rank": 12}, {"device": "cuda:1"}, {"max_batch_size": 0}):
         with pytest.raises(BadRequestError):

@@ -16,9 +16,9 @@ from harness.seeds import peft_versions
 from test_engine_contract import collect, greedy
 
 from livelora.gateway.engines import create_engine
-from livelora.gateway.engines.hf_calls import on_worker
 from livelora.gateway.engines.lora_slots import MERGE_AFTER_STEPS
 from livelora.gateway.engines.quantized import INT4_GROUP, Int4Weight, Int8Weight
+from livelora.gateway.engines.transformers.calls import on_worker
 from livelora.trainer.gate_measure import ProbeSuite, load_probes
 
 #: Mean per-token KL(fp32 ‖ int8) bound, nats (measured: docs/serving.md).

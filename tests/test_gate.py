@@ -136,7 +136,7 @@ def test_probe_file_and_degeneracy_heuristics():
 
 
 def test_endpoint_thresholds_are_validated_stored_and_audited(tmp_path):
-    from livelora.gateway.services.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import AdminService
 
     admin = AdminService(tmp_path, tenant=None)
     admin.create_endpoint("ep", "lin", who="t")
@@ -258,7 +258,7 @@ def _wrong_answers(endpoint: str) -> Batch:
 @pytest.mark.timeout(1800)
 def test_worse_version_is_rejected_never_served_and_training_continues_from_the_last_pass(base_ref, tmp_path):
     from livelora.gateway.engines import create_engine
-    from livelora.gateway.services.registry import AdapterRegistry
+    from livelora.gateway.services.live.registry import AdapterRegistry
     from livelora.trainer.online import OnlineTrainer
     from livelora.trainer.settings import GateSection, TrainingSection
 
@@ -345,7 +345,7 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
 
     # what the admin API (GET /admin/adapters/{name}) and the CLI show
     from livelora.cli.main import app
-    from livelora.gateway.services.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import AdminService
 
     shown2 = {
         c["name"]: c for c in AdminService(home, tenant=None).versions.show_adapter(f"{lineage}@2")["gate"]["checks"]

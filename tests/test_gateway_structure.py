@@ -103,7 +103,7 @@ def test_state_dicts_that_are_not_the_apps_are_not_reported():
         state_reads(
             "def f(scope):\n    state = scope.setdefault('state', {})\n    state['x'] = 1\n"
             "    return self.worker.state\n",
-            "gateway/auth.py",
+            "gateway/middleware/auth.py",
         )
         == []
     )

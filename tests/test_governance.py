@@ -61,7 +61,7 @@ def send(client, keys, events) -> None:
 
 
 def test_one_raters_flood_is_quarantined_kept_listed_and_audited(bus, tmp_path, base_ref):
-    from livelora.gateway.services.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import AdminService
 
     client, keys = bus
     w = worker_for(client, keys, tmp_path, base_ref, rater_max_events=5, rater_window_s=600)
@@ -173,7 +173,7 @@ def test_contradicting_rater_counts_less_in_the_loss(bus, tmp_path, base_ref):
 
 
 def test_deleted_user_is_gone_from_the_dataset_and_from_later_batches(bus, tmp_path, base_ref):
-    from livelora.gateway.services.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import AdminService
 
     client, keys = bus
     w = worker_for(client, keys, tmp_path, base_ref)

@@ -27,8 +27,8 @@ from livelora.adapters.store import AdapterStore
 from livelora.clients.types.tinker import LoraConfig
 from livelora.core.api_keys import TENANT_ROLES
 from livelora.core.session_protocol import lineage_for
-from livelora.gateway.auth import app_routes
 from livelora.gateway.envelopes import is_anthropic
+from livelora.gateway.middleware.auth import app_routes
 
 BASE = "smollm2-135m-instruct"
 PREFIX = new_prefix("iso")
@@ -816,7 +816,7 @@ def test_malformed_nested_or_repeated_key_json_is_400_on_every_route(server, key
                 r = a.request(method, url, content=gzip.compress(b'{"model": "a"}'), headers=zipped)
                 err = error_of(r, 400)
                 assert err["message"].startswith("unsupported Content-Encoding 'gzip'"), (method, path, r.text)
-    from livelora.gateway.auth import check_json_depth
+    from livelora.gateway.middleware.auth import check_json_depth
 
     check_json_depth(b'{"a": "' + b"[" * 5000 + b'"}', 64)  # brackets inside strings do not count
 

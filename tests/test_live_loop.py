@@ -14,7 +14,7 @@ from harness.server import start_server, wait_until
 from livelora.adapters.store import AdapterStore
 from livelora.core.bus import connect_sync
 from livelora.core.redis_keys import KeyLayout
-from livelora.gateway.services.serving import VERSION_HEADER
+from livelora.gateway.services.serving.serve import VERSION_HEADER
 from livelora.gateway.settings import GatewaySettings
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler

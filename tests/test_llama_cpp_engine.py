@@ -16,7 +16,7 @@ from test_engine_contract import chat, collect, greedy
 
 from livelora.clients.errors import BadRequestError
 from livelora.gateway.engines import SamplingParams, create_engine
-from livelora.gateway.engines.hf_calls import on_worker
+from livelora.gateway.engines.transformers.calls import on_worker
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
@@ -87,7 +87,7 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
     import gguf
     import numpy as np
 
-    from livelora.gateway.engines.llama_cpp_lane import merge_gguf_lora
+    from livelora.gateway.engines.llama_cpp.lane import merge_gguf_lora
 
     skip_if_native_crashes()
     engine = create_engine("llama_cpp", model=base_ref.name, max_batch_size=4, max_model_len=512)
@@ -131,7 +131,7 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
         loop.run_until_complete(engine.close())
     # the merged file holds W + B A of the GGUF LoRA's factors, rounded to float16; other tensors untouched
     from livelora.core.base_models import gguf_location
-    from livelora.gateway.engines.llama_cpp_model import served_gguf
+    from livelora.gateway.engines.llama_cpp.model import served_gguf
 
     f16 = served_gguf(gguf_location(base_ref.name), "f16", tmp_path / "gguf")
     lora = tmp_path / "v1.gguf"
@@ -166,7 +166,7 @@ def test_a_killed_workers_gguf_directory_is_swept_by_the_next_one(tmp_path, monk
     import subprocess
     import sys
 
-    from livelora.gateway.engines import llama_cpp_worker as lw
+    from livelora.gateway.engines.llama_cpp import worker as lw
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = tmp_path / f"{lw.TMP_PREFIX}{gone.stdout.strip()}-abc"
@@ -219,7 +219,7 @@ def test_the_f16_file_holds_the_shipped_weights_in_float16_and_is_written_once(t
     import numpy as np
 
     from livelora.core.base_models import gguf_location
-    from livelora.gateway.engines.llama_cpp_model import served_gguf
+    from livelora.gateway.engines.llama_cpp.model import served_gguf
 
     skip_if_native_crashes()  # llama.cpp's quantizer runs in this process
     shipped = gguf_location("smollm2-135m-instruct")

@@ -24,7 +24,7 @@ from harness.seeds import TARGETS, peft_versions
 from safetensors.torch import load_file, save_file
 
 from livelora.clients.errors import BadRequestError
-from livelora.gateway.engines.hf_calls import on_worker
+from livelora.gateway.engines.transformers.calls import on_worker
 
 LP_TOL = 1e-4  # nats, fp32
 
@@ -247,7 +247,7 @@ def test_a_version_that_cannot_be_merged_leaves_the_served_merge_intact(engine, 
 def test_prefill_groups_bound_padding_and_put_short_prompts_first():
     from types import SimpleNamespace
 
-    from livelora.gateway.engines.hf_worker import PAD_ALLOWANCE, PAD_SLACK, prefill_groups
+    from livelora.gateway.engines.batching import PAD_ALLOWANCE, PAD_SLACK, prefill_groups
 
     seqs = [SimpleNamespace(prompt=[0] * n) for n in (30, 1, 31, 1, 120, 2, 29)]
     groups = prefill_groups(seqs)

@@ -355,7 +355,7 @@ def test_metrics_parse_and_move_as_requests_are_served(server, keys):
 
 
 def test_metrics_key_setting():
-    from livelora.gateway.auth import PUBLIC, required_role
+    from livelora.gateway.middleware.auth import PUBLIC, required_role
 
     assert required_role("GET", "/metrics") == PUBLIC
     assert required_role("GET", "/metrics", metrics_key=True) == "operator"

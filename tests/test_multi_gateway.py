@@ -24,7 +24,7 @@ from livelora.clients.types.signals import RatingEvent, VersionNotice, parse_str
 from livelora.clients.types.tinker import LoraConfig
 from livelora.core.bus import connect_sync, publish_notice
 from livelora.core.redis_keys import TRAINERS_GROUP, KeyLayout
-from livelora.gateway.services.serving import VERSION_HEADER
+from livelora.gateway.services.serving.serve import VERSION_HEADER
 from livelora.gateway.settings import GatewaySettings
 
 EP = "multi-gw"  # served base name = endpoint = lineage of both gateways

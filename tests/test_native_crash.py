@@ -20,8 +20,8 @@ import pytest
 from harness.native import in_child, skip_if_native_crashes
 
 from livelora.core.settings import DEFAULT_MODEL
-from livelora.gateway.engines.llama_cpp_canary import run_canary
-from livelora.gateway.engines.llama_cpp_model import CRASH_ENV
+from livelora.gateway.engines.llama_cpp.canary import run_canary
+from livelora.gateway.engines.llama_cpp.model import CRASH_ENV
 
 needs_llama_cpp = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
@@ -132,10 +132,10 @@ def test_a_crash_of_the_serving_process_is_reported_and_exits_128_plus_the_signa
 @needs_llama_cpp
 def test_llama_cpps_repeated_warnings_are_logged_once(caplog):
     """llama.cpp's log callback as llama.cpp calls it: an AMX build's warning for each LoRA tensor is one line."""
-    from livelora.gateway.engines.llama_cpp_model import _log_callback
+    from livelora.gateway.engines.llama_cpp.model import _log_callback
 
     emit = _log_callback()
-    caplog.set_level("WARNING", logger="livelora.gateway.engines.llama_cpp_model")
+    caplog.set_level("WARNING", logger="livelora.gateway.engines.llama_cpp.model")
     warning = "llama_adapter_lora_init_impl: lora for '{}' cannot use buft 'AMX', fallback to CPU"
     for layer in range(30):
         for proj in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):

@@ -1,5 +1,5 @@
 """Stored adapter versions served on demand through one live gateway (real SmolLM2, real Redis, its own store in
-key mode; gateway/services/on_demand.py).
+key mode; gateway/services/live/on_demand.py).
 
 Tenant ``acme`` owns lineage ``acme.bot`` (versions 1-3; endpoint ``acme.bot`` follows it and serves @3) and
 lineage ``acme.solo`` (no endpoint: @1 good, @2 rejected by the evaluation gate, @3 deleted). Tenant ``beta`` owns

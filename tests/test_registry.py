@@ -17,7 +17,7 @@ from livelora.clients.types.tinker import LoraConfig
 from livelora.core.bus import connect_async, connect_sync, delete_prefix
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import SamplingParams
-from livelora.gateway.services.registry import AdapterRegistry
+from livelora.gateway.services.live.registry import AdapterRegistry
 
 EP = "smollm2-135m-instruct"  # the served base name is an endpoint; its lineage has the same name
 

@@ -1,5 +1,5 @@
 """Request fields honoured or refused (issue 29): one policy, generated from the request types and the field table
-of ``gateway/services/request_fields.py``, so a new field fails here until it is classified.
+of ``gateway/services/serving/request_fields.py``, so a new field fails here until it is classified.
 
 Every declared field of the chat and legacy completion requests is in the table; every OpenAI field without
 effect is accepted, every refused field is a 400 naming it, an unknown field is a 400 ``unknown_parameter`` (or,
@@ -15,7 +15,7 @@ import pytest
 from harness.server import MODEL
 
 from livelora.clients.types.openai import ChatCompletionRequest, CompletionRequest
-from livelora.gateway.services.request_fields import HONOURED, IGNORED_HEADER, NEUTRAL_ONLY, NO_EFFECT, REFUSED
+from livelora.gateway.services.serving.request_fields import HONOURED, IGNORED_HEADER, NEUTRAL_ONLY, NO_EFFECT, REFUSED
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Say hello in one short sentence."}]

@@ -17,8 +17,8 @@ from livelora.core.rails import sprt_thumbs, wilson_interval
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines import create_engine
 from livelora.gateway.engines.base import SamplingParams
-from livelora.gateway.services.live_stats import LiveStats
-from livelora.gateway.services.registry import AdapterRegistry
+from livelora.gateway.services.live.live_stats import LiveStats
+from livelora.gateway.services.live.registry import AdapterRegistry
 from livelora.gateway.settings import LiveSection
 
 EP = "smollm2-135m-instruct"

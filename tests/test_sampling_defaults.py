@@ -15,7 +15,7 @@ from _server import MODEL, TEST_SETTINGS, start_server
 from pydantic import ValidationError
 
 from livelora.core.base_models import BUILTIN_SAMPLING, GENERATION_CONFIG, MANIFEST, resolve_base_model
-from livelora.gateway.services.sampling_defaults import read_defaults
+from livelora.gateway.services.serving.sampling_defaults import read_defaults
 from livelora.gateway.settings import GatewaySettings
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

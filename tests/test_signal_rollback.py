@@ -15,10 +15,10 @@ from livelora.clients.types.signals import CompletionRecord, FeedbackRequest
 from livelora.core.bus import connect_async, ensure_group_async
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines import create_engine
-from livelora.gateway.services.completion_log import CompletionLog
-from livelora.gateway.services.live_stats import LiveStats
-from livelora.gateway.services.registry import AdapterRegistry
-from livelora.gateway.services.signals import SignalService
+from livelora.gateway.services.live.completion_log import CompletionLog
+from livelora.gateway.services.live.live_stats import LiveStats
+from livelora.gateway.services.live.registry import AdapterRegistry
+from livelora.gateway.services.live.signals import SignalService
 from livelora.gateway.settings import LiveSection
 
 EP = "smollm2-135m-instruct"

@@ -140,8 +140,8 @@ def test_engine_rule_is_shared_by_both_engines(tokenizer):
     assert resolved.stop == ("\n\n",) and resolved.stop_token_ids == (7, 2)
     assert resolve_stop_strings(SamplingParams(stop=("x",)), tokenizer) == SamplingParams(stop=("x",))
     # the vLLM engine's validation (vLLM itself cannot run here) applies the same rule to its parameters
-    from livelora.gateway.engines.transformers_engine import TransformersEngine
-    from livelora.gateway.engines.vllm_engine import VLLMEngine
+    from livelora.gateway.engines.transformers.engine import TransformersEngine
+    from livelora.gateway.engines.vllm.engine import VLLMEngine
 
     for cls in (TransformersEngine, VLLMEngine):
         engine = cls.__new__(cls)

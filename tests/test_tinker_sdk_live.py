@@ -272,7 +272,7 @@ def test_save_weights_external_signed_file_urls_ttl_and_delete(sessions_server, 
     from safetensors.torch import load_file
 
     from livelora.gateway.api.deps import services_of
-    from livelora.gateway.auth import PUBLIC, required_role
+    from livelora.gateway.middleware.auth import PUBLIC, required_role
 
     base = sessions_server.base_url
     sid = httpx.post(f"{base}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]

@@ -22,7 +22,7 @@ from typing import Any
 from livelora.adapters.store import AdapterStore
 from livelora.clients.errors import LiveloraError
 from livelora.core import metrics
-from livelora.core.core_share import TrainingFlag, training_step
+from livelora.core.cpu_share import TrainingFlag, training_step
 from livelora.core.metering import Meter, Usage
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.session_protocol import (
@@ -227,7 +227,7 @@ class OpExecutor:
                 return
             changed = False
             try:
-                step = op.kind in _STEP_KINDS  # a trainer process: duty and threads (core_share), flag held
+                step = op.kind in _STEP_KINDS  # a trainer process: duty and threads (cpu_share), flag held
                 with (
                     training_step() if step else contextlib.nullcontext(),
                     self.busy.held() if step else contextlib.nullcontext(),

@@ -29,7 +29,7 @@ import torch
 
 from livelora.adapters.endpoints import EndpointStore
 from livelora.core.atomic import atomic_write_bytes
-from livelora.core.core_share import step_yield
+from livelora.core.cpu_share import step_yield
 from livelora.core.governance import held_out
 from livelora.core.rails import GateCheck, GateResult, GateThresholds, bound_of, judge
 from livelora.trainer.gate_freeform import FreeformGate
@@ -226,10 +226,10 @@ class EvaluationGate:
 
     def base_in_background(self, model: Any, busy: Any, report: Any) -> threading.Thread:
         """Start a daemon thread taking (or reading from the store) the base measurement on ``model``, under the
-        training flags as a step is (``busy``: :class:`~livelora.core.core_share.TrainingFlag`); ``report(None,
+        training flags as a step is (``busy``: :class:`~livelora.core.cpu_share.TrainingFlag`); ``report(None,
         "base", state=..., source=..., seconds=...)`` as it starts and ends. A step waits for it (:meth:`base` is
         locked); if it fails, the first step measures."""
-        from livelora.core.core_share import training_step
+        from livelora.core.cpu_share import training_step
 
         def run() -> None:
             report(None, "base", state="measuring")
@@ -299,7 +299,7 @@ class EvaluationGate:
         new, done = Measurement(), [c for p in unmeasured for c in PASSES[p]]
         for i, name in enumerate(n for n in PASSES if n not in unmeasured):
             if i:
-                step_yield()  # serving may go first between the gate's passes (core/core_share.py)
+                step_yield()  # serving may go first between the gate's passes (core/cpu_share.py)
             tell(name)
             if name == "freeform":
                 self.freeform.judge(model, new, current, self._base, self._snapshot["params"], mine, tell)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from livelora.core.core_share import step_yield
+from livelora.core.cpu_share import step_yield
 from livelora.trainer.capability import CATEGORIES, GATE_FILE, CapabilityItem, load_items, stratified
 
 #: Conditional probability of the other final verdict below which the sample stops early.

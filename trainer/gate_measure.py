@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from livelora.core.chat_tokens import rated_completion_ids
-from livelora.core.core_share import step_yield
+from livelora.core.cpu_share import step_yield
 from livelora.trainer.gate_freeform import freeform_score
 from livelora.trainer.prompt_kv import PromptKV, cache_of, common_prefix
 
@@ -409,7 +409,7 @@ class ProbeSuite:
             p for p in PASSES if (p != "signal" or heldout) and (p != "freeform" or self.freeform)
         ):
             if i:
-                step_yield()  # serving may go first between the gate's passes (core/core_share.py)
+                step_yield()  # serving may go first between the gate's passes (core/cpu_share.py)
             tell(name)
             self.run_pass(name, model, m, adapter=adapter, heldout=heldout, upto=freeform_upto)
         return m

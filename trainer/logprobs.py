@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from livelora.clients.types.tinker import Datum
-from livelora.core.core_share import step_yield
+from livelora.core.cpu_share import step_yield
 from livelora.core.losses import LossSpec
 from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, PromptKV, cache_of, common_prefix, kl_pairs, kv_bytes
 
@@ -107,7 +107,7 @@ class LogprobPass:
         Returns:
             per sequence, logprobs shaped like its targets; with ``share_prefix``, ``(logprobs, PromptKV)``.
         """
-        step_yield()  # serving may go first between the passes of a step (core/core_share.py)
+        step_yield()  # serving may go first between the passes of a step (core/cpu_share.py)
         whole, dummy = inputs, self.sharded and rows is not None and not rows
         rows = range(0, 1) if dummy else rows
         if rows is not None:

@@ -22,7 +22,7 @@ from livelora.adapters.store import CONFIG_FILE, AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError
 from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, TensorData
 from livelora.core.base_models import BaseModelRef, import_model_libraries, load_model
-from livelora.core.core_share import step_yield
+from livelora.core.cpu_share import step_yield
 from livelora.core.losses import ResolvedLoss, validate_batch
 from livelora.trainer.checkpoints import read_version, write_version
 from livelora.trainer.distributed import TrainerGroup, current_group, mirrored

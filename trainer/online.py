@@ -25,7 +25,7 @@ from livelora.clients.types.tinker import AdamParams, Datum
 from livelora.core import metrics as prom
 from livelora.core.api_keys import DEFAULT_TENANT
 from livelora.core.base_models import BaseModelRef, base_identity
-from livelora.core.core_share import TrainingFlag, training_step
+from livelora.core.cpu_share import TrainingFlag, training_step
 from livelora.core.metering import Meter, Usage
 from livelora.trainer.event_datums import EventDatums
 from livelora.trainer.gate import record_verdicts
@@ -214,7 +214,7 @@ class OnlineTrainer:
             label = f"{batch.lineage}@{model.parent}" if model.parent else "base"
             tell = lambda c: self._report(batch.lineage, "training", detail=f"measuring {c} for the gate")  # noqa: E731
             gate.before_step(model, batch.lineage, label, on_check=tell)
-        # a trainer process: its duty while serving, all cores while nothing is served (core_share); the engine on
+        # a trainer process: its duty while serving, all cores while nothing is served (cpu_share); the engine on
         # this machine leaves a core to the step while the flag is held
         with training_step(), self.busy.held():
             stepped = False

@@ -2,10 +2,10 @@
 
 Field names and shapes follow openai-python (``src/openai/types/``, SDK 3.x), plus the vLLM extensions livelora
 honours (their vLLM names). Request models keep unknown fields (``extra="allow"``) so the gateway can name them:
-it accepts OpenAI fields that change nothing it serves and refuses the rest (``gateway/services/request_fields.py``,
-``docs/clients.md``); malformed values of known fields are rejected. Response models ignore unknown fields. Token
-counts are in tokens of the served model's tokenizer; ``created`` is Unix seconds; logprobs are in nats. Why:
-``docs/internals/wire-types.md``.
+it accepts OpenAI fields that change nothing it serves and refuses the rest
+(``gateway/services/serving/request_fields.py``, ``docs/clients.md``); malformed values of known fields are rejected.
+Response models ignore unknown fields. Token counts are in tokens of the served model's tokenizer; ``created`` is Unix
+seconds; logprobs are in nats. Why: ``docs/internals/wire-types.md``.
 """
 
 from __future__ import annotations

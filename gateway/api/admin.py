@@ -1,6 +1,7 @@
-"""``/admin`` routes (role ``admin``, enforced by :mod:`livelora.gateway.auth`), scoped to the caller's tenant.
+"""``/admin`` routes (role ``admin``, enforced by :mod:`livelora.gateway.middleware.auth`), scoped to the caller's
+tenant.
 
-Handlers call one :class:`~livelora.gateway.services.admin.GatewayAdmin` method and encode its answer. A change
+Handlers call one :class:`~livelora.gateway.services.tenants.admin.GatewayAdmin` method and encode its answer. A change
 to an endpoint is applied to this gateway's registry before the answer and announced to the other gateways.
 """
 

@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``: chat completions, plain JSON or SSE (contract §1.1-1.3).
 
-The handler hands the parsed request to :meth:`~livelora.gateway.services.serving.Serving.serve` (checks, chat
+The handler hands the parsed request to :meth:`~livelora.gateway.services.serving.serve.Serving.serve` (checks, chat
 template, token budget, admission, version lease, completion log, metering) and encodes what it serves with
 :class:`ChatEncoder` through :func:`~livelora.gateway.api.streaming.respond`. Validation happens before the first
 byte and fails as a plain HTTP error.
@@ -30,7 +30,7 @@ from livelora.gateway.api.deps import CallerDep, PrincipalDep, ServingDep, Token
 from livelora.gateway.api.logprobs import TokenTexts, chat_logprobs
 from livelora.gateway.api.streaming import OpenAIStreamEnd, respond, sse_data
 from livelora.gateway.engines.base import GenerationChunk
-from livelora.gateway.services.served import ServedRequest
+from livelora.gateway.services.serving.served import ServedRequest
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["chat"])

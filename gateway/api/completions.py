@@ -1,7 +1,7 @@
 """``POST /v1/completions``: the legacy text-completion route.
 
-The handler hands the parsed request to :meth:`~livelora.gateway.services.serving.Serving.serve` (prompts,
-budgets and jobs: :func:`~livelora.gateway.services.plans.plan_completion`) and encodes what it serves with
+The handler hands the parsed request to :meth:`~livelora.gateway.services.serving.serve.Serving.serve` (prompts,
+budgets and jobs: :func:`~livelora.gateway.services.serving.plans.plan_completion`) and encodes what it serves with
 :class:`CompletionEncoder` through :func:`~livelora.gateway.api.streaming.respond`. Prompt forms, ``echo``,
 legacy ``logprobs``, refused parameters and how choices are logged: ``docs/internals/wire-types.md``.
 """
@@ -26,7 +26,7 @@ from livelora.gateway.api.deps import CallerDep, PrincipalDep, ServingDep, Token
 from livelora.gateway.api.logprobs import TextOffsets, TokenTexts, completion_logprobs
 from livelora.gateway.api.streaming import OpenAIStreamEnd, respond, sse_data
 from livelora.gateway.engines.base import GenerationChunk
-from livelora.gateway.services.served import ServedRequest
+from livelora.gateway.services.serving.served import ServedRequest
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["completions"])

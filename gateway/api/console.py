@@ -1,10 +1,10 @@
 """The admin console's pages (``/console``, HTML): log-in and log-out, the console's static files, and one page
 per view (endpoints, an endpoint, a lineage's versions, a version, charts, feedback, sessions and usage).
 
-Each page calls one :class:`~livelora.gateway.services.console_views.ConsoleViews` or
-:class:`~livelora.gateway.services.console_reports.ConsoleReports` method (the caller's tenant only, through the
-``/admin`` services) and renders its template. Who may call: :mod:`livelora.gateway.auth` (the session cookie's
-key needs ``admin``); the actions (POST) are in :mod:`.console_actions`. For users: ``docs/console.md``.
+Each page calls one :class:`~livelora.gateway.services.console.views.ConsoleViews` or
+:class:`~livelora.gateway.services.console.reports.ConsoleReports` method (the caller's tenant only, through the
+``/admin`` services) and renders its template. Who may call: :mod:`livelora.gateway.middleware.auth` (the session
+cookie's key needs ``admin``); the actions (POST) are in :mod:`.console_actions`. For users: ``docs/console.md``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from livelora.clients.errors import LiveloraError, NotFoundError
 from livelora.gateway.api.console_render import check_same_origin, error_page, render, secured, shown
 from livelora.gateway.api.deps import ConsoleDep, ConsoleLoginsDep, ServicesDep
 from livelora.gateway.console import STATIC_FILES
-from livelora.gateway.services.console_login import COOKIE
-from livelora.gateway.services.console_reports import ConsoleReports
-from livelora.gateway.services.console_views import ConsoleViews
+from livelora.gateway.services.console.login import COOKIE
+from livelora.gateway.services.console.reports import ConsoleReports
+from livelora.gateway.services.console.views import ConsoleViews
 
 router = APIRouter(prefix="/console", tags=["console"], include_in_schema=False)
 

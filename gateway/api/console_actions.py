@@ -2,8 +2,8 @@
 learning, export a version, delete a user's data, log out.
 
 Each checks the same origin and the session's CSRF token (:func:`.console_render.check_post`) before anything
-else, then calls the one :class:`~livelora.gateway.services.admin.GatewayAdmin` method the ``/admin`` route of the
-same action calls (so the history line is the CLI's), and answers 303 back to the page (an error: the page with
+else, then calls the one :class:`~livelora.gateway.services.tenants.admin.GatewayAdmin` method the ``/admin`` route of
+the same action calls (so the history line is the CLI's), and answers 303 back to the page (an error: the page with
 the message, at the error's status).
 """
 
@@ -18,7 +18,7 @@ from fastapi.responses import RedirectResponse, Response
 from livelora.clients.errors import BadRequestError, LiveloraError
 from livelora.gateway.api.console_render import check_post, error_page, secured
 from livelora.gateway.api.deps import ConsoleDep, ConsoleLoginsDep
-from livelora.gateway.services.console_login import COOKIE
+from livelora.gateway.services.console.login import COOKIE
 
 router = APIRouter(prefix="/console", tags=["console"], include_in_schema=False)
 

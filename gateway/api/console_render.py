@@ -16,7 +16,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from livelora.clients.errors import LiveloraError, PermissionDeniedError
 from livelora.gateway.console import charts
-from livelora.gateway.services.console_login import COOKIE, CSRF_FIELD, CSRF_HEADER, ConsoleLogins
+from livelora.gateway.services.console.login import COOKIE, CSRF_FIELD, CSRF_HEADER, ConsoleLogins
 
 #: Headers of every console answer: no framing (clickjacking), scripts and styles from the gateway only, no
 #: caching of pages that show a tenant's data.

@@ -23,19 +23,19 @@ from fastapi import Depends, FastAPI, Request
 from livelora.clients.errors import InternalError, UnavailableError
 from livelora.core.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
 from livelora.gateway.engines.base import Engine
-from livelora.gateway.services.admin import GatewayAdmin
-from livelora.gateway.services.admission import Admission
-from livelora.gateway.services.completion_log import CompletionLog
-from livelora.gateway.services.console_login import ConsoleLogins
-from livelora.gateway.services.console_views import ConsoleContext
-from livelora.gateway.services.drain import Drain
-from livelora.gateway.services.learning import LearningService
-from livelora.gateway.services.registry import AdapterRegistry
-from livelora.gateway.services.serving import Serving
+from livelora.gateway.middleware.drain import Drain
+from livelora.gateway.services.console.login import ConsoleLogins
+from livelora.gateway.services.console.views import ConsoleContext
+from livelora.gateway.services.live.completion_log import CompletionLog
+from livelora.gateway.services.live.learning import LearningService
+from livelora.gateway.services.live.registry import AdapterRegistry
+from livelora.gateway.services.live.signals import SignalService
+from livelora.gateway.services.serving.admission import Admission
+from livelora.gateway.services.serving.serve import Serving
+from livelora.gateway.services.serving.token_texts import TokenTexts
 from livelora.gateway.services.sessions import Checkpoints, Samples, SamplingSessions, SessionService, TrainingOps
-from livelora.gateway.services.signals import SignalService
-from livelora.gateway.services.token_texts import TokenTexts
-from livelora.gateway.services.usage import MeteringService
+from livelora.gateway.services.tenants.admin import GatewayAdmin
+from livelora.gateway.services.tenants.usage import MeteringService
 from livelora.gateway.settings import GatewaySettings
 
 
@@ -48,7 +48,7 @@ class GatewayServices:
         settings: the gateway settings.
         keys: the API key store (``keys.json`` in the store).
         auth_open: open mode (no keys yet: every caller is tenant ``default`` with every role); it turns
-            ``False`` for good once a key exists (:mod:`livelora.gateway.auth`).
+            ``False`` for good once a key exists (:mod:`livelora.gateway.middleware.auth`).
         engine: the started engine.
         admission: the sequence bound (429 beyond it).
         serving: target resolution, models, the start of every served request.

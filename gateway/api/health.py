@@ -13,7 +13,7 @@ router = APIRouter(tags=["health"])
 @router.get("/health")
 async def health(serving: ServingDep) -> JSONResponse:
     """``{"status": "ok", "model", "engine", "sequences", "max_sequences", "adapters_loaded"}``
-    (:meth:`~livelora.gateway.services.serving.Serving.health`); 503 with ``"status": "draining"`` once the
-    gateway is shutting down (:mod:`livelora.gateway.services.drain`), so readiness probes stop routing to it."""
+    (:meth:`~livelora.gateway.services.serving.serve.Serving.health`); 503 with ``"status": "draining"`` once the
+    gateway is shutting down (:mod:`livelora.gateway.middleware.drain`), so readiness probes stop routing to it."""
     figures = serving.health()
     return JSONResponse(figures, status_code=503 if figures["status"] == "draining" else 200)

@@ -2,7 +2,7 @@
 
 Stages ``waiting`` (n of the batch size), ``training``, ``gate`` (which check), ``published`` (the version) or
 ``rejected`` (why), with this step's stage times and the estimated seconds to the next version
-(:mod:`livelora.gateway.services.learning`).
+(:mod:`livelora.gateway.services.live.learning`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Logprobs in the chat and the legacy completions layouts, with each token's text and exact bytes
-(:class:`~livelora.gateway.services.token_texts.TokenTexts`).
+(:class:`~livelora.gateway.services.serving.token_texts.TokenTexts`).
 
 Every generated token has an entry, and so has the end-of-sequence or stop token that ends a reply (as vLLM
 does): its text is ``""`` (it is not part of the reply's text) and its logprob is the model's. ``text_offset``
@@ -13,7 +13,7 @@ import codecs
 
 from livelora.clients.types.openai import ChatCompletionTokenLogprob, CompletionLogprobs, TopLogprob
 from livelora.gateway.engines.base import TokenLogprob
-from livelora.gateway.services.token_texts import TokenTexts
+from livelora.gateway.services.serving.token_texts import TokenTexts
 
 __all__ = ["TextOffsets", "TokenTexts", "chat_logprobs", "completion_logprobs"]
 

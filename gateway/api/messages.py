@@ -1,7 +1,7 @@
 """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: the Anthropic Messages API.
 
-The handler hands the parsed request to :meth:`~livelora.gateway.services.serving.Serving.serve_messages` (the chat
-it asks for: checks, template, budget, admission, version lease, completion log, metering) and encodes what it
+The handler hands the parsed request to :meth:`~livelora.gateway.services.serving.serve.Serving.serve_messages` (the
+chat it asks for: checks, template, budget, admission, version lease, completion log, metering) and encodes what it
 serves with :class:`MessagesEncoder` through :func:`~livelora.gateway.api.streaming.respond`: a ``message`` object,
 or the stream ``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``...,
 ``content_block_stop``, ``message_delta``, ``message_stop`` (named SSE events). Errors use Anthropic's envelope
@@ -42,8 +42,8 @@ from livelora.gateway.api.deps import CallerDep, PrincipalDep, ServingDep
 from livelora.gateway.api.streaming import Event, respond, sse_data
 from livelora.gateway.engines.base import GenerationChunk
 from livelora.gateway.envelopes import anthropic_error
-from livelora.gateway.services.messages import stop_reason
-from livelora.gateway.services.served import ServedRequest
+from livelora.gateway.services.serving.messages import stop_reason
+from livelora.gateway.services.serving.served import ServedRequest
 
 router = APIRouter(tags=["messages"])
 

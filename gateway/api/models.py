@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from livelora.clients.types.openai import Model, ModelList
 from livelora.gateway.api.deps import PrincipalDep, ServingDep
-from livelora.gateway.services.sampling_defaults import for_settings
+from livelora.gateway.services.serving.sampling_defaults import for_settings
 
 router = APIRouter(tags=["models"])
 
@@ -20,10 +20,10 @@ async def get_models(serving: ServingDep, principal: PrincipalDep) -> ModelList:
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, serving: ServingDep, principal: PrincipalDep) -> Model:
     """One model by id: a listed one, or a stored ``<lineage>@<n>`` the caller may name (the list leaves those
-    out; a request naming one loads it, gateway/services/on_demand.py).
+    out; a request naming one loads it, gateway/services/live/on_demand.py).
 
     ``sampling_defaults`` says what a request omitting ``temperature`` / ``top_p`` / ``top_k`` gets (every served
-    model shares the base model's; gateway/services/sampling_defaults.py).
+    model shares the base model's; gateway/services/serving/sampling_defaults.py).
 
     Raises:
         ModelNotFoundError: unknown id (404 ``model_not_found``).

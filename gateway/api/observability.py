@@ -1,7 +1,7 @@
 """``GET /admin/usage`` (role ``admin``, scoped to the caller's tenant; every tenant for an operator),
 ``GET /admin/quotas`` and
 ``PUT /admin/quotas`` (per-tenant limits), and ``GET /metrics`` (Prometheus text; public unless
-``LIVELORA_METRICS_REQUIRE_KEY``, see :mod:`livelora.gateway.auth`)."""
+``LIVELORA_METRICS_REQUIRE_KEY``, see :mod:`livelora.gateway.middleware.auth`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Signal routes: ``POST /v1/feedback``, ``/v1/preferences``, ``/v1/demonstrations``.
 
-Each handler decodes the body, calls one :class:`~livelora.gateway.services.signals.SignalService` method and
+Each handler decodes the body, calls one :class:`~livelora.gateway.services.live.signals.SignalService` method and
 marks a replayed answer (``Idempotent-Replayed: true``); the semantics (replace on re-rate, idempotency,
 503 while Redis is down) are the service's.
 """

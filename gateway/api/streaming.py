@@ -1,6 +1,6 @@
 """The one response encoding of the generation routes (chat, legacy completions, Messages): plain JSON or SSE.
 
-:func:`respond` iterates a :class:`~livelora.gateway.services.served.ServedRequest` (which records, observes
+:func:`respond` iterates a :class:`~livelora.gateway.services.serving.served.ServedRequest` (which records, observes
 and meters each chunk) and answers with a route's :class:`ChoiceEncoder` shapes. Engine errors before the first
 chunk are plain HTTP errors (it is awaited before a stream starts); after that the encoder's :meth:`failure`
 events end the stream (OpenAI routes: one ``data: {"error": {...}}`` event, contract A11, then ``[DONE]`` when the
@@ -28,8 +28,8 @@ from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
 from livelora.gateway.api.errors import error_event
 from livelora.gateway.engines.base import GenerationChunk
-from livelora.gateway.services.drain import DrainExpired
-from livelora.gateway.services.served import ServedRequest
+from livelora.gateway.middleware.drain import DrainExpired
+from livelora.gateway.services.serving.served import ServedRequest
 
 log = logging.getLogger(__name__)
 

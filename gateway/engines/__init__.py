@@ -27,26 +27,26 @@ def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
     Args:
         kind: ``"transformers"`` (transformers + peft; CPU or one GPU) or ``"vllm"``
             (vLLM's AsyncLLM with multi-LoRA; needs vLLM installed, see
-            :class:`~.vllm_engine.VLLMEngine`) or ``"llama_cpp"`` (a built-in GGUF model on the CPU; needs
-            llama-cpp-python, see :class:`~.llama_cpp_engine.LlamaCppEngine`).
+            :class:`~livelora.gateway.engines.vllm.engine.VLLMEngine`) or ``"llama_cpp"`` (a built-in GGUF model on
+            the CPU; needs llama-cpp-python, see :class:`~livelora.gateway.engines.llama_cpp.engine.LlamaCppEngine`).
         **kwargs: passed to the engine's constructor, e.g. for ``transformers``:
             ``model``, ``home``, ``device``, ``dtype``, ``max_batch_size``,
             ``max_model_len``, ``num_threads`` (see
-            :class:`~.transformers_engine.TransformersEngine`).
+            :class:`~livelora.gateway.engines.transformers.engine.TransformersEngine`).
 
     Raises:
         BadRequestError: unknown ``kind``.
     """
     if kind == "transformers":
-        from livelora.gateway.engines.transformers_engine import TransformersEngine
+        from livelora.gateway.engines.transformers.engine import TransformersEngine
 
         return TransformersEngine(**kwargs)
     if kind == "vllm":  # vLLM is imported by the engine's start(), never here
-        from livelora.gateway.engines.vllm_engine import VLLMEngine
+        from livelora.gateway.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(**kwargs)
     if kind == "llama_cpp":
-        from livelora.gateway.engines.llama_cpp_engine import LlamaCppEngine
+        from livelora.gateway.engines.llama_cpp.engine import LlamaCppEngine
 
         return LlamaCppEngine(**kwargs)
     raise BadRequestError(f"unknown engine kind {kind!r}; available: {', '.join(ENGINE_KINDS)}", param="engine")

@@ -1,8 +1,8 @@
 """The inference-engine interface the gateway talks to.
 
 One engine instance serves one base model plus any number of loaded LoRA
-adapter versions. Implementations: :mod:`.transformers_engine` (transformers +
-peft, CPU or one GPU; used by the tests) and :mod:`.vllm_engine` (vLLM, GPU).
+adapter versions. Implementations: :mod:`livelora.gateway.engines.transformers.engine` (transformers +
+peft, CPU or one GPU; used by the tests) and :mod:`livelora.gateway.engines.vllm.engine` (vLLM, GPU).
 Anything engine-specific (batching, KV caches, stop handling, detokenization)
 stays inside the implementation; the gateway only sees this module's types.
 

@@ -2,7 +2,7 @@
 crash on this CPU) instead of ending the pytest run.
 
 * :func:`skip_if_native_crashes`: before a test (or a module's engine) loads llama.cpp in this process, the
-  canary generation (:mod:`livelora.gateway.engines.llama_cpp_canary`) runs in a child process, once per session
+  canary generation (:mod:`livelora.gateway.engines.llama_cpp.canary`) runs in a child process, once per session
   and weight format; when it crashes, the test is skipped with the canary's reason (signal, CPU flags, version).
 * :func:`in_child`: run a function in a spawned child process; a child killed by a signal fails the test with
   the signal named (a skip, with the canary's reason, where the canary crashes too).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from livelora.core.settings import DEFAULT_MODEL
-from livelora.gateway.engines.llama_cpp_canary import native_build, run_canary, signal_name
+from livelora.gateway.engines.llama_cpp.canary import native_build, run_canary, signal_name
 
 
 @functools.cache
@@ -32,7 +32,7 @@ def native_crash(weights: str = "f16", crash_at: str | None = None) -> str | Non
 
 
 def _crash_here(weights: str) -> str | None:
-    from livelora.gateway.engines.llama_cpp_model import CRASH_ENV
+    from livelora.gateway.engines.llama_cpp.model import CRASH_ENV
 
     return native_crash(weights, os.environ.get(CRASH_ENV))
 

@@ -270,7 +270,7 @@ FAST = {
     "test_cli_serve.py::test_invalid_flag_*",
     "test_cli_serve.py::test_settings_lists_*",
     "test_content_type.py",
-    "test_core_share.py",
+    "test_cpu_share.py",
     "test_docs_internals.py",
     "test_embedded_redis.py",
     "test_engine_contract.py::test_stop_matcher_*",

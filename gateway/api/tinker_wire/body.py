@@ -3,7 +3,7 @@ request, runs the owner check on what it returns (:func:`owner_fields`) and hand
 which executes it; nothing reads the raw bytes a second time.
 
 Rules, for every ``/api/v1`` body: ``Content-Encoding`` is undone first (at most ``max_bytes``, nothing may
-follow the compressed stream); a JSON body is one object with no repeated key (:func:`livelora.gateway.auth.
+follow the compressed stream); a JSON body is one object with no repeated key (:func:`livelora.gateway.middleware.auth.
 json_body`); a protobuf body (``forward_backward`` only) is one ``ForwardBackwardRequest`` in strict form
 (:func:`~livelora.gateway.api.tinker_wire.requests.decode_forward_backward`). Anything else is a 400.
 """
@@ -45,7 +45,7 @@ def decode_body(
             be read (a :class:`WireDecodeError` without ids).
         PayloadTooLargeError: the decompressed body exceeds ``max_bytes``.
     """
-    from livelora.gateway.auth import json_body
+    from livelora.gateway.middleware.auth import json_body
 
     if not raw.strip():
         return {}

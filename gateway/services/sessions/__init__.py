@@ -6,7 +6,9 @@
 * :mod:`.checkpoints` — :class:`Checkpoints`: ``tinker://`` checkpoints of training runs;
 * :mod:`.sampling` — :class:`SamplingSessions`: sampling sessions on the gateway's engine;
 * :mod:`.samples` — :class:`Samples`: ``asample`` (admitted, metered, cancellable) on those sessions;
-* :mod:`.context` — :class:`SessionContext`: what they share (Redis, engine, store, base model).
+* :mod:`.context` — :class:`SessionContext`: what they share (Redis, engine, store, base model);
+* :mod:`.op_checks` (a training op's door checks), :mod:`.seq_order` (op order, gateway side), :mod:`.history`
+  (summaries kept after a session ends).
 """
 
 from livelora.gateway.services.sessions.checkpoints import Checkpoints

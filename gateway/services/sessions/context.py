@@ -29,7 +29,7 @@ class SessionContext:
         base_model: the served base-model name; ``base_names`` holds it and the other accepted names.
         settings: session timings.
         max_seq_len: cap on a training sequence (tokens; ``None``: the engine's context window).
-        quotas: per-tenant limits (:class:`~livelora.gateway.services.limits.QuotaService`; ``None``: none).
+        quotas: per-tenant limits (:class:`~livelora.gateway.services.tenants.limits.QuotaService`; ``None``: none).
     """
 
     redis: aredis.Redis

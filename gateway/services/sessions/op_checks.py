@@ -13,8 +13,8 @@ from livelora.core.api_keys import Principal
 from livelora.core.bus import redis_unavailable
 from livelora.core.losses import validate_batch
 from livelora.core.session_protocol import CheckpointIndex, check_checkpoint_name, resolve_checkpoint
-from livelora.gateway.services.model_ceilings import base_config, lora_save_bytes
 from livelora.gateway.services.sessions.context import SessionContext
+from livelora.gateway.services.tenants.model_ceilings import base_config, lora_save_bytes
 
 #: save op → the kind of checkpoint it writes
 SAVE_KINDS = {

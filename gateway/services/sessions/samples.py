@@ -1,6 +1,6 @@
 """Tinker samples (``asample``) on the gateway's engine, delivered through the same Redis futures as training ops.
 
-Every sample is admitted through :meth:`livelora.gateway.services.serving.Serving.begin` (429 beyond the gateway's
+Every sample is admitted through :meth:`livelora.gateway.services.serving.serve.Serving.begin` (429 beyond the gateway's
 sequence bound), metered for the caller's tenant, and may be cancelled while it runs (``cancel_future``).
 
 **Sampled logprobs** are those of the raw model distribution of the sampling weights (log_softmax of the logits
@@ -23,9 +23,9 @@ from livelora.clients.types.tinker_ext import SampledSequenceV2, SampleRequestV2
 from livelora.core.api_keys import Principal
 from livelora.core.session_protocol import future_failed, new_request_id
 from livelora.gateway.engines.base import SamplingParams as EngineParams
-from livelora.gateway.services.generation import Job
-from livelora.gateway.services.served import ServedRequest
-from livelora.gateway.services.serving import BASE_VERSION, Serving, ServingTarget
+from livelora.gateway.services.serving.generation import Job
+from livelora.gateway.services.serving.serve import BASE_VERSION, Serving, ServingTarget
+from livelora.gateway.services.serving.served import ServedRequest
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
 from livelora.gateway.services.sessions.sampling import SamplingSessions
@@ -39,7 +39,7 @@ class Samples:
     Args:
         ctx: the session services' shared context.
         futures: where samples are delivered.
-        serving: admits every sample (:meth:`~livelora.gateway.services.serving.Serving.begin`).
+        serving: admits every sample (:meth:`~livelora.gateway.services.serving.serve.Serving.begin`).
         sessions: the sampling sessions (records and adapters) samples run on.
     """
 

@@ -29,7 +29,7 @@ from livelora.core.bus import redis_unavailable
 from livelora.core.owners import OwnerStore
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import Engine
-from livelora.gateway.services.serving import Serving
+from livelora.gateway.services.serving.serve import Serving
 from livelora.gateway.services.sessions.checkpoints import Checkpoints
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures, GoneError, NotReady

@@ -50,11 +50,11 @@ from livelora.core.session_protocol import (
     resolve_checkpoint,
     session_of,
 )
-from livelora.gateway.services.model_ceilings import check_new_model
 from livelora.gateway.services.sessions.context import SessionContext
 from livelora.gateway.services.sessions.futures import Futures
 from livelora.gateway.services.sessions.op_checks import OpChecks
 from livelora.gateway.services.sessions.seq_order import SeqOrder
+from livelora.gateway.services.tenants.model_ceilings import check_new_model
 
 # KEYS: seq claim, future, models set, ops stream; ARGV: claim, future record, model id, op JSON, TTL (s).
 # Claims the seq and queues its op in one step (a gateway killed between the two would leave a seq claimed with

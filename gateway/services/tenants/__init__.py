@@ -1,0 +1,5 @@
+"""Tenants and administration.
+
+:mod:`.usage` (metering), :mod:`.limits` (quotas), :mod:`.model_ceilings`, :mod:`.store_admin`,
+:mod:`.version_admin`, :mod:`.key_admin` and :mod:`.admin` (the ``/admin`` service).
+"""
