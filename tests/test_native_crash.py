@@ -124,7 +124,7 @@ def test_a_crash_of_the_serving_process_is_reported_and_exits_128_plus_the_signa
             proc.communicate()
     out = " ".join(output.split())
     assert proc.returncode == 128 + signal.SIGSEGV, out
-    assert "Fatal Python error: Segmentation fault" in out and "llama_cpp_model.py" in out  # faulthandler's stacks
+    assert "Fatal Python error: Segmentation fault" in out and "llama_cpp/model.py" in out  # faulthandler's stacks
     assert "the serving process (pid " in out and "llama_cpp engine, gguf weights) was killed by SIGSEGV" in out, out
     assert "llama-cpp-python 0." in out and "LIVELORA_ENGINE_WEIGHTS=f16" in out
 
