@@ -97,7 +97,7 @@ def test_ci_lints_and_type_checks_before_the_test_suite():
 def test_mypy_is_pinned_and_configured_for_the_clean_packages():
     assert re.fullmatch(r"\d+\.\d+\.\d+", _pin("mypy"))
     mypy = PYPROJECT["tool"]["mypy"]
-    assert {"livelora.core", "livelora.clients"} <= set(mypy["packages"])
+    assert {"livelora.core", "livelora.clients", "livelora.adapters"} <= set(mypy["packages"])
     assert "livelora.gateway.engines.base" in mypy["modules"]
     assert mypy["mypy_path"] == "build/typecheck"
     skipped = {m for o in mypy["overrides"] if o.get("ignore_errors") for m in o["module"]}
