@@ -10,6 +10,7 @@ notices only make gateways move sooner. The format: ``docs/internals/store-layou
 
 from __future__ import annotations
 
+import builtins
 import json
 import time
 from pathlib import Path
@@ -188,7 +189,8 @@ class EndpointStore:
         """Every explicit binding plus the implicit ones of :attr:`implicit` (lineage from the name, follow,
         public) that are not explicit."""
         explicit = self.all()
-        return {**{n: self._implicit_binding(n) for n in self.implicit if n not in explicit}, **explicit}
+        implicit = {n: EndpointBinding(lineage=lineage_for_name(n)) for n in self.implicit if n not in explicit}
+        return {**implicit, **explicit}
 
     def _implicit_binding(self, name: str) -> EndpointBinding | None:
         """The implicit binding of a served base-model name of :attr:`implicit` (``None`` for other names)."""
@@ -316,7 +318,7 @@ class EndpointStore:
         action = "pause" if paused else "resume"
         return self._change(endpoint, update, who=who, action=action, reason=reason, tenant=tenant)
 
-    def paused_lineages(self) -> set[str]:
+    def paused_lineages(self) -> builtins.set[str]:  # `set` here is the method above
         """Lineages with an endpoint whose learning is paused (:meth:`set_learning`)."""
         return {b.lineage for b in self.all().values() if b.learning_paused}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from livelora.adapters.export import checked_version, write_export_manifest
 from livelora.adapters.store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore
@@ -48,7 +49,7 @@ def gguf_lora_tensors(adapter_dir: Path, config) -> dict[str, object]:
     return gguf_lora_from_state(cfg, load_file(str(adapter_dir / WEIGHTS_FILE)), config)
 
 
-def gguf_lora_from_state(cfg: dict, state: dict, config) -> dict[str, object]:
+def gguf_lora_from_state(cfg: dict, state: dict, config) -> dict[str, Any]:
     """``{gguf name: float32 tensor}`` of a peft adapter (its ``adapter_config.json`` as ``cfg``, its state dict)
     for a llama-architecture ``config``.
 
@@ -96,7 +97,7 @@ def gguf_lora_from_state(cfg: dict, state: dict, config) -> dict[str, object]:
     return out
 
 
-def write_gguf_lora(path: Path | str, tensors: dict[str, object], name: str) -> None:
+def write_gguf_lora(path: Path | str, tensors: dict[str, Any], name: str) -> None:
     """Write ``tensors`` (:func:`gguf_lora_from_state`) as the llama.cpp LoRA adapter file ``path``."""
     import gguf
 

@@ -142,10 +142,10 @@ class AdapterVersions:
         limits = self.quotas.get(tenant, self.defaults)
         if adding <= 0:
             return
-        if limits.limit("max_adapter_versions") is not None:
+        if (most := limits.limit("max_adapter_versions")) is not None:
             kept = self.count(tenant)
             if not limits.allows("max_adapter_versions", kept, adding):
-                raise self.over_limit_error(tenant, kept, limits.limit("max_adapter_versions"))
+                raise self.over_limit_error(tenant, kept, most)
         limit = limits.limit("max_adapter_bytes")
         if limit is not None and (used := self.bytes_kept(tenant)) + adding_bytes > limit:
             raise RateLimitError(
@@ -187,9 +187,9 @@ class AdapterVersions:
                     out.setdefault(
                         allowed[-2], f"served by endpoint {name} until gateways switch (its automatic rollback target)"
                     )
-            for v in b.previous:
-                if v is not None:
-                    out.setdefault(v, f"rollback target of endpoint {name}")
+            for previous in b.previous:
+                if previous is not None:
+                    out.setdefault(previous, f"rollback target of endpoint {name}")
             for v in self._open_canary(name, lineage):
                 out.setdefault(v, f"in a canary of endpoint {name}")
         return out

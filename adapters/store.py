@@ -10,6 +10,7 @@ full: ``docs/internals/store-layout.md``.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import re
@@ -199,7 +200,7 @@ class AdapterStore:
         """Visible versions of ``lineage``, oldest first (empty if the lineage does not exist)."""
         return [self.get(lineage, n) for n in self.version_numbers(lineage)]
 
-    def version_numbers(self, lineage: str) -> list[int]:
+    def version_numbers(self, lineage: str) -> builtins.list[int]:  # `list` here is the method above
         """Numbers of the visible versions of ``lineage``, ascending, without reading their manifests."""
         ldir = self.lineage_dir(lineage)
         if not ldir.is_dir():

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -182,83 +184,36 @@ def _settings(cls, overrides: dict):
 
 
 def _run_gateway(options: dict, *, whole_loop: bool) -> None:
-    import logging
-    import threading
-
-    from livelora.cli.settings import ServeSettings
+    """``livelora serve`` (``whole_loop``: the embedded Redis and the trainer too) or ``livelora gateway``: the
+    settings from ``options`` (the command's flags), then the gateway until SIGTERM/SIGINT. Exits 1 on a
+    ``LiveloraError``, 2 on invalid settings."""
     from livelora.clients.errors import LiveloraError
-    from livelora.gateway.settings import GatewaySettings
 
     log_level = options.pop("log_level")
-    # livelora's own messages (versions installed or refused, endpoints switched) on stderr at uvicorn's level
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.DEBUG),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not options.get("allow_open"):
-        options.pop("allow_open", None)  # False: leave LIVELORA_ALLOW_OPEN in charge
-    if options.get("home") is not None:
-        os.environ["LIVELORA_HOME"] = str(options["home"])
-    settings = _settings(ServeSettings if whole_loop else GatewaySettings, options)
+    _configure_logging(log_level)
+    settings = _gateway_settings(options, whole_loop)
     sock = _listen(settings.server.host, settings.server.port)  # a taken port fails now, before any loading
     if settings.inference.engine == "llama_cpp":  # a canary, then the server in a supervised child
         from livelora.cli.supervisor import guard_native
 
         guard_native(settings, sock, "serve" if whole_loop else "gateway", options, log_level)
-    metrics_dir = None
+    side = _SideParts(stop=threading.Event())
     if whole_loop and settings.placement.trainer_process and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        metrics_dir = _shared_metrics_dir(settings.home)  # before prometheus_client is imported (below)
-    from livelora.cli.processes import DrainingServer, check_install, gateway_app, start_trainer_thread
+        side.metrics_dir = _shared_metrics_dir(settings.home)  # before prometheus_client is imported (below)
+    from livelora.cli.processes import DrainingServer, gateway_app
 
     if settings.observability.log_format == "json":  # LIVELORA_LOG_FORMAT=json: uvicorn's lines too
         from livelora.core.logs import configure_logging
 
         configure_logging("json", log_level)
-    embedded, stop, worker_thread, trainer = None, threading.Event(), None, None
     try:
         redis_note = ""
         if whole_loop:
-            from livelora.cli.redis_server import embedded_redis, redis_reachable
-
-            if not redis_reachable(settings.redis_url):
-                embedded = embedded_redis(settings.home)
-                console.print(
-                    f"no Redis at {settings.redis_url}: started an {embedded.describe()} (it stops "
-                    "with livelora; a restart on this store keeps queued signals, futures and "
-                    "completions). For several processes or machines run Redis yourself and set "
-                    "LIVELORA_REDIS_URL."
-                )
-                settings = settings.model_copy(update={"redis_url": embedded.url})
-                redis_note = f"; embedded, data in {embedded.data_dir}"
-            check_install(settings)
-            placement = settings.placement
-            if placement.trainer_process:  # serving first: its own process, lower priority, own threads
-                from livelora.cli.trainer_process import TrainerProcess, available_cores, default_trainer_threads
-
-                idle = placement.trainer_threads_idle
-                trainer = TrainerProcess(
-                    settings.trainer_settings(),
-                    nice=placement.trainer_nice,
-                    threads=placement.trainer_threads or default_trainer_threads(),
-                    idle_threads=available_cores() if idle is None else idle,
-                    duty=placement.trainer_duty_while_serving,
-                    log_level=logging.getLogger().getEffectiveLevel(),
-                )
-                trainer.start()
-            else:
-                worker_thread = start_trainer_thread(settings.trainer_settings(), stop)
-        server = settings.server
-        base_url = f"http://{server.host}:{server.port}/v1"
-        inference = settings.inference
-        weights = f" ({inference.engine_weights} weights)" if inference.engine_weights not in (None, "fp32") else ""
-        console.print(
-            f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {inference.engine} engine{weights} "
-            f"on [green]{base_url}[/] (store: {settings.home}"
-            f"{_trainer_note(trainer, whole_loop)})"
-        )
-        console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}{redis_note})")
+            settings, redis_note = _start_side_parts(settings, side)
+        _print_banner(settings, side.trainer, whole_loop, redis_note)
         # checks the install binding; refuses a public bind without keys (unless --allow-open)
-        app = gateway_app(settings, executor=True if whole_loop and trainer is None else None)
+        app = gateway_app(settings, executor=True if whole_loop and side.trainer is None else None)
+        server = settings.server
         DrainingServer(
             app,
             server.host,
@@ -270,18 +225,112 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
     finally:
-        stop.set()
-        if worker_thread is not None:
-            worker_thread.join(timeout=30)
-        if trainer is not None:
-            trainer.stop()
-        if embedded is not None:
-            embedded.stop()
-        if metrics_dir is not None:
+        side.stop_all()
+
+
+def _configure_logging(log_level: str) -> None:
+    """livelora's own messages (versions installed or refused, endpoints switched) on stderr at uvicorn's
+    level (``log_level``: ``"info"``, ``"warning"``, ...; an unknown name logs everything)."""
+    import logging
+
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.DEBUG),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _gateway_settings(options: dict, whole_loop: bool):
+    """``ServeSettings`` (``whole_loop``) or ``GatewaySettings`` from the command's flags; ``--home`` is also
+    exported as ``LIVELORA_HOME`` (child processes read it). Exits 2 on invalid settings."""
+    from livelora.cli.settings import ServeSettings
+    from livelora.gateway.settings import GatewaySettings
+
+    if not options.get("allow_open"):
+        options.pop("allow_open", None)  # False: leave LIVELORA_ALLOW_OPEN in charge
+    if options.get("home") is not None:
+        os.environ["LIVELORA_HOME"] = str(options["home"])
+    return _settings(ServeSettings if whole_loop else GatewaySettings, options)
+
+
+@dataclass
+class _SideParts:
+    """What ``livelora serve`` runs beside the gateway, stopped (in :meth:`stop_all`) when the gateway ends:
+    the embedded Redis, the trainer (a child process, or a thread told to end by ``stop``), the shared
+    Prometheus directory."""
+
+    stop: threading.Event
+    embedded: Any = None
+    trainer: Any = None
+    worker_thread: threading.Thread | None = None
+    metrics_dir: Path | None = None
+
+    def stop_all(self) -> None:
+        self.stop.set()
+        if self.worker_thread is not None:
+            self.worker_thread.join(timeout=30)
+        if self.trainer is not None:
+            self.trainer.stop()
+        if self.embedded is not None:
+            self.embedded.stop()
+        if self.metrics_dir is not None:
             import shutil
 
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # an in-process caller (tests) keeps its own registry
+
+
+def _start_side_parts(settings, side: _SideParts) -> tuple[Any, str]:
+    """``livelora serve``'s parts beside the gateway, recorded in ``side``: an embedded Redis when none answers
+    at ``settings.redis_url``, the install check, then the trainer. Returns the settings (pointing at the
+    embedded Redis when one was started) and a note on it for the banner. Raises: LiveloraError (the store
+    belongs to another Redis prefix, ...)."""
+    import logging
+
+    from livelora.cli.processes import check_install, start_trainer_thread
+    from livelora.cli.redis_server import embedded_redis, redis_reachable
+
+    redis_note = ""
+    if not redis_reachable(settings.redis_url):
+        side.embedded = embedded_redis(settings.home)
+        console.print(
+            f"no Redis at {settings.redis_url}: started an {side.embedded.describe()} (it stops "
+            "with livelora; a restart on this store keeps queued signals, futures and "
+            "completions). For several processes or machines run Redis yourself and set "
+            "LIVELORA_REDIS_URL."
+        )
+        settings = settings.model_copy(update={"redis_url": side.embedded.url})
+        redis_note = f"; embedded, data in {side.embedded.data_dir}"
+    check_install(settings)
+    placement = settings.placement
+    if placement.trainer_process:  # serving first: its own process, lower priority, own threads
+        from livelora.cli.trainer_process import TrainerProcess, available_cores, default_trainer_threads
+
+        idle = placement.trainer_threads_idle
+        side.trainer = TrainerProcess(
+            settings.trainer_settings(),
+            nice=placement.trainer_nice,
+            threads=placement.trainer_threads or default_trainer_threads(),
+            idle_threads=available_cores() if idle is None else idle,
+            duty=placement.trainer_duty_while_serving,
+            log_level=logging.getLogger().getEffectiveLevel(),
+        )
+        side.trainer.start()
+    else:
+        side.worker_thread = start_trainer_thread(settings.trainer_settings(), side.stop)
+    return settings, redis_note
+
+
+def _print_banner(settings, trainer, whole_loop: bool, redis_note: str) -> None:
+    """The two start-up lines on stderr: what is served where (engine, weights, store, trainer), and the bus."""
+    server, inference = settings.server, settings.inference
+    base_url = f"http://{server.host}:{server.port}/v1"
+    weights = f" ({inference.engine_weights} weights)" if inference.engine_weights not in (None, "fp32") else ""
+    console.print(
+        f"[bold]livelora[/] serving [cyan]{settings.model_id}[/] with the {inference.engine} engine{weights} "
+        f"on [green]{base_url}[/] (store: {settings.home}"
+        f"{_trainer_note(trainer, whole_loop)})"
+    )
+    console.print(f"Redis bus: {settings.redis_url} (key prefix {settings.redis_prefix!r}{redis_note})")
 
 
 def _listen(host: str, port: int):

@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 from livelora.clients._http import Transport, configured_api_key
-from livelora.clients.errors import BadRequestError
+from livelora.clients.errors import BadRequestError, InternalError
 from livelora.clients.futures import APIFuture, SeqCounter
 from livelora.clients.sampling_client import SamplingClient
 from livelora.clients.training_client import TrainingClient
@@ -96,14 +96,16 @@ class ServiceClient:
                     }
                 )
                 self.session_id = answer["session_id"]
-                self._heartbeat = threading.Thread(target=self._beat, name="livelora-heartbeat", daemon=True)
+                self._heartbeat = threading.Thread(
+                    target=self._beat, args=(answer["session_id"],), name="livelora-heartbeat", daemon=True
+                )
                 self._heartbeat.start()
             return self.session_id
 
-    def _beat(self) -> None:
+    def _beat(self, session_id: str) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self.transport.session_heartbeat(self.session_id)
+                self.transport.session_heartbeat(session_id)
             except Exception as exc:  # 410: the session ended; anything else: try again next beat
                 if getattr(exc, "status", None) == 410:
                     return
@@ -177,6 +179,8 @@ class ServiceClient:
             body["user_metadata"] = user_metadata
         answer = self.transport.load_weights(body)
         loaded = APIFuture.polling(self.transport, answer["request_id"], LoadWeightsResponse.model_validate).result()
+        if loaded.model_id is None:  # a load into a new model names it; a server that does not is broken
+            raise InternalError(f"the server loaded {path} but named no model_id for it")
         return self._client(loaded.model_id)
 
     def create_training_client_from_state(

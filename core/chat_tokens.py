@@ -57,24 +57,24 @@ def render_chat(
     """
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequestError("the served model has no chat template; use /v1/completions", param=param)
-    conversation = [dict(m) for m in conversation]
+    messages = [dict(m) for m in conversation]
     options = dict(template_kwargs or {})
     if continue_final_message:
         options["continue_final_message"] = True
     try:
-        real = _template(tokenizer, conversation, add_generation_prompt, options)
+        real = _template(tokenizer, messages, add_generation_prompt, options)
     except Exception as exc:  # jinja2 TemplateError, raise_exception() in templates, TypeError
         raise BadRequestError(f"the model's chat template cannot render these messages: {exc}", param=param) from exc
-    ids = _segmented(tokenizer, conversation, add_generation_prompt, real, options)
+    ids = _segmented(tokenizer, messages, add_generation_prompt, real, options)
     if ids is not None:
         return ids
-    for i, m in enumerate(conversation):
+    for i, m in enumerate(messages):
         found = find_control_text(tokenizer, str(m.get("content") or ""))
         if found is None:
             continue
         if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
             out = tokenizer.apply_chat_template(
-                conversation,
+                messages,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 sanitize_control_tokens=True,

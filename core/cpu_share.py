@@ -164,7 +164,7 @@ class StepPacer:
         self.serving, self.duty, self.max_pause_s = ServingFlag(home), duty, max_pause_s
         self.owed_s = 0.0  # pause the last step still owed at its end (seconds)
         self.last_end = 0.0  # time.monotonic() when it ended
-        self.started = None  # time.monotonic() when the running step began (None: no step runs)
+        self.started: float | None = None  # time.monotonic() when the running step began (None: no step runs)
         self.paused_in = 0.0  # pauses inside the running step (seconds)
         self.paused_s = 0.0  # total pause (seconds), for logs and tests
 
@@ -175,8 +175,8 @@ class StepPacer:
             self.paused_s += wait
         return wait
 
-    def _owed(self) -> float:
-        active = time.monotonic() - self.started - self.paused_in
+    def _owed(self, started: float) -> float:
+        active = time.monotonic() - started - self.paused_in
         return active * (1.0 - self.duty) / self.duty - self.paused_in
 
     def pause_before_step(self) -> float:
@@ -194,14 +194,14 @@ class StepPacer:
         are served; returns the seconds slept."""
         if self.duty >= 1.0 or self.started is None or not self.serving.busy():
             return 0.0
-        slept = self._sleep(self._owed())
+        slept = self._sleep(self._owed(self.started))
         self.paused_in += slept
         return slept
 
     def end(self) -> None:
         """The running step ended."""
         if self.started is not None:
-            self.owed_s = self._owed()
+            self.owed_s = self._owed(self.started)
             self.last_end, self.started = time.monotonic(), None
 
 

@@ -34,10 +34,15 @@ def signals_dir(home: Path | str) -> Path:
     return Path(home).joinpath(*DATASET_SUBDIR)
 
 
+def _reader(event: Any) -> Callable[[str], Any]:
+    """``get(name)``: a field of an event object or of its JSON dict (``None`` when absent)."""
+    return event.get if isinstance(event, dict) else (lambda k: getattr(event, k, None))
+
+
 def rater_of(event: Any) -> str:
     """The rater an event counts against (``user``, else ``caller``, else ``(anonymous)``); works on an event
     object or its JSON dict."""
-    get = event.get if isinstance(event, dict) else (lambda k: getattr(event, k, None))
+    get = _reader(event)
     return get("user") or get("caller") or ANONYMOUS
 
 
@@ -149,7 +154,7 @@ def agreement_item(event: Any) -> tuple[str, int] | None:
     (``(completion_id, 1 = thumbs up)``); a preference pair labels the unordered pair of its served completions
     (``("pair:<a>|<b>", 1 if a was chosen)``, ``a < b``). ``None`` for demonstrations and inline preferences (no
     completion ids: nothing another rater could label too). Works on an event object or its JSON dict."""
-    get = event.get if isinstance(event, dict) else (lambda k: getattr(event, k, None))
+    get = _reader(event)
     kind = get("type")
     if kind == "rating" and get("completion_id"):
         return get("completion_id"), 1 if get("rating") else 0

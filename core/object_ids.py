@@ -70,7 +70,7 @@ def parse_ref(kind: str, value: object, param: str | None = None) -> ObjectRef:
     """
     pattern = _PATTERNS[kind]
     m = pattern.fullmatch(value) if isinstance(value, str) else None
-    if m is None:
+    if m is None or not isinstance(value, str):
         shown = repr(value)[:80]
         raise BadRequestError(
             f"invalid {param or kind} {shown}: expected {_SPELLING[kind]}", param=param or kind, code="invalid_id"

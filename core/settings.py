@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import platformdirs
 from pydantic import Field, model_validator
@@ -294,7 +294,7 @@ class ProcessSettings(CommonSettings):
     @classmethod
     def section_types(cls) -> dict[str, type[Section]]:
         """``{section field name: section class}``."""
-        return {name: cls.model_fields[name].annotation for name in cls.sections}
+        return {name: cast(type[Section], cls.model_fields[name].annotation) for name in cls.sections}
 
     @model_validator(mode="before")
     @classmethod

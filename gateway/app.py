@@ -106,7 +106,43 @@ def create_app(
         components: other parts of the process to run while the app runs (see the module docstring).
     """
     settings = settings or GatewaySettings()
+    services = _services(settings)
+    app = FastAPI(
+        title="livelora",
+        version="0.1.0",
+        lifespan=_lifespan(settings, services, engine, components),
+        description="OpenAI-compatible gateway whose LoRA adapter keeps learning while it serves.",
+    )
+    attach(app, services)
+    install_error_handlers(app)
+    app.add_middleware(AuthMiddleware, services=services, max_body_bytes=settings.server.max_body_bytes)
+    app.add_middleware(DrainMiddleware, drain=services.drain)  # refuses before auth reads a body
+    app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, 401s and 503s included
+    for module in ROUTERS:
+        app.include_router(module.router)
+    return app
 
+
+#: the route modules, in the order their routers are included
+ROUTERS = (
+    health,
+    models,
+    chat,
+    completions,
+    messages,
+    tinker,
+    signals,
+    learning,
+    admin,
+    observability,
+    console,
+    console_actions,
+)
+
+
+def _services(settings: GatewaySettings) -> GatewayServices:
+    """The services known before start-up (API keys, auth mode, drain, console logins); the lifespan fills in
+    the rest. Raises: BadRequestError (a public bind without keys, unless ``allow_open``)."""
     keys = KeyStore(settings.home)
     # refuses a public bind without keys (BadRequestError) unless allow_open; see livelora.gateway.middleware.auth
     services = GatewayServices(
@@ -123,6 +159,15 @@ def create_app(
             settings.home,
             settings.home,
         )
+    return services
+
+
+def _lifespan(
+    settings: GatewaySettings, services: GatewayServices, engine: Engine | None, components: Sequence[Component]
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: engine → admission → live loop → metering → serving → training sessions →
+    ``components`` into ``services`` at start-up, closed the other way at shutdown (the engine only when
+    ``engine`` is ``None`` and the lifespan built it)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -154,30 +199,4 @@ def create_app(
             if own:
                 await served.close()
 
-    app = FastAPI(
-        title="livelora",
-        version="0.1.0",
-        lifespan=lifespan,
-        description="OpenAI-compatible gateway whose LoRA adapter keeps learning while it serves.",
-    )
-    attach(app, services)
-    install_error_handlers(app)
-    app.add_middleware(AuthMiddleware, services=services, max_body_bytes=settings.server.max_body_bytes)
-    app.add_middleware(DrainMiddleware, drain=services.drain)  # refuses before auth reads a body
-    app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, 401s and 503s included
-    for module in (
-        health,
-        models,
-        chat,
-        completions,
-        messages,
-        tinker,
-        signals,
-        learning,
-        admin,
-        observability,
-        console,
-        console_actions,
-    ):
-        app.include_router(module.router)
-    return app
+    return lifespan

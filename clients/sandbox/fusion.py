@@ -79,7 +79,9 @@ def to_wire(result: RunResult) -> RunCodeResponse:
     program is there)."""
     if result.status == "sandbox_error":
         return RunCodeResponse(status="SandboxError", message=result.message)
-    run_status = {"finished": "Finished", "timeout": "TimeLimitExceeded"}.get(result.status, "Error")
+    run_status: Literal["Finished", "TimeLimitExceeded", "Error"] = (
+        "Finished" if result.status == "finished" else "TimeLimitExceeded" if result.status == "timeout" else "Error"
+    )
     return RunCodeResponse(
         status="Success" if result.ok else "Failed",
         message=result.message,

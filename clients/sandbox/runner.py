@@ -190,7 +190,8 @@ class Sandbox:
         self._root = os.geteuid() == 0
         with _POOLS_LOCK:  # one pool per uid range in this process, shared by every Sandbox on it
             if (uid_base, uid_pool) not in _POOLS:
-                _POOLS[(uid_base, uid_pool)] = pool = queue.Queue()
+                pool: queue.Queue[int] = queue.Queue()
+                _POOLS[(uid_base, uid_pool)] = pool
                 for uid in range(uid_base, uid_base + uid_pool):
                     pool.put(uid)
             self._uids: queue.Queue[int] = _POOLS[(uid_base, uid_pool)]
@@ -438,7 +439,9 @@ def _collect(
     ``watch`` naming a reason (checked every 0.05 s); then kill the process group and reap the program (its wait
     status and rusage)."""
     cap = lim.max_output_bytes
-    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None  # started with stdout=PIPE, stderr=PIPE
+    bufs = {stdout.fileno(): bytearray(), stderr.fileno(): bytearray()}
     caps = dict.fromkeys(bufs, cap)
     if report is not None:
         bufs[report[0]], caps[report[0]] = bytearray(), report[1]
@@ -484,8 +487,8 @@ def _collect(
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         sel.close()
-        proc.stdout.close()
-        proc.stderr.close()
+        stdout.close()
+        stderr.close()
         if reaped is None:
             reaped = os.wait4(proc.pid, 0)[1:]
     out, err, *extra = bufs.values()

@@ -57,7 +57,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
 
 
 def allowed_hosts(bind: str, extra: list[str] | None = None) -> set[str]:
@@ -66,6 +66,34 @@ def allowed_hosts(bind: str, extra: list[str] | None = None) -> set[str]:
     if bind not in ("0.0.0.0", "::", ""):
         names.add(_host_name(bind) if not bind.count(":") > 1 else bind.lower())
     return names
+
+
+def _refusal(request: Request, hosts: set[str], expected: bytes | None) -> JSONResponse | None:
+    """The error answered instead of running ``request``, or ``None`` to let it through: 421 for a ``Host`` not
+    in ``hosts`` (or none, or several); with an API key (``expected``: ``b"Bearer KEY"``), on every route but
+    ``/v1/ping``, 400 for several ``Authorization`` headers and 401 for a missing or wrong one."""
+    host = request.headers.getlist("host")
+    if len(host) != 1 or _host_name(host[0]) not in hosts:
+        shown = ", ".join(host) or "none"
+        return _error(
+            421,
+            f"Host {shown!r} is not served here (allowed: {', '.join(sorted(hosts))}; "
+            "livelora sandbox --allow-host NAME adds one)",
+            code="host_not_allowed",
+        )
+    if expected is not None and request.url.path != "/v1/ping":
+        given = request.headers.getlist("authorization")
+        if len(given) > 1:
+            return _error(400, "send one Authorization header", "authorization")
+        if not given or not hmac.compare_digest(given[0].encode(), expected):
+            return _error(
+                401,
+                "missing or wrong API key (Authorization: Bearer KEY)",
+                None,
+                "authentication_error",
+                "invalid_api_key",
+            )
+    return None
 
 
 def create_sandbox_app(
@@ -81,28 +109,8 @@ def create_sandbox_app(
 
     @app.middleware("http")
     async def _access(request: Request, call_next):
-        host = request.headers.getlist("host")
-        if len(host) != 1 or _host_name(host[0]) not in hosts:
-            shown = ", ".join(host) or "none"
-            return _error(
-                421,
-                f"Host {shown!r} is not served here (allowed: {', '.join(sorted(hosts))}; "
-                "livelora sandbox --allow-host NAME adds one)",
-                code="host_not_allowed",
-            )
-        if expected is not None and request.url.path != "/v1/ping":
-            given = request.headers.getlist("authorization")
-            if len(given) > 1:
-                return _error(400, "send one Authorization header", "authorization")
-            if not given or not hmac.compare_digest(given[0].encode(), expected):
-                return _error(
-                    401,
-                    "missing or wrong API key (Authorization: Bearer KEY)",
-                    None,
-                    "authentication_error",
-                    "invalid_api_key",
-                )
-        return await call_next(request)
+        refused = _refusal(request, hosts, expected)
+        return refused if refused is not None else await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -93,7 +93,7 @@ class TensorData(StrictModel):
         """From a torch tensor (int tensors become int64, floating ones float32)."""
         import torch
 
-        dtype = "int64" if not torch.is_floating_point(t) else "float32"
+        dtype: Literal["int64", "float32"] = "int64" if not torch.is_floating_point(t) else "float32"
         flat = t.detach().cpu().reshape(-1)
         return cls(data=flat.tolist(), dtype=dtype, shape=list(t.shape))
 

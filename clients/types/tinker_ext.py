@@ -69,7 +69,7 @@ class WireTensorData(StrictModel):
             raise ValueError(f"shape {self.shape} has a negative dimension")
         if (self.sparse_crow_indices is None) != (self.sparse_col_indices is None):
             raise ValueError("sparse_crow_indices and sparse_col_indices come together")
-        if self.sparse_crow_indices is None:
+        if self.sparse_crow_indices is None or self.sparse_col_indices is None:  # both or neither (above)
             n = _prod(self.shape) if self.shape is not None else len(self.data)
             if n != len(self.data):
                 raise ValueError(f"shape {self.shape} needs {n} values, got {len(self.data)}")
@@ -178,7 +178,7 @@ class DatumV2(Datum):
 class ForwardBackwardInputV2(ForwardBackwardInput):
     """``{"data": [DatumV2], "loss_fn", "loss_fn_config"?}``; config values are numbers or strings."""
 
-    data: list[DatumV2]
+    data: list[DatumV2]  # type: ignore[assignment]  # a pydantic field narrowed: validated as DatumV2
 
 
 class ForwardBackwardRequestV2(StrictModel):
@@ -276,7 +276,7 @@ class SampleResponseV2(SampleResponse):
     nothing was requested. ``prompt_cache_hit_tokens``: prompt tokens served from the prefix cache.
     """
 
-    sequences: list[SampledSequenceV2]
+    sequences: list[SampledSequenceV2]  # type: ignore[assignment]  # a pydantic field narrowed (as above)
     target_prompt_logprobs: WireTensorData | None = None
     prompt_alt_tokens: PromptAltTokens | None = None
     prompt_cache_hit_tokens: int = 0

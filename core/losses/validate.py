@@ -188,6 +188,7 @@ def _check_inputs(
             f"data[{i}].loss_fn_inputs: missing {', '.join(missing)} (required by {spec.name})",
             param=f"data[{i}].loss_fn_inputs.{missing[0]}" if datum_params else f"loss_fn_inputs.{missing[0]}",
         )
+    declared_inputs: dict[str, LossInput] = {}
     for key in sorted(inputs):
         declared = spec.input(key)
         if declared is not None and declared.source == "trainer" and stage == "client":
@@ -195,15 +196,16 @@ def _check_inputs(
         if declared is None:
             names = ", ".join(x.name for x in expected)
             raise fail(key, f"not an input of {spec.name} (expected: {names})")
+        declared_inputs[key] = declared
     targets = inputs["target_tokens"].resolved_shape()
     n = n if n is not None else (targets[0] if targets else 0)
     two_d = spec.top_k_targets and len(targets) == 2 and targets[0] == n and targets[1] >= 1
     token_shape = targets if two_d else [n]
-    for key in sorted(inputs):
+    for key, declared in declared_inputs.items():
         _check_tensor(
-            spec.input(key),
+            declared,
             inputs[key],
-            [1] if spec.input(key).shape == "datum" else token_shape,
+            [1] if declared.shape == "datum" else token_shape,
             n,
             vocab_size,
             spec.name,

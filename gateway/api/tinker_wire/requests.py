@@ -218,34 +218,13 @@ def _strict(buf: bytes, pos: int, end: int, desc: Any, where: str, ids: dict[str
         name = f"{where}.{field.name}" if where else field.name
         repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == _F.LABEL_REPEATED
         if not repeated:
-            if number in seen:
-                raise _NotStrict(f"field {field.name} ({number}) of {desc.name} appears more than once", name)
-            oneof = field.containing_oneof
-            if oneof is not None and oneofs.setdefault(oneof.name, field.name) != field.name:
-                raise _NotStrict(f"{desc.name} sets both {oneofs[oneof.name]} and {field.name} of one oneof", name)
+            _check_singular(field, desc, number in seen, oneofs, name)
         seen.add(number)
         packed = repeated and wire_type == 2 and field.type in _VARINT | set(_FIXED)
         if field.type in _LENGTH or packed:
             if wire_type != 2:
                 raise _NotStrict(f"field {field.name} of {desc.name} has wire type {wire_type}, not 2", name)
-            size, pos = _varint(buf, pos, end)
-            if pos + size > end:
-                raise _NotStrict(f"field {field.name} of {desc.name} is truncated", name)
-            if field.type == _F.TYPE_MESSAGE:
-                entry = field.message_type.GetOptions().map_entry
-                k = _strict(buf, pos, pos + size, field.message_type, name, None) or b""
-                if entry and k in map_keys.setdefault(number, set()):
-                    raise _NotStrict(f"map {field.name} of {desc.name} repeats the key {k!r}", name)
-                if entry:
-                    map_keys[number].add(k)
-            elif packed and field.type in _FIXED and size % _FIXED[field.type]:
-                raise _NotStrict(f"packed field {field.name} of {desc.name} is truncated", name)
-            elif packed and field.type in _VARINT:
-                p = pos
-                while p < pos + size:
-                    _, p = _varint(buf, p, pos + size)
-            value = buf[pos : pos + size]
-            pos += size
+            value, pos = _length_delimited(buf, pos, end, field, desc, name, packed, map_keys.setdefault(number, set()))
         elif field.type in _VARINT:
             if wire_type != 0:
                 raise _NotStrict(f"field {field.name} of {desc.name} has wire type {wire_type}, not 0", name)
@@ -266,6 +245,40 @@ def _strict(buf: bytes, pos: int, end: int, desc: Any, where: str, ids: dict[str
         if number == 1 and desc.GetOptions().map_entry:
             key = value
     return key
+
+
+def _check_singular(field: Any, desc: Any, seen_before: bool, oneofs: dict[str, str], name: str) -> None:
+    """Raises _NotStrict when a singular ``field`` of ``desc`` appears again (``seen_before``) or is a second member
+    of a oneof (``oneofs``: oneof name → the member set first, updated here)."""
+    if seen_before:
+        raise _NotStrict(f"field {field.name} ({field.number}) of {desc.name} appears more than once", name)
+    oneof = field.containing_oneof
+    if oneof is not None and oneofs.setdefault(oneof.name, field.name) != field.name:
+        raise _NotStrict(f"{desc.name} sets both {oneofs[oneof.name]} and {field.name} of one oneof", name)
+
+
+def _length_delimited(
+    buf: bytes, pos: int, end: int, field: Any, desc: Any, name: str, packed: bool, map_keys: set[bytes]
+) -> tuple[bytes, int]:
+    """``(value bytes, position after them)`` of a length-delimited ``field`` whose length varint starts at
+    ``pos``: a nested message checked with :func:`_strict` (a map entry's key recorded in ``map_keys``, the keys
+    seen for this map field), a packed array checked whole. Raises _NotStrict (truncated, a repeated map key)."""
+    size, pos = _varint(buf, pos, end)
+    if pos + size > end:
+        raise _NotStrict(f"field {field.name} of {desc.name} is truncated", name)
+    if field.type == _F.TYPE_MESSAGE:
+        k = _strict(buf, pos, pos + size, field.message_type, name, None) or b""
+        if field.message_type.GetOptions().map_entry:
+            if k in map_keys:
+                raise _NotStrict(f"map {field.name} of {desc.name} repeats the key {k!r}", name)
+            map_keys.add(k)
+    elif packed and field.type in _FIXED and size % _FIXED[field.type]:
+        raise _NotStrict(f"packed field {field.name} of {desc.name} is truncated", name)
+    elif packed and field.type in _VARINT:
+        p = pos
+        while p < pos + size:
+            _, p = _varint(buf, p, pos + size)
+    return buf[pos : pos + size], pos + size
 
 
 # ------------------------------------------------------------------------------------------------ tensors

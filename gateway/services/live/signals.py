@@ -220,37 +220,11 @@ class SignalService:
             NotFoundError / ModelNotFoundError: unknown completion id or endpoint (404).
             ConflictError, UnavailableError: as :meth:`feedback`.
         """
-        by_id = req.chosen_completion_id is not None or req.rejected_completion_id is not None
-        inline = any(v is not None for v in (req.model, req.messages, req.chosen, req.rejected))
-        if by_id == inline:
-            which = "both forms were given" if by_id else "neither form was given"
-            raise BadRequestError(
-                "Give either chosen_completion_id and rejected_completion_id, or model, "
-                f"messages, chosen and rejected ({which})",
-                param="chosen_completion_id",
-            )
         now = int(time.time())
-        if by_id:
-            for name in ("chosen_completion_id", "rejected_completion_id"):
-                if getattr(req, name) is None:
-                    raise BadRequestError(f"{name} is required with the completion-id form", param=name)
-            if req.chosen_completion_id == req.rejected_completion_id:
-                raise BadRequestError("chosen and rejected are the same completion", param="rejected_completion_id")
+        if _preference_form(req) == "completion-id":
             c = await self._visible(req.chosen_completion_id, caller, "chosen_completion_id")
             r = await self._visible(req.rejected_completion_id, caller, "rejected_completion_id")
-            if c.endpoint != r.endpoint:
-                raise BadRequestError(
-                    f"The completions come from different endpoints ({c.endpoint!r}, "
-                    f"{r.endpoint!r}); a preference compares replies of one endpoint",
-                    param="rejected_completion_id",
-                )
-            if c.prompt_token_ids != r.prompt_token_ids:
-                raise BadRequestError(
-                    "The two completions answer different prompts; a preference pair needs the same prompt",
-                    param="rejected_completion_id",
-                )
-            if c.completion_token_ids == r.completion_token_ids:
-                raise BadRequestError("chosen and rejected completions are identical", param="rejected_completion_id")
+            _check_completion_pair(c, r)
             self._check_trainable(c.endpoint, principal)
             event = PreferenceEvent(
                 id=self._new_id("preference"),
@@ -265,17 +239,6 @@ class SignalService:
                 rejected_token_ids=r.completion_token_ids,
             )
         else:
-            for name in ("model", "messages", "chosen", "rejected"):
-                if getattr(req, name) is None:
-                    raise BadRequestError(f"{name} is required with the inline form", param=name)
-            if not req.messages or req.messages[-1].role == "assistant":
-                raise BadRequestError(
-                    "messages is the prompt: non-empty, not ending with an assistant message", param="messages"
-                )
-            if not req.chosen or not req.rejected:
-                raise BadRequestError("chosen and rejected must be non-empty replies", param="chosen")
-            if req.chosen == req.rejected:
-                raise BadRequestError("chosen and rejected are identical", param="rejected")
             endpoint = self._endpoint(req.model, principal)
             self._check_trainable(endpoint, principal)
             event = PreferenceEvent(
@@ -333,3 +296,55 @@ class SignalService:
         )
         ev, _, replayed = await self._submit("demonstrations", event, req, caller, idempotency_key)
         return DemonstrationResponse(id=ev.id, endpoint=ev.endpoint, user=ev.user, created=ev.created), replayed
+
+
+def _preference_form(req: PreferenceRequest) -> str:
+    """``"completion-id"`` or ``"inline"``: which form ``req`` uses, its own fields checked (those of the stored
+    completions are checked by :func:`_check_completion_pair`). Raises: BadRequestError (neither or both forms, a
+    field of the form missing, chosen equal to rejected, a prompt ending with an assistant message)."""
+    by_id = req.chosen_completion_id is not None or req.rejected_completion_id is not None
+    inline = any(v is not None for v in (req.model, req.messages, req.chosen, req.rejected))
+    if by_id == inline:
+        which = "both forms were given" if by_id else "neither form was given"
+        raise BadRequestError(
+            "Give either chosen_completion_id and rejected_completion_id, or model, "
+            f"messages, chosen and rejected ({which})",
+            param="chosen_completion_id",
+        )
+    if by_id:
+        for name in ("chosen_completion_id", "rejected_completion_id"):
+            if getattr(req, name) is None:
+                raise BadRequestError(f"{name} is required with the completion-id form", param=name)
+        if req.chosen_completion_id == req.rejected_completion_id:
+            raise BadRequestError("chosen and rejected are the same completion", param="rejected_completion_id")
+        return "completion-id"
+    for name in ("model", "messages", "chosen", "rejected"):
+        if getattr(req, name) is None:
+            raise BadRequestError(f"{name} is required with the inline form", param=name)
+    if not req.messages or req.messages[-1].role == "assistant":
+        raise BadRequestError(
+            "messages is the prompt: non-empty, not ending with an assistant message", param="messages"
+        )
+    if not req.chosen or not req.rejected:
+        raise BadRequestError("chosen and rejected must be non-empty replies", param="chosen")
+    if req.chosen == req.rejected:
+        raise BadRequestError("chosen and rejected are identical", param="rejected")
+    return "inline"
+
+
+def _check_completion_pair(chosen: CompletionRecord, rejected: CompletionRecord) -> None:
+    """Raises BadRequestError unless the two stored completions answer the same prompt of one endpoint with
+    different replies."""
+    if chosen.endpoint != rejected.endpoint:
+        raise BadRequestError(
+            f"The completions come from different endpoints ({chosen.endpoint!r}, "
+            f"{rejected.endpoint!r}); a preference compares replies of one endpoint",
+            param="rejected_completion_id",
+        )
+    if chosen.prompt_token_ids != rejected.prompt_token_ids:
+        raise BadRequestError(
+            "The two completions answer different prompts; a preference pair needs the same prompt",
+            param="rejected_completion_id",
+        )
+    if chosen.completion_token_ids == rejected.completion_token_ids:
+        raise BadRequestError("chosen and rejected completions are identical", param="rejected_completion_id")

@@ -29,7 +29,9 @@ _BLOCKS = {
     "redacted_thinking": "extended thinking",
     "container_upload": "code execution containers",
 }
-#: Top-level fields refused when set (other unknown fields are accepted and ignored, like the OpenAI routes').
+#: Top-level fields refused when set. Other unknown fields are accepted and change nothing, as on Anthropic's
+#: API (docs/clients.md); the OpenAI routes refuse an unknown field unless LIVELORA_UNKNOWN_FIELDS=ignore
+#: (:mod:`.request_fields`).
 _FIELDS = {
     "mcp_servers": "MCP servers",
     "container": "code execution containers",

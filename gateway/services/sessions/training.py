@@ -224,26 +224,46 @@ class TrainingOps:
             QuotaExceededError, PayloadTooLargeError: see above.
         """
         model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
-        try:  # an unknown field is refused as the protobuf decoder refuses one: 400, nothing queued
-            req, parse_error = parse(raw), None
+        req, parse_error = await self._parse(kind, raw, parse, model_id, seq_id)
+        _require_ids(model_id, seq_id)
+        if (failed := await self._unplaceable(model_id, seq_id)) is not None:
+            return failed
+        try:
+            await self.checks.check_quotas(kind, model_id, raw, principal)
+        except LiveloraError as exc:  # 429 before any seq is used
+            await self.refuse(model_id, seq_id, exc)
+            raise
+        with redis_unavailable():
+            await self.redis.set(self.keys.model_last_request(model_id), now_iso(), ex=self.settings.future_ttl_s)
+        body, error = await self._validated(kind, req, parse_error, model_id, seq_id)
+        with redis_unavailable():
+            for seq, failed_seq in await self.order.take_refused(model_id, seq_id):
+                await self._enqueue(model_id, seq, "failed", {}, failed=failed_seq)
+            return await self._enqueue(model_id, seq_id, kind, body, error)
+
+    async def _parse(self, kind: str, raw: dict[str, Any], parse, model_id: Any, seq_id: Any) -> tuple[Any, Any]:
+        """``(parse(raw), None)``, or ``(None, the ValueError)`` to resolve the op's future with. Raises:
+        BadRequestError on an unknown field, as the protobuf decoder refuses one: 400, nothing queued (the seq
+        is refused when the ids could be read)."""
+        try:
+            return parse(raw), None
         except ValueError as exc:  # pydantic.ValidationError
-            req, parse_error = None, exc
-            if (unknown := _unknown_field(exc)) is not None:
-                err = BadRequestError(
-                    f"invalid {kind} request: unknown field {unknown!r} (the request takes only the fields of its "
-                    "schema, as its protobuf form)",
-                    param=unknown,
-                    code="unknown_parameter",
-                )
-                if isinstance(model_id, str) and isinstance(seq_id, int):
-                    await self.refuse(model_id, seq_id, err)
-                raise err from None
-        if not isinstance(model_id, str) or not model_id:
-            raise BadRequestError("model_id is required", param="model_id")
-        if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
-            raise BadRequestError(
-                "seq_id is required: an integer >= 1, one per op of the model, in call order", param="seq_id"
+            if (unknown := _unknown_field(exc)) is None:
+                return None, exc
+            err = BadRequestError(
+                f"invalid {kind} request: unknown field {unknown!r} (the request takes only the fields of its "
+                "schema, as its protobuf form)",
+                param=unknown,
+                code="unknown_parameter",
             )
+            if isinstance(model_id, str) and isinstance(seq_id, int):
+                await self.refuse(model_id, seq_id, err)
+            raise err from None
+
+    async def _unplaceable(self, model_id: str, seq_id: int) -> UntypedAPIFuture | None:
+        """A future failed at once when the op cannot take its place: the model does not exist, or ``seq_id`` is
+        behind the model's next op and no request claimed it; ``None`` otherwise. Raises: BadRequestError (the
+        seq beyond the bound ahead), UnavailableError (Redis)."""
         record = await self._model_record(model_id)
         if record is None:
             return await self._failed_future(
@@ -262,31 +282,25 @@ class TrainingOps:
                 and not await self.redis.exists(self.keys.seq(model_id, seq_id))
             ):
                 return await self._failed_future(model_id, seq_id, dropped_error(model_id, seq_id, next_seq))
-        try:
-            await self.checks.check_quotas(kind, model_id, raw, principal)
-        except LiveloraError as exc:  # 429 before any seq is used
-            await self.refuse(model_id, seq_id, exc)
-            raise
-        with redis_unavailable():
-            await self.redis.set(self.keys.model_last_request(model_id), now_iso(), ex=self.settings.future_ttl_s)
-        error: LiveloraError | None = None
-        body: dict[str, Any] = {}
+        return None
+
+    async def _validated(
+        self, kind: str, req: Any, parse_error: Exception | None, model_id: str, seq_id: int
+    ) -> tuple[dict[str, Any], LiveloraError | None]:
+        """``(the op's queued body, None)``, or ``({}, the error its future resolves with)`` for a request that
+        failed parsing or the op checks. Raises: PayloadTooLargeError (413 now; the seq is refused, left free)."""
         try:
             if parse_error is not None:
                 raise parse_error
             self.checks.check_limits(kind, req)
-            body = self.checks.validate(kind, req)
-        except PayloadTooLargeError as exc:  # answered 413 now; the seq stays free
+            return self.checks.validate(kind, req), None
+        except PayloadTooLargeError as exc:
             await self.refuse(model_id, seq_id, exc)
             raise
         except LiveloraError as exc:
-            error = exc
+            return {}, exc
         except ValueError as exc:  # pydantic.ValidationError
-            error = BadRequestError(f"invalid {kind} request: {_pydantic_message(exc)}")
-        with redis_unavailable():
-            for seq, failed in await self.order.take_refused(model_id, seq_id):
-                await self._enqueue(model_id, seq, "failed", {}, failed=failed)
-            return await self._enqueue(model_id, seq_id, kind, body, error)
+            return {}, BadRequestError(f"invalid {kind} request: {_pydantic_message(exc)}")
 
     async def create_via_load(self, req: LoadWeightsRequest, principal: Principal) -> UntypedAPIFuture:
         """Create-via-load (``session_id`` + ``model_seq_id``; implicit seq 0): a model shaped like the
@@ -341,6 +355,16 @@ class TrainingOps:
                     tokenizer_id=self.ctx.tokenizer_id(),
                 )
             ]
+        )
+
+
+def _require_ids(model_id: Any, seq_id: Any) -> None:
+    """Raises BadRequestError unless ``model_id`` is a non-empty string and ``seq_id`` an integer >= 1."""
+    if not isinstance(model_id, str) or not model_id:
+        raise BadRequestError("model_id is required", param="model_id")
+    if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
+        raise BadRequestError(
+            "seq_id is required: an integer >= 1, one per op of the model, in call order", param="seq_id"
         )
 
 
