@@ -1,10 +1,11 @@
 """The test harness as a pytest plugin (registered by ``tests/conftest.py``): the shared fixtures and the markers.
 
 Session: ``livelora_home``, ``base_ref``, ``tokenizer``, ``live_server``, ``sessions_server``. Module: ``home``,
-``keys``, ``server`` (a store, API keys and a gateway of the module's own), ``loop``/``run``, ``engine``.
-Function: ``bus``. A module shapes the module fixtures with its own names (read here through ``request.module``):
-``seed_home(home, base_ref)``, ``KEYS``, ``SERVER_SETTINGS``, ``ENGINE_OPTIONS``, ``TEST_ENGINE_KINDS``.
-Markers (``unit``, ``live``, ``sdk``, ``slow``; registered in pyproject.toml): :func:`pytest_collection_modifyitems`.
+``keys``, ``server``, ``server_redis`` (a store, API keys, a gateway of the module's own and a client of its Redis
+prefix), ``loop``/``run``, ``engine``. Function: ``bus``. A module shapes the module fixtures with its own names
+(read here through ``request.module``): ``seed_home(home, base_ref)``, ``KEYS``, ``SERVER_SETTINGS``,
+``ENGINE_OPTIONS``, ``TEST_ENGINE_KINDS``. Markers (``unit``, ``live``, ``sdk``, ``slow``; registered in
+pyproject.toml): :func:`pytest_collection_modifyitems`.
 """
 
 from __future__ import annotations
@@ -183,6 +184,19 @@ def server(request, home, keys) -> Iterator[LiveServer]:
     live.stop()
 
 
+@pytest.fixture(scope="module")
+def server_redis(request) -> Iterator:
+    """A blocking Redis client (``decode_responses``) for the module's ``SERVER_SETTINGS["redis_prefix"]``; every
+    key under that prefix is deleted at the end of the module."""
+    import redis
+
+    prefix = request.module.SERVER_SETTINGS["redis_prefix"]
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    yield client
+    delete_prefix(REDIS_URL, prefix)
+    client.close()
+
+
 # ------------------------------------------------------------------------------------------------ engines
 @pytest.fixture(scope="module")
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
@@ -239,7 +253,17 @@ def bus():
 
 # ------------------------------------------------------------------------------------------------ markers
 #: fixtures whose users are `live` (a test's whole fixture closure is looked at)
-LIVE_FIXTURES = {"base_ref", "bus", "engine", "live_server", "sessions_server", "server", "cluster", "fuzz_server"}
+LIVE_FIXTURES = {
+    "base_ref",
+    "bus",
+    "engine",
+    "live_server",
+    "sessions_server",
+    "server",
+    "server_redis",
+    "cluster",
+    "fuzz_server",
+}
 #: files whose tests start processes, servers or Redis themselves, or talk to Redis without a fixture
 LIVE_FILES = {
     "test_bus_signals.py",
