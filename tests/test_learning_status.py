@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 from _doc_blocks import REPO, blocks
-from _server import start_server
+from harness.server import start_server
 from typer.testing import CliRunner
 
 from livelora.adapters.endpoints import EndpointStore
