@@ -557,7 +557,7 @@ def test_bindings_survive_restart(server, keys, home):
     # a fresh process (as a restarted trainer) reads the same bindings from the store
     listed = _cli("endpoints", "list", "--home", str(home))
     assert "acme.prod" in listed and "(public)" in listed  # the base model's own endpoint is listed too
-    from livelora.cli.admin import Backend
+    from livelora.cli.admin_common import Backend
 
     serving = {e["name"]: e["serving"] for e in Backend("http://unused", None, home).list_endpoints()}
     assert serving["acme.prod"] == "acme.support@2" and serving["acme.live"] == "acme.support@4"
