@@ -19,6 +19,7 @@ class Import:
     module: str
     line: int
     module_level: bool  # executed when the module is imported (not in a function, not under TYPE_CHECKING)
+    type_only: bool = False  # under ``if TYPE_CHECKING:`` (never executed)
 
 
 def package_dirs() -> dict[str, Path]:
@@ -37,15 +38,21 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def imports_of(source: str, module_name: str, is_package: bool = False) -> list[Import]:
-    """Every import in ``source`` (the text of module ``module_name``), relative ones made absolute."""
+def imports_of(source: str, module_name: str, is_package: bool = False, *, from_names: bool = False) -> list[Import]:
+    """Every import in ``source`` (the text of module ``module_name``), relative ones made absolute.
+
+    ``from a.b import c`` gives ``a.b`` and, when relative or with ``from_names``, ``a.b.c`` too (``c`` may be a
+    module)."""
     out: list[Import] = []
     package = module_name if is_package else module_name.rpartition(".")[0]
 
-    def visit(node: ast.AST, module_level: bool) -> None:
+    def visit(node: ast.AST, module_level: bool, type_only: bool = False) -> None:
+        def imp(module: str, line: int) -> Import:
+            return Import(module, line, module_level, type_only)
+
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import):
-                out.extend(Import(a.name, child.lineno, module_level) for a in child.names)
+                out.extend(imp(a.name, child.lineno) for a in child.names)
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = package.split(".")
@@ -53,18 +60,18 @@ def imports_of(source: str, module_name: str, is_package: bool = False) -> list[
                     target = ".".join(base + ([child.module] if child.module else []))
                 else:
                     target = child.module or ""
-                out.append(Import(target, child.lineno, module_level))
-                if child.module is None or child.level:  # `from . import x` / `from .pkg import x`: x may be a module
-                    out.extend(Import(f"{target}.{a.name}", child.lineno, module_level) for a in child.names)
+                out.append(imp(target, child.lineno))
+                if from_names or child.module is None or child.level:  # `from . import x`: x may be a module
+                    out.extend(imp(f"{target}.{a.name}", child.lineno) for a in child.names)
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                visit(child, False)
+                visit(child, False, type_only)
             elif isinstance(child, ast.If) and _is_type_checking(child.test):
                 for stmt in child.body:
-                    visit(ast.Module(body=[stmt], type_ignores=[]), False)
+                    visit(ast.Module(body=[stmt], type_ignores=[]), False, True)
                 for stmt in child.orelse:
-                    visit(ast.Module(body=[stmt], type_ignores=[]), module_level)
+                    visit(ast.Module(body=[stmt], type_ignores=[]), module_level, type_only)
             else:
-                visit(child, module_level)
+                visit(child, module_level, type_only)
 
     visit(ast.parse(source), True)
     return out
