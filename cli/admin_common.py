@@ -35,11 +35,11 @@ class Backend:
         self.url, self.api_key, self.home = url.rstrip("/"), api_key, home
         if home is not None:
             from livelora.core.settings import CommonSettings
-            from livelora.gateway.services.tenants.store_admin import AdminService
+            from livelora.gateway.services.tenants.store_admin import StoreAdmin
 
             # the served base model's own endpoint (implicit unless changed) is shown like the explicit ones
             served = os.environ.get("LIVELORA_SERVED_MODEL_NAME") or CommonSettings().model
-            self.local = AdminService(home, tenant=None, base_endpoints=(served,))
+            self.local = StoreAdmin(home, tenant=None, base_endpoints=(served,))
             self.who = f"local:{getpass.getuser()}"
 
     # -------------------------------------------------------------- plumbing

@@ -134,9 +134,9 @@ def test_probe_file_and_degeneracy_heuristics():
 
 
 def test_endpoint_thresholds_are_validated_stored_and_audited(tmp_path):
-    from livelora.gateway.services.tenants.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import StoreAdmin
 
-    admin = AdminService(tmp_path, tenant=None)
+    admin = StoreAdmin(tmp_path, tenant=None)
     admin.create_endpoint("ep", "lin", who="t")
     with pytest.raises(BadRequestError) as exc:
         admin.set_gate("ep", {"probe_margin": 2.0}, who="t")
@@ -279,10 +279,10 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
 
     # what the admin API (GET /admin/adapters/{name}) and the CLI show
     from livelora.cli.main import app
-    from livelora.gateway.services.tenants.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import StoreAdmin
 
     shown2 = {
-        c["name"]: c for c in AdminService(home, tenant=None).versions.show_adapter(f"{lineage}@2")["gate"]["checks"]
+        c["name"]: c for c in StoreAdmin(home, tenant=None).versions.show_adapter(f"{lineage}@2")["gate"]["checks"]
     }
     assert shown2["probes_base"] == checks2["probes_base"]
     cli = CliRunner().invoke(app, ["adapters", "show", f"{lineage}@2", "--home", str(home)])
