@@ -146,8 +146,7 @@ def endpoints_pause(
     home: HomeOption = None,
 ) -> None:
     """Stop training the endpoint's lineage (its signals stay queued; serving is unchanged) until resume."""
-    entry = run_or_exit(lambda: Backend(url, api_key, home).set_learning(name, True, reason))
-    out.print(f"[bold]{entry['endpoint']}[/]: learning paused by {entry['who']}" + _why(entry))
+    _set_learning(Backend(url, api_key, home), name, True, reason)
 
 
 @endpoints_app.command("resume")
@@ -159,8 +158,14 @@ def endpoints_resume(
     home: HomeOption = None,
 ) -> None:
     """Train the endpoint's lineage again (the queued signals first)."""
-    entry = run_or_exit(lambda: Backend(url, api_key, home).set_learning(name, False, reason))
-    out.print(f"[bold]{entry['endpoint']}[/]: learning resumed by {entry['who']}" + _why(entry))
+    _set_learning(Backend(url, api_key, home), name, False, reason)
+
+
+def _set_learning(backend: Backend, name: str, paused: bool, reason: str) -> None:
+    entry = run_or_exit(lambda: backend.set_learning(name, paused, reason))
+    out.print(
+        f"[bold]{entry['endpoint']}[/]: learning {'paused' if paused else 'resumed'} by {entry['who']}" + _why(entry)
+    )
 
 
 def _why(entry: dict) -> str:
