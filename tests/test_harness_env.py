@@ -29,9 +29,9 @@ CALLER = {
 }
 
 
-def test_the_probe_binds_a_new_store_to_the_sessions_own_prefix(tmp_path):
-    """What every gateway or trainer a test starts does first: resolve its settings from the environment and bind
-    its store to the Redis prefix."""
+def test_the_probe_binds_the_session_store_to_the_sessions_own_prefix(livelora_home):
+    """What a gateway or trainer the tests start on the session's store does first (``live_server``): resolve its
+    settings from the environment and bind the store to the Redis prefix (or find it bound already)."""
     settings = CommonSettings()
     assert settings.redis_prefix == os.environ["LIVELORA_REDIS_PREFIX"]
     assert settings.redis_prefix.startswith("livelora-test-") and settings.redis_url == REDIS_URL
@@ -48,8 +48,8 @@ def test_the_probe_binds_a_new_store_to_the_sessions_own_prefix(tmp_path):
     )
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     try:
-        home = tmp_path / "store"
-        assert bind_install(client, KeyLayout(settings.redis_prefix), home, settings.redis_url) == store_id(home)
+        keys = KeyLayout(settings.redis_prefix)
+        assert bind_install(client, keys, livelora_home, settings.redis_url) == store_id(livelora_home)
     finally:
         client.close()
 
@@ -61,9 +61,9 @@ def test_a_callers_prefix_of_another_install_and_other_settings_do_not_reach_the
     try:
         bind_install(client, KeyLayout(prefix), tmp_path / "their-store", REDIS_URL)
         with pytest.raises(InstallMismatchError):  # what the tests met before the harness cleared the variable
-            bind_install(client, KeyLayout(prefix), tmp_path / "a-test-store", REDIS_URL)
+            bind_install(client, KeyLayout(prefix), Path(os.environ["LIVELORA_HOME"]), REDIS_URL)
         env = {**os.environ, **CALLER, "LIVELORA_REDIS_PREFIX": prefix}
-        probe = f"{Path(__file__).name}::test_the_probe_binds_a_new_store_to_the_sessions_own_prefix"
+        probe = f"{Path(__file__).name}::test_the_probe_binds_the_session_store_to_the_sessions_own_prefix"
         run = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", probe],
             cwd=TESTS,
