@@ -131,7 +131,7 @@ class Loop:
     def __init__(
         self, args, kto_min_batch: int, max_batch: int, *, rails: bool = False, max_wait_s: float = 30.0, **training
     ):
-        from _server import start_server
+        from harness.server import start_server
 
         from livelora.core.base_models import resolve_base_model
         from livelora.core.bus import connect_sync
@@ -255,7 +255,7 @@ class Loop:
         out or quarantined, or left queued because no batch can form (a lone rating, a rater's surplus beyond
         its batch share): then nothing has trained for ``max_wait_s`` + 2 s. Such leftovers train with the next
         round's ratings."""
-        from _server import wait_until
+        from harness.server import wait_until
 
         quiet = self.config.max_wait_s + 2.0
 
@@ -275,7 +275,7 @@ class Loop:
     def settle(self, before: set[str], timeout_s: float = 600) -> list[dict]:
         """After :meth:`drain`: the versions written since ``before`` (names), each with its verdict, and once
         the newest that passed is served (or rolled back), when."""
-        from _server import wait_until
+        from harness.server import wait_until
 
         new = sorted((n for n in self.written if n not in before), key=lambda n: int(n.rsplit("@", 1)[1]))
         out = [
@@ -735,7 +735,7 @@ def scenario_c(args) -> dict:
 
 def scenario_d(args) -> dict:
     """(d) A deliberately bad version published into the loop, and a version users dislike (module docstring)."""
-    from _server import wait_until
+    from harness.server import wait_until
 
     loop = Loop(
         args,
@@ -1009,7 +1009,7 @@ def taste_run(args) -> dict:
 
 
 def latency_run(args) -> None:
-    from _server import wait_until
+    from harness.server import wait_until
 
     loop = Loop(args, kto_min_batch=args.requests, max_batch=max(2, args.requests))
     try:

@@ -35,7 +35,7 @@ import redis
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from _cluster import MODEL, Cluster, Proc, corrupt_versions, new_store, recorded_counts, trained_counts  # noqa: E402
+from harness.cluster import MODEL, Cluster, Proc, corrupt_versions, new_store, recorded_counts, trained_counts  # noqa: E402
 
 TOPICS = ["the sea", "a cat", "rain", "bread", "a bicycle", "winter", "a library", "coffee", "mountains", "music"]
 

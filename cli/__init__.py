@@ -7,7 +7,7 @@ supervised lower-priority child process, :mod:`livelora.cli.trainer_process`; ``
 
 * :mod:`livelora.cli.main`: the typer app (``serve``, ``gateway``, ``trainer``, plus the admin commands);
 * :mod:`livelora.cli.admin` and :mod:`livelora.cli.admin_keys`: ``endpoints``, ``adapters``, ``keys`` (over HTTP, or
-  on the store with ``--home``);
+  on the store with ``--home``), on what :mod:`livelora.cli.admin_common` holds for them and ``usage``;
 * :mod:`livelora.cli.processes`: what runs beside the gateway (op executor, trainer worker thread);
 * :mod:`livelora.cli.trainer_process`: ``livelora serve``'s trainer child process (nice, threads, restarts);
 * :mod:`livelora.cli.redis_server`: the embedded ``redis-server`` of ``livelora serve``;

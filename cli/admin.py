@@ -16,27 +16,26 @@ Example::
 
 from __future__ import annotations
 
-import getpass
-import io
-import json
-import os
-import tarfile
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
 
+from livelora.cli.admin_common import (
+    DEFAULT_URL,
+    Backend,
+    HomeOption,
+    KeyOption,
+    ReasonOption,
+    UrlOption,
+    out,
+    run_or_exit,
+    when,
+)
 from livelora.cli.gate_rows import freeform_rows
 from livelora.cli.gate_rows import num as _num
-
-out = Console()
-err = Console(stderr=True)
 
 endpoints_app = typer.Typer(
     help="Named serving targets: list, create, promote, roll back, audit history.",
@@ -47,248 +46,12 @@ adapters_app = typer.Typer(
     help="Stored adapter versions: list, show, export, delete.", no_args_is_help=True, rich_markup_mode=None
 )
 
-_Url = Annotated[str, typer.Option(envvar="LIVELORA_URL", help="Gateway base URL (HTTP mode).")]
-_Key = Annotated[str | None, typer.Option(envvar="LIVELORA_API_KEY", help="Admin API key (HTTP mode).")]
-_HomeOpt = Annotated[Path | None, typer.Option(help="Work on this store directly (no server needed).")]
-_Reason = Annotated[str, typer.Option(help="Why: written to the audit log.")]
-DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-class Backend:
-    """The admin operations, over HTTP or on the store; every method returns JSON-like data."""
-
-    def __init__(self, url: str, api_key: str | None, home: Path | None):
-        self.url, self.api_key, self.home = url.rstrip("/"), api_key, home
-        if home is not None:
-            from livelora.core.settings import CommonSettings
-            from livelora.gateway.services.tenants.store_admin import AdminService
-
-            # the served base model's own endpoint (implicit unless changed) is shown like the explicit ones
-            served = os.environ.get("LIVELORA_SERVED_MODEL_NAME") or CommonSettings().model
-            self.local = AdminService(home, tenant=None, base_endpoints=(served,))
-            self.who = f"local:{getpass.getuser()}"
-
-    # -------------------------------------------------------------- plumbing
-    def http(self, method: str, path: str, **kw) -> Any:
-        import httpx
-
-        from livelora.clients.errors import error_for_status
-
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        try:
-            r = httpx.request(method, self.url + path, headers=headers, timeout=600, **kw)
-        except httpx.HTTPError as exc:
-            raise typer.BadParameter(
-                f"cannot reach {self.url}: {exc} (start `livelora serve`, or pass --home to work on the store directly)"
-            ) from None
-        if r.status_code >= 400:
-            try:
-                e = r.json()["error"]
-            except Exception:
-                e = {"message": r.text[:300]}
-            raise error_for_status(r.status_code, e.get("message", ""), param=e.get("param"), code=e.get("code"))
-        return r.json() if r.headers.get("content-type", "").startswith("application/json") else r
-
-    def notify(self, endpoint: str) -> None:
-        """Tell running gateways (local mode) that ``endpoint`` changed; silent if Redis is unreachable."""
-        from livelora.core.bus import connect_sync
-        from livelora.core.redis_keys import KeyLayout
-        from livelora.core.settings import CommonSettings
-        from livelora.gateway.services.tenants.store_admin import endpoint_notice
-
-        settings = CommonSettings()
-        try:
-            client = connect_sync(settings.redis_url, timeout_s=1.0)
-            client.publish(KeyLayout(settings.redis_prefix).notices, endpoint_notice(endpoint))
-            client.close()
-        except Exception:
-            err.print(
-                "[yellow]note[/]: Redis unreachable; running gateways pick the change up at their next "
-                "resync from the store"
-            )
-
-    # -------------------------------------------------------------- endpoints
-    def list_endpoints(self) -> list[dict]:
-        return self.local.list_endpoints() if self.home else self.http("GET", "/admin/endpoints")["data"]
-
-    def list_endpoints_one(self, name: str) -> dict:
-        return self.local.get_endpoint(name) if self.home else self.http("GET", f"/admin/endpoints/{name}")
-
-    def learning(self, name: str) -> dict | None:
-        """The learning status of ``name`` (``GET /v1/learning/{name}``; with ``--home``, read from Redis without
-        the ratings the trainer has not read yet); None when Redis is unreachable in ``--home`` mode."""
-        if not self.home:
-            return self.http("GET", f"/v1/learning/{name}")
-        from livelora.clients.types.learning import LearningStatus
-        from livelora.core.bus import connect_sync
-        from livelora.core.redis_keys import KeyLayout
-        from livelora.core.settings import CommonSettings
-        from livelora.gateway.services.live.learning import estimate
-
-        settings, lineage = CommonSettings(), self.local.get_endpoint(name)["lineage"]
-        keys = KeyLayout(settings.redis_prefix)
-        try:
-            client = connect_sync(settings.redis_url, timeout_s=1.0)
-            raw, trainer = client.mget(keys.learning(lineage), keys.learning_trainer)
-            client.close()
-        except Exception:
-            return None
-        t = json.loads(trainer) if trainer else {}
-        st = (
-            LearningStatus.model_validate_json(raw)
-            if raw
-            else LearningStatus(endpoint=name, lineage=lineage, stage="idle")
-        )
-        estimate(st, (t.get("base_measure") or {}).get("seconds"), time.time())
-        return st.model_dump(mode="json")
-
-    def create_endpoint(self, **body) -> dict:
-        if self.home:
-            info = self.local.create_endpoint(body.pop("name"), body.pop("lineage"), who=self.who, **body)
-            self.notify(info["name"])
-            return info
-        return self.http("POST", "/admin/endpoints", json=body)
-
-    def promote(self, name: str, version: str | None, follow: bool, reason: str) -> dict:
-        if self.home:
-            entry = self.local.promote(name, version, who=self.who, reason=reason, follow=follow)
-            self.notify(name)
-            return entry.model_dump(mode="json", by_alias=True)
-        return self.http(
-            "POST", f"/admin/endpoints/{name}/promote", json={"version": version, "follow": follow, "reason": reason}
-        )["history"]
-
-    def rollback(self, name: str, reason: str) -> dict:
-        if self.home:
-            entry = self.local.rollback(name, who=self.who, reason=reason)
-            self.notify(name)
-            return entry.model_dump(mode="json", by_alias=True)
-        return self.http("POST", f"/admin/endpoints/{name}/rollback", json={"reason": reason})["history"]
-
-    def set_learning(self, name: str, paused: bool, reason: str) -> dict:
-        if self.home:
-            entry = self.local.set_learning(name, paused, who=self.who, reason=reason)
-            self.notify(name)
-            return entry.model_dump(mode="json", by_alias=True)
-        action = "pause" if paused else "resume"
-        return self.http("POST", f"/admin/endpoints/{name}/{action}", json={"reason": reason})["history"]
-
-    def set_gate(self, name: str, thresholds: dict | None, reason: str) -> dict:
-        if self.home:
-            entry = self.local.set_gate(name, thresholds, who=self.who, reason=reason)
-            self.notify(name)
-            return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": self.local.get_endpoint(name)}
-        body = {"thresholds": thresholds, "reason": reason} if thresholds else {"reset": True, "reason": reason}
-        return self.http("PUT", f"/admin/endpoints/{name}/gate", json=body)
-
-    def history(self, name: str | None) -> list[dict]:
-        if self.home:
-            return [e.model_dump(mode="json", by_alias=True) for e in self.local.history(name)]
-        return self.http("GET", f"/admin/endpoints/{name}/history" if name else "/admin/history")["data"]
-
-    # -------------------------------------------------------------- adapters
-    def list_adapters(self, lineage: str | None) -> list[dict]:
-        if self.home:
-            return self.local.versions.list_adapters(lineage)
-        return self.http("GET", "/admin/adapters", params={"lineage": lineage} if lineage else None)["data"]
-
-    def show_adapter(self, name: str) -> dict:
-        return self.local.versions.show_adapter(name) if self.home else self.http("GET", f"/admin/adapters/{name}")
-
-    def delete_adapter(self, name: str) -> None:
-        if self.home:
-            self.local.versions.delete_adapter(name)
-        else:
-            self.http("DELETE", f"/admin/adapters/{name}")
-
-    def export(self, name: str, fmt: str, dest: Path) -> Path:
-        if dest.exists():
-            raise typer.BadParameter(f"{dest} already exists")
-        with Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            console=err,
-        ) as progress:
-            task = progress.add_task(f"exporting {name} ({fmt})", total=None)
-            if self.home:
-                path = self.local.versions.export(name, fmt, dest)
-                progress.update(task, total=1, completed=1)
-                return path
-            self.http("POST", f"/admin/adapters/{name}/export", json={"format": fmt})
-            progress.update(task, description=f"downloading {name} ({fmt})")
-            import httpx
-
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            buf = io.BytesIO()
-            with httpx.stream("GET", f"{self.url}/admin/exports/{name}/{fmt}", headers=headers, timeout=600) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    self._raise(r)
-                progress.update(task, total=int(r.headers.get("content-length") or 0) or None)
-                for chunk in r.iter_bytes():
-                    buf.write(chunk)
-                    progress.update(task, advance=len(chunk))
-            buf.seek(0)
-            tmp = dest.with_name(f".{dest.name}.partial")
-            with tarfile.open(fileobj=buf, mode="r") as tar:
-                tar.extractall(tmp, filter="data")  # 'data' filter: no absolute paths, links or '..'
-            tmp.rename(dest)
-            return dest
-
-    def _raise(self, r) -> None:
-        from livelora.clients.errors import error_for_status
-
-        e = r.json().get("error", {})
-        raise error_for_status(r.status_code, e.get("message", ""), param=e.get("param"), code=e.get("code"))
-
-    # -------------------------------------------------------------- keys
-    def create_key(self, roles: list[str], tenant: str | None, name: str) -> dict:
-        if self.home:
-            info, key = self.local.keys.create_key(roles, tenant=tenant, name=name)
-            return {**info, "key": key}
-        body: dict[str, Any] = {"roles": roles, "name": name}
-        if tenant is not None:  # the server accepts the admin key's own tenant only
-            body["tenant"] = tenant
-        return self.http("POST", "/admin/keys", json=body)
-
-    def list_keys(self) -> list[dict]:
-        return self.local.keys.list_keys() if self.home else self.http("GET", "/admin/keys")["data"]
-
-    def revoke_key(self, key_id: str) -> dict:
-        return self.local.keys.revoke_key(key_id) if self.home else self.http("DELETE", f"/admin/keys/{key_id}")
-
-
-def _run(fn):
-    """Call ``fn()``; livelora errors become one red line and exit code 1."""
-    from livelora.clients.errors import LiveloraError
-
-    try:
-        return fn()
-    except LiveloraError as exc:
-        err.print(f"[red]error[/] ({exc.status}): {escape(key_hint(exc))}", soft_wrap=True)
-        raise typer.Exit(1) from None
-
-
-def key_hint(exc: Exception) -> str:
-    """``exc``'s message; for a 401, plus how this CLI sends a key (``--api-key`` or ``LIVELORA_API_KEY``)."""
-    text = str(exc)
-    if getattr(exc, "status", None) == 401 and "--api-key" not in text:
-        text += " (the CLI sends the key given by --api-key or $LIVELORA_API_KEY)"
-    return text
-
-
-def _when(ts: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
-
 
 # ====================================================================================== endpoints
 @endpoints_app.command("list")
-def endpoints_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+def endpoints_list(url: UrlOption = DEFAULT_URL, api_key: KeyOption = None, home: HomeOption = None) -> None:
     """Endpoints with the version each serves now."""
-    rows = _run(lambda: Backend(url, api_key, home).list_endpoints())
+    rows = run_or_exit(lambda: Backend(url, api_key, home).list_endpoints())
     table = Table(title="endpoints")
     for col in ("endpoint", "lineage", "mode", "serving", "rollback to", "tenant"):
         table.add_column(col, overflow="fold")  # names wrap, never cut: they tell the rows apart
@@ -300,17 +63,17 @@ def endpoints_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt
 
 
 @endpoints_app.command("show")
-def endpoints_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+def endpoints_show(name: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption = None, home: HomeOption = None) -> None:
     """One endpoint: its binding, the version it serves, and where its next version stands (learning)."""
     from livelora.clients.types.learning import LearningStatus
 
     backend = Backend(url, api_key, home)
-    e = _run(lambda: backend.list_endpoints_one(name))
+    e = run_or_exit(lambda: backend.list_endpoints_one(name))
     table = Table(title=e["name"], show_header=False)
     for key in ("lineage", "mode", "serving", "rollback_to", "tenant"):
         table.add_row(key.replace("_", " "), str(e.get(key) or "-"))
     table.add_row("learning paused", "yes" if e.get("learning_paused") else "no")
-    learning = _run(lambda: backend.learning(name))
+    learning = run_or_exit(lambda: backend.learning(name))
     table.add_row(
         "learning", LearningStatus.model_validate(learning).summary() if learning else "- (Redis unreachable)"
     )
@@ -323,11 +86,11 @@ def endpoints_create(
     lineage: Annotated[str, typer.Option(help="Adapter lineage served (and trained).")],
     mode: Annotated[str, typer.Option(help="follow (newest version) or pinned.")] = "follow",
     version: Annotated[str | None, typer.Option(help="Pinned version: <n>, <lineage>@<n> or base.")] = None,
-    reason: _Reason = "",
+    reason: ReasonOption = "",
     tenant: Annotated[str | None, typer.Option(help="Owner (--home only).")] = None,
-    url: _Url = DEFAULT_URL,
-    api_key: _Key = None,
-    home: _HomeOpt = None,
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Create an endpoint bound to a lineage."""
     body: dict[str, Any] = {"name": name, "lineage": lineage, "mode": mode, "version": version, "reason": reason}
@@ -335,7 +98,7 @@ def endpoints_create(
         if home is None:
             raise typer.BadParameter("--tenant works with --home only")
         body["tenant"] = tenant
-    e = _run(lambda: Backend(url, api_key, home).create_endpoint(**body))
+    e = run_or_exit(lambda: Backend(url, api_key, home).create_endpoint(**body))
     out.print(f"created endpoint [bold]{e['name']}[/] → {e['lineage']} ({e['mode']}), serving {e['serving']}")
 
 
@@ -351,41 +114,58 @@ def endpoints_promote(
     name: str,
     version: Annotated[str | None, typer.Argument(help="<n>, <lineage>@<n> or base.")] = None,
     follow: Annotated[bool, typer.Option(help="Follow the lineage's newest version instead.")] = False,
-    reason: _Reason = "",
-    url: _Url = DEFAULT_URL,
-    api_key: _Key = None,
-    home: _HomeOpt = None,
+    reason: ReasonOption = "",
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Point an endpoint at a stored version (takes effect without restart or failed requests)."""
     if version is None and not follow:
         raise typer.BadParameter("give a VERSION (or --follow)")
-    _print_change(_run(lambda: Backend(url, api_key, home).promote(name, version, follow, reason)))
+    _print_change(run_or_exit(lambda: Backend(url, api_key, home).promote(name, version, follow, reason)))
 
 
 @endpoints_app.command("rollback")
 def endpoints_rollback(
-    name: str, reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None
+    name: str,
+    reason: ReasonOption = "",
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Return an endpoint to the version it served before its last promotion."""
-    _print_change(_run(lambda: Backend(url, api_key, home).rollback(name, reason)))
+    _print_change(run_or_exit(lambda: Backend(url, api_key, home).rollback(name, reason)))
 
 
 @endpoints_app.command("pause")
 def endpoints_pause(
-    name: str, reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None
+    name: str,
+    reason: ReasonOption = "",
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Stop training the endpoint's lineage (its signals stay queued; serving is unchanged) until resume."""
-    entry = _run(lambda: Backend(url, api_key, home).set_learning(name, True, reason))
-    out.print(f"[bold]{entry['endpoint']}[/]: learning paused by {entry['who']}" + _why(entry))
+    _set_learning(Backend(url, api_key, home), name, True, reason)
 
 
 @endpoints_app.command("resume")
 def endpoints_resume(
-    name: str, reason: _Reason = "", url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None
+    name: str,
+    reason: ReasonOption = "",
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Train the endpoint's lineage again (the queued signals first)."""
-    entry = _run(lambda: Backend(url, api_key, home).set_learning(name, False, reason))
-    out.print(f"[bold]{entry['endpoint']}[/]: learning resumed by {entry['who']}" + _why(entry))
+    _set_learning(Backend(url, api_key, home), name, False, reason)
+
+
+def _set_learning(backend: Backend, name: str, paused: bool, reason: str) -> None:
+    entry = run_or_exit(lambda: backend.set_learning(name, paused, reason))
+    out.print(
+        f"[bold]{entry['endpoint']}[/]: learning {'paused' if paused else 'resumed'} by {entry['who']}" + _why(entry)
+    )
 
 
 def _why(entry: dict) -> str:
@@ -395,17 +175,17 @@ def _why(entry: dict) -> str:
 @endpoints_app.command("history")
 def endpoints_history(
     name: Annotated[str | None, typer.Argument(help="One endpoint (default: all).")] = None,
-    url: _Url = DEFAULT_URL,
-    api_key: _Key = None,
-    home: _HomeOpt = None,
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """The audit log: who changed which endpoint, when, from what to what, and why."""
-    rows = _run(lambda: Backend(url, api_key, home).history(name))
+    rows = run_or_exit(lambda: Backend(url, api_key, home).history(name))
     table = Table(title="history")
     for col in ("when", "who", "endpoint", "action", "from", "to", "reason"):
         table.add_column(col)
     for h in rows:
-        table.add_row(_when(h["time"]), h["who"], h["endpoint"], h["action"], h["from"] or "-", h["to"], h["reason"])
+        table.add_row(when(h["time"]), h["who"], h["endpoint"], h["action"], h["from"] or "-", h["to"], h["reason"])
     out.print(table)
 
 
@@ -424,15 +204,15 @@ def endpoints_gate(
         ),
     ] = None,
     reset: Annotated[bool, typer.Option(help="Back to the default thresholds.")] = False,
-    reason: _Reason = "",
-    url: _Url = DEFAULT_URL,
-    api_key: _Key = None,
-    home: _HomeOpt = None,
+    reason: ReasonOption = "",
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Show or set an endpoint's evaluation-gate thresholds (docs/rails.md)."""
     backend = Backend(url, api_key, home)
     if set_ or reset:
-        current = {} if reset else dict(_run(lambda: backend.list_endpoints_one(name))["gate"])
+        current = {} if reset else dict(run_or_exit(lambda: backend.list_endpoints_one(name))["gate"])
         for item in set_ or []:
             key, sep, value = item.partition("=")
             if not sep:
@@ -440,8 +220,8 @@ def endpoints_gate(
             current[key.strip()] = (
                 value.strip().lower() in ("1", "true", "yes", "on") if key.strip() == "enabled" else float(value)
             )
-        _run(lambda: backend.set_gate(name, current or None, reason))
-    e = _run(lambda: backend.list_endpoints_one(name))
+        run_or_exit(lambda: backend.set_gate(name, current or None, reason))
+    e = run_or_exit(lambda: backend.list_endpoints_one(name))
     table = Table(title=f"gate thresholds of {name}", show_header=False)
     for key, value in e["gate"].items():
         table.add_row(key, str(value))
@@ -452,15 +232,15 @@ def endpoints_gate(
 @adapters_app.command("list")
 def adapters_list(
     lineage: Annotated[str | None, typer.Option(help="Only this lineage.")] = None,
-    url: _Url = DEFAULT_URL,
-    api_key: _Key = None,
-    home: _HomeOpt = None,
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Every stored version the caller's tenant owns (with --home: every tenant's), one table per lineage: the
     live loop's versions of an endpoint's lineage and the versions of training runs (sessions, recipes) with the
     checkpoints naming them. A re-saved checkpoint name replaces its version, and an unnamed sampler save is
     deleted when its session ends, so a parent can be gone (shown as 'N (deleted)')."""
-    rows = _run(lambda: Backend(url, api_key, home).list_adapters(lineage))
+    rows = run_or_exit(lambda: Backend(url, api_key, home).list_adapters(lineage))
     if not rows:
         whose = "in this store" if home else "that this key's tenant owns"
         where = f" in lineage {lineage}" if lineage else ""
@@ -494,7 +274,7 @@ def adapters_list(
                 m["name"],
                 "-" if parent is None else str(parent) + ("" if parent in kept else " (deleted)"),
                 str(m["step"]),
-                _when(m["created"]),
+                when(m["created"]),
                 data,
                 *([", ".join(m.get("checkpoints") or []) or "unnamed sampler save"] if run else []),
                 ", ".join(m["serving"]) or "-",
@@ -505,13 +285,13 @@ def adapters_list(
 
 
 @adapters_app.command("show")
-def adapters_show(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+def adapters_show(name: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption = None, home: HomeOption = None) -> None:
     """One version: manifest, files, sha256 check, serving endpoints."""
-    m = _run(lambda: Backend(url, api_key, home).show_adapter(name))
+    m = run_or_exit(lambda: Backend(url, api_key, home).show_adapter(name))
     table = Table(title=m["name"], show_header=False)
     for key in ("lineage", "version", "base_model", "parent", "step", "rank", "alpha", "sha256", "verified"):
         table.add_row(key, str(m.get(key)))
-    table.add_row("created", _when(m["created"]))
+    table.add_row("created", when(m["created"]))
     table.add_row("metrics", ", ".join(f"{k}={v:.4g}" for k, v in m["metrics"].items()) or "-")
     table.add_row("files", ", ".join(f"{k} ({v:,} B)" for k, v in m["files"].items()))
     table.add_row("serving", ", ".join(m["serving"]) or "-")
@@ -569,24 +349,26 @@ def adapters_export(
     format: Annotated[
         str, typer.Option(help="peft (adapter directory), merged (full HF model) or gguf (llama.cpp LoRA adapter).")
     ] = "peft",
-    url: _Url = DEFAULT_URL,
-    api_key: _Key = None,
-    home: _HomeOpt = None,
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Export a version as a PEFT adapter directory, a merged Hugging Face model or a llama.cpp LoRA (GGUF)."""
     from livelora.gateway.services.tenants.version_admin import EXPORT_FORMATS
 
     if format not in EXPORT_FORMATS:  # before any spinner or request
         raise typer.BadParameter(f"{format!r} is not one of {', '.join(EXPORT_FORMATS)}", param_hint="--format")
-    path = _run(lambda: Backend(url, api_key, home).export(name, format, out_dir))
+    path = run_or_exit(lambda: Backend(url, api_key, home).export(name, format, out_dir))
     size = sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
     out.print(f"exported {name} ({format}) to [bold]{path}[/] ({size / 1e6:.1f} MB)")
 
 
 @adapters_app.command("delete")
-def adapters_delete(name: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+def adapters_delete(
+    name: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption = None, home: HomeOption = None
+) -> None:
     """Delete a version (refused while an endpoint serves it)."""
-    _run(lambda: Backend(url, api_key, home).delete_adapter(name))
+    run_or_exit(lambda: Backend(url, api_key, home).delete_adapter(name))
     out.print(f"deleted {name}")
 
 

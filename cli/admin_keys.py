@@ -8,7 +8,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from livelora.cli.admin import DEFAULT_URL, Backend, _HomeOpt, _Key, _run, _Url, _when, err, out
+from livelora.cli.admin_common import (
+    DEFAULT_URL,
+    Backend,
+    HomeOption,
+    KeyOption,
+    UrlOption,
+    err,
+    out,
+    run_or_exit,
+    when,
+)
 from livelora.core.api_keys import ROLES
 
 keys_app = typer.Typer(
@@ -28,13 +38,13 @@ def keys_create(
         ),
     ] = None,
     name: Annotated[str, typer.Option(help="Label for lists and audit logs.")] = "",
-    url: _Url = DEFAULT_URL,
-    api_key: _Key = None,
-    home: _HomeOpt = None,
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Create a key; it is printed once and only its sha256 is stored."""
     role_list = [r.strip() for r in roles.split(",") if r.strip()]
-    k = _run(lambda: Backend(url, api_key, home).create_key(role_list, tenant, name))
+    k = run_or_exit(lambda: Backend(url, api_key, home).create_key(role_list, tenant, name))
     err.print(
         f"key [bold]{k['id']}[/] for tenant [cyan]{k['tenant']}[/], roles {', '.join(k['roles'])}. "
         "Store it now: it cannot be shown again.",
@@ -44,21 +54,21 @@ def keys_create(
 
 
 @keys_app.command("list")
-def keys_list(url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+def keys_list(url: UrlOption = DEFAULT_URL, api_key: KeyOption = None, home: HomeOption = None) -> None:
     """Keys (ids, tenants, roles; never the keys themselves)."""
-    rows = _run(lambda: Backend(url, api_key, home).list_keys())
+    rows = run_or_exit(lambda: Backend(url, api_key, home).list_keys())
     table = Table(title="API keys")
     for col in ("id", "name", "tenant", "roles", "created", "revoked"):
         table.add_column(col)
     for k in rows:
         table.add_row(
-            k["id"], k["name"] or "-", k["tenant"], ",".join(k["roles"]), _when(k["created"]), _when(k["revoked"])
+            k["id"], k["name"] or "-", k["tenant"], ",".join(k["roles"]), when(k["created"]), when(k["revoked"])
         )
     out.print(table)
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: str, url: _Url = DEFAULT_URL, api_key: _Key = None, home: _HomeOpt = None) -> None:
+def keys_revoke(key_id: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption = None, home: HomeOption = None) -> None:
     """Revoke a key (every gateway refuses it from its next request)."""
-    k = _run(lambda: Backend(url, api_key, home).revoke_key(key_id))
+    k = run_or_exit(lambda: Backend(url, api_key, home).revoke_key(key_id))
     out.print(f"revoked {k['id']} (tenant {k['tenant']})")

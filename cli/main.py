@@ -414,7 +414,7 @@ def hf_cache(
             snapshot = install_in_hf_cache(ref, target, cache_dir)
             aliases = {alias: install_in_hf_cache(ref, alias, cache_dir) for alias in {name} - {target}}
     except LiveloraError as exc:
-        from livelora.cli.admin import key_hint
+        from livelora.cli.admin_common import key_hint
 
         console.print(f"[red]error[/]: {escape(key_hint(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from livelora.cli.admin import DEFAULT_URL, Backend, _HomeOpt, _Key, _run, _Url
+from livelora.cli.admin_common import DEFAULT_URL, Backend, HomeOption, KeyOption, UrlOption, run_or_exit
 
 out = Console()
 err = Console(stderr=True)
@@ -116,9 +116,9 @@ def usage(
         str, typer.Option(help="Comma-separated: tenant, key, subject, kind, hour, day.")
     ] = "tenant,key,subject,kind",
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON answer instead of a table.")] = False,
-    url: _Url = DEFAULT_URL,
-    api_key: _Key = None,
-    home: _HomeOpt = None,
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+    home: HomeOption = None,
 ) -> None:
     """Tokens used per tenant, API key, endpoint or session and kind.
 
@@ -138,7 +138,7 @@ def usage(
         }.items()
         if v is not None
     }
-    answer = _run(lambda: read_usage(url, api_key, home, params))
+    answer = run_or_exit(lambda: read_usage(url, api_key, home, params))
     if as_json:
         typer.echo(json.dumps(answer, indent=2))
         return

@@ -1,4 +1,5 @@
-"""A base model's tokenizer as plain files: what ``GET /api/v1/tokenizer`` serves, and where clients put it.
+"""A base model's tokenizer as plain files: what ``GET /api/v1/tokenizer`` serves, and where clients put it (the
+server reads and serves them with :mod:`livelora.core.served_tokenizer`).
 
 :func:`load_tokenizer` loads the served base model's tokenizer from the server's files (:func:`fetch_tokenizer`,
 no hub request), stored in the SDK's own cache (:func:`store_tokenizer`, one folder per revision) or placed in the
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from livelora.clients.errors import BadRequestError, InternalError
-from livelora.clients.types.tinker_ext import TokenizerFile, TokenizerFilesResponse
+from livelora.clients.types.tinker_ext import TokenizerFilesResponse
 
 if TYPE_CHECKING:
     from livelora.clients._http import Transport
@@ -42,45 +42,7 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "config.json",
 )
 
-#: Keys of ``config.json``/``tokenizer_config.json`` that some savers fill with the directory they saved from;
-#: dropped when they hold an absolute path (loading never reads them).
-_PATH_KEYS = ("_name_or_path", "name_or_path")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-
-
-def scrub_paths(name: str, data: bytes) -> bytes:
-    """``data`` (the bytes of file ``name``) without a ``name_or_path``/``_name_or_path`` holding an absolute file
-    path; any other file, or one without such a key, is returned unchanged."""
-    if name not in ("config.json", "tokenizer_config.json"):
-        return data
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return data
-    if not isinstance(obj, dict):
-        return data
-    drop = [
-        k
-        for k in _PATH_KEYS
-        if isinstance(obj.get(k), str)
-        and (os.path.isabs(obj[k]) or obj[k].startswith("~") or re.match(r"^[A-Za-z]:\\", obj[k]))
-    ]
-    if not drop:
-        return data
-    return (json.dumps({k: v for k, v in obj.items() if k not in drop}, indent=2, ensure_ascii=False) + "\n").encode()
-
-
-def read_tokenizer_dir(directory: Path | str) -> dict[str, bytes]:
-    """The :data:`TOKENIZER_FILES` present in ``directory`` (``{base name: bytes}``, paths scrubbed by
-    :func:`scrub_paths`).
-
-    Raises:
-        BadRequestError: neither ``tokenizer.json`` nor ``tokenizer_config.json`` is there.
-    """
-    src = Path(directory)
-    files = {f: scrub_paths(f, (src / f).read_bytes()) for f in TOKENIZER_FILES if (src / f).is_file()}
-    check_files(files)
-    return files
 
 
 def check_files(files: Mapping[str, bytes]) -> None:
@@ -99,20 +61,6 @@ def files_revision(files: Mapping[str, bytes]) -> str:
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name])
     return digest.hexdigest()
-
-
-def to_response(tokenizer_id: str, files: Mapping[str, bytes], aliases: list[str] = ()) -> TokenizerFilesResponse:
-    """The wire form of ``files``: text files as UTF-8, others as base64; ``aliases``: the base model's other
-    names."""
-    out = []
-    for name in sorted(files):
-        try:
-            out.append(TokenizerFile(name=name, encoding="utf-8", content=files[name].decode("utf-8")))
-        except UnicodeDecodeError:
-            out.append(TokenizerFile(name=name, encoding="base64", content=base64.b64encode(files[name]).decode()))
-    return TokenizerFilesResponse(
-        tokenizer_id=tokenizer_id, revision=files_revision(files), files=out, aliases=list(aliases)
-    )
 
 
 def from_response(res: TokenizerFilesResponse) -> dict[str, bytes]:

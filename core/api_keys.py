@@ -1,9 +1,9 @@
 """API keys, roles and tenants, stored hashed in the store; plus the name rules for endpoints and sessions.
 
 :class:`KeyStore` creates, verifies and revokes keys in ``LIVELORA_HOME/keys.json``; a key is
-``tml-<id>-<secret>`` and only its sha256 is kept, so it is shown once, when created. :data:`ROLES` is a closed
-set (``inference``, ``feedback``, ``train``, ``admin``, ``operator``) and roles do not imply each other;
-:class:`Principal` is the authenticated caller. File layout and what each role grants:
+``tml-<id>-<secret>`` (:func:`parse_key`) and only its sha256 is kept, so it is shown once, when created.
+:data:`ROLES` is a closed set (``inference``, ``feedback``, ``train``, ``admin``, ``operator``) and roles do not
+imply each other; :class:`Principal` is the authenticated caller. File layout and what each role grants:
 ``docs/internals/tenancy.md``.
 
 Example::
@@ -141,6 +141,24 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+#: ``tml-<id>-<secret>``: the id is 12 hex digits, the secret URL-safe base64 (``secrets.token_urlsafe``)
+_KEY_RE = re.compile(rf"{KEY_PREFIX}(?P<id>[0-9a-f]{{12}})-(?P<secret>[A-Za-z0-9_-]+)")
+
+
+def parse_key(key: str) -> tuple[str, str]:
+    """``(key_id, secret)`` of a key ``tml-<id>-<secret>``. The secret's alphabet holds ``-`` and ``_``, so it may
+    begin or end with the separator or hold several in a row: the key is cut after the fixed-length id, never split
+    on ``-``.
+
+    Raises:
+        ValueError: ``key`` is not of that form.
+    """
+    m = _KEY_RE.fullmatch(key)
+    if m is None:
+        raise ValueError("not an API key of the form tml-<12 hex digits>-<secret>")
+    return m["id"], m["secret"]
+
+
 class KeyStore:
     """``keys.json`` under ``home``; re-read when the file changes (so revocations reach every process).
 
@@ -208,10 +226,11 @@ class KeyStore:
 
     def verify(self, key: str | None) -> Principal | None:
         """The principal of a valid, unrevoked key; ``None`` for a missing, unknown or revoked key."""
-        if not key:
+        try:
+            key_id, _secret = parse_key(key or "")
+        except ValueError:
             return None
-        digest = hash_key(key)
-        for rec in self.all().values():
-            if hmac.compare_digest(rec.sha256, digest):
-                return rec.principal() if rec.revoked is None else None
-        return None
+        rec = self.all().get(key_id)
+        if rec is None or not hmac.compare_digest(rec.sha256, hash_key(key)):
+            return None
+        return rec.principal() if rec.revoked is None else None

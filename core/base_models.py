@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from livelora.clients.errors import BadRequestError, ModelNotFoundError
 from livelora.clients.tokenizer_files import TOKENIZER_FILES as _TOKENIZER_FILES
-from livelora.clients.tokenizer_files import install_in_hub_cache, read_tokenizer_dir, scrub_paths
+from livelora.clients.tokenizer_files import install_in_hub_cache
 from livelora.core.atomic import atomic_dir, atomic_write_json, file_lock
+from livelora.core.served_tokenizer import read_tokenizer_dir, scrub_paths
 from livelora.core.settings import DEFAULT_MODEL
 
 if TYPE_CHECKING:  # heavy imports stay lazy

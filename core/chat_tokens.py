@@ -16,7 +16,8 @@ import secrets
 from collections.abc import Mapping, Sequence
 
 from livelora.clients.errors import BadRequestError
-from livelora.clients.tokens import control_pattern, control_tokens, encode_text, find_control_text
+from livelora.clients.tokens import encode_text
+from livelora.core.control_tokens import control_pattern, control_tokens, find_control_text
 
 Conversation = Sequence[Mapping[str, str]]
 

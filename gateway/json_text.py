@@ -1,5 +1,6 @@
-"""Text in a JSON request body must be Unicode that UTF-8 can encode: :func:`check_text`, called by the one body
-parser (:func:`livelora.gateway.middleware.auth.json_body`) for every route, Tinker routes included.
+"""The one parser of JSON request bodies (:func:`json_body`, called by the auth middleware for every route and by
+the Tinker body codec): one JSON value, nested at most :data:`MAX_JSON_DEPTH` deep, no object repeating a key, and
+text that is Unicode UTF-8 can encode (:func:`check_text`).
 
 Python's ``json`` turns ``"\\ud800"`` (and the raw bytes ``ED A0 80``) into a lone surrogate, a ``str`` that
 cannot be written back as UTF-8 (to Redis, a file, a log or a response) and fails later, far from the request.
@@ -8,6 +9,7 @@ Rules and the error: ``docs/errors.md`` ("Text in JSON bodies").
 
 from __future__ import annotations
 
+import json
 import re
 
 from livelora.clients.errors import BadRequestError
@@ -63,3 +65,80 @@ def _find(node: object, path: str) -> tuple[str, str] | None:
             if (found := _find(value, f"{path}[{i}]")) is not None:
                 return found
     return None
+
+
+#: Deepest nesting of objects/arrays a request body may have (Tinker bodies nest about 8 deep).
+MAX_JSON_DEPTH = 64
+
+
+def json_body(body: bytes, content_type: str | None) -> object:
+    """The decoded body of a request declared as JSON (``None`` for another or no content-type, which its route
+    answers; ``{}`` for an empty body), so that no route meets malformed, too deeply nested or ambiguous JSON.
+
+    Raises:
+        BadRequestError: not valid JSON, nested deeper than :data:`MAX_JSON_DEPTH`, or an object that repeats a
+            key (a reader keeping the first and one keeping the last would see two requests) (400,
+            ``invalid_json``); bytes that are not UTF-8, or a string holding a lone surrogate (400,
+            ``invalid_text``: :func:`livelora.gateway.json_text.check_text`).
+    """
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if not (media == "application/json" or media.endswith("+json")):
+        return None
+    if not body.strip():
+        return {}
+    check_json_depth(body, MAX_JSON_DEPTH)
+    try:
+        data = json.loads(body, object_pairs_hook=_no_repeated_keys)
+    except RecursionError:
+        raise _too_deep() from None
+    except BadRequestError:  # a repeated key
+        raise
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(
+            f"request body is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start} ({exc.reason})",
+            code="invalid_text",
+        ) from None
+    except ValueError as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    check_text(body, data)
+    return data
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise BadRequestError(
+            f"request body repeats the key {key!r} in one object; each key may appear once",
+            param=key,
+            code="invalid_json",
+        )
+    return out
+
+
+def check_json_depth(body: bytes, limit: int) -> None:
+    """Refuse a body whose JSON nests objects/arrays deeper than ``limit`` (counted on the raw bytes, outside
+    strings, before any parser recurses into it; a body that is not JSON is left to its route).
+
+    Raises:
+        BadRequestError: nested deeper than ``limit`` (400, code ``invalid_json``).
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return  # cannot nest deeper (the common case: no scan)
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)  # C-speed: strings, then non-brackets
+    depth = 0
+    for byte in brackets:
+        depth += 1 if byte in (0x5B, 0x7B) else -1
+        if depth > limit:
+            raise _too_deep(limit)
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _too_deep(limit: int = MAX_JSON_DEPTH) -> BadRequestError:
+    return BadRequestError(
+        f"request body nests JSON objects/arrays deeper than the limit of {limit}", code="invalid_json"
+    )

@@ -57,15 +57,6 @@ SERVER_SETTINGS = {
 DURABLE = ("store_id", "layout", "bus:epoch", "signals", "usage:hours", "usage:pending", "usage:2", "trainer:models")
 
 
-@pytest.fixture(scope="module")
-def r():
-    client = redis.Redis(decode_responses=True)
-    yield client
-    for key in client.scan_iter(f"{PREFIX}*", count=1000):
-        client.delete(key)
-    client.close()
-
-
 def post(server, keys, path: str, body: dict, tenant: str = "acme") -> httpx.Response:
     return httpx.post(server.url(path), json=body, timeout=60, headers={"Authorization": f"Bearer {keys[tenant]}"})
 
@@ -108,15 +99,15 @@ OVERSIZED = {
 
 
 @pytest.mark.parametrize("field", sorted(OVERSIZED))
-def test_an_oversized_session_field_is_refused_naming_it_before_any_write(server, keys, r, field):
-    before = set(r.scan_iter(f"{PREFIX}*", count=1000))
+def test_an_oversized_session_field_is_refused_naming_it_before_any_write(server, keys, server_redis, field):
+    before = set(server_redis.scan_iter(f"{PREFIX}*", count=1000))
     got = create(server, keys, **{field: OVERSIZED[field]})
     assert got.status_code == 400, got.text
     err = got.json()["error"]
     assert err["param"].split(".")[0] == field and err["type"] == "invalid_request_error"
     limit = {"user_metadata": MAX_METADATA_BYTES, "tags": MAX_TAGS}.get(field, MAX_TEXT_CHARS)
     assert str(limit) in err["message"]
-    assert set(r.scan_iter(f"{PREFIX}*", count=1000)) - before == set()
+    assert set(server_redis.scan_iter(f"{PREFIX}*", count=1000)) - before == set()
 
 
 #: each signal request model → its route and a valid body (the oversized cases are generated from the schema)
@@ -173,13 +164,15 @@ def test_every_signal_request_model_has_a_route_here():
 @pytest.mark.parametrize(
     ("route", "body", "param", "limit"), _oversized_cases(), ids=lambda v: v if isinstance(v, str) else ""
 )
-def test_an_oversized_signal_text_is_refused_naming_it_before_any_write(server, keys, r, route, body, param, limit):
-    before = set(r.scan_iter(f"{PREFIX}*", count=1000))
+def test_an_oversized_signal_text_is_refused_naming_it_before_any_write(
+    server, keys, server_redis, route, body, param, limit
+):
+    before = set(server_redis.scan_iter(f"{PREFIX}*", count=1000))
     got = post(server, keys, route, body)
     assert got.status_code == 400, got.text
     err = got.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and str(limit) in err["message"]
-    assert set(r.scan_iter(f"{PREFIX}*", count=1000)) - before == set()
+    assert set(server_redis.scan_iter(f"{PREFIX}*", count=1000)) - before == set()
     assert limit in {
         signal_types.MAX_SIGNAL_TEXT_CHARS,
         signal_types.MAX_SIGNAL_MESSAGES,
@@ -199,15 +192,15 @@ def test_the_default_session_limit_answers_429_naming_it(server, keys):
         finish(server, keys, sid, "beta")
 
 
-def test_a_session_leaves_nothing_in_redis_after_its_history_expires(server, keys, r):
+def test_a_session_leaves_nothing_in_redis_after_its_history_expires(server, keys, server_redis):
     finished = create(server, keys, user_metadata={"run": "a"}).json()["session_id"]
     abandoned = create(server, keys, user_metadata={"run": "b"}).json()["session_id"]
     finish(server, keys, finished)
     assert post(server, keys, "/api/v1/session_heartbeat", {"session_id": abandoned}).status_code == 200
     got = search(server, keys, {"user_metadata": {"run": "a"}}).json()["sessions"]
     assert [s["session_id"] for s in got] == [finished] and got[0]["status"]["type"] == "client_finished"
-    assert keys_of(r, finished) and keys_of(r, abandoned)
-    left = lambda: keys_of(r, finished) + keys_of(r, abandoned)  # noqa: E731
+    assert keys_of(server_redis, finished) and keys_of(server_redis, abandoned)
+    left = lambda: keys_of(server_redis, finished) + keys_of(server_redis, abandoned)  # noqa: E731
     assert wait_until(lambda: not left(), timeout_s=60, interval_s=1), left()
     assert search(server, keys, {"user_metadata": {"run": "a"}}).json()["sessions"] == []
     gone = httpx.get(server.url(f"/api/v1/sessions/{finished}"), headers={"Authorization": f"Bearer {keys['acme']}"})
@@ -233,7 +226,7 @@ def test_search_pages_stay_under_the_byte_bound_and_a_cursor_walk_finds_each_ses
     assert pages >= 2 and sorted(seen) == sorted(made) and len(seen) == len(set(seen))
 
 
-def test_every_key_a_session_wrote_has_a_ttl_or_is_durable(server, keys, r, tokenizer):
+def test_every_key_a_session_wrote_has_a_ttl_or_is_durable(server, keys, server_redis, tokenizer):
     svc = ServiceClient(server.base_url, api_key=keys["acme"], heartbeat_s=1.0)
     try:
         tc = svc.create_lora_training_client(MODEL, rank=2, seed=0)
@@ -253,15 +246,15 @@ def test_every_key_a_session_wrote_has_a_ttl_or_is_durable(server, keys, r, toke
     finally:
         svc.close()
     time.sleep(SESSION_TTL_S + 1)  # the session's own keys expire; the executor frees its model
-    lasting = [k for k in r.scan_iter(f"{PREFIX}*", count=1000) if r.pttl(k) == -1]
+    lasting = [k for k in server_redis.scan_iter(f"{PREFIX}*", count=1000) if server_redis.pttl(k) == -1]
     stray = [k for k in lasting if not k.removeprefix(PREFIX).startswith(DURABLE)]
     assert stray == [], f"keys without TTL that are not on the durable list: {stray}"
 
 
-def test_the_legacy_history_hash_moves_into_expiring_keys(r):
+def test_the_legacy_history_hash_moves_into_expiring_keys(server_redis):
     keys = KeyLayout(f"{PREFIX}legacy:")
     summary = {"created": 1.5, "tenant": "acme", "user_metadata": {"a": "b"}, "status": None}
-    r.hset(keys.legacy_session_history, mapping={"s1": json.dumps(summary), "s2": "not json"})
+    server_redis.hset(keys.legacy_session_history, mapping={"s1": json.dumps(summary), "s2": "not json"})
 
     async def move():
         client = redis.asyncio.Redis(decode_responses=True)
@@ -272,8 +265,11 @@ def test_the_legacy_history_hash_moves_into_expiring_keys(r):
             await client.aclose()
 
     moved, newest = asyncio.run(move())
-    assert moved == 1 and newest == [("s1", summary)] and not r.exists(keys.legacy_session_history)
-    assert 0 < r.pttl(keys.session_summary("s1")) <= 60_000 and 0 < r.pttl(keys.session_index("acme")) <= 60_000
+    assert moved == 1 and newest == [("s1", summary)] and not server_redis.exists(keys.legacy_session_history)
+    assert (
+        0 < server_redis.pttl(keys.session_summary("s1")) <= 60_000
+        and 0 < server_redis.pttl(keys.session_index("acme")) <= 60_000
+    )
 
 
 def test_the_adapter_byte_limit_answers_429_before_a_save_writes(server, keys, home):
@@ -347,7 +343,7 @@ def test_the_live_loop_prunes_unused_versions_for_the_byte_limit_or_holds_back(b
     assert probe.store.version_numbers("live") == [2, 3]  # nothing deleted when it cannot make enough room
 
 
-def test_a_versions_rating_hashes_keep_their_newest_and_expire(r):
+def test_a_versions_rating_hashes_keep_their_newest_and_expire(server_redis):
     keys = KeyLayout(f"{PREFIX}stats:")
     live = LiveSection(stats_max_ratings=5, stats_ttl_s=600)
 
@@ -364,10 +360,12 @@ def test_a_versions_rating_hashes_keep_their_newest_and_expire(r):
 
     row, over_time = asyncio.run(rate())
     ratings, rated_at = keys.version_ratings("ep", "ep@1"), keys.version_rated_at("ep", "ep@1")
-    assert sorted(r.hkeys(ratings)) == sorted(r.hkeys(rated_at)) == [f"c{i}:u" for i in range(2, 7)]
+    assert (
+        sorted(server_redis.hkeys(ratings)) == sorted(server_redis.hkeys(rated_at)) == [f"c{i}:u" for i in range(2, 7)]
+    )
     assert row["ratings"] == 5 and row["thumbs_up"] == 3  # c2, c4, c6
     assert [up for _, _, up in over_time] == [True, False, True, False, True]
-    assert 0 < r.ttl(ratings) <= 600 and 0 < r.ttl(rated_at) <= 600
+    assert 0 < server_redis.ttl(ratings) <= 600 and 0 < server_redis.ttl(rated_at) <= 600
     assert LiveSection().stats_max_ratings == 10_000 and LiveSection().stats_ttl_s == 90 * 86400
 
 

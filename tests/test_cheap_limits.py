@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 import zstandard
-from _server import MODEL
+from harness.server import MODEL
 
 CHAT = "/v1/chat/completions"
 

@@ -1,16 +1,16 @@
 """In-code text stays concise: every package module's docstring is at most 15 lines, and no package file cites a
 document outside the repository (``tinker_protocol.md``, ``../shared/...``); what such text held lives in
-``docs/internals/``. Package folders come from pyproject's ``package-dir``, as in ``tests/test_layering.py``.
+``docs/internals/``. Package folders come from pyproject's ``package-dir`` (:func:`harness.source.package_dirs`).
 """
 
 from __future__ import annotations
 
 import ast
 import re
-import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from harness.source import REPO, package_dirs
+
 MAX_MODULE_DOC_LINES = 15
 #: A cited document: one of the reference notes the code used to point at, or anything under ``shared/``, with
 #: the path written before it. A citation is fine when that path is a file of this repository.
@@ -18,16 +18,6 @@ EXTERNAL = re.compile(
     r"[\w./-]*(?:\b(?:tinker_protocol|losses|design|openai_contract|vllm_lora|peers|measurements|distributed"
     r"|sandbox_api|style)\.md\b|\bshared/[\w./-]*)"
 )
-
-
-def package_dirs() -> dict[str, Path]:
-    """``{top package name: folder}`` from pyproject's ``package-dir``."""
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    return {
-        name.split(".", 1)[1]: REPO / folder
-        for name, folder in mapping.items()
-        if name.startswith("livelora.") and name.count(".") == 1
-    }
 
 
 def package_files() -> list[Path]:

@@ -8,7 +8,7 @@ import os
 
 import httpx
 import redis
-from _server import MODEL
+from harness.server import MODEL
 
 from livelora.clients.types.signals import RatingEvent, parse_stream_event
 from livelora.core.redis_keys import KeyLayout

@@ -13,9 +13,10 @@ import pytest
 from harness.server import MODEL
 
 from livelora.clients.errors import BadRequestError
-from livelora.clients.tokens import control_tokens, encode_text, find_control_text, split_stop_strings
+from livelora.clients.tokens import encode_text
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent
 from livelora.core.chat_tokens import chat_pair, render_chat
+from livelora.core.control_tokens import control_tokens, find_control_text, split_stop_strings
 from livelora.trainer.online import OnlineTrainer
 
 #: The issue's forged turn: end the user turn, open a system turn, then a new user turn.

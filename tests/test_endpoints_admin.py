@@ -557,7 +557,7 @@ def test_bindings_survive_restart(server, keys, home):
     # a fresh process (as a restarted trainer) reads the same bindings from the store
     listed = _cli("endpoints", "list", "--home", str(home))
     assert "acme.prod" in listed and "(public)" in listed  # the base model's own endpoint is listed too
-    from livelora.cli.admin import Backend
+    from livelora.cli.admin_common import Backend
 
     serving = {e["name"]: e["serving"] for e in Backend("http://unused", None, home).list_endpoints()}
     assert serving["acme.prod"] == "acme.support@2" and serving["acme.live"] == "acme.support@4"
@@ -577,7 +577,7 @@ def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
     from peft import PeftModel
 
     from livelora.core.base_models import load_model
-    from livelora.gateway.services.tenants.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import StoreAdmin
 
     peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
     _cli("adapters", "export", "acme.support@2", "--format", "peft", "--out", str(peft_dir), "--home", str(home))
@@ -607,7 +607,7 @@ def test_export_round_trips(home, keys, base_ref, tokenizer, tmp_path):
     with torch.no_grad():
         assert (load_model(base_ref)(ids).logits - logits_merged).abs().max().item() > 1e-3
     # the API export path writes the same directory once (versions are immutable)
-    svc = AdminService(home, tenant="acme")
+    svc = StoreAdmin(home, tenant="acme")
     first = svc.versions.export("acme.support@2", "peft")
     assert svc.versions.export("acme.support@2", "peft") == first and (first / "adapter_config.json").is_file()
 
@@ -631,7 +631,7 @@ def test_the_served_base_models_own_endpoint_is_administered_like_the_others(bas
     roll it back (a change makes it explicit); it belongs to tenant default, so another tenant sees none of it."""
     from livelora.adapters.endpoints import record_install_owners
     from livelora.clients.errors import NotFoundError
-    from livelora.gateway.services.tenants.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import StoreAdmin
     from livelora.trainer.model import TrainingModel
 
     base = "smollm2-135m-instruct"
@@ -639,7 +639,7 @@ def test_the_served_base_models_own_endpoint_is_administered_like_the_others(bas
     tm = TrainingModel(base_ref, LoraConfig(rank=2, train_unembed=False, train_mlp=False))
     for _ in (1, 2):
         tm.save_weights(AdapterStore(tmp_path), base)
-    svc = AdminService(tmp_path, tenant="default", base_endpoints=(base,))
+    svc = StoreAdmin(tmp_path, tenant="default", base_endpoints=(base,))
     [shown] = svc.list_endpoints()
     assert (shown["name"], shown["lineage"], shown["mode"], shown["serving"]) == (base, base, "follow", f"{base}@2")
     assert svc.get_endpoint(base)["serving"] == f"{base}@2"
@@ -652,11 +652,11 @@ def test_the_served_base_models_own_endpoint_is_administered_like_the_others(bas
     assert svc.get_endpoint(base)["serving"] == f"{base}@1"
     assert svc.rollback(base, who="key:test").to == f"{base}@2"
     assert [h.action for h in svc.history(base)] == ["promote", "rollback"]
-    other = AdminService(tmp_path, tenant="acme", base_endpoints=(base,))
+    other = StoreAdmin(tmp_path, tenant="acme", base_endpoints=(base,))
     assert other.list_endpoints() == [] and other.history(base) == []
     with pytest.raises(NotFoundError):
         other.get_endpoint(base)
     with pytest.raises(NotFoundError):
         other.promote(base, "1", who="key:acme")
     # the promotion made it explicit: listed even by an admin view that does not know the served name
-    assert [e["name"] for e in AdminService(tmp_path, tenant="default").list_endpoints()] == [base]
+    assert [e["name"] for e in StoreAdmin(tmp_path, tenant="default").list_endpoints()] == [base]

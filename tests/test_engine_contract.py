@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from harness.engines import engine_kinds_under_test, logprob_tolerance
+from harness.engines import chat, collect, engine_kinds_under_test, greedy, logprob_tolerance
 from harness.seeds import peft_versions
 
 from livelora.clients.errors import BadRequestError, ConflictError, ContextLengthExceededError, ModelNotFoundError
@@ -23,21 +23,6 @@ from livelora.gateway.engines import SamplingParams
 #: the harness ``engine`` runs on each of them
 TEST_ENGINE_KINDS = engine_kinds_under_test()
 QUESTION = "What is the capital of France? Answer in one sentence."
-
-
-def chat(engine, text: str) -> list[int]:
-    enc = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(enc["input_ids"] if not isinstance(enc, list) else enc)
-
-
-async def collect(engine, prompt, params, adapter=None):
-    """Run one generation; return (token ids, joined text, chunks)."""
-    chunks = [c async for c in engine.generate(prompt, params, adapter=adapter)]
-    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks
-
-
-def greedy(n, **kw):
-    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
 
 
 @pytest.fixture(scope="module")

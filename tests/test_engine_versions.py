@@ -22,8 +22,8 @@ import shutil
 
 import pytest
 import torch
+from harness.engines import chat, collect, greedy
 from harness.seeds import peft_versions
-from test_engine_contract import chat, collect, greedy
 
 from livelora.clients.errors import ConflictError, ModelNotFoundError
 from livelora.gateway.engines import SamplingParams, create_engine

@@ -11,9 +11,9 @@ import importlib.util
 
 import pytest
 import torch
+from harness.engines import collect, greedy
 from harness.native import native_crash
 from harness.seeds import peft_versions
-from test_engine_contract import collect, greedy
 
 from livelora.gateway.engines import create_engine
 from livelora.gateway.engines.lora_slots import MERGE_AFTER_STEPS

@@ -71,10 +71,10 @@ def test_the_adapter_file_applied_to_the_base_gguf_equals_the_merged_weights(exp
 
 
 def test_refusals(exported, base_ref, tmp_path):
-    from livelora.gateway.services.tenants.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import StoreAdmin
 
     _, store, version, out, _ = exported
-    versions = AdminService(store.home, tenant=None).versions  # what the CLI and POST /admin/.../export call
+    versions = StoreAdmin(store.home, tenant=None).versions  # what the CLI and POST /admin/.../export call
     assert (versions.export(f"ggufed@{version}", "gguf") / GGUF_FILE).read_bytes() == (out / GGUF_FILE).read_bytes()
     with pytest.raises(BadRequestError, match="'peft', 'merged' or 'gguf'"):
         versions.export(f"ggufed@{version}", "onnx")

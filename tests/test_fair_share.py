@@ -16,7 +16,7 @@ import uuid
 import httpx
 import pytest
 import redis
-from _server import start_server
+from harness.server import start_server
 
 from livelora.core.api_keys import TENANT_ROLES, KeyStore
 from livelora.core.quotas import Limits, QuotaStore

@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-import uuid
 
 import pytest
 import torch
+from harness.gate import rating_batch, wrong_answers_batch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from livelora.adapters.endpoints import EndpointStore
 from livelora.adapters.store import WEIGHTS_FILE, AdapterStore
 from livelora.clients.errors import BadRequestError
-from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, RatingEvent
+from livelora.clients.types.signals import RatingEvent
 from livelora.core.rails import GateThresholds, bound_of, gate_allows, judge
 from livelora.trainer.gate import held_out
 from livelora.trainer.gate_measure import Measurement, compare, load_probes, reply_degenerate
-from livelora.trainer.scheduler import Batch, kto_class_weights
 
 
 def test_judge_applies_each_threshold():
@@ -136,9 +134,9 @@ def test_probe_file_and_degeneracy_heuristics():
 
 
 def test_endpoint_thresholds_are_validated_stored_and_audited(tmp_path):
-    from livelora.gateway.services.tenants.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import StoreAdmin
 
-    admin = AdminService(tmp_path, tenant=None)
+    admin = StoreAdmin(tmp_path, tenant=None)
     admin.create_endpoint("ep", "lin", who="t")
     with pytest.raises(BadRequestError) as exc:
         admin.set_gate("ep", {"probe_margin": 2.0}, who="t")
@@ -190,70 +188,6 @@ def test_endpoint_thresholds_are_validated_stored_and_audited(tmp_path):
 
 # ---------------------------------------------------------------------------------- the real model
 
-WRONG = {"fact": "London", "arithmetic": "8", "format": "Maybe"}
-
-
-def _ratings(trainer, endpoint: str, n: int = 8) -> Batch:
-    qs = [
-        "What is a good name for a dog?",
-        "How do I boil an egg?",
-        "Why do leaves change colour?",
-        "What is the tallest mountain?",
-        "Give me a word that rhymes with cat.",
-        "How far is the Moon?",
-        "What is photosynthesis?",
-        "Suggest a breakfast.",
-    ]
-    good = [
-        "Max is a classic name for a dog.",
-        "Boil it for about nine minutes.",
-        "They lose chlorophyll.",
-        "Mount Everest.",
-        "Hat rhymes with cat.",
-        "About 384,000 km.",
-        "Plants turning light into sugar.",
-        "Oatmeal with fruit.",
-    ]
-    evs = []
-    for i in range(n):
-        up = i % 2 == 0
-        prompt, completion = trainer.chat_pair(
-            [ChatMessage(role="user", content=qs[i])], good[i] if up else "I do not know."
-        )
-        evs.append(
-            RatingEvent(
-                id=f"feedback-{uuid.uuid4().hex}",
-                endpoint=endpoint,
-                created=int(time.time()),
-                completion_id=f"c{i}-{uuid.uuid4().hex[:6]}",
-                prompt_token_ids=prompt,
-                completion_token_ids=completion[:-2],
-                finish_reason="stop",
-                rating=up,
-                rating_key=f"c{i}:/u",
-                user="u",
-            )
-        )
-    batch = Batch(endpoint, "kto", evs, [f"1-{i}" for i in range(n)])
-    batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n // 2, n - n // 2)
-    return batch
-
-
-def _wrong_answers(endpoint: str) -> Batch:
-    """SFT demonstrations that answer every probe question wrongly (the probes' own prompts)."""
-    evs = []
-    for p in load_probes():
-        reply = f"{p.lead} {WRONG[p.kind]}".strip()
-        evs.append(
-            DemonstrationEvent(
-                id=f"demo-{uuid.uuid4().hex}",
-                endpoint=endpoint,
-                created=int(time.time()),
-                messages=[ChatMessage(role="user", content=p.prompt), ChatMessage(role="assistant", content=reply)],
-            )
-        )
-    return Batch(endpoint, "sft", evs, [f"2-{i}" for i in range(len(evs))])
-
 
 @pytest.mark.timeout(1800)
 def test_worse_version_is_rejected_never_served_and_training_continues_from_the_last_pass(base_ref, tmp_path):
@@ -269,7 +203,7 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
     gate = GateSection(gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12, gate_min_step_scale=1.0)
     trainer = OnlineTrainer(base_ref, home, TrainingSection(sft_lr=3e-3), gate=gate)
 
-    v1 = trainer.train(_ratings(trainer, ep))  # a normal live-loop step
+    v1 = trainer.train(rating_batch(trainer, ep))  # a normal live-loop step
     g1 = v1.gate
     assert g1["against"] == "base" and g1["continued_from"] is None and g1["verdicts"][ep]["passed"]
     checks1 = {c["name"]: c for c in g1["checks"]}
@@ -290,7 +224,7 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
         signal_tolerance=100.0,
     )
     EndpointStore(home).set_gate(ep, loose, tenant="default", who="test", reason="probes_base only")
-    v2 = trainer.train(_wrong_answers(ep))  # trained to be much worse on the probes
+    v2 = trainer.train(wrong_answers_batch(ep))  # trained to be much worse on the probes
     g2 = v2.gate
     assert v2.parent == 1 and g2["against"] == f"{lineage}@1"
     assert not g2["verdicts"][ep]["passed"] and g2["verdicts"][ep]["failed"] == ["probes_base"]
@@ -318,7 +252,7 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
         assert all(torch.equal(s["exp_avg_sq"], v1_opt[i]["exp_avg_sq"]) for i, s in state.items())
     assert any(s["exp_avg"].any() for s in v1_opt.values())  # version 1 itself had a first moment
     # so the next step's first moment is (1 − β₁)·g of its own batch alone (g clipped to the global norm 1)
-    batch3 = _ratings(trainer, ep)
+    batch3 = rating_batch(trainer, ep)
     data, loss_fn, cfg, _ = trainer.datums(batch3)
     model.forward_backward(data, loss_fn, cfg, loss_positions_only=True)
     grads = [p.grad.clone() for p in model.lora_params.values()]
@@ -345,10 +279,10 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
 
     # what the admin API (GET /admin/adapters/{name}) and the CLI show
     from livelora.cli.main import app
-    from livelora.gateway.services.tenants.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import StoreAdmin
 
     shown2 = {
-        c["name"]: c for c in AdminService(home, tenant=None).versions.show_adapter(f"{lineage}@2")["gate"]["checks"]
+        c["name"]: c for c in StoreAdmin(home, tenant=None).versions.show_adapter(f"{lineage}@2")["gate"]["checks"]
     }
     assert shown2["probes_base"] == checks2["probes_base"]
     cli = CliRunner().invoke(app, ["adapters", "show", f"{lineage}@2", "--home", str(home)])

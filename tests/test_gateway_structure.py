@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 
 import pytest
-from test_layering import REPO, imports_of, package_dirs
+from harness.source import REPO, imports_of, package_dirs
 
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 300

@@ -61,7 +61,7 @@ def send(client, keys, events) -> None:
 
 
 def test_one_raters_flood_is_quarantined_kept_listed_and_audited(bus, tmp_path, base_ref):
-    from livelora.gateway.services.tenants.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import StoreAdmin
 
     client, keys = bus
     w = worker_for(client, keys, tmp_path, base_ref, rater_max_events=5, rater_window_s=600)
@@ -75,8 +75,8 @@ def test_one_raters_flood_is_quarantined_kept_listed_and_audited(bus, tmp_path, 
     q = read_quarantine(tmp_path)
     assert [r["event_id"] for r in q] == [e.id for e in flood[5:]] and {r["rater"] for r in q} == {"mallory"}
     assert q[0]["reason"].startswith("rate_limit: 5 events")
-    assert [r["event_id"] for r in AdminService(tmp_path, tenant=None).quarantine()] == [e.id for e in flood[5:]]
-    assert AdminService(tmp_path, tenant="acme").quarantine() == []  # another tenant sees none of it
+    assert [r["event_id"] for r in StoreAdmin(tmp_path, tenant=None).quarantine()] == [e.id for e in flood[5:]]
+    assert StoreAdmin(tmp_path, tenant="acme").quarantine() == []  # another tenant sees none of it
     hist = [h for h in EndpointStore(tmp_path).history(EP) if h.action == "quarantine"]
     assert len(hist) == 1 and hist[0].to == "mallory" and hist[0].details["limit"] == 5  # one line per burst
     assert client.xpending(keys.signals, "trainers")["pending"] == 8  # the quarantined ones are acknowledged
@@ -173,7 +173,7 @@ def test_contradicting_rater_counts_less_in_the_loss(bus, tmp_path, base_ref):
 
 
 def test_deleted_user_is_gone_from_the_dataset_and_from_later_batches(bus, tmp_path, base_ref):
-    from livelora.gateway.services.tenants.store_admin import AdminService
+    from livelora.gateway.services.tenants.store_admin import StoreAdmin
 
     client, keys = bus
     w = worker_for(client, keys, tmp_path, base_ref)
@@ -183,7 +183,7 @@ def test_deleted_user_is_gone_from_the_dataset_and_from_later_batches(bus, tmp_p
     w.poll(block_ms=10)
     assert len(read_dataset(tmp_path)) == 6 and len(w.scheduler) == 6
 
-    out = AdminService(tmp_path, tenant=None).forget_user("alice", who="local:test", reason="GDPR request 17")
+    out = StoreAdmin(tmp_path, tenant=None).forget_user("alice", who="local:test", reason="GDPR request 17")
     assert out["signals_removed"] == {EP: 3}
     assert {r["event"]["user"] for r in read_dataset(tmp_path)} == {"bob"}  # gone from the dataset of record
     hist = [h for h in EndpointStore(tmp_path).history(EP) if h.action == "forget"]

@@ -816,7 +816,7 @@ def test_malformed_nested_or_repeated_key_json_is_400_on_every_route(server, key
                 r = a.request(method, url, content=gzip.compress(b'{"model": "a"}'), headers=zipped)
                 err = error_of(r, 400)
                 assert err["message"].startswith("unsupported Content-Encoding 'gzip'"), (method, path, r.text)
-    from livelora.gateway.middleware.auth import check_json_depth
+    from livelora.gateway.json_text import check_json_depth
 
     check_json_depth(b'{"a": "' + b"[" * 5000 + b'"}', 64)  # brackets inside strings do not count
 

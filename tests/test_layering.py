@@ -23,14 +23,8 @@ covered as soon as it is declared.
 
 from __future__ import annotations
 
-import ast
-import tomllib
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from harness.source import imports_of, modules, package_dirs
 
 #: package → the livelora packages it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
@@ -45,64 +39,6 @@ ALLOWED: dict[str, set[str]] = {
 TORCH_AT_MODULE_LEVEL = ("trainer/", "gateway/engines/")
 #: folders where vllm may be imported at all
 VLLM_ALLOWED = ("gateway/engines/",)
-
-
-@dataclass(frozen=True)
-class Import:
-    """One import statement's target: ``module`` is absolute (``livelora.adapters.store``, ``torch.nn``)."""
-
-    module: str
-    line: int
-    module_level: bool  # executed when the module is imported (not in a function, not under TYPE_CHECKING)
-
-
-def package_dirs() -> dict[str, Path]:
-    """``{top package name: folder}`` from pyproject's ``package-dir`` (``{"gateway": REPO/"gateway", ...}``)."""
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    return {
-        name.split(".", 1)[1]: REPO / folder
-        for name, folder in mapping.items()
-        if name.startswith("livelora.") and name.count(".") == 1
-    }
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def imports_of(source: str, module_name: str, is_package: bool = False) -> list[Import]:
-    """Every import in ``source`` (the text of module ``module_name``), relative ones made absolute."""
-    out: list[Import] = []
-    package = module_name if is_package else module_name.rpartition(".")[0]
-
-    def visit(node: ast.AST, module_level: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Import):
-                out.extend(Import(a.name, child.lineno, module_level) for a in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                if child.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (child.level - 1)]
-                    target = ".".join(base + ([child.module] if child.module else []))
-                else:
-                    target = child.module or ""
-                out.append(Import(target, child.lineno, module_level))
-                if child.module is None or child.level:  # `from . import x` / `from .pkg import x`: x may be a module
-                    out.extend(Import(f"{target}.{a.name}", child.lineno, module_level) for a in child.names)
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                visit(child, False)
-            elif isinstance(child, ast.If) and _is_type_checking(child.test):
-                for stmt in child.body:
-                    visit(ast.Module(body=[stmt], type_ignores=[]), False)
-                for stmt in child.orelse:
-                    visit(ast.Module(body=[stmt], type_ignores=[]), module_level)
-            else:
-                visit(child, module_level)
-
-    visit(ast.parse(source), True)
-    return out
 
 
 def violations(source: str, rel_path: str, package: str, module_name: str, is_package: bool = False) -> list[str]:
@@ -141,23 +77,13 @@ def violations(source: str, rel_path: str, package: str, module_name: str, is_pa
     return found
 
 
-def _modules():
-    for package, folder in package_dirs().items():
-        for path in sorted(folder.rglob("*.py")):
-            rel = path.relative_to(REPO).as_posix()
-            parts = path.relative_to(folder).with_suffix("").parts
-            is_package = parts[-1] == "__init__"
-            name = ".".join(["livelora", package, *(parts[:-1] if is_package else parts)])
-            yield rel, package, name, is_package, path
-
-
 def test_every_package_folder_has_a_layer():
     assert set(package_dirs()) == set(ALLOWED), "a package declared in pyproject.toml needs a row in ALLOWED"
 
 
 def test_every_module_keeps_the_import_direction_and_the_heavy_library_rules():
     found = []
-    for rel, package, name, is_package, path in _modules():
+    for rel, package, name, is_package, path in modules():
         found += violations(path.read_text(), rel, package, name, is_package)
     assert not found, "layering violations:\n" + "\n".join(found)
 

@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 from _doc_blocks import REPO, blocks
-from _server import start_server
+from harness.server import start_server
 from typer.testing import CliRunner
 
 from livelora.adapters.endpoints import EndpointStore
@@ -79,6 +79,7 @@ def live(request, tmp_path, livelora_home):
         redis.close()
 
 
+@pytest.mark.live
 def test_rating_to_a_published_version_is_watchable(live, caplog):
     server, keys = live
     caplog.set_level(logging.INFO, logger="livelora.trainer.learning_status")
@@ -170,6 +171,7 @@ def wait_serving(client: httpx.Client, version: str) -> LearningStatus:
     raise AssertionError(f"{version} not served within 300 s")
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("live", [(4, 3)], indirect=True)
 def test_a_partial_batch_and_held_out_ratings_say_so(live):
     """Two ratings then a pause longer than max_wait_s (a slow chat, a user who rates little): the step starts on

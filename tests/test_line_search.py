@@ -12,9 +12,9 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from harness.gate import rating_batch, wrong_answers_batch
 from prometheus_client import REGISTRY
 from safetensors.torch import load_file
-from test_gate import _ratings, _wrong_answers
 from typer.testing import CliRunner
 
 from livelora.adapters.endpoints import EndpointStore
@@ -238,7 +238,7 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
     assert "measuring base model: probes for the gate" in details  # the current version of a first step
     checks.clear()
     details.clear()
-    v2 = trainer.train(_wrong_answers(ep))
+    v2 = trainer.train(wrong_answers_batch(ep))
     assert not [d for d in details if d.startswith("measuring")]  # @1 was measured as a candidate: reused
     g2 = v2.gate
     assert v2.parent == 1 and g2["against"] == f"{ep}@1"
@@ -262,7 +262,7 @@ def test_a_step_the_length_check_refuses_is_published_scaled_and_learning_goes_o
         assert skipped == {"degenerate", "length_ratio"}
         parent = 1
     EndpointStore(home).set_gate(ep, t, tenant="default", who="test")
-    v3 = trainer.train(_ratings(trainer, ep))  # normal ratings: a step that passes, at some α
+    v3 = trainer.train(rating_batch(trainer, ep))  # normal ratings: a step that passes, at some α
     g3 = v3.gate
     assert v3.parent == parent and g3["continued_from"] is None, g3["line_search"]
     assert g3["line_search"][-1] == {**g3["line_search"][-1], "step_scale": g3["step_scale"], "passed": True}

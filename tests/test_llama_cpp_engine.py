@@ -9,10 +9,9 @@ import importlib.util
 import json
 
 import pytest
-from harness.engines import logprob_tolerance
+from harness.engines import chat, collect, greedy, logprob_tolerance
 from harness.native import skip_if_native_crashes
 from harness.seeds import peft_versions
-from test_engine_contract import chat, collect, greedy
 
 from livelora.clients.errors import BadRequestError
 from livelora.gateway.engines import SamplingParams, create_engine

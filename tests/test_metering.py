@@ -10,7 +10,6 @@ import uuid
 
 import httpx
 import pytest
-import redis
 from harness.bus import new_prefix
 from harness.server import wait_until
 from typer.testing import CliRunner
@@ -44,15 +43,6 @@ SERVER_SETTINGS = {
     "usage_rollup_s": 0,
     "session_ttl_s": SESSION_TTL_S,
 }
-
-
-@pytest.fixture(scope="module")
-def r():
-    client = redis.Redis(decode_responses=True)
-    yield client
-    for key in client.scan_iter(f"{PREFIX}*", count=1000):
-        client.delete(key)
-    client.close()
 
 
 def _key(keys, tenant: str) -> str:
@@ -189,16 +179,16 @@ def test_session_ops_are_metered_per_session(server, keys, tokenizer):
         svc.close()
 
 
-def test_rollup_keeps_totals_and_survives_redis_losing_counters(server, keys, r, home):
+def test_rollup_keeps_totals_and_survives_redis_losing_counters(server, keys, server_redis, home):
     before = usage(server, keys, group_by="tenant,key,subject,kind")
-    assert server.services.metering.store.rollup_sync(r) >= 1  # what the gateway's rollup task runs
-    assert not r.exists(KeyLayout(PREFIX).usage_pending)
+    assert server.services.metering.store.rollup_sync(server_redis) >= 1  # what the gateway's rollup task runs
+    assert not server_redis.exists(KeyLayout(PREFIX).usage_pending)
     assert usage(server, keys, group_by="tenant,key,subject,kind") == before
     files = list((home / "usage").rglob("*.json"))
     assert files
     # Redis restarted: its counters are gone; the store still has every rolled-up count
-    for key in r.scan_iter(f"{PREFIX}usage:*"):
-        r.delete(key)
+    for key in server_redis.scan_iter(f"{PREFIX}usage:*"):
+        server_redis.delete(key)
     assert usage(server, keys, group_by="tenant,key,subject,kind") == before
     # new usage after the restart adds to the rolled-up counts
     post(server, keys, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1})
@@ -207,15 +197,15 @@ def test_rollup_keeps_totals_and_survives_redis_losing_counters(server, keys, r,
     assert after["prompt"] > was["prompt"]
 
 
-def test_rollup_is_exact_when_redis_dies_half_way(home, r):
+def test_rollup_is_exact_when_redis_dies_half_way(home, server_redis):
     """A rollup whose process died after renaming (or after writing the file) is finished by the next one,
     without losing or doubling a count; reads during it see every count once."""
     keys = KeyLayout(f"{PREFIX}half-{uuid.uuid4().hex[:6]}:")
     store = UsageStore(home / "half", keys)
     meter = Meter(keys, clock=lambda: 1_700_000_000.0)
-    meter.record_sync(r, Usage("t", "k", "ep", {"prompt": 5, "completion": 3}))
-    meter.record_sync(r, Usage("t", "k", "ep", {"prompt": 2}))
-    want = [row.to_dict() for row in store.query_sync(r)]
+    meter.record_sync(server_redis, Usage("t", "k", "ep", {"prompt": 5, "completion": 3}))
+    meter.record_sync(server_redis, Usage("t", "k", "ep", {"prompt": 2}))
+    want = [row.to_dict() for row in store.query_sync(server_redis)]
     assert want == [
         {"tenant": "t", "key": "k", "subject": "ep", "kind": "completion", "tokens": 3},
         {"tenant": "t", "key": "k", "subject": "ep", "kind": "prompt", "tokens": 7},
@@ -224,25 +214,25 @@ def test_rollup_is_exact_when_redis_dies_half_way(home, r):
     from livelora.core.metering import _ROLL
 
     hour = "2023111422"
-    r.eval(
+    server_redis.eval(
         _ROLL, 4, keys.usage_hour(hour), keys.usage_rolling(hour, "dead1"), keys.usage_hours, keys.usage_pending, hour
     )
-    assert [row.to_dict() for row in store.query_sync(r)] == want
+    assert [row.to_dict() for row in store.query_sync(server_redis)] == want
     # step 2 too (the file written), not step 3
-    note = r.hget(keys.usage_pending, keys.usage_rolling(hour, "dead1"))
+    note = server_redis.hget(keys.usage_pending, keys.usage_rolling(hour, "dead1"))
     stamp = int(note.split(" ")[1])
     from livelora.core.atomic import atomic_write_json
 
     atomic_write_json(
         store._file(hour, stamp, "dead1"),
-        {"hour": hour, "stamp_ms": stamp, "counts": r.hgetall(keys.usage_rolling(hour, "dead1"))},
+        {"hour": hour, "stamp_ms": stamp, "counts": server_redis.hgetall(keys.usage_rolling(hour, "dead1"))},
     )
-    assert [row.to_dict() for row in store.query_sync(r)] == want
-    meter.record_sync(r, Usage("t", "k", "ep", {"prompt": 1}))
-    assert store.rollup_sync(r) == 1  # the dead rollup's file exists: only the new hash is written
-    got = {row.dims["kind"]: row.tokens for row in store.query_sync(r)}
+    assert [row.to_dict() for row in store.query_sync(server_redis)] == want
+    meter.record_sync(server_redis, Usage("t", "k", "ep", {"prompt": 1}))
+    assert store.rollup_sync(server_redis) == 1  # the dead rollup's file exists: only the new hash is written
+    got = {row.dims["kind"]: row.tokens for row in store.query_sync(server_redis)}
     assert got == {"completion": 3, "prompt": 8}
-    assert not r.exists(keys.usage_pending) and not r.exists(keys.usage_hours)
+    assert not server_redis.exists(keys.usage_pending) and not server_redis.exists(keys.usage_hours)
     assert {row.dims["kind"]: row.tokens for row in store.query_sync(None)} == got  # the store alone
 
 

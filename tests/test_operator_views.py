@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 import redis
-from _server import start_server
+from harness.server import start_server
 from typer.testing import CliRunner
 
 from livelora.clients import ServiceClient

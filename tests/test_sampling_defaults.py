@@ -11,7 +11,7 @@ import shutil
 
 import httpx
 import pytest
-from _server import MODEL, TEST_SETTINGS, start_server
+from harness.server import MODEL, TEST_SETTINGS, start_server
 from pydantic import ValidationError
 
 from livelora.core.base_models import BUILTIN_SAMPLING, GENERATION_CONFIG, MANIFEST, resolve_base_model

@@ -104,22 +104,24 @@ def test_memory_hog_gets_memory_error(box):
 
 
 def test_network_is_unreachable(box):
-    with socket.create_connection(("127.0.0.1", 6379), timeout=5):
-        pass  # the host's Redis answers the host
-    code = textwrap.dedent(
-        """
-        import socket
-        for addr in [("127.0.0.1", 6379), ("1.1.1.1", 53)]:
-            try:
-                socket.create_connection(addr, timeout=2)
-                print(addr, "connected")
-            except OSError as exc:
-                print(addr, type(exc).__name__, exc.errno)
-        """
-    )
-    r = box.run(code)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a port of the host's own, not a service's
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # it answers the host
+        code = textwrap.dedent(
+            f"""
+            import socket
+            for addr in [("127.0.0.1", {port}), ("1.1.1.1", 53)]:
+                try:
+                    socket.create_connection(addr, timeout=2)
+                    print(addr, "connected")
+                except OSError as exc:
+                    print(addr, type(exc).__name__, exc.errno)
+            """
+        )
+        r = box.run(code)
     lines = r.stdout.splitlines()
-    assert lines == ["('127.0.0.1', 6379) ConnectionRefusedError 111", "('1.1.1.1', 53) OSError 101"], r
+    assert lines == [f"('127.0.0.1', {port}) ConnectionRefusedError 111", "('1.1.1.1', 53) OSError 101"], r
 
 
 def test_writing_outside_its_directory_fails(box, tmp_path):

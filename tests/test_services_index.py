@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from test_layering import package_dirs
+from harness.source import package_dirs
 
 
 def test_every_services_package_indexes_its_modules():

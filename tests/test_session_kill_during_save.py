@@ -1,9 +1,9 @@
 """A trainer killed in the middle of a session's ``save_weights_for_sampler``, and ops left behind when a model is
 freed: every future resolves and the session's next ops run.
 
-The first test runs real ``livelora gateway`` / ``livelora trainer`` processes (:mod:`_cluster`): the owner's save
-stops after writing its weights file (``LIVELORA_TEST_PAUSE_SAVES_IN``, :mod:`livelora.trainer.checkpoints`) and the
-test SIGKILLs it there, with more ops queued behind the save. The second drives two op executors by hand: the owner
+The first test runs real ``livelora gateway`` / ``livelora trainer`` processes (:mod:`harness.cluster`): the owner's
+save stops after writing its weights file (``LIVELORA_TEST_PAUSE_SAVES_IN``, :mod:`livelora.trainer.checkpoints`) and
+the test SIGKILLs it there, with more ops queued behind the save. The second drives two op executors by hand: the owner
 dies, the session ends, and the executor that takes the model over frees it with ops still unread in its stream.
 """
 
@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 import redis
-from _cluster import MODEL, Cluster, corrupt_versions, new_store
+from harness.cluster import MODEL, Cluster, corrupt_versions, new_store
 
 from livelora.clients import AdamParams, ServiceClient
 from livelora.clients.types.tinker import Datum, ModelInput, SamplingParams, TensorData

@@ -19,9 +19,10 @@ import pytest
 from harness.server import MODEL
 
 from livelora.clients import ServiceClient
-from livelora.clients.tokenizer_files import TOKENIZER_FILES, files_revision, from_response, read_tokenizer_dir
+from livelora.clients.tokenizer_files import TOKENIZER_FILES, files_revision, from_response
 from livelora.clients.types.tinker_ext import TokenizerFilesResponse
 from livelora.core.base_models import HUB_IDS
+from livelora.core.served_tokenizer import read_tokenizer_dir
 
 HUB_ID = HUB_IDS[MODEL]
 SAMPLE = "The sky is blue. <|im_start|>user\nÇa va? ✓ 12345<|im_end|>"
@@ -178,8 +179,8 @@ def test_hf_cache_url_places_the_servers_tokenizer_under_its_hub_id(sessions_ser
 
 
 def test_server_paths_are_scrubbed_and_tokenizer_id_is_never_a_path():
-    from livelora.clients.tokenizer_files import scrub_paths
     from livelora.core.base_models import canonical_tokenizer_id
+    from livelora.core.served_tokenizer import scrub_paths
 
     cfg = json.dumps({"_name_or_path": "/srv/models/secret", "model_type": "llama"}).encode()
     assert json.loads(scrub_paths("config.json", cfg)) == {"model_type": "llama"}

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError
-from livelora.clients.tokens import split_stop_strings
 from livelora.clients.types.limits import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from livelora.core.control_tokens import split_stop_strings
 
 #: Most alternatives per position ``top_logprobs`` may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20

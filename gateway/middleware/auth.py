@@ -11,7 +11,6 @@ the Messages API) through the app's one handler (:func:`error_response`).
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import re
 from typing import TYPE_CHECKING
@@ -29,7 +28,7 @@ from livelora.core.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
 from livelora.core.object_ids import refs_of_request
 from livelora.core.owners import OwnerStore
 from livelora.core.redis_keys import KeyLayout
-from livelora.gateway.json_text import check_text
+from livelora.gateway.json_text import json_body
 
 if TYPE_CHECKING:
     from livelora.gateway.api.deps import GatewayServices
@@ -351,10 +350,6 @@ def check_owner(home, kind: str, name: str, tenant: str) -> None:
     OwnerStore(home).check(kind, name, tenant)
 
 
-#: Deepest nesting of objects/arrays a request body may have (Tinker bodies nest about 8 deep).
-MAX_JSON_DEPTH = 64
-
-
 def decode_tinker_body(path: str, body: bytes, headers: dict[str, str], max_bytes: int):
     """The body of a Tinker request, decoded once (:func:`livelora.gateway.api.tinker_wire.body.decode_body`)."""
     from livelora.gateway.api.tinker_wire.body import decode_body  # the codec lives with the Tinker routes
@@ -366,79 +361,6 @@ def tinker_owner_fields(decoded) -> dict:
     from livelora.gateway.api.tinker_wire.body import owner_fields
 
     return owner_fields(decoded)
-
-
-def json_body(body: bytes, content_type: str | None) -> object:
-    """The decoded body of a request declared as JSON (``None`` for another or no content-type, which its route
-    answers; ``{}`` for an empty body), so that no route meets malformed, too deeply nested or ambiguous JSON.
-
-    Raises:
-        BadRequestError: not valid JSON, nested deeper than :data:`MAX_JSON_DEPTH`, or an object that repeats a
-            key (a reader keeping the first and one keeping the last would see two requests) (400,
-            ``invalid_json``); bytes that are not UTF-8, or a string holding a lone surrogate (400,
-            ``invalid_text``: :func:`livelora.gateway.json_text.check_text`).
-    """
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    if not (media == "application/json" or media.endswith("+json")):
-        return None
-    if not body.strip():
-        return {}
-    check_json_depth(body, MAX_JSON_DEPTH)
-    try:
-        data = json.loads(body, object_pairs_hook=_no_repeated_keys)
-    except RecursionError:
-        raise _too_deep() from None
-    except BadRequestError:  # a repeated key
-        raise
-    except UnicodeDecodeError as exc:
-        raise BadRequestError(
-            f"request body is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start} ({exc.reason})",
-            code="invalid_text",
-        ) from None
-    except ValueError as exc:
-        raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    check_text(body, data)
-    return data
-
-
-def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise BadRequestError(
-            f"request body repeats the key {key!r} in one object; each key may appear once",
-            param=key,
-            code="invalid_json",
-        )
-    return out
-
-
-def check_json_depth(body: bytes, limit: int) -> None:
-    """Refuse a body whose JSON nests objects/arrays deeper than ``limit`` (counted on the raw bytes, outside
-    strings, before any parser recurses into it; a body that is not JSON is left to its route).
-
-    Raises:
-        BadRequestError: nested deeper than ``limit`` (400, code ``invalid_json``).
-    """
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return  # cannot nest deeper (the common case: no scan)
-    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)  # C-speed: strings, then non-brackets
-    depth = 0
-    for byte in brackets:
-        depth += 1 if byte in (0x5B, 0x7B) else -1
-        if depth > limit:
-            raise _too_deep(limit)
-
-
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def _too_deep(limit: int = MAX_JSON_DEPTH) -> BadRequestError:
-    return BadRequestError(
-        f"request body nests JSON objects/arrays deeper than the limit of {limit}", code="invalid_json"
-    )
 
 
 def _too_large(limit: int) -> PayloadTooLargeError:

@@ -1,4 +1,5 @@
 """The test harness: shared fixtures and markers (:mod:`harness.plugin`, registered by ``tests/conftest.py``),
-a live gateway in this process (:mod:`harness.server`), livelora processes (:mod:`harness.cluster`), Redis and
-op-stream helpers (:mod:`harness.bus`), engine kinds (:mod:`harness.engines`), seeded adapter versions
-(:mod:`harness.seeds`)."""
+the session's environment (:mod:`harness.environ`), a live gateway in this process (:mod:`harness.server`),
+livelora processes (:mod:`harness.cluster`), Redis and op-stream helpers (:mod:`harness.bus`), engine kinds and
+generation helpers (:mod:`harness.engines`), seeded adapter versions (:mod:`harness.seeds`), the gate tests'
+training batches (:mod:`harness.gate`) and the packages' source read as text (:mod:`harness.source`)."""

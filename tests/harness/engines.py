@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.native import skip_if_native_crashes
-from livelora.gateway.engines import ENGINE_KINDS
+from livelora.gateway.engines import ENGINE_KINDS, SamplingParams
 
 #: keyword arguments of :func:`~livelora.gateway.engines.create_engine` per kind
 ENGINE_KWARGS = {
@@ -45,3 +45,20 @@ def skip_unless_installed(kind: str, weights: str | None = None) -> None:
         pytest.skip("llama-cpp-python is not installed here (pip install -e '.[dev]' builds it)")
     if kind == "llama_cpp":
         skip_if_native_crashes(weights or "f16")
+
+
+def chat(engine, text: str) -> list[int]:
+    """The token ids of ``text`` as one user turn in the engine tokenizer's chat template."""
+    enc = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(enc["input_ids"] if not isinstance(enc, list) else enc)
+
+
+async def collect(engine, prompt, params, adapter=None):
+    """Run one generation; return (token ids, joined text, chunks)."""
+    chunks = [c async for c in engine.generate(prompt, params, adapter=adapter)]
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks
+
+
+def greedy(n, **kw):
+    """Sampling params for ``n`` greedy tokens (``kw``: other :class:`SamplingParams` fields)."""
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)

@@ -1,17 +1,20 @@
 """The test harness as a pytest plugin (registered by ``tests/conftest.py``): the shared fixtures and the markers.
 
 Session: ``livelora_home``, ``base_ref``, ``tokenizer``, ``live_server``, ``sessions_server``. Module: ``home``,
-``keys``, ``server`` (a store, API keys and a gateway of the module's own), ``loop``/``run``, ``engine``.
-Function: ``bus``. A module shapes the module fixtures with its own names (read here through ``request.module``):
-``seed_home(home, base_ref)``, ``KEYS``, ``SERVER_SETTINGS``, ``ENGINE_OPTIONS``, ``TEST_ENGINE_KINDS``.
-Markers (``unit``, ``live``, ``sdk``, ``slow``; registered in pyproject.toml): :func:`pytest_collection_modifyitems`.
+``keys``, ``server``, ``server_redis`` (a store, API keys, a gateway of the module's own and a client of its Redis
+prefix), ``loop``/``run``, ``engine``. Function: ``bus``. A module shapes the module fixtures with its own names
+(read here through ``request.module``): ``seed_home(home, base_ref)``, ``KEYS``, ``SERVER_SETTINGS``,
+``ENGINE_OPTIONS``, ``TEST_ENGINE_KINDS``. Markers (``unit``, ``live``, ``sdk``, ``slow``; registered in
+pyproject.toml): :func:`pytest_collection_modifyitems`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fnmatch
+import inspect
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,8 +60,7 @@ def tokenizer(base_ref):
 def _tokenizer_cache(tmp_path_factory):
     """The SDK's tokenizer cache (files fetched from ``GET /api/v1/tokenizer``) in the test session's tmp dir, not
     in ``~/.cache/livelora``."""
-    if "LIVELORA_TOKENIZER_CACHE" not in os.environ:
-        os.environ["LIVELORA_TOKENIZER_CACHE"] = str(tmp_path_factory.mktemp("tokenizer-cache"))
+    os.environ["LIVELORA_TOKENIZER_CACHE"] = str(tmp_path_factory.mktemp("tokenizer-cache"))
     yield
 
 
@@ -183,6 +185,19 @@ def server(request, home, keys) -> Iterator[LiveServer]:
     live.stop()
 
 
+@pytest.fixture(scope="module")
+def server_redis(request) -> Iterator:
+    """A blocking Redis client (``decode_responses``) for the module's ``SERVER_SETTINGS["redis_prefix"]``; every
+    key under that prefix is deleted at the end of the module."""
+    import redis
+
+    prefix = request.module.SERVER_SETTINGS["redis_prefix"]
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    yield client
+    delete_prefix(REDIS_URL, prefix)
+    client.close()
+
+
 # ------------------------------------------------------------------------------------------------ engines
 @pytest.fixture(scope="module")
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
@@ -239,13 +254,24 @@ def bus():
 
 # ------------------------------------------------------------------------------------------------ markers
 #: fixtures whose users are `live` (a test's whole fixture closure is looked at)
-LIVE_FIXTURES = {"base_ref", "bus", "engine", "live_server", "sessions_server", "server", "cluster", "fuzz_server"}
+LIVE_FIXTURES = {
+    "base_ref",
+    "bus",
+    "engine",
+    "live_server",
+    "sessions_server",
+    "server",
+    "server_redis",
+    "cluster",
+    "fuzz_server",
+}
 #: files whose tests start processes, servers or Redis themselves, or talk to Redis without a fixture
 LIVE_FILES = {
     "test_bus_signals.py",
     "test_cli_serve.py",
     "test_drain.py",
     "test_embedded_redis.py",
+    "test_harness_env.py",
     "test_live_loop.py",
     "test_native_crash.py",
     "test_trainer_process.py",
@@ -277,6 +303,9 @@ FAST = {
     "test_engine_contract.py::test_incremental_detokenizer_*",
     "test_engine_contract.py::test_sampling_filters_*",
     "test_governance.py::test_one_raters_flood_*",
+    "test_harness_env.py",
+    "test_learning_status.py::test_rating_to_a_published_version_is_watchable",
+    "test_learning_status.py::test_a_partial_batch_and_held_out_ratings_say_so",
     "test_loss_specs.py",
     "test_model_store.py",
     "test_openai_chat.py::test_greedy_answer_names_paris_*",
@@ -298,10 +327,37 @@ def _fast(file: str, name: str) -> bool:
     return any(fnmatch.fnmatchcase(file, p) or fnmatch.fnmatchcase(f"{file}::{name}", p) for p in FAST)
 
 
+#: what a ``unit`` test's own code (its body and its module's fixtures) must not hold: a Redis client or address, a
+#: server or livelora process started by the test
+LIVE_CALLS = re.compile(
+    r"\bredis\.(?:asyncio\.)?Redis\b|\bconnect_sync\(|\bREDIS_URL\b|(?:127\.0\.0\.1|localhost)\W{1,4}6379"
+    r"|\bstart_server\(|\bCluster\(|\bbind_install\("
+)
+
+
+def _live_calls(item) -> list[str]:
+    """The :data:`LIVE_CALLS` in ``item``'s test function and in the fixtures its test module defines."""
+    funcs = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in info.name2fixturedefs.values() if info else ():
+        funcs += [d.func for d in defs if getattr(d.func, "__module__", None) == getattr(item.module, "__name__", "")]
+    found = []
+    for func in filter(None, funcs):
+        try:
+            found += LIVE_CALLS.findall(inspect.getsource(func))
+        except (OSError, TypeError):
+            continue
+    return found
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test ``unit`` or ``live`` (``live``: its fixtures include one of :data:`LIVE_FIXTURES`, or another
     test of its file's do, or its file is in :data:`LIVE_FILES`), ``sdk`` (:data:`SDK_FILES`, :data:`SDK_FIXTURES`)
-    and ``slow`` (``live`` or ``sdk`` and not in :data:`FAST`); marks written in the test file win."""
+    and ``slow`` (``live`` or ``sdk`` and not in :data:`FAST`); marks written in the test file win.
+
+    Raises:
+        pytest.UsageError: a ``unit`` test's own code holds one of :data:`LIVE_CALLS` (the mark would lie).
+    """
     live_files = set(LIVE_FILES)
     for item in items:
         if set(getattr(item, "fixturenames", ())) & LIVE_FIXTURES:
@@ -317,3 +373,15 @@ def pytest_collection_modifyitems(config, items):
             have.add("live" if file in live_files else "unit")
         if "slow" not in have and have & {"live", "sdk"} and not _fast(file, item.originalname):
             item.add_marker("slow")
+    lying = {
+        f"{item.nodeid}: {', '.join(sorted(set(calls)))}"
+        for item in items
+        if any(m.name == "unit" for m in item.iter_markers())
+        for calls in [_live_calls(item)]
+        if calls
+    }
+    if lying:
+        raise pytest.UsageError(
+            "tests marked unit that talk to Redis or start a server (mark them live, or the file in LIVE_FILES):\n"
+            + "\n".join(sorted(lying))
+        )

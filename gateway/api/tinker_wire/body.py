@@ -3,8 +3,9 @@ request, runs the owner check on what it returns (:func:`owner_fields`) and hand
 which executes it; nothing reads the raw bytes a second time.
 
 Rules, for every ``/api/v1`` body: ``Content-Encoding`` is undone first (at most ``max_bytes``, nothing may
-follow the compressed stream); a JSON body is one object with no repeated key (:func:`livelora.gateway.middleware.auth.
-json_body`); a protobuf body (``forward_backward`` only) is one ``ForwardBackwardRequest`` in strict form
+follow the compressed stream); a JSON body is one object with no repeated key
+(:func:`livelora.gateway.json_text.json_body`); a protobuf body (``forward_backward`` only) is one
+``ForwardBackwardRequest`` in strict form
 (:func:`~livelora.gateway.api.tinker_wire.requests.decode_forward_backward`). Anything else is a 400.
 """
 
@@ -21,6 +22,7 @@ from livelora.gateway.api.tinker_wire.requests import (
     decode_content,
     decode_forward_backward,
 )
+from livelora.gateway.json_text import json_body
 
 #: the only route that takes a protobuf body
 PROTO_ROUTE = "/api/v1/forward_backward"
@@ -45,8 +47,6 @@ def decode_body(
             be read (a :class:`WireDecodeError` without ids).
         PayloadTooLargeError: the decompressed body exceeds ``max_bytes``.
     """
-    from livelora.gateway.middleware.auth import json_body
-
     if not raw.strip():
         return {}
     kind = body_kind(content_type) if content_type and path == PROTO_ROUTE else _json_only(path, content_type)

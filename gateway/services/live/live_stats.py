@@ -113,20 +113,26 @@ class LiveStats:
             tenant=store.get(endpoint).tenant,
         )
 
+    def _sprt(self, new: dict[str, Any], old: dict[str, Any]) -> tuple[str, float]:
+        """:func:`sprt_thumbs` of ``new``'s thumbs against ``old``'s rate, at the live settings' delta, alpha and
+        beta: ``(decision, log-likelihood ratio)``."""
+        live = self.live
+        return sprt_thumbs(
+            new["thumbs_up"],
+            new["ratings"],
+            old["thumbs_up_rate"],
+            delta=live.rollback_delta,
+            alpha=live.rollback_alpha,
+            beta=live.rollback_beta,
+        )
+
     async def _judge_canary(self, registry: Any, endpoint: str) -> dict[str, Any] | None:
         c = self.canaries[endpoint]
         live = self.live
         new, old = await self.version(endpoint, c["version"]), await self.version(endpoint, c["incumbent"] or "base")
         decision, llr = "keep", 0.0
         if old["ratings"] >= live.rollback_min_ratings and new["ratings"]:
-            decision, llr = sprt_thumbs(
-                new["thumbs_up"],
-                new["ratings"],
-                old["thumbs_up_rate"],
-                delta=live.rollback_delta,
-                alpha=live.rollback_alpha,
-                beta=live.rollback_beta,
-            )
+            decision, llr = self._sprt(new, old)
         details = {"test": "sprt", "llr": llr, "canary": new, "incumbent": old, "share": live.canary_share}
         if decision == "rollback":  # worse with confidence: the canary ends, the version is never served again
             del self.canaries[endpoint]
@@ -266,14 +272,7 @@ class LiveStats:
         new, old = await self.version(endpoint, serving), await self.version(endpoint, before or "base")
         if old["ratings"] < live.rollback_min_ratings or not new["ratings"]:
             return None
-        decision, llr = sprt_thumbs(
-            new["thumbs_up"],
-            new["ratings"],
-            old["thumbs_up_rate"],
-            delta=live.rollback_delta,
-            alpha=live.rollback_alpha,
-            beta=live.rollback_beta,
-        )
+        decision, llr = self._sprt(new, old)
         if decision != "rollback":
             return None
         details = {

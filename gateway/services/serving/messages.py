@@ -11,9 +11,9 @@ accepted and refused: ``docs/clients.md``.
 from __future__ import annotations
 
 from livelora.clients.errors import BadRequestError, UnsupportedParameterError
-from livelora.clients.tokens import control_tokens
 from livelora.clients.types.anthropic import ContentBlockParam, CountTokensRequest, MessagesRequest, StopReason
 from livelora.clients.types.openai import ChatCompletionRequest, ChatMessage
+from livelora.core.control_tokens import control_tokens
 from livelora.gateway.engines.base import GenerationChunk
 
 #: Content block types refused, by what they are (any other non-text type: refused by its name).

@@ -93,8 +93,8 @@ class SessionContext:
         return self._tokenizer_body
 
     def _read_tokenizer_files(self) -> tuple[str, bytes]:
-        from livelora.clients.tokenizer_files import to_response
         from livelora.core.base_models import tokenizer_files
+        from livelora.core.served_tokenizer import to_response
 
         source = str(getattr(self.engine.tokenizer, "name_or_path", "") or self.base_model)
         aliases = sorted({self.base_model} - {self.tokenizer_id()})

@@ -123,27 +123,18 @@ class TrainingOps:
             if not await self.redis.set(self.keys.model(model_id), json.dumps(record), nx=True):
                 if await self.redis.get(self.keys.seq(model_id, 0)) is not None:  # a retry: the first one's future
                     return await self._enqueue(model_id, 0, kind, body)
-                return await self._failed_future(
-                    model_id,
-                    0,
-                    ConflictError(
-                        f"model {model_id} already exists; use a new model_seq_id",
-                        param="model_seq_id",
-                        code="model_exists",
-                    ),
-                )
+                return await self._model_exists(model_id)
             owners = OwnerStore(self.home)
             if not (owners.claim("model", model_id, tenant) and owners.claim("lineage", lineage_for(model_id), tenant)):
-                return await self._failed_future(
-                    model_id,
-                    0,
-                    ConflictError(
-                        f"model {model_id} already exists; use a new model_seq_id",
-                        param="model_seq_id",
-                        code="model_exists",
-                    ),
-                )
+                return await self._model_exists(model_id)
             return await self._enqueue(model_id, 0, kind, body)
+
+    async def _model_exists(self, model_id: str) -> UntypedAPIFuture:
+        """The failed future of a create for a ``model_id`` another request (or tenant) made: 409 ``model_exists``."""
+        error = ConflictError(
+            f"model {model_id} already exists; use a new model_seq_id", param="model_seq_id", code="model_exists"
+        )
+        return await self._failed_future(model_id, 0, error)
 
     async def _failed_future(self, model_id: str, seq_id: int, error: LiveloraError) -> UntypedAPIFuture:
         """A future already resolved with ``error``; nothing is queued (the seq belongs to another request)."""

@@ -1,4 +1,4 @@
-"""What the ``/admin`` routes call: :class:`~livelora.gateway.services.tenants.store_admin.AdminService` scoped to the
+"""What the ``/admin`` routes call: :class:`~livelora.gateway.services.tenants.store_admin.StoreAdmin` scoped to the
 caller's tenant, its store work run off the event loop, endpoint changes applied to this gateway's registry before the
 answer and announced on the notices channel so that every other gateway re-reads ``endpoints.json`` at once."""
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from livelora.adapters.endpoints import HistoryEntry
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.core.api_keys import DEFAULT_TENANT, Principal
-from livelora.gateway.services.tenants.store_admin import AdminService, endpoint_notice
+from livelora.gateway.services.tenants.store_admin import StoreAdmin, endpoint_notice
 from livelora.gateway.services.tenants.version_admin import ExportFormat
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class GatewayAdmin:
-    """The ``/admin`` operations of one request: :class:`AdminService` scoped to the caller's tenant, run off
+    """The ``/admin`` operations of one request: :class:`StoreAdmin` scoped to the caller's tenant, run off
     the event loop where it touches files, with endpoint changes applied here and announced to other gateways.
 
     Args:
@@ -43,7 +43,7 @@ class GatewayAdmin:
         *,
         every_tenant: bool = False,
     ):
-        self.store = AdminService(
+        self.store = StoreAdmin(
             home,
             None if every_tenant else principal.tenant,
             base_endpoints=(registry.base_endpoint,) if registry is not None else (),
@@ -77,7 +77,7 @@ class GatewayAdmin:
     async def create_endpoint(
         self, name: str, lineage: str, *, mode: str, version: str | int | None, reason: str
     ) -> dict[str, Any]:
-        """See :meth:`AdminService.create_endpoint`; this gateway serves it before the answer."""
+        """See :meth:`StoreAdmin.create_endpoint`; this gateway serves it before the answer."""
         info = await asyncio.to_thread(
             self.store.create_endpoint, name, lineage, mode=mode, version=version, who=self.who, reason=reason
         )
@@ -87,19 +87,19 @@ class GatewayAdmin:
     async def promote(
         self, name: str, version: str | int | None, *, follow: bool, reason: str
     ) -> tuple[HistoryEntry, dict[str, Any]]:
-        """See :meth:`AdminService.promote`; returns the audit entry and the endpoint as this gateway serves it."""
+        """See :meth:`StoreAdmin.promote`; returns the audit entry and the endpoint as this gateway serves it."""
         entry = await asyncio.to_thread(self.store.promote, name, version, follow=follow, who=self.who, reason=reason)
         await self._apply(name)
         return entry, self.store.get_endpoint(name)
 
     async def rollback(self, name: str, *, reason: str) -> tuple[HistoryEntry, dict[str, Any]]:
-        """See :meth:`AdminService.rollback`; returns the audit entry and the endpoint as this gateway serves it."""
+        """See :meth:`StoreAdmin.rollback`; returns the audit entry and the endpoint as this gateway serves it."""
         entry = await asyncio.to_thread(self.store.rollback, name, who=self.who, reason=reason)
         await self._apply(name)
         return entry, self.store.get_endpoint(name)
 
     async def set_learning(self, name: str, paused: bool, *, reason: str) -> tuple[HistoryEntry, dict[str, Any]]:
-        """See :meth:`AdminService.set_learning`; returns the audit entry and the endpoint."""
+        """See :meth:`StoreAdmin.set_learning`; returns the audit entry and the endpoint."""
         entry = await asyncio.to_thread(self.store.set_learning, name, paused, who=self.who, reason=reason)
         await self._apply(name)
         return entry, self.store.get_endpoint(name)
@@ -107,7 +107,7 @@ class GatewayAdmin:
     async def set_gate(
         self, name: str, thresholds: dict[str, Any] | None, *, reset: bool = False, reason: str
     ) -> tuple[HistoryEntry, dict[str, Any]]:
-        """See :meth:`AdminService.set_gate`; returns the audit entry and the endpoint.
+        """See :meth:`StoreAdmin.set_gate`; returns the audit entry and the endpoint.
 
         Raises:
             BadRequestError: neither ``thresholds`` nor ``reset`` given (or both).
@@ -180,7 +180,7 @@ class GatewayAdmin:
         return sorted(rows, key=lambda r: (r["weight"], r["lineage"], r["rater"]))
 
     async def forget_user(self, user: str, *, reason: str) -> dict[str, Any]:
-        """See :meth:`AdminService.forget_user`; also deletes the user's completion records (completion log) and
+        """See :meth:`StoreAdmin.forget_user`; also deletes the user's completion records (completion log) and
         their labels from the rater agreement records of this tenant's lineages. Only records made through this
         tenant's keys count (completions: all of them, on any endpoint; signals: on this tenant's endpoints): a
         user name is the tenant's own (another tenant's ``bob`` is someone else), so the answer is the same

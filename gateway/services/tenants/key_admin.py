@@ -1,5 +1,5 @@
 """API keys administered by a tenant: :class:`KeyAdmin` creates, lists and revokes them (part of
-:class:`~livelora.gateway.services.tenants.store_admin.AdminService`); a key's hash is never shown."""
+:class:`~livelora.gateway.services.tenants.store_admin.StoreAdmin`); a key's hash is never shown."""
 
 from __future__ import annotations
 

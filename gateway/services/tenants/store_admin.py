@@ -1,4 +1,4 @@
-"""Administration of endpoints, adapter versions and API keys on the store: :class:`AdminService`.
+"""Administration of endpoints, adapter versions and API keys on the store: :class:`StoreAdmin`.
 
 Used directly by the CLI's ``--home`` mode (synchronous, every tenant) and, through
 :class:`~livelora.gateway.services.tenants.admin.GatewayAdmin`, by the ``/admin`` routes (scoped to the caller's
@@ -7,7 +7,7 @@ of a version returns the existing directory. Tenancy rules: ``docs/internals/ten
 
 Example::
 
-    admin = AdminService(home, tenant=None)          # local: every tenant
+    admin = StoreAdmin(home, tenant=None)          # local: every tenant
     admin.create_endpoint("prod", "support", mode="pinned", version=3, who="local:alice")
     admin.promote("prod", "4", who="local:alice", reason="better win-rate")
     admin.rollback("prod", who="local:alice", reason="regression")
@@ -56,7 +56,7 @@ def parse_version_ref(ref: str | int | None, lineage: str) -> int | None:
     return n
 
 
-class AdminService:
+class StoreAdmin:
     """Tenant-scoped administration: endpoints (create, promote, rollback, gate, history) and feedback governance
     here; the adapter versions in :attr:`versions` (:class:`VersionAdmin`: list, show, delete, export) and the API
     keys in :attr:`keys` (:class:`KeyAdmin`).

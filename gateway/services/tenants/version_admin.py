@@ -1,5 +1,5 @@
 """The adapter versions a tenant may see in the store: :class:`VersionAdmin` lists, shows, deletes and exports
-them (part of :class:`~livelora.gateway.services.tenants.store_admin.AdminService`)."""
+them (part of :class:`~livelora.gateway.services.tenants.store_admin.StoreAdmin`)."""
 
 from __future__ import annotations
 
