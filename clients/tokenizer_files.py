@@ -223,6 +223,7 @@ def load_tokenizer(tokenizer_id: str, transport: Transport | None = None) -> Any
 
     if transport is None:
         return AutoTokenizer.from_pretrained(tokenizer_id)
+    folder: Path | None
     try:
         folder = fetch_tokenizer(transport, tokenizer_id)
     except UnavailableError:

@@ -231,6 +231,6 @@ class KeyStore:
         except ValueError:
             return None
         rec = self.all().get(key_id)
-        if rec is None or not hmac.compare_digest(rec.sha256, hash_key(key)):
+        if rec is None or not hmac.compare_digest(rec.sha256, hash_key(key or "")):
             return None
         return rec.principal() if rec.revoked is None else None

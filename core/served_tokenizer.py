@@ -9,7 +9,7 @@ import base64
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from livelora.clients.tokenizer_files import TOKENIZER_FILES, check_files, files_revision
@@ -55,7 +55,7 @@ def read_tokenizer_dir(directory: Path | str) -> dict[str, bytes]:
     return files
 
 
-def to_response(tokenizer_id: str, files: Mapping[str, bytes], aliases: list[str] = ()) -> TokenizerFilesResponse:
+def to_response(tokenizer_id: str, files: Mapping[str, bytes], aliases: Sequence[str] = ()) -> TokenizerFilesResponse:
     """The wire form of ``files``: text files as UTF-8, others as base64; ``aliases``: the base model's other
     names."""
     out = []

@@ -13,12 +13,15 @@ import ast
 import math
 import re
 import sys
-import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+if __name__ == "__main__":  # run as a script: make the harness package importable
+    sys.path.insert(0, str(REPO / "tests"))
+from harness.source import package_dirs  # noqa: E402
+
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60
@@ -39,16 +42,6 @@ class Measure:
     name: str
     lines: int
     cap: int
-
-
-def package_dirs() -> dict[str, Path]:
-    """``{top package name: folder}`` from pyproject's ``package-dir`` (``{"gateway": REPO/"gateway", ...}``)."""
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    return {
-        name.split(".", 1)[1]: REPO / folder
-        for name, folder in mapping.items()
-        if name.startswith("livelora.") and name.count(".") == 1
-    }
 
 
 def package_files() -> Iterator[tuple[str, Path]]:
