@@ -87,6 +87,21 @@ def test_the_budget_check_counts_a_long_function():
     assert body_lines(fn) == 62 > MAX_BODY_LINES
 
 
+def test_adams_eps_is_a_trainer_setting(monkeypatch):
+    from typer.testing import CliRunner
+
+    from livelora.cli.main import app
+    from livelora.trainer.settings import TrainerSettings, TrainingSection
+
+    assert TrainingSection().adam_eps == 1e-8  # the live loop's ε as it was hard-coded
+    monkeypatch.setenv("LIVELORA_ADAM_EPS", "0.001")
+    assert TrainerSettings().training.adam_eps == 1e-3
+    monkeypatch.setenv("COLUMNS", "250")  # one line per setting
+    out = CliRunner().invoke(app, ["settings", "trainer"])
+    [row] = [line for line in out.output.splitlines() if "LIVELORA_ADAM_EPS" in line]
+    assert [c.strip() for c in row.split("│")[1:5]] == ["LIVELORA_ADAM_EPS", "training", "1e-08", "0.001"]
+
+
 def _ratings(trainer, endpoint: str) -> Batch:
     """Two real ratings of chat replies (one up, one down), as the live loop batches them."""
     evs = []
