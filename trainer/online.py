@@ -2,11 +2,11 @@
 
 :class:`OnlineTrainer` keeps one :class:`~livelora.trainer.model.TrainingModel` per lineage, started from the
 lineage's newest stored version (or a fresh adapter with ``lora_B = 0``); :meth:`OnlineTrainer.train` runs
-``forward_backward`` + ``optim_step`` + ``save_state``, so every update is a new immutable version
-``<lineage>@<n+1>`` whose manifest names its parent. Datums are built per event from the exact served token ids
-or the chat template (:mod:`livelora.core.chat_tokens`): a rating → ``kto``, a demonstration → ``cross_entropy``,
-a preference → two ``dpo`` datums; :meth:`OnlineTrainer.screen` names the events that cannot be trained. The
-datum layouts: ``docs/internals/live-training.md``.
+``forward_backward`` + ``optim_step`` + ``save_state`` as named phases (:mod:`livelora.trainer.live_step`), so
+every update is a new immutable version ``<lineage>@<n+1>`` whose manifest names its parent. Datums are built per
+event from the exact served token ids or the chat template (:mod:`livelora.core.chat_tokens`): a rating →
+``kto``, a demonstration → ``cross_entropy``, a preference → two ``dpo`` datums; :meth:`OnlineTrainer.screen`
+names the events that cannot be trained. The datum layouts: ``docs/internals/live-training.md``.
 """
 
 from __future__ import annotations
