@@ -313,8 +313,7 @@ class TrainerWorker:
         return self._publish(batch, key, manifest, started_at)
 
     def _publish(self, batch: Batch, key: str, manifest: Any, started_at: float) -> VersionNotice:
-        """A written version (the backend's manifest): its events marked trained (``trained.jsonl``, claims), its
-        notice published."""
+        """A written version: its events marked trained (``trained.jsonl``, claims), its notice published."""
         self._failures.pop(key, None)
         event_ids = [e.id for e in batch.events]
         append_lines(
