@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import livelora.trainer.logprobs as logprobs_mod
-import livelora.trainer.model as model_mod
+import livelora.trainer.loss_pass as loss_pass_mod
 from livelora.clients.types import AdamParams, Datum, LoraConfig, ModelInput, TensorData
 from livelora.trainer.logprobs import datum_inputs
 from livelora.trainer.losses import kl_pair_order
@@ -100,8 +100,8 @@ def test_kto_step_with_shared_prompts_equals_the_recomputed_step(trained, monkey
     m, data = trained
     cfg = {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0}
     results = []
-    for limit in (model_mod.PROMPT_KV_MAX_BYTES, 0):  # 0: no keys/values may be kept, every pair is recomputed
-        monkeypatch.setattr(model_mod, "PROMPT_KV_MAX_BYTES", limit)
+    for limit in (loss_pass_mod.PROMPT_KV_MAX_BYTES, 0):  # 0: no keys/values may be kept, every pair is recomputed
+        monkeypatch.setattr(loss_pass_mod, "PROMPT_KV_MAX_BYTES", limit)
         monkeypatch.setattr(logprobs_mod, "PROMPT_KV_MAX_BYTES", limit)
         out = m.forward_backward(data, "kto", cfg)
         grads = {k: p.grad.clone() for k, p in m.lora_params.items()}

@@ -1,6 +1,7 @@
 """The evaluation gate's bookkeeping in the online trainer: held-out examples, cached measurements, snapshots.
 
-One :class:`EvaluationGate` per :class:`~livelora.trainer.online.OnlineTrainer`. Around every live-loop step,
+One :class:`EvaluationGate` per :class:`~livelora.trainer.online.OnlineTrainer`, entered once per live-loop step
+through :class:`~livelora.trainer.judge.StepJudge`. Around the step,
 :meth:`EvaluationGate.before_step` snapshots the lineage model and makes sure the current version's measurement
 exists, and :meth:`EvaluationGate.judge` measures candidate weights pass by pass, cheapest first, stopping at the
 first failing check, and judges them per endpoint (:mod:`livelora.core.rails`; the candidates come from

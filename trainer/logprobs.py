@@ -5,6 +5,7 @@ where the loss needs gradients; and KTO's mismatched-pair log-ratios (:meth:`Log
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,75 @@ def grad_positions(spec: LossSpec, x: dict[str, Tensor]) -> Tensor:
 def datum_inputs(datum: Datum) -> dict[str, Tensor]:
     """A datum's ``loss_fn_inputs`` as torch tensors."""
     return {k: v.to_torch() for k, v in datum.loss_fn_inputs.items()}
+
+
+def select_rows(rows: range | None, *per_sequence: list | None) -> tuple[list | None, ...]:
+    """Each per-sequence list restricted to ``rows`` (a trainer group rank's slice; ``None`` lists stay None,
+    ``rows`` None keeps them whole)."""
+    if rows is None:
+        return per_sequence
+    return tuple(None if xs is None else [xs[i] for i in rows] for xs in per_sequence)
+
+
+@dataclass
+class PaddedBatch:
+    """Sequences right-padded to the whole batch's width T, with their masks.
+
+    Attributes:
+        lengths: per sequence, its N_b.
+        ids_B_T: input ids (pad: ``pad_id``); ``tgt_B_T_K``: target ids (K = the widest target, 0 beyond).
+        valid_B_T: the sequences' own positions; ``grad_B_T``: kept positions whose logprob can carry gradient;
+            ``rest_B_T``: kept positions without.
+        padded: a sequence of the whole batch is shorter than T (the decoder needs an attention mask).
+    """
+
+    lengths: list[int]
+    ids_B_T: Tensor
+    tgt_B_T_K: Tensor
+    valid_B_T: Tensor
+    grad_B_T: Tensor
+    rest_B_T: Tensor
+    padded: bool
+
+    @classmethod
+    def of(
+        cls,
+        inputs: list[list[int]],
+        targets: list[Tensor],
+        grad_pos: list[Tensor] | None,
+        keep_pos: list[Tensor] | None,
+        whole: list[list[int]],
+        pad_id: int,
+    ) -> PaddedBatch:
+        """Pad ``inputs`` (a slice of ``whole``, or all of it) to ``whole``'s longest sequence."""
+        b_n, t_max = len(inputs), max(len(x) for x in whole)
+        k_max = max(1 if t.ndim == 1 else t.shape[1] for t in targets)
+        ids_B_T = torch.full((b_n, t_max), pad_id, dtype=torch.long)
+        tgt_B_T_K = torch.zeros((b_n, t_max, k_max), dtype=torch.long)
+        valid_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
+        grad_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
+        keep_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
+        for b, (x, t) in enumerate(zip(inputs, targets)):
+            n = len(x)
+            ids_B_T[b, :n] = torch.tensor(x, dtype=torch.long)
+            tgt = t.reshape(n, -1)
+            tgt_B_T_K[b, :n, : tgt.shape[1]] = tgt
+            valid_B_T[b, :n] = True
+            keep_B_T[b, :n] = True if keep_pos is None else keep_pos[b]
+            grad_B_T[b, :n] = True if grad_pos is None else grad_pos[b]
+        grad_B_T &= keep_B_T
+        padded = any(len(x) != t_max for x in whole)
+        lengths = [len(x) for x in inputs]
+        return cls(lengths, ids_B_T, tgt_B_T_K, valid_B_T, grad_B_T, keep_B_T & ~grad_B_T, padded)
+
+
+def unpack(lp_B_T_K: Tensor, lengths: list[int], targets: list[Tensor]) -> list[Tensor]:
+    """Per sequence, its logprobs shaped like its targets ((N_b,) or (N_b, K_b)) out of the padded (B, T, K)."""
+    out = []
+    for b, (n, t) in enumerate(zip(lengths, targets)):
+        lp = lp_B_T_K[b, :n]
+        out.append(lp[:, 0] if t.ndim == 1 else lp[:, : t.shape[1]])
+    return out
 
 
 class LogprobPass:
@@ -110,82 +180,85 @@ class LogprobPass:
         step_yield()  # serving may go first between the passes of a step (core/cpu_share.py)
         whole, dummy = inputs, self.sharded and rows is not None and not rows
         rows = range(0, 1) if dummy else rows
-        if rows is not None:
-            pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
-            inputs, targets, grad_pos, keep_pos = pick(inputs), pick(targets), pick(grad_pos), pick(keep_pos)
-            share_prefix = pick(share_prefix)
-            if not rows:
-                return ([], None) if share_prefix is not None else []
-        lengths = [len(x) for x in inputs]
-        b_n, t_max = len(inputs), max(len(x) for x in whole)
-        k_max = max(1 if t.ndim == 1 else t.shape[1] for t in targets)
-        ids_B_T = torch.full((b_n, t_max), self.pad_id, dtype=torch.long)
-        tgt_B_T_K = torch.zeros((b_n, t_max, k_max), dtype=torch.long)
-        valid_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
-        grad_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
-        keep_B_T = torch.zeros((b_n, t_max), dtype=torch.bool)
-        for b, (x, t) in enumerate(zip(inputs, targets)):
-            n = len(x)
-            ids_B_T[b, :n] = torch.tensor(x, dtype=torch.long)
-            tgt = t.reshape(n, -1)
-            tgt_B_T_K[b, :n, : tgt.shape[1]] = tgt
-            valid_B_T[b, :n] = True
-            keep_B_T[b, :n] = True if keep_pos is None else keep_pos[b]
-            grad_B_T[b, :n] = True if grad_pos is None else grad_pos[b]
-        grad_B_T &= keep_B_T
-        rest_B_T = keep_B_T & ~grad_B_T
-        padded = any(len(x) != t_max for x in whole)
-        dev = self.device
-        causal_lm = self.peft_model.get_base_model()
-        ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
-        # a prefix every row shares runs once at batch 1, the rows continue from its keys/values (prompt_kv.py)
-        c = (
-            common_prefix(whole)
-            if prefix_kv is None and kv_bytes(causal_lm.config, len(whole), t_max) <= PROMPT_KV_MAX_BYTES
-            else 0
+        inputs, targets, grad_pos, keep_pos, share_prefix = select_rows(
+            rows, inputs, targets, grad_pos, keep_pos, share_prefix
         )
-        if prefix_kv is not None:
-            kw = prefix_kv.continuation(lengths, dev, causal_lm.config, width=t_max)
-        elif not c:
-            kw = {"use_cache": share_prefix is not None, "attention_mask": valid_B_T.long().to(dev) if padded else None}
-        # models with logit scaling / soft-capping use their own forward (logits), the others decoder + head
-        decoder = causal_lm.model if self.plain_head else self.peft_model
-        head = causal_lm.get_output_embeddings() if self.plain_head else torch.nn.Identity()
+        if rows is not None and not rows:
+            return ([], None) if share_prefix is not None else []
+        batch = PaddedBatch.of(inputs, targets, grad_pos, keep_pos, whole, self.pad_id)
+        c, kw = self._prefix(whole, batch, share_prefix, prefix_kv)
+        ctx = contextlib.nullcontext() if adapter else self.peft_model.disable_adapter()
         with ctx, torch.set_grad_enabled(grad):
-            if c:
-                pre = decoder(input_ids=ids_B_T[:1, :c].to(dev), use_cache=True)
-                kw = (
-                    PromptKV.capture(cache_of(pre), [c], detach=False)
-                    .expand(b_n)
-                    .continuation([n - c for n in lengths], dev, causal_lm.config, width=t_max - c)
-                )
-            res = decoder(input_ids=ids_B_T[:, c:].to(dev), **kw)
-            hidden_B_T_H = res.last_hidden_state if self.plain_head else res.logits
-            if c:
-                first = pre.last_hidden_state if self.plain_head else pre.logits
-                hidden_B_T_H = torch.cat([first.expand(b_n, -1, -1), hidden_B_T_H], 1)
-            kv = PromptKV.capture(cache_of(res), share_prefix) if share_prefix is not None else None
-            tgt_B_T_K = tgt_B_T_K.to(dev)
-
-            def head_logprobs(sel_B_T: Tensor) -> Tensor:
-                sel = sel_B_T.to(dev)
-                logits_M_V = head(hidden_B_T_H[sel]).float()
-                return logits_M_V.gather(-1, tgt_B_T_K[sel]) - torch.logsumexp(logits_M_V, -1, keepdim=True)
-
-            lp_B_T_K = torch.zeros((b_n, t_max, k_max), dtype=torch.float32, device=dev)
-            if bool(grad_B_T.any()):
-                lp_B_T_K = lp_B_T_K.index_put((grad_B_T.to(dev),), head_logprobs(grad_B_T))
-            if bool(rest_B_T.any()):
-                with torch.no_grad():
-                    rest_M_K = head_logprobs(rest_B_T)
-                lp_B_T_K = lp_B_T_K.index_put((rest_B_T.to(dev),), rest_M_K)
+            hidden_B_T_H, kv = self._decode(batch, c, kw, share_prefix)
+            lp_B_T_K = self._head_logprobs(hidden_B_T_H, batch)
         if grad and self.sharded:
             self.tie = hidden_B_T_H.sum() * 0.0
-        out = []
-        for b, (n, t) in enumerate(zip(lengths, targets) if not dummy else ()):
-            lp = lp_B_T_K[b, :n]
-            out.append(lp[:, 0] if t.ndim == 1 else lp[:, : t.shape[1]])
+        out = [] if dummy else unpack(lp_B_T_K, batch.lengths, targets)
         return (out, kv) if share_prefix is not None else out
+
+    def _prefix(
+        self, whole: list[list[int]], batch: PaddedBatch, share_prefix: list[int] | None, prefix_kv: PromptKV | None
+    ) -> tuple[int, dict[str, Any] | None]:
+        """``(c, kwargs)``: a prefix of ``c`` tokens every row shares runs once at batch 1 and the rows continue
+        from its keys/values (prompt_kv.py; ``kwargs`` None, :meth:`_decode` builds them); ``c`` = 0: the
+        decoder's keyword arguments (``prefix_kv``'s continuation, or the attention mask of a padded batch)."""
+        config, width = self.peft_model.get_base_model().config, batch.ids_B_T.shape[1]
+        if prefix_kv is not None:
+            return 0, prefix_kv.continuation(batch.lengths, self.device, config, width=width)
+        c = common_prefix(whole) if kv_bytes(config, len(whole), width) <= PROMPT_KV_MAX_BYTES else 0
+        if c:
+            return c, None
+        mask = batch.valid_B_T.long().to(self.device) if batch.padded else None
+        return 0, {"use_cache": share_prefix is not None, "attention_mask": mask}
+
+    def _decode(
+        self, batch: PaddedBatch, c: int, kw: dict[str, Any] | None, share_prefix: list[int] | None
+    ) -> tuple[Tensor, PromptKV | None]:
+        """The forward (decoder only when :attr:`plain_head`, else the whole model with its logits) over the
+        padded batch, the shared prefix of ``c`` tokens first (:meth:`_prefix`).
+
+        Returns:
+            ``(hidden_B_T_H, kv)``: the last hidden states (B, T, H) (logits (B, T, V) without a plain head),
+            and the keys/values ``share_prefix`` asks to keep (None without it).
+        """
+        causal_lm, dev = self.peft_model.get_base_model(), self.device
+        decoder = causal_lm.model if self.plain_head else self.peft_model
+        b_n, width = batch.ids_B_T.shape
+        if c:
+            pre = decoder(input_ids=batch.ids_B_T[:1, :c].to(dev), use_cache=True)
+            kw = (
+                PromptKV.capture(cache_of(pre), [c], detach=False)
+                .expand(b_n)
+                .continuation([n - c for n in batch.lengths], dev, causal_lm.config, width=width - c)
+            )
+        res = decoder(input_ids=batch.ids_B_T[:, c:].to(dev), **kw)
+        hidden_B_T_H = res.last_hidden_state if self.plain_head else res.logits
+        if c:
+            first = pre.last_hidden_state if self.plain_head else pre.logits
+            hidden_B_T_H = torch.cat([first.expand(b_n, -1, -1), hidden_B_T_H], 1)
+        kv = PromptKV.capture(cache_of(res), share_prefix) if share_prefix is not None else None
+        return hidden_B_T_H, kv
+
+    def _head_logprobs(self, hidden_B_T_H: Tensor, batch: PaddedBatch) -> Tensor:
+        """Float32 (B, T, K) target logprobs: the head with autograd at ``grad_B_T``, without at ``rest_B_T``,
+        0 elsewhere."""
+        dev = self.device
+        head = self.peft_model.get_base_model().get_output_embeddings() if self.plain_head else torch.nn.Identity()
+        tgt_B_T_K = batch.tgt_B_T_K.to(dev)
+
+        def head_logprobs(sel_B_T: Tensor) -> Tensor:
+            sel = sel_B_T.to(dev)
+            logits_M_V = head(hidden_B_T_H[sel]).float()
+            return logits_M_V.gather(-1, tgt_B_T_K[sel]) - torch.logsumexp(logits_M_V, -1, keepdim=True)
+
+        lp_B_T_K = torch.zeros(tgt_B_T_K.shape, dtype=torch.float32, device=dev)
+        if bool(batch.grad_B_T.any()):
+            lp_B_T_K = lp_B_T_K.index_put((batch.grad_B_T.to(dev),), head_logprobs(batch.grad_B_T))
+        if bool(batch.rest_B_T.any()):
+            with torch.no_grad():
+                rest_M_K = head_logprobs(batch.rest_B_T)
+            lp_B_T_K = lp_B_T_K.index_put((batch.rest_B_T.to(dev),), rest_M_K)
+        return lp_B_T_K
 
     def tied(self, loss: Tensor) -> Tensor:
         """``loss`` plus :attr:`tie` (then cleared), or ``loss`` as it is when there is none."""

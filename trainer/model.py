@@ -20,22 +20,20 @@ from torch import Tensor
 
 from livelora.adapters.store import CONFIG_FILE, AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError
-from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, TensorData
+from livelora.clients.types.tinker import AdamParams, Datum, ForwardBackwardOutput, LoraConfig
 from livelora.core.base_models import BaseModelRef, import_model_libraries, load_model
-from livelora.core.cpu_share import step_yield
 from livelora.core.losses import ResolvedLoss, validate_batch
 from livelora.trainer.checkpoints import read_version, write_version
 from livelora.trainer.distributed import TrainerGroup, current_group, mirrored
-from livelora.trainer.logprobs import LogprobPass, datum_inputs, grad_positions
+from livelora.trainer.logprobs import LogprobPass
 from livelora.trainer.lora_peft import lora_config_of, wrap_lora
-from livelora.trainer.losses import LOSS_FUNCTIONS, LossOutput
-from livelora.trainer.prompt_kv import PROMPT_KV_MAX_BYTES, kv_bytes
+from livelora.trainer.loss_pass import run_loss
 from livelora.trainer.shard_base import shard_base
 
 ADAPTER = "default"
 DEFAULT_ALPHA = 32.0
 #: Spec inputs with ``source="trainer"`` that :meth:`TrainingModel._run` computes (reference logprobs with the
-#: adapter disabled; KTO's mismatched-pair log-ratios). A spec naming another one needs code here.
+#: adapter disabled; KTO's mismatched-pair log-ratios). A spec naming another one needs code in trainer/loss_pass.py.
 TRAINER_FILLED_INPUTS = frozenset({"ref_logprobs", "kl_logratio"})
 
 
@@ -112,73 +110,12 @@ class TrainingModel:
         grad: bool,
         loss_positions_only: bool = False,
     ) -> ForwardBackwardOutput:
+        """Validate the batch (the gateway's check, again here) and run its loss (reference pass, policy pass,
+        loss, backward with ``grad``: :func:`~livelora.trainer.loss_pass.run_loss`)."""
         resolved: ResolvedLoss = validate_batch(
             data, loss_fn, loss_fn_config, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len
-        )  # the gateway's check, again here
-        spec = resolved.spec
-        inputs_D = [datum_inputs(d) for d in data]
-        tokens_D = [d.model_input.to_ints() for d in data]
-        targets_D = [x["target_tokens"] for x in inputs_D]
-        kl = "kl_logratio" in spec.trainer_inputs and spec.needs_reference  # the KL pairs' reference side too
-        # KL pairs continue from the matched pairs' prompt keys/values when they fit (prompt_kv.py)
-        share = [int(torch.nonzero(x["weights"])[0]) for x in inputs_D] if kl else None
-        if share and (
-            min(share) < 1
-            or kv_bytes(self.peft_model.get_base_model().config, len(data), max(map(len, tokens_D)))
-            > PROMPT_KV_MAX_BYTES
-        ):
-            share = None
-        grad_pos = [grad_positions(spec, x) for x in inputs_D]
-        keep = grad_pos if loss_positions_only else None  # the loss multiplies every other position by 0
-        # in a group each rank runs its slice's passes, the per-datum results are all-gathered and every rank
-        # computes the whole batch's loss, its own logprobs carrying gradient (trainer/distributed.py)
-        group, n = self.group, len(data)
-        rows = group.shard(n) if group is not None else None
-        gather = (lambda xs: group.gather(n, list(xs))) if group is not None else (lambda xs: xs)
-        ref_D: list[Tensor] = []
-        if spec.needs_reference:
-            ref_D = self.logprobs(tokens_D, targets_D, adapter=False, share_prefix=share, keep_pos=keep, rows=rows)
-            if share:
-                ref_D, ref_kv = ref_D
-            ref_D = gather([r.detach() for r in ref_D])
-            for x, r in zip(inputs_D, ref_D):
-                x["ref_logprobs"] = r
-            if kl and not share:
-                for x, k in zip(inputs_D, gather(self.logprobs.kl_logratios(data, inputs_D, rows=rows))):
-                    x["kl_logratio"] = k.reshape(1)
-        lp_D = self.logprobs(
-            tokens_D, targets_D, grad=grad, share_prefix=share, grad_pos=grad_pos, keep_pos=keep, rows=rows
         )
-        if share:
-            lp_D, policy_kv = lp_D
-            for x, k in zip(inputs_D, gather(self.logprobs.kl_logratios(data, inputs_D, (policy_kv, ref_kv), rows))):
-                x["kl_logratio"] = k.reshape(1)
-        lp_D = gather(lp_D)
-        with torch.set_grad_enabled(grad):  # inputs validated above; the trainer-filled ones are built here
-            out: LossOutput = LOSS_FUNCTIONS[spec.name](lp_D, inputs_D, resolved.config)
-        if grad:
-            loss = self.logprobs.tied(out.loss)  # sharded: every rank's backward runs through every layer
-            if loss.requires_grad:
-                step_yield()
-                loss.backward()
-            else:  # every position has weight exactly 0 (e.g. a GRPO group with equal rewards): zero gradient
-                for p in self.lora_params.values():
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-            self.data_counts["datums"] += len(data)
-            self.data_counts["tokens"] += sum(len(t) for t in tokens_D)
-        outputs = []
-        for i, lp in enumerate(lp_D):
-            record = {"logprobs": TensorData.from_torch(lp.detach().float())}
-            if ref_D:
-                record["ref_logprobs"] = TensorData.from_torch(ref_D[i].float())
-            outputs.append(record)
-        metrics = {
-            **out.metrics,
-            "num_sequences:sum": float(len(data)),
-            "num_tokens:sum": float(sum(len(t) for t in tokens_D)),
-        }
-        return ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
+        return run_loss(self, data, resolved, grad, loss_positions_only)
 
     # ------------------------------------------------------------------------------------------ operations
     def forward(

@@ -69,6 +69,11 @@ class TrainingSection(Section):
     )
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha of new lineages' adapters.")
     grad_clip_norm: float = Field(1.0, ge=0, description="Global L2 gradient clip per step (0 = none).")
+    adam_eps: float = Field(
+        1e-8,
+        gt=0,
+        description="AdamW's epsilon of live-loop steps (added to the root of the second moment before dividing).",
+    )
     save_optimizer: bool = Field(
         True, description="Store AdamW state with each version (exact resume after a restart)."
     )

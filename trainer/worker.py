@@ -310,6 +310,10 @@ class TrainerWorker:
             return self._failed(batch, key, exc)
         except Exception as exc:  # a transient or internal fault: retry later
             return self._failed(batch, key, exc)
+        return self._publish(batch, key, manifest, started_at)
+
+    def _publish(self, batch: Batch, key: str, manifest: Any, started_at: float) -> VersionNotice:
+        """A written version: its events marked trained (``trained.jsonl``, claims), its notice published."""
         self._failures.pop(key, None)
         event_ids = [e.id for e in batch.events]
         append_lines(

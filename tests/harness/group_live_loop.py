@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -23,22 +22,19 @@ def steps(base_ref, home: Path) -> dict[str, Any]:
 
     from harness.group_cases import STEP_EPS, live_kto_batch
     from livelora.adapters.store import AdapterStore
-    from livelora.clients.types.tinker import AdamParams
     from livelora.trainer.online import OnlineTrainer
     from livelora.trainer.settings import TrainingSection
 
-    trainer = OnlineTrainer(base_ref, home, TrainingSection(), gate=None)
+    # Adam's ε as in the other cases (group_cases.STEP_EPS; the live loop's default 1e-8 lets rounding-level
+    # gradient elements move their weight by up to lr under another summation order)
+    trainer = OnlineTrainer(base_ref, home, TrainingSection(adam_eps=STEP_EPS), gate=None)
     batch = live_kto_batch(trainer.examples)
-    # Adam's ε as in the other cases (group_cases.STEP_EPS; the live loop's 1e-8 lets rounding-level gradient
-    # elements move their weight by up to lr under another summation order)
-    smooth = lambda **kw: AdamParams(**{**kw, "eps": STEP_EPS})  # noqa: E731
-    with mock.patch("livelora.trainer.online.AdamParams", smooth):
-        first = trainer.train(batch)
-        model = trainer.model_for(batch.lineage)
-        with torch.no_grad():
-            for p in model.lora_params.values():
-                p.mul_(0.5)
-        second = trainer.train(batch)
+    first = trainer.train(batch)
+    model = trainer.model_for(batch.lineage)
+    with torch.no_grad():
+        for p in model.lora_params.values():
+            p.mul_(0.5)
+    second = trainer.train(batch)
     tensors = load_file(AdapterStore(home).version_dir(second.lineage, second.version) / "adapter_model.safetensors")
     return {"metrics": [first.metrics, second.metrics], "tensors": tensors}
 
