@@ -13,7 +13,7 @@ import time
 import uuid
 
 import pytest
-from test_layering import REPO
+from harness.source import REPO
 
 from livelora.adapters.endpoints import EndpointStore
 from livelora.clients.types.signals import ChatMessage, RatingEvent
