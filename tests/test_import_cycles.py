@@ -89,3 +89,19 @@ def test_no_module_of_gateway_or_cli_is_in_an_import_cycle():
 )
 def test_the_cycle_finder_reports_each_cycle_once(graph, expected):
     assert cycles(graph) == expected
+
+
+def test_no_test_module_imports_another_test_module():
+    """Shared test code lives in ``tests/harness/``; a test file importing another couples their fixtures."""
+    import ast
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            found += [f"{path.relative_to(tests)}: {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    assert not found, found
