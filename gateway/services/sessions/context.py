@@ -44,6 +44,7 @@ class SessionContext:
     store: AdapterStore = field(init=False)
     _tokenizer_id: str | None = field(default=None, init=False, repr=False)
     _tokenizer_body: tuple[str, bytes] | None = field(default=None, init=False, repr=False)
+    _tokenizer_dir: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.home = Path(self.home)
@@ -69,7 +70,8 @@ class SessionContext:
                 )
 
     def tokenizer_id(self) -> str:
-        """The tokenizer's name (Tinker's ``tokenizer_id``), never a server path: the base model's canonical hub
+        """The tokenizer's name (Tinker's ``tokenizer_id``; a caller on this machine gets :meth:`local_tokenizer_dir`
+        from ``get_info`` instead), never a server path: the base model's canonical hub
         id when one is known (a built-in model's, or the hub id it was loaded from), else the served base-model
         name (:func:`~livelora.core.base_models.canonical_tokenizer_id`). Clients load it by that id from their
         Hugging Face cache or the hub, and otherwise fetch the files from ``GET /api/v1/tokenizer``
@@ -91,6 +93,22 @@ class SessionContext:
         if self._tokenizer_body is None:
             self._tokenizer_body = await asyncio.to_thread(self._read_tokenizer_files)
         return self._tokenizer_body
+
+    async def local_tokenizer_dir(self) -> str:
+        """The folder holding the base model's tokenizer files for a client on this machine: placed once (in a
+        thread) in livelora's tokenizer cache (:func:`~livelora.clients.tokenizer_files.store_tokenizer`, the
+        folder livelora's SDK fetches into; ``LIVELORA_TOKENIZER_CACHE`` moves it), never the store. An id the
+        official tinker SDK and ``AutoTokenizer.from_pretrained`` load with no hub request."""
+        if self._tokenizer_dir is None:
+            self._tokenizer_dir = await asyncio.to_thread(self._place_tokenizer)
+        return self._tokenizer_dir
+
+    def _place_tokenizer(self) -> str:
+        from livelora.clients.tokenizer_files import store_tokenizer
+        from livelora.core.base_models import tokenizer_files
+
+        source = str(getattr(self.engine.tokenizer, "name_or_path", "") or self.base_model)
+        return str(store_tokenizer(self.tokenizer_id(), tokenizer_files(source)))
 
     def _read_tokenizer_files(self) -> tuple[str, bytes]:
         from livelora.clients.tokenizer_files import to_response
