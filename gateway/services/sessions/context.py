@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from livelora.core.bus import redis_unavailable
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.settings import SessionSection
 from livelora.gateway.engines.base import Engine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,21 +97,27 @@ class SessionContext:
             self._tokenizer_body = await asyncio.to_thread(self._read_tokenizer_files)
         return self._tokenizer_body
 
-    async def local_tokenizer_dir(self) -> str:
+    async def local_tokenizer_dir(self) -> str | None:
         """The folder holding the base model's tokenizer files for a client on this machine: placed once (in a
         thread) in livelora's tokenizer cache (:func:`~livelora.clients.tokenizer_files.store_tokenizer`, the
         folder livelora's SDK fetches into; ``LIVELORA_TOKENIZER_CACHE`` moves it), never the store. An id the
-        official tinker SDK and ``AutoTokenizer.from_pretrained`` load with no hub request."""
+        official tinker SDK and ``AutoTokenizer.from_pretrained`` load with no hub request. ``None`` when the files
+        could not be placed (no tokenizer files at the source, an unwritable cache; logged once)."""
         if self._tokenizer_dir is None:
             self._tokenizer_dir = await asyncio.to_thread(self._place_tokenizer)
-        return self._tokenizer_dir
+        return self._tokenizer_dir or None
 
     def _place_tokenizer(self) -> str:
+        from livelora.clients.errors import BadRequestError
         from livelora.clients.tokenizer_files import store_tokenizer
         from livelora.core.base_models import tokenizer_files
 
         source = str(getattr(self.engine.tokenizer, "name_or_path", "") or self.base_model)
-        return str(store_tokenizer(self.tokenizer_id(), tokenizer_files(source)))
+        try:
+            return str(store_tokenizer(self.tokenizer_id(), tokenizer_files(source)))
+        except (BadRequestError, OSError) as exc:
+            log.warning("tokenizer files not placed for local clients (get_info names the hub id): %s", exc)
+            return ""
 
     def _read_tokenizer_files(self) -> tuple[str, bytes]:
         from livelora.clients.tokenizer_files import to_response

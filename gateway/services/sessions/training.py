@@ -330,7 +330,7 @@ class TrainingOps:
             model_data=ModelData(
                 arch=record.get("arch"),
                 model_name=record["base_model"],
-                tokenizer_id=await self.ctx.local_tokenizer_dir() if same_machine else self.ctx.tokenizer_id(),
+                tokenizer_id=(same_machine and await self.ctx.local_tokenizer_dir()) or self.ctx.tokenizer_id(),
             ),
         )
 
