@@ -201,6 +201,8 @@ def _make_command(recipe: str, module_name: str):
 
     command.__signature__ = inspect.Signature(_parameters(config_cls, recipe))
     paragraphs = inspect.cleandoc(module.__doc__ or recipe).split("\n\n")
+    first = paragraphs[0].removeprefix(f"{recipe}: ")  # `livelora recipe --help` lists it under its name already
+    paragraphs[0] = first[:1].upper() + first[1:]
     command.__doc__ = "\n\n".join(" ".join(p.split()) for p in paragraphs)
     command.__name__ = recipe.replace("-", "_")
     return command
