@@ -206,7 +206,8 @@ def fetch_tokenizer(transport: Transport, tokenizer_id: str | None = None, root:
 
 
 def load_tokenizer(tokenizer_id: str, transport: Transport | None = None) -> Any:
-    """The tokenizer named ``tokenizer_id``. With ``transport``: the files the server serves
+    """The tokenizer named ``tokenizer_id``. A folder on this machine (what ``get_info`` reports to a caller on the
+    server's machine) is loaded as is. With ``transport``: the files the server serves
     (:func:`fetch_tokenizer`; a cached revision is revalidated, not downloaded), with no request to the hub; when
     the server cannot be reached, the revision last fetched. ``AutoTokenizer.from_pretrained(tokenizer_id)`` (the
     local Hugging Face cache or the hub) only without ``transport``, for a server without ``GET /api/v1/tokenizer``,
@@ -221,8 +222,8 @@ def load_tokenizer(tokenizer_id: str, transport: Transport | None = None) -> Any
 
     from livelora.clients.errors import NotFoundError, UnavailableError
 
-    if transport is None:
-        return AutoTokenizer.from_pretrained(tokenizer_id)
+    if transport is None or (os.path.isabs(tokenizer_id) and os.path.isdir(tokenizer_id)):
+        return AutoTokenizer.from_pretrained(tokenizer_id)  # a folder: the one the server placed on this machine
     folder: Path | None
     try:
         folder = fetch_tokenizer(transport, tokenizer_id)

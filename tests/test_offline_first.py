@@ -1,6 +1,7 @@
-"""Offline first (issue 48): the README walkthrough's tokenizer step and a recipe's smoke run, with both SDKs, on
-a client whose Hugging Face hub is unreachable and with ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` unset. The
-hub is ``HF_ENDPOINT``: a local HTTP server that records every request and answers 503; any request fails."""
+"""Offline first (issue 48): the README walkthrough's tokenizer step, a recipe's smoke run (both SDKs) and the
+official tinker SDK's own ``get_tokenizer()`` with tinker-cookbook's tokenizer helper, on a client whose Hugging
+Face hub is unreachable and with ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` unset. The hub is ``HF_ENDPOINT``: a
+local HTTP server that records every request and answers 503; any request fails."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from _doc_blocks import REPO, section_blocks
+from harness.sdks import sdk_python
+from harness.server import MODEL
 
 WALKTHROUGH = ("## Five minutes: chat, rate, watch a new version being served", "## Documentation")
 
@@ -105,3 +108,35 @@ def test_a_recipe_smoke_run_asks_no_hub(sessions_server, hub, tmp_path, sdk):
     assert "kto-ratings: step 1/1" in out
     assert hub.requests == [], hub.requests
     assert "Retry" not in out, out[-3000:]
+
+
+#: The official SDK as a user calls it (nothing of livelora imported): get_tokenizer(), then the cookbook's helper on
+#: the tokenizer_id the server reported.
+OFFICIAL = """
+import json, tinker
+from tinker_cookbook.tokenizer_utils import get_tokenizer
+service = tinker.ServiceClient()
+tc = service.create_lora_training_client(base_model=%r, rank=2)
+tokenizer_id = tc.get_info().model_data.tokenizer_id
+text = "The sky is blue."
+print(json.dumps([tokenizer_id, tc.get_tokenizer().encode(text), get_tokenizer(tokenizer_id).encode(text)]))
+"""
+
+
+@pytest.mark.sdk
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("version", ["038", "024"])
+def test_the_official_sdks_get_tokenizer_asks_no_hub(sessions_server, tokenizer, hub, tmp_path, version):
+    python = sdk_python(version)
+    if python is None:
+        pytest.skip(f"no tinker SDK venv for {version}: run .ci/setup-tinker-sdks")
+    env = {k: v for k, v in client_env(tmp_path, hub).items() if not k.startswith("TINKER_")}
+    env.update(TINKER_BASE_URL=sessions_server.base_url, TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0")
+    env["PYTHONPATH"] = ""
+    proc = subprocess.run([str(python), "-c", OFFICIAL % MODEL], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert hub.requests == [], hub.requests
+    assert "Retry" not in proc.stderr, proc.stderr[-3000:]
+    tokenizer_id, by_sdk, by_cookbook = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(tokenizer_id).is_dir()  # the folder the server placed for callers on its machine
+    assert by_sdk == by_cookbook == tokenizer.encode("The sky is blue.")

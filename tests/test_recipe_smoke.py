@@ -1,7 +1,8 @@
 """``livelora recipe NAME --smoke`` against a live server (real SmolLM2, real Redis): each recipe's preset runs its
-2 steps to the summary in a fresh run directory; the step lines and the summary read one clock; a step of
-``gsm8k-rl`` that trained on no datum says so and why. The preset's wall time is a figure printed here, not
-asserted (measured in docs/recipes.md)."""
+2 steps to the summary in a fresh run directory; the step lines and the summary read one clock; each run learns
+something it can show (the held-out metric moves the right way, or the RL update made its better-rewarded tokens
+likelier); a step of ``gsm8k-rl`` that trained on no datum says so and why. The preset's wall time is a figure
+printed here, not asserted (measured in docs/recipes.md)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def smoke(recipe: str, url: str, *flags: str) -> tuple[str, float]:
 
 
 RECIPES = ["chat-sft", "gsm8k-rl", "kto-ratings", "dpo", "distill", "code-rl"]
+#: recipe -> the held-out metric its smoke run moves and the way it must go (+1 up, -1 down)
+EVAL_MOVES = {"chat-sft": ("eval/nll", -1), "kto-ratings": ("eval/margin", 1), "dpo": ("eval/margin", 1)}
 
 
 def doc_lines() -> list[str]:
@@ -47,6 +50,13 @@ def doc_lines() -> list[str]:
 
 def test_the_docs_list_a_smoke_run_of_every_recipe():
     assert sorted(doc_lines()) == sorted(f"livelora recipe {r} --smoke" for r in RECIPES)
+
+
+def test_every_smoke_preset_shows_a_held_out_metric_move_or_checks_its_updates():
+    from livelora.clients.recipes.smoke import PRESETS
+
+    checked = {r for r in RECIPES if PRESETS[r].get("check_update")}
+    assert checked == set(RECIPES) - set(EVAL_MOVES) == {"gsm8k-rl", "distill", "code-rl"}
 
 
 @pytest.mark.slow
@@ -70,6 +80,14 @@ def test_every_recipe_has_a_smoke_preset_whose_lines_and_summary_share_one_clock
     logged = read_metrics(log_dir)
     assert sorted(k for k in logged if k) == [1, 2]
     assert f"{steps[1]:.0f}" == f"{logged[2]['time/elapsed_s']:.0f}"  # the step line prints the run's elapsed_s
+    if recipe in EVAL_MOVES:  # before (step 0) and after (step 2), as the summary table prints them
+        key, sign = EVAL_MOVES[recipe]
+        assert sign * (logged[2][key] - logged[0][key]) > 0, (key, logged[0][key], logged[2][key])
+    else:  # at least one real update, and each one made the better-than-average tokens likelier
+        updated = [s for s in (1, 2) if logged[s].get("train/datums", 1) > 0]
+        assert updated, logged
+        assert all(logged[s]["train/update_gain"] > 0 for s in updated), logged
+        assert f"{recipe}: step {updated[0]}/2" in out and "train/update_gain=" in out
     if recipe == "code-rl":  # the short preset still runs check_solution turns in the sandbox and updates the LoRA
         assert max(logged[s]["train/tool_call_rate"] for s in (1, 2)) > 0, logged
         assert min(logged[s]["time/sandbox_s"] for s in (1, 2)) > 0, logged

@@ -433,3 +433,36 @@ def test_recipe_cli_lists_the_recipes_and_validates_flags(tmp_path):
 
     assert gsm8k_rl.Config(log_dir=tmp_path / "c").data == "openai/gsm8k"
     assert gsm8k_rl.Config(log_dir=tmp_path / "c", task="arithmetic").data is None
+
+
+def test_update_shift_weighs_each_tokens_logprob_change_by_its_advantage():
+    from types import SimpleNamespace as NS
+
+    from livelora.clients.recipes.loop import update_shift
+
+    class TD(list):  # a TensorData's tolist()
+        def tolist(self):
+            return list(self)
+
+    data = [
+        NS(loss_fn_inputs={"advantages": TD([0.0, 1.0, 1.0])}),
+        NS(loss_fn_inputs={"advantages": TD([0.0, -0.5, -0.5])}),
+    ]
+    before = [[-1.0, -1.5, -2.5], [-1.0, -2.0, -4.0]]
+    after = [[-9.0, -1.0, -2.0], [-9.0, -3.0, -5.0]]  # position 0 carries no advantage: its change does not count
+    calls = []
+
+    class Client:
+        def forward(self, part, loss):
+            calls.append((len(part), loss))
+            return NS(result=lambda: NS(loss_fn_outputs=[{"logprobs": TD(lp)} for lp in after[: len(part)]]))
+
+    out = update_shift(Client(), data, "importance_sampling", before)
+    assert calls == [(2, "importance_sampling")]
+    assert out["train/update_gain"] == pytest.approx((0.5 + 0.5 + 0.5 + 0.5) / 3)  # Σ A·Δ / Σ|A|
+    assert out["train/update_dlogprob_pos"] == pytest.approx(0.5)
+    assert out["train/update_dlogprob_neg"] == pytest.approx(-1.0)
+    assert update_shift(Client(), data[:1], "ppo", [[0.0, 0.0, 0.0]]).keys() == {
+        "train/update_gain",
+        "train/update_dlogprob_pos",
+    }

@@ -17,7 +17,8 @@ def test_official_tinker_sdk_sft_and_sampling(sessions_server, monkeypatch, tmp_
 
     from livelora.cli.main import hf_cache
 
-    # get_tokenizer() loads the reported hub id offline: `livelora hf-cache --url` puts the server's files there
+    # get_tokenizer() on the server's machine loads the folder get_info names; elsewhere the hub id, which
+    # `livelora hf-cache --url` makes resolve offline (done here too, as a client elsewhere would)
     hf_cache(url=sessions_server.base_url, cache_dir=tmp_path / "hub")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 

@@ -67,7 +67,7 @@ def test_official_sdk_against_live_gateway(version, sessions_server, tokenizer, 
     # what `livelora hf-cache --url` does on a client machine: the server's tokenizer files, under the hub id
     hf_cache(url=sessions_server.base_url, cache_dir=tmp_path / "hub")
     out = run_live(version, sessions_server.base_url, tokenizer, tmp_path / "hub")
-    assert out["info"]["tokenizer_id"] == HUB_IDS[MODEL]
+    assert Path(out["info"]["tokenizer_id"]).is_dir()  # a caller on the server's machine: the placed folder
     assert out["sdk_tokenizer"] == tokenizer.encode("The sky is blue."), out["sdk_tokenizer"]
     # SamplingClient.get_tokenizer() loads by the sampler's base model: the hub id the server reports, or the served
     # name given as base_model; `livelora hf-cache` placed the tokenizer under both (issue 29)

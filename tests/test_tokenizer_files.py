@@ -1,6 +1,7 @@
 """The base model's tokenizer without a hub (issues 12 and 17), through a live gateway on the real SmolLM2.
 
-``tokenizer_id`` is the hub id and never a server path; ``GET /api/v1/tokenizer`` serves the tokenizer files;
+``tokenizer_id`` is the hub id and never a server path (``get_info`` gives a caller on the server's machine the
+folder of the tokenizer files it placed); ``GET /api/v1/tokenizer`` serves the tokenizer files;
 livelora's SDK loads them from the server when the id does not resolve (``HF_HUB_OFFLINE=1``, empty HF cache);
 ``livelora hf-cache --url`` places them in a fresh Hugging Face cache, where ``AutoTokenizer.from_pretrained(hub_id)``
 then resolves them offline. The client sides run in subprocesses with their own empty ``HF_HOME``.
@@ -59,9 +60,19 @@ def test_tokenizer_id_is_the_hub_id_and_no_answer_names_a_server_path(sessions_s
         "info": httpx.post(url("/api/v1/get_info"), json={"model_id": model_id}, timeout=60),
         "tokenizer": httpx.get(url("/api/v1/tokenizer"), timeout=60),
     }
+    # a caller behind a proxy is not on this machine, whatever the socket's address
+    proxied = {"X-Forwarded-For": "203.0.113.7"}
+    answers["info_proxied"] = httpx.post(
+        url("/api/v1/get_info"), json={"model_id": model_id}, headers=proxied, timeout=60
+    )
     assert answers["caps"].json()["supported_models"][0]["tokenizer_id"] == HUB_ID
-    assert answers["info"].json()["model_data"]["tokenizer_id"] == HUB_ID
+    assert answers["info_proxied"].json()["model_data"]["tokenizer_id"] == HUB_ID
     assert answers["tokenizer"].json()["tokenizer_id"] == HUB_ID
+    # to a caller on this machine, get_info names the folder the server placed the served files in (never the store)
+    placed = Path(answers["info"].json()["model_data"]["tokenizer_id"])
+    assert placed.is_absolute() and placed.name == answers["tokenizer"].headers["etag"].strip('"')
+    served = from_response(TokenizerFilesResponse.model_validate(answers["tokenizer"].json()))
+    assert read_tokenizer_dir(placed) == served
     source = sessions_server.services.engine.tokenizer.name_or_path  # where the server's tokenizer lives
     assert Path(source).is_dir()
     for name, r in answers.items():
@@ -137,7 +148,7 @@ def test_sdk_falls_back_to_the_servers_files_offline(sessions_server, tokenizer,
         .splitlines()[-1]
     )
     assert out["hub"] != "resolved"  # the id does not resolve on this client: the server's files are needed
-    assert out["tokenizer_id"] == HUB_ID
+    assert Path(out["tokenizer_id"]).is_dir()  # this client shares the server's machine: the placed folder
     expected = tokenizer.encode(SAMPLE)
     assert out["training"] == out["sampling"] == out["offline"] == expected
     rev = files_revision(read_tokenizer_dir(sessions_server.services.engine.tokenizer.name_or_path))

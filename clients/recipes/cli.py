@@ -72,8 +72,8 @@ def _parameters(config_cls: type, recipe: str) -> list[inspect.Parameter]:
                 typer.Option(
                     "--smoke",
                     help="A preset that runs in about a minute on an idle 2-core CPU (2 steps on built-in sample "
-                    "data, in a fresh temporary --log-dir): checks the pipeline, not the learning. Flags given "
-                    "with it win.",
+                    "data, in a fresh temporary --log-dir) and shows one real update: a held-out metric that "
+                    "moves, or (RL recipes) the update's train/update_gain. Flags given with it win.",
                 ),
             ],
         ),
@@ -122,7 +122,8 @@ def summary_table(summary: Any) -> Table:
 def step_text(metrics: dict[str, float]) -> str:
     """The figures of a step line: loss, reward, datums and eval metrics; a step that trained on no datum says
     so, and why when the recipe counted it (``train/groups``, ``train/groups_equal``)."""
-    shown = {k: v for k, v in metrics.items() if k.startswith(("train/loss", "train/reward", "train/datums", "eval/"))}
+    keys = ("train/loss", "train/reward", "train/datums", "train/update_", "eval/")
+    shown = {k: v for k, v in metrics.items() if k.startswith(keys)}
     text = " ".join(f"{k}={v:.4g}" for k, v in shown.items())
     if metrics.get("train/datums") == 0:
         groups, equal = int(metrics.get("train/groups", 0)), int(metrics.get("train/groups_equal", 0))
@@ -200,6 +201,8 @@ def _make_command(recipe: str, module_name: str):
 
     command.__signature__ = inspect.Signature(_parameters(config_cls, recipe))
     paragraphs = inspect.cleandoc(module.__doc__ or recipe).split("\n\n")
+    first = paragraphs[0].removeprefix(f"{recipe}: ")  # `livelora recipe --help` lists it under its name already
+    paragraphs[0] = first[:1].upper() + first[1:]
     command.__doc__ = "\n\n".join(" ".join(p.split()) for p in paragraphs)
     command.__name__ = recipe.replace("-", "_")
     return command

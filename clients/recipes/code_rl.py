@@ -35,7 +35,7 @@ from livelora.clients.recipes.code_tasks import (
     train_heldout,
 )
 from livelora.clients.recipes.datums import batch_indices
-from livelora.clients.recipes.loop import RecipeConfig, Run, Summary, sampler_kl
+from livelora.clients.recipes.loop import RLConfig, Run, Summary, sampler_kl, update_shift
 from livelora.clients.recipes.renderers import ChatRenderer
 from livelora.clients.recipes.sdk import Sdk, gather, tolist
 
@@ -46,7 +46,7 @@ SYSTEM = (
 EVAL_SEED = 7_919  # sampled evaluation: the same draws before and after training
 
 
-class Config(RecipeConfig):
+class Config(RLConfig):
     dataset: Literal["easy", "humaneval", "mixed"] = Field("easy", description="Training tasks.")
     humaneval: str | None = Field(None, description="HumanEval folder or .jsonl (needed by humaneval/mixed/eval).")
     easy_held_out: int = Field(40, ge=1, description="Easy tasks held out (the rest train).")
@@ -341,5 +341,8 @@ def _train_step(cfg: Config, r: Run, batch: Batch, adam: Any) -> dict[str, float
         r.tc.optim_step(adam).result()
         n_tok = sum(sum(m) for m in masks)
         metrics["train/loss"] = loss_sum / max(n_tok, 1)
-        metrics.update(sampler_kl(qs, [tolist(o["logprobs"]) for o in outputs], masks))
+        trained = [tolist(o["logprobs"]) for o in outputs]
+        metrics.update(sampler_kl(qs, trained, masks))
+        if cfg.check_update:
+            metrics.update(update_shift(r.tc, data, cfg.loss, trained))
     return metrics

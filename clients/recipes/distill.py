@@ -25,14 +25,14 @@ from pydantic import Field, model_validator
 from livelora.clients.recipes.advantages import reverse_kl_advantages
 from livelora.clients.recipes.datasets import gsm8k, load_chat, read_jsonl
 from livelora.clients.recipes.datums import batch_indices, rl_datum, split
-from livelora.clients.recipes.loop import RecipeConfig, Run, Summary, sampled_batches
+from livelora.clients.recipes.loop import RLConfig, Run, Summary, sampled_batches, update_shift
 from livelora.clients.recipes.renderers import ChatRenderer
-from livelora.clients.recipes.sdk import Sdk, gather
+from livelora.clients.recipes.sdk import Sdk, gather, tolist
 
 CONCISE = "Answer in one short sentence."
 
 
-class Config(RecipeConfig):
+class Config(RLConfig):
     data: str = Field(
         ...,
         description="Prompts: a GSM8K folder/hub name (dataset=gsm8k), a messages JSONL "
@@ -137,18 +137,17 @@ def run(
             opt = r.tc.optim_step(adam)
             out = fb.result()
             opt.result()
-            r.end_step(
-                step,
-                {
-                    "train/reverse_kl": sum(kls) / max(len(kls), 1),
-                    "train/tokens": n_tok,
-                    "train/loss": out.metrics["loss:sum"] / max(n_tok, 1),
-                    "train/staleness": staleness,
-                    "time/sample_s": batch["sample_s"],
-                    "time/train_s": time.monotonic() - t0,
-                },
-                evaluate,
-            )
+            metrics = {
+                "train/reverse_kl": sum(kls) / max(len(kls), 1),
+                "train/tokens": n_tok,
+                "train/loss": out.metrics["loss:sum"] / max(n_tok, 1),
+                "train/staleness": staleness,
+                "time/sample_s": batch["sample_s"],
+            }
+            if cfg.check_update:
+                trained = [tolist(o["logprobs"]) for o in out.loss_fn_outputs]
+                metrics.update(update_shift(r.tc, data, "importance_sampling", trained))
+            r.end_step(step, {**metrics, "time/train_s": time.monotonic() - t0}, evaluate)
         return r.finish(evaluate)
     except BaseException:
         r.abort()

@@ -26,14 +26,14 @@ from livelora.clients.recipes.advantages import Estimator, group_advantages
 from livelora.clients.recipes.datasets import arithmetic, gsm8k
 from livelora.clients.recipes.datums import batch_indices, rl_datum
 from livelora.clients.recipes.evaluation import math_reward, sampled_accuracy
-from livelora.clients.recipes.loop import RecipeConfig, Run, Summary, sampled_batches, sampler_kl
+from livelora.clients.recipes.loop import RLConfig, Run, Summary, sampled_batches, sampler_kl, update_shift
 from livelora.clients.recipes.renderers import ChatRenderer
 from livelora.clients.recipes.sdk import Sdk, gather, tolist
 
 INSTRUCTION = " End your reply with 'The answer is N.' where N is a number."
 
 
-class Config(RecipeConfig):
+class Config(RLConfig):
     data: str | None = Field(
         None,
         description="GSM8K folder (train.jsonl, test.jsonl) or hub name (default "
@@ -159,7 +159,10 @@ def run(
                 out = fb.result()
                 opt.result()
                 metrics["train/loss"] = out.metrics["loss:sum"] / max(n_tok, 1)
-                metrics.update(sampler_kl(qs, [tolist(o["logprobs"]) for o in out.loss_fn_outputs], masks))
+                trained = [tolist(o["logprobs"]) for o in out.loss_fn_outputs]
+                metrics.update(sampler_kl(qs, trained, masks))
+                if cfg.check_update:
+                    metrics.update(update_shift(r.tc, data, cfg.loss, trained))
             # else: every group was constant, nothing to learn from: the step counts, the weights stay
             metrics["time/train_s"] = time.monotonic() - t0
             metrics["time/sample_s"] = batch["sample_s"]

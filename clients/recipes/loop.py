@@ -26,13 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from livelora.clients.recipes.checkpoints import last_checkpoint, save_config, save_state
 from livelora.clients.recipes.metrics import MetricsLogger, read_metrics
-from livelora.clients.recipes.sdk import Sdk, close_service
+from livelora.clients.recipes.sdk import Sdk, close_service, tolist
 
 T = TypeVar("T")
 
 #: Config fields that may change when a run is resumed.
 RESUMABLE = frozenset(
-    {"steps", "base_url", "sdk", "save_every", "eval_every", "mlflow", "mlflow_tracking_uri", "log_dir"}
+    {"steps", "base_url", "sdk", "save_every", "eval_every", "mlflow", "mlflow_tracking_uri", "log_dir", "check_update"}
 )
 
 
@@ -57,6 +57,16 @@ class RecipeConfig(BaseModel):
     mlflow: bool | None = Field(None, description="Log to MLflow too (default: when installed).")
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking URI (default: a file store in <log_dir>/mlruns)."
+    )
+
+
+class RLConfig(RecipeConfig):
+    """Settings of the recipes that train on sampled tokens with advantages (gsm8k-rl, distill, code-rl)."""
+
+    check_update: bool = Field(
+        False,
+        description="After each optimizer step, re-score the tokens it trained on (one forward) and log how far "
+        "it moved their logprobs: train/update_gain > 0 when it made better-than-average tokens likelier.",
     )
 
 
@@ -222,3 +232,33 @@ def sampler_kl(
         return {}
     n = len(diffs)
     return {"train/kl_sampler_v1": sum(diffs) / n, "train/kl_sampler_v2": 0.5 * sum(d * d for d in diffs) / n}
+
+
+def update_shift(tc: Any, data: list[Any], loss: str, before_D: list[list[float]]) -> dict[str, float]:
+    """How the optimizer step just taken moved the logprobs of the tokens it trained on: ``data`` re-scored with
+    ``tc.forward(data, loss)`` against ``before_D``, the logprobs its ``forward_backward`` returned (same trainer,
+    same numerics). Per position t with advantage A_t ≠ 0 (read from each datum's ``advantages``) and change
+    Δ_t = lp_after − lp_before (nats):
+
+    - ``train/update_gain``: Σ A_t·Δ_t / Σ |A_t|, nats per token; > 0 when the step made the better-than-average
+      tokens likelier and the worse ones less likely (what the policy-gradient step promises to first order);
+    - ``train/update_dlogprob_pos`` / ``_neg``: mean Δ_t over tokens with positive / negative advantage.
+
+    Returns {} when no position carries an advantage.
+    """
+    after_D = []
+    for part in [data[i : i + 16] for i in range(0, len(data), 16)]:
+        after_D += [tolist(o["logprobs"]) for o in tc.forward(part, loss).result().loss_fn_outputs]
+    pos, neg, gain, weight = [], [], 0.0, 0.0
+    for datum, before, after in zip(data, before_D, after_D):
+        for a, b, lp in zip(tolist(datum.loss_fn_inputs["advantages"]), before, after):
+            if a:
+                (pos if a > 0 else neg).append(lp - b)
+                gain, weight = gain + a * (lp - b), weight + abs(a)
+    if not weight:
+        return {}
+    out = {"train/update_gain": gain / weight}
+    for key, shifts in (("pos", pos), ("neg", neg)):
+        if shifts:
+            out[f"train/update_dlogprob_{key}"] = sum(shifts) / len(shifts)
+    return out

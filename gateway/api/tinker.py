@@ -223,7 +223,24 @@ async def create_model(request: Request, ops: TrainingOpsDep, principal: Princip
 
 @router.post("/get_info", openapi_extra=body_schema(GetInfoRequest))
 async def get_info(request: Request, ops: TrainingOpsDep) -> Response:
-    return encode(await ops.get_info((await decode(request, GetInfoRequest)).model_id))
+    model_id = (await decode(request, GetInfoRequest)).model_id
+    return encode(await ops.get_info(model_id, same_machine=same_machine(request)))
+
+
+#: Headers a reverse proxy adds: a request carrying one came from elsewhere, whatever its socket's address.
+_PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+
+
+def same_machine(request: Request) -> bool:
+    """Whether ``request`` came from this machine: a loopback socket and no proxy header."""
+    import ipaddress
+
+    host = request.client.host if request.client else ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    return loopback and not any(h in request.headers for h in _PROXY_HEADERS)
 
 
 @router.post("/forward", openapi_extra=body_schema(ForwardRequest))

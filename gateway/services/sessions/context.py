@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from livelora.core.bus import redis_unavailable
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.settings import SessionSection
 from livelora.gateway.engines.base import Engine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class SessionContext:
     store: AdapterStore = field(init=False)
     _tokenizer_id: str | None = field(default=None, init=False, repr=False)
     _tokenizer_body: tuple[str, bytes] | None = field(default=None, init=False, repr=False)
+    _tokenizer_dir: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.home = Path(self.home)
@@ -69,7 +73,8 @@ class SessionContext:
                 )
 
     def tokenizer_id(self) -> str:
-        """The tokenizer's name (Tinker's ``tokenizer_id``), never a server path: the base model's canonical hub
+        """The tokenizer's name (Tinker's ``tokenizer_id``; a caller on this machine gets :meth:`local_tokenizer_dir`
+        from ``get_info`` instead), never a server path: the base model's canonical hub
         id when one is known (a built-in model's, or the hub id it was loaded from), else the served base-model
         name (:func:`~livelora.core.base_models.canonical_tokenizer_id`). Clients load it by that id from their
         Hugging Face cache or the hub, and otherwise fetch the files from ``GET /api/v1/tokenizer``
@@ -91,6 +96,28 @@ class SessionContext:
         if self._tokenizer_body is None:
             self._tokenizer_body = await asyncio.to_thread(self._read_tokenizer_files)
         return self._tokenizer_body
+
+    async def local_tokenizer_dir(self) -> str | None:
+        """The folder holding the base model's tokenizer files for a client on this machine: placed once (in a
+        thread) in livelora's tokenizer cache (:func:`~livelora.clients.tokenizer_files.store_tokenizer`, the
+        folder livelora's SDK fetches into; ``LIVELORA_TOKENIZER_CACHE`` moves it), never the store. An id the
+        official tinker SDK and ``AutoTokenizer.from_pretrained`` load with no hub request. ``None`` when the files
+        could not be placed (no tokenizer files at the source, an unwritable cache; logged once)."""
+        if self._tokenizer_dir is None:
+            self._tokenizer_dir = await asyncio.to_thread(self._place_tokenizer)
+        return self._tokenizer_dir or None
+
+    def _place_tokenizer(self) -> str:
+        from livelora.clients.errors import BadRequestError
+        from livelora.clients.tokenizer_files import store_tokenizer
+        from livelora.core.base_models import tokenizer_files
+
+        source = str(getattr(self.engine.tokenizer, "name_or_path", "") or self.base_model)
+        try:
+            return str(store_tokenizer(self.tokenizer_id(), tokenizer_files(source)))
+        except (BadRequestError, OSError) as exc:
+            log.warning("tokenizer files not placed for local clients (get_info names the hub id): %s", exc)
+            return ""
 
     def _read_tokenizer_files(self) -> tuple[str, bytes]:
         from livelora.core.base_models import tokenizer_files

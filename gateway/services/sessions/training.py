@@ -315,8 +315,13 @@ class TrainingOps:
             model_id, "create_via_load", req.model_dump(mode="json"), lora, principal.tenant
         )
 
-    async def get_info(self, model_id: str) -> GetInfoResponse:
-        """Raises: NotFoundError for an unknown model."""
+    async def get_info(self, model_id: str, same_machine: bool = False) -> GetInfoResponse:
+        """``model_data.tokenizer_id`` is the hub id, or for a caller on this machine (``same_machine``) the local
+        folder of the tokenizer files (:meth:`SessionContext.local_tokenizer_dir
+        <livelora.gateway.services.sessions.context.SessionContext.local_tokenizer_dir>`), which the official
+        SDK's ``get_tokenizer()`` loads without asking the hub.
+
+        Raises: NotFoundError for an unknown model."""
         record = await self._model_record(model_id)
         if record is None:
             raise NotFoundError(f"model {model_id!r} does not exist", param="model_id")
@@ -328,7 +333,9 @@ class TrainingOps:
             lora_rank=lora.get("rank"),
             lora_alpha=lora.get("alpha"),
             model_data=ModelData(
-                arch=record.get("arch"), model_name=record["base_model"], tokenizer_id=self.ctx.tokenizer_id()
+                arch=record.get("arch"),
+                model_name=record["base_model"],
+                tokenizer_id=(same_machine and await self.ctx.local_tokenizer_dir()) or self.ctx.tokenizer_id(),
             ),
         )
 
