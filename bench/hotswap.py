@@ -255,7 +255,7 @@ def _reference_init(model: str, home: str, names: list[str], weights: str) -> No
     worker = engine._worker
     for name in names:
         path = AdapterStore(Path(home)).version_dir(*parse_version_name(name))
-        cfg, gguf, _ = worker.read_adapter(path)
+        cfg, gguf, _ = worker.backend.read_adapter(path)
         _on_worker(
             worker, lambda name=name, cfg=cfg, gguf=gguf, path=path: worker.load_adapter(name, cfg, gguf, str(path))
         )
@@ -274,7 +274,7 @@ def _reference_lps(tokens: list[int], n_prompt: int, adapter: str) -> list[float
 
     worker = _REFERENCE[1]
     version = None if adapter == "base" else adapter
-    logits = _on_worker(worker, lambda: worker.logits(tokens, version))
+    logits = _on_worker(worker, lambda: worker.backend.logits(tokens, version))
     lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
     return lp[n_prompt - 1 :].tolist()
 

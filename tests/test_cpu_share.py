@@ -139,12 +139,12 @@ def test_engine_uses_fewer_threads_while_a_step_runs(base_ref, tmp_path):
             return sum(len(c.token_ids) for c in chunks)
 
         assert loop.run_until_complete(generate()) == 3
-        assert engine._worker.threads == 2
+        assert engine._worker.backend.threads == 2
         with flag.held():
             assert loop.run_until_complete(generate()) == 3
-            assert engine._worker.threads == 1  # read back by the engine's own thread
+            assert engine._worker.backend.threads == 1  # read back by the engine's own thread
         assert loop.run_until_complete(generate()) == 3
-        assert engine._worker.threads == 2
+        assert engine._worker.backend.threads == 2
         assert ServingFlag(engine._home).busy()  # it beat while it had sequences to run
     finally:
         loop.run_until_complete(engine.close())

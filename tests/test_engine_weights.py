@@ -121,10 +121,10 @@ def engines(base_ref, loop, versions):
         loop.run_until_complete(collect(eng, [1, 2, 3], greedy(MERGE_AFTER_STEPS + 1, ignore_eos=True), "probe@1"))
         if weights == "llama_cpp":  # f16: the merged lane is built off the worker thread; the next prefill takes it
             for _ in range(1200):
-                if eng._worker.ready is not None or eng._worker.hot is not None:
+                if eng._worker.backend.ready is not None or eng._worker.backend.hot is not None:
                     break
                 loop.run_until_complete(asyncio.sleep(0.05))
-            assert eng._worker.ready is not None or eng._worker.hot is not None
+            assert eng._worker.backend.ready is not None or eng._worker.backend.hot is not None
         out[weights] = eng
     yield out
     for eng in out.values():
@@ -145,10 +145,10 @@ async def _logprobs(engine, adapter: str, ids: list[int]) -> torch.Tensor:
     worker = engine._worker
 
     def forward():
-        if hasattr(worker, "llama"):  # the llama.cpp engine
-            return worker.logits(ids, adapter).float().log_softmax(-1)
+        if hasattr(worker.backend, "llama"):  # the llama.cpp engine
+            return worker.backend.logits(ids, adapter).float().log_softmax(-1)
         with torch.inference_mode():
-            return worker.slots.forward([adapter], input_ids=torch.tensor([ids])).float().log_softmax(-1)[0]
+            return worker.backend.slots.forward([adapter], input_ids=torch.tensor([ids])).float().log_softmax(-1)[0]
 
     return await on_worker(worker, forward)
 
@@ -182,7 +182,8 @@ def test_greedy_probe_replies_and_kl_match_fp32(engines, run, weights):
     assert answers >= AGREEMENT.get(weights, 0.9), f"{answers:.0%} of greedy probe answers equal fp32's"
     assert 0 < kl < KL_BOUND  # it serves weights of its own (KL > 0), close to fp32's
     if weights == "llama_cpp":  # float16 weights and activations: the issue's bound on whole replies holds
-        assert engines[weights]._worker.hot.version == "probe@1"  # replies from the merged lane (KL: the LoRA's)
+        hot = engines[weights]._worker.backend.hot
+        assert hot.version == "probe@1"  # replies from the merged lane (KL: the LoRA's)
         assert replies >= REPLIES_F16 and kl < KL_F16, (replies, kl)
 
 
@@ -205,7 +206,7 @@ def _version_2(engines, run, versions, weights: str):
 
 def test_a_version_swapped_in_under_int8_serves_its_own_requantized_weights(engines, run, versions):
     with _version_2(engines, run, versions, "int8") as (int8, _):
-        slots = int8._worker.slots
+        slots = int8._worker.backend.slots
         slot = slots.versions["probe@2"]
         assert slots.merged is not None and slots.merged.slot is slot  # every row on v2: served merged
         # one layer's served weight is the int8 quantization of W + s·B A of version 2's own factors
@@ -220,8 +221,9 @@ def test_a_version_swapped_in_under_int8_serves_its_own_requantized_weights(engi
 
 def test_a_version_under_int4_is_served_unmerged_beside_the_int4_base(engines, run, versions):
     with _version_2(engines, run, versions, "int4") as (int4, _):
-        assert int4._worker.slots.merged is None  # every row on v2, still not merged: a merge leaves the int4 grid
-        model = int4._worker.model
+        slots = int4._worker.backend.slots
+        assert slots.merged is None  # every row on v2, still not merged: a merge leaves the int4 grid
+        model = int4._worker.backend.model
         served = [m._livelora_quantized for m in model.modules() if hasattr(m, "_livelora_quantized")]
         assert sum(isinstance(w, Int4Weight) for w in served) == 30 * 7  # attention and MLP; lm_head in bfloat16
 
@@ -234,5 +236,5 @@ def test_a_version_under_llama_cpp_is_served_from_its_own_gguf_lora(engines, run
             )
         )
     with _version_2(engines, run, versions, "llama_cpp") as (llama, _):
-        assert set(llama._worker.llama.adapters) == {"probe@1", "probe@2"}
-    assert set(llama._worker.llama.adapters) == {"probe@1"}  # unloaded: llama.cpp's copy freed
+        assert set(llama._worker.backend.llama.adapters) == {"probe@1", "probe@2"}
+    assert set(llama._worker.backend.llama.adapters) == {"probe@1"}  # unloaded: llama.cpp's copy freed

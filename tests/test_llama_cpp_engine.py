@@ -41,19 +41,20 @@ def test_a_shared_prompt_prefix_is_reused_and_changes_nothing(llama, run):
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, ignore_eos=True)
     for p in prompts[:2]:  # the second finds what it shares with the first and keeps it
         run(collect(llama, p, params))
-    before = worker.prefix_tokens_reused
+    before = worker.backend.prefix_tokens_reused
     tokens, _, chunks = run(collect(llama, prompts[2], params))  # its first `shared` tokens come from the cache
-    assert worker.prefix_tokens_reused - before == shared
+    assert worker.backend.prefix_tokens_reused - before == shared
     served = [lp.logprob for c in chunks for lp in c.logprobs]
     scored = [x.logprob for x in run(llama.score(prompts[2] + tokens))[len(prompts[2]) :]]  # from scratch
     assert served == pytest.approx(scored, abs=logprob_tolerance(llama))  # one row vs many: docs/internals/engines.md
     # the same prompt twice more: the second time all of it is reused but its last token (its logits start the reply)
     run(collect(llama, prompts[2], params))
-    before = worker.prefix_tokens_reused
+    before = worker.backend.prefix_tokens_reused
     again, _, _ = run(collect(llama, prompts[2], params))
-    assert worker.prefix_tokens_reused - before == len(prompts[2]) - 1 and again == tokens
+    assert worker.backend.prefix_tokens_reused - before == len(prompts[2]) - 1 and again == tokens
     # reused in place: the finished row's id keeps its prompt's cells, and the next row takes the lowest free id
-    assert run(on_worker(worker, lambda: worker.base.kept[min(worker.base.free_ids)])) == (None, prompts[2])
+    base = worker.backend.base
+    assert run(on_worker(worker, lambda: base.kept[min(base.free_ids)])) == (None, prompts[2])
 
 
 def test_prefixes_are_kept_per_version_and_dropped_with_it(llama, run, base_ref, tmp_path):
@@ -67,16 +68,16 @@ def test_prefixes_are_kept_per_version_and_dropped_with_it(llama, run, base_ref,
 
     on_version = run(replies("t@1"))
     on_version_again = run(replies("t@1"))  # now from t@1's own prefix cache
-    assert "t@1" in worker.base.prefixes and on_version_again == on_version
+    assert "t@1" in worker.backend.base.prefixes and on_version_again == on_version
     on_base = run(replies(None))
     assert on_base != on_version  # the base's cells never serve the version, nor the reverse
-    cid, _ = worker.base.prefixes["t@1"]
+    cid, _ = worker.backend.base.prefixes["t@1"]
     run(llama.unload_adapter("t@1"))
-    assert "t@1" not in worker.base.prefixes and cid in worker.base.cache_ids
+    assert "t@1" not in worker.backend.base.prefixes and cid in worker.backend.base.cache_ids
     assert all(
-        adapter != "t@1" for adapter, _ in run(on_worker(worker, lambda: list(worker.base.kept.values())))
+        adapter != "t@1" for adapter, _ in run(on_worker(worker, lambda: list(worker.backend.base.kept.values())))
     )  # no row reuses a gone version's cells
-    assert "t@1" not in worker.llama.adapters  # llama.cpp's copy freed
+    assert "t@1" not in worker.backend.llama.adapters  # llama.cpp's copy freed
 
 
 def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop, run, tmp_path):
@@ -102,12 +103,13 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
         for _ in range(
             1200
         ):  # built off the worker thread (about 3 s alone; a minute allowed), taken by the next prefill
-            if worker.ready is not None or worker.hot is not None:
+            if worker.backend.ready is not None or worker.backend.hot is not None:
                 break
             run(asyncio.sleep(0.05))
         merged, _, merged_chunks = run(collect(engine, prompt, params, adapter="m@1"))
-        assert worker.hot is not None and worker.hot.version == "m@1" and worker.hot.llama.adapters == {}
-        kept = run(on_worker(worker, lambda: dict(worker.hot.kept)))  # (read between steps: the row is released)
+        hot = worker.backend.hot
+        assert hot is not None and hot.version == "m@1" and hot.llama.adapters == {}
+        kept = run(on_worker(worker, lambda: dict(hot.kept)))  # (read between steps: the row is released)
         assert list(kept.values()) == [("m@1", prompt)]  # the second request ran on the merged lane
         assert merged == first  # float16 rounding of W + B A instead of W and the LoRA apart: same greedy reply
         lora_lps = [lp.logprob for c in chunks for lp in c.logprobs]
@@ -117,15 +119,15 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
         on_base, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True)))
         assert len({tuple(first), tuple(on_v2), tuple(on_base)}) == 3  # each on its own weights
         for _ in range(1200):
-            if worker.ready is not None or worker.hot.version == "m@2":
+            if worker.backend.ready is not None or worker.backend.hot.version == "m@2":
                 break
             run(asyncio.sleep(0.05))
         again_v2, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True), adapter="m@2"))
-        assert worker.hot.version == "m@2" and again_v2 == on_v2  # m@1's idle lane gave way to m@2's
+        assert worker.backend.hot.version == "m@2" and again_v2 == on_v2  # m@1's idle lane gave way to m@2's
         run(engine.unload_adapter("m@1"))
-        assert worker.hot.version == "m@2" and "m@1" not in worker.lora_files
+        assert worker.backend.hot.version == "m@2" and "m@1" not in worker.backend.lora_files
         run(engine.unload_adapter("m@2"))
-        assert worker.hot is None and not worker.lora_files
+        assert worker.backend.hot is None and not worker.backend.lora_files
     finally:
         loop.run_until_complete(engine.close())
     # the merged file holds W + B A of the GGUF LoRA's factors, rounded to float16; other tensors untouched
@@ -165,7 +167,7 @@ def test_a_killed_workers_gguf_directory_is_swept_by_the_next_one(tmp_path, monk
     import subprocess
     import sys
 
-    from livelora.gateway.engines.llama_cpp import worker as lw
+    from livelora.gateway.engines.llama_cpp import backend as lw
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = tmp_path / f"{lw.TMP_PREFIX}{gone.stdout.strip()}-abc"

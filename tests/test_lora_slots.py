@@ -80,7 +80,8 @@ def _slots(loop, engine):
     worker = engine._worker
     loop.run_until_complete(on_worker(worker, lambda: None))
     loop.run_until_complete(on_worker(worker, lambda: None))
-    return {v: s.name for v, s in worker.slots.versions.items()}, [s.name for s in worker.slots.free_slots]
+    slots = worker.backend.slots
+    return {v: s.name for v, s in slots.versions.items()}, [s.name for s in slots.free_slots]
 
 
 def test_reused_slots_serve_exactly_the_new_weights_and_stay_bounded(engine, loop, versions, tokens, base_ref):
@@ -106,7 +107,7 @@ def test_reused_slots_serve_exactly_the_new_weights_and_stay_bounded(engine, loo
     assert len(seen_slots) <= 3, f"slots were not reused: {sorted(seen_slots)}"
     loop.run_until_complete(engine.unload_adapter(previous[0]))
     mapping, free = _slots(loop, engine)
-    assert mapping == {} and free == [] and engine._worker.slots.peft is None  # plain model again
+    assert mapping == {} and free == [] and engine._worker.backend.slots.peft is None  # plain model again
 
 
 def test_load_and_check_hashes_the_loaded_bytes_and_scores_the_canary(engine, loop, versions, tokens, base_ref):
@@ -170,8 +171,8 @@ def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weig
     results = loop.run_until_complete(together())
     assert engine.decode_steps - steps_before <= 8  # the four rows really decoded in one batch
     worker = engine._worker
-    slot_names = tuple(worker.slots.versions[n].name for n in names)
-    assert any(set(key) == set(slot_names) and stacks for key, stacks in worker.slots.stacks.items()), (
+    slot_names = tuple(worker.backend.slots.versions[n].name for n in names)
+    assert any(set(key) == set(slot_names) and stacks for key, stacks in worker.backend.slots.stacks.items()), (
         "the stacked mixed-version pass (MixedRows) did not run"
     )
     for adapter, (out, lps) in zip(names + [None], results):
@@ -194,7 +195,7 @@ def test_a_version_every_row_uses_is_served_from_merged_weights_equal_to_its_own
     from livelora.gateway.engines.lora_slots import MERGE_AFTER_STEPS
 
     (v1, v2, _), _ = versions
-    slots = engine._worker.slots
+    slots = engine._worker.backend.slots
     params = SamplingParams(max_tokens=MERGE_AFTER_STEPS + 6, temperature=0.0, logprobs=True, ignore_eos=True)
     prompt = tokens[:8]
 
@@ -220,7 +221,7 @@ def test_a_version_that_cannot_be_merged_leaves_the_served_merge_intact(engine, 
     from livelora.gateway.engines.lora_slots import MERGE_AFTER_STEPS
 
     (v1, v2, _), _ = versions
-    slots = engine._worker.slots
+    slots = engine._worker.backend.slots
     params = SamplingParams(max_tokens=MERGE_AFTER_STEPS + 4, temperature=0.0, logprobs=True, ignore_eos=True)
     prompt = tokens[:8]
     loop.run_until_complete(engine.load_adapter("keep@1", str(v1)))

@@ -1,11 +1,13 @@
-"""The worker thread of :class:`~livelora.gateway.engines.transformers.engine.TransformersEngine`: continuous batching.
+"""The continuous-batching loop every CPU engine shares (:class:`BatchingLoop`), over a :class:`ModelBackend`.
 
-One thread owns the model (:class:`Worker`). While there is work it runs queued commands (adapter load/unload,
-:meth:`Worker.score`) between forward passes, drops cancelled sequences, admits waiting ones up to
-``max_batch_size`` (prefilled in groups of similar prompt length, :func:`prefill_groups`, then merged into the
-running :class:`~livelora.gateway.engines.transformers.kv_batch.KVBatch`), and runs one decode step for every running
-sequence. Rows may use different adapter versions (:mod:`.lora_slots`); a version is unloaded only when no queued,
-admitted or running sequence uses it. The loop step by step: ``docs/internals/engines.md``.
+One thread owns the model. While there is work it runs queued commands (adapter load/unload,
+:meth:`BatchingLoop.score`) between forward passes, drops cancelled sequences, admits waiting ones up to
+``max_batch_size`` (prefilled in groups of similar prompt length, :func:`prefill_groups`), and runs one decode step
+for every running sequence; sampling, stop handling and streaming are the loop's. The forward passes, the KV cache
+and the adapter weights are the backend's: :class:`~livelora.gateway.engines.transformers.backend.TransformersBackend`
+(LoRA slots, :mod:`.lora_slots`) or :class:`~livelora.gateway.engines.llama_cpp.backend.LlamaBackend` (llama.cpp
+lanes). A version is unloaded only when no queued, admitted or running sequence uses it. The loop step by step:
+``docs/internals/engines.md``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,11 +26,14 @@ from livelora.clients.errors import ConflictError, InternalError, LiveloraError
 from livelora.core import metrics
 from livelora.gateway.engines.base import GenerationChunk, SamplingParams, TokenLogprob
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
-from livelora.gateway.engines.lora_slots import LoraSlots
-from livelora.gateway.engines.sampling import RowSampling, prompt_logprobs, sample_batch
-from livelora.gateway.engines.transformers.kv_batch import KVBatch, left_padded
+from livelora.gateway.engines.sampling import RowSampling, sample_batch
 
 log = logging.getLogger(__name__)
+
+#: Runs a callable on the loop's thread between two steps (:meth:`BatchingLoop.call`).
+Schedule = Callable[[Callable[[], None]], None]
+#: One forward pass's rows and their next-token logits, float ``(len(rows), vocab)``.
+Forward = tuple[list["Sequence"], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -96,56 +101,104 @@ class Sequence:
         return GenerationChunk([tok], text, token_lp)
 
 
-class Worker:
-    """Owns the model and the running batch (the loop: docs/internals/engines.md).
+class ModelBackend(Protocol):
+    """What :class:`BatchingLoop` asks of a model: forward passes over its own KV cache, adapter versions, scoring.
+
+    Every method but :meth:`read_adapter` and :meth:`close` runs on the loop's thread. The loop keeps the running
+    rows in admission order; ``keep`` arguments are indices into the rows a call names, in that order.
+    """
+
+    #: threads the backend's kernels use now (:meth:`set_threads` changes it)
+    threads: int
+
+    def set_threads(self, n: int) -> None:
+        """Run the kernels on ``n`` threads from the next forward pass on."""
+
+    def prefill(self, group: list[Sequence]) -> Iterator[Forward]:
+        """Forward the prompts of ``group``, yielding each pass's rows (together, ``group``) and logits; before the
+        next pass (or the end) the loop has sampled those rows and called :meth:`admit` on them."""
+
+    def admit(self, rows: list[Sequence], keep: list[int]) -> None:
+        """After their prefill: ``rows[i]`` for ``i`` in ``keep`` join the running batch (after the running rows,
+        in order); the others (finished at their first token) release what they hold."""
+
+    def decode(self, running: list[Sequence]) -> Iterator[Forward]:
+        """One decode step: forward each running row's ``next_token``, yielding each pass's rows and logits (the
+        loop samples them before the next pass)."""
+
+    def decoded(self, running: list[Sequence]) -> None:
+        """After a decode step over ``running`` (before its finished rows are dropped): the step count a backend
+        keeps to merge a version that serves every row."""
+
+    def drop(self, running: list[Sequence], keep: list[int]) -> None:
+        """Only ``running[i]`` for ``i`` in ``keep`` stay in the batch; the others release their KV cache."""
+
+    def reset(self) -> None:
+        """Forget every running row and its KV cache (after a failed step, or when closing)."""
+
+    def score(self, token_ids: list[int], adapter: str | None, top_k: int) -> list[TokenLogprob | None]:
+        """Prompt logprobs of ``token_ids`` on ``adapter``: ``None`` for the first token, then each token's
+        logprob given the ones before it with its ``top_k`` alternatives."""
+
+    def read_adapter(self, path: Path) -> tuple[Any, Any, str]:
+        """(Any thread.) Read a PEFT directory: ``(its config, weights for install, sha256 of the weights file)``.
+
+        Raises:
+            BadRequestError: unreadable files, not a LoRA, or an adapter this backend cannot apply.
+        """
+
+    def install(self, name: str, config: Any, weights: Any, source: str) -> None:
+        """Serve adapter version ``name`` from :meth:`read_adapter`'s ``config`` and ``weights``.
+
+        Raises:
+            BadRequestError: the weights do not fit this base; nothing changes.
+        """
+
+    def uninstall(self, name: str) -> None:
+        """Free adapter version ``name`` (no sequence uses it any more)."""
+
+    def close(self, stepping: bool) -> None:
+        """(Any thread, after the loop stopped.) Free what the backend holds; ``stepping``: the loop's thread is
+        still inside a step (its native memory must stay)."""
+
+
+class BatchingLoop:
+    """The thread that admits, steps and streams every sequence (the loop: docs/internals/engines.md).
 
     Args:
-        model: the transformers causal LM (eval mode, on ``device``).
-        tokenizer: its tokenizer.
+        make_backend: builds the :class:`ModelBackend` given :meth:`call` (for work it defers to the loop's thread).
         eos_ids: token ids that end a sequence unless ``ignore_eos``.
         max_batch_size: running sequences at most; more wait in the queue.
-        max_prefill_tokens: padded prompt tokens per prefill forward (at least one prompt is admitted).
-        merge_lora: serve a version that every row uses from merged weights (:class:`~.lora_slots.MergedVersion`).
-        quantize: the model's linear layers serve int8 weights (:mod:`.quantized`); merged versions are re-quantized.
+        max_prefill_tokens: prompt tokens per admission round (at least one prompt is admitted).
+        share: ``(TrainingFlag, threads when idle, threads while a training step runs)``, or ``None``: the
+            backend's threads are then never changed (:mod:`livelora.core.cpu_share`).
         serving: a :class:`~livelora.core.cpu_share.ServingFlag` beaten while sequences run or wait (a trainer
             process on this machine then keeps to its thread budget), or ``None``.
     """
 
     def __init__(
         self,
-        model,
-        tokenizer,
+        make_backend: Callable[[Schedule], ModelBackend],
         *,
         eos_ids: set[int],
         max_batch_size: int,
         max_prefill_tokens: int,
-        device: str,
         share: tuple[Any, int, int] | None = None,
-        merge_lora: bool = True,
-        quantize: bool = False,
         serving: Any = None,
     ):
-        self.model = model  # the plain transformers model (LoRA layers are injected into it when adapters load)
-        self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.device = device
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.batch = KVBatch()
         self.running: list[Sequence] = []
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.admitting: list[Sequence] = []  # taken from waiting, not yet prefilled
         self.commands: collections.deque[Callable[[], None]] = collections.deque()
         self.cond = threading.Condition()
         self.stopping = False
-        #: adapter versions in LoRA slots, and the forward pass that serves each row its own version
-        self.slots = self._new_slots(merge_lora, quantize)
         self.steps = 0  # decode steps run (for tests and stats)
-        #: ``(TrainingFlag, threads when idle, threads while a training step runs)`` or None (never changed)
         self.share = share
         self.serving = serving
-        self.threads = torch.get_num_threads()
+        self.backend = make_backend(self.call)
         self.thread = threading.Thread(target=self._run, name="livelora-engine", daemon=True)
 
     # ----- called from other threads -------------------------------------------------
@@ -155,7 +208,7 @@ class Worker:
             self.cond.notify()
 
     def call(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the worker thread between two steps."""
+        """Run ``fn`` on the loop's thread between two steps."""
         with self.cond:
             self.commands.append(fn)
             self.cond.notify()
@@ -165,11 +218,13 @@ class Worker:
             self.cond.notify()
 
     def stop(self) -> None:
+        """Abort every sequence, end the thread (waiting up to 30 s for a step) and close the backend."""
         with self.cond:
             self.stopping = True
             self.cond.notify()
         if self.thread.is_alive():
             self.thread.join(timeout=30)
+        self.backend.close(self.thread.is_alive())
 
     def num_unfinished(self) -> int:
         return sum(not (s.cancelled or s.finished) for s in list(self.running) + list(self.waiting) + self.admitting)
@@ -194,12 +249,7 @@ class Worker:
                     groups = self._admit()
                     if not groups:
                         break
-                    self.admitting = [s for group in groups for s in group]
-                    for group in groups:  # commands (a swap) may run between prefill groups and before decoding
-                        with torch.inference_mode():
-                            self._prefill(group)
-                        self.admitting = self.admitting[len(group) :]
-                        self._run_commands()
+                    self._prefill_all(groups)
                 if self.running:
                     with torch.inference_mode():
                         self._decode_step()
@@ -213,16 +263,15 @@ class Worker:
         self._abort_all()
 
     def _share_cores(self) -> None:
-        """Use fewer torch threads while a training step runs on this machine, all of them otherwise
+        """Use fewer threads while a training step runs on this machine, all of them otherwise
         (:mod:`livelora.core.cpu_share`: an OpenMP thread sharing its core with a step stalls every
         parallel region of the engine)."""
         if self.share is None:
             return
         flag, idle, busy = self.share
         want = busy if flag.active() else idle
-        if want != self.threads:
-            torch.set_num_threads(want)  # this thread runs the engine's kernels
-            self.threads = torch.get_num_threads()
+        if want != self.backend.threads:
+            self.backend.set_threads(want)
 
     def _run_commands(self) -> None:
         """Run the queued commands (adapter loads and unloads, scoring)."""
@@ -245,26 +294,12 @@ class Worker:
             s.fail(err)
         self._reset_batch()
 
-    # ----- what a model backend provides (:mod:`livelora.gateway.engines.llama_cpp.worker` replaces these) ------------
-    def _new_slots(self, merge: bool, quantize: bool) -> LoraSlots:
-        return LoraSlots(self.model, self.call, merge=merge, quantize=quantize)
-
     def _reset_batch(self) -> None:
         """Forget every running sequence and its cache (after a failed step, or when closing)."""
-        self.running, self.batch = [], KVBatch()
+        self.running = []
+        self.backend.reset()
 
-    def read_adapter(self, path: Path) -> tuple[Any, Any, str]:
-        """Read a PEFT directory off the worker thread: ``(config, weights for load_adapter, sha256)``."""
-        from livelora.gateway.engines.transformers.adapters import read_adapter
-
-        return read_adapter(path, self.device)
-
-    # ----- forward passes -------------------------------------------------------------
-    def forward(self, adapters: list[str | None], **kw) -> torch.Tensor:
-        """One forward pass; returns logits ``(B, T_kept, V)``. ``adapters`` has one entry per row
-        (:meth:`~.lora_slots.LoraSlots.forward`)."""
-        return self.slots.forward(adapters, **kw)
-
+    # ----- admission and steps ----------------------------------------------------------
     def _admit(self) -> list[list[Sequence]]:
         """Take waiting sequences (FIFO, up to ``max_batch_size`` running and ``max_prefill_tokens`` prompt
         tokens per round) and return them in prefill groups of similar length (:func:`prefill_groups`),
@@ -284,43 +319,25 @@ class Worker:
                 admitted.append(self.waiting.popleft())
         return prefill_groups(admitted)
 
-    def _prefill(self, group: list[Sequence]) -> None:
-        from transformers import DynamicCache
-
-        ids, mask, pos = left_padded([s.prompt for s in group], self.pad_id, self.device)
-        cache = DynamicCache(config=self.model.config)
-        logits = self.forward(
-            [s.adapter for s in group],
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        new = KVBatch()
-        new.merge(cache, mask)
-        self._sample_and_emit(group, logits[:, -1, :])
-        keep = [i for i, s in enumerate(group) if not s.finished]
-        new.select(keep)
-        if keep:
-            self.batch.merge(new.cache, new.mask)
-            self.running.extend(group[i] for i in keep)
+    def _prefill_all(self, groups: list[list[Sequence]]) -> None:
+        """Prefill ``groups`` one after the other; commands (a swap) may run between them and before decoding."""
+        self.admitting = [s for group in groups for s in group]
+        for group in groups:
+            with torch.inference_mode():
+                for rows, logits in self.backend.prefill(group):
+                    self._sample_and_emit(rows, logits)
+                    keep = [i for i, s in enumerate(rows) if not s.finished]
+                    self.backend.admit(rows, keep)
+                    self.running.extend(rows[i] for i in keep)
+            self.admitting = self.admitting[len(group) :]
+            self._run_commands()
 
     def _decode_step(self) -> None:
-        ids = torch.tensor([[s.next_token] for s in self.running], dtype=torch.long, device=self.device)
-        mask, pos = self.batch.step_inputs()
-        logits = self.forward(
-            [s.adapter for s in self.running],
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=self.batch.cache,
-            use_cache=True,
-        )
+        for rows, logits in self.backend.decode(self.running):
+            self._sample_and_emit(rows, logits)
         self.steps += 1
         metrics.BATCH_SIZE.observe(len(self.running))
-        self._sample_and_emit(self.running, logits[:, -1, :])
+        self.backend.decoded(self.running)
         self._drop([s for s in self.running if s.finished])
 
     def _drop(self, gone: list[Sequence]) -> None:
@@ -328,10 +345,9 @@ class Worker:
             return
         gone_ids = {id(s) for s in gone}
         keep = [i for i, s in enumerate(self.running) if id(s) not in gone_ids]
-        self.batch.select(keep)
+        self.backend.drop(self.running, keep)
         self.running = [self.running[i] for i in keep]
 
-    # ----- sampling and streaming -------------------------------------------------------
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         step = sample_batch(logits, [s.sampling for s in seqs])
         for i, seq in enumerate(seqs):
@@ -342,17 +358,14 @@ class Worker:
 
     # ----- commands (run on this thread between steps) ----------------------------------
     def score(self, token_ids: list[int], adapter: str | None, top_k: int) -> list[TokenLogprob | None]:
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        logits = self.forward([adapter], input_ids=ids, use_cache=False)
-        chosen, tops = prompt_logprobs(logits[0], ids[0], top_k)
-        return [None] + [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids[1:], chosen, tops)]
+        """:meth:`ModelBackend.score`."""
+        return self.backend.score(token_ids, adapter, top_k)
 
     def load_adapter(
-        self, name: str, config, weights: dict[str, torch.Tensor], source: str, canary: list[int] | None = None
+        self, name: str, config, weights, source: str, canary: list[int] | None = None
     ) -> list[TokenLogprob | None] | None:
-        """Install adapter version ``name`` (a peft ``LoraConfig`` and its state dict, read by the caller)
-        into a LoRA slot (:meth:`~.lora_slots.LoraSlots.install`); with ``canary``, score those tokens on it in
-        the same pause of the decode loop.
+        """Install adapter version ``name`` (``config`` and ``weights`` from :meth:`ModelBackend.read_adapter`,
+        read by the caller); with ``canary``, score those tokens on it in the same pause of the decode loop.
 
         Returns:
             :meth:`score` of ``canary`` on the new version, or ``None`` without ``canary``.
@@ -361,7 +374,7 @@ class Worker:
             BadRequestError: not a LoRA config, or the weights do not fit (missing tensors, wrong shapes);
                 nothing changes.
         """
-        self._install(name, config, weights, source)
+        self.backend.install(name, config, weights, source)
         if canary is None:
             return None
         try:
@@ -371,19 +384,11 @@ class Worker:
             raise
 
     def unload_adapter(self, name: str) -> None:
-        """Remove adapter version ``name``; :class:`ConflictError` while a live sequence uses it.
+        """Remove adapter version ``name``.
 
-        Its slot becomes free for the next version of the same shape (:meth:`~.lora_slots.LoraSlots.release`).
+        Raises:
+            ConflictError: a queued, admitted or running sequence uses it; nothing changes.
         """
-        self._check_unused(name)
-        self.slots.release(name)
-
-    def _install(self, name: str, config, weights, source: str) -> None:
-        """Put version ``name`` where the forward passes find it (a LoRA slot here)."""
-        self.slots.install(name, config, weights, source)
-
-    def _check_unused(self, name: str) -> None:
-        """Raises :class:`ConflictError` while a queued, admitted or running sequence uses adapter ``name``."""
         users = [
             s
             for s in list(self.running) + list(self.waiting) + self.admitting
@@ -391,6 +396,7 @@ class Worker:
         ]
         if users:
             raise ConflictError(f"adapter {name!r} is in use by {len(users)} running or queued sequences", param="name")
+        self.backend.uninstall(name)
 
 
 #: Admission rounds per decode step: sequences that arrive while the first round prefills are admitted

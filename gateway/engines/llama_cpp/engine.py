@@ -1,13 +1,13 @@
 """llama.cpp inference engine on the CPU (``LIVELORA_ENGINE=llama_cpp``; needs ``llama-cpp-python``).
 
-:class:`LlamaCppEngine` serves a built-in model's GGUF file with continuous batching
-(:mod:`livelora.gateway.engines.llama_cpp.worker`): by default its weights converted to float16 (``weights="f16"``; as
-close to the fp32 weights training uses as float16 rounding allows), or the file's own quantized types
-(``weights="gguf"``). Tokenization, sampling, stop handling, logprobs and the adapter table are the transformers
-engine's, so both refuse and return the same things. Each adapter version is converted to a GGUF LoRA when it loads
-and applied by llama.cpp; a version serving alone is merged into a float16 copy of its own
-(:mod:`livelora.gateway.engines.llama_cpp.lane`). Logprobs are those of the weights served. Measurements and fidelity:
-``docs/serving.md``.
+:class:`LlamaCppEngine` serves a built-in model's GGUF file with continuous batching (the loop of
+:mod:`livelora.gateway.engines.batching` over a :class:`~livelora.gateway.engines.llama_cpp.backend.LlamaBackend`): by
+default its weights converted to float16 (``weights="f16"``; as close to the fp32 weights training uses as float16
+rounding allows), or the file's own quantized types (``weights="gguf"``). Tokenization, sampling, stop handling,
+logprobs and the adapter table are the transformers engine's, so both refuse and return the same things. Each
+adapter version is converted to a GGUF LoRA when it loads and applied by llama.cpp; a version serving alone is merged
+into a float16 copy of its own (:mod:`livelora.gateway.engines.llama_cpp.lane`). Logprobs are those of the weights
+served. Measurements and fidelity: ``docs/serving.md``.
 """
 
 from __future__ import annotations
@@ -59,25 +59,21 @@ class LlamaCppEngine(TransformersEngine):
         self.weights = weights
 
     def start_sync(self) -> None:
+        """Blocking version of :meth:`start`: the tokenizer and config of the transformers copy, the GGUF file in
+        llama.cpp, and the batching loop over a :class:`~livelora.gateway.engines.llama_cpp.backend.LlamaBackend`.
+
+        Raises:
+            BadRequestError: llama-cpp-python missing, a model that is not a built-in GGUF, or ``max_model_len``
+                above the model's context.
+        """
         if self._worker is not None:
             return
-        import importlib.util
+        import torch
+        from transformers import AutoConfig
 
-        from transformers import AutoConfig, GenerationConfig
+        from livelora.core.base_models import load_tokenizer, resolve_base_model
 
-        from livelora.core.base_models import BUILTIN_GGUF, gguf_location, load_tokenizer, resolve_base_model
-        from livelora.gateway.engines.llama_cpp.lane import PREFIX_CACHES
-        from livelora.gateway.engines.llama_cpp.model import LlamaModel, served_gguf
-        from livelora.gateway.engines.llama_cpp.worker import LlamaWorker
-
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise BadRequestError(LLAMA_CPP_MISSING, param="engine")
-        if self.model_name not in BUILTIN_GGUF:
-            raise BadRequestError(
-                f"the llama_cpp engine serves the built-in GGUF models ({', '.join(BUILTIN_GGUF)}), "
-                f"not {self.model_name!r}",
-                param="model",
-            )
+        self._check_servable()
         ref = resolve_base_model(self.model_name, self._home)  # the transformers copy: tokenizer and config
         tokenizer = load_tokenizer(ref)
         config = AutoConfig.from_pretrained(ref.path)
@@ -89,12 +85,40 @@ class LlamaCppEngine(TransformersEngine):
             )
         self.max_model_len = self._max_model_len_arg or min(limit, DEFAULT_MAX_MODEL_LEN)
         threads = self.num_threads or os.cpu_count() or 1
-        import torch
-
         # torch only samples here; its OpenMP workers, spinning after each sampling op, would take the cores
         # llama.cpp's own OpenMP team needs next (8 streams: 102-106 tok/s with torch's default threads, 118-123
         # with one, docs/serving.md)
         torch.set_num_threads(1)
+        self.eos_token_ids = frozenset(_eos_ids(ref.path, tokenizer))
+        worker = self._batching_loop(config, threads)
+        worker.thread.start()
+        self._tokenizer, self._worker = tokenizer, worker
+
+    def _check_servable(self) -> None:
+        """Raises :class:`BadRequestError` without llama-cpp-python or for a model that is not a built-in GGUF."""
+        import importlib.util
+
+        from livelora.core.base_models import BUILTIN_GGUF
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise BadRequestError(LLAMA_CPP_MISSING, param="engine")
+        if self.model_name not in BUILTIN_GGUF:
+            raise BadRequestError(
+                f"the llama_cpp engine serves the built-in GGUF models ({', '.join(BUILTIN_GGUF)}), "
+                f"not {self.model_name!r}",
+                param="model",
+            )
+
+    def _batching_loop(self, config, threads: int):
+        """Open the served GGUF (:attr:`weights`) in llama.cpp and build the (not yet started) batching loop over
+        it; ``config`` is the base model's transformers config, ``threads`` llama.cpp's thread count."""
+        from livelora.core.base_models import gguf_location
+        from livelora.core.cpu_share import ServingFlag, TrainingFlag
+        from livelora.gateway.engines.batching import BatchingLoop
+        from livelora.gateway.engines.llama_cpp.backend import LlamaBackend
+        from livelora.gateway.engines.llama_cpp.lane import PREFIX_CACHES
+        from livelora.gateway.engines.llama_cpp.model import LlamaModel, served_gguf
+
         gguf = served_gguf(gguf_location(self.model_name), self.weights, self._home / "models" / "gguf")
         llama = LlamaModel(
             gguf,
@@ -103,31 +127,36 @@ class LlamaCppEngine(TransformersEngine):
             n_threads=threads,
         )
         self.vocab_size = llama.vocab_size
-        eos_ids: set[int] = set()
-        try:
-            eos = GenerationConfig.from_pretrained(ref.path).eos_token_id
-            eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        except OSError:  # no generation_config.json
-            pass
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos_ids)
-        from livelora.core.cpu_share import ServingFlag, TrainingFlag
-
         share = None
         if self.share_cores:
             share = (TrainingFlag(self._home), threads, self.threads_while_training or max(1, threads // 2))
-        worker = LlamaWorker(
-            llama,
-            tokenizer,
-            config,
-            gguf=gguf if self.weights == "f16" else None,  # a quantized file cannot take a merged version
-            merge_lora=self.merge_lora,
-            eos_ids=set(eos_ids),
+        return BatchingLoop(
+            lambda schedule: LlamaBackend(
+                llama,
+                config,
+                schedule,
+                gguf=gguf if self.weights == "f16" else None,  # a quantized file cannot take a merged version
+                merge=self.merge_lora,
+            ),
+            eos_ids=set(self.eos_token_ids),
             max_batch_size=self.max_batch_size,
             max_prefill_tokens=self.max_prefill_tokens,
             share=share,
             serving=ServingFlag(self._home),
         )
-        worker.thread.start()
-        self._tokenizer, self._worker = tokenizer, worker
+
+
+def _eos_ids(path, tokenizer) -> set[int]:
+    """The token ids that end a reply: the generation config's ``eos_token_id`` (where the model directory ``path``
+    has one) and the tokenizer's."""
+    from transformers import GenerationConfig
+
+    eos_ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:  # no generation_config.json
+        pass
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(int(tokenizer.eos_token_id))
+    return eos_ids

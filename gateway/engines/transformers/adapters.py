@@ -15,9 +15,9 @@ from livelora.gateway.engines.transformers.calls import on_worker
 
 
 class LoadedAdapters:
-    """Adapter names of one :class:`~livelora.gateway.engines.transformers.engine.TransformersEngine` (the worker
-    reads and installs the weights: ``worker.read_adapter`` on a thread, ``worker.load_adapter`` between decode
-    steps)."""
+    """Adapter names of one :class:`~livelora.gateway.engines.transformers.engine.TransformersEngine` (its
+    :class:`~livelora.gateway.engines.batching.BatchingLoop` reads and installs the weights: the backend's
+    ``read_adapter`` on a thread, ``load_adapter`` between decode steps)."""
 
     def __init__(self):
         self.paths: dict[str, str] = {}  # name -> path, loaded and servable
@@ -47,7 +47,7 @@ class LoadedAdapters:
             raise BadRequestError(f"{path} is not a PEFT adapter directory (no adapter_config.json)", param="path")
         self.loading.add(name)  # reserves the name; generate() rejects it until the load is done
         try:
-            config, weights, digest = await asyncio.to_thread(worker.read_adapter, p)
+            config, weights, digest = await asyncio.to_thread(worker.backend.read_adapter, p)
             result = await on_worker(worker, lambda: worker.load_adapter(name, config, weights, str(p), canary))
             self.paths[name] = str(p)
         finally:

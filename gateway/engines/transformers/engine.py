@@ -1,8 +1,9 @@
 """transformers + peft inference engine with continuous batching (CPU or one GPU).
 
 :class:`TransformersEngine` is the asyncio face; the model lives on one worker thread
-(:mod:`livelora.gateway.engines.batching`) that steps every running sequence together, reached through
-:mod:`livelora.gateway.engines.transformers.calls`; the adapter names it serves are held by
+(:class:`~livelora.gateway.engines.batching.BatchingLoop` over a
+:class:`~livelora.gateway.engines.transformers.backend.TransformersBackend`) that steps every running sequence
+together, reached through :mod:`livelora.gateway.engines.transformers.calls`; the adapter names it serves are held by
 :class:`~livelora.gateway.engines.transformers.adapters.LoadedAdapters`. Requests that arrive while others run join
 the batch between decode steps, a sequence's tokens do not depend on its batch companions, and one batch may mix the
 base model and several adapter versions (``tests/test_engine_contract.py``). Validation errors are raised by
@@ -123,7 +124,8 @@ class TransformersEngine(Engine):
         import torch
 
         from livelora.core.base_models import load_model, load_tokenizer, resolve_base_model
-        from livelora.gateway.engines.batching import Worker
+        from livelora.gateway.engines.batching import BatchingLoop
+        from livelora.gateway.engines.transformers.backend import TransformersBackend
 
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
@@ -155,16 +157,20 @@ class TransformersEngine(Engine):
         # beaten whenever the engine runs on the CPU, so that a trainer process on this machine keeps to its
         # thread budget while requests are served (also when the engine never changes its own thread count)
         serving = ServingFlag(self._home) if self.device == "cpu" else None
-        worker = Worker(
-            model,
-            tokenizer,
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        worker = BatchingLoop(
+            lambda schedule: TransformersBackend(
+                model,
+                pad_id,
+                self.device,
+                schedule,
+                merge=self.merge_lora and self.weights != "int4",  # a merge would leave the int4 grid
+                quantize=self.weights == "int8",
+            ),
             eos_ids=set(eos_ids),
             max_batch_size=self.max_batch_size,
             max_prefill_tokens=self.max_prefill_tokens,
-            device=self.device,
             share=share,
-            merge_lora=self.merge_lora and self.weights != "int4",  # a merge would leave the int4 grid
-            quantize=self.weights == "int8",
             serving=serving,
         )
         worker.thread.start()

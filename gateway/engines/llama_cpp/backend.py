@@ -1,5 +1,6 @@
-"""The worker of :class:`~livelora.gateway.engines.llama_cpp.engine.LlamaCppEngine`: the continuous-batching loop of
-:mod:`livelora.gateway.engines.batching` with llama.cpp (``llama-cpp-python``'s C API) doing the forward passes.
+"""The model behind :class:`~livelora.gateway.engines.llama_cpp.engine.LlamaCppEngine`'s continuous-batching loop
+(:mod:`livelora.gateway.engines.batching`): :class:`LlamaBackend`, llama.cpp (``llama-cpp-python``'s C API) doing the
+forward passes.
 
 Each running sequence owns one llama.cpp sequence id of a :class:`~livelora.gateway.engines.llama_cpp.lane.Lane` (its
 own KV cells). In the base lane llama.cpp applies LoRA adapters per context, not per row, so a step runs one
@@ -19,6 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +28,9 @@ import numpy as np
 import torch
 
 from livelora.clients.errors import BadRequestError
-from livelora.core import metrics
 from livelora.core.cpu_share import pid_alive
 from livelora.gateway.engines.base import TokenLogprob
-from livelora.gateway.engines.batching import Sequence, Worker
+from livelora.gateway.engines.batching import Forward, Schedule, Sequence
 from livelora.gateway.engines.llama_cpp.lane import Lane, merge_gguf_lora
 from livelora.gateway.engines.llama_cpp.model import DECODE_CHUNK, LlamaModel
 from livelora.gateway.engines.lora_slots import MERGE_AFTER_STEPS
@@ -42,13 +43,22 @@ logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # three INFO li
 TMP_PREFIX = "livelora-gguf-lora-"
 
 
-class LlamaWorker(Worker):
-    """:class:`~livelora.gateway.engines.batching.Worker` over a :class:`LlamaModel` (the base lane) and at most one
-    merged lane; ``base_config`` is the base model's transformers config (for the GGUF LoRA tensors' layout); ``gguf``
-    the served file (float16 weights take a merged version; other formats serve every version as a LoRA). Other
-    arguments as :class:`~livelora.gateway.engines.batching.Worker`'s (``merge_lora``: build merged lanes)."""
+class LlamaBackend:
+    """A :class:`~livelora.gateway.engines.batching.ModelBackend` over a :class:`LlamaModel` (the base lane) and at
+    most one merged lane.
 
-    def __init__(self, llama: LlamaModel, tokenizer, base_config, *, gguf: Path | None = None, **kw):
+    Args:
+        llama: the base lane's model.
+        base_config: the base model's transformers config (for the GGUF LoRA tensors' layout).
+        schedule: runs a callable on the loop's thread between two steps (wakes it when a merged lane is built).
+        gguf: the served file when a version may take a merged lane (float16 weights), else ``None`` (other
+            formats serve every version as a LoRA).
+        merge: build merged lanes.
+    """
+
+    def __init__(
+        self, llama: LlamaModel, base_config, schedule: Schedule, *, gguf: Path | None = None, merge: bool = True
+    ):
         self.base = Lane(llama)
         self.hot: Lane | None = None  # the merged lane, serving its version's new rows
         self.gguf = gguf
@@ -62,7 +72,8 @@ class LlamaWorker(Worker):
         self.building: threading.Thread | None = None
         self.ready: tuple[str, Path, LlamaModel] | None = None  # a merged lane built, not yet serving
         self.lock = threading.Lock()
-        super().__init__(None, tokenizer, device="cpu", **kw)
+        self.schedule = schedule
+        self.merge = merge
         self.threads = llama.n_threads
 
     @property
@@ -70,41 +81,34 @@ class LlamaWorker(Worker):
         """The base lane's model (every version's LoRA, scoring)."""
         return self.base.llama
 
-    def _new_slots(self, merge: bool, quantize: bool) -> None:
-        self.merge = merge
-        return None
-
-    def _share_cores(self) -> None:
-        if self.share is None:
-            return
-        flag, idle, busy = self.share
-        want = busy if flag.active() else idle
-        if want != self.threads:
-            for lane in self._lanes():
-                lane.llama.set_threads(want)
-            self.threads = want
+    def set_threads(self, n: int) -> None:
+        for lane in self._lanes():
+            lane.llama.set_threads(n)
+        self.threads = n
 
     def _lanes(self) -> list[Lane]:
         return [self.base] + ([self.hot] if self.hot is not None else [])
 
-    def stop(self) -> None:
-        super().stop()
+    def close(self, stepping: bool) -> None:
+        """Wait for a merged lane being built; free llama.cpp's models unless ``stepping``; remove the GGUF files."""
         if self.building is not None:
             self.building.join(timeout=30)
-        if not self.thread.is_alive():  # a step still running after the join's timeout keeps llama.cpp's memory
+        if not stepping:  # a step still running after the loop's join timed out keeps llama.cpp's memory
             with self.lock:
                 ready, self.ready = self.ready, None
             for llama in ([ready[2]] if ready else []) + [lane.llama for lane in self._lanes()]:
                 llama.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    # ----- forward passes -------------------------------------------------------------
+    # ----- steps (ModelBackend) ---------------------------------------------------------
     def _lane_for(self, adapter: str | None) -> Lane:
         """The merged lane for its version's new rows, unless a newer one waits for it to drain."""
         hot = self.hot
         return hot if hot is not None and hot.version == adapter and self.ready is None else self.base
 
-    def _prefill(self, group: list[Sequence]) -> None:
+    def prefill(self, group: list[Sequence]) -> Iterator[Forward]:
+        """One pass per adapter version among the group's rows (a lane applies one version at a time), each on
+        the rows' sequence ids; a prompt prefix kept from an earlier row is not computed again."""
         self._take_ready()
         for adapter in dict.fromkeys(s.adapter for s in group):
             rows = [s for s in group if s.adapter == adapter]
@@ -120,30 +124,26 @@ class LlamaWorker(Worker):
             logits = [lane.llama.decode(tokens[i : i + DECODE_CHUNK]) for i in range(0, len(tokens), DECODE_CHUNK)]
             for s in rows:
                 lane.keep_prefix(adapter, s.prompt, self.seq_ids[id(s)][1])
-            self._sample_and_emit(rows, torch.from_numpy(np.concatenate(logits)))
-            self.running.extend(s for s in rows if not s.finished)
-            self._release([s for s in rows if s.finished])
+            yield rows, torch.from_numpy(np.concatenate(logits))
 
-    def _decode_step(self) -> None:
+    def admit(self, rows: list[Sequence], keep: list[int]) -> None:
+        kept = set(keep)
+        self._release([s for i, s in enumerate(rows) if i not in kept])
+
+    def decode(self, running: list[Sequence]) -> Iterator[Forward]:
+        """One pass per (lane, adapter version) among the running rows."""
         groups: dict[tuple[int, str | None], list[Sequence]] = {}
-        for s in self.running:
+        for s in running:
             groups.setdefault((id(self.seq_ids[id(s)][0]), s.adapter), []).append(s)
         for (_, adapter), rows in groups.items():
             lane = self.seq_ids[id(rows[0])][0]
             lane.use(adapter)
             tokens = [(s.next_token, len(s.prompt) + s.num_generated - 1, self.seq_ids[id(s)][1], True) for s in rows]
-            self._sample_and_emit(rows, torch.from_numpy(lane.llama.decode(tokens)))
-        self.steps += 1
-        metrics.BATCH_SIZE.observe(len(self.running))
-        self._count_alone()
-        self._drop([s for s in self.running if s.finished])
+            yield rows, torch.from_numpy(lane.llama.decode(tokens))
 
-    def _drop(self, gone: list[Sequence]) -> None:
-        if not gone:
-            return
-        gone_ids = {id(s) for s in gone}
-        self.running = [s for s in self.running if id(s) not in gone_ids]
-        self._release(gone)
+    def drop(self, running: list[Sequence], keep: list[int]) -> None:
+        kept = set(keep)
+        self._release([s for i, s in enumerate(running) if i not in kept])
 
     def _release(self, seqs: list[Sequence]) -> None:
         for s in seqs:
@@ -151,17 +151,16 @@ class LlamaWorker(Worker):
             if lane_sid is not None:  # its prompt's cells stay until the id is taken again (Lane.take)
                 lane_sid[0].release(lane_sid[1], s.adapter, s.prompt)
 
-    def _reset_batch(self) -> None:
+    def reset(self) -> None:
         for lane in self._lanes():
             lane.reset()
-        self.running = []
         self.seq_ids.clear()
 
     # ----- merged lanes ---------------------------------------------------------------
-    def _count_alone(self) -> None:
+    def decoded(self, running: list[Sequence]) -> None:
         """After a decode step: once one version has served every running row for :data:`MERGE_AFTER_STEPS`
         steps and has no merged lane, build one off this thread (float16 served weights only)."""
-        versions = {s.adapter for s in self.running}
+        versions = {s.adapter for s in running}
         version = next(iter(versions)) if len(versions) == 1 else None
         steps = self.alone[1] + 1 if version is not None and version == self.alone[0] else 1
         self.alone = (version, steps)
@@ -202,7 +201,7 @@ class LlamaWorker(Worker):
                     self.ready = (version, lora, llama)
                     log.info("merged lane for version %s built in %.1f s", version, time.monotonic() - start)
                 self.building = None
-        self.wake()
+        self.schedule(lambda: None)  # wake the loop (the next prefill takes the lane)
 
     def _take_ready(self) -> None:
         """Serve a built merged lane once the previous one has no rows (or drop it if its version has gone)."""
@@ -279,7 +278,7 @@ class LlamaWorker(Worker):
         write_gguf_lora(out, tensors, path.name)
         return cfg, out, hashlib.sha256(data).hexdigest()
 
-    def _install(self, name: str, config, weights: Path, source: str) -> None:
+    def install(self, name: str, config, weights: Path, source: str) -> None:
         """Load the GGUF LoRA ``weights`` (:meth:`read_adapter`) into llama.cpp as version ``name`` (the file is
         kept for a merged lane until the version unloads).
 
@@ -293,8 +292,8 @@ class LlamaWorker(Worker):
             raise
         self.lora_files[name] = weights
 
-    def unload_adapter(self, name: str) -> None:
-        self._check_unused(name)
+    def uninstall(self, name: str) -> None:
+        """Free its LoRA in llama.cpp, its merged lane, its prompt-prefix cells and its GGUF file."""
         self.base.drop_version(name)
         if self.hot is not None and self.hot.version == name:
             self.hot.llama.close()
@@ -306,7 +305,7 @@ class LlamaWorker(Worker):
 
 
 def sweep_stale_dirs(tmp: Path) -> None:
-    """Remove the GGUF directories of workers whose process is gone (killed before :meth:`LlamaWorker.stop`)."""
+    """Remove the GGUF directories of workers whose process is gone (killed before :meth:`LlamaBackend.close`)."""
     for path in tmp.glob(f"{TMP_PREFIX}*-*"):
         pid = path.name[len(TMP_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not pid_alive(int(pid)):
