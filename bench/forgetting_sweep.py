@@ -263,7 +263,7 @@ def main() -> None:
         results.append(row)
         trainer._models.clear()
         if args.json:
-            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}))
+            args.json.write_text(json.dumps({"args": vars(args), "results": results}, default=str))
     print(f"load {os.getloadavg()[0]:.1f}")
     print(table(results, len(bench), args.steps))
 
