@@ -41,10 +41,12 @@ from livelora.trainer.capability import BENCH_FILE, CapabilityItem, load_items, 
 #: Named configurations: TrainingSection overrides (the rest are the trainer's defaults).
 CONFIGS: dict[str, dict] = {
     "lr1e-3": {"kto_lr": 1e-3},
+    "lr5e-4": {"kto_lr": 5e-4},
     "lr3e-4": {"kto_lr": 3e-4},
     "lr1e-4": {"kto_lr": 1e-4},
     "kl0.05": {"kto_lr": 1e-3, "rehearsal_per_step": 4, "rehearsal_weight": 0.0, "kl_coef": 0.05},
     "kl0.1": {"kto_lr": 1e-3, "rehearsal_per_step": 4, "rehearsal_weight": 0.0, "kl_coef": 0.1},
+    "kl0.2": {"kto_lr": 1e-3, "rehearsal_per_step": 4, "rehearsal_weight": 0.0, "kl_coef": 0.2},
     "rehearsal0.1": {"kto_lr": 1e-3, "rehearsal_per_step": 4, "rehearsal_weight": 0.1},
     "attn": {"kto_lr": 1e-3, "lora_targets": "attn"},
     "beta0.5": {"kto_lr": 1e-3, "beta": 0.5},
@@ -148,7 +150,7 @@ def greedy(suite, model, adapter: bool = True) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default="lr1e-3,lr3e-4,lr1e-4,kl0.1,rehearsal0.1,attn")
+    ap.add_argument("--configs", default="lr1e-3,lr5e-4,lr3e-4,attn,kl0.1,kl0.2")
     ap.add_argument("--taste", default="short", help="a taste of bench/tastes.py")
     ap.add_argument("--rater", default="naive", help="naive or careful")
     ap.add_argument("--steps", type=int, default=3, help="live-loop updates (batches of 8 ratings)")
