@@ -10,21 +10,67 @@ import uuid
 import pytest
 
 from livelora.core.rails import GateThresholds, bound_of, judge
-from livelora.trainer.gate_freeform import curtail
+from livelora.trainer.gate_freeform import CLEAR, MIN_ITEMS, curtail, final_fail_probability
 
 
-def test_curtail_stops_when_the_whole_sample_verdict_is_clear():
-    """Hand-computed with margin 0.02 of 160 items (the final verdict fails at a net of 4 items lost)."""
-    same = [True] * 20 + [False] * 20
-    # 40 items, none changed: rest's net ~ N(0, 120·(2·0.5/41)) = N(0, 1.711²); P(> 3.5) = 0.0204 < 0.10
-    assert curtail(same, same, 160, 0.02) == "pass"
-    six_lost = [False] * 6 + same[6:]
-    assert curtail(six_lost, same, 160, 0.02) == "fail"  # net 6 already, projected 23.6
-    one_lost = [False] + same[1:]
-    # net 1 > 0.8 here; projected 1 + 120·(1.5 − 0.5)/41 = 3.93 ± 2.40: P(> 3.5) = 0.57, not clear
-    assert curtail(one_lost, same, 160, 0.02) == "continue"
-    one_gained = same[:20] + [True] + same[21:]
-    assert curtail(one_gained, same, 160, 0.02) == "pass"
+def test_final_fail_probability_is_the_dirichlet_multinomial_predictive():
+    """Hand-computed: after n paired items the rest's outcomes are Dirichlet-multinomial with α = (losses + ½,
+    gains + ½, unchanged + ½); margin 0 makes the final verdict fail at a net of 1."""
+    # 2 unchanged, 1 left: P(loss) = 0.5 / 3.5
+    assert final_fail_probability(0, 0, 0, 2, 3, 0.0) == pytest.approx(1 / 7)
+    # one loss and one gain (net 0), 1 left: P(loss) = 1.5 / 3.5
+    assert final_fail_probability(0, 1, 1, 2, 3, 0.0) == pytest.approx(3 / 7)
+    # 2 unchanged, 2 left: P(one loss, one unchanged) = 2·(0.5·2.5)/(3.5·4.5) = 10/63, P(two losses) =
+    # (0.5·1.5)/(3.5·4.5) = 3/63 (a loss and a gain leave the net at 0)
+    assert final_fail_probability(0, 0, 0, 2, 4, 0.0) == pytest.approx(13 / 63)
+    # already at net 2 with margin 0.25 of 4 (fails above 1): fails unless the last item is a gain,
+    # α = (2.5, 0.5, 1.5): P(gain) = 0.5 / 4.5
+    assert final_fail_probability(2, 2, 0, 3, 4, 0.25) == pytest.approx(8 / 9)
+    # nothing left to draw: the point net decides
+    assert final_fail_probability(1, 1, 0, 4, 4, 0.0) == 1.0
+    assert final_fail_probability(0, 0, 0, 4, 4, 0.0) == 0.0
+
+
+def test_final_fail_probability_agrees_with_sampling_the_posterior():
+    """Monte Carlo of the same model (Dirichlet draw, then the rest's outcomes) agrees within 3 standard errors."""
+    import random
+
+    rng, draws = random.Random(7), 20000
+    net, losses, gains, n, total, margin = 1, 3, 2, 30, 120, 0.02  # fails above a net of 2
+    fails = 0
+    for _ in range(draws):
+        g = [rng.gammavariate(a, 1.0) for a in (losses + 0.5, gains + 0.5, n - losses - gains + 0.5)]
+        p_l, p_g = g[0] / sum(g), g[1] / sum(g)
+        d = net
+        for _ in range(total - n):
+            u = rng.random()
+            d += 1 if u < p_l else -1 if u < p_l + p_g else 0
+        fails += d > 2
+    exact = final_fail_probability(net, losses, gains, n, total, margin)
+    se = (exact * (1 - exact) / draws) ** 0.5
+    assert abs(fails / draws - exact) < 3 * se, (fails / draws, exact)
+
+
+def test_curtail_waits_for_a_minimum_sample_and_the_predictive_verdict():
+    same = [True] * 15 + [False] * 15
+    # hand-computed (min_items 0): 4 unchanged of 5, P(last is a loss) = 0.5/5.5 = 0.091 < 0.10: pass;
+    # 2 unchanged of 3: 0.5/3.5 = 0.143: not clear yet
+    assert curtail([True] * 4, [True] * 4, 5, 0.0, min_items=0) == "pass"
+    assert curtail([True] * 2, [True] * 2, 3, 0.0, min_items=0) == "continue"
+    # before the minimum sample nothing is decided, however clear it looks
+    assert MIN_ITEMS == 30
+    assert curtail([False] * 20, [True] * 20, 120, 0.02) == "continue"
+    # the gate's default sample (120 items, margin 2 points: fails above a net of 2 items lost)
+    # 30 unchanged: the predictive P(fail) is still above 0.10 (the old projection of observed rates passed here)
+    assert curtail(same, same, 120, 0.02) == "continue"
+    assert final_fail_probability(0, 0, 0, 30, 120, 0.02) > CLEAR
+    # 60 unchanged: clear
+    assert curtail(same * 2, same * 2, 120, 0.02) == "pass"
+    # 5 lost of 15 right at 30 items (the walkthrough's first step at α 1): clearly failing
+    five_lost = [False] * 5 + same[5:]
+    assert curtail(five_lost, same, 120, 0.02) == "fail"
+    # one lost at 30 items: not clear either way
+    assert curtail([False] + same[1:], same, 120, 0.02) == "continue"
     # the whole sample: the point estimate decides (net ≤ margin·total)
     full = [True] * 160
     assert curtail([False] * 3 + full[3:], full, 160, 0.02) == "pass"

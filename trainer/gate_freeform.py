@@ -3,8 +3,9 @@
 :class:`FreeformSuite` renders the gate's capability items (:mod:`livelora.trainer.capability`, stratified order)
 with the chat template and its default system message, no forced lead, and generates greedy replies chunk by chunk
 (:meth:`FreeformSuite.measure`); an item is right when :meth:`CapabilityItem.right` accepts its reply.
-:func:`curtail` decides after each chunk whether the verdict on the whole sample is already clear (stochastic
-curtailment of the fixed-sample test ``score(new) ≥ score(ref) − margin``). Why and how: ``docs/internals/rails.md``.
+:func:`curtail` decides after each chunk whether the verdict on the whole sample is already clear (Bayesian
+predictive curtailment of the fixed-sample test ``score(new) ≥ score(ref) − margin``). Why and how:
+``docs/internals/rails.md``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from livelora.core.cpu_share import step_yield
 from livelora.trainer.capability import CATEGORIES, GATE_FILE, CapabilityItem, load_items, stratified
 
-#: Conditional probability of the other final verdict below which the sample stops early.
+#: Predictive probability of the other final verdict below which the sample stops early.
 CLEAR = 0.10
+#: Paired items measured before :func:`curtail` gives an early verdict (one default chunk).
+MIN_ITEMS = 30
 #: Free-form items lost against the current version kept in a gate result (``measures.freeform.lost``).
 LOST_EXAMPLES = 5
 
@@ -215,34 +218,65 @@ def freeform_score(m: Any, ids: Sequence[str]) -> float | None:
     return sum(m.freeform[i] for i in ids) / len(ids)
 
 
-def curtail(new: Sequence[bool], ref: Sequence[bool], total: int, margin: float) -> str:
+def curtail(
+    new: Sequence[bool], ref: Sequence[bool], total: int, margin: float, *, min_items: int | None = None
+) -> str:
     """Whether the fixed-sample verdict "``score(new) ≥ score(ref) − margin`` over ``total`` items" is already clear
     after the first ``len(new)`` paired items: ``"pass"``, ``"fail"`` or ``"continue"``.
 
     net = losses − gains (items ``ref`` got right and ``new`` wrong, minus the reverse); the verdict fails when the
-    final net exceeds ``margin·total``. The rest's net is projected as a normal with the observed loss and gain
-    rates (each with half a pseudo-count: Jeffreys); the sample stops when the observed sample's own verdict and the
-    projected final one agree with probability ≥ 1 − :data:`CLEAR`. Source: stochastic curtailment, Lan, Simon &
-    Halperin (1982), "Stochastically curtailed tests in long-term clinical trials".
+    final net exceeds ``margin·total``. Before ``min_items`` (default :data:`MIN_ITEMS`) paired items the answer is
+    ``"continue"``; after, the sample stops when the observed sample's own verdict and the final one agree with
+    posterior predictive probability ≥ 1 − :data:`CLEAR` (:func:`final_fail_probability`: the rest's losses and
+    gains drawn from a Dirichlet posterior of the paired outcome, not from the observed rates, so a few items
+    cannot make the verdict look clear). Source: Bayesian predictive stochastic curtailment, Spiegelhalter,
+    Freedman & Blackburn (1986), "Monitoring clinical trials: conditional or predictive power?".
     """
     n = len(new)
-    if n >= total:
-        return "pass" if _net(new, ref) <= margin * n + 1e-9 else "fail"
     net = _net(new, ref)
-    losses = sum(r and not x for x, r in zip(new, ref))
-    gains = sum(x and not r for x, r in zip(new, ref))
-    p_l, p_g = (losses + 0.5) / (n + 1), (gains + 0.5) / (n + 1)
-    rest = total - n
-    mean = net + rest * (p_l - p_g)
-    sd = math.sqrt(max(rest * (p_l + p_g - (p_l - p_g) ** 2), 1e-12))
-    limit = math.floor(margin * total + 1e-9) + 0.5  # the integer net fails above margin·total: continuity-corrected
-    p_fail = 0.5 * math.erfc((limit - mean) / (sd * math.sqrt(2)))  # P(final net > margin·total)
+    if n >= total:
+        return "pass" if net <= margin * n + 1e-9 else "fail"
+    if n < (MIN_ITEMS if min_items is None else min_items):
+        return "continue"
+    losses = sum(bool(r) and not x for x, r in zip(new, ref))
+    gains = sum(bool(x) and not r for x, r in zip(new, ref))
+    p_fail = final_fail_probability(net, losses, gains, n, total, margin)
     here_passes = net <= margin * n + 1e-9
     if here_passes and p_fail < CLEAR:
         return "pass"
     if not here_passes and p_fail > 1 - CLEAR:
         return "fail"
     return "continue"
+
+
+def final_fail_probability(net: int, losses: int, gains: int, n: int, total: int, margin: float) -> float:
+    """P(final net > ``margin·total``) after ``n`` paired items with ``losses``, ``gains`` and net ``net``.
+
+    Each remaining paired item is a loss, a gain or unchanged with probabilities (p_l, p_g, p_s) ~ Dirichlet(
+    losses + ½, gains + ½, n − losses − gains + ½) (Jeffreys prior); the rest's counts are then Dirichlet-
+    multinomial, summed exactly: the changed count c ~ BetaBinomial(rest, a_l + a_g, a_s) and, given c, the losses
+    ~ BetaBinomial(c, a_l, a_g) (terms of c beyond a 1e-12 tail are left out).
+    """
+    rest = total - n
+    limit = math.floor(margin * total + 1e-9)  # the integer final net fails above this
+    a_l, a_g, a_s = losses + 0.5, gains + 0.5, n - losses - gains + 0.5
+    p, mass = 0.0, 0.0
+    for c in range(rest + 1):
+        p_c = math.exp(_log_beta_binomial(c, rest, a_l + a_g, a_s))
+        mass += p_c
+        # final net = net + l − (c − l) > limit  ⇔  l > (limit − net + c) / 2
+        lo = max(0, (limit - net + c) // 2 + 1)
+        if lo <= c:
+            p += p_c * sum(math.exp(_log_beta_binomial(k, c, a_l, a_g)) for k in range(lo, c + 1))
+        if 1 - mass < 1e-12:
+            break
+    return min(1.0, max(0.0, p))
+
+
+def _log_beta_binomial(k: int, m: int, a: float, b: float) -> float:
+    """log P(K = k) for K ~ BetaBinomial(m, a, b)."""
+    lg = math.lgamma
+    return lg(m + 1) - lg(k + 1) - lg(m - k + 1) + lg(k + a) + lg(m - k + b) - lg(m + a + b) + lg(a + b) - lg(a) - lg(b)
 
 
 def _net(new: Sequence[bool], ref: Sequence[bool]) -> int:
