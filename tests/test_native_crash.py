@@ -57,7 +57,8 @@ def test_a_child_killed_by_a_signal_fails_that_test_with_the_signal_named(livelo
 @needs_llama_cpp
 def test_the_canary_names_the_signal_the_build_and_the_alternatives(livelora_home, monkeypatch):
     monkeypatch.delenv(CRASH_ENV, raising=False)
-    assert run_canary(DEFAULT_MODEL, livelora_home, "gguf", threads=2) is None
+    real = run_canary(DEFAULT_MODEL, livelora_home, "gguf", threads=2)  # None, or this machine's build crashes
+    assert real is None or (real.signal is not None and "gguf weights" in real.message), real
     monkeypatch.setenv(CRASH_ENV, "canary")
     failure = run_canary(DEFAULT_MODEL, livelora_home, "gguf", threads=2)
     assert failure is not None and failure.signal == signal.SIGSEGV
@@ -69,7 +70,7 @@ def test_the_canary_names_the_signal_the_build_and_the_alternatives(livelora_hom
     with pytest.raises(pytest.skip.Exception, match="SIGSEGV"):  # what every llama.cpp test does first
         skip_if_native_crashes("gguf")
     monkeypatch.setenv(CRASH_ENV, "engine")  # the serving engine's hook: the canary is not hit
-    assert run_canary(DEFAULT_MODEL, livelora_home, "gguf", threads=2) is None
+    assert (run_canary(DEFAULT_MODEL, livelora_home, "gguf", threads=2) is None) == (real is None)
 
 
 def _serve(home, port: int, crash_at: str) -> subprocess.Popen:
@@ -104,6 +105,7 @@ def test_serve_refuses_to_start_when_the_canary_crashes(livelora_home):
 
 @needs_llama_cpp
 def test_a_crash_of_the_serving_process_is_reported_and_exits_128_plus_the_signal(livelora_home):
+    skip_if_native_crashes("gguf")  # the real canary would refuse the start before the engine's crash
     port = _free_port()
     proc = _serve(livelora_home, port, "engine")
     try:
