@@ -132,10 +132,13 @@ def test_a_crash_of_the_serving_process_is_reported_and_exits_128_plus_the_signa
 
 
 @needs_llama_cpp
-def test_llama_cpps_repeated_warnings_are_logged_once(caplog):
+def test_llama_cpps_repeated_warnings_are_logged_once(caplog, monkeypatch):
     """llama.cpp's log callback as llama.cpp calls it: an AMX build's warning for each LoRA tensor is one line."""
+    from livelora.gateway.engines.llama_cpp import model
     from livelora.gateway.engines.llama_cpp.model import _log_callback
 
+    monkeypatch.setattr(model, "_seen", set())  # once per process: earlier engines in this process logged too
+    monkeypatch.setattr(model, "_last_level", [0])
     emit = _log_callback()
     caplog.set_level("WARNING", logger="livelora.gateway.engines.llama_cpp.model")
     warning = "llama_adapter_lora_init_impl: lora for '{}' cannot use buft 'AMX', fallback to CPU"
