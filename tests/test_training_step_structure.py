@@ -9,15 +9,13 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import time
-import uuid
 
 import pytest
+from harness.gate import ratings_batch
 from harness.source import REPO
 
 from livelora.adapters.endpoints import EndpointStore
-from livelora.clients.types.signals import ChatMessage, RatingEvent
-from livelora.trainer.scheduler import Batch, kto_class_weights
+from livelora.trainer.scheduler import Batch
 
 #: The trainer files of the step and its passes, whose every function keeps :data:`MAX_BODY_LINES`.
 STEP_FILES = (
@@ -104,26 +102,7 @@ def test_adams_eps_is_a_trainer_setting(monkeypatch):
 
 def _ratings(trainer, endpoint: str) -> Batch:
     """Two real ratings of chat replies (one up, one down), as the live loop batches them."""
-    evs = []
-    for i, (q, reply, up) in enumerate([("Name a colour.", "Blue.", True), ("What is 2+2?", "Five.", False)]):
-        prompt, completion = trainer.chat_pair([ChatMessage(role="user", content=q)], reply)
-        evs.append(
-            RatingEvent(
-                id=f"feedback-{uuid.uuid4().hex}",
-                endpoint=endpoint,
-                created=int(time.time()),
-                completion_id=f"c{i}",
-                prompt_token_ids=prompt,
-                completion_token_ids=completion[:-2],
-                finish_reason="stop",
-                rating=up,
-                rating_key=f"c{i}:/u",
-                user="u",
-            )
-        )
-    batch = Batch(endpoint, "kto", evs, ["1-0", "1-1"])
-    batch.desirable_weight, batch.undesirable_weight = kto_class_weights(1, 1)
-    return batch
+    return ratings_batch(trainer, endpoint, [("Name a colour.", "Blue.", True), ("What is 2+2?", "Five.", False)])
 
 
 @pytest.mark.timeout(1800)

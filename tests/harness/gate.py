@@ -37,12 +37,17 @@ def rating_batch(trainer, endpoint: str, n: int = 8) -> Batch:
         "Plants turning light into sugar.",
         "Oatmeal with fruit.",
     ]
+    return ratings_batch(
+        trainer, endpoint, [(qs[i], good[i] if i % 2 == 0 else "I do not know.", i % 2 == 0) for i in range(n)]
+    )
+
+
+def ratings_batch(trainer, endpoint: str, rated: list[tuple[str, str, bool]]) -> Batch:
+    """A KTO batch of ``(question, reply, liked)`` ratings, tokenized by ``trainer``'s chat template (the reply's
+    last two template tokens cut, as the live loop logs it), with the live loop's class weights."""
     evs = []
-    for i in range(n):
-        up = i % 2 == 0
-        prompt, completion = trainer.chat_pair(
-            [ChatMessage(role="user", content=qs[i])], good[i] if up else "I do not know."
-        )
+    for i, (question, reply, up) in enumerate(rated):
+        prompt, completion = trainer.chat_pair([ChatMessage(role="user", content=question)], reply)
         evs.append(
             RatingEvent(
                 id=f"feedback-{uuid.uuid4().hex}",
@@ -57,8 +62,9 @@ def rating_batch(trainer, endpoint: str, n: int = 8) -> Batch:
                 user="u",
             )
         )
-    batch = Batch(endpoint, "kto", evs, [f"1-{i}" for i in range(n)])
-    batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n // 2, n - n // 2)
+    liked = sum(up for _q, _r, up in rated)
+    batch = Batch(endpoint, "kto", evs, [f"1-{i}" for i in range(len(rated))])
+    batch.desirable_weight, batch.undesirable_weight = kto_class_weights(liked, len(rated) - liked)
     return batch
 
 
