@@ -94,8 +94,13 @@ class SignalService:
 
     # ------------------------------------------------------------ internals
 
-    def _endpoint(self, model: str, principal: Principal | None) -> str:
-        return model if self.registry is None else self.registry.endpoint_for(model, principal)
+    def _endpoint(self, model: str, principal: Principal | None, user: str | None = None) -> str:
+        """The endpoint an inline signal naming ``model`` trains: the segment of it ``user`` or the caller
+        belongs to (:mod:`.segments`), else the endpoint itself."""
+        if self.registry is None:
+            return model
+        endpoint = self.registry.endpoint_for(model, principal)
+        return self.registry.segments.match(endpoint, principal, user) or endpoint
 
     def _check_trainable(self, endpoint: str, principal: Principal | None) -> None:
         if self.registry is not None:
@@ -239,7 +244,7 @@ class SignalService:
                 rejected_token_ids=r.completion_token_ids,
             )
         else:
-            endpoint = self._endpoint(req.model, principal)
+            endpoint = self._endpoint(req.model, principal, req.user)
             self._check_trainable(endpoint, principal)
             event = PreferenceEvent(
                 id=self._new_id("preference"),
@@ -284,7 +289,7 @@ class SignalService:
             )
         if not any(m.role == "user" for m in req.messages[:-1]):
             raise BadRequestError("A demonstration needs at least one user message before the reply", param="messages")
-        endpoint = self._endpoint(req.model, principal)
+        endpoint = self._endpoint(req.model, principal, req.user)
         self._check_trainable(endpoint, principal)
         event = DemonstrationEvent(
             id=self._new_id("demonstration"),
