@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 from harness.bus import new_prefix
+from harness.console import console_client
 from harness.seeds import saved_versions
 
 from livelora.adapters.store import AdapterStore
@@ -178,6 +179,9 @@ def test_segment_ratings_train_its_lineage_alone_with_its_gate_verdict_and_forge
         assert (rows["vip"]["versions"], rows["vip"]["ratings"], rows["vip"]["liked"]) == (2, 2, 0.5)
         assert rows["vip"]["members"] == 4 and rows["basic"]["ratings"] == 0 and rows["basic"]["versions"] == 1
         assert status["lineage"] == LINEAGE and rows["vip"]["lineage"] == SEG_LINEAGE
+        with console_client(server.base_url, keys["acme"]) as page:  # the console's endpoint page: one row each
+            html = page.get(f"/console/endpoints/{EP}").text
+        assert html.count('data-segment="') == 2 and f"{SEG_LINEAGE}@" in html
 
         # alice moves to basic and rates there (queued), then asks to be forgotten: both segments lose her
         ok(a.post(f"/admin/endpoints/{EP}/segments/vip/unassign", json={"users": ["alice"]}))
