@@ -58,7 +58,8 @@ class SignalService:
         completions: the completion log (retention also bounds rating keys).
         registry: the endpoints: ``endpoint_for(model, principal)`` names a request's endpoint (raising
             ``ModelNotFoundError``), ``check_trainable(endpoint, principal)`` raises ``ConflictError`` when the
-            caller may not train its lineage (:class:`~.registry.AdapterRegistry`). ``None``: any name as is.
+            caller may not train its lineage, and (optional) ``segments.match(endpoint, principal, user)`` the
+            segment an inline signal trains (:class:`~.registry.AdapterRegistry`). ``None``: any name as is.
         stats: per-version statistics that each accepted rating is counted in, and the sequential test run
             after it (canary end, automatic rollback); ``None``: ratings drive nothing.
         idempotency_ttl_s: lifetime of idempotency records (seconds).
@@ -100,7 +101,8 @@ class SignalService:
         if self.registry is None:
             return model
         endpoint = self.registry.endpoint_for(model, principal)
-        return self.registry.segments.match(endpoint, principal, user) or endpoint
+        segments = getattr(self.registry, "segments", None)  # an AdapterRegistry's; a bare endpoint map has none
+        return (segments.match(endpoint, principal, user) if segments is not None else None) or endpoint
 
     def _check_trainable(self, endpoint: str, principal: Principal | None) -> None:
         if self.registry is not None:
