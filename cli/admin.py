@@ -374,6 +374,9 @@ def adapters_delete(
 
 def register(app: typer.Typer) -> None:
     """Add ``endpoints``, ``adapters`` and ``keys`` to the root ``livelora`` app."""
+    from livelora.cli.admin_segments import segments_app
+
+    endpoints_app.add_typer(segments_app, name="segments")
     app.add_typer(endpoints_app, name="endpoints")
     app.add_typer(adapters_app, name="adapters")
     from livelora.cli.admin_keys import keys_app
