@@ -194,7 +194,13 @@ def child_main(conn, kwargs: dict[str, Any]) -> None:
     ``kwargs``, answer ``("ready", vocab_size)`` (or ``("failed", error)``) and serve the pipe until ``stop`` or
     until the gateway's end of the pipe closes."""
     import faulthandler
+    import os
 
+    # before torch loads libgomp (llama.cpp's OpenMP too): spin 100 rounds at a barrier, as libgomp does in the
+    # gateway's own process, where torch's thread pool beside llama.cpp's team makes more threads than cores; alone
+    # here it would spin 300,000 and, on busy cores, wait for a descheduled partner (1 stream, load 10 on 2 cores:
+    # 1.6-3.6 tok/s instead of 31; docs/serving.md, "The engine's process")
+    os.environ.setdefault("GOMP_SPINCOUNT", "100")
     from livelora.gateway.engines.llama_cpp.engine import LlamaCppEngine
 
     faulthandler.enable(all_threads=True)  # a native crash writes the Python stacks to stderr (the gateway's log)
