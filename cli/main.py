@@ -201,6 +201,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     if whole_loop and settings.placement.trainer_process and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         side.metrics_dir = _shared_metrics_dir(settings.home)  # before prometheus_client is imported (below)
     from livelora.cli.processes import DrainingServer, gateway_app
+    from livelora.gateway.api.deps import services_of
 
     if settings.observability.log_format == "json":  # LIVELORA_LOG_FORMAT=json: uvicorn's lines too
         from livelora.core.logs import configure_logging
@@ -221,6 +222,10 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             log_level,  # SIGTERM/SIGINT: graceful drain
             json_logs=settings.observability.log_format == "json",
         ).run(sock)
+        failure = getattr(services_of(app).engine, "failure", None)  # the engine gave up (a crash loop)
+        if failure:
+            console.print(f"[red]error[/]: {failure}")
+            raise typer.Exit(1)
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None

@@ -288,20 +288,26 @@ class Serving:
         raise ModelNotFoundError(f"model {model_id!r} does not exist", param="model")
 
     def health(self) -> dict[str, Any]:
-        """``{"status": "ok"|"draining", "model", "engine", "sequences", "max_sequences", "adapters_loaded"}``.
+        """``{"status": "ok"|"draining"|"unhealthy", "model", "engine", "sequences", "max_sequences",
+        "adapters_loaded"}`` (and ``error``, the engine's :attr:`~livelora.gateway.engines.base.Engine.failure`, when
+        unhealthy).
 
         ``sequences`` counts sequences admitted by the gateway (running or waiting). ``/health`` needs no key, so
         this gives the number of loaded adapter versions, never their names (which name tenants' lineages).
         """
         status = "draining" if self.drain is not None and self.drain.draining else "ok"
-        return {
-            "status": status,
+        failure = getattr(self.engine, "failure", None)
+        figures = {
+            "status": "unhealthy" if failure else status,
             "model": self.settings.model_id,
             "engine": self.settings.inference.engine,
             "sequences": self.admission.active,
             "max_sequences": self.admission.limit,
             "adapters_loaded": len(self.engine.loaded_adapters()),
         }
+        if failure:
+            figures["error"] = failure
+        return figures
 
     async def serve(
         self,
