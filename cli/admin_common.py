@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
+from typer import _click  # typer's own click: the types its TyperGroup is declared with
 from typer.core import TyperGroup
 
 out = Console()
@@ -34,7 +34,7 @@ class HelpGroup(TyperGroup):
     """A command group whose ``--help`` lists each command's first sentence whole, wrapped to the terminal
     (click's own listing cuts it at the terminal's width with "...")."""
 
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_commands(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
         rows = []
         for name in self.list_commands(ctx):
             cmd = self.get_command(ctx, name)
