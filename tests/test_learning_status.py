@@ -211,3 +211,47 @@ def test_a_partial_batch_and_held_out_ratings_say_so(live):
     st = wait_serving(acme, f"{EP}@1")
     summary = st.summary()  # the gate may have scaled the step: "serving acme.learn@1 (step scaled by 0.5); ..."
     assert summary.startswith(f"serving {EP}@1") and f"; trained: {partial}; not trained on: {held} held out" in summary
+
+
+@pytest.mark.live
+def test_a_step_waiting_for_the_gates_base_measurement_says_so(tmp_path, livelora_home):
+    """A fresh store's first step waits for the gate's start-up base measurement: the status says "training"
+    with that check (not "waiting" with the ratings already taken), then the step runs and publishes."""
+    from harness.gate import rating_batch
+    from harness.server import wait_until
+
+    from livelora.trainer.model import TrainingModel
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / DEFAULT_MODEL).symlink_to(livelora_home / "models" / DEFAULT_MODEL)
+    layout, redis = KeyLayout(f"livelora-test-{uuid.uuid4().hex}:"), connect_sync("redis://127.0.0.1:6379/0")
+    backend = OnlineTrainer(resolve_base_model(DEFAULT_MODEL, tmp_path), tmp_path, TrainingSection(kto_lr=1e-3))
+    release = threading.Event()  # stands for a base measurement still running
+    backend._base_thread = threading.Thread(target=release.wait, daemon=True)
+    backend._base_thread.start()
+    backend._fresh = TrainingModel(backend.base_ref, backend.config.lora)
+    scheduler = BatchScheduler(TrainingSection(kto_min_batch=BATCH))
+    worker = TrainerWorker(redis, layout, tmp_path, backend, scheduler, consumer="learn", block_ms=50)
+    batch = rating_batch(backend, EP, BATCH)
+    published: list = []
+    step = threading.Thread(target=lambda: published.append(worker._train(batch)), daemon=True)
+
+    def status() -> LearningStatus | None:
+        raw = redis.get(layout.learning(batch.lineage))
+        return LearningStatus.model_validate_json(raw) if raw else None
+
+    try:
+        step.start()
+        assert wait_until(lambda: (s := status()) is not None and s.check is not None, timeout_s=120)
+        st = status()
+        assert (st.stage, st.check) == ("training", "waiting for the gate's base measurement (once per store)")
+        assert st.detail.startswith(f"kto step on {BATCH} event(s)")
+        release.set()
+        step.join(timeout=600)
+        assert published and published[0] is not None and status().stage == "published"
+        assert [m.stage for m in status().stages][:3] == ["training", "training", "training"]  # taken, waited, ran
+    finally:
+        release.set()
+        for k in redis.scan_iter(match=layout.prefix + "*"):
+            redis.delete(k)
+        redis.close()
