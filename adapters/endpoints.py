@@ -30,6 +30,20 @@ HISTORY_FILE = "history.jsonl"
 MAX_PREVIOUS = 50
 
 
+class SegmentOf(BaseModel):
+    """What makes a binding a segment of another endpoint: its parent, its name and its members (how requests
+    are matched to it: ``docs/endpoints-and-keys.md``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: str = Field(description="The parent endpoint (the shared lineage's).")
+    name: str
+    users: list[str] = Field(default_factory=list, description="OpenAI `user` values of the caller's tenant.")
+    keys: list[str] = Field(default_factory=list, description="API key ids of the caller's tenant.")
+    headers: list[str] = Field(default_factory=list, description="X-Livelora-Segment header values.")
+    origin: str = Field(default="base", description="The shared version the segment's lineage started from.")
+
+
 class EndpointBinding(BaseModel):
     """One endpoint's binding."""
 
@@ -55,6 +69,7 @@ class EndpointBinding(BaseModel):
     learning_paused: bool = Field(
         default=False, description="No training step for its lineage while set: signals stay queued (admin pause)."
     )
+    segment: SegmentOf | None = Field(default=None, description="Set on a segment's own binding (segments.py).")
 
     @property
     def thresholds(self) -> GateThresholds:
@@ -92,6 +107,7 @@ class HistoryEntry(BaseModel):
         "prune",
         "pause",
         "resume",
+        "segment",
     ]
     from_: str | None = Field(default=None, alias="from")
     to: str

@@ -26,6 +26,7 @@ from rich.text import Text
 from livelora.cli.admin_common import (
     DEFAULT_URL,
     Backend,
+    HelpGroup,
     HomeOption,
     KeyOption,
     ReasonOption,
@@ -374,8 +375,11 @@ def adapters_delete(
 
 def register(app: typer.Typer) -> None:
     """Add ``endpoints``, ``adapters`` and ``keys`` to the root ``livelora`` app."""
-    app.add_typer(endpoints_app, name="endpoints")
-    app.add_typer(adapters_app, name="adapters")
+    from livelora.cli.admin_segments import segments_app
+
+    endpoints_app.add_typer(segments_app, name="segments", cls=HelpGroup)
+    app.add_typer(endpoints_app, name="endpoints", cls=HelpGroup)
+    app.add_typer(adapters_app, name="adapters", cls=HelpGroup)
     from livelora.cli.admin_keys import keys_app
 
-    app.add_typer(keys_app, name="keys")
+    app.add_typer(keys_app, name="keys", cls=HelpGroup)

@@ -17,6 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
+from typer import _click  # typer's own click: the types its TyperGroup is declared with
+from typer.core import TyperGroup
 
 out = Console()
 err = Console(stderr=True)
@@ -26,6 +28,21 @@ KeyOption = Annotated[str | None, typer.Option(envvar="LIVELORA_API_KEY", help="
 HomeOption = Annotated[Path | None, typer.Option(help="Work on this store directly (no server needed).")]
 ReasonOption = Annotated[str, typer.Option(help="Why: written to the audit log.")]
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class HelpGroup(TyperGroup):
+    """A command group whose ``--help`` lists each command's first sentence whole, wrapped to the terminal
+    (click's own listing cuts it at the terminal's width with "...")."""
+
+    def format_commands(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=1000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 class Backend:

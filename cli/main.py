@@ -25,11 +25,14 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from livelora.cli.admin_common import HelpGroup
+
 app = typer.Typer(
     name="livelora",
     help="Self-hosted OpenAI-compatible gateway whose model keeps learning.",
     no_args_is_help=True,
     add_completion=False,
+    cls=HelpGroup,  # each command's first sentence whole in the listing
     rich_markup_mode=None,  # click's plain help: no <bool>/<str> type tags, paragraphs re-wrapped to the terminal
 )
 console = Console(stderr=True)
@@ -58,7 +61,7 @@ _AllowOpen = Annotated[
 ]
 
 
-@app.command()
+@app.command(short_help="Serve the OpenAI API and learn from ratings (gateway + trainer).")
 def serve(
     model: _Model = None,
     host: _Host = None,
@@ -82,7 +85,7 @@ def serve(
     _run_gateway(locals(), whole_loop=True)
 
 
-@app.command()
+@app.command(short_help="Start only the gateway; run `livelora trainer` beside it.")
 def gateway(
     model: _Model = None,
     host: _Host = None,
@@ -103,7 +106,7 @@ def gateway(
     _run_gateway(locals(), whole_loop=False)
 
 
-@app.command()
+@app.command(short_help="Run only a trainer: live-loop steps and training-session ops.")
 def trainer(
     model: _Model = None,
     home: _Home = None,
@@ -201,6 +204,7 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
     if whole_loop and settings.placement.trainer_process and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         side.metrics_dir = _shared_metrics_dir(settings.home)  # before prometheus_client is imported (below)
     from livelora.cli.processes import DrainingServer, gateway_app
+    from livelora.gateway.api.deps import services_of
 
     if settings.observability.log_format == "json":  # LIVELORA_LOG_FORMAT=json: uvicorn's lines too
         from livelora.core.logs import configure_logging
@@ -221,6 +225,10 @@ def _run_gateway(options: dict, *, whole_loop: bool) -> None:
             log_level,  # SIGTERM/SIGINT: graceful drain
             json_logs=settings.observability.log_format == "json",
         ).run(sock)
+        failure = getattr(services_of(app).engine, "failure", None)  # the engine gave up (a crash loop)
+        if failure:
+            console.print(f"[red]error[/]: {failure}")
+            raise typer.Exit(1)
     except LiveloraError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(1) from None
@@ -368,7 +376,7 @@ def _shared_metrics_dir(home: Path) -> Path:
     return path
 
 
-@app.command("hf-cache")
+@app.command("hf-cache", short_help="Put the base model's tokenizer in the local HF cache (offline).")
 def hf_cache(
     model: _Model = None,
     home: _Home = None,
@@ -465,15 +473,20 @@ app.command("usage")(_usage)
 
 from livelora.cli.settings_table import settings as _settings_command  # noqa: E402  (livelora settings)
 
-app.command("settings")(_settings_command)
+app.command("settings", short_help="Every setting of a process kind, with its environment variable.")(_settings_command)
 
 from livelora.clients.sandbox.server import sandbox as _sandbox_command  # noqa: E402  (livelora sandbox)
 
-app.command("sandbox")(_sandbox_command)
+app.command("sandbox", short_help="Serve SandboxFusion's POST /run_code in a bubblewrap sandbox.")(_sandbox_command)
 
 from livelora.clients.recipes.cli import recipe_app  # noqa: E402  (livelora recipe NAME)
 
-app.add_typer(recipe_app, name="recipe")
+app.add_typer(
+    recipe_app,
+    name="recipe",
+    cls=HelpGroup,
+    short_help="Training recipes: chat SFT, GSM8K RL, KTO, DPO, distillation, code RL.",
+)
 
 
 def main() -> None:

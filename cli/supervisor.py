@@ -5,7 +5,9 @@ Before the port listens, a canary generation with the chosen weights runs in a c
 Then the command runs the server in a child process that inherits the bound socket and that it supervises: a
 child killed by a signal (a crash in llama.cpp) is reported with the signal, the build and the alternatives, and
 the command exits ``128 + signal``; SIGINT and SIGTERM are passed on (the child drains). The child writes Python's
-thread stacks on a fatal signal (faulthandler). Why and what remains: docs/serving.md, "When llama.cpp crashes".
+thread stacks on a fatal signal (faulthandler). The engine itself runs in a child of that child
+(:mod:`livelora.gateway.engines.llama_cpp.supervised`), which survives llama.cpp's crashes; this is the outer line,
+for a crash in the server's own process. Why: docs/serving.md, "When llama.cpp crashes".
 """
 
 from __future__ import annotations

@@ -102,12 +102,15 @@ class Principal:
         roles: granted roles.
         key_id: id of the API key (``None`` in open mode or for local CLI use).
         name: human label for audit logs (key name, or ``open`` / ``local:<user>``).
+        segment: the request's ``X-Livelora-Segment`` header value (a segment of the caller's own tenant's
+            endpoints may list it; ``docs/endpoints-and-keys.md``).
     """
 
     tenant: str
     roles: frozenset[str] = field(default_factory=lambda: frozenset(ROLES))
     key_id: str | None = None
     name: str = "open"
+    segment: str | None = None
 
     @property
     def who(self) -> str:

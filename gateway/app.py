@@ -87,6 +87,8 @@ def build_engine(settings: GatewaySettings) -> Engine:
         kwargs["merge_lora"] = inference.engine_merge_lora
         if device == "cpu" and inference.engine_threads_while_training != 0:
             kwargs.update(share_cores=True, threads_while_training=inference.engine_threads_while_training)
+    if inference.engine == "llama_cpp":  # a native crash ends the engine's child process, not the gateway
+        kwargs.update(child_process=True, exit_on_failure=True)
     return create_engine(inference.engine, **kwargs)
 
 

@@ -43,6 +43,8 @@ def test_every_help_page_tags_no_flag_and_wraps_whole_paragraphs():
         assert "<bool>" not in result.output, (path, result.output)  # a flag takes no value
         lines = result.output.splitlines()
         assert all(len(line) <= 100 for line in lines), path
+        # a group lists each command's first sentence whole, never cut off with "..."
+        assert not [line for line in lines[1:] if line.endswith("...")], (path, result.output)
         # a description's line is broken by the wrapper, not where the docstring's source line ended
         panels = [i for i, line in enumerate(lines) if line in ("Arguments:", "Options:", "Commands:")]
         prose = [line.strip() for line in lines[1 : min(panels, default=len(lines))] if line.strip()]

@@ -185,6 +185,7 @@ def _fill(path: str) -> str:
         ("{lineage}", "acme.support"),
         ("{token}", "forged.0000"),
         ("{file_name}", "adapter_config.json"),
+        ("{segment}", "nosegment"),
     ):
         out = out.replace(name, value)
     assert "{" not in out, path

@@ -587,6 +587,18 @@ CASES: dict[tuple[str, str], Case] = {
         lambda o: [(f"/admin/endpoints/{o['endpoint']}/resume", {"reason": "b"})]
     ),
     ("GET", "/admin/endpoints/{name:path}/stats"): Case(lambda o: [(f"/admin/endpoints/{o['endpoint']}/stats", None)]),
+    ("GET", "/admin/endpoints/{name:path}/segments"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/segments", None)]
+    ),
+    ("POST", "/admin/endpoints/{name:path}/segments"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/segments", {"name": "b"})]
+    ),
+    ("POST", "/admin/endpoints/{name:path}/segments/{segment}/assign"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/segments/b/assign", {"users": ["u"]})]
+    ),
+    ("POST", "/admin/endpoints/{name:path}/segments/{segment}/unassign"): Case(
+        lambda o: [(f"/admin/endpoints/{o['endpoint']}/segments/b/unassign", {"users": ["u"]})]
+    ),
     ("PUT", "/admin/endpoints/{name:path}/gate"): Case(
         lambda o: [(f"/admin/endpoints/{o['endpoint']}/gate", {"reset": True, "reason": "b"})]
     ),

@@ -15,6 +15,8 @@ from harness.seeds import peft_versions
 
 from livelora.clients.errors import BadRequestError
 from livelora.gateway.engines import SamplingParams, create_engine
+from livelora.gateway.engines.llama_cpp.model import CRASH_FILE_ENV
+from livelora.gateway.engines.llama_cpp.process import EngineCrashedError
 from livelora.gateway.engines.transformers.calls import on_worker
 
 pytestmark = pytest.mark.skipif(
@@ -158,6 +160,32 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
     shipped = gguf_location(base_ref.name)  # a quantized file cannot take the update
     with pytest.raises(BadRequestError, match="not F16"):
         merge_gguf_lora(shipped, lora, tmp_path / "refused.gguf")
+
+
+def test_the_engines_own_process_restarts_after_a_crash_with_its_versions(base_ref, loop, run, tmp_path, monkeypatch):
+    """The gateway's form (``child_process=True``): adapter loads, scoring and generation go to the child; a crash
+    (the test hook) fails the request it held, and the new child serves the loaded version as before."""
+    skip_if_native_crashes()
+    crash = tmp_path / "crash-now"
+    monkeypatch.setenv(CRASH_FILE_ENV, str(crash))  # the child inherits it
+    engine = create_engine("llama_cpp", child_process=True, model=base_ref.name, max_batch_size=2, max_model_len=512)
+    loop.run_until_complete(engine.start())
+    try:
+        version = peft_versions(base_ref, tmp_path, (3,), rank=4, b_scale=0.3)[0]
+        prompt = chat(engine, "Name a colour.")
+        check = run(engine.load_and_check("t@1", str(version), prompt))
+        before = run(collect(engine, prompt, greedy(6), adapter="t@1"))[0]
+        crash.touch()
+        with pytest.raises(EngineCrashedError, match=r"was killed by SIGSEGV \(signal 11\) while it held this request"):
+            run(collect(engine, prompt, greedy(6), adapter="t@1"))
+        crash.unlink()
+        assert run(collect(engine, prompt, greedy(6), adapter="t@1"))[0] == before  # waits for the new child
+        assert engine.restarts == 1 and engine.loaded_adapters() == ["t@1"] and engine.failure is None
+        again = run(engine.score(prompt, adapter="t@1"))
+        assert [e.token_id for e in again[1:]] == prompt[1:]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(again[1:], check.canary[1:], strict=True)) < 1e-4
+    finally:
+        loop.run_until_complete(engine.close())
 
 
 def test_a_killed_workers_gguf_directory_is_swept_by_the_next_one(tmp_path, monkeypatch):

@@ -19,6 +19,23 @@ from livelora.clients.types.learning import LearningStatus
 
 pytestmark = pytest.mark.slow
 WALKTHROUGH = ("## Five minutes: chat, rate, watch a new version being served", "## Documentation")
+#: The walkthrough's factual questions and their accepted answers (a word anywhere in the reply, case folded).
+FACTS = {
+    "What is the capital of France?": "paris",
+    "What is the capital of Italy?": "rome",
+    "Name a primary colour.": "red|blue|yellow",
+    "How many legs does a spider have?": "8|eight",
+    "What is 2 + 3?": "5|five",
+    "Say hello in Spanish.": "hola",
+    "What do bees make?": "honey",
+    "Which planet is closest to the sun?": "mercury",
+    "What is the opposite of hot?": "cold",
+}
+
+
+def answered_right(chat) -> set[str]:
+    """The questions of :data:`FACTS` whose greedy reply (the walkthrough's ``chat``) holds an accepted answer."""
+    return {q for q, a in FACTS.items() if re.search(rf"\b({a})\b", chat(q)[0].choices[0].message.content.lower())}
 
 
 @pytest.fixture
@@ -42,6 +59,7 @@ def test_readme_walkthrough_runs_in_order_on_a_fresh_store(fresh_serve, tmp_path
 
     printed = run_python(chat.code, url, ns).splitlines()
     assert printed[0].strip() and printed[1] == "base livelora-base"
+    right_at_base = answered_right(ns["chat"])
 
     printed = run_python(rate.code, url, ns).splitlines()
     assert len(printed) == 8 and all(line.startswith("200 smollm2-135m-instruct ") for line in printed)
@@ -50,6 +68,8 @@ def test_readme_walkthrough_runs_in_order_on_a_fresh_store(fresh_serve, tmp_path
     assert ns["version"] == "smollm2-135m-instruct@1", "no learned version within the loop's 15 minutes"
     assert printed[0].startswith("smollm2-135m-instruct@1 -> ")
     assert ns["reply"].system_fingerprint == "livelora-smollm2-135m-instruct@1"
+    # the learned version keeps answering the walkthrough's factual questions that the base model answered right
+    assert right_at_base - answered_right(ns["chat"]) == set(), "@1 lost answers the base model gave"
     # what the README says GET /v1/learning shows: what the step trained on, and the version served
     status = LearningStatus.model_validate(httpx.get(f"{url}/v1/learning/smollm2-135m-instruct", timeout=60).json())
     assert status.serving is not None and status.last is not None and status.last.stage == "published"

@@ -15,10 +15,10 @@ from pydantic import ValidationError
 
 from livelora.clients.types import LoraConfig, TensorData
 from livelora.clients.types.signals import ChatMessage
-from livelora.core.base_models import load_model
+from livelora.core.base_models import base_identity, load_model
 from livelora.trainer.event_datums import EventDatums, completion_datum
 from livelora.trainer.model import TrainingModel
-from livelora.trainer.rehearsal import POOL_FILE, Rehearsal, kl_base_new, load_prompts
+from livelora.trainer.rehearsal import POOL_FILE, SHIPPED_FILE, Rehearsal, kl_base_new, load_prompts, shipped_key
 from livelora.trainer.settings import TrainingSection
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +61,27 @@ def test_settings_refuse_a_kl_without_prompts_and_map_lora_targets():
     assert (attn.train_attn, attn.train_mlp, attn.train_unembed) == (True, False, False)
     mlp = TrainingSection(lora_targets="mlp").lora
     assert (mlp.train_attn, mlp.train_mlp) == (False, True)
+
+
+def test_the_built_in_models_base_replies_ship_so_a_fresh_stores_first_step_does_not_generate_them(
+    base_ref, tokenizer, tmp_path
+):
+    config = TrainingSection()  # the defaults: the shipped file's key is theirs
+    rehearsal = Rehearsal(base_ref, tmp_path, EventDatums(base_ref, config), config, base_identity(base_ref))
+    doc = json.loads(SHIPPED_FILE.read_text())
+    assert doc["key"] == shipped_key(load_prompts(), base_identity(base_ref), config.rehearsal_max_tokens), (
+        "the pool, the built-in weights or rehearsal_max_tokens changed: run bench/make_rehearsal_base.py"
+    )
+    replies = rehearsal.replies()
+    assert rehearsal.source == "shipped" and len(replies) == len(load_prompts()) and not rehearsal.cache_path().exists()
+    first = replies[0]
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": first.prompt}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    assert first.prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert all(4 <= len(r.reply_ids) <= config.rehearsal_max_tokens for r in replies)
+    assert all(tokenizer.decode(r.reply_ids, skip_special_tokens=True).strip() for r in replies)
+    other = Rehearsal(base_ref, tmp_path, rehearsal.examples, config, "another-base")
+    assert other.shipped() is None  # another base model generates its own
 
 
 @pytest.fixture(scope="module")

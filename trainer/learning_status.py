@@ -218,6 +218,8 @@ class LearningReporter:
             st = self._status.get(lineage)
             if st is None or st.stage not in ("training", "gate"):
                 return  # not a step the worker announced (a direct backend call)
+            if stage == "training":
+                fields.setdefault("detail", self._batches.get(lineage))  # what the step trains on
             self._set_stage(st, StageMark(stage=stage, at=self.clock(), **fields))
             self._save(st)
 

@@ -137,7 +137,12 @@ class OnlineTrainer:
             stored = self.store.list(lineage)
             versions = [m for m in stored if not (m.gate or {}).get("continued_from")]
             if self._base_thread is not None and self._fresh is not None:
+                waited = self._base_thread.is_alive()
+                if waited:
+                    self._report(lineage, "training", check="waiting for the gate's base measurement (once per store)")
                 self._base_thread.join()  # the start-up base measurement runs on the model built ahead
+                if waited:
+                    self._report(lineage, "training")
             fresh, self._fresh = self._fresh, None
             if versions:
                 latest = versions[-1]

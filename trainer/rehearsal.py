@@ -27,6 +27,15 @@ log = logging.getLogger(__name__)
 POOL_FILE = Path(__file__).resolve().parent / "rails" / "rehearsal_prompts.jsonl"
 #: Where the base model's replies to the pool are kept, under the store.
 CACHE_DIR = Path("models") / "rehearsal-base"
+#: The built-in model's replies to the pool, shipped (``bench/make_rehearsal_base.py`` writes it), so a fresh
+#: store's first step does not generate them; used when its pool, base identity and token cap match.
+SHIPPED_FILE = POOL_FILE.parent / "rehearsal_base.json"
+
+
+def shipped_key(prompts: list[str], base_id: str, max_tokens: int) -> dict[str, Any]:
+    """What :data:`SHIPPED_FILE` must match: the pool's sha256, the base identity and the reply token cap."""
+    pool = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    return {"pool_sha256": pool, "base_id": base_id, "max_tokens": max_tokens}
 
 
 def load_prompts(path: Path = POOL_FILE) -> list[str]:
@@ -122,8 +131,9 @@ class Rehearsal:
         return self.home / CACHE_DIR / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def replies(self) -> list[BaseReply]:
-        """The base replies: read from :meth:`cache_path`, else generated on a base model of its own (loaded for
-        this, then dropped) and written there atomically. Thread-safe: a second caller waits."""
+        """The base replies: read from :meth:`cache_path`, else the shipped ones (:meth:`shipped`), else generated
+        on a base model of its own (loaded for this, then dropped) and written there atomically. Thread-safe: a
+        second caller waits."""
         with self._lock:
             if self._replies is not None:
                 return self._replies
@@ -137,21 +147,39 @@ class Rehearsal:
                 pass
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("cached rehearsal replies %s unreadable (%s): generating again", path, exc)
-            t0 = time.perf_counter()
-            base = load_model(self.base_ref, dtype=torch.float32, device=self.config.device)
-            base.eval()
-            self._replies = greedy_replies(
-                base, self.examples.tokenizer, self.prompts, self.config.rehearsal_max_tokens
-            )
-            del base
-            self.source, self.seconds = "generated", time.perf_counter() - t0
-            log.info("rehearsal: base replies to %d pool prompts in %.1f s", len(self._replies), self.seconds)
+            shipped = self.shipped()
+            if shipped is not None:
+                self._replies, self.source, self.seconds = shipped, "shipped", 0.0
+                return shipped
+            self._replies = self.generate()
             doc = {"replies": [r.__dict__ for r in self._replies], "seconds": self.seconds}
             try:
                 atomic_write_bytes(path, json.dumps(doc).encode())
             except OSError as exc:
                 log.warning("rehearsal replies not cached at %s: %s", path, exc)
             return self._replies
+
+    def generate(self) -> list[BaseReply]:
+        """The base model's greedy replies to the pool, on a base model loaded for this and then dropped."""
+        t0 = time.perf_counter()
+        base = load_model(self.base_ref, dtype=torch.float32, device=self.config.device)
+        base.eval()
+        replies = greedy_replies(base, self.examples.tokenizer, self.prompts, self.config.rehearsal_max_tokens)
+        del base
+        self.source, self.seconds = "generated", time.perf_counter() - t0
+        log.info("rehearsal: base replies to %d pool prompts in %.1f s", len(replies), self.seconds)
+        return replies
+
+    def shipped(self, path: Path = SHIPPED_FILE) -> list[BaseReply] | None:
+        """The replies in ``path`` when its key is :func:`shipped_key` of this pool, base and token cap, else
+        ``None`` (another base model, pool or cap; a missing or unreadable file)."""
+        try:
+            doc = json.loads(path.read_text())
+            if doc["key"] != shipped_key(self.prompts, self.base_id, self.config.rehearsal_max_tokens):
+                return None
+            return [BaseReply(**r) for r in doc["replies"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def in_background(self) -> threading.Thread:
         """Start (once) a daemon thread that makes :meth:`replies` ready (a step waits for it through the lock)."""

@@ -287,13 +287,18 @@ class TrainerWorker:
     def _train(self, batch: Batch) -> VersionNotice | None:
         key, started_at = batch.stream_ids[0], self.clock()
         try:
+            # taken from the queue: the status says "training" now, also while screening waits for the model
+            # (on a fresh store, the gate's base measurement at start-up)
+            self.learning.training(batch, self.scheduler)
             screen = getattr(self.backend, "screen", None)  # untrainable events go alone (trainer/triage.py)
-            batch = self.dead_letters.reject(batch, screen(batch) if screen is not None else {})
+            taken, batch = batch, self.dead_letters.reject(batch, screen(batch) if screen is not None else {})
             if batch is None:
+                self.learning.failed(taken, self.scheduler, "no event of the batch can be trained (dead-lettered)")
                 return None
             if self.governor is not None:
                 batch = self.governor.weigh(batch)  # rater agreement weights
-            self.learning.training(batch, self.scheduler)
+            if batch is not taken:
+                self.learning.training(batch, self.scheduler)  # what the step trains on after screening
             manifest = self.backend.train(batch)
         except LiveloraError as exc:
             if exc.category == "user":

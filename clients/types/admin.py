@@ -73,6 +73,22 @@ class GateRequest(_Request):
     reason: str = Field("", max_length=1000, description="Audit-log note.")
 
 
+class CreateSegmentRequest(_Request):
+    """``POST /admin/endpoints/{name}/segments``: a segment learning on a lineage of its own."""
+
+    name: str = Field(min_length=1, max_length=32, description="Segment name: a-z, 0-9, '_', '-'.")
+    reason: str = Field("", max_length=1000, description="Audit-log note.")
+
+
+class SegmentMembersRequest(_Request):
+    """``POST /admin/endpoints/{name}/segments/{segment}/assign`` (or ``/unassign``): members to add or remove."""
+
+    users: list[str] = Field(default_factory=list, max_length=1000, description="OpenAI `user` values.")
+    keys: list[str] = Field(default_factory=list, max_length=1000, description="API key ids of the tenant.")
+    headers: list[str] = Field(default_factory=list, max_length=1000, description="`X-Livelora-Segment` header values.")
+    reason: str = Field("", max_length=1000, description="Audit-log note.")
+
+
 class ForgetRequest(_Request):
     """``POST /admin/users/{name}/forget``: delete a user's signals and completions (right to be forgotten)."""
 

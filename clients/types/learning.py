@@ -38,6 +38,22 @@ class StageMark(BaseModel):
     )
 
 
+class SegmentStatus(BaseModel):
+    """One segment of an endpoint in its learning status: its lineage, versions and liked share."""
+
+    name: str
+    binding: str = Field(description="The segment's binding name `<endpoint>::<segment>` (admin routes take it).")
+    lineage: str
+    origin: str = Field(description="The shared version the segment's lineage started from.")
+    serving: str | None = Field(default=None, description="The version serving its users now (None: base).")
+    versions: int = Field(description="Versions of its lineage in the store.")
+    stage: Stage | None = Field(default=None, description="Its lineage's learning stage (None: not reported).")
+    members: int = Field(description="Users, API keys and header values assigned.")
+    ratings: int = Field(default=0, description="Ratings counted in the live statistics, all its versions.")
+    liked: float | None = Field(default=None, description="Thumbs-up share of those ratings (None: none yet).")
+    liked_ci95: list[float] | None = Field(default=None, description="Wilson 95 % interval of `liked`.")
+
+
 class LearningStatus(BaseModel):
     """Answer to ``GET /v1/learning/{endpoint}``."""
 
@@ -99,6 +115,10 @@ class LearningStatus(BaseModel):
         default=None,
         description="A published version the gateway does not serve yet (it swaps it in within seconds; a pinned "
         "endpoint moves only on promote).",
+    )
+
+    segments: list[SegmentStatus] = Field(
+        default_factory=list, description="The endpoint's segments (each learns on a lineage of its own)."
     )
 
     def summary(self) -> str:

@@ -13,12 +13,14 @@ from fastapi.responses import Response
 from livelora.clients.types.admin import (
     CreateEndpointRequest,
     CreateKeyRequest,
+    CreateSegmentRequest,
     ExportRequest,
     ForgetRequest,
     GateRequest,
     LearningPauseRequest,
     PromoteRequest,
     RollbackRequest,
+    SegmentMembersRequest,
 )
 from livelora.gateway.api.deps import AdminDep
 
@@ -89,6 +91,33 @@ async def set_gate(name: str, body: GateRequest, admin: AdminDep) -> dict:
     """Set the endpoint's evaluation-gate thresholds (null: the defaults)."""
     entry, endpoint = await admin.set_gate(name, body.thresholds, reset=body.reset, reason=body.reason)
     return {"history": entry.model_dump(mode="json", by_alias=True), "endpoint": endpoint}
+
+
+@router.get("/endpoints/{name:path}/segments")
+async def list_segments(name: str, admin: AdminDep) -> dict:
+    """The endpoint's segments with their members, lineages and the versions they target."""
+    return {"data": admin.segments.list(name)}
+
+
+@router.post("/endpoints/{name:path}/segments", status_code=201)
+async def create_segment(name: str, body: CreateSegmentRequest, admin: AdminDep) -> dict:
+    """A segment of the endpoint: its own lineage, starting from the version the endpoint serves now. 409 if it
+    exists or the endpoint has the most segments."""
+    return await admin.segments.create(name, body.name, reason=body.reason)
+
+
+@router.post("/endpoints/{name:path}/segments/{segment}/assign")
+async def assign_segment(name: str, segment: str, body: SegmentMembersRequest, admin: AdminDep) -> dict:
+    """Add users, API key ids or header values to a segment; 409 if one is in a segment of the endpoint already."""
+    members = {"users": body.users, "keys": body.keys, "headers": body.headers}
+    return await admin.segments.assign(name, segment, members, remove=False, reason=body.reason)
+
+
+@router.post("/endpoints/{name:path}/segments/{segment}/unassign")
+async def unassign_segment(name: str, segment: str, body: SegmentMembersRequest, admin: AdminDep) -> dict:
+    """Take members out of a segment (404 for one that is not in it); their requests go to the shared version."""
+    members = {"users": body.users, "keys": body.keys, "headers": body.headers}
+    return await admin.segments.assign(name, segment, members, remove=True, reason=body.reason)
 
 
 @router.get("/endpoints/{name:path}")

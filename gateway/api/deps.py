@@ -15,12 +15,13 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 
-from livelora.clients.errors import InternalError, UnavailableError
+from livelora.adapters.segments import HEADER_VALUE_RE
+from livelora.clients.errors import BadRequestError, InternalError, UnavailableError
 from livelora.core.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.middleware.drain import Drain
@@ -29,6 +30,7 @@ from livelora.gateway.services.console.views import ConsoleContext
 from livelora.gateway.services.live.completion_log import CompletionLog
 from livelora.gateway.services.live.learning import LearningService
 from livelora.gateway.services.live.registry import AdapterRegistry
+from livelora.gateway.services.live.segments import SEGMENT_HEADER
 from livelora.gateway.services.live.signals import SignalService
 from livelora.gateway.services.serving.admission import Admission
 from livelora.gateway.services.serving.serve import Serving
@@ -104,8 +106,22 @@ def get_token_texts(services: ServicesDep) -> TokenTexts:
 
 
 def get_principal(request: Request) -> Principal:
-    """The caller, as auth identified it (open mode: :data:`~livelora.core.api_keys.OPEN_PRINCIPAL`)."""
-    return getattr(request.state, "principal", None) or OPEN_PRINCIPAL
+    """The caller, as auth identified it (open mode: :data:`~livelora.core.api_keys.OPEN_PRINCIPAL`), with the
+    ``X-Livelora-Segment`` header's value.
+
+    Raises:
+        BadRequestError: a header value outside ``[A-Za-z0-9._-]{1,64}``.
+    """
+    principal = getattr(request.state, "principal", None) or OPEN_PRINCIPAL
+    header = request.headers.get(SEGMENT_HEADER)
+    if header is None:
+        return principal
+    if not HEADER_VALUE_RE.fullmatch(header):
+        raise BadRequestError(
+            f"invalid {SEGMENT_HEADER} header: use 1-64 characters of A-Z, a-z, 0-9, '.', '_', '-'",
+            param=SEGMENT_HEADER,
+        )
+    return replace(principal, segment=header)
 
 
 async def tinker_body(request: Request):

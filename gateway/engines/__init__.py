@@ -28,7 +28,9 @@ def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
         kind: ``"transformers"`` (transformers + peft; CPU or one GPU) or ``"vllm"``
             (vLLM's AsyncLLM with multi-LoRA; needs vLLM installed, see
             :class:`~livelora.gateway.engines.vllm.engine.VLLMEngine`) or ``"llama_cpp"`` (a built-in GGUF model on
-            the CPU; needs llama-cpp-python, see :class:`~livelora.gateway.engines.llama_cpp.engine.LlamaCppEngine`).
+            the CPU; needs llama-cpp-python, see :class:`~livelora.gateway.engines.llama_cpp.engine.LlamaCppEngine`;
+            with ``child_process=True`` llama.cpp runs in a supervised child process,
+            :class:`~livelora.gateway.engines.llama_cpp.supervised.SupervisedLlamaCppEngine`).
         **kwargs: passed to the engine's constructor, e.g. for ``transformers``:
             ``model``, ``home``, ``device``, ``dtype``, ``max_batch_size``,
             ``max_model_len``, ``num_threads`` (see
@@ -46,6 +48,10 @@ def create_engine(kind: str = "transformers", **kwargs: Any) -> Engine:
 
         return VLLMEngine(**kwargs)
     if kind == "llama_cpp":
+        if kwargs.pop("child_process", False):  # the gateway's: llama.cpp in a supervised child process
+            from livelora.gateway.engines.llama_cpp.supervised import SupervisedLlamaCppEngine
+
+            return SupervisedLlamaCppEngine(**kwargs)
         from livelora.gateway.engines.llama_cpp.engine import LlamaCppEngine
 
         return LlamaCppEngine(**kwargs)

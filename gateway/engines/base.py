@@ -255,6 +255,8 @@ class Engine(abc.ABC):
     max_model_len: int
     #: Vocabulary size: valid token ids are ``0 .. vocab_size - 1`` (set once started).
     vocab_size: int
+    #: Why the engine can serve no more (``/health`` answers 503 with it), or ``None`` while it can.
+    failure: str | None = None
 
     @property
     @abc.abstractmethod

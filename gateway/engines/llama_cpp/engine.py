@@ -69,6 +69,24 @@ class LlamaCppEngine(TransformersEngine):
         if self._worker is not None:
             return
         import torch
+
+        config = self._load_tokenizer()
+        threads = self.num_threads or os.cpu_count() or 1
+        # torch only samples here; its OpenMP workers, spinning after each sampling op, would take the cores
+        # llama.cpp's own OpenMP team needs next (8 streams: 102-106 tok/s with torch's default threads, 118-123
+        # with one, docs/serving.md)
+        torch.set_num_threads(1)
+        worker = self._batching_loop(config, threads)
+        worker.thread.start()
+        self._worker = worker
+
+    def _load_tokenizer(self):
+        """Check the model is servable; load the tokenizer and set :attr:`max_model_len` and ``eos_token_ids``;
+        returns the base model's transformers config.
+
+        Raises:
+            BadRequestError: see :meth:`start_sync`.
+        """
         from transformers import AutoConfig
 
         from livelora.core.base_models import load_tokenizer, resolve_base_model
@@ -84,15 +102,9 @@ class LlamaCppEngine(TransformersEngine):
                 param="max_model_len",
             )
         self.max_model_len = self._max_model_len_arg or min(limit, DEFAULT_MAX_MODEL_LEN)
-        threads = self.num_threads or os.cpu_count() or 1
-        # torch only samples here; its OpenMP workers, spinning after each sampling op, would take the cores
-        # llama.cpp's own OpenMP team needs next (8 streams: 102-106 tok/s with torch's default threads, 118-123
-        # with one, docs/serving.md)
-        torch.set_num_threads(1)
         self.eos_token_ids = frozenset(_eos_ids(ref.path, tokenizer))
-        worker = self._batching_loop(config, threads)
-        worker.thread.start()
-        self._tokenizer, self._worker = tokenizer, worker
+        self._tokenizer = tokenizer
+        return config
 
     def _check_servable(self) -> None:
         """Raises :class:`BadRequestError` without llama-cpp-python or for a model that is not a built-in GGUF."""

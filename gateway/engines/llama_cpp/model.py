@@ -26,6 +26,8 @@ GGUF_FORMATS = {"gguf": None, "f16": 1}
 #: (:mod:`livelora.gateway.engines.llama_cpp.canary`) or of a serving engine segfault in native code; unset in normal
 # use.
 CRASH_ENV = "LIVELORA_NATIVE_CRASH_AT"
+#: Test hook: a serving engine's ``llama_decode`` segfaults while the file this names exists (a crash on demand).
+CRASH_FILE_ENV = "LIVELORA_NATIVE_CRASH_FILE"
 
 
 def served_gguf(gguf: Path, weights: str, cache: Path) -> Path:
@@ -85,6 +87,7 @@ class LlamaModel:
         import llama_cpp as lc
 
         self.crash = os.environ.get(CRASH_ENV) == role
+        self.crash_file = os.environ.get(CRASH_FILE_ENV) if role == "engine" else None
 
         lc.llama_log_set(_log_callback(), None)
         self.lc = lc
@@ -147,7 +150,8 @@ class LlamaModel:
                 slot[k] = i
         outs = [slot[k] for k in range(len(tokens)) if k in slot]
         b.n_tokens = len(tokens)
-        if self.crash:  # the test hook: a read of address 0 in native code, as a crashing kernel would
+        if self.crash or (self.crash_file and os.path.exists(self.crash_file)):  # the test hooks:
+            # a read of address 0 in native code, as a crashing kernel would
             ctypes.string_at(0)
         rc = lc.llama_decode(self.ctx, b)
         if rc != 0:

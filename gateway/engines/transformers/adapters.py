@@ -7,6 +7,7 @@ removes the weights on the worker thread between decode steps (:mod:`.lora_slots
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,18 @@ class LoadedAdapters:
             BadRequestError: empty name, missing directory, not LoRA, or weights that do not fit.
             ConflictError: ``name`` is loaded or loading.
         """
+
+        async def install(p: Path) -> tuple[str, Any]:
+            config, weights, digest = await asyncio.to_thread(worker.backend.read_adapter, p)
+            return digest, await on_worker(worker, lambda: worker.load_adapter(name, config, weights, str(p), canary))
+
+        return await self.load_with(name, path, install)
+
+    async def load_with(
+        self, name: str, path: str, install: Callable[[Path], Awaitable[tuple[str, Any]]]
+    ) -> tuple[str, Any]:
+        """Check ``name`` and ``path``, then ``await install(path)`` with the name reserved; the name serves once
+        it returns (what it returns is returned). Raises as :meth:`load`, and what ``install`` raises."""
         if not isinstance(name, str) or not name.strip() or name == "__base__":
             raise BadRequestError(f"invalid adapter name {name!r}", param="name")
         if name in self.paths or name in self.loading:
@@ -47,21 +60,24 @@ class LoadedAdapters:
             raise BadRequestError(f"{path} is not a PEFT adapter directory (no adapter_config.json)", param="path")
         self.loading.add(name)  # reserves the name; generate() rejects it until the load is done
         try:
-            config, weights, digest = await asyncio.to_thread(worker.backend.read_adapter, p)
-            result = await on_worker(worker, lambda: worker.load_adapter(name, config, weights, str(p), canary))
+            result = await install(p)
             self.paths[name] = str(p)
         finally:
             self.loading.discard(name)
-        return digest, result
+        return result
 
     async def unload(self, worker, name: str) -> None:
         """Raises :class:`ModelNotFoundError` (not loaded) or the worker's :class:`ConflictError` (in use; the
         name then stays loaded)."""
+        await self.unload_with(name, lambda: on_worker(worker, lambda: worker.unload_adapter(name)))
+
+    async def unload_with(self, name: str, remove: Callable[[], Awaitable[Any]]) -> None:
+        """:meth:`unload` with ``await remove()`` doing the removal."""
         if name not in self.paths:
             raise ModelNotFoundError(f"adapter {name!r} is not loaded", param="model")
         path = self.paths.pop(name)  # new requests for it fail from now on
         try:
-            await on_worker(worker, lambda: worker.unload_adapter(name))
+            await remove()
         except BaseException:
             self.paths[name] = path
             raise

@@ -15,10 +15,11 @@ import time
 from typing import Any
 
 from livelora.clients.errors import ModelNotFoundError
-from livelora.clients.types.learning import LearningStatus
+from livelora.clients.types.learning import LearningStatus, SegmentStatus
 from livelora.core.api_keys import Principal
 from livelora.core.bus import redis_unavailable
 from livelora.core.governance import held_out
+from livelora.core.rails import wilson_interval
 from livelora.core.redis_keys import KeyLayout
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,42 @@ class LearningService:
             st.eta_s, st.eta_basis = None, "learning is paused (POST /admin/endpoints/{name}/resume)"
         if base and base.get("state") != "ready" and st.stage == "waiting" and st.eta_basis:
             st.eta_basis += "; the gate's base measurement runs first (once per store)"
+        st.segments = await self.segments(endpoint)
         return st
+
+    async def segments(self, endpoint: str) -> list[SegmentStatus]:
+        """The segments of ``endpoint`` (an endpoint already checked for the caller), by name: lineage, versions,
+        stage, and the liked share of the ratings counted for all their versions (live statistics).
+
+        Raises:
+            UnavailableError: Redis unreachable (503).
+        """
+        r, out = self.registry, []
+        for name, b in sorted(r.bindings.items()):
+            seg = b.segment
+            if seg is None or seg.endpoint != endpoint:
+                continue
+            with redis_unavailable():
+                raw = await self.client.get(self.keys.learning(b.lineage))
+                rows = await r.stats.endpoint(name) if r.stats is not None else []
+            n, up = sum(x["ratings"] for x in rows), sum(x["thumbs_up"] for x in rows)
+            ci = wilson_interval(up, n)
+            out.append(
+                SegmentStatus(
+                    name=seg.name,
+                    binding=name,
+                    lineage=b.lineage,
+                    origin=seg.origin,
+                    serving=r.current.get(name),
+                    versions=len(r.store.version_numbers(b.lineage)),
+                    stage=json.loads(raw).get("stage") if raw else None,
+                    members=len(seg.users) + len(seg.keys) + len(seg.headers),
+                    ratings=n,
+                    liked=up / n if n else None,
+                    liked_ci95=list(ci) if ci else None,
+                )
+            )
+        return out
 
     async def ratings_to_step(self, endpoint: str, rating_id: str | None = None) -> tuple[int | None, str | None]:
         """``(more ratings that start a step of endpoint's lineage, what happens to rating rating_id)``; ``None``

@@ -27,6 +27,7 @@ from pathlib import Path
 import redis.asyncio as aredis
 
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore, record_install_owners
+from livelora.adapters.segments import is_segment
 from livelora.adapters.store import AdapterStore, Manifest
 from livelora.clients.errors import BadRequestError, ConflictError, LiveloraError, ModelNotFoundError
 from livelora.core import metrics
@@ -35,6 +36,7 @@ from livelora.core.rails import gate_allows
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.services.live.on_demand import DEFAULT_MAX_ON_DEMAND, OnDemandVersions
+from livelora.gateway.services.live.segments import SegmentRouter
 from livelora.gateway.services.live.store_sync import StoreSync
 from livelora.gateway.services.live.version_checks import VersionChecks
 
@@ -111,6 +113,7 @@ class AdapterRegistry:
         self._tasks: set[asyncio.Task] = set()
         self.on_demand = OnDemandVersions(self, max_on_demand)
         self.store_sync = StoreSync(self)  # catch-up from the store and the notices channel
+        self.segments = SegmentRouter(self)  # requests of an endpoint → its segments (segments.py)
         record_install_owners(home, self.endpoint_store.get(base_endpoint).lineage)
         self.load_bindings()
 
@@ -126,8 +129,8 @@ class AdapterRegistry:
     # ------------------------------------------------------------------ resolving and leasing
 
     def endpoints(self) -> list[str]:
-        """Endpoint names, the base endpoint first."""
-        return list(self.current)
+        """Endpoint names, the base endpoint first (segments' bindings left out: requests reach them by membership)."""
+        return [e for e in self.current if not is_segment(e)]
 
     def endpoint_for(self, model: str, principal: Principal | None) -> str:
         """The endpoint a request's ``model`` names (an endpoint name, or a loaded version name's endpoint) for
@@ -136,14 +139,14 @@ class AdapterRegistry:
         Raises:
             ModelNotFoundError: unknown name.
         """
-        if model in self.current and self.visible(model, principal):
+        if model in self.current and self.visible(model, principal) and not is_segment(model):
             return model
         if model in self.loaded:
             lineage = self.loaded[model].lineage
             for ep, b in self.bindings.items():
                 if b.lineage == lineage and self.visible(ep, principal) and self.versions_visible(ep, principal):
                     return ep
-        shown = [ep for ep in self.current if self.visible(ep, principal)]
+        shown = [ep for ep in self.endpoints() if self.visible(ep, principal)]
         raise ModelNotFoundError(
             f"model {model!r} does not exist; served endpoints: {', '.join(shown) or 'none'}", param="model"
         )

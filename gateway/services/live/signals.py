@@ -58,7 +58,8 @@ class SignalService:
         completions: the completion log (retention also bounds rating keys).
         registry: the endpoints: ``endpoint_for(model, principal)`` names a request's endpoint (raising
             ``ModelNotFoundError``), ``check_trainable(endpoint, principal)`` raises ``ConflictError`` when the
-            caller may not train its lineage (:class:`~.registry.AdapterRegistry`). ``None``: any name as is.
+            caller may not train its lineage, and (optional) ``segments.match(endpoint, principal, user)`` the
+            segment an inline signal trains (:class:`~.registry.AdapterRegistry`). ``None``: any name as is.
         stats: per-version statistics that each accepted rating is counted in, and the sequential test run
             after it (canary end, automatic rollback); ``None``: ratings drive nothing.
         idempotency_ttl_s: lifetime of idempotency records (seconds).
@@ -94,8 +95,14 @@ class SignalService:
 
     # ------------------------------------------------------------ internals
 
-    def _endpoint(self, model: str, principal: Principal | None) -> str:
-        return model if self.registry is None else self.registry.endpoint_for(model, principal)
+    def _endpoint(self, model: str, principal: Principal | None, user: str | None = None) -> str:
+        """The endpoint an inline signal naming ``model`` trains: the segment of it ``user`` or the caller
+        belongs to (:mod:`.segments`), else the endpoint itself."""
+        if self.registry is None:
+            return model
+        endpoint = self.registry.endpoint_for(model, principal)
+        segments = getattr(self.registry, "segments", None)  # an AdapterRegistry's; a bare endpoint map has none
+        return (segments.match(endpoint, principal, user) if segments is not None else None) or endpoint
 
     def _check_trainable(self, endpoint: str, principal: Principal | None) -> None:
         if self.registry is not None:
@@ -239,7 +246,7 @@ class SignalService:
                 rejected_token_ids=r.completion_token_ids,
             )
         else:
-            endpoint = self._endpoint(req.model, principal)
+            endpoint = self._endpoint(req.model, principal, req.user)
             self._check_trainable(endpoint, principal)
             event = PreferenceEvent(
                 id=self._new_id("preference"),
@@ -284,7 +291,7 @@ class SignalService:
             )
         if not any(m.role == "user" for m in req.messages[:-1]):
             raise BadRequestError("A demonstration needs at least one user message before the reply", param="messages")
-        endpoint = self._endpoint(req.model, principal)
+        endpoint = self._endpoint(req.model, principal, req.user)
         self._check_trainable(endpoint, principal)
         event = DemonstrationEvent(
             id=self._new_id("demonstration"),

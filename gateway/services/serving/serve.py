@@ -219,9 +219,11 @@ class Serving:
             model, principal, home=self.settings.home, base_names=self.base_names, may_use=may_use
         )
 
-    async def target(self, model: str, principal: Principal | None) -> ServingTarget:
-        """The weights serving a request of ``principal`` naming ``model``: a sampler checkpoint path's stored
-        version, a stored ``<lineage>@<n>`` (loaded on demand), an endpoint, the base model; ``model`` as asked.
+    async def target(self, model: str, principal: Principal | None, user: str | None = None) -> ServingTarget:
+        """The weights serving a request of ``principal`` (OpenAI ``user``: ``user``) naming ``model``: a sampler
+        checkpoint path's stored version, a stored ``<lineage>@<n>`` (loaded on demand), an endpoint (or the segment
+        of it the request belongs to: :mod:`~livelora.gateway.services.live.segments`), the base model; ``model`` as
+        asked.
 
         Raises:
             ModelNotFoundError (404), BadRequestError (400): see :meth:`checkpoint_version`, :meth:`resolve`.
@@ -230,6 +232,9 @@ class Serving:
         name = self.checkpoint_version(model, principal) or model
         await self.load_on_demand(name, principal)  # then no await until begin
         target = self.resolve(name, principal)
+        if self.registry is not None and target.endpoint == name:  # an endpoint named: its segments may apply
+            endpoint, adapter = self.registry.segments.route(name, target.adapter, principal, user)
+            target = replace(target, endpoint=endpoint, adapter=adapter, version=adapter or BASE_VERSION)
         return target if name == model else replace(target, model=model)
 
     async def load_on_demand(self, model: str, principal: Principal | None) -> None:
@@ -283,20 +288,26 @@ class Serving:
         raise ModelNotFoundError(f"model {model_id!r} does not exist", param="model")
 
     def health(self) -> dict[str, Any]:
-        """``{"status": "ok"|"draining", "model", "engine", "sequences", "max_sequences", "adapters_loaded"}``.
+        """``{"status": "ok"|"draining"|"unhealthy", "model", "engine", "sequences", "max_sequences",
+        "adapters_loaded"}`` (and ``error``, the engine's :attr:`~livelora.gateway.engines.base.Engine.failure`, when
+        unhealthy).
 
         ``sequences`` counts sequences admitted by the gateway (running or waiting). ``/health`` needs no key, so
         this gives the number of loaded adapter versions, never their names (which name tenants' lineages).
         """
         status = "draining" if self.drain is not None and self.drain.draining else "ok"
-        return {
-            "status": status,
+        failure = getattr(self.engine, "failure", None)
+        figures = {
+            "status": "unhealthy" if failure else status,
             "model": self.settings.model_id,
             "engine": self.settings.inference.engine,
             "sequences": self.admission.active,
             "max_sequences": self.admission.limit,
             "adapters_loaded": len(self.engine.loaded_adapters()),
         }
+        if failure:
+            figures["error"] = failure
+        return figures
 
     async def serve(
         self,
@@ -317,7 +328,7 @@ class Serving:
             RateLimitError: the gateway is busy or the tenant is over a daily token limit (429).
         """
         chat = isinstance(body, ChatCompletionRequest)
-        target = await self.target(body.model, principal)  # an unknown model is reported before bad parameters
+        target = await self.target(body.model, principal, body.user)  # unknown model: before bad parameters
         body = for_settings(self.settings).apply(body)  # omitted sampling fields: the model's generation_config
         who = payer(principal)
         ignore = self.settings.inference.unknown_fields == "ignore"

@@ -1,5 +1,6 @@
 """Tenants and administration.
 
 :mod:`.usage` (metering), :mod:`.limits` (quotas), :mod:`.model_ceilings`, :mod:`.store_admin`,
-:mod:`.version_admin`, :mod:`.key_admin` and :mod:`.admin` (the ``/admin`` service).
+:mod:`.version_admin`, :mod:`.key_admin`, :mod:`.segment_admin`
+(segments of an endpoint) and :mod:`.admin` (the ``/admin`` service).
 """

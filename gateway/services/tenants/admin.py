@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from livelora.adapters.endpoints import HistoryEntry
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.core.api_keys import DEFAULT_TENANT, Principal
+from livelora.gateway.services.tenants.segment_admin import GatewaySegments, SegmentAdmin
 from livelora.gateway.services.tenants.store_admin import StoreAdmin, endpoint_notice
 from livelora.gateway.services.tenants.version_admin import ExportFormat
 
@@ -50,6 +51,8 @@ class GatewayAdmin:
         )
         self.who = principal.who
         self.registry = registry
+        #: an endpoint's segments (segment_admin.py)
+        self.segments = GatewaySegments(SegmentAdmin(self.store.endpoints, self.store.tenant), self.who, self._apply)
 
     async def _apply(self, endpoint: str) -> None:
         """Move this gateway now, then tell the others (a Redis failure only delays them until their resync)."""
@@ -186,6 +189,8 @@ class GatewayAdmin:
         user name is the tenant's own (another tenant's ``bob`` is someone else), so the answer is the same
         whether the name exists in another tenant or not."""
         out = await asyncio.to_thread(self.store.forget_user, user, who=self.who, reason=reason)
+        for name in out["segments_left"]:
+            await self._apply(name)
         out["completions_removed"] = await self._forget_completions(user)
         out["labels_removed"] = await self._forget_labels(user)
         return out

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, version_label
+from livelora.adapters.segments import SEP, is_segment
 from livelora.adapters.store import AdapterStore, parse_version_name, validate_lineage
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
 from livelora.core.api_keys import DEFAULT_TENANT, validate_endpoint_name
@@ -111,7 +112,9 @@ class StoreAdmin:
     def list_endpoints(self) -> list[dict[str, Any]]:
         """Endpoints this tenant administers, by name: the explicit ones and the served base model's own."""
         return [
-            self.endpoint_info(k, b) for k, b in sorted(self.endpoints.bindings().items()) if self._sees_endpoint(b)
+            self.endpoint_info(k, b)
+            for k, b in sorted(self.endpoints.bindings().items())
+            if self._sees_endpoint(b) and b.segment is None  # segments: GET /admin/endpoints/{name}/segments
         ]
 
     def get_endpoint(self, name: str) -> dict[str, Any]:
@@ -146,6 +149,8 @@ class StoreAdmin:
             NotFoundError: a pinned version that does not exist.
         """
         validate_endpoint_name(name, param="name")
+        if is_segment(name):
+            raise BadRequestError(f"{SEP!r} joins an endpoint and a segment name; not allowed here", param="name")
         validate_lineage(lineage)
         owner = self.tenant or tenant or DEFAULT_TENANT
         if self.tenant is not None and tenant not in (None, self.tenant):
@@ -235,11 +240,13 @@ class StoreAdmin:
 
     def forget_user(self, user: str, *, who: str, reason: str = "") -> dict[str, Any]:
         """Delete ``user``'s signals on this tenant's endpoints from the dataset of record; trainers drop the
-        user's queued and later events. One ``forget`` history line per endpoint that held any.
+        user's queued and later events; the user leaves every segment listing them (``segments_left``: those
+        segments' binding names). One ``forget`` history line per endpoint that held any.
 
         Raises:
             BadRequestError: empty user.
         """
+        from livelora.adapters.segments import SegmentStore
         from livelora.core.governance import forget_user
 
         if not user or len(user) > 256:
@@ -256,7 +263,8 @@ class StoreAdmin:
                 details={"user": user, "signals": n},
                 tenant=b.tenant,
             )
-        return {"user": user, "signals_removed": removed}
+        left = SegmentStore(self.endpoints).forget(user, self.tenant, who=who)
+        return {"user": user, "signals_removed": removed, "segments_left": left}
 
     def history(self, name: str | None = None) -> list[HistoryEntry]:
         """Audit entries (oldest first) of this tenant's endpoints."""
