@@ -19,11 +19,12 @@ import time
 import uuid
 from pathlib import Path
 
-from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, RatingEvent
+from livelora.clients.types.signals import ChatMessage, DemonstrationEvent
 from livelora.core.base_models import resolve_base_model
 from livelora.core.settings import DEFAULT_MODEL, default_home
+from livelora.trainer.event_datums import rated_batch
 from livelora.trainer.online import OnlineTrainer
-from livelora.trainer.scheduler import Batch, kto_class_weights
+from livelora.trainer.scheduler import Batch
 from livelora.trainer.settings import GateSection, TrainingSection
 
 PROMPTS = [
@@ -49,28 +50,10 @@ GOOD = [
 BAD_REPLY = "The answer to this question."
 
 
-def ratings(trainer: OnlineTrainer, endpoint: str) -> list[RatingEvent]:
-    out = []
-    for i, (q, a) in enumerate(zip(PROMPTS, GOOD)):
-        prompt, completion = trainer.chat_pair([ChatMessage(role="user", content=q)], a)
-        up = i % 2 == 0
-        reply = a if up else BAD_REPLY
-        prompt, completion = trainer.chat_pair([ChatMessage(role="user", content=q)], reply)
-        out.append(
-            RatingEvent(
-                id=f"feedback-{uuid.uuid4().hex}",
-                endpoint=endpoint,
-                created=int(time.time()),
-                completion_id=f"c{i}",
-                prompt_token_ids=prompt,
-                completion_token_ids=completion[:-2],
-                finish_reason="stop",
-                rating=up,
-                rating_key=f"c{i}:/u",
-                user="u",
-            )
-        )
-    return out
+def ratings(trainer: OnlineTrainer, endpoint: str, step: int) -> Batch:
+    """Mixed ratings: even prompts up on a good reply, odd ones down on :data:`BAD_REPLY`."""
+    rated = [(q, a if i % 2 == 0 else BAD_REPLY, i % 2 == 0) for i, (q, a) in enumerate(zip(PROMPTS, GOOD))]
+    return rated_batch(trainer.chat_pair, endpoint, rated, tag=str(step))
 
 
 def demos(endpoint: str) -> list[DemonstrationEvent]:
@@ -97,10 +80,7 @@ def main() -> None:
         lineage = f"gate-bench-{kind}-{uuid.uuid4().hex[:6]}"
         for step in range(args.steps):
             if kind == "normal":
-                evs = ratings(trainer, lineage)
-                batch = Batch(lineage, "kto", evs, [f"{step}-{i}" for i in range(len(evs))])
-                n_d = sum(e.rating for e in evs)
-                batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n_d, len(evs) - n_d)
+                batch = ratings(trainer, lineage, step)
             else:
                 evs = demos(lineage)
                 batch = Batch(lineage, "sft", evs, [f"{step}-{i}" for i in range(len(evs))])

@@ -101,7 +101,8 @@ def test_mypy_is_pinned_and_configured_for_the_clean_packages():
     assert "livelora.gateway.engines.base" in mypy["modules"]
     assert mypy["mypy_path"] == "build/typecheck"
     skipped = {m for o in mypy["overrides"] if o.get("ignore_errors") for m in o["module"]}
-    assert not {"livelora.core.*", "livelora.clients.*", "livelora.gateway.engines.base"} & skipped
+    checked = ("livelora.core", "livelora.clients", "livelora.adapters", "livelora.gateway.engines.base")
+    assert not [m for m in skipped if m.startswith(checked)]  # no part of them left out (the recipes included)
 
 
 def _typecheck_module():

@@ -1,8 +1,9 @@
 """The live loop's training step is a row of named phases (trainer/live_step.py, docs/internals/live-training.md):
 ``OnlineTrainer.train`` calls only the phases, the evaluation gate is entered once per step (its one entry,
 :class:`~livelora.trainer.judge.StepJudge`, owns the before-step measurement, the line search, the settle and
-the record: a real step on SmolLM2 counts the calls), and the functions of the step and its passes keep the
-60-line budget."""
+the record: a real step on SmolLM2 counts the calls), the walk of a real step through its rooms (datums, step,
+judge, save, report; traced by :class:`harness.walk.Walk`) comes back at most twice to a room it left, and the
+functions of the step and its passes keep the 60-line budget."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import functools
 import inspect
 
 import pytest
-from harness.gate import ratings_batch
 from harness.source import REPO
+from harness.walk import Walk
 
 from livelora.adapters.endpoints import EndpointStore
+from livelora.trainer.event_datums import rated_batch
 from livelora.trainer.scheduler import Batch
 
 #: The trainer files of the step and its passes, whose every function keeps :data:`MAX_BODY_LINES`.
@@ -102,7 +104,8 @@ def test_adams_eps_is_a_trainer_setting(monkeypatch):
 
 def _ratings(trainer, endpoint: str) -> Batch:
     """Two real ratings of chat replies (one up, one down), as the live loop batches them."""
-    return ratings_batch(trainer, endpoint, [("Name a colour.", "Blue.", True), ("What is 2+2?", "Five.", False)])
+    rated = [("Name a colour.", "Blue.", True), ("What is 2+2?", "Five.", False)]
+    return rated_batch(trainer.chat_pair, endpoint, rated)
 
 
 @pytest.mark.timeout(1800)
@@ -115,6 +118,8 @@ def test_a_real_step_enters_the_gate_once(base_ref, tmp_path, monkeypatch):
     EndpointStore(tmp_path).create("walk", "walk", tenant="default", who="test")
     gate = GateSection(gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=4, gate_min_step_scale=0.5)
     trainer = OnlineTrainer(base_ref, tmp_path, TrainingSection(), gate=gate)
+    trainer.warm_up()  # as the trainer's loop does first: the model and the gate are built before any batch
+    trainer.model_for("walk")  # (and the gate's base measurement, in the background, is waited for)
     entries: list[str] = []  # the gate's entry and each gate method, in call order; "!" marks one outside the entry
     inside = [False]
 
@@ -138,9 +143,20 @@ def test_a_real_step_enters_the_gate_once(base_ref, tmp_path, monkeypatch):
             monkeypatch.setattr(gate_mod.EvaluationGate, name, counted(name, fn))
     monkeypatch.setattr(judge_mod, "record_verdicts", counted("record_verdicts", gate_mod.record_verdicts))
 
-    versions = [trainer.train(_ratings(trainer, "walk")) for _ in range(2)]
+    walks = [Walk() for _ in range(3)]
+    versions = []
+    for walk in walks[:2]:
+        batch = _ratings(trainer, "walk")
+        with walk:
+            versions.append(trainer.train(batch))
 
     assert [v.version for v in versions] == [1, 2] and all(v.gate is not None for v in versions)
+    for walk in walks[:2]:
+        # the judge is entered once, from train(); it comes back after the step (the α candidates) and after the
+        # save (settle and record); no other room is gone back to
+        assert walk.rooms == ["datums", "judge", "step", "judge", "save", "judge", "report"], walk.rooms
+        assert walk.returns() == 2 and walk.entries("judge") == 1
+        assert walk.came_from == ["hall", "hall", "judge", "judge", "judge", "judge", "hall"]
     assert entries.count("StepJudge") == 2  # once per step
     assert not [e for e in entries if e.startswith("!")], entries  # nothing of the gate outside its entry
     second = entries.index("StepJudge", 1)
@@ -148,3 +164,31 @@ def test_a_real_step_enters_the_gate_once(base_ref, tmp_path, monkeypatch):
         # the entry, the snapshot and current measurement, the candidates judged, then settle and record
         assert step[:2] == ["StepJudge", "before_step"] and step[-2:] == ["settle", "record_verdicts"], step
         assert "judge" in step[2:-2]
+
+    trainer.gate_config = None  # the same lineage's next step without a gate: the walk goes straight through
+    batch = _ratings(trainer, "walk")
+    with walks[2]:
+        assert trainer.train(batch).gate is None
+    assert walks[2].rooms == ["datums", "judge", "step", "save", "report"] and walks[2].returns() == 0
+
+
+def test_the_walk_counts_returns_to_rooms_left():
+    """A walk through stand-in code of the rooms: each function is compiled as if it were the room's file."""
+    from harness.walk import REPO as repo
+
+    def fn(path: str, name: str, body: str = "pass"):
+        scope: dict = {}
+        exec(compile(f"def {name}(f=None):\n    {body}\n", str(repo / path), "exec"), scope)
+        return scope[name]
+
+    datums, save = fn("trainer/event_datums.py", "datums"), fn("trainer/checkpoints.py", "write_version")
+    step = fn("trainer/live_step.py", "LiveStep")  # a top-level name in live_step.py: the step room's
+    settle = fn("trainer/gate.py", "settle")
+    judge = fn("trainer/judge.py", "judge", "f[0](); f[1](); f[0]()")
+    with Walk() as w:
+        datums()
+        judge((lambda: (step(), save()), settle))  # judge → step → save → judge (settle) → step → save
+        datums()
+    assert w.rooms == ["datums", "judge", "step", "save", "judge", "step", "save", "datums"]
+    assert w.came_from == ["hall", "hall", "judge", "judge", "judge", "judge", "judge", "hall"]
+    assert w.returns() == 4 and w.entries("judge") == 1 and w.entries("judge", "judge") == 1

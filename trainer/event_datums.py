@@ -1,15 +1,20 @@
 """Signal events → training datums under the base model's tokenizer and chat template
 (:mod:`livelora.core.chat_tokens`): :class:`EventDatums` (part of :class:`~livelora.trainer.online.OnlineTrainer`)
-and :func:`completion_datum`."""
+and :func:`completion_datum`; :func:`rated_batch` builds the live loop's KTO batch of rated chat replies (the gate
+tests and ``bench/gate_thresholds.py``)."""
 
 from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
 
 from livelora.clients.errors import BadRequestError, ContextLengthExceededError, LiveloraError
 from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, PreferenceEvent, RatingEvent
 from livelora.clients.types.tinker import Datum, ModelInput, TensorData
 from livelora.core.base_models import BaseModelRef, load_tokenizer
 from livelora.core.chat_tokens import chat_pair, rated_completion_ids
-from livelora.trainer.scheduler import Batch
+from livelora.trainer.scheduler import Batch, kto_class_weights
 from livelora.trainer.settings import TrainingSection
 
 
@@ -152,3 +157,36 @@ class EventDatums:
         if batch.kind == "sft":
             return data, "cross_entropy", {}, c.sft_lr
         return data, "dpo", {"beta": c.beta}, c.dpo_lr
+
+
+def rated_batch(
+    chat_pair: Callable[[list[ChatMessage], str], tuple[list[int], list[int]]],
+    endpoint: str,
+    rated: list[tuple[str, str, bool]],
+    tag: str = "1",
+) -> Batch:
+    """A KTO batch of ``(question, reply, liked)`` ratings of one-turn chats, as the live loop logs and batches
+    them: token ids by ``chat_pair`` (:meth:`EventDatums.chat_pair`) with the reply's last two template tokens
+    cut (a served completion ends before them), stream ids ``{tag}-{i}``, the class weights of
+    :func:`~livelora.trainer.scheduler.kto_class_weights`."""
+    evs = []
+    for i, (question, reply, up) in enumerate(rated):
+        prompt, completion = chat_pair([ChatMessage(role="user", content=question)], reply)
+        evs.append(
+            RatingEvent(
+                id=f"feedback-{uuid.uuid4().hex}",
+                endpoint=endpoint,
+                created=int(time.time()),
+                completion_id=f"c{i}-{uuid.uuid4().hex[:6]}",
+                prompt_token_ids=prompt,
+                completion_token_ids=completion[:-2],
+                finish_reason="stop",
+                rating=up,
+                rating_key=f"c{i}:/u",
+                user="u",
+            )
+        )
+    liked = sum(up for _q, _r, up in rated)
+    batch = Batch(endpoint, "kto", evs, [f"{tag}-{i}" for i in range(len(rated))])
+    batch.desirable_weight, batch.undesirable_weight = kto_class_weights(liked, len(rated) - liked)
+    return batch

@@ -3,11 +3,12 @@
 A step is judged in one call that owns the gate's whole part of it: before the step, the lineage model is
 snapshot and the current version measured (:meth:`EvaluationGate.before_step
 <livelora.trainer.gate.EvaluationGate.before_step>`); after it, the backtracking line search finds the largest
-fraction of the step that passes (:func:`~livelora.trainer.line_search.line_search`); after the save, a passed
-version becomes the current one or a rejected step is undone (:meth:`EvaluationGate.settle
+fraction of the step that passes (:func:`~livelora.trainer.line_search.line_search`); the save
+(:func:`~livelora.trainer.live_step.save`) is called with the result; after it, a passed version becomes the
+current one or a rejected step is undone (:meth:`EvaluationGate.settle
 <livelora.trainer.gate.EvaluationGate.settle>`), and each endpoint's verdict goes to its history
-(:func:`~livelora.trainer.gate.record_verdicts`). The step and the save themselves are the
-:class:`~livelora.trainer.live_step.LiveStep`'s. How the gate judges: ``docs/internals/rails.md``.
+(:func:`~livelora.trainer.gate.record_verdicts`). The step itself is :meth:`LiveStep.step
+<livelora.trainer.live_step.LiveStep.step>`. How the gate judges: ``docs/internals/rails.md``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from livelora.core.rails import GateResult
 from livelora.trainer.gate import EvaluationGate, record_verdicts
 from livelora.trainer.gate_measure import Measurement
 from livelora.trainer.line_search import line_search, step_scales
-from livelora.trainer.live_step import Judged, LiveStep
+from livelora.trainer.live_step import Judged, LiveStep, save, training_flags
 
 
 class StepJudge:
@@ -46,7 +47,7 @@ class StepJudge:
         """
         model, lineage, gate = run.model, run.batch.lineage, self.gate
         self.before(run)
-        with run.stepping():
+        with training_flags(run):
             metrics = run.step()
             try:
                 result, new = self.search(run)
@@ -54,7 +55,7 @@ class StepJudge:
                 gate.settle(model, lineage, False, "", None)  # undo a step whose judging failed
                 raise
         metrics["update_norm:mean"] *= result.step_scale  # θ_α − θ₀ = α·(θ₁ − θ₀)
-        manifest = run.save(metrics, result)
+        manifest = save(run, metrics, result)
         gate.settle(model, lineage, result.continued_from is None, manifest.name, new)
         record_verdicts(gate.endpoints, result, manifest.name)
         return Judged(manifest, metrics, result)

@@ -2,10 +2,11 @@
 
 :meth:`OnlineTrainer.train <livelora.trainer.online.OnlineTrainer.train>` calls three things in order: the batch's
 datums (:class:`StepData`, built by :class:`~livelora.trainer.event_datums.EventDatums`), a judge given a
-:class:`LiveStep` (the step and the save of one batch on its lineage's model), and :class:`StepReport` (metrics,
-metering, logs). The judge is the evaluation gate's one entry per step (:class:`~livelora.trainer.judge.StepJudge`)
-or :class:`Unjudged` without a gate; it drives the step and the save because the gate measures the weights before
-the step and settles after the save. The phases: ``docs/internals/live-training.md``, "The training step".
+:class:`LiveStep` (one batch on its lineage's model), and :class:`StepReport` (metrics, metering, logs). The judge
+is the evaluation gate's one entry per step (:class:`~livelora.trainer.judge.StepJudge`) or :class:`Unjudged`
+without a gate; it holds the :func:`training_flags`, runs :meth:`LiveStep.step`, and ends with :func:`save`
+(the gate measures the weights before the step and settles after the save). The phases:
+``docs/internals/live-training.md``, "The training step".
 """
 
 from __future__ import annotations
@@ -54,15 +55,15 @@ class Judged:
 
 
 class LiveStep:
-    """The step and save phases of one live-loop batch on its lineage's model.
+    """The step phase of one live-loop batch on its lineage's model (and what :func:`save` writes it with).
 
     Args:
         model: the lineage's :class:`~livelora.trainer.model.TrainingModel`.
         batch, data: the batch and its datums.
         config: the step's hyperparameters (``grad_clip_norm``, ``adam_eps``, ``save_optimizer``).
         rehearsal: a :class:`~livelora.trainer.rehearsal.Rehearsal` whose gradients are added, or ``None``.
-        busy: the store's training flag, held while the step runs.
-        store: where the version is written.
+        busy: the store's training flag, held while the step runs (:func:`training_flags`).
+        store: where :func:`save` writes the version.
         progress: ``(lineage, stage, **fields)`` → the learning status.
     """
 
@@ -80,18 +81,6 @@ class LiveStep:
     ):
         self.model, self.batch, self.data, self.config = model, batch, data, config
         self.rehearsal, self.busy, self.store, self.progress = rehearsal, busy, store, progress
-
-    @contextlib.contextmanager
-    def stepping(self) -> Iterator[None]:
-        """Hold the training flags around the step (and what judges it): a trainer process gets its duty while
-        serving, all cores while nothing is served, and the engine on this machine leaves a core to the step
-        (core/cpu_share.py). When what runs inside fails, the gradients are dropped."""
-        with training_step(), self.busy.held():
-            try:
-                yield
-            except BaseException:
-                self.model.zero_grad()
-                raise
 
     def step(self) -> dict[str, float]:
         """``forward_backward`` (rehearsal and KL gradients added first, not metered) and one AdamW step.
@@ -115,21 +104,37 @@ class LiveStep:
             metrics["example_weight:mean"] = sum(weights) / max(len(weights), 1)
         return metrics
 
-    def save(self, metrics: dict[str, float], result: GateResult | None) -> Manifest:
-        """Write the model as the lineage's next version (with AdamW state when ``save_optimizer``), its manifest
-        holding ``metrics`` and the gate's ``result``."""
-        save = self.model.save_state if self.config.save_optimizer else self.model.save_weights
-        gate = result.model_dump(mode="json") if result is not None else None
-        return save(self.store, self.batch.lineage, metrics=metrics, gate=gate)
+
+@contextlib.contextmanager
+def training_flags(run: LiveStep) -> Iterator[None]:
+    """Hold the training flags around ``run``'s step and what judges it: a trainer process gets its duty while
+    serving, all cores while nothing is served, and the engine on this machine leaves a core to the step
+    (core/cpu_share.py). When what runs inside fails, the gradients are dropped. A guard held by the judge, not a
+    phase: the judge decides how long the step's work lasts."""
+    with training_step(), run.busy.held():
+        try:
+            yield
+        except BaseException:
+            run.model.zero_grad()
+            raise
+
+
+def save(run: LiveStep, metrics: dict[str, float], result: GateResult | None) -> Manifest:
+    """The save phase: write ``run``'s model as its lineage's next version (with AdamW state when
+    ``save_optimizer``), the manifest holding ``metrics`` and the gate's ``result`` (``None``: no gate)."""
+    model = run.model
+    write = model.save_state if run.config.save_optimizer else model.save_weights
+    gate = result.model_dump(mode="json") if result is not None else None
+    return write(run.store, run.batch.lineage, metrics=metrics, gate=gate)
 
 
 class Unjudged:
     """The judge without an evaluation gate: the step, then the save; every version is published unjudged."""
 
     def __call__(self, run: LiveStep) -> Judged:
-        with run.stepping():
+        with training_flags(run):
             metrics = run.step()
-        return Judged(run.save(metrics, None), metrics)
+        return Judged(save(run, metrics, None), metrics)
 
 
 class StepReport:

@@ -20,7 +20,7 @@ import inspect
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -28,6 +28,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from livelora.clients.errors import UnavailableError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 #: recipe command -> module (each has ``Config`` and ``run(cfg, sdk=, on_step=)``).
 RECIPES = {
@@ -58,7 +61,7 @@ def _option_type(annotation: Any) -> Any:
     return annotation
 
 
-def _parameters(config_cls: type, recipe: str) -> list[inspect.Parameter]:
+def _parameters(config_cls: type[BaseModel], recipe: str) -> list[inspect.Parameter]:
     from livelora.clients.recipes.smoke import PRESETS
 
     params = [
@@ -199,7 +202,8 @@ def _make_command(recipe: str, module_name: str):
                 raise typer.Exit(1) from None
         Console().print(summary_table(summary))
 
-    command.__signature__ = inspect.Signature(_parameters(config_cls, recipe))
+    # typer reads the options from the signature inspect finds; a function's __signature__ is not in its type
+    typing.cast(Any, command).__signature__ = inspect.Signature(_parameters(config_cls, recipe))
     paragraphs = inspect.cleandoc(module.__doc__ or recipe).split("\n\n")
     first = paragraphs[0].removeprefix(f"{recipe}: ")  # `livelora recipe --help` lists it under its name already
     paragraphs[0] = first[:1].upper() + first[1:]

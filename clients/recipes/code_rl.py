@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import Field
@@ -109,7 +110,8 @@ def reward(code: str | None, passed: bool, no_code_penalty: float = 0.1) -> floa
 def task_splits(cfg: Config) -> tuple[list[CodeTask], list[CodeTask], list[CodeTask]]:
     """(training tasks, held-out easy tasks evaluated, held-out HumanEval tasks evaluated)."""
     easy_train, easy_held = train_heldout(easy_tasks(0), cfg.easy_held_out, 0)
-    he_train, he_held = [], []
+    he_train: list[CodeTask] = []
+    he_held: list[CodeTask] = []
     he_eval = cfg.humaneval_eval_size if cfg.humaneval_eval_size is not None else (20 if cfg.humaneval else 0)
     if cfg.dataset != "easy" or he_eval:
         if cfg.humaneval is None:
@@ -129,7 +131,7 @@ class Episodes:
     def messages(self, task: CodeTask) -> list[dict[str, str]]:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.statement}]
 
-    def _continuation(self, msgs: list[dict], reply: str, tool: str, stopped: bool) -> list[int]:
+    def _continuation(self, msgs: list[dict], reply: str, tool: dict[str, str], stopped: bool) -> list[int]:
         """Tokens between turn 1's sampled tokens and turn 2's (end of turn, the tool result, generation prompt)."""
         text = self.renderer.tokenizer.apply_chat_template
         a = text([*msgs, {"role": "assistant", "content": reply}], tokenize=False)
@@ -148,7 +150,7 @@ class Episodes:
         )
         prompts = [self.renderer.prompt_tokens(self.messages(t)) for t in tasks]
         first = gather(
-            [lambda i=i, p=p: sampler.sample(sdk.model_input(p), n, params(i)) for i, p in enumerate(prompts)],
+            [partial(sampler.sample, sdk.model_input(p), n, params(i)) for i, p in enumerate(prompts)],
             max_in_flight=max(1, 24 // n),
         )
         eps: list[list[dict]] = []
@@ -176,7 +178,7 @@ class Episodes:
             lambda e: self.grader.run(public_check_program(e["code"], e["task"].public_tests)), calls
         )
         seconds = list(checks)
-        tool_msgs = []
+        tool_msgs: list[dict[str, str]] = []
         for e, (_, out, secs) in zip(calls, seconds):
             e["tool"], e["sandbox_s"] = True, secs
             result = out.strip() or "(no output)"
@@ -188,7 +190,7 @@ class Episodes:
         ]
         second = gather(
             [
-                lambda i=i, e=e, c=c: sampler.sample(sdk.model_input(e["tokens"] + c), 1, params(10_000 + i))
+                partial(sampler.sample, sdk.model_input(e["tokens"] + c), 1, params(10_000 + i))
                 for i, (e, c) in enumerate(zip(calls, conts))
             ],
             max_in_flight=24,

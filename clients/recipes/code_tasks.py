@@ -70,7 +70,7 @@ def easy_tasks(seed: int = 0, variants: int = 8) -> list[CodeTask]:
     """The generated easy set: every template with ``variants`` constants (k in 2..9, c a letter), 2 public and
     4 hidden tests each (seeded)."""
     rng = random.Random(seed)
-    tasks = []
+    tasks: list[CodeTask] = []
     for name, statement, ref, kind in TEMPLATES:
         for v in range(variants):
             k, c = 2 + v, "aeiouklmn"[v % 9]
@@ -79,7 +79,8 @@ def easy_tasks(seed: int = 0, variants: int = 8) -> list[CodeTask]:
                 continue
             reference = eval(ref.format(k=k, c=c))  # our own template, never model output
             arg = {"int": "x", "str": "s", "list": "xs"}[kind]
-            tests, seen = [], set()
+            tests: list[str] = []
+            seen: set[str] = set()
             while len(tests) < 6:
                 x = _argument(kind, rng)
                 if repr(x) in seen and len(seen) < 6:

@@ -232,7 +232,8 @@ def load_preferences(source: str | Path, renderer: ChatRenderer) -> list[Pair]:
     """
     out = []
     for i, row in enumerate(_records(source)):
-        rec = row.get("event") if isinstance(row.get("event"), dict) else row
+        event = row.get("event")
+        rec: dict[str, Any] = event if isinstance(event, dict) else row
         if row is not rec and rec.get("type") != "preference":
             continue
         where = f"{source} row {i + 1}"

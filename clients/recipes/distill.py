@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -93,7 +94,7 @@ def run(
                 max_tokens=cfg.max_tokens, temperature=1.0, seed=seed + i
             )
             res = gather(
-                [lambda i=i, p=p: sampler.sample(r.sdk.model_input(p), n, params(i)) for i, p in enumerate(sp)],
+                [partial(sampler.sample, r.sdk.model_input(p), n, params(i)) for i, p in enumerate(sp)],
                 max_in_flight=max(1, 24 // n),
             )
             seqs = [
@@ -103,10 +104,7 @@ def run(
                 if s.tokens
             ]
             scores = gather(
-                [
-                    lambda tp=tp, s=s: teacher.compute_logprobs(r.sdk.model_input(tp + list(s.tokens)))
-                    for _, tp, s in seqs
-                ]
+                [partial(teacher.compute_logprobs, r.sdk.model_input(tp + list(s.tokens))) for _, tp, s in seqs]
             )
             return [(p, s, list(lp[len(tp) :])) for (p, tp, s), lp in zip(seqs, scores)]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from livelora.clients.recipes.datums import chunks, completion_datum
@@ -92,7 +93,7 @@ def sampled_accuracy(
 ) -> dict[str, float]:
     """Greedy (temperature 0) accuracy and format rate on held-out problems."""
     params = sdk.sampling_params(max_tokens=max_tokens, temperature=0.0, stop=stop or None)
-    results = gather([lambda p=p: sampler.sample(sdk.model_input(p), 1, params) for p in prompts])
+    results = gather([partial(sampler.sample, sdk.model_input(p), 1, params) for p in prompts])
     correct = fmt = 0
     for res, ans in zip(results, answers):
         seq = res.sequences[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -73,6 +74,7 @@ def _problems(cfg: Config) -> tuple[list, list]:
         held = arithmetic(cfg.eval_size, cfg.seed + 10_000, cfg.max_value)
         seen = {p.question for p in held}
         return [p for p in arithmetic(5000, cfg.seed, cfg.max_value) if p.question not in seen], held
+    assert cfg.data is not None  # Config's validator names openai/gsm8k when --data is not given
     return gsm8k(cfg.data, "train"), gsm8k(cfg.data, "test")[: cfg.eval_size]
 
 
@@ -109,7 +111,7 @@ def run(
             )
             results = gather(
                 [
-                    lambda i=i, pt=pt: sampler.sample(r.sdk.model_input(pt), cfg.group_size, params(i))
+                    partial(sampler.sample, r.sdk.model_input(pt), cfg.group_size, params(i))
                     for i, pt in enumerate(prompts)
                 ],
                 max_in_flight=max(1, 24 // cfg.group_size),

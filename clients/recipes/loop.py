@@ -249,7 +249,9 @@ def update_shift(tc: Any, data: list[Any], loss: str, before_D: list[list[float]
     after_D = []
     for part in [data[i : i + 16] for i in range(0, len(data), 16)]:
         after_D += [tolist(o["logprobs"]) for o in tc.forward(part, loss).result().loss_fn_outputs]
-    pos, neg, gain, weight = [], [], 0.0, 0.0
+    pos: list[float] = []
+    neg: list[float] = []
+    gain, weight = 0.0, 0.0
     for datum, before, after in zip(data, before_D, after_D):
         for a, b, lp in zip(tolist(datum.loss_fn_inputs["advantages"]), before, after):
             if a:

@@ -27,6 +27,8 @@ from typing import Any, Literal
 from livelora.clients._http import OPEN_SERVER_KEY, configured_api_key
 
 SdkName = Literal["livelora", "tinker"]
+#: a ``TensorData``'s element type
+DType = Literal["int64", "float32"]
 
 
 @dataclass
@@ -108,12 +110,12 @@ class Sdk:
     def model_input(self, tokens: Sequence[int]) -> Any:
         return self.types.ModelInput.from_ints(list(tokens))
 
-    def tensor(self, values: Sequence[float] | Sequence[int], dtype: Literal["int64", "float32"]) -> Any:
+    def tensor(self, values: Sequence[float] | Sequence[int], dtype: DType) -> Any:
         """A 1-D ``TensorData`` of ``values`` (both SDKs accept this constructor)."""
         values = [int(v) for v in values] if dtype == "int64" else [float(v) for v in values]
         return self.types.TensorData(data=values, dtype=dtype, shape=[len(values)])
 
-    def datum(self, tokens: Sequence[int], inputs: Mapping[str, tuple[Sequence[float], str]]) -> Any:
+    def datum(self, tokens: Sequence[int], inputs: Mapping[str, tuple[Sequence[float], DType]]) -> Any:
         """``Datum(model_input=tokens, loss_fn_inputs={key: TensorData(values, dtype)})``."""
         return self.types.Datum(
             model_input=self.model_input(tokens),

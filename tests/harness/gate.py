@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from livelora.clients.types.signals import ChatMessage, DemonstrationEvent, RatingEvent
+from livelora.clients.types.signals import ChatMessage, DemonstrationEvent
+from livelora.trainer.event_datums import rated_batch
 from livelora.trainer.gate_measure import load_probes
-from livelora.trainer.scheduler import Batch, kto_class_weights
+from livelora.trainer.scheduler import Batch
 
 #: a wrong answer per probe kind
 WRONG = {"fact": "London", "arithmetic": "8", "format": "Maybe"}
@@ -16,7 +17,7 @@ WRONG = {"fact": "London", "arithmetic": "8", "format": "Maybe"}
 
 def rating_batch(trainer, endpoint: str, n: int = 8) -> Batch:
     """A KTO batch of ``n`` (at most 8) ratings: even ones up on a good reply, odd ones down on "I do not know.",
-    tokenized by ``trainer``'s chat template, with the class weights of the live loop."""
+    tokenized by ``trainer``'s chat template (:func:`~livelora.trainer.event_datums.rated_batch`)."""
     qs = [
         "What is a good name for a dog?",
         "How do I boil an egg?",
@@ -37,35 +38,8 @@ def rating_batch(trainer, endpoint: str, n: int = 8) -> Batch:
         "Plants turning light into sugar.",
         "Oatmeal with fruit.",
     ]
-    return ratings_batch(
-        trainer, endpoint, [(qs[i], good[i] if i % 2 == 0 else "I do not know.", i % 2 == 0) for i in range(n)]
-    )
-
-
-def ratings_batch(trainer, endpoint: str, rated: list[tuple[str, str, bool]]) -> Batch:
-    """A KTO batch of ``(question, reply, liked)`` ratings, tokenized by ``trainer``'s chat template (the reply's
-    last two template tokens cut, as the live loop logs it), with the live loop's class weights."""
-    evs = []
-    for i, (question, reply, up) in enumerate(rated):
-        prompt, completion = trainer.chat_pair([ChatMessage(role="user", content=question)], reply)
-        evs.append(
-            RatingEvent(
-                id=f"feedback-{uuid.uuid4().hex}",
-                endpoint=endpoint,
-                created=int(time.time()),
-                completion_id=f"c{i}-{uuid.uuid4().hex[:6]}",
-                prompt_token_ids=prompt,
-                completion_token_ids=completion[:-2],
-                finish_reason="stop",
-                rating=up,
-                rating_key=f"c{i}:/u",
-                user="u",
-            )
-        )
-    liked = sum(up for _q, _r, up in rated)
-    batch = Batch(endpoint, "kto", evs, [f"1-{i}" for i in range(len(rated))])
-    batch.desirable_weight, batch.undesirable_weight = kto_class_weights(liked, len(rated) - liked)
-    return batch
+    rated = [(qs[i], good[i] if i % 2 == 0 else "I do not know.", i % 2 == 0) for i in range(n)]
+    return rated_batch(trainer.chat_pair, endpoint, rated)
 
 
 def wrong_answers_batch(endpoint: str) -> Batch:
