@@ -111,6 +111,15 @@ class InferenceSection(Section):
         "gateway/engines/lora_slots.py). llama_cpp engine with f16 weights: a merged copy of the model and a "
         "context of its own (258 MB plus a KV cache as large as the base's; gateway/engines/llama_cpp/lane.py).",
     )
+    engine_max_loaded_versions: int | None = Field(
+        None,
+        ge=1,
+        description="Adapter versions whose weights the transformers and llama_cpp engines keep in memory; the "
+        "least recently used idle ones beyond it are cold (a copy on the engine's disk) and loaded back when a "
+        "request names them (a request waits for a resident version to drain, never fails for the bound). "
+        "Default: a tenth of the machine's memory (the GPU's on CUDA) over one version's size, at least "
+        "max_batch_size (gateway/engines/residency.py).",
+    )
     engine_weights: Literal["fp32", "bf16", "int8", "int4", "f16", "gguf"] | None = Field(
         None,
         description="Format of the served weights (default: the engine's). Transformers engine: 'fp32' "
