@@ -137,35 +137,47 @@ def lora_bytes(engine) -> int | None:
     return sum(p.numel() * p.element_size() for n, p in slots.peft.named_parameters() if "lora_" in n)
 
 
-def make_engine(kind: str, max_batch: int):
+def chat_ids(tok, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn in the chat template."""
+    enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(enc["input_ids"] if not isinstance(enc, list) else enc)
+
+
+def make_engine(kind: str, max_batch: int, threads: int):
     from livelora.gateway.engines import create_engine
 
     if kind == "transformers":
-        return create_engine("transformers", device="cpu", weights="fp32", max_batch_size=max_batch)
-    return create_engine("llama_cpp", weights="f16", max_batch_size=max_batch)
+        return create_engine(
+            "transformers", device="cpu", weights="fp32", max_batch_size=max_batch, num_threads=threads
+        )
+    return create_engine("llama_cpp", weights="f16", max_batch_size=max_batch, num_threads=threads)
 
 
 async def bench_engine(kind: str, args, paths: list[Path]) -> list[str]:
     """Every (streams, versions) cell of one engine; returns the summary lines."""
     import torch
 
-    engine = make_engine(kind, max(args.streams))
+    if args.stacked:  # the rank-stacked pass at any number of versions (what served them before the gathered one)
+        from livelora.gateway.engines import lora_slots
+
+        lora_slots.GATHER_FROM = 1 << 30
+    engine = make_engine(kind, max(args.streams), args.threads)
     await engine.start()
     tok = engine.tokenizer
-    prompts = [
-        list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)) for p in PROMPTS
-    ]
+    prompts = [chat_ids(tok, p) for p in PROMPTS]
     canary = prompts[0]
-    print(f"{kind}: torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"{kind}: engine threads {args.threads}, load {os.getloadavg()[0]:.1f}", flush=True)
     names = await load_versions(engine, paths, canary)
     await run_load(engine, prompts, names[:2], 2, 2, 4)  # warm-up
     lines = []
     for streams in args.streams:
         requests = streams * args.requests_per_stream
         for v in args.versions:
-            one, many = [], []
+            one: list[dict] = []
+            many = one if v == 1 else []
             for r in range(args.rounds):
-                for label, pool, out in (("1 version", names[:1], one), (f"{v} versions", names[:v], many)):
+                loads = (("1 version", names[:1], one),) + (((f"{v} versions", names[:v], many),) if v > 1 else ())
+                for label, pool, out in loads:
                     res = await run_load(engine, prompts, pool, streams, requests, args.max_tokens)
                     out.append(res)
                     print(
@@ -217,6 +229,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--rounds", type=odd_rounds, default=1)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="engine threads (1: two OpenMP threads collapse on a shared machine)"
+    )
+    parser.add_argument("--stacked", action="store_true", help="transformers: the rank-stacked pass at any count")
     return parser.parse_args(argv)
 
 

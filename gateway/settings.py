@@ -218,6 +218,12 @@ class VLLMSection(Section):
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is sharded over (vLLM tensor parallelism).")
     max_loras: int = Field(2, ge=2, description="Distinct adapters in one batch (old + new during a swap).")
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=2,
+        description="Adapters vLLM keeps in host memory, ready to move to the GPU when a batch needs them (its LRU "
+        "cache behind max_loras; at least max_loras; default max_loras + 1).",
+    )
     max_lora_rank: int = Field(64, description=f"Largest adapter rank; one of {VLLM_LORA_RANKS}.")
     enforce_eager: bool | None = Field(None, description="Disable CUDA graphs (default: on for CPU, off for GPU).")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")

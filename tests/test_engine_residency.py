@@ -18,14 +18,14 @@ from livelora.clients.errors import BadRequestError, ModelNotFoundError
 from livelora.gateway.engines import create_engine
 
 TEST_ENGINE_KINDS = ["transformers", "llama_cpp"]
-BOUND = 2
+BOUND = 3
 ENGINE_OPTIONS = {"max_loaded_versions": BOUND, "max_batch_size": 4}
-VERSIONS = 5
+VERSIONS = 6
 
 
 @pytest.fixture(scope="module")
 def versions(base_ref, tmp_path_factory):
-    """Five real rank-8 LoRA versions on SmolLM2 (attention + MLP), different non-zero lora_B."""
+    """Six real rank-8 LoRA versions on SmolLM2 (attention + MLP), different non-zero lora_B."""
     seeds = range(1, VERSIONS + 1)
     return peft_versions(base_ref, tmp_path_factory.mktemp("many"), seeds, rank=8, b_scale=0.03, name="v{seed}")
 
@@ -75,7 +75,7 @@ def test_a_cold_version_scores_unloads_and_its_name_loads_again(engine, run, ver
     for name in [n for n in engine.loaded_adapters()]:
         run(engine.unload_adapter(name))
     assert not residency.resident and not residency.cold
-    for k, path in enumerate(versions[:3]):
+    for k, path in enumerate(versions[: BOUND + 1]):
         run(engine.load_adapter(f"cold@{k}", str(path)))
     cold = next(iter(residency.cold))
     scored = run(engine.score(prompt, adapter=cold))
