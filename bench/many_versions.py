@@ -155,7 +155,6 @@ def make_engine(kind: str, max_batch: int, threads: int):
 
 async def bench_engine(kind: str, args, paths: list[Path]) -> list[str]:
     """Every (streams, versions) cell of one engine; returns the summary lines."""
-    import torch
 
     if args.stacked:  # the rank-stacked pass at any number of versions (what served them before the gathered one)
         from livelora.gateway.engines import lora_slots
