@@ -6,7 +6,7 @@ whose cost does not grow with the number of versions.
 when a batch first uses it after its weights changed. :class:`GatheredRows` serves a batch: each row gathers its
 own version's factors and two batched matmuls give ``y_b = W x_b + s_u B_u A_u x_b`` (Hu et al. 2021, eq. 3), the
 idea of Punica's BGMV kernel in plain torch. Used from :data:`GATHER_FROM` versions in one batch on; below it the
-rank-stacked pass of :class:`~.lora_slots.MixedRows` is cheaper. Figures: ``docs/serving.md``.
+rank-stacked pass of :class:`~.lora_slots.MixedRows` serves. Figures: ``docs/serving.md``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 #: Distinct versions in one batch from which the gathered product serves it (the stacked pass's work grows with
-#: the versions, the gathered one's with the rows: measured in docs/serving.md, Serving many versions at once).
+#: the versions, the gathered one's with the rows; ``bench/many_versions.py --stacked`` compares them).
 GATHER_FROM = 3
 
 
