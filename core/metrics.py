@@ -83,6 +83,19 @@ BATCH_SIZE = Histogram(
     "Sequences decoded together in one engine step.",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+VERSION_LOADS = Counter(
+    "livelora_engine_version_loads_total",
+    "Cold adapter versions loaded back into the engine for a request (gateway/engines/residency.py).",
+)
+VERSION_EVICTIONS = Counter(
+    "livelora_engine_version_evictions_total",
+    "Idle adapter versions the engine made cold to stay within LIVELORA_ENGINE_MAX_LOADED_VERSIONS.",
+)
+RESIDENT_VERSIONS = Gauge(
+    "livelora_engine_resident_versions",
+    "Adapter versions whose weights are in the engine now (the others loaded are cold, on its disk).",
+    multiprocess_mode="livesum",
+)
 ADAPTER_VERSIONS = Gauge(
     "livelora_loaded_adapter_versions",
     "Adapter versions loaded in the engine, by endpoint (versions still leased by running requests count).",

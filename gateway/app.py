@@ -85,6 +85,7 @@ def build_engine(settings: GatewaySettings) -> Engine:
         if inference.engine_weights is not None:
             kwargs["weights"] = inference.engine_weights
         kwargs["merge_lora"] = inference.engine_merge_lora
+        kwargs["max_loaded_versions"] = inference.engine_max_loaded_versions
         if device == "cpu" and inference.engine_threads_while_training != 0:
             kwargs.update(share_cores=True, threads_while_training=inference.engine_threads_while_training)
     if inference.engine == "llama_cpp":  # a native crash ends the engine's child process, not the gateway

@@ -111,6 +111,15 @@ class InferenceSection(Section):
         "gateway/engines/lora_slots.py). llama_cpp engine with f16 weights: a merged copy of the model and a "
         "context of its own (258 MB plus a KV cache as large as the base's; gateway/engines/llama_cpp/lane.py).",
     )
+    engine_max_loaded_versions: int | None = Field(
+        None,
+        ge=1,
+        description="Adapter versions whose weights the transformers and llama_cpp engines keep in memory; the "
+        "least recently used idle ones beyond it are cold (a copy on the engine's disk) and loaded back when a "
+        "request names them (a request waits for a resident version to drain, never fails for the bound). "
+        "Default: a tenth of the machine's memory (the GPU's on CUDA) over one version's size, at least "
+        "max_batch_size (gateway/engines/residency.py).",
+    )
     engine_weights: Literal["fp32", "bf16", "int8", "int4", "f16", "gguf"] | None = Field(
         None,
         description="Format of the served weights (default: the engine's). Transformers engine: 'fp32' "
@@ -209,6 +218,12 @@ class VLLMSection(Section):
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is sharded over (vLLM tensor parallelism).")
     max_loras: int = Field(2, ge=2, description="Distinct adapters in one batch (old + new during a swap).")
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=2,
+        description="Adapters vLLM keeps in host memory, ready to move to the GPU when a batch needs them (its LRU "
+        "cache behind max_loras; at least max_loras; default max_loras + 1).",
+    )
     max_lora_rank: int = Field(64, description=f"Largest adapter rank; one of {VLLM_LORA_RANKS}.")
     enforce_eager: bool | None = Field(None, description="Disable CUDA graphs (default: on for CPU, off for GPU).")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")

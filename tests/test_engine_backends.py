@@ -9,6 +9,7 @@ import pytest
 
 from livelora.gateway.engines.batching import BatchingLoop, ModelBackend
 from livelora.gateway.engines.llama_cpp.backend import LlamaBackend
+from livelora.gateway.engines.residency import Residency
 from livelora.gateway.engines.transformers.backend import TransformersBackend
 
 pytestmark = pytest.mark.unit
@@ -37,9 +38,12 @@ def test_the_interface_names_the_steps_the_loop_calls():
         "read_adapter",
         "install",
         "uninstall",
+        "evict",
+        "restore",
+        "version_bytes",
         "close",
     }
-    source = inspect.getsource(BatchingLoop)
+    source = inspect.getsource(BatchingLoop) + inspect.getsource(Residency)  # (hot and cold versions)
     for name in _interface():  # every method is called by the loop (read_adapter: by the engine, off the thread)
         assert f"backend.{name}" in source or name == "read_adapter", name
 

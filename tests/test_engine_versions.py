@@ -143,6 +143,23 @@ def test_store_copy_can_change_after_load_and_a_reused_name_serves_new_weights(
     assert engine.loaded_adapters() == []
 
 
+def test_vllm_lora_cache_settings_reach_the_engine_args(monkeypatch):
+    """max_loras (adapters in one GPU batch) and max_cpu_loras (vLLM's host-memory LRU cache behind it) become
+    the AsyncEngineArgs fields of those names; no vLLM needed."""
+    from livelora.clients.errors import BadRequestError
+    from livelora.gateway.engines.vllm.config import VLLMConfig
+
+    args = VLLMConfig(device="cuda", max_loras=8, max_cpu_loras=64).engine_kwargs("/m", "m", 1024)
+    assert (args["enable_lora"], args["max_loras"], args["max_cpu_loras"]) == (True, 8, 64)
+    assert VLLMConfig(device="cuda", max_loras=4).engine_kwargs("/m", "m", 1024)["max_cpu_loras"] == 5
+    monkeypatch.setenv("LIVELORA_VLLM_MAX_LORAS", "16")
+    monkeypatch.setenv("LIVELORA_VLLM_MAX_CPU_LORAS", "256")
+    args = VLLMConfig(device="cuda").engine_kwargs("/m", "m", 1024)
+    assert (args["max_loras"], args["max_cpu_loras"]) == (16, 256)
+    with pytest.raises(BadRequestError, match="max_cpu_loras"):
+        VLLMConfig(device="cuda", max_loras=8, max_cpu_loras=4)
+
+
 def test_vllm_engine_settings_are_checked_before_vllm_is_imported(run, monkeypatch):
     import importlib.util
 

@@ -152,14 +152,18 @@ def test_misfit_weights_are_refused_and_the_slot_serves_the_next_version(
     assert engine.loaded_adapters() == []
 
 
-def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weights(engine, loop, versions, tokens):
-    """Rows on three versions (two shapes would fall back to peft; here one shape: the stacked pass)
-    plus a base row decode together; each row's logprobs equal its version scored alone."""
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weights(
+    engine, loop, versions, tokens, count
+):
+    """Rows on two versions (the rank-stacked pass, MixedRows) or three (from GATHER_FROM on: the gathered
+    product, GatheredRows; two shapes would fall back to peft) plus a base row decode together; each row's
+    logprobs equal its version scored alone."""
     from livelora.gateway.engines import SamplingParams
+    from livelora.gateway.engines.lora_pool import GATHER_FROM
 
-    (v1, v2, v3), _ = versions
-    names = ["mix@1", "mix@2", "mix@3"]
-    for name, path in zip(names, (v1, v2, v3)):
+    names = [f"mix@{k}" for k in range(1, count + 1)]
+    for name, path in zip(names, versions[0]):
         loop.run_until_complete(engine.load_adapter(name, str(path)))
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
     prompt = tokens[:10]
@@ -169,17 +173,20 @@ def test_a_batch_mixing_versions_and_the_base_model_serves_each_row_its_own_weig
 
     steps_before = engine.decode_steps
     results = loop.run_until_complete(together())
-    assert engine.decode_steps - steps_before <= 8  # the four rows really decoded in one batch
-    worker = engine._worker
-    slot_names = tuple(worker.backend.slots.versions[n].name for n in names)
-    assert any(set(key) == set(slot_names) and stacks for key, stacks in worker.backend.slots.stacks.items()), (
-        "the stacked mixed-version pass (MixedRows) did not run"
-    )
+    assert engine.decode_steps - steps_before <= 8  # the rows really decoded in one batch
+    slots = engine._worker.backend.slots
+    slot_names = tuple(slots.versions[n].name for n in names)
+    if count < GATHER_FROM:
+        assert any(set(key) == set(slot_names) and stacks for key, stacks in slots.stacks.items()), (
+            "the stacked mixed-version pass (MixedRows) did not run"
+        )
+    else:
+        assert set(slot_names) <= set(slots.pool.rows) and slots.pool.layers, "the gathered product did not run"
     for adapter, (out, lps) in zip(names + [None], results):
         alone = loop.run_until_complete(engine.score(prompt + out, adapter=adapter))[len(prompt) :]
         assert lps == pytest.approx([t.logprob for t in alone], abs=LP_TOL), adapter
     assert (
-        len({tuple(o) for o, _ in results}) > 1 or max(abs(a - b) for a, b in zip(results[0][1], results[3][1])) > 1e-2
+        len({tuple(o) for o, _ in results}) > 1 or max(abs(a - b) for a, b in zip(results[0][1], results[-1][1])) > 1e-2
     )  # rows really differ
     for name in names:
         loop.run_until_complete(engine.unload_adapter(name))

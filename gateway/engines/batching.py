@@ -26,6 +26,7 @@ from livelora.clients.errors import ConflictError, InternalError, LiveloraError
 from livelora.core import metrics
 from livelora.gateway.engines.base import GenerationChunk, SamplingParams, TokenLogprob
 from livelora.gateway.engines.detokenize import IncrementalDetokenizer, StopStringMatcher
+from livelora.gateway.engines.residency import Residency
 from livelora.gateway.engines.sampling import RowSampling, sample_batch
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,16 @@ class ModelBackend(Protocol):
         """
 
     def uninstall(self, name: str) -> None:
-        """Free adapter version ``name`` (no sequence uses it any more)."""
+        """Free adapter version ``name``, resident or cold (no sequence uses it any more)."""
+
+    def evict(self, name: str) -> None:
+        """Make resident version ``name`` cold: free its weights, keeping a copy on the backend's own disk."""
+
+    def restore(self, name: str) -> None:
+        """Make cold version ``name`` resident again from its copy (:meth:`evict`)."""
+
+    def version_bytes(self, name: str) -> int:
+        """Memory resident version ``name`` takes (bytes)."""
 
     def close(self, stepping: bool) -> None:
         """(Any thread, after the loop stopped.) Free what the backend holds; ``stepping``: the loop's thread is
@@ -174,6 +184,8 @@ class BatchingLoop:
             backend's threads are then never changed (:mod:`livelora.core.cpu_share`).
         serving: a :class:`~livelora.core.cpu_share.ServingFlag` beaten while sequences run or wait (a trainer
             process on this machine then keeps to its thread budget), or ``None``.
+        max_resident: adapter versions whose weights stay in the backend at most (:mod:`.residency`; ``None``:
+            derived from ``memory``, the device's bytes).
     """
 
     def __init__(
@@ -185,6 +197,8 @@ class BatchingLoop:
         max_prefill_tokens: int,
         share: tuple[Any, int, int] | None = None,
         serving: Any = None,
+        max_resident: int | None = None,
+        memory: int = 0,
     ):
         self.eos_ids = eos_ids
         self.max_batch_size = max_batch_size
@@ -199,6 +213,8 @@ class BatchingLoop:
         self.share = share
         self.serving = serving
         self.backend = make_backend(self.call)
+        #: resident and cold adapter versions (a waiting sequence on a cold one is admitted once it is loaded back)
+        self.residency = Residency(self.backend, max_resident, memory, max_batch_size)
         self.thread = threading.Thread(target=self._run, name="livelora-engine", daemon=True)
 
     # ----- called from other threads -------------------------------------------------
@@ -307,17 +323,31 @@ class BatchingLoop:
         free = self.max_batch_size - len(self.running)
         admitted: list[Sequence] = []
         budget = self.max_prefill_tokens
-        with self.cond:
-            while self.waiting and len(admitted) < free:
-                seq = self.waiting[0]
-                if seq.cancelled:
-                    self.waiting.popleft()
-                    continue
-                if admitted and len(seq.prompt) > budget:
-                    break
+        while len(admitted) < free:
+            with self.cond:  # only this thread takes from the queue: its head stays while the lock is released
+                seq = self.waiting[0] if self.waiting else None
+            if seq is None or (admitted and len(seq.prompt) > budget and not seq.cancelled):
+                break
+            ready = seq.cancelled or self._resident(seq, admitted)
+            if ready is False:  # its version waits for a resident one to drain (FIFO: nothing overtakes it)
+                break
+            with self.cond:
+                self.waiting.popleft()
+            if ready is True and not seq.cancelled:
                 budget -= len(seq.prompt)
-                admitted.append(self.waiting.popleft())
+                admitted.append(seq)
         return prefill_groups(admitted)
+
+    def _resident(self, seq: Sequence, admitted: list[Sequence]) -> bool | None:
+        """Load ``seq``'s version back if it is cold: ``True`` (ready), ``False`` (every resident version has
+        rows in flight: wait), ``None`` (it could not be loaded: ``seq`` failed)."""
+        busy = {s.adapter for s in self.running + self.admitting + admitted}
+        try:
+            return self.residency.ensure(seq.adapter, busy)
+        except Exception as exc:
+            log.exception("could not load cold version %s back", seq.adapter)
+            seq.fail(exc if isinstance(exc, LiveloraError) else InternalError(f"could not load {seq.adapter}: {exc}"))
+            return None
 
     def _prefill_all(self, groups: list[list[Sequence]]) -> None:
         """Prefill ``groups`` one after the other; commands (a swap) may run between them and before decoding."""
@@ -358,8 +388,13 @@ class BatchingLoop:
 
     # ----- commands (run on this thread between steps) ----------------------------------
     def score(self, token_ids: list[int], adapter: str | None, top_k: int) -> list[TokenLogprob | None]:
-        """:meth:`ModelBackend.score`."""
+        """:meth:`ModelBackend.score` (a cold version is loaded back, beyond the limit if it must)."""
+        self.residency.ensure(adapter, self._busy(), force=True)
         return self.backend.score(token_ids, adapter, top_k)
+
+    def _busy(self) -> set[str | None]:
+        """Versions of the running and admitted rows (never made cold)."""
+        return {s.adapter for s in self.running + self.admitting}
 
     def load_adapter(
         self, name: str, config, weights, source: str, canary: list[int] | None = None
@@ -374,7 +409,9 @@ class BatchingLoop:
             BadRequestError: not a LoRA config, or the weights do not fit (missing tensors, wrong shapes);
                 nothing changes.
         """
+        self.residency.make_room(1, self._busy())
         self.backend.install(name, config, weights, source)
+        self.residency.added(name, self._busy())
         if canary is None:
             return None
         try:
@@ -396,6 +433,7 @@ class BatchingLoop:
         ]
         if users:
             raise ConflictError(f"adapter {name!r} is in use by {len(users)} running or queued sequences", param="name")
+        self.residency.forget(name)
         self.backend.uninstall(name)
 
 

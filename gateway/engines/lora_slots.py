@@ -25,6 +25,7 @@ import torch
 
 from livelora.clients.errors import BadRequestError, LiveloraError
 from livelora.core.base_models import building_lora
+from livelora.gateway.engines.lora_pool import GATHER_FROM, GatheredRows, LoraPool
 from livelora.gateway.engines.quantized import Int8Weight
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class LoraSlots:
         self.free_slots: list[LoraSlot] = []
         self._slot_counter = 0
         self.active_slot: str | None = None  # peft's active adapter, for single-version batches
-        self.mixed_rows: MixedRows | None = None  # set during a batched mixed-version forward
+        self.mixed_rows: MixedRows | GatheredRows | None = None  # set during a batched mixed-version forward
         self.stacks: dict[tuple[str, ...], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.lora_linear_only = True  # every LoRA layer is a peft lora.Linear (else no batched path)
         #: merged weights of the version most recently served alone (see :class:`MergedVersion`), or None
@@ -70,6 +71,7 @@ class LoraSlots:
         self.merge_enabled = merge
         self.quantize = quantize
         self._alone: tuple[LoraSlot | None, int] = (None, 0)  # the slot batches used alone, for how many passes
+        self.pool = LoraPool()  # every slot's factors by row, for batches of many versions (GatheredRows)
 
     def forward(self, adapters: list[str | None], **kw) -> torch.Tensor:
         """One forward pass; returns logits ``(B, T_kept, V)``. ``adapters`` has one entry per row."""
@@ -78,7 +80,7 @@ class LoraSlots:
         slots = [self.versions[a] if a is not None else None for a in adapters]
         rows = self._batched_rows(slots)
         if rows is not None and self._merged_for(slots) is not None:  # every row on one merged version
-            rows = MixedRows(rows.key, rows.rows, rows.stacks, merged=self.merged)
+            rows = MixedRows((), [], {}, merged=self.merged)
         if rows is not None:  # every LoRA layer serves each row its own version (see MixedRows)
             self.mixed_rows = rows
             try:
@@ -146,12 +148,15 @@ class LoraSlots:
             self.peft.base_model.set_adapter(slot, inference_mode=True)
             self.active_slot = slot
 
-    def _batched_rows(self, slots: list[LoraSlot | None]) -> MixedRows | None:
-        """The :class:`MixedRows` of a batch, or ``None`` when peft's own forward must run (versions of
+    def _batched_rows(self, slots: list[LoraSlot | None]) -> MixedRows | GatheredRows | None:
+        """The :class:`MixedRows` of a batch (:class:`~.lora_pool.GatheredRows` from
+        :data:`~.lora_pool.GATHER_FROM` versions on), or ``None`` when peft's own forward must run (versions of
         different shapes, DoRA or LoRA bias, or LoRA on layers other than ``nn.Linear``)."""
         used = list(dict.fromkeys(s for s in slots if s is not None))
         if not self.lora_linear_only or not all(s.batchable for s in used) or len({s.signature for s in used}) > 1:
             return None
+        if len(used) >= GATHER_FROM:
+            return self.pool.batch(self.peft, slots)
         key = tuple(s.name for s in used)
         stacks = self.stacks.pop(key, None)
         if stacks is None:
@@ -265,6 +270,7 @@ class LoraSlots:
         for key in [k for k in self.stacks if slot.name in k]:  # they hold copies of this slot's tensors
             del self.stacks[key]
         self._drop_merged(slot)
+        self.pool.changed(slot.name)
 
         if slot.params is None:
             marker = f".{slot.name}."
@@ -295,6 +301,7 @@ class LoraSlots:
         self.active_slot = None  # peft may change its active adapter
         self.stacks.clear()
         self._drop_merged(slot)
+        self.pool.dropped(slot.name)
         if self.peft is None or slot.name not in self.peft.peft_config:
             return
         if len(self.peft.peft_config) == 1:
@@ -507,6 +514,14 @@ class MixedRows:
             self._masks[widths] = mask
         return entry[0], entry[1], mask
 
+    def update(self, module, x: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA update of one layer for every row, ``(rows, T, d_out)``, or ``None`` if no version adapts it."""
+        layer = self.layer(module)
+        if layer is None:
+            return None
+        a, b, mask = layer
+        return ((x.to(a.dtype) @ a.t()) * mask) @ b
+
 
 def _lora_linear_forward(slots: LoraSlots, module, peft_forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Forward of a peft LoRA ``Linear``: peft's own, except during a :class:`MixedRows` pass.
@@ -525,8 +540,5 @@ def _lora_linear_forward(slots: LoraSlots, module, peft_forward, x: torch.Tensor
             return weight.linear(x, base.bias)
         return torch.nn.functional.linear(x, weight, base.bias)
     result = module.base_layer(x, *args, **kwargs)
-    layer = rows.layer(module)
-    if layer is None:
-        return result
-    a, b, mask = layer
-    return result + (((x.to(a.dtype) @ a.t()) * mask) @ b).to(result.dtype)
+    delta = rows.update(module, x)
+    return result if delta is None else result + delta.to(result.dtype)

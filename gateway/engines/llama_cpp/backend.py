@@ -293,15 +293,30 @@ class LlamaBackend:
         self.lora_files[name] = weights
 
     def uninstall(self, name: str) -> None:
-        """Free its LoRA in llama.cpp, its merged lane, its prompt-prefix cells and its GGUF file."""
+        """Free its LoRA in llama.cpp (unless it is cold), its merged lane, its prompt-prefix cells and its GGUF
+        file."""
+        if name in self.llama.adapters:
+            self.evict(name)
+        lora = self.lora_files.pop(name, None)
+        if lora is not None:
+            lora.unlink(missing_ok=True)
+
+    def evict(self, name: str) -> None:
+        """Free its LoRA in llama.cpp, its merged lane and its prompt-prefix cells; its GGUF file stays (the cold
+        copy)."""
         self.base.drop_version(name)
         if self.hot is not None and self.hot.version == name:
             self.hot.llama.close()
             self.hot = None
         self.llama.free_adapter(name)
-        lora = self.lora_files.pop(name, None)
-        if lora is not None:
-            lora.unlink(missing_ok=True)
+
+    def restore(self, name: str) -> None:
+        """Load its GGUF LoRA into llama.cpp again."""
+        self.llama.load_adapter(name, self.lora_files[name])
+
+    def version_bytes(self, name: str) -> int:
+        """The GGUF LoRA's size (llama.cpp holds its tensors as the file stores them)."""
+        return self.lora_files[name].stat().st_size
 
 
 def sweep_stale_dirs(tmp: Path) -> None:

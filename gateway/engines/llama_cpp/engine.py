@@ -130,6 +130,7 @@ class LlamaCppEngine(TransformersEngine):
         from livelora.gateway.engines.llama_cpp.backend import LlamaBackend
         from livelora.gateway.engines.llama_cpp.lane import PREFIX_CACHES
         from livelora.gateway.engines.llama_cpp.model import LlamaModel, served_gguf
+        from livelora.gateway.engines.residency import memory_bytes
 
         gguf = served_gguf(gguf_location(self.model_name), self.weights, self._home / "models" / "gguf")
         llama = LlamaModel(
@@ -155,6 +156,8 @@ class LlamaCppEngine(TransformersEngine):
             max_prefill_tokens=self.max_prefill_tokens,
             share=share,
             serving=ServingFlag(self._home),
+            max_resident=self.max_loaded_versions,
+            memory=memory_bytes("cpu"),
         )
 
 

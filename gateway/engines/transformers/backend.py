@@ -45,6 +45,9 @@ class TransformersBackend:
         self.batch = KVBatch()  # the running rows' cache, in the loop's order
         self.prefilled: KVBatch | None = None  # the cache of the group just prefilled, until :meth:`admit`
         self.threads = torch.get_num_threads()
+        self.configs: dict[str, Any] = {}  # version -> its LoraConfig (resident or cold)
+        self.cold: dict[str, Path] = {}  # version -> its cold copy (written when it is first evicted)
+        self.cold_dir: Path | None = None
 
     def set_threads(self, n: int) -> None:
         torch.set_num_threads(n)  # the loop's thread runs the engine's kernels
@@ -122,10 +125,44 @@ class TransformersBackend:
     def install(self, name: str, config, weights: dict[str, torch.Tensor], source: str) -> None:
         """Copy the weights into a LoRA slot (:meth:`~.lora_slots.LoraSlots.install`)."""
         self.slots.install(name, config, weights, source)
+        self.configs[name] = config
 
     def uninstall(self, name: str) -> None:
-        """Its slot becomes free for the next version of the same shape (:meth:`~.lora_slots.LoraSlots.release`)."""
+        """Its slot becomes free for the next version of the same shape (:meth:`~.lora_slots.LoraSlots.release`);
+        a cold version's copy is deleted."""
+        self.slots.release(name)
+        self.configs.pop(name, None)
+        cold = self.cold.pop(name, None)
+        if cold is not None:
+            cold.unlink(missing_ok=True)
+
+    def evict(self, name: str) -> None:
+        """Release its slot; its tensors are written to a safetensors file of this backend's the first time."""
+        from safetensors.torch import save_file
+
+        from livelora.gateway.engines.residency import cold_dir
+
+        if name not in self.cold:
+            if self.cold_dir is None:
+                self.cold_dir = cold_dir()
+            params = self.slots.versions[name].params or {}
+            path = self.cold_dir / f"{len(self.cold)}-{abs(hash(name))}.safetensors"
+            save_file({k: p.detach().cpu().contiguous() for k, p in params.items()}, str(path))
+            self.cold[name] = path
         self.slots.release(name)
 
+    def restore(self, name: str) -> None:
+        """Copy the cold file back into a LoRA slot (a free one of its shape when there is one)."""
+        from safetensors.torch import load_file
+
+        self.slots.install(name, self.configs[name], load_file(str(self.cold[name]), device=self.device), "cold copy")
+
+    def version_bytes(self, name: str) -> int:
+        return sum(p.numel() * p.element_size() for p in (self.slots.versions[name].params or {}).values())
+
     def close(self, stepping: bool) -> None:
-        """Nothing to free by hand: the model goes with the engine."""
+        """Remove the cold copies (the model goes with the engine)."""
+        if self.cold_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.cold_dir, ignore_errors=True)

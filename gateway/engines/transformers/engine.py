@@ -59,6 +59,9 @@ class TransformersEngine(Engine):
             (:class:`~.lora_slots.MergedVersion`; ``LIVELORA_ENGINE_MERGE_LORA``).
         weights: served weight format, ``fp32``, ``bf16``, ``int8`` or ``int4`` (:mod:`.quantized`;
             ``LIVELORA_ENGINE_WEIGHTS``); ``bf16`` loads the model in bfloat16 whatever ``dtype`` says.
+        max_loaded_versions: adapter versions whose weights stay in memory at most; the others loaded are cold
+            and loaded back on demand (:mod:`~livelora.gateway.engines.residency`;
+            ``LIVELORA_ENGINE_MAX_LOADED_VERSIONS``; ``None``: derived from the device's memory).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class TransformersEngine(Engine):
         threads_while_training: int | None = None,
         merge_lora: bool = True,
         weights: str = "fp32",
+        max_loaded_versions: int | None = None,
     ):
         from livelora.core.settings import CommonSettings
         from livelora.gateway.engines.quantized import WEIGHT_FORMATS
@@ -85,6 +89,9 @@ class TransformersEngine(Engine):
             raise BadRequestError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}", param="weights")
         if max_batch_size < 1:
             raise BadRequestError("max_batch_size must be >= 1", param="max_batch_size")
+        if max_loaded_versions is not None and max_loaded_versions < 1:
+            raise BadRequestError("max_loaded_versions must be >= 1", param="max_loaded_versions")
+        self.max_loaded_versions = max_loaded_versions
         settings = CommonSettings()
         self.model_name = model or settings.model
         self._home = Path(home) if home is not None else settings.home
@@ -125,6 +132,7 @@ class TransformersEngine(Engine):
 
         from livelora.core.base_models import load_model, load_tokenizer, resolve_base_model
         from livelora.gateway.engines.batching import BatchingLoop
+        from livelora.gateway.engines.residency import memory_bytes
         from livelora.gateway.engines.transformers.backend import TransformersBackend
 
         if self.num_threads:
@@ -172,6 +180,8 @@ class TransformersEngine(Engine):
             max_prefill_tokens=self.max_prefill_tokens,
             share=share,
             serving=serving,
+            max_resident=self.max_loaded_versions,
+            memory=memory_bytes(self.device),
         )
         worker.thread.start()
         self._tokenizer, self._worker = tokenizer, worker

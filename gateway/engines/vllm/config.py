@@ -23,7 +23,7 @@ class VLLMConfig:
         max_batch_size: vLLM ``max_num_seqs`` (sequences decoded together).
         max_waiting: unfinished requests beyond ``max_batch_size`` allowed; more get :class:`RateLimitError`.
         max_model_len: prompt + completion limit in tokens (default 1024 on CPU, the model's on GPU).
-        max_loras, max_lora_rank, gpu_memory_utilization, tensor_parallel_size, enforce_eager,
+        max_loras, max_cpu_loras, max_lora_rank, gpu_memory_utilization, tensor_parallel_size, enforce_eager,
             enable_prefix_caching, snapshot_dir: see :class:`~livelora.gateway.settings.VLLMSection`
             (``None`` = from ``settings``).
         settings: the gateway's vLLM section (default: from the environment).
@@ -31,7 +31,8 @@ class VLLMConfig:
         engine_args: extra ``AsyncEngineArgs`` fields (advanced; override everything above).
 
     Raises:
-        BadRequestError: invalid settings (e.g. ``max_loras < 2``, a rank vLLM does not support).
+        BadRequestError: invalid settings (e.g. ``max_loras < 2``, ``max_cpu_loras < max_loras``, a rank vLLM
+            does not support).
     """
 
     def __init__(
@@ -43,6 +44,7 @@ class VLLMConfig:
         max_waiting: int = 1024,
         max_model_len: int | None = None,
         max_loras: int | None = None,
+        max_cpu_loras: int | None = None,
         max_lora_rank: int | None = None,
         gpu_memory_utilization: float | None = None,
         tensor_parallel_size: int | None = None,
@@ -73,6 +75,13 @@ class VLLMConfig:
         if self.max_loras < 2:
             raise BadRequestError(
                 "max_loras must be >= 2 (the old and the new version run side by side during a swap)", param="max_loras"
+            )
+        cpu_loras = max_cpu_loras if max_cpu_loras is not None else vs.max_cpu_loras
+        self.max_cpu_loras = cpu_loras if cpu_loras is not None else self.max_loras + 1
+        if self.max_cpu_loras < self.max_loras:
+            raise BadRequestError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
+                param="max_cpu_loras",
             )
         self.max_lora_rank = max_lora_rank if max_lora_rank is not None else vs.max_lora_rank
         if self.max_lora_rank not in VLLM_LORA_RANKS:
@@ -119,7 +128,7 @@ class VLLMConfig:
             enable_lora=True,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
-            max_cpu_loras=self.max_loras + 1,
+            max_cpu_loras=self.max_cpu_loras,
             max_logprobs=MAX_TOP_LOGPROBS,
             logprobs_mode="raw_logprobs",
             tensor_parallel_size=self.tensor_parallel_size,
