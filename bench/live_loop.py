@@ -236,19 +236,27 @@ class Loop:
                 self.written[n.name] = time.perf_counter()
             self.polls += 1
 
-    def served(self) -> str | None:
-        return self.server.services.registry.current.get(EP)
+    def served(self, endpoint: str = EP) -> str | None:
+        return self.server.services.registry.current.get(endpoint)
+
+    def endpoint_of(self, name: str) -> str:
+        """The binding that serves version ``name``'s lineage: the endpoint, or one of its segments (``E::S``)."""
+        from livelora.adapters.endpoints import EndpointStore
+
+        lineage = name.rsplit("@", 1)[0]
+        return next((e for e, b in EndpointStore(self.home).all().items() if b.lineage == lineage), EP)
 
     def manifest(self, name: str):
         from livelora.adapters.store import AdapterStore
 
-        return AdapterStore(self.home).get(EP, int(name.rsplit("@", 1)[1]))
+        lineage, version = name.rsplit("@", 1)
+        return AdapterStore(self.home).get(lineage, int(version))
 
     def passed(self, name: str) -> bool:
-        """Whether the gate let ``name`` serve the endpoint (True without a gate)."""
+        """Whether the gate let ``name`` serve its binding (True without a gate)."""
         from livelora.core.rails import gate_allows
 
-        return gate_allows(self.manifest(name).gate, EP)
+        return gate_allows(self.manifest(name).gate, self.endpoint_of(name))
 
     def drain(self, since: float, timeout_s: float = 900) -> None:
         """Wait until the worker has taken every signal sent up to ``since`` (``perf_counter``): trained, held
@@ -282,11 +290,14 @@ class Loop:
             {"version": n, "passed": self.passed(n), "written": self.written[n], "train": self.trained.get(n)}
             for n in new
         ]
-        ok = [u for u in out if u["passed"]]
-        if ok:
-            last = ok[-1]
+        newest: dict[str, dict] = {}  # per lineage, its newest version that passed
+        for u in out:
+            if u["passed"]:
+                newest[u["version"].rsplit("@", 1)[0]] = u
+        for last in newest.values():
+            ep = self.endpoint_of(last["version"])
             if not wait_until(
-                lambda: self.served() == last["version"] or last["version"] in self.blocked(),
+                lambda: self.served(ep) == last["version"] or last["version"] in self.blocked(ep),  # noqa: B023
                 timeout_s=timeout_s,
                 interval_s=0.01,
             ):
@@ -294,11 +305,11 @@ class Loop:
             last["served"] = time.perf_counter()
         return out
 
-    def blocked(self) -> list[str]:
+    def blocked(self, endpoint: str = EP) -> list[str]:
         from livelora.adapters.endpoints import EndpointStore
 
-        b = EndpointStore(self.home).get(EP)
-        return [f"{EP}@{v}" for v in (getattr(b, "blocked", None) or [])]
+        b = EndpointStore(self.home).get(endpoint)
+        return [f"{b.lineage}@{v}" for v in (getattr(b, "blocked", None) or [])]
 
     def stats(self) -> dict:
         return httpx.get(self.server.url(f"/admin/endpoints/{EP}/stats"), timeout=60).json()
