@@ -13,7 +13,7 @@ import pytest
 from _doc_blocks import REPO, blocks
 from harness.docs import replay, run_bash, run_python, serve_process
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.live, pytest.mark.timeout(1800)]
 
 
 def test_the_endpoints_page_runs_in_order_on_a_fresh_store(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from harness.docs import run_bash, run_python, serve_process
 
 from livelora.clients.types.learning import LearningStatus
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.live]
 WALKTHROUGH = ("## Five minutes: chat, rate, watch a new version being served", "## Documentation")
 #: The walkthrough's factual questions and their accepted answers (a word anywhere in the reply, case folded).
 FACTS = {

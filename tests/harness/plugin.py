@@ -331,7 +331,7 @@ def _fast(file: str, name: str) -> bool:
 #: server or livelora process started by the test
 LIVE_CALLS = re.compile(
     r"\bredis\.(?:asyncio\.)?Redis\b|\bconnect_sync\(|\bREDIS_URL\b|(?:127\.0\.0\.1|localhost)\W{1,4}6379"
-    r"|\bstart_server\(|\bCluster\(|\bbind_install\("
+    r"|\bstart_server\(|\bCluster\(|\bbind_install\(|\bserve_process\("
 )
 
 
