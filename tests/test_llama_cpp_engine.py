@@ -100,7 +100,7 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
         run(engine.load_adapter("m@1", str(v1)))
         run(engine.load_adapter("m@2", str(v2)))
         prompt = chat(engine, "Name a river.")
-        params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
+        params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2, ignore_eos=True)
         first, _, chunks = run(collect(engine, prompt, params, adapter="m@1"))  # on the base lane, as a LoRA
         for _ in range(
             1200
@@ -113,10 +113,15 @@ def test_a_version_serving_alone_is_merged_into_a_lane_of_its_own(base_ref, loop
         assert hot is not None and hot.version == "m@1" and hot.llama.adapters == {}
         kept = run(on_worker(worker, lambda: dict(hot.kept)))  # (read between steps: the row is released)
         assert list(kept.values()) == [("m@1", prompt)]  # the second request ran on the merged lane
-        assert merged == first  # float16 rounding of W + B A instead of W and the LoRA apart: same greedy reply
-        lora_lps = [lp.logprob for c in chunks for lp in c.logprobs]
+        # float16 rounding of W + B A instead of W and the LoRA apart: the same greedy reply, except where the
+        # LoRA's two likeliest tokens are within the engine's logprob tolerance (a near tie may break either way)
+        lora_lps = [lp for c in chunks for lp in c.logprobs]
+        same = next((k for k, (a, b) in enumerate(zip(first, merged)) if a != b), len(first))
+        if same < len(first):
+            (_, top_lp), (second, second_lp) = lora_lps[same].top[:2]
+            assert top_lp - second_lp <= 2 * logprob_tolerance(engine) and merged[same] == second, (same, first, merged)
         merged_lps = [lp.logprob for c in merged_chunks for lp in c.logprobs]
-        assert merged_lps == pytest.approx(lora_lps, abs=logprob_tolerance(engine))
+        assert merged_lps[:same] == pytest.approx([lp.logprob for lp in lora_lps[:same]], abs=logprob_tolerance(engine))
         on_v2, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True), adapter="m@2"))  # m@2 alone: built
         on_base, _, _ = run(collect(engine, prompt, greedy(8, ignore_eos=True)))
         assert len({tuple(first), tuple(on_v2), tuple(on_base)}) == 3  # each on its own weights
