@@ -124,7 +124,7 @@ def test_a_version_short_at_any_cost_is_rejected_by_the_freeform_check_while_the
     loose = GateThresholds(max_kl_current=100.0, max_kl_base=100.0, max_degenerate=1.0, min_length_ratio=0.0)
     EndpointStore(home).set_gate(ep, loose, tenant="default", who="test", reason="probes and free-form bind")
     gate = GateSection(
-        gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12, gate_min_step_scale=1.0, gate_freeform_items=120
+        gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12, gate_min_step_scale=1.0, gate_freeform_items=60
     )
     trainer = OnlineTrainer(base_ref, home, TrainingSection(sft_lr=2e-3), gate=gate)
     evs = [
