@@ -18,36 +18,14 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-PROMPTS = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain how rain forms.",
-    "List some tips for learning a new language.",
-    "Describe a busy market in the morning.",
-    "What makes a good friend?",
-    "Tell me about the history of bicycles.",
-    "Give advice to a new gardener.",
-    "Describe the ocean to someone who has never seen it.",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by nearest rank; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
-def odd_rounds(value: str) -> int:
-    """argparse type: a positive odd number (the median is then one round's figure)."""
-    n = int(value)
-    if n < 1 or n % 2 == 0:
-        raise argparse.ArgumentTypeError(f"{n}: give an odd number of rounds")
-    return n
+from serve import PROMPTS, odd_rounds, percentile  # the serving bench's prompts, quantile and rounds check
 
 
 def rss_mb() -> float:
