@@ -117,8 +117,7 @@ def segments_assign(
     home: HomeOption = None,
 ) -> None:
     """Add users, API keys or header values to a segment (each in one segment of the endpoint at most)."""
-    members = {"users": user or [], "keys": key or [], "headers": header or []}
-    _print(run_or_exit(lambda: _assign(Backend(url, api_key, home), name, segment, members, False, reason)))
+    _members_change(url, api_key, home, name, segment, (user, key, header), False, reason)
 
 
 @segments_app.command("unassign")
@@ -134,5 +133,10 @@ def segments_unassign(
     home: HomeOption = None,
 ) -> None:
     """Take members out of a segment: their requests go to the endpoint's shared version again."""
-    members = {"users": user or [], "keys": key or [], "headers": header or []}
-    _print(run_or_exit(lambda: _assign(Backend(url, api_key, home), name, segment, members, True, reason)))
+    _members_change(url, api_key, home, name, segment, (user, key, header), True, reason)
+
+
+def _members_change(url, api_key, home, name: str, segment: str, given: tuple, remove: bool, reason: str) -> None:
+    """``assign`` (``remove`` false) or ``unassign`` the ``(users, key ids, header values)`` given, and print."""
+    members = {kind: list(values or []) for kind, values in zip(("users", "keys", "headers"), given)}
+    _print(run_or_exit(lambda: _assign(Backend(url, api_key, home), name, segment, members, remove, reason)))
