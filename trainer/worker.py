@@ -297,7 +297,7 @@ class TrainerWorker:
                 return None
             if self.governor is not None:
                 batch = self.governor.weigh(batch)  # rater agreement weights
-            if batch is not taken:
+            if len(batch.events) != len(taken.events):
                 self.learning.training(batch, self.scheduler)  # what the step trains on after screening
             manifest = self.backend.train(batch)
         except LiveloraError as exc:
