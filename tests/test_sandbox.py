@@ -314,4 +314,5 @@ def test_without_bubblewrap_the_work_directory_total_is_watched(monkeypatch):
     assert (r.status, r.exit_code, r.filled) == ("disk_limit", None, ["work_mb"]), r
     assert "over work_mb 32 MiB" in r.message
     written = int(r.stdout.split()[-1]) if r.stdout else 0
-    assert 2 <= written < 64, r.stdout  # stopped after its 32 MiB, well before 1 GiB
+    # stopped at its 32 MiB (the 2nd file plus the program passes it, so the kill can come before the 2nd print)
+    assert 1 <= written < 64, r.stdout
