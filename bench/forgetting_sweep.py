@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--bench-items", type=int, default=40, help="stratified prefix of the bench set")
     ap.add_argument("--gate-freeform-items", type=int, default=None, help="run the evaluation gate with this check")
     ap.add_argument("--measure-first", action="store_true", help="also measure after step 1")
+    ap.add_argument("--measure-at", default="", help="also measure after these steps (comma-separated)")
+    ap.add_argument("--pool", type=Path, default=None, help="rehearsal prompts (JSON lines with a prompt)")
     ap.add_argument("--base-cache", type=Path, default=None, help="the base model's replies: read, else written")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
@@ -193,11 +195,16 @@ def main() -> None:
 
     print(f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; {len(bench)} bench items, {len(held)} held out")
     results, base = [], None
+    measure_at = {int(x) for x in args.measure_at.split(",") if x}
     for spec in args.configs.split(","):
         name, over = parse_config(spec)
         config = TrainingSection(**over)
         gate = GateSection(gate_freeform_items=args.gate_freeform_items) if args.gate_freeform_items else None
         trainer = OnlineTrainer(base_ref, store, config, gate)
+        if args.pool and trainer.rehearsal is not None:
+            from livelora.trainer.rehearsal import load_prompts
+
+            trainer.rehearsal.prompts = load_prompts(args.pool)
         lineage = f"sweep-{name}-{uuid.uuid4().hex[:6]}"
         model = trainer.model_for(lineage)
         replies = Replies(trainer.tokenizer)
@@ -235,7 +242,7 @@ def main() -> None:
             manifest = trainer.train(rating_batch(lineage, rated))
             row["update_s"].append(time.perf_counter() - t0)
             model = trainer.model_for(lineage)
-            if step != args.steps and not (step == 1 and args.measure_first):
+            if step != args.steps and not (step == 1 and args.measure_first) and step not in measure_at:
                 continue
             cap = greedy(cap_suite, model)
             was = {i.id: i.right(base["cap"][i.id]) for i in bench}

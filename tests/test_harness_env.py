@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 from harness.bus import REDIS_URL, delete_prefix
-from harness.environ import SUITE_INPUTS
+from harness.environ import SET_HERE, SUITE_INPUTS
 
 from livelora.core.install import InstallMismatchError, bind_install, store_id
 from livelora.core.redis_keys import KeyLayout
@@ -40,8 +40,7 @@ def test_the_probe_binds_the_session_store_to_the_sessions_own_prefix(livelora_h
         not {n for n in os.environ if n.startswith("LIVELORA_")}
         - SUITE_INPUTS
         - {
-            "LIVELORA_REDIS_PREFIX",
-            "LIVELORA_GATE_ENABLED",
+            *SET_HERE,
             "LIVELORA_HOME",
             "LIVELORA_TOKENIZER_CACHE",  # the session's own (harness.plugin._tokenizer_cache)
         }

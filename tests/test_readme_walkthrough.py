@@ -45,7 +45,7 @@ def right(replies: dict[str, str]) -> set[str]:
 
 @pytest.fixture
 def fresh_serve(tmp_path):
-    with serve_process(tmp_path) as serve:
+    with serve_process(tmp_path, installed=True) as serve:
         yield serve
 
 

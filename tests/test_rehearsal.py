@@ -16,9 +16,10 @@ from pydantic import ValidationError
 from livelora.clients.types import LoraConfig, TensorData
 from livelora.clients.types.signals import ChatMessage
 from livelora.core.base_models import base_identity, load_model
+from livelora.trainer.capability import CATEGORIES
 from livelora.trainer.event_datums import EventDatums, completion_datum
 from livelora.trainer.model import TrainingModel
-from livelora.trainer.rehearsal import POOL_FILE, SHIPPED_FILE, Rehearsal, kl_base_new, load_prompts, shipped_key
+from livelora.trainer.rehearsal import POOLS, Rehearsal, kl_base_new, load_prompts, shipped_file, shipped_key
 from livelora.trainer.settings import TrainingSection
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,17 +29,28 @@ def fold(text: str) -> str:
     return re.sub(r"[^a-z0-9 ]", "", text.lower()).strip()
 
 
-def test_pool_is_large_varied_and_disjoint_from_every_evaluation_and_example():
-    prompts = load_prompts()
-    kinds = {json.loads(line)["kind"] for line in POOL_FILE.read_text().splitlines() if line.strip()}
-    assert len(prompts) >= 64 and len(set(map(fold, prompts))) == len(prompts) and len(kinds) >= 6
-    held = [json.loads(line)["prompt"] for f in sorted((ROOT / "trainer/rails").glob("*.jsonl")) if f != POOL_FILE
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_pool_is_large_varied_and_disjoint_from_every_evaluation_and_example(pool):
+    path = POOLS[pool]
+    prompts = load_prompts(path)
+    kinds = {json.loads(line)["kind"] for line in path.read_text().splitlines() if line.strip()}
+    assert len(prompts) >= 64 and len(set(map(fold, prompts))) == len(prompts)
+    # the capability pool: the check's four kinds, interleaved so that every 4-prompt step mixes them
+    assert kinds == set(CATEGORIES) if pool == "capability" else len(kinds) >= 6
+    if pool == "capability":
+        first = [json.loads(line)["kind"] for line in path.read_text().splitlines()[:20]]
+        assert set(first) == set(CATEGORIES)
+    held = [json.loads(line)["prompt"] for f in sorted((ROOT / "trainer/rails").glob("*.jsonl")) if f != path
             for line in f.read_text().splitlines() if line.strip()]  # fmt: skip
-    assert len(held) >= 24  # the probes, and the free-form capability sets once they are there
+    assert len(held) >= 24  # the probes, the free-form capability sets, the other pool
     spec = importlib.util.spec_from_file_location("live_loop", ROOT / "bench/live_loop.py")
     live_loop = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(live_loop)
     held += live_loop.PROMPTS
+    spec = importlib.util.spec_from_file_location("tastes", ROOT / "bench/tastes.py")
+    tastes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tastes)
+    held += [*tastes.EVERYDAY[0], *tastes.EVERYDAY[1]] + [p for p, _ in tastes.FACTS[0] + tastes.FACTS[1]]
     assert not {fold(p) for p in prompts} & {fold(p) for p in held}
     pages = " ".join(fold(p.read_text()) for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
     assert [p for p in prompts if fold(p) in pages] == []
@@ -63,17 +75,19 @@ def test_settings_refuse_a_kl_without_prompts_and_map_lora_targets():
     assert (mlp.train_attn, mlp.train_mlp) == (False, True)
 
 
+@pytest.mark.parametrize("pool", sorted(POOLS))
 def test_the_built_in_models_base_replies_ship_so_a_fresh_stores_first_step_does_not_generate_them(
-    base_ref, tokenizer, tmp_path
+    base_ref, tokenizer, tmp_path, pool
 ):
-    config = TrainingSection()  # the defaults: the shipped file's key is theirs
+    config = TrainingSection(rehearsal_pool=pool)  # otherwise the defaults: the shipped file's key is theirs
     rehearsal = Rehearsal(base_ref, tmp_path, EventDatums(base_ref, config), config, base_identity(base_ref))
-    doc = json.loads(SHIPPED_FILE.read_text())
-    assert doc["key"] == shipped_key(load_prompts(), base_identity(base_ref), config.rehearsal_max_tokens), (
+    doc = json.loads(shipped_file(POOLS[pool]).read_text())
+    prompts = load_prompts(POOLS[pool])
+    assert doc["key"] == shipped_key(prompts, base_identity(base_ref), config.rehearsal_max_tokens), (
         "the pool, the built-in weights or rehearsal_max_tokens changed: run bench/make_rehearsal_base.py"
     )
     replies = rehearsal.replies()
-    assert rehearsal.source == "shipped" and len(replies) == len(load_prompts()) and not rehearsal.cache_path().exists()
+    assert rehearsal.source == "shipped" and len(replies) == len(prompts) and not rehearsal.cache_path().exists()
     first = replies[0]
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": first.prompt}], add_generation_prompt=True,
                                              tokenize=False)  # fmt: skip

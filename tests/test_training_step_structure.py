@@ -102,6 +102,18 @@ def test_adams_eps_is_a_trainer_setting(monkeypatch):
     assert [c.strip() for c in row.split("│")[1:5]] == ["LIVELORA_ADAM_EPS", "training", "1e-08", "0.001"]
 
 
+@pytest.mark.timeout(900)
+def test_the_learning_rate_warms_up_over_a_lineages_first_steps(base_ref, tmp_path):
+    from livelora.trainer.online import OnlineTrainer
+    from livelora.trainer.settings import TrainingSection
+
+    assert TrainingSection.model_fields["lr_warmup_steps"].default == 3  # the live loop's default
+    EndpointStore(tmp_path).create("warm", "warm", tenant="default", who="test")
+    trainer = OnlineTrainer(base_ref, tmp_path, TrainingSection(lr_warmup_steps=3, kto_lr=1e-3), gate=None)
+    lrs = [trainer.train(_ratings(trainer, "warm")).metrics["learning_rate:mean"] for _ in range(4)]
+    assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])  # step n: min(1, n / 3) of the rate
+
+
 def _ratings(trainer, endpoint: str) -> Batch:
     """Two real ratings of chat replies (one up, one down), as the live loop batches them."""
     rated = [("Name a colour.", "Blue.", True), ("What is 2+2?", "Five.", False)]

@@ -93,7 +93,9 @@ class LiveStep:
         self.progress(batch.lineage, "training", detail="forward/backward and optimizer step")
         extra = self.rehearsal.add_gradients(model) if self.rehearsal and model.group is None else {}
         out = model.forward_backward(d.data, d.loss_fn, d.cfg, loss_positions_only=True)  # only metrics are read
-        adam = AdamParams(learning_rate=d.lr, grad_clip_norm=self.config.grad_clip_norm, eps=self.config.adam_eps)
+        warm = self.config.lr_warmup_steps
+        lr = d.lr * min(1.0, (model.step + 1) / warm) if warm else d.lr
+        adam = AdamParams(learning_rate=lr, grad_clip_norm=self.config.grad_clip_norm, eps=self.config.adam_eps)
         opt = model.optim_step(adam)
         metrics = {**out.metrics, **opt, **extra, "events:sum": float(len(batch.events))}
         if d.loss_fn == "kto":

@@ -1,5 +1,6 @@
 """Updates that keep what the base model could do: rehearsal of the base model's own greedy replies to a pool of
-general prompts (``rails/rehearsal_prompts.jsonl``) and a KL toward the base model at those replies' positions,
+prompts (:data:`POOLS`: capability-like questions, or general everyday prompts) and a KL toward the base model at
+those replies' positions,
 added to every live step's gradients (:class:`Rehearsal`, called by :meth:`OnlineTrainer.train`). Method and
 measurements: docs/live-loop.md ("Learning a taste without forgetting").
 """
@@ -24,12 +25,22 @@ from livelora.trainer.settings import TrainingSection
 
 log = logging.getLogger(__name__)
 
-POOL_FILE = Path(__file__).resolve().parent / "rails" / "rehearsal_prompts.jsonl"
+RAILS = Path(__file__).resolve().parent / "rails"
+#: The pools (``TrainingSection.rehearsal_pool``): questions of the capability check's four kinds (facts,
+#: arithmetic, checkable instructions, reading), disjoint from its items; or everyday open prompts.
+POOLS = {"capability": RAILS / "rehearsal_capability.jsonl", "general": RAILS / "rehearsal_prompts.jsonl"}
+POOL_FILE = POOLS["capability"]
 #: Where the base model's replies to the pool are kept, under the store.
 CACHE_DIR = Path("models") / "rehearsal-base"
-#: The built-in model's replies to the pool, shipped (``bench/make_rehearsal_base.py`` writes it), so a fresh
-#: store's first step does not generate them; used when its pool, base identity and token cap match.
-SHIPPED_FILE = POOL_FILE.parent / "rehearsal_base.json"
+
+
+def shipped_file(pool: Path) -> Path:
+    """The built-in model's replies to ``pool``, shipped (``bench/make_rehearsal_base.py`` writes them), so a fresh
+    store's first step does not generate them; used when the pool, base identity and token cap match."""
+    return pool.with_suffix(".base.json")
+
+
+SHIPPED_FILE = shipped_file(POOL_FILE)
 
 
 def shipped_key(prompts: list[str], base_id: str, max_tokens: int) -> dict[str, Any]:
@@ -104,7 +115,7 @@ class Rehearsal:
         home: ``LIVELORA_HOME`` (the cache lives in ``models/rehearsal-base/``).
         examples: the trainer's :class:`~livelora.trainer.event_datums.EventDatums` (its ``tokenizer``).
         config: ``rehearsal_per_step``, ``rehearsal_weight``, ``rehearsal_max_tokens``, ``kl_coef``, ``device``.
-        prompts: the pool (default: :data:`POOL_FILE`'s).
+        prompts: the pool (default: that of ``config.rehearsal_pool``, :data:`POOLS`).
     """
 
     def __init__(
@@ -118,7 +129,8 @@ class Rehearsal:
     ):
         self.base_ref, self.home, self.examples, self.config, self.base_id = base_ref, home, examples, config, base_id
         self._thread: threading.Thread | None = None
-        self.prompts = prompts if prompts is not None else load_prompts()
+        self.pool = POOLS[config.rehearsal_pool]
+        self.prompts = prompts if prompts is not None else load_prompts(self.pool)
         self._replies: list[BaseReply] | None = None
         self._lock = threading.Lock()
         self._next = 0
@@ -170,11 +182,11 @@ class Rehearsal:
         log.info("rehearsal: base replies to %d pool prompts in %.1f s", len(replies), self.seconds)
         return replies
 
-    def shipped(self, path: Path = SHIPPED_FILE) -> list[BaseReply] | None:
-        """The replies in ``path`` when its key is :func:`shipped_key` of this pool, base and token cap, else
-        ``None`` (another base model, pool or cap; a missing or unreadable file)."""
+    def shipped(self, path: Path | None = None) -> list[BaseReply] | None:
+        """The replies in ``path`` (default: the pool's :func:`shipped_file`) when its key is :func:`shipped_key` of
+        this pool, base and token cap, else ``None`` (another base model, pool or cap; a missing or unreadable file)."""
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads((path or shipped_file(self.pool)).read_text())
             if doc["key"] != shipped_key(self.prompts, self.base_id, self.config.rehearsal_max_tokens):
                 return None
             return [BaseReply(**r) for r in doc["replies"]]

@@ -110,22 +110,37 @@ class TrainingSection(Section):
     lora_targets: Literal["all", "attn", "mlp"] = Field(
         "all", description="Module groups of new lineages' adapters: attention + MLP, attention only or MLP only."
     )
+    lr_warmup_steps: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="Live steps of a lineage over which its learning rate rises linearly to the full rate: "
+        "step n (from 1) uses min(1, n / lr_warmup_steps) of it (0: the full rate from the first step).",
+    )
     rehearsal_per_step: int = Field(
-        0,
+        4,
         ge=0,
         le=64,
-        description="General prompts (trainer/rails/rehearsal_prompts.jsonl, rotating) whose base-model greedy "
-        "replies each live step also trains on (0: none); their tokens are not metered to the tenant.",
+        description="Prompts of the rehearsal pool (rotating) whose base-model greedy replies each live step "
+        "also trains on (0: none); their tokens are not metered to the tenant.",
+    )
+    rehearsal_pool: Literal["capability", "general"] = Field(
+        "capability",
+        description="The rehearsal pool: questions of the capability check's kinds, disjoint from its items "
+        "(trainer/rails/rehearsal_capability.jsonl), or everyday open prompts (rehearsal_prompts.jsonl).",
     )
     rehearsal_weight: float = Field(
-        1.0, ge=0, description="Coefficient of the rehearsal cross-entropy (mean nats per reply token)."
+        0.0,
+        ge=0,
+        description="Coefficient of the rehearsal cross-entropy (mean nats per reply token; 0: the KL "
+        "alone, the measured default, docs/live-loop.md).",
     )
     rehearsal_max_tokens: int = Field(48, ge=4, le=256, description="Longest base reply to a rehearsal prompt.")
     kl_coef: float = Field(
-        0.0,
+        0.5,
         ge=0,
         description="Coefficient of KL(base || new) per token over the vocabulary at the rehearsal replies' "
-        "positions (0: none; needs rehearsal_per_step > 0).",
+        "positions (0: none; needs rehearsal_per_step > 0; 0.5 measured, docs/live-loop.md).",
     )
 
     @model_validator(mode="after")
@@ -171,13 +186,12 @@ class GateSection(Section):
         24, ge=4, le=256, description="Greedy tokens generated per open prompt for the degeneracy check."
     )
     gate_freeform_items: int = Field(
-        0,
+        60,
         ge=0,
         le=10000,
         description="Most capability items (a stratified sample of trainer/rails/freeform_gate.jsonl) whose greedy "
-        "free-form replies the gate judges per candidate, stopping earlier once the verdict is clear; 0 (the "
-        "default): no free-form check. 120 is the measured setting; with it the default live loop's steps are "
-        "refused (docs/rails.md, 'Judging the replies users get').",
+        "free-form replies the gate judges per candidate, stopping earlier once the verdict is clear (0: no "
+        "free-form check; docs/rails.md, 'Judging the replies users get').",
     )
     gate_freeform_chunk: int = Field(
         30, ge=1, description="Free-form items generated in one batch, between which the gate may stop early."

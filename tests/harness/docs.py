@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from harness.bus import REDIS_URL, delete_prefix
+from harness.environ import LOOP_MECHANICS
 
 DOCS_URL = "http://127.0.0.1:8000"
 #: what a recorded output line may differ in from a new run, masked before comparing (pattern, mask)
@@ -54,15 +55,19 @@ class Serve:
 
 
 @contextlib.contextmanager
-def serve_process(tmp: Path, extra_env: dict[str, str] | None = None) -> Iterator[Serve]:
-    """``livelora serve`` on an empty store under ``tmp`` with a Redis prefix of its own, as installed (the
-    evaluation gate on); stopped with SIGINT and its prefix deleted at the end.
+def serve_process(tmp: Path, extra_env: dict[str, str] | None = None, *, installed: bool = False) -> Iterator[Serve]:
+    """``livelora serve`` on an empty store under ``tmp`` with a Redis prefix of its own, the evaluation gate on;
+    with ``installed`` every update and gate setting as installed (the free-form check and the rehearsal KL too,
+    which the suite turns off elsewhere: ``harness.environ.LOOP_MECHANICS``); stopped with SIGINT and its prefix
+    deleted at the end.
 
     Raises:
         RuntimeError: it did not answer ``/health`` within 600 s (the log's tail in the message).
     """
     port, prefix = free_port(), f"{os.environ['LIVELORA_REDIS_PREFIX']}serve-{uuid.uuid4().hex[:8]}:"
     env = dict(os.environ, LIVELORA_REDIS_PREFIX=prefix, LIVELORA_GATE_ENABLED="true", LIVELORA_HOME=str(tmp))
+    for name in LOOP_MECHANICS if installed else ():
+        del env[name]
     env.update(extra_env or {})
     store, log_path = tmp / "store", tmp / "serve.log"
     log = open(log_path, "w")
