@@ -1,10 +1,10 @@
 """Where each lineage's next version stands, published for ``GET /v1/learning/{endpoint}`` and logged at INFO.
 
-The worker calls :meth:`LearningReporter.queued` after reading signals, :meth:`~LearningReporter.deferred` for
-the ready steps that wait for serving (the duty budget of ``core/cpu_share.py``), :meth:`~LearningReporter.training`
+The worker calls :meth:`LearningReporter.queued` after reading signals, :meth:`~ServingWaits.deferred` for the
+ready steps that wait for serving (the duty budget of ``core/cpu_share.py``), :meth:`~LearningReporter.training`
 when a step starts and :meth:`~LearningReporter.outcome` when its version is written (:meth:`~LearningReporter.failed`
 otherwise); the backend calls :meth:`~LearningReporter.progress` at each pass of the evaluation gate and for the
-start-up base measurement, and the pacer calls :meth:`~LearningReporter.step_paused` around a pause inside a step.
+start-up base measurement, the pacer :meth:`~ServingWaits.step_paused` around a pause inside a step.
 Each change SETs one small JSON value (atomic): ``keys.learning(lineage)`` (a
 :class:`~livelora.clients.types.learning.LearningStatus` without the gateway's estimates) and
 ``keys.learning_trainer`` (batch settings, step-time estimate, the newest stream id read). Reporting never fails
