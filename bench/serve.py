@@ -56,12 +56,13 @@ async def one_stream(
     temperature: float = 0.0,
     seed: int | None = None,
     ignore_eos: bool = True,
+    user: str | None = None,
 ) -> dict:
-    """One streamed chat completion (usage included). Returns its ``id``, ``text``, completion ``tokens`` (the
-    server's ``usage``), ``version`` (from ``system_fingerprint``), ``end`` and ``first`` (``perf_counter``
-    seconds of the last chunk and of the first content chunk), ``ttft`` (seconds to the first content chunk) and
-    ``itl`` (seconds between content chunks). Raises: httpx errors for a non-2xx answer, RuntimeError for an
-    error event."""
+    """One streamed chat completion (usage included; ``user``: the OpenAI ``user`` field, which picks a segment).
+    Returns its ``id``, ``text``, completion ``tokens`` (the server's ``usage``), ``version`` (from
+    ``system_fingerprint``), ``end`` and ``first`` (``perf_counter`` seconds of the last chunk and of the first
+    content chunk), ``ttft`` (seconds to the first content chunk) and ``itl`` (seconds between content chunks).
+    Raises: httpx errors for a non-2xx answer, RuntimeError for an error event."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -74,6 +75,8 @@ async def one_stream(
         body["ignore_eos"] = True
     if seed is not None:
         body["seed"] = seed
+    if user is not None:
+        body["user"] = user
     start = time.perf_counter()
     stamps: list[float] = []
     text, tokens, cid, fingerprint = [], 0, None, None

@@ -4,10 +4,14 @@ For each trainer placement (``--modes``: ``process``, ``livelora serve``'s defau
 real ``livelora serve`` on a fresh store and runs ``--concurrency`` chat streams for ``--duration`` seconds
 twice: with no ratings (the trainer idle), then with every reply rated (KTO steps all the time). Prints output
 tokens/s, inter-token latency p50/p99, time to first token p50 and, for the second phase, each version's update
-time and its parts. Figures only. Method: ``docs/internals/bench.md``.
+time and its parts. ``--segments N``: after the warm-up the endpoint gets N segments (admin API), one user each,
+and the requests of both phases go round-robin to those N users and one user in no segment, so N segment lineages
+and the shared one learn at once; the end prints each lineage's learning status. ``--duty``: the trainer's duty
+while serving (``LIVELORA_TRAINER_DUTY_WHILE_SERVING``). Figures only. Method: ``docs/internals/bench.md``.
 
     python bench/serve_while_training.py --duration 90                # both modes, ~7 minutes
     python bench/serve_while_training.py --modes process --duration 60
+    python bench/serve_while_training.py --modes process --duration 60 --segments 4 --duty 0.5
 
 Needs Redis (``LIVELORA_REDIS_URL``) and the built-in model converted in ``LIVELORA_HOME``.
 """
@@ -36,8 +40,11 @@ from serve import one_stream, percentile, spawn
 MODEL = "smollm2-135m-instruct"
 
 
-def start_serve(home: Path, prefix: str, mode: str, max_batch_size: int) -> tuple[subprocess.Popen, str]:
-    """``livelora serve`` on a free port with the converted base model, store ``home``; waits for ``/health``."""
+def start_serve(
+    home: Path, prefix: str, mode: str, max_batch_size: int, duty: float | None = None
+) -> tuple[subprocess.Popen, str]:
+    """``livelora serve`` on a free port with the converted base model, store ``home``; waits for ``/health``.
+    ``duty``: ``LIVELORA_TRAINER_DUTY_WHILE_SERVING`` (None: the environment's or the default)."""
     from livelora.core.base_models import resolve_base_model
     from livelora.core.settings import CommonSettings
 
@@ -47,6 +54,8 @@ def start_serve(home: Path, prefix: str, mode: str, max_batch_size: int) -> tupl
         "LIVELORA_REDIS_PREFIX": prefix,
         "LIVELORA_TRAINER_PROCESS": "true" if mode == "process" else "false",
     }
+    if duty is not None:
+        env["LIVELORA_TRAINER_DUTY_WHILE_SERVING"] = str(duty)
     return spawn("transformers", str(ref.path), max_batch_size, None, env=env, extra=["--served-model-name", MODEL])
 
 
@@ -59,9 +68,11 @@ async def phase(
     max_tokens: int,
     seed: int,
     max_ratings: int | None = None,
+    users: list[str] | None = None,
 ) -> dict:
     """``concurrency`` closed-loop streams for ``duration_s`` seconds; with ``rate`` every reply is rated (the
-    first ``max_ratings`` replies only, when given)."""
+    first ``max_ratings`` replies only, when given). ``users``: the ``user`` field of the requests, round-robin
+    (None: none, the shared lineage)."""
     results: list[dict] = []
     rated_at: dict[str, float] = {}  # feedback id -> time the rating was accepted
     first_served: dict[str, float] = {}
@@ -84,6 +95,7 @@ async def phase(
                         temperature=0.7,
                         seed=seed + i,
                         ignore_eos=False,
+                        user=users[i % len(users)] if users else None,
                     )
                 except (httpx.HTTPError, RuntimeError):
                     failed += 1
@@ -151,10 +163,42 @@ def update_times(
     return out
 
 
+def make_segments(url: str, n: int) -> list[str]:
+    """Segments ``s0``..``s<n-1>`` of the endpoint (``POST /admin/endpoints/{name}/segments``; each starts from the
+    version the endpoint serves), user ``user-k`` assigned to ``sk``. Returns the users to spread requests over:
+    those ``n`` and ``user-<n>``, in no segment (the shared lineage). Raises SystemExit when the admin API refuses."""
+    for k in range(n):
+        for path, body in (
+            ("", {"name": f"s{k}", "reason": "bench/serve_while_training.py --segments"}),
+            (f"/s{k}/assign", {"users": [f"user-{k}"]}),
+        ):
+            r = httpx.post(f"{url}/admin/endpoints/{MODEL}/segments{path}", json=body, timeout=120)
+            if r.status_code >= 300:
+                raise SystemExit(f"segment s{k}{path or ' create'}: {r.status_code} {r.text}")
+    return [f"user-{k}" for k in range(n + 1)]
+
+
+def learning_lines(url: str) -> list[str]:
+    """The endpoint's learning status as printed lines: the shared lineage's summary, then each segment's stage
+    (and why it waits for serving, when it does)."""
+    from livelora.clients.types.learning import LearningStatus
+
+    try:
+        st = LearningStatus.model_validate(httpx.get(f"{url}/v1/learning/{MODEL}", timeout=60).json())
+    except (httpx.HTTPError, ValueError) as exc:
+        return [f"learning status unavailable: {exc}"]
+    lines = [f"shared ({st.lineage}): {st.summary()}"]
+    for g in st.segments:
+        why = f", deferred: {g.deferred}" if g.deferred else ""
+        lines.append(f"segment {g.name}: {g.stage or '-'}{why}; serving {g.serving or 'base'}, {g.versions} versions")
+    return lines
+
+
 def run_mode(mode: str, args) -> dict:
     home = Path(tempfile.mkdtemp(prefix="livelora-bench-swt-"))
     prefix = f"livelora-bench-{uuid.uuid4().hex[:8]}:"
-    proc, url = start_serve(home, prefix, mode, args.max_batch_size)
+    proc, url = start_serve(home, prefix, mode, args.max_batch_size, args.duty)
+    users, learning = None, []
     try:
         # warm-up: one short request (first-call costs); then rated requests until the first version is served,
         # so that the trainer's one-off costs (building its model, measuring the base model for the gate) are
@@ -178,6 +222,8 @@ def run_mode(mode: str, args) -> dict:
                 break
         else:
             print(f"warning: no version was served within the {args.warmup_s:.0f} s warm-up", flush=True)
+        if args.segments:  # after the warm-up: each segment starts from the shared version served now
+            users = make_segments(url, args.segments)
         quiet = asyncio.run(
             phase(
                 url,
@@ -186,6 +232,7 @@ def run_mode(mode: str, args) -> dict:
                 concurrency=args.concurrency,
                 max_tokens=args.max_tokens,
                 seed=1000,
+                users=users,
             )
         )
         load = os.getloadavg()[0]
@@ -198,11 +245,14 @@ def run_mode(mode: str, args) -> dict:
                 concurrency=args.concurrency,
                 max_tokens=args.max_tokens,
                 seed=5000,
+                users=users,
             )
         )
+        learning = learning_lines(url)  # where each lineage stands at the end of the rated phase
         time.sleep(1)
         updates = update_times(home, busy["rated_at"], busy["first_served"], wall_offset)
         versions = len([v for v in busy["first_served"] if v != "base"])
+        new = len([v for v in busy["first_served"] if v != "base" and v not in quiet["first_served"]])
     finally:
         proc.terminate()
         try:
@@ -215,7 +265,17 @@ def run_mode(mode: str, args) -> dict:
         for k in r.scan_iter(match=prefix + "*"):
             r.delete(k)
         shutil.rmtree(home, ignore_errors=True)
-    return {"mode": mode, "quiet": quiet, "busy": busy, "updates": updates, "versions_served": versions, "load": load}
+    return {
+        "mode": mode,
+        "quiet": quiet,
+        "busy": busy,
+        "updates": updates,
+        "versions_served": versions,
+        "new_versions_served": new,
+        "segments": args.segments,
+        "learning": learning,
+        "load": load,
+    }
 
 
 def main() -> None:
@@ -231,11 +291,27 @@ def main() -> None:
         default=180.0,
         help="rated warm-up until the first version is served, at most this long",
     )
+    ap.add_argument(
+        "--segments",
+        type=int,
+        default=0,
+        help="spread the requests (and ratings) over this many segments and the shared lineage (0: shared only)",
+    )
+    ap.add_argument(
+        "--duty",
+        type=float,
+        default=None,
+        help="LIVELORA_TRAINER_DUTY_WHILE_SERVING for the server (default: the environment's, else 0.5)",
+    )
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
+    duty = (
+        args.duty if args.duty is not None else os.environ.get("LIVELORA_TRAINER_DUTY_WHILE_SERVING", "0.5 (default)")
+    )
     print(
         f"{os.cpu_count()} cores; load average at start {os.getloadavg()[0]:.2f}; {args.concurrency} streams, "
-        f"{args.max_tokens} tokens, T=0.7, {args.duration:.0f} s per phase",
+        f"{args.max_tokens} tokens, T=0.7, {args.duration:.0f} s per phase; "
+        f"{args.segments} segments + the shared lineage learning; trainer duty while serving {duty}",
         flush=True,
     )
     rows = []
@@ -269,10 +345,12 @@ def main() -> None:
         else:
             upd = "no version both trained and served within the phase"
         print(
-            f"ratings {b['rated']}, versions served {res['versions_served']}; update (last rating of the batch -> "
-            f"first reply by the version): {upd}",
+            f"ratings {b['rated']}, versions served {res['versions_served']} ({res['new_versions_served']} first "
+            f"served in this phase); update (last rating of the batch -> first reply by the version): {upd}",
             flush=True,
         )
+        for line in res["learning"]:
+            print(f"  {line}", flush=True)
     if args.json:
         for r in rows:
             for ph in ("quiet", "busy"):

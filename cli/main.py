@@ -460,7 +460,11 @@ def _trainer_note(trainer, whole_loop: bool) -> str:
     idle = (
         f", {trainer.idle_threads} while nothing is served" if trainer.idle_threads not in (0, trainer.threads) else ""
     )
-    return f", trainer and op executor in process {trainer.pid} (nice +{trainer.nice}, {trainer.threads} threads{idle})"
+    duty = f"; in steps at most {trainer.duty:.0%} of the time while serving" if trainer.duty < 1 else ""
+    return (
+        f", trainer and op executor in process {trainer.pid} (nice +{trainer.nice}, {trainer.threads} "
+        f"threads{idle}{duty})"
+    )
 
 
 from livelora.cli.admin import register as _register_admin  # noqa: E402  (endpoints/adapters/keys)

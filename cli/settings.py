@@ -40,15 +40,13 @@ class PlacementSection(Section):
         "cores; 0: always trainer_threads).",
     )
     trainer_duty_while_serving: float = Field(
-        1.0,
+        0.5,
         gt=0,
         le=1,
-        description="Largest share of wall time the trainer "
-        "process spends in training steps while "
-        "requests are served on this machine "
-        "(it pauses between the passes of a step "
-        "and before the next one; 1: never "
-        "pauses).",
+        description="Largest share of wall time the trainer process spends in training steps while requests are "
+        "served on this machine: it pauses between the passes of a step and defers the next step (of any "
+        "lineage or segment) until the last one's share is paid; 1: never pauses. Why 0.5: "
+        "docs/serving-while-training.md.",
     )
 
 

@@ -20,7 +20,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from livelora.core.atomic import private_dir
@@ -151,9 +151,10 @@ class StepPacer:
     serves. Inside a step it yields at every :func:`step_yield` point (between the step's forward and backward
     passes): it sleeps until the step's active time is at most ``duty`` of the time since the step began
     (``pause = active·(1 − duty)/duty − paused so far``); what the step still owes at its end (active time after the
-    last yield point) is paid before the next step, less the idle time in between. Every pause is at most
-    ``max_pause_s`` and none happens while nothing is served. The signals of a paused step wait in their queue
-    (none is lost); the next batch may hold more of them.
+    last yield point) is paid before the next step, less the idle time in between (:meth:`wait_before_step` says
+    how long; a trainer worker defers its next step that long instead of sleeping). Every pause is at most
+    ``max_pause_s`` and ends as soon as nothing is served. The signals of a paused step wait in their queue (none
+    is lost); the next batch may hold more of them.
 
     Args:
         home: the store root. duty: largest share of time in steps while serving, in (0, 1] (1: never pause).
@@ -167,23 +168,45 @@ class StepPacer:
         self.started: float | None = None  # time.monotonic() when the running step began (None: no step runs)
         self.paused_in = 0.0  # pauses inside the running step (seconds)
         self.paused_s = 0.0  # total pause (seconds), for logs and tests
+        #: called with True before a pause and False after it (``on_step_pause``); never with a pause of 0 s
+        self.listener: Callable[[bool], None] | None = None
 
     def _sleep(self, wait: float) -> float:
+        """Sleep up to ``wait`` seconds (at most ``max_pause_s``) in slices of at most :data:`BEAT_EVERY_S`, ending
+        early once nothing is served; returns the seconds slept."""
         wait = min(max(wait, 0.0), self.max_pause_s)
-        if wait > 0:
-            time.sleep(wait)
-            self.paused_s += wait
-        return wait
+        if wait <= 0:
+            return 0.0
+        if self.listener is not None:
+            self.listener(True)
+        slept = 0.0
+        try:
+            while slept < wait:
+                piece = min(BEAT_EVERY_S, wait - slept)
+                time.sleep(piece)
+                slept += piece
+                if not self.serving.busy():
+                    break
+        finally:
+            self.paused_s += slept
+            if self.listener is not None:
+                self.listener(False)
+        return slept
 
     def _owed(self, started: float) -> float:
         active = time.monotonic() - started - self.paused_in
         return active * (1.0 - self.duty) / self.duty - self.paused_in
 
-    def pause_before_step(self) -> float:
-        """Sleep what the last step still owes (less the idle time since it ended); returns the seconds slept."""
+    def wait_before_step(self) -> float:
+        """Seconds the next step should still wait: what the last step owed (at most ``max_pause_s``) less the
+        time since it ended; 0 while nothing is served or with ``duty`` 1."""
         if self.duty >= 1.0 or self.owed_s <= 0 or not self.serving.busy():
             return 0.0
-        return self._sleep(self.owed_s - (time.monotonic() - self.last_end))
+        return max(0.0, min(self.owed_s, self.max_pause_s) - (time.monotonic() - self.last_end))
+
+    def pause_before_step(self) -> float:
+        """Sleep :meth:`wait_before_step`; returns the seconds slept."""
+        return self._sleep(self.wait_before_step())
 
     def begin(self) -> None:
         """A step starts (after :meth:`pause_before_step`)."""
@@ -209,14 +232,17 @@ _step_threads: StepThreads | None = None
 _pacer: StepPacer | None = None
 
 
-def configure_training_steps(home: Path | str, busy: int, idle: int, duty: float = 1.0) -> None:
+def configure_training_steps(
+    home: Path | str, busy: int, idle: int, duty: float = 1.0, max_pause_s: float = 60.0
+) -> None:
     """Make :func:`training_step` choose between ``busy`` and ``idle`` threads in this process and keep its share
-    of time in steps at most ``duty`` while requests are served (:class:`StepPacer`). A trainer process sets it
+    of time in steps at most ``duty`` while requests are served (:class:`StepPacer`, each pause at most
+    ``max_pause_s``). A trainer process sets it
     (``livelora serve``'s child); a trainer in the serving process's threads never does, since torch's thread
     count is process-wide there and the engine's own threads must not sleep."""
     global _step_threads, _pacer
     _step_threads = StepThreads(home, busy, idle) if idle != busy else None
-    _pacer = StepPacer(home, duty) if duty < 1.0 else None
+    _pacer = StepPacer(home, duty, max_pause_s) if duty < 1.0 else None
 
 
 def apply_step_threads() -> int | None:
@@ -246,3 +272,21 @@ def step_yield() -> float:
     configured :class:`StepPacer` sleeps here while the step is over its share; returns the seconds slept (0 when
     no pacer is configured, outside :func:`training_step`, or while nothing is served)."""
     return _pacer.between() if _pacer is not None else 0.0
+
+
+def step_wait() -> float:
+    """Seconds a trainer process should still wait before it starts its next step (:meth:`StepPacer.
+    wait_before_step`; 0 when no pacer is configured or nothing is served)."""
+    return _pacer.wait_before_step() if _pacer is not None else 0.0
+
+
+def serving_duty() -> float | None:
+    """The configured duty while serving, when below 1 (``None``: the trainer never yields to serving)."""
+    return _pacer.duty if _pacer is not None else None
+
+
+def on_step_pause(listener: Callable[[bool], None] | None) -> None:
+    """Call ``listener(True)`` before each pause of the configured :class:`StepPacer` and ``listener(False)``
+    after it (a trainer's learning status says so); ``None`` removes it. No-op when no pacer is configured."""
+    if _pacer is not None:
+        _pacer.listener = listener

@@ -71,44 +71,74 @@ def test_serving_flag_counts_recent_beats_of_a_live_engine_and_steps_take_all_co
 
 def test_pacer_keeps_the_steps_share_of_time_at_its_duty_only_while_serving(tmp_path, monkeypatch):
     clock = {"now": 1000.0}
-    slept: list[float] = []
+    slept: list[float] = []  # each pause's total (the pacer sleeps in slices of BEAT_EVERY_S)
+    marks: list[bool] = []  # the pause listener's calls
+    stop_serving_after = {"slices": None}
 
     def sleep(seconds: float) -> None:
-        slept.append(seconds)
+        assert 0 < seconds <= cpu_share.BEAT_EVERY_S
+        slept[-1] += seconds
         clock["now"] += seconds
+        left = stop_serving_after["slices"]
+        if left is not None:
+            stop_serving_after["slices"] = left - 1
+            if left - 1 == 0:  # the engine stops beating: its file grows old
+                past = time.time() - SERVING_WINDOW_S - 1
+                os.utime(ServingFlag(tmp_path).path, (past, past))
+
+    def listener(pausing: bool) -> None:
+        marks.append(pausing)
+        if pausing:
+            slept.append(0.0)
 
     monkeypatch.setattr(cpu_share.time, "monotonic", lambda: clock["now"])
     monkeypatch.setattr(cpu_share.time, "sleep", sleep)
     pacer = StepPacer(tmp_path, duty=0.25, max_pause_s=60.0)
+    pacer.listener = listener
     assert pacer.pause_before_step() == 0.0 and pacer.between() == 0.0  # no step yet
     pacer.begin()
     clock["now"] += 1.0
-    assert pacer.between() == 0.0 and slept == []  # nothing is served: never a pause
+    assert pacer.between() == 0.0 and slept == [] and marks == []  # nothing is served: never a pause
     ServingFlag(tmp_path).beat()  # an engine serves: duty ¼ → 3 s of pause per active second
     clock["now"] += 1.0  # 2 s active since the step began
-    assert pacer.between() == pytest.approx(6.0) and slept == [pytest.approx(6.0)]
+    assert pacer.between() == pytest.approx(6.0) and slept == [pytest.approx(6.0)] and marks == [True, False]
     clock["now"] += 1.0  # 3 s active: 9 s owed, 6 paid
     assert pacer.between() == pytest.approx(3.0)
     clock["now"] += 2.0  # 5 s active when the step ends: 15 owed, 9 paid
     pacer.end()
     clock["now"] += 4.0  # 4 s idle (waiting for a batch) count as paid
+    assert pacer.wait_before_step() == pytest.approx(2.0)  # what a worker defers its next step by
     assert pacer.pause_before_step() == pytest.approx(2.0)
+    assert pacer.wait_before_step() == 0.0  # paid
     pacer.begin()
     clock["now"] += 40.0  # a 40 s pass with no yield point in it
     assert pacer.between() == pytest.approx(60.0)  # 120 s owed: capped at max_pause_s
     pacer.end()
+    assert pacer.wait_before_step() == pytest.approx(60.0)
     assert pacer.pause_before_step() == pytest.approx(60.0)  # the remaining 60 s before the next step
     assert pacer.paused_s == pytest.approx(131.0)
+    assert slept == [pytest.approx(x) for x in (6.0, 3.0, 2.0, 60.0, 60.0)] and marks == [True, False] * 5
+    pacer.begin()
+    clock["now"] += 10.0  # 30 s owed; serving stops after 2 s of the pause: the step goes on at once
+    stop_serving_after["slices"] = 4
+    assert pacer.between() == pytest.approx(4 * cpu_share.BEAT_EVERY_S)
+    assert pacer.between() == 0.0 and pacer.wait_before_step() == 0.0  # nothing served: no pause, no wait
     assert StepPacer(tmp_path, duty=1.0).between() == 0.0
 
-    assert cpu_share.step_yield() == 0.0  # not configured: a no-op
+    assert cpu_share.step_yield() == 0.0 and cpu_share.step_wait() == 0.0  # not configured: no-ops
+    assert cpu_share.serving_duty() is None
+    ServingFlag(tmp_path).path.unlink()
+    ServingFlag(tmp_path).beat()
     cpu_share.configure_training_steps(tmp_path, busy=1, idle=1, duty=0.5)
+    cpu_share.on_step_pause(listener)
     try:
+        assert cpu_share.serving_duty() == 0.5
         with cpu_share.training_step():  # no step before: no pause before it
             clock["now"] += 3.0  # 3 s of work, then a yield point: 3 s of pause (duty ½)
             assert cpu_share.step_yield() == pytest.approx(3.0)
             clock["now"] += 1.0
-        with cpu_share.training_step():  # the 1 s after the last yield point is paid before the next
+        assert cpu_share.step_wait() == pytest.approx(1.0)  # the 1 s after the last yield point is still owed
+        with cpu_share.training_step():  # paid before the next step
             pass
         assert slept[-2:] == [pytest.approx(3.0), pytest.approx(1.0)]
         assert cpu_share.step_yield() == 0.0  # outside a step

@@ -120,7 +120,8 @@ def test_serve_trains_in_a_lower_priority_child_that_is_restarted_after_a_kill(l
         banner = " ".join(log.read_text().split())
         idle = available_cores()  # a step that starts while nothing is served takes every core
         extra = f", {idle} while nothing is served" if idle != default_trainer_threads() else ""
-        assert f"in process {child} (nice +10, {default_trainer_threads()} threads{extra})" in banner
+        duty = "; in steps at most 50% of the time while serving"  # the default duty while serving
+        assert f"in process {child} (nice +10, {default_trainer_threads()} threads{extra}{duty})" in banner
 
         # the child trains: two ratings become the lineage's first version, which serving then uses
         _rate_two(url)

@@ -1,9 +1,11 @@
 """Where each lineage's next version stands, published for ``GET /v1/learning/{endpoint}`` and logged at INFO.
 
-The worker calls :meth:`LearningReporter.queued` after reading signals, :meth:`~LearningReporter.training` when
-a step starts and :meth:`~LearningReporter.outcome` when its version is written (:meth:`~LearningReporter.failed`
+The worker calls :meth:`LearningReporter.queued` after reading signals, :meth:`~ServingWaits.deferred` for the
+ready steps that wait for serving (the duty budget of ``core/cpu_share.py``), :meth:`~LearningReporter.training`
+when a step starts and :meth:`~LearningReporter.outcome` when its version is written (:meth:`~LearningReporter.failed`
 otherwise); the backend calls :meth:`~LearningReporter.progress` at each pass of the evaluation gate and for the
-start-up base measurement. Each change SETs one small JSON value (atomic): ``keys.learning(lineage)`` (a
+start-up base measurement, the pacer :meth:`~ServingWaits.step_paused` around a pause inside a step.
+Each change SETs one small JSON value (atomic): ``keys.learning(lineage)`` (a
 :class:`~livelora.clients.types.learning.LearningStatus` without the gateway's estimates) and
 ``keys.learning_trainer`` (batch settings, step-time estimate, the newest stream id read). Reporting never fails
 the trainer: a Redis error is logged and skipped.
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from livelora.clients.types.learning import LearningStatus, StageMark
+from livelora.core.cpu_share import on_step_pause, serving_duty
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,12 @@ MAX_MARKS = 24
 def _sid_key(stream_id: str) -> tuple[int, int]:
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def serving_reason(duty: float | None) -> str:
+    """Why a step waits for serving, for the status (``duty``: the trainer's duty while serving)."""
+    share = f"at most {duty:.0%} of the time" if duty is not None else "part of the time"
+    return f"serving is busy: training uses {share} while requests are served"
 
 
 def batch_detail(batch: Any, max_wait_s: float) -> str:
@@ -71,6 +80,7 @@ class LearningReporter:
         self.read_through: str | None = None
         self.base_measure: dict[str, Any] | None = None
         self.recovered_signals: dict[str, Any] | None = None  # {"total", "count", "at", "why"}
+        self.waits = ServingWaits(self)
 
     # ------------------------------------------------------------------ writing
     def _write(self, key: str, value: str) -> None:
@@ -114,6 +124,7 @@ class LearningReporter:
                 st = LearningStatus(endpoint=endpoint, lineage=lineage, stage="idle")
             elif st.stage in ("waiting", "training", "gate"):  # a step this trainer did not finish: its events return
                 st.stage, st.stages = "idle", []
+            st.deferred = st.deferred_since = st.deferred_until = None
             st.batch_size, st.max_wait_s = self.config.kto_min_batch, self.config.max_wait_s
             self._status[lineage] = st
         st.endpoint = endpoint or st.endpoint
@@ -124,6 +135,8 @@ class LearningReporter:
         st.check, st.detail = mark.check, mark.detail
         st.version, st.reason, st.step_scale = mark.version, mark.reason, mark.step_scale
         st.stages = ([] if new_step else st.stages)[-(MAX_MARKS - 1) :] + [mark]
+        if new_step:
+            st.serving_wait_s = 0.0
         published = mark.version if mark.stage == "published" else None
         what = mark.check or published or mark.detail or mark.reason or mark.version or ""
         if mark.step_scale is not None and mark.step_scale != 1:
@@ -160,7 +173,8 @@ class LearningReporter:
 
     def started(self) -> None:
         """The trainer's settings, at start-up; the step time measured by an earlier trainer on this Redis is kept
-        as the estimate until this one times a step."""
+        as the estimate until this one times a step. From now on the pacer's pauses are reported
+        (:class:`ServingWaits`)."""
         with self._lock:
             try:
                 before = json.loads(self.client.get(self.keys.learning_trainer) or "{}")
@@ -169,6 +183,7 @@ class LearningReporter:
             if self.step_seconds is None and isinstance(before.get("step_seconds"), int | float):
                 self.step_seconds = float(before["step_seconds"])
             self._trainer()
+        on_step_pause(self.waits.step_paused)  # a trainer process's pauses for serving show in the status
 
     def queued(self, scheduler: Any, endpoints: dict[str, str], stream_ids: list[str], left_out: list = ()) -> None:
         """After reading signals: the queues of the lineages in ``endpoints`` (lineage → newest event's endpoint),
@@ -202,6 +217,7 @@ class LearningReporter:
         """A step of ``batch`` starts (its events have left the queue)."""
         with self._lock:
             st = self._get(batch.lineage, batch.endpoint)
+            self.waits.started(st)
             self._counts(st, scheduler)
             detail = self._batches[batch.lineage] = batch_detail(batch, self.config.max_wait_s)
             self._set_stage(st, StageMark(stage="training", at=self.clock(), detail=detail))
@@ -247,6 +263,8 @@ class LearningReporter:
                     detail=self._batches.pop(batch.lineage, None),
                 )
             mark.freeform = freeform_verdict(gate, batch.endpoint)
+            self.waits.ended(st, now)
+            mark.serving_wait_s = round(st.serving_wait_s, 3) if st.serving_wait_s else None
             if started is not None:
                 took = now - started
                 st.step_seconds = (
@@ -267,9 +285,78 @@ class LearningReporter:
         """The step failed (retried later, or its events dead-lettered): back to waiting."""
         with self._lock:
             st = self._get(batch.lineage, batch.endpoint)
+            self.waits.ended(st, self.clock())
             self._counts(st, scheduler)
             self._set_stage(st, StageMark(stage="waiting", at=self.clock(), reason=f"step failed: {why}"[:300]))
             self._save(st)
+
+
+class ServingWaits:
+    """The waits for serving of a :class:`LearningReporter`'s lineages: ready steps deferred before they start
+    (:meth:`deferred`, from the worker) and pauses inside the running step (:meth:`step_paused`, from the pacer).
+    Sets the ``deferred*`` fields of their statuses and adds each finished wait to the step's ``serving_wait_s``."""
+
+    def __init__(self, reporter: LearningReporter):
+        self.reporter = reporter
+        self.lineages: set[str] = set()  # lineages whose ready step is deferred now
+        self.running: tuple[str, int] | None = None  # (lineage, thread id) of the step running now
+
+    def deferred(self, lineages: list[str], wait_s: float) -> None:
+        """The ready steps of ``lineages`` wait up to ``wait_s`` more seconds for serving (the configured duty:
+        :func:`~livelora.core.cpu_share.serving_duty`); lineages deferred before and not in ``lineages`` no longer
+        wait (their step starts, or their batch left the queue). Writes only what changed."""
+        r, duty = self.reporter, serving_duty()
+        with r._lock:
+            now, writes = r.clock(), {}
+            for lineage in self.lineages - set(lineages):
+                st = r._status.get(lineage)
+                if st is not None and st.deferred:
+                    end_wait(st, now)
+                    writes.update([r._status_doc(st)])
+            for lineage in lineages:
+                st = r._get(lineage, "")
+                if lineage in self.lineages and st.deferred:
+                    continue
+                st.deferred, st.deferred_since, st.deferred_until = serving_reason(duty), now, now + wait_s
+                log.info("learning %s: step deferred (%s)", lineage, st.deferred, extra={"lineage": lineage})
+                writes.update([r._status_doc(st)])
+            self.lineages = set(lineages)
+            if writes:
+                r._write_many(writes)
+
+    def step_paused(self, pausing: bool) -> None:
+        """The pacer pauses the running step for serving (``True``) or resumes it (``False``); pauses of other
+        threads' steps (the gate's base measurement, the sessions API) are not a lineage's."""
+        r = self.reporter
+        with r._lock:
+            if self.running is None or self.running[1] != threading.get_ident():
+                return
+            st = r._status.get(self.running[0])
+            if st is None:
+                return
+            if pausing:
+                st.deferred, st.deferred_since, st.deferred_until = serving_reason(serving_duty()), r.clock(), None
+            elif st.deferred:
+                end_wait(st, r.clock())
+            r._save(st)
+
+    def started(self, st: LearningStatus) -> None:
+        """(Reporter's lock held.) The step of ``st`` starts on this thread: its deferral, if any, ended."""
+        self.running = (st.lineage, threading.get_ident())
+        end_wait(st, self.reporter.clock())
+        self.lineages.discard(st.lineage)
+
+    def ended(self, st: LearningStatus, now: float) -> None:
+        """(Reporter's lock held.) The running step of ``st`` ended (a pause it was in ended with it)."""
+        self.running = None
+        end_wait(st, now)
+
+
+def end_wait(st: LearningStatus, now: float) -> None:
+    """A wait for serving of ``st`` ended (nothing when it was not waiting): its time added to ``serving_wait_s``."""
+    if st.deferred and st.deferred_since is not None:
+        st.serving_wait_s += max(0.0, now - st.deferred_since)
+    st.deferred = st.deferred_since = st.deferred_until = None
 
 
 def freeform_verdict(gate: dict, endpoint: str) -> dict[str, Any] | None:

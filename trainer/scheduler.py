@@ -12,6 +12,7 @@ Eq. 8). Pure bookkeeping (no Redis, no torch). The thresholds are the trainer's
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -87,6 +88,7 @@ class BatchScheduler:
     def __init__(self, config: TrainingSection | None = None):
         self.config = config or TrainingSection()
         self._queues: dict[tuple[str, Kind], _Queue] = {}
+        self._taken_at: dict[str, float] = {}  # lineage → when its last batch was taken (round-robin order)
 
     @staticmethod
     def kind_of(event: Event) -> Kind:
@@ -128,30 +130,69 @@ class BatchScheduler:
         return sum(len(q.items) for q in self._queues.values())
 
     def due(self, now: float, hold: set[str] | frozenset[str] = frozenset()) -> list[Batch]:
-        """Remove and return the batches ready at ``now`` (seconds, same clock as :meth:`add`); the queues of the
-        lineages in ``hold`` (learning paused by an admin) stay as they are."""
-        c = self.config
-        out: list[Batch] = []
+        """Remove and return the batches ready at ``now`` (seconds, same clock as :meth:`add`), in :meth:`ready`'s
+        order; the queues of the lineages in ``hold`` (learning paused by an admin) stay as they are."""
+        out = [self.take(lineage, kind, now) for lineage, kind in self.ready(now, hold)]
+        return [b for b in out if b is not None]
+
+    def ready(self, now: float, hold: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, Kind]]:
+        """``(lineage, kind)`` of every queue that makes a step at ``now`` (its minimum batch, or ``max_wait_s``
+        waited with at least the kind's floor; lineages in ``hold`` left out), nothing removed. Round-robin order:
+        first the lineage whose last step was taken longest ago (never: first), then the one whose oldest event
+        has waited longest, so a lineage with a steady flow of signals (a busy segment) cannot starve another
+        (the shared lineage) when steps are deferred and only some of the ready ones run."""
+        c, out = self.config, []
         for (lineage, kind), q in self._queues.items():
             n = len(q.items)
             if n == 0 or lineage in hold:
                 continue
             threshold = {"kto": c.kto_min_batch, "sft": c.sft_min_batch, "dpo": c.dpo_min_batch}[kind]
             floor = 2 if kind == "kto" else 1
-            waited = now - q.oldest() >= c.max_wait_s
-            if not (n >= threshold or (waited and n >= floor)):
-                continue
-            taken = self._take(q, min(n, c.max_batch), getattr(c, "rater_max_batch_share", 1.0))
-            if not taken:
-                continue
-            events = [e for _, e, _ in taken]
-            batch = Batch(lineage, kind, events, [sid for sid, _, _ in taken], min_size=threshold)
-            batch.waited = len(events) < threshold
-            if kind == "kto":
-                n_d = sum(1 for e in events if e.rating)
-                batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n_d, len(events) - n_d)
-            out.append(batch)
-        return out
+            if n >= threshold or (now - q.oldest() >= c.max_wait_s and n >= floor):
+                out.append(((self._taken_at.get(lineage, float("-inf")), q.oldest()), (lineage, kind)))
+        return [key for _, key in sorted(out, key=lambda x: x[0])]
+
+    def turns(
+        self,
+        clock: Callable[[], float],
+        hold: set[str] | frozenset[str],
+        wait: Callable[[], float],
+        deferred: Callable[[list[str], float], None],
+    ) -> Iterator[Batch]:
+        """Yield the ready batches one at a time, in :meth:`ready`'s round-robin order and each queue at most once,
+        while ``wait()`` (seconds the next step should still wait: the trainer's duty budget while serving) is 0.
+        Before each turn ``deferred(lineages, wait)`` says which ready lineages wait now (``[]``: none); theirs stay
+        queued, where later signals join them. ``clock``: the time source of :meth:`add`."""
+        tried: set[tuple[str, Kind]] = set()
+        while True:
+            ready = [key for key in self.ready(clock(), hold) if key not in tried]
+            left = wait() if ready else 0.0
+            deferred(list(dict.fromkeys(lineage for lineage, _ in ready)) if left > 0 else [], left)
+            if not ready or left > 0:
+                return
+            tried.add(ready[0])
+            batch = self.take(*ready[0], clock())
+            if batch is not None:
+                yield batch
+
+    def take(self, lineage: str, kind: Kind, now: float) -> Batch | None:
+        """Remove and return the batch of one ready queue (:meth:`ready`), marking the lineage's turn taken at
+        ``now``; ``None`` when no batch can be made (no rater share allows 2 or more)."""
+        c, q = self.config, self._queues.get((lineage, kind))
+        if q is None or not q.items:
+            return None
+        threshold = {"kto": c.kto_min_batch, "sft": c.sft_min_batch, "dpo": c.dpo_min_batch}[kind]
+        taken = self._take(q, min(len(q.items), c.max_batch), getattr(c, "rater_max_batch_share", 1.0))
+        if not taken:
+            return None
+        self._taken_at[lineage] = now
+        events = [e for _, e, _ in taken]
+        batch = Batch(lineage, kind, events, [sid for sid, _, _ in taken], min_size=threshold)
+        batch.waited = len(events) < threshold
+        if kind == "kto":
+            n_d = sum(1 for e in events if e.rating)
+            batch.desirable_weight, batch.undesirable_weight = kto_class_weights(n_d, len(events) - n_d)
+        return batch
 
     @staticmethod
     def _take(q: _Queue, size: int, share: float) -> list[tuple[str, Event, float]]:

@@ -30,6 +30,7 @@ from livelora.adapters.endpoints import EndpointStore
 from livelora.clients.errors import LiveloraError, UnavailableError
 from livelora.clients.types.signals import VersionNotice, parse_stream_event
 from livelora.core.bus import ensure_group, publish_notice, redis_unavailable, volatile_warning
+from livelora.core.cpu_share import step_wait
 from livelora.core.redis_keys import KeyLayout
 from livelora.trainer import triage
 from livelora.trainer.bus_recovery import BusRecovery
@@ -227,7 +228,7 @@ class TrainerWorker:
     # ------------------------------------------------------------------ stepping
 
     def poll(self, block_ms: int | None = None) -> list[VersionNotice]:
-        """One iteration: reclaim, read, record, train what is due. Returns the notices published.
+        """One iteration: reclaim, read, record, train what is due (turns). Returns the notices published.
 
         Raises:
             UnavailableError: Redis unreachable (nothing acknowledged; safe to call again).
@@ -241,7 +242,7 @@ class TrainerWorker:
         hand_off_lonely(self.scheduler, self.claims, self.clock())
         out = []
         paused = self.endpoints.paused_lineages() if len(self.scheduler) else set()  # an admin's pause
-        for batch in self.scheduler.due(self.clock(), hold=paused):
+        for batch in self.scheduler.turns(self.clock, paused, step_wait, self.learning.waits.deferred):
             if self.room is not None and self.room.waiting(batch, self.clock()):
                 continue  # held back by max_adapter_versions (trainer/retention.py)
             batch = self._screen(batch)

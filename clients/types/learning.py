@@ -4,7 +4,9 @@ Stages, in order: ``waiting`` (ratings queued, n of the batch size), ``training`
 optimizer step; ``detail`` says whether a full batch or ``max_wait_s`` started it), ``gate`` (the evaluation
 gate, ``check`` names the pass running, ``step_scale`` the fraction of the step judged), then ``published`` (the
 version and its ``step_scale``; ``loading`` until the gateway serves it) or ``rejected`` (why). ``idle``: no
-step reported since the trainer started, nothing queued. Times are Unix seconds.
+step reported since the trainer started, nothing queued. ``deferred``: the step waits for serving (a trainer
+process with a duty while serving below 1: deferred before it starts, or paused between its passes). Times are Unix
+seconds.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class StageMark(BaseModel):
         "``current``, ``base``: shares right of the ``items`` judged; ``passed``; ``categories``: per category "
         "``n`` and the items right for the version (``new``), the current version and the base model).",
     )
+    serving_wait_s: float | None = Field(
+        default=None,
+        description="Published or rejected: seconds the step waited for serving (deferred before it started, "
+        "paused between its passes); None: it never waited.",
+    )
 
 
 class SegmentStatus(BaseModel):
@@ -48,6 +55,9 @@ class SegmentStatus(BaseModel):
     serving: str | None = Field(default=None, description="The version serving its users now (None: base).")
     versions: int = Field(description="Versions of its lineage in the store.")
     stage: Stage | None = Field(default=None, description="Its lineage's learning stage (None: not reported).")
+    deferred: str | None = Field(
+        default=None, description="Why its lineage's step waits for serving now (None: it does not)."
+    )
     members: int = Field(description="Users, API keys and header values assigned.")
     ratings: int = Field(default=0, description="Ratings counted in the live statistics, all its versions.")
     liked: float | None = Field(default=None, description="Thumbs-up share of those ratings (None: none yet).")
@@ -96,6 +106,26 @@ class LearningStatus(BaseModel):
         "them (a restart without persistence, a flush, a failover).",
     )
     recovered_at: float | None = Field(default=None, description="When it last re-queued some.")
+    deferred: str | None = Field(
+        default=None,
+        description="Why the step waits for serving now: deferred before it starts (stage waiting, a batch ready) "
+        "or paused between its passes (training, gate), e.g. 'serving is busy: training uses at most 50% of the "
+        "time while requests are served'; None: it does not wait for serving.",
+    )
+    deferred_since: float | None = Field(default=None, description="When this wait for serving began.")
+    deferred_s: float | None = Field(
+        default=None, description="Seconds since deferred_since, when the status was read (None: not deferred)."
+    )
+    deferred_until: float | None = Field(
+        default=None,
+        description="Deferred before it starts: when the step starts at the latest while requests go on being "
+        "served (at once when serving stops).",
+    )
+    serving_wait_s: float = Field(
+        default=0.0,
+        description="Seconds this step has waited for serving in waits that ended (deferred, paused); the wait "
+        "now running is deferred_s.",
+    )
     paused: bool = Field(
         default=False, description="An admin paused the lineage's learning: signals stay queued, no step starts."
     )
@@ -132,6 +162,8 @@ class LearningStatus(BaseModel):
                 if self.max_wait_s is not None and self.ratings_waiting >= 2:
                     s += f"; once the oldest has waited {self.max_wait_s:g} s, these start a partial batch"
                 s += ")"
+            if self.deferred:
+                s += "; step deferred" + self._deferred_for()
         elif self.stage == "training":
             s = "training" + (f" ({self.detail})" if self.detail else "")
         elif self.stage == "gate":
@@ -153,6 +185,11 @@ class LearningStatus(BaseModel):
                 s += f"; free-form capability {ff['score']:.0%} (base model {ff['base']:.0%}, {ff['items']} items)"
         else:
             s = f"rejected {self.version}: {self.reason}"
+        if self.stage in ("training", "gate") and self.deferred:
+            s += "; paused" + self._deferred_for()
+        waited = self.last.serving_wait_s if self.last is not None else None
+        if self.stage in ("published", "rejected") and waited:
+            s += f"; the step waited {_seconds(waited)} for serving"
         if self.loading and not (self.stage == "published" and self.version == self.loading):
             s += f"; published, loading {self.loading}"
         elif self.serving and self.stage != "published":
@@ -169,3 +206,13 @@ class LearningStatus(BaseModel):
         if self.eta_s is not None:
             s += f"; next version in about {self.eta_s:.0f} s"
         return s
+
+    def _deferred_for(self) -> str:
+        """`` for 12 s: <why>`` (without a duration when it is not known)."""
+        took = f" for {_seconds(self.deferred_s)}" if self.deferred_s is not None else ""
+        return f"{took}: {self.deferred}"
+
+
+def _seconds(s: float) -> str:
+    """``42 s``, ``3.5 s`` (a tenth of a second below 10 s)."""
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"

@@ -37,8 +37,10 @@ def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None
     restarts on this Redis; before any step, the gate's measured base time, which the new weights' gate repeats:
     a lower bound, training not timed yet). Waiting with a full batch: one step; with ≥ 2 ratings: what is left
     of ``max_wait_s`` after the oldest, plus one step; training or gate: one step minus the time since training
-    began (0: overdue); otherwise None (more ratings are needed).
+    began (0: overdue); otherwise None (more ratings are needed). A step deferred for serving waits at least until
+    its ``deferred_until``; ``deferred_s`` is set to the time since ``deferred_since``.
     """
+    st.deferred_s = max(0.0, now - st.deferred_since) if st.deferred and st.deferred_since is not None else None
     if st.batch_size is not None:
         st.ratings_to_step = max(0, st.batch_size - st.ratings_waiting)
     step, basis = st.step_seconds, "measured: running mean of the trainer's steps"
@@ -57,8 +59,13 @@ def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None
         else:
             st.eta_basis = f"{st.ratings_to_step} more rating(s) start a step"
             return
+        deferral = max(0.0, st.deferred_until - now) if st.deferred and st.deferred_until is not None else 0.0
         if step is not None:
-            st.eta_s, st.eta_basis = wait + step, basis + (" plus the batch's remaining wait" if wait else "")
+            if deferral > wait:
+                basis += " plus the deferral for serving"
+            elif wait:
+                basis += " plus the batch's remaining wait"
+            st.eta_s, st.eta_basis = max(wait, deferral) + step, basis
         else:
             st.eta_basis = "no step timed yet"
 
@@ -165,6 +172,7 @@ class LearningService:
             with redis_unavailable():
                 raw = await self.client.get(self.keys.learning(b.lineage))
                 rows = await r.stats.endpoint(name) if r.stats is not None else []
+            doc = json.loads(raw) if raw else {}
             n, up = sum(x["ratings"] for x in rows), sum(x["thumbs_up"] for x in rows)
             ci = wilson_interval(up, n)
             out.append(
@@ -175,7 +183,8 @@ class LearningService:
                     origin=seg.origin,
                     serving=r.current.get(name),
                     versions=len(r.store.version_numbers(b.lineage)),
-                    stage=json.loads(raw).get("stage") if raw else None,
+                    stage=doc.get("stage"),
+                    deferred=doc.get("deferred"),
                     members=len(seg.users) + len(seg.keys) + len(seg.headers),
                     ratings=n,
                     liked=up / n if n else None,
