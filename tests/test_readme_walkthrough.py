@@ -109,10 +109,6 @@ def test_readme_walkthrough_runs_in_order_on_a_fresh_store(fresh_serve, tmp_path
         text = text[end:].lstrip()
     assert len(answers) == 3 and not any("error" in a for a in answers), answers
 
-    # The learned version must keep answering the walkthrough's factual questions the base model answered right.
-    # Known defect, open: with the default update (KTO, lr 1e-3, no KL) and the free-form check off by default,
-    # @1 answers "What is the capital of France?" with "L'Étoile, France is the capital of France." on an AMD
-    # EPYC (AVX-512) here (docs/rails.md). Reported as an expected failure, with the replies, until the update
-    # keeps them; a machine where @1 keeps them passes.
-    if lost:
-        pytest.xfail(f"known defect: @1 lost answers the base model gave (question: (base, @1)): {lost}")
+    # The learned version keeps answering the walkthrough's factual questions the base model answered right (the
+    # update's KL toward the base model, its warm-up and the gate's free-form check: docs/live-loop.md).
+    assert not lost, f"@1 lost answers the base model gave (question: (base, @1)): {lost}"
