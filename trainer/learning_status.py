@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -22,8 +23,8 @@ from livelora.clients.types.learning import LearningStatus, StageMark
 
 log = logging.getLogger(__name__)
 
-#: Weight of the newest step in the running step-time estimate (exponential moving average).
-EMA_WEIGHT = 0.5
+#: Step times kept per estimate; the estimate is their median.
+RECENT_STEPS = 5
 #: Stage changes kept per step (gate passes included).
 MAX_MARKS = 24
 
@@ -31,6 +32,19 @@ MAX_MARKS = 24
 def _sid_key(stream_id: str) -> tuple[int, int]:
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def timed_step(times: list[float], took: float, warm: bool) -> tuple[list[float], float]:
+    """A step of ``took`` seconds added to the recent step times ``times`` (the last :data:`RECENT_STEPS` steps of
+    a warm trainer, s): ``(times, estimate)``. A trainer process's first step
+    (``warm`` False: it also loads the model, builds the optimizer, may wait for the gate's base measurement) is
+    kept out of ``times``; it is the estimate only while no other step is known. The estimate is the median of
+    ``times``: one slow or fast step does not move it."""
+    if warm:
+        times = [*times, round(took, 3)][-RECENT_STEPS:]
+    if not times:
+        return [], round(took, 3)
+    return times, round(statistics.median(times), 3)
 
 
 def batch_detail(batch: Any, max_wait_s: float) -> str:
@@ -68,6 +82,8 @@ class LearningReporter:
         self._batches: dict[str, str] = {}  # lineage → what its running step trains on
         self._lock = threading.Lock()
         self.step_seconds: float | None = None  # over every lineage: the estimate of a lineage with no step yet
+        self.step_times: list[float] = []  # over every lineage: the recent steps of a warm trainer (timed_step)
+        self._timed: set[str] = set()  # lineages this process has timed a step of (their next steps are warm)
         self.read_through: str | None = None
         self.base_measure: dict[str, Any] | None = None
         self.recovered_signals: dict[str, Any] | None = None  # {"total", "count", "at", "why"}
@@ -94,6 +110,7 @@ class LearningReporter:
             "batch_size": self.config.kto_min_batch,
             "max_wait_s": self.config.max_wait_s,
             "step_seconds": self.step_seconds,
+            "step_times": self.step_times,
             "holdout_every": self.holdout_every,
             "read_through": self.read_through,
             "base_measure": self.base_measure,
@@ -159,8 +176,8 @@ class LearningReporter:
             self._trainer()
 
     def started(self) -> None:
-        """The trainer's settings, at start-up; the step time measured by an earlier trainer on this Redis is kept
-        as the estimate until this one times a step."""
+        """The trainer's settings, at start-up; the step times measured by an earlier trainer on this Redis are
+        kept (this one's first step, with its warm-up, replaces them only where none was measured warm)."""
         with self._lock:
             try:
                 before = json.loads(self.client.get(self.keys.learning_trainer) or "{}")
@@ -168,6 +185,7 @@ class LearningReporter:
                 before = {}
             if self.step_seconds is None and isinstance(before.get("step_seconds"), int | float):
                 self.step_seconds = float(before["step_seconds"])
+                self.step_times = [float(x) for x in before.get("step_times") or [] if isinstance(x, int | float)]
             self._trainer()
 
     def queued(self, scheduler: Any, endpoints: dict[str, str], stream_ids: list[str], left_out: list = ()) -> None:
@@ -249,12 +267,10 @@ class LearningReporter:
             mark.freeform = freeform_verdict(gate, batch.endpoint)
             if started is not None:
                 took = now - started
-                st.step_seconds = (
-                    took if st.step_seconds is None else EMA_WEIGHT * took + (1 - EMA_WEIGHT) * st.step_seconds
-                )
-                self.step_seconds = (
-                    took if self.step_seconds is None else EMA_WEIGHT * took + (1 - EMA_WEIGHT) * self.step_seconds
-                )
+                warm = batch.lineage in self._timed
+                st.step_times, st.step_seconds = timed_step(st.step_times, took, warm)
+                self.step_times, self.step_seconds = timed_step(self.step_times, took, bool(self._timed))
+                self._timed.add(batch.lineage)
             self._counts(st, scheduler)
             self._set_stage(st, mark)
             st.last = mark
