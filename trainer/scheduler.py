@@ -94,7 +94,8 @@ class BatchScheduler:
         return {"rating": "kto", "demonstration": "sft", "preference": "dpo"}[event.type]
 
     def add(self, lineage: str, stream_id: str, event: Event, now: float) -> list[str]:
-        """Queue one event received at ``now`` (seconds). Returns the stream ids it supersedes (to acknowledge).
+        """Queue one event that arrived at ``now`` (seconds; the worker passes :func:`arrival`, so an event read
+        late, after a step, has waited since it was accepted). Returns the stream ids it supersedes (to acknowledge).
 
         A rating replaces the queued rating with the same ``rating_key`` (the newer stream id wins, so a
         redelivered older event never replaces a newer one). Re-adding a queued stream id changes nothing.
@@ -195,13 +196,15 @@ class BatchScheduler:
         self._queues.clear()
         return n
 
-    def requeue(self, batch: Batch, now: float) -> None:
-        """Put a batch whose step failed back at the front of its queue (it is retried later)."""
+    def requeue(self, batch: Batch, now: float, restart_wait: bool = False) -> None:
+        """Put a batch back at the front of its queue (too few left to train now, held back, or its step failed).
+        Its events keep their arrival times (:func:`arrival`: they do not wait ``max_wait_s`` again);
+        ``restart_wait``: they count from ``now`` instead (a failed step's retry waits)."""
         q = self._queues.setdefault((batch.lineage, batch.kind), _Queue())
         restored: OrderedDict[str, tuple[str, Event, float]] = OrderedDict()
         for sid, ev in zip(batch.stream_ids, batch.events):
             key = ev.rating_key if isinstance(ev, RatingEvent) else sid
-            restored[key] = (sid, ev, now)
+            restored[key] = (sid, ev, now if restart_wait else arrival(sid, now))
         for key, item in q.items.items():  # newer re-rates that arrived meanwhile win
             restored.pop(key, None)
             restored[key] = item
@@ -211,3 +214,9 @@ class BatchScheduler:
 def _sid_key(stream_id: str) -> tuple[int, int]:
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def arrival(stream_id: str, now: float) -> float:
+    """When the event of ``stream_id`` was accepted: its Redis stream id's milliseconds as Unix seconds, at most
+    ``now`` (a trainer clock behind Redis's, or a test's own clock)."""
+    return min(now, _sid_key(stream_id)[0] / 1000)
