@@ -112,7 +112,7 @@ class Backend:
         from livelora.core.bus import connect_sync
         from livelora.core.redis_keys import KeyLayout
         from livelora.core.settings import CommonSettings
-        from livelora.gateway.services.live.learning import estimate
+        from livelora.gateway.services.live.learning import estimate, trainer_steps
 
         settings, lineage = CommonSettings(), self.local.get_endpoint(name)["lineage"]
         keys = KeyLayout(settings.redis_prefix)
@@ -128,6 +128,7 @@ class Backend:
             if raw
             else LearningStatus(endpoint=name, lineage=lineage, stage="idle")
         )
+        trainer_steps(st, t)
         estimate(st, (t.get("base_measure") or {}).get("seconds"), time.time())
         return st.model_dump(mode="json")
 

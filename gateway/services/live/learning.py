@@ -38,6 +38,13 @@ def step_basis(st: LearningStatus) -> str:
     return "measured: the trainer's first step only, warm-up included; later steps are usually faster"
 
 
+def trainer_steps(st: LearningStatus, trainer: dict[str, Any]) -> None:
+    """Where ``st``'s lineage has no warm step timed, take the step times of the trainer's document
+    (``keys.learning_trainer``: its estimate over every lineage), in place."""
+    if st.step_seconds is None or (not st.step_times and trainer.get("step_times")):
+        st.step_seconds, st.step_times = trainer.get("step_seconds"), trainer.get("step_times") or []
+
+
 def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None:
     """Set ``ratings_to_step``, ``eta_s`` and ``eta_basis`` of ``st`` in place (times in Unix s).
 
@@ -140,9 +147,7 @@ class LearningService:
         else:
             st = LearningStatus(endpoint=endpoint, lineage=lineage, stage="waiting" if trainer else "idle")
             st.batch_size, st.max_wait_s = trainer.get("batch_size"), trainer.get("max_wait_s")
-        if st.step_seconds is None or (not st.step_times and trainer.get("step_times")):
-            # the lineage has no warm step timed: the trainer's estimate over every lineage
-            st.step_seconds, st.step_times = trainer.get("step_seconds"), trainer.get("step_times") or []
+        trainer_steps(st, trainer)
         if unread:
             st.ratings_waiting += unread
             if st.oldest_waiting_at is None:
