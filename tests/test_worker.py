@@ -379,6 +379,31 @@ def test_ratings_left_after_a_step_wait_from_their_arrival_not_from_the_steps_en
     assert sched.queued("wait")["kto"] == (1, now + 100)
 
 
+def test_a_lone_rating_handed_back_keeps_its_arrival(bus, tmp_path):
+    """A rating alone for 2 x max_wait_s goes back to the group as a new entry carrying its first arrival: read
+    again, it has waited since it was accepted, so the next rating starts a step with it at once."""
+    client, keys = bus
+    config = TrainingSection(kto_min_batch=4, max_wait_s=0.5)
+    worker = TrainerWorker(
+        client, keys, tmp_path, _SlowBackend(tmp_path, 0.0), BatchScheduler(config), consumer="w", block_ms=50
+    )
+    first = xadd(client, keys, rating("lone", [1, 2], [3], True, "lone-0"))
+    accepted = int(first.split("-")[0]) / 1000
+    assert worker.poll() == [] and worker.scheduler.queued("lone")["kto"] == (1, accepted)
+    time.sleep(2 * config.max_wait_s + 0.1)
+    assert worker.poll() == []  # handed back: a new entry with the same event
+    [(sid, fields)] = client.xrange(keys.signals)
+    assert sid != first and float(fields["arrived"]) == pytest.approx(accepted, abs=1e-3)
+    assert json.loads(fields["event"])["completion_id"] == "lone-0"
+    assert worker.poll() == []  # read again: still alone, but its wait counts from its acceptance
+    assert worker.scheduler.queued("lone")["kto"] == (1, pytest.approx(accepted, abs=1e-3))
+    xadd(client, keys, rating("lone", [1, 2], [3], False, "lone-1"))
+    [notice] = worker.poll()  # the oldest waited over max_wait_s: a partial batch of the two, now
+    assert notice.name == "lone@1"
+    trained = [json.loads(x) for x in (dataset_dir(tmp_path) / TRAINED_FILE).read_text().splitlines()]
+    assert len(trained) == 1 and len(trained[0]["event_ids"]) == 2
+
+
 def test_two_workers_slow_steps_train_every_event_once_and_trim_the_stream(bus, tmp_path):
     """Steps 4x longer than claim_idle_s: claims are renewed (no worker reclaims entries a live worker holds,
     not even its own), every event is recorded once and trained once, and acknowledged entries are deleted."""

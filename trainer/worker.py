@@ -189,6 +189,7 @@ class TrainerWorker:
         now = self.clock()
         day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
         records, parsed, bad = [], [], []
+        arrived = {sid: fields.get("arrived") for sid, fields in entries}  # a handed-back event's first arrival
         for sid, fields in entries:
             try:
                 ev = parse_stream_event(fields)
@@ -218,7 +219,7 @@ class TrainerWorker:
                     touched[lineage] = ev.endpoint
                 continue
             self.claims.hold([sid])
-            ack += self.scheduler.add(lineage, sid, ev, arrival(sid, now))  # read after a step: it waited since
+            ack += self.scheduler.add(lineage, sid, ev, now, arrival(sid, now, arrived.get(sid)))  # waited since
             touched[lineage] = ev.endpoint
         if ack:
             self.claims.ack(ack)
