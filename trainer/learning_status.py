@@ -39,7 +39,7 @@ def timed_step(times: list[float], took: float, warm: bool) -> tuple[list[float]
     a warm trainer, s): ``(times, estimate)``. A trainer process's first step
     (``warm`` False: it also loads the model, builds the optimizer, may wait for the gate's base measurement) is
     kept out of ``times``; it is the estimate only while no other step is known. The estimate is the median of
-    ``times``: one slow or fast step does not move it."""
+    ``times``: from three steps on, one slow or fast step hardly moves it."""
     if warm:
         times = [*times, round(took, 3)][-RECENT_STEPS:]
     if not times:
