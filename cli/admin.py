@@ -255,34 +255,65 @@ def adapters_list(
     for m in rows:
         groups.setdefault(m["lineage"], []).append(m)
     for name, versions in groups.items():
-        first = versions[0]
-        what = [f"endpoints {', '.join(first.get('endpoints') or [])}"] if first.get("endpoints") else []
-        if first.get("training_run"):
-            what.append(f"training run {first['training_run']}")
-        kept = {m["version"] for m in versions}
-        # Text, not str: rich would read ":train:" in a model id as an emoji code
-        table = Table(
-            title=Text(f"lineage {name}: {len(versions)} version(s)" + (f" ({'; '.join(what)})" if what else ""))
-        )
-        table.add_column("version", no_wrap=True)  # the one column that tells rows apart: never shortened
-        run = bool(first.get("training_run"))  # a checkpoint column for a training run's lineage only
-        for col in ("parent", "step", "created", "data", *(["checkpoint"] if run else []), "serving"):
-            table.add_column(col, overflow="fold")  # narrow terminals wrap these instead of cutting them
-        for m in versions:
-            parent = m["parent"]
-            data = ", ".join(f"{k}={v}" for k, v in (m.get("data_counts") or {}).items()) or "-"
-            cells = (
-                m["name"],
-                "-" if parent is None else str(parent) + ("" if parent in kept else " (deleted)"),
-                str(m["step"]),
-                when(m["created"]),
-                data,
-                *([", ".join(m.get("checkpoints") or []) or "unnamed sampler save"] if run else []),
-                ", ".join(m["serving"]) or "-",
-            )
-            table.add_row(*map(Text, cells))
-        out.print(table)
+        out.print(_lineage_table(name, versions, out.width))
     out.print(f"{len(rows)} version(s) in {len(groups)} lineage(s)")
+
+
+#: Columns of ``adapters list`` a narrow terminal shortens (cut with "…", never wrapped); the others never shrink.
+_CUT = ("data", "checkpoint", "serving")
+
+
+def _fit(natural: dict[str, int], width: int) -> dict[str, int] | None:
+    """Widths of the :data:`_CUT` columns so that a table of columns with ``natural`` widths (cell text, no
+    padding) fits ``width`` terminal columns; None when it cannot, even with those cut to their headers."""
+    room = width - (3 * len(natural) + 1) - sum(w for c, w in natural.items() if c not in _CUT)
+    cut = sorted((w, c) for c, w in natural.items() if c in _CUT)
+    if room < sum(len(c) for _, c in cut):
+        return None
+    out = {}
+    for i, (w, c) in enumerate(cut):  # the narrowest first: each gets its width or a fair share of what is left
+        out[c] = max(len(c), min(w, room // (len(cut) - i)))
+        room -= out[c]
+    return out
+
+
+def _lineage_table(name: str, versions: list[dict], width: int) -> Table:
+    """One lineage's versions for ``adapters list``, fitting ``width`` terminal columns: ids and times never wrap
+    nor shrink (data, checkpoints and serving endpoints are cut with "…" instead); the version column holds the
+    full ``<lineage>@<n>`` where it fits, else ``@<n>`` (the title names the lineage)."""
+    first = versions[0]
+    what = [f"endpoints {', '.join(first.get('endpoints') or [])}"] if first.get("endpoints") else []
+    if first.get("training_run"):
+        what.append(f"training run {first['training_run']}")
+    kept = {m["version"] for m in versions}
+    run = bool(first.get("training_run"))  # a checkpoint column for a training run's lineage only
+    rows = []
+    for m in versions:
+        parent = m["parent"]
+        row = {
+            "version": m["name"],
+            "parent": "-" if parent is None else str(parent) + ("" if parent in kept else " (deleted)"),
+            "step": str(m["step"]),
+            "created": when(m["created"], seconds=False),
+            "data": ", ".join(f"{k}={v}" for k, v in (m.get("data_counts") or {}).items()) or "-",
+            "checkpoint": ", ".join(m.get("checkpoints") or []) or "unnamed sampler save",
+            "serving": ", ".join(m["serving"]) or "-",
+        }
+        rows.append({c: v for c, v in row.items() if run or c != "checkpoint"})
+    natural = {c: max(len(c), *(len(r[c]) for r in rows)) for c in rows[0]}
+    widths = _fit(natural, width)
+    if widths is None:  # the full names do not fit: the rows' @<n>
+        for r, m in zip(rows, versions):
+            r["version"] = f"@{m['version']}"
+        at_n = {**natural, "version": max(7, *(len(r["version"]) for r in rows))}
+        widths = _fit(at_n, width) or {c: len(c) for c in at_n if c in _CUT}  # narrower still: rich shrinks all
+    # Text, not str: rich would read ":train:" in a model id as an emoji code
+    table = Table(title=Text(f"lineage {name}: {len(versions)} version(s)" + (f" ({'; '.join(what)})" if what else "")))
+    for c in rows[0]:
+        table.add_column(c, no_wrap=True, overflow="ellipsis", max_width=widths.get(c))
+    for r in rows:
+        table.add_row(*map(Text, r.values()))
+    return table
 
 
 @adapters_app.command("show")

@@ -69,9 +69,7 @@ class Backend:
         try:
             r = httpx.request(method, self.url + path, headers=headers, timeout=600, **kw)
         except httpx.HTTPError as exc:
-            raise typer.BadParameter(
-                f"cannot reach {self.url}: {exc} (start `livelora serve`, or pass --home to work on the store directly)"
-            ) from None
+            raise unreachable(self.url, exc) from None
         if r.status_code >= 400:
             try:
                 e = r.json()["error"]
@@ -114,7 +112,7 @@ class Backend:
         from livelora.core.bus import connect_sync
         from livelora.core.redis_keys import KeyLayout
         from livelora.core.settings import CommonSettings
-        from livelora.gateway.services.live.learning import estimate
+        from livelora.gateway.services.live.learning import estimate, trainer_steps
 
         settings, lineage = CommonSettings(), self.local.get_endpoint(name)["lineage"]
         keys = KeyLayout(settings.redis_prefix)
@@ -130,6 +128,7 @@ class Backend:
             if raw
             else LearningStatus(endpoint=name, lineage=lineage, stage="idle")
         )
+        trainer_steps(st, t)
         estimate(st, (t.get("base_measure") or {}).get("seconds"), time.time())
         return st.model_dump(mode="json")
 
@@ -214,14 +213,17 @@ class Backend:
 
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             buf = io.BytesIO()
-            with httpx.stream("GET", f"{self.url}/admin/exports/{name}/{fmt}", headers=headers, timeout=600) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    self._raise(r)
-                progress.update(task, total=int(r.headers.get("content-length") or 0) or None)
-                for chunk in r.iter_bytes():
-                    buf.write(chunk)
-                    progress.update(task, advance=len(chunk))
+            try:
+                with httpx.stream("GET", f"{self.url}/admin/exports/{name}/{fmt}", headers=headers, timeout=600) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        self._raise(r)
+                    progress.update(task, total=int(r.headers.get("content-length") or 0) or None)
+                    for chunk in r.iter_bytes():
+                        buf.write(chunk)
+                        progress.update(task, advance=len(chunk))
+            except httpx.HTTPError as exc:  # the gateway went away between the export and its download
+                raise unreachable(self.url, exc) from None
             buf.seek(0)
             tmp = dest.with_name(f".{dest.name}.partial")
             with tarfile.open(fileobj=buf, mode="r") as tar:
@@ -263,6 +265,16 @@ def run_or_exit(fn):
         raise typer.Exit(1) from None
 
 
+def unreachable(url: str, exc: BaseException, hint: str = "") -> typer.Exit:
+    """Print one line saying that no gateway answers at ``url`` (connection refused, unknown host, timeout: ``exc``)
+    and what to do (``hint``; default: start one, give its address, or work on the store); returns the exit to
+    raise, status 2 (the command cannot run as given, like a bad option value)."""
+    hint = hint or "start `livelora serve`, give its address with --url (or $LIVELORA_URL), or use --home DIR"
+    why = str(exc) or type(exc).__name__
+    err.print(f"[red]error[/]: cannot reach {escape(url)} ({escape(why)}): {escape(hint)}", soft_wrap=True)
+    return typer.Exit(2)
+
+
 def key_hint(exc: Exception) -> str:
     """``exc``'s message; for a 401, plus how this CLI sends a key (``--api-key`` or ``LIVELORA_API_KEY``)."""
     text = str(exc)
@@ -271,5 +283,6 @@ def key_hint(exc: Exception) -> str:
     return text
 
 
-def when(ts: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+def when(ts: float | None, seconds: bool = True) -> str:
+    """Unix time ``ts`` as local ``YYYY-MM-DD HH:MM[:SS]``; ``-`` for none."""
+    return time.strftime("%Y-%m-%d %H:%M" + (":%S" if seconds else ""), time.localtime(ts)) if ts else "-"

@@ -422,8 +422,12 @@ def hf_cache(
             snapshot = install_in_hf_cache(ref, target, cache_dir)
             aliases = {alias: install_in_hf_cache(ref, alias, cache_dir) for alias in {name} - {target}}
     except LiveloraError as exc:
-        from livelora.cli.admin_common import key_hint
+        import httpx
 
+        from livelora.cli.admin_common import key_hint, unreachable
+
+        if url is not None and isinstance(exc.__cause__, httpx.TransportError):  # nothing answers there
+            raise unreachable(url, exc.__cause__, "check --url: a livelora server must be listening there") from None
         console.print(f"[red]error[/]: {escape(key_hint(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None
     print(f"{target} -> {snapshot}")

@@ -5,7 +5,9 @@ gateway on the real model and Redis (its own store: keys switch it to key mode).
 
 from __future__ import annotations
 
+import html
 import re
+import time
 from importlib import resources
 
 import httpx
@@ -411,3 +413,100 @@ def test_open_mode_enters_with_one_button_and_the_first_key_ends_those_sessions(
     KeyStore(tmp_path).create("acme", ["admin"])
     assert web.get("/console/endpoints").status_code == 401
     assert 'id="key"' in web.get("/console/login").text
+
+
+# ---------------------------------------------------------------------------------------------- for people
+
+#: What a page must not show a person: an ISO 8601 timestamp (a training session's raw times) or Unix seconds.
+ISO_TIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2}(\.\d+)?)?")
+UNIX_TIME = re.compile(r"(?<![\d.])1\d{9}(\.\d+)?(?![\d.])")
+#: ... nor a machine name in snake_case (file names such as adapter_config.json and URL paths aside).
+SNAKE = re.compile(r"(?<![\w./-])[a-z][a-z0-9]*(_[a-z0-9]+)+(?![\w.-])")
+
+
+def visible_text(page: str) -> str:
+    """The text a person reads on ``page``: outside tags, scripts (the charts' JSON) and styles."""
+    page = re.sub(r"<(script|style)\b.*?</\1>", " ", page, flags=re.S)
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page)).split())
+
+
+def test_no_page_shows_raw_timestamps_or_machine_names(server, keys, endpoints, home):
+    """After a training session saved a checkpoint, a rating was quarantined and an automatic rollback was
+    recorded, every page of a tenant's admin and of the operator writes times as ``2026-12-07 02:31 UTC`` (or
+    ``3 min ago``) and names in words: no ISO timestamp, no Unix seconds, no snake_case label."""
+    from livelora.adapters.endpoints import EndpointStore
+    from livelora.core.governance import record_quarantine
+
+    with httpx.Client(base_url=server.base_url, headers={"X-API-Key": keys["acme"]}, timeout=120) as a:
+        sid = a.post("/api/v1/create_session", json={}).json()["session_id"]
+        made = a.post(
+            "/api/v1/create_model",
+            json={
+                "session_id": sid,
+                "model_seq_id": 0,
+                "base_model": "smollm2-135m-instruct",
+                "lora_config": {"rank": 2},
+            },
+        ).json()
+        for request in (
+            made,
+            a.post("/api/v1/save_weights", json={"model_id": made["model_id"], "seq_id": 1, "path": "p1"}).json(),
+        ):
+            while (
+                r := a.post("/api/v1/retrieve_future", json={"request_id": request["request_id"]})
+            ).status_code == 408:
+                pass
+            assert r.status_code == 200 and "error" not in r.json(), r.text
+    now = time.time()
+    reason = "rate_limit: 5 events in the last 60 s (limit 4)"
+    record_quarantine(
+        home,
+        [
+            {
+                "event_id": "feedback-q",
+                "endpoint": "acme.live",
+                "lineage": LINEAGE,
+                "rater": "zed",
+                "type": "rating",
+                "time": now,
+                "reason": reason,
+            }
+        ],
+    )
+    EndpointStore(home).record(
+        "acme.live", "auto_rollback", who="gateway", to=f"{LINEAGE}@2", from_=f"{LINEAGE}@3", tenant="acme"
+    )
+    pages = (
+        "/console/endpoints",
+        "/console/endpoints/acme.live",
+        f"/console/lineages/{LINEAGE}",
+        f"/console/versions/{LINEAGE}@2",
+        "/console/charts",
+        "/console/feedback",
+        "/console/sessions",
+    )
+    with console_client(server.base_url, keys["acme"]) as c, console_client(server.base_url, keys["ops"]) as o:
+        shown = {
+            (who, path): visible_text(client.get(path).text)
+            for who, client in (("acme", c), ("ops", o))
+            for path in pages
+        }
+    for (who, path), text in shown.items():
+        assert not ISO_TIME.search(text), (who, path, ISO_TIME.search(text).group(0))
+        assert not UNIX_TIME.search(text), (who, path, UNIX_TIME.search(text).group(0))
+        name = SNAKE.search(text.replace("max_tokens", ""))  # (the OpenAI field, in the quota of choices)
+        assert name is None, (who, path, name and name.group(0))
+    stamp = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC"
+    sessions, feedback = shown[("acme", "/console/sessions")], shown[("acme", "/console/feedback")]
+    assert re.search(rf"{sid} {stamp}", sessions), sessions  # the session's creation time
+    assert re.search(rf"weights/p1 training {stamp}", sessions), sessions  # the checkpoint's kind and time
+    assert "training sessions" in sessions and "choices per request" in shown[("ops", "/console/sessions")]
+    assert "rate limit: 5 events in the last 60 s (limit 4)" in feedback and "rater: zed" in feedback
+    assert time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(now)) in feedback
+    endpoint = shown[("acme", "/console/endpoints/acme.live")]
+    assert re.search(rf"{stamp} (just now|\d+ min ago) gateway automatic rollback {LINEAGE}@3 {LINEAGE}@2", endpoint), (
+        endpoint
+    )
+    assert re.search(
+        r"automatic rollback \S+@3 → \S+@2 (just now|\d+ min ago) by gateway", shown[("acme", "/console/endpoints")]
+    )

@@ -121,6 +121,7 @@ def test_rating_to_a_published_version_is_watchable(live, caplog):
     assert st.version == f"{EP}@1" and st.last.version == f"{EP}@1" and st.last.stage == "published"
     assert st.ratings_waiting == 0 and st.ratings_to_step == BATCH and st.eta_s is None
     assert st.step_seconds is not None and st.step_seconds > 0
+    assert st.step_times == []  # the trainer's first step (warm-up) is the estimate until a later step is timed
     marks = st.stages
     assert [m.at for m in marks] == sorted(m.at for m in marks)
     stages = [m.stage for m in marks]

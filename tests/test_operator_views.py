@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import uuid
 
 import httpx
@@ -143,3 +145,66 @@ def test_adapters_list_shows_every_version_a_tenant_owns_grouped_by_lineage(serv
         # each save's parent is the save before it; @1 ("first", replaced by @3) is shown as deleted
         assert [r["parent"] for r in rows] == [1, 2, 3] and "1 (deleted)" in text
     assert "no adapter versions that this key's tenant owns" in " ".join(listing("beta").split())
+
+
+def test_adapters_list_fits_80_columns_one_line_per_version(server, keys, home):
+    """A lineage with a long name (as a training run's): at 80 columns each version is one line, ids and times
+    whole, the rows named ``@<n>`` under a title naming the lineage; at 120 the full ``<lineage>@<n>``."""
+    from livelora.adapters.store import AdapterStore
+    from livelora.cli.main import app
+    from livelora.core.owners import OwnerStore
+
+    lineage = "acme.support-assistant-with-a-long-lineage-name"
+    OwnerStore(home).claim("lineage", lineage, "acme")
+    store = AdapterStore(home)
+
+    def write(tmp):  # listed, never loaded: tiny files are enough
+        (tmp / "adapter_model.safetensors").write_bytes(b"-")
+        (tmp / "adapter_config.json").write_text("{}")
+
+    for _ in range(3):
+        store.write_version(lineage, write, base_model=MODEL)
+    args = ["adapters", "list", "--lineage", lineage, "--url", server.base_url, "--api-key", keys["acme"]]
+    for columns, names in ((80, ["@1", "@2", "@3"]), (120, [f"{lineage}@{n}" for n in (1, 2, 3)])):
+        result = CliRunner().invoke(app, args, env={"COLUMNS": str(columns)})
+        assert result.exit_code == 0, result.output
+        lines = result.output.splitlines()
+        assert max(map(len, lines)) <= columns, result.output
+        header = next(line for line in lines if line.startswith("┃"))
+        assert [c.strip() for c in header.strip("┃").split("┃")] == [
+            "version",
+            "parent",
+            "step",
+            "created",
+            "data",
+            "serving",
+        ]
+        rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines if line.startswith("│")]
+        assert [r[0] for r in rows] == names, result.output  # one line each: nothing wrapped
+        assert all(re.fullmatch(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}", r[3]) for r in rows), result.output
+        assert f"lineage {lineage}: 3 version(s)" in " ".join(result.output.split())
+
+
+def test_promote_sends_its_reason_and_an_unreachable_url_is_one_line_and_status_2(server, keys):
+    from livelora.cli.main import app
+
+    common = ["--url", server.base_url, "--api-key", keys["acme"]]
+    cli("endpoints", "create", "acme.polish", "--lineage", "acme.polish", "--reason", "made", *common)
+    shown = cli("endpoints", "promote", "acme.polish", "base", "--reason", "back to base for the eval", *common)
+    assert "'back to base for the eval'" in shown
+    history = httpx.get(
+        server.url("/admin/endpoints/acme.polish/history"),
+        headers={"Authorization": f"Bearer {keys['acme']}"},
+        timeout=30,
+    ).json()["data"]
+    assert [(h["action"], h["reason"]) for h in history][-1] == ("promote", "back to base for the eval")
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for args in (["adapters", "list"], ["endpoints", "promote", "acme.polish", "base", "--reason", "x"], ["usage"]):
+        result = CliRunner().invoke(app, [*args, "--url", gone, "--api-key", keys["acme"]], env={"COLUMNS": "80"})
+        assert result.exit_code == 2, (args, result.output)
+        [line] = result.output.splitlines()
+        assert line.startswith(f"error: cannot reach {gone} (") and "Connection refused" in line, line
+        assert "Traceback" not in result.output

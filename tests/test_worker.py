@@ -330,6 +330,80 @@ class _SlowBackend:
         return self.store.version_dir(manifest.lineage, manifest.version)
 
 
+class _RatedDuringStep(_SlowBackend):
+    """A slow backend whose first step sees ``during`` more ratings accepted (added to the stream) while it runs."""
+
+    def __init__(self, home, delay_s: float, client, keys, during: list):
+        super().__init__(home, delay_s)
+        self.client, self.keys, self.during, self.added = client, keys, during, []
+
+    def train(self, batch):
+        if self.during:
+            self.added = [xadd(self.client, self.keys, ev) for ev in self.during]
+            self.during = []
+        return super().train(batch)
+
+
+def test_ratings_left_after_a_step_wait_from_their_arrival_not_from_the_steps_end(bus, tmp_path):
+    """Four ratings make a full step (4 s); two more are accepted as it starts. When the worker reads them after
+    the step they have waited longer than max_wait_s (2 s): the next poll trains them at once (a partial batch),
+    instead of queueing them for a whole new max_wait_s counted from the step's end. A rating that a screened
+    batch puts back keeps its arrival too; a failed step's retry waits again."""
+    from livelora.trainer.scheduler import Batch, arrival
+
+    client, keys = bus
+    config = TrainingSection(kto_min_batch=4, max_wait_s=2.0)
+    late = [rating("wait", [1, 2], [3], i == 0, f"late-{i}") for i in range(2)]
+    backend = _RatedDuringStep(tmp_path, 4.0, client, keys, late)
+    worker = TrainerWorker(client, keys, tmp_path, backend, BatchScheduler(config), consumer="w", block_ms=50)
+    for i in range(4):
+        xadd(client, keys, rating("wait", [1, 2], [3], i % 2 == 0, f"first-{i}"))
+    [first] = worker.poll()
+    assert first.name == "wait@1" and len(backend.added) == 2 and len(worker.scheduler) == 0
+    [second] = worker.poll()  # read now, 4 s after they were accepted: due at once
+    assert second.name == "wait@2"
+    trained = [json.loads(x) for x in (dataset_dir(tmp_path) / TRAINED_FILE).read_text().splitlines()]
+    assert trained[1]["stream_ids"] == backend.added and trained[1]["event_ids"] == [e.id for e in late]
+    st = json.loads(client.get(keys.learning("wait")))
+    assert st["last"]["detail"].startswith("kto step on 2 event(s): a partial batch (2 of 4), started because")
+
+    # the queue's times are the ratings' acceptance times (stream ids), also for a batch put back
+    sched, now = worker.scheduler, time.time()
+    sid = xadd(client, keys, rating("wait", [1, 2], [3], True, "put-back"))
+    accepted = int(sid.split("-")[0]) / 1000
+    assert arrival(sid, now + 100) == accepted and arrival(sid, 5.0) == 5.0  # never after the clock's now
+    sched.requeue(Batch("wait", "kto", [late[0]], [sid]), now + 100)
+    assert sched.queued("wait")["kto"] == (1, accepted)
+    sched.clear()
+    sched.requeue(Batch("wait", "kto", [late[0]], [sid]), now + 100, restart_wait=True)  # a failed step's retry
+    assert sched.queued("wait")["kto"] == (1, now + 100)
+
+
+def test_a_lone_rating_handed_back_keeps_its_arrival(bus, tmp_path):
+    """A rating alone for 2 x max_wait_s goes back to the group as a new entry carrying its first arrival: read
+    again, it has waited since it was accepted, so the next rating starts a step with it at once."""
+    client, keys = bus
+    config = TrainingSection(kto_min_batch=4, max_wait_s=0.5)
+    worker = TrainerWorker(
+        client, keys, tmp_path, _SlowBackend(tmp_path, 0.0), BatchScheduler(config), consumer="w", block_ms=50
+    )
+    first = xadd(client, keys, rating("lone", [1, 2], [3], True, "lone-0"))
+    accepted = int(first.split("-")[0]) / 1000
+    assert worker.poll() == [] and worker.scheduler.queued("lone")["kto"] == (1, accepted)
+    time.sleep(2 * config.max_wait_s + 0.1)
+    assert worker.poll() == []  # handed back: a new entry with the same event
+    [(sid, fields)] = client.xrange(keys.signals)
+    assert sid != first and float(fields["arrived"]) == pytest.approx(accepted, abs=1e-3)
+    assert json.loads(fields["event"])["completion_id"] == "lone-0"
+    assert worker.poll() == []  # read again: still alone, but its wait counts from its acceptance
+    assert worker.scheduler.queued("lone")["kto"] == (1, pytest.approx(accepted, abs=1e-3))
+    xadd(client, keys, rating("lone", [1, 2], [3], False, "lone-1"))
+    [notice] = worker.poll()  # the oldest waited over max_wait_s: a partial batch of the two, now
+    assert notice.name == "lone@1"
+    trained = [json.loads(x) for x in (dataset_dir(tmp_path) / TRAINED_FILE).read_text().splitlines()]
+    assert len(trained) == 1 and len(trained[0]["event_ids"]) == 2
+
+
 def test_two_workers_slow_steps_train_every_event_once_and_trim_the_stream(bus, tmp_path):
     """Steps 4x longer than claim_idle_s: claims are renewed (no worker reclaims entries a live worker holds,
     not even its own), every event is recorded once and trained once, and acknowledged entries are deleted."""

@@ -46,12 +46,12 @@ if #mine > 0 then
 end
 return mine
 """
-# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] entry id, ARGV[4] event JSON, ARGV[5] replaces →
-# the new entry id ('' if the entry was no longer ours)
+# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] entry id, ARGV[4] event JSON, ARGV[5] replaces,
+# ARGV[6] arrival (Unix s, the first entry's) → the new entry id ('' if the entry was no longer ours)
 _HANDOFF = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
 if #p == 0 then return '' end
-local sid = redis.call('XADD', KEYS[1], '*', 'event', ARGV[4], 'replaces', ARGV[5])
+local sid = redis.call('XADD', KEYS[1], '*', 'event', ARGV[4], 'replaces', ARGV[5], 'arrived', ARGV[6])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[3])
 return sid
@@ -241,12 +241,14 @@ class SignalClaims:
         self.release(stream_ids)
         return dup
 
-    def hand_back(self, sid: str, event_json: str, replaces: str) -> str:
-        """Put entry ``sid``'s event back in the group as a new entry and acknowledge + delete ``sid`` (one
-        script); returns the new entry id, ``""`` when ``sid`` was no longer this consumer's."""
+    def hand_back(self, sid: str, event_json: str, replaces: str, arrived: float) -> str:
+        """Put entry ``sid``'s event back in the group as a new entry (its field ``arrived``: when the event first
+        arrived, Unix s, so its wait goes on counting from then) and acknowledge + delete ``sid`` (one script);
+        returns the new entry id, ``""`` when ``sid`` was no longer this consumer's."""
         with redis_unavailable():
             new = self._handoff(
-                keys=[self.keys.signals], args=[TRAINERS_GROUP, self.consumer, sid, event_json, replaces]
+                keys=[self.keys.signals],
+                args=[TRAINERS_GROUP, self.consumer, sid, event_json, replaces, f"{arrived:.3f}"],
             )
         self.release([sid])
         return new
@@ -257,8 +259,8 @@ def hand_off_lonely(scheduler: Any, claims: SignalClaims, now: float) -> None:
     same id; one script adds it and acknowledges + deletes the old entry), so that with several workers it can meet a
     partner in another worker's queue instead of waiting for the next rating here."""
     max_wait = getattr(scheduler.config, "max_wait_s", 30.0)
-    for sid, ev in scheduler.take_lonely(now, 2 * max_wait):
-        new = claims.hand_back(sid, ev.model_dump_json(), ev.replaces or "")
+    for sid, ev, arrived in scheduler.take_lonely(now, 2 * max_wait):
+        new = claims.hand_back(sid, ev.model_dump_json(), ev.replaces or "", arrived)
         log.info(
             "lone rating %s handed back to the group (%s → %s): a KTO step needs two ratings of one "
             "endpoint, so it trains with the next one",

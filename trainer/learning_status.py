@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -25,8 +26,8 @@ from livelora.core.cpu_share import on_step_pause, serving_duty
 
 log = logging.getLogger(__name__)
 
-#: Weight of the newest step in the running step-time estimate (exponential moving average).
-EMA_WEIGHT = 0.5
+#: Step times kept per estimate; the estimate is their median.
+RECENT_STEPS = 5
 #: Stage changes kept per step (gate passes included).
 MAX_MARKS = 24
 
@@ -40,6 +41,19 @@ def serving_reason(duty: float | None) -> str:
     """Why a step waits for serving, for the status (``duty``: the trainer's duty while serving)."""
     share = f"at most {duty:.0%} of the time" if duty is not None else "part of the time"
     return f"serving is busy: training uses {share} while requests are served"
+
+
+def timed_step(times: list[float], took: float, warm: bool) -> tuple[list[float], float]:
+    """A step of ``took`` seconds added to the recent step times ``times`` (the last :data:`RECENT_STEPS` steps of
+    a warm trainer, s): ``(times, estimate)``. A trainer process's first step
+    (``warm`` False: it also loads the model, builds the optimizer, may wait for the gate's base measurement) is
+    kept out of ``times``; it is the estimate only while no other step is known. The estimate is the median of
+    ``times``: from three steps on, one slow or fast step hardly moves it."""
+    if warm:
+        times = [*times, round(took, 3)][-RECENT_STEPS:]
+    if not times:
+        return [], round(took, 3)
+    return times, round(statistics.median(times), 3)
 
 
 def batch_detail(batch: Any, max_wait_s: float) -> str:
@@ -77,6 +91,8 @@ class LearningReporter:
         self._batches: dict[str, str] = {}  # lineage → what its running step trains on
         self._lock = threading.Lock()
         self.step_seconds: float | None = None  # over every lineage: the estimate of a lineage with no step yet
+        self.step_times: list[float] = []  # over every lineage: the recent steps of a warm trainer (timed_step)
+        self._timed: set[str] = set()  # lineages this process has timed a step of (their next steps are warm)
         self.read_through: str | None = None
         self.base_measure: dict[str, Any] | None = None
         self.recovered_signals: dict[str, Any] | None = None  # {"total", "count", "at", "why"}
@@ -104,6 +120,7 @@ class LearningReporter:
             "batch_size": self.config.kto_min_batch,
             "max_wait_s": self.config.max_wait_s,
             "step_seconds": self.step_seconds,
+            "step_times": self.step_times,
             "holdout_every": self.holdout_every,
             "read_through": self.read_through,
             "base_measure": self.base_measure,
@@ -172,9 +189,9 @@ class LearningReporter:
             self._trainer()
 
     def started(self) -> None:
-        """The trainer's settings, at start-up; the step time measured by an earlier trainer on this Redis is kept
-        as the estimate until this one times a step. From now on the pacer's pauses are reported
-        (:class:`ServingWaits`)."""
+        """The trainer's settings, at start-up; the step times measured by an earlier trainer on this Redis are
+        kept (this one's first step, with its warm-up, replaces them only where none was measured warm). From now
+        on the pacer's pauses are reported (:class:`ServingWaits`)."""
         with self._lock:
             try:
                 before = json.loads(self.client.get(self.keys.learning_trainer) or "{}")
@@ -182,6 +199,7 @@ class LearningReporter:
                 before = {}
             if self.step_seconds is None and isinstance(before.get("step_seconds"), int | float):
                 self.step_seconds = float(before["step_seconds"])
+                self.step_times = [float(x) for x in before.get("step_times") or [] if isinstance(x, int | float)]
             self._trainer()
         on_step_pause(self.waits.step_paused)  # a trainer process's pauses for serving show in the status
 
@@ -267,12 +285,10 @@ class LearningReporter:
             mark.serving_wait_s = round(st.serving_wait_s, 3) if st.serving_wait_s else None
             if started is not None:
                 took = now - started
-                st.step_seconds = (
-                    took if st.step_seconds is None else EMA_WEIGHT * took + (1 - EMA_WEIGHT) * st.step_seconds
-                )
-                self.step_seconds = (
-                    took if self.step_seconds is None else EMA_WEIGHT * took + (1 - EMA_WEIGHT) * self.step_seconds
-                )
+                warm = batch.lineage in self._timed
+                st.step_times, st.step_seconds = timed_step(st.step_times, took, warm)
+                self.step_times, self.step_seconds = timed_step(self.step_times, took, bool(self._timed))
+                self._timed.add(batch.lineage)
             self._counts(st, scheduler)
             self._set_stage(st, mark)
             st.last = mark

@@ -71,7 +71,8 @@ class Batch:
 
 @dataclass
 class _Queue:
-    items: OrderedDict[str, tuple[str, Event, float]] = field(default_factory=OrderedDict)
+    items: OrderedDict[str, tuple[str, Event, float]] = field(default_factory=OrderedDict)  # key → (sid, ev, arrival)
+    read: dict[str, float] = field(default_factory=dict)  # stream id → when this worker queued it
 
     def oldest(self) -> float:
         return min(t for _, _, t in self.items.values())
@@ -95,8 +96,10 @@ class BatchScheduler:
         """``kto`` for ratings, ``sft`` for demonstrations, ``dpo`` for preferences."""
         return {"rating": "kto", "demonstration": "sft", "preference": "dpo"}[event.type]
 
-    def add(self, lineage: str, stream_id: str, event: Event, now: float) -> list[str]:
-        """Queue one event received at ``now`` (seconds). Returns the stream ids it supersedes (to acknowledge).
+    def add(self, lineage: str, stream_id: str, event: Event, now: float, arrived: float | None = None) -> list[str]:
+        """Queue one event read at ``now`` (seconds) that arrived at ``arrived`` (default ``now``; the worker
+        passes :func:`arrival`, so an event read late, after a step, has waited since it was accepted: its
+        ``max_wait_s`` counts from then). Returns the stream ids it supersedes (to acknowledge).
 
         A rating replaces the queued rating with the same ``rating_key`` (the newer stream id wins, so a
         redelivered older event never replaces a newer one). Re-adding a queued stream id changes nothing.
@@ -109,9 +112,11 @@ class BatchScheduler:
             if old[0] == stream_id or _sid_key(old[0]) > _sid_key(stream_id):
                 return [stream_id] if old[0] != stream_id else []
             del q.items[key]
-            q.items[key] = (stream_id, event, now)
+            q.items[key] = (stream_id, event, now if arrived is None else arrived)
+            q.read[stream_id] = now
             return [old[0]]
-        q.items[key] = (stream_id, event, now)
+        q.items[key] = (stream_id, event, now if arrived is None else arrived)
+        q.read[stream_id] = now
         return []
 
     def pending(self) -> list[str]:
@@ -144,6 +149,8 @@ class BatchScheduler:
         c, out = self.config, []
         for (lineage, kind), q in self._queues.items():
             n = len(q.items)
+            if len(q.read) > n:  # read times of events that left the queue (trained, superseded, handed back)
+                q.read = {sid: t for sid, t in q.read.items() if sid in {item[0] for item in q.items.values()}}
             if n == 0 or lineage in hold:
                 continue
             threshold = {"kto": c.kto_min_batch, "sft": c.sft_min_batch, "dpo": c.dpo_min_batch}[kind]
@@ -219,15 +226,16 @@ class BatchScheduler:
                 keys.append(key)
         return [q.items.pop(k) for k in keys]
 
-    def take_lonely(self, now: float, min_age_s: float) -> list[tuple[str, Event]]:
-        """Remove and return ``(stream_id, event)`` of every KTO queue holding a single rating older than
-        ``min_age_s`` seconds: KTO never trains one example, and with several workers the rating that would
+    def take_lonely(self, now: float, min_age_s: float) -> list[tuple[str, Event, float]]:
+        """Remove and return ``(stream_id, event, arrival)`` of every KTO queue holding a single rating queued here
+        ``min_age_s`` seconds ago or more: KTO never trains one example, and with several workers the rating that would
         pair with it may sit in another worker; the worker hands it back to the group."""
         out = []
         for (_, kind), q in self._queues.items():
-            if kind == "kto" and len(q.items) == 1 and now - q.oldest() >= min_age_s:
-                sid, ev, _ = q.items.popitem(last=False)[1]
-                out.append((sid, ev))
+            if kind == "kto" and len(q.items) == 1:
+                sid = next(iter(q.items.values()))[0]
+                if now - q.read.get(sid, q.oldest()) >= min_age_s:  # alone here that long (not: since it arrived)
+                    out.append(q.items.popitem(last=False)[1])
         return out
 
     def clear(self) -> int:
@@ -236,13 +244,16 @@ class BatchScheduler:
         self._queues.clear()
         return n
 
-    def requeue(self, batch: Batch, now: float) -> None:
-        """Put a batch whose step failed back at the front of its queue (it is retried later)."""
+    def requeue(self, batch: Batch, now: float, restart_wait: bool = False) -> None:
+        """Put a batch back at the front of its queue (too few left to train now, held back, or its step failed).
+        Its events keep their arrival times (:func:`arrival`: they do not wait ``max_wait_s`` again);
+        ``restart_wait``: they count from ``now`` instead (a failed step's retry waits)."""
         q = self._queues.setdefault((batch.lineage, batch.kind), _Queue())
         restored: OrderedDict[str, tuple[str, Event, float]] = OrderedDict()
         for sid, ev in zip(batch.stream_ids, batch.events):
             key = ev.rating_key if isinstance(ev, RatingEvent) else sid
-            restored[key] = (sid, ev, now)
+            restored[key] = (sid, ev, now if restart_wait else arrival(sid, now))
+            q.read[sid] = now
         for key, item in q.items.items():  # newer re-rates that arrived meanwhile win
             restored.pop(key, None)
             restored[key] = item
@@ -252,3 +263,14 @@ class BatchScheduler:
 def _sid_key(stream_id: str) -> tuple[int, int]:
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def arrival(stream_id: str, now: float, arrived: str | None = None) -> float:
+    """When the event of ``stream_id`` was accepted: its Redis stream id's milliseconds as Unix seconds, or the
+    entry's ``arrived`` field (Unix s) where a worker handed the event back as a new entry; at most ``now`` (a
+    trainer clock behind Redis's, or a test's own clock)."""
+    try:
+        first = float(arrived) if arrived else None
+    except ValueError:
+        first = None
+    return min(now, first if first is not None else _sid_key(stream_id)[0] / 1000)

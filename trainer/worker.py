@@ -38,7 +38,7 @@ from livelora.trainer.claims import Entry, SignalClaims, hand_off_lonely
 from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
 from livelora.trainer.learning_status import LearningReporter
 from livelora.trainer.retention import VersionRoom
-from livelora.trainer.scheduler import Batch, BatchScheduler, kto_class_weights
+from livelora.trainer.scheduler import Batch, BatchScheduler, arrival, kto_class_weights
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,7 @@ class TrainerWorker:
         now = self.clock()
         day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
         records, parsed, bad = [], [], []
+        arrived = {sid: fields.get("arrived") for sid, fields in entries}  # a handed-back event's first arrival
         for sid, fields in entries:
             try:
                 ev = parse_stream_event(fields)
@@ -219,7 +220,7 @@ class TrainerWorker:
                     touched[lineage] = ev.endpoint
                 continue
             self.claims.hold([sid])
-            ack += self.scheduler.add(lineage, sid, ev, now)
+            ack += self.scheduler.add(lineage, sid, ev, now, arrival(sid, now, arrived.get(sid)))  # waited since
             touched[lineage] = ev.endpoint
         if ack:
             self.claims.ack(ack)
@@ -369,7 +370,7 @@ class TrainerWorker:
             self.dead_letters.all(batch, f"{type(exc).__name__}: {exc}")
             self.learning.failed(batch, self.scheduler, f"dead-lettered: {type(exc).__name__}: {exc}")
         else:
-            self.scheduler.requeue(batch, self.clock())
+            self.scheduler.requeue(batch, self.clock(), restart_wait=True)
 
     def run(self, stop: threading.Event, retry_s: float = 1.0) -> None:
         """Poll until ``stop`` is set (:func:`run_loop`)."""

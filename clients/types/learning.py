@@ -93,10 +93,19 @@ class LearningStatus(BaseModel):
     stages: list[StageMark] = Field(default_factory=list, description="This step's stage changes, oldest first.")
     last: StageMark | None = Field(default=None, description="The last step's outcome (published or rejected).")
     step_seconds: float | None = Field(
-        default=None, description="Running estimate of one step (training start to outcome), seconds."
+        default=None,
+        description="Estimate of one step (training start to outcome), seconds: the median of `step_times`, or "
+        "while that is empty the trainer's first step (with its warm-up work).",
+    )
+    step_times: list[float] = Field(
+        default_factory=list,
+        description="The last (up to 5) steps' times, seconds, oldest first; a trainer process's first step is "
+        "left out (it also loads the model and builds the optimizer).",
     )
     eta_s: float | None = Field(
-        default=None, description="Estimated seconds to the next version (None: more ratings are needed first)."
+        default=None,
+        description="Estimated seconds to the next version (None: more ratings are needed first, or the running "
+        "step takes longer than usual: `eta_basis` says which).",
     )
     eta_basis: str | None = Field(default=None, description="How eta_s was estimated.")
     updated: float | None = Field(default=None, description="When the trainer last reported.")
@@ -205,6 +214,8 @@ class LearningStatus(BaseModel):
             return s + "; learning paused by an admin (signals stay queued)"
         if self.eta_s is not None:
             s += f"; next version in about {self.eta_s:.0f} s"
+        elif self.stage in ("training", "gate") and self.eta_basis and self.eta_basis.startswith("taking longer"):
+            s += f"; {self.eta_basis}"
         return s
 
     def _deferred_for(self) -> str:

@@ -6,7 +6,9 @@ HTML pages for browsers (the OpenAI envelope for other clients).
 from __future__ import annotations
 
 import math
+import re
 import time
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -56,12 +58,81 @@ def _ci(right: int, n: int) -> str:
     return "-" if got is None else f"{100 * got[0]:.0f}–{100 * got[1]:.0f} %"
 
 
-def _when(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+def _unix(t: float | str | datetime | None) -> float | None:
+    """Unix seconds of ``t``: a number, an ISO 8601 string (a training session's times) or a datetime (naive:
+    UTC); None when absent or unreadable."""
+    if isinstance(t, str):
+        try:
+            t = datetime.fromisoformat(t)
+        except ValueError:
+            return None
+    if isinstance(t, datetime):
+        return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
+    return float(t) if isinstance(t, int | float) and t else None
+
+
+def _when(t: float | str | datetime | None) -> str:
+    """``2026-12-07 02:31 UTC`` (``-`` for none)."""
+    u = _unix(t)
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(u)) if u is not None else "-"
+
+
+def _ago(t: float | str | datetime | None, now: float | None = None) -> str:
+    """How long ago ``t`` was: ``just now``, ``3 min ago``, ``5 h ago``, ``2 days ago`` (``in 3 min`` ahead)."""
+    u = _unix(t)
+    if u is None:
+        return "-"
+    d = (time.time() if now is None else now) - u
+    s = abs(d)
+    if s < 60:
+        return "just now"
+    n, unit = (s // 60, "min") if s < 3600 else (s // 3600, "h") if s < 86400 else (s // 86400, "day")
+    text = f"{n:.0f} {unit}" + ("s" if unit == "day" and n >= 2 else "")
+    return f"{text} ago" if d > 0 else f"in {text}"
+
+
+#: Words for machine names the pages show (learning stages, history actions, limits); others: underscores → spaces.
+LABELS = {
+    "gate": "evaluation gate",
+    "waiting": "waiting for ratings",
+    "auto_rollback": "automatic rollback",
+    "client_finished": "finished by the client",
+    "max_sessions": "training sessions",
+    "max_adapter_versions": "adapter versions",
+    "max_n": "choices per request",
+    "max_n_tokens": "choices × max_tokens per request",
+    "max_lora_rank": "LoRA rank",
+    "max_models_per_session": "models per session",
+    "max_models": "training models",
+    "max_trainer_bytes": "trainer memory",
+    "max_completion_log_bytes": "completion log",
+    "max_adapter_bytes": "adapter storage",
+}
+
+
+def _label(name: Any) -> str:
+    """A machine name for people: :data:`LABELS`, else its underscores as spaces (``length_ratio`` → ``length
+    ratio``); a ``snake_case:`` prefix of a sentence likewise (``rate_limit: 5 events`` → ``rate limit: 5
+    events``)."""
+    text = "" if name is None else str(name)
+    if text in LABELS:
+        return LABELS[text]
+    return re.sub(r"^([a-z0-9]+(?:_[a-z0-9]+)+)(?=:|$)", lambda m: m.group(1).replace("_", " "), text)
+
+
+def _record(rec: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """A stored record as ``key: value`` pairs for people, less the keys in ``skip`` (shown beside it): times as
+    :func:`_when`, keys as :func:`_label`."""
+    times = ("time", "received", "created", "at")
+    return "; ".join(
+        f"{_label(k)}: {_when(v) if k in times or k.endswith('_at') else v}"
+        for k, v in rec.items()
+        if v is not None and k not in skip
+    )
 
 
 ENV = Environment(loader=PackageLoader("livelora.gateway.console", "templates"), autoescape=select_autoescape())
-ENV.filters.update(pct=_pct, size=_size, num=_num, when=_when, ci=_ci)
+ENV.filters.update(pct=_pct, size=_size, num=_num, when=_when, ago=_ago, label=_label, record=_record, ci=_ci)
 ENV.globals.update(charts=charts)
 
 

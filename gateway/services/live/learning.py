@@ -30,27 +30,50 @@ MAX_UNREAD = 2000
 KTO_FLOOR = 2
 
 
-def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None:
-    """Set ``ratings_to_step``, ``eta_s`` and ``eta_basis`` of ``st`` in place.
+def step_basis(st: LearningStatus) -> str:
+    """How ``st.step_seconds`` was measured, for ``eta_basis``."""
+    n = len(st.step_times)
+    if n:
+        return f"measured: median of the last {n} step(s), each trainer's first step left out as warm-up"
+    return "measured: the trainer's first step only, warm-up included; later steps are usually faster"
 
-    One step costs ``step_seconds`` (measured: the running mean of training start to outcome, kept across trainer
-    restarts on this Redis; before any step, the gate's measured base time, which the new weights' gate repeats:
-    a lower bound, training not timed yet). Waiting with a full batch: one step; with ≥ 2 ratings: what is left
-    of ``max_wait_s`` after the oldest, plus one step; training or gate: one step minus the time since training
-    began (0: overdue); otherwise None (more ratings are needed). A step deferred for serving waits at least until
-    its ``deferred_until``; ``deferred_s`` is set to the time since ``deferred_since``.
+
+def trainer_steps(st: LearningStatus, trainer: dict[str, Any]) -> None:
+    """Where ``st``'s lineage has no warm step timed, take the step times of the trainer's document
+    (``keys.learning_trainer``: its estimate over every lineage), in place."""
+    if st.step_seconds is None or (not st.step_times and trainer.get("step_times")):
+        st.step_seconds, st.step_times = trainer.get("step_seconds"), trainer.get("step_times") or []
+
+
+def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None:
+    """Set ``ratings_to_step``, ``eta_s`` and ``eta_basis`` of ``st`` in place (times in Unix s).
+
+    One step costs ``step_seconds`` (measured by the trainer, :func:`step_basis`; before any step, the gate's
+    measured base time, which the new weights' gate repeats: a lower bound, training not timed yet). Waiting with
+    a full batch: one step; with ≥ 2 ratings: what is left of ``max_wait_s`` after the oldest, plus one step;
+    training or gate: one step minus the time since training began, or, past that, None with a basis saying the
+    step takes longer than usual and for how long it has run; otherwise None (more ratings are needed). A step
+    deferred for serving waits at least until its ``deferred_until``; ``deferred_s`` is set to the time since
+    ``deferred_since``.
     """
     st.deferred_s = max(0.0, now - st.deferred_since) if st.deferred and st.deferred_since is not None else None
     if st.batch_size is not None:
         st.ratings_to_step = max(0, st.batch_size - st.ratings_waiting)
-    step, basis = st.step_seconds, "measured: running mean of the trainer's steps"
+    step, basis = st.step_seconds, step_basis(st) if st.step_seconds is not None else ""
     if step is None and base_seconds:
         step, basis = base_seconds, "at least the gate's measured base time (no training step timed yet)"
     st.eta_s, st.eta_basis = None, None
     if st.stage in ("training", "gate"):
         started = next((m.at for m in reversed(st.stages) if m.stage == "training"), st.since)
         if step is not None and started is not None:
-            st.eta_s, st.eta_basis = max(0.0, started + step - now), basis + ", minus the time spent"
+            if started + step > now:
+                st.eta_s, st.eta_basis = started + step - now, basis + ", minus the time spent"
+            else:
+                usual = "usually takes" if st.step_seconds is not None else "takes at least"
+                st.eta_basis = (
+                    f"taking longer than usual: running for {now - started:.0f} s, a step {usual} {step:.0f} s "
+                    f"({basis})"
+                )
     elif st.stage == "waiting" and st.batch_size is not None:
         if st.ratings_waiting >= st.batch_size:
             wait = 0.0
@@ -132,8 +155,7 @@ class LearningService:
         else:
             st = LearningStatus(endpoint=endpoint, lineage=lineage, stage="waiting" if trainer else "idle")
             st.batch_size, st.max_wait_s = trainer.get("batch_size"), trainer.get("max_wait_s")
-        if st.step_seconds is None:
-            st.step_seconds = trainer.get("step_seconds")
+        trainer_steps(st, trainer)
         if unread:
             st.ratings_waiting += unread
             if st.oldest_waiting_at is None:
