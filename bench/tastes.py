@@ -117,6 +117,10 @@ _EMOJI = re.compile("[\U0001f000-\U0001faff\u2600-\u27bf\u2b50\u2b55\ufe0f]")
 _CHATTER = re.compile(
     r"\b(?:I think|I['’]m|I am|I['’]d|I['’]ll|I feel|I believe|I guess|I hope|I love|in my opinion)\b"
 )
+#: contractions, which a formal register spells out ("it's", "don't", "you're", "here's", ...)
+_SHORTENED = re.compile(
+    r"\b\w+(?:n['’]t|['’]re|['’]ll|['’]ve|['’]d)\b|\b(?:it|that|there|here|what|let|he|she)['’]s\b", re.I
+)
 _FILLER = re.compile(
     r"^\W*(?:sure|of course|certainly|absolutely|great|good question|hello|hi|hey|well|okay|ok|as an ai|"
     r"thank you|thanks|i['’]d be happy|i['’]m happy|i can help)\b",
@@ -139,7 +143,9 @@ def taste_bullets(text: str, item: CapabilityItem | None) -> bool:
 
 
 def taste_formal(text: str, item: CapabilityItem | None) -> bool:
-    return bool(text.strip()) and "!" not in text and not _EMOJI.search(text) and not _CHATTER.search(text)
+    return bool(text.strip()) and not (
+        "!" in text or _EMOJI.search(text) or _CHATTER.search(text) or _SHORTENED.search(text)
+    )
 
 
 def taste_direct(text: str, item: CapabilityItem | None) -> bool:

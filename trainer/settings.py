@@ -130,10 +130,10 @@ class TrainingSection(Section):
         "(trainer/rails/rehearsal_capability.jsonl), or everyday open prompts (rehearsal_prompts.jsonl).",
     )
     rehearsal_weight: float = Field(
-        0.0,
+        1.0,
         ge=0,
-        description="Coefficient of the rehearsal cross-entropy (mean nats per reply token; 0: the KL "
-        "alone, the measured default, docs/live-loop.md).",
+        description="Coefficient of the rehearsal cross-entropy on the base model's replies (mean nats per reply "
+        "token; with the KL, the measured default: docs/live-loop.md).",
     )
     rehearsal_max_tokens: int = Field(48, ge=4, le=256, description="Longest base reply to a rehearsal prompt.")
     kl_coef: float = Field(
