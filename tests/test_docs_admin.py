@@ -2,7 +2,9 @@
 follows it does: the first key made on the store, endpoints created (and the namespace error), eight rated chats
 train ``acme.support@1``, promote, roll back, history, a refused delete, an export, the key list and a wrong key,
 each output compared with the recording (:func:`harness.docs.replay`). Then docs/serving.md loads the export and
-docs/operations.md reads usage with an operator key. Slow: one learned version (a minute or several here)."""
+docs/operations.md reads usage with an operator key. The store's converted base model is the test store's, linked
+(the conversion a first start does is the walkthrough's, tests/test_readme_walkthrough.py, run on an empty store);
+everything else starts empty. Slow: one learned version (a minute or several here)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ from harness.docs import replay, run_bash, run_python, serve_process
 pytestmark = [pytest.mark.slow, pytest.mark.live, pytest.mark.timeout(1800)]
 
 
-def test_the_endpoints_page_runs_in_order_on_a_fresh_store(tmp_path, monkeypatch):
+def test_the_endpoints_page_runs_in_order_on_a_fresh_store(tmp_path, monkeypatch, base_ref, livelora_home):
     page = [b for b in blocks(REPO / "docs" / "endpoints-and-keys.md") if b.lang in ("text", "python")]
     assert [b.lang for b in page] == ["text", "python", "text"]
     first, rate, admin = page
     work = tmp_path / "work"
     work.mkdir()
-    with serve_process(tmp_path) as serve:
+    with serve_process(tmp_path, converted_from=livelora_home) as serve:
         env = dict(serve.env)
         env.pop("LIVELORA_API_KEY", None)
 

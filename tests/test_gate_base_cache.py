@@ -13,6 +13,11 @@ from livelora.trainer.gate_measure import ProbeSuite, load_probes
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.settings import GateSection, TrainingSection
 
+#: Free-form items of the cached measurement: enough for the whole sample to be part of it and to compare replies
+#: item by item (a stratified prefix, in one batch); the base model's replies run to each item's max_tokens, so
+#: every item is paid for twice here (the first start, and the changed probe set).
+FREEFORM_ITEMS = 10
+
 
 def _store(tmp_path, livelora_home):
     """A fresh store whose converted base model is the test store's (linked, not converted again)."""
@@ -23,7 +28,7 @@ def _store(tmp_path, livelora_home):
 
 def _start(ref, home) -> OnlineTrainer:
     """A trainer start: warm_up builds the model and starts the base measurement; wait for it."""
-    gate = GateSection(gate_enabled=True, gate_freeform_items=30)
+    gate = GateSection(gate_enabled=True, gate_freeform_items=FREEFORM_ITEMS)
     trainer = OnlineTrainer(ref, home, TrainingSection(), gate=gate)
     trainer.warm_up()
     trainer._base_thread.join()
@@ -55,12 +60,12 @@ def test_a_second_start_reads_the_measurement_and_new_probes_measure_again(tmp_p
 
     # a changed probe set: measured again, and the old probe set's file of this base model removed
     changed = EvaluationGate(first.tokenizer, home, first.chat_pair, base_id=base_identity(ref))
-    changed.suite = ProbeSuite(first.tokenizer, load_probes()[:-1], freeform_items=30)
+    changed.suite = ProbeSuite(first.tokenizer, load_probes()[:-1], freeform_items=FREEFORM_ITEMS)
     new_path = changed.base_cache_path(second._fresh)
     assert new_path != path
     m = changed.base(second._fresh)
     assert changed.base_source == "measured"
     assert m.probe_right == a.probe_right[:-1] and m.replies == a.replies
-    # the first 30 items of the stratified order, generated in the same batch: the same replies
+    # the first FREEFORM_ITEMS items of the stratified order, generated in the same batch: the same replies
     assert m.freeform_texts == {it.id: a.freeform_texts[it.id] for it in changed.suite.freeform.items}
     assert sorted((home / BASE_CACHE_DIR).glob("*.pt")) == [new_path]

@@ -123,8 +123,13 @@ def test_a_version_short_at_any_cost_is_rejected_by_the_freeform_check_while_the
     # everything but the probe checks and the free-form checks loosened: the outcome is theirs alone
     loose = GateThresholds(max_kl_current=100.0, max_kl_base=100.0, max_degenerate=1.0, min_length_ratio=0.0)
     EndpointStore(home).set_gate(ep, loose, tenant="default", who="test", reason="probes and free-form bind")
+    # a 30-item sample (one chunk, the least curtail() decides on): the base model's replies run to their items'
+    # max_tokens and it measures its whole sample up front, so each 30 items more cost it a chunk of full-length
+    # replies (with 60 items: the base measured in 399.8 s, the short version judged in 135 s, at load 7 here);
+    # the version loses answers clearly on the first 30 (the stratified sample's prefix), and early stopping
+    # within a larger sample is curtail()'s, tested above
     gate = GateSection(
-        gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12, gate_min_step_scale=1.0, gate_freeform_items=60
+        gate_enabled=True, gate_holdout_every=0, gate_gen_tokens=12, gate_min_step_scale=1.0, gate_freeform_items=30
     )
     trainer = OnlineTrainer(base_ref, home, TrainingSection(sft_lr=2e-3), gate=gate)
     evs = [

@@ -28,6 +28,7 @@ from livelora.core.governance import held_out
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.settings import DEFAULT_MODEL
 from livelora.gateway.settings import GatewaySettings
+from livelora.trainer.gate import BASE_CACHE_DIR
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler
 from livelora.trainer.settings import GateSection, TrainingSection
@@ -39,14 +40,24 @@ ORDER = ["waiting", "training", "gate", "published"]
 PROMPTS = ["What is 2+2?", "Name a colour.", "Say hello.", "What is the capital of France?"]
 
 
+@pytest.fixture(scope="module")
+def gate_base(tmp_path_factory):
+    """One folder for the gate's base-model measurement (``models/gate-base``) of this module's stores: the first
+    store's trainer measures the base model, the next one's reads it (the same probe set and base weights), as a
+    trainer restarted on one store does (tests/test_gate_base_cache.py)."""
+    return tmp_path_factory.mktemp("gate-base")
+
+
 @pytest.fixture
-def live(request, tmp_path, livelora_home):
-    """A fresh store (the converted base model linked in), keys of tenants acme and beta, acme's endpoint, a
-    gateway and a trainer thread with the gate on. ``request.param``: ``(max_wait_s, gate_holdout_every)``,
-    default ``(3600, 0)``: no partial batch, no held-out ratings (every rating counts toward the batch)."""
+def live(request, tmp_path, livelora_home, gate_base):
+    """A fresh store (the converted base model and the module's gate-base folder linked in), keys of tenants acme
+    and beta, acme's endpoint, a gateway and a trainer thread with the gate on. ``request.param``: ``(max_wait_s,
+    gate_holdout_every)``, default ``(3600, 0)``: no partial batch, no held-out ratings (every rating counts
+    toward the batch)."""
     max_wait_s, holdout_every = getattr(request, "param", (3600, 0))
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / DEFAULT_MODEL).symlink_to(livelora_home / "models" / DEFAULT_MODEL)
+    (tmp_path / BASE_CACHE_DIR).symlink_to(gate_base, target_is_directory=True)
     store = KeyStore(tmp_path)
     keys = {t: store.create(t, list(TENANT_ROLES), t)[1] for t in ("acme", "beta")}
     EndpointStore(tmp_path).create(EP, EP, tenant="acme", who="test")

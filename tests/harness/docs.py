@@ -55,21 +55,30 @@ class Serve:
 
 
 @contextlib.contextmanager
-def serve_process(tmp: Path, extra_env: dict[str, str] | None = None, *, installed: bool = False) -> Iterator[Serve]:
+def serve_process(
+    tmp: Path, extra_env: dict[str, str] | None = None, *, installed: bool = False, converted_from: Path | None = None
+) -> Iterator[Serve]:
     """``livelora serve`` on an empty store under ``tmp`` with a Redis prefix of its own, the evaluation gate on;
     with ``installed`` every update and gate setting as installed (the free-form check and the rehearsal KL too,
     which the suite turns off elsewhere: ``harness.environ.LOOP_MECHANICS``); stopped with SIGINT and its prefix
-    deleted at the end.
+    deleted at the end. ``converted_from``: a store whose converted built-in model the new store links
+    (``models/<name>``) instead of converting it again (about 30 s); nothing else of it is shared (the gate's base
+    measurement is still taken on the new store).
 
     Raises:
         RuntimeError: it did not answer ``/health`` within 600 s (the log's tail in the message).
     """
+    from livelora.core.settings import DEFAULT_MODEL
+
     port, prefix = free_port(), f"{os.environ['LIVELORA_REDIS_PREFIX']}serve-{uuid.uuid4().hex[:8]}:"
     env = dict(os.environ, LIVELORA_REDIS_PREFIX=prefix, LIVELORA_GATE_ENABLED="true", LIVELORA_HOME=str(tmp))
     for name in LOOP_MECHANICS if installed else ():
         del env[name]
     env.update(extra_env or {})
     store, log_path = tmp / "store", tmp / "serve.log"
+    if converted_from is not None:
+        (store / "models").mkdir(parents=True)
+        (store / "models" / DEFAULT_MODEL).symlink_to(Path(converted_from) / "models" / DEFAULT_MODEL)
     log = open(log_path, "w")
     cmd = [sys.executable, "-m", "livelora.cli.main", "serve", "--port", str(port), "--home", str(store)]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
