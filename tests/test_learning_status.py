@@ -52,9 +52,9 @@ def gate_base(tmp_path_factory):
 def live(request, tmp_path, livelora_home, gate_base):
     """A fresh store (the converted base model and the module's gate-base folder linked in), keys of tenants acme
     and beta, acme's endpoint, a gateway and a trainer thread with the gate on. ``request.param``: ``(max_wait_s,
-    gate_holdout_every)``, default ``(3600, 0)``: no partial batch, no held-out ratings (every rating counts
-    toward the batch)."""
-    max_wait_s, holdout_every = getattr(request, "param", (3600, 0))
+    gate_holdout_every[, batch])``, default ``(3600, 0)``: no partial batch, no held-out ratings (every rating
+    counts toward the batch of :data:`BATCH`)."""
+    max_wait_s, holdout_every, batch = (*getattr(request, "param", (3600, 0)), BATCH)[:3]
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / DEFAULT_MODEL).symlink_to(livelora_home / "models" / DEFAULT_MODEL)
     (tmp_path / BASE_CACHE_DIR).symlink_to(gate_base, target_is_directory=True)
@@ -74,7 +74,7 @@ def live(request, tmp_path, livelora_home, gate_base):
         TrainingSection(kto_lr=1e-3),
         gate=GateSection(gate_enabled=True, gate_holdout_every=holdout_every),
     )
-    scheduler = BatchScheduler(TrainingSection(kto_min_batch=BATCH, max_wait_s=max_wait_s))
+    scheduler = BatchScheduler(TrainingSection(kto_min_batch=batch, max_wait_s=max_wait_s))
     worker = TrainerWorker(redis, layout, tmp_path, backend, scheduler, consumer="learn", block_ms=200)
     stop = threading.Event()
     thread = threading.Thread(target=run_loop, args=(worker, stop), daemon=True)
@@ -184,10 +184,13 @@ def wait_serving(client: httpx.Client, version: str) -> LearningStatus:
 
 
 @pytest.mark.live
-@pytest.mark.parametrize("live", [(4, 3)], indirect=True)
+@pytest.mark.parametrize("live", [(20, 2, 8)], indirect=True)
 def test_a_partial_batch_and_held_out_ratings_say_so(live):
-    """Two ratings then a pause longer than max_wait_s (a slow chat, a user who rates little): the step starts on
-    2 of 4 ratings and every answer says so; a held-out rating (1 in 3 here) says it is not trained on."""
+    """A few ratings then a pause longer than max_wait_s (a slow chat, a user who rates little): the step starts on
+    the n (2 to 7) of 8 ratings queued and every answer says so; a held-out rating (1 in 2 here, by the event id's
+    hash) says it is not trained on. (20 s: the ratings are all in before the oldest has waited; 8: a held-out one
+    comes before a full batch but with chance 1/2^8.)"""
+    batch, wait = 8, 20
     server, keys = live
     acme = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {keys['acme']}"}, timeout=300)
     queued, held = 0, 0
@@ -198,16 +201,16 @@ def test_a_partial_batch_and_held_out_ratings_say_so(live):
         )
         assert r.status_code == 200, r.text
         fb = acme.post("/v1/feedback", json={"completion_id": r.json()["id"], "rating": queued % 2 == 0}).json()
-        if held_out(fb["id"], 3):
+        if held_out(fb["id"], 2):
             held += 1
-            assert fb["training"].startswith("held out: the evaluation gate keeps one rating in 3"), fb
+            assert fb["training"].startswith("held out: the evaluation gate keeps one rating in 2"), fb
         else:
             queued += 1
-            assert fb["training"].startswith(f"queued: {queued} of {BATCH} ratings; a step starts at {BATCH}"), fb
-        if queued == 2 and held:
+            assert fb["training"].startswith(f"queued: {queued} of {batch} ratings; a step starts at {batch}"), fb
+        if queued >= 2 and held:
             break
-    assert queued == 2 and held >= 1
-    deadline = time.monotonic() + 900  # the oldest waits max_wait_s (4 s), then the step and the gate run
+    assert 2 <= queued < batch and held >= 1
+    deadline = time.monotonic() + 900  # the oldest waits max_wait_s, then the step and the gate run
     while time.monotonic() < deadline:
         st = LearningStatus.model_validate(acme.get(f"/v1/learning/{EP}").json())
         if st.stage in ("published", "rejected"):
@@ -215,8 +218,8 @@ def test_a_partial_batch_and_held_out_ratings_say_so(live):
         time.sleep(0.2)
     assert st.stage == "published", st.model_dump()
     partial = (
-        "kto step on 2 event(s): a partial batch (2 of 4), started because the oldest had waited max_wait_s 4 s; "
-        "later ratings wait for the next step"
+        f"kto step on {queued} event(s): a partial batch ({queued} of {batch}), started because the oldest had "
+        f"waited max_wait_s {wait} s; later ratings wait for the next step"
     )
     assert st.last.detail == partial and partial in [m.detail for m in st.stages]
     assert st.ratings_held_out == held and st.ratings_quarantined == 0
