@@ -23,7 +23,12 @@ SUITE_INPUTS = frozenset(
 )
 #: the update's and the gate's capability keeping, off for the loop-mechanics tests (seconds per step); their own
 #: tests, the README walkthrough and ``harness.docs.serve_process(installed=True)`` run them as installed
-LOOP_MECHANICS = {"LIVELORA_GATE_FREEFORM_ITEMS": "0", "LIVELORA_REHEARSAL_PER_STEP": "0", "LIVELORA_KL_COEF": "0"}
+LOOP_MECHANICS = {
+    "LIVELORA_GATE_FREEFORM_ITEMS": "0",
+    "LIVELORA_REHEARSAL_PER_STEP": "0",
+    "LIVELORA_KL_COEF": "0",
+    "LIVELORA_LR_WARMUP_STEPS": "0",  # their steps are calibrated on the full rate from the first one
+}
 #: what :func:`set_session_environment` sets (besides the inputs and the harness's ``LIVELORA_TOKENIZER_CACHE``)
 SET_HERE = frozenset({"LIVELORA_REDIS_PREFIX", "LIVELORA_GATE_ENABLED", *LOOP_MECHANICS})
 
