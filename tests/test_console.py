@@ -285,6 +285,13 @@ def test_feedback_page_shows_the_rated_completion_and_forget_deletes_it(server, 
         assert r.status_code == 303 and r.headers["location"] == "/console/feedback"
 
 
+def session_with_model(client: httpx.Client) -> tuple[str, dict]:
+    """A training session of ``client``'s tenant and its ``create_model`` answer (a rank-2 LoRA on the base)."""
+    sid = client.post("/api/v1/create_session", json={}).json()["session_id"]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": "smollm2-135m-instruct", "lora_config": {"rank": 2}}
+    return sid, client.post("/api/v1/create_model", json=body).json()
+
+
 def test_sessions_page_lists_the_tenants_runs_with_signed_archive_links(server, keys, endpoints):
     def future(c, request_id):
         while (r := c.post("/api/v1/retrieve_future", json={"request_id": request_id})).status_code == 408:
@@ -292,16 +299,7 @@ def test_sessions_page_lists_the_tenants_runs_with_signed_archive_links(server, 
         assert r.status_code == 200 and "error" not in r.json(), r.text
 
     with httpx.Client(base_url=server.base_url, headers={"X-API-Key": keys["acme"]}, timeout=120) as a:
-        sid = a.post("/api/v1/create_session", json={}).json()["session_id"]
-        made = a.post(
-            "/api/v1/create_model",
-            json={
-                "session_id": sid,
-                "model_seq_id": 0,
-                "base_model": "smollm2-135m-instruct",
-                "lora_config": {"rank": 2},
-            },
-        ).json()
+        sid, made = session_with_model(a)
         future(a, made["request_id"])
         saved = a.post("/api/v1/save_weights", json={"model_id": made["model_id"], "seq_id": 1, "path": "w1"}).json()
         future(a, saved["request_id"])
@@ -438,16 +436,7 @@ def test_no_page_shows_raw_timestamps_or_machine_names(server, keys, endpoints, 
     from livelora.core.governance import record_quarantine
 
     with httpx.Client(base_url=server.base_url, headers={"X-API-Key": keys["acme"]}, timeout=120) as a:
-        sid = a.post("/api/v1/create_session", json={}).json()["session_id"]
-        made = a.post(
-            "/api/v1/create_model",
-            json={
-                "session_id": sid,
-                "model_seq_id": 0,
-                "base_model": "smollm2-135m-instruct",
-                "lora_config": {"rank": 2},
-            },
-        ).json()
+        sid, made = session_with_model(a)
         for request in (
             made,
             a.post("/api/v1/save_weights", json={"model_id": made["model_id"], "seq_id": 1, "path": "p1"}).json(),
