@@ -158,7 +158,6 @@ def main() -> None:
     ap.add_argument("--gate-freeform-items", type=int, default=None, help="run the evaluation gate with this check")
     ap.add_argument("--measure-first", action="store_true", help="also measure after step 1")
     ap.add_argument("--measure-at", default="", help="also measure after these steps (comma-separated)")
-    ap.add_argument("--pool", type=Path, default=None, help="rehearsal prompts (JSON lines with a prompt)")
     ap.add_argument("--base-cache", type=Path, default=None, help="the base model's replies: read, else written")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
@@ -201,10 +200,6 @@ def main() -> None:
         config = TrainingSection(**over)
         gate = GateSection(gate_freeform_items=args.gate_freeform_items) if args.gate_freeform_items else None
         trainer = OnlineTrainer(base_ref, store, config, gate)
-        if args.pool and trainer.rehearsal is not None:
-            from livelora.trainer.rehearsal import load_prompts
-
-            trainer.rehearsal.prompts = load_prompts(args.pool)
         lineage = f"sweep-{name}-{uuid.uuid4().hex[:6]}"
         model = trainer.model_for(lineage)
         replies = Replies(trainer.tokenizer)
