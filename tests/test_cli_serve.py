@@ -12,6 +12,8 @@ import time
 
 import httpx
 import pytest
+from harness.bus import REDIS_URL, delete_prefix, new_prefix
+from harness.cluster import new_store
 from harness.native import skip_if_native_crashes
 from typer.testing import CliRunner
 
@@ -64,7 +66,9 @@ def test_invalid_flag_value_exits_with_a_message(monkeypatch):
 
 
 @pytest.mark.parametrize("engine", ["transformers", "llama_cpp"])
-def test_serve_answers_chat_completions_on_the_given_port(livelora_home, engine):
+def test_serve_answers_chat_completions_on_the_given_port(livelora_home, base_ref, engine, tmp_path):
+    """On a store and Redis prefix of its own: serve's trainer would otherwise train the ratings other tests left on
+    the session's stream and publish a version the session's shared gateway then serves."""
     if engine == "llama_cpp" and importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed here (pip install -e '.[dev]' builds it)")
     if engine == "llama_cpp":  # a build that crashes here: serve refuses to start (tests/test_native_crash.py)
@@ -72,6 +76,7 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home, engine)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    home, prefix = new_store(tmp_path / "store", livelora_home), new_prefix("serve")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -81,7 +86,7 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home, engine)
             "--port",
             str(port),
             "--home",
-            str(livelora_home),
+            str(home),
             "--max-batch-size",
             "2",
             "--engine",
@@ -89,7 +94,7 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home, engine)
             "--log-level",
             "warning",
         ],
-        env=os.environ.copy(),
+        env={**os.environ, "LIVELORA_REDIS_PREFIX": prefix},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -125,6 +130,7 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home, engine)
         except subprocess.TimeoutExpired:
             proc.kill()
             output, _ = proc.communicate()
+        delete_prefix(REDIS_URL, prefix)
     assert f"http://127.0.0.1:{port}/v1" in output  # the start-up message names the URL
     assert proc.returncode == 0
 

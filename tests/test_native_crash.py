@@ -20,6 +20,8 @@ import threading
 
 import httpx
 import pytest
+from harness.bus import REDIS_URL, delete_prefix, new_prefix
+from harness.cluster import new_store
 from harness.native import in_child, skip_if_native_crashes
 from harness.server import wait_until
 
@@ -78,6 +80,7 @@ def test_the_canary_names_the_signal_the_build_and_the_alternatives(livelora_hom
 
 
 def _serve(home, port: int, crash_at: str, weights: str = "gguf", **env: str) -> subprocess.Popen:
+    """``livelora serve`` with llama.cpp on ``home`` and the Redis prefix ``env["LIVELORA_REDIS_PREFIX"]``."""
     env = {**os.environ, CRASH_ENV: crash_at, "LIVELORA_ENGINE_WEIGHTS": weights, "LIVELORA_ENGINE_THREADS": "2", **env}
     argv = ["serve", "--engine", "llama_cpp", "--port", str(port), "--home", str(home), "--max-batch-size", "2"]
     return subprocess.Popen(
@@ -89,6 +92,15 @@ def _serve(home, port: int, crash_at: str, weights: str = "gguf", **env: str) ->
     )
 
 
+@pytest.fixture
+def own_store(livelora_home, base_ref, tmp_path):
+    """``(home, prefix)``: a store (the session's converted models linked) and a Redis prefix of the test's own, so
+    the server's trainer cannot train the ratings other tests left on the session's stream into the session store."""
+    prefix = new_prefix("crash")
+    yield new_store(tmp_path / "store", livelora_home), prefix
+    delete_prefix(REDIS_URL, prefix)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,9 +108,10 @@ def _free_port() -> int:
 
 
 @needs_llama_cpp
-def test_serve_refuses_to_start_when_the_canary_crashes(livelora_home):
+def test_serve_refuses_to_start_when_the_canary_crashes(own_store):
+    home, prefix = own_store
     port = _free_port()
-    proc = _serve(livelora_home, port, "canary")
+    proc = _serve(home, port, "canary", LIVELORA_REDIS_PREFIX=prefix)
     output, _ = proc.communicate(timeout=300)
     out = " ".join(output.split())
     assert proc.returncode == 1, out
@@ -135,16 +148,16 @@ def _crash_while_two_requests_run(url: str, crash_file) -> tuple[httpx.Response,
 
 
 @needs_llama_cpp
-def test_an_engine_crash_fails_the_requests_it_held_restarts_and_a_crash_loop_stops_the_gateway(livelora_home):
+def test_an_engine_crash_fails_the_requests_it_held_restarts_and_a_crash_loop_stops_the_gateway(own_store):
     """``serve`` with llama.cpp in its own process (f16: runs on every build), crashed on demand through the test
     hook: the two requests it held get the error naming the signal (a 503; an SSE error event), the restarted
     engine answers with the same greedy text, and a third crash within the window stops the gateway with the cause."""
     skip_if_native_crashes("f16")
-    crash_file = livelora_home / "crash-now"
-    crash_file.unlink(missing_ok=True)
+    home, prefix = own_store
+    crash_file = home / "crash-now"
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _serve(livelora_home, port, "", "f16", **{CRASH_FILE_ENV: str(crash_file)})
+    proc = _serve(home, port, "", "f16", **{CRASH_FILE_ENV: str(crash_file), "LIVELORA_REDIS_PREFIX": prefix})
     try:
         assert wait_until(lambda: _healthy(url) or proc.poll() is not None, 300) and proc.poll() is None
         before = _chat(url, 12).json()["choices"][0]["message"]["content"]

@@ -73,6 +73,18 @@ def _no_leaked_metrics_dir():
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == before, "the test left PROMETHEUS_MULTIPROC_DIR set"
 
 
+@pytest.fixture(autouse=True)
+def _shared_endpoint_untrained(request):
+    """A test on the session store must not leave a version of its default endpoint's lineage: the shared gateway
+    (``live_server``) catches up from the store and would serve it to every later test. A ``livelora serve`` there
+    would train the ratings other tests left on the session's stream: give it a store and prefix of its own."""
+    yield
+    if "livelora_home" in request.fixturenames:
+        lineage = request.getfixturevalue("livelora_home") / "adapters" / MODEL
+        versions = sorted(p.name for p in lineage.iterdir() if p.name.isdigit()) if lineage.is_dir() else []
+        assert not versions, f"the test left versions of {MODEL} in the session store: {versions}"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _redis_prefix_cleanup():
     """Delete the session's Redis keys (prefix ``$LIVELORA_REDIS_PREFIX``) when the tests end."""
