@@ -135,6 +135,7 @@ async def test_feedback_unknown_completion_and_bad_input_change_nothing(env):
     r = await http.post("/v1/feedback", json={"completion_id": "chatcmpl-nope", "rating": True})
     assert r.status_code == 404
     assert r.json()["error"]["param"] == "completion_id" and r.json()["error"]["code"] == "not_found"
+    assert "older than the retention period (1 hour)" in r.json()["error"]["message"]  # retention_s 3600
     await app.state.log.record(record("chatcmpl-2"))
     for body in (
         {"completion_id": "chatcmpl-2"},  # no rating

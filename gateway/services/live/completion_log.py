@@ -28,6 +28,7 @@ from livelora.clients.errors import BadRequestError, InternalError, NotFoundErro
 from livelora.clients.types.signals import CompletionRecord
 from livelora.core.api_keys import DEFAULT_TENANT
 from livelora.core.bus import dumps, redis_unavailable
+from livelora.core.durations import in_words
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.engines.base import GenerationChunk
 from livelora.gateway.settings import DEFAULT_RETENTION_S
@@ -120,7 +121,7 @@ class CompletionLog:
             raise RateLimitError(
                 f"tenant {tenant!r}'s completion log holds {held} bytes of its {limit} (limit "
                 "max_completion_log_bytes: LIVELORA_QUOTA_MAX_COMPLETION_LOG_BYTES or PUT /admin/quotas); records "
-                f"expire after {self.retention_s} s",
+                f"expire after {in_words(self.retention_s)}",
                 param="max_completion_log_bytes",
                 code="quota_exceeded",
                 retry_after=3600.0,
@@ -178,7 +179,8 @@ class CompletionLog:
     def missing(self, completion_id: str, param: str = "completion_id") -> NotFoundError:
         """The one 404 for a completion id this caller cannot use: unknown, expired, or another tenant's."""
         return NotFoundError(
-            f"No completion {completion_id!r}: unknown id, or older than the retention period ({self.retention_s} s)",
+            f"No completion {completion_id!r}: unknown id, or older than the retention period "
+            f"({in_words(self.retention_s)})",
             param=param,
         )
 

@@ -20,6 +20,7 @@ from livelora.adapters.kept_versions import AdapterVersions
 from livelora.clients.errors import PermissionDeniedError, RateLimitError
 from livelora.core import metrics
 from livelora.core.api_keys import Principal, validate_tenant
+from livelora.core.durations import in_words
 from livelora.core.quotas import Limits, QuotaStore
 from livelora.core.redis_keys import KeyLayout
 from livelora.gateway.settings import GatewaySettings
@@ -92,8 +93,8 @@ class QuotaService:
             raise RateLimitError(
                 f"tenant {tenant!r} has {limit} of its {limit} concurrent training sessions (limit max_sessions: "
                 f"LIVELORA_QUOTA_SESSIONS or PUT /admin/quotas); a slot frees when a session finishes, "
-                f"or at the latest in {wait_s:.0f} s when the soonest-expiring one has had no heartbeat for "
-                f"{self.settings.sessions.session_ttl_s:g} s",
+                f"or at the latest in {in_words(wait_s)} when the soonest-expiring one has had no heartbeat for "
+                f"{in_words(self.settings.sessions.session_ttl_s)}",
                 param="max_sessions",
                 code="quota_exceeded",
                 retry_after=max(wait_s, 1.0),
@@ -141,7 +142,7 @@ class QuotaService:
                 wait_s = (midnight - now).total_seconds()
                 raise RateLimitError(
                     f"tenant {tenant!r} used {int(n or 0)} of its {limit} {kind!r} tokens for today (limit "
-                    f"tokens_per_day.{kind}); it frees at {midnight:%Y-%m-%d %H:%M} UTC (in {wait_s:.0f} s)",
+                    f"tokens_per_day.{kind}); it frees at {midnight:%Y-%m-%d %H:%M} UTC (in {in_words(wait_s)})",
                     param=f"tokens_per_day.{kind}",
                     code="quota_exceeded",
                     retry_after=wait_s,
