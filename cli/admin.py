@@ -321,10 +321,14 @@ def adapters_show(name: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption = 
     """One version: manifest, files, sha256 check, serving endpoints."""
     m = run_or_exit(lambda: Backend(url, api_key, home).show_adapter(name))
     table = Table(title=m["name"], show_header=False)
-    for key in ("lineage", "version", "base_model", "parent", "step", "rank", "alpha", "sha256", "verified"):
-        table.add_row(key, str(m.get(key)))
+    shown = {k: m.get(k) for k in ("lineage", "version", "base_model", "parent", "step", "rank", "alpha", "sha256")}
+    shown |= {"parent": m.get("parent") or "none: trained from the base model", "verified": m.get("verified")}
+    for key, value in shown.items():
+        table.add_row(key.replace("_", " "), "-" if value is None else str(value))
     table.add_row("created", when(m["created"]))
-    table.add_row("metrics", ", ".join(f"{k}={v:.4g}" for k, v in m["metrics"].items()) or "-")
+    table.add_row("metrics", "-" if not m["metrics"] else "")
+    for k, v in m["metrics"].items():  # one per line: loss:mean, rehearsal_kl:mean, ...
+        table.add_row(f"  {k}", f"{v:.4g}")
     table.add_row("files", ", ".join(f"{k} ({v:,} B)" for k, v in m["files"].items()))
     table.add_row("serving", ", ".join(m["serving"]) or "-")
     gate = m.get("gate")

@@ -14,14 +14,34 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 from typer import _click  # typer's own click: the types its TyperGroup is declared with
 from typer.core import TyperGroup
 
-out = Console()
-err = Console(stderr=True)
+#: The width of tables and lines written to a pipe or file when ``COLUMNS`` is not set (wide: nothing is cut).
+PIPED_WIDTH = 400
+
+
+class CliConsole(Console):
+    """A console that does not cut tables at 80 columns when its output goes to a pipe or a file: without
+    ``COLUMNS`` there, it is :data:`PIPED_WIDTH` wide (rich would take the terminal's width, or 80)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        if self._width is None and not self.is_terminal and "COLUMNS" not in self._environ:
+            return ConsoleDimensions(PIPED_WIDTH, dims.height)
+        return dims
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 UrlOption = Annotated[str, typer.Option(envvar="LIVELORA_URL", help="Gateway base URL (HTTP mode).")]
 KeyOption = Annotated[str | None, typer.Option(envvar="LIVELORA_API_KEY", help="Admin API key (HTTP mode).")]

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from livelora.cli.admin_common import CliConsole
 
 _KINDS = {"serve": "ServeSettings", "gateway": "GatewaySettings", "trainer": "TrainerSettings"}
 
@@ -55,7 +56,7 @@ def settings(
 ) -> None:
     """List every setting of a process kind: its environment variable, section, default, the value set in this
     environment (if any) and what it does."""
-    console = Console()
+    console = CliConsole()
     if kind not in _KINDS:
         console.print(f"[red]error[/]: unknown process kind {kind!r}; use one of {', '.join(_KINDS)}")
         raise typer.Exit(2)

@@ -18,13 +18,20 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from livelora.cli.admin_common import DEFAULT_URL, Backend, HomeOption, KeyOption, UrlOption, run_or_exit
+from livelora.cli.admin_common import (
+    DEFAULT_URL,
+    Backend,
+    CliConsole,
+    HomeOption,
+    KeyOption,
+    UrlOption,
+    run_or_exit,
+)
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 
 def read_usage(url: str, api_key: str | None, home: Path | None, params: dict[str, str]) -> dict[str, Any]:

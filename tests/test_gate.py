@@ -290,6 +290,13 @@ def test_worse_version_is_rejected_never_served_and_training_continues_from_the_
     assert "probes_base" in cli.output and "FAILED" in cli.output
     shown = " ".join(cli.output.split())
     assert "base model 0.8333" in shown  # the base accuracy its bound comes from (20 of 24 probes)
+    first = CliRunner().invoke(app, ["adapters", "show", f"{lineage}@1", "--home", str(home)])
+    shown1, metrics1 = (
+        " ".join(first.output.split()),
+        StoreAdmin(home, tenant=None).versions.show_adapter(f"{lineage}@1"),
+    )
+    assert "│ parent │ none: trained from the base model │" in shown1 and "None" not in shown1
+    assert metrics1["metrics"] and all(f"│ {k} │ {v:.4g} │" in shown1 for k, v in metrics1["metrics"].items())
     assert "│ signal │ not measured (passes) │" in shown  # no held-out ratings here: the check did not count
 
     # the gateway never serves version 2: catch-up skips it, its notice does not even load it
