@@ -132,7 +132,7 @@ class Backend:
         from livelora.core.bus import connect_sync
         from livelora.core.redis_keys import KeyLayout
         from livelora.core.settings import CommonSettings
-        from livelora.gateway.services.live.learning import estimate, trainer_steps
+        from livelora.gateway.services.live.learning import base_first, estimate, trainer_steps
 
         settings, lineage = CommonSettings(), self.local.get_endpoint(name)["lineage"]
         keys = KeyLayout(settings.redis_prefix)
@@ -149,7 +149,9 @@ class Backend:
             else LearningStatus(endpoint=name, lineage=lineage, stage="idle")
         )
         trainer_steps(st, t)
-        estimate(st, (t.get("base_measure") or {}).get("seconds"), time.time())
+        now = time.time()
+        estimate(st, (t.get("base_measure") or {}).get("seconds"), now)
+        base_first(st, t.get("base_measure") or {}, now)
         return st.model_dump(mode="json")
 
     def create_endpoint(self, **body) -> dict:

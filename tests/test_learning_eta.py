@@ -22,7 +22,7 @@ from livelora.clients.types.signals import RatingEvent
 from livelora.core.bus import connect_sync
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.settings import DEFAULT_MODEL
-from livelora.gateway.services.live.learning import estimate
+from livelora.gateway.services.live.learning import base_first, estimate
 from livelora.gateway.settings import GatewaySettings
 from livelora.trainer.learning_status import LearningReporter
 from livelora.trainer.scheduler import BatchScheduler
@@ -162,6 +162,29 @@ def test_an_overdue_step_shows_no_eta_but_how_long_it_runs(bus):
     assert none.eta_s is None and none.eta_basis.startswith(
         "taking longer than usual: running for 40 s, a step takes at least 30 s"
     )
+
+
+def test_the_base_measurement_running_first_shows_its_progress_and_time_left():
+    """A fresh store: the trainer's base measurement reports its pass and, after a free-form chunk, the time left;
+    the status adds what is left of it now to the ETA and says so."""
+    full = LearningStatus(endpoint=EP, lineage=EP, stage="waiting", batch_size=8, ratings_waiting=8)
+    full.eta_s, full.eta_basis = 20.0, "measured: one step"
+    base = {"state": "measuring", "check": "freeform: 30 of 60 items", "left_s": 50.0, "at": 100.0}
+    base_first(full, base, 110.0)
+    assert full.eta_s == 60.0 and full.eta_basis == (
+        "measured: one step; the gate's base measurement runs first (once per store): freeform: 30 of 60 items, "
+        "about 40 s left"
+    )
+    # no time left known yet (before its first free-form chunk), no step timed: the progress alone
+    early = LearningStatus(endpoint=EP, lineage=EP, stage="training")
+    base_first(early, {"state": "measuring", "check": "probes", "left_s": None, "at": 100.0}, 101.0)
+    assert early.eta_s is None
+    assert early.eta_basis == "the gate's base measurement runs first (once per store): probes"
+    # once it is ready, or while a step is being judged, nothing is added
+    for stage, state in (("waiting", "ready"), ("gate", "measuring")):
+        st = LearningStatus(endpoint=EP, lineage=EP, stage=stage)
+        base_first(st, {**base, "state": state}, 110.0)
+        assert st.eta_s is None and st.eta_basis is None
 
 
 @pytest.mark.live

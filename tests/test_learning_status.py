@@ -28,7 +28,7 @@ from livelora.core.governance import held_out
 from livelora.core.redis_keys import KeyLayout
 from livelora.core.settings import DEFAULT_MODEL
 from livelora.gateway.settings import GatewaySettings
-from livelora.trainer.gate import BASE_CACHE_DIR
+from livelora.trainer.gate_base import BASE_CACHE_DIR
 from livelora.trainer.online import OnlineTrainer
 from livelora.trainer.scheduler import BatchScheduler
 from livelora.trainer.settings import GateSection, TrainingSection

@@ -8,31 +8,26 @@ first failing check, and judges them per endpoint (:mod:`livelora.core.rails`; t
 :mod:`livelora.trainer.line_search`). After a rejection the model is restored from the snapshot, so training
 continues from the last version that passed, with AdamW's first moment zeroed (:func:`forget_direction`). One
 rating or preference pair in ``holdout_every`` (:func:`held_out`, by the sha256 of its event id) is kept for the
-signal check instead of trained. The base model's measurement is kept in the store (``models/gate-base/``, keyed
-by the probe set and the base weights), so it is taken once per store, not once per trainer start. The steps in
-full: ``docs/internals/rails.md``.
+signal check instead of trained. The base model's measurement is taken once per store
+(:mod:`livelora.trainer.gate_base`). The steps in full: ``docs/internals/rails.md``.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import io
 import json
 import logging
-import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from livelora.adapters.endpoints import EndpointStore
-from livelora.core.atomic import atomic_write_bytes
 from livelora.core.cpu_share import step_yield
 from livelora.core.governance import held_out
 from livelora.core.rails import GateCheck, GateResult, GateThresholds, bound_of, judge
+from livelora.trainer.gate_base import BaseMeasure
 from livelora.trainer.gate_freeform import FreeformGate
 from livelora.trainer.gate_measure import (
     CHECKS,
@@ -55,36 +50,6 @@ def forget_direction(optimizer: torch.optim.Optimizer) -> None:
     for state in optimizer.state.values():
         if "exp_avg" in state:
             state["exp_avg"].zero_()
-
-
-#: Where the base model's gate measurements are kept, under the store.
-BASE_CACHE_DIR = Path("models") / "gate-base"
-
-
-def save_measurement(path: Path, m: Measurement, seconds: float) -> None:
-    """Write ``m`` (and the ``seconds`` it took) atomically as a ``torch.save`` file."""
-    buf = io.BytesIO()
-    doc = {"probe_right": m.probe_right, "logp_M_V": m.logp_M_V, "degenerate": m.degenerate}
-    doc.update({"mean_len": m.mean_len, "replies": m.replies, "seconds": seconds})
-    doc.update({"freeform": m.freeform, "freeform_texts": m.freeform_texts})
-    torch.save(doc, buf)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def load_measurement(path: Path) -> tuple[Measurement, float] | None:
-    """``(measurement, seconds it took)`` read back by :func:`save_measurement`; None when absent or unreadable."""
-    try:
-        d = torch.load(path, weights_only=True)
-        m = Measurement(
-            list(d["probe_right"]), d["logp_M_V"], float(d["degenerate"]), float(d["mean_len"]), d["replies"]
-        )
-        m.freeform, m.freeform_texts = dict(d.get("freeform", {})), dict(d.get("freeform_texts", {}))
-        return m, float(d["seconds"])
-    except FileNotFoundError:
-        return None
-    except Exception as exc:  # a torn or foreign file: measured again and rewritten
-        log.warning("cached base measurement %s unreadable (%s): measuring again", path, exc)
-        return None
 
 
 class EvaluationGate:
@@ -114,9 +79,6 @@ class EvaluationGate:
         self.tokenizer = tokenizer
         #: the base weights' identity (:func:`~livelora.core.base_models.base_identity`); None: never cached
         self.base_id = base_id
-        self._base_lock = threading.Lock()
-        self.base_source: str | None = None  # "cache" or "measured", once :meth:`base` has run
-        self.base_seconds: float | None = None  # what measuring the base model took (read from the cache too)
         self.endpoints = EndpointStore(home)
         self.chat_pair = chat_pair
         self.holdout_every = holdout_every
@@ -124,9 +86,9 @@ class EvaluationGate:
             tokenizer, gen_tokens=gen_tokens, freeform_items=freeform_items, freeform_chunk=freeform_chunk
         )
         self.freeform = FreeformGate(self.suite)
+        self.base_measure = BaseMeasure(self.suite, self.endpoints.home, base_id)
         self.heldout: dict[str, deque[HeldOut]] = {}
         self.heldout_max = heldout_max
-        self._base: Measurement | None = None
         self._current: dict[str, tuple[str, Measurement]] = {}  # lineage → (version label, measurement)
         self._snapshot: dict[str, Any] | None = None
         #: raters whose agreement weight is below ½ for the step being judged (their held-out labels are left out
@@ -164,7 +126,6 @@ class EvaluationGate:
     def reload(self, lineage: str) -> int:
         """Refill ``lineage``'s held-out examples from the dataset of record (the same id hash picks the same
         events in every process); returns how many events were taken."""
-        import json
 
         from livelora.clients.types.signals import parse_stream_event
         from livelora.trainer.dataset import read_dataset
@@ -187,64 +148,9 @@ class EvaluationGate:
         return n
 
     # ------------------------------------------------------------------ around a step
-    def base_cache_path(self, model: Any) -> Path | None:
-        """``<home>/models/gate-base/<sha256(base)[:16]>-<sha256(probes, base, device, dtype)[:16]>.pt`` (None
-        without ``base_id``)."""
-        if self.base_id is None:
-            return None
-        dtype = str(next(model.peft_model.parameters()).dtype)
-        key = json.dumps([self.suite.fingerprint(), self.base_id, str(model.device), dtype])
-        stem = hashlib.sha256(self.base_id.encode()).hexdigest()[:16]
-        return self.endpoints.home / BASE_CACHE_DIR / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
-
     def base(self, model: Any, on_check: Any = None) -> Measurement:
-        """The base model's measurement (adapter off): taken once per process, read from the store's cache when
-        the probe set and base weights match (:meth:`base_cache_path`), else measured and written there (the
-        same base model's files for other probe sets are removed). Thread-safe: a second caller waits."""
-        with self._base_lock:
-            if self._base is not None:
-                return self._base
-            path = self.base_cache_path(model)
-            got = load_measurement(path) if path is not None else None
-            if got is not None:
-                self._base, self.base_seconds = got
-                self.base_source = "cache"
-                log.info("evaluation gate: base model measurement read from %s (took %.1f s once)", path, got[1])
-                return self._base
-            t0 = time.perf_counter()
-            everything = len(self.suite.freeform) if self.suite.freeform is not None else None
-            self._base = self.suite.measure(model, adapter=False, on_check=on_check, freeform_upto=everything)
-            self.base_seconds, self.base_source = time.perf_counter() - t0, "measured"
-            log.info("evaluation gate: base model measured in %.1f s", self.base_seconds)
-            if path is not None:
-                try:
-                    for old in path.parent.glob(path.name.split("-")[0] + "-*.pt"):
-                        old.unlink(missing_ok=True)  # the same base model under another probe set: stale
-                    save_measurement(path, self._base, self.base_seconds)
-                except OSError as exc:
-                    log.warning("base measurement not cached at %s: %s", path, exc)
-            return self._base
-
-    def base_in_background(self, model: Any, busy: Any, report: Any) -> threading.Thread:
-        """Start a daemon thread taking (or reading from the store) the base measurement on ``model``, under the
-        training flags as a step is (``busy``: :class:`~livelora.core.cpu_share.TrainingFlag`); ``report(None,
-        "base", state=..., source=..., seconds=...)`` as it starts and ends. A step waits for it (:meth:`base` is
-        locked); if it fails, the first step measures."""
-        from livelora.core.cpu_share import training_step
-
-        def run() -> None:
-            report(None, "base", state="measuring")
-            try:
-                with training_step(), busy.held():
-                    self.base(model)
-                report(None, "base", state="ready", source=self.base_source, seconds=self.base_seconds)
-            except Exception as exc:
-                log.exception("the gate's base measurement at start-up failed")
-                report(None, "base", state="failed", reason=str(exc)[:300])
-
-        thread = threading.Thread(target=run, name="livelora-gate-base", daemon=True)
-        thread.start()
-        return thread
+        """The base model's measurement (:meth:`BaseMeasure.get <livelora.trainer.gate_base.BaseMeasure.get>`)."""
+        return self.base_measure.get(model, on_check)
 
     def before_step(self, model: Any, lineage: str, label: str, on_check: Any = None) -> None:
         """Snapshot ``model`` and make sure the current weights (``label``) are measured, held-out items too;
@@ -263,7 +169,7 @@ class EvaluationGate:
         items = self.items(lineage)
         if have is None or have[0] != label:
             if label == "base":  # a new lineage's adapter is zero (lora_B = 0): its measures are the base model's
-                b = self._base
+                b = self.base_measure.measurement
                 have = (label, Measurement(b.probe_right, b.logp_M_V, b.degenerate, b.mean_len, b.replies, {}))
                 have[1].freeform, have[1].freeform_texts = dict(b.freeform), dict(b.freeform_texts)
             else:
@@ -303,7 +209,9 @@ class EvaluationGate:
                 step_yield()  # serving may go first between the gate's passes (core/cpu_share.py)
             tell(name)
             if name == "freeform":
-                self.freeform.judge(model, new, current, self._base, self._snapshot["params"], mine, tell)
+                self.freeform.judge(
+                    model, new, current, self.base_measure.measurement, self._snapshot["params"], mine, tell
+                )
             else:
                 self.suite.run_pass(name, model, new, heldout=items)
             done += PASSES[name]
@@ -329,13 +237,13 @@ class EvaluationGate:
         measures = {
             "probe_accuracy": new.accuracy,
             "probe_accuracy_current": current.accuracy,
-            "probe_accuracy_base": self._base.accuracy,
+            "probe_accuracy_base": self.base_measure.measurement.accuracy,
             "mean_reply_tokens": new.mean_len,
             "heldout_examples": len(items),
             "replies": new.replies,
         }
         if new.freeform_upto:
-            measures["freeform"] = self.freeform.summary(new, current, self._base)
+            measures["freeform"] = self.freeform.summary(new, current, self.base_measure.measurement)
         result = GateResult(
             against=label, measures=measures, checks=checks, verdicts=verdicts, seconds=time.perf_counter() - t0
         )
@@ -344,7 +252,7 @@ class EvaluationGate:
     def _compare(self, new: Measurement, current: Measurement, items: list[HeldOut], min_examples: int, done: list):
         ff = self.suite.freeform
         ids = [it.id for it in ff.items[: new.freeform_upto]] if ff is not None else []
-        return compare(new, current, self._base, items, min_examples, done, freeform_ids=ids)
+        return compare(new, current, self.base_measure.measurement, items, min_examples, done, freeform_ids=ids)
 
     def settle(self, model: Any, lineage: str, passed: bool, name: str, new: Measurement) -> None:
         """After the version is written: a passed one becomes current; a rejected step is undone."""

@@ -87,7 +87,7 @@ class OnlineTrainer:
         if self.rehearsal is not None:
             self.rehearsal.in_background()
         if self.gate is not None and self._base_thread is None:  # the gate's base measurement, in the background
-            self._base_thread = self.gate.base_in_background(self._fresh, self.busy, self._report)
+            self._base_thread = self.gate.base_measure.in_background(self._fresh, self.busy, self._report)
 
     def _report(self, lineage: str | None, stage: str, **fields: Any) -> None:
         if self.progress is not None:

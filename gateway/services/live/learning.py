@@ -93,6 +93,23 @@ def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None
             st.eta_basis = "no step timed yet"
 
 
+def base_first(st: LearningStatus, base: dict[str, Any], now: float) -> None:
+    """While the gate's base measurement runs (``base``: the trainer's ``base_measure``: ``state``, ``check``,
+    ``left_s`` as of ``at``) and a step waits for ratings or for it, say so in ``st.eta_basis`` with its progress,
+    and add the time it has left (its last estimate less the time since) to ``st.eta_s``, in place."""
+    if base.get("state") != "measuring" or st.stage not in ("waiting", "training"):
+        return
+    left = base.get("left_s")
+    left = None if left is None else max(0.0, left - (now - base.get("at", now)))
+    note = "the gate's base measurement runs first (once per store)"
+    note += (f": {base['check']}" if base.get("check") else "") + (
+        f", about {left:.0f} s left" if left is not None else ""
+    )
+    if st.eta_s is not None and left is not None:
+        st.eta_s += left
+    st.eta_basis = f"{st.eta_basis}; {note}" if st.eta_basis else note
+
+
 class LearningService:
     """Reads the trainer's learning status for the caller's endpoints.
 
@@ -174,8 +191,7 @@ class LearningService:
         st.paused = any(b.lineage == lineage and b.learning_paused for b in self.registry.bindings.values())
         if st.paused:
             st.eta_s, st.eta_basis = None, "learning is paused (POST /admin/endpoints/{name}/resume)"
-        if base and base.get("state") != "ready" and st.stage == "waiting" and st.eta_basis:
-            st.eta_basis += "; the gate's base measurement runs first (once per store)"
+        base_first(st, base, time.time())
         st.segments = await self.segments(endpoint)
         return st
 
