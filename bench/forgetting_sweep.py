@@ -237,7 +237,14 @@ def main() -> None:
             manifest = trainer.train(rating_batch(lineage, rated))
             row["update_s"].append(time.perf_counter() - t0)
             model = trainer.model_for(lineage)
+            gate = manifest.gate or {}
             if step != args.steps and not (step == 1 and args.measure_first) and step not in measure_at:
+                print(
+                    f"{name:14s} step {step}: {sum(r[3] for r in rated)}/8 ratings liked, update "
+                    f"{row['update_s'][-1]:.1f} s, gate α {gate.get('step_scale')} served "
+                    f"{not gate.get('continued_from')}",
+                    flush=True,
+                )
                 continue
             cap = greedy(cap_suite, model)
             was = {i.id: i.right(base["cap"][i.id]) for i in bench}

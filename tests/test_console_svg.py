@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from livelora.gateway.console import charts
 from livelora.gateway.console.charts import MAX_TICKS, time_ticks
 from livelora.gateway.console.svg import lineage_graph
-from livelora.gateway.services.console.reports import latency_by_route
+from livelora.gateway.services.console.reports import latency_by_route, seconds_for_people
 from livelora.gateway.services.console.views import bucket_shares
 
 NS = "{http://www.w3.org/2000/svg}"
@@ -46,6 +46,16 @@ def test_latency_quantiles_are_the_upper_bounds_of_their_buckets():
     assert chat["p50_s"] == 0.5  # 3rd of 5 observations lies in (0.1, 0.5]
     assert chat["p95_s"] == float("inf")  # the 5th (2.0 s) is above the last finite bound
     assert (health["requests"], health["p50_s"], health["p95_s"]) == (1, 0.1, 0.1)
+    # as the page shows them: times in words, a quantile as its bucket's bound
+    assert (chat["mean"], chat["p50"], chat["p95"]) == ("590 ms", "≤ 500 ms", "> 1.0 s")
+    assert (health["mean"], health["p50"]) == ("10 ms", "≤ 100 ms")
+    assert [seconds_for_people(s) for s in (0.0052, 0.0123, 0.9996, 2.345, 120.0)] == [
+        "5.2 ms",
+        "12 ms",
+        "1.0 s",
+        "2.3 s",
+        "120 s",
+    ]
 
 
 def test_a_branch_starts_a_new_row_and_a_deleted_parent_is_dashed():

@@ -27,8 +27,9 @@ CHART_HOURS = 48
 
 
 def latency_by_route(histogram: Any) -> list[dict[str, Any]]:
-    """``[{"route", "requests", "mean_s", "p50_s", "p95_s"}]`` from a Prometheus histogram labelled by method,
-    route and status (this process's samples; a quantile is the upper bound of the bucket that holds it)."""
+    """``[{"route", "requests", "mean_s", "p50_s", "p95_s"}]`` and the same times in words (``mean``, ``p50``,
+    ``p95``) from a Prometheus histogram labelled by method, route and status (this process's samples; a quantile
+    is the upper bound of the bucket that holds it)."""
     routes: dict[str, dict[str, Any]] = {}
     for family in histogram.collect():
         for s in family.samples:
@@ -45,19 +46,36 @@ def latency_by_route(histogram: Any) -> list[dict[str, Any]]:
     def quantile(buckets: dict[float, float], count: float, q: float) -> float | None:
         return next((le for le, n in sorted(buckets.items()) if n >= q * count), None) if count else None
 
+    def bound(buckets: dict[float, float], le: float | None) -> str:
+        """``≤ 25 ms`` (the bound of the bucket that holds the quantile), ``> 10 s`` past the last finite bound."""
+        if le is None:
+            return "-"
+        finite = max((b for b in buckets if b != float("inf")), default=0.0)
+        return f"≤ {seconds_for_people(le)}" if le != float("inf") else f"> {seconds_for_people(finite)}"
+
     return sorted(
         (
             {
                 "route": route,
                 "requests": int(r["count"]),
                 "mean_s": r["sum"] / r["count"] if r["count"] else None,
-                "p50_s": quantile(r["buckets"], r["count"], 0.5),
-                "p95_s": quantile(r["buckets"], r["count"], 0.95),
+                "p50_s": (p50 := quantile(r["buckets"], r["count"], 0.5)),
+                "p95_s": (p95 := quantile(r["buckets"], r["count"], 0.95)),
+                "mean": seconds_for_people(r["sum"] / r["count"]) if r["count"] else "-",
+                "p50": bound(r["buckets"], p50),
+                "p95": bound(r["buckets"], p95),
             }
             for route, r in routes.items()
         ),
         key=lambda r: -r["requests"],
     )
+
+
+def seconds_for_people(s: float) -> str:
+    """``0.0052`` → ``5.2 ms``, ``0.0123`` → ``12 ms``, ``2.345`` → ``2.3 s``, ``120`` → ``120 s``."""
+    if round(s, 3) < 1:
+        return f"{s * 1000:.1f} ms" if s < 0.00995 else f"{s * 1000:.0f} ms"
+    return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
 
 
 class ConsoleReports:
