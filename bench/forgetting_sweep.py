@@ -158,6 +158,9 @@ def main() -> None:
     ap.add_argument("--gate-freeform-items", type=int, default=None, help="run the evaluation gate with this check")
     ap.add_argument("--measure-first", action="store_true", help="also measure after step 1")
     ap.add_argument("--measure-at", default="", help="also measure after these steps (comma-separated)")
+    ap.add_argument(
+        "--thresholds", default="", help="the gate's thresholds for the rated endpoint, e.g. freeform_margin=0.05"
+    )
     ap.add_argument("--base-cache", type=Path, default=None, help="the base model's replies: read, else written")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
@@ -186,6 +189,13 @@ def main() -> None:
     real.mkdir(parents=True, exist_ok=True)
     (store / "models").mkdir()
     (store / "models" / "rehearsal-base").symlink_to(real)
+    if args.thresholds:
+        from livelora.adapters.endpoints import EndpointBinding, EndpointStore
+        from livelora.core.rails import GateThresholds
+
+        gate_thresholds = GateThresholds(**parse_config(f"t:{args.thresholds}")[1])
+        EndpointStore(store).set("sweep", EndpointBinding(lineage="sweep", gate=gate_thresholds))
+        print(f"gate thresholds of the rated endpoint: {gate_thresholds.model_dump()}")
 
     def taste_of(texts: dict[str, str]) -> tuple[float, int]:
         ok = [liked(args.taste, args.rater, texts[i.id], it) for i, (_, it) in zip(held_items, held)]
