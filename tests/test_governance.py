@@ -200,7 +200,7 @@ def test_deleted_user_is_gone_from_the_dataset_and_from_later_batches(bus, tmp_p
         if e.id == late[0].id
     )
     batch = w.scheduler.due(now=time.time() + 7200)[0]  # what the next step would get, after the screen
-    screened = w._screen(batch)
+    screened = w.intake.screen(batch)
     assert {e.user for e in screened.events} == {"bob", "carol"} and len(screened.events) == 4
     assert {r["event"]["user"] for r in read_dataset(tmp_path)} == {"bob", "carol"}  # the late one not recorded
     w.close()

@@ -2,8 +2,8 @@
 
 :class:`TrainerWorker` reads the ``trainers`` consumer group (reclaiming a dead worker's entries), appends every
 event to the dataset of record before acknowledging it, queues it in the
-:class:`~livelora.trainer.scheduler.BatchScheduler`, and for each due batch trains one step through its
-:class:`TrainingBackend`, commits the trained event ids, acknowledges and deletes the entries and publishes a
+:class:`~livelora.trainer.scheduler.BatchScheduler` (:mod:`.intake`), and for each due batch trains one step
+through its :class:`TrainingBackend`, commits the trained event ids, acknowledges and deletes the entries and publishes a
 ``version_published`` notice (:meth:`TrainerWorker.poll` is one iteration). The entries it holds are
 :mod:`.claims`'; events that cannot be trained are dead-lettered alone (:mod:`.triage`). Entry points:
 :func:`build_worker`, :func:`run_worker`. The loop step by step and why no event is lost or trained twice:
@@ -20,25 +20,24 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 import redis
 
-from livelora.adapters.endpoints import EndpointStore
 from livelora.clients.errors import LiveloraError, UnavailableError
-from livelora.clients.types.signals import VersionNotice, parse_stream_event
-from livelora.core.bus import ensure_group, publish_notice, redis_unavailable, volatile_warning
+from livelora.clients.types.signals import VersionNotice
+from livelora.core.bus import ensure_group, publish_notice, volatile_warning
 from livelora.core.cpu_share import step_wait
 from livelora.core.redis_keys import KeyLayout
 from livelora.trainer import triage
 from livelora.trainer.bus_recovery import BusRecovery
-from livelora.trainer.claims import Entry, SignalClaims, hand_off_lonely
-from livelora.trainer.dataset import TRAINED_FILE, DatasetOfRecord, append_lines, dataset_dir, read_dataset, trained_log
+from livelora.trainer.claims import SignalClaims, hand_off_lonely
+from livelora.trainer.dataset import TRAINED_FILE, append_lines, dataset_dir, read_dataset
+from livelora.trainer.intake import SignalIntake
 from livelora.trainer.learning_status import LearningReporter
 from livelora.trainer.retention import VersionRoom
-from livelora.trainer.scheduler import Batch, BatchScheduler, arrival, kto_class_weights
+from livelora.trainer.scheduler import Batch, BatchScheduler
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +129,6 @@ class TrainerWorker:
         self.read_count, self.max_failures, self.clock = read_count, max_failures, clock
         self.governor = governor
         self.room = VersionRoom(versions, self.scheduler, quota_retry_s) if versions is not None else None
-        self.endpoints = EndpointStore(self.home)
-        self.dataset = DatasetOfRecord(self.home)
-        self.trained = trained_log(self.home)
         self.published: list[VersionNotice] = []
         self._failures: dict[str, int] = {}
         self.claims = SignalClaims(client, keys, self.consumer, claim_idle_s)
@@ -141,6 +137,10 @@ class TrainerWorker:
         self._started = False
         every = getattr(getattr(backend, "gate_config", None), "gate_holdout_every", 0)  # GET /v1/learning/{endpoint}:
         self.learning = LearningReporter(client, keys, self.scheduler.config, holdout_every=every)
+        self.intake = SignalIntake(
+            client, keys, self.home, self.claims, self.scheduler, self.learning, clock, governor, backend
+        )
+        self.endpoints = self.intake.endpoints
         self.recovery = recovery
         if hasattr(backend, "progress"):
             backend.progress = self.learning.progress
@@ -151,9 +151,9 @@ class TrainerWorker:
         """Create the group if needed, read ``trained.jsonl``, take back this consumer's own pending entries and
         start the claim keeper thread."""
         ensure_group(self.client, self.keys)
-        self.trained.refresh()
+        self.intake.trained.refresh()
         self._check_bus()
-        self._ingest(self.claims.own_pending())
+        self.intake.ingest(self.claims.own_pending())
         self._started = True
         self.learning.started()
         self.claims.start_keeper()
@@ -168,64 +168,6 @@ class TrainerWorker:
         """Stop the claim keeper thread (entries still held are reclaimed by peers after ``claim_idle_s``)."""
         self.claims.close()
 
-    def trained_ids(self, event_ids: list[str]) -> set[str]:
-        """Which of ``event_ids`` any worker has trained: the shared Redis set (events of the last
-        :data:`~livelora.trainer.claims.TRAINED_SET_WINDOW_S`), then ``trained.jsonl`` (every event, read
-        incrementally)."""
-        if not event_ids:
-            return set()
-        with redis_unavailable():
-            scores = self.client.zmscore(self.keys.signals_trained, event_ids)
-        done = {e for e, f in zip(event_ids, scores) if f is not None}
-        rest = [e for e in event_ids if e not in done]
-        if rest:
-            on_disk = self.trained.refresh()
-            done.update(e for e in rest if e in on_disk)
-        return done
-
-    def _ingest(self, entries: list[Entry]) -> None:
-        entries = self.claims.unheld(entries)
-        if not entries:
-            return
-        now = self.clock()
-        day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
-        records, parsed, bad = [], [], []
-        arrived = {sid: fields.get("arrived") for sid, fields in entries}  # a handed-back event's first arrival
-        for sid, fields in entries:
-            try:
-                ev = parse_stream_event(fields)
-            except (ValueError, KeyError) as exc:
-                bad.append(sid)
-                records.append((sid, {"stream_id": sid, "received": now, "invalid": str(exc)[:500], "fields": fields}))
-                continue
-            parsed.append((sid, ev))
-            if self.governor is not None and self.governor.forgotten(ev):
-                continue  # a forgotten user's event is neither recorded nor trained (admit() drops it)
-            records.append((ev.id, {"stream_id": sid, "received": now, "event": json.loads(ev.model_dump_json())}))
-        self.dataset.append(day, records)  # durable BEFORE any ack; once per event id
-        ack, touched, left_out = list(bad), {}, []
-        done = self.trained_ids([ev.id for _, ev in parsed])
-        for sid, ev in parsed:
-            if ev.id in done:  # trained before a crash that came before its ack, or by a peer
-                ack.append(sid)
-                continue
-            lineage = self.endpoints.get(ev.endpoint).lineage
-            hold_out = getattr(self.backend, "hold_out", None)  # kept for the gate's signal check, or governed out
-            why = self.governor.admit(lineage, ev, now) if self.governor is not None else None
-            why = why or ("held_out" if hold_out is not None and hold_out(lineage, ev) else None)
-            if why:
-                ack.append(sid)
-                if ev.type == "rating" and why in ("held_out", "rate_limit"):
-                    left_out.append((lineage, why))
-                    touched[lineage] = ev.endpoint
-                continue
-            self.claims.hold([sid])
-            ack += self.scheduler.add(lineage, sid, ev, now, arrival(sid, now, arrived.get(sid)))  # waited since
-            touched[lineage] = ev.endpoint
-        if ack:
-            self.claims.ack(ack)
-        self.learning.queued(self.scheduler, touched, [sid for sid, _ in entries], left_out)
-
     # ------------------------------------------------------------------ stepping
 
     def poll(self, block_ms: int | None = None) -> list[VersionNotice]:
@@ -238,52 +180,20 @@ class TrainerWorker:
         now = self.clock()
         if now - self._last_claim >= self.claim_interval_s:
             self._last_claim = now
-            self._ingest(self.claims.reclaim())
-        self._ingest(self.claims.read_new(self.read_count, self.block_ms if block_ms is None else block_ms))
+            self.intake.ingest(self.claims.reclaim())
+        self.intake.ingest(self.claims.read_new(self.read_count, self.block_ms if block_ms is None else block_ms))
         hand_off_lonely(self.scheduler, self.claims, self.clock())
         out = []
         paused = self.endpoints.paused_lineages() if len(self.scheduler) else set()  # an admin's pause
         for batch in self.scheduler.turns(self.clock, paused, step_wait, self.learning.waits.deferred):
             if self.room is not None and self.room.waiting(batch, self.clock()):
                 continue  # held back by max_adapter_versions (trainer/retention.py)
-            batch = self._screen(batch)
+            batch = self.intake.screen(batch)
             if batch is None or (self.room is not None and not self.room.admit(batch, self.clock(), self.backend)):
                 continue
             notice = self._train(batch)
             if notice is not None:
                 out.append(notice)
-        return out
-
-    def _screen(self, batch: Batch) -> Batch | None:
-        """Take out of a due batch the events trained meanwhile by any worker (acknowledged) and the entries
-        another worker has claimed (forgotten); None when too few remain to train now (they are requeued)."""
-        lost = self.claims.lost_of(batch.stream_ids)
-        done = self.trained_ids([e.id for e in batch.events])
-        if self.governor is not None:  # a user forgotten while their events were queued: dropped, never trained
-            done |= {e.id for e in batch.events if self.governor.forgotten(e)}
-        if done:
-            self.claims.ack([sid for sid, e in zip(batch.stream_ids, batch.events) if e.id in done])
-        if lost:
-            self.claims.release(list(lost))
-        keep = [(sid, e) for sid, e in zip(batch.stream_ids, batch.events) if sid not in lost and e.id not in done]
-        if len(keep) == len(batch.events):
-            return batch
-        log.info(
-            "batch for %s: %d event(s) already trained, %d claimed by another worker",
-            batch.lineage,
-            len(done),
-            len(lost),
-        )
-        if not keep:
-            return None
-        out = Batch(batch.lineage, batch.kind, [e for _, e in keep], [sid for sid, _ in keep], min_size=batch.min_size)
-        out.waited = batch.waited
-        if out.kind == "kto":
-            if len(keep) < 2:  # KTO never runs on one example
-                self.scheduler.requeue(out, self.clock())
-                return None
-            n_d = sum(1 for e in out.events if e.rating)
-            out.desirable_weight, out.undesirable_weight = kto_class_weights(n_d, len(out.events) - n_d)
         return out
 
     def _train(self, batch: Batch) -> VersionNotice | None:
