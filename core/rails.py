@@ -46,15 +46,16 @@ class GateThresholds(BaseModel):
         "probe_margin, may lose in total.",
     )
     freeform_margin: float = Field(
-        0.02,
+        0.05,
         ge=0,
         le=1,
         description="Largest allowed drop of the free-form capability score (share of the capability items whose "
         "greedy free-form reply is right) below the current version's, on the same items. Applies only where "
-        "the trainer runs the free-form check (LIVELORA_GATE_FREEFORM_ITEMS > 0; off by default).",
+        "the trainer runs the free-form check (LIVELORA_GATE_FREEFORM_ITEMS > 0, the default). 0.05 of 60 items "
+        "allows a net loss of 3: a step's greedy replies flip a few items either way (docs/live-loop.md).",
     )
     freeform_base_margin: float = Field(
-        0.02,
+        0.05,
         ge=0,
         le=1,
         description="Largest allowed drop of the free-form capability score below the base model's, on the same "

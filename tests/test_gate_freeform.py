@@ -80,18 +80,20 @@ def test_curtail_waits_for_a_minimum_sample_and_the_predictive_verdict():
 
 def test_freeform_thresholds_bound_against_current_and_base():
     t = GateThresholds()
-    assert t.freeform_margin == t.freeform_base_margin == 0.02
-    assert bound_of("freeform", 0.60, t) == pytest.approx(0.58)
-    assert bound_of("freeform_base", 0.60, t, 0.55) == pytest.approx(0.53)
+    assert t.freeform_margin == t.freeform_base_margin == 0.05  # a net loss of 3 of 60 items
+    assert bound_of("freeform", 0.60, t) == pytest.approx(0.55)
+    assert bound_of("freeform_base", 0.60, t, 0.55) == pytest.approx(0.50)
     # a lineage already below base − margin may not lose more than it has
-    assert bound_of("freeform_base", 0.50, t, 0.55) == pytest.approx(0.50)
+    assert bound_of("freeform_base", 0.45, t, 0.55) == pytest.approx(0.45)
     assert bound_of("freeform_base", 0.50, t) is None
     checks = {
         "freeform": {"value": 0.55, "current": 0.60},
         "freeform_base": {"value": 0.55, "current": 0.60, "base": 0.58},
     }
-    assert judge(checks, t).failed == ["freeform", "freeform_base"]
-    assert judge(checks, GateThresholds(freeform_margin=0.05, freeform_base_margin=0.05)).passed
+    strict = GateThresholds(freeform_margin=0.02, freeform_base_margin=0.02)
+    assert judge(checks, strict).failed == ["freeform", "freeform_base"]
+    assert judge(checks, t).passed
+    assert judge({**checks, "freeform": {"value": 0.54, "current": 0.60}}, t).failed == ["freeform"]
     assert judge({"freeform": {"value": None, "current": 0.6}}, t).passed  # not measured: passes
 
 
@@ -121,7 +123,14 @@ def test_a_version_short_at_any_cost_is_rejected_by_the_freeform_check_while_the
     home, ep = tmp_path, "short"
     EndpointStore(home).create(ep, ep, tenant="default", who="test")
     # everything but the probe checks and the free-form checks loosened: the outcome is theirs alone
-    loose = GateThresholds(max_kl_current=100.0, max_kl_base=100.0, max_degenerate=1.0, min_length_ratio=0.0)
+    loose = GateThresholds(
+        max_kl_current=100.0,
+        max_kl_base=100.0,
+        max_degenerate=1.0,
+        min_length_ratio=0.0,
+        freeform_margin=0.02,  # at most 0 net items lost of 30: the check's own strictness, not the default's
+        freeform_base_margin=0.02,
+    )
     EndpointStore(home).set_gate(ep, loose, tenant="default", who="test", reason="probes and free-form bind")
     # a 30-item sample (one chunk, the least curtail() decides on): the base model's replies run to their items'
     # max_tokens and it measures its whole sample up front, so each 30 items more cost it a chunk of full-length

@@ -130,7 +130,7 @@ class TrainingSection(Section):
         "(trainer/rails/rehearsal_capability.jsonl), or everyday open prompts (rehearsal_prompts.jsonl).",
     )
     rehearsal_weight: float = Field(
-        1.0,
+        0.2,
         ge=0,
         description="Coefficient of the rehearsal cross-entropy on the base model's replies (mean nats per reply "
         "token; with the KL, the measured default: docs/live-loop.md).",
