@@ -47,10 +47,10 @@ def seed_home(home, base_ref) -> None:
     tm.save_weights(store, BASE)  # the public base endpoint's lineage: trained by tenant 'default' only
 
 
-def _cli(*args):
+def _cli(*args, env=None):
     from livelora.cli.main import app
 
-    result = CliRunner().invoke(app, list(args))
+    result = CliRunner().invoke(app, list(args), env=env)
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -563,7 +563,7 @@ def test_bindings_survive_restart(server, keys, home):
     serving = {e["name"]: e["serving"] for e in Backend("http://unused", None, home).list_endpoints()}
     assert serving["acme.prod"] == "acme.support@2" and serving["acme.live"] == "acme.support@4"
     assert "smollm2-135m-instruct" in serving
-    versions = _cli("adapters", "list", "--home", str(home))  # 80 columns: version names are never shortened
+    versions = _cli("adapters", "list", "--home", str(home), env={"COLUMNS": "80"})  # version names never shortened
     assert max(map(len, versions.splitlines())) <= 80 and "│ smollm2-135m-instruct@1 │" in versions, versions
     from livelora.adapters.endpoints import EndpointStore
 
