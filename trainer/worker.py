@@ -3,8 +3,8 @@
 :class:`TrainerWorker` reads the ``trainers`` consumer group (reclaiming a dead worker's entries), appends every
 event to the dataset of record before acknowledging it, queues it in the
 :class:`~livelora.trainer.scheduler.BatchScheduler` (:mod:`.intake`), and for each due batch trains one step
-through its :class:`TrainingBackend`, commits the trained event ids, acknowledges and deletes the entries and publishes a
-``version_published`` notice (:meth:`TrainerWorker.poll` is one iteration). The entries it holds are
+through its :class:`TrainingBackend`, commits the trained event ids, acknowledges and deletes the entries and
+publishes a ``version_published`` notice (:meth:`TrainerWorker.poll` is one iteration). The entries it holds are
 :mod:`.claims`'; events that cannot be trained are dead-lettered alone (:mod:`.triage`). Entry points:
 :func:`build_worker`, :func:`run_worker`. The loop step by step and why no event is lost or trained twice:
 ``docs/internals/live-training.md``.
