@@ -77,8 +77,6 @@ class EvaluationGate:
         base_id: str | None = None,
     ):
         self.tokenizer = tokenizer
-        #: the base weights' identity (:func:`~livelora.core.base_models.base_identity`); None: never cached
-        self.base_id = base_id
         self.endpoints = EndpointStore(home)
         self.chat_pair = chat_pair
         self.holdout_every = holdout_every
