@@ -12,8 +12,6 @@ import time
 
 import httpx
 import pytest
-from harness.bus import REDIS_URL, delete_prefix, new_prefix
-from harness.cluster import new_store
 from harness.native import skip_if_native_crashes
 from typer.testing import CliRunner
 
@@ -66,9 +64,8 @@ def test_invalid_flag_value_exits_with_a_message(monkeypatch):
 
 
 @pytest.mark.parametrize("engine", ["transformers", "llama_cpp"])
-def test_serve_answers_chat_completions_on_the_given_port(livelora_home, base_ref, engine, tmp_path):
-    """On a store and Redis prefix of its own: serve's trainer would otherwise train the ratings other tests left on
-    the session's stream and publish a version the session's shared gateway then serves."""
+def test_serve_answers_chat_completions_on_the_given_port(own_store, engine):
+    """On a store and Redis prefix of its own (``own_store``)."""
     if engine == "llama_cpp" and importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed here (pip install -e '.[dev]' builds it)")
     if engine == "llama_cpp":  # a build that crashes here: serve refuses to start (tests/test_native_crash.py)
@@ -76,7 +73,7 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home, base_re
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    home, prefix = new_store(tmp_path / "store", livelora_home), new_prefix("serve")
+    home, prefix = own_store
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -130,7 +127,6 @@ def test_serve_answers_chat_completions_on_the_given_port(livelora_home, base_re
         except subprocess.TimeoutExpired:
             proc.kill()
             output, _ = proc.communicate()
-        delete_prefix(REDIS_URL, prefix)
     assert f"http://127.0.0.1:{port}/v1" in output  # the start-up message names the URL
     assert proc.returncode == 0
 

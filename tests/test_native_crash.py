@@ -20,8 +20,6 @@ import threading
 
 import httpx
 import pytest
-from harness.bus import REDIS_URL, delete_prefix, new_prefix
-from harness.cluster import new_store
 from harness.native import in_child, skip_if_native_crashes
 from harness.server import wait_until
 
@@ -90,15 +88,6 @@ def _serve(home, port: int, crash_at: str, weights: str = "gguf", **env: str) ->
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-@pytest.fixture
-def own_store(livelora_home, base_ref, tmp_path):
-    """``(home, prefix)``: a store (the session's converted models linked) and a Redis prefix of the test's own, so
-    the server's trainer cannot train the ratings other tests left on the session's stream into the session store."""
-    prefix = new_prefix("crash")
-    yield new_store(tmp_path / "store", livelora_home), prefix
-    delete_prefix(REDIS_URL, prefix)
 
 
 def _free_port() -> int:

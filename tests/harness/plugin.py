@@ -73,6 +73,16 @@ def _no_leaked_metrics_dir():
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == before, "the test left PROMETHEUS_MULTIPROC_DIR set"
 
 
+@pytest.fixture
+def own_store(livelora_home, base_ref, tmp_path) -> Iterator[tuple[Path, str]]:
+    """``(home, prefix)`` for a ``livelora serve`` a test starts: a store (the session's converted models linked) and
+    a Redis prefix of its own (deleted after), so its trainer cannot train the ratings other tests left on the
+    session's stream into the session store (:func:`_shared_endpoint_untrained`)."""
+    prefix = new_prefix("serve")
+    yield new_store(tmp_path / "store", livelora_home), prefix
+    delete_prefix(REDIS_URL, prefix)
+
+
 @pytest.fixture(autouse=True)
 def _shared_endpoint_untrained(request):
     """A test on the session store must not leave a version of its default endpoint's lineage: the shared gateway
