@@ -150,7 +150,7 @@ class Backend:
         )
         trainer_steps(st, t)
         now = time.time()
-        estimate(st, (t.get("base_measure") or {}).get("seconds"), now)
+        estimate(st, now)
         base_first(st, t.get("base_measure") or {}, now)
         return st.model_dump(mode="json")
 

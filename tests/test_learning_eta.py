@@ -110,7 +110,7 @@ def test_the_step_estimate_is_a_median_of_warm_steps_across_restarts(bus):
     batch = steps.start()
     st = steps.status()
     st.updated = None
-    estimate(st, None, steps.now[0] + 5)
+    estimate(st, steps.now[0] + 5)
     assert st.eta_s == pytest.approx(7.0) and st.eta_basis == f"measured: {WARM.format(n=5)}, minus the time spent"
 
     steps.finish(batch, 12.0)
@@ -138,9 +138,9 @@ def test_an_overdue_step_shows_no_eta_but_how_long_it_runs(bus):
     st = steps.status()
     assert (st.stage, st.check) == ("gate", "probes")
     steps.now[0] -= 10
-    estimate(st, None, steps.now[0] + 22.0)  # exactly due: not "0 s", not a negative wait
+    estimate(st, steps.now[0] + 22.0)  # exactly due: not "0 s", not a negative wait
     assert st.eta_s is None and st.eta_basis.startswith("taking longer than usual: running for 22 s")
-    estimate(st, None, steps.now[0] + 95.4)
+    estimate(st, steps.now[0] + 95.4)
     assert st.eta_s is None
     assert (
         st.eta_basis
@@ -150,18 +150,16 @@ def test_an_overdue_step_shows_no_eta_but_how_long_it_runs(bus):
 
     # before any warm step: the first step's time, named as such
     first = LearningStatus(endpoint=EP, lineage=EP, stage="training", since=100.0, step_seconds=50.0)
-    estimate(first, None, 160.0)
+    estimate(first, 160.0)
     assert first.eta_s is None and first.eta_basis == (
         "taking longer than usual: running for 60 s, a step usually takes 50 s (measured: the trainer's first step "
         "only, warm-up included; later steps are usually faster)"
     )
-    estimate(first, None, 130.0)
+    estimate(first, 130.0)
     assert first.eta_s == 20.0 and first.eta_basis.startswith("measured: the trainer's first step only")
-    # before any step: the gate's base time is a lower bound
-    estimate(none := LearningStatus(endpoint=EP, lineage=EP, stage="training", since=100.0), 30.0, 140.0)
-    assert none.eta_s is None and none.eta_basis.startswith(
-        "taking longer than usual: running for 40 s, a step takes at least 30 s"
-    )
+    # before any step: no estimate (the gate's base measurement, all free-form replies at full length, bounds none)
+    estimate(none := LearningStatus(endpoint=EP, lineage=EP, stage="training", since=100.0), 140.0)
+    assert none.eta_s is None and none.eta_basis == "no step timed yet"
 
 
 def test_the_base_measurement_running_first_shows_its_progress_and_time_left():
@@ -180,6 +178,14 @@ def test_the_base_measurement_running_first_shows_its_progress_and_time_left():
     base_first(early, {"state": "measuring", "check": "probes", "left_s": None, "at": 100.0}, 101.0)
     assert early.eta_s is None
     assert early.eta_basis == "the gate's base measurement runs first (once per store): probes"
+    # its time left known, no step timed: at least that
+    later = LearningStatus(endpoint=EP, lineage=EP, stage="training")
+    later.eta_basis = "no step timed yet"
+    base_first(later, base, 110.0)
+    assert later.eta_s == 40.0 and later.eta_basis == (
+        "at least: no step timed yet; the gate's base measurement runs first (once per store): freeform: 30 of 60 "
+        "items, about 40 s left"
+    )
     # once it is ready, or while a step is being judged, nothing is added
     for stage, state in (("waiting", "ready"), ("gate", "measuring")):
         st = LearningStatus(endpoint=EP, lineage=EP, stage=stage)

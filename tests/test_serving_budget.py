@@ -99,18 +99,18 @@ def test_the_learning_status_wire_type_says_a_step_waits_for_serving():
             deferred_until=1030.0,
         ).model_dump_json()
     )
-    estimate(st, None, now=1012.0)
+    estimate(st, now=1012.0)
     assert st.deferred_s == pytest.approx(12.0)
     assert st.eta_s == pytest.approx(38.0) and st.eta_basis.endswith("plus the deferral for serving")
     assert st.summary() == (f"waiting: 8 of 8 ratings; step deferred for 12 s: {BUSY}; next version in about 38 s")
     paused = st.model_copy(update={"stage": "training", "detail": "kto step on 8 event(s)", "deferred_until": None})
-    estimate(paused, None, now=1003.0)
+    estimate(paused, now=1003.0)
     assert f"training (kto step on 8 event(s)); paused for 3.0 s: {BUSY}" in paused.summary()
     waited = StageMark(stage="published", at=1100.0, version="acme.support@4", serving_wait_s=41.6)
     done = LearningStatus(
         endpoint="acme.live", lineage="acme.support", stage="published", version="acme.support@4", last=waited
     )
-    estimate(done, None, now=1101.0)
+    estimate(done, now=1101.0)
     assert done.deferred_s is None and "the step waited 42 s for serving" in done.summary()
     assert "deferred" not in LearningStatus(endpoint="e", lineage="l", stage="waiting", batch_size=8).summary()
     seg = SegmentStatus.model_validate(
@@ -194,7 +194,7 @@ def test_ready_steps_are_deferred_while_serving_is_busy_and_the_status_says_so(b
         for st in deferred.values():
             assert (st.stage, st.ratings_waiting, st.deferred) == ("waiting", 2, BUSY)
             assert st.deferred_since is not None and st.deferred_until > st.deferred_since
-            estimate(st, None, time.time())
+            estimate(st, time.time())
             assert st.deferred_s >= 0 and st.summary().startswith("waiting: 2 of 2 ratings; step deferred for ")
             assert f" s: {BUSY}" in st.summary()
         xadd(rating("vip", True, 12))  # a later rating joins the deferred batch

@@ -45,11 +45,11 @@ def trainer_steps(st: LearningStatus, trainer: dict[str, Any]) -> None:
         st.step_seconds, st.step_times = trainer.get("step_seconds"), trainer.get("step_times") or []
 
 
-def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None:
+def estimate(st: LearningStatus, now: float) -> None:
     """Set ``ratings_to_step``, ``eta_s`` and ``eta_basis`` of ``st`` in place (times in Unix s).
 
-    One step costs ``step_seconds`` (measured by the trainer, :func:`step_basis`; before any step, the gate's
-    measured base time, which the new weights' gate repeats: a lower bound, training not timed yet). Waiting with
+    One step costs ``step_seconds`` (measured by the trainer, :func:`step_basis`; unknown before any step: the
+    gate's base measurement, which takes every free-form reply at full length, bounds no step's time). Waiting with
     a full batch: one step; with ≥ 2 ratings: what is left of ``max_wait_s`` after the oldest, plus one step;
     training or gate: one step minus the time since training began, or, past that, None with a basis saying the
     step takes longer than usual and for how long it has run; otherwise None (more ratings are needed). A step
@@ -60,18 +60,17 @@ def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None
     if st.batch_size is not None:
         st.ratings_to_step = max(0, st.batch_size - st.ratings_waiting)
     step, basis = st.step_seconds, step_basis(st) if st.step_seconds is not None else ""
-    if step is None and base_seconds:
-        step, basis = base_seconds, "at least the gate's measured base time (no training step timed yet)"
     st.eta_s, st.eta_basis = None, None
     if st.stage in ("training", "gate"):
         started = next((m.at for m in reversed(st.stages) if m.stage == "training"), st.since)
-        if step is not None and started is not None:
+        if step is None:
+            st.eta_basis = "no step timed yet"
+        elif started is not None:
             if started + step > now:
                 st.eta_s, st.eta_basis = started + step - now, basis + ", minus the time spent"
             else:
-                usual = "usually takes" if st.step_seconds is not None else "takes at least"
                 st.eta_basis = (
-                    f"taking longer than usual: running for {now - started:.0f} s, a step {usual} {step:.0f} s "
+                    f"taking longer than usual: running for {now - started:.0f} s, a step usually takes {step:.0f} s "
                     f"({basis})"
                 )
     elif st.stage == "waiting" and st.batch_size is not None:
@@ -96,7 +95,8 @@ def estimate(st: LearningStatus, base_seconds: float | None, now: float) -> None
 def base_first(st: LearningStatus, base: dict[str, Any], now: float) -> None:
     """While the gate's base measurement runs (``base``: the trainer's ``base_measure``: ``state``, ``check``,
     ``left_s`` as of ``at``) and a step waits for ratings or for it, say so in ``st.eta_basis`` with its progress,
-    and add the time it has left (its last estimate less the time since) to ``st.eta_s``, in place."""
+    and add the time it has left (its last estimate less the time since) to ``st.eta_s`` (a step taken with no
+    step timed yet: ``eta_s`` is at least that time), in place."""
     if base.get("state") != "measuring" or st.stage not in ("waiting", "training"):
         return
     left = base.get("left_s")
@@ -105,9 +105,11 @@ def base_first(st: LearningStatus, base: dict[str, Any], now: float) -> None:
     note += (f": {base['check']}" if base.get("check") else "") + (
         f", about {left:.0f} s left" if left is not None else ""
     )
+    st.eta_basis = f"{st.eta_basis}; {note}" if st.eta_basis else note
     if st.eta_s is not None and left is not None:
         st.eta_s += left
-    st.eta_basis = f"{st.eta_basis}; {note}" if st.eta_basis else note
+    elif left is not None and st.stage == "training":  # a step taken, waiting for it; the step itself not timed
+        st.eta_s, st.eta_basis = left, f"at least: {st.eta_basis}"
 
 
 class LearningService:
@@ -187,7 +189,7 @@ class LearningService:
         published = st.last.version if st.last is not None and st.last.stage == "published" else None
         st.loading = published if binding.mode == "follow" and published and published != st.serving else None
         base = trainer.get("base_measure") or {}
-        estimate(st, base.get("seconds"), time.time())
+        estimate(st, time.time())
         st.paused = any(b.lineage == lineage and b.learning_paused for b in self.registry.bindings.values())
         if st.paused:
             st.eta_s, st.eta_basis = None, "learning is paused (POST /admin/endpoints/{name}/resume)"
