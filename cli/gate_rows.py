@@ -17,9 +17,11 @@ def freeform_rows(table: Any, ff: dict | None) -> None:
     the version's share) and the items lost against the current version."""
     if not ff:
         return
+    early = ff.get("of", ff["items"]) > ff["items"]
     table.add_row(
         "free-form",
-        f"{num(ff['score'])} right of {ff['items']} items (current {num(ff['current'])}, base model {num(ff['base'])})",
+        f"{num(ff['score'])} right of {ff['items']} items (current {num(ff['current'])}, base model {num(ff['base'])})"
+        + (f"; the first {ff['items']} of {ff['of']}: the verdict was clear there, so the gate stopped" * early),
     )
     for cat, c in ff.get("categories", {}).items():
         lo, hi = wilson_interval(c["new"], c["n"]) or (0.0, 1.0)
@@ -27,4 +29,9 @@ def freeform_rows(table: Any, ff: dict | None) -> None:
             f"  {cat}", f"{c['new']}/{c['n']} [{lo:.2f}, {hi:.2f}] (current {c['current']}, base model {c['base']})"
         )
     for ex in ff.get("lost", []):
-        table.add_row("  lost", f"{ex['prompt']!r} -> {ex['reply']!r} (was {ex['was']!r})")
+        table.add_row("  lost", f"{ex['prompt']!r} -> {clip(ex['reply'])!r} (was {clip(ex['was'])!r})")
+
+
+def clip(text: str | None, n: int = 60) -> str | None:
+    """``text`` cut to ``n`` characters with an ellipsis (a lost example's replies, which run to 200 tokens)."""
+    return text if text is None or len(text) <= n else text[: n - 1] + "…"

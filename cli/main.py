@@ -35,7 +35,7 @@ app = typer.Typer(
     cls=HelpGroup,  # each command's first sentence whole in the listing
     rich_markup_mode=None,  # click's plain help: no <bool>/<str> type tags, paragraphs re-wrapped to the terminal
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # messages: the terminal wraps them, a log file keeps whole lines
 
 
 @app.callback()

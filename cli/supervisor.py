@@ -27,7 +27,7 @@ from rich.console import Console
 SERVE_FD_ENV = "LIVELORA_SERVE_FD"
 _PARENT_ENV = "LIVELORA_SERVE_SUPERVISOR"
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # messages: the terminal wraps them, a log file keeps whole lines
 
 
 def inherited_socket() -> socket.socket | None:

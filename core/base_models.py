@@ -156,7 +156,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     import_model_libraries()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # messages: the terminal wraps them, a log file keeps whole lines
     console.print(f"[bold]livelora[/]: converting {gguf.name} to safetensors (once, about 30 s)")
     kw = {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)

@@ -46,7 +46,12 @@ def test_a_second_start_reads_the_measurement_and_new_probes_measure_again(tmp_p
     assert first.gate.base_measure.source == "measured" and first.gate.base_measure.seconds > 0
     # its progress: each pass as it starts, then the free-form items chunk by chunk with the time left
     progress = [(r["check"], r["left_s"]) for r in reports if r.get("check")]
-    assert [c for c, _ in progress] == ["probes", "replies", "freeform: 0 of 10 items", "freeform: 5 of 10 items"]
+    assert [c for c, _ in progress] == [
+        "pass 1 of 3, probes (answers with a forced start)",
+        "pass 2 of 3, replies to open prompts (length, repetition)",
+        "pass 3 of 3, free-form answers: 0 of 10 items",
+        "pass 3 of 3, free-form answers: 5 of 10 items",
+    ]
     assert progress[-1][1] > 0 and all(left is None for _, left in progress[:-1])
     assert {r["lineage"] for r in reports} == {None} and reports[-1]["state"] == "ready"
     [path] = sorted((home / BASE_CACHE_DIR).glob("*.pt"))

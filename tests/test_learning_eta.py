@@ -106,12 +106,12 @@ def test_the_step_estimate_is_a_median_of_warm_steps_across_restarts(bus):
     # (the moving average this replaced read 60, 35, 24.5, 17.8, 28.9, 18.9, 15.5: the warm-up and one slow step
     # stayed in it)
 
-    # the estimate the gateway makes from it, while the next step trains: the median minus the time spent
+    # the estimate the gateway makes from it, while the next step trains: what is left of the median
     batch = steps.start()
     st = steps.status()
     st.updated = None
     estimate(st, steps.now[0] + 5)
-    assert st.eta_s == pytest.approx(7.0) and st.eta_basis == f"measured: {WARM.format(n=5)}, minus the time spent"
+    assert st.eta_s == pytest.approx(7.0) and st.eta_basis == f"measured: {WARM.format(n=5)}; this step has run for 5 s"
 
     steps.finish(batch, 12.0)
     assert steps.status().step_times == [11.0, 40.0, 9.0, 12.0, 12.0] and steps.status().step_seconds == 12.0
@@ -167,11 +167,12 @@ def test_the_base_measurement_running_first_shows_its_progress_and_time_left():
     the status adds what is left of it now to the ETA and says so."""
     full = LearningStatus(endpoint=EP, lineage=EP, stage="waiting", batch_size=8, ratings_waiting=8)
     full.eta_s, full.eta_basis = 20.0, "measured: one step"
-    base = {"state": "measuring", "check": "freeform: 30 of 60 items", "left_s": 50.0, "at": 100.0}
+    check = "pass 3 of 3, free-form answers: 30 of 60 items"
+    base = {"state": "measuring", "check": check, "left_s": 50.0, "at": 100.0}
     base_first(full, base, 110.0)
     assert full.eta_s == 60.0 and full.eta_basis == (
-        "measured: one step; the gate's base measurement runs first (once per store): freeform: 30 of 60 items, "
-        "about 40 s left"
+        "measured: one step; the gate's base measurement runs first (once per store): pass 3 of 3, free-form "
+        "answers: 30 of 60 items, about 40 s left"
     )
     # no time left known yet (before its first free-form chunk), no step timed: the progress alone
     early = LearningStatus(endpoint=EP, lineage=EP, stage="training")
@@ -183,8 +184,8 @@ def test_the_base_measurement_running_first_shows_its_progress_and_time_left():
     later.eta_basis = "no step timed yet"
     base_first(later, base, 110.0)
     assert later.eta_s == 40.0 and later.eta_basis == (
-        "at least: no step timed yet; the gate's base measurement runs first (once per store): freeform: 30 of 60 "
-        "items, about 40 s left"
+        "at least: no step timed yet; the gate's base measurement runs first (once per store): pass 3 of 3, "
+        "free-form answers: 30 of 60 items, about 40 s left"
     )
     # once it is ready, or while a step is being judged, nothing is added
     for stage, state in (("waiting", "ready"), ("gate", "measuring")):
@@ -228,3 +229,13 @@ def test_the_gateway_shows_the_overdue_step(tmp_path, livelora_home, base_ref, b
         for k in r.scan_iter(match=keys.prefix + "*"):
             r.delete(k)
         r.close()
+
+
+def test_a_gate_pass_reads_in_words():
+    """The status line names the gate's pass in words ("evaluation gate: replies" read as cut off)."""
+    st = LearningStatus(endpoint=EP, lineage=EP, stage="gate", check="replies")
+    assert st.summary() == "evaluation gate: replies to open prompts (length, repetition)"
+    st.check = "freeform (60 of 120 items)"
+    assert st.summary() == "evaluation gate: free-form answers (60 of 120 items)"
+    st.check = "verdict"
+    assert st.summary() == "evaluation gate: verdict"

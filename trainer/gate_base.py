@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from livelora.clients.types.learning import PASS_WORDS
 from livelora.core.atomic import atomic_write_bytes
-from livelora.trainer.gate_measure import Measurement, ProbeSuite
+from livelora.trainer.gate_measure import PASSES, Measurement, ProbeSuite
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +106,20 @@ class BaseMeasure:
     def _measure(self, model: Any, on_check: Any, progress: Any) -> Measurement:
         """Every pass, then the rest of the free-form items chunk by chunk (each chunk one batch, as a candidate's
         are). ``on_check(pass)`` as each pass starts; ``progress(check, left_s)`` then and after each free-form
-        chunk, ``left_s`` the chunks left times the last chunk's seconds (None before one is timed)."""
+        chunk (``pass 3 of 3, free-form answers: 30 of 60 items``), ``left_s`` the chunks left times the last chunk's
+        seconds (None before one is timed)."""
         tell, say = on_check or (lambda name: None), progress or (lambda check, left_s: None)
         ff, started = self.suite.freeform, {}
+        passes = [p for p in PASSES if p != "signal" and (p != "freeform" or ff)]
+
+        def words(name: str, done: int | None = None) -> str:
+            text = f"pass {passes.index(name) + 1} of {len(passes)}, {PASS_WORDS[name]}"
+            return text if done is None else f"{text}: {done} of {len(ff.items)} items"
 
         def pass_started(name: str) -> None:
             started[name] = time.perf_counter()
             tell(name)
-            say(f"{name}: 0 of {len(ff.items)} items" if name == "freeform" and ff else name, None)
+            say(words(name, 0) if name == "freeform" and ff else words(name), None)
 
         m = self.suite.measure(model, adapter=False, on_check=pass_started)
         if ff is None:
@@ -121,7 +128,7 @@ class BaseMeasure:
         while ff.chunk_end(k) < len(ff.items):
             took, t = time.perf_counter() - t, time.perf_counter()
             left = -(-(len(ff.items) - ff.chunk_end(k)) // ff.chunk)
-            say(f"freeform: {ff.chunk_end(k)} of {len(ff.items)} items", left * took)
+            say(words("freeform", ff.chunk_end(k)), left * took)
             k += 1
             self.suite.run_pass("freeform", model, m, adapter=False, upto=ff.chunk_end(k))
         return m

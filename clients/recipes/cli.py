@@ -48,7 +48,7 @@ recipe_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # messages: the terminal wraps them, a log file keeps whole lines
 
 
 def _option_type(annotation: Any) -> Any:

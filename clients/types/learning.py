@@ -17,6 +17,21 @@ from pydantic import BaseModel, Field
 
 Stage = Literal["idle", "waiting", "training", "gate", "published", "rejected"]
 
+#: The gate's measuring passes (the values of ``check``, cheapest first) in words for people.
+PASS_WORDS: dict[str, str] = {
+    "probes": "probes (answers with a forced start)",
+    "signal": "held-out ratings",
+    "replies": "replies to open prompts (length, repetition)",
+    "freeform": "free-form answers",
+}
+
+
+def pass_words(check: str) -> str:
+    """``check`` with its leading pass name in words (``freeform (60 of 120 items)`` → ``free-form answers (60 of
+    120 items)``); other text unchanged."""
+    name, sep, rest = check.partition(" ")
+    return PASS_WORDS[name] + sep + rest if name in PASS_WORDS else check
+
 
 class StageMark(BaseModel):
     """One stage change of a step: when it began and what it concerned."""
@@ -176,7 +191,7 @@ class LearningStatus(BaseModel):
         elif self.stage == "training":
             s = "training" + (f" ({self.detail})" if self.detail else "")
         elif self.stage == "gate":
-            s = "evaluation gate" + (f": {self.check}" if self.check else "")
+            s = "evaluation gate" + (f": {pass_words(self.check)}" if self.check else "")
             if self.step_scale is not None and self.step_scale != 1:
                 s += f" (step scaled by {self.step_scale:g})"
         elif self.stage == "published":

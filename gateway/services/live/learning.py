@@ -51,7 +51,7 @@ def estimate(st: LearningStatus, now: float) -> None:
     One step costs ``step_seconds`` (measured by the trainer, :func:`step_basis`; unknown before any step: the
     gate's base measurement, which takes every free-form reply at full length, bounds no step's time). Waiting with
     a full batch: one step; with ≥ 2 ratings: what is left of ``max_wait_s`` after the oldest, plus one step;
-    training or gate: one step minus the time since training began, or, past that, None with a basis saying the
+    training or gate: what is left of one step since training began, or, past that, None with a basis saying the
     step takes longer than usual and for how long it has run; otherwise None (more ratings are needed). A step
     deferred for serving waits at least until its ``deferred_until``; ``deferred_s`` is set to the time since
     ``deferred_since``.
@@ -67,7 +67,7 @@ def estimate(st: LearningStatus, now: float) -> None:
             st.eta_basis = "no step timed yet"
         elif started is not None:
             if started + step > now:
-                st.eta_s, st.eta_basis = started + step - now, basis + ", minus the time spent"
+                st.eta_s, st.eta_basis = started + step - now, f"{basis}; this step has run for {now - started:.0f} s"
             else:
                 st.eta_basis = (
                     f"taking longer than usual: running for {now - started:.0f} s, a step usually takes {step:.0f} s "
