@@ -2,7 +2,8 @@
 
 Starts ``livelora serve`` (gateway + trainer, the evaluation gate on, trainer defaults) on a fresh temporary
 store with the converted built-in model, chats and rates ``--ratings`` replies (alternating thumbs up/down), then
-chats once a second until a reply comes from ``<model>@1``. Prints that time, the stage times of
+polls ``GET /v1/learning/<model>`` once a second until it says ``serving @1`` and chats until a reply comes from
+``<model>@1`` (``--poll chat``: chats once a second from the start). Prints that time, the stage times of
 ``GET /v1/learning/<model>`` relative to the last rating, what the feedback answers said was left, and the
 machine's load. ``--load N`` keeps N chat streams running in the background throughout.
 
@@ -79,6 +80,13 @@ def main() -> None:
     p.add_argument("--load", type=int, default=0, help="concurrent background chat streams")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for @1")
+    p.add_argument(
+        "--poll",
+        choices=("status", "chat"),
+        default="status",
+        help="after the last rating, poll GET /v1/learning (as the README walkthrough does) until it says serving "
+        "@1, then chat once; or chat once a second (the trainer's duty budget then paces the step for serving)",
+    )
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
 
@@ -112,10 +120,14 @@ def main() -> None:
             t_last = time.perf_counter()
             wall_last = time.time()
             at_last = c.get(f"/v1/learning/{MODEL}").json()
-            served_by, t_served, tries = None, None, 0
+            served_by, t_served, t_status = None, None, None
             while time.perf_counter() - t_last < args.timeout:
+                if args.poll == "status" and t_status is None:
+                    if not (c.get(f"/v1/learning/{MODEL}").json().get("serving") or "").endswith("@1"):
+                        time.sleep(1.0)
+                        continue
+                    t_status = time.perf_counter()
                 r = chat(c, "What is the capital of France?", max_tokens=4)
-                tries += 1
                 served_by = r.headers.get("x-livelora-adapter-version") or r.json().get("system_fingerprint")
                 if served_by and served_by.endswith(f"{MODEL}@1"):
                     t_served = time.perf_counter()
@@ -153,6 +165,8 @@ def main() -> None:
         "first_version_s": None if t_served is None else round(t_served - t_last, 1),
         "stages_s_after_last_rating": [(s, what, round(t, 1)) for s, what, t in marks],
         "step_seconds": status.get("step_seconds"),
+        "poll": args.poll,
+        "serving_wait_s": (status.get("last") or {}).get("serving_wait_s"),
     }
     print(json.dumps(figures, indent=2))
     if args.json:
