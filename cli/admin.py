@@ -359,7 +359,11 @@ def adapters_show(name: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption = 
                 else ""
             ),
         )
-        base = (gate.get("measures") or {}).get("probe_accuracy_base")
+        measures = gate.get("measures") or {}
+        bases = {
+            "probes_base": measures.get("probe_accuracy_base"),
+            "freeform_base": (measures.get("freeform") or {}).get("base"),
+        }
         for c in gate["checks"]:
             if c.get("skipped"):  # an earlier, cheaper check failed: the gate measured no further
                 table.add_row(f"  {c['name']}", "skipped (an earlier check failed)")
@@ -367,7 +371,8 @@ def adapters_show(name: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption = 
             if c["value"] is None:  # e.g. the signal check before enough held-out ratings: it did not count
                 table.add_row(f"  {c['name']}", "not measured (passes)")
                 continue
-            extra = f", base model {_num(base)}" if c["name"] == "probes_base" and base is not None else ""
+            base = bases.get(c["name"])
+            extra = f", base model {_num(base)}" if base is not None else ""
             table.add_row(
                 f"  {c['name']}",
                 f"{_num(c['value'])} (current {_num(c['current'])}{extra}, "

@@ -23,9 +23,6 @@ from typer.core import TyperGroup
 
 #: The width of tables and lines written to a pipe or file when ``COLUMNS`` is not set (wide: nothing is cut).
 PIPED_WIDTH = 400
-#: The widest value cell of a key-value table (:func:`kv_table`): longer values wrap there, so piped rows are not
-#: padded out to the longest one.
-SHOW_WIDTH = 120
 
 
 class CliConsole(Console):
@@ -49,11 +46,8 @@ err = CliConsole(stderr=True)
 
 
 def kv_table(title: str) -> Table:
-    """A headerless key-value table (``adapters show``) whose values wrap at :data:`SHOW_WIDTH` columns."""
-    table = Table(title=title, show_header=False)
-    table.add_column()
-    table.add_column(max_width=SHOW_WIDTH, overflow="fold")
-    return table
+    """A headerless key-value table (``adapters show``, ``endpoints show``)."""
+    return Table(title=title, show_header=False)
 
 
 UrlOption = Annotated[str, typer.Option(envvar="LIVELORA_URL", help="Gateway base URL (HTTP mode).")]

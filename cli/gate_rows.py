@@ -17,11 +17,13 @@ def freeform_rows(table: Any, ff: dict | None) -> None:
     the version's share) and the items lost against the current version."""
     if not ff:
         return
-    early = ff.get("of", ff["items"]) > ff["items"]
+    n = ff["items"]
+    early = ff.get("of", n) > n
     table.add_row(
         "free-form",
-        f"{num(ff['score'])} right of {ff['items']} items (current {num(ff['current'])}, base model {num(ff['base'])})"
-        + (f"; the first {ff['items']} of {ff['of']}: the verdict was clear there, so the gate stopped" * early),
+        f"{right(ff['score'], n)} of {n} items right (current version {right(ff['current'], n)}, base model "
+        f"{right(ff['base'], n)})"
+        + (f"; the gate stopped after the first {n} of {ff['of']}: the verdict was clear there" * early),
     )
     for cat, c in ff.get("categories", {}).items():
         lo, hi = wilson_interval(c["new"], c["n"]) or (0.0, 1.0)
@@ -30,6 +32,11 @@ def freeform_rows(table: Any, ff: dict | None) -> None:
         )
     for ex in ff.get("lost", []):
         table.add_row("  lost", f"{ex['prompt']!r} -> {clip(ex['reply'])!r} (was {clip(ex['was'])!r})")
+
+
+def right(share: float | None, n: int) -> str:
+    """Items right of ``n`` from their ``share`` (``-``: not measured)."""
+    return "-" if share is None else str(round(share * n))
 
 
 def clip(text: str | None, n: int = 60) -> str | None:

@@ -29,7 +29,7 @@ def test_a_table_written_to_a_pipe_keeps_its_rows_whole(monkeypatch):
 def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narrow_when_piped(monkeypatch):
     """``adapters show``: a sample cut short is said to be (30 of 60 items, the verdict clear), and a lost
     example's long reply is clipped, so piped rows are not padded to hundreds of columns."""
-    from livelora.cli.admin_common import SHOW_WIDTH, kv_table
+    from livelora.cli.admin_common import kv_table
     from livelora.cli.gate_rows import freeform_rows
 
     monkeypatch.delenv("COLUMNS", raising=False)
@@ -50,14 +50,17 @@ def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narro
     freeform_rows(table, ff)
     CliConsole(file=buf).print(table)
     text, lines = buf.getvalue(), buf.getvalue().splitlines()
-    flat = " ".join(text.replace("│", " ").split())  # long values wrap (between words) inside the value column
-    assert "0.4 right of 30 items (current 0.5, base model 0.5); the first 30 of 60: the verdict was clear" in flat
+    flat = " ".join(text.split())
+    assert (
+        "│ free-form │ 12 of 30 items right (current version 15, base model 15); the gate stopped after the first 30 "
+        "of 60: the verdict was clear there │" in flat
+    )
     assert "'Which metal is liquid at room temperature?' -> 'The answer is that the model" in flat
     assert reply not in flat and "…' (was 'Mercury.')" in flat
-    assert max(map(len, lines)) <= SHOW_WIDTH + 20
+    assert max(map(len, lines)) < 200 and len(lines) == 6  # one line per row: nothing wrapped, nothing padded far
     # the whole sample measured: nothing said of stopping
     buf = io.StringIO()
     table = kv_table("m@3")
     freeform_rows(table, ff | {"items": 60, "lost": []})
     CliConsole(file=buf).print(table)
-    assert "0.4 right of 60 items" in buf.getvalue() and "stopped" not in buf.getvalue()
+    assert "24 of 60 items right" in buf.getvalue() and "stopped" not in buf.getvalue()

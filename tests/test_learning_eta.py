@@ -184,9 +184,13 @@ def test_the_base_measurement_running_first_shows_its_progress_and_time_left():
     later.eta_basis = "no step timed yet"
     base_first(later, base, 110.0)
     assert later.eta_s == 40.0 and later.eta_basis == (
-        "at least: no step timed yet; the gate's base measurement runs first (once per store): pass 3 of 3, "
-        "free-form answers: 30 of 60 items, about 40 s left"
+        "the gate's base measurement runs first (once per store): pass 3 of 3, free-form answers: 30 of 60 items, "
+        "about 40 s left; then the step (not timed yet)"
     )
+    # its estimate run out while it still measures: not "about 0 s left"
+    done = LearningStatus(endpoint=EP, lineage=EP, stage="waiting", batch_size=8, ratings_waiting=3)
+    base_first(done, base, 160.0)
+    assert done.eta_basis.endswith("30 of 60 items, finishing")
     # once it is ready, or while a step is being judged, nothing is added
     for stage, state in (("waiting", "ready"), ("gate", "measuring")):
         st = LearningStatus(endpoint=EP, lineage=EP, stage=stage)
@@ -239,3 +243,17 @@ def test_a_gate_pass_reads_in_words():
     assert st.summary() == "evaluation gate: free-form answers (60 of 120 items)"
     st.check = "verdict"
     assert st.summary() == "evaluation gate: verdict"
+
+
+def test_a_waiting_batch_without_a_timed_step_says_what_starts_it():
+    """Before any step is timed, a waiting batch still says what starts its step (it read "no step timed yet"
+    alone from the 2nd rating on)."""
+    st = LearningStatus(endpoint=EP, lineage=EP, stage="waiting", batch_size=8, ratings_waiting=3, max_wait_s=30.0)
+    st.oldest_waiting_at = 100.0
+    estimate(st, 110.0)
+    assert st.eta_s is None and st.eta_basis == (
+        "5 more rating(s) start a step, or the batch's wait ends in 20 s; no step timed yet"
+    )
+    st.ratings_waiting = 8
+    estimate(st, 110.0)
+    assert st.eta_basis == "a step starts now; no step timed yet"

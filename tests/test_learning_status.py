@@ -117,6 +117,8 @@ def test_rating_to_a_published_version_is_watchable(live, caplog):
     assert to_step[:3] == [3, 2, 1] and to_step[3] in (0, BATCH)
     rule = f"a step starts at {BATCH}, or on fewer (a partial batch) once the oldest has waited 3600 s"
     assert notes[:3] == [f"queued: {n} of {BATCH} ratings; {rule}" for n in (1, 2, 3)], notes
+    if to_step[3] == 0:  # the rating that fills the batch (before the trainer took it)
+        assert notes[3] == f"queued: {BATCH} of {BATCH} ratings, a full batch: a step starts now", notes
 
     seen: list[str] = []
     deadline = time.monotonic() + 900

@@ -214,7 +214,10 @@ class LoraSlots:
         created = self.peft is None
         t0 = time.perf_counter()
         try:
-            with building_lora():  # another thread may be loading a model (see MODEL_BUILD_LOCK's doc)
+            # another thread may be loading a model (see MODEL_BUILD_LOCK's doc); peft warns of a LoRA on the tied
+            # lm_head, but nothing here merges in place (MergedVersion writes copies): the input embedding stays
+            with building_lora(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*tied layer is part of the adapter.*")
                 if created:
                     self.peft = PeftModel(self.model, config, adapter_name=slot.name)
                     self.peft.eval()

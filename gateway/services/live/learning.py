@@ -88,8 +88,13 @@ def estimate(st: LearningStatus, now: float) -> None:
             elif wait:
                 basis += " plus the batch's remaining wait"
             st.eta_s, st.eta_basis = max(wait, deferral) + step, basis
+        elif wait:
+            st.eta_basis = (
+                f"{st.ratings_to_step} more rating(s) start a step, or the batch's wait ends in {wait:.0f} s; "
+                "no step timed yet"
+            )
         else:
-            st.eta_basis = "no step timed yet"
+            st.eta_basis = "a step starts now; no step timed yet"
 
 
 def base_first(st: LearningStatus, base: dict[str, Any], now: float) -> None:
@@ -102,14 +107,15 @@ def base_first(st: LearningStatus, base: dict[str, Any], now: float) -> None:
     left = base.get("left_s")
     left = None if left is None else max(0.0, left - (now - base.get("at", now)))
     note = "the gate's base measurement runs first (once per store)"
-    note += (f": {base['check']}" if base.get("check") else "") + (
-        f", about {left:.0f} s left" if left is not None else ""
-    )
-    st.eta_basis = f"{st.eta_basis}; {note}" if st.eta_basis else note
+    note += f": {base['check']}" if base.get("check") else ""
+    if left is not None:
+        note += f", about {left:.0f} s left" if left >= 1 else ", finishing"
     if st.eta_s is not None and left is not None:
         st.eta_s += left
     elif left is not None and st.stage == "training":  # a step taken, waiting for it; the step itself not timed
-        st.eta_s, st.eta_basis = left, f"at least: {st.eta_basis}"
+        st.eta_s, st.eta_basis = left, f"{note}; then the step (not timed yet)"
+        return
+    st.eta_basis = f"{st.eta_basis}; {note}" if st.eta_basis else note
 
 
 class LearningService:
@@ -249,12 +255,15 @@ class LearningService:
                 f"held out: the evaluation gate keeps one rating in {every} (by its id) to judge new versions; "
                 "this one is not trained on"
             )
-        note = (
-            f"queued: {st.ratings_waiting} of {st.batch_size} ratings; a step starts at {st.batch_size}, or on "
-            f"fewer (a partial batch) once the oldest has waited {st.max_wait_s:g} s"
-            if st.max_wait_s is not None
-            else f"queued: {st.ratings_waiting} of {st.batch_size} ratings"
-        )
+        if st.ratings_waiting >= st.batch_size:
+            note = f"queued: {st.ratings_waiting} of {st.batch_size} ratings, a full batch: a step starts now"
+        elif st.max_wait_s is not None:
+            note = (
+                f"queued: {st.ratings_waiting} of {st.batch_size} ratings; a step starts at {st.batch_size}, or on "
+                f"fewer (a partial batch) once the oldest has waited {st.max_wait_s:g} s"
+            )
+        else:
+            note = f"queued: {st.ratings_waiting} of {st.batch_size} ratings"
         if st.paused:
             note += "; learning is paused by an admin"
         return st.ratings_to_step, note
