@@ -40,12 +40,26 @@ def _start(ref, home) -> tuple[OnlineTrainer, list[dict]]:
     return trainer, reports
 
 
-def test_a_second_start_reads_the_measurement_and_new_probes_measure_again(tmp_path, livelora_home):
+def test_a_second_start_reads_the_measurement_and_new_probes_measure_again(tmp_path, livelora_home, monkeypatch):
+    import livelora.trainer.gate_base as gate_base
+
+    monkeypatch.setattr(gate_base, "TOKEN_REPORT_S", 0.0)  # every decoding step of a chunk reports
     home, ref = _store(tmp_path, livelora_home)
     first, reports = _start(ref, home)
     assert first.gate.base_measure.source == "measured" and first.gate.base_measure.seconds > 0
+    assert first.gate.suite.freeform.on_token is None  # a candidate's measurement reports nothing of the kind
+    # inside a chunk's batch: its replies' tokens so far, the time left counting down
+    tokens = [(r["check"], r["left_s"]) for r in reports if "reply tokens" in (r.get("check") or "")]
+    first_chunk = [c for c, _ in tokens if c.startswith("pass 3 of 3, free-form answers: 0 of 10 items (")]
+    second_chunk = [(c, left) for c, left in tokens if c.startswith("pass 3 of 3, free-form answers: 5 of 10 items (")]
+    assert first_chunk and second_chunk and len(first_chunk) + len(second_chunk) == len(tokens)
+    seen = [int(c.split("reply tokens: ")[1].split()[0]) for c in first_chunk]
+    most = max(it.max_tokens for it in first.gate.suite.freeform.items[:FREEFORM_CHUNK])
+    assert seen == sorted(seen) and first_chunk[-1].endswith(f"of at most {most})")
+    lefts = [left for _, left in second_chunk]
+    assert all(left is not None for left in lefts) and lefts == sorted(lefts, reverse=True)
     # its progress: each pass as it starts, then the free-form items chunk by chunk with the time left
-    progress = [(r["check"], r["left_s"]) for r in reports if r.get("check")]
+    progress = [(r["check"], r["left_s"]) for r in reports if r.get("check") and "reply tokens" not in r["check"]]
     assert [c for c, _ in progress] == [
         "pass 1 of 3, probes (answers with a forced start)",
         "pass 2 of 3, replies to open prompts (length, repetition)",

@@ -21,6 +21,8 @@ from livelora.trainer.gate_measure import PASSES, Measurement, ProbeSuite
 
 log = logging.getLogger(__name__)
 
+#: Seconds between progress reports inside one free-form chunk (its replies' tokens so far).
+TOKEN_REPORT_S = 2.0
 #: Where the base model's gate measurements are kept, under the store.
 BASE_CACHE_DIR = Path("models") / "gate-base"
 
@@ -106,8 +108,9 @@ class BaseMeasure:
     def _measure(self, model: Any, on_check: Any, progress: Any) -> Measurement:
         """Every pass, then the rest of the free-form items chunk by chunk (each chunk one batch, as a candidate's
         are). ``on_check(pass)`` as each pass starts; ``progress(check, left_s)`` then and after each free-form
-        chunk (``pass 3 of 3, free-form answers: 30 of 60 items``), ``left_s`` the chunks left times the last chunk's
-        seconds (None before one is timed)."""
+        chunk (``pass 3 of 3, free-form answers: 30 of 60 items``), and inside a chunk every
+        :data:`TOKEN_REPORT_S` (``... (reply tokens: 24 of at most 80)``); ``left_s`` the chunks left times the last
+        chunk's seconds, less the time since (None before one is timed)."""
         tell, say = on_check or (lambda name: None), progress or (lambda check, left_s: None)
         ff, started = self.suite.freeform, {}
         passes = [p for p in PASSES if p != "signal" and (p != "freeform" or ff)]
@@ -116,22 +119,41 @@ class BaseMeasure:
             text = f"pass {passes.index(name) + 1} of {len(passes)}, {PASS_WORDS[name]}"
             return text if done is None else f"{text}: {done} of {len(ff.items)} items"
 
+        last: dict[str, Any] = {"text": "", "left": None, "at": 0.0, "said": 0.0}
+
+        def said(text: str, left: float | None) -> None:
+            last.update(text=text, left=left, at=time.perf_counter(), said=time.perf_counter())
+            say(text, left)
+
+        def on_token(n: int, most: int) -> None:  # inside a chunk's batch: at most every TOKEN_REPORT_S
+            now = time.perf_counter()
+            if now - last["said"] >= TOKEN_REPORT_S:
+                last["said"] = now
+                left = None if last["left"] is None else max(0.0, last["left"] - (now - last["at"]))
+                say(f"{last['text']} (reply tokens: {n} of at most {most})", left)
+
         def pass_started(name: str) -> None:
             started[name] = time.perf_counter()
             tell(name)
-            say(words(name, 0) if name == "freeform" and ff else words(name), None)
+            said(words(name, 0) if name == "freeform" and ff else words(name), None)
 
-        m = self.suite.measure(model, adapter=False, on_check=pass_started)
-        if ff is None:
+        if ff is not None:
+            ff.on_token = on_token
+        try:
+            m = self.suite.measure(model, adapter=False, on_check=pass_started)
+            if ff is None:
+                return m
+            k, t = 1, started.get("freeform", time.perf_counter())
+            while ff.chunk_end(k) < len(ff.items):
+                took, t = time.perf_counter() - t, time.perf_counter()
+                left = -(-(len(ff.items) - ff.chunk_end(k)) // ff.chunk)
+                said(words("freeform", ff.chunk_end(k)), left * took)
+                k += 1
+                self.suite.run_pass("freeform", model, m, adapter=False, upto=ff.chunk_end(k))
             return m
-        k, t = 1, started.get("freeform", time.perf_counter())
-        while ff.chunk_end(k) < len(ff.items):
-            took, t = time.perf_counter() - t, time.perf_counter()
-            left = -(-(len(ff.items) - ff.chunk_end(k)) // ff.chunk)
-            say(words("freeform", ff.chunk_end(k)), left * took)
-            k += 1
-            self.suite.run_pass("freeform", model, m, adapter=False, upto=ff.chunk_end(k))
-        return m
+        finally:
+            if ff is not None:
+                ff.on_token = None
 
     def in_background(self, model: Any, busy: Any, report: Any) -> threading.Thread:
         """Start a daemon thread taking (or reading from the store) the measurement on ``model``, under the

@@ -58,6 +58,8 @@ class FreeformSuite:
             for it in self.items
         ]
         self.eos = tokenizer.eos_token_id
+        #: ``on_token(tokens generated, most tokens)`` after each decoding step of :meth:`replies`, or None
+        self.on_token: Any = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -97,7 +99,7 @@ class FreeformSuite:
                 do_sample=False,
                 pad_token_id=model.pad_id,
                 eos_token_id=self.eos,
-                stopping_criteria=StoppingCriteriaList([_Budget(t_max, budget)]),
+                stopping_criteria=StoppingCriteriaList([_Budget(t_max, budget, self.on_token)]),
             )
         texts = []
         for row, n_max in zip(out[:, t_max:].tolist(), budget):
@@ -286,8 +288,11 @@ def _net(new: Sequence[bool], ref: Sequence[bool]) -> int:
 class _Budget(StoppingCriteria):
     """Per row: done once it generated its own token budget (the batch ends when every row is done or ended)."""
 
-    def __init__(self, start: int, budget: list[int]):
-        self.start, self.budget = start, torch.tensor(budget)
+    def __init__(self, start: int, budget: list[int], on_token: Any = None):
+        self.start, self.budget, self.on_token = start, torch.tensor(budget), on_token
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        return (input_ids.shape[1] - self.start) >= self.budget.to(input_ids.device)
+        n = input_ids.shape[1] - self.start
+        if self.on_token is not None:
+            self.on_token(n, int(self.budget.max()))
+        return n >= self.budget.to(input_ids.device)
