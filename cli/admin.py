@@ -36,8 +36,7 @@ from livelora.cli.admin_common import (
     run_or_exit,
     when,
 )
-from livelora.cli.gate_rows import freeform_rows
-from livelora.cli.gate_rows import num as _num
+from livelora.cli.gate_rows import check_rows, freeform_rows
 
 endpoints_app = typer.Typer(
     help="Named serving targets: list, create, promote, roll back, audit history.",
@@ -359,25 +358,7 @@ def adapters_show(name: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption = 
                 else ""
             ),
         )
-        measures = gate.get("measures") or {}
-        bases = {
-            "probes_base": measures.get("probe_accuracy_base"),
-            "freeform_base": (measures.get("freeform") or {}).get("base"),
-        }
-        for c in gate["checks"]:
-            if c.get("skipped"):  # an earlier, cheaper check failed: the gate measured no further
-                table.add_row(f"  {c['name']}", "skipped (an earlier check failed)")
-                continue
-            if c["value"] is None:  # e.g. the signal check before enough held-out ratings: it did not count
-                table.add_row(f"  {c['name']}", "not measured (passes)")
-                continue
-            base = bases.get(c["name"])
-            extra = f", base model {_num(base)}" if base is not None else ""
-            table.add_row(
-                f"  {c['name']}",
-                f"{_num(c['value'])} (current {_num(c['current'])}{extra}, "
-                f"bound {_num(c['bound'])}) {'ok' if c['passed'] else 'FAILED'}",
-            )
+        check_rows(table, gate)
         freeform_rows(table, (gate.get("measures") or {}).get("freeform"))
     else:
         table.add_row("gate", "not evaluated")

@@ -1,4 +1,4 @@
-"""Rows of ``livelora adapters show`` for the gate's free-form capability check (docs/rails.md)."""
+"""Rows of ``livelora adapters show`` for the gate: its checks and its free-form capability check (docs/rails.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,30 @@ from livelora.core.rails import wilson_interval
 def num(v: float | None) -> str:
     """A measure for a table cell: 4 significant digits, ``-`` when not measured."""
     return "-" if v is None else f"{v:.4g}"
+
+
+def check_rows(table: Any, gate: dict) -> None:
+    """A version's gate checks, one row each: its value, the current version's (and the base model's for the
+    ``*_base`` checks), the bound and ok/FAILED; skipped and unmeasured checks say so."""
+    measures = gate.get("measures") or {}
+    bases = {
+        "probes_base": measures.get("probe_accuracy_base"),
+        "freeform_base": (measures.get("freeform") or {}).get("base"),
+    }
+    for c in gate["checks"]:
+        if c.get("skipped"):  # an earlier, cheaper check failed: the gate measured no further
+            table.add_row(f"  {c['name']}", "skipped (an earlier check failed)")
+            continue
+        if c["value"] is None:  # e.g. the signal check before enough held-out ratings: it did not count
+            table.add_row(f"  {c['name']}", "not measured (passes)")
+            continue
+        base = bases.get(c["name"])
+        extra = f", base model {num(base)}" if base is not None else ""
+        table.add_row(
+            f"  {c['name']}",
+            f"{num(c['value'])} (current {num(c['current'])}{extra}, "
+            f"bound {num(c['bound'])}) {'ok' if c['passed'] else 'FAILED'}",
+        )
 
 
 def freeform_rows(table: Any, ff: dict | None) -> None:
