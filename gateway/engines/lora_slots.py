@@ -207,22 +207,11 @@ class LoraSlots:
             timer.start()
 
     def _new_slot(self, config, signature: str, source: str) -> LoraSlot:
-        from peft import PeftModel
-
         slot = LoraSlot(f"{SLOT_PREFIX}{self._slot_counter}", signature)
         self._slot_counter += 1
-        created = self.peft is None
         t0 = time.perf_counter()
         try:
-            # another thread may be loading a model (see MODEL_BUILD_LOCK's doc); peft warns of a LoRA on the tied
-            # lm_head, but nothing here merges in place (MergedVersion writes copies): the input embedding stays
-            with building_lora(), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*tied layer is part of the adapter.*")
-                if created:
-                    self.peft = PeftModel(self.model, config, adapter_name=slot.name)
-                    self.peft.eval()
-                else:
-                    self.peft.add_adapter(slot.name, config)
+            self.peft = add_peft_adapter(self.model, self.peft, config, slot.name)
         except Exception as exc:
             self._delete_slot(slot)
             raise BadRequestError(f"adapter at {source} does not fit this base model: {exc}", param="path") from exc
@@ -398,6 +387,23 @@ class LoraSlot:
 #: Consecutive forward passes in which one version serves every row before its weights are merged (a merge
 #: costs about one decode step; a version used alone only now and then is served by the stacked pass).
 MERGE_AFTER_STEPS = 4
+
+
+def add_peft_adapter(model, peft, config, name: str):
+    """Add adapter ``name`` (a peft ``LoraConfig``) to ``peft``, or wrap ``model`` in a ``PeftModel`` with it when
+    ``peft`` is None; returns the ``PeftModel``. peft warns of a LoRA on the tied ``lm_head``, but nothing here
+    merges in place (:class:`MergedVersion` writes copies), so the input embedding never changes: silenced."""
+    from peft import PeftModel
+
+    # another thread may be loading a model (see MODEL_BUILD_LOCK's doc)
+    with building_lora(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tied layer is part of the adapter.*")
+        if peft is None:
+            peft = PeftModel(model, config, adapter_name=name)
+            peft.eval()
+        else:
+            peft.add_adapter(name, config)
+    return peft
 
 
 class MergedVersion:
