@@ -380,6 +380,9 @@ def test_the_operator_sees_every_tenants_endpoints_and_versions_but_changes_none
         assert (
             version.status_code == 200 and "Another tenant's version" in version.text and "/export" not in version.text
         )
+        # a first version's parent is the base model, said once (not in the live statistics' empty interval cell)
+        assert "<tr><th>parent</th><td>none: trained from the base model</td></tr>" in version.text
+        assert version.text.count("trained from the base model") == 1
         r = o.post("/console/endpoints/acme.prod/promote", data={"version": f"{LINEAGE}@2", "reason": "not mine"})
         assert r.status_code == 404  # changes stay in the operator's own tenant
         assert o.post(f"/console/versions/{LINEAGE}@1/export", data={"format": "peft"}).status_code == 404
