@@ -31,7 +31,6 @@ from livelora.cli.admin_common import (
     KeyOption,
     ReasonOption,
     UrlOption,
-    kv_table,
     out,
     run_or_exit,
     when,
@@ -70,7 +69,7 @@ def endpoints_show(name: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption =
 
     backend = Backend(url, api_key, home)
     e = run_or_exit(lambda: backend.list_endpoints_one(name))
-    table = kv_table(e["name"])
+    table = Table(title=e["name"], show_header=False)
     for key in ("lineage", "mode", "serving", "rollback_to", "tenant"):
         table.add_row(key.replace("_", " "), str(e.get(key) or "-"))
     table.add_row("learning paused", "yes" if e.get("learning_paused") else "no")
@@ -223,7 +222,7 @@ def endpoints_gate(
             )
         run_or_exit(lambda: backend.set_gate(name, current or None, reason))
     e = run_or_exit(lambda: backend.list_endpoints_one(name))
-    table = kv_table(f"gate thresholds of {name}")
+    table = Table(title=f"gate thresholds of {name}", show_header=False)
     for key, value in e["gate"].items():
         table.add_row(key, str(value))
     out.print(table)
@@ -320,7 +319,7 @@ def _lineage_table(name: str, versions: list[dict], width: int) -> Table:
 def adapters_show(name: str, url: UrlOption = DEFAULT_URL, api_key: KeyOption = None, home: HomeOption = None) -> None:
     """One version: manifest, files, sha256 check, serving endpoints."""
     m = run_or_exit(lambda: Backend(url, api_key, home).show_adapter(name))
-    table = kv_table(m["name"])
+    table = Table(title=m["name"], show_header=False)
     shown = {k: m.get(k) for k in ("lineage", "version", "base_model", "parent", "step", "rank", "alpha", "sha256")}
     shown |= {"parent": m.get("parent") or "none: trained from the base model", "verified": m.get("verified")}
     for key, value in shown.items():

@@ -17,7 +17,6 @@ import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
-from rich.table import Table
 from typer import _click  # typer's own click: the types its TyperGroup is declared with
 from typer.core import TyperGroup
 
@@ -43,11 +42,6 @@ class CliConsole(Console):
 
 out = CliConsole()
 err = CliConsole(stderr=True)
-
-
-def kv_table(title: str) -> Table:
-    """A headerless key-value table (``adapters show``, ``endpoints show``)."""
-    return Table(title=title, show_header=False)
 
 
 UrlOption = Annotated[str, typer.Option(envvar="LIVELORA_URL", help="Gateway base URL (HTTP mode).")]

@@ -29,7 +29,6 @@ def test_a_table_written_to_a_pipe_keeps_its_rows_whole(monkeypatch):
 def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narrow_when_piped(monkeypatch):
     """``adapters show``: a sample cut short is said to be (30 of 60 items, the verdict clear), and a lost
     example's long reply is clipped, so piped rows are not padded to hundreds of columns."""
-    from livelora.cli.admin_common import kv_table
     from livelora.cli.gate_rows import freeform_rows
 
     monkeypatch.delenv("COLUMNS", raising=False)
@@ -46,7 +45,7 @@ def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narro
         ],
     }
     buf = io.StringIO()
-    table = kv_table("m@2")
+    table = Table(title="m@2", show_header=False)
     freeform_rows(table, ff)
     CliConsole(file=buf).print(table)
     text, lines = buf.getvalue(), buf.getvalue().splitlines()
@@ -60,7 +59,7 @@ def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narro
     assert max(map(len, lines)) < 200 and len(lines) == 6  # one line per row: nothing wrapped, nothing padded far
     # the whole sample measured: nothing said of stopping
     buf = io.StringIO()
-    table = kv_table("m@3")
+    table = Table(title="m@3", show_header=False)
     freeform_rows(table, ff | {"items": 60, "lost": []})
     CliConsole(file=buf).print(table)
     assert "24 of 60 items right" in buf.getvalue() and "stopped" not in buf.getvalue()
