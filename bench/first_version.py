@@ -163,6 +163,7 @@ def main() -> None:
         "ratings_to_step_answers": left,
         "status_at_last_rating": {k: at_last.get(k) for k in ("stage", "ratings_waiting", "eta_s", "eta_basis")},
         "first_version_s": None if t_served is None else round(t_served - t_last, 1),
+        "status_serving_s": None if t_status is None else round(t_status - t_last, 1),
         "stages_s_after_last_rating": [(s, what, round(t, 1)) for s, what, t in marks],
         "step_seconds": status.get("step_seconds"),
         "poll": args.poll,
