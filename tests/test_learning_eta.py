@@ -187,10 +187,15 @@ def test_the_base_measurement_running_first_shows_its_progress_and_time_left():
         "the gate's base measurement runs first (once per store): pass 3 of 3, free-form answers: 30 of 60 items, "
         "about 40 s left; then the step (not timed yet)"
     )
-    # its estimate run out while it still measures: not "about 0 s left"
+    # its estimate run out while it still measures: not "about 0 s left", and no eta_s of 0 (a fresh user's
+    # trial saw eta_s 0.0 for 47 s): nothing known to add
     done = LearningStatus(endpoint=EP, lineage=EP, stage="waiting", batch_size=8, ratings_waiting=3)
     base_first(done, base, 160.0)
-    assert done.eta_basis.endswith("30 of 60 items, finishing")
+    assert done.eta_basis.endswith("30 of 60 items, finishing (taking longer than its estimate)")
+    waiting = LearningStatus(endpoint=EP, lineage=EP, stage="training")
+    waiting.eta_basis = "no step timed yet"
+    base_first(waiting, base, 160.0)
+    assert waiting.eta_s is None and waiting.eta_basis.startswith("no step timed yet; the gate's base measurement")
     # once it is ready, or while a step is being judged, nothing is added
     for stage, state in (("waiting", "ready"), ("gate", "measuring")):
         st = LearningStatus(endpoint=EP, lineage=EP, stage=stage)

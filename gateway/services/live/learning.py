@@ -105,11 +105,13 @@ def base_first(st: LearningStatus, base: dict[str, Any], now: float) -> None:
     if base.get("state") != "measuring" or st.stage not in ("waiting", "training"):
         return
     left = base.get("left_s")
-    left = None if left is None else max(0.0, left - (now - base.get("at", now)))
+    left = None if left is None else left - (now - base.get("at", now))
     note = "the gate's base measurement runs first (once per store)"
     note += f": {base['check']}" if base.get("check") else ""
-    if left is not None:
-        note += f", about {left:.0f} s left" if left >= 1 else ", finishing"
+    if left is not None and left < 1:  # its estimate has run out while it still measures: no time to add
+        note, left = note + ", finishing (taking longer than its estimate)", None
+    elif left is not None:
+        note += f", about {left:.0f} s left"
     if st.eta_s is not None and left is not None:
         st.eta_s += left
     elif left is not None and st.stage == "training":  # a step taken, waiting for it; the step itself not timed
