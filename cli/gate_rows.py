@@ -38,7 +38,7 @@ def check_rows(table: Any, gate: dict) -> None:
 
 def freeform_rows(table: Any, ff: dict | None) -> None:
     """The gate's free-form capability check of a version: overall, per category (with the 95 % Wilson interval of
-    the version's share) and the items lost against the current version."""
+    the version's share) and the items lost and gained against the current version."""
     if not ff:
         return
     n = ff["items"]
@@ -46,16 +46,20 @@ def freeform_rows(table: Any, ff: dict | None) -> None:
     table.add_row(
         "free-form",
         f"{right(ff['score'], n)} of {n} items right (current version {right(ff['current'], n)}, base model "
-        f"{right(ff['base'], n)})"
-        + (f"; the gate stopped after the first {n} of {ff['of']}: the verdict was clear there" * early),
+        f"{right(ff['base'], n)})",
     )
+    if early:
+        table.add_row("  sample", f"the first {n} of {ff['of']} items: the gate's sequential test had decided there")
+    if "lost_count" in ff:  # a summary written before the counts were has none
+        table.add_row("  changes", f"{ff['lost_count']} lost, {ff['gained_count']} gained against the current version")
     for cat, c in ff.get("categories", {}).items():
         lo, hi = wilson_interval(c["new"], c["n"]) or (0.0, 1.0)
         table.add_row(
             f"  {cat}", f"{c['new']}/{c['n']} [{lo:.2f}, {hi:.2f}] (current {c['current']}, base model {c['base']})"
         )
-    for ex in ff.get("lost", []):
-        table.add_row("  lost", f"{ex['prompt']!r} -> {clip(ex['reply'])!r} (was {clip(ex['was'])!r})")
+    for kind in ("lost", "gained"):
+        for ex in ff.get(kind, []):
+            table.add_row(f"  {kind}", f"{ex['prompt']!r} -> {clip(ex['reply'])!r} (was {clip(ex['was'])!r})")
 
 
 def right(share: float | None, n: int) -> str:

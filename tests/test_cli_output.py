@@ -27,7 +27,8 @@ def test_a_table_written_to_a_pipe_keeps_its_rows_whole(monkeypatch):
 
 
 def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narrow_when_piped(monkeypatch):
-    """``adapters show``: a sample cut short is said to be (30 of 60 items, the verdict clear), and a lost
+    """``adapters show``: a sample cut short is said to be (30 of 60 items, the sequential test decided), the items
+    lost and gained are counted and shown, and a lost
     example's long reply is clipped, so piped rows are not padded to hundreds of columns."""
     from livelora.cli.gate_rows import freeform_rows
 
@@ -43,6 +44,9 @@ def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narro
         "lost": [
             {"id": "f1", "prompt": "Which metal is liquid at room temperature?", "reply": reply, "was": "Mercury."}
         ],
+        "gained": [{"id": "f2", "prompt": "What is 7 times 6?", "reply": "42.", "was": "It is 36."}],
+        "lost_count": 4,
+        "gained_count": 1,
     }
     buf = io.StringIO()
     table = Table(title="m@2", show_header=False)
@@ -51,15 +55,17 @@ def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narro
     text, lines = buf.getvalue(), buf.getvalue().splitlines()
     flat = " ".join(text.split())
     assert (
-        "│ free-form │ 12 of 30 items right (current version 15, base model 15); the gate stopped after the first 30 "
-        "of 60: the verdict was clear there │" in flat
+        "│ free-form │ 12 of 30 items right (current version 15, base model 15) │" in flat
+        and "│ sample │ the first 30 of 60 items: the gate's sequential test had decided there │" in flat
+        and "│ changes │ 4 lost, 1 gained against the current version │" in flat
     )
     assert "'Which metal is liquid at room temperature?' -> 'The answer is that the model" in flat
     assert reply not in flat and "…' (was 'Mercury.')" in flat
-    assert max(map(len, lines)) < 200 and len(lines) == 6  # one line per row: nothing wrapped, nothing padded far
+    assert "│ gained │ 'What is 7 times 6?' -> '42.' (was 'It is 36.') │" in flat
+    assert max(map(len, lines)) < 200 and len(lines) == 9  # one line per row: nothing wrapped, nothing padded far
     # the whole sample measured: nothing said of stopping
     buf = io.StringIO()
     table = Table(title="m@3", show_header=False)
     freeform_rows(table, ff | {"items": 60, "lost": []})
     CliConsole(file=buf).print(table)
-    assert "24 of 60 items right" in buf.getvalue() and "stopped" not in buf.getvalue()
+    assert "24 of 60 items right" in buf.getvalue() and "sample" not in buf.getvalue()

@@ -164,6 +164,11 @@ def test_a_version_short_at_any_cost_is_rejected_by_the_freeform_check_while_the
     assert ff["items"] % 30 == 0 and set(ff["categories"]) <= {"fact", "arithmetic", "instruction", "reading"}
     assert sum(c["n"] for c in ff["categories"].values()) == ff["items"]
     assert ff["lost"] and all(ex["was"] and ex["reply"] != ex["was"] for ex in ff["lost"])
+    assert len(ff["lost"]) == min(ff["lost_count"], 5) and len(ff["gained"]) == min(ff["gained_count"], 5)
+    assert ff["gained_count"] < ff["lost_count"]
+    # the counts are the score's difference: items right now = items right before - lost + gained
+    n = ff["items"]
+    assert round(ff["score"] * n) == round(ff["current"] * n) - ff["lost_count"] + ff["gained_count"]
 
 
 def test_the_learning_status_carries_the_freeform_verdict_per_category():
@@ -178,10 +183,13 @@ def test_the_learning_status_carries_the_freeform_verdict_per_category():
         "base": 0.55,
         "categories": {"fact": {"n": 10, "new": 3, "current": 6, "base": 6}},
         "lost": [{"id": "x", "prompt": "q", "reply": "r", "was": "w"}],
+        "gained": [{"id": "y", "prompt": "q2", "reply": "w", "was": "r"}],
+        "lost_count": 1,
+        "gained_count": 1,
     }
     gate = {"measures": {"freeform": ff}, "verdicts": {"ep": {"passed": False, "failed": ["freeform_base"]}}}
     got = freeform_verdict(gate, "ep")
-    assert got == {k: v for k, v in ff.items() if k != "lost"} | {"passed": False}
+    assert got == {k: v for k, v in ff.items() if k not in ("lost", "gained")} | {"passed": False}
     assert freeform_verdict(gate, "other")["passed"]  # no verdict of its own, none under the defaults: not failed
     assert freeform_verdict({"measures": {}}, "ep") is None
     mark = StageMark(stage="published", at=0.0, version="l@1", freeform=got | {"passed": True})

@@ -192,15 +192,25 @@ class FreeformGate:
                     p.copy_(candidate[k])
 
     def summary(self, new: Any, current: Any, base: Any) -> dict[str, Any]:
-        """A judged candidate's free-form measures: scores on the sample, per-category counts, and up to
-        :data:`LOST_EXAMPLES` items the current version answered right and the candidate did not."""
+        """A judged candidate's free-form measures: scores on the sample, per-category counts, the counts of items
+        lost and gained against the current version, and up to :data:`LOST_EXAMPLES` of each (``lost``: the current
+        version answered right and the candidate did not; ``gained``: the other way round)."""
         ff, upto = self.suite.freeform, new.freeform_upto
         ids = [it.id for it in ff.items[:upto]]
-        lost = [
-            {"id": i, "prompt": it.prompt, "reply": new.freeform_texts.get(i, ""), "was": current.freeform_texts.get(i)}
-            for it, i in zip(ff.items[:upto], ids)
-            if current.freeform.get(i) and not new.freeform.get(i)
-        ]
+
+        def changed(was_right: bool) -> list[dict[str, Any]]:
+            return [
+                {
+                    "id": i,
+                    "prompt": it.prompt,
+                    "reply": new.freeform_texts.get(i, ""),
+                    "was": current.freeform_texts.get(i),
+                }
+                for it, i in zip(ff.items[:upto], ids)
+                if bool(current.freeform.get(i)) == was_right and bool(new.freeform.get(i)) != was_right
+            ]
+
+        lost, gained = changed(True), changed(False)
         return {
             "items": upto,
             "of": len(ff),
@@ -209,6 +219,9 @@ class FreeformGate:
             "base": freeform_score(base, ids),
             "categories": ff.categories(new.freeform, {"current": current.freeform, "base": base.freeform}, upto),
             "lost": lost[:LOST_EXAMPLES],
+            "gained": gained[:LOST_EXAMPLES],
+            "lost_count": len(lost),
+            "gained_count": len(gained),
         }
 
 

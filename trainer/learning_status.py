@@ -382,4 +382,7 @@ def freeform_verdict(gate: dict, endpoint: str) -> dict[str, Any] | None:
     if not ff:
         return None
     failed = (gate.get("verdicts", {}).get(endpoint) or gate.get("verdicts", {}).get("*") or {}).get("failed") or []
-    return {k: v for k, v in ff.items() if k != "lost"} | {"passed": not {"freeform", "freeform_base"} & set(failed)}
+    examples = {"lost", "gained"}
+    return {k: v for k, v in ff.items() if k not in examples} | {
+        "passed": not {"freeform", "freeform_base"} & set(failed)
+    }
