@@ -162,6 +162,7 @@ def main() -> None:
         "--thresholds", default="", help="the gate's thresholds for the rated endpoint, e.g. freeform_margin=0.05"
     )
     ap.add_argument("--base-cache", type=Path, default=None, help="the base model's replies: read, else written")
+    ap.add_argument("--max-tokens", type=int, default=48, help="reply cap of rated and held-out replies")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -179,10 +180,10 @@ def main() -> None:
     train, held = prompt_pools()
     bench = stratified(load_items(BENCH_FILE))[: args.bench_items]
     held_items = [
-        it or CapabilityItem(f"held-{n}", "fact", p, {"kind": "contains", "accept": ["\0"]}, max_tokens=48)
+        it or CapabilityItem(f"held-{n}", "fact", p, {"kind": "contains", "accept": ["\0"]})
         for n, (p, it) in enumerate(held)
     ]
-    held_items = [CapabilityItem(i.id, i.category, i.prompt, i.check, 48) for i in held_items]
+    held_items = [CapabilityItem(i.id, i.category, i.prompt, i.check, args.max_tokens) for i in held_items]
     store = Path(tempfile.mkdtemp(prefix="sweep-"))
     # the rehearsal cache of the real store is reused (models/rehearsal-base): link it in
     real = CommonSettings().home / "models" / "rehearsal-base"
@@ -219,7 +220,7 @@ def main() -> None:
         taste_suite.prompts = [replies.prompt_ids(i.prompt) for i in held_items]
         if base is None:
             t0 = time.perf_counter()
-            key = [args.bench_items, args.taste, args.rater]
+            key = [args.bench_items, args.taste, args.rater, args.max_tokens]
             if args.base_cache and args.base_cache.exists() and json.loads(args.base_cache.read_text())["key"] == key:
                 base = json.loads(args.base_cache.read_text())
             else:
@@ -238,7 +239,9 @@ def main() -> None:
         row = {"config": name, "settings": over, "steps": [], "update_s": []}
         for step in range(1, args.steps + 1):
             picks = [rng.choice(train) for _ in range(8)]
-            out = replies.sample(model, [p for p, _ in picks], seed=args.seed * 1000 + step)
+            out = replies.sample(
+                model, [p for p, _ in picks], seed=args.seed * 1000 + step, max_tokens=args.max_tokens
+            )
             rated = [
                 (pi, ci, fin, liked(args.taste, args.rater, trainer.tokenizer.decode(ci), it))
                 for (pi, ci, fin), (_, it) in zip(out, picks)
@@ -248,11 +251,13 @@ def main() -> None:
             row["update_s"].append(time.perf_counter() - t0)
             model = trainer.model_for(lineage)
             gate = manifest.gate or {}
+            refused = sorted({c for t in gate.get("line_search") or [] for c in t.get("failed") or []})
+            row.setdefault("refused_by", []).append(refused)
             if step != args.steps and not (step == 1 and args.measure_first) and step not in measure_at:
                 print(
                     f"{name:14s} step {step}: {sum(r[3] for r in rated)}/8 ratings liked, update "
                     f"{row['update_s'][-1]:.1f} s, gate α {gate.get('step_scale')} served "
-                    f"{not gate.get('continued_from')}",
+                    f"{not gate.get('continued_from')} refused by {refused}",
                     flush=True,
                 )
                 continue
@@ -277,7 +282,8 @@ def main() -> None:
             print(
                 f"{name:14s} step {step}: liked {liked_share:4.0%} words {words:4.1f} capability "
                 f"{point['capability']}/{len(bench)} (lost {len(lost)}, gained {len(gained)}) "
-                f"update {row['update_s'][-1]:.1f} s gate α {point['gate']} served {point['served']}",
+                f"update {row['update_s'][-1]:.1f} s gate α {point['gate']} served {point['served']} "
+                f"refused by {refused}",
                 flush=True,
             )
         row["cap_texts"] = cap
