@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tastes import liked, prompt_pools
+from tastes import liked, prompt_pools, reply_tokens
 
 from livelora.trainer.capability import BENCH_FILE, CapabilityItem, load_items, stratified
 
@@ -162,7 +162,7 @@ def main() -> None:
         "--thresholds", default="", help="the gate's thresholds for the rated endpoint, e.g. freeform_margin=0.05"
     )
     ap.add_argument("--base-cache", type=Path, default=None, help="the base model's replies: read, else written")
-    ap.add_argument("--max-tokens", type=int, default=48, help="reply cap of rated and held-out replies")
+    ap.add_argument("--max-tokens", type=int, default=None, help="reply cap of rated and held-out replies (per taste)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -176,6 +176,7 @@ def main() -> None:
     from livelora.trainer.settings import GateSection, TrainingSection
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    args.max_tokens = reply_tokens(args.taste, args.max_tokens)
     base_ref = resolve_base_model(DEFAULT_MODEL, CommonSettings().home)
     train, held = prompt_pools()
     bench = stratified(load_items(BENCH_FILE))[: args.bench_items]
@@ -239,9 +240,7 @@ def main() -> None:
         row = {"config": name, "settings": over, "steps": [], "update_s": []}
         for step in range(1, args.steps + 1):
             picks = [rng.choice(train) for _ in range(8)]
-            out = replies.sample(
-                model, [p for p, _ in picks], seed=args.seed * 1000 + step, max_tokens=args.max_tokens
-            )
+            out = replies.sample(model, [p for p, _ in picks], seed=args.seed * 1000 + step, max_tokens=args.max_tokens)
             rated = [
                 (pi, ci, fin, liked(args.taste, args.rater, trainer.tokenizer.decode(ci), it))
                 for (pi, ci, fin), (_, it) in zip(out, picks)

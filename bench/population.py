@@ -33,7 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live_loop import EP, Loop, Session, percentile
-from tastes import TASTES, liked, prompt_pools, taste_short, wilson
+from tastes import TASTES, liked, prompt_pools, reply_tokens, taste_short, wilson
 
 from livelora.trainer.capability import BENCH_FILE, load_items, stratified
 
@@ -104,6 +104,10 @@ class PopulationRun:
         n = max(len(self.args.tastes.split(",")) + 1, round(len(self.users) * min(1.0, (rated + 1) / span)))
         return self.users[:n]
 
+    def cap(self, cohort: str) -> int:
+        """The reply cap a cohort's app asks for (its taste's, :func:`tastes.reply_tokens`; ``--max-tokens`` wins)."""
+        return reply_tokens(cohort if cohort in TASTES else "short", self.args.max_tokens)
+
     def round(self, rated: int) -> int:
         """One round of ``--round-chats`` chats by present users; their ratings sent and trained. Returns ratings."""
         a = self.args
@@ -112,7 +116,7 @@ class PopulationRun:
         t0 = time.perf_counter()
         outs = list(
             self.s.pool.map(
-                lambda q: self.chat(q[0], q[2], q[4], temperature=a.temperature, max_tokens=a.max_tokens), asks
+                lambda q: self.chat(q[0], q[2], q[4], temperature=a.temperature, max_tokens=self.cap(q[1])), asks
             )
         )
         self.chat_s += time.perf_counter() - t0
@@ -132,12 +136,12 @@ class PopulationRun:
         point: dict = {"ratings": rated, "cohorts": {}}
         capability: dict[str, float] = {}
         for cohort in a.tastes.split(",") + ([ADVERSARY] if any(c == ADVERSARY for _, c in self.users) else []):
-            user = next(u for u, c in self.users if c == cohort)
+            user, cap = next(u for u, c in self.users if c == cohort), self.cap(cohort)
             held = self.held[: a.held]
             outs = list(
                 self.s.pool.map(
-                    lambda ph, user=user: self.chat(
-                        user, ph[1][0], 7_000 + ph[0], temperature=a.temperature, max_tokens=a.max_tokens
+                    lambda ph, user=user, cap=cap: self.chat(
+                        user, ph[1][0], 7_000 + ph[0], temperature=a.temperature, max_tokens=cap
                     ),
                     enumerate(held),
                 )
@@ -229,7 +233,7 @@ def main() -> None:
     ap.add_argument("--rails", choices=("on", "off"), default="on")
     ap.add_argument("--time-limit-s", type=float, default=3600, help="stop a mode after this long, and say so")
     ap.add_argument("--max-wait-s", type=float, default=3.0, help="the trainer's max_wait_s")
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=None, help="reply cap of every chat (default: per cohort)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--rater-max-events", type=int, default=1000)

@@ -154,6 +154,14 @@ def taste_direct(text: str, item: CapabilityItem | None) -> bool:
 
 
 TASTES = {"short": taste_short, "bullets": taste_bullets, "formal": taste_formal, "direct": taste_direct}
+#: A taste's reply cap (tokens) where it is not the default 48: SmolLM2 opens a list with a sentence, and its
+#: items run to 20-40 tokens, so at 48 tokens the second item of a list it starts almost never shows.
+REPLY_TOKENS = {"bullets": 96}
+
+
+def reply_tokens(taste: str, cap: int | None) -> int:
+    """The reply cap of the rated and held-out chats of ``taste``: ``cap`` if given, else its own or 48."""
+    return cap if cap is not None else REPLY_TOKENS.get(taste, 48)
 
 
 def liked(taste: str, rater: str, text: str, item: CapabilityItem | None) -> bool:
@@ -193,6 +201,7 @@ class TasteRun:
 
     def __init__(self, args, taste: str, rater: str, items: list[CapabilityItem]):
         self.args, self.taste, self.rater, self.items = args, taste, rater, items
+        self.max_tokens = reply_tokens(taste, args.max_tokens)
         self.train, self.held = prompt_pools()
         training = {"rehearsal_per_step": args.rehearsal, "kl_coef": args.kl_coef, "lora_targets": args.lora_targets}
         if args.rehearsal_weight is not None:
@@ -219,7 +228,7 @@ class TasteRun:
         n = args.samples
         prompts = [p for p, _ in held for _ in range(n)]
         outs = self.ask(
-            prompts, [7_000 + i for i in range(len(prompts))], args.temperature, [args.max_tokens] * len(prompts)
+            prompts, [7_000 + i for i in range(len(prompts))], args.temperature, [self.max_tokens] * len(prompts)
         )
         texts = [o["choices"][0]["message"]["content"] for o in outs]
         k = sum(liked(self.taste, self.rater, t, it) for t, (_, it) in zip(texts, [h for h in held for _ in range(n)]))
@@ -258,7 +267,7 @@ class TasteRun:
                 while done < target:
                     picks = [s.rng.choice(self.train) for _ in range(8)]
                     seeds = [s.rng.randrange(1 << 30) for _ in picks]
-                    outs = self.ask([p for p, _ in picks], seeds, args.temperature, [args.max_tokens] * 8)
+                    outs = self.ask([p for p, _ in picks], seeds, args.temperature, [self.max_tokens] * 8)
                     rated = [
                         (o["id"], liked(self.taste, self.rater, o["choices"][0]["message"]["content"], it), "user")
                         for o, (_, it) in zip(outs, picks)
@@ -334,7 +343,7 @@ def main() -> None:
     ap.add_argument("--capability-items", type=int, default=None, help="stratified subset of the bench set (all)")
     ap.add_argument("--samples", type=int, default=2, help="seeded samples per held-out prompt")
     ap.add_argument("--request-timeout", type=float, default=3600, help="seconds one HTTP request may take")
-    ap.add_argument("--max-tokens", type=int, default=48, help="reply cap of rated and held-out chats")
+    ap.add_argument("--max-tokens", type=int, default=None, help="reply cap of rated and held-out chats (per taste)")
     ap.add_argument("--temperature", type=float, default=0.7, help="temperature of rated and held-out chats")
     ap.add_argument("--max-batch-size", type=int, default=16, help="engine decode batch")
     ap.add_argument("--rater-max-events", type=int, default=1000, help="per-rater hourly limit with rails on")
