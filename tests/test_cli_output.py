@@ -28,8 +28,7 @@ def test_a_table_written_to_a_pipe_keeps_its_rows_whole(monkeypatch):
 
 def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narrow_when_piped(monkeypatch):
     """``adapters show``: a sample cut short is said to be (30 of 60 items, the sequential test decided), the items
-    lost and gained are counted and shown, and a lost
-    example's long reply is clipped, so piped rows are not padded to hundreds of columns."""
+    lost and gained are counted and shown, and a long reply is clipped, so piped rows stay narrow."""
     from livelora.cli.gate_rows import freeform_rows
 
     monkeypatch.delenv("COLUMNS", raising=False)

@@ -27,8 +27,8 @@ from livelora.trainer.capability import CATEGORIES, GATE_FILE, CapabilityItem, l
 CLEAR = 0.10
 #: Paired items measured before :func:`curtail` gives an early verdict (one default chunk).
 MIN_ITEMS = 30
-#: Free-form items lost against the current version kept in a gate result (``measures.freeform.lost``).
-LOST_EXAMPLES = 5
+#: Free-form items lost, and items gained, against the current version kept in a gate result (each list).
+CHANGED_EXAMPLES = 5
 
 
 class FreeformSuite:
@@ -193,7 +193,7 @@ class FreeformGate:
 
     def summary(self, new: Any, current: Any, base: Any) -> dict[str, Any]:
         """A judged candidate's free-form measures: scores on the sample, per-category counts, the counts of items
-        lost and gained against the current version, and up to :data:`LOST_EXAMPLES` of each (``lost``: the current
+        lost and gained against the current version, and up to :data:`CHANGED_EXAMPLES` of each (``lost``: the current
         version answered right and the candidate did not; ``gained``: the other way round)."""
         ff, upto = self.suite.freeform, new.freeform_upto
         ids = [it.id for it in ff.items[:upto]]
@@ -218,8 +218,8 @@ class FreeformGate:
             "current": freeform_score(current, ids),
             "base": freeform_score(base, ids),
             "categories": ff.categories(new.freeform, {"current": current.freeform, "base": base.freeform}, upto),
-            "lost": lost[:LOST_EXAMPLES],
-            "gained": gained[:LOST_EXAMPLES],
+            "lost": lost[:CHANGED_EXAMPLES],
+            "gained": gained[:CHANGED_EXAMPLES],
             "lost_count": len(lost),
             "gained_count": len(gained),
         }
