@@ -504,3 +504,36 @@ def test_no_page_shows_raw_timestamps_or_machine_names(server, keys, endpoints, 
     assert re.search(
         r"automatic rollback \S+@3 → \S+@2 (just now|\d+ min ago) by gateway", shown[("acme", "/console/endpoints")]
     )
+
+
+def test_the_version_page_counts_and_lists_the_freeform_items_lost_and_gained():
+    """The gate's free-form summary on a version's page: the lost/gained counts, and each list with both replies; a
+    summary written before the counts existed renders without them."""
+    from livelora.gateway.api.console_render import ENV
+
+    ff = {
+        "items": 30,
+        "of": 60,
+        "score": 0.4,
+        "current": 0.5,
+        "base": 0.5,
+        "categories": {"fact": {"n": 12, "new": 5, "current": 6, "base": 6}},
+        "lost": [{"id": "a", "prompt": "What is the capital of Peru?", "reply": "Peru.", "was": "Lima."}],
+        "gained": [{"id": "b", "prompt": "What is 7 times 6?", "reply": "42.", "was": "36."}],
+        "lost_count": 4,
+        "gained_count": 1,
+    }
+    gate = {"against": "l@1", "seconds": 1.0, "verdicts": {}, "checks": [], "measures": {"freeform": ff}}
+    version = {
+        "name": "l@2", "lineage": "l", "parent": 1, "step": 2, "created": 0, "base_model": "b", "rank": 8,
+        "alpha": 16, "data_counts": {}, "metrics": {}, "files": {}, "sha256": "x", "verified": True, "serving": [],
+        "gate": gate,
+    }  # fmt: skip
+    page = ENV.get_template("version.html")
+    html = page.render(version=version, size=0, live=[], principal=None, nav="endpoints")
+    assert "; 4 lost and 1 gained against the current version</p>" in html
+    assert re.search(r'id="freeform-lost"><li>What is the capital of Peru\? → <q>Peru\.</q> \(was <q>Lima\.</q>', html)
+    assert re.search(r'id="freeform-gained"><li>What is 7 times 6\? → <q>42\.</q> \(was <q>36\.</q>', html)
+    old = {k: v for k, v in ff.items() if k not in ("gained", "lost_count", "gained_count")}
+    html = page.render(version=version | {"gate": gate | {"measures": {"freeform": old}}}, size=0, live=[], nav="")
+    assert "gained" not in html and 'id="freeform-lost"' in html
