@@ -19,7 +19,15 @@ from livelora.core.base_models import base_identity, load_model
 from livelora.trainer.capability import CATEGORIES
 from livelora.trainer.event_datums import EventDatums, completion_datum
 from livelora.trainer.model import TrainingModel
-from livelora.trainer.rehearsal import POOLS, Rehearsal, kl_base_new, load_prompts, shipped_file, shipped_key
+from livelora.trainer.rehearsal import (
+    POOLS,
+    Rehearsal,
+    kl_base_new,
+    load_prompts,
+    shipped_file,
+    shipped_key,
+    trained_kl_gradients,
+)
 from livelora.trainer.settings import TrainingSection
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,3 +175,47 @@ def test_a_step_with_rehearsal_adds_its_gradients_and_the_kl_is_zero_at_a_zero_a
 
 def _label(y: int) -> TensorData:
     return TensorData.from_list([float(y)], "float32")
+
+
+def test_the_kl_on_the_trained_replies_is_zero_at_a_zero_adapter_and_matches_each_reply_run_alone(base_ref, rehearsal):
+    model = TrainingModel(base_ref, LoraConfig(rank=4, seed=0, train_unembed=False))
+    ex = rehearsal.examples
+    pairs = [("Say hi.", "Hi there!"), ("Name a colour.", "Blue, the colour of a clear sky at noon.")]
+    batch = [completion_datum(*ex.chat_pair([ChatMessage(role="user", content=p)], r)) for p, r in pairs]
+    zero = trained_kl_gradients(model, batch, 1.0)
+    assert zero["trained_kl:mean"] == pytest.approx(0.0, abs=1e-6)
+    g0 = grads(model).abs().max()  # zero where new = base, up to float rounding (compared below)
+    want_tokens = sum(int(sum(d.loss_fn_inputs["weights"].tolist())) for d in batch)
+    assert zero["trained_kl_tokens:sum"] == want_tokens
+    model.zero_grad()
+    with torch.no_grad():  # move the adapter off zero
+        gen = torch.Generator().manual_seed(1)
+        for name, p in model.lora_params.items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    causal_lm = model.peft_model.get_base_model()
+    kls = []
+    for d in batch:  # each reply alone, unpadded, the whole head: Σ_v p_base (log p_base − log p_new) per position
+        ids = torch.tensor([d.model_input.to_ints()])
+        sel = torch.tensor(d.loss_fn_inputs["weights"].tolist()) != 0
+        with torch.no_grad():
+            new = torch.log_softmax(causal_lm(input_ids=ids).logits[0, sel].float(), -1)
+            with model.peft_model.disable_adapter():
+                base = torch.log_softmax(causal_lm(input_ids=ids).logits[0, sel].float(), -1)
+        kls += (base.exp() * (base - new)).sum(-1).tolist()
+    one = trained_kl_gradients(model, batch, 1.0)
+    assert one["trained_kl:mean"] > 1e-4
+    assert one["trained_kl:mean"] == pytest.approx(sum(kls) / len(kls), rel=1e-3)  # the mean over every position
+    g1 = grads(model)
+    assert g0 < 1e-3 * g1.abs().max()
+    model.zero_grad()
+    trained_kl_gradients(model, batch, 2.0)
+    torch.testing.assert_close(grads(model), 2 * g1, rtol=1e-4, atol=1e-8)  # coef scales the gradient
+    model.zero_grad()
+
+
+def test_the_trained_kl_is_off_by_default_and_its_coefficient_is_not_negative():
+    assert TrainingSection().trained_kl_coef == 0.0
+    assert TrainingSection(trained_kl_coef=0.3).trained_kl_coef == 0.3
+    with pytest.raises(ValidationError):
+        TrainingSection(trained_kl_coef=-1)

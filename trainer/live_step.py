@@ -26,6 +26,7 @@ from livelora.core.api_keys import DEFAULT_TENANT
 from livelora.core.cpu_share import TrainingFlag, training_step
 from livelora.core.metering import Meter, Usage
 from livelora.core.rails import GateResult
+from livelora.trainer.rehearsal import trained_kl_gradients
 from livelora.trainer.scheduler import Batch
 from livelora.trainer.settings import TrainingSection
 
@@ -83,7 +84,8 @@ class LiveStep:
         self.rehearsal, self.busy, self.store, self.progress = rehearsal, busy, store, progress
 
     def step(self) -> dict[str, float]:
-        """``forward_backward`` (rehearsal and KL gradients added first, not metered) and one AdamW step.
+        """``forward_backward`` (rehearsal and KL gradients added first, not metered; alone, not in a trainer group)
+        and one AdamW step.
 
         Returns:
             The step's metrics: the loss's, ``grad_norm``, ``update_norm:mean``, ``events:sum`` and the class and
@@ -91,7 +93,10 @@ class LiveStep:
         """
         model, batch, d = self.model, self.batch, self.data
         self.progress(batch.lineage, "training", detail="forward/backward and optimizer step")
-        extra = self.rehearsal.add_gradients(model) if self.rehearsal and model.group is None else {}
+        alone = model.group is None
+        extra = self.rehearsal.add_gradients(model) if self.rehearsal and alone else {}
+        if self.config.trained_kl_coef > 0 and alone:
+            extra |= trained_kl_gradients(model, d.data, self.config.trained_kl_coef)
         out = model.forward_backward(d.data, d.loss_fn, d.cfg, loss_positions_only=True)  # only metrics are read
         warm = self.config.lr_warmup_steps
         lr = d.lr * min(1.0, (model.step + 1) / warm) if warm else d.lr

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from livelora.clients.types.tinker import Datum
 from livelora.core.atomic import atomic_write_bytes
 from livelora.core.base_models import BaseModelRef, load_model
 from livelora.trainer.settings import TrainingSection
@@ -61,6 +62,50 @@ def kl_base_new(base_logp_M_V: Tensor, new_logp_M_V: Tensor) -> Tensor:
     cross-entropy's, −Σ_v p_base(v)·∇log p_new(v) (distillation toward the base, mass-covering).
     """
     return (base_logp_M_V.exp() * (base_logp_M_V - new_logp_M_V)).sum(-1).mean()
+
+
+def positions_logp(model: Any, ids_B: list[list[int]], sel_B: list[list[bool]], grad: bool) -> Tensor:
+    """Log-softmax over the vocabulary at the selected positions of ``model`` (adapter as it is set) run on the
+    right-padded rows ``ids_B``; ``sel_B[b][i]`` selects row b's position i (same length as its ids).
+
+    Shapes: returns (M, V) float32, M = selected positions in row order; with autograd when ``grad``.
+    """
+    b_n, t_max = len(ids_B), max(len(r) for r in ids_B)
+    ids = torch.full((b_n, t_max), model.pad_id, dtype=torch.long)
+    mask = torch.zeros((b_n, t_max), dtype=torch.long)
+    sel = torch.zeros((b_n, t_max), dtype=torch.bool)
+    for b, (row, pick) in enumerate(zip(ids_B, sel_B)):
+        ids[b, : len(row)] = torch.tensor(row)
+        mask[b, : len(row)] = 1
+        sel[b, : len(row)] = torch.tensor(pick, dtype=torch.bool)
+    dev = model.device
+    ids, mask, sel = ids.to(dev), mask.to(dev), sel.to(dev)
+    causal_lm = model.peft_model.get_base_model()
+    with torch.set_grad_enabled(grad):
+        if model.logprobs.plain_head:  # decoder, then the unembedding at the selected positions only
+            hidden = causal_lm.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            logits = causal_lm.get_output_embeddings()(hidden[sel])
+        else:
+            logits = causal_lm(input_ids=ids, attention_mask=mask).logits[sel]
+        return torch.log_softmax(logits.float(), -1)
+
+
+def trained_kl_gradients(model: Any, data: list[Datum], coef: float) -> dict[str, float]:
+    """Backpropagate ``coef · KL(base ‖ new)``, the mean per token over the vocabulary at the positions the step's
+    ``data`` train (``weights`` ≠ 0: the rated, preferred or demonstrated replies), into ``model``'s LoRA
+    gradients; the base side runs with the adapter off. Zero, with a zero gradient, at a zero adapter.
+
+    Returns: ``trained_kl:mean`` (nats/token, before ``coef``), ``trained_kl_tokens:sum`` (positions).
+    """
+    ids_B = [d.model_input.to_ints() for d in data]
+    sel_B = [[w != 0 for w in d.loss_fn_inputs["weights"].tolist()] for d in data]
+    new_M_V = positions_logp(model, ids_B, sel_B, grad=True)
+    with model.peft_model.disable_adapter():
+        base_M_V = positions_logp(model, ids_B, sel_B, grad=False)
+    kl = kl_base_new(base_M_V, new_M_V)
+    if kl.requires_grad:
+        (coef * kl).backward()
+    return {"trained_kl:mean": float(kl.detach()), "trained_kl_tokens:sum": float(new_M_V.shape[0])}
 
 
 @dataclass(frozen=True)
@@ -224,41 +269,19 @@ class Rehearsal:
         c = self.config
         items = self.pick(c.rehearsal_per_step)
         seqs = [r.prompt_ids + r.reply_ids for r in items]
-        b_n, t_max = len(seqs), max(len(s) for s in seqs) - 1
-        ids = torch.full((b_n, t_max), model.pad_id, dtype=torch.long)
-        mask = torch.zeros((b_n, t_max), dtype=torch.long)
-        sel = torch.zeros((b_n, t_max), dtype=torch.bool)
-        targets = []
-        for b, (r, s) in enumerate(zip(items, seqs)):
-            ids[b, : len(s) - 1] = torch.tensor(s[:-1])
-            mask[b, : len(s) - 1] = 1
-            sel[b, len(r.prompt_ids) - 1 : len(s) - 1] = True  # position i predicts token i + 1
-            targets += r.reply_ids
-        dev = model.device
-        ids, mask, sel = ids.to(dev), mask.to(dev), sel.to(dev)
-        causal_lm = model.peft_model.get_base_model()
-        plain = model.logprobs.plain_head  # decoder, then the unembedding at the reply positions only
-
-        def logp(grad: bool) -> Tensor:
-            with torch.set_grad_enabled(grad):
-                if plain:
-                    hidden = causal_lm.model(input_ids=ids, attention_mask=mask).last_hidden_state
-                    logits = causal_lm.get_output_embeddings()(hidden[sel])
-                else:
-                    logits = causal_lm(input_ids=ids, attention_mask=mask).logits[sel]
-                return torch.log_softmax(logits.float(), -1)
-
-        new_M_V = logp(True)
-        ce = -new_M_V.gather(1, torch.tensor(targets, device=dev)[:, None]).mean()
+        sel = [[len(r.prompt_ids) - 1 <= i for i in range(len(s) - 1)] for r, s in zip(items, seqs)]
+        targets = [t for r in items for t in r.reply_ids]  # position i predicts token i + 1
+        new_M_V = positions_logp(model, [s[:-1] for s in seqs], sel, grad=True)
+        ce = -new_M_V.gather(1, torch.tensor(targets, device=model.device)[:, None]).mean()
         loss = c.rehearsal_weight * ce
         metrics = {
             "rehearsal_loss:mean": float(ce.detach()),
             "rehearsal_tokens:sum": float(sum(len(s) for s in seqs)),
-            "rehearsal_prompts:sum": float(b_n),
+            "rehearsal_prompts:sum": float(len(seqs)),
         }
         if c.kl_coef > 0:
             with model.peft_model.disable_adapter():
-                base_M_V = logp(False)
+                base_M_V = positions_logp(model, [s[:-1] for s in seqs], sel, grad=False)
             kl = kl_base_new(base_M_V, new_M_V)
             loss = loss + c.kl_coef * kl
             metrics["rehearsal_kl:mean"] = float(kl.detach())

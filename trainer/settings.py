@@ -143,6 +143,13 @@ class TrainingSection(Section):
         "positions (0: none; needs rehearsal_per_step > 0; 0.5 measured, docs/live-loop.md).",
     )
 
+    trained_kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Coefficient of KL(base || new) per token over the vocabulary at the positions a live step "
+        "trains (the rated, preferred or demonstrated replies themselves; 0: none; docs/live-loop.md).",
+    )
+
     @model_validator(mode="after")
     def _kl_needs_prompts(self) -> TrainingSection:
         if self.kl_coef > 0 and self.rehearsal_per_step == 0:
