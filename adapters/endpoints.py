@@ -189,6 +189,12 @@ class EndpointHistory:
         return out
 
 
+def check_reason(reason: str) -> None:
+    """Raises BadRequestError: an audit ``reason`` over 1000 characters or with non-printable ones (newlines pass)."""
+    if len(reason) > 1000 or not reason.replace("\n", " ").isprintable():
+        raise BadRequestError("reason must be at most 1000 printable characters", param="reason")
+
+
 class EndpointStore:
     """Read and change ``endpoints.json`` under ``home``; every audited change appends a line to :attr:`log`."""
 
@@ -343,8 +349,7 @@ class EndpointStore:
     ) -> tuple[EndpointBinding, HistoryEntry]:
         """Apply ``update(old_or_None) -> new`` under the lock, write, append history."""
         validate_endpoint_name(endpoint)
-        if len(reason) > 1000 or not reason.replace("\n", " ").isprintable():
-            raise BadRequestError("reason must be at most 1000 printable characters", param="reason")
+        check_reason(reason)
         store = AdapterStore(self.home)
         with file_lock(self.path.with_suffix(".lock")):
             bindings = self.all()

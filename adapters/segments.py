@@ -14,10 +14,19 @@ import shutil
 import time
 from pathlib import Path
 
-from livelora.adapters.endpoints import EndpointBinding, EndpointStore, HistoryEntry, SegmentOf, version_label
+from livelora.adapters.endpoints import (
+    EndpointBinding,
+    EndpointStore,
+    HistoryEntry,
+    SegmentOf,
+    check_reason,
+    version_label,
+)
+from livelora.adapters.kept_versions import AdapterVersions
 from livelora.adapters.store import AdapterStore, validate_lineage
 from livelora.clients.errors import BadRequestError, ConflictError, NotFoundError
 from livelora.core.api_keys import DEFAULT_TENANT, KeyStore
+from livelora.core.owners import OwnerStore
 
 #: Joins an endpoint and a segment name into the segment's binding name (never in a created endpoint's name).
 SEP = "::"
@@ -109,56 +118,77 @@ class SegmentStore:
         return found
 
     def create(
-        self, endpoint: str, segment: str, *, tenant: str, who: str, reason: str = ""
+        self,
+        endpoint: str,
+        segment: str,
+        *,
+        tenant: str,
+        who: str,
+        reason: str = "",
+        versions: AdapterVersions | None = None,
     ) -> tuple[EndpointBinding, HistoryEntry]:
         """Make segment ``segment`` of ``endpoint``: its lineage starts from the version the endpoint serves now
         (copied as the lineage's version 1; none when it serves the base model), and it follows that lineage.
+        Every check runs before anything is written; the lineage is claimed and the version copied under the
+        endpoints' lock, so a refused or concurrent create leaves nothing behind.
 
         Raises:
-            NotFoundError: unknown or another tenant's endpoint. BadRequestError: bad names, a segment's segment.
-            ConflictError: the segment exists, the endpoint has :data:`MAX_SEGMENTS`, or the lineage is taken.
+            NotFoundError: unknown or another tenant's endpoint. BadRequestError: bad names or reason, a segment's
+                segment, an endpoint lineage too long to have segments.
+            ConflictError: the segment exists, the endpoint has :data:`MAX_SEGMENTS`, or the lineage is taken
+                (another tenant's, another binding's, or it has versions already).
+            RateLimitError: the copy would pass the tenant's adapter limits (``versions``; None: not checked).
         """
-        from livelora.core.owners import OwnerStore
-
+        check_reason(reason)
         parent = self.parent(endpoint, tenant)
         name = segment_binding_name(endpoint, segment)
-        lineage = f"{parent.lineage}-seg-{segment}"
-        if len(lineage) > 64:
+        room = 64 - len(parent.lineage) - len("-seg-")
+        if room < 1:
             raise BadRequestError(
-                f"segment name too long for lineage {parent.lineage!r}: at most {64 - len(parent.lineage) - 5} "
-                "characters here",
-                param="segment",
+                f"endpoint {endpoint!r} follows lineage {parent.lineage!r}, too long for a segment lineage "
+                f"('<lineage>-seg-<segment>' is at most 64 characters)",
+                param="endpoint",
             )
+        if len(segment) > room:
+            raise BadRequestError(f"segment name too long here: at most {room} characters", param="segment")
+        lineage = f"{parent.lineage}-seg-{segment}"
         validate_lineage(lineage)
-        siblings = self.of(endpoint)
-        if segment in siblings:
-            raise ConflictError(f"endpoint {endpoint!r} has a segment {segment!r} already", param="segment")
-        if len(siblings) >= MAX_SEGMENTS:
-            raise ConflictError(f"endpoint {endpoint!r} has {MAX_SEGMENTS} segments, the most", param="segment")
-        if not OwnerStore(self.home).claim("lineage", lineage, parent.tenant or DEFAULT_TENANT):
-            raise ConflictError(f"lineage {lineage!r} is not available; choose another segment name", param="segment")
-        origin = self._fork(parent, endpoint, lineage)
+        owner = parent.tenant or DEFAULT_TENANT
 
         def update(old: EndpointBinding | None) -> EndpointBinding:
             if old is not None:
                 raise ConflictError(f"endpoint {endpoint!r} has a segment {segment!r} already", param="segment")
             if len(self.of(endpoint)) >= MAX_SEGMENTS:
                 raise ConflictError(f"endpoint {endpoint!r} has {MAX_SEGMENTS} segments, the most", param="segment")
+            taken = ConflictError(f"lineage {lineage!r} is not available; choose another segment name", param="segment")
+            store = AdapterStore(self.home)
+            if any(b.lineage == lineage for b in self.endpoints.all().values()) or store.version_numbers(lineage):
+                raise taken
+            src = self._source(parent, endpoint, store)
+            if src is not None and versions is not None:
+                versions.check(owner, 1, sum(f.stat().st_size for f in src.iterdir() if f.is_file()))
+            if not OwnerStore(self.home).claim("lineage", lineage, owner):
+                raise taken
             return EndpointBinding(
                 lineage=lineage,
                 tenant=parent.tenant,
                 created=time.time(),
                 gate=parent.gate,
-                segment=SegmentOf(endpoint=endpoint, name=segment, origin=origin),
+                segment=SegmentOf(endpoint=endpoint, name=segment, origin=self._fork(parent, endpoint, lineage)),
             )
 
         return self.endpoints._change(name, update, who=who, action="segment", reason=reason, tenant=tenant)
 
+    def _source(self, parent: EndpointBinding, endpoint: str, store: AdapterStore) -> Path | None:
+        """The folder of the version ``endpoint`` serves (``None``: the base model)."""
+        served = self.endpoints.served_version(parent, store, endpoint)
+        return None if served is None else store.version_dir(parent.lineage, served)
+
     def _fork(self, parent: EndpointBinding, endpoint: str, lineage: str) -> str:
-        """Copy the version ``endpoint`` serves into ``lineage`` (unless it already has one); its label."""
+        """Copy the version ``endpoint`` serves into ``lineage`` as its version 1; the copied version's label."""
         store = AdapterStore(self.home)
         served = self.endpoints.served_version(parent, store, endpoint)
-        if served is None or store.version_numbers(lineage):
+        if served is None:
             return version_label(parent.lineage, served)
         src = store.get(parent.lineage, served)
         src_dir = store.version_dir(parent.lineage, served)

@@ -20,9 +20,11 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 
+from livelora.adapters.kept_versions import AdapterVersions
 from livelora.adapters.segments import HEADER_VALUE_RE
 from livelora.clients.errors import BadRequestError, InternalError, UnavailableError
 from livelora.core.api_keys import OPEN_PRINCIPAL, KeyStore, Principal
+from livelora.core.quotas import Limits
 from livelora.gateway.engines.base import Engine
 from livelora.gateway.middleware.drain import Drain
 from livelora.gateway.services.console.login import ConsoleLogins
@@ -201,7 +203,12 @@ def get_auth_open(services: ServicesDep) -> bool:
 
 
 def get_admin(services: ServicesDep, principal: PrincipalDep) -> GatewayAdmin:
-    return GatewayAdmin(services.settings.home, principal, services.registry)
+    m, settings = services.metering, services.settings
+    if m is not None:
+        versions = m.quotas.versions
+    else:
+        versions = AdapterVersions(settings.home, Limits.from_settings(settings.quotas))
+    return GatewayAdmin(services.settings.home, principal, services.registry, versions=versions)
 
 
 def get_console_logins(services: ServicesDep) -> ConsoleLogins:

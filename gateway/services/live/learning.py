@@ -139,7 +139,7 @@ class LearningService:
                 endpoint, principal
             )  # unknown or another tenant's: the 404 every route answers (ModelNotFoundError)
         if endpoint not in r.current or not r.versions_visible(endpoint, principal):  # a version; the shared base
-            shown = [ep for ep in r.current if r.visible(ep, principal)]
+            shown = [ep for ep in r.endpoints() if r.visible(ep, principal)]  # segments' bindings never
             raise ModelNotFoundError(
                 f"model {endpoint!r} does not exist; served endpoints: {', '.join(shown) or 'none'}", param="model"
             )

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from livelora.adapters.endpoints import HistoryEntry
+from livelora.adapters.kept_versions import AdapterVersions
 from livelora.clients.errors import BadRequestError, NotFoundError
 from livelora.core.api_keys import DEFAULT_TENANT, Principal
 from livelora.gateway.services.tenants.segment_admin import GatewaySegments, SegmentAdmin
@@ -33,6 +34,7 @@ class GatewayAdmin:
         home: ``LIVELORA_HOME``.
         principal: the caller (its tenant scopes everything; ``who`` goes to the audit log).
         registry: this gateway's adapter registry (``None``: no live loop, nothing to apply).
+        versions: the tenants' adapter limits that copies made here count against (None: not checked).
         every_tenant: scope to every tenant instead (the operator's read-only console views; never for changes).
     """
 
@@ -42,6 +44,7 @@ class GatewayAdmin:
         principal: Principal,
         registry: AdapterRegistry | None = None,
         *,
+        versions: AdapterVersions | None = None,
         every_tenant: bool = False,
     ):
         self.store = StoreAdmin(
@@ -52,7 +55,9 @@ class GatewayAdmin:
         self.who = principal.who
         self.registry = registry
         #: an endpoint's segments (segment_admin.py)
-        self.segments = GatewaySegments(SegmentAdmin(self.store.endpoints, self.store.tenant), self.who, self._apply)
+        self.segments = GatewaySegments(
+            SegmentAdmin(self.store.endpoints, self.store.tenant, versions), self.who, self._apply
+        )
 
     async def _apply(self, endpoint: str) -> None:
         """Move this gateway now, then tell the others (a Redis failure only delays them until their resync)."""

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from livelora.adapters.endpoints import EndpointStore, version_label
+from livelora.adapters.kept_versions import AdapterVersions
 from livelora.adapters.segments import SegmentStore, segment_binding_name, segment_info
 from livelora.adapters.store import AdapterStore
 from livelora.core.api_keys import DEFAULT_TENANT
@@ -22,10 +23,11 @@ class SegmentAdmin:
     Args:
         endpoints: the endpoint store (with the served base model's implicit endpoint).
         tenant: the caller's tenant.
+        versions: the tenants' adapter limits a segment's copied version counts against (None: not checked).
     """
 
-    def __init__(self, endpoints: EndpointStore, tenant: str | None):
-        self.endpoints, self.tenant = endpoints, tenant
+    def __init__(self, endpoints: EndpointStore, tenant: str | None, versions: AdapterVersions | None = None):
+        self.endpoints, self.tenant, self.versions = endpoints, tenant, versions
         self.segments = SegmentStore(endpoints)
 
     def _tenant(self, endpoint: str) -> str:
@@ -47,7 +49,9 @@ class SegmentAdmin:
 
     def create(self, endpoint: str, segment: str, *, who: str, reason: str = "") -> dict[str, Any]:
         """See :meth:`SegmentStore.create`."""
-        self.segments.create(endpoint, segment, tenant=self._tenant(endpoint), who=who, reason=reason)
+        self.segments.create(
+            endpoint, segment, tenant=self._tenant(endpoint), who=who, reason=reason, versions=self.versions
+        )
         return self.info(segment_binding_name(endpoint, segment))
 
     def assign(
