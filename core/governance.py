@@ -85,7 +85,8 @@ def forgotten(home: Path | str) -> dict[str, set[str | None]]:
 def forget_user(
     home: Path | str, user: str, tenant: str | None, owns: Callable[[str], bool], *, who: str
 ) -> dict[str, int]:
-    """Delete ``user``'s events on the endpoints ``owns(endpoint)`` accepts, sent through ``tenant``'s keys (its
+    """Delete ``user``'s events (sent by them, or rating or pairing their completions) on the endpoints
+    ``owns(endpoint)`` accepts, sent through ``tenant``'s keys (its
     ``caller``; ``None``: any tenant's), from the dataset of record (every
     day file rewritten atomically under the dataset lock), after recording the request in ``forgotten.jsonl``,
     so that trainers drop the user's queued and later events even if this process dies midway.
@@ -108,7 +109,7 @@ def forget_user(
                     continue
                 if (
                     isinstance(ev, dict)
-                    and ev.get("user") == user
+                    and (ev.get("user") == user or user in (ev.get("completion_users") or ()))
                     and (tenant is None or (ev.get("caller") or DEFAULT_TENANT) == tenant)
                     and owns(ev.get("endpoint", ""))
                 ):

@@ -24,7 +24,12 @@ EP, LINEAGE = "acme.live", "acme.support"
 SEG, SEG_LINEAGE = f"{EP}::vip", "acme.support-seg-vip"
 PREFIX = new_prefix("seg")
 #: the harness ``keys``
-KEYS = {"acme": ("acme", TENANT_ROLES), "app": ("acme", ("inference", "feedback")), "beta": ("beta", TENANT_ROLES)}
+KEYS = {
+    "acme": ("acme", TENANT_ROLES),
+    "app": ("acme", ("inference", "feedback")),
+    "beta": ("beta", TENANT_ROLES),
+    "ops": ("default", TENANT_ROLES),
+}
 #: the harness ``server``
 SERVER_SETTINGS = {"max_batch_size": 4, "max_waiting": 8, "redis_prefix": PREFIX}
 
@@ -127,6 +132,12 @@ def test_segment_routing_bad_input_and_isolation(server, keys, made):
         ok(b.post("/admin/endpoints", json={"name": "beta.live", "lineage": "beta.support"}), 201)
         assert version_of(chat(b, "alice", model="beta.live", **{"X-Livelora-Segment": "gold"})) == "base"
         assert ok(a.get(f"/admin/endpoints/{EP}/segments")) == before
+        # the public base endpoint's segments (tenant default's) are not named to another tenant, even in a 404
+        base = server.services.registry.base_endpoint
+        with client(server, keys["ops"]) as ops:
+            ok(ops.post(f"/admin/endpoints/{base}/segments", json={"name": "house"}), 201)
+        assert "::" not in error(b.get(f"/v1/learning/{base}"), 404, "model")["message"]
+        error(b.get(f"/v1/learning/{base}::house"), 404, "model")
 
 
 def test_segment_ratings_train_its_lineage_alone_with_its_gate_verdict_and_forgetting(
@@ -192,10 +203,19 @@ def test_segment_ratings_train_its_lineage_alone_with_its_gate_verdict_and_forge
         worker.poll()
         queued = [e for q in worker.scheduler._queues.values() for _, e, _ in q.items.values()]
         assert [(e.user, e.endpoint) for e in queued] == [("alice", f"{EP}::basic")]
+        # the app also rates her reply without naming a user (not read yet): it holds her conversation all the same
+        ok(a.post("/v1/feedback", json={"completion_id": moved.json()["id"], "rating": False}))
         gone = ok(a.post("/admin/users/alice/forget", json={"reason": "asked to be forgotten"}))
         assert gone["signals_removed"] == {SEG: 2, f"{EP}::basic": 1} and gone["segments_left"] == [f"{EP}::basic"]
         assert governor.forgotten(queued[0])  # the trainer drops her queued rating before it trains
-        assert not [r for r in read_dataset(home) if r["event"].get("user") == "alice"]
+        assert worker.poll() == []  # and the app's rating of her reply when it reads it
+        hers = {r.json()["id"] for r in (*replies, moved)}  # her conversations: no event holds them any more
+        assert not [
+            r
+            for r in read_dataset(home)
+            if r["event"].get("user") == "alice" or r["event"].get("completion_id") in hers
+        ]
+        assert AdapterStore(home).version_numbers(f"{LINEAGE}-seg-basic") == [1]
         segments = {s["name"]: s for s in ok(a.get(f"/admin/endpoints/{EP}/segments"))["data"]}
         assert segments["basic"]["users"] == [] and segments["vip"]["users"] == ["dave"]
         assert version_of(chat(a, "alice")) == f"{LINEAGE}@1"

@@ -80,13 +80,14 @@ class FeedbackGovernor:
         self._bursting: set[tuple[str, str]] = set()
 
     def forgotten(self, event: Any) -> bool:
-        """Whether ``event``'s user was forgotten on its endpoint by the tenant whose key sent the event."""
+        """Whether ``event``'s user, or a user of a completion it trains on, was forgotten on its endpoint by the
+        tenant whose key sent the event."""
         path = signals_dir(self.home) / FORGOTTEN_FILE
         mtime = path.stat().st_mtime if path.is_file() else 0.0
         if mtime != self._forgotten_mtime:
             self._forgotten, self._forgotten_mtime = forgotten(self.home), mtime
-        user = getattr(event, "user", None)
-        tenants = self._forgotten.get(user) if user is not None else None
+        users = {getattr(event, "user", None), *(getattr(event, "completion_users", None) or ())} - {None}
+        tenants = set().union(*(self._forgotten.get(u) or () for u in users))
         if not tenants:
             return False
         binding = EndpointStore(self.home).get(event.endpoint)

@@ -224,11 +224,15 @@ class DemonstrationResponse(_Strict):
 
 
 class _EventBase(_Strict):
+    """``user``: the signal's sender (the request's ``user``); ``completion_users``: the ``user`` of each served
+    completion it trains on, when another or none sent it (forgetting a user removes both kinds)."""
+
     id: str
     endpoint: str
     created: int
     caller: str | None = None
     user: str | None = None
+    completion_users: list[str] = Field(default_factory=list, max_length=2)
 
 
 class RatingEvent(_EventBase):
