@@ -468,13 +468,13 @@ class Session:
             flush=True,
         )
 
-    def round(self, ratings: list[tuple[str, bool, str]]) -> list[dict]:
-        """Send one round's ratings, wait until the trainer took them and the newest passing version serves;
-        records and prints each version written."""
+    def round(self, ratings: list[tuple[str, bool, str]], drain_timeout_s: float = 900) -> list[dict]:
+        """Send one round's ratings, wait until the trainer took them (at most ``drain_timeout_s``) and the newest
+        passing version serves; records and prints each version written."""
         before = set(self.loop.written)
         post_ratings(self.client, self.fb_url, ratings, self.pool)
         rated = time.perf_counter()
-        self.loop.drain(rated)
+        self.loop.drain(rated, drain_timeout_s)
         ups = self.loop.settle(before)
         for u in ups:
             u["rated"] = rated

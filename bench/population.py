@@ -116,8 +116,8 @@ class PopulationRun:
 
     def flush(self) -> None:
         """Send the held ratings and wait until the trainer took them (:meth:`live_loop.Session.round`)."""
-        if self.pending:
-            self.s.round(self.pending)
+        if self.pending:  # one gated step per learning lineage, each up to ~5 minutes on a loaded 2-core machine
+            self.s.round(self.pending, drain_timeout_s=900 * (self.flush_at // 8))
             self.pending = []
 
     def round(self, rated: int) -> int:
