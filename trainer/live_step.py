@@ -12,6 +12,7 @@ without a gate; it holds the :func:`training_flags`, runs :meth:`LiveStep.step`,
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -97,6 +98,8 @@ class LiveStep:
         extra = self.rehearsal.add_gradients(model) if self.rehearsal and alone else {}
         if self.config.trained_kl_coef > 0 and alone:
             extra |= trained_kl_gradients(model, d.data, self.config.trained_kl_coef)
+        if not alone and (self.rehearsal or self.config.trained_kl_coef > 0):
+            _warn_group_skips()
         out = model.forward_backward(d.data, d.loss_fn, d.cfg, loss_positions_only=True)  # only metrics are read
         warm = self.config.lr_warmup_steps
         lr = d.lr * min(1.0, (model.step + 1) / warm) if warm else d.lr
@@ -110,6 +113,15 @@ class LiveStep:
         if weights is not None:
             metrics["example_weight:mean"] = sum(weights) / max(len(weights), 1)
         return metrics
+
+
+@functools.cache
+def _warn_group_skips() -> None:
+    """Said once per process: a trainer group's live steps run without rehearsal and the KL terms."""
+    log.warning(
+        "a trainer group's live-loop steps run without rehearsal and the KL terms (rehearsal_per_step, kl_coef, "
+        "trained_kl_coef: not built for groups; docs/scaling-out.md): run the live loop on single trainers to keep them"
+    )
 
 
 @contextlib.contextmanager

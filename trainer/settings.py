@@ -147,7 +147,8 @@ class TrainingSection(Section):
         0.0,
         ge=0,
         description="Coefficient of KL(base || new) per token over the vocabulary at the positions a live step "
-        "trains (the rated, preferred or demonstrated replies themselves; 0: none; docs/live-loop.md).",
+        "trains (the rated, preferred or demonstrated replies themselves; 0: none; single-process trainers only, as "
+        "rehearsal; docs/live-loop.md).",
     )
 
     @model_validator(mode="after")
