@@ -158,38 +158,35 @@ class SegmentStore:
         def update(old: EndpointBinding | None) -> EndpointBinding:
             if old is not None:
                 raise ConflictError(f"endpoint {endpoint!r} has a segment {segment!r} already", param="segment")
-            if len(self.of(endpoint)) >= MAX_SEGMENTS:
+            bindings = self.endpoints.all()  # one read under the lock for both checks
+            if sum(1 for b in bindings.values() if b.segment and b.segment.endpoint == endpoint) >= MAX_SEGMENTS:
                 raise ConflictError(f"endpoint {endpoint!r} has {MAX_SEGMENTS} segments, the most", param="segment")
             taken = ConflictError(f"lineage {lineage!r} is not available; choose another segment name", param="segment")
             store = AdapterStore(self.home)
-            if any(b.lineage == lineage for b in self.endpoints.all().values()) or store.version_numbers(lineage):
+            if any(b.lineage == lineage for b in bindings.values()) or store.version_numbers(lineage):
                 raise taken
-            src = self._source(parent, endpoint, store)
-            if src is not None and versions is not None:
+            served = self.endpoints.served_version(parent, store, endpoint)
+            if served is not None and versions is not None:
+                src = store.version_dir(parent.lineage, served)
                 versions.check(owner, 1, sum(f.stat().st_size for f in src.iterdir() if f.is_file()))
             if not OwnerStore(self.home).claim("lineage", lineage, owner):
                 raise taken
+            origin = (
+                version_label(parent.lineage, served) if served is None else self._fork(store, parent, served, lineage)
+            )
             return EndpointBinding(
                 lineage=lineage,
                 tenant=parent.tenant,
                 created=time.time(),
                 gate=parent.gate,
-                segment=SegmentOf(endpoint=endpoint, name=segment, origin=self._fork(parent, endpoint, lineage)),
+                segment=SegmentOf(endpoint=endpoint, name=segment, origin=origin),
             )
 
         return self.endpoints._change(name, update, who=who, action="segment", reason=reason, tenant=tenant)
 
-    def _source(self, parent: EndpointBinding, endpoint: str, store: AdapterStore) -> Path | None:
-        """The folder of the version ``endpoint`` serves (``None``: the base model)."""
-        served = self.endpoints.served_version(parent, store, endpoint)
-        return None if served is None else store.version_dir(parent.lineage, served)
-
-    def _fork(self, parent: EndpointBinding, endpoint: str, lineage: str) -> str:
-        """Copy the version ``endpoint`` serves into ``lineage`` as its version 1; the copied version's label."""
-        store = AdapterStore(self.home)
-        served = self.endpoints.served_version(parent, store, endpoint)
-        if served is None:
-            return version_label(parent.lineage, served)
+    @staticmethod
+    def _fork(store: AdapterStore, parent: EndpointBinding, served: int, lineage: str) -> str:
+        """Copy ``parent``'s version ``served`` into ``lineage`` as its version 1; the copied version's name."""
         src = store.get(parent.lineage, served)
         src_dir = store.version_dir(parent.lineage, served)
 
