@@ -29,24 +29,18 @@ def test_a_table_written_to_a_pipe_keeps_its_rows_whole(monkeypatch):
 def test_a_versions_freeform_rows_say_when_the_gate_stopped_early_and_stay_narrow_when_piped(monkeypatch):
     """``adapters show``: a sample cut short is said to be (30 of 60 items, the sequential test decided), the items
     lost and gained are counted and shown, and a long reply is clipped, so piped rows stay narrow."""
+    from harness.gate import freeform_summary
+
     from livelora.cli.gate_rows import freeform_rows
 
     monkeypatch.delenv("COLUMNS", raising=False)
     reply = "The answer is that " + "the model keeps talking about many things " * 8
-    ff = {
-        "items": 30,
-        "of": 60,
-        "score": 0.4,
-        "current": 0.5,
-        "base": 0.5,
-        "categories": {"fact": {"n": 12, "new": 5, "current": 6, "base": 6}},
-        "lost": [
-            {"id": "f1", "prompt": "Which metal is liquid at room temperature?", "reply": reply, "was": "Mercury."}
-        ],
-        "gained": [{"id": "f2", "prompt": "What is 7 times 6?", "reply": "42.", "was": "It is 36."}],
-        "lost_count": 4,
-        "gained_count": 1,
-    }
+    ff = freeform_summary(
+        lost=[{"id": "f1", "prompt": "Which metal is liquid at room temperature?", "reply": reply, "was": "Mercury."}],
+        gained=[{"id": "f2", "prompt": "What is 7 times 6?", "reply": "42.", "was": "It is 36."}],
+        lost_count=4,
+        gained_count=1,
+    )
     buf = io.StringIO()
     table = Table(title="m@2", show_header=False)
     freeform_rows(table, ff)

@@ -509,20 +509,16 @@ def test_no_page_shows_raw_timestamps_or_machine_names(server, keys, endpoints, 
 def test_the_version_page_counts_and_lists_the_freeform_items_lost_and_gained():
     """The gate's free-form summary on a version's page: the lost/gained counts, and each list with both replies; a
     summary written before the counts existed renders without them."""
+    from harness.gate import freeform_summary
+
     from livelora.gateway.api.console_render import ENV
 
-    ff = {
-        "items": 30,
-        "of": 60,
-        "score": 0.4,
-        "current": 0.5,
-        "base": 0.5,
-        "categories": {"fact": {"n": 12, "new": 5, "current": 6, "base": 6}},
-        "lost": [{"id": "a", "prompt": "What is the capital of Peru?", "reply": "Peru.", "was": "Lima."}],
-        "gained": [{"id": "b", "prompt": "What is 7 times 6?", "reply": "42.", "was": "36."}],
-        "lost_count": 4,
-        "gained_count": 1,
-    }
+    ff = freeform_summary(
+        lost=[{"id": "a", "prompt": "What is the capital of Peru?", "reply": "Peru.", "was": "Lima."}],
+        gained=[{"id": "b", "prompt": "What is 7 times 6?", "reply": "42.", "was": "36."}],
+        lost_count=4,
+        gained_count=1,
+    )
     gate = {"against": "l@1", "seconds": 1.0, "verdicts": {}, "checks": [], "measures": {"freeform": ff}}
     version = {
         "name": "l@2", "lineage": "l", "parent": 1, "step": 2, "created": 0, "base_model": "b", "rank": 8,

@@ -1,5 +1,6 @@
-"""Training batches of the evaluation-gate tests (``tests/test_gate.py``, ``tests/test_line_search.py``): normal
-live-loop ratings, and demonstrations that answer every probe question wrongly."""
+"""Inputs of the evaluation-gate tests (``tests/test_gate.py``, ``tests/test_line_search.py``): normal live-loop
+ratings, demonstrations that answer every probe question wrongly, and a free-form summary as a manifest holds it
+(``tests/test_console.py``, ``tests/test_cli_output.py``)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,21 @@ def wrong_answers_batch(endpoint: str) -> Batch:
             )
         )
     return Batch(endpoint, "sft", evs, [f"2-{i}" for i in range(len(evs))])
+
+
+def freeform_summary(items: int = 30, of: int = 60, *, lost=None, gained=None, **counts) -> dict:
+    """A gate's free-form summary as :meth:`livelora.trainer.gate_freeform.FreeformGate.summary` writes it into a
+    manifest: 12 fact items scored, ``lost``/``gained`` example lists (``{"id", "prompt", "reply", "was"}``) and
+    ``counts`` (``lost_count``, ``gained_count``; left out: a summary from before they existed)."""
+    ff: dict = {
+        "items": items,
+        "of": of,
+        "score": 0.4,
+        "current": 0.5,
+        "base": 0.5,
+        "categories": {"fact": {"n": 12, "new": 5, "current": 6, "base": 6}},
+        "lost": list(lost or []),
+    }
+    if gained is not None:
+        ff["gained"] = list(gained)
+    return ff | counts
